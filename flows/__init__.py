@@ -1,0 +1,1 @@
+"""The offline wing: Prefect flows that run offline workloads in large batches."""

@@ -1,0 +1,40 @@
+"""lanes: serve models in two modes, interactive and offline, from one workloads.yaml.
+
+Cheap to import: no onnxruntime, torch or prefect at import time.
+"""
+
+from lanes.errors import (
+    AuthError,
+    DeadlineExceeded,
+    HandlerError,
+    InvalidInput,
+    JobFailed,
+    LanesError,
+    ModelError,
+    Overloaded,
+    SpecError,
+    StorageError,
+    UnknownWorkload,
+    WrongMode,
+)
+from lanes.settings import Settings
+from lanes.spec import Spec
+from lanes.specfile import load_spec
+
+__all__ = [
+    "AuthError",
+    "DeadlineExceeded",
+    "HandlerError",
+    "InvalidInput",
+    "JobFailed",
+    "LanesError",
+    "ModelError",
+    "Overloaded",
+    "Settings",
+    "Spec",
+    "SpecError",
+    "StorageError",
+    "UnknownWorkload",
+    "WrongMode",
+    "load_spec",
+]

@@ -1,0 +1,50 @@
+"""Settings from the environment (prefix LANES_), built once at an entry point and passed down."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from lanes.spec import Schedule
+
+Device = Literal["auto", "cpu", "cuda", "tensorrt"]
+
+
+class Settings(BaseSettings):
+    """Everything lanes reads from the environment.
+
+    `workloads` and `models` hold overrides of spec fields:
+    LANES_WORKLOADS__SEARCH_QUERY__BATCHING__MAX_WAIT_MS=5 sets
+    workloads.search-query.batching.max_wait_ms (a '-' in a name is '_' here).
+    """
+
+    model_config = SettingsConfigDict(
+        env_prefix="LANES_", env_nested_delimiter="__", extra="ignore", frozen=True
+    )
+
+    spec: Path = Field(Path("workloads.yaml"), description="The workloads.yaml to load.")
+    home: Path = Field(Path(".lanes"), description="Built models, job state and local outputs.")
+    host: str = Field("127.0.0.1", description="Address `lanes serve` binds.")
+    port: int = Field(8000, ge=0, le=65535)
+    endpoint: str = Field("http://127.0.0.1:8000", description="Where the SDK client calls.")
+    api_key: SecretStr | None = Field(None, description="Bearer key the server requires.")
+    device: Device = Field("auto", description="auto picks TensorRT/CUDA when a GPU is there.")
+    threads: int | None = Field(
+        None, gt=0, description="onnxruntime intra-op threads; default: onnxruntime's choice."
+    )
+    max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Largest request body.")
+    s3_endpoint: str | None = Field(None, description="S3 endpoint URL (e.g. a MinIO server).")
+    work_pool: str = Field("lanes", description="Prefect work pool offline deployments use.")
+    offpeak: Schedule = Field(
+        default_factory=lambda: Schedule(cron="0 2 * * *", timezone="UTC"),
+        description="Off-peak window for offline workloads without a schedule "
+        "(LANES_OFFPEAK__CRON, LANES_OFFPEAK__TIMEZONE).",
+    )
+    price_per_device_hour: float = Field(
+        1.0, ge=0, description="Cost estimate basis for job manifests, in dollars."
+    )
+    workloads: dict[str, Any] = Field(default_factory=dict, description="Workload overrides.")
+    models: dict[str, Any] = Field(default_factory=dict, description="Model overrides.")

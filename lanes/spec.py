@@ -1,0 +1,280 @@
+"""The workloads.yaml schema: pydantic models for every field, and the cross-field rules.
+
+`parse_spec` validates plain data (every problem at once, as `Problem`s with field
+paths); `lanes.specfile.load_spec` adds YAML reading, line numbers and env overrides.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from croniter import croniter
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+Mode = Literal["interactive", "offline"]
+TaskName = Literal["embed", "infer", "generate"]
+
+# Workload names become URL paths and Prefect deployment names: DNS labels.
+NAME_PATTERN = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+HANDLER_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
+
+PositiveInt = Annotated[int, Field(gt=0)]
+NonNegativeFloat = Annotated[float, Field(ge=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+
+
+class StrictModel(BaseModel):
+    """Unknown keys are errors; values are not coerced across types silently."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SessionOptions(StrictModel):
+    intra_op_threads: PositiveInt | None = Field(
+        None, description="Threads inside one operator; default: the LANES_THREADS setting."
+    )
+    inter_op_threads: PositiveInt | None = Field(None, description="Threads across operators.")
+    graph_optimization: Literal["disable", "basic", "extended", "all"] = Field(
+        "all", description="onnxruntime graph optimisation level."
+    )
+
+
+class ModelSpec(StrictModel):
+    path: Path = Field(description="The .onnx file, relative to workloads.yaml.")
+    tokenizer: Path | None = Field(None, description="A Hugging Face tokenizer.json.")
+    max_length: PositiveInt = Field(
+        256, description="Longest input in tokens: longer text is truncated (embed)."
+    )
+    session: SessionOptions = Field(default_factory=SessionOptions)
+
+
+class Batching(StrictModel):
+    max_batch_size: PositiveInt = Field(
+        32, le=65536, description="Most requests (or sequences in flight) per model run."
+    )
+    max_wait_ms: NonNegativeFloat = Field(
+        0.0, le=60_000, description="How long an idle executor waits for company; 0 runs now."
+    )
+    max_queue: PositiveInt = Field(
+        1024, description="Requests waiting beyond this are refused with 503 and Retry-After."
+    )
+
+
+class Slo(StrictModel):
+    p50_ms: PositiveFloat | None = Field(None, description="Target median latency.")
+    p99_ms: PositiveFloat | None = Field(None, description="Target 99th percentile latency.")
+    ttft_ms: PositiveFloat | None = Field(None, description="Target time to first token.")
+    timeout_ms: PositiveFloat | None = Field(
+        None, description="Deadline of each request: past it, a queued request gets 504."
+    )
+
+
+class Generation(StrictModel):
+    max_new_tokens: PositiveInt = Field(128, le=65536)
+    temperature: NonNegativeFloat = Field(1.0, le=10, description="0 means greedy.")
+    top_k: int = Field(0, ge=0, description="0 means no top-k cut.")
+    top_p: float = Field(1.0, gt=0, le=1)
+    stop: list[str] = Field(default_factory=list, description="Strings that end a completion.")
+
+
+class Schedule(StrictModel):
+    cron: str = Field(description='Five-field cron, e.g. "0 2 * * *".')
+    timezone: str = Field("UTC", description="IANA time zone the cron is read in.")
+
+    @field_validator("cron")
+    @classmethod
+    def _valid_cron(cls, value: str) -> str:
+        if len(value.split()) != 5 or not croniter.is_valid(value):
+            raise ValueError(
+                f'expected a five-field cron expression like "0 2 * * *", found {value!r}'
+            )
+        return value
+
+    @field_validator("timezone")
+    @classmethod
+    def _valid_timezone(cls, value: str) -> str:
+        try:
+            ZoneInfo(value)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(
+                f'expected an IANA time zone like "UTC" or "Europe/Paris", found {value!r}'
+            ) from None
+        return value
+
+    def next_run(self, after: datetime | None = None) -> datetime:
+        """The first time strictly after `after` (default: now) that the cron fires."""
+        zone = ZoneInfo(self.timezone)
+        start = (after or datetime.now(zone)).astimezone(zone)
+        result: datetime = croniter(self.cron, start).get_next(datetime)
+        return result
+
+
+class Workload(StrictModel):
+    mode: Mode = Field(description="interactive: someone is waiting; offline: nobody is.")
+    task: TaskName
+    model: str = Field(description="A key of `models`.")
+    description: str | None = None
+    handler: str | None = Field(
+        None,
+        pattern=HANDLER_PATTERN,
+        description="module:attr of an object with optional pre(item) and post(output).",
+    )
+    batching: Batching = Field(default_factory=Batching)
+    slo: Slo = Field(default_factory=Slo)
+    stream: bool = Field(False, description="Stream tokens by default (generate).")
+    generation: Generation = Field(default_factory=Generation)
+    # offline only
+    input: str | None = Field(None, description="Folder, glob or s3://bucket/prefix/ of inputs.")
+    output: str | None = Field(None, description="Folder or s3://bucket/prefix/ for outputs.")
+    batch_size: PositiveInt = Field(256, le=65536, description="Records per model run.")
+    schedule: Schedule | None = None
+    retries: int = Field(2, ge=0, le=100, description="Retries of a failed shard.")
+
+
+class Spec(StrictModel):
+    version: Literal[1] = 1
+    models: dict[str, ModelSpec]
+    workloads: dict[str, Workload]
+
+    def workload(self, name: str) -> Workload:
+        from lanes.errors import UnknownWorkload
+
+        try:
+            return self.workloads[name]
+        except KeyError:
+            known = ", ".join(sorted(self.workloads)) or "none"
+            raise UnknownWorkload(f"no workload named {name!r}; known: {known}") from None
+
+
+class _Top(StrictModel):
+    version: Literal[1] = 1
+    models: dict[str, Any]
+    workloads: dict[str, Any]
+
+
+# (path, message) pairs; a path is a tuple of keys from the document's root.
+Loc = tuple[str | int, ...]
+Found = list[tuple[Loc, str, bool]]  # (path, message, points at the key itself)
+
+_OFFLINE_ONLY = ("input", "output", "schedule")
+
+
+def parse_spec(data: Any, base: Path) -> tuple[Spec | None, Found]:
+    """Validate plain data. Returns the spec (None if anything is wrong) and every problem.
+
+    Model paths are made absolute against `base`, the folder of workloads.yaml.
+    """
+    found: Found = []
+    try:
+        top = _Top.model_validate(data)
+    except ValidationError as err:
+        return None, _from_pydantic(err, ())
+    models: dict[str, ModelSpec] = {}
+    for name, raw in top.models.items():
+        try:
+            models[name] = _resolve(ModelSpec.model_validate(raw), base)
+        except ValidationError as err:
+            found += _from_pydantic(err, ("models", name))
+    workloads: dict[str, Workload] = {}
+    for name, raw in top.workloads.items():
+        if not NAME_PATTERN.match(name):
+            found.append(
+                (
+                    ("workloads", name),
+                    "expected a DNS-safe name (lower-case letters, digits and '-', "
+                    f"at most 63, starting and ending alphanumeric), found {name!r}",
+                    True,
+                )
+            )
+        try:
+            workloads[name] = Workload.model_validate(raw)
+        except ValidationError as err:
+            found += _from_pydantic(err, ("workloads", name))
+    for name, model in models.items():
+        found += _model_problems(name, model)
+    for name, raw in top.workloads.items():
+        found += _workload_problems(name, raw, top.models, models)
+    if found:
+        return None, found
+    return Spec(version=top.version, models=models, workloads=workloads), []
+
+
+def _resolve(model: ModelSpec, base: Path) -> ModelSpec:
+    tokenizer = base / model.tokenizer if model.tokenizer else None
+    return model.model_copy(update={"path": base / model.path, "tokenizer": tokenizer})
+
+
+def _model_problems(name: str, model: ModelSpec) -> Found:
+    hint = "build the demo models with `lanes models build`, or fix the path"
+    found: Found = []
+    if not model.path.is_file():
+        found.append((("models", name, "path"), f"no model file at {model.path}; {hint}", False))
+    if model.tokenizer is not None and not model.tokenizer.is_file():
+        found.append(
+            (
+                ("models", name, "tokenizer"),
+                f"no tokenizer file at {model.tokenizer}; {hint}",
+                False,
+            )
+        )
+    return found
+
+
+def _workload_problems(
+    name: str, raw: Any, declared: dict[str, Any], models: dict[str, ModelSpec]
+) -> Found:
+    """Cross-field rules. They read the raw mapping, so they apply (and report) even
+    when some other field of the workload failed validation."""
+    if not isinstance(raw, dict):
+        return []
+    at: Loc = ("workloads", name)
+    found: Found = []
+    model, task, mode = raw.get("model"), raw.get("task"), raw.get("mode")
+    if isinstance(model, str) and model not in declared:
+        known = ", ".join(sorted(declared)) or "none declared"
+        message = f"expected the name of a declared model ({known}), found {model!r}"
+        found.append(((*at, "model"), message, False))
+    elif model in models and task in ("embed", "generate") and not models[model].tokenizer:
+        message = (
+            f"task {task!r} needs a tokenizer, but model {model!r} declares none; "
+            f"add `tokenizer:` to models.{model}"
+        )
+        found.append(((*at, "model"), message, False))
+    if mode == "offline":
+        for key in ("input", "output"):
+            if raw.get(key) is None:
+                message = f"an offline workload needs `{key}` (a folder, glob or s3:// URI)"
+                found.append((at, message, True))
+    elif mode == "interactive":
+        for key in _OFFLINE_ONLY:
+            if key in raw:
+                message = (
+                    f"`{key}` applies to offline workloads only; remove it or set `mode: offline`"
+                )
+                found.append(((*at, key), message, True))
+    return found
+
+
+def _from_pydantic(err: ValidationError, prefix: Loc) -> Found:
+    found: Found = []
+    for e in err.errors(include_url=False):
+        loc: Loc = prefix + tuple(e["loc"])
+        kind = e["type"]
+        if kind == "extra_forbidden":
+            found.append((loc, f"unknown key {loc[-1]!r}", True))
+        elif kind == "missing":
+            found.append((loc[:-1], f"missing required key {loc[-1]!r}", True))
+        else:
+            message = e["msg"].removeprefix("Value error, ")
+            if "found" not in message:
+                message = f"{_lower_first(message)}; found {e['input']!r}"
+            found.append((loc, message, False))
+    return found
+
+
+def _lower_first(text: str) -> str:
+    return text[:1].lower() + text[1:]

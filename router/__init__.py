@@ -1,0 +1,1 @@
+"""The top floor: the router (plan, serve, compile, deploy) and the `lanes` CLI."""

@@ -1,0 +1,146 @@
+"""The `lanes` command line: validate, plan, predict, models build (and more as the router grows).
+
+Each command builds `Settings` once and passes it down. A `LanesError` is printed as a
+message a person can act on, without a traceback: exit code 2 for a bad spec or input,
+1 for anything else that failed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from lanes.errors import InvalidInput, LanesError, SpecError, UnknownWorkload
+from lanes.settings import Settings
+from lanes.spec import Spec
+from lanes.specfile import load_spec
+from router.plan import plan as make_plan
+from router.render import to_jsonable
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+models_app = typer.Typer(no_args_is_help=True, help="Build the demo models.")
+app.add_typer(models_app, name="models")
+
+SpecFile = Annotated[
+    Path | None,
+    typer.Argument(help="workloads.yaml to use (default: LANES_SPEC or ./workloads.yaml)."),
+]
+T = TypeVar("T")
+
+
+def _guarded(fn: Callable[[], T]) -> T:
+    """Run `fn`, turning lanes' own errors into a clean message and exit code."""
+    # Plain prints, not rich: one problem per line, never wrapped, so editors and
+    # grep can jump to FILE:LINE:COL.
+    try:
+        return fn()
+    except SpecError as e:
+        for problem in e.problems:
+            print(problem, file=sys.stderr)
+        n = len(e.problems)
+        print(f"{n} problem{'s' if n != 1 else ''} found", file=sys.stderr)
+        raise typer.Exit(2) from None
+    except (InvalidInput, UnknownWorkload) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise typer.Exit(2) from None
+    except LanesError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise typer.Exit(1) from None
+
+
+def _load(file: Path | None, settings: Settings) -> Spec:
+    return load_spec(file, settings)
+
+
+@app.command()
+def validate(file: SpecFile = None) -> None:
+    """Check a workloads.yaml: every problem is printed as FILE:LINE:COL: field: message."""
+    settings = Settings()
+    spec = _guarded(lambda: _load(file, settings))
+    n = len(spec.workloads)
+    typer.echo(f"{file or settings.spec}: ok ({n} workload{'s' if n != 1 else ''})")
+
+
+@app.command()
+def plan(
+    file: SpecFile = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+) -> None:
+    """Show where each workload goes: endpoint paths, or a Prefect deployment and its next run."""
+    settings = Settings()
+    spec = _guarded(lambda: _load(file, settings))
+    routes = make_plan(spec, settings)
+    if as_json:
+        typer.echo(json.dumps([r.as_json() for r in routes], indent=2))
+        return
+    table = Table(title="lanes plan")
+    for column in ("workload", "mode", "task", "model", "goes to", "batching"):
+        table.add_column(column)
+    for r in routes:
+        if r.mode == "interactive":
+            where = "\n".join(r.endpoints)
+        else:
+            default = " (default off-peak)" if r.schedule_is_default else ""
+            where = f"deployment {r.deployment}\n{r.schedule}{default}\nnext run {r.next_run}"
+        batching = ", ".join(f"{k}={v}" for k, v in r.batching.items())
+        table.add_row(r.workload, r.mode, r.task, r.model, where, batching)
+    Console(width=160).print(table)
+
+
+@app.command()
+def predict(
+    workload: Annotated[str, typer.Argument(help="Workload name.")],
+    input: Annotated[str, typer.Option("--input", "-i", help="One request as JSON.")],
+    file: Annotated[Path | None, typer.Option("--file", "-f", help="workloads.yaml.")] = None,
+) -> None:
+    """Run one request in-process (any mode), for debugging: no server, no Prefect."""
+    from lanes.runtime import Runtime
+    from lanes.tasks import load_task
+
+    settings = Settings()
+
+    def run() -> Any:
+        spec = _load(file, settings)
+        spec.workload(workload)
+        try:
+            item = json.loads(input)
+        except json.JSONDecodeError as e:
+            raise InvalidInput(f"--input: expected JSON, found {input!r} ({e.msg})") from None
+        task = load_task(workload, spec, Runtime(settings))
+        return task.run([task.prepare(item)])[0]
+
+    typer.echo(json.dumps(to_jsonable(_guarded(run))))
+
+
+@models_app.command("build")
+def models_build(
+    dest: Annotated[Path | None, typer.Option(help="Folder (default: LANES_HOME/models).")] = None,
+    force: Annotated[bool, typer.Option(help="Rebuild models that already exist.")] = False,
+) -> None:
+    """Build the demo models (minilm, tinycode, classifier); skips those already built."""
+    try:
+        from lanes.demo.build import build_demo_models
+    except ImportError as e:
+        typer.echo(
+            f"error: building models needs torch: pip install 'lanes[build]' ({e})", err=True
+        )
+        raise typer.Exit(1) from None
+    settings = Settings()
+    built = build_demo_models(dest or settings.home / "models", force=force)
+    for path in built:
+        typer.echo(str(path))
+
+
+def main() -> None:
+    app(prog_name="lanes")
+
+
+if __name__ == "__main__":
+    main()

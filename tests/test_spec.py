@@ -1,0 +1,248 @@
+"""workloads.yaml: every bad case reports its line, column, field path and message."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from lanes.errors import SpecError
+from lanes.settings import Settings
+from lanes.specfile import load_spec
+
+GOOD = """\
+version: 1
+models:
+  enc: {path: enc.onnx, tokenizer: tok.json}
+  clf: {path: clf.onnx}
+workloads:
+  search-query:
+    mode: interactive
+    task: embed
+    model: enc
+    batching: {max_batch_size: 8, max_wait_ms: 2}
+  nightly:
+    mode: offline
+    task: embed
+    model: enc
+    input: in/
+    output: out/
+    schedule: {cron: "30 1 * * *", timezone: Europe/Paris}
+"""
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    for name in ("enc.onnx", "tok.json", "clf.onnx"):
+        (tmp_path / name).write_bytes(b"")
+    return tmp_path
+
+
+def write(folder: Path, text: str) -> Path:
+    path = folder / "workloads.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def problems(folder: Path, text: str, settings: Settings | None = None) -> list[str]:
+    with pytest.raises(SpecError) as caught:
+        load_spec(write(folder, text), settings or Settings())
+    return [str(p).replace(str(folder / "workloads.yaml"), "W") for p in caught.value.problems]
+
+
+def test_good_spec_loads_with_defaults(folder: Path) -> None:
+    spec = load_spec(write(folder, GOOD), Settings())
+    query = spec.workloads["search-query"]
+    assert query.batching.max_wait_ms == 2
+    assert query.batching.max_queue == 1024
+    assert query.generation.max_new_tokens == 128
+    assert spec.models["enc"].path == folder / "enc.onnx"
+    assert spec.workloads["nightly"].retries == 2
+
+
+BAD_CASES = [
+    # (name, replace this, with this, expected problem line)
+    (
+        "yaml syntax",
+        "task: embed\n    model: enc\n    batching",
+        "task: [embed\n    model: enc\n    batching",
+        "W:9:10: invalid YAML: expected ',' or ']'",
+    ),
+    (
+        "unknown key",
+        "max_wait_ms: 2}",
+        "max_wait_ms: 2, max_wiat: 3}",
+        "W:10:51: workloads.search-query.batching.max_wiat: unknown key 'max_wiat'",
+    ),
+    (
+        "wrong type",
+        "max_wait_ms: 2}",
+        "max_wait_ms: soon}",
+        "W:10:48: workloads.search-query.batching.max_wait_ms: input should be a valid number",
+    ),
+    (
+        "out of range",
+        "max_batch_size: 8",
+        "max_batch_size: 0",
+        "W:10:32: workloads.search-query.batching.max_batch_size: input should be greater than 0; found 0",
+    ),
+    (
+        "bad cron",
+        '"30 1 * * *"',
+        '"61 1 * * *"',
+        "W:17:22: workloads.nightly.schedule.cron: expected a five-field cron expression",
+    ),
+    (
+        "bad timezone",
+        "Europe/Paris",
+        "Mars/Olympus",
+        "W:17:46: workloads.nightly.schedule.timezone: expected an IANA time zone",
+    ),
+    (
+        "missing model file",
+        "clf: {path: clf.onnx}",
+        "clf: {path: gone.onnx}",
+        "W:4:15: models.clf.path: no model file at",
+    ),
+    (
+        "undeclared model",
+        "    model: enc\n    batching",
+        "    model: bert\n    batching",
+        "W:9:12: workloads.search-query.model: expected the name of a declared model (clf, enc), found 'bert'",
+    ),
+    (
+        "offline without output",
+        "    output: out/\n",
+        "",
+        "W:11:3: workloads.nightly: an offline workload needs `output`",
+    ),
+    (
+        "schedule on interactive",
+        "    batching: {max_batch_size: 8, max_wait_ms: 2}\n",
+        "    batching: {max_batch_size: 8, max_wait_ms: 2}\n    schedule: {cron: '0 2 * * *'}\n",
+        "W:11:5: workloads.search-query.schedule: `schedule` applies to offline workloads only",
+    ),
+    (
+        "name not DNS-safe",
+        "  search-query:",
+        "  Search_Query:",
+        "W:6:3: workloads.Search_Query: expected a DNS-safe name",
+    ),
+    (
+        "unknown mode",
+        "mode: interactive",
+        "mode: realtime",
+        "W:7:11: workloads.search-query.mode: input should be 'interactive' or 'offline'; found 'realtime'",
+    ),
+    (
+        "unknown task",
+        "    task: embed\n    model: enc\n    batching",
+        "    task: classify\n    model: enc\n    batching",
+        "W:8:11: workloads.search-query.task: input should be 'embed', 'infer' or 'generate'",
+    ),
+    (
+        "generate without tokenizer",
+        "    task: embed\n    model: enc\n    batching",
+        "    task: generate\n    model: clf\n    batching",
+        "W:9:12: workloads.search-query.model: task 'generate' needs a tokenizer, but model 'clf' declares none",
+    ),
+    (
+        "missing required key",
+        "    mode: interactive\n",
+        "",
+        "W:6:3: workloads.search-query: missing required key 'mode'",
+    ),
+    (
+        "bad handler",
+        "    model: enc\n    batching",
+        "    model: enc\n    handler: not a handler\n    batching",
+        "W:10:14: workloads.search-query.handler: string should match pattern",
+    ),
+    (
+        "duplicate key",
+        "    model: enc\n    batching",
+        "    model: enc\n    model: enc\n    batching",
+        "W:10:5: workloads.search-query.model: key 'model' appears twice",
+    ),
+    (
+        "wrong version",
+        "version: 1",
+        "version: 2",
+        "W:1:10: version: input should be 1; found 2",
+    ),
+    (
+        "top-level unknown key",
+        "version: 1",
+        "version: 1\nservers: []",
+        "W:2:1: servers: unknown key 'servers'",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expected"), [c[1:] for c in BAD_CASES], ids=[c[0] for c in BAD_CASES]
+)
+def test_bad_spec_reports_line_path_and_message(
+    folder: Path, old: str, new: str, expected: str
+) -> None:
+    assert old in GOOD, old
+    found = problems(folder, GOOD.replace(old, new, 1))
+    assert any(p.startswith(expected) for p in found), found
+
+
+def test_every_problem_is_reported_at_once(folder: Path) -> None:
+    text = (
+        GOOD.replace("max_batch_size: 8", "max_batch_size: -1")
+        .replace("Europe/Paris", "Nowhere")
+        .replace("    input: in/\n", "")
+    )
+    found = problems(folder, text)
+    assert len(found) == 3, found
+    assert [p.split(":")[1] for p in found] == ["10", "11", "16"]
+
+
+def test_env_override_changes_effective_value(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LANES_WORKLOADS__SEARCH_QUERY__BATCHING__MAX_WAIT_MS", "5")
+    monkeypatch.setenv("LANES_WORKLOADS__NIGHTLY__BATCH_SIZE", "64")
+    spec = load_spec(write(folder, GOOD), Settings())
+    assert spec.workloads["search-query"].batching.max_wait_ms == 5
+    assert spec.workloads["search-query"].batching.max_batch_size == 8  # untouched sibling
+    assert spec.workloads["nightly"].batch_size == 64
+
+
+def test_env_override_is_validated_and_named(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LANES_WORKLOADS__SEARCH_QUERY__BATCHING__MAX_WAIT_MS", "-3")
+    monkeypatch.setenv("LANES_WORKLOADS__SEARCH_QEURY__STREAM", "true")
+    found = problems(folder, GOOD)
+    assert found[0] == (
+        "env LANES_WORKLOADS__SEARCH_QUERY__BATCHING__MAX_WAIT_MS: "
+        "workloads.search-query.batching.max_wait_ms: input should be greater than or equal to 0; found -3"
+    )
+    assert found[1].startswith(
+        "env LANES_WORKLOADS__SEARCH_QEURY: workloads.search_qeury: names no workload"
+    )
+
+
+def test_next_run_honours_timezone(folder: Path) -> None:
+    spec = load_spec(write(folder, GOOD), Settings())
+    schedule = spec.workloads["nightly"].schedule
+    assert schedule is not None
+    after = datetime(2026, 7, 1, 12, 0, tzinfo=UTC)
+    # 01:30 in Paris (UTC+2 in July) is 23:30 UTC.
+    assert schedule.next_run(after).astimezone(UTC) == datetime(2026, 7, 1, 23, 30, tzinfo=UTC)
+
+
+def test_cli_validate_prints_problems_and_exits_2(folder: Path) -> None:
+    path = write(folder, GOOD.replace("max_wait_ms: 2}", "max_wait_ms: soon}"))
+    done = subprocess.run(
+        [sys.executable, "-m", "router.cli", "validate", str(path)], capture_output=True, text=True
+    )
+    assert done.returncode == 2
+    assert f"{path}:10:48: workloads.search-query.batching.max_wait_ms:" in done.stderr
+    assert "Traceback" not in done.stderr
