@@ -119,6 +119,20 @@ def predict(
     typer.echo(json.dumps(to_jsonable(_guarded(run))))
 
 
+@app.command()
+def serve(
+    file: SpecFile = None,
+    host: Annotated[str | None, typer.Option(help="Address (default: LANES_HOST).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default: LANES_PORT).")] = None,
+) -> None:
+    """Serve every interactive workload on one HTTP endpoint (OpenAI and Open Inference v2)."""
+    from serving.server import serve as run_server
+
+    settings = Settings()
+    spec = _guarded(lambda: _load(file, settings))
+    run_server(spec, settings, host, port)
+
+
 @models_app.command("build")
 def models_build(
     dest: Annotated[Path | None, typer.Option(help="Folder (default: LANES_HOME/models).")] = None,

@@ -1,0 +1,168 @@
+"""The ASGI app that hosts every interactive workload of a spec.
+
+Workers load in the background after start-up, so liveness answers at once and
+readiness turns true when every session is loaded and warm. On shutdown (uvicorn
+stops accepting on SIGTERM) each worker finishes what is queued before it exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import orjson
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from lanes.errors import LanesError
+from lanes.protocols.openai import error_body
+from lanes.runtime import Runtime
+from lanes.settings import Settings
+from lanes.spec import Spec
+from lanes.tasks import load_task
+from serving import openai_routes, v2_routes
+from serving.http import JSONResponse
+from serving.metrics import Metrics
+from serving.state import ServingState
+from serving.worker import BatchWorker
+
+log = logging.getLogger("lanes.serving")
+
+HEALTH_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
+BATCHED_TASKS = ("embed", "infer")
+
+
+def create_app(spec: Spec, settings: Settings) -> Starlette:
+    """An app serving `spec`'s interactive workloads; loading starts with its lifespan."""
+    state = ServingState(spec, settings)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        loading = asyncio.create_task(_load(state), name="lanes-load")
+        try:
+            yield
+        finally:
+            loading.cancel()
+            await asyncio.gather(loading, return_exceptions=True)
+            await asyncio.gather(*(w.stop() for w in state.workers.values()))
+
+    routes = [
+        Route("/healthz", live, methods=["GET"]),
+        Route("/v2/health/live", live, methods=["GET"]),
+        Route("/readyz", ready, methods=["GET"]),
+        Route("/v2/health/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        *openai_routes.routes,
+        *v2_routes.routes,
+    ]
+    key = settings.api_key.get_secret_value() if settings.api_key else None
+    guard = Middleware(Guard, metrics=state.metrics, api_key=key)
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=[guard])
+    app.state.lanes = state
+    return app
+
+
+async def _load(state: ServingState) -> None:
+    runtime = Runtime(state.settings)
+    try:
+        for name, workload in state.spec.workloads.items():
+            if workload.mode != "interactive" or workload.task not in BATCHED_TASKS:
+                continue
+            task = await asyncio.to_thread(load_task, name, state.spec, runtime)
+            await asyncio.to_thread(task.warm_up)
+            worker = BatchWorker(task, state.metrics)
+            worker.start()
+            state.workers[name] = worker
+            log.info("workload %s ready (%s, %s)", name, workload.task, workload.model)
+        state.ready = True
+    except LanesError as e:
+        state.load_error = str(e)
+        log.error("loading failed: %s", e)
+
+
+async def live(request: Request) -> Response:
+    return JSONResponse({"status": "ok", "live": True})
+
+
+async def ready(request: Request) -> Response:
+    state: ServingState = request.app.state.lanes
+    if state.ready:
+        return JSONResponse({"status": "ready", "ready": True})
+    body = {"status": "failed" if state.load_error else "loading", "ready": False}
+    if state.load_error:
+        body["error"] = state.load_error
+    return JSONResponse(body, 503)
+
+
+async def metrics(request: Request) -> Response:
+    state: ServingState = request.app.state.lanes
+    for name, worker in state.workers.items():
+        state.metrics.utilization.labels(name).set(worker.utilization.fraction())
+    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+_UNAUTHORIZED = orjson.dumps(
+    error_body(
+        "missing or wrong API key: send Authorization: Bearer <key>",
+        "authentication_error",
+        code="invalid_api_key",
+    )
+)
+_MODEL_PATH = re.compile(r"^/v2/models/[^/]+")
+
+
+def route_label(path: str) -> str:
+    """A bounded label for a path: workload names in /v2 paths are folded away."""
+    return _MODEL_PATH.sub("/v2/models/{name}", path)
+
+
+class Guard:
+    """Pure ASGI middleware: bearer-key auth (constant-time) and responses by status code."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, api_key: str | None) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.key = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        label = route_label(path)
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.responses.labels(label, str(message["status"])).inc()
+            await send(message)
+
+        if self.key is not None and path not in HEALTH_PATHS and not self._authorized(scope):
+            body = _UNAUTHORIZED
+            await counted(
+                {
+                    "type": "http.response.start",
+                    "status": 401,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"www-authenticate", b"Bearer"),
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": body})
+            return
+        await self.app(scope, receive, counted)
+
+    def _authorized(self, scope: Scope) -> bool:
+        assert self.key is not None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                return hmac.compare_digest(value, self.key)
+        return False

@@ -1,0 +1,146 @@
+"""Dynamic batching: one small queue per workload.
+
+The executor loop calls `next_batch()`, runs the batch, and calls it again. That
+is what makes batches grow with load by themselves: whatever arrived while a batch
+ran is the next batch, at once. An idle executor runs a lone request now, unless
+`max_wait_s` asks it to wait for company (never longer than that).
+
+A queued request whose deadline passes is failed with DeadlineExceeded at its
+deadline, by a timer on the event loop, even while a batch is running; it never
+reaches the model. A full queue refuses new requests at once (Overloaded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lanes.errors import DeadlineExceeded, Overloaded
+
+
+@dataclass(eq=False)
+class Pending:
+    """One queued request: the prepared item and the future its caller awaits."""
+
+    item: Any
+    future: asyncio.Future[Any]
+    enqueued_at: float
+    deadline: float | None = None
+    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+    queued: bool = True  # still waiting in the queue (not yet handed to a batch)
+
+    @property
+    def live(self) -> bool:
+        # Done means answered early: deadline passed, or the caller went away.
+        return not self.future.done()
+
+
+class BatchQueue:
+    """A bounded FIFO of requests that hands out batches of at most `max_batch_size`."""
+
+    def __init__(
+        self,
+        max_batch_size: int,
+        max_wait_s: float,
+        max_queue: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_batch_size = max_batch_size
+        self.max_wait_s = max_wait_s
+        self.max_queue = max_queue
+        self._clock = clock
+        self._items: deque[Pending] = deque()
+        self._live = 0
+        self._arrived = asyncio.Event()
+        self._closed = False
+
+    def __len__(self) -> int:
+        """Requests waiting (not counting those already answered)."""
+        return self._live
+
+    def put(self, item: Any, deadline: float | None = None) -> Pending:
+        """Queue one prepared item; raises Overloaded at once when the queue is full.
+
+        `deadline` is on the queue's clock (time.monotonic by default).
+        """
+        if self._closed:
+            raise Overloaded("the server is shutting down; retry on another replica", 1.0)
+        if self._live >= self.max_queue:
+            raise Overloaded(f"queue full ({self.max_queue} waiting); retry shortly", 1.0)
+        loop = asyncio.get_running_loop()
+        pending = Pending(item, loop.create_future(), self._clock(), deadline)
+        if deadline is not None:
+            delay = deadline - pending.enqueued_at
+            pending.timer = loop.call_later(max(delay, 0.0), self._expire, pending)
+        pending.future.add_done_callback(lambda _: self._forget(pending))
+        self._items.append(pending)
+        self._live += 1
+        self._arrived.set()
+        return pending
+
+    def _expire(self, pending: Pending) -> None:
+        if pending.live:
+            waited = (self._clock() - pending.enqueued_at) * 1000
+            pending.future.set_exception(
+                DeadlineExceeded(f"deadline passed after {waited:.0f} ms in the queue")
+            )
+
+    def _forget(self, pending: Pending) -> None:
+        # Runs once per request when its future resolves, whichever way.
+        if pending.timer is not None:
+            pending.timer.cancel()
+        if pending.queued:
+            pending.queued = False
+            self._live -= 1
+
+    async def next_batch(self) -> list[Pending]:
+        """Wait for at least one live request, then return up to `max_batch_size` of them.
+
+        Always returns at least one item, unless the queue was closed and drained
+        (then an empty list). Items it returns no longer count as waiting.
+        """
+        while True:
+            self._drop_answered()
+            if self._items:
+                break
+            if self._closed:
+                return []
+            self._arrived.clear()
+            await self._arrived.wait()
+        if self.max_wait_s > 0 and self._live < self.max_batch_size:
+            await self._wait_for_company(self._items[0].enqueued_at + self.max_wait_s)
+        batch: list[Pending] = []
+        while self._items and len(batch) < self.max_batch_size:
+            pending = self._items.popleft()
+            if pending.live:
+                # Once it reaches the model it is answered by the model, deadline or not.
+                pending.queued = False
+                if pending.timer is not None:
+                    pending.timer.cancel()
+                batch.append(pending)
+        self._live -= len(batch)
+        return batch
+
+    async def _wait_for_company(self, until: float) -> None:
+        while self._live < self.max_batch_size and not self._closed:
+            remaining = until - self._clock()
+            if remaining <= 0:
+                return
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), remaining)
+            except TimeoutError:
+                return
+
+    def _drop_answered(self) -> None:
+        while self._items and not self._items[0].live:
+            self._items.popleft()
+
+    def close(self) -> None:
+        """Refuse new requests; `next_batch` drains what is queued, then returns []."""
+        self._closed = True
+        self._arrived.set()

@@ -1,0 +1,89 @@
+"""Prometheus metrics of the serving endpoint, in a registry of the app's own."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import generate_latest
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class Utilization:
+    """Busy fraction of one executor over a sliding window of recent runs."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self.window_s = window_s
+        self._runs: deque[tuple[float, float]] = deque()
+
+    def record(self, start: float, end: float) -> None:
+        self._runs.append((start, end))
+
+    def fraction(self, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        since = now - self.window_s
+        while self._runs and self._runs[0][1] < since:
+            self._runs.popleft()
+        busy = sum(end - max(start, since) for start, end in self._runs)
+        return min(busy / self.window_s, 1.0)
+
+
+class Metrics:
+    """Every series the endpoint exports; one instance per app."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.request_latency = Histogram(
+            "lanes_request_latency_seconds",
+            "Time from a request's arrival to its answer.",
+            ["workload"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "lanes_queue_wait_seconds",
+            "Time a request waited in the queue before its batch ran.",
+            ["workload"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "lanes_batch_size",
+            "Requests per model run.",
+            ["workload"],
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        self.run_time = Histogram(
+            "lanes_batch_run_seconds",
+            "Time of one model run.",
+            ["workload"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_depth = Gauge("lanes_queue_depth", "Requests waiting.", ["workload"], registry=r)
+        self.busy_seconds = Counter(
+            "lanes_executor_busy_seconds",
+            "Time the model executor spent running.",
+            ["workload"],
+            registry=r,
+        )
+        self.utilization = Gauge(
+            "lanes_executor_utilization",
+            "Busy fraction of the model executor over the last 10 s.",
+            ["workload"],
+            registry=r,
+        )
+        self.responses = Counter(
+            "lanes_responses",
+            "Responses by route and status code.",
+            ["route", "code"],
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

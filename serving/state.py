@@ -1,0 +1,42 @@
+"""What the serving app holds while it runs: its workers, metrics and readiness."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lanes.errors import Overloaded, UnknownWorkload, WrongMode
+from lanes.settings import Settings
+from lanes.spec import Spec, TaskName
+from serving.metrics import Metrics
+from serving.worker import BatchWorker
+
+
+@dataclass
+class ServingState:
+    spec: Spec
+    settings: Settings
+    metrics: Metrics = field(default_factory=Metrics)
+    workers: dict[str, BatchWorker] = field(default_factory=dict)
+    ready: bool = False
+    load_error: str | None = None
+
+    def worker(self, name: str, tasks: tuple[TaskName, ...]) -> BatchWorker:
+        """The worker of an interactive workload of one of `tasks`, or a clear error."""
+        workload = self.spec.workloads.get(name)
+        if workload is None:
+            known = ", ".join(sorted(self.workers)) or "none"
+            raise UnknownWorkload(f"no workload named {name!r}; interactive ones: {known}")
+        if workload.mode == "offline":
+            raise WrongMode(
+                f"workload {name!r} is offline: submit it as a batch job "
+                "(client.submit or `lanes submit`), not as a call"
+            )
+        if workload.task not in tasks:
+            wanted = " or ".join(tasks)
+            raise WrongMode(
+                f"workload {name!r} is a {workload.task} workload; this route serves {wanted}"
+            )
+        worker = self.workers.get(name)
+        if worker is None:
+            raise Overloaded(f"workload {name!r} is still loading; retry when /readyz is 200")
+        return worker
