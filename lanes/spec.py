@@ -13,7 +13,14 @@ from typing import Annotated, Any, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from croniter import croniter
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 Mode = Literal["interactive", "offline"]
 TaskName = Literal["embed", "infer", "generate"]
@@ -113,6 +120,32 @@ class Schedule(StrictModel):
         return result
 
 
+class Runner(StrictModel):
+    """Where an offline workload's shard tasks run. `runner: dask` is short for `{kind: dask}`."""
+
+    kind: Literal["local", "dask"] = Field(
+        "local",
+        description="local: threads in the flow's own process; dask: a Dask cluster "
+        "through prefect-dask.",
+    )
+    address: str | None = Field(
+        None,
+        description="Dask scheduler address, e.g. tcp://10.0.0.5:8786 (kind: dask); "
+        "none starts a local cluster.",
+    )
+    workers: PositiveInt = Field(
+        2, le=1024, description="Processes of the local Dask cluster started when no address."
+    )
+    max_concurrent_shards: PositiveInt = Field(
+        2, le=4096, description="Shards in flight at once: reading one overlaps running another."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        return {"kind": value} if isinstance(value, str) else value
+
+
 class Workload(StrictModel):
     mode: Mode = Field(description="interactive: someone is waiting; offline: nobody is.")
     task: TaskName
@@ -133,6 +166,7 @@ class Workload(StrictModel):
     batch_size: PositiveInt = Field(256, le=65536, description="Records per model run.")
     schedule: Schedule | None = None
     retries: int = Field(2, ge=0, le=100, description="Retries of a failed shard.")
+    runner: Runner = Field(default_factory=Runner)
 
 
 class Spec(StrictModel):
@@ -160,7 +194,7 @@ class _Top(StrictModel):
 Loc = tuple[str | int, ...]
 Found = list[tuple[Loc, str, bool]]  # (path, message, points at the key itself)
 
-_OFFLINE_ONLY = ("input", "output", "schedule")
+_OFFLINE_ONLY = ("input", "output", "schedule", "runner")
 
 
 def parse_spec(data: Any, base: Path) -> tuple[Spec | None, Found]:
@@ -249,6 +283,10 @@ def _workload_problems(
             if raw.get(key) is None:
                 message = f"an offline workload needs `{key}` (a folder, glob or s3:// URI)"
                 found.append((at, message, True))
+        runner = raw.get("runner")
+        if isinstance(runner, dict) and runner.get("address") and runner.get("kind") != "dask":
+            message = "`address` names a Dask scheduler: set `kind: dask`, or remove it"
+            found.append(((*at, "runner", "address"), message, True))
     elif mode == "interactive":
         for key in _OFFLINE_ONLY:
             if key in raw:
