@@ -1,0 +1,268 @@
+"""The one place that creates onnxruntime sessions.
+
+`Runtime(settings)` decides the execution providers once, logs which and why, and
+loads models with `runtime.session(model)`. onnxruntime silently falls back to the
+CPU when a GPU provider cannot load: every session is checked, a fallback is a loud
+warning under `device: auto` and a `ModelError` under `device: cuda|tensorrt`.
+
+`choose_providers` is the pure decision; `detect_gpu` is the only part that looks
+at the machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from lanes.errors import ModelError
+from lanes.settings import Device, Settings
+from lanes.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+CPU = "CPUExecutionProvider"
+CUDA = "CUDAExecutionProvider"
+TENSORRT = "TensorrtExecutionProvider"
+
+_OPTIMIZATION = {
+    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+
+# onnxruntime element types -> numpy; the ones a served model plausibly uses.
+_DTYPES: dict[str, np.dtype[np.generic]] = {
+    "tensor(float)": np.dtype(np.float32),
+    "tensor(float16)": np.dtype(np.float16),
+    "tensor(double)": np.dtype(np.float64),
+    "tensor(int64)": np.dtype(np.int64),
+    "tensor(int32)": np.dtype(np.int32),
+    "tensor(int16)": np.dtype(np.int16),
+    "tensor(int8)": np.dtype(np.int8),
+    "tensor(uint8)": np.dtype(np.uint8),
+    "tensor(bool)": np.dtype(np.bool_),
+    "tensor(string)": np.dtype(np.object_),
+}
+
+# ORT severities: 0 verbose, 1 info, 2 warning, 3 error, 4 fatal.
+_ORT_FATAL_ONLY = 4
+
+
+@dataclass(frozen=True)
+class GpuProbe:
+    """Whether an NVIDIA GPU is really there, and the evidence either way."""
+
+    present: bool
+    evidence: str
+
+
+@dataclass(frozen=True)
+class ProviderChoice:
+    """The execution providers every session asks for, in priority order.
+
+    `gpu_provider` is the GPU provider a session must obtain (None: CPU only);
+    `strict` turns a session that did not obtain it into a `ModelError`.
+    """
+
+    providers: tuple[str, ...]
+    reason: str
+    gpu_provider: str | None = None
+    strict: bool = False
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One input or output of a model: symbolic dims are str (or None when unnamed)."""
+
+    name: str
+    dtype: np.dtype[np.generic] | None  # None: an element type lanes does not map
+    type: str  # onnxruntime's spelling, e.g. "tensor(float)"
+    shape: tuple[int | str | None, ...]
+
+    def __str__(self) -> str:
+        dims = ", ".join("?" if d is None else str(d) for d in self.shape)
+        return f"{self.name} {self.type} [{dims}]"
+
+
+def detect_gpu() -> GpuProbe:
+    """Look for a usable NVIDIA GPU: device nodes, the driver's /proc entry, nvidia-smi.
+
+    onnxruntime-gpu lists CUDA among its providers on any machine (it describes the
+    build, not the hardware), so the hardware is checked here instead.
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return GpuProbe(False, f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU")
+    nodes = sorted(p.name for p in Path("/dev").glob("nvidia[0-9]*"))
+    if nodes:
+        return GpuProbe(True, f"/dev/{nodes[0]} exists")
+    gpus = Path("/proc/driver/nvidia/gpus")
+    if gpus.is_dir() and any(gpus.iterdir()):
+        return GpuProbe(True, f"{gpus} lists a GPU")
+    smi = shutil.which("nvidia-smi")
+    if smi is not None:
+        try:
+            listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            listed = None
+        if listed is not None and listed.returncode == 0 and "GPU" in listed.stdout:
+            return GpuProbe(True, "nvidia-smi -L lists a GPU")
+    return GpuProbe(False, "no /dev/nvidia*, no /proc/driver/nvidia/gpus, no GPU from nvidia-smi")
+
+
+def choose_providers(
+    device: Device, available: Collection[str], gpu_present: bool
+) -> ProviderChoice:
+    """Decide the providers for `device`, given onnxruntime's build and the hardware.
+
+    Pure. `auto` takes CUDA only when both the build offers it and a GPU is present,
+    else the CPU; TensorRT is opt-in (`device: tensorrt`) because it builds an engine
+    per input shape at first use, minutes that `auto` should not spring on anyone.
+    An explicit `cuda`/`tensorrt` that cannot be honoured raises `ModelError`.
+    """
+    if device == "cpu":
+        return ProviderChoice((CPU,), "device is cpu")
+    if device == "auto":
+        if not gpu_present:
+            return ProviderChoice((CPU,), "device is auto and no GPU is present")
+        if CUDA not in available:
+            return ProviderChoice(
+                (CPU,),
+                "device is auto and a GPU is present, but this onnxruntime build offers no "
+                f"{CUDA} (install onnxruntime-gpu)",
+            )
+        return ProviderChoice(
+            (CUDA, CPU), f"device is auto, a GPU is present and onnxruntime offers {CUDA}", CUDA
+        )
+    wanted = TENSORRT if device == "tensorrt" else CUDA
+    fix = "set LANES_DEVICE=auto (or cpu) to run without it"
+    if not gpu_present:
+        raise ModelError(f"device is {device} but no GPU is present; {fix}")
+    if wanted not in available:
+        offered = ", ".join(available) or "none"
+        raise ModelError(
+            f"device is {device} but this onnxruntime build offers no {wanted} "
+            f"(it offers {offered}); install onnxruntime-gpu, or {fix}"
+        )
+    chain = (TENSORRT, CUDA, CPU) if wanted == TENSORRT and CUDA in available else (wanted, CPU)
+    return ProviderChoice(chain, f"device is {device}", wanted, strict=True)
+
+
+def describe(tensors: Sequence[ort.NodeArg]) -> dict[str, TensorInfo]:
+    """Name -> TensorInfo for a session's `get_inputs()` or `get_outputs()`, in order."""
+    return {
+        t.name: TensorInfo(t.name, _DTYPES.get(t.type), t.type, tuple(t.shape)) for t in tensors
+    }
+
+
+def check_io(
+    session: ort.InferenceSession,
+    *,
+    where: str,
+    task: str,
+    inputs: Collection[str] = (),
+    outputs: Collection[str] = (),
+) -> None:
+    """Raise `ModelError` unless the session has every named input and output.
+
+    `where` names the model (its path) in the message; the message lists what the
+    model does have, so the user sees at once whether it is the wrong file.
+    """
+    have_in = describe(session.get_inputs())
+    have_out = describe(session.get_outputs())
+    missing = [f"input {n!r}" for n in inputs if n not in have_in]
+    missing += [f"output {n!r}" for n in outputs if n not in have_out]
+    if missing:
+        raise ModelError(
+            f"model {where} cannot serve task {task!r}: it has no {' and no '.join(missing)}; "
+            f"its inputs: {_listing(have_in)}; its outputs: {_listing(have_out)}"
+        )
+
+
+def _listing(tensors: dict[str, TensorInfo]) -> str:
+    return ", ".join(str(t) for t in tensors.values()) or "none"
+
+
+class Runtime:
+    """Creates every onnxruntime session lanes uses, on the providers chosen once.
+
+    Built at an entry point from `Settings` and passed down. Thread-safe: sessions
+    are independent, and the choice never changes after construction.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        # onnxruntime's own log lines are off: every failure it logs also raises,
+        # except a GPU provider that cannot load, which `session` reports itself.
+        ort.set_default_logger_severity(_ORT_FATAL_ONLY)
+        available = ort.get_available_providers()
+        probe = GpuProbe(False, "not probed: device is cpu")
+        if settings.device != "cpu":
+            probe = detect_gpu()
+        self.probe = probe
+        self.choice = choose_providers(settings.device, available, probe.present)
+        log.info(
+            "onnxruntime %s will use %s: %s (%s)",
+            ort.__version__,
+            ", ".join(self.choice.providers),
+            self.choice.reason,
+            probe.evidence,
+        )
+
+    @property
+    def providers(self) -> tuple[str, ...]:
+        return self.choice.providers
+
+    def session_options(self, model: ModelSpec) -> ort.SessionOptions:
+        """Threads and graph optimisation from the model's `session:`, else Settings."""
+        options = ort.SessionOptions()
+        threads = model.session.intra_op_threads or self.settings.threads
+        if threads is not None:
+            options.intra_op_num_threads = threads
+        if model.session.inter_op_threads is not None:
+            options.inter_op_num_threads = model.session.inter_op_threads
+        options.graph_optimization_level = _OPTIMIZATION[model.session.graph_optimization]
+        options.log_severity_level = _ORT_FATAL_ONLY
+        return options
+
+    def session(self, model: ModelSpec) -> ort.InferenceSession:
+        """Load `model.path` on the chosen providers.
+
+        Raises `ModelError` with the path and onnxruntime's message when it cannot
+        load, and when an explicit GPU device was not obtained.
+        """
+        path = model.path
+        if not path.is_file():
+            raise ModelError(f"no model file at {path}; build it or fix models.*.path")
+        try:
+            session = ort.InferenceSession(
+                str(path), self.session_options(model), providers=list(self.choice.providers)
+            )
+        except Exception as err:  # onnxruntime raises its own pybind classes
+            raise ModelError(f"onnxruntime cannot load {path}: {err}") from err
+        self._check_obtained(session, path)
+        return session
+
+    def _check_obtained(self, session: ort.InferenceSession, path: Path) -> None:
+        wanted = self.choice.gpu_provider
+        got = session.get_providers()
+        if wanted is None or wanted in got:
+            return
+        message = (
+            f"{path} asked for {wanted} but onnxruntime gave it {', '.join(got)}: the provider "
+            "could not load (its CUDA/cuDNN libraries are missing or do not match this "
+            f"onnxruntime {ort.__version__}; see the requirements table in onnxruntime's "
+            "CUDA execution provider docs)"
+        )
+        if self.choice.strict:
+            raise ModelError(message + "; set LANES_DEVICE=auto or cpu to accept the CPU")
+        log.warning("%s; it runs on the CPU, much slower", message)

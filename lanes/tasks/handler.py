@@ -1,0 +1,73 @@
+"""A workload's own pre/post-processing: `handler: module:attr` in workloads.yaml.
+
+The object named may have `pre(item) -> item` (runs before the task's own checks)
+and/or `post(output) -> output` (runs per item after the model). Either may be
+absent; an object with neither is an error, caught when the workload loads.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lanes.errors import HandlerError, InvalidInput
+
+# A pre that raises one of these is rejecting the input (HTTP 400), not crashing.
+_REJECTIONS = (ValueError, TypeError, KeyError, IndexError)
+
+
+@dataclass(frozen=True)
+class Handler:
+    """The loaded hooks; `ref` is the `module:attr` they came from."""
+
+    ref: str
+    pre: Callable[[Any], Any] | None
+    post: Callable[[Any], Any] | None
+
+    def before(self, item: Any) -> Any:
+        """`pre(item)`, or the item itself. ValueError/TypeError/KeyError/IndexError
+        from `pre` become `InvalidInput` naming the handler."""
+        if self.pre is None:
+            return item
+        try:
+            return self.pre(item)
+        except InvalidInput:
+            raise
+        except _REJECTIONS as err:
+            raise InvalidInput(f"handler {self.ref} rejected the input: {err}") from err
+
+    def after(self, output: Any) -> Any:
+        """`post(output)`, or the output itself."""
+        return output if self.post is None else self.post(output)
+
+
+NO_HANDLER = Handler("", None, None)
+
+
+def load_handler(ref: str) -> Handler:
+    """Import `module:attr` (attr may be dotted) once; raise `HandlerError` naming what failed."""
+    module_name, sep, attr = ref.partition(":")
+    if not sep or not module_name or not attr:
+        raise HandlerError(f"handler {ref!r}: expected 'module:attr', e.g. 'mypkg.hooks:handler'")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except Exception as err:  # any failure while importing user code is the user's to fix
+        raise HandlerError(
+            f"handler {ref}: cannot import module {module_name!r}: {type(err).__name__}: {err}"
+        ) from err
+    for part in attr.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise HandlerError(
+                f"handler {ref}: module {module_name!r} has no attribute {attr!r}"
+            ) from None
+    hooks = {name: getattr(target, name, None) for name in ("pre", "post")}
+    for name, hook in hooks.items():
+        if hook is not None and not callable(hook):
+            raise HandlerError(f"handler {ref}: {name} is {type(hook).__name__}, not callable")
+    if hooks["pre"] is None and hooks["post"] is None:
+        raise HandlerError(f"handler {ref}: has neither pre(item) nor post(output); define one")
+    return Handler(ref, hooks["pre"], hooks["post"])

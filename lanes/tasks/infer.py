@@ -1,0 +1,186 @@
+"""infer: named tensors in, named tensors out, for any ONNX model.
+
+An item maps each model input name to an array-like (nested lists or numpy) whose
+first dimension is rows. `run` stacks the rows of a whole batch, runs the model
+once and splits every output back by each item's row count. A model whose first
+dimension is fixed (or that has a scalar input) cannot stack rows: it runs once
+per item.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import numpy as np
+
+from lanes.errors import InvalidInput, ModelError
+from lanes.runtime import Runtime, TensorInfo, describe
+from lanes.spec import ModelSpec, TaskName, Workload
+from lanes.tasks.base import check_count
+from lanes.tasks.handler import NO_HANDLER, Handler
+
+Array = np.ndarray[Any, Any]
+Tensors = dict[str, Array]
+
+
+@dataclass(frozen=True)
+class InferItem:
+    """One item's inputs, converted to the model's dtypes; `rows` is their shared first dim."""
+
+    inputs: Tensors
+    rows: int
+
+
+class InferTask:
+    """Any ONNX model behind the Open Inference Protocol."""
+
+    kind: TaskName = "infer"
+
+    def __init__(
+        self,
+        name: str,
+        workload: Workload,
+        model: ModelSpec,
+        runtime: Runtime,
+        handler: Handler = NO_HANDLER,
+    ) -> None:
+        self.name = name
+        self.workload = workload
+        self.handler = handler
+        self.session = runtime.session(model)
+        self.inputs = describe(self.session.get_inputs())
+        self.outputs = describe(self.session.get_outputs())
+        for info in self.inputs.values():
+            if info.dtype is None:
+                raise ModelError(
+                    f"model {model.path}: input {info.name!r} has element type {info.type}, "
+                    "which lanes cannot feed"
+                )
+        # Rows can be stacked across items only when every input's first dim is free.
+        self.stacks_rows = all(
+            info.shape and not isinstance(info.shape[0], int) for info in self.inputs.values()
+        )
+
+    def prepare(self, item: Any) -> InferItem:
+        """Check names, dtypes, ranks and fixed dims; raise `InvalidInput` naming the input."""
+        item = self.handler.before(item)
+        if not isinstance(item, Mapping):
+            expected = ", ".join(self.inputs)
+            raise InvalidInput(
+                f"inputs: expected a mapping of input name to array ({expected}), "
+                f"found {type(item).__name__}"
+            )
+        missing = [n for n in self.inputs if n not in item]
+        unknown = [str(n) for n in item if n not in self.inputs]
+        if missing or unknown:
+            parts = [f"missing input {n!r}" for n in missing]
+            parts += [f"unknown input {n!r}" for n in unknown]
+            raise InvalidInput(f"{'; '.join(parts)}; the model takes {', '.join(self.inputs)}")
+        tensors = {n: _convert(info, item[n]) for n, info in self.inputs.items()}
+        return InferItem(tensors, self._rows(tensors))
+
+    def _rows(self, tensors: Tensors) -> int:
+        if not self.stacks_rows:
+            return 1
+        counts = {n: int(a.shape[0]) for n, a in tensors.items()}
+        if len(set(counts.values())) > 1:
+            found = ", ".join(f"{n} has {c}" for n, c in counts.items())
+            raise InvalidInput(f"inputs: expected the same number of rows in each, found {found}")
+        rows = next(iter(counts.values()))
+        if rows == 0:
+            raise InvalidInput("inputs: expected at least one row, found 0")
+        return rows
+
+    def run(self, batch: Sequence[InferItem]) -> list[Any]:
+        """Per item: output name -> array with that item's rows (or the handler's `post`)."""
+        outputs = [self.handler.after(o) for o in self.tensors(batch)]
+        check_count(self.name, outputs, batch)
+        return outputs
+
+    def tensors(self, batch: Sequence[InferItem]) -> list[Tensors]:
+        """The model run behind `run`, without the handler."""
+        names = list(self.outputs)
+        if len(batch) <= 1 or not self.stacks_rows:
+            return [
+                dict(zip(names, self.session.run(names, it.inputs), strict=True)) for it in batch
+            ]
+        feeds = {n: np.concatenate([it.inputs[n] for it in batch]) for n in self.inputs}
+        results = self.session.run(names, feeds)
+        total = sum(it.rows for it in batch)
+        bounds = np.cumsum([it.rows for it in batch])[:-1]
+        pieces: dict[str, list[Array]] = {}
+        for name, value in zip(names, results, strict=True):
+            if not isinstance(value, np.ndarray) or value.ndim == 0 or value.shape[0] != total:
+                shape = getattr(value, "shape", type(value).__name__)
+                raise ModelError(
+                    f"workload {self.name!r}: output {name!r} has shape {shape} for {total} "
+                    "input rows; cannot split it per item (its first dim must be rows)"
+                )
+            pieces[name] = np.split(value, bounds)
+        return [{n: pieces[n][i] for n in names} for i in range(len(batch))]
+
+    def warm_up(self) -> None:
+        feeds = {n: _dummy(info) for n, info in self.inputs.items()}
+        self.tensors([InferItem(feeds, 1)])
+
+
+def _convert(info: TensorInfo, value: Any) -> Array:
+    """`value` as the model's dtype, or `InvalidInput` when that would change its meaning."""
+    name = info.name
+    try:
+        array = np.asarray(value)
+    except ValueError as err:  # numpy refuses ragged nested lists
+        raise InvalidInput(f"input {name!r}: expected a rectangular array, found {err}") from None
+    target = info.dtype
+    assert target is not None  # checked when the task loaded
+    source = array.dtype.kind
+    wanted = f"input {name!r}: expected {target.name} values ({info.type})"
+    if target.kind == "O":  # tensor(string)
+        if source not in "US" and not (source == "O" and _all_str(array)):
+            raise InvalidInput(f"{wanted}, found {array.dtype.name}")
+        array = array.astype(object)
+    elif source == "b" and target.kind in "biuf":
+        array = array.astype(target)
+    elif source in "iu" and target.kind in "iu":
+        limits = np.iinfo(cast("np.dtype[np.integer[Any]]", target))
+        if array.size and (array.min() < limits.min or array.max() > limits.max):
+            raise InvalidInput(
+                f"{wanted}, found integers from {array.min()} to {array.max()}, "
+                f"outside {target.name}'s range"
+            )
+        array = array.astype(target)
+    elif (source in "iu" and target.kind == "f") or (source == "f" and target.kind == "f"):
+        array = array.astype(target)
+    else:
+        found = {"f": "floats", "U": "strings", "S": "bytes", "O": "mixed or non-numeric values"}
+        raise InvalidInput(f"{wanted}, found {found.get(source, array.dtype.name)}")
+    _check_shape(info, array.shape)
+    return array
+
+
+def _check_shape(info: TensorInfo, shape: tuple[int, ...]) -> None:
+    expected = "[" + ", ".join("?" if d is None else str(d) for d in info.shape) + "]"
+    if len(shape) != len(info.shape):
+        raise InvalidInput(
+            f"input {info.name!r}: expected rank {len(info.shape)} (shape {expected}), "
+            f"found shape {list(shape)}"
+        )
+    for axis, (want, got) in enumerate(zip(info.shape, shape, strict=True)):
+        if isinstance(want, int) and want != got:
+            raise InvalidInput(
+                f"input {info.name!r}: expected shape {expected}, found {list(shape)} "
+                f"(dim {axis} must be {want})"
+            )
+
+
+def _all_str(array: Array) -> bool:
+    return all(isinstance(v, str) for v in array.flat)
+
+
+def _dummy(info: TensorInfo) -> Array:
+    shape = tuple(d if isinstance(d, int) else 1 for d in info.shape)
+    if info.dtype is not None and info.dtype.kind == "O":
+        return np.full(shape, "", dtype=object)
+    return np.zeros(shape, dtype=info.dtype)

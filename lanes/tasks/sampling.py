@@ -1,0 +1,54 @@
+"""Picking the next token from one row of logits. Pure: no model, no state but the rng.
+
+Shared by the single-sequence loop in `decoder.py` and the continuous-batching
+engine, so one request samples the same way whichever path serves it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 is greedy; top_k 0 and top_p 1 cut nothing."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(
+                "expected temperature >= 0, top_k >= 0 and 0 < top_p <= 1, found "
+                f"{self.temperature}, {self.top_k}, {self.top_p}"
+            )
+
+
+def sample(logits: np.ndarray[Any, Any], params: SamplingParams, rng: np.random.Generator) -> int:
+    """The next token id from a [vocab] row of logits.
+
+    Greedy (argmax) when temperature is 0. Otherwise: divide by temperature, keep
+    the top_k highest, keep the smallest most-likely set whose probability reaches
+    top_p, and draw from what is left with `rng`. Deterministic for a given rng state.
+    """
+    if params.temperature == 0:
+        return int(np.argmax(logits))
+    scores = np.asarray(logits, dtype=np.float64) / params.temperature
+    candidates = np.arange(scores.shape[0])
+    if 0 < params.top_k < scores.shape[0]:
+        candidates = np.argpartition(scores, -params.top_k)[-params.top_k :]
+        scores = scores[candidates]
+    probs = np.exp(scores - scores.max())
+    probs /= probs.sum()
+    if params.top_p < 1:
+        order = np.argsort(-probs, kind="stable")
+        reach = np.cumsum(probs[order])
+        keep = min(int(np.searchsorted(reach, params.top_p)) + 1, len(order))
+        candidates, probs = candidates[order[:keep]], probs[order[:keep]]
+    cdf = np.cumsum(probs)
+    pick = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    return int(candidates[min(pick, len(candidates) - 1)])

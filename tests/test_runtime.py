@@ -1,0 +1,156 @@
+"""lanes.runtime: the provider decision (pure), real CPU sessions, and model checks."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, save_model
+
+from lanes.errors import ModelError
+from lanes.runtime import (
+    CPU,
+    CUDA,
+    TENSORRT,
+    ProviderChoice,
+    Runtime,
+    check_io,
+    choose_providers,
+    detect_gpu,
+)
+from lanes.settings import Settings
+from lanes.spec import ModelSpec, SessionOptions
+
+ALL = (TENSORRT, CUDA, CPU)  # what onnxruntime-gpu lists, GPU or not
+
+
+def identity_model(path: Path) -> Path:
+    """x float32 [n] -> y = x."""
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        "identity",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    save_model(model, str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> ModelSpec:
+    return ModelSpec(path=identity_model(tmp_path_factory.mktemp("m") / "model.onnx"))
+
+
+def test_auto_without_gpu_is_cpu_and_says_why() -> None:
+    choice = choose_providers("auto", ALL, gpu_present=False)
+    assert choice.providers == (CPU,)
+    assert "no GPU" in choice.reason
+    assert choice.gpu_provider is None
+
+
+def test_auto_with_gpu_puts_cuda_first_then_cpu() -> None:
+    choice = choose_providers("auto", ALL, gpu_present=True)
+    assert choice.providers == (CUDA, CPU)
+    assert choice.gpu_provider == CUDA
+    assert not choice.strict  # auto accepts the CPU, loudly
+
+
+def test_auto_with_gpu_but_cpu_build_says_which_package() -> None:
+    choice = choose_providers("auto", (CPU,), gpu_present=True)
+    assert choice.providers == (CPU,)
+    assert "onnxruntime-gpu" in choice.reason
+
+
+def test_cpu_is_cpu_even_with_a_gpu() -> None:
+    assert choose_providers("cpu", ALL, gpu_present=True).providers == (CPU,)
+
+
+def test_cuda_without_gpu_raises() -> None:
+    with pytest.raises(ModelError, match="device is cuda but no GPU"):
+        choose_providers("cuda", ALL, gpu_present=False)
+
+
+def test_cuda_on_a_cpu_build_raises() -> None:
+    with pytest.raises(ModelError, match="offers no CUDAExecutionProvider"):
+        choose_providers("cuda", (CPU,), gpu_present=True)
+
+
+def test_tensorrt_chains_cuda_then_cpu_and_is_strict() -> None:
+    choice = choose_providers("tensorrt", ALL, gpu_present=True)
+    assert choice.providers == (TENSORRT, CUDA, CPU)
+    assert choice.gpu_provider == TENSORRT
+    assert choice.strict
+
+
+def test_real_session_runs_on_the_cpu(model: ModelSpec) -> None:
+    session = Runtime(Settings(device="cpu")).session(model)
+    assert session.get_providers() == [CPU]
+    (y,) = session.run(None, {"x": np.array([1.5, -2.0], dtype=np.float32)})
+    assert y.tolist() == [1.5, -2.0]
+
+
+def test_runtime_logs_its_choice_once(caplog: pytest.LogCaptureFixture, model: ModelSpec) -> None:
+    with caplog.at_level(logging.INFO, logger="lanes.runtime"):
+        runtime = Runtime(Settings(device="cpu"))
+        runtime.session(model)
+        runtime.session(model)
+    chosen = [r.getMessage() for r in caplog.records if "will use" in r.getMessage()]
+    assert len(chosen) == 1
+    assert CPU in chosen[0] and "device is cpu" in chosen[0]
+
+
+@pytest.mark.skipif(detect_gpu().present, reason="checks the no-GPU path")
+def test_auto_here_is_cpu(model: ModelSpec) -> None:
+    runtime = Runtime(Settings(device="auto"))
+    assert runtime.providers == (CPU,)
+    assert runtime.session(model).get_providers() == [CPU]
+
+
+@pytest.mark.skipif(detect_gpu().present, reason="needs CUDA to fail to load")
+def test_gpu_provider_not_obtained_is_loud(
+    caplog: pytest.LogCaptureFixture, model: ModelSpec
+) -> None:
+    # onnxruntime-gpu accepts CUDA here and silently gives the CPU: what a GPU
+    # machine with broken CUDA libraries does. Force the choice to see it caught.
+    runtime = Runtime(Settings(device="cpu"))
+    runtime.choice = ProviderChoice((CUDA, CPU), "forced", CUDA, strict=False)
+    with caplog.at_level(logging.WARNING, logger="lanes.runtime"):
+        assert runtime.session(model).get_providers() == [CPU]
+    assert any("asked for CUDAExecutionProvider" in r.getMessage() for r in caplog.records)
+    runtime.choice = ProviderChoice((CUDA, CPU), "forced", CUDA, strict=True)
+    with pytest.raises(ModelError, match="LANES_DEVICE"):
+        runtime.session(model)
+
+
+def test_session_options_prefer_the_model_over_settings(model: ModelSpec) -> None:
+    runtime = Runtime(Settings(device="cpu", threads=2))
+    assert runtime.session_options(model).intra_op_num_threads == 2
+    own = model.model_copy(
+        update={"session": SessionOptions(intra_op_threads=1, inter_op_threads=1)}
+    )
+    options = runtime.session_options(own)
+    assert (options.intra_op_num_threads, options.inter_op_num_threads) == (1, 1)
+
+
+def test_missing_file_and_garbage_file_name_the_path(tmp_path: Path) -> None:
+    runtime = Runtime(Settings(device="cpu"))
+    with pytest.raises(ModelError, match=r"no model file at .*absent\.onnx"):
+        runtime.session(ModelSpec(path=tmp_path / "absent.onnx"))
+    garbage = tmp_path / "garbage.onnx"
+    garbage.write_bytes(b"not a model")
+    with pytest.raises(ModelError, match=r"onnxruntime cannot load .*garbage\.onnx: "):
+        runtime.session(ModelSpec(path=garbage))
+
+
+def test_check_io_names_the_missing_input_and_lists_the_model(model: ModelSpec) -> None:
+    session = Runtime(Settings(device="cpu")).session(model)
+    check_io(session, where="m.onnx", task="infer", inputs=["x"], outputs=["y"])
+    with pytest.raises(ModelError) as caught:
+        check_io(session, where="m.onnx", task="embed", inputs=["input_ids", "x"])
+    message = str(caught.value)
+    assert "no input 'input_ids'" in message
+    assert "its inputs: x tensor(float) [n]" in message
+    assert "'x'" not in message.split("its inputs")[0]
