@@ -23,6 +23,10 @@ from lanes.protocols.openai import error_body
 TIMEOUT_HEADER = "x-timeout-ms"  # per-request deadline, in milliseconds
 
 
+class BodyTooLarge(InvalidInput):
+    """The request body is over the server's limit (HTTP 413)."""
+
+
 class JSONResponse(Response):
     """orjson: several times faster than json for the float vectors embeddings return."""
 
@@ -33,6 +37,8 @@ class JSONResponse(Response):
 
 
 def status_of(error: LanesError) -> int:
+    if isinstance(error, BodyTooLarge):
+        return 413
     if isinstance(error, InvalidInput | WrongMode):
         return 400
     if isinstance(error, AuthError):
@@ -64,10 +70,6 @@ def openai_error(error: LanesError, param: str | None = None) -> JSONResponse:
 def v2_error(error: LanesError) -> JSONResponse:
     """Open Inference Protocol's {"error": "..."} shape."""
     return JSONResponse({"error": str(error)}, status_of(error), headers=_headers(error))
-
-
-class BodyTooLarge(InvalidInput):
-    pass
 
 
 async def read_json(request: Request, limit: int) -> Any:

@@ -51,7 +51,8 @@ class BatchWorker:
     async def submit(self, items: Sequence[Any], timeout_s: float | None = None) -> list[Any]:
         """Queue prepared items (all or none) and wait for their outputs, in order."""
         timeout_s = timeout_s if timeout_s is not None else self.default_timeout_s
-        deadline = time.monotonic() + timeout_s if timeout_s is not None else None
+        arrived = time.monotonic()
+        deadline = arrived + timeout_s if timeout_s is not None else None
         queued: list[Pending] = []
         try:
             for item in items:
@@ -62,7 +63,9 @@ class BatchWorker:
             raise
         self._metrics.queue_depth.labels(self.name).set(len(self.queue))
         try:
-            return list(await asyncio.gather(*(p.future for p in queued)))
+            outputs = list(await asyncio.gather(*(p.future for p in queued)))
+            self._metrics.request_latency.labels(self.name).observe(time.monotonic() - arrived)
+            return outputs
         except BaseException:
             # One failed or the caller went away: free the others' places too.
             for pending in queued:

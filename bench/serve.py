@@ -1,0 +1,225 @@
+"""Benchmark of the interactive endpoint against raw onnxruntime and an unbatched server.
+
+    python bench/serve.py [--seconds 4] [--levels 1,8,32,128]
+
+Starts `lanes serve` (and, as a baseline, `bench/baseline_server.py`: FastAPI, one
+session.run per request) in their own processes, drives closed-loop load with
+aiohttp at each concurrency, and prints per model: throughput, p50/p95/p99
+latency, mean batch size (from /metrics), and the ratio to raw in-process
+onnxruntime at the same batch sizes measured in the same run. Ratios travel
+between machines; absolute times on a shared 2-core box do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from lanes.runtime import Runtime  # noqa: E402
+from lanes.settings import Settings  # noqa: E402
+from lanes.specfile import load_spec  # noqa: E402
+from lanes.tasks import load_task  # noqa: E402
+
+# 30 one-token words + [CLS] + [SEP] = 32 tokens for minilm.
+TEXT = " ".join(["word"] * 30)
+FEATURES = [[5.1, 3.5, 1.4, 0.2]]
+
+SPEC = """\
+version: 1
+models:
+  minilm: {{path: {m}/minilm/model.onnx, tokenizer: {m}/minilm/tokenizer.json}}
+  classifier: {{path: {m}/classifier/model.onnx}}
+workloads:
+  minilm:
+    mode: interactive
+    task: embed
+    model: minilm
+    batching: {{max_batch_size: 128, max_wait_ms: 0, max_queue: 4096}}
+  tiny:
+    mode: interactive
+    task: infer
+    model: classifier
+    batching: {{max_batch_size: 128, max_wait_ms: 0, max_queue: 4096}}
+"""
+
+
+@dataclass
+class Load:
+    concurrency: int
+    requests: int
+    seconds: float
+    latencies: list[float]
+    mean_batch: float | None
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.seconds
+
+    def pct(self, q: float) -> float:
+        return float(np.percentile(self.latencies, q)) * 1000
+
+
+def request_for(model: str) -> tuple[str, dict[str, object]]:
+    if model == "minilm":
+        return "/v1/embeddings", {"model": "minilm", "input": TEXT}
+    body = {"inputs": [{"name": "features", "shape": [1, 4], "datatype": "FP32", "data": FEATURES[0]}]}
+    return "/v2/models/tiny/infer", body
+
+
+async def closed_loop(url: str, model: str, concurrency: int, seconds: float) -> Load:
+    path, body = request_for(model)
+    latencies: list[float] = []
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(url, connector=connector) as session:
+
+        async def caller(until: float) -> None:
+            while time.perf_counter() < until:
+                start = time.perf_counter()
+                async with session.post(path, json=body) as answer:
+                    await answer.read()
+                    if answer.status != 200:
+                        raise RuntimeError(f"{path}: HTTP {answer.status}")
+                latencies.append(time.perf_counter() - start)
+
+        warm = time.perf_counter() + min(1.0, seconds / 4)
+        await asyncio.gather(*(caller(warm) for _ in range(concurrency)))
+        latencies.clear()
+        before = batch_stats(url, model)
+        start = time.perf_counter()
+        await asyncio.gather(*(caller(start + seconds) for _ in range(concurrency)))
+        elapsed = time.perf_counter() - start
+        after = batch_stats(url, model)
+    mean_batch = None
+    if before and after and after[1] > before[1]:
+        mean_batch = (after[0] - before[0]) / (after[1] - before[1])
+    return Load(concurrency, len(latencies), elapsed, latencies, mean_batch)
+
+
+def batch_stats(url: str, model: str) -> tuple[float, float] | None:
+    """(items, runs) so far, from lanes' /metrics; None for the baseline server."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return None
+    values = {}
+    for key in ("sum", "count"):
+        found = re.search(rf'lanes_batch_size_{key}{{workload="{model}"}} (\S+)', text)
+        if not found:
+            return None
+        values[key] = float(found.group(1))
+    return values["sum"], values["count"]
+
+
+def raw_onnxruntime(spec_path: Path, model: str, sizes: list[int], seconds: float) -> dict[int, tuple[float, float]]:
+    """items/s and mean ms per run of the task's own batched function, no HTTP."""
+    settings = Settings()
+    task = load_task(model, load_spec(spec_path, settings), Runtime(settings))
+    item = task.prepare(TEXT if model == "minilm" else {"features": FEATURES})
+    task.warm_up()
+    out = {}
+    for size in sizes:
+        batch = [item] * size
+        task.run(batch)
+        runs, start = 0, time.perf_counter()
+        times = []
+        while time.perf_counter() - start < seconds or runs < 3:
+            t = time.perf_counter()
+            task.run(batch)
+            times.append(time.perf_counter() - t)
+            runs += 1
+        elapsed = time.perf_counter() - start
+        out[size] = (runs * size / elapsed, statistics.median(times) * 1000)
+    return out
+
+
+def start(cmd: list[str], url: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"{cmd} did not become ready")
+
+
+def table(title: str, rows: list[list[str]], header: list[str]) -> None:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    print(f"\n{title}")
+    for row in [header, ["-" * w for w in widths], *rows]:
+        print("  ".join(str(c).rjust(w) for c, w in zip(row, widths, strict=True)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument("--levels", default="1,8,32,128")
+    parser.add_argument("--models", default="minilm,tiny")
+    parser.add_argument("--no-baseline", action="store_true")
+    args = parser.parse_args()
+    levels = [int(x) for x in args.levels.split(",")]
+    models_dir = Path(os.environ.get("LANES_MODELS_DIR", ROOT / ".lanes" / "models")).resolve()
+    work = Path(tempfile.mkdtemp(prefix="lanes-bench-"))
+    spec_path = work / "workloads.yaml"
+    spec_path.write_text(SPEC.format(m=models_dir))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    lanes_url, base_url = "http://127.0.0.1:8431", "http://127.0.0.1:8432"
+
+    for model in args.models.split(","):
+        raw = raw_onnxruntime(spec_path, model, levels, max(1.0, args.seconds / 2))
+        best = max(v[0] for v in raw.values())
+        results: dict[str, dict[int, Load]] = {}
+        servers = {"lanes": [sys.executable, "-m", "router.cli", "serve", str(spec_path), "--port", "8431"]}
+        if not args.no_baseline:
+            servers["baseline"] = [sys.executable, str(ROOT / "bench" / "baseline_server.py"), str(spec_path), model, "8432"]
+        for name, cmd in servers.items():
+            url = lanes_url if name == "lanes" else base_url
+            proc = start(cmd, url, env)
+            try:
+                results[name] = {c: asyncio.run(closed_loop(url, model, c, args.seconds)) for c in levels}
+            finally:
+                proc.terminate()
+                proc.wait(timeout=30)
+        rows = []
+        for c in levels:
+            raw_items, raw_ms = raw[c]
+            for name, loads in results.items():
+                load = loads[c]
+                rows.append([
+                    name, str(c), f"{load.rps:.0f}", f"{load.pct(50):.2f}", f"{load.pct(95):.2f}",
+                    f"{load.pct(99):.2f}", f"{load.mean_batch:.1f}" if load.mean_batch else "-",
+                    f"{raw_items:.0f}", f"{raw_ms:.2f}", f"{load.rps / best:.2f}",
+                ])
+        header = ["server", "conc", "req/s", "p50 ms", "p95 ms", "p99 ms", "batch",
+                  "raw items/s@b=conc", "raw ms/run", "x raw best"]
+        table(f"{model}: raw onnxruntime best {best:.0f} items/s (batch {max(raw, key=lambda k: raw[k][0])})", rows, header)
+        lanes1 = results["lanes"][levels[0]].pct(50)
+        print(f"  lanes p50 at concurrency {levels[0]} minus raw batch-1 run: {lanes1 - raw[levels[0]][1]:+.2f} ms")
+        if "baseline" in results:
+            for c in levels:
+                if c >= 32:
+                    ratio = results["lanes"][c].rps / results["baseline"][c].rps
+                    print(f"  lanes / baseline req/s at concurrency {c}: {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

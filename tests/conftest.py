@@ -1,0 +1,43 @@
+"""Shared fixtures: the demo models (built once, reused from .lanes/models) and real servers."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.servers import ServerThread
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Prefect must never phone home, and keeps its state inside the project.
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_HOME", str(ROOT / ".lanes" / "prefect-tests"))
+
+
+@pytest.fixture(scope="session")
+def demo_models() -> Path:
+    """The demo models, built on first use (a couple of minutes) and reused after."""
+    from lanes.demo.build import build_demo_models
+
+    dest = Path(os.environ.get("LANES_MODELS_DIR", ROOT / ".lanes" / "models"))
+    build_demo_models(dest, progress=False)
+    return dest
+
+
+@pytest.fixture
+def serve() -> Iterator[type[ServerThread]]:
+    """Start real uvicorn servers on 127.0.0.1; each is stopped when the test ends."""
+    started: list[ServerThread] = []
+
+    class Tracked(ServerThread):
+        def __enter__(self) -> ServerThread:
+            started.append(self)
+            return super().__enter__()
+
+    yield Tracked
+    for server in started:
+        server.stop()

@@ -1,0 +1,78 @@
+"""A real uvicorn server on 127.0.0.1 in a thread, for tests that need the network."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import httpx
+import uvicorn
+
+from lanes.settings import Settings
+from lanes.specfile import load_spec
+from serving.app import create_app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def write_spec(folder: Path, models: Path, workloads: str) -> Path:
+    """A workloads.yaml declaring the demo models and the given workloads block."""
+    text = f"""\
+version: 1
+models:
+  minilm: {{path: {models}/minilm/model.onnx, tokenizer: {models}/minilm/tokenizer.json}}
+  tinycode: {{path: {models}/tinycode/model.onnx, tokenizer: {models}/tinycode/tokenizer.json}}
+  classifier: {{path: {models}/classifier/model.onnx}}
+workloads:
+{workloads}"""
+    path = folder / "workloads.yaml"
+    path.write_text(text)
+    return path
+
+
+class ServerThread:
+    """`with ServerThread(spec_path, **settings) as server:` serves until the block ends."""
+
+    def __init__(self, spec_path: Path, **settings: Any) -> None:
+        self.settings = Settings(port=free_port(), **settings)
+        self.spec = load_spec(spec_path, self.settings)
+        self.app = create_app(self.spec, self.settings)
+        self.url = f"http://127.0.0.1:{self.settings.port}"
+        config = uvicorn.Config(
+            self.app, host="127.0.0.1", port=self.settings.port, log_level="warning", access_log=False
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        self.wait_ready()
+        return self
+
+    def __exit__(self, *exc: tuple[type[BaseException], BaseException, TracebackType] | None) -> None:
+        self.stop()
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"server at {self.url} not ready after {timeout} s")
+
+    def stop(self) -> None:
+        if self.thread.is_alive():
+            self.server.should_exit = True
+            self.thread.join(timeout=30)

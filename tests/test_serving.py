@@ -1,0 +1,260 @@
+"""The interactive endpoint over real HTTP: a real uvicorn on 127.0.0.1, the demo models,
+the official `openai` and `tritonclient` clients."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.http as triton
+from openai import AsyncOpenAI, AuthenticationError, OpenAI
+
+from lanes.runtime import Runtime
+from lanes.settings import Settings
+from lanes.tasks import load_task
+from tests.servers import ServerThread, free_port, write_spec
+
+pytestmark = pytest.mark.slow
+
+WORKLOADS = """\
+  search-query:
+    mode: interactive
+    task: embed
+    model: minilm
+    batching: {max_batch_size: 32, max_wait_ms: 0}
+  flowers:
+    mode: interactive
+    task: infer
+    model: classifier
+  flower-labels:
+    mode: interactive
+    task: infer
+    model: classifier
+    handler: lanes.demo.labels:handler
+  slow-lane:                       # waits 1.5 s for company: queues fill, deadlines expire
+    mode: interactive
+    task: embed
+    model: minilm
+    batching: {max_batch_size: 64, max_wait_ms: 1500, max_queue: 4}
+  nightly:
+    mode: offline
+    task: embed
+    model: minilm
+    input: in/
+    output: out/
+"""
+
+TEXTS = [f"request number {i}: " + "lanes batches " * (i % 9) + "the end" for i in range(64)]
+
+
+@pytest.fixture(scope="module")
+def spec_path(demo_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_spec(tmp_path_factory.mktemp("serving"), demo_models, WORKLOADS)
+
+
+@pytest.fixture(scope="module")
+def server(spec_path: Path) -> Iterator[ServerThread]:
+    with ServerThread(spec_path) as running:
+        yield running
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """One sample of a Prometheus exposition, by name and labels."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            found = dict(re.findall(r'(\w+)="([^"]*)"', line.split(" ")[0]))
+            if all(found.get(k) == v for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+    raise KeyError(f"{name} {labels} not in metrics")
+
+
+async def test_64_concurrent_callers_get_their_own_answer(server: ServerThread) -> None:
+    task = load_task("search-query", server.spec, Runtime(Settings()))
+    expected = [task.run([task.prepare(t)])[0] for t in TEXTS]
+    client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    answers = await asyncio.gather(
+        *(client.embeddings.create(model="search-query", input=t) for t in TEXTS)
+    )
+    await client.close()
+    for want, got in zip(expected, answers, strict=True):
+        assert np.allclose(got.data[0].embedding, want, atol=1e-5)
+        assert got.usage.prompt_tokens > 0
+    body = httpx.get(f"{server.url}/metrics").text
+    runs = metric(body, "lanes_batch_size_count", workload="search-query")
+    items = metric(body, "lanes_batch_size_sum", workload="search-query")
+    assert items >= 64 and runs < items, "64 concurrent requests should share model runs"
+
+
+def test_openai_list_input_base64_and_models(server: ServerThread) -> None:
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    floats = client.embeddings.create(model="search-query", input=["one", "two words"])
+    packed = client.embeddings.create(model="search-query", input="one", encoding_format="base64")
+    assert [d.index for d in floats.data] == [0, 1]
+    assert np.allclose(packed.data[0].embedding, floats.data[0].embedding, atol=1e-6)
+    assert len(floats.data[0].embedding) == 384
+    ids = {m.id for m in client.models.list().data}
+    assert ids == {"search-query", "flowers", "flower-labels", "slow-lane"}
+
+
+def test_tritonclient_infer_and_metadata(server: ServerThread) -> None:
+    client = triton.InferenceServerClient(server.url.removeprefix("http://"))
+    assert client.is_server_live() and client.is_server_ready()
+    assert client.is_model_ready("flowers")
+    meta = client.get_model_metadata("flowers")
+    assert meta["inputs"][0]["name"] == "features"
+    rows = np.array([[5.1, 3.5, 1.4, 0.2], [6.7, 3.0, 5.2, 2.3]], dtype=np.float32)
+    tensor = triton.InferInput("features", list(rows.shape), "FP32")
+    tensor.set_data_from_numpy(rows, binary_data=False)
+    result = client.infer("flowers", [tensor], outputs=[triton.InferRequestedOutput("logits", binary_data=False)])
+    logits = result.as_numpy("logits")
+    task = load_task("flowers", server.spec, Runtime(Settings()))
+    expected = task.run([task.prepare({"features": rows})])[0]["logits"]
+    assert np.allclose(logits, expected, atol=1e-5)
+
+
+def test_handler_turns_logits_into_labels(server: ServerThread) -> None:
+    body = {"inputs": [{"name": "features", "shape": [1, 4], "datatype": "FP32", "data": [5.1, 3.5, 1.4, 0.2]}]}
+    answer = httpx.post(f"{server.url}/v2/models/flower-labels/infer", json=body).json()
+    [output] = answer["outputs"]
+    assert output["name"] == "result" and output["datatype"] == "BYTES"
+    assert '"label"' in output["data"][0]
+
+
+async def test_full_queue_answers_503_with_retry_after(server: ServerThread) -> None:
+    url = f"{server.url}/v1/embeddings"
+    async with httpx.AsyncClient(timeout=10) as client:
+        waiting = [
+            asyncio.create_task(client.post(url, json={"model": "slow-lane", "input": f"t{i}"}))
+            for i in range(4)
+        ]
+        await asyncio.sleep(0.3)  # the four sit in the 1.5 s window, filling the queue
+        refused = await client.post(url, json={"model": "slow-lane", "input": "one too many"})
+        assert refused.status_code == 503
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "overloaded"
+        assert [r.status_code for r in await asyncio.gather(*waiting)] == [200] * 4
+
+
+async def test_expired_deadline_answers_504_and_never_reaches_the_model(server: ServerThread) -> None:
+    before = metric(httpx.get(f"{server.url}/metrics").text, "lanes_batch_size_sum", workload="slow-lane")
+    started = time.monotonic()
+    answer = httpx.post(
+        f"{server.url}/v1/embeddings",
+        json={"model": "slow-lane", "input": "too late"},
+        headers={"X-Timeout-Ms": "100"},
+        timeout=10,
+    )
+    waited = time.monotonic() - started
+    assert answer.status_code == 504
+    assert waited < 1.4, "answered at its deadline, not when the batch window closed"
+    await asyncio.sleep(1.6)
+    after = metric(httpx.get(f"{server.url}/metrics").text, "lanes_batch_size_sum", workload="slow-lane")
+    assert after == before
+
+
+BAD_REQUESTS: list[tuple[str, str, object, int]] = [
+    ("POST", "/v1/embeddings", b"{not json", 400),
+    ("POST", "/v1/embeddings", b"", 400),
+    ("POST", "/v1/embeddings", [], 400),
+    ("POST", "/v1/embeddings", {"input": "no model"}, 400),
+    ("POST", "/v1/embeddings", {"model": "search-query"}, 400),
+    ("POST", "/v1/embeddings", {"model": "search-query", "input": 42}, 400),
+    ("POST", "/v1/embeddings", {"model": "search-query", "input": ""}, 400),
+    ("POST", "/v1/embeddings", {"model": "search-query", "input": []}, 400),
+    ("POST", "/v1/embeddings", {"model": "search-query", "input": ["ok", None]}, 400),
+    ("POST", "/v1/embeddings", {"model": "search-query", "input": "x", "encoding_format": "hex"}, 400),
+    ("POST", "/v1/embeddings", {"model": "nope", "input": "x"}, 404),
+    ("POST", "/v1/embeddings", {"model": "flowers", "input": "x"}, 400),
+    ("POST", "/v1/embeddings", {"model": "nightly", "input": "x"}, 400),
+    ("POST", "/v1/embeddings", {"model": "search-query", "input": "x" * 9_000_000}, 413),
+    ("GET", "/v1/embeddings", None, 405),
+    ("POST", "/v2/models/flowers/infer", {"inputs": []}, 400),
+    ("POST", "/v2/models/flowers/infer", {"inputs": [{"name": "features", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3]}]}, 400),
+    ("POST", "/v2/models/flowers/infer", {"inputs": [{"name": "features", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]}]}, 400),
+    ("POST", "/v2/models/flowers/infer", {"inputs": [{"name": "colour", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}, 400),
+    ("POST", "/v2/models/flowers/infer", {"inputs": [{"name": "features", "shape": [1, 4], "datatype": "FP32", "data": ["a", "b", "c", "d"]}]}, 400),
+    ("POST", "/v2/models/flowers/infer", {"inputs": [{"name": "features", "shape": [1, 4], "datatype": "COMPLEX", "data": [1, 2, 3, 4]}]}, 400),
+    ("POST", "/v2/models/flowers/infer", {"inputs": [{"name": "features", "shape": [-1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}, 400),
+    ("POST", "/v2/models/ghost/infer", {"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}]}, 404),
+    ("POST", "/v2/models/search-query/infer", {"inputs": [{"name": "text", "shape": [1], "datatype": "FP32", "data": [1]}]}, 400),
+    ("GET", "/v2/models/ghost", None, 404),
+    ("GET", "/nowhere", None, 404),
+]
+
+
+def test_server_survives_bad_requests(server: ServerThread) -> None:
+    assert len(BAD_REQUESTS) >= 20
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        for method, path, body, status in BAD_REQUESTS:
+            if isinstance(body, bytes) or body is None:
+                answer = client.request(method, path, content=body, headers={"content-type": "application/json"})
+            else:
+                answer = client.request(method, path, json=body)
+            assert answer.status_code == status, (path, body if not isinstance(body, dict) else str(body)[:200], answer.text)
+            if status != 405 and path != "/nowhere":
+                error = answer.json()["error"]
+                message = error["message"] if path.startswith("/v1") else error
+                assert isinstance(message, str) and len(message) > 10
+        good = client.post("/v1/embeddings", json={"model": "search-query", "input": "still here"})
+        assert good.status_code == 200
+
+
+def test_api_key_guards_everything_but_health(spec_path: Path) -> None:
+    with ServerThread(spec_path, api_key="s3cret") as guarded:
+        assert httpx.get(f"{guarded.url}/healthz").status_code == 200
+        assert httpx.get(f"{guarded.url}/v2/health/ready").status_code == 200
+        refused = httpx.get(f"{guarded.url}/v1/models")
+        assert refused.status_code == 401
+        assert refused.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(f"{guarded.url}/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        with pytest.raises(AuthenticationError):
+            OpenAI(base_url=f"{guarded.url}/v1", api_key="wrong", max_retries=0).embeddings.create(
+                model="search-query", input="x"
+            )
+        ok = OpenAI(base_url=f"{guarded.url}/v1", api_key="s3cret", max_retries=0)
+        assert len(ok.embeddings.create(model="search-query", input="x").data) == 1
+
+
+def test_sigterm_finishes_queued_work_then_exits(spec_path: Path) -> None:
+    port = free_port()
+    env = {**os.environ, "LANES_PORT": str(port)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "router.cli", "serve", str(spec_path)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+
+        async def queued_then_terminated() -> list[int]:
+            async with httpx.AsyncClient(timeout=20) as client:
+                calls = [
+                    asyncio.create_task(client.post(f"{url}/v1/embeddings", json={"model": "slow-lane", "input": f"q{i}"}))
+                    for i in range(3)
+                ]
+                await asyncio.sleep(0.3)  # queued in the 1.5 s window
+                proc.send_signal(signal.SIGTERM)
+                return [r.status_code for r in await asyncio.gather(*calls)]
+
+        assert asyncio.run(queued_then_terminated()) == [200, 200, 200]
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
