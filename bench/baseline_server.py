@@ -37,13 +37,22 @@ def build(spec_path: str, workload: str) -> FastAPI:
     @app.post("/v1/embeddings")
     def embeddings(body: dict[str, Any]) -> dict[str, Any]:
         [vector] = task.run([task.prepare(body["input"])])
-        return {"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": vector.tolist()}]}
+        return {
+            "object": "list",
+            "data": [{"object": "embedding", "index": 0, "embedding": vector.tolist()}],
+        }
 
     @app.post("/v2/models/{name}/infer")
     def infer(name: str, body: dict[str, Any]) -> dict[str, Any]:
-        tensors = {t["name"]: np.asarray(t["data"], dtype=np.float32).reshape(t["shape"]) for t in body["inputs"]}
+        tensors = {
+            t["name"]: np.asarray(t["data"], dtype=np.float32).reshape(t["shape"])
+            for t in body["inputs"]
+        }
         [out] = task.run([task.prepare(tensors)])
-        outputs = [{"name": k, "datatype": "FP32", "shape": list(v.shape), "data": v.reshape(-1).tolist()} for k, v in out.items()]
+        outputs = [
+            {"name": k, "datatype": "FP32", "shape": list(v.shape), "data": v.reshape(-1).tolist()}
+            for k, v in out.items()
+        ]
         return {"model_name": name, "outputs": outputs}
 
     return app
@@ -51,4 +60,10 @@ def build(spec_path: str, workload: str) -> FastAPI:
 
 if __name__ == "__main__":
     spec_path, workload, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    uvicorn.run(build(spec_path, workload), host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    uvicorn.run(
+        build(spec_path, workload),
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        access_log=False,
+    )

@@ -78,7 +78,9 @@ class Load:
 def request_for(model: str) -> tuple[str, dict[str, object]]:
     if model == "minilm":
         return "/v1/embeddings", {"model": "minilm", "input": TEXT}
-    body = {"inputs": [{"name": "features", "shape": [1, 4], "datatype": "FP32", "data": FEATURES[0]}]}
+    body = {
+        "inputs": [{"name": "features", "shape": [1, 4], "datatype": "FP32", "data": FEATURES[0]}]
+    }
     return "/v2/models/tiny/infer", body
 
 
@@ -126,7 +128,9 @@ def batch_stats(url: str, model: str) -> tuple[float, float] | None:
     return values["sum"], values["count"]
 
 
-def raw_onnxruntime(spec_path: Path, model: str, sizes: list[int], seconds: float) -> dict[int, tuple[float, float]]:
+def raw_onnxruntime(
+    spec_path: Path, model: str, sizes: list[int], seconds: float
+) -> dict[int, tuple[float, float]]:
     """items/s and mean ms per run of the task's own batched function, no HTTP."""
     settings = Settings()
     task = load_task(model, load_spec(spec_path, settings), Runtime(settings))
@@ -170,7 +174,9 @@ def table(title: str, rows: list[list[str]], header: list[str]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--levels", default="1,8,32,128")
     parser.add_argument("--models", default="minilm,tiny")
@@ -188,14 +194,24 @@ def main() -> None:
         raw = raw_onnxruntime(spec_path, model, levels, max(1.0, args.seconds / 2))
         best = max(v[0] for v in raw.values())
         results: dict[str, dict[int, Load]] = {}
-        servers = {"lanes": [sys.executable, "-m", "router.cli", "serve", str(spec_path), "--port", "8431"]}
+        servers = {
+            "lanes": [sys.executable, "-m", "router.cli", "serve", str(spec_path), "--port", "8431"]
+        }
         if not args.no_baseline:
-            servers["baseline"] = [sys.executable, str(ROOT / "bench" / "baseline_server.py"), str(spec_path), model, "8432"]
+            servers["baseline"] = [
+                sys.executable,
+                str(ROOT / "bench" / "baseline_server.py"),
+                str(spec_path),
+                model,
+                "8432",
+            ]
         for name, cmd in servers.items():
             url = lanes_url if name == "lanes" else base_url
             proc = start(cmd, url, env)
             try:
-                results[name] = {c: asyncio.run(closed_loop(url, model, c, args.seconds)) for c in levels}
+                results[name] = {
+                    c: asyncio.run(closed_loop(url, model, c, args.seconds)) for c in levels
+                }
             finally:
                 proc.terminate()
                 proc.wait(timeout=30)
@@ -204,16 +220,41 @@ def main() -> None:
             raw_items, raw_ms = raw[c]
             for name, loads in results.items():
                 load = loads[c]
-                rows.append([
-                    name, str(c), f"{load.rps:.0f}", f"{load.pct(50):.2f}", f"{load.pct(95):.2f}",
-                    f"{load.pct(99):.2f}", f"{load.mean_batch:.1f}" if load.mean_batch else "-",
-                    f"{raw_items:.0f}", f"{raw_ms:.2f}", f"{load.rps / best:.2f}",
-                ])
-        header = ["server", "conc", "req/s", "p50 ms", "p95 ms", "p99 ms", "batch",
-                  "raw items/s@b=conc", "raw ms/run", "x raw best"]
-        table(f"{model}: raw onnxruntime best {best:.0f} items/s (batch {max(raw, key=lambda k: raw[k][0])})", rows, header)
+                rows.append(
+                    [
+                        name,
+                        str(c),
+                        f"{load.rps:.0f}",
+                        f"{load.pct(50):.2f}",
+                        f"{load.pct(95):.2f}",
+                        f"{load.pct(99):.2f}",
+                        f"{load.mean_batch:.1f}" if load.mean_batch else "-",
+                        f"{raw_items:.0f}",
+                        f"{raw_ms:.2f}",
+                        f"{load.rps / best:.2f}",
+                    ]
+                )
+        header = [
+            "server",
+            "conc",
+            "req/s",
+            "p50 ms",
+            "p95 ms",
+            "p99 ms",
+            "batch",
+            "raw items/s@b=conc",
+            "raw ms/run",
+            "x raw best",
+        ]
+        table(
+            f"{model}: raw onnxruntime best {best:.0f} items/s (batch {max(raw, key=lambda k: raw[k][0])})",
+            rows,
+            header,
+        )
         lanes1 = results["lanes"][levels[0]].pct(50)
-        print(f"  lanes p50 at concurrency {levels[0]} minus raw batch-1 run: {lanes1 - raw[levels[0]][1]:+.2f} ms")
+        print(
+            f"  lanes p50 at concurrency {levels[0]} minus raw batch-1 run: {lanes1 - raw[levels[0]][1]:+.2f} ms"
+        )
         if "baseline" in results:
             for c in levels:
                 if c >= 32:

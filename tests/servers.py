@@ -48,7 +48,11 @@ class ServerThread:
         self.app = create_app(self.spec, self.settings)
         self.url = f"http://127.0.0.1:{self.settings.port}"
         config = uvicorn.Config(
-            self.app, host="127.0.0.1", port=self.settings.port, log_level="warning", access_log=False
+            self.app,
+            host="127.0.0.1",
+            port=self.settings.port,
+            log_level="warning",
+            access_log=False,
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -58,7 +62,9 @@ class ServerThread:
         self.wait_ready()
         return self
 
-    def __exit__(self, *exc: tuple[type[BaseException], BaseException, TracebackType] | None) -> None:
+    def __exit__(
+        self, *exc: tuple[type[BaseException], BaseException, TracebackType] | None
+    ) -> None:
         self.stop()
 
     def wait_ready(self, timeout: float = 60.0) -> None:

@@ -115,7 +115,9 @@ def test_tritonclient_infer_and_metadata(server: ServerThread) -> None:
     rows = np.array([[5.1, 3.5, 1.4, 0.2], [6.7, 3.0, 5.2, 2.3]], dtype=np.float32)
     tensor = triton.InferInput("features", list(rows.shape), "FP32")
     tensor.set_data_from_numpy(rows, binary_data=False)
-    result = client.infer("flowers", [tensor], outputs=[triton.InferRequestedOutput("logits", binary_data=False)])
+    result = client.infer(
+        "flowers", [tensor], outputs=[triton.InferRequestedOutput("logits", binary_data=False)]
+    )
     logits = result.as_numpy("logits")
     task = load_task("flowers", server.spec, Runtime(Settings()))
     expected = task.run([task.prepare({"features": rows})])[0]["logits"]
@@ -123,7 +125,11 @@ def test_tritonclient_infer_and_metadata(server: ServerThread) -> None:
 
 
 def test_handler_turns_logits_into_labels(server: ServerThread) -> None:
-    body = {"inputs": [{"name": "features", "shape": [1, 4], "datatype": "FP32", "data": [5.1, 3.5, 1.4, 0.2]}]}
+    body = {
+        "inputs": [
+            {"name": "features", "shape": [1, 4], "datatype": "FP32", "data": [5.1, 3.5, 1.4, 0.2]}
+        ]
+    }
     answer = httpx.post(f"{server.url}/v2/models/flower-labels/infer", json=body).json()
     [output] = answer["outputs"]
     assert output["name"] == "result" and output["datatype"] == "BYTES"
@@ -145,8 +151,12 @@ async def test_full_queue_answers_503_with_retry_after(server: ServerThread) -> 
         assert [r.status_code for r in await asyncio.gather(*waiting)] == [200] * 4
 
 
-async def test_expired_deadline_answers_504_and_never_reaches_the_model(server: ServerThread) -> None:
-    before = metric(httpx.get(f"{server.url}/metrics").text, "lanes_batch_size_sum", workload="slow-lane")
+async def test_expired_deadline_answers_504_and_never_reaches_the_model(
+    server: ServerThread,
+) -> None:
+    before = metric(
+        httpx.get(f"{server.url}/metrics").text, "lanes_batch_size_sum", workload="slow-lane"
+    )
     started = time.monotonic()
     answer = httpx.post(
         f"{server.url}/v1/embeddings",
@@ -158,7 +168,9 @@ async def test_expired_deadline_answers_504_and_never_reaches_the_model(server: 
     assert answer.status_code == 504
     assert waited < 1.4, "answered at its deadline, not when the batch window closed"
     await asyncio.sleep(1.6)
-    after = metric(httpx.get(f"{server.url}/metrics").text, "lanes_batch_size_sum", workload="slow-lane")
+    after = metric(
+        httpx.get(f"{server.url}/metrics").text, "lanes_batch_size_sum", workload="slow-lane"
+    )
     assert after == before
 
 
@@ -172,21 +184,83 @@ BAD_REQUESTS: list[tuple[str, str, object, int]] = [
     ("POST", "/v1/embeddings", {"model": "search-query", "input": ""}, 400),
     ("POST", "/v1/embeddings", {"model": "search-query", "input": []}, 400),
     ("POST", "/v1/embeddings", {"model": "search-query", "input": ["ok", None]}, 400),
-    ("POST", "/v1/embeddings", {"model": "search-query", "input": "x", "encoding_format": "hex"}, 400),
+    (
+        "POST",
+        "/v1/embeddings",
+        {"model": "search-query", "input": "x", "encoding_format": "hex"},
+        400,
+    ),
     ("POST", "/v1/embeddings", {"model": "nope", "input": "x"}, 404),
     ("POST", "/v1/embeddings", {"model": "flowers", "input": "x"}, 400),
     ("POST", "/v1/embeddings", {"model": "nightly", "input": "x"}, 400),
     ("POST", "/v1/embeddings", {"model": "search-query", "input": "x" * 9_000_000}, 413),
     ("GET", "/v1/embeddings", None, 405),
     ("POST", "/v2/models/flowers/infer", {"inputs": []}, 400),
-    ("POST", "/v2/models/flowers/infer", {"inputs": [{"name": "features", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3]}]}, 400),
-    ("POST", "/v2/models/flowers/infer", {"inputs": [{"name": "features", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]}]}, 400),
-    ("POST", "/v2/models/flowers/infer", {"inputs": [{"name": "colour", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}, 400),
-    ("POST", "/v2/models/flowers/infer", {"inputs": [{"name": "features", "shape": [1, 4], "datatype": "FP32", "data": ["a", "b", "c", "d"]}]}, 400),
-    ("POST", "/v2/models/flowers/infer", {"inputs": [{"name": "features", "shape": [1, 4], "datatype": "COMPLEX", "data": [1, 2, 3, 4]}]}, 400),
-    ("POST", "/v2/models/flowers/infer", {"inputs": [{"name": "features", "shape": [-1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}, 400),
-    ("POST", "/v2/models/ghost/infer", {"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}]}, 404),
-    ("POST", "/v2/models/search-query/infer", {"inputs": [{"name": "text", "shape": [1], "datatype": "FP32", "data": [1]}]}, 400),
+    (
+        "POST",
+        "/v2/models/flowers/infer",
+        {"inputs": [{"name": "features", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3]}]},
+        400,
+    ),
+    (
+        "POST",
+        "/v2/models/flowers/infer",
+        {"inputs": [{"name": "features", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]}]},
+        400,
+    ),
+    (
+        "POST",
+        "/v2/models/flowers/infer",
+        {"inputs": [{"name": "colour", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]},
+        400,
+    ),
+    (
+        "POST",
+        "/v2/models/flowers/infer",
+        {
+            "inputs": [
+                {
+                    "name": "features",
+                    "shape": [1, 4],
+                    "datatype": "FP32",
+                    "data": ["a", "b", "c", "d"],
+                }
+            ]
+        },
+        400,
+    ),
+    (
+        "POST",
+        "/v2/models/flowers/infer",
+        {
+            "inputs": [
+                {"name": "features", "shape": [1, 4], "datatype": "COMPLEX", "data": [1, 2, 3, 4]}
+            ]
+        },
+        400,
+    ),
+    (
+        "POST",
+        "/v2/models/flowers/infer",
+        {
+            "inputs": [
+                {"name": "features", "shape": [-1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}
+            ]
+        },
+        400,
+    ),
+    (
+        "POST",
+        "/v2/models/ghost/infer",
+        {"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}]},
+        404,
+    ),
+    (
+        "POST",
+        "/v2/models/search-query/infer",
+        {"inputs": [{"name": "text", "shape": [1], "datatype": "FP32", "data": [1]}]},
+        400,
+    ),
     ("GET", "/v2/models/ghost", None, 404),
     ("GET", "/nowhere", None, 404),
 ]
@@ -197,10 +271,16 @@ def test_server_survives_bad_requests(server: ServerThread) -> None:
     with httpx.Client(base_url=server.url, timeout=10) as client:
         for method, path, body, status in BAD_REQUESTS:
             if isinstance(body, bytes) or body is None:
-                answer = client.request(method, path, content=body, headers={"content-type": "application/json"})
+                answer = client.request(
+                    method, path, content=body, headers={"content-type": "application/json"}
+                )
             else:
                 answer = client.request(method, path, json=body)
-            assert answer.status_code == status, (path, body if not isinstance(body, dict) else str(body)[:200], answer.text)
+            assert answer.status_code == status, (
+                path,
+                body if not isinstance(body, dict) else str(body)[:200],
+                answer.text,
+            )
             if status != 405 and path != "/nowhere":
                 error = answer.json()["error"]
                 message = error["message"] if path.startswith("/v1") else error
@@ -216,7 +296,12 @@ def test_api_key_guards_everything_but_health(spec_path: Path) -> None:
         refused = httpx.get(f"{guarded.url}/v1/models")
         assert refused.status_code == 401
         assert refused.json()["error"]["type"] == "authentication_error"
-        assert httpx.get(f"{guarded.url}/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert (
+            httpx.get(
+                f"{guarded.url}/metrics", headers={"Authorization": "Bearer wrong"}
+            ).status_code
+            == 401
+        )
         with pytest.raises(AuthenticationError):
             OpenAI(base_url=f"{guarded.url}/v1", api_key="wrong", max_retries=0).embeddings.create(
                 model="search-query", input="x"
@@ -230,7 +315,9 @@ def test_sigterm_finishes_queued_work_then_exits(spec_path: Path) -> None:
     env = {**os.environ, "LANES_PORT": str(port)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "router.cli", "serve", str(spec_path)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     try:
         url = f"http://127.0.0.1:{port}"
@@ -245,7 +332,11 @@ def test_sigterm_finishes_queued_work_then_exits(spec_path: Path) -> None:
         async def queued_then_terminated() -> list[int]:
             async with httpx.AsyncClient(timeout=20) as client:
                 calls = [
-                    asyncio.create_task(client.post(f"{url}/v1/embeddings", json={"model": "slow-lane", "input": f"q{i}"}))
+                    asyncio.create_task(
+                        client.post(
+                            f"{url}/v1/embeddings", json={"model": "slow-lane", "input": f"q{i}"}
+                        )
+                    )
                     for i in range(3)
                 ]
                 await asyncio.sleep(0.3)  # queued in the 1.5 s window
