@@ -1,1 +1,15 @@
-"""The offline wing: Prefect flows that run offline workloads in large batches."""
+"""The offline wing: Prefect flows that run offline workloads in large batches.
+
+flows.batch     the flow (`offline`) and its per-shard task
+flows.shard     one shard end to end: read, batch, run, write, commit
+flows.records   input shards -> numbered records (JSONL, gzip, Parquet)
+flows.requests  a record -> task items, and outputs -> its output line
+flows.job       a job planned: URIs, resume keys, one plan per shard
+flows.manifest  the record a run leaves beside its outputs
+flows.compile   offline workloads -> prefect.yaml
+"""
+
+# The flow every offline workload runs; its deployments are "lanes-offline/<workload>".
+FLOW_NAME = "lanes-offline"
+# Where prefect.yaml points: a module path, valid wherever lanes is installed.
+ENTRYPOINT = "flows.batch:offline"

@@ -1,0 +1,137 @@
+"""An offline job, planned: which workload, where from and to, and one plan per shard.
+
+Relative local paths in the spec (and in --input/--output) are read against the
+folder of workloads.yaml, like model paths, so a deployment finds the same files
+wherever its worker starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from flows.records import SUFFIXES, output_name
+from flows.shard import ShardPlan
+from lanes.errors import StorageError, WrongMode
+from lanes.settings import Settings
+from lanes.spec import Runner, Spec, Workload
+from lanes.specfile import load_spec
+from lanes.storage import Storage, is_s3, join
+
+# Bookkeeping folders inside the output: '_' keeps them out of any input listing.
+ERRORS = "_errors"
+MARKERS = "_committed"
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything a shard task needs, picklable (Dask ships it to its workers)."""
+
+    workload: str
+    spec: Spec
+    input: str
+    output: str
+    batch_size: int
+    retries: int
+    runner: Runner
+    model_key: str  # changes when the model, its tokenizer or the task's settings do
+    max_record_bytes: int
+
+
+def plan_job(
+    workload: str,
+    spec_file: str | Path,
+    settings: Settings,
+    input: str | None = None,
+    output: str | None = None,
+) -> Job:
+    """Load the spec and settle the job. Raises SpecError, UnknownWorkload, WrongMode."""
+    spec = load_spec(spec_file, settings)
+    w = spec.workload(workload)
+    if w.mode != "offline":
+        raise WrongMode(
+            f"workload {workload!r} is interactive: call it through the endpoint, "
+            "or declare it `mode: offline` with an input and output"
+        )
+    base = Path(spec_file).resolve().parent
+    source = _resolve(input or w.input, base, "input")
+    dest = _resolve(output or w.output, base, "output")
+    if dest.rstrip("/") == source.rstrip("/") or dest.startswith(source.rstrip("/") + "/"):
+        raise StorageError(
+            f"output {dest} is inside input {source}: outputs would be read as inputs on "
+            "the next run; choose an output folder outside the input"
+        )
+    return Job(
+        workload=workload,
+        spec=spec,
+        input=source,
+        output=dest,
+        batch_size=w.batch_size,
+        retries=w.retries,
+        runner=w.runner,
+        model_key=model_key(spec, w),
+        max_record_bytes=settings.max_body_bytes,
+    )
+
+
+def _resolve(location: str | None, base: Path, what: str) -> str:
+    if not location:
+        raise StorageError(f"no {what}: set it in workloads.yaml or pass --{what}")
+    if is_s3(location) or "://" in location:
+        return location
+    path = Path(location).expanduser()
+    resolved = str(path if path.is_absolute() else base / path)
+    return resolved + "/" if location.endswith("/") else resolved
+
+
+def model_key(spec: Spec, workload: Workload) -> str:
+    """A digest of what decides a record's output besides the record itself."""
+    model = spec.models[workload.model]
+    files = [model.path] + ([model.tokenizer] if model.tokenizer else [])
+    identity = {
+        "files": [[str(f), *_file_identity(f)] for f in files],
+        "model": model.model_dump(mode="json"),
+        "task": workload.task,
+        "handler": workload.handler,
+        "generation": workload.generation.model_dump(mode="json"),
+    }
+    return hashlib.sha256(orjson.dumps(identity, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+def _file_identity(path: Path) -> tuple[int, int]:
+    try:
+        info = path.stat()
+    except OSError:
+        return (-1, -1)  # a remote worker may hold the model where this machine does not
+    return (info.st_size, info.st_mtime_ns)
+
+
+def plan_shards(job: Job, storage: Storage) -> list[ShardPlan]:
+    """One plan per input shard, sorted by name. No inputs at all is an error."""
+    files = storage.list_files(job.input, SUFFIXES)
+    if not files:
+        kinds = ", ".join(SUFFIXES)
+        raise StorageError(f"{job.input}: no input files ({kinds}); check the workload's input")
+    plans: dict[str, ShardPlan] = {}
+    for file in files:
+        name = output_name(file.name)
+        if name in plans:
+            raise StorageError(
+                f"{plans[name].input.uri} and {file.uri} would both write {name}; "
+                "rename one of them"
+            )
+        key = hashlib.sha256(
+            orjson.dumps([file.uri, file.size, file.version, job.model_key])
+        ).hexdigest()
+        plans[name] = ShardPlan(
+            input=file,
+            name=name,
+            output=join(job.output, name),
+            errors=join(job.output, ERRORS, name),
+            marker=join(job.output, MARKERS, name.removesuffix(".jsonl") + ".json"),
+            key=key,
+        )
+    return list(plans.values())

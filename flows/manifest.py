@@ -1,0 +1,124 @@
+"""The record a run leaves beside its outputs: what it read and wrote, how fast, what it cost.
+
+Written to `<output>/_manifests/<start>-<run>.json`, and to `<output>/_manifest.json`
+for the latest run. Measured items/s are kept so a later run can be planned from them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from typing import Any
+
+import orjson
+
+from flows.shard import ShardStats
+from lanes.storage import Storage, join
+
+MANIFESTS = "_manifests"
+LATEST = "_manifest.json"
+
+
+@dataclass(frozen=True)
+class ShardFailure:
+    input: str
+    error: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """One run. Counts of `records`/`outputs`/`errors`/`items` are this run's; the
+    `total_*` ones include shards committed by earlier runs and skipped by this one."""
+
+    workload: str
+    flow_run: str | None
+    input: str
+    output: str
+    started_at: str
+    ended_at: str
+    wall_seconds: float
+    shards: int
+    shards_run: int
+    shards_skipped: int
+    shards_failed: int
+    records: int
+    outputs: int
+    errors: int
+    items: int
+    items_per_second: float
+    total_outputs: int
+    total_errors: int
+    provider: str
+    devices: int
+    device_hours: float
+    price_per_device_hour: float
+    cost_estimate: float
+    failures: list[ShardFailure]
+    shard_stats: list[ShardStats]
+
+    def summary(self) -> dict[str, Any]:
+        """The manifest without its per-shard lists."""
+        data = asdict(self)
+        del data["shard_stats"]
+        data["failures"] = [f"{f.input}: {f.error}" for f in self.failures]
+        return data
+
+
+def build_manifest(
+    *,
+    workload: str,
+    flow_run: str | None,
+    input: str,
+    output: str,
+    started: datetime,
+    ended: datetime,
+    stats: list[ShardStats],
+    failures: list[ShardFailure],
+    price_per_device_hour: float,
+) -> Manifest:
+    ran = [s for s in stats if not s.skipped]
+    wall = max((ended - started).total_seconds(), 1e-9)
+    items = sum(s.items for s in ran)
+    # A host that ran shards counts as one device for as long as the run took: an
+    # estimate that is right for one GPU per worker machine, and says so.
+    devices = max(1, len({s.host for s in ran}))
+    device_hours = wall / 3600 * devices
+    providers = sorted({s.provider for s in ran}) or ["none"]
+    return Manifest(
+        workload=workload,
+        flow_run=flow_run,
+        input=input,
+        output=output,
+        started_at=started.isoformat(),
+        ended_at=ended.isoformat(),
+        wall_seconds=round(wall, 3),
+        shards=len(stats) + len(failures),
+        shards_run=len(ran),
+        shards_skipped=len(stats) - len(ran),
+        shards_failed=len(failures),
+        records=sum(s.records for s in ran),
+        outputs=sum(s.outputs for s in ran),
+        errors=sum(s.errors for s in ran),
+        items=items,
+        items_per_second=round(items / wall, 2),
+        total_outputs=sum(s.outputs for s in stats),
+        total_errors=sum(s.errors for s in stats),
+        provider=", ".join(providers),
+        devices=devices,
+        device_hours=round(device_hours, 6),
+        price_per_device_hour=price_per_device_hour,
+        cost_estimate=round(device_hours * price_per_device_hour, 6),
+        failures=failures,
+        shard_stats=stats,
+    )
+
+
+def write_manifest(storage: Storage, manifest: Manifest) -> str:
+    """Write the run's manifest and the latest-run copy; returns the run's URI."""
+    data = orjson.dumps(asdict(manifest), option=orjson.OPT_INDENT_2)
+    stamp = manifest.started_at.replace(":", "").replace("-", "").replace("+0000", "Z")
+    run = (manifest.flow_run or "local")[:8]
+    uri = join(manifest.output, MANIFESTS, f"{stamp}-{run}.json")
+    storage.write_bytes(uri, data)
+    storage.write_bytes(join(manifest.output, LATEST), data)
+    return uri

@@ -1,0 +1,213 @@
+"""From an input record to task items, and from task outputs to an output line.
+
+Two record shapes, told apart line by line:
+
+- a plain record `{"id": ..., <task fields>}`: embed reads `text` (other fields are
+  ignored); infer and generate take every field but `id` as the item. Its output
+  line is `{"id", "embedding": [...]}` (embed), or the id with the output's fields
+  (infer's named tensors, a handler's mapping), or `{"id", "result": ...}`.
+- an OpenAI batch line `{"custom_id", "method", "url", "body"}`: the body is what
+  the online endpoint takes, the output line carries exactly the body it answers.
+
+A record that does not fit becomes a `Rejection`, written to the errors file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from flows.records import Line
+from lanes.errors import InvalidInput
+from lanes.protocols.openai import (
+    BATCH_URLS,
+    BatchRequestLine,
+    EmbeddingsRequest,
+    batch_output,
+    embeddings_response,
+    invalid_request_body,
+    is_batch_line,
+    parse,
+    prepare_texts,
+)
+from lanes.spec import TaskName
+from lanes.tasks.base import Task
+from lanes.tasks.embed import EmbedItem
+
+
+class Request(Protocol):
+    """One input record's work: its items (each prepared and run by the task) and how
+    to turn their outputs into its output line."""
+
+    @property
+    def number(self) -> int: ...
+
+    @property
+    def id(self) -> Any: ...
+
+    def prepare(self, task: Task) -> list[Any]:
+        """Every item prepared; `InvalidInput` rejects the whole record."""
+        ...
+
+    def answer(self, prepared: Sequence[Any], outputs: Sequence[Any]) -> dict[str, Any]:
+        """The output line, given one output per prepared item."""
+        ...
+
+    def reject(self, message: str) -> dict[str, Any]:
+        """The errors-file line for this record."""
+        ...
+
+    def sort_key(self) -> int:
+        """About how long this record's items are (text length), to batch alike ones."""
+        ...
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A record that could not become a request: its errors-file line."""
+
+    line: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class PlainRecord:
+    number: int
+    id: Any
+    item: Any
+    kind: TaskName
+
+    def prepare(self, task: Task) -> list[Any]:
+        return [task.prepare(self.item)]
+
+    def answer(self, prepared: Sequence[Any], outputs: Sequence[Any]) -> dict[str, Any]:
+        (output,) = outputs
+        if self.kind == "embed" and isinstance(output, np.ndarray):
+            vector: list[float] = np.asarray(output, dtype=np.float32).tolist()
+            return {"id": self.id, "embedding": vector}
+        value = jsonable(output)
+        if isinstance(value, dict) and "id" not in value:
+            return {"id": self.id, **value}
+        return {"id": self.id, "result": value}
+
+    def reject(self, message: str) -> dict[str, Any]:
+        return {"id": self.id, "line": self.number, "error": message}
+
+    def sort_key(self) -> int:
+        return _length(self.item)
+
+
+@dataclass(frozen=True)
+class EmbeddingsLine:
+    number: int
+    id: str  # the line's custom_id
+    request_id: str
+    request: EmbeddingsRequest
+
+    def prepare(self, task: Task) -> list[Any]:
+        return prepare_texts(self.request, task.prepare)
+
+    def answer(self, prepared: Sequence[Any], outputs: Sequence[Any]) -> dict[str, Any]:
+        tokens = sum(item.n_tokens for item in prepared if isinstance(item, EmbedItem))
+        body = embeddings_response(
+            self.request.model, list(outputs), tokens, self.request.encoding_format
+        )
+        return batch_output(self.id, self.request_id, 200, body)
+
+    def reject(self, message: str) -> dict[str, Any]:
+        return _batch_rejection(self.id, self.number, self.request_id, message)
+
+    def sort_key(self) -> int:
+        return sum(len(t) for t in self.request.texts)
+
+
+def to_request(line: Line, kind: TaskName, shard_uri: str) -> Request | Rejection:
+    """The request a readable record makes, or why it makes none."""
+    if line.value is None:
+        return Rejection({"id": None, "line": line.number, "error": line.error})
+    record = line.value
+    if is_batch_line(record):
+        return _batch_line(line.number, record, kind, shard_uri)
+    if "id" not in record:
+        message = 'missing field "id": a plain record is {"id": ..., <task fields>}'
+        return Rejection({"id": None, "line": line.number, "error": message})
+    rid = record["id"]
+    if not isinstance(rid, str | int) or isinstance(rid, bool):
+        message = f'field "id": expected a string or an integer, found {type(rid).__name__}'
+        return Rejection({"id": None, "line": line.number, "error": message})
+    if kind == "embed":
+        if "text" not in record:
+            message = 'missing field "text": an embed record is {"id": ..., "text": "..."}'
+            return Rejection({"id": rid, "line": line.number, "error": message})
+        return PlainRecord(line.number, rid, record["text"], kind)
+    return PlainRecord(line.number, rid, {k: v for k, v in record.items() if k != "id"}, kind)
+
+
+def _batch_line(
+    number: int, record: Mapping[str, Any], kind: TaskName, shard: str
+) -> Request | Rejection:
+    custom_id = record.get("custom_id")
+    # Deterministic ids: a rerun writes the same line for the same input line.
+    request_id = hashlib.sha256(f"{shard}\n{number}".encode()).hexdigest()[:24]
+    try:
+        line = parse(BatchRequestLine, record)
+    except InvalidInput as err:
+        return Rejection(_batch_rejection(custom_id, number, request_id, str(err)))
+    wanted = BATCH_URLS.get(line.url)
+    if wanted is None:
+        known = ", ".join(BATCH_URLS)
+        message = f"url: expected one of {known}, found {line.url!r}"
+        return Rejection(_batch_rejection(line.custom_id, number, request_id, message))
+    if wanted != kind:
+        message = f"url: {line.url} is for task {wanted!r}, but this workload's task is {kind!r}"
+        return Rejection(_batch_rejection(line.custom_id, number, request_id, message))
+    if line.url != "/v1/embeddings":
+        message = (
+            f'url: {line.url} lines are not run offline yet; use plain records {{"id", "prompt"}}'
+        )
+        return Rejection(_batch_rejection(line.custom_id, number, request_id, message))
+    try:
+        body = parse(EmbeddingsRequest, line.body)
+    except InvalidInput as err:
+        message = f"body.{err}"
+        return Rejection(_batch_rejection(line.custom_id, number, request_id, message))
+    return EmbeddingsLine(number, line.custom_id, request_id, body)
+
+
+def _batch_rejection(custom_id: Any, number: int, request_id: str, message: str) -> dict[str, Any]:
+    # The errors file doubles as OpenAI's error file: the 400 the endpoint would answer.
+    answer = batch_output(str(custom_id), request_id, 400, invalid_request_body(message))
+    return {
+        "id": custom_id,
+        "line": number,
+        "error": message,
+        "custom_id": custom_id,
+        "response": answer["response"],
+    }
+
+
+def _length(item: Any) -> int:
+    if isinstance(item, str):
+        return len(item)
+    if isinstance(item, Mapping) and isinstance(item.get("prompt"), str):
+        return len(item["prompt"])
+    return 0
+
+
+def jsonable(value: Any) -> Any:
+    """Arrays, numpy scalars, dataclasses and nested containers as JSON values."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    return value

@@ -1,0 +1,398 @@
+"""Files by URI: a local path (or file://...) or s3://bucket/key, behind one small class.
+
+What the offline flows need and no more: list the input shards under a folder, glob
+or prefix; read one; publish an output atomically; keep small JSON markers.
+
+Publishing is atomic in both places. Locally a file is written aside, as a hidden
+file in the same folder, flushed to disk, then renamed over its final name. On S3 it is written aside on local disk, then uploaded to its final key, in
+parts when large: S3 shows an object only once its whole upload completes, so a
+reader never sees half of one.
+
+boto3 is imported on first S3 use; credentials come from boto3's usual chain
+(environment, profile, instance role); the endpoint from `Settings.s3_endpoint`,
+else boto3's own `AWS_ENDPOINT_URL`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import glob
+import io
+import os
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+from urllib.parse import unquote, urlparse
+
+from lanes.errors import StorageError
+from lanes.settings import Settings
+
+# Files whose name starts with one of these are the job's own bookkeeping (markers,
+# errors, staging, manifests) or hidden: never listed as data (Spark's convention).
+_PRIVATE = ("_", ".")
+_GLOB_CHARS = "*?["
+STAGING_SUFFIX = ".tmp"
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class StoredFile:
+    """One listed file. `name` is its path below the listed root (for output names);
+    `version` changes when the content may have (mtime or ETag), for resume keys."""
+
+    uri: str
+    name: str
+    size: int
+    version: str
+
+
+def is_s3(uri: str) -> bool:
+    return uri.startswith("s3://")
+
+
+def join(base: str, *parts: str) -> str:
+    """`base` (a folder or prefix, with or without a trailing '/') joined with `parts`."""
+    tail = "/".join(p.strip("/") for p in parts)
+    if is_s3(base) or "://" in base:
+        return base.rstrip("/") + "/" + tail
+    return str(Path(base, *parts))
+
+
+def _local_path(uri: str) -> Path:
+    if uri.startswith("file://"):
+        return Path(unquote(urlparse(uri).path))
+    if "://" in uri:
+        raise StorageError(f"{uri}: unsupported scheme; use a local path, file:// or s3://")
+    return Path(uri)
+
+
+def _split_s3(uri: str) -> tuple[str, str]:
+    parsed = urlparse(uri)
+    if not parsed.netloc:
+        raise StorageError(f"{uri}: expected s3://bucket/key")
+    return parsed.netloc, parsed.path.lstrip("/")
+
+
+def _is_private(relative: str) -> bool:
+    return any(part.startswith(_PRIVATE) for part in relative.split("/"))
+
+
+class Storage:
+    """Read, list and atomically publish files by URI. Thread-safe.
+
+    Every failure is a `StorageError` that names the URI and what to do.
+    `multipart_threshold` is the size from which S3 uploads go in parts.
+    """
+
+    def __init__(self, settings: Settings, multipart_threshold: int = 8 * MiB) -> None:
+        self.settings = settings
+        self.multipart_threshold = multipart_threshold
+        self._client: Any = None
+        self._lock = threading.Lock()
+
+    # ---- listing and reading ----------------------------------------------------
+
+    def list_files(self, location: str, suffixes: tuple[str, ...]) -> list[StoredFile]:
+        """Files under a folder or prefix (recursively), or matching a glob, whose names
+        end with one of `suffixes`; sorted by name. Bookkeeping (`_*`) and hidden files
+        are skipped. A missing folder or bucket is a `StorageError`."""
+        found = self._list_s3(location) if is_s3(location) else self._list_local(location)
+        return sorted(
+            (f for f in found if f.name.endswith(suffixes) and not _is_private(f.name)),
+            key=lambda f: f.name,
+        )
+
+    def _list_local(self, location: str) -> list[StoredFile]:
+        path = _local_path(location)
+        if any(c in str(path) for c in _GLOB_CHARS):
+            root = _glob_root(path)
+            matches = [Path(m) for m in glob.glob(str(path), recursive=True)]
+            return [_stat(m, m.relative_to(root).as_posix()) for m in matches if m.is_file()]
+        if path.is_file():
+            return [_stat(path, path.name)]
+        if not path.is_dir():
+            raise StorageError(f"{location}: no such folder or file; check the workload's input")
+        return [_stat(p, p.relative_to(path).as_posix()) for p in path.rglob("*") if p.is_file()]
+
+    def _list_s3(self, location: str) -> list[StoredFile]:
+        bucket, key = _split_s3(location)
+        pattern: str | None = None
+        if any(c in key for c in _GLOB_CHARS):
+            # s3://b/dir/*.jsonl: list dir/, keep the keys the pattern matches.
+            pattern = key
+            cut = min(key.index(c) for c in _GLOB_CHARS if c in key)
+            key = key[: key.rfind("/", 0, cut) + 1]
+        files = []
+        paginator = self._s3().get_paginator("list_objects_v2")
+        with self._errors(location, "list"):
+            # The paginator follows continuation tokens: 1,000 keys a page, any number.
+            for page in paginator.paginate(Bucket=bucket, Prefix=key):
+                for obj in page.get("Contents", []):
+                    name = _s3_relative(str(obj["Key"]), key, pattern)
+                    if name is not None:
+                        etag = str(obj.get("ETag", "")).strip('"')
+                        uri = f"s3://{bucket}/{obj['Key']}"
+                        files.append(StoredFile(uri, name, int(obj["Size"]), etag))
+        return files
+
+    @contextmanager
+    def open(self, uri: str) -> Iterator[IO[bytes]]:
+        """A binary stream of the file's content (S3: streamed, not loaded at once)."""
+        if not is_s3(uri):
+            try:
+                with _local_path(uri).open("rb") as stream:
+                    yield stream
+            except FileNotFoundError:
+                raise StorageError(f"{uri}: no such file") from None
+            return
+        bucket, key = _split_s3(uri)
+        with self._errors(uri, "read"):
+            body = self._s3().get_object(Bucket=bucket, Key=key)["Body"]
+        # botocore's body has no efficient readline: buffer it like a local file.
+        stream = io.BufferedReader(_RawBody(body, uri, self), buffer_size=MiB)
+        try:
+            yield stream
+        finally:
+            body.close()
+
+    def read_bytes(self, uri: str) -> bytes | None:
+        """The whole file, or None when it does not exist."""
+        if not is_s3(uri):
+            try:
+                return _local_path(uri).read_bytes()
+            except FileNotFoundError:
+                return None
+        bucket, key = _split_s3(uri)
+        client = self._s3()
+        try:
+            with self._errors(uri, "read"):
+                data: bytes = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+                return data
+        except _Missing:
+            return None
+
+    # ---- writing ------------------------------------------------------------------
+
+    @contextmanager
+    def staged(self, uri: str) -> Iterator[Path]:
+        """A local file to write `uri`'s content into before `publish`; removed after.
+
+        A local destination stages in a hidden file beside it (`.NAME.RANDOM.tmp`: same
+        folder, so publishing is a rename, and hidden, so never listed as data); an S3
+        destination stages in the system temp folder.
+        """
+        if is_s3(uri):
+            folder = Path(tempfile.mkdtemp(prefix="lanes-stage-"))
+            try:
+                yield folder / "staged"
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+            return
+        final = _local_path(uri)
+        stage = final.parent / f".{final.name}.{uuid.uuid4().hex}{STAGING_SUFFIX}"
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise StorageError(f"{uri}: cannot create {final.parent}: {err.strerror}") from None
+        try:
+            yield stage
+        finally:
+            stage.unlink(missing_ok=True)
+
+    def publish(self, staged: Path, uri: str) -> None:
+        """Make `staged`'s content appear at `uri` all at once, replacing what was there."""
+        if not is_s3(uri):
+            final = _local_path(uri)
+            try:
+                with staged.open("rb") as f:
+                    os.fsync(f.fileno())  # the content is on disk before the name is
+                os.replace(staged, final)
+                _fsync_dir(final.parent)
+            except OSError as err:
+                raise StorageError(f"{uri}: cannot publish: {err.strerror}") from None
+            return
+        from boto3.s3.transfer import TransferConfig
+
+        bucket, key = _split_s3(uri)
+        config = TransferConfig(
+            multipart_threshold=self.multipart_threshold,
+            multipart_chunksize=max(self.multipart_threshold, 5 * MiB),
+        )
+        with self._errors(uri, "write"):
+            self._s3().upload_file(str(staged), bucket, key, Config=config)
+
+    def write_bytes(self, uri: str, data: bytes) -> None:
+        """Write a small file atomically (stage, then publish)."""
+        with self.staged(uri) as stage:
+            stage.write_bytes(data)
+            self.publish(stage, uri)
+
+    def clean_stale(self, folder: str, older_than_s: float) -> int:
+        """Remove local staging files under `folder` older than `older_than_s`: what a
+        killed run left. Returns how many went. S3 staging lives in the system temp
+        folder, and an upload cut short leaves no object (a bucket lifecycle rule
+        should abort incomplete multipart uploads)."""
+        if is_s3(folder):
+            return 0
+        root = _local_path(folder)
+        if not root.is_dir():
+            return 0
+        cutoff = time.time() - older_than_s
+        removed = 0
+        for path in root.rglob(f".*{STAGING_SUFFIX}"):
+            try:
+                if path.stat().st_mtime < cutoff:
+                    path.unlink()
+                    removed += 1
+            except FileNotFoundError:
+                continue  # published or cleaned by another run meanwhile
+        return removed
+
+    def ensure_folder(self, location: str) -> None:
+        """Create a local output folder; check an S3 output bucket exists."""
+        if is_s3(location):
+            bucket, _ = _split_s3(location)
+            with self._errors(location, "write"):
+                self._s3().head_bucket(Bucket=bucket)
+            return
+        try:
+            _local_path(location).mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise StorageError(f"{location}: cannot create the folder: {err.strerror}") from None
+
+    # ---- S3 -------------------------------------------------------------------------
+
+    def _s3(self) -> Any:
+        with self._lock:
+            if self._client is None:
+                import boto3
+                from botocore.config import Config
+
+                # A client is thread-safe; a Session is not, so one client is made here.
+                session = boto3.session.Session()
+                self._client = session.client(
+                    "s3",
+                    endpoint_url=self.settings.s3_endpoint or None,
+                    config=Config(retries={"max_attempts": 5, "mode": "standard"}),
+                )
+            return self._client
+
+    @contextmanager
+    def _errors(self, uri: str, action: str) -> Iterator[None]:
+        """Turn boto3's errors into `StorageError`s that say what to do."""
+        from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+        try:
+            yield
+        except ClientError as err:
+            raise _from_client_error(err, uri, action) from None
+        except NoCredentialsError:
+            raise StorageError(
+                f"{uri}: no AWS credentials found; set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or run with an instance role"
+            ) from None
+        except BotoCoreError as err:
+            endpoint = self.settings.s3_endpoint or os.environ.get("AWS_ENDPOINT_URL") or "AWS"
+            raise StorageError(
+                f"{uri}: cannot {action} on S3 ({endpoint}): {err}; check LANES_S3_ENDPOINT "
+                "or AWS_ENDPOINT_URL and the network"
+            ) from None
+
+
+class _RawBody(io.RawIOBase):
+    """botocore's streaming body as a raw stream, so io.BufferedReader can wrap it."""
+
+    def __init__(self, body: Any, uri: str, storage: Storage) -> None:
+        self._body, self._uri, self._storage = body, uri, storage
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        with self._storage._errors(self._uri, "read"):
+            data: bytes = self._body.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+
+class _Missing(StorageError):
+    """The object does not exist (read_bytes turns this into None)."""
+
+
+def _from_client_error(err: Any, uri: str, action: str) -> StorageError:
+    error = err.response.get("Error", {})
+    code = str(error.get("Code", ""))
+    status = err.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    bucket = urlparse(uri).netloc
+    if code == "NoSuchBucket" or (code == "404" and action in ("list", "write")):
+        return StorageError(
+            f"{uri}: bucket {bucket!r} does not exist; create it "
+            f"(aws s3 mb s3://{bucket}) or fix the workload's input/output"
+        )
+    if code in ("NoSuchKey", "404"):
+        return _Missing(f"{uri}: no such object")
+    if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch") or (
+        status == 403
+    ):
+        return StorageError(
+            f"{uri}: access denied ({code}) to {action}; check the credentials boto3 found "
+            "(AWS_ACCESS_KEY_ID, AWS_PROFILE or the instance role) and the bucket's policy"
+        )
+    message = error.get("Message") or str(err)
+    return StorageError(f"{uri}: cannot {action} on S3: {code or status}: {message}")
+
+
+def _s3_relative(key: str, prefix: str, pattern: str | None) -> str | None:
+    """`key`'s name below the listed prefix, or None when the listing excludes it.
+
+    A prefix ending in '/' (or empty) is a folder; a glob keeps what it matches; a
+    bare prefix is a file of that name or a folder of that name, never a sibling
+    that merely starts the same ("in/a" lists "in/a" and "in/a/x", not "in/ab").
+    """
+    if key.endswith("/"):
+        return None  # a folder placeholder object
+    if pattern is not None:
+        return key[len(prefix) :] if fnmatch.fnmatchcase(key, pattern) else None
+    if not prefix or prefix.endswith("/"):
+        return key[len(prefix) :]
+    if key == prefix:
+        return key.rsplit("/", 1)[-1]
+    if key.startswith(prefix + "/"):
+        return key[len(prefix) + 1 :]
+    return None
+
+
+def _glob_root(pattern: Path) -> Path:
+    """The folder part of a glob before its first wildcard (names are relative to it)."""
+    parts = []
+    for part in pattern.parts:
+        if any(c in part for c in _GLOB_CHARS):
+            break
+        parts.append(part)
+    return Path(*parts) if parts else Path(".")
+
+
+def _stat(path: Path, name: str) -> StoredFile:
+    info = path.stat()
+    return StoredFile(str(path), name, info.st_size, str(info.st_mtime_ns))
+
+
+def _fsync_dir(folder: Path) -> None:
+    # The rename itself is durable only once its folder is flushed (POSIX).
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,200 @@
+"""The router's offline half: `lanes compile`, `lanes deploy`, `lanes run`.
+
+Plain typer-compatible functions; router.cli registers them as commands. Each builds
+`Settings` once and passes it down; lanes' own errors print as a message, not a
+traceback (router.cli's `_guarded`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+
+from lanes.settings import Settings
+from lanes.specfile import load_spec
+
+T = TypeVar("T")
+
+SpecFile = Annotated[
+    Path | None,
+    typer.Argument(help="workloads.yaml to use (default: LANES_SPEC or ./workloads.yaml)."),
+]
+SpecOption = Annotated[
+    Path | None, typer.Option("--file", "-f", help="workloads.yaml (default: LANES_SPEC).")
+]
+# An embedded Prefect server starts in 9-15 s on a small machine; Prefect waits 20 s.
+EPHEMERAL_STARTUP_S = 90
+
+
+def _guarded(fn: Callable[[], T]) -> T:
+    # Imported here: router.cli imports this module to register its commands.
+    from router.cli import _guarded as guarded
+
+    return guarded(fn)
+
+
+def compile(
+    file: SpecFile = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Where (default: beside the spec).")
+    ] = None,
+    project_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--project-dir",
+            help="The folder workers run in (default: the spec's); e.g. /app in an image.",
+        ),
+    ] = None,
+) -> None:
+    """Write prefect.yaml: one Prefect deployment per offline workload."""
+    from flows.compile import write_prefect_yaml
+
+    settings = Settings()
+    spec_file = file or settings.spec
+
+    def go() -> tuple[Path, list[str]]:
+        spec = load_spec(spec_file, settings)
+        path = write_prefect_yaml(spec, settings, spec_file, output, project_dir)
+        return path, [n for n, w in spec.workloads.items() if w.mode == "offline"]
+
+    path, names = _guarded(go)
+    listed = ", ".join(names) or "none"
+    typer.echo(f"{path}: {len(names)} deployment(s) ({listed})")
+    typer.echo("register them: lanes deploy (or prefect --no-prompt deploy --all)")
+
+
+def deploy(file: SpecFile = None) -> None:
+    """Compile, create the work pool if missing, and register every offline workload
+    on the Prefect server in PREFECT_API_URL."""
+    from router.deploy import deploy as deploy_all
+    from router.plan import plan
+
+    settings = Settings()
+    spec_file = file or settings.spec
+
+    def go() -> Any:
+        spec = load_spec(spec_file, settings)
+        return spec, deploy_all(spec, spec_file, settings)
+
+    spec, done = _guarded(go)
+    pool = f"work pool {done.pool!r} ({'created' if done.pool_created else 'exists'})"
+    typer.echo(f"{done.prefect_yaml}: {len(done.deployments)} deployment(s) in {pool}")
+    for route in plan(spec, settings):
+        if route.deployment in done.deployments:
+            typer.echo(f"  {route.deployment}  {route.schedule}  next run {route.next_run}")
+    typer.echo(f"run them: prefect worker start --pool {done.pool}")
+
+
+def run(
+    workload: Annotated[str, typer.Argument(help="An offline workload's name.")],
+    input: Annotated[
+        str | None, typer.Option("--input", "-i", help="Input folder, glob or s3:// URI.")
+    ] = None,
+    output: Annotated[
+        str | None, typer.Option("--output", "-o", help="Output folder or s3:// URI.")
+    ] = None,
+    file: SpecOption = None,
+) -> None:
+    """Run an offline workload now, on an embedded Prefect (no server needed), or on
+    the server in PREFECT_API_URL when one is set. Committed shards are skipped."""
+    from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS as STARTUP
+    from prefect.settings import temporary_settings
+
+    from flows.batch import offline
+
+    settings = Settings()
+    spec_file = file or settings.spec
+    startup = max(STARTUP.value(), EPHEMERAL_STARTUP_S)
+
+    def go() -> dict[str, Any]:
+        with temporary_settings(updates={STARTUP: startup}), _progress_bar():
+            result: dict[str, Any] = offline(
+                workload=workload, spec=str(spec_file), input=input, output=output
+            )
+            return result
+
+    summary = _guarded(go)
+    _print_summary(summary)
+
+
+@contextmanager
+def _progress_bar() -> Iterator[None]:
+    """A bar over the run's shards, fed by flows.batch's progress events."""
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[records]} records"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+    )
+    handler = _ProgressHandler(progress)
+    watched = logging.getLogger("flows.progress")
+    level, propagate = watched.level, watched.propagate
+    watched.addHandler(handler)
+    # Debug events for the bar only, not for Prefect's console handler.
+    watched.setLevel(logging.DEBUG)
+    watched.propagate = False
+    try:
+        with progress:
+            yield
+    finally:
+        watched.removeHandler(handler)
+        watched.setLevel(level)
+        watched.propagate = propagate
+
+
+class _ProgressHandler(logging.Handler):
+    def __init__(self, progress: Progress) -> None:
+        super().__init__(logging.DEBUG)
+        self.progress = progress
+        self.records = 0
+        self.bar = progress.add_task("planning", total=None, records=0)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        event: str | None = getattr(record, "lanes_event", None)
+        fields: dict[str, Any] = getattr(record, "lanes", {})
+        if event == "planned":
+            description = f"shards ({fields['shards'] - fields['pending']} already committed)"
+            self.progress.update(self.bar, total=fields["pending"], description=description)
+        elif event == "records":
+            self.records += int(fields["records"])
+            self.progress.update(self.bar, records=self.records)
+        elif event == "shard":
+            self.progress.advance(self.bar)
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    table = Table(title=f"lanes run {summary['workload']}", show_header=False)
+    rows = [
+        ("input", summary["input"]),
+        ("output", summary["output"]),
+        ("shards", f"{summary['shards_run']} run, {summary['shards_skipped']} already done"),
+        ("records", f"{summary['outputs']} outputs, {summary['errors']} errors"),
+        ("all shards", f"{summary['total_outputs']} outputs, {summary['total_errors']} errors"),
+        ("throughput", f"{summary['items_per_second']} items/s"),
+        ("wall time", f"{summary['wall_seconds']} s"),
+        ("provider", summary["provider"]),
+        (
+            "cost estimate",
+            f"${summary['cost_estimate']:.4f} ({summary['device_hours']:.4f} device-hours "
+            f"at ${summary['price_per_device_hour']}/h)",
+        ),
+    ]
+    for key, value in rows:
+        table.add_row(key, str(value))
+    Console(width=160).print(table)
