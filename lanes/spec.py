@@ -88,6 +88,25 @@ class Generation(StrictModel):
     stop: list[str] = Field(default_factory=list, description="Strings that end a completion.")
 
 
+class Guard(StrictModel):
+    """A scorer a generate workload's text must pass before a client sees it."""
+
+    handler: str = Field(
+        pattern=HANDLER_PATTERN,
+        description="module:fn; fn(text) -> a risk score in [0, 1] (or a bool: True fails).",
+    )
+    mode: Literal["buffer", "chunked"] = Field(
+        "buffer",
+        description="buffer: hold a stream until the whole text passed (safe, no TTFT "
+        "gain); chunked: score the text so far every `every_tokens` tokens and send "
+        "only what passed.",
+    )
+    every_tokens: PositiveInt = Field(
+        16, le=4096, description="chunked: tokens between scorings (and held back)."
+    )
+    threshold: float = Field(0.5, ge=0, le=1, description="A score at or above this fails.")
+
+
 class Schedule(StrictModel):
     cron: str = Field(description='Five-field cron, e.g. "0 2 * * *".')
     timezone: str = Field("UTC", description="IANA time zone the cron is read in.")
@@ -160,6 +179,7 @@ class Workload(StrictModel):
     slo: Slo = Field(default_factory=Slo)
     stream: bool = Field(False, description="Stream tokens by default (generate).")
     generation: Generation = Field(default_factory=Generation)
+    guard: Guard | None = Field(None, description="generate: score text before it is sent.")
     # offline only
     input: str | None = Field(None, description="Folder, glob or s3://bucket/prefix/ of inputs.")
     output: str | None = Field(None, description="Folder or s3://bucket/prefix/ for outputs.")
@@ -278,6 +298,9 @@ def _workload_problems(
             f"add `tokenizer:` to models.{model}"
         )
         found.append(((*at, "model"), message, False))
+    if raw.get("guard") is not None and task in ("embed", "infer"):
+        message = f"`guard` scores generated text: it applies to task generate, not {task!r}"
+        found.append(((*at, "guard"), message, True))
     if mode == "offline":
         for key in ("input", "output"):
             if raw.get(key) is None:

@@ -27,8 +27,8 @@ from lanes.protocols.openai import error_body
 from lanes.runtime import Runtime
 from lanes.settings import Settings
 from lanes.spec import Spec
-from lanes.tasks import load_task
-from serving import openai_routes, v2_routes
+from lanes.tasks import GenerateTask, load_task
+from serving import generate_routes, openai_routes, v2_routes
 from serving.http import JSONResponse
 from serving.metrics import Metrics
 from serving.state import ServingState
@@ -53,6 +53,7 @@ def create_app(spec: Spec, settings: Settings) -> Starlette:
             loading.cancel()
             await asyncio.gather(loading, return_exceptions=True)
             await asyncio.gather(*(w.stop() for w in state.workers.values()))
+            await asyncio.gather(*(e.stop() for e in state.engines.values()))
 
     routes = [
         Route("/healthz", live, methods=["GET"]),
@@ -61,6 +62,7 @@ def create_app(spec: Spec, settings: Settings) -> Starlette:
         Route("/v2/health/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         *openai_routes.routes,
+        *generate_routes.routes,
         *v2_routes.routes,
     ]
     key = settings.api_key.get_secret_value() if settings.api_key else None
@@ -74,10 +76,14 @@ async def _load(state: ServingState) -> None:
     runtime = Runtime(state.settings)
     try:
         for name, workload in state.spec.workloads.items():
-            if workload.mode != "interactive" or workload.task not in BATCHED_TASKS:
+            if workload.mode != "interactive":
                 continue
             task = await asyncio.to_thread(load_task, name, state.spec, runtime)
             await asyncio.to_thread(task.warm_up)
+            if isinstance(task, GenerateTask):
+                generate_routes.start_engine(state, task)  # continuous batching
+                log.info("workload %s ready (%s, %s)", name, workload.task, workload.model)
+                continue
             worker = BatchWorker(task, state.metrics)
             worker.start()
             state.workers[name] = worker
@@ -106,6 +112,8 @@ async def metrics(request: Request) -> Response:
     state: ServingState = request.app.state.lanes
     for name, worker in state.workers.items():
         state.metrics.utilization.labels(name).set(worker.utilization.fraction())
+    for engine in state.engines.values():
+        engine.refresh_gauges()  # they decay to 0 while it is idle
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
 

@@ -31,6 +31,25 @@ class Utilization:
         return min(busy / self.window_s, 1.0)
 
 
+class TokenRate:
+    """Tokens per second over a sliding window of recent steps."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self.window_s = window_s
+        self._steps: deque[tuple[float, int]] = deque()
+        self._total = 0
+
+    def record(self, at: float, tokens: int) -> None:
+        self._steps.append((at, tokens))
+        self._total += tokens
+
+    def per_second(self, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        while self._steps and self._steps[0][0] < now - self.window_s:
+            self._total -= self._steps.popleft()[1]
+        return self._total / self.window_s
+
+
 class Metrics:
     """Every series the endpoint exports; one instance per app."""
 
@@ -82,6 +101,63 @@ class Metrics:
             "lanes_responses",
             "Responses by route and status code.",
             ["route", "code"],
+            registry=r,
+        )
+
+        # generate workloads (continuous batching)
+        self.ttft = Histogram(
+            "lanes_time_to_first_token_seconds",
+            "Time from a generate request's arrival to its first token.",
+            ["workload"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "lanes_inter_token_latency_seconds",
+            "Time between consecutive tokens of one sequence.",
+            ["workload"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.generated_tokens = Counter(
+            "lanes_generated_tokens", "Tokens generated.", ["workload"], registry=r
+        )
+        self.tokens_per_second = Gauge(
+            "lanes_generated_tokens_per_second",
+            "Tokens generated per second over the last 10 s.",
+            ["workload"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "lanes_sequences_in_flight",
+            "Sequences being decoded (rows of the batch).",
+            ["workload"],
+            registry=r,
+        )
+        self.finished = Counter(
+            "lanes_sequences_finished",
+            "Sequences that left the batch, by reason (stop, length, abort, deadline, error).",
+            ["workload", "reason"],
+            registry=r,
+        )
+        self.prefill_time = Histogram(
+            "lanes_prefill_seconds",
+            "Time of one prefill run (the joining prompts, left-padded together).",
+            ["workload"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.decode_time = Histogram(
+            "lanes_decode_step_seconds",
+            "Time of one decode step (one token for every row).",
+            ["workload"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.guard_blocked = Counter(
+            "lanes_guard_blocked",
+            "Responses a workload's guard stopped with finish_reason content_filter.",
+            ["workload", "mode"],
             registry=r,
         )
 

@@ -1,4 +1,4 @@
-"""What the serving app holds while it runs: its workers, metrics and readiness."""
+"""What the serving app holds while it runs: its workers, engines, metrics and readiness."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from lanes.errors import Overloaded, UnknownWorkload, WrongMode
 from lanes.settings import Settings
 from lanes.spec import Spec, TaskName
+from serving.engine import Engine
+from serving.guard import TextGuard
 from serving.metrics import Metrics
 from serving.worker import BatchWorker
 
@@ -17,14 +19,31 @@ class ServingState:
     settings: Settings
     metrics: Metrics = field(default_factory=Metrics)
     workers: dict[str, BatchWorker] = field(default_factory=dict)
+    engines: dict[str, Engine] = field(default_factory=dict)  # generate workloads
+    guards: dict[str, TextGuard] = field(default_factory=dict)  # generate workloads' guards
     ready: bool = False
     load_error: str | None = None
 
     def worker(self, name: str, tasks: tuple[TaskName, ...]) -> BatchWorker:
         """The worker of an interactive workload of one of `tasks`, or a clear error."""
+        self._check(name, tasks)
+        worker = self.workers.get(name)
+        if worker is None:
+            raise Overloaded(f"workload {name!r} is still loading; retry when /readyz is 200")
+        return worker
+
+    def engine(self, name: str) -> Engine:
+        """The continuous-batching engine of an interactive generate workload."""
+        self._check(name, ("generate",))
+        engine = self.engines.get(name)
+        if engine is None:
+            raise Overloaded(f"workload {name!r} is still loading; retry when /readyz is 200")
+        return engine
+
+    def _check(self, name: str, tasks: tuple[TaskName, ...]) -> None:
         workload = self.spec.workloads.get(name)
         if workload is None:
-            known = ", ".join(sorted(self.workers)) or "none"
+            known = ", ".join(sorted([*self.workers, *self.engines])) or "none"
             raise UnknownWorkload(f"no workload named {name!r}; interactive ones: {known}")
         if workload.mode == "offline":
             raise WrongMode(
@@ -36,7 +55,3 @@ class ServingState:
             raise WrongMode(
                 f"workload {name!r} is a {workload.task} workload; this route serves {wanted}"
             )
-        worker = self.workers.get(name)
-        if worker is None:
-            raise Overloaded(f"workload {name!r} is still loading; retry when /readyz is 200")
-        return worker

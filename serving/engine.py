@@ -1,0 +1,452 @@
+"""Continuous batching, the thin loop: plan -> decoder.step -> update -> streams.
+
+One `Engine` per interactive generate workload. Its loop runs on a thread of its
+own (onnxruntime releases the GIL, so HTTP keeps flowing while a step runs):
+
+    plan = scheduler.schedule()
+    prefill the joiners (one left-padded run), decode every row (one run)
+    events = scheduler.update(plan, logits)
+    loop.call_soon_threadsafe(dispatch, events)   # into each request's TokenStream
+
+The KV cache is one batched array per layer (`KVCache`), left-padded with
+attention_mask 0, fed back as the next step's past: no step re-runs a prefix. A
+sequence that leaves makes a hole that the next joiner fills in place (a copy of
+the joiner's own cache only); leftover holes are compacted away, and leading
+columns nobody attends are trimmed, so the cache stays as long as its longest row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from lanes.errors import Overloaded
+from lanes.tasks.decoder import Decoder, Past
+from lanes.tasks.generate import GenerateRequest, GenerateTask
+from serving.metrics import Metrics, TokenRate, Utilization
+from serving.scheduler import (
+    Event,
+    Policy,
+    Scheduler,
+    Seq,
+    StepOutputs,
+    StepPlan,
+)
+
+log = logging.getLogger("lanes.serving")
+
+Array = np.ndarray[Any, Any]
+# Trim the cache's leading columns once this many are padding in every row.
+TRIM_AT = 32
+
+
+class KVCache:
+    """The batch's past: per layer [rows, heads, length, head_dim], left-padded.
+
+    Physical rows are the engine's business: `slots[r]` is the sequence id in row r
+    (None: a hole, fed a dummy token until a joiner takes it or it is compacted).
+    `start[r]` is row r's first real column; columns before it have mask 0.
+    """
+
+    def __init__(self, decoder: Decoder) -> None:
+        self.decoder = decoder
+        self.slots: list[int | None] = []
+        self.keys: list[Array] = list(decoder.empty_past(0).keys)
+        self.values: list[Array] = list(decoder.empty_past(0).values)
+        self.mask = np.zeros((0, 0), dtype=np.int64)
+        self.start: list[int] = []
+
+    @property
+    def length(self) -> int:
+        return int(self.mask.shape[1])
+
+    @property
+    def past(self) -> Past:
+        return Past(tuple(self.keys), tuple(self.values))
+
+    def row_of(self) -> dict[int, int]:
+        return {sid: r for r, sid in enumerate(self.slots) if sid is not None}
+
+    def release(self, keep: set[int]) -> None:
+        """Rows whose sequence is not in `keep` become holes."""
+        for r, sid in enumerate(self.slots):
+            if sid is not None and sid not in keep:
+                self.slots[r] = None
+                self.start[r] = self.length
+                self.mask[r] = 0
+
+    def advance(self, present: Past, mask: Array) -> None:
+        """After a decode step fed `mask`: its present is the new past, one column
+        longer (a hole's new column stays masked)."""
+        self.keys, self.values = list(present.keys), list(present.values)
+        self.mask = mask
+        for r, sid in enumerate(self.slots):
+            if sid is None:
+                mask[r, -1] = 0
+
+    def place(self, ids: Sequence[int], past: Past, mask: Array) -> None:
+        """Add prefilled sequences: into holes when their cache fits (in place),
+        else appended (one copy of the whole cache, padded to the longest)."""
+        holes = [r for r, sid in enumerate(self.slots) if sid is None]
+        appended: list[int] = []
+        width = mask.shape[1]
+        for j, sid in enumerate(ids):
+            if holes and width <= self.length:
+                r = holes.pop(0)
+                at = self.length - width
+                for ours, theirs in zip(
+                    (*self.keys, *self.values), (*past.keys, *past.values), strict=True
+                ):
+                    ours[r, :, :at] = 0
+                    ours[r, :, at:] = theirs[j]
+                self.mask[r] = 0
+                self.mask[r, at:] = mask[j]
+                self.slots[r] = sid
+                self.start[r] = at + int(np.argmax(mask[j]))
+            else:
+                appended.append(j)
+        if appended:
+            self._append([ids[j] for j in appended], past, mask, appended)
+        self.compact()
+
+    def _append(self, ids: Sequence[int], past: Past, mask: Array, rows: list[int]) -> None:
+        length = max(self.length, mask.shape[1])
+        old, new = len(self.slots), len(rows)
+
+        def merged(ours: Array, theirs: Array) -> Array:
+            _, h, _, d = theirs.shape
+            out = np.zeros((old + new, h, length, d), dtype=theirs.dtype)
+            out[:old, :, length - ours.shape[2] :] = ours
+            out[old:, :, length - theirs.shape[2] :] = theirs[rows]
+            return out
+
+        self.keys = [merged(o, t) for o, t in zip(self.keys, past.keys, strict=True)]
+        self.values = [merged(o, t) for o, t in zip(self.values, past.values, strict=True)]
+        shift = length - self.length
+        combined = np.zeros((old + new, length), dtype=np.int64)
+        combined[:old, shift:] = self.mask
+        combined[old:, length - mask.shape[1] :] = mask[rows]
+        self.mask = combined
+        self.start = [s + shift for s in self.start]
+        at = length - mask.shape[1]
+        self.start += [at + int(np.argmax(mask[j])) for j in rows]
+        self.slots += list(ids)
+
+    def compact(self) -> None:
+        """Drop holes and the leading columns every row has as padding (copies once)."""
+        live = [r for r, sid in enumerate(self.slots) if sid is not None]
+        lead = min((self.start[r] for r in live), default=self.length)
+        holes = len(self.slots) - len(live)
+        if holes == 0 and lead < TRIM_AT:
+            return
+        index = np.asarray(live, dtype=np.int64)
+        self.keys = [np.ascontiguousarray(k[index, :, lead:]) for k in self.keys]
+        self.values = [np.ascontiguousarray(v[index, :, lead:]) for v in self.values]
+        self.mask = np.ascontiguousarray(self.mask[index, lead:])
+        self.slots = [self.slots[r] for r in live]
+        self.start = [self.start[r] - lead for r in live]
+
+
+@dataclass(eq=False)
+class TokenStream:
+    """One request's events, in order, on the event loop; the last has `finish` set.
+
+    `cancel()` (the client went away) aborts the sequence: its row is freed at the
+    engine's next step.
+    """
+
+    id: int
+    prompt_tokens: int
+    _engine: Engine = field(repr=False)
+    completion_tokens: int = 0
+    finished: bool = False
+    _events: list[Event] = field(default_factory=list, repr=False)
+    _signal: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+
+    def _push(self, event: Event) -> None:
+        self.completion_tokens += len(event.tokens)
+        self.finished = self.finished or event.finish is not None
+        self._events.append(event)
+        self._signal.set()
+
+    async def next(self) -> list[Event]:
+        """Every event that arrived since the last call (at least one); waits for one."""
+        while not self._events:
+            self._signal.clear()
+            await self._signal.wait()
+        events, self._events = self._events, []
+        return events
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        while True:
+            for event in await self.next():
+                yield event
+                if event.finish is not None:
+                    return
+
+    def cancel(self) -> None:
+        if not self.finished:
+            self._engine.abort(self.id)
+
+
+class Engine:
+    """The continuous-batching executor of one generate workload.
+
+    `policy` picks how batches form (see serving/scheduler.py); anything but
+    `continuous` is there for the benchmark's comparisons.
+    """
+
+    def __init__(self, task: GenerateTask, metrics: Metrics, policy: Policy = "continuous") -> None:
+        workload = task.workload
+        self.task = task
+        self.name = task.name
+        self.decoder = task.decoder
+        config = self.decoder.config
+        tokenizer = self.decoder.tokenizer
+        self.scheduler = Scheduler(
+            workload.batching.max_batch_size,
+            config.eos_token_ids,
+            lambda ids: str(tokenizer.decode(list(ids), skip_special_tokens=True)),
+            policy=policy,
+            max_position=config.max_position,
+        )
+        self.cache = KVCache(self.decoder)
+        self.max_queue = workload.batching.max_queue
+        default = workload.slo.timeout_ms
+        self.default_timeout_s = default / 1000 if default else None
+        self.utilization = Utilization()
+        self.rate = TokenRate()
+        self._metrics = metrics
+        self._stats = threading.Lock()  # rate and utilization: engine thread and /metrics
+        self._lock = threading.Condition()
+        self._inbox: list[Seq] = []
+        self._aborts: list[int] = []
+        self._waiting = 0  # submitted, not yet running or retired (under _lock)
+        self._stopping = False
+        self._ids = itertools.count(1)
+        self._streams: dict[int, TokenStream] = {}  # event-loop side only
+        self._last_token_at: dict[int, float] = {}  # engine-thread side only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, name=f"lanes-engine-{self.name}")
+        self._thread.daemon = True
+
+    # ---- the event-loop side -------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Abort what is left (its clients are gone by now), then end the loop."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        if self._thread.is_alive():
+            await asyncio.to_thread(self._thread.join, 30)
+
+    def submit(
+        self, request: GenerateRequest, timeout_s: float | None = None, ignore_eos: bool = False
+    ) -> TokenStream:
+        """Queue a prepared request; its tokens arrive on the returned stream.
+
+        Raises `Overloaded` at once when `max_queue` requests are already waiting.
+        """
+        timeout_s = timeout_s if timeout_s is not None else self.default_timeout_s
+        now = time.monotonic()
+        seq = Seq(
+            id=next(self._ids),
+            prompt_ids=request.prompt_ids,
+            max_new_tokens=request.max_new_tokens,
+            sampling=request.sampling,
+            stop=request.stop,
+            seed=request.seed,
+            deadline=now + timeout_s if timeout_s is not None else None,
+            ignore_eos=ignore_eos,
+            arrived=now,
+        )
+        stream = TokenStream(seq.id, len(seq.prompt_ids), self)
+        with self._lock:
+            if self._stopping:
+                raise Overloaded("the server is shutting down; retry on another replica", 1.0)
+            if self._waiting >= self.max_queue:
+                raise Overloaded(f"queue full ({self.max_queue} waiting); retry shortly", 1.0)
+            self._waiting += 1
+            self._inbox.append(seq)
+            self._streams[seq.id] = stream
+            self._lock.notify()
+        self._metrics.queue_depth.labels(self.name).set(self._waiting)
+        return stream
+
+    def abort(self, seq_id: int) -> None:
+        with self._lock:
+            self._aborts.append(seq_id)
+            self._lock.notify()
+
+    @property
+    def queue_depth(self) -> int:
+        return self._waiting
+
+    def refresh_gauges(self, now: float | None = None) -> None:
+        """Tokens/s and busy fraction over the last 10 s (callable from any thread)."""
+        now = time.monotonic() if now is None else now
+        with self._stats:
+            rate, busy = self.rate.per_second(now), self.utilization.fraction(now)
+        self._metrics.tokens_per_second.labels(self.name).set(rate)
+        self._metrics.utilization.labels(self.name).set(busy)
+
+    def _dispatch(self, events: list[Event]) -> None:
+        for event in events:
+            stream = self._streams.get(event.seq_id)
+            if stream is not None:
+                stream._push(event)
+                if event.finish is not None:
+                    del self._streams[event.seq_id]
+
+    # ---- the engine thread -------------------------------------------------
+
+    def _run(self) -> None:
+        scheduler = self.scheduler
+        while True:
+            with self._lock:
+                while not (self._inbox or self._aborts or self._stopping or scheduler.has_work):
+                    self._lock.wait()
+                joining, self._inbox = self._inbox, []
+                aborts, self._aborts = self._aborts, []
+                stopping = self._stopping
+            for seq in joining:
+                scheduler.add(seq)
+            if stopping:
+                aborts += [s.id for s in (*scheduler.waiting, *scheduler.rows)]
+            for seq_id in aborts:
+                scheduler.abort(seq_id)
+            plan = scheduler.schedule()
+            with self._lock:
+                self._waiting = len(self._inbox) + scheduler.num_waiting
+            if plan.empty:
+                if stopping:
+                    return
+                continue
+            events = self._step(plan)
+            self._observe(plan, events)
+            self._hand_over(events)
+
+    def _step(self, plan: StepPlan) -> list[Event]:
+        start = time.monotonic()
+        try:
+            outputs = self._execute(plan)
+        except Exception:  # a model failure answers its callers, never kills the loop
+            log.exception("workload %s: a step of %d rows failed", self.name, len(plan.decode))
+            self.cache = KVCache(self.decoder)
+            return self.scheduler.fail(plan)
+        finally:
+            end = time.monotonic()
+            with self._stats:
+                self.utilization.record(start, end)
+            self._metrics.busy_seconds.labels(self.name).inc(end - start)
+        return self.scheduler.update(plan, outputs)
+
+    def _execute(self, plan: StepPlan) -> StepOutputs:
+        """Run the plan: prefill the joiners, decode the rows, place the joiners."""
+        m, name = self._metrics, self.name
+        start = time.monotonic()
+        prefill_logits: Array | None = None
+        joined: tuple[Past, Array] | None = None
+        if plan.prefill:
+            prefill_logits, present, mask = self._prefill(plan.prefill)
+            joined = (present, mask)
+            prefilled = time.monotonic()
+            m.prefill_time.labels(name).observe(prefilled - start)
+            start = prefilled
+        decode_logits: Array | None = None
+        self.cache.release({s.id for s in plan.decode})
+        if not plan.decode:
+            self.cache = KVCache(self.decoder)  # a fresh batch: forget the old length
+        elif not plan.prefill:
+            self.cache.compact()  # nobody to fill the holes: do not step them
+        if plan.decode:
+            decode_logits = self._decode(plan.decode)
+            m.decode_time.labels(name).observe(time.monotonic() - start)
+            m.batch_size.labels(name).observe(len(plan.decode))
+        if joined is not None:
+            self.cache.place([s.id for s in plan.prefill], *joined)
+        return StepOutputs(prefill_logits, decode_logits)
+
+    def _prefill(self, seqs: Sequence[Seq]) -> tuple[Array, Past, Array]:
+        """One run over the joiners' prompts, left-padded to the longest."""
+        width = max(len(s.prompt_ids) for s in seqs)
+        ids = np.zeros((len(seqs), width), dtype=np.int64)
+        mask = np.zeros((len(seqs), width), dtype=np.int64)
+        positions = np.zeros((len(seqs), width), dtype=np.int64)
+        for j, seq in enumerate(seqs):
+            n = len(seq.prompt_ids)
+            ids[j, width - n :] = seq.prompt_ids
+            mask[j, width - n :] = 1
+            positions[j, width - n :] = np.arange(n)
+        out = self.decoder.step(ids, mask, positions, self.decoder.empty_past(len(seqs)))
+        present = out.present
+        if not mask.all():
+            # Padding's keys/values are never attended (mask 0), but a model may have
+            # left NaN there (a query row with every key masked): 0 * NaN is NaN.
+            pad = mask == 0
+            for kv in (*present.keys, *present.values):
+                kv[np.broadcast_to(pad[:, None, :], kv.shape[:3])] = 0
+        return out.logits[:, -1], present, mask
+
+    def _decode(self, seqs: Sequence[Seq]) -> Array:
+        """One token for every physical row; logits come back in `seqs`' order."""
+        cache = self.cache
+        rows = len(cache.slots)
+        row_of = cache.row_of()
+        ids = np.zeros((rows, 1), dtype=np.int64)
+        positions = np.zeros((rows, 1), dtype=np.int64)
+        order = np.empty(len(seqs), dtype=np.int64)
+        for i, seq in enumerate(seqs):
+            r = row_of[seq.id]
+            order[i] = r
+            ids[r, 0] = seq.last_token
+            positions[r, 0] = seq.position
+        # A hole attends only to its own dummy token: finite, and nobody reads it.
+        mask = np.concatenate([cache.mask, np.ones((rows, 1), dtype=np.int64)], axis=1)
+        out = self.decoder.step(ids, mask, positions, cache.past)
+        cache.advance(out.present, mask)
+        logits: Array = out.logits[order, -1]
+        return logits
+
+    def _observe(self, plan: StepPlan, events: list[Event]) -> None:
+        m, name = self._metrics, self.name
+        now = time.monotonic()
+        made = 0
+        joined = {s.id: s for s in plan.prefill}  # first tokens come from prefills only
+        for event in events:
+            if event.tokens:
+                made += len(event.tokens)
+                last = self._last_token_at.get(event.seq_id)
+                if event.first and event.seq_id in joined:
+                    m.ttft.labels(name).observe(now - joined[event.seq_id].arrived)
+                elif last is not None:
+                    m.itl.labels(name).observe(now - last)
+                self._last_token_at[event.seq_id] = now
+            if event.finish is not None:
+                self._last_token_at.pop(event.seq_id, None)
+                m.finished.labels(name, event.finish).inc()
+        m.generated_tokens.labels(name).inc(made)
+        with self._stats:
+            self.rate.record(now, made)
+        self.refresh_gauges(now)
+        m.in_flight.labels(name).set(self.scheduler.num_running)
+        m.queue_depth.labels(name).set(self._waiting)
+
+    def _hand_over(self, events: list[Event]) -> None:
+        if not events or self._loop is None:
+            return
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
+            self._loop.call_soon_threadsafe(self._dispatch, events)

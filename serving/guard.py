@@ -1,0 +1,157 @@
+"""A workload's guard: text is scored before a client sees it, streaming or not.
+
+A guard is `module:fn` with `fn(text) -> float` (a risk score in [0, 1]; a bool
+counts as 1 or 0): text scoring at or above `threshold` fails. Modes:
+
+- a response that is not streamed is always scored whole before it is returned;
+- `buffer` holds a stream until the whole text is scored: safe, no TTFT gain;
+- `chunked` scores the text so far every `every_tokens` tokens and sends only what
+  passed: a failing score ends the stream with finish_reason `content_filter`
+  before the failing chunk is sent. The text before it was already seen.
+
+`pieces()` turns a request's token stream into what may be sent, guard applied.
+Scoring runs on a worker thread: a guard may be a model of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lanes.errors import DeadlineExceeded, HandlerError, ModelError, Overloaded
+from lanes.protocols.openai import OpenAIFinish
+from lanes.spec import Guard
+from serving.engine import TokenStream
+from serving.scheduler import Event
+
+log = logging.getLogger("lanes.serving")
+
+# The engine's reasons, as OpenAI spells them: a deadline cuts the text like max_tokens.
+_FINISH: dict[str, OpenAIFinish] = {"stop": "stop", "length": "length", "deadline": "length"}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Text that may be sent now; the last piece has `finish` set."""
+
+    text: str
+    finish: OpenAIFinish | None = None
+
+
+class TextGuard:
+    """A loaded guard of one workload."""
+
+    def __init__(
+        self, spec: Guard, score: Callable[[str], Any], on_block: Callable[[], None] | None = None
+    ) -> None:
+        self.spec = spec
+        self.score = score
+        self.on_block = on_block
+
+    @classmethod
+    def load(cls, spec: Guard, on_block: Callable[[], None] | None = None) -> TextGuard:
+        """Import the scorer; `HandlerError` when it cannot be imported or called."""
+        module_name, _, attr = spec.handler.partition(":")
+        try:
+            score: Any = importlib.import_module(module_name)
+            for part in attr.split("."):
+                score = getattr(score, part)
+        except Exception as err:  # any failure while importing user code is the user's to fix
+            raise HandlerError(
+                f"guard {spec.handler}: cannot import it: {type(err).__name__}: {err}"
+            ) from err
+        if not callable(score):
+            raise HandlerError(f"guard {spec.handler}: is {type(score).__name__}, not callable")
+        return cls(spec, score, on_block)
+
+    async def passes(self, text: str) -> bool:
+        """Whether `text` scores below the threshold. A scorer that raises fails closed."""
+        try:
+            score = await asyncio.to_thread(self.score, text)
+            passed = float(score) < self.spec.threshold
+        except Exception:
+            log.exception("guard %s raised: the text is withheld", self.spec.handler)
+            passed = False
+        if not passed and self.on_block is not None:
+            self.on_block()
+        return passed
+
+
+async def pieces(
+    stream: TokenStream, guard: TextGuard | None, streaming: bool
+) -> AsyncIterator[Piece]:
+    """What may be sent of `stream`, in order; every event that arrived together is
+    one piece. Raises `ModelError` when the model failed on the sequence."""
+    if guard is None:
+        async for piece in _plain(stream):
+            yield piece
+    elif guard.spec.mode == "buffer" or not streaming:
+        async for piece in _buffered(stream, guard):
+            yield piece
+    else:
+        async for piece in _chunked(stream, guard, guard.spec.every_tokens):
+            yield piece
+
+
+def _finish(stream: TokenStream, event: Event) -> OpenAIFinish | None:
+    if event.finish is None:
+        return None
+    if event.finish == "deadline" and stream.completion_tokens == 0:
+        raise DeadlineExceeded("deadline passed before the request reached the model")
+    if event.finish == "error":
+        raise ModelError("the model failed while generating this text; retry")
+    if event.finish == "abort":
+        raise Overloaded("the server stopped this sequence (shutting down); retry", 1.0)
+    return _FINISH[event.finish]
+
+
+async def _plain(stream: TokenStream) -> AsyncIterator[Piece]:
+    while True:
+        events = await stream.next()
+        finish = _finish(stream, events[-1])
+        yield Piece("".join(e.text for e in events), finish)
+        if finish is not None:
+            return
+
+
+async def _buffered(stream: TokenStream, guard: TextGuard) -> AsyncIterator[Piece]:
+    text: list[str] = []
+    while True:
+        events = await stream.next()
+        text += (e.text for e in events)
+        finish = _finish(stream, events[-1])
+        if finish is None:
+            continue
+        whole = "".join(text)
+        if await guard.passes(whole):
+            yield Piece(whole, finish)
+        else:
+            yield Piece("", "content_filter")
+        return
+
+
+async def _chunked(stream: TokenStream, guard: TextGuard, every: int) -> AsyncIterator[Piece]:
+    passed: list[str] = []
+    held: list[str] = []
+    tokens = 0
+    while True:
+        events = await stream.next()
+        held += (e.text for e in events)
+        tokens += sum(len(e.tokens) for e in events)
+        finish = _finish(stream, events[-1])
+        if tokens < every and finish is None:
+            continue
+        chunk = "".join(held)
+        if not await guard.passes("".join(passed) + chunk):
+            stream.cancel()
+            yield Piece("", "content_filter")
+            return
+        passed.append(chunk)
+        held, tokens = [], 0
+        yield Piece(chunk, finish)
+        if finish is not None:
+            return

@@ -1,0 +1,351 @@
+"""Continuous batching, the pure part: which sequences run this step, and what came of it.
+
+    plan = scheduler.schedule()            # who joins (prefill), who steps (decode)
+    outputs = <run the model on the plan>  # the engine's job (serving/engine.py)
+    events = scheduler.update(plan, outputs)
+
+No onnxruntime, no threads, no I/O: logits in, events out. The clock and the
+detokenizer are injected, so the hard logic is tested with fabricated logits.
+
+Rows are the decoder's batch, in order. A decode step feeds every row its last
+token; a sequence that finishes (eos, its token budget, a stop string, an abort,
+its deadline) leaves its row at once under the continuous policies, and a waiting
+sequence takes the free row at the next step. The bench compares against:
+
+- `static`: a batch is formed only when no row is busy; finished sequences keep
+  their rows (stepping uselessly) until the longest is done, as a plain batched
+  `generate()` does;
+- `static-drop`: the same, but finished sequences leave the batch at once;
+- `serial`: one sequence at a time.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from lanes.tasks.sampling import SamplingParams, sample
+
+Array = np.ndarray[Any, Any]
+Policy = Literal["continuous", "static", "static-drop", "serial"]
+POLICIES: tuple[Policy, ...] = ("continuous", "static", "static-drop", "serial")
+FinishReason = Literal["stop", "length", "abort", "deadline", "error"]
+
+
+class SeqStatus(enum.IntEnum):
+    """Ordered: every status from FINISHED_STOPPED on is final."""
+
+    WAITING = 0
+    RUNNING = 1
+    FINISHED_STOPPED = 2  # eos or a stop string
+    FINISHED_LENGTH = 3  # its token budget, or the model's context
+    FINISHED_ABORTED = 4  # the client went away (or the server is stopping)
+    FINISHED_DEADLINE = 5  # its deadline passed
+    FINISHED_ERROR = 6  # the model failed on its batch
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= SeqStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _REASONS.get(self)
+
+
+_REASONS: dict[SeqStatus, FinishReason] = {
+    SeqStatus.FINISHED_STOPPED: "stop",
+    SeqStatus.FINISHED_LENGTH: "length",
+    SeqStatus.FINISHED_ABORTED: "abort",
+    SeqStatus.FINISHED_DEADLINE: "deadline",
+    SeqStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(eq=False)
+class Seq:
+    """One request's sequence: its prompt, its parameters, and what it has made so far."""
+
+    id: int
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    deadline: float | None = None  # on the scheduler's clock
+    ignore_eos: bool = False  # benchmarks: run to the budget
+    arrived: float = 0.0  # on the scheduler's clock: for time-to-first-token
+    status: SeqStatus = SeqStatus.WAITING
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""  # decoded so far (cut before a stop string once one is found)
+    sent: int = 0  # characters of `text` already handed out in events
+    rng: np.random.Generator = field(init=False, repr=False)
+    # incremental detokenization: text of tokens[prefix:read] is already in `text`
+    _prefix: int = field(default=0, repr=False)
+    _read: int = field(default=0, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError(f"sequence {self.id}: expected at least one prompt token")
+        self.rng = np.random.default_rng(self.seed)
+
+    @property
+    def last_token(self) -> int:
+        """The token the next decode step feeds this row."""
+        return self.tokens[-1] if self.tokens else self.prompt_ids[-1]
+
+    @property
+    def position(self) -> int:
+        """Position of `last_token`: decode steps feed it at this position."""
+        return len(self.prompt_ids) + len(self.tokens) - 1
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step. `prefill` join now: their prompts run and each samples its first token.
+    `decode` are the batch's rows in order, each fed `last_token` at `position`;
+    under `static`, finished rows stay in it and their logits are ignored.
+    `retired` left without running (aborted or past their deadline): update() reports them.
+    """
+
+    prefill: tuple[Seq, ...] = ()
+    decode: tuple[Seq, ...] = ()
+    retired: tuple[Seq, ...] = ()
+
+    @property
+    def runs_model(self) -> bool:
+        return bool(self.prefill or self.decode)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.prefill or self.decode or self.retired)
+
+
+@dataclass(frozen=True)
+class StepOutputs:
+    """Next-token logits of the plan's rows: [len(plan.prefill), vocab] and
+    [len(plan.decode), vocab] (None where that list is empty)."""
+
+    prefill: Array | None = None
+    decode: Array | None = None
+
+
+@dataclass(frozen=True)
+class Event:
+    """What one step did for one sequence: new tokens, the text now safe to show
+    (held back while it might be the start of a stop string), and the finish."""
+
+    seq_id: int
+    tokens: tuple[int, ...] = ()
+    text: str = ""
+    finish: FinishReason | None = None
+    first: bool = False  # carries the sequence's first generated token
+
+
+Detokenize = Callable[[Sequence[int]], str]
+
+
+class Scheduler:
+    """Decides each step's batch for one decoder; single-threaded (the engine's loop).
+
+    `max_running` bounds the rows; `max_prefill_tokens` bounds one step's joiners by
+    their padded prompt size (at least one joins when a row is free).
+    """
+
+    def __init__(
+        self,
+        max_running: int,
+        eos_token_ids: frozenset[int],
+        detokenize: Detokenize,
+        *,
+        policy: Policy = "continuous",
+        max_position: int | None = None,
+        max_prefill_tokens: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, found {policy!r}")
+        self.policy: Policy = policy
+        self.max_running = 1 if policy == "serial" else max_running
+        self.eos_token_ids = eos_token_ids
+        self.detokenize = detokenize
+        self.max_position = max_position
+        self.max_prefill_tokens = max_prefill_tokens
+        self.clock = clock
+        self.waiting: deque[Seq] = deque()
+        self.rows: list[Seq] = []
+        self._live: dict[int, Seq] = {}  # unfinished sequences, by id
+        self._unreported: list[Seq] = []  # finished outside update(): aborts, deadlines
+
+    # ---- requests in and out ------------------------------------------------
+
+    def add(self, seq: Seq) -> None:
+        """Queue a new sequence; it joins at a coming step."""
+        if seq.id in self._live:
+            raise ValueError(f"sequence {seq.id} is already scheduled")
+        self._live[seq.id] = seq
+        self.waiting.append(seq)
+
+    def abort(self, seq_id: int) -> None:
+        """The client went away: the sequence leaves at the next step. Unknown or
+        finished ids are ignored (it may have finished meanwhile)."""
+        seq = self._live.get(seq_id)
+        if seq is not None:
+            self._finish(seq, SeqStatus.FINISHED_ABORTED)
+            self._unreported.append(seq)
+
+    def fail(self, plan: StepPlan) -> list[Event]:
+        """Instead of update() when the model failed on `plan`: its retired sequences
+        are reported as usual, every row (joiners included) finishes with an error and
+        every row is freed."""
+        events = [self._final(seq) for seq in plan.retired]
+        for seq in self.rows:
+            if not seq.status.is_finished:
+                self._finish(seq, SeqStatus.FINISHED_ERROR)
+                events.append(Event(seq.id, finish="error"))
+        self.rows = []
+        return events
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(1 for s in self.waiting if not s.status.is_finished)
+
+    @property
+    def num_running(self) -> int:
+        return sum(1 for s in self.rows if not s.status.is_finished)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.rows or self._unreported)
+
+    # ---- the step ----------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """The next step: expire what is past its deadline, drop finished rows (per
+        policy), and let waiting sequences join the free rows."""
+        now = self.clock()
+        for seq in (*self.rows, *self.waiting):
+            if seq.deadline is not None and now >= seq.deadline and not seq.status.is_finished:
+                self._finish(seq, SeqStatus.FINISHED_DEADLINE)
+                self._flush(seq)
+                self._unreported.append(seq)
+        if any(s.status.is_finished for s in self.waiting):
+            self.waiting = deque(s for s in self.waiting if not s.status.is_finished)
+        if self.policy != "static" or all(s.status.is_finished for s in self.rows):
+            self.rows = [s for s in self.rows if not s.status.is_finished]
+        prefill = self._admit()
+        retired, self._unreported = tuple(self._unreported), []
+        decode = tuple(self.rows)
+        self.rows.extend(prefill)
+        return StepPlan(prefill=prefill, decode=decode, retired=retired)
+
+    def _admit(self) -> tuple[Seq, ...]:
+        static = self.policy in ("static", "static-drop")
+        if static and self.rows:
+            return ()  # nobody joins a static batch once it runs
+        joining: list[Seq] = []
+        longest = 0
+        while self.waiting and len(self.rows) + len(joining) < self.max_running:
+            size = max(longest, len(self.waiting[0].prompt_ids))
+            if joining and not static and size * (len(joining) + 1) > self.max_prefill_tokens:
+                break
+            seq = self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            joining.append(seq)
+            longest = size
+        return tuple(joining)
+
+    def update(self, plan: StepPlan, outputs: StepOutputs) -> list[Event]:
+        """Sample each running row's next token from its logits. Returns one event per
+        sequence that made a token or finished, the plan's retired ones included."""
+        events = [self._final(seq) for seq in plan.retired]
+        for seqs, logits in ((plan.prefill, outputs.prefill), (plan.decode, outputs.decode)):
+            if not seqs:
+                continue
+            if logits is None or logits.shape[0] != len(seqs):
+                found = None if logits is None else logits.shape
+                raise ValueError(f"update: expected logits for {len(seqs)} rows, found {found}")
+            greedy = logits.argmax(axis=-1)  # one vectorised argmax serves every greedy row
+            for i, seq in enumerate(seqs):
+                if seq.status.is_finished:
+                    continue  # a static batch's finished row: its logits mean nothing
+                if seq.sampling.temperature == 0:
+                    token = int(greedy[i])
+                else:
+                    token = sample(logits[i], seq.sampling, seq.rng)
+                events.append(self._advance(seq, token))
+        return events
+
+    def _advance(self, seq: Seq, token: int) -> Event:
+        first = not seq.tokens
+        if token in self.eos_token_ids and not seq.ignore_eos:
+            self._finish(seq, SeqStatus.FINISHED_STOPPED)
+            self._flush(seq)
+            return self._final(seq, (), first)
+        seq.tokens.append(token)
+        before = len(seq.text)
+        seq.text += self._delta(seq)
+        cut = _first_stop(seq.text, seq.stop, before)
+        if cut is not None:
+            seq.text = seq.text[:cut]
+            self._finish(seq, SeqStatus.FINISHED_STOPPED)
+            return self._final(seq, (token,), first)
+        if len(seq.tokens) >= self.budget(seq):
+            self._finish(seq, SeqStatus.FINISHED_LENGTH)
+            self._flush(seq)
+            return self._final(seq, (token,), first)
+        # Hold back what could be the start of a stop string.
+        hold = max((len(s) for s in seq.stop), default=1) - 1
+        safe = max(seq.sent, len(seq.text) - hold)
+        text, seq.sent = seq.text[seq.sent : safe], safe
+        return Event(seq.id, (token,), text, first=first)
+
+    def budget(self, seq: Seq) -> int:
+        """Most tokens `seq` may make: its max_new_tokens, within the model's context."""
+        budget = seq.max_new_tokens
+        if self.max_position is not None:
+            budget = min(budget, self.max_position - len(seq.prompt_ids))
+        return max(budget, 1)
+
+    def _final(self, seq: Seq, tokens: tuple[int, ...] = (), first: bool = False) -> Event:
+        text = "" if seq.status == SeqStatus.FINISHED_ABORTED else seq.text[seq.sent :]
+        seq.sent = len(seq.text)
+        return Event(seq.id, tokens, text, seq.status.finish_reason, first)
+
+    def _delta(self, seq: Seq) -> str:
+        """New text of the last token, decoding only a short window (vLLM's offsets);
+        nothing while the bytes so far end inside a multi-byte character."""
+        prefix = self.detokenize(seq.tokens[seq._prefix : seq._read])
+        full = self.detokenize(seq.tokens[seq._prefix :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            seq._prefix, seq._read = seq._read, len(seq.tokens)
+            return full[len(prefix) :]
+        return ""
+
+    def _flush(self, seq: Seq) -> None:
+        """At the end, the text of tokens held back mid-character, as decode() gives it."""
+        if seq._read < len(seq.tokens):
+            prefix = self.detokenize(seq.tokens[seq._prefix : seq._read])
+            seq.text += self.detokenize(seq.tokens[seq._prefix :])[len(prefix) :]
+            seq._prefix = seq._read = len(seq.tokens)
+
+    def _finish(self, seq: Seq, status: SeqStatus) -> None:
+        seq.status = status
+        self._live.pop(seq.id, None)
+
+
+def _first_stop(text: str, stop: Sequence[str], before: int) -> int | None:
+    """Where the earliest stop string starts, looking only where one could newly end
+    (the text before `before` was searched already)."""
+    hits = []
+    for s in stop:
+        if s:
+            i = text.find(s, max(0, before - len(s) + 1))
+            if i >= 0:
+                hits.append(i)
+    return min(hits) if hits else None
