@@ -287,12 +287,19 @@ class Storage:
     @contextmanager
     def _errors(self, uri: str, action: str) -> Iterator[None]:
         """Turn boto3's errors into `StorageError`s that say what to do."""
+        from boto3.exceptions import S3UploadFailedError
         from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
         try:
             yield
         except ClientError as err:
             raise _from_client_error(err, uri, action) from None
+        except S3UploadFailedError as err:
+            # boto3's transfer manager wraps the ClientError that says what went wrong.
+            cause = err.__context__
+            if isinstance(cause, ClientError):
+                raise _from_client_error(cause, uri, action) from None
+            raise StorageError(f"{uri}: cannot {action} on S3: {err}") from None
         except NoCredentialsError:
             raise StorageError(
                 f"{uri}: no AWS credentials found; set AWS_ACCESS_KEY_ID and "

@@ -1,0 +1,197 @@
+"""Tiny real models, record files and specs for the offline flow tests.
+
+The models are real ONNX graphs run by onnxruntime, small enough to build in
+milliseconds: an embedding table behind a word-level tokenizer (task embed), and an
+affine map (task infer). Their outputs are known, so tests can check values.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+from onnx import TensorProto, helper, numpy_helper, save_model
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"] + [f"w{i}" for i in range(60)]
+DIM = 8
+
+
+def embed_model(folder: Path) -> tuple[Path, Path]:
+    """input_ids, attention_mask -> last_hidden_state = E[input_ids]; a tokenizer.json."""
+    folder.mkdir(parents=True, exist_ok=True)
+    table = np.random.default_rng(0).normal(size=(len(WORDS), DIM)).astype(np.float32)
+    nodes = [helper.make_node("Gather", ["table", "input_ids"], ["last_hidden_state"])]
+    inputs = [
+        helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "tokens"]),
+        helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "tokens"]),
+    ]
+    outputs = [
+        helper.make_tensor_value_info(
+            "last_hidden_state", TensorProto.FLOAT, ["batch", "tokens", DIM]
+        )
+    ]
+    graph = helper.make_graph(
+        nodes, "embed", inputs, outputs, initializer=[numpy_helper.from_array(table, "table")]
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    save_model(model, str(folder / "model.onnx"))
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder / "model.onnx", folder / "tokenizer.json"
+
+
+def infer_model(folder: Path) -> Path:
+    """x float32 [batch, 4] -> y = 2x + 1."""
+    folder.mkdir(parents=True, exist_ok=True)
+    nodes = [
+        helper.make_node("Mul", ["x", "two"], ["x2"]),
+        helper.make_node("Add", ["x2", "one"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "affine",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+        initializer=[
+            numpy_helper.from_array(np.float32(2.0), "two"),
+            numpy_helper.from_array(np.float32(1.0), "one"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    save_model(model, str(folder / "model.onnx"))
+    return folder / "model.onnx"
+
+
+def write_spec(folder: Path, workloads: dict[str, dict[str, Any]]) -> Path:
+    """A workloads.yaml in `folder` with models `enc` (embed) and `affine` (infer)."""
+    model, tokenizer = embed_model(folder / "models" / "enc")
+    affine = infer_model(folder / "models" / "affine")
+    spec = {
+        "version": 1,
+        "models": {
+            "enc": {"path": str(model), "tokenizer": str(tokenizer)},
+            "affine": {"path": str(affine)},
+        },
+        "workloads": workloads,
+    }
+    path = folder / "workloads.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def text(i: int) -> str:
+    """A text of 1..12 known words, varying with i (so sorting by length matters)."""
+    return " ".join(f"w{(i * 7 + k) % 60}" for k in range(1 + i % 12))
+
+
+def write_jsonl(path: Path, lines: Iterable[Any]) -> Path:
+    """Each item as one line: dicts as JSON, str as given (for malformed lines)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for line in lines:
+            f.write((line if isinstance(line, str) else json.dumps(line)) + "\n")
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def outputs_of(folder: Path) -> list[dict[str, Any]]:
+    """Every output line of every output shard under `folder` (not the bookkeeping)."""
+    lines: list[dict[str, Any]] = []
+    for path in sorted(folder.rglob("*.jsonl")):
+        if not any(part.startswith("_") for part in path.relative_to(folder).parts):
+            lines += read_jsonl(path)
+    return lines
+
+
+def errors_of(folder: Path) -> list[dict[str, Any]]:
+    lines: list[dict[str, Any]] = []
+    for path in sorted((folder / "_errors").rglob("*.jsonl")):
+        lines += read_jsonl(path)
+    return lines
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_until(check: Any, timeout: float, what: str, interval: float = 0.1) -> Any:
+    """Poll `check()` until it returns something truthy, at most `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"{what}: not within {timeout} s")
+
+
+@contextmanager
+def moto_server() -> Iterator[str]:
+    """A real S3 API (moto) over HTTP on 127.0.0.1; yields its endpoint URL."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+
+
+def s3_env(monkeypatch: Any, endpoint: str) -> Any:
+    """boto3's usual chain, pointed at moto; wipes moto's state; returns a client."""
+    import boto3
+    import httpx
+
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": endpoint,
+    }.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    httpx.post(f"{endpoint}/moto-api/reset", timeout=10).raise_for_status()
+    return boto3.client("s3", endpoint_url=endpoint)
+
+
+class _Slow:
+    """A handler whose `pre` takes 4 ms a record: a job slow enough to kill mid-way."""
+
+    @staticmethod
+    def pre(item: Any) -> Any:
+        time.sleep(0.004)
+        return item
+
+
+slow = _Slow()
+
+
+class _Broken:
+    """A handler whose `post` always fails: a model that is broken, not bad data."""
+
+    @staticmethod
+    def post(output: Any) -> Any:
+        raise RuntimeError("the model is broken")
+
+
+broken = _Broken()

@@ -1,0 +1,165 @@
+"""lanes.storage: local files and S3 (a moto server over HTTP), listing and atomic publish."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from lanes.errors import StorageError
+from lanes.settings import Settings
+from lanes.storage import MiB, Storage, join
+from tests.flows_fixtures import moto_server, s3_env
+
+SUFFIXES = (".jsonl", ".parquet")
+
+
+@pytest.fixture(scope="module")
+def endpoint() -> Iterator[str]:
+    with moto_server() as url:
+        yield url
+
+
+@pytest.fixture
+def s3(endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    return s3_env(monkeypatch, endpoint)
+
+
+def names(storage: Storage, location: str) -> list[str]:
+    return [f.name for f in storage.list_files(location, SUFFIXES)]
+
+
+# ---- local ------------------------------------------------------------------------
+
+
+def test_local_folder_lists_data_files_recursively_skipping_bookkeeping(tmp_path: Path) -> None:
+    for name in ("b.jsonl", "a.parquet", "sub/c.jsonl", "notes.txt", "_errors/x.jsonl", ".h.jsonl"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("{}\n")
+    storage = Storage(Settings())
+    assert names(storage, str(tmp_path)) == ["a.parquet", "b.jsonl", "sub/c.jsonl"]
+    assert names(storage, f"file://{tmp_path}/") == ["a.parquet", "b.jsonl", "sub/c.jsonl"]
+    assert names(storage, str(tmp_path / "*.jsonl")) == ["b.jsonl"]
+    assert names(storage, str(tmp_path / "**" / "*.jsonl")) == ["b.jsonl", "sub/c.jsonl"]
+    assert names(storage, str(tmp_path / "b.jsonl")) == ["b.jsonl"]
+
+
+def test_local_missing_folder_says_so(tmp_path: Path) -> None:
+    with pytest.raises(StorageError, match="no such folder or file"):
+        Storage(Settings()).list_files(str(tmp_path / "nope"), SUFFIXES)
+
+
+def test_local_publish_is_a_rename_and_leaves_nothing_aside(tmp_path: Path) -> None:
+    storage = Storage(Settings())
+    target = join(str(tmp_path), "out", "part.jsonl")
+    with storage.staged(target) as stage:
+        stage.write_text("new\n")
+        assert stage.parent == tmp_path / "out" and stage.name.startswith(".")
+        assert not Path(target).exists()  # nothing visible until published
+        storage.publish(stage, target)
+    assert Path(target).read_text() == "new\n"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["part.jsonl"]
+    assert storage.read_bytes(target) == b"new\n"
+    assert storage.read_bytes(str(tmp_path / "missing")) is None
+
+
+def test_clean_stale_removes_only_old_staging_files(tmp_path: Path) -> None:
+    old = tmp_path / "_errors" / ".part.jsonl.abc.tmp"
+    young = tmp_path / ".part.jsonl.def.tmp"
+    for path in (old, young):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("x")
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    assert Storage(Settings()).clean_stale(str(tmp_path), older_than_s=3600) == 1
+    assert not old.exists() and young.exists()
+
+
+# ---- S3 -------------------------------------------------------------------------
+
+
+def test_s3_lists_past_one_page_of_keys(s3: Any) -> None:
+    from moto.core.models import DEFAULT_ACCOUNT_ID
+    from moto.s3.models import s3_backends
+
+    s3.create_bucket(Bucket="many")
+    # 1,006 puts over HTTP take ~10 s here; the keys go straight into the moto server's
+    # store instead (it runs in this process). The listing below is over HTTP.
+    backend = s3_backends[DEFAULT_ACCOUNT_ID]["global"]
+    for key in [f"in/part-{i:05d}.jsonl" for i in range(1005)] + ["in/_errors/x.jsonl"]:
+        backend.put_object("many", key, b"{}\n")
+    s3.put_object(Bucket="many", Key="inside.jsonl", Body=b"{}\n")  # shares the prefix "in"
+    found = Storage(Settings()).list_files("s3://many/in/", SUFFIXES)
+    assert len(found) == 1005  # S3 answers 1,000 keys a page
+    assert found[0].uri == "s3://many/in/part-00000.jsonl"
+    assert found[0].name == "part-00000.jsonl" and found[0].size == 3 and found[0].version
+
+
+def test_s3_prefix_glob_and_single_key(s3: Any) -> None:
+    s3.create_bucket(Bucket="data")
+    for key in ("in/a.jsonl", "in/b.parquet", "in/sub/c.jsonl", "inside.jsonl", "in/d.txt"):
+        s3.put_object(Bucket="data", Key=key, Body=b"{}\n")
+    storage = Storage(Settings())
+    assert names(storage, "s3://data/in/") == ["a.jsonl", "b.parquet", "sub/c.jsonl"]
+    assert names(storage, "s3://data/in") == ["a.jsonl", "b.parquet", "sub/c.jsonl"]
+    assert names(storage, "s3://data/in/*.jsonl") == ["a.jsonl", "sub/c.jsonl"]
+    assert names(storage, "s3://data/in/a.jsonl") == ["a.jsonl"]
+    assert names(storage, "s3://data") == [
+        "in/a.jsonl",
+        "in/b.parquet",
+        "in/sub/c.jsonl",
+        "inside.jsonl",
+    ]
+
+
+def test_s3_settings_endpoint_wins_over_the_environment(
+    s3: Any, endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s3.create_bucket(Bucket="data")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
+    storage = Storage(Settings(s3_endpoint=endpoint))
+    assert storage.list_files("s3://data/", SUFFIXES) == []
+
+
+def test_s3_large_shard_goes_up_in_parts_and_appears_whole(s3: Any, tmp_path: Path) -> None:
+    s3.create_bucket(Bucket="out")
+    storage = Storage(Settings(), multipart_threshold=5 * MiB)
+    data = os.urandom(12 * MiB)
+    with storage.staged("s3://out/big.jsonl") as stage:
+        stage.write_bytes(data)
+        storage.publish(stage, "s3://out/big.jsonl")
+    head = s3.head_object(Bucket="out", Key="big.jsonl")
+    assert head["ETag"].strip('"').endswith("-3")  # a multipart upload of 3 parts
+    assert storage.read_bytes("s3://out/big.jsonl") == data
+    with storage.open("s3://out/big.jsonl") as stream:
+        assert stream.read(MiB) == data[:MiB]
+    assert s3.list_multipart_uploads(Bucket="out").get("Uploads", []) == []
+
+
+def test_s3_missing_bucket_is_a_clear_error(s3: Any) -> None:
+    storage = Storage(Settings())
+    with pytest.raises(StorageError, match="bucket 'nope' does not exist; create it"):
+        storage.list_files("s3://nope/in/", SUFFIXES)
+    with pytest.raises(StorageError, match="bucket 'nope' does not exist"):
+        storage.ensure_folder("s3://nope/out/")
+    with pytest.raises(StorageError, match="bucket 'nope' does not exist"):
+        storage.write_bytes("s3://nope/out/x.json", b"{}")
+    with pytest.raises(StorageError, match="bucket 'nope' does not exist"):
+        storage.read_bytes("s3://nope/x.json")
+    s3.create_bucket(Bucket="here")
+    assert storage.read_bytes("s3://here/missing.json") is None
+
+
+def test_s3_denied_access_is_a_clear_error(s3: Any, endpoint: str) -> None:
+    s3.create_bucket(Bucket="locked")
+    # Turn on moto's authentication: the test's made-up keys are then unknown.
+    httpx.post(f"{endpoint}/moto-api/reset-auth", content=b"0", timeout=10).raise_for_status()
+    try:
+        with pytest.raises(StorageError, match=r"access denied .* check the credentials"):
+            Storage(Settings()).list_files("s3://locked/in/", SUFFIXES)
+    finally:
+        httpx.post(f"{endpoint}/moto-api/reset-auth", content=b"inf", timeout=10)
