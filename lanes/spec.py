@@ -217,10 +217,11 @@ Found = list[tuple[Loc, str, bool]]  # (path, message, points at the key itself)
 _OFFLINE_ONLY = ("input", "output", "schedule", "runner")
 
 
-def parse_spec(data: Any, base: Path) -> tuple[Spec | None, Found]:
+def parse_spec(data: Any, base: Path, check_files: bool = True) -> tuple[Spec | None, Found]:
     """Validate plain data. Returns the spec (None if anything is wrong) and every problem.
 
-    Model paths are made absolute against `base`, the folder of workloads.yaml.
+    Model paths are made absolute against `base`, the folder of workloads.yaml, and,
+    with `check_files`, must exist (a client that only routes calls needs no models).
     """
     found: Found = []
     try:
@@ -248,7 +249,7 @@ def parse_spec(data: Any, base: Path) -> tuple[Spec | None, Found]:
             workloads[name] = Workload.model_validate(raw)
         except ValidationError as err:
             found += _from_pydantic(err, ("workloads", name))
-    for name, model in models.items():
+    for name, model in models.items() if check_files else ():
         found += _model_problems(name, model)
     for name, raw in top.workloads.items():
         found += _workload_problems(name, raw, top.models, models)

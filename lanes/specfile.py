@@ -44,10 +44,13 @@ class Marks:
         return None
 
 
-def load_spec(path: str | Path | None = None, settings: Settings | None = None) -> Spec:
+def load_spec(
+    path: str | Path | None = None, settings: Settings | None = None, *, check_files: bool = True
+) -> Spec:
     """Load and validate a workloads.yaml, with the environment's overrides applied.
 
-    Raises `SpecError` listing every problem found.
+    Raises `SpecError` listing every problem found. `check_files=False` skips the
+    check that model files exist (for clients that only route calls).
     """
     settings = settings or Settings()
     file = Path(path) if path is not None else settings.spec
@@ -58,10 +61,12 @@ def load_spec(path: str | Path | None = None, settings: Settings | None = None) 
         raise SpecError(
             [Problem(name, None, None, "", f"cannot read the spec: {err.strerror}")]
         ) from None
-    return parse_text(text, name, file.resolve().parent, settings)
+    return parse_text(text, name, file.resolve().parent, settings, check_files)
 
 
-def parse_text(text: str, source: str, base: Path, settings: Settings) -> Spec:
+def parse_text(
+    text: str, source: str, base: Path, settings: Settings, check_files: bool = True
+) -> Spec:
     """Validate YAML text; `source` names it in messages, `base` anchors relative paths."""
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
@@ -78,7 +83,7 @@ def parse_text(text: str, source: str, base: Path, settings: Settings) -> Spec:
     if data is None:
         data = {}
     data, origins, unknown = _apply_overrides(data, settings)
-    spec, found = parse_spec(data, base)
+    spec, found = parse_spec(data, base, check_files)
     found = duplicates + found
     if spec is None or found or unknown:
         raise SpecError(_problems(found, source, marks, origins) + unknown)
