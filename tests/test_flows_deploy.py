@@ -1,0 +1,133 @@
+"""End to end on a real Prefect server: compile, deploy, trigger, a process worker runs it.
+
+Starts `prefect server start` (SQLite in a temporary PREFECT_HOME) on 127.0.0.1 at a
+free port, and drives it only through command lines, as a person would.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from tests.flows_fixtures import free_port, outputs_of, wait_until, write_jsonl, write_spec
+
+pytestmark = pytest.mark.slow
+
+# The offline commands, until router.cli registers them as `lanes compile|deploy|run`.
+OFFLINE_CLI = (
+    "import typer\n"
+    "from router.offline_cli import compile, deploy, run\n"
+    "app = typer.Typer()\n"
+    "for name, fn in (('compile', compile), ('deploy', deploy), ('run', run)):\n"
+    "    app.command(name)(fn)\n"
+    "app(prog_name='lanes')\n"
+)
+
+
+@pytest.fixture
+def prefect_server(tmp_path: Path) -> Iterator[dict[str, str]]:
+    """A real Prefect server; yields the environment that points at it."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+        "DO_NOT_TRACK": "1",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
+    log = (tmp_path / "server.log").open("wb")
+    command = [sys.executable, "-m", "prefect", "server", "start"]
+    server = subprocess.Popen(
+        [*command, "--host", "127.0.0.1", "--port", str(port), "--analytics-off"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own group: stopping it stops its children too
+    )
+    try:
+        wait_until(lambda: _healthy(env["PREFECT_API_URL"]), 90, "prefect server", 0.5)
+        yield env
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(timeout=30)
+        log.close()
+
+
+def _healthy(api: str) -> bool:
+    try:
+        return httpx.get(f"{api}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _run(args: list[str], env: dict[str, str], cwd: Path, timeout: float = 120) -> str:
+    done = subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, f"{args} failed:\n{output}"
+    return output
+
+
+def test_compile_deploy_and_a_process_worker_run_the_workload(
+    prefect_server: dict[str, str], tmp_path: Path
+) -> None:
+    env, api = prefect_server, prefect_server["PREFECT_API_URL"]
+    project = tmp_path / "project"
+    workload = {
+        "mode": "offline",
+        "task": "infer",
+        "model": "affine",
+        "input": "in/",
+        "output": "out/",
+        "schedule": {"cron": "45 3 * * *", "timezone": "Europe/Berlin"},
+    }
+    spec = write_spec(project, {"nightly": workload})
+    for shard in range(2):
+        records = [{"id": f"{shard}-{i}", "x": [[i, 1, 2, 3]]} for i in range(5)]
+        write_jsonl(project / "in" / f"part-{shard}.jsonl", records)
+    lanes = [sys.executable, "-c", OFFLINE_CLI]
+
+    _run([*lanes, "compile", str(spec)], env, project)
+    compiled = yaml.safe_load((project / "prefect.yaml").read_text())
+    assert [d["name"] for d in compiled["deployments"]] == ["nightly"]
+
+    # lanes deploy: makes the missing work pool, then `prefect deploy --all`.
+    deployed = _run([*lanes, "deploy", str(spec)], env, project)
+    assert "work pool 'lanes' (created)" in deployed
+    assert "lanes-offline/nightly  45 3 * * * (Europe/Berlin)" in deployed
+    found = httpx.get(f"{api}/deployments/name/lanes-offline/nightly", timeout=10).json()
+    (schedule,) = found["schedules"]
+    assert schedule["schedule"]["cron"] == "45 3 * * *"
+    assert schedule["schedule"]["timezone"] == "Europe/Berlin"
+    assert found["parameters"] == {"workload": "nightly", "spec": "workloads.yaml"}
+    # Deploying again changes nothing and asks nothing.
+    assert "(exists)" in _run([*lanes, "deploy", str(spec)], env, project)
+
+    prefect = [sys.executable, "-m", "prefect"]
+    _run([*prefect, "deployment", "run", "lanes-offline/nightly"], env, tmp_path)
+    _run([*prefect, "worker", "start", "--pool", "lanes", "--run-once"], env, tmp_path, 240)
+
+    runs: list[dict[str, Any]] = httpx.post(
+        f"{api}/flow_runs/filter",
+        json={"deployments": {"id": {"any_": [found["id"]]}}, "sort": "START_TIME_DESC"},
+        timeout=10,
+    ).json()
+    finished = [r for r in runs if r["state_type"] == "COMPLETED"]
+    assert len(finished) == 1, [(r["name"], r["state_type"]) for r in runs]
+    lines = outputs_of(project / "out")
+    assert sorted(line["id"] for line in lines) == sorted(
+        f"{s}-{i}" for s in range(2) for i in range(5)
+    )
+    assert {tuple(line["y"][0]) for line in lines if line["id"] == "1-3"} == {(7.0, 3.0, 5.0, 7.0)}
