@@ -6,8 +6,10 @@ Two record shapes, told apart line by line:
   ignored); infer and generate take every field but `id` as the item. Its output
   line is `{"id", "embedding": [...]}` (embed), or the id with the output's fields
   (infer's named tensors, a handler's mapping), or `{"id", "result": ...}`.
-- an OpenAI batch line `{"custom_id", "method", "url", "body"}`: the body is what
-  the online endpoint takes, the output line carries exactly the body it answers.
+- an OpenAI batch line `{"custom_id", "method", "url", "body"}` for /v1/embeddings,
+  /v1/completions or /v1/chat/completions: the body is what the online endpoint
+  takes, the output line carries the body it answers (`stream` is ignored: a batch
+  answers whole).
 
 A record that does not fit becomes a `Rejection`, written to the errors file.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -27,17 +30,24 @@ from lanes.errors import InvalidInput
 from lanes.protocols.openai import (
     BATCH_URLS,
     BatchRequestLine,
+    ChatCompletionRequest,
+    CompletionRequest,
     EmbeddingsRequest,
     batch_output,
+    chat_response,
+    completion_response,
     embeddings_response,
     invalid_request_body,
     is_batch_line,
     parse,
     prepare_texts,
+    render_chat,
 )
 from lanes.spec import TaskName
 from lanes.tasks.base import Task
+from lanes.tasks.decoder import Completion
 from lanes.tasks.embed import EmbedItem
+from lanes.tasks.generate import GenerateTask
 
 
 class Request(Protocol):
@@ -125,6 +135,52 @@ class EmbeddingsLine:
         return sum(len(t) for t in self.request.texts)
 
 
+@dataclass(frozen=True)
+class CompletionLine:
+    """A /v1/completions or /v1/chat/completions line: one prompt, one completion."""
+
+    number: int
+    id: str
+    request_id: str
+    request: CompletionRequest | ChatCompletionRequest
+
+    def prepare(self, task: Task) -> list[Any]:
+        if isinstance(self.request, ChatCompletionRequest):
+            config = task.decoder.config if isinstance(task, GenerateTask) else None
+            template = config.chat_template if config else None
+            opening = config.chat_generation_prompt if config else None
+            prompt = render_chat(self.request.messages, template, opening)
+        else:
+            prompt = self.request.text
+        return [task.prepare(self.request.generation_item(prompt))]
+
+    def answer(self, prepared: Sequence[Any], outputs: Sequence[Any]) -> dict[str, Any]:
+        (done,) = outputs
+        if not isinstance(done, Completion):
+            raise TypeError(f"the handler's post returned {type(done).__name__}, not a Completion")
+        chat = isinstance(self.request, ChatCompletionRequest)
+        make = chat_response if chat else completion_response
+        body = make(
+            f"{'chatcmpl' if chat else 'cmpl'}-{self.request_id}",
+            int(time.time()),
+            self.request.model,
+            done.text,
+            done.finish_reason,
+            done.prompt_tokens,
+            len(done.tokens),
+        )
+        return batch_output(self.id, self.request_id, 200, body)
+
+    def reject(self, message: str) -> dict[str, Any]:
+        return _batch_rejection(self.id, self.number, self.request_id, message)
+
+    def sort_key(self) -> int:
+        if isinstance(self.request, CompletionRequest):
+            prompt = self.request.prompt
+            return len(prompt) if isinstance(prompt, str) else sum(len(p) for p in prompt)
+        return sum(len(m.text) for m in self.request.messages)
+
+
 def to_request(line: Line, kind: TaskName, shard_uri: str) -> Request | Rejection:
     """The request a readable record makes, or why it makes none."""
     if line.value is None:
@@ -165,17 +221,15 @@ def _batch_line(
     if wanted != kind:
         message = f"url: {line.url} is for task {wanted!r}, but this workload's task is {kind!r}"
         return Rejection(_batch_rejection(line.custom_id, number, request_id, message))
-    if line.url != "/v1/embeddings":
-        message = (
-            f'url: {line.url} lines are not run offline yet; use plain records {{"id", "prompt"}}'
-        )
-        return Rejection(_batch_rejection(line.custom_id, number, request_id, message))
     try:
-        body = parse(EmbeddingsRequest, line.body)
+        if line.url == "/v1/embeddings":
+            body = parse(EmbeddingsRequest, line.body)
+            return EmbeddingsLine(number, line.custom_id, request_id, body)
+        shape = CompletionRequest if line.url == "/v1/completions" else ChatCompletionRequest
+        return CompletionLine(number, line.custom_id, request_id, parse(shape, line.body))
     except InvalidInput as err:
         message = f"body.{err}"
         return Rejection(_batch_rejection(line.custom_id, number, request_id, message))
-    return EmbeddingsLine(number, line.custom_id, request_id, body)
 
 
 def _batch_rejection(custom_id: Any, number: int, request_id: str, message: str) -> dict[str, Any]:

@@ -74,15 +74,73 @@ def infer_model(folder: Path) -> Path:
     return folder / "model.onnx"
 
 
+DECODER_WORDS = ["<eos>", "a", "b", "c", "d", "[UNK]"]
+
+
+def decoder_model(folder: Path) -> tuple[Path, Path]:
+    """A one-layer decoder with a KV cache whose logits follow a -> b -> c -> d -> <eos>
+    (greedy: the prompt "a" completes to "b c d"); chat renders each message as its
+    content."""
+    folder.mkdir(parents=True, exist_ok=True)
+    bigram = np.full((6, 6), -5.0, dtype=np.float32)
+    for src, dst in ((1, 2), (2, 3), (3, 4), (4, 0), (0, 0), (5, 0)):
+        bigram[src, dst] = 5.0
+    keys = np.arange(12, dtype=np.float32).reshape(6, 2)
+    f, i64 = TensorProto.FLOAT, TensorProto.INT64
+    io = helper.make_tensor_value_info
+    nodes = [
+        helper.make_node("Gather", ["L", "input_ids"], ["logits"]),
+        helper.make_node("Gather", ["K", "input_ids"], ["k"]),
+        helper.make_node("Unsqueeze", ["k", "axis1"], ["k4"]),
+        helper.make_node("Concat", ["past_key_values.0.key", "k4"], ["present.0.key"], axis=2),
+        helper.make_node("Concat", ["past_key_values.0.value", "k4"], ["present.0.value"], axis=2),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "decoder",
+        [
+            io("input_ids", i64, ["batch", "seq"]),
+            io("attention_mask", i64, ["batch", "total"]),
+            io("position_ids", i64, ["batch", "seq"]),
+            io("past_key_values.0.key", f, ["batch", 1, "past", 2]),
+            io("past_key_values.0.value", f, ["batch", 1, "past", 2]),
+        ],
+        [
+            io("logits", f, ["batch", "seq", 6]),
+            io("present.0.key", f, ["batch", 1, "total", 2]),
+            io("present.0.value", f, ["batch", 1, "total", 2]),
+        ],
+        initializer=[
+            numpy_helper.from_array(bigram, "L"),
+            numpy_helper.from_array(keys, "K"),
+            numpy_helper.from_array(np.array([1], dtype=np.int64), "axis1"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    save_model(model, str(folder / "model.onnx"))
+    tokenizer = Tokenizer(
+        models.WordLevel({w: i for i, w in enumerate(DECODER_WORDS)}, unk_token="[UNK]")
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {"eos_token_id": 0, "num_layers": 1, "num_heads": 1, "head_dim": 2}
+    chat = {"chat_template": "{content} ", "chat_generation_prompt": ""}
+    (folder / "config.json").write_text(json.dumps({**config, **chat, "max_position": 64}))
+    return folder / "model.onnx", folder / "tokenizer.json"
+
+
 def write_spec(folder: Path, workloads: dict[str, dict[str, Any]]) -> Path:
-    """A workloads.yaml in `folder` with models `enc` (embed) and `affine` (infer)."""
+    """A workloads.yaml in `folder` with models `enc` (embed), `affine` (infer) and
+    `dec` (generate)."""
     model, tokenizer = embed_model(folder / "models" / "enc")
     affine = infer_model(folder / "models" / "affine")
+    decoder, words = decoder_model(folder / "models" / "dec")
     spec = {
         "version": 1,
         "models": {
             "enc": {"path": str(model), "tokenizer": str(tokenizer)},
             "affine": {"path": str(affine)},
+            "dec": {"path": str(decoder), "tokenizer": str(words)},
         },
         "workloads": workloads,
     }

@@ -26,7 +26,7 @@ from typer.testing import CliRunner
 
 from flows.batch import offline
 from lanes.errors import JobFailed, StorageError, WrongMode
-from lanes.protocols.openai import embeddings_response
+from lanes.protocols.openai import completion_response, embeddings_response
 from lanes.runtime import Runtime
 from lanes.settings import Settings
 from lanes.specfile import load_spec
@@ -58,7 +58,7 @@ def prefect_api() -> Iterator[str]:
 
 
 def offline_workload(task: str = "embed", **fields: Any) -> dict[str, Any]:
-    model = "enc" if task == "embed" else "affine"
+    model = {"embed": "enc", "infer": "affine", "generate": "dec"}[task]
     base = {"mode": "offline", "task": task, "model": model, "input": "in/", "output": "out/"}
     return {**base, "batch_size": 16, "retries": 0, **fields}
 
@@ -132,6 +132,42 @@ def test_embed_job_answers_plain_and_openai_lines_like_the_task(
         str(tmp_path / "in" / "sub" / "b.jsonl"),
     }
     assert len(list((out / "_manifests").glob("*.json"))) == 1
+
+
+def test_generate_answers_completions_and_chat_lines(prefect_api: str, tmp_path: Path) -> None:
+    workload = offline_workload("generate", generation={"max_new_tokens": 8, "temperature": 0})
+    spec = write_spec(tmp_path, {"gen": workload})
+    line = {"custom_id": "c1", "method": "POST", "url": "/v1/completions"}
+    write_jsonl(
+        tmp_path / "in" / "prompts.jsonl",
+        [
+            {**line, "body": {"model": "gen", "prompt": "a"}},
+            {**line, "custom_id": "c2", "body": {"model": "gen", "prompt": "a", "max_tokens": 2}},
+            {
+                **line,
+                "custom_id": "chat",
+                "url": "/v1/chat/completions",
+                "body": {"model": "gen", "messages": [{"role": "user", "content": "b"}]},
+            },
+            {**line, "custom_id": "two", "body": {"model": "gen", "prompt": ["a", "b"]}},
+            {"id": "plain", "prompt": "c"},
+        ],
+    )
+    summary = offline(workload="gen", spec=str(spec))
+    assert (summary["outputs"], summary["errors"]) == (4, 1)
+    lines = {line.get("custom_id") or line["id"]: line for line in outputs_of(tmp_path / "out")}
+    body = lines["c1"]["response"]["body"]
+    created = body["created"]
+    assert body == completion_response(
+        f"cmpl-{lines['c1']['response']['request_id']}", created, "gen", "b c d", "stop", 1, 3
+    )
+    assert lines["c2"]["response"]["body"]["choices"][0]["finish_reason"] == "length"
+    chat = lines["chat"]["response"]["body"]
+    assert chat["object"] == "chat.completion"
+    assert chat["choices"][0]["message"] == {"role": "assistant", "content": "c d"}
+    assert lines["plain"]["text"] == "d" and lines["plain"]["finish_reason"] == "stop"
+    (error,) = errors_of(tmp_path / "out")
+    assert error["id"] == "two" and "expected one prompt" in error["error"]
 
 
 def test_parquet_gzip_and_infer_outputs(prefect_api: str, tmp_path: Path) -> None:
