@@ -1,0 +1,414 @@
+"""Generate workloads over real HTTP: a real uvicorn on 127.0.0.1, the demo tinycode
+decoder, the official `openai` client, continuous batching, SSE and guards."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import AsyncOpenAI, BadRequestError, OpenAI
+
+from lanes.runtime import Runtime
+from lanes.settings import Settings
+from lanes.specfile import load_spec
+from lanes.tasks import GenerateTask, load_task
+from tests.servers import ServerThread
+
+pytestmark = pytest.mark.slow
+
+GUARD_EVERY = 4
+GUARD_MODULE = "lanes_test_guard"
+CANDIDATES = [
+    "    def __repr__(self):\n        return",
+    "import os\nimport sys\n\n\ndef main(argv):\n    for arg in argv[1:]:\n        if",
+    "class Foo:\n    def __init__(self, name",
+    "def f(x",
+    "try:\n    import",
+    "    return self._",
+    "for i in range(",
+    "if __name__ == ",
+]
+
+
+def workloads(models: Path, guard: str) -> str:
+    tiny = f"{{path: {models}/tinycode/model.onnx, tokenizer: {models}/tinycode/tokenizer.json}}"
+    greedy = "generation: {max_new_tokens: 16, temperature: 0}"
+    return f"""\
+version: 1
+models:
+  tinycode: {tiny}
+workloads:
+  code:
+    mode: interactive
+    task: generate
+    model: tinycode
+    batching: {{max_batch_size: 16}}
+    {greedy}
+  one-lane:                    # one row and one waiting place: queues fill at once
+    mode: interactive
+    task: generate
+    model: tinycode
+    batching: {{max_batch_size: 1, max_queue: 1}}
+    {greedy}
+  guarded-buffer:
+    mode: interactive
+    task: generate
+    model: tinycode
+    {greedy}
+    guard: {{handler: "{guard}", mode: buffer}}
+  guarded-chunked:
+    mode: interactive
+    task: generate
+    model: tinycode
+    {greedy}
+    guard: {{handler: "{guard}", mode: chunked, every_tokens: {GUARD_EVERY}}}
+"""
+
+
+@dataclass(frozen=True)
+class Found:
+    """A prompt whose greedy text first shows `term` after its first two guard chunks,
+    and a prompt whose text never shows it."""
+
+    prompt: str
+    text: str
+    before: str  # the text of the first 2 * GUARD_EVERY tokens
+    term: str
+    clean_prompt: str
+
+
+def find_term(task: GenerateTask) -> Found:
+    decode = task.decoder.tokenizer.decode
+    texts = {}
+    for prompt in CANDIDATES:
+        texts[prompt] = task.complete(task.prepare({"prompt": prompt, "max_tokens": 16}))
+    for prompt, completion in texts.items():
+        before = decode(completion.tokens[: 2 * GUARD_EVERY])
+        for k in range(2 * GUARD_EVERY, len(completion.tokens)):
+            term = decode(completion.tokens[k : k + 1]).strip()
+            if len(term) < 2 or completion.text.lower().find(term.lower()) < len(before):
+                continue
+            clean = [p for p, c in texts.items() if term.lower() not in c.text.lower()]
+            if clean:
+                return Found(prompt, completion.text, before, term, clean[0])
+    pytest.fail(f"no usable guard term in the demo model's greedy texts: {texts}")
+
+
+@pytest.fixture(scope="module")
+def setup(
+    demo_models: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[ServerThread, GenerateTask, Found]]:
+    folder = tmp_path_factory.mktemp("generate")
+    spec_path = folder / "workloads.yaml"
+    spec_path.write_text(workloads(demo_models, f"{GUARD_MODULE}:blocked"))
+    task = load_task("code", load_spec(spec_path, Settings()), Runtime(Settings(device="cpu")))
+    assert isinstance(task, GenerateTask)
+    found = find_term(task)
+    (folder / f"{GUARD_MODULE}.py").write_text(
+        "from lanes.demo.guard import make_blocklist\n\n"
+        f"blocked = make_blocklist([{found.term!r}])\n"
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(folder))
+        with ServerThread(spec_path) as server:
+            yield server, task, found
+
+
+@pytest.fixture(scope="module")
+def server(setup: tuple[ServerThread, GenerateTask, Found]) -> ServerThread:
+    return setup[0]
+
+
+@pytest.fixture(scope="module")
+def task(setup: tuple[ServerThread, GenerateTask, Found]) -> GenerateTask:
+    return setup[1]
+
+
+@pytest.fixture(scope="module")
+def found(setup: tuple[ServerThread, GenerateTask, Found]) -> Found:
+    return setup[2]
+
+
+def metric(server: ServerThread, name: str, **labels: str) -> float:
+    """One sample from /metrics (0 when the series has no sample yet)."""
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+        if line.startswith(name + "{"):
+            found = dict(re.findall(r'(\w+)="([^"]*)"', line.split(" ")[0]))
+            if all(found.get(k) == v for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def sse(
+    server: ServerThread, path: str, body: dict[str, object], headers: dict[str, str] | None = None
+) -> list[dict[str, object]]:
+    """Every event of a streamed answer, up to [DONE] (which must come last)."""
+    events: list[dict[str, object]] = []
+    with httpx.stream(
+        "POST", f"{server.url}{path}", json={**body, "stream": True}, headers=headers, timeout=30
+    ) as answer:
+        assert answer.status_code == 200, answer.read()
+        assert answer.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in answer.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        assert line.startswith("data: ")
+        events.append(json.loads(line.removeprefix("data: ")))
+    return events
+
+
+def streamed_text(events: list[dict[str, object]]) -> tuple[str, str | None]:
+    text, finish = [], None
+    for event in events:
+        for choice in event["choices"]:  # type: ignore[attr-defined]
+            text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+            finish = choice["finish_reason"] or finish
+    return "".join(text), finish
+
+
+def test_openai_client_streams_a_chat_and_a_completion(server: ServerThread) -> None:
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    messages = [
+        {"role": "system", "content": "You write Python."},
+        {"role": "user", "content": "a class"},
+    ]
+    whole = client.chat.completions.create(model="code", messages=messages, max_tokens=12)  # type: ignore[arg-type]
+    chunks = list(
+        client.chat.completions.create(model="code", messages=messages, max_tokens=12, stream=True)  # type: ignore[arg-type]
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason == "length"
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks)
+        == whole.choices[0].message.content
+    )
+    assert whole.object == "chat.completion" and chunks[0].object == "chat.completion.chunk"
+    assert whole.usage is not None and whole.usage.completion_tokens == 12
+
+    prompt = "def main(argv):\n    "
+    once = client.completions.create(model="code", prompt=prompt, max_tokens=10)
+    stream = client.completions.create(
+        model="code",
+        prompt=prompt,
+        max_tokens=10,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    parts = list(stream)
+    assert parts[-1].choices == [] and parts[-1].usage == once.usage
+    assert "".join(p.choices[0].text for p in parts if p.choices) == once.choices[0].text
+    assert [p.choices[0].finish_reason for p in parts if p.choices][-1] == "length"
+
+
+def test_chat_prompt_is_the_documented_template(server: ServerThread, task: GenerateTask) -> None:
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model="code", messages=messages, max_tokens=6)  # type: ignore[arg-type]
+    plain = client.completions.create(
+        model="code", prompt="<|user|>\nhi\n<|assistant|>\n", max_tokens=6
+    )
+    assert chat.choices[0].message.content == plain.choices[0].text
+    assert chat.usage is not None and plain.usage is not None
+    assert chat.usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+async def test_16_concurrent_greedy_requests_match_each_alone(
+    server: ServerThread, task: GenerateTask
+) -> None:
+    prompts = [(CANDIDATES[i % len(CANDIDATES)] + " x" * i, 4 + i) for i in range(16)]
+    alone = [task.complete(task.prepare({"prompt": p, "max_tokens": n})) for p, n in prompts]
+    before = {
+        name: metric(server, name, workload="code")
+        for name in (
+            "lanes_batch_size_sum",
+            "lanes_batch_size_count",
+            "lanes_generated_tokens_total",
+            "lanes_prefill_seconds_count",
+        )
+    }
+    client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    answers = await asyncio.gather(
+        *(client.completions.create(model="code", prompt=p, max_tokens=n) for p, n in prompts)
+    )
+    await client.close()
+    for want, got in zip(alone, answers, strict=True):
+        assert got.choices[0].text == want.text
+        assert got.choices[0].finish_reason == want.finish_reason
+        assert got.usage is not None and got.usage.completion_tokens == len(want.tokens)
+    delta = {name: metric(server, name, workload="code") - value for name, value in before.items()}
+    assert delta["lanes_batch_size_sum"] / delta["lanes_batch_size_count"] > 2, "rows share steps"
+    # No prefix is ever recomputed: one prefill per request at most, and every token
+    # costs one row of one decode step (the first comes from the prefill; eos costs a
+    # row but makes no token).
+    assert delta["lanes_prefill_seconds_count"] <= 16
+    eos = sum(c.finish_reason == "stop" for c in alone)
+    assert delta["lanes_batch_size_sum"] + 16 == delta["lanes_generated_tokens_total"] + eos
+
+
+def test_stop_strings_cut_the_text_streamed_or_not(server: ServerThread, found: Found) -> None:
+    body = {
+        "model": "code",
+        "prompt": found.prompt,
+        "max_tokens": 16,
+        "stop": ["\x00never", found.term],
+    }
+    whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).json()
+    cut = found.text[: found.text.find(found.term)]
+    assert whole["choices"][0]["text"] == cut
+    assert whole["choices"][0]["finish_reason"] == "stop"
+    assert streamed_text(sse(server, "/v1/completions", body)) == (cut, "stop")
+
+
+def test_a_disconnect_frees_its_row(server: ServerThread) -> None:
+    aborted = metric(server, "lanes_sequences_finished_total", workload="code", reason="abort")
+    body = {
+        "model": "code",
+        "prompt": "def f(x",
+        "max_tokens": 400,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as answer:
+        lines = answer.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert metric(server, "lanes_sequences_in_flight", workload="code") == 1
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if (
+            metric(server, "lanes_sequences_finished_total", workload="code", reason="abort")
+            > aborted
+        ):
+            break
+        time.sleep(0.02)
+    assert (
+        metric(server, "lanes_sequences_finished_total", workload="code", reason="abort")
+        == aborted + 1
+    )
+    assert metric(server, "lanes_sequences_in_flight", workload="code") == 0
+    assert metric(server, "lanes_generated_tokens_total", workload="code") > 0
+    assert metric(server, "lanes_time_to_first_token_seconds_count", workload="code") > 0
+    assert metric(server, "lanes_inter_token_latency_seconds_count", workload="code") > 0
+
+
+async def test_full_queue_503_and_deadlines(server: ServerThread) -> None:
+    url = f"{server.url}/v1/completions"
+    long = {
+        "model": "one-lane",
+        "prompt": "def f(x",
+        "max_tokens": 400,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    async with httpx.AsyncClient(timeout=30) as client:
+        async with client.stream("POST", url, json=long) as running:
+            lines = running.aiter_lines()
+            assert (await anext(lines)).startswith("data: ")  # it holds the only row
+            waiting = asyncio.create_task(
+                client.post(url, json={"model": "one-lane", "prompt": "x", "max_tokens": 2})
+            )
+            await asyncio.sleep(0.2)
+            refused = await client.post(url, json={"model": "one-lane", "prompt": "y"})
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["code"] == "overloaded"
+        assert (await waiting).status_code == 200  # the disconnect above freed the row
+        async with client.stream("POST", url, json=long) as running:
+            lines = running.aiter_lines()  # keep it: a dropped iterator closes the response
+            assert (await anext(lines)).startswith("data: ")
+            started = time.monotonic()
+            late = await client.post(
+                url, json={"model": "one-lane", "prompt": "z"}, headers={"X-Timeout-Ms": "150"}
+            )
+            assert late.status_code == 504 and time.monotonic() - started < 2
+        # A deadline that passes while a sequence runs cuts it like max_tokens.
+        cut = await client.post(
+            url, json={**long, "stream": False}, headers={"X-Timeout-Ms": "300"}
+        )
+        assert cut.status_code == 200
+        assert cut.json()["choices"][0]["finish_reason"] == "length"
+        assert 0 < cut.json()["usage"]["completion_tokens"] < 400
+
+
+def test_buffer_guard_holds_the_stream_until_the_whole_text_passed(
+    server: ServerThread, found: Found
+) -> None:
+    blocked = {"model": "guarded-buffer", "prompt": found.prompt, "max_tokens": 16}
+    whole = httpx.post(f"{server.url}/v1/completions", json=blocked, timeout=30).json()
+    assert whole["choices"][0] == {
+        "index": 0,
+        "text": "",
+        "logprobs": None,
+        "finish_reason": "content_filter",
+    }
+    events = sse(server, "/v1/completions", blocked)
+    assert streamed_text(events) == ("", "content_filter")
+    clean = {**blocked, "prompt": found.clean_prompt}
+    events = sse(server, "/v1/completions", clean)
+    texts = [e["choices"][0]["text"] for e in events if e["choices"][0]["text"]]  # type: ignore[index]
+    assert len(texts) == 1, "buffer mode sends the text in one piece"
+    alone = httpx.post(f"{server.url}/v1/completions", json={**clean, "model": "code"}).json()
+    assert streamed_text(events) == (alone["choices"][0]["text"], "length")
+
+
+def test_chunked_guard_cuts_the_stream_before_the_failing_chunk(
+    server: ServerThread, found: Found
+) -> None:
+    before = metric(server, "lanes_guard_blocked_total", workload="guarded-chunked", mode="chunked")
+    body = {"model": "guarded-chunked", "prompt": found.prompt, "max_tokens": 16}
+    events = sse(server, "/v1/completions", body)
+    text, finish = streamed_text(events)
+    assert finish == "content_filter"
+    assert found.term.lower() not in text.lower()
+    assert found.text.startswith(text) and text, "the chunks before the failing one were sent"
+    assert len(text) <= found.text.lower().find(found.term.lower())
+    whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).json()
+    assert whole["choices"][0]["finish_reason"] == "content_filter"
+    assert whole["choices"][0]["text"] == ""
+    clean = {**body, "prompt": found.clean_prompt}
+    events = sse(server, "/v1/completions", clean)
+    alone = httpx.post(f"{server.url}/v1/completions", json={**clean, "model": "code"}).json()
+    assert streamed_text(events) == (
+        alone["choices"][0]["text"],
+        alone["choices"][0]["finish_reason"],
+    )
+    pieces = [e for e in events if e["choices"] and e["choices"][0]["text"]]  # type: ignore[index]
+    assert len(pieces) > 1 or len(alone["choices"][0]["text"]) <= 1, "chunks, not one piece"
+    after = metric(server, "lanes_guard_blocked_total", workload="guarded-chunked", mode="chunked")
+    assert after >= before + 2
+
+
+def test_bad_generate_requests_get_openai_errors(server: ServerThread) -> None:
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(BadRequestError, match="n"):
+        client.completions.create(model="code", prompt="x", n=2)
+    bad = [
+        ({"model": "code", "prompt": ["a", "b"]}, 400, "one prompt"),
+        ({"model": "code", "prompt": "x", "temperature": -1}, 400, "temperature"),
+        ({"model": "code", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": "code", "prompt": "x", "stop": 3}, 400, "stop"),
+        ({"model": "code"}, 400, "prompt"),
+        ({"model": "ghost", "prompt": "x"}, 404, "ghost"),
+    ]
+    for body, status, words in bad:
+        answer = httpx.post(f"{server.url}/v1/completions", json=body)
+        assert answer.status_code == status, (body, answer.text)
+        assert words in answer.json()["error"]["message"]
+    chat = httpx.post(f"{server.url}/v1/chat/completions", json={"model": "code", "messages": []})
+    assert chat.status_code == 400 and "messages" in chat.json()["error"]["message"]
+    streamed = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={"model": "ghost", "messages": [{"role": "user", "content": "x"}], "stream": True},
+    )
+    assert streamed.status_code == 404
+    assert (
+        httpx.post(
+            f"{server.url}/v1/completions", json={"model": "code", "prompt": "x"}
+        ).status_code
+        == 200
+    )

@@ -1,0 +1,303 @@
+"""The continuous-batching scheduler on fabricated logits: no model, no threads, milliseconds."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from lanes.tasks.sampling import SamplingParams
+from serving.scheduler import (
+    Event,
+    Policy,
+    Scheduler,
+    Seq,
+    SeqStatus,
+    StepOutputs,
+    StepPlan,
+)
+
+# Token ids: 0 is eos; 1-6 are one character each; 7 and 8 are the two halves of "é".
+CHARS = {1: "a", 2: "b", 3: "c", 4: " ", 5: "\n", 6: "x"}
+EOS, A, B, C, SPACE, NEWLINE, X, E1, E2 = range(9)
+VOCAB = 9
+
+
+def detokenize(ids: Sequence[int]) -> str:
+    """Like a byte-level decoder: an unfinished multi-byte character decodes to U+FFFD."""
+    out, i = [], 0
+    while i < len(ids):
+        if ids[i] == E1 and i + 1 < len(ids) and ids[i + 1] == E2:
+            out.append("é")
+            i += 2
+            continue
+        out.append(CHARS.get(ids[i], "\ufffd") if ids[i] != EOS else "")
+        i += 1
+    return "".join(out)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(max_running: int = 4, policy: Policy = "continuous", **kw: object) -> Scheduler:
+    return Scheduler(max_running, frozenset({EOS}), detokenize, policy=policy, **kw)  # type: ignore[arg-type]
+
+
+def seq(
+    id: int, prompt: int = 3, max_new: int = 8, stop: tuple[str, ...] = (), **kw: object
+) -> Seq:
+    return Seq(
+        id=id,
+        prompt_ids=tuple(range(1, prompt + 1)),
+        max_new_tokens=max_new,
+        sampling=SamplingParams(temperature=0),
+        stop=stop,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def logits(*tokens: int) -> np.ndarray:
+    """One row per token, peaked at that token."""
+    rows = np.full((len(tokens), VOCAB), -10.0, dtype=np.float32)
+    rows[np.arange(len(tokens)), list(tokens)] = 10.0
+    return rows
+
+
+def step(s: Scheduler, choose: dict[int, int] | int = A) -> tuple[StepPlan, list[Event]]:
+    """Schedule, then feed each row the token `choose` names for its sequence."""
+    plan = s.schedule()
+
+    def pick(rows: tuple[Seq, ...]) -> np.ndarray | None:
+        if not rows:
+            return None
+        wanted = [choose.get(r.id, A) if isinstance(choose, dict) else choose for r in rows]
+        return logits(*wanted)
+
+    return plan, s.update(plan, StepOutputs(pick(plan.prefill), pick(plan.decode)))
+
+
+def ids(rows: Sequence[Seq]) -> list[int]:
+    return [r.id for r in rows]
+
+
+def by_id(events: list[Event]) -> dict[int, Event]:
+    return {e.seq_id: e for e in events}
+
+
+def test_statuses_are_ordered_and_finished_from_stopped_on() -> None:
+    assert [s.is_finished for s in SeqStatus] == [False, False, True, True, True, True, True]
+    assert SeqStatus.FINISHED_LENGTH.finish_reason == "length"
+    assert SeqStatus.RUNNING.finish_reason is None
+
+
+def test_joiners_prefill_then_decode_and_a_finished_row_is_refilled_at_once() -> None:
+    s = make(max_running=2)
+    for i, n in enumerate((2, 5, 3)):
+        s.add(seq(i, max_new=n))
+    plan, events = step(s)
+    assert ids(plan.prefill) == [0, 1] and plan.decode == ()
+    assert all(e.first and e.tokens == (A,) for e in events)
+    plan, events = step(s)  # seq 0 reaches its budget of 2
+    assert ids(plan.decode) == [0, 1] and plan.prefill == ()
+    assert by_id(events)[0].finish == "length" and by_id(events)[0].text == "a"
+    plan, _ = step(s)  # its row goes to seq 2 at the very next step
+    assert ids(plan.decode) == [1] and ids(plan.prefill) == [2]
+    assert s.num_running == 2 and s.num_waiting == 0
+
+
+def test_eos_stops_without_a_token_unless_ignored() -> None:
+    s = make()
+    s.add(seq(0))
+    s.add(seq(1, ignore_eos=True))
+    step(s)
+    _, events = step(s, EOS)
+    assert by_id(events)[0] == Event(0, (), "", "stop")
+    assert by_id(events)[1].tokens == (EOS,) and by_id(events)[1].finish is None
+
+
+def test_stop_string_is_held_back_then_cut_and_never_sent() -> None:
+    s = make()
+    s.add(seq(0, stop=("bc",)))
+    sent = []
+    for token in (A, A, B, C, A):
+        _, events = step(s, token)
+        sent += [e.text for e in events]
+        if events[-1].finish:
+            break
+    assert events[-1].finish == "stop" and events[-1].tokens == (C,)
+    assert sent == ["", "a", "a", ""]  # "b" waited: it could have begun "bc"
+    assert s.rows[0].text == "aa" and s.rows[0].tokens == [A, A, B, C]
+
+
+def test_streamed_text_always_adds_up_to_the_whole_text() -> None:
+    for stop in ((), ("xx",), ("b", "\nc")):
+        s = make()
+        s.add(seq(0, max_new=12, stop=stop))
+        sent = []
+        for token in (A, NEWLINE, A, B, X, A, SPACE, C, X, A, A, A):
+            _, events = step(s, token)
+            sent.append(events[0].text)
+            if events[0].finish:
+                break
+        whole = s.rows[0].text
+        assert "".join(sent) == whole, stop
+        assert not any(x and x in whole for x in stop)
+
+
+def test_a_character_split_across_tokens_is_sent_whole() -> None:
+    s = make()
+    s.add(seq(0, max_new=3))
+    texts = [step(s, t)[1][0].text for t in (E1, E2, A)]
+    assert texts == ["", "é", "a"]
+    s = make()
+    s.add(seq(0, max_new=2))
+    texts = [step(s, t)[1][0].text for t in (A, E1)]
+    assert texts == ["a", "\ufffd"]  # cut by the budget: flushed as decode() gives it
+
+
+def test_budget_is_cut_by_the_models_context() -> None:
+    s = make(max_position=6)
+    s.add(seq(0, prompt=4, max_new=100))
+    _, first = step(s)
+    _, second = step(s)
+    assert first[0].finish is None and second[0].finish == "length"
+    assert s.budget(seq(1, prompt=4, max_new=100)) == 2
+
+
+def test_abort_while_waiting_never_runs_and_while_running_frees_the_row() -> None:
+    s = make(max_running=1)
+    s.add(seq(0))
+    s.add(seq(1))
+    s.add(seq(2))
+    step(s)
+    s.abort(1)  # waiting
+    plan, events = step(s)
+    assert ids(plan.retired) == [1] and by_id(events)[1] == Event(1, (), "", "abort")
+    s.abort(0)  # running
+    s.abort(99)  # unknown: ignored
+    plan, events = step(s)
+    assert ids(plan.retired) == [0] and ids(plan.prefill) == [2] and plan.decode == ()
+    assert by_id(events)[0].finish == "abort" and by_id(events)[0].text == ""
+    s.abort(0)  # already gone: ignored
+    assert s.schedule().retired == ()
+
+
+def test_deadlines_expire_waiting_and_running_sequences() -> None:
+    clock = Clock()
+    s = make(max_running=1, clock=clock)
+    s.add(seq(0, deadline=110.0))
+    s.add(seq(1, deadline=105.0))
+    step(s, A)
+    clock.now = 106.0
+    plan, events = step(s, B)
+    assert ids(plan.retired) == [1] and by_id(events)[1] == Event(1, (), "", "deadline")
+    clock.now = 110.0
+    plan, events = step(s)
+    assert ids(plan.retired) == [0] and plan.decode == ()
+    assert by_id(events)[0].finish == "deadline"
+    assert s.has_work is False
+
+
+def test_static_batch_keeps_finished_rows_until_the_longest_is_done() -> None:
+    s = make(max_running=4, policy="static")
+    s.add(seq(0, max_new=1))
+    s.add(seq(1, max_new=3))
+    step(s)  # both prefilled; seq 0 is done
+    s.add(seq(2, max_new=1))
+    plan, events = step(s)
+    assert ids(plan.decode) == [0, 1] and plan.prefill == ()  # 0 idles, 2 may not join
+    assert [e.seq_id for e in events] == [1]
+    plan, _ = step(s)
+    assert ids(plan.decode) == [0, 1] and plan.prefill == ()
+    plan, _ = step(s)  # 1 finished on the last step: a new batch forms
+    assert plan.decode == () and ids(plan.prefill) == [2]
+
+
+def test_static_drop_frees_finished_rows_but_admits_nobody_meanwhile() -> None:
+    s = make(max_running=4, policy="static-drop")
+    s.add(seq(0, max_new=1))
+    s.add(seq(1, max_new=3))
+    step(s)
+    s.add(seq(2, max_new=1))
+    plan, _ = step(s)
+    assert ids(plan.decode) == [1] and plan.prefill == ()
+    plan, _ = step(s)
+    assert ids(plan.decode) == [1] and plan.prefill == ()
+    plan, _ = step(s)
+    assert ids(plan.prefill) == [2]
+
+
+def test_serial_runs_one_sequence_at_a_time() -> None:
+    s = make(max_running=8, policy="serial")
+    s.add(seq(0, max_new=2))
+    s.add(seq(1, max_new=2))
+    seen = [(ids(p.prefill), ids(p.decode)) for p, _ in (step(s) for _ in range(4))]
+    assert seen == [([0], []), ([], [0]), ([1], []), ([], [1])]
+
+
+def test_prefill_token_budget_splits_joiners_but_one_always_joins() -> None:
+    s = make(max_running=8, max_prefill_tokens=10)
+    s.add(seq(0, prompt=4))
+    s.add(seq(1, prompt=5))
+    s.add(seq(2, prompt=20))
+    assert ids(step(s)[0].prefill) == [0, 1]  # 2 x 5 padded tokens
+    assert ids(step(s)[0].prefill) == [2]  # alone, over the budget
+
+
+def test_greedy_rows_take_the_argmax_and_seeded_rows_repeat() -> None:
+    rng = np.random.default_rng(0)
+    rows = rng.normal(size=(3, VOCAB)).astype(np.float32)
+
+    def run(seed: int) -> list[int]:
+        s = make()
+        warm = SamplingParams(temperature=1.0)
+        s.add(Seq(0, (1, 2), 5, sampling=SamplingParams(temperature=0)))
+        s.add(Seq(1, (1, 2), 5, sampling=warm, seed=seed, ignore_eos=True))
+        s.add(Seq(2, (1, 2), 5, sampling=warm, seed=seed + 1, ignore_eos=True))
+        plan = s.schedule()
+        s.update(plan, StepOutputs(prefill=rows))
+        return [r.tokens[0] for r in s.rows]
+
+    first = run(7)
+    assert first[0] == int(np.argmax(rows[0]))
+    assert run(7) == first
+
+
+def test_update_checks_the_logits_it_gets() -> None:
+    s = make()
+    s.add(seq(0))
+    s.add(seq(1))
+    plan = s.schedule()
+    with pytest.raises(ValueError, match="expected logits for 2 rows"):
+        s.update(plan, StepOutputs(prefill=logits(A)))
+
+
+def test_a_failed_step_errors_every_row_and_frees_them() -> None:
+    s = make()
+    s.add(seq(0))
+    s.add(seq(1))
+    step(s)
+    s.add(seq(2))
+    plan = s.schedule()
+    events = s.fail(plan)
+    assert sorted((e.seq_id, e.finish) for e in events) == [
+        (0, "error"),
+        (1, "error"),
+        (2, "error"),
+    ]
+    assert s.rows == [] and not s.has_work
+
+
+def test_duplicate_ids_and_unknown_policies_are_refused() -> None:
+    s = make()
+    s.add(seq(0))
+    with pytest.raises(ValueError, match="already scheduled"):
+        s.add(seq(0))
+    with pytest.raises(ValueError, match="policy"):
+        make(policy="eager")  # type: ignore[arg-type]
