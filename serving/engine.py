@@ -47,6 +47,11 @@ log = logging.getLogger("lanes.serving")
 Array = np.ndarray[Any, Any]
 # Trim the cache's leading columns once this many are padding in every row.
 TRIM_AT = 32
+# A hole (a row whose sequence left) is kept this many steps for a joiner to fill in
+# place before it is compacted away: stepping an empty row costs 1/rows of a step,
+# a compaction copies the whole cache (about a step's worth of memory traffic), and
+# in a closed loop the next request arrives a step or two after the last one left.
+HOLE_STEPS = 8
 
 
 class KVCache:
@@ -64,6 +69,8 @@ class KVCache:
         self.values: list[Array] = list(decoder.empty_past(0).values)
         self.mask = np.zeros((0, 0), dtype=np.int64)
         self.start: list[int] = []
+        self.steps = 0  # decode steps so far
+        self.empty_since: dict[int, int] = {}  # hole row -> the step it became one
 
     @property
     def length(self) -> int:
@@ -83,12 +90,14 @@ class KVCache:
                 self.slots[r] = None
                 self.start[r] = self.length
                 self.mask[r] = 0
+                self.empty_since[r] = self.steps
 
     def advance(self, present: Past, mask: Array) -> None:
         """After a decode step fed `mask`: its present is the new past, one column
         longer (a hole's new column stays masked)."""
         self.keys, self.values = list(present.keys), list(present.values)
         self.mask = mask
+        self.steps += 1
         for r, sid in enumerate(self.slots):
             if sid is None:
                 mask[r, -1] = 0
@@ -112,6 +121,7 @@ class KVCache:
                 self.mask[r, at:] = mask[j]
                 self.slots[r] = sid
                 self.start[r] = at + int(np.argmax(mask[j]))
+                del self.empty_since[r]
             else:
                 appended.append(j)
         if appended:
@@ -142,18 +152,27 @@ class KVCache:
         self.slots += list(ids)
 
     def compact(self) -> None:
-        """Drop holes and the leading columns every row has as padding (copies once)."""
+        """Drop holes older than HOLE_STEPS (all of them once they outnumber the live
+        rows), and the leading columns every row has as padding. Copies once, or not
+        at all when there is nothing to drop."""
         live = [r for r, sid in enumerate(self.slots) if sid is not None]
         lead = min((self.start[r] for r in live), default=self.length)
-        holes = len(self.slots) - len(live)
-        if holes == 0 and lead < TRIM_AT:
+        holes = self.empty_since
+        if len(holes) > len(live):
+            stale = set(holes)
+        else:
+            stale = {r for r, since in holes.items() if self.steps - since >= HOLE_STEPS}
+        if not stale and lead < TRIM_AT:
             return
-        index = np.asarray(live, dtype=np.int64)
+        kept = [r for r in range(len(self.slots)) if r not in stale]
+        lead = min((self.start[r] for r in kept), default=self.length) if kept else 0
+        index = np.asarray(kept, dtype=np.int64)
         self.keys = [np.ascontiguousarray(k[index, :, lead:]) for k in self.keys]
         self.values = [np.ascontiguousarray(v[index, :, lead:]) for v in self.values]
         self.mask = np.ascontiguousarray(self.mask[index, lead:])
-        self.slots = [self.slots[r] for r in live]
-        self.start = [self.start[r] - lead for r in live]
+        self.slots = [self.slots[r] for r in kept]
+        self.start = [self.start[r] - lead for r in kept]
+        self.empty_since = {new: holes[old] for new, old in enumerate(kept) if old in holes}
 
 
 @dataclass(eq=False)
@@ -335,50 +354,53 @@ class Engine:
                 if stopping:
                     return
                 continue
-            events = self._step(plan)
-            self._observe(plan, events)
-            self._hand_over(events)
+            self._step(plan)
 
-    def _step(self, plan: StepPlan) -> list[Event]:
+    def _step(self, plan: StepPlan) -> None:
+        """Prefill the joiners and hand out their first tokens at once (time to first
+        token does not wait for the decode step), then decode every row, then give
+        the joiners their rows for the next step."""
         start = time.monotonic()
+        reported = False
         try:
-            outputs = self._execute(plan)
+            joined: tuple[Past, Array] | None = None
+            if plan.prefill or plan.retired:
+                first = StepPlan(prefill=plan.prefill, retired=plan.retired)
+                logits: Array | None = None
+                if plan.prefill:
+                    logits, present, mask = self._prefill(plan.prefill)
+                    joined = (present, mask)
+                    self._metrics.prefill_time.labels(self.name).observe(time.monotonic() - start)
+                self._publish(first, self.scheduler.update(first, StepOutputs(prefill=logits)))
+                reported = True
+            self.cache.release({s.id for s in plan.decode})
+            if not plan.decode:
+                self.cache = KVCache(self.decoder)  # a fresh batch: forget the old length
+            else:
+                if not plan.prefill:
+                    self.cache.compact()  # nobody will fill the holes: do not step them
+                decoding = time.monotonic()
+                logits = self._decode(plan.decode)
+                self._metrics.decode_time.labels(self.name).observe(time.monotonic() - decoding)
+                self._metrics.batch_size.labels(self.name).observe(len(plan.decode))
+                rows = StepPlan(decode=plan.decode)
+                self._publish(rows, self.scheduler.update(rows, StepOutputs(decode=logits)))
+            if joined is not None:
+                self.cache.place([s.id for s in plan.prefill], *joined)
         except Exception:  # a model failure answers its callers, never kills the loop
             log.exception("workload %s: a step of %d rows failed", self.name, len(plan.decode))
             self.cache = KVCache(self.decoder)
-            return self.scheduler.fail(plan)
+            failed = StepPlan(decode=plan.decode) if reported else plan
+            self._publish(failed, self.scheduler.fail(failed))
         finally:
             end = time.monotonic()
             with self._stats:
                 self.utilization.record(start, end)
             self._metrics.busy_seconds.labels(self.name).inc(end - start)
-        return self.scheduler.update(plan, outputs)
 
-    def _execute(self, plan: StepPlan) -> StepOutputs:
-        """Run the plan: prefill the joiners, decode the rows, place the joiners."""
-        m, name = self._metrics, self.name
-        start = time.monotonic()
-        prefill_logits: Array | None = None
-        joined: tuple[Past, Array] | None = None
-        if plan.prefill:
-            prefill_logits, present, mask = self._prefill(plan.prefill)
-            joined = (present, mask)
-            prefilled = time.monotonic()
-            m.prefill_time.labels(name).observe(prefilled - start)
-            start = prefilled
-        decode_logits: Array | None = None
-        self.cache.release({s.id for s in plan.decode})
-        if not plan.decode:
-            self.cache = KVCache(self.decoder)  # a fresh batch: forget the old length
-        elif not plan.prefill:
-            self.cache.compact()  # nobody to fill the holes: do not step them
-        if plan.decode:
-            decode_logits = self._decode(plan.decode)
-            m.decode_time.labels(name).observe(time.monotonic() - start)
-            m.batch_size.labels(name).observe(len(plan.decode))
-        if joined is not None:
-            self.cache.place([s.id for s in plan.prefill], *joined)
-        return StepOutputs(prefill_logits, decode_logits)
+    def _publish(self, plan: StepPlan, events: list[Event]) -> None:
+        self._observe(plan, events)
+        self._hand_over(events)
 
     def _prefill(self, seqs: Sequence[Seq]) -> tuple[Array, Past, Array]:
         """One run over the joiners' prompts, left-padded to the longest."""

@@ -1,0 +1,381 @@
+"""Benchmark of token streaming: continuous batching against static batching, static
+batching that drops finished sequences, and one sequence at a time.
+
+    python bench/generate.py [--seconds 12] [--levels 1,4,16,64] [--policies ...]
+
+For each policy it starts a server process (this script with --serve: the real
+/v1/completions route and engine, the batching policy set on the engine) and, at
+each concurrency, runs closed-loop streaming clients (aiohttp) for `--seconds`:
+each client sends a completion with `max_tokens` drawn log-uniform between 8 and
+512 (seeded; heavy-tailed, as chat replies are; `ignore_eos` so lengths are what
+was drawn), reads its stream to the end, and sends the next. Printed per policy
+and concurrency: TTFT p50/p99 and ITL p50/p99 (client side, per SSE chunk),
+generated tokens/s (server counter), mean rows per decode step, and the ratio of
+tokens/s to raw onnxruntime: `Decoder.step` at the same batch size, in-process,
+no HTTP, measured right after each run (so under the same background load). Ratios travel between machines; absolute
+times on a shared 2-core box do not.
+
+Requests still waiting when a run ends count their wait so far as their TTFT
+(a lower bound; such cells are marked with `>`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from lanes.runtime import Runtime  # noqa: E402
+from lanes.settings import Settings  # noqa: E402
+from lanes.specfile import load_spec  # noqa: E402
+from lanes.tasks import GenerateTask, load_task  # noqa: E402
+from lanes.tasks.decoder import Past  # noqa: E402
+
+WORKLOAD = "gen"
+POLICIES = ("continuous", "static", "static-drop", "serial")
+SPEC = """\
+version: 1
+models:
+  tinycode:
+    path: {m}/tinycode/model.onnx
+    tokenizer: {m}/tinycode/tokenizer.json
+    session: {{intra_op_threads: {threads}}}
+workloads:
+  gen:
+    mode: interactive
+    task: generate
+    model: tinycode
+    batching: {{max_batch_size: {batch}, max_queue: 4096}}
+    generation: {{max_new_tokens: 512, temperature: 0}}
+"""
+PROMPTS = [
+    "def ",
+    "import os\n",
+    "class Config:\n    def __init__(self, path",
+    "    for name in sorted(names):\n        if name.startswith('_'):\n            continue\n",
+    "# Copyright 2001 Python Software Foundation\n\nimport sys\nimport re\n",
+    "    return self.",
+    'def parse(text, *, strict=False):\n    """Parse text into a list of tokens.\n\n',
+    "try:\n    from _collections import deque\nexcept ImportError:\n",
+]
+
+
+def serve(spec_path: str, policy: str, port: int) -> None:
+    """The server side: the app's own routes and engine, with the policy chosen here."""
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+
+    from serving import app as lanes_app
+    from serving import generate_routes
+    from serving.state import ServingState
+
+    settings = Settings(port=port)
+    state = ServingState(load_spec(Path(spec_path), settings), settings)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        task = await asyncio.to_thread(load_task, WORKLOAD, state.spec, Runtime(settings))
+        assert isinstance(task, GenerateTask)
+        await asyncio.to_thread(task.warm_up)
+        engine = generate_routes.start_engine(state, task, policy)  # type: ignore[arg-type]
+        state.ready = True
+        yield
+        await engine.stop()
+
+    routes = [
+        Route("/readyz", lanes_app.ready, methods=["GET"]),
+        Route("/metrics", lanes_app.metrics, methods=["GET"]),
+        *generate_routes.routes,
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.lanes = state
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+@dataclass
+class Run:
+    policy: str
+    clients: int
+    seconds: float
+    ttft: list[float] = field(default_factory=list)
+    censored: int = 0  # requests still waiting for a first token at the end
+    itl: list[float] = field(default_factory=list)
+    tokens: float = 0.0
+    rows_per_step: float = 0.0
+    requests: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+    def pct(self, values: list[float], q: float) -> float:
+        return float(np.percentile(values, q)) * 1000 if values else math.nan
+
+
+def draw_lengths(seed: int, n: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [round(math.exp(x)) for x in rng.uniform(math.log(8), math.log(512), n)]
+
+
+async def closed_loop(url: str, policy: str, clients: int, seconds: float, warm: float) -> Run:
+    run = Run(policy, clients, seconds)
+    start = time.perf_counter()
+    measure_from = start + warm
+    end = measure_from + seconds
+    waiting: dict[int, float] = {}  # client -> when its current request was sent
+    connector = aiohttp.TCPConnector(limit=clients)
+    timeout = aiohttp.ClientTimeout(total=None)
+    async with aiohttp.ClientSession(url, connector=connector, timeout=timeout) as session:
+
+        async def client(k: int) -> None:
+            lengths = iter(draw_lengths(1000 + k, 100_000))
+            i = 0
+            while True:
+                body = {
+                    "model": WORKLOAD,
+                    "prompt": PROMPTS[(k + i) % len(PROMPTS)],
+                    "max_tokens": next(lengths),
+                    "stream": True,
+                    "ignore_eos": True,
+                }
+                i += 1
+                sent = time.perf_counter()
+                waiting[k] = sent
+                last: float | None = None
+                async with session.post("/v1/completions", json=body) as answer:
+                    if answer.status != 200:
+                        raise RuntimeError(f"HTTP {answer.status}: {await answer.text()}")
+                    async for line in answer.content:
+                        if not line.startswith(b"data: {"):
+                            continue
+                        now = time.perf_counter()
+                        if last is None:
+                            waiting.pop(k, None)
+                            if sent >= measure_from:
+                                run.ttft.append(now - sent)
+                        elif now >= measure_from:
+                            run.itl.append(now - last)
+                        last = now
+                if sent >= measure_from:
+                    run.requests += 1
+
+        tasks = [asyncio.create_task(client(k)) for k in range(clients)]
+        await asyncio.sleep(max(0.0, measure_from - time.perf_counter()))
+        before = server_counters(url)
+        await asyncio.sleep(max(0.0, end - time.perf_counter()))
+        after = server_counters(url)
+        stopped = time.perf_counter()
+        for sent in waiting.values():  # still no first token: starved, count the wait so far
+            run.ttft.append(stopped - sent)
+            run.censored += 1
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    run.seconds = stopped - measure_from
+    run.tokens = after["tokens"] - before["tokens"]
+    steps = after["steps"] - before["steps"]
+    run.rows_per_step = (after["rows"] - before["rows"]) / steps if steps else math.nan
+    return run
+
+
+def server_counters(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    names = {
+        "tokens": "lanes_generated_tokens_total",
+        "rows": "lanes_batch_size_sum",
+        "steps": "lanes_batch_size_count",
+    }
+    out = {}
+    for key, name in names.items():
+        found = re.search(rf'^{name}{{workload="{WORKLOAD}"}} (\S+)$', text, re.MULTILINE)
+        out[key] = float(found.group(1)) if found else 0.0
+    return out
+
+
+def raw_tokens_per_s(task: GenerateTask, batch: int, past_len: int, seconds: float) -> float:
+    """Decoder.step alone: `batch` rows, one new token each, on a past of `past_len`."""
+    decoder = task.decoder
+    c = decoder.config
+    rng = np.random.default_rng(0)
+    shape = (batch, c.num_heads, past_len, c.head_dim)
+    keys = tuple(rng.standard_normal(shape, dtype=np.float32) for _ in range(c.num_layers))
+    past = Past(keys, keys)
+    ids = np.ones((batch, 1), dtype=np.int64)
+    mask = np.ones((batch, past_len + 1), dtype=np.int64)
+    positions = np.full((batch, 1), past_len, dtype=np.int64)
+    decoder.step(ids, mask, positions, past)
+    steps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds or steps < 5:
+        decoder.step(ids, mask, positions, past)
+        steps += 1
+    return steps * batch / (time.perf_counter() - start)
+
+
+def start_server(spec_path: Path, policy: str, port: int) -> subprocess.Popen[bytes]:
+    cmd = [
+        sys.executable,
+        __file__,
+        "--serve",
+        policy,
+        "--spec",
+        str(spec_path),
+        "--port",
+        str(port),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    url = f"http://127.0.0.1:{port}"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"server exited: {proc.stderr.read().decode() if proc.stderr else ''}"
+            )
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                return proc
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"{cmd} did not become ready")
+
+
+def table(rows: list[list[str]], header: list[str]) -> None:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, ["-" * w for w in widths], *rows]:
+        print("  ".join(str(c).rjust(w) for c, w in zip(row, widths, strict=True)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seconds", type=float, default=12.0, help="measured time per run")
+    parser.add_argument("--warm", type=float, default=2.0, help="unmeasured start of each run")
+    parser.add_argument("--levels", default="1,4,16,64")
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument("--raw-past", type=int, default=128, help="past length of the raw steps")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="onnxruntime intra-op threads (server and raw)"
+    )
+    parser.add_argument("--port", type=int, default=8441)
+    parser.add_argument("--serve", help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        serve(args.spec, args.serve, args.port)
+        return
+    levels = [int(x) for x in args.levels.split(",")]
+    models = Path(os.environ.get("LANES_MODELS_DIR", ROOT / ".lanes" / "models")).resolve()
+    spec_path = Path(tempfile.mkdtemp(prefix="lanes-bench-")) / "workloads.yaml"
+    spec_path.write_text(SPEC.format(m=models, batch=args.max_batch, threads=args.threads))
+    settings = Settings()
+    task = load_task(WORKLOAD, load_spec(spec_path, settings), Runtime(settings))
+    assert isinstance(task, GenerateTask)
+    url = f"http://127.0.0.1:{args.port}"
+    runs: dict[tuple[str, int], Run] = {}
+    raw: dict[tuple[str, int], float] = {}
+    for policy in args.policies.split(","):
+        proc = start_server(spec_path, policy, args.port)
+        try:
+            for c in levels:
+                runs[policy, c] = r = asyncio.run(
+                    closed_loop(url, policy, c, args.seconds, args.warm)
+                )
+                # Right after the run, on the same (shared) machine: the raw limit.
+                raw[policy, c] = raw_tokens_per_s(task, min(c, args.max_batch), args.raw_past, 1.5)
+                print(
+                    f"  {policy:>11} x{c:<3} {r.tokens_per_s:8.0f} tok/s  "
+                    f"TTFT p50 {r.pct(r.ttft, 50):7.1f} ms  rows/step {r.rows_per_step:5.1f}  "
+                    f"raw {raw[policy, c]:.0f} tok/s",
+                    file=sys.stderr,
+                )
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    print(
+        f"\nStreaming generate, tinycode, closed loop, max_tokens log-uniform 8..512, "
+        f"{args.seconds:.0f} s per run, max_batch_size {args.max_batch}; raw = Decoder.step "
+        f"tokens/s at the same batch size (past {args.raw_past}), same run, no HTTP"
+    )
+    rows = []
+    for (policy, c), r in runs.items():
+        mark = ">" if r.censored else ""
+        rows.append(
+            [
+                policy,
+                str(c),
+                f"{mark}{r.pct(r.ttft, 50):.1f}",
+                f"{mark}{r.pct(r.ttft, 99):.1f}",
+                f"{r.pct(r.itl, 50):.1f}",
+                f"{r.pct(r.itl, 99):.1f}",
+                f"{r.tokens_per_s:.0f}",
+                f"{r.rows_per_step:.1f}",
+                f"{raw[policy, c]:.0f}",
+                f"{r.tokens_per_s / raw[policy, c]:.2f}",
+            ]
+        )
+    header = [
+        "policy",
+        "clients",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "ITL p50 ms",
+        "ITL p99 ms",
+        "tok/s",
+        "rows/step",
+        "raw tok/s",
+        "vs raw",
+    ]
+    table(rows, header)
+    checks(runs)
+
+
+def checks(runs: dict[tuple[str, int], Run]) -> None:
+    def get(policy: str, c: int) -> Run | None:
+        return runs.get((policy, c))
+
+    print()
+    cont, static, drop = get("continuous", 16), get("static", 16), get("static-drop", 16)
+    if cont and static:
+        ratio = cont.tokens_per_s / static.tokens_per_s
+        verdict = "meets" if ratio >= 2 else "MISSES"
+        print(f"continuous / static tokens/s at 16 clients: {ratio:.2f}x ({verdict} >= 2x)")
+    if cont and drop:
+        print(
+            f"continuous / static-drop tokens/s at 16 clients: "
+            f"{cont.tokens_per_s / drop.tokens_per_s:.2f}x"
+        )
+    one = get("continuous", 1)
+    if cont and one:
+        ratio = cont.pct(cont.ttft, 99) / one.pct(one.ttft, 50)
+        verdict = "meets" if ratio <= 3 else "MISSES"
+        print(
+            f"continuous TTFT p99 at 16 clients / TTFT p50 at 1 client: {ratio:.2f}x "
+            f"({verdict} <= 3x)"
+        )
+
+
+if __name__ == "__main__":
+    main()
