@@ -1,0 +1,225 @@
+"""Benchmark of an offline embed job end to end against raw onnxruntime, in one run.
+
+    python bench/offline.py [--records 100000] [--shards 20] [--batch-size 256]
+
+Writes `--records` query-like texts (3-12 words) as JSONL shards under
+.lanes/bench/offline/in/, then measures, on the demo minilm encoder:
+
+- raw: onnxruntime's `session.run` alone over the same texts, tokenized beforehand
+  and cut into exactly the batches the job makes (each shard sorted by length, then
+  `--batch-size` at a time), so padding is identical; only the runs are timed.
+- end to end: the `lanes-offline` Prefect flow (`flows.batch.offline`) on those
+  shards: list, read, parse, tokenize, run, pool, serialise, write, commit, manifest.
+  Timed around the flow call, after a warm-up run has started the embedded Prefect
+  API (its one-off start-up is not part of any job).
+
+Prints a table with the ratio end-to-end / raw: the figure that travels between
+machines. The target is at least 0.90. Needs the demo models (built with torch on
+first use, as `lanes models build` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+# Prefect must never phone home; its state stays in the project.
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_HOME", str(ROOT / ".lanes" / "prefect"))
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+
+from lanes.runtime import Runtime  # noqa: E402
+from lanes.settings import Settings  # noqa: E402
+from lanes.specfile import load_spec  # noqa: E402
+from lanes.tasks.embed import EmbedTask  # noqa: E402
+
+WORDS = (
+    "how do i reverse a list in python sort dictionary by value read file line by line "
+    "best pizza near me cheap flights to paris weather tomorrow what is the capital of "
+    "australia convert celsius to fahrenheit install docker on ubuntu fix slow laptop "
+    "recipe for sourdough bread train schedule berlin munich quarterly report summary "
+    "customer question about refund policy late delivery of order mountain trail map "
+    "batch sizes and latency padding in variable length text gpu memory usage tips "
+    "learn spanish fast running shoes for flat feet how to tie a tie movie times tonight "
+    "symptoms of flu versus cold mortgage rates today used cars under ten thousand"
+).split()
+SPEC = """\
+version: 1
+models:
+  minilm: {{path: {model}/model.onnx, tokenizer: {model}/tokenizer.json, max_length: 256}}
+workloads:
+  bench-embed:
+    mode: offline
+    task: embed
+    model: minilm
+    input: in/
+    output: out/
+    batch_size: {batch_size}
+    retries: 0
+    runner: {{max_concurrent_shards: 2}}
+  warm-up:
+    mode: offline
+    task: embed
+    model: minilm
+    input: warm/
+    output: warm-out/
+    batch_size: {batch_size}
+"""
+
+
+@dataclass(frozen=True)
+class Measured:
+    name: str
+    items: int
+    seconds: float
+
+    @property
+    def rate(self) -> float:
+        return self.items / self.seconds
+
+
+def texts(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choices(WORDS, k=rng.randint(3, 12))) for _ in range(n)]
+
+
+def write_shards(folder: Path, corpus: list[str], shards: int) -> list[list[str]]:
+    """JSONL shards of {"id", "text"}; returns each shard's texts in file order."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    per = -(-len(corpus) // shards)
+    parts = [corpus[i : i + per] for i in range(0, len(corpus), per)]
+    for index, part in enumerate(parts):
+        with (folder / f"part-{index:03d}.jsonl").open("w") as f:
+            for k, text in enumerate(part):
+                f.write(json.dumps({"id": f"{index}-{k}", "text": text}) + "\n")
+    return parts
+
+
+def raw(task: EmbedTask, parts: list[list[str]], batch_size: int) -> Measured:
+    """session.run alone, on the job's own batches (per shard: sorted, then cut)."""
+    session, pad = task.session, 0
+    feeds_list = []
+    for part in parts:
+        ordered = sorted(part, key=len)  # the job's order: stable sort by text length
+        for start in range(0, len(ordered), batch_size):
+            ids = [task.tokenizer.encode(t).ids for t in ordered[start : start + batch_size]]
+            width = max(len(i) for i in ids)
+            matrix = np.full((len(ids), width), pad, dtype=np.int64)
+            mask = np.zeros_like(matrix)
+            for row, seq in enumerate(ids):
+                matrix[row, : len(seq)] = seq
+                mask[row, : len(seq)] = 1
+            feeds = {"input_ids": matrix, "attention_mask": mask}
+            if "token_type_ids" in {i.name for i in session.get_inputs()}:
+                feeds["token_type_ids"] = np.zeros_like(matrix)
+            feeds_list.append(feeds)
+    output = session.get_outputs()[0].name
+    session.run([output], feeds_list[0])  # warm
+    items, busy = 0, 0.0
+    for feeds in feeds_list:
+        started = time.perf_counter()
+        session.run([output], feeds)
+        busy += time.perf_counter() - started
+        items += len(feeds["input_ids"])
+    return Measured("raw onnxruntime (session.run only)", items, busy)
+
+
+def end_to_end(spec: Path, work: Path) -> tuple[Measured, dict[str, object]]:
+    from flows.batch import offline
+
+    shutil.rmtree(work / "out", ignore_errors=True)
+    started = time.perf_counter()
+    summary = offline(workload="bench-embed", spec=str(spec))
+    seconds = time.perf_counter() - started
+    items = int(summary["items"])  # type: ignore[call-overload]
+    return Measured("lanes offline flow, end to end", items, seconds), summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--records", type=int, default=100_000)
+    parser.add_argument("--shards", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--models", type=Path, default=ROOT / ".lanes" / "models")
+    parser.add_argument("--work", type=Path, default=ROOT / ".lanes" / "bench" / "offline")
+    args = parser.parse_args()
+
+    model = args.models / "minilm"
+    if not (model / "model.onnx").is_file():
+        from lanes.demo.build import build_demo_models
+
+        print(f"building the demo models into {args.models} ...", flush=True)
+        build_demo_models(args.models)
+    work: Path = args.work
+    work.mkdir(parents=True, exist_ok=True)
+    spec = work / "workloads.yaml"
+    spec.write_text(SPEC.format(model=model.resolve(), batch_size=args.batch_size))
+    corpus = texts(args.records)
+    parts = write_shards(work / "in", corpus, args.shards)
+    write_shards(work / "warm", corpus[:64], 1)
+    shutil.rmtree(work / "warm-out", ignore_errors=True)
+
+    settings = Settings()
+    task = EmbedTask(
+        "bench-embed",
+        load_spec(spec, settings).workload("bench-embed"),
+        load_spec(spec, settings).models["minilm"],
+        Runtime(settings),
+    )
+    tokens = [len(task.tokenizer.encode(t).ids) for t in corpus[:5000]]
+    print(
+        f"{args.records} records in {len(parts)} shards, batch size {args.batch_size}, "
+        f"~{np.mean(tokens):.1f} tokens a text; measuring raw onnxruntime ...",
+        flush=True,
+    )
+    base = raw(task, parts, args.batch_size)
+    del task
+    print("starting the embedded Prefect API (a warm-up run) ...", flush=True)
+    from flows.batch import offline
+
+    offline(workload="warm-up", spec=str(spec))
+    print("running the offline flow end to end ...", flush=True)
+    job, summary = end_to_end(spec, work)
+
+    flow_wall = float(summary["wall_seconds"])  # type: ignore[arg-type]
+    rows = [
+        (base.name, base.items, base.seconds, base.rate, 1.0),
+        (job.name, job.items, job.seconds, job.rate, job.rate / base.rate),
+        (
+            "  the same, inside the flow (manifest wall)",
+            job.items,
+            flow_wall,
+            job.items / flow_wall,
+            job.items / flow_wall / base.rate,
+        ),
+    ]
+    print()
+    print(f"{'':46} {'items':>8} {'seconds':>9} {'items/s':>9} {'vs raw':>7}")
+    for name, items, seconds, rate, ratio in rows:
+        print(f"{name:46} {items:>8} {seconds:>9.1f} {rate:>9.1f} {ratio:>7.2f}")
+    print()
+    print(
+        f"outputs {summary['outputs']}, errors {summary['errors']}, provider "
+        f"{summary['provider']}, cost estimate ${summary['cost_estimate']} "
+        f"at ${summary['price_per_device_hour']}/device-hour"
+    )
+    verdict = "meets" if job.rate >= 0.9 * base.rate else "MISSES"
+    print(f"end to end is {job.rate / base.rate:.1%} of raw: {verdict} the 90% target")
+
+
+if __name__ == "__main__":
+    main()
