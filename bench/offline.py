@@ -46,7 +46,7 @@ from lanes.settings import Settings  # noqa: E402
 from lanes.specfile import load_spec  # noqa: E402
 from lanes.tasks.embed import EmbedTask  # noqa: E402
 
-WORDS = (
+QUERIES = (
     "how do i reverse a list in python sort dictionary by value read file line by line "
     "best pizza near me cheap flights to paris weather tomorrow what is the capital of "
     "australia convert celsius to fahrenheit install docker on ubuntu fix slow laptop "
@@ -55,7 +55,8 @@ WORDS = (
     "batch sizes and latency padding in variable length text gpu memory usage tips "
     "learn spanish fast running shoes for flat feet how to tie a tie movie times tonight "
     "symptoms of flu versus cold mortgage rates today used cars under ten thousand"
-).split()
+)
+WORDS = QUERIES.split()
 SPEC = """\
 version: 1
 models:
