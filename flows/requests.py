@@ -92,7 +92,13 @@ class PlainRecord:
     kind: TaskName
 
     def prepare(self, task: Task) -> list[Any]:
-        return [task.prepare(self.item)]
+        try:
+            return [task.prepare(self.item)]
+        except InvalidInput as err:
+            if self.kind != "embed":
+                raise
+            # The task names its argument `input`; in a plain record it is `text`.
+            raise InvalidInput(f"text: {str(err).removeprefix('input: ')}") from None
 
     def answer(self, prepared: Sequence[Any], outputs: Sequence[Any]) -> dict[str, Any]:
         (output,) = outputs

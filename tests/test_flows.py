@@ -85,6 +85,7 @@ def test_embed_job_answers_plain_and_openai_lines_like_the_task(
         "{not json",
         {"text": "no id here"},
         {"id": "d-no-text"},
+        {"id": "d-number", "text": 7},
         {"id": "d0", "text": "w1"},  # a duplicate id
         {**openai, "custom_id": "req-empty", "body": {"model": "emb", "input": []}},
         {**openai, "custom_id": "req-url", "url": "/v1/completions"},
@@ -112,17 +113,18 @@ def test_embed_job_answers_plain_and_openai_lines_like_the_task(
     assert answer["id"].startswith("batch_req_") and answer["error"] is None
 
     errors = {e["line"]: e for e in read_jsonl(out / "_errors" / "a.jsonl")}
-    assert sorted(errors) == [22, 23, 24, 25, 26, 27]
+    assert sorted(errors) == [22, 23, 24, 25, 26, 27, 28]
     assert errors[22]["id"] is None and errors[22]["error"].startswith("malformed JSON")
     assert 'missing field "id"' in errors[23]["error"]
     assert errors[24]["id"] == "d-no-text" and 'missing field "text"' in errors[24]["error"]
-    assert errors[25]["error"] == "duplicate id 'd0': first on line 1"
-    assert errors[26]["response"]["status_code"] == 400
-    assert "expected at least one text" in errors[26]["response"]["body"]["error"]["message"]
-    assert "is for task 'generate'" in errors[27]["error"]
+    assert errors[25]["error"] == "text: expected a string, found int"
+    assert errors[26]["error"] == "duplicate id 'd0': first on line 1"
+    assert errors[27]["response"]["status_code"] == 400
+    assert "expected at least one text" in errors[27]["response"]["body"]["error"]["message"]
+    assert "is for task 'generate'" in errors[28]["error"]
     assert (out / "_errors" / "sub" / "b.jsonl").read_text() == ""
 
-    assert summary["outputs"] == 41 and summary["errors"] == 6 and summary["shards_run"] == 2
+    assert summary["outputs"] == 41 and summary["errors"] == 7 and summary["shards_run"] == 2
     manifest = json.loads((out / "_manifest.json").read_text())
     assert manifest["provider"] == "CPUExecutionProvider"
     assert manifest["cost_estimate"] == pytest.approx(manifest["device_hours"] * 1.0)
@@ -391,3 +393,16 @@ def test_lanes_run_prints_the_manifest_summary(prefect_api: str, tmp_path: Path)
     assert len(outputs_of(other)) == 7
     missing = CliRunner().invoke(app, ["run", "nope", "--file", str(spec)])
     assert missing.exit_code == 2 and "no workload named 'nope'" in missing.output
+
+
+def test_ensure_work_pool_creates_a_process_pool_once(prefect_api: str) -> None:
+    from prefect.client.orchestration import get_client
+
+    from router.deploy import api_url, ensure_work_pool
+
+    assert api_url() == prefect_api
+    assert ensure_work_pool("lanes-test-pool") is True
+    assert ensure_work_pool("lanes-test-pool") is False
+    with get_client(sync_client=True) as client:
+        pool = client.read_work_pool("lanes-test-pool")
+    assert pool.type == "process" and "job_configuration" in pool.base_job_template
