@@ -121,6 +121,9 @@ class Run:
     itl: list[float] = field(default_factory=list)
     tokens: float = 0.0
     rows_per_step: float = 0.0
+    decode_ms: float = 0.0  # mean decode step
+    prefill_ms: float = 0.0  # mean prefill run
+    busy: float = 0.0  # fraction of the run spent in prefill or decode
     requests: int = 0
 
     @property
@@ -196,6 +199,12 @@ async def closed_loop(url: str, policy: str, clients: int, seconds: float, warm:
     run.tokens = after["tokens"] - before["tokens"]
     steps = after["steps"] - before["steps"]
     run.rows_per_step = (after["rows"] - before["rows"]) / steps if steps else math.nan
+    run.decode_ms = 1000 * (after["decode_s"] - before["decode_s"]) / steps if steps else math.nan
+    prefills = after["prefills"] - before["prefills"]
+    run.prefill_ms = 1000 * (after["prefill_s"] - before["prefill_s"]) / max(prefills, 1)
+    run.busy = (
+        after["decode_s"] - before["decode_s"] + after["prefill_s"] - before["prefill_s"]
+    ) / run.seconds
     return run
 
 
@@ -205,6 +214,9 @@ def server_counters(url: str) -> dict[str, float]:
         "tokens": "lanes_generated_tokens_total",
         "rows": "lanes_batch_size_sum",
         "steps": "lanes_batch_size_count",
+        "decode_s": "lanes_decode_step_seconds_sum",
+        "prefill_s": "lanes_prefill_seconds_sum",
+        "prefills": "lanes_prefill_seconds_count",
     }
     out = {}
     for key, name in names.items():
@@ -308,7 +320,8 @@ def main() -> None:
                 print(
                     f"  {policy:>11} x{c:<3} {r.tokens_per_s:8.0f} tok/s  "
                     f"TTFT p50 {r.pct(r.ttft, 50):7.1f} ms  rows/step {r.rows_per_step:5.1f}  "
-                    f"raw {raw[policy, c]:.0f} tok/s",
+                    f"step {r.decode_ms:5.1f} ms  prefill {r.prefill_ms:5.1f} ms  "
+                    f"busy {r.busy:4.0%}  raw {raw[policy, c]:.0f} tok/s",
                     file=sys.stderr,
                 )
         finally:

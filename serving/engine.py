@@ -175,6 +175,51 @@ class KVCache:
         self.empty_since = {new: holes[old] for new, old in enumerate(kept) if old in holes}
 
 
+@dataclass(frozen=True)
+class _Series:
+    """One workload's metric children, bound once: `labels()` per token adds up."""
+
+    metrics: Metrics
+    name: str
+    ttft: Any
+    itl: Any
+    generated: Any
+    in_flight: Any
+    queue_depth: Any
+    prefill: Any
+    decode: Any
+    rows: Any
+    busy: Any
+    rate: Any
+    utilization: Any
+
+    @classmethod
+    def bind(cls, m: Metrics, name: str) -> _Series:
+        return cls(
+            m,
+            name,
+            *(
+                series.labels(name)
+                for series in (
+                    m.ttft,
+                    m.itl,
+                    m.generated_tokens,
+                    m.in_flight,
+                    m.queue_depth,
+                    m.prefill_time,
+                    m.decode_time,
+                    m.batch_size,
+                    m.busy_seconds,
+                    m.tokens_per_second,
+                    m.utilization,
+                )
+            ),
+        )
+
+    def finished(self, reason: str) -> None:
+        self.metrics.finished.labels(self.name, reason).inc()
+
+
 @dataclass(eq=False)
 class TokenStream:
     """One request's events, in order, on the event loop; the last has `finish` set.
@@ -244,7 +289,7 @@ class Engine:
         self.default_timeout_s = default / 1000 if default else None
         self.utilization = Utilization()
         self.rate = TokenRate()
-        self._metrics = metrics
+        self._series = _Series.bind(metrics, self.name)
         self._stats = threading.Lock()  # rate and utilization: engine thread and /metrics
         self._lock = threading.Condition()
         self._inbox: list[Seq] = []
@@ -302,7 +347,7 @@ class Engine:
             self._inbox.append(seq)
             self._streams[seq.id] = stream
             self._lock.notify()
-        self._metrics.queue_depth.labels(self.name).set(self._waiting)
+        self._series.queue_depth.set(self._waiting)
         return stream
 
     def abort(self, seq_id: int) -> None:
@@ -319,8 +364,8 @@ class Engine:
         now = time.monotonic() if now is None else now
         with self._stats:
             rate, busy = self.rate.per_second(now), self.utilization.fraction(now)
-        self._metrics.tokens_per_second.labels(self.name).set(rate)
-        self._metrics.utilization.labels(self.name).set(busy)
+        self._series.rate.set(rate)
+        self._series.utilization.set(busy)
 
     def _dispatch(self, events: list[Event]) -> None:
         for event in events:
@@ -370,7 +415,7 @@ class Engine:
                 if plan.prefill:
                     logits, present, mask = self._prefill(plan.prefill)
                     joined = (present, mask)
-                    self._metrics.prefill_time.labels(self.name).observe(time.monotonic() - start)
+                    self._series.prefill.observe(time.monotonic() - start)
                 self._publish(first, self.scheduler.update(first, StepOutputs(prefill=logits)))
                 reported = True
             self.cache.release({s.id for s in plan.decode})
@@ -381,8 +426,8 @@ class Engine:
                     self.cache.compact()  # nobody will fill the holes: do not step them
                 decoding = time.monotonic()
                 logits = self._decode(plan.decode)
-                self._metrics.decode_time.labels(self.name).observe(time.monotonic() - decoding)
-                self._metrics.batch_size.labels(self.name).observe(len(plan.decode))
+                self._series.decode.observe(time.monotonic() - decoding)
+                self._series.rows.observe(len(plan.decode))
                 rows = StepPlan(decode=plan.decode)
                 self._publish(rows, self.scheduler.update(rows, StepOutputs(decode=logits)))
             if joined is not None:
@@ -396,7 +441,7 @@ class Engine:
             end = time.monotonic()
             with self._stats:
                 self.utilization.record(start, end)
-            self._metrics.busy_seconds.labels(self.name).inc(end - start)
+            self._series.busy.inc(end - start)
 
     def _publish(self, plan: StepPlan, events: list[Event]) -> None:
         self._observe(plan, events)
@@ -444,7 +489,7 @@ class Engine:
         return logits
 
     def _observe(self, plan: StepPlan, events: list[Event]) -> None:
-        m, name = self._metrics, self.name
+        m = self._series
         now = time.monotonic()
         made = 0
         joined = {s.id: s for s in plan.prefill}  # first tokens come from prefills only
@@ -453,19 +498,19 @@ class Engine:
                 made += len(event.tokens)
                 last = self._last_token_at.get(event.seq_id)
                 if event.first and event.seq_id in joined:
-                    m.ttft.labels(name).observe(now - joined[event.seq_id].arrived)
+                    m.ttft.observe(now - joined[event.seq_id].arrived)
                 elif last is not None:
-                    m.itl.labels(name).observe(now - last)
+                    m.itl.observe(now - last)
                 self._last_token_at[event.seq_id] = now
             if event.finish is not None:
                 self._last_token_at.pop(event.seq_id, None)
-                m.finished.labels(name, event.finish).inc()
-        m.generated_tokens.labels(name).inc(made)
+                m.finished(event.finish)
+        m.generated.inc(made)
         with self._stats:
             self.rate.record(now, made)
         self.refresh_gauges(now)
-        m.in_flight.labels(name).set(self.scheduler.num_running)
-        m.queue_depth.labels(name).set(self._waiting)
+        m.in_flight.set(self.scheduler.num_running)
+        m.queue_depth.set(self._waiting)
 
     def _hand_over(self, events: list[Event]) -> None:
         if not events or self._loop is None:
