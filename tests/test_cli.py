@@ -1,0 +1,129 @@
+"""The `lanes` CLI as a person runs it: a real subprocess, real files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.servers import write_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+
+WORKLOADS = """\
+  search-query:
+    mode: interactive
+    task: embed
+    model: minilm
+    batching: {max_batch_size: 16, max_wait_ms: 2}
+  flower-classify:
+    mode: interactive
+    task: infer
+    model: classifier
+    handler: lanes.demo.labels:handler
+  code-complete:
+    mode: interactive
+    task: generate
+    model: tinycode
+  nightly-embed:
+    mode: offline
+    task: embed
+    model: minilm
+    input: data/
+    output: out/
+    schedule: {cron: "15 3 * * 1", timezone: Europe/Berlin}
+  weekly:
+    mode: offline
+    task: embed
+    model: minilm
+    input: data/
+    output: out2/
+"""
+
+
+def lanes(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "router.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+    )
+
+
+@pytest.fixture(scope="module")
+def spec_path(demo_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_spec(tmp_path_factory.mktemp("cli"), demo_models, WORKLOADS)
+
+
+@pytest.mark.slow
+def test_plan_json_routes_every_workload(spec_path: Path) -> None:
+    done = lanes("plan", str(spec_path), "--json")
+    assert done.returncode == 0, done.stderr
+    routes = {r["workload"]: r for r in json.loads(done.stdout)}
+    assert routes["search-query"]["endpoints"][0] == "POST /v1/embeddings"
+    assert routes["search-query"]["batching"]["max_wait_ms"] == 2
+    assert routes["flower-classify"]["endpoints"][0] == "POST /v2/models/flower-classify/infer"
+    assert "POST /v1/chat/completions" in routes["code-complete"]["endpoints"]
+    nightly = routes["nightly-embed"]
+    assert nightly["deployment"] == "lanes-offline/nightly-embed"
+    assert nightly["schedule"] == "15 3 * * 1 (Europe/Berlin)"
+    assert nightly["next_run"].endswith(("+01:00", "+02:00"))
+    assert routes["weekly"]["schedule_is_default"] is True
+
+
+@pytest.mark.slow
+def test_plan_table_and_env_override(spec_path: Path) -> None:
+    done = lanes(
+        "plan", str(spec_path), env={"LANES_WORKLOADS__SEARCH_QUERY__BATCHING__MAX_WAIT_MS": "7"}
+    )
+    assert done.returncode == 0, done.stderr
+    assert "max_wait_ms=7.0" in done.stdout
+    assert "lanes-offline/nightly-embed" in done.stdout
+
+
+@pytest.mark.slow
+def test_predict_runs_each_task_in_process(spec_path: Path) -> None:
+    embed = lanes("predict", "search-query", "--input", '"hello world"', "--file", str(spec_path))
+    assert embed.returncode == 0, embed.stderr
+    vector = np.asarray(json.loads(embed.stdout))
+    assert vector.shape == (384,) and abs(np.linalg.norm(vector) - 1) < 1e-4
+
+    labels = lanes(
+        "predict",
+        "flower-classify",
+        "--file",
+        str(spec_path),
+        "--input",
+        '{"features": [[5.1, 3.5, 1.4, 0.2]]}',
+    )
+    assert labels.returncode == 0, labels.stderr
+    [row] = json.loads(labels.stdout)
+    assert set(row) == {"label", "score"}
+
+    text = lanes(
+        "predict",
+        "code-complete",
+        "--file",
+        str(spec_path),
+        "--input",
+        '{"prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0}',
+    )
+    assert text.returncode == 0, text.stderr
+    assert json.loads(text.stdout)["finish_reason"] in ("stop", "length")
+
+
+@pytest.mark.slow
+def test_predict_bad_input_names_the_field(spec_path: Path) -> None:
+    done = lanes("predict", "search-query", "--input", "42", "--file", str(spec_path))
+    assert done.returncode == 2
+    assert "input: expected a string" in done.stderr
+    assert "Traceback" not in done.stderr
+    unknown = lanes("predict", "nope", "--input", '"x"', "--file", str(spec_path))
+    assert unknown.returncode == 2 and "no workload named 'nope'" in unknown.stderr
