@@ -1,22 +1,25 @@
 """Benchmark of token streaming: continuous batching against static batching, static
 batching that drops finished sequences, and one sequence at a time.
 
-    python bench/generate.py [--seconds 12] [--levels 1,4,16,64] [--policies ...]
+    python bench/generate.py [--seconds 8] [--repeats 2] [--levels 1,4,16,64]
 
-For each policy it starts a server process (this script with --serve: the real
-/v1/completions route and engine, the batching policy set on the engine) and, at
-each concurrency, runs closed-loop streaming clients (aiohttp) for `--seconds`:
-each client sends a completion with `max_tokens` drawn log-uniform between 8 and
-512 (seeded; heavy-tailed, as chat replies are; `ignore_eos` so lengths are what
-was drawn), reads its stream to the end, and sends the next. Printed per policy
-and concurrency: TTFT p50/p99 and ITL p50/p99 (client side, per SSE chunk),
-generated tokens/s (server counter), mean rows per decode step, and the ratio of
-tokens/s to raw onnxruntime: `Decoder.step` at the same batch size, in-process,
-no HTTP, measured right after each run (so under the same background load). Ratios travel between machines; absolute
-times on a shared 2-core box do not.
+It starts one server process per policy (this script with --serve: the app's own
+/v1/completions route and engine, with the batching policy set on the engine), and
+at each concurrency runs closed-loop streaming clients (aiohttp) against each
+policy in turn, `--repeats` slices of `--seconds` each, interleaved so that the
+drifting load of a shared machine falls on every policy alike. Each client sends a
+completion with `max_tokens` drawn log-uniform between 8 and 512 (seeded;
+heavy-tailed, as chat replies are; `ignore_eos`, so lengths are what was drawn),
+reads its stream to the end and sends the next.
 
-Requests still waiting when a run ends count their wait so far as their TTFT
-(a lower bound; such cells are marked with `>`).
+Printed per policy and concurrency: TTFT p50/p99 and ITL p50/p99 (client side;
+ITL per SSE chunk, and a chunk may carry several tokens when the client lags),
+generated tokens/s (server counter), mean rows per decode step and decode step
+time, the engine's busy fraction, and the ratio of tokens/s to raw onnxruntime:
+`Decoder.step` at the same batch size, in-process, no HTTP, measured right after
+each slice. Ratios travel between machines; absolute times on a shared 2-core box
+do not. Requests still waiting when a slice ends count their wait so far as their
+TTFT (a lower bound; such cells are marked `>`).
 """
 
 from __future__ import annotations
@@ -113,22 +116,56 @@ def serve(spec_path: str, policy: str, port: int) -> None:
 
 @dataclass
 class Run:
+    """What one policy did at one concurrency, summed over its slices."""
+
     policy: str
     clients: int
-    seconds: float
+    seconds: float = 0.0
     ttft: list[float] = field(default_factory=list)
-    censored: int = 0  # requests still waiting for a first token at the end
+    censored: int = 0  # requests still waiting for a first token when a slice ended
     itl: list[float] = field(default_factory=list)
-    tokens: float = 0.0
-    rows_per_step: float = 0.0
-    decode_ms: float = 0.0  # mean decode step
-    prefill_ms: float = 0.0  # mean prefill run
-    busy: float = 0.0  # fraction of the run spent in prefill or decode
-    requests: int = 0
+    tokens: float = 0.0  # server counter
+    rows: float = 0.0
+    steps: float = 0.0
+    decode_s: float = 0.0
+    prefill_s: float = 0.0
+    prefills: float = 0.0
+    raw: list[float] = field(default_factory=list)  # raw tokens/s after each slice
+    requests: int = 0  # completed
+
+    def add(self, other: Run) -> None:
+        self.seconds += other.seconds
+        self.ttft += other.ttft
+        self.censored += other.censored
+        self.itl += other.itl
+        for name in ("tokens", "rows", "steps", "decode_s", "prefill_s", "prefills"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.raw += other.raw
+        self.requests += other.requests
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds
+
+    @property
+    def raw_tokens_per_s(self) -> float:
+        return float(np.mean(self.raw))
+
+    @property
+    def rows_per_step(self) -> float:
+        return self.rows / self.steps if self.steps else math.nan
+
+    @property
+    def decode_ms(self) -> float:
+        return 1000 * self.decode_s / self.steps if self.steps else math.nan
+
+    @property
+    def prefill_ms(self) -> float:
+        return 1000 * self.prefill_s / self.prefills if self.prefills else math.nan
+
+    @property
+    def busy(self) -> float:
+        return (self.decode_s + self.prefill_s) / self.seconds
 
     def pct(self, values: list[float], q: float) -> float:
         return float(np.percentile(values, q)) * 1000 if values else math.nan
@@ -140,7 +177,7 @@ def draw_lengths(seed: int, n: int) -> list[int]:
 
 
 async def closed_loop(url: str, policy: str, clients: int, seconds: float, warm: float) -> Run:
-    run = Run(policy, clients, seconds)
+    run = Run(policy, clients)
     start = time.perf_counter()
     measure_from = start + warm
     end = measure_from + seconds
@@ -196,15 +233,8 @@ async def closed_loop(url: str, policy: str, clients: int, seconds: float, warm:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     run.seconds = stopped - measure_from
-    run.tokens = after["tokens"] - before["tokens"]
-    steps = after["steps"] - before["steps"]
-    run.rows_per_step = (after["rows"] - before["rows"]) / steps if steps else math.nan
-    run.decode_ms = 1000 * (after["decode_s"] - before["decode_s"]) / steps if steps else math.nan
-    prefills = after["prefills"] - before["prefills"]
-    run.prefill_ms = 1000 * (after["prefill_s"] - before["prefill_s"]) / max(prefills, 1)
-    run.busy = (
-        after["decode_s"] - before["decode_s"] + after["prefill_s"] - before["prefill_s"]
-    ) / run.seconds
+    for name in ("tokens", "rows", "steps", "decode_s", "prefill_s", "prefills"):
+        setattr(run, name, after[name] - before[name])
     return run
 
 
@@ -282,8 +312,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--seconds", type=float, default=12.0, help="measured time per run")
-    parser.add_argument("--warm", type=float, default=2.0, help="unmeasured start of each run")
+    parser.add_argument("--seconds", type=float, default=8.0, help="measured time per slice")
+    parser.add_argument("--repeats", type=int, default=2, help="slices per policy and level")
+    parser.add_argument("--warm", type=float, default=2.0, help="unmeasured start of a slice")
     parser.add_argument("--levels", default="1,4,16,64")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--max-batch", type=int, default=64)
@@ -305,32 +336,41 @@ def main() -> None:
     settings = Settings()
     task = load_task(WORKLOAD, load_spec(spec_path, settings), Runtime(settings))
     assert isinstance(task, GenerateTask)
-    url = f"http://127.0.0.1:{args.port}"
-    runs: dict[tuple[str, int], Run] = {}
-    raw: dict[tuple[str, int], float] = {}
-    for policy in args.policies.split(","):
-        proc = start_server(spec_path, policy, args.port)
-        try:
-            for c in levels:
-                runs[policy, c] = r = asyncio.run(
-                    closed_loop(url, policy, c, args.seconds, args.warm)
-                )
-                # Right after the run, on the same (shared) machine: the raw limit.
-                raw[policy, c] = raw_tokens_per_s(task, min(c, args.max_batch), args.raw_past, 1.5)
-                print(
-                    f"  {policy:>11} x{c:<3} {r.tokens_per_s:8.0f} tok/s  "
-                    f"TTFT p50 {r.pct(r.ttft, 50):7.1f} ms  rows/step {r.rows_per_step:5.1f}  "
-                    f"step {r.decode_ms:5.1f} ms  prefill {r.prefill_ms:5.1f} ms  "
-                    f"busy {r.busy:4.0%}  raw {raw[policy, c]:.0f} tok/s",
-                    file=sys.stderr,
-                )
-        finally:
+    policies = args.policies.split(",")
+    urls = {p: f"http://127.0.0.1:{args.port + i}" for i, p in enumerate(policies)}
+    servers = [start_server(spec_path, p, args.port + i) for i, p in enumerate(policies)]
+    runs = {(p, c): Run(p, c) for c in levels for p in policies}
+    try:
+        for c in levels:
+            for rep in range(args.repeats):
+                # Rotate the order: slow drifts of a shared machine hit every policy alike.
+                for policy in policies[rep % len(policies) :] + policies[: rep % len(policies)]:
+                    part = asyncio.run(
+                        closed_loop(urls[policy], policy, c, args.seconds, args.warm)
+                    )
+                    # Right after the slice, on the same machine: the raw limit.
+                    part.raw.append(
+                        raw_tokens_per_s(task, min(c, args.max_batch), args.raw_past, 1.0)
+                    )
+                    runs[policy, c].add(part)
+                    print(
+                        f"  {policy:>11} x{c:<3} {part.tokens_per_s:8.0f} tok/s  "
+                        f"TTFT p50 {part.pct(part.ttft, 50):7.1f} ms  "
+                        f"rows/step {part.rows_per_step:5.1f}  step {part.decode_ms:5.1f} ms  "
+                        f"prefill {part.prefill_ms:5.1f} ms  busy {part.busy:4.0%}  "
+                        f"raw {part.raw[0]:.0f} tok/s",
+                        file=sys.stderr,
+                    )
+    finally:
+        for proc in servers:
             proc.terminate()
             proc.wait(timeout=30)
     print(
         f"\nStreaming generate, tinycode, closed loop, max_tokens log-uniform 8..512, "
-        f"{args.seconds:.0f} s per run, max_batch_size {args.max_batch}; raw = Decoder.step "
-        f"tokens/s at the same batch size (past {args.raw_past}), same run, no HTTP"
+        f"{args.repeats} x {args.seconds:.0f} s per cell (policies interleaved), "
+        f"max_batch_size {args.max_batch}, {args.threads} onnxruntime thread(s); "
+        f"raw = Decoder.step tokens/s at the same batch size (past {args.raw_past}), "
+        "measured after each slice, no HTTP"
     )
     rows = []
     for (policy, c), r in runs.items():
@@ -345,8 +385,10 @@ def main() -> None:
                 f"{r.pct(r.itl, 99):.1f}",
                 f"{r.tokens_per_s:.0f}",
                 f"{r.rows_per_step:.1f}",
-                f"{raw[policy, c]:.0f}",
-                f"{r.tokens_per_s / raw[policy, c]:.2f}",
+                f"{r.decode_ms:.1f}",
+                f"{r.busy:.0%}",
+                f"{r.raw_tokens_per_s:.0f}",
+                f"{r.tokens_per_s / r.raw_tokens_per_s:.2f}",
             ]
         )
     header = [
@@ -358,6 +400,8 @@ def main() -> None:
         "ITL p99 ms",
         "tok/s",
         "rows/step",
+        "step ms",
+        "busy",
         "raw tok/s",
         "vs raw",
     ]

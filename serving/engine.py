@@ -18,12 +18,16 @@ columns nobody attends are trimmed, so the cache stays as long as its longest ro
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
 import logging
+import sys
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +56,7 @@ TRIM_AT = 32
 # a compaction copies the whole cache (about a step's worth of memory traffic), and
 # in a closed loop the next request arrives a step or two after the last one left.
 HOLE_STEPS = 8
+SWITCH_INTERVAL_S = 0.001
 
 
 class KVCache:
@@ -233,7 +238,7 @@ class TokenStream:
     _engine: Engine = field(repr=False)
     completion_tokens: int = 0
     finished: bool = False
-    _events: list[Event] = field(default_factory=list, repr=False)
+    _events: deque[Event] = field(default_factory=deque, repr=False)
     _signal: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     def _push(self, event: Event) -> None:
@@ -247,15 +252,20 @@ class TokenStream:
         while not self._events:
             self._signal.clear()
             await self._signal.wait()
-        events, self._events = self._events, []
+        events = list(self._events)
+        self._events.clear()
         return events
 
     async def __aiter__(self) -> AsyncIterator[Event]:
+        """One event at a time, up to the finish; leaving early loses none."""
         while True:
-            for event in await self.next():
-                yield event
-                if event.finish is not None:
-                    return
+            while not self._events:
+                self._signal.clear()
+                await self._signal.wait()
+            event = self._events.popleft()
+            yield event
+            if event.finish is not None:
+                return
 
     def cancel(self) -> None:
         if not self.finished:
@@ -301,12 +311,18 @@ class Engine:
         self._last_token_at: dict[int, float] = {}  # engine-thread side only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name=f"lanes-engine-{self.name}")
+        self._decoding = ThreadPoolExecutor(1, thread_name_prefix=f"lanes-decode-{self.name}")
         self._thread.daemon = True
 
     # ---- the event-loop side -------------------------------------------------
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        # This thread and the event loop take turns at the GIL, and CPython makes a
+        # waiting thread wait up to the switch interval (5 ms by default): a token
+        # would sit that long between the engine and its stream. 1 ms is still long
+        # enough that the switching itself costs nothing measurable.
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self._thread.start()
 
     async def stop(self) -> None:
@@ -316,6 +332,7 @@ class Engine:
             self._lock.notify()
         if self._thread.is_alive():
             await asyncio.to_thread(self._thread.join, 30)
+        self._decoding.shutdown(wait=False)
 
     def submit(
         self, request: GenerateRequest, timeout_s: float | None = None, ignore_eos: bool = False
@@ -378,46 +395,51 @@ class Engine:
     # ---- the engine thread -------------------------------------------------
 
     def _run(self) -> None:
-        scheduler = self.scheduler
         while True:
-            with self._lock:
-                while not (self._inbox or self._aborts or self._stopping or scheduler.has_work):
-                    self._lock.wait()
-                joining, self._inbox = self._inbox, []
-                aborts, self._aborts = self._aborts, []
-                stopping = self._stopping
-            for seq in joining:
-                scheduler.add(seq)
-            if stopping:
-                aborts += [s.id for s in (*scheduler.waiting, *scheduler.rows)]
-            for seq_id in aborts:
-                scheduler.abort(seq_id)
-            plan = scheduler.schedule()
-            with self._lock:
-                self._waiting = len(self._inbox) + scheduler.num_waiting
+            stopping = self._take_inbox(wait=True)
+            plan = self.scheduler.schedule()
+            self._count_waiting()
             if plan.empty:
                 if stopping:
                     return
                 continue
             self._step(plan)
 
+    def _take_inbox(self, wait: bool) -> bool:
+        """Move new requests and aborts into the scheduler (with `wait`, first sleep
+        until there is something to do). Returns whether the engine is stopping."""
+        scheduler = self.scheduler
+        with self._lock:
+            while wait and not (
+                self._inbox or self._aborts or self._stopping or scheduler.has_work
+            ):
+                self._lock.wait()
+            joining, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+            stopping = self._stopping
+        for seq in joining:
+            scheduler.add(seq)
+        if stopping:
+            aborts += [s.id for s in (*scheduler.waiting, *scheduler.rows)]
+        for seq_id in aborts:
+            scheduler.abort(seq_id)
+        return stopping
+
+    def _count_waiting(self) -> None:
+        with self._lock:
+            self._waiting = len(self._inbox) + self.scheduler.num_waiting
+
     def _step(self, plan: StepPlan) -> None:
-        """Prefill the joiners and hand out their first tokens at once (time to first
-        token does not wait for the decode step), then decode every row, then give
-        the joiners their rows for the next step."""
+        """Prefill the joiners and hand out their first tokens at once, then decode
+        every row (prefilling whoever arrives meanwhile, so time to first token never
+        waits for a decode step), then give the joiners their rows for the next step."""
         start = time.monotonic()
+        joins: list[tuple[list[int], Past, Array]] = []
         reported = False
         try:
-            joined: tuple[Past, Array] | None = None
             if plan.prefill or plan.retired:
-                first = StepPlan(prefill=plan.prefill, retired=plan.retired)
-                logits: Array | None = None
-                if plan.prefill:
-                    logits, present, mask = self._prefill(plan.prefill)
-                    joined = (present, mask)
-                    self._series.prefill.observe(time.monotonic() - start)
-                self._publish(first, self.scheduler.update(first, StepOutputs(prefill=logits)))
-                reported = True
+                self._join(StepPlan(prefill=plan.prefill, retired=plan.retired), joins)
+            reported = True
             self.cache.release({s.id for s in plan.decode})
             if not plan.decode:
                 self.cache = KVCache(self.decoder)  # a fresh batch: forget the old length
@@ -425,13 +447,13 @@ class Engine:
                 if not plan.prefill:
                     self.cache.compact()  # nobody will fill the holes: do not step them
                 decoding = time.monotonic()
-                logits = self._decode(plan.decode)
+                logits = self._decode(plan.decode, joins)
                 self._series.decode.observe(time.monotonic() - decoding)
                 self._series.rows.observe(len(plan.decode))
                 rows = StepPlan(decode=plan.decode)
                 self._publish(rows, self.scheduler.update(rows, StepOutputs(decode=logits)))
-            if joined is not None:
-                self.cache.place([s.id for s in plan.prefill], *joined)
+            for ids, past, mask in joins:
+                self.cache.place(ids, past, mask)
         except Exception:  # a model failure answers its callers, never kills the loop
             log.exception("workload %s: a step of %d rows failed", self.name, len(plan.decode))
             self.cache = KVCache(self.decoder)
@@ -442,6 +464,18 @@ class Engine:
             with self._stats:
                 self.utilization.record(start, end)
             self._series.busy.inc(end - start)
+
+    def _join(self, plan: StepPlan, joins: list[tuple[list[int], Past, Array]]) -> None:
+        """Run a prefill-only plan and hand out its first tokens; the joiners' caches
+        wait in `joins` until the decode step in flight (if any) no longer reads the
+        batch's cache."""
+        logits: Array | None = None
+        if plan.prefill:
+            start = time.monotonic()
+            logits, past, mask = self._prefill(plan.prefill)
+            joins.append(([s.id for s in plan.prefill], past, mask))
+            self._series.prefill.observe(time.monotonic() - start)
+        self._publish(plan, self.scheduler.update(plan, StepOutputs(prefill=logits)))
 
     def _publish(self, plan: StepPlan, events: list[Event]) -> None:
         self._observe(plan, events)
@@ -468,8 +502,10 @@ class Engine:
                 kv[np.broadcast_to(pad[:, None, :], kv.shape[:3])] = 0
         return out.logits[:, -1], present, mask
 
-    def _decode(self, seqs: Sequence[Seq]) -> Array:
-        """One token for every physical row; logits come back in `seqs`' order."""
+    def _decode(self, seqs: Sequence[Seq], joins: list[tuple[list[int], Past, Array]]) -> Array:
+        """One token for every physical row, on the decode thread; logits come back
+        in `seqs`' order. Requests arriving meanwhile are prefilled on this thread
+        (onnxruntime runs both at once, each releasing the GIL)."""
         cache = self.cache
         rows = len(cache.slots)
         row_of = cache.row_of()
@@ -483,10 +519,30 @@ class Engine:
             positions[r, 0] = seq.position
         # A hole attends only to its own dummy token: finite, and nobody reads it.
         mask = np.concatenate([cache.mask, np.ones((rows, 1), dtype=np.int64)], axis=1)
-        out = self.decoder.step(ids, mask, positions, cache.past)
+        running = self._decoding.submit(self.decoder.step, ids, mask, positions, cache.past)
+        running.add_done_callback(lambda _: self._notify())
+        try:
+            while True:
+                with self._lock:
+                    while not (self._inbox or self._aborts or running.done()):
+                        self._lock.wait()
+                if running.done():
+                    break
+                self._take_inbox(wait=False)
+                early = self.scheduler.schedule(decode=False)
+                self._count_waiting()
+                if not early.empty:
+                    self._join(early, joins)
+        finally:
+            concurrent.futures.wait([running])
+        out = running.result()
         cache.advance(out.present, mask)
         logits: Array = out.logits[order, -1]
         return logits
+
+    def _notify(self) -> None:
+        with self._lock:
+            self._lock.notify()
 
     def _observe(self, plan: StepPlan, events: list[Event]) -> None:
         m = self._series

@@ -225,9 +225,15 @@ class Scheduler:
 
     # ---- the step ----------------------------------------------------------
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, decode: bool = True) -> StepPlan:
         """The next step: expire what is past its deadline, drop finished rows (per
-        policy), and let waiting sequences join the free rows."""
+        policy), and let waiting sequences join the free rows.
+
+        `decode=False` plans a prefill only, while the last plan's decode is still
+        running: rows stay as they are (finished ones included, until that plan's
+        update), joiners take only rows that are free now, and they decode from the
+        next full plan on.
+        """
         now = self.clock()
         for seq in (*self.rows, *self.waiting):
             if seq.deadline is not None and now >= seq.deadline and not seq.status.is_finished:
@@ -236,13 +242,13 @@ class Scheduler:
                 self._unreported.append(seq)
         if any(s.status.is_finished for s in self.waiting):
             self.waiting = deque(s for s in self.waiting if not s.status.is_finished)
-        if self.policy != "static" or all(s.status.is_finished for s in self.rows):
+        if decode and (self.policy != "static" or all(s.status.is_finished for s in self.rows)):
             self.rows = [s for s in self.rows if not s.status.is_finished]
         prefill = self._admit()
         retired, self._unreported = tuple(self._unreported), []
-        decode = tuple(self.rows)
+        rows = tuple(self.rows) if decode else ()
         self.rows.extend(prefill)
-        return StepPlan(prefill=prefill, decode=decode, retired=retired)
+        return StepPlan(prefill=prefill, decode=rows, retired=retired)
 
     def _admit(self) -> tuple[Seq, ...]:
         static = self.policy in ("static", "static-drop")
