@@ -8,51 +8,29 @@ message a person can act on, without a traceback: exit code 2 for a bad spec or 
 from __future__ import annotations
 
 import json
-import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from lanes.errors import InvalidInput, LanesError, SpecError, UnknownWorkload
+from lanes.errors import InvalidInput
 from lanes.settings import Settings
 from lanes.spec import Spec
 from lanes.specfile import load_spec
+from router import client_cli, offline_cli
+from router.console import SpecFile, command, guarded
 from router.plan import plan as make_plan
 from router.render import to_jsonable
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="lanes: serve models interactive or offline from one workloads.yaml.",
+)
 models_app = typer.Typer(no_args_is_help=True, help="Build the demo models.")
 app.add_typer(models_app, name="models")
-
-SpecFile = Annotated[
-    Path | None,
-    typer.Argument(help="workloads.yaml to use (default: LANES_SPEC or ./workloads.yaml)."),
-]
-T = TypeVar("T")
-
-
-def _guarded(fn: Callable[[], T]) -> T:
-    """Run `fn`, turning lanes' own errors into a clean message and exit code."""
-    # Plain prints, not rich: one problem per line, never wrapped, so editors and
-    # grep can jump to FILE:LINE:COL.
-    try:
-        return fn()
-    except SpecError as e:
-        for problem in e.problems:
-            print(problem, file=sys.stderr)
-        n = len(e.problems)
-        print(f"{n} problem{'s' if n != 1 else ''} found", file=sys.stderr)
-        raise typer.Exit(2) from None
-    except (InvalidInput, UnknownWorkload) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise typer.Exit(2) from None
-    except LanesError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise typer.Exit(1) from None
 
 
 def _load(file: Path | None, settings: Settings) -> Spec:
@@ -63,7 +41,7 @@ def _load(file: Path | None, settings: Settings) -> Spec:
 def validate(file: SpecFile = None) -> None:
     """Check a workloads.yaml: every problem is printed as FILE:LINE:COL: field: message."""
     settings = Settings()
-    spec = _guarded(lambda: _load(file, settings))
+    spec = guarded(lambda: _load(file, settings))
     n = len(spec.workloads)
     typer.echo(f"{file or settings.spec}: ok ({n} workload{'s' if n != 1 else ''})")
 
@@ -75,7 +53,7 @@ def plan(
 ) -> None:
     """Show where each workload goes: endpoint paths, or a Prefect deployment and its next run."""
     settings = Settings()
-    spec = _guarded(lambda: _load(file, settings))
+    spec = guarded(lambda: _load(file, settings))
     routes = make_plan(spec, settings)
     if as_json:
         typer.echo(json.dumps([r.as_json() for r in routes], indent=2))
@@ -116,7 +94,7 @@ def predict(
         task = load_task(workload, spec, Runtime(settings))
         return task.run([task.prepare(item)])[0]
 
-    typer.echo(json.dumps(to_jsonable(_guarded(run))))
+    typer.echo(json.dumps(to_jsonable(guarded(run))))
 
 
 @app.command()
@@ -129,7 +107,7 @@ def serve(
     from serving.server import serve as run_server
 
     settings = Settings()
-    spec = _guarded(lambda: _load(file, settings))
+    spec = guarded(lambda: _load(file, settings))
     run_server(spec, settings, host, port)
 
 
@@ -150,6 +128,14 @@ def models_build(
     built = build_demo_models(dest or settings.home / "models", force=force)
     for path in built:
         typer.echo(str(path))
+
+
+for module, names in (
+    (offline_cli, ("compile", "deploy", "run")),
+    (client_cli, ("call", "stream", "submit", "job")),
+):
+    for name in names:
+        app.command(name)(command(getattr(module, name)))
 
 
 def main() -> None:

@@ -51,7 +51,9 @@ def stream(
     """Stream a completion to the terminal as it is generated."""
     options = {"max_tokens": max_tokens, "temperature": temperature}
     with Client(endpoint, spec=file) as client:
-        for chunk in client.stream(workload, prompt, **{k: v for k, v in options.items() if v is not None}):
+        for chunk in client.stream(
+            workload, prompt, **{k: v for k, v in options.items() if v is not None}
+        ):
             sys.stdout.write(chunk)
             sys.stdout.flush()
     sys.stdout.write("\n")
@@ -62,7 +64,9 @@ def submit(
     records: Annotated[
         str, typer.Argument(help="A JSONL file of records, or an input URI (folder or s3://).")
     ],
-    now: Annotated[bool, typer.Option(help="Run now instead of at the next off-peak window.")] = False,
+    now: Annotated[
+        bool, typer.Option(help="Run now instead of at the next off-peak window.")
+    ] = False,
     file: SpecOption = None,
 ) -> None:
     """Submit records to an offline workload; prints the job id."""
@@ -70,7 +74,9 @@ def submit(
     source: Any = records
     if path.is_file():
         lines = path.read_text(encoding="utf-8").splitlines()
-        source = [_json(line, f"{records} line {n}") for n, line in enumerate(lines, 1) if line.strip()]
+        source = [
+            _json(line, f"{records} line {n}") for n, line in enumerate(lines, 1) if line.strip()
+        ]
     with Client(spec=file) as client:
         job = client.submit(workload, source, when="now" if now else "offpeak")
     typer.echo(job.id)

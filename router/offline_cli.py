@@ -26,6 +26,7 @@ from rich.table import Table
 
 from lanes.settings import Settings
 from lanes.specfile import load_spec
+from router.console import guarded
 
 T = TypeVar("T")
 
@@ -41,9 +42,6 @@ EPHEMERAL_STARTUP_S = 90
 
 
 def _guarded(fn: Callable[[], T]) -> T:
-    # Imported here: router.cli imports this module to register its commands.
-    from router.cli import _guarded as guarded
-
     return guarded(fn)
 
 

@@ -1,0 +1,51 @@
+"""How the CLI reports lanes' own errors: a message a person can act on, no traceback."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+from lanes.errors import InvalidInput, LanesError, SpecError, UnknownWorkload, WrongMode
+
+T = TypeVar("T")
+
+SpecFile = Annotated[
+    Path | None,
+    typer.Argument(help="workloads.yaml to use (default: LANES_SPEC or ./workloads.yaml)."),
+]
+
+
+def guarded(fn: Callable[[], T]) -> T:
+    """Run `fn`; a LanesError becomes a message on stderr and an exit code: 2 for a bad
+    spec or input, 1 for anything else that failed."""
+    # Plain prints, not rich: one problem per line, never wrapped, so editors and
+    # grep can jump to FILE:LINE:COL.
+    try:
+        return fn()
+    except SpecError as e:
+        for problem in e.problems:
+            print(problem, file=sys.stderr)
+        n = len(e.problems)
+        print(f"{n} problem{'s' if n != 1 else ''} found", file=sys.stderr)
+        raise typer.Exit(2) from None
+    except (InvalidInput, UnknownWorkload, WrongMode) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise typer.Exit(2) from None
+    except LanesError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise typer.Exit(1) from None
+
+
+def command(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` with lanes' errors reported as `guarded` does; typer still sees its signature."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return guarded(lambda: fn(*args, **kwargs))
+
+    return wrapper
