@@ -23,12 +23,7 @@ models: install
 	$(BIN)/lanes models build
 
 up: models
-	$(BIN)/lanes validate
-	$(BIN)/lanes plan
-	$(BIN)/lanes predict search-query --input '"how do I reverse a list in python"' | cut -c1-120
-	$(BIN)/lanes predict flower-classify --input '{"features": [[5.1, 3.5, 1.4, 0.2], [6.7, 3.0, 5.2, 2.3]]}'
-	$(BIN)/lanes predict code-complete --input '{"prompt": "def fibonacci(n):", "max_tokens": 48, "temperature": 0}'
-	$(BIN)/lanes predict embed-corpus --input '"nobody waits for this one"' | cut -c1-120
+	VENV=$(VENV) bash scripts/demo.sh
 
 lint: install
 	$(BIN)/ruff check .

@@ -3,6 +3,7 @@
 Cheap to import: no onnxruntime, torch or prefect at import time.
 """
 
+from lanes.client import AsyncClient, Client, Completion, Usage
 from lanes.errors import (
     AuthError,
     DeadlineExceeded,
@@ -22,7 +23,10 @@ from lanes.spec import Spec
 from lanes.specfile import load_spec
 
 __all__ = [
+    "AsyncClient",
     "AuthError",
+    "Client",
+    "Completion",
     "DeadlineExceeded",
     "HandlerError",
     "InvalidInput",
@@ -35,6 +39,7 @@ __all__ = [
     "SpecError",
     "StorageError",
     "UnknownWorkload",
+    "Usage",
     "WrongMode",
     "load_spec",
 ]
