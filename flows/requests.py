@@ -103,7 +103,9 @@ class PlainRecord:
     def answer(self, prepared: Sequence[Any], outputs: Sequence[Any]) -> dict[str, Any]:
         (output,) = outputs
         if self.kind == "embed" and isinstance(output, np.ndarray):
-            vector: list[float] = np.asarray(output, dtype=np.float32).tolist()
+            # Left an array: the writer prints float32's shortest decimals, which read
+            # back to the same float32, in about half the bytes and time of tolist().
+            vector = np.ascontiguousarray(output, dtype=np.float32)
             return {"id": self.id, "embedding": vector}
         value = jsonable(output)
         if isinstance(value, dict) and "id" not in value:

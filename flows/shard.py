@@ -262,7 +262,9 @@ class _Writer:
                 self.error(request.reject(failed.message))
                 continue
             try:
-                data = orjson.dumps(request.answer(prepared, mine))
+                data = orjson.dumps(
+                    request.answer(prepared, mine), option=orjson.OPT_SERIALIZE_NUMPY
+                )
             except TypeError as err:  # a handler's post returned something not JSON
                 self.error(request.reject(f"the output cannot be written as JSON: {err}"))
                 continue
