@@ -4,15 +4,15 @@ One `Engine` per interactive generate workload. Its loop runs on a thread of its
 own (onnxruntime releases the GIL, so HTTP keeps flowing while a step runs):
 
     plan = scheduler.schedule()
-    prefill the joiners (one left-padded run), decode every row (one run)
+    prefill the joiners (one left-padded run) and hand out their first tokens
+    decode every row (on the decode thread; arrivals meanwhile are prefilled
+        at once, from a prefill-only plan: schedule(decode=False))
     events = scheduler.update(plan, logits)
     loop.call_soon_threadsafe(dispatch, events)   # into each request's TokenStream
+    the joiners' caches join the batch's (serving/kvcache.py) for the next step
 
-The KV cache is one batched array per layer (`KVCache`), left-padded with
-attention_mask 0, fed back as the next step's past: no step re-runs a prefix. A
-sequence that leaves makes a hole that the next joiner fills in place (a copy of
-the joiner's own cache only); leftover holes are compacted away, and leading
-columns nobody attends are trimmed, so the cache stays as long as its longest row.
+Each request's `TokenStream` is on the event loop; `cancel()` (its client left)
+aborts the sequence, whose row is freed at the next step.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ from typing import Any
 import numpy as np
 
 from lanes.errors import Overloaded
-from lanes.tasks.decoder import Decoder, Past
+from lanes.tasks.decoder import Past
 from lanes.tasks.generate import GenerateRequest, GenerateTask
+from serving.kvcache import MAX_PADDING, BatchCache
 from serving.metrics import Metrics, TokenRate, Utilization
 from serving.scheduler import (
     Event,
@@ -49,135 +50,7 @@ from serving.scheduler import (
 log = logging.getLogger("lanes.serving")
 
 Array = np.ndarray[Any, Any]
-# Trim the cache's leading columns once this many are padding in every row.
-TRIM_AT = 32
-# A hole (a row whose sequence left) is kept this many steps for a joiner to fill in
-# place before it is compacted away: stepping an empty row costs 1/rows of a step,
-# a compaction copies the whole cache (about a step's worth of memory traffic), and
-# in a closed loop the next request arrives a step or two after the last one left.
-HOLE_STEPS = 8
 SWITCH_INTERVAL_S = 0.001
-
-
-class KVCache:
-    """The batch's past: per layer [rows, heads, length, head_dim], left-padded.
-
-    Physical rows are the engine's business: `slots[r]` is the sequence id in row r
-    (None: a hole, fed a dummy token until a joiner takes it or it is compacted).
-    `start[r]` is row r's first real column; columns before it have mask 0.
-    """
-
-    def __init__(self, decoder: Decoder) -> None:
-        self.decoder = decoder
-        self.slots: list[int | None] = []
-        self.keys: list[Array] = list(decoder.empty_past(0).keys)
-        self.values: list[Array] = list(decoder.empty_past(0).values)
-        self.mask = np.zeros((0, 0), dtype=np.int64)
-        self.start: list[int] = []
-        self.steps = 0  # decode steps so far
-        self.empty_since: dict[int, int] = {}  # hole row -> the step it became one
-
-    @property
-    def length(self) -> int:
-        return int(self.mask.shape[1])
-
-    @property
-    def past(self) -> Past:
-        return Past(tuple(self.keys), tuple(self.values))
-
-    def row_of(self) -> dict[int, int]:
-        return {sid: r for r, sid in enumerate(self.slots) if sid is not None}
-
-    def release(self, keep: set[int]) -> None:
-        """Rows whose sequence is not in `keep` become holes."""
-        for r, sid in enumerate(self.slots):
-            if sid is not None and sid not in keep:
-                self.slots[r] = None
-                self.start[r] = self.length
-                self.mask[r] = 0
-                self.empty_since[r] = self.steps
-
-    def advance(self, present: Past, mask: Array) -> None:
-        """After a decode step fed `mask`: its present is the new past, one column
-        longer (a hole's new column stays masked)."""
-        self.keys, self.values = list(present.keys), list(present.values)
-        self.mask = mask
-        self.steps += 1
-        for r, sid in enumerate(self.slots):
-            if sid is None:
-                mask[r, -1] = 0
-
-    def place(self, ids: Sequence[int], past: Past, mask: Array) -> None:
-        """Add prefilled sequences: into holes when their cache fits (in place),
-        else appended (one copy of the whole cache, padded to the longest)."""
-        holes = [r for r, sid in enumerate(self.slots) if sid is None]
-        appended: list[int] = []
-        width = mask.shape[1]
-        for j, sid in enumerate(ids):
-            if holes and width <= self.length:
-                r = holes.pop(0)
-                at = self.length - width
-                for ours, theirs in zip(
-                    (*self.keys, *self.values), (*past.keys, *past.values), strict=True
-                ):
-                    ours[r, :, :at] = 0
-                    ours[r, :, at:] = theirs[j]
-                self.mask[r] = 0
-                self.mask[r, at:] = mask[j]
-                self.slots[r] = sid
-                self.start[r] = at + int(np.argmax(mask[j]))
-                del self.empty_since[r]
-            else:
-                appended.append(j)
-        if appended:
-            self._append([ids[j] for j in appended], past, mask, appended)
-        self.compact()
-
-    def _append(self, ids: Sequence[int], past: Past, mask: Array, rows: list[int]) -> None:
-        length = max(self.length, mask.shape[1])
-        old, new = len(self.slots), len(rows)
-
-        def merged(ours: Array, theirs: Array) -> Array:
-            _, h, _, d = theirs.shape
-            out = np.zeros((old + new, h, length, d), dtype=theirs.dtype)
-            out[:old, :, length - ours.shape[2] :] = ours
-            out[old:, :, length - theirs.shape[2] :] = theirs[rows]
-            return out
-
-        self.keys = [merged(o, t) for o, t in zip(self.keys, past.keys, strict=True)]
-        self.values = [merged(o, t) for o, t in zip(self.values, past.values, strict=True)]
-        shift = length - self.length
-        combined = np.zeros((old + new, length), dtype=np.int64)
-        combined[:old, shift:] = self.mask
-        combined[old:, length - mask.shape[1] :] = mask[rows]
-        self.mask = combined
-        self.start = [s + shift for s in self.start]
-        at = length - mask.shape[1]
-        self.start += [at + int(np.argmax(mask[j])) for j in rows]
-        self.slots += list(ids)
-
-    def compact(self) -> None:
-        """Drop holes older than HOLE_STEPS (all of them once they outnumber the live
-        rows), and the leading columns every row has as padding. Copies once, or not
-        at all when there is nothing to drop."""
-        live = [r for r, sid in enumerate(self.slots) if sid is not None]
-        lead = min((self.start[r] for r in live), default=self.length)
-        holes = self.empty_since
-        if len(holes) > len(live):
-            stale = set(holes)
-        else:
-            stale = {r for r, since in holes.items() if self.steps - since >= HOLE_STEPS}
-        if not stale and lead < TRIM_AT:
-            return
-        kept = [r for r in range(len(self.slots)) if r not in stale]
-        lead = min((self.start[r] for r in kept), default=self.length) if kept else 0
-        index = np.asarray(kept, dtype=np.int64)
-        self.keys = [np.ascontiguousarray(k[index, :, lead:]) for k in self.keys]
-        self.values = [np.ascontiguousarray(v[index, :, lead:]) for v in self.values]
-        self.mask = np.ascontiguousarray(self.mask[index, lead:])
-        self.slots = [self.slots[r] for r in kept]
-        self.start = [self.start[r] - lead for r in kept]
-        self.empty_since = {new: holes[old] for new, old in enumerate(kept) if old in holes}
 
 
 @dataclass(frozen=True)
@@ -276,10 +149,17 @@ class Engine:
     """The continuous-batching executor of one generate workload.
 
     `policy` picks how batches form (see serving/scheduler.py); anything but
-    `continuous` is there for the benchmark's comparisons.
+    `continuous` is there for the benchmark's comparisons. `max_padding` is how many
+    padded cache positions are worth one decoder run less (see serving/kvcache.py).
     """
 
-    def __init__(self, task: GenerateTask, metrics: Metrics, policy: Policy = "continuous") -> None:
+    def __init__(
+        self,
+        task: GenerateTask,
+        metrics: Metrics,
+        policy: Policy = "continuous",
+        max_padding: float = MAX_PADDING,
+    ) -> None:
         workload = task.workload
         self.task = task
         self.name = task.name
@@ -293,7 +173,7 @@ class Engine:
             policy=policy,
             max_position=config.max_position,
         )
-        self.cache = KVCache(self.decoder)
+        self.cache = BatchCache(self.decoder, max_padding)
         self.max_queue = workload.batching.max_queue
         default = workload.slo.timeout_ms
         self.default_timeout_s = default / 1000 if default else None
@@ -441,9 +321,7 @@ class Engine:
                 self._join(StepPlan(prefill=plan.prefill, retired=plan.retired), joins)
             reported = True
             self.cache.release({s.id for s in plan.decode})
-            if not plan.decode:
-                self.cache = KVCache(self.decoder)  # a fresh batch: forget the old length
-            else:
+            if plan.decode:
                 if not plan.prefill:
                     self.cache.compact()  # nobody will fill the holes: do not step them
                 decoding = time.monotonic()
@@ -456,7 +334,7 @@ class Engine:
                 self.cache.place(ids, past, mask)
         except Exception:  # a model failure answers its callers, never kills the loop
             log.exception("workload %s: a step of %d rows failed", self.name, len(plan.decode))
-            self.cache = KVCache(self.decoder)
+            self.cache = BatchCache(self.decoder, self.cache.max_padding)
             failed = StepPlan(decode=plan.decode) if reported else plan
             self._publish(failed, self.scheduler.fail(failed))
         finally:
@@ -503,23 +381,10 @@ class Engine:
         return out.logits[:, -1], present, mask
 
     def _decode(self, seqs: Sequence[Seq], joins: list[tuple[list[int], Past, Array]]) -> Array:
-        """One token for every physical row, on the decode thread; logits come back
-        in `seqs`' order. Requests arriving meanwhile are prefilled on this thread
-        (onnxruntime runs both at once, each releasing the GIL)."""
-        cache = self.cache
-        rows = len(cache.slots)
-        row_of = cache.row_of()
-        ids = np.zeros((rows, 1), dtype=np.int64)
-        positions = np.zeros((rows, 1), dtype=np.int64)
-        order = np.empty(len(seqs), dtype=np.int64)
-        for i, seq in enumerate(seqs):
-            r = row_of[seq.id]
-            order[i] = r
-            ids[r, 0] = seq.last_token
-            positions[r, 0] = seq.position
-        # A hole attends only to its own dummy token: finite, and nobody reads it.
-        mask = np.concatenate([cache.mask, np.ones((rows, 1), dtype=np.int64)], axis=1)
-        running = self._decoding.submit(self.decoder.step, ids, mask, positions, cache.past)
+        """One token for every row, on the decode thread; logits come back in `seqs`'
+        order. Requests arriving meanwhile are prefilled on this thread (onnxruntime
+        runs both at once, each releasing the GIL)."""
+        running = self._decoding.submit(self.cache.decode, seqs)
         running.add_done_callback(lambda _: self._notify())
         try:
             while True:
@@ -535,10 +400,7 @@ class Engine:
                     self._join(early, joins)
         finally:
             concurrent.futures.wait([running])
-        out = running.result()
-        cache.advance(out.present, mask)
-        logits: Array = out.logits[order, -1]
-        return logits
+        return running.result()
 
     def _notify(self) -> None:
         with self._lock:

@@ -73,13 +73,23 @@ async def collect(stream: TokenStream) -> tuple[list[int], str, str | None]:
 
 
 async def run_all(
-    task: GenerateTask, policy: Policy, items: list[dict[str, object]]
+    task: GenerateTask,
+    policy: Policy,
+    items: list[dict[str, object]],
+    max_padding: float = 64,
+    groups: list[int] | None = None,
 ) -> list[tuple[list[int], str, str | None]]:
-    engine = Engine(task, Metrics(), policy)
+    """Every item's tokens, text and finish; `groups` gets the number of row groups
+    seen while they ran."""
+    engine = Engine(task, Metrics(), policy, max_padding)
     engine.start()
     try:
         streams = [engine.submit(task.prepare(item)) for item in items]
-        return list(await asyncio.gather(*(collect(s) for s in streams)))
+        running = asyncio.gather(*(collect(s) for s in streams))
+        while groups is not None and not running.done():
+            groups.append(len(engine.cache.groups))
+            await asyncio.sleep(0.001)
+        return list(await running)
     finally:
         await engine.stop()
 
@@ -96,6 +106,20 @@ async def test_every_policy_gives_each_request_its_tokens_alone(
         assert text == want.text
         assert finish == want.finish_reason
     assert len({tuple(c.tokens) for c in alone}) > 1, "the prompts should not all agree"
+
+
+@pytest.mark.parametrize("max_padding", [0, 24])
+async def test_rows_in_groups_of_similar_length_give_the_same_tokens(
+    task: GenerateTask, max_padding: float
+) -> None:
+    """Small padding budgets split the batch into several groups (one decoder run
+    each), merged again as lengths come close; nothing changes for any request."""
+    items: list[dict[str, object]] = [{"prompt": p, "max_tokens": n + 8} for p, n in PROMPTS]
+    alone = [task.complete(task.prepare(item)).tokens for item in items]
+    seen: list[int] = []
+    got = await run_all(task, "continuous", items, max_padding, seen)
+    assert [tokens for tokens, _, _ in got] == alone
+    assert max(seen) > 1, "the rows should have been split into groups"
 
 
 async def test_seeded_sampling_batched_equals_alone(task: GenerateTask) -> None:
@@ -121,6 +145,6 @@ async def test_cache_stays_as_long_as_its_longest_row(task: GenerateTask) -> Non
         assert len(tokens) == 40
         # The short row alone: its prompt (2 with bos) + 39 fed tokens, not the long prompt.
         assert engine.cache.length <= 2 + 40
-        assert len(engine.cache.slots) <= 1
+        assert engine.cache.rows <= 1
     finally:
         await engine.stop()

@@ -1,0 +1,274 @@
+"""The KV cache of a continuous batch: rows in groups of similar length.
+
+A group (`KVCache`) is one batched array per layer, [rows, heads, length,
+head_dim], left-padded with attention_mask 0 to its longest row, and fed back as
+the next step's past: no step re-runs a prefix. A step runs the decoder once per
+group (`BatchCache.decode`).
+
+Why groups: a step costs about α per decoder run plus β per row per cached
+position (the model attends over, and copies, its whole past every step). One
+dense batch pads every row to the longest one, and with heavy-tailed lengths the
+longest is far longer than most rows (2.4x the real positions at 16 clients in
+bench/generate.py). So a joiner goes to the group where its padding costs least,
+or starts a group of its own when that padding would cost more than a run of its
+own (`max_padding` positions); groups whose lengths come within that are merged.
+MAX_PADDING was measured, not derived: on tinycode with 16 closed-loop clients
+(heavy-tailed lengths, one onnxruntime thread), 1 group padded the cache to 2.5x
+its real positions and made ~880 tokens/s; max_padding 256, 128, 64 and 32 gave
+1.7, 2.6, 4.6 and 6.6 groups on average, 2.0x, 1.5x, 1.25x and 1.15x padding and
+~800, ~1080, ~1250 and ~1130 tokens/s. The α/β of a linear step-cost model fitted
+on isolated steps says ~400: it misses that a smaller run also fits the caches.
+
+Within a group, a sequence that leaves makes a hole that a joiner fills in place
+(a copy of the joiner's own cache only); holes nobody takes within HOLE_STEPS
+steps are compacted away, and leading columns that are padding in every row are
+trimmed, so a group stays as long as its longest row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from lanes.tasks.decoder import Decoder, Past
+
+Array = np.ndarray[Any, Any]
+
+# Trim a group's leading columns once this many are padding in every row.
+TRIM_AT = 32
+# A hole is kept this many steps for a joiner to fill in place before it is compacted
+# away: stepping an empty row costs 1/rows of a run, a compaction copies the group
+# (about a step's worth of memory traffic), and in a closed loop the next request
+# arrives a step or two after the last one left.
+HOLE_STEPS = 8
+MAX_GROUPS = 8
+MAX_PADDING = 64
+
+
+class KVCache:
+    """One group's past: per layer [rows, heads, length, head_dim], left-padded.
+
+    `slots[r]` is the sequence id in row r (None: a hole, fed a dummy token until a
+    joiner takes it or it is compacted). `start[r]` is row r's first real column;
+    columns before it have mask 0.
+    """
+
+    def __init__(self, decoder: Decoder) -> None:
+        self.slots: list[int | None] = []
+        empty = decoder.empty_past(0)
+        self.keys: list[Array] = list(empty.keys)
+        self.values: list[Array] = list(empty.values)
+        self.mask = np.zeros((0, 0), dtype=np.int64)
+        self.start: list[int] = []
+        self.steps = 0  # decode steps so far
+        self.empty_since: dict[int, int] = {}  # hole row -> the step it became one
+
+    @property
+    def length(self) -> int:
+        return int(self.mask.shape[1])
+
+    @property
+    def live(self) -> int:
+        return len(self.slots) - len(self.empty_since)
+
+    @property
+    def past(self) -> Past:
+        return Past(tuple(self.keys), tuple(self.values))
+
+    def release(self, keep: set[int]) -> None:
+        """Rows whose sequence is not in `keep` become holes."""
+        for r, sid in enumerate(self.slots):
+            if sid is not None and sid not in keep:
+                self.slots[r] = None
+                self.start[r] = self.length
+                self.mask[r] = 0
+                self.empty_since[r] = self.steps
+
+    def step_inputs(self, seqs: dict[int, Any]) -> tuple[Array, Array, Array]:
+        """input_ids, attention_mask and position_ids of a decode step: each row's
+        last token at its own position; a hole attends only to its own dummy token
+        (finite, and nobody reads it)."""
+        rows = len(self.slots)
+        ids = np.zeros((rows, 1), dtype=np.int64)
+        positions = np.zeros((rows, 1), dtype=np.int64)
+        for r, sid in enumerate(self.slots):
+            if sid is not None:
+                ids[r, 0] = seqs[sid].last_token
+                positions[r, 0] = seqs[sid].position
+        mask = np.concatenate([self.mask, np.ones((rows, 1), dtype=np.int64)], axis=1)
+        return ids, mask, positions
+
+    def advance(self, present: Past, mask: Array) -> None:
+        """After a decode step fed `mask`: its present is the new past, one column
+        longer (a hole's new column stays masked)."""
+        self.keys, self.values = list(present.keys), list(present.values)
+        self.mask = mask
+        self.steps += 1
+        for r in self.empty_since:
+            mask[r, -1] = 0
+
+    def place(self, ids: Sequence[int], past: Past, mask: Array) -> None:
+        """Add prefilled sequences: into holes when their cache fits (in place),
+        else appended (one copy of the group, padded to the longest)."""
+        holes = sorted(self.empty_since)
+        appended: list[int] = []
+        width = mask.shape[1]
+        for j, sid in enumerate(ids):
+            if holes and width <= self.length:
+                r = holes.pop(0)
+                at = self.length - width
+                for ours, theirs in zip(
+                    (*self.keys, *self.values), (*past.keys, *past.values), strict=True
+                ):
+                    ours[r, :, :at] = 0
+                    ours[r, :, at:] = theirs[j]
+                self.mask[r] = 0
+                self.mask[r, at:] = mask[j]
+                self.slots[r] = sid
+                self.start[r] = at + int(np.argmax(mask[j]))
+                del self.empty_since[r]
+            else:
+                appended.append(j)
+        if appended:
+            self._append([ids[j] for j in appended], past, mask, appended)
+        self.compact()
+
+    def absorb(self, other: KVCache) -> None:
+        """Take the live rows of `other` (padded to the longer of the two)."""
+        rows = [r for r, sid in enumerate(other.slots) if sid is not None]
+        ids = [sid for sid in other.slots if sid is not None]
+        self._append(ids, other.past, other.mask, rows)
+        self.compact()
+
+    def _append(self, ids: Sequence[int], past: Past, mask: Array, rows: list[int]) -> None:
+        length = max(self.length, mask.shape[1])
+        old, new = len(self.slots), len(rows)
+
+        def merged(ours: Array, theirs: Array) -> Array:
+            _, h, _, d = theirs.shape
+            out = np.zeros((old + new, h, length, d), dtype=theirs.dtype)
+            out[:old, :, length - ours.shape[2] :] = ours
+            out[old:, :, length - theirs.shape[2] :] = theirs[rows]
+            return out
+
+        self.keys = [merged(o, t) for o, t in zip(self.keys, past.keys, strict=True)]
+        self.values = [merged(o, t) for o, t in zip(self.values, past.values, strict=True)]
+        shift = length - self.length
+        combined = np.zeros((old + new, length), dtype=np.int64)
+        combined[:old, shift:] = self.mask
+        combined[old:, length - mask.shape[1] :] = mask[rows]
+        self.mask = combined
+        self.start = [s + shift for s in self.start]
+        at = length - mask.shape[1]
+        self.start += [at + int(np.argmax(mask[j])) for j in rows]
+        self.slots += list(ids)
+
+    def compact(self) -> None:
+        """Drop holes older than HOLE_STEPS (all of them once they outnumber the live
+        rows), and the leading columns every row has as padding. Copies once, or not
+        at all when there is nothing to drop."""
+        live = [r for r, sid in enumerate(self.slots) if sid is not None]
+        lead = min((self.start[r] for r in live), default=self.length)
+        holes = self.empty_since
+        if len(holes) > len(live):
+            stale = set(holes)
+        else:
+            stale = {r for r, since in holes.items() if self.steps - since >= HOLE_STEPS}
+        if not stale and lead < TRIM_AT:
+            return
+        kept = [r for r in range(len(self.slots)) if r not in stale]
+        lead = min((self.start[r] for r in kept), default=self.length) if kept else 0
+        index = np.asarray(kept, dtype=np.int64)
+        self.keys = [np.ascontiguousarray(k[index, :, lead:]) for k in self.keys]
+        self.values = [np.ascontiguousarray(v[index, :, lead:]) for v in self.values]
+        self.mask = np.ascontiguousarray(self.mask[index, lead:])
+        self.slots = [self.slots[r] for r in kept]
+        self.start = [self.start[r] - lead for r in kept]
+        self.empty_since = {new: holes[old] for new, old in enumerate(kept) if old in holes}
+
+
+class BatchCache:
+    """Every row of the batch, in groups of similar length; one decoder run per group.
+
+    `max_padding` is how many padded positions a group may add to save a run.
+    """
+
+    def __init__(self, decoder: Decoder, max_padding: float) -> None:
+        self.decoder = decoder
+        self.max_padding = max_padding
+        self.groups: list[KVCache] = []
+
+    @property
+    def rows(self) -> int:
+        return sum(len(g.slots) for g in self.groups)
+
+    @property
+    def length(self) -> int:
+        return max((g.length for g in self.groups), default=0)
+
+    def release(self, keep: set[int]) -> None:
+        """Rows whose sequence is not in `keep` become holes; a group of holes goes."""
+        for group in self.groups:
+            group.release(keep)
+        self.groups = [g for g in self.groups if g.live]
+
+    def compact(self) -> None:
+        for group in self.groups:
+            group.compact()
+        self._merge()
+
+    def decode(self, seqs: Sequence[Any]) -> Array:
+        """One decode step of every group; next-token logits [len(seqs), vocab] in
+        `seqs`' order. `seqs` have `id`, `last_token` and `position`."""
+        by_id = {s.id: s for s in seqs}
+        order = {s.id: i for i, s in enumerate(seqs)}
+        logits: Array | None = None
+        for group in self.groups:
+            ids, mask, positions = group.step_inputs(by_id)
+            out = self.decoder.step(ids, mask, positions, group.past)
+            group.advance(out.present, mask)
+            if logits is None:
+                logits = np.empty((len(seqs), out.logits.shape[-1]), dtype=out.logits.dtype)
+            rows = [r for r, sid in enumerate(group.slots) if sid is not None]
+            logits[[order[group.slots[r]] for r in rows]] = out.logits[rows, -1]
+        if logits is None or sum(g.live for g in self.groups) != len(seqs):
+            raise ValueError(
+                f"decode: the cache holds {sum(g.live for g in self.groups)} sequences, "
+                f"the step has {len(seqs)}"
+            )
+        return logits
+
+    def place(self, ids: Sequence[int], past: Past, mask: Array) -> None:
+        """Add one prefill's sequences to the group where their padding costs least,
+        or to a new group when it would cost more than a run."""
+        width, joining = mask.shape[1], len(ids)
+        best: tuple[float, KVCache] | None = None
+        for group in self.groups:
+            if group.length >= width:
+                padding = joining * (group.length - width)
+            else:
+                padding = group.live * (width - group.length)
+            if best is None or padding < best[0]:
+                best = (padding, group)
+        if best is not None and (best[0] <= self.max_padding or len(self.groups) >= MAX_GROUPS):
+            best[1].place(ids, past, mask)
+        else:
+            group = KVCache(self.decoder)
+            group.place(ids, past, mask)
+            self.groups.append(group)
+        self._merge()
+
+    def _merge(self) -> None:
+        """Merge neighbouring groups (by length) while padding the shorter one's rows
+        costs no more than the run it saves."""
+        self.groups.sort(key=lambda g: g.length)
+        i = 0
+        while i + 1 < len(self.groups):
+            short, long = self.groups[i], self.groups[i + 1]
+            if short.live * (long.length - short.length) <= self.max_padding:
+                long.absorb(short)
+                del self.groups[i]
+            else:
+                i += 1
