@@ -15,6 +15,7 @@ $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'
+	mkdir -p $(PREFECT_HOME)
 	touch $@
 
 install: $(BIN)/.installed
@@ -31,4 +32,5 @@ lint: install
 	$(BIN)/mypy
 
 test: lint
+	mkdir -p $(PREFECT_HOME)
 	$(BIN)/python -m pytest -q

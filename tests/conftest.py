@@ -16,6 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_HOME", str(ROOT / ".lanes" / "prefect-tests"))
+# Prefect creates its home without parents; a fresh clone has no .lanes/ yet.
+Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
 
 
 @pytest.fixture(scope="session")
