@@ -19,10 +19,9 @@ its real positions and made ~880 tokens/s; max_padding 256, 128, 64 and 32 gave
 ~800, ~1080, ~1250 and ~1130 tokens/s. The α/β of a linear step-cost model fitted
 on isolated steps says ~400: it misses that a smaller run also fits the caches.
 
-Within a group, a sequence that leaves makes a hole that a joiner fills in place
-(a copy of the joiner's own cache only); holes nobody takes within HOLE_STEPS
-steps are compacted away, and leading columns that are padding in every row are
-trimmed, so a group stays as long as its longest row.
+Within a group, a sequence that leaves makes a hole that a joiner may fill in
+place (a copy of the joiner's own cache only); holes and leading columns that are
+padding in every row are compacted away once they are worth a copy of the group.
 """
 
 from __future__ import annotations
@@ -36,13 +35,14 @@ from lanes.tasks.decoder import Decoder, Past
 
 Array = np.ndarray[Any, Any]
 
-# Trim a group's leading columns once this many are padding in every row.
+# A compaction (dropping holes, trimming leading padding) copies the whole group,
+# about a step's worth of memory traffic; what it saves is paid back over steps. So
+# holes wait (for joiners to fill them in place, or for company) until they are a
+# quarter of the group's rows, and leading padding until it is a quarter of its
+# length (and at least TRIM_AT columns): then each compaction saves a quarter of
+# every later step, and the copies cost a few percent.
 TRIM_AT = 32
-# A hole is kept this many steps for a joiner to fill in place before it is compacted
-# away: stepping an empty row costs 1/rows of a run, a compaction copies the group
-# (about a step's worth of memory traffic), and in a closed loop the next request
-# arrives a step or two after the last one left.
-HOLE_STEPS = 8
+COMPACT_FRACTION = 4
 MAX_GROUPS = 8
 MAX_PADDING = 64
 
@@ -166,20 +166,15 @@ class KVCache:
         self.slots += list(ids)
 
     def compact(self) -> None:
-        """Drop holes older than HOLE_STEPS (all of them once they outnumber the live
-        rows), and the leading columns every row has as padding. Copies once, or not
-        at all when there is nothing to drop."""
-        live = [r for r, sid in enumerate(self.slots) if sid is not None]
-        lead = min((self.start[r] for r in live), default=self.length)
+        """Drop the holes once they are a quarter of the rows, and the leading columns
+        every row has as padding once they are a quarter of the length. Copies once,
+        or not at all."""
         holes = self.empty_since
-        if len(holes) > len(live):
-            stale = set(holes)
-        else:
-            stale = {r for r, since in holes.items() if self.steps - since >= HOLE_STEPS}
-        if not stale and lead < TRIM_AT:
+        drop = len(holes) * COMPACT_FRACTION > len(self.slots)
+        kept = [r for r, sid in enumerate(self.slots) if sid is not None or not drop]
+        lead = min((self.start[r] for r in kept), default=0)
+        if not drop and lead < max(TRIM_AT, self.length // COMPACT_FRACTION):
             return
-        kept = [r for r in range(len(self.slots)) if r not in stale]
-        lead = min((self.start[r] for r in kept), default=self.length) if kept else 0
         index = np.asarray(kept, dtype=np.int64)
         self.keys = [np.ascontiguousarray(k[index, :, lead:]) for k in self.keys]
         self.values = [np.ascontiguousarray(v[index, :, lead:]) for v in self.values]
