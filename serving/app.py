@@ -37,7 +37,6 @@ from serving.worker import BatchWorker
 log = logging.getLogger("lanes.serving")
 
 HEALTH_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
-BATCHED_TASKS = ("embed", "infer")
 
 
 def create_app(spec: Spec, settings: Settings) -> Starlette:
