@@ -51,6 +51,7 @@ from lanes.settings import Settings  # noqa: E402
 from lanes.specfile import load_spec  # noqa: E402
 from lanes.tasks import GenerateTask, load_task  # noqa: E402
 from lanes.tasks.decoder import Past  # noqa: E402
+from serving.kvcache import MAX_PADDING  # noqa: E402
 
 WORKLOAD = "gen"
 POLICIES = ("continuous", "static", "static-drop", "serial")
@@ -81,7 +82,7 @@ PROMPTS = [
 ]
 
 
-def serve(spec_path: str, policy: str, port: int) -> None:
+def serve(spec_path: str, policy: str, port: int, max_padding: float) -> None:
     """The server side: the app's own routes and engine, with the policy chosen here."""
     import uvicorn
     from starlette.applications import Starlette
@@ -99,7 +100,7 @@ def serve(spec_path: str, policy: str, port: int) -> None:
         task = await asyncio.to_thread(load_task, WORKLOAD, state.spec, Runtime(settings))
         assert isinstance(task, GenerateTask)
         await asyncio.to_thread(task.warm_up)
-        engine = generate_routes.start_engine(state, task, policy)  # type: ignore[arg-type]
+        engine = generate_routes.start_engine(state, task, policy, max_padding)  # type: ignore[arg-type]
         state.ready = True
         yield
         await engine.stop()
@@ -274,17 +275,11 @@ def raw_tokens_per_s(task: GenerateTask, batch: int, past_len: int, seconds: flo
     return steps * batch / (time.perf_counter() - start)
 
 
-def start_server(spec_path: Path, policy: str, port: int) -> subprocess.Popen[bytes]:
-    cmd = [
-        sys.executable,
-        __file__,
-        "--serve",
-        policy,
-        "--spec",
-        str(spec_path),
-        "--port",
-        str(port),
-    ]
+def start_server(
+    spec_path: Path, policy: str, port: int, max_padding: float
+) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, __file__, "--serve", policy, "--spec", str(spec_path)]
+    cmd += ["--port", str(port), "--max-padding", str(max_padding)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
@@ -323,11 +318,17 @@ def main() -> None:
         "--threads", type=int, default=1, help="onnxruntime intra-op threads (server and raw)"
     )
     parser.add_argument("--port", type=int, default=8441)
+    parser.add_argument(
+        "--max-padding",
+        type=float,
+        default=MAX_PADDING,
+        help="padded cache positions worth one decoder run less (serving/kvcache.py)",
+    )
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        serve(args.spec, args.serve, args.port)
+        serve(args.spec, args.serve, args.port, args.max_padding)
         return
     levels = [int(x) for x in args.levels.split(",")]
     models = Path(os.environ.get("LANES_MODELS_DIR", ROOT / ".lanes" / "models")).resolve()
@@ -338,7 +339,9 @@ def main() -> None:
     assert isinstance(task, GenerateTask)
     policies = args.policies.split(",")
     urls = {p: f"http://127.0.0.1:{args.port + i}" for i, p in enumerate(policies)}
-    servers = [start_server(spec_path, p, args.port + i) for i, p in enumerate(policies)]
+    servers = [
+        start_server(spec_path, p, args.port + i, args.max_padding) for i, p in enumerate(policies)
+    ]
     runs = {(p, c): Run(p, c) for c in levels for p in policies}
     try:
         for c in levels:
@@ -366,7 +369,11 @@ def main() -> None:
             proc.terminate()
             proc.wait(timeout=30)
     print(
-        f"\nStreaming generate, tinycode, closed loop, max_tokens log-uniform 8..512, "
+        f"\nload average at the end (1, 5, 15 min): "
+        f"{', '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs"
+    )
+    print(
+        f"Streaming generate, tinycode, closed loop, max_tokens log-uniform 8..512, "
         f"{args.repeats} x {args.seconds:.0f} s per cell (policies interleaved), "
         f"max_batch_size {args.max_batch}, {args.threads} onnxruntime thread(s); "
         f"raw = Decoder.step tokens/s at the same batch size (past {args.raw_past}), "

@@ -43,6 +43,7 @@ from lanes.tasks.generate import GenerateTask
 from serving.engine import Engine, TokenStream
 from serving.guard import Piece, TextGuard, pieces
 from serving.http import JSONResponse, openai_error, read_json, status_of, timeout_s
+from serving.kvcache import MAX_PADDING
 from serving.scheduler import Policy
 from serving.state import ServingState
 
@@ -231,15 +232,21 @@ routes = [
 ]
 
 
-def start_engine(state: ServingState, task: GenerateTask, policy: Policy = "continuous") -> Engine:
+def start_engine(
+    state: ServingState,
+    task: GenerateTask,
+    policy: Policy = "continuous",
+    max_padding: float = MAX_PADDING,
+) -> Engine:
     """Start the engine of a loaded generate workload (and load its guard) in `state`.
-    Call on the event loop; `state.ready` is the caller's to set."""
+    Call on the event loop; `state.ready` is the caller's to set. `policy` and
+    `max_padding` are the benchmark's knobs (see serving/engine.py)."""
     name = task.name
     guard = task.workload.guard
     if guard is not None:
         blocked = state.metrics.guard_blocked.labels(name, guard.mode)
         state.guards[name] = TextGuard.load(guard, on_block=blocked.inc)
-    engine = Engine(task, state.metrics, policy)
+    engine = Engine(task, state.metrics, policy, max_padding)
     engine.start()
     state.engines[name] = engine
     return engine
