@@ -1,20 +1,31 @@
 """Offline jobs from the SDK: stage records, schedule a flow run, follow it by id.
 
-A job is a Prefect flow run of the workload's deployment ("lanes-offline/<name>")
-with its own `input` and `output`, so the records of one `submit` never mix with
-the workload's scheduled inputs or another job's outputs. Everything a Job needs is
-in the flow run (its parameters hold the output location), so `Job(id)` works from
-any process that reaches the same Prefect API.
+A job is a Prefect flow run of the workload's deployment ("lanes-offline/<name>",
+made by `lanes deploy`) with its own `input` and `output`, so the records of one
+`submit` never mix with the workload's scheduled inputs or another job's outputs.
+Everything a Job needs is in its flow run (the parameters hold its output location),
+so `Job(id)` works from any process that reaches the same Prefect API and storage.
+
+    <workload input folder>/_submitted/<key>/records.jsonl   the staged records
+    <workload output folder>/jobs/<key>/                     its outputs (lanes.layout)
+
+Prefect is imported only here, and only when a job is touched. The Prefect API is
+`prefect_api_url` when given, else Prefect's own `PREFECT_API_URL` setting; without
+either a job fails at once (Prefect would otherwise start a throwaway server).
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import os
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 
@@ -22,152 +33,345 @@ from lanes import layout
 from lanes.errors import InvalidInput, JobFailed, LanesError, StorageError
 from lanes.settings import Settings
 from lanes.spec import Workload
-from lanes.storage import Storage, is_s3, join
+from lanes.storage import Storage, join
 
 if TYPE_CHECKING:
+    from prefect.client.orchestration import SyncPrefectClient
     from prefect.client.schemas.objects import FlowRun
+
+T = TypeVar("T")
 
 FLOW_NAME = "lanes-offline"  # flows.FLOW_NAME; lanes cannot import the flows wing
 FAILED_STATES = frozenset({"FAILED", "CRASHED", "CANCELLED", "CANCELLING"})
 POLL_S = 0.5
+CHUNK_LINES = 1000  # lines an AsyncJob reads per trip to a thread
+SUBMIT_TAG = "lanes-submit"
+# Names that make an s3:// input a single file, not a prefix (flows.records reads these).
+DATA_SUFFIXES = (".jsonl", ".ndjson", ".gz", ".parquet", ".pq")
 
 
 def submit(
     workload: Workload,
     name: str,
-    records: Sequence[Mapping[str, Any]] | str,
-    when: Literal["offpeak", "now"],
+    records: Iterable[Mapping[str, Any]] | str | os.PathLike[str],
+    when: str,
     settings: Settings,
     base: Path,
+    prefect_api_url: str | None = None,
 ) -> Job:
-    """Stage `records` beside the workload's input (or take an input URI as it is), and
-    create a flow run of its deployment at the next off-peak window or now."""
-    from prefect.deployments import run_deployment
+    """Stage `records` beside the workload's input (or take an input URI as it is; a
+    relative local path is made absolute here), and create a flow run of its
+    deployment at the next off-peak window (the workload's schedule, else
+    `settings.offpeak`) or now."""
+    from prefect.states import Scheduled
 
+    if when not in ("offpeak", "now"):
+        raise InvalidInput(f'when: expected "offpeak" or "now", found {when!r}')
     if workload.input is None or workload.output is None:
         raise InvalidInput(f"workload {name!r} has no input/output; it cannot take jobs")
     key = datetime.now(UTC).strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:8]
-    storage = Storage(settings)
-    if isinstance(records, str):
-        source = records
-    else:
-        source = join(_folder(workload.input, base), layout.SUBMITTED, key) + "/"
-        storage.write_bytes(join(source, "records.jsonl"), _jsonl(records))
-    output = join(_folder(workload.output, base), layout.JOBS, key) + "/"
-    if when == "now":
-        scheduled = None
-    else:
-        schedule = workload.schedule or settings.offpeak
-        scheduled = schedule.next_run()
-    # Called outside any event loop (AsyncClient uses a thread): Prefect runs it sync.
-    run: FlowRun = run_deployment(  # type: ignore[assignment]
-        f"{FLOW_NAME}/{name}",
-        parameters={"workload": name, "input": source, "output": output},
-        scheduled_time=scheduled,
-        timeout=0,
-        tags=["lanes-submit"],
-    )
-    return Job(str(run.id), settings)
+    data = None if isinstance(records, str | os.PathLike) else _jsonl(records)
+    scheduled = datetime.now(UTC)
+    if when == "offpeak":
+        scheduled = (workload.schedule or settings.offpeak).next_run()
+    prefect = _Prefect(prefect_api_url)
+    with prefect.client() as client:
+        deployment = prefect.deployment(client, name)
+        # Staged only once the deployment is known: a refused submit leaves no files.
+        if data is None:
+            source = _location(str(records))
+        else:
+            source = join(_folder(workload.input, base), layout.SUBMITTED, key) + "/"
+            Storage(settings).write_bytes(join(source, "records.jsonl"), data)
+        output = join(_folder(workload.output, base), layout.JOBS, key) + "/"
+        run = client.create_flow_run_from_deployment(
+            deployment,
+            parameters={"workload": name, "input": source, "output": output},
+            state=Scheduled(scheduled_time=scheduled),
+            name=f"{name}-{key}",
+            tags=[SUBMIT_TAG],
+        )
+    return Job(str(run.id), settings, prefect_api_url=prefect_api_url)
 
 
 class Job:
-    """One submitted offline job: `status()`, `wait()`, `results()`, `errors()`,
-    `manifest()`, `cancel()`. Reads Prefect for its state and storage for its files."""
+    """One submitted offline job, by its id (the flow run's): `status()`, `wait()`,
+    `results()`, `errors()`, `manifest()`, `cancel()`. Reads Prefect for its state
+    and storage for its files; each call asks afresh."""
 
-    def __init__(self, id: str, settings: Settings | None = None) -> None:
-        self.id = id
+    def __init__(
+        self, id: str, settings: Settings | None = None, *, prefect_api_url: str | None = None
+    ) -> None:
+        try:
+            self._uuid = uuid.UUID(id)
+        except ValueError:
+            raise InvalidInput(f"job id: expected a UUID (from submit), found {id!r}") from None
+        self.id = str(self._uuid)
         self.settings = settings or Settings()
+        self._prefect = _Prefect(prefect_api_url)
+        self._output: str | None = None
 
     def __repr__(self) -> str:
         return f"Job({self.id!r})"
 
-    def _run(self) -> FlowRun:
-        from prefect.client.orchestration import get_client
-        from prefect.exceptions import ObjectNotFound
-
-        with get_client(sync_client=True) as client:
-            try:
-                return client.read_flow_run(uuid.UUID(self.id))
-            except (ObjectNotFound, ValueError):
-                raise LanesError(f"no job {self.id!r} in the Prefect API") from None
-
     def status(self) -> str:
-        """The flow run's state: SCHEDULED, PENDING, RUNNING, COMPLETED, FAILED, ..."""
-        state = self._run().state
-        return state.type.value if state else "UNKNOWN"
+        """The flow run's state: SCHEDULED, PENDING, RUNNING, COMPLETED, FAILED,
+        CANCELLED, CRASHED, ..."""
+        return _state(self._run())
 
-    @property
     def scheduled_time(self) -> datetime | None:
+        """When the run is (or was) due to start."""
         run = self._run()
         return run.next_scheduled_start_time or run.expected_start_time
 
     @property
     def output(self) -> str:
-        return str(self._run().parameters["output"])
+        """Where the job's outputs go (its flow run's `output` parameter)."""
+        if self._output is None:
+            self._output = str(self._run().parameters["output"])
+        return self._output
 
     def wait(self, timeout: float = 3600.0) -> Job:
-        """Block until the job ends; raises JobFailed if it did not complete, TimeoutError
-        if it is still going after `timeout` seconds."""
+        """Block until the job ends. Returns itself once COMPLETED; raises JobFailed if it
+        ended otherwise, TimeoutError if it is still going after `timeout` seconds."""
         deadline = time.monotonic() + timeout
         while True:
-            run = self._run()
-            state = run.state.type.value if run.state else "UNKNOWN"
+            state = self.settled()
             if state == "COMPLETED":
                 return self
-            if state in FAILED_STATES:
-                message = run.state.message if run.state else ""
-                raise JobFailed(f"job {self.id} ended {state}: {message}")
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"job {self.id} is still {state} after {timeout} s")
-            time.sleep(POLL_S)
+                raise TimeoutError(f"job {self.id} is still {state} after {timeout:g} s")
+            time.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
+
+    def settled(self) -> str:
+        """The state, once; raises JobFailed if the job ended without completing."""
+        run = self._run()
+        state = _state(run)
+        if state in FAILED_STATES:
+            message = (run.state.message if run.state else None) or "no message"
+            raise JobFailed(f"job {self.id} ({run.name}) ended {state}: {message}")
+        return state
 
     def results(self) -> Iterator[dict[str, Any]]:
-        """Every output line, `{"id", <result>}` (or the OpenAI batch output shape)."""
-        yield from self._lines(self.output)
+        """`{"id", "result"}` per output line committed so far, shard by shard: the
+        record's id (an OpenAI batch line's custom_id) and what it produced (embed:
+        the vector; infer: the named outputs; generate: the answer body)."""
+        for line in self._lines(self._files(self.output, "outputs")):
+            yield _result(line)
 
     def errors(self) -> Iterator[dict[str, Any]]:
-        """Every rejected record: `{"id", "line", "error", ...}`."""
-        folder = join(self.output, layout.ERRORS)
-        try:
-            yield from self._lines(folder)
-        except StorageError:
-            return  # no errors folder: no errors
+        """Every rejected record: `{"id", "line", "error", ...}`; none if none."""
+        yield from self._lines(self._files(join(self.output, layout.ERRORS), None))
 
     def manifest(self) -> dict[str, Any]:
+        """The run's manifest: counts, items/s, cost estimate, per-shard stats."""
         data = Storage(self.settings).read_bytes(join(self.output, layout.LATEST))
         if data is None:
-            raise LanesError(f"job {self.id} has no manifest yet (status {self.status()})")
+            raise LanesError(f"job {self.id} has no manifest yet (it is {self.status()})")
         manifest: dict[str, Any] = orjson.loads(data)
         return manifest
 
-    def cancel(self) -> None:
-        """Cancel the job if it has not ended; committed shards stay committed."""
-        from prefect.client.orchestration import get_client
-        from prefect.states import Cancelled
+    def cancel(self) -> str:
+        """Cancel the job unless it has ended; committed shards stay committed. A
+        scheduled job is CANCELLED at once, a running one CANCELLING until its worker
+        stops it. Returns the state after."""
+        from prefect.client.schemas.objects import State, StateType
 
-        with get_client(sync_client=True) as client:
-            client.set_flow_run_state(uuid.UUID(self.id), Cancelled(), force=True)
+        with self._prefect.client() as client:
+            self._read(client)
+            client.set_flow_run_state(self._uuid, State(type=StateType.CANCELLING))
+            return _state(self._read(client))
 
-    def _lines(self, folder: str) -> Iterator[dict[str, Any]]:
+    def _run(self) -> FlowRun:
+        with self._prefect.client() as client:
+            return self._read(client)
+
+    def _read(self, client: SyncPrefectClient) -> FlowRun:
+        from prefect.exceptions import ObjectNotFound
+
+        try:
+            return client.read_flow_run(self._uuid)
+        except ObjectNotFound:
+            raise LanesError(
+                f"no job {self.id} on the Prefect API at {self._prefect.url()}; "
+                "is PREFECT_API_URL the server it was submitted to?"
+            ) from None
+
+    def _files(self, folder: str, missing: str | None) -> list[str]:
+        try:
+            return [f.uri for f in Storage(self.settings).list_files(folder, (".jsonl",))]
+        except StorageError:
+            if missing is None:
+                return []  # no errors folder: no errors
+            raise LanesError(
+                f"job {self.id} has no {missing} at {folder} yet (it is {self.status()})"
+            ) from None
+
+    def _lines(self, files: list[str]) -> Iterator[dict[str, Any]]:
         storage = Storage(self.settings)
-        for file in storage.list_files(folder, (".jsonl",)):
-            with storage.open(file.uri) as stream:
+        for file in files:
+            with storage.open(file) as stream:
                 for line in stream:
                     if line.strip():
                         yield orjson.loads(line)
 
 
+class AsyncJob:
+    """A Job for async code: the same methods, awaited (`results()`/`errors()` with
+    `async for`). Prefect and storage calls run in a thread; `wait` sleeps on the
+    event loop, so cancelling it stops it."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.id = job.id
+
+    def __repr__(self) -> str:
+        return f"AsyncJob({self.id!r})"
+
+    async def status(self) -> str:
+        return await asyncio.to_thread(self.job.status)
+
+    async def scheduled_time(self) -> datetime | None:
+        return await asyncio.to_thread(self.job.scheduled_time)
+
+    async def wait(self, timeout: float = 3600.0) -> AsyncJob:
+        """See `Job.wait`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            state = await asyncio.to_thread(self.job.settled)
+            if state == "COMPLETED":
+                return self
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"job {self.id} is still {state} after {timeout:g} s")
+            await asyncio.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
+
+    def results(self) -> AsyncIterator[dict[str, Any]]:
+        return _in_chunks(self.job.results())
+
+    def errors(self) -> AsyncIterator[dict[str, Any]]:
+        return _in_chunks(self.job.errors())
+
+    async def manifest(self) -> dict[str, Any]:
+        return await asyncio.to_thread(self.job.manifest)
+
+    async def cancel(self) -> str:
+        return await asyncio.to_thread(self.job.cancel)
+
+
+class _Prefect:
+    """The Prefect API jobs live on, and its errors said the lanes way."""
+
+    def __init__(self, url: str | None) -> None:
+        self._url = url
+
+    def url(self) -> str:
+        if self._url:
+            return self._url
+        from prefect.settings import PREFECT_API_URL
+
+        value = PREFECT_API_URL.value()
+        if not value:
+            raise LanesError(
+                "jobs run on a Prefect server, and none is set: set PREFECT_API_URL "
+                "(e.g. http://127.0.0.1:4200/api) or pass Client(prefect_api_url=...)"
+            )
+        return str(value)
+
+    @contextmanager
+    def client(self) -> Iterator[SyncPrefectClient]:
+        import httpx
+        from prefect.client.orchestration import SyncPrefectClient
+        from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_KEY
+
+        url = self.url()
+        client = SyncPrefectClient(
+            url, api_key=PREFECT_API_KEY.value(), auth_string=PREFECT_API_AUTH_STRING.value()
+        )
+        try:
+            with client:
+                yield client
+        except httpx.TransportError as err:
+            raise LanesError(f"cannot reach the Prefect API at {url}: {err}") from None
+        except httpx.HTTPStatusError as err:
+            raise LanesError(
+                f"the Prefect API at {url} refused {err.request.method} "
+                f"{err.request.url.path}: HTTP {err.response.status_code} {err.response.text[:300]}"
+            ) from None
+
+    def deployment(self, client: SyncPrefectClient, workload: str) -> uuid.UUID:
+        from prefect.exceptions import ObjectNotFound
+
+        try:
+            return client.read_deployment_by_name(f"{FLOW_NAME}/{workload}").id
+        except ObjectNotFound:
+            raise LanesError(
+                f"no deployment {FLOW_NAME}/{workload} on the Prefect API at {self.url()}: "
+                "register the offline workloads there first (`lanes deploy`)"
+            ) from None
+
+
+def _state(run: FlowRun) -> str:
+    return run.state.type.value if run.state else "UNKNOWN"
+
+
+def _result(line: dict[str, Any]) -> dict[str, Any]:
+    """An output line as `{"id", "result"}` (see flows.requests for the line shapes)."""
+    if "custom_id" in line and isinstance(line.get("response"), Mapping):
+        return {"id": line["custom_id"], "result": line["response"].get("body")}
+    rest = {k: v for k, v in line.items() if k != "id"}
+    if rest.keys() == {"embedding"} or rest.keys() == {"result"}:
+        (value,) = rest.values()
+        return {"id": line.get("id"), "result": value}
+    return {"id": line.get("id"), "result": rest}
+
+
+async def _in_chunks(lines: Iterator[T]) -> AsyncIterator[T]:
+    """A blocking iterator's items, read CHUNK_LINES at a time in a thread."""
+    try:
+        while chunk := await asyncio.to_thread(lambda: list(itertools.islice(lines, CHUNK_LINES))):
+            for item in chunk:
+                yield item
+    finally:
+        close = getattr(lines, "close", None)
+        if close is not None:
+            close()
+
+
+def _location(uri: str) -> str:
+    """An input URI as the worker will read it: local paths made absolute."""
+    if "://" in uri:
+        return uri
+    return str(Path(uri).expanduser().resolve()) + ("/" if uri.endswith("/") else "")
+
+
 def _folder(location: str, base: Path) -> str:
-    """The folder of a workload's input or output (a glob's fixed part), absolute."""
+    """The folder of a workload's input or output, absolute: a glob's fixed part, a
+    single file's folder."""
     cut = min((location.index(c) for c in "*?[" if c in location), default=None)
     if cut is not None:
         location = location[: location.rfind("/", 0, cut) + 1]
-    if is_s3(location) or Path(location).is_absolute():
+    if "://" in location:
+        last = location.rstrip("/").rsplit("/", 1)[-1]
+        if not location.endswith("/") and last.endswith(DATA_SUFFIXES):
+            return location[: location.rfind("/") + 1]
         return location
-    return str(base / location)
+    path = Path(location).expanduser()
+    path = path if path.is_absolute() else base / path
+    return str(path.parent if path.is_file() else path)
 
 
-def _jsonl(records: Sequence[Mapping[str, Any]]) -> bytes:
-    if not records:
+def _jsonl(records: Iterable[Mapping[str, Any]]) -> bytes:
+    lines = []
+    for n, record in enumerate(records):
+        if not isinstance(record, Mapping):
+            raise InvalidInput(
+                f"records[{n}]: expected a mapping like {{'id': ..., 'text': ...}}, "
+                f"found {type(record).__name__}"
+            )
+        try:
+            lines.append(orjson.dumps(dict(record)) + b"\n")
+        except TypeError as err:
+            raise InvalidInput(f"records[{n}]: not JSON-serialisable ({err})") from None
+    if not lines:
         raise InvalidInput("records: expected at least one record, found none")
-    return b"".join(orjson.dumps(dict(r)) + b"\n" for r in records)
+    return b"".join(lines)

@@ -1,7 +1,9 @@
 """CLI twins of the SDK client: `lanes call`, `lanes stream`, `lanes submit`, `lanes job`.
 
 They go through `lanes.Client` exactly as user code would: to the endpoint in
-LANES_ENDPOINT for interactive workloads, to the Prefect API for jobs.
+LANES_ENDPOINT (with LANES_API_KEY) for interactive workloads, to the Prefect API in
+PREFECT_API_URL for jobs. router.cli registers them; lanes' errors print as a
+message and an exit code (router.console).
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import typer
 
@@ -17,8 +19,13 @@ from lanes.client import Client
 from lanes.errors import InvalidInput
 from router.render import to_jsonable
 
-SpecOption = Annotated[Path | None, typer.Option("--file", "-f", help="workloads.yaml.")]
+SpecOption = Annotated[
+    Path | None, typer.Option("--file", "-f", help="workloads.yaml (default: LANES_SPEC).")
+]
 Endpoint = Annotated[str | None, typer.Option(help="Server URL (default: LANES_ENDPOINT).")]
+TimeoutMs = Annotated[
+    float | None, typer.Option("--timeout-ms", help="The request's deadline on the server.")
+]
 
 
 def _json(text: str, what: str) -> Any:
@@ -28,15 +35,29 @@ def _json(text: str, what: str) -> Any:
         raise InvalidInput(f"{what}: expected JSON, found {text!r} ({e.msg})") from None
 
 
+def _input(text: str) -> Any:
+    """JSON when it parses as JSON; otherwise the text itself (`-i "hello world"`)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
 def call(
     workload: Annotated[str, typer.Argument(help="An interactive workload.")],
-    input: Annotated[str, typer.Option("--input", "-i", help="The input as JSON.")],
+    input: Annotated[
+        str,
+        typer.Option(
+            "--input", "-i", help="The input as JSON (a plain text is taken as a string)."
+        ),
+    ],
+    timeout_ms: TimeoutMs = None,
     file: SpecOption = None,
     endpoint: Endpoint = None,
-) -> Any:
+) -> None:
     """Call an interactive workload on the running endpoint; prints the result as JSON."""
     with Client(endpoint, spec=file) as client:
-        result = client.call(workload, _json(input, "--input"))
+        result = client.call(workload, _input(input), timeout_ms=timeout_ms)
     typer.echo(json.dumps(to_jsonable(result)))
 
 
@@ -45,15 +66,15 @@ def stream(
     prompt: Annotated[str, typer.Argument(help="The prompt.")],
     max_tokens: Annotated[int | None, typer.Option(help="Most tokens to generate.")] = None,
     temperature: Annotated[float | None, typer.Option(help="0 is greedy.")] = None,
+    timeout_ms: TimeoutMs = None,
     file: SpecOption = None,
     endpoint: Endpoint = None,
 ) -> None:
     """Stream a completion to the terminal as it is generated."""
     options = {"max_tokens": max_tokens, "temperature": temperature}
+    chosen = {k: v for k, v in options.items() if v is not None}
     with Client(endpoint, spec=file) as client:
-        for chunk in client.stream(
-            workload, prompt, **{k: v for k, v in options.items() if v is not None}
-        ):
+        for chunk in client.stream(workload, prompt, timeout_ms=timeout_ms, **chosen):
             sys.stdout.write(chunk)
             sys.stdout.flush()
     sys.stdout.write("\n")
@@ -62,39 +83,59 @@ def stream(
 def submit(
     workload: Annotated[str, typer.Argument(help="An offline workload.")],
     records: Annotated[
-        str, typer.Argument(help="A JSONL file of records, or an input URI (folder or s3://).")
+        str,
+        typer.Argument(help="A .jsonl file of records (staged), or an input URI (folder, s3://)."),
     ],
-    now: Annotated[
-        bool, typer.Option(help="Run now instead of at the next off-peak window.")
-    ] = False,
+    when: Annotated[
+        str, typer.Option(help="offpeak: the workload's next window; now: at once.")
+    ] = "offpeak",
+    now: Annotated[bool, typer.Option("--now", help="Short for --when now.")] = False,
     file: SpecOption = None,
 ) -> None:
-    """Submit records to an offline workload; prints the job id."""
+    """Submit records to an offline workload. Prints the job id (stdout) and when it
+    runs (stderr)."""
+    chosen: Literal["offpeak", "now"] = "now" if now else _when(when)
     path = Path(records)
     source: Any = records
-    if path.is_file():
+    if path.is_file() and path.name.endswith(".jsonl"):
         lines = path.read_text(encoding="utf-8").splitlines()
         source = [
             _json(line, f"{records} line {n}") for n, line in enumerate(lines, 1) if line.strip()
         ]
     with Client(spec=file) as client:
-        job = client.submit(workload, source, when="now" if now else "offpeak")
+        job = client.submit(workload, source, when=chosen)
+        scheduled = job.scheduled_time()
     typer.echo(job.id)
+    at = scheduled.isoformat() if scheduled else "unknown"
+    typer.echo(f"job {job.id}: {workload}, scheduled for {at}", err=True)
 
 
 def job(
     id: Annotated[str, typer.Argument(help="A job id from `lanes submit`.")],
     wait: Annotated[bool, typer.Option(help="Wait until the job ends.")] = False,
-    timeout: Annotated[float, typer.Option(help="Seconds to wait.")] = 3600,
-    results: Annotated[bool, typer.Option(help="Print its output lines.")] = False,
-    file: SpecOption = None,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait at most.")] = 3600,
+    results: Annotated[
+        bool, typer.Option(help="Print its results as JSON lines (the status goes to stderr).")
+    ] = False,
 ) -> None:
-    """Show a job's status (and wait for it, or print its results)."""
-    with Client(spec=file) as client:
+    """Show a job's status (`ID STATUS`); wait for it to end, print its results."""
+    with Client() as client:
         handle = client.job(id)
         if wait:
-            handle.wait(timeout)
-        typer.echo(f"{handle.id} {handle.status()}")
+            try:
+                handle.wait(timeout)
+            except TimeoutError as e:
+                typer.echo(f"error: {e}", err=True)
+                raise typer.Exit(1) from None
+        typer.echo(f"{handle.id} {handle.status()}", err=results)
         if results:
             for line in handle.results():
-                typer.echo(json.dumps(line))
+                typer.echo(json.dumps(to_jsonable(line)))
+
+
+def _when(value: str) -> Literal["offpeak", "now"]:
+    if value == "offpeak":
+        return "offpeak"
+    if value == "now":
+        return "now"
+    raise InvalidInput(f'--when: expected "offpeak" or "now", found {value!r}')

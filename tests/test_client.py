@@ -1,0 +1,443 @@
+"""The SDK client's interactive half against a real server: a real uvicorn on 127.0.0.1
+with an API key, the demo models, `lanes.Client` and `lanes.AsyncClient` over the
+network, every error provoked for real, and the CLI twins as subprocesses.
+
+Offline jobs (submit, Job, `lanes submit|job`) are in test_client_jobs.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+import lanes
+from lanes.client import Completion
+from tests.servers import ServerThread, free_port, write_spec
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY = "sk-test-lanes"
+LANE_WINDOW_S = 1.0  # the slow lanes' max_wait_ms: requests sit this long for company
+
+WORKLOADS = """\
+  search-query:
+    mode: interactive
+    task: embed
+    model: minilm
+    batching: {max_batch_size: 32, max_wait_ms: 0}
+  flowers:
+    mode: interactive
+    task: infer
+    model: classifier
+  flower-labels:
+    mode: interactive
+    task: infer
+    model: classifier
+    handler: lanes.demo.labels:handler
+  code:
+    mode: interactive
+    task: generate
+    model: tinycode
+    batching: {max_batch_size: 4}
+    generation: {max_new_tokens: 12, temperature: 0}
+  full-lane:                       # four places, a 1 s window: the fifth caller gets 503
+    mode: interactive
+    task: infer
+    model: classifier
+    batching: {max_batch_size: 64, max_wait_ms: 1000, max_queue: 4}
+  late-lane:                       # the same, for deadlines (so neither test fills the other)
+    mode: interactive
+    task: infer
+    model: classifier
+    batching: {max_batch_size: 64, max_wait_ms: 1000, max_queue: 4}
+  nightly:
+    mode: offline
+    task: embed
+    model: minilm
+    input: in/
+    output: out/
+"""
+# The client's spec also names a workload this server does not serve.
+RETIRED = """\
+  retired:
+    mode: interactive
+    task: embed
+    model: minilm
+"""
+ROWS = np.array([[5.1, 3.5, 1.4, 0.2], [6.7, 3.0, 5.2, 2.3]], dtype=np.float32)
+
+
+@pytest.fixture(scope="module")
+def specs(demo_models: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The server's spec, and the client's (one workload more)."""
+    server_spec = write_spec(tmp_path_factory.mktemp("server"), demo_models, WORKLOADS)
+    client_spec = write_spec(tmp_path_factory.mktemp("client"), demo_models, WORKLOADS + RETIRED)
+    return server_spec, client_spec
+
+
+@pytest.fixture(scope="module")
+def server(specs: tuple[Path, Path]) -> Iterator[ServerThread]:
+    with ServerThread(specs[0], api_key=KEY) as running:
+        yield running
+
+
+@pytest.fixture
+def client(server: ServerThread, specs: tuple[Path, Path]) -> Iterator[lanes.Client]:
+    with lanes.Client(server.url, api_key=KEY, spec=specs[1]) as c:
+        yield c
+
+
+@pytest.fixture
+async def aclient(
+    server: ServerThread, specs: tuple[Path, Path]
+) -> AsyncIterator[lanes.AsyncClient]:
+    async with lanes.AsyncClient(server.url, api_key=KEY, spec=specs[1]) as c:
+        yield c
+
+
+def raw(server: ServerThread, path: str, body: dict[str, object]) -> dict[str, object]:
+    """The server's own answer, without the SDK."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    answer = httpx.post(f"{server.url}{path}", json=body, headers=auth, timeout=30)
+    assert answer.status_code == 200, answer.text
+    result: dict[str, object] = answer.json()
+    return result
+
+
+def metric(server: ServerThread, name: str, **labels: str) -> float:
+    """One sample from /metrics (0 when the series has none yet)."""
+    text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            found = dict(re.findall(r'(\w+)="([^"]*)"', line.split(" ")[0]))
+            if all(found.get(k) == v for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def wait_for(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{what}: not within {timeout} s")
+
+
+# ---- results ---------------------------------------------------------------------------
+
+
+def test_call_returns_each_task_s_result(client: lanes.Client, server: ServerThread) -> None:
+    vector = client.call("search-query", "how do I reverse a list")
+    expected = raw(
+        server, "/v1/embeddings", {"model": "search-query", "input": "how do I reverse a list"}
+    )
+    assert vector.dtype == np.float32 and vector.shape == (384,)
+    assert np.allclose(vector, expected["data"][0]["embedding"], atol=1e-6)  # type: ignore[index]
+    both = client.call("search-query", ["how do I reverse a list", "sort a dict"])
+    assert both.shape == (2, 384) and np.allclose(both[0], vector, atol=1e-5)
+
+    logits = client.call("flowers", {"features": ROWS})
+    assert set(logits) == {"logits"} and logits["logits"].shape == (2, 3)
+    assert logits["logits"].dtype == np.float32
+    tensor = {
+        "name": "features",
+        "shape": [2, 4],
+        "datatype": "FP32",
+        "data": ROWS.ravel().tolist(),
+    }
+    answer = raw(server, "/v2/models/flowers/infer", {"inputs": [tensor]})
+    flat = np.asarray(answer["outputs"][0]["data"])  # type: ignore[index]
+    assert np.allclose(logits["logits"].ravel(), flat, atol=1e-6)
+    labels = client.call("flower-labels", {"features": ROWS.tolist()})  # lists go as FP32
+    assert [row["label"] for row in labels["result"]] == ["setosa", "virginica"]
+
+    done = client.call("code", "def fib(n):", max_tokens=8)
+    plain = raw(
+        server, "/v1/completions", {"model": "code", "prompt": "def fib(n):", "max_tokens": 8}
+    )
+    assert isinstance(done, Completion)
+    assert done.text == plain["choices"][0]["text"]  # type: ignore[index]
+    assert done.finish_reason in ("stop", "length")
+    assert done.usage.completion_tokens <= 8
+    assert done.usage.total_tokens == done.usage.prompt_tokens + done.usage.completion_tokens
+    chat = client.call("code", [{"role": "user", "content": "a class"}], max_tokens=6)
+    assert isinstance(chat, Completion) and chat.usage.completion_tokens <= 6
+
+
+def test_stream_yields_the_same_text_in_chunks(client: lanes.Client) -> None:
+    whole = client.call("code", "import os\ndef main(", max_tokens=10)
+    chunks = list(client.stream("code", "import os\ndef main(", max_tokens=10))
+    assert len(chunks) > 1 and all(isinstance(c, str) and c for c in chunks)
+    assert "".join(chunks) == whole.text
+    chat = list(client.stream("code", [{"role": "user", "content": "a class"}], max_tokens=6))
+    assert (
+        "".join(chat)
+        == client.call("code", [{"role": "user", "content": "a class"}], max_tokens=6).text
+    )
+
+
+async def test_async_client_calls_and_streams(
+    aclient: lanes.AsyncClient, client: lanes.Client
+) -> None:
+    texts = [f"question {i}" for i in range(8)]
+    vectors = await asyncio.gather(*(aclient.call("search-query", t) for t in texts))
+    assert np.allclose(np.stack(vectors), client.call("search-query", texts), atol=1e-5)
+    logits = await aclient.call("flowers", {"features": ROWS})
+    assert logits["logits"].shape == (2, 3)
+    done = await aclient.call("code", "def fib(n):", max_tokens=8)
+    chunks = [c async for c in aclient.stream("code", "def fib(n):", max_tokens=8)]
+    assert len(chunks) > 1 and "".join(chunks) == done.text
+
+
+def test_settings_come_from_the_environment(
+    server: ServerThread, specs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LANES_ENDPOINT", server.url)
+    monkeypatch.setenv("LANES_API_KEY", KEY)
+    monkeypatch.setenv("LANES_SPEC", str(specs[1]))
+    with lanes.Client() as client:
+        assert client.endpoint == server.url
+        assert client.call("search-query", "hello").shape == (384,)
+
+
+# ---- early close ------------------------------------------------------------------------
+
+LONG = {"max_tokens": 400, "ignore_eos": True}
+
+
+def test_closing_a_stream_early_frees_its_slot(client: lanes.Client, server: ServerThread) -> None:
+    aborted = metric(server, "lanes_sequences_finished_total", workload="code", reason="abort")
+    for n, chunk in enumerate(client.stream("code", "def f(x", **LONG)):
+        assert chunk
+        if n == 0:
+            assert metric(server, "lanes_sequences_in_flight", workload="code") == 1
+        if n == 2:
+            break  # the loop drops the iterator: it closes, and so does its connection
+    wait_for(
+        lambda: (
+            metric(server, "lanes_sequences_finished_total", workload="code", reason="abort")
+            == aborted + 1
+        ),
+        "the server aborting the sequence",
+    )
+    wait_for(
+        lambda: metric(server, "lanes_sequences_in_flight", workload="code") == 0, "a free row"
+    )
+
+
+async def test_async_stream_aclose_frees_its_slot(
+    aclient: lanes.AsyncClient, server: ServerThread
+) -> None:
+    aborted = metric(server, "lanes_sequences_finished_total", workload="code", reason="abort")
+    chunks = aclient.stream("code", "class Foo:", **LONG)
+    assert await anext(chunks)
+    assert metric(server, "lanes_sequences_in_flight", workload="code") == 1
+    await chunks.aclose()  # type: ignore[attr-defined]
+    for _ in range(500):
+        if metric(server, "lanes_sequences_in_flight", workload="code") == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert metric(server, "lanes_sequences_in_flight", workload="code") == 0
+    assert (
+        metric(server, "lanes_sequences_finished_total", workload="code", reason="abort")
+        == aborted + 1
+    )
+    # The pool still works: the closed connection was replaced, not reused.
+    assert (await aclient.call("code", "x", max_tokens=2)).usage.completion_tokens <= 2
+
+
+# ---- typed errors --------------------------------------------------------------------------
+
+
+def test_input_errors_carry_the_server_s_message_and_are_never_retried(
+    client: lanes.Client, server: ServerThread
+) -> None:
+    before = metric(server, "lanes_responses_total", route="/v1/embeddings", code="400")
+    with pytest.raises(lanes.InvalidInput, match="input: "):
+        client.call("search-query", "")  # the server refuses an empty text
+    after = metric(server, "lanes_responses_total", route="/v1/embeddings", code="400")
+    assert after == before + 1, "a 4xx is answered once, not retried"
+    with pytest.raises(lanes.InvalidInput, match="features"):
+        client.call("flowers", {"features": [[1.0, 2.0, 3.0]]})  # v2's {"error": "..."} shape
+    with pytest.raises(lanes.InvalidInput, match="input: an infer workload takes a mapping"):
+        client.call("flowers", [1, 2, 3, 4])
+
+
+def test_unknown_workloads_and_wrong_modes(client: lanes.Client) -> None:
+    with pytest.raises(lanes.UnknownWorkload, match="no workload named 'retired'; interactive"):
+        client.call("retired", "hello")  # in the client's spec, not on the server: 404
+    with pytest.raises(lanes.UnknownWorkload, match="no workload named 'nope'; known: "):
+        client.call("nope", "hello")  # in neither: refused before any request
+    with pytest.raises(lanes.WrongMode, match=r"offline: submit its records with client\.submit"):
+        client.call("nightly", "hello")
+    with pytest.raises(lanes.WrongMode, match=r"offline: .*client\.submit"):
+        client.stream("nightly", "hello")
+    with pytest.raises(lanes.WrongMode, match=r"embed workload: use client\.call"):
+        client.stream("search-query", "hello")
+    with pytest.raises(lanes.WrongMode, match=r"interactive: use client\.call\('code'"):
+        client.submit("code", [{"id": 1, "prompt": "x"}])
+
+
+async def test_a_wrong_or_missing_key_is_an_auth_error(
+    server: ServerThread, specs: tuple[Path, Path]
+) -> None:
+    with (
+        lanes.Client(server.url, api_key="sk-wrong", spec=specs[1]) as client,
+        pytest.raises(lanes.AuthError, match="missing or wrong API key"),
+    ):
+        client.call("search-query", "hello")
+    async with lanes.AsyncClient(server.url, spec=specs[1]) as aclient:
+        with pytest.raises(lanes.AuthError, match="missing or wrong API key"):
+            await aclient.call("flowers", {"features": ROWS})
+        with pytest.raises(lanes.AuthError):
+            await anext(aclient.stream("code", "x"))
+
+
+async def test_deadlines_on_the_server_and_in_the_client(
+    client: lanes.Client, aclient: lanes.AsyncClient, server: ServerThread, specs: tuple[Path, Path]
+) -> None:
+    started = time.monotonic()
+    with pytest.raises(lanes.DeadlineExceeded, match="deadline"):
+        client.call("late-lane", {"features": ROWS}, timeout_ms=100)  # 504 from the server
+    assert time.monotonic() - started < LANE_WINDOW_S - 0.1, "answered at its deadline"
+    with pytest.raises(lanes.DeadlineExceeded):
+        await aclient.call("late-lane", {"features": ROWS}, timeout_ms=100)
+    # A client timeout shorter than the lane's window: no answer in time, and no retry.
+    with (
+        lanes.Client(server.url, api_key=KEY, spec=specs[1], timeout=0.3) as hasty,
+        pytest.raises(lanes.DeadlineExceeded, match="within the client's timeout"),
+    ):
+        hasty.call("late-lane", {"features": ROWS})
+    # The request the client gave up on still reaches its batch; let it pass.
+    time.sleep(LANE_WINDOW_S)
+
+
+async def test_a_full_queue_is_overloaded_and_retries_honour_retry_after(
+    server: ServerThread, specs: tuple[Path, Path]
+) -> None:
+    before = metric(server, "lanes_responses_total", route="/v2/models/{name}/infer", code="503")
+    settings = {"api_key": KEY, "spec": specs[1]}
+    async with (
+        lanes.AsyncClient(server.url, max_retries=0, **settings) as once,  # type: ignore[arg-type]
+        lanes.AsyncClient(server.url, max_retries=3, **settings) as patient,  # type: ignore[arg-type]
+    ):
+        places = [asyncio.create_task(once.call("full-lane", {"features": ROWS})) for _ in range(4)]
+        await asyncio.sleep(0.3)  # the four sit in the lane's window: its queue is full
+        started = time.monotonic()
+        with pytest.raises(lanes.Overloaded, match="full") as refused:
+            await once.call("full-lane", {"features": ROWS})
+        assert refused.value.retry_after == 1.0
+        with (
+            lanes.Client(server.url, max_retries=0, **settings) as sync,  # type: ignore[arg-type]
+            pytest.raises(lanes.Overloaded),
+        ):
+            sync.call("full-lane", {"features": ROWS})
+        # Refused now too; it retries after Retry-After (1 s), when the window has closed.
+        later = await patient.call("full-lane", {"features": ROWS})
+        assert time.monotonic() - started >= 1.0
+        assert later["logits"].shape == (2, 3)
+        assert all(r["logits"].shape == (2, 3) for r in await asyncio.gather(*places))
+    refusals = metric(server, "lanes_responses_total", route="/v2/models/{name}/infer", code="503")
+    assert refusals - before >= 3  # once, sync, and at least the patient client's first try
+
+
+class _Hangup:
+    """A TCP server that accepts each connection and closes it at once, counting them."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.accepted = 0
+        self.sock.settimeout(0.1)
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            self.accepted += 1
+            conn.close()
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=5)
+        self.sock.close()
+
+
+def test_connection_errors_are_retried_a_bounded_number_of_times(
+    specs: tuple[Path, Path],
+) -> None:
+    hangup = _Hangup()
+    try:
+        with lanes.Client(hangup.url, spec=specs[1], max_retries=2) as client:
+            with pytest.raises(lanes.LanesError, match=r"connection to .* failed"):
+                client.call("flowers", {"features": ROWS})
+            assert hangup.accepted == 3  # the first try and two retries
+    finally:
+        hangup.close()
+    nobody = f"http://127.0.0.1:{free_port()}"
+    with (
+        lanes.Client(nobody, spec=specs[1], max_retries=1) as client,
+        pytest.raises(lanes.LanesError, match="cannot reach the lanes endpoint"),
+    ):
+        list(client.stream("code", "x"))
+
+
+# ---- CLI twins -----------------------------------------------------------------------------
+
+
+def test_cli_call_and_stream(server: ServerThread, specs: tuple[Path, Path]) -> None:
+    env = {
+        **os.environ,
+        "LANES_ENDPOINT": server.url,
+        "LANES_API_KEY": KEY,
+        "LANES_SPEC": str(specs[1]),
+    }
+    commands = {
+        "embed": ["call", "search-query", "-i", "how do I reverse a list"],
+        "stream": ["stream", "code", "def fib(n):", "--max-tokens", "8"],
+        "offline": ["call", "nightly", "-i", "hello"],
+        "wrong key": ["call", "search-query", "-i", "x"],
+    }
+    running = {
+        what: subprocess.Popen(
+            [sys.executable, "-m", "router.cli", *args],
+            env={**env, "LANES_API_KEY": "nope"} if what == "wrong key" else env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for what, args in commands.items()
+    }
+    done = {what: (p.wait(timeout=120), *p.communicate()) for what, p in running.items()}
+    code, out, err = done["embed"]
+    assert code == 0, err
+    assert len(json.loads(out)) == 384
+    code, out, err = done["stream"]
+    assert code == 0, err
+    with lanes.Client(server.url, api_key=KEY, spec=specs[1]) as client:
+        assert out == client.call("code", "def fib(n):", max_tokens=8).text + "\n"
+    code, out, err = done["offline"]
+    assert code == 2 and "client.submit('nightly'" in err and out == ""
+    code, out, err = done["wrong key"]
+    assert code == 1 and "missing or wrong API key" in err

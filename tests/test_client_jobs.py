@@ -1,0 +1,315 @@
+"""The SDK client's offline half on a real Prefect server: `lanes deploy` (router.deploy)
+registers the deployments, `client.submit` creates flow runs, one `prefect worker
+--run-once` runs them, and jobs are followed by id from other processes (`lanes
+submit`, `lanes job`) and from both clients. The README's usage example runs here too,
+as written.
+
+One Prefect server for the module (10-30 s to start): it boots while the serving
+models load.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+import lanes
+from lanes.jobs import AsyncJob, Job
+from lanes.settings import Settings
+from lanes.spec import Schedule
+from lanes.specfile import load_spec
+from tests.flows_fixtures import moto_server, s3_env
+from tests.prefect_server import PREFECT, PrefectServer
+from tests.servers import ServerThread, write_spec
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+CRON, ZONE = "30 3 * * *", "Europe/Berlin"
+BUCKET = "lanes-jobs"
+
+WORKLOADS = f"""\
+  search-query:
+    mode: interactive
+    task: embed
+    model: minilm
+  code-complete:
+    mode: interactive
+    task: generate
+    model: tinycode
+    generation: {{max_new_tokens: 32, temperature: 0}}
+  embed-corpus:
+    mode: offline
+    task: embed
+    model: minilm
+    input: in/
+    output: out/
+    schedule: {{cron: "{CRON}", timezone: {ZONE}}}
+  embed-s3:
+    mode: offline
+    task: embed
+    model: minilm
+    input: s3://{BUCKET}/in/
+    output: s3://{BUCKET}/out/
+    schedule: {{cron: "{CRON}", timezone: {ZONE}}}   # no cron run falls due in a test
+"""
+# The client's spec knows one offline workload that was never deployed.
+GHOST = """\
+  ghost:
+    mode: offline
+    task: embed
+    model: minilm
+    input: in/
+    output: out/
+"""
+GOOD = [{"id": f"r{i}", "text": f"record number {i}"} for i in range(3)]
+BAD = {"id": "r-bad", "txt": "a misspelt field"}
+
+
+@dataclass(frozen=True)
+class Setup:
+    project: Path
+    spec: Path  # the deployed spec
+    client_spec: Path  # the same and `ghost`, in another folder
+    env: dict[str, str]  # what a process needs to reach both servers
+    api: str  # the Prefect API
+    endpoint: str  # the serving endpoint
+
+
+@pytest.fixture(scope="module")
+def setup(demo_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from router.deploy import deploy
+
+    root = tmp_path_factory.mktemp("jobs")
+    project, other = root / "project", root / "client"
+    project.mkdir()
+    other.mkdir()
+    spec = write_spec(project, demo_models, WORKLOADS)
+    client_spec = write_spec(other, demo_models, WORKLOADS + GHOST)
+    with PrefectServer(root / "prefect-home") as prefect, ServerThread(spec) as server:
+        env = {**prefect.wait(), "LANES_ENDPOINT": server.url, "LANES_SPEC": str(spec)}
+        # `lanes deploy`, in this process: compile, make the work pool, prefect deploy --all.
+        with temporary_settings(updates={PREFECT_API_URL: prefect.api_url}):
+            deployed = deploy(load_spec(spec), spec, Settings())
+        assert deployed.deployments == ["lanes-offline/embed-corpus", "lanes-offline/embed-s3"]
+        yield Setup(project, spec, client_spec, env, prefect.api_url, server.url)
+
+
+def run(args: list[str], env: dict[str, str], cwd: Path, timeout: float = 120) -> str:
+    done = subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{args} failed ({done.returncode}):\n{done.stdout}{done.stderr}"
+    return done.stdout + done.stderr
+
+
+def start(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        args, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def finish(process: subprocess.Popen[str], timeout: float = 120) -> tuple[str, str]:
+    """Its stdout and stderr, once it exited 0."""
+    out, err = process.communicate(timeout=timeout)
+    assert process.returncode == 0, f"{process.args} failed ({process.returncode}):\n{out}{err}"
+    return out, err
+
+
+def lanes_cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "router.cli", *args]
+
+
+def flow_run(setup: Setup, id: str) -> dict[str, Any]:
+    """The flow run as Prefect's REST API has it."""
+    answer = httpx.get(f"{setup.api}/flow_runs/{id}", timeout=10)
+    answer.raise_for_status()
+    result: dict[str, Any] = answer.json()
+    return result
+
+
+def due_submissions(setup: Setup) -> int:
+    """Submitted runs that are scheduled and due within a minute."""
+    soon = (datetime.now(UTC) + timedelta(minutes=1)).isoformat()
+    body = {
+        "flow_runs": {
+            "tags": {"all_": ["lanes-submit"]},
+            "state": {"type": {"any_": ["SCHEDULED"]}},
+            "expected_start_time": {"before_": soon},
+        }
+    }
+    answer = httpx.post(f"{setup.api}/flow_runs/count", json=body, timeout=10)
+    answer.raise_for_status()
+    count: int = answer.json()
+    return count
+
+
+async def test_offpeak_submit_is_scheduled_at_the_next_window(setup: Setup) -> None:
+    async with lanes.AsyncClient(spec=setup.spec, prefect_api_url=setup.api) as client:
+        job = await client.submit("embed-corpus", GOOD)  # the default: offpeak
+        assert isinstance(job, AsyncJob) and await job.status() == "SCHEDULED"
+        window = Schedule(cron=CRON, timezone=ZONE).next_run()
+        assert await job.scheduled_time() == window
+    # Read back from Prefect itself: the run's time and parameters.
+    run = flow_run(setup, job.id)
+    assert datetime.fromisoformat(run["next_scheduled_start_time"]) == window
+    assert run["deployment_id"] == flow_run_deployment(setup)
+    parameters = run["parameters"]
+    assert parameters["workload"] == "embed-corpus"
+    staged = Path(parameters["input"])
+    assert staged.parent == setup.project / "in" / "_submitted"
+    assert [json.loads(x) for x in (staged / "records.jsonl").read_text().splitlines()] == GOOD
+    same = Job(job.id, prefect_api_url=setup.api)  # the sync handle, by id
+    assert same.output == parameters["output"]
+    assert Path(same.output).parent == setup.project / "out" / "jobs"
+    with pytest.raises(lanes.LanesError, match=r"has no outputs at .* yet \(it is SCHEDULED\)"):
+        list(same.results())
+    with pytest.raises(lanes.LanesError, match=r"no manifest yet \(it is SCHEDULED\)"):
+        same.manifest()
+    assert list(same.errors()) == []
+
+    assert same.cancel() == "CANCELLED"
+    assert await job.status() == "CANCELLED"
+    with pytest.raises(lanes.JobFailed, match="ended CANCELLED"):
+        same.wait(5)
+
+
+def flow_run_deployment(setup: Setup) -> str:
+    answer = httpx.get(f"{setup.api}/deployments/name/lanes-offline/embed-corpus", timeout=10)
+    answer.raise_for_status()
+    return str(answer.json()["id"])
+
+
+async def test_jobs_run_on_a_worker_and_are_followed_by_id_from_other_processes(
+    setup: Setup, tmp_path: Path
+) -> None:
+    """Blocking calls on the event loop are fine here: nothing else runs on it."""
+    processes: list[subprocess.Popen[str]] = []
+
+    def launch(args: list[str], cwd: Path = ROOT) -> subprocess.Popen[str]:
+        processes.append(start(args, setup.env, cwd))
+        return processes[-1]
+
+    readme = launch([sys.executable, "-c", readme_example()], setup.project)
+    records = tmp_path / "records.jsonl"
+    records.write_text("".join(json.dumps(r) + "\n" for r in [*GOOD, BAD]))
+    cli_submit = launch(lanes_cli("submit", "embed-corpus", str(records), "--now"))
+    try:
+        # An input folder that does not exist: the job fails on the worker.
+        with lanes.Client(spec=setup.spec, prefect_api_url=setup.api) as client:
+            failing = client.submit("embed-corpus", "missing-folder/", when="now")
+        assert failing.status() == "SCHEDULED"
+        scheduled = failing.scheduled_time()
+        assert scheduled is not None and abs(datetime.now(UTC) - scheduled) < timedelta(minutes=1)
+        missing = flow_run(setup, failing.id)["parameters"]["input"]
+        assert missing == str(Path.cwd() / "missing-folder") + "/"  # made absolute here
+        out, err = finish(cli_submit)
+        job = Job(out.strip(), prefect_api_url=setup.api)  # submitted by `lanes submit`
+        assert f"job {job.id}: embed-corpus, scheduled for " in err
+
+        deadline = time.monotonic() + 60
+        while due_submissions(setup) < 3:  # the README's job too
+            assert readme.poll() is None, readme.communicate()
+            assert time.monotonic() < deadline, "the README example did not submit in 60 s"
+            time.sleep(0.2)
+        run([*PREFECT, "worker", "start", "--pool", "lanes", "--run-once"], setup.env, ROOT, 240)
+
+        # Two more processes follow the job by id: this one, and `lanes job`.
+        shown = launch(lanes_cli("job", job.id, "--wait", "--timeout", "30", "--results"))
+        assert job.wait(30) is job and job.status() == "COMPLETED"
+        results = sorted(job.results(), key=lambda r: r["id"])
+        assert [r["id"] for r in results] == ["r0", "r1", "r2"]
+        assert all(len(r["result"]) == 384 for r in results)
+        (error,) = job.errors()
+        assert error["id"] == "r-bad" and 'missing field "text"' in error["error"]
+        manifest = job.manifest()
+        assert (manifest["records"], manifest["outputs"], manifest["errors"]) == (4, 3, 1)
+
+        async with lanes.AsyncClient(spec=setup.spec, prefect_api_url=setup.api) as aclient:
+            same = aclient.job(job.id)
+            assert await same.wait(10) is same and await same.status() == "COMPLETED"
+            assert sorted([r["id"] async for r in same.results()]) == ["r0", "r1", "r2"]
+            assert [e["id"] async for e in same.errors()] == ["r-bad"]
+            assert (await same.manifest())["outputs"] == 3
+            assert await same.cancel() == "COMPLETED"  # an ended job stays as it ended
+            failed = aclient.job(failing.id)
+            with pytest.raises(lanes.JobFailed, match=r"ended FAILED: .*missing-folder"):
+                await failed.wait(30)
+
+        out, err = finish(shown)
+        assert f"{job.id} COMPLETED" in err
+        assert sorted(json.loads(line)["id"] for line in out.splitlines()) == ["r0", "r1", "r2"]
+        out, err = finish(readme)
+        assert out.rstrip().endswith("['q1']")
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+
+
+def test_records_are_staged_on_s3_when_the_input_is_there(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with moto_server() as endpoint:
+        s3 = s3_env(monkeypatch, endpoint)
+        s3.create_bucket(Bucket=BUCKET)
+        with lanes.Client(spec=setup.spec, prefect_api_url=setup.api) as client:
+            job = client.submit("embed-s3", GOOD)
+        parameters = flow_run(setup, job.id)["parameters"]
+        assert parameters["input"].startswith(f"s3://{BUCKET}/in/_submitted/")
+        assert job.output.startswith(f"s3://{BUCKET}/out/jobs/")
+        key = parameters["input"].removeprefix(f"s3://{BUCKET}/") + "records.jsonl"
+        staged = s3.get_object(Bucket=BUCKET, Key=key)["Body"].read().decode()
+        assert [json.loads(line) for line in staged.splitlines()] == GOOD
+        assert job.cancel() == "CANCELLED"
+
+
+def test_submit_errors(setup: Setup) -> None:
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    client = lanes.Client(spec=setup.client_spec, prefect_api_url=setup.api)
+    client.close()  # submit and job need no connection to the endpoint
+    with pytest.raises(lanes.LanesError, match=r"no deployment lanes-offline/ghost .*lanes deploy"):
+        client.submit("ghost", GOOD, when="now")
+    assert not (setup.client_spec.parent / "in").exists(), "a refused submit stages nothing"
+    with pytest.raises(lanes.WrongMode, match=r"interactive: use client\.call\('search-query'"):
+        client.submit("search-query", GOOD)
+    with pytest.raises(lanes.InvalidInput, match='when: expected "offpeak" or "now"'):
+        client.submit("embed-corpus", GOOD, when="tonight")  # type: ignore[arg-type]
+    with pytest.raises(lanes.InvalidInput, match="records: expected at least one record"):
+        client.submit("embed-corpus", [], when="now")
+    with pytest.raises(lanes.InvalidInput, match="job id: expected a UUID"):
+        client.job("12")
+    with pytest.raises(lanes.LanesError, match=r"no job .* on the Prefect API"):
+        client.job(str(uuid.uuid4())).status()
+    with (
+        temporary_settings(restore_defaults={PREFECT_API_URL}),
+        pytest.raises(lanes.LanesError, match="set PREFECT_API_URL"),
+    ):
+        lanes.Client(spec=setup.client_spec).submit("ghost", GOOD)  # no URL here or in Prefect
+
+
+def readme_example() -> str:
+    """The first Python block of the README's "Using the SDK client" section."""
+    section = README.read_text().split("## Using the SDK client", 1)[1]
+    found = re.search(r"```python\n(.*?)```", section, re.DOTALL)
+    assert found, "the README's client section has no python example"
+    return found.group(1)
+
+
+def test_the_readme_example_is_ten_lines() -> None:
+    assert len(readme_example().splitlines()) <= 10
