@@ -16,14 +16,11 @@ import orjson
 from flows.records import SUFFIXES, output_name
 from flows.shard import ShardPlan
 from lanes.errors import StorageError, WrongMode
+from lanes.layout import ERRORS, MARKERS
 from lanes.settings import Settings
 from lanes.spec import Runner, Spec, Workload
 from lanes.specfile import load_spec
 from lanes.storage import Storage, is_s3, join
-
-# Bookkeeping folders inside the output: '_' keeps them out of any input listing.
-ERRORS = "_errors"
-MARKERS = "_committed"
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,8 @@ from typing import Any
 import orjson
 
 from flows.shard import ShardStats
+from lanes.layout import LATEST, MANIFESTS
 from lanes.storage import Storage, join
-
-MANIFESTS = "_manifests"
-LATEST = "_manifest.json"
 
 
 @dataclass(frozen=True)
