@@ -32,6 +32,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -106,14 +107,16 @@ def texts(n: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choices(WORDS, k=rng.randint(3, 12))) for _ in range(n)]
 
 
-def write_shards(folder: Path, corpus: list[str], shards: int) -> list[list[str]]:
-    """JSONL shards of {"id", "text"}; returns each shard's texts in file order."""
+def write_shards(folder: Path, corpus: list[str], shards: int, rounds: int = 1) -> list[list[str]]:
+    """JSONL shards of {"id", "text"} (in `rounds` subfolders r0, r1, ... when more than
+    one); returns each shard's texts in file order."""
     shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
     per = -(-len(corpus) // shards)
     parts = [corpus[i : i + per] for i in range(0, len(corpus), per)]
     for index, part in enumerate(parts):
-        with (folder / f"part-{index:03d}.jsonl").open("w") as f:
+        where = folder / f"r{index % rounds}" if rounds > 1 else folder
+        where.mkdir(parents=True, exist_ok=True)
+        with (where / f"part-{index:03d}.jsonl").open("w") as f:
             for k, text in enumerate(part):
                 f.write(json.dumps({"id": f"{index}-{k}", "text": text}) + "\n")
     return parts
@@ -158,15 +161,27 @@ def raw(task: EmbedTask, feeds_list: list[Feeds]) -> Measured:
     return Measured("raw onnxruntime (session.run only)", items, busy, cpu)
 
 
-def end_to_end(spec: Path, work: Path) -> tuple[Measured, dict[str, object]]:
+def end_to_end(spec: Path, work: Path, index: int | None) -> tuple[Measured, dict[str, Any]]:
+    """One job: the flow over in/ (or in/rK/ in round K), timed around the call."""
     from flows.batch import offline
 
-    shutil.rmtree(work / "out", ignore_errors=True)
+    source, dest = work / "in", work / "out"
+    if index is not None:
+        source, dest = source / f"r{index}", dest / f"r{index}"
+    shutil.rmtree(dest, ignore_errors=True)
     started, started_cpu = time.perf_counter(), time.process_time()
-    summary = offline(workload="bench-embed", spec=str(spec))
+    summary = offline(workload="bench-embed", spec=str(spec), input=str(source), output=str(dest))
     seconds, cpu = time.perf_counter() - started, time.process_time() - started_cpu
-    items = int(summary["items"])  # type: ignore[call-overload]
-    return Measured("lanes offline flow, end to end", items, seconds, cpu), summary
+    return Measured("lanes offline flow, end to end", summary["items"], seconds, cpu), summary
+
+
+def total(parts: list[Measured]) -> Measured:
+    return Measured(
+        parts[0].name,
+        sum(p.items for p in parts),
+        sum(p.seconds for p in parts),
+        sum(p.cpu_seconds for p in parts),
+    )
 
 
 def main() -> None:
@@ -174,6 +189,13 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=100_000)
     parser.add_argument("--shards", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="1: one job over every record; N: N jobs over 1/N each, alternating with "
+        "raw (for a machine whose load comes and goes)",
+    )
     parser.add_argument("--models", type=Path, default=ROOT / ".lanes" / "models")
     parser.add_argument("--work", type=Path, default=ROOT / ".lanes" / "bench" / "offline")
     args = parser.parse_args()
@@ -189,7 +211,7 @@ def main() -> None:
     spec = work / "workloads.yaml"
     spec.write_text(SPEC.format(model=model.resolve(), batch_size=args.batch_size))
     corpus = texts(args.records)
-    parts = write_shards(work / "in", corpus, args.shards)
+    parts = write_shards(work / "in", corpus, args.shards, args.rounds)
     write_shards(work / "warm", corpus[:64], 1)
     shutil.rmtree(work / "warm-out", ignore_errors=True)
 
@@ -207,27 +229,56 @@ def main() -> None:
         "measuring raw onnxruntime ...",
         flush=True,
     )
-    # Raw is measured in two halves, every other batch before the job and the rest
-    # after it: both halves span every length, and a change in the machine's load
-    # during the run weighs on both sides alike.
     feeds = batches(task, parts, args.batch_size)
-    before = raw(task, feeds[0::2])
     print("starting the embedded Prefect API (a warm-up run) ...", flush=True)
     from flows.batch import offline
 
     offline(workload="warm-up", spec=str(spec))
-    print(f"running the offline flow end to end (load average {load()}) ...", flush=True)
-    job, summary = end_to_end(spec, work)
-    print(f"raw onnxruntime, second half (load average {load()}) ...", flush=True)
-    after = raw(task, feeds[1::2])
-    base = Measured(
-        before.name,
-        before.items + after.items,
-        before.seconds + after.seconds,
-        before.cpu_seconds + after.cpu_seconds,
-    )
+    raws: list[Measured] = []
+    jobs: list[Measured] = []
+    summaries: list[dict[str, Any]] = []
+    if args.rounds == 1:
+        # One job. Raw runs every other batch before it and the rest after it: both
+        # halves span every length, and a change in the machine's load weighs on
+        # both sides alike.
+        raws.append(raw(task, feeds[0::2]))
+        print(f"running the offline flow end to end (load average {load()}) ...", flush=True)
+        job, summary = end_to_end(spec, work, None)
+        jobs.append(job)
+        summaries.append(summary)
+        print(f"raw onnxruntime, second half (load average {load()}) ...", flush=True)
+        raws.append(raw(task, feeds[1::2]))
+    else:
+        # Rounds alternate raw and a job on the same shards, so load that comes and
+        # goes lands on both sides; each job is a real flow run, overhead included.
+        per_shard = [-(-len(part) // args.batch_size) for part in parts]
+        offsets = np.cumsum([0, *per_shard])
+        for r in range(args.rounds):
+            mine = [
+                f
+                for i in range(r, len(parts), args.rounds)
+                for f in feeds[offsets[i] : offsets[i + 1]]
+            ]
+            raws.append(raw(task, mine))
+            job, summary = end_to_end(spec, work, r)
+            jobs.append(job)
+            summaries.append(summary)
+            print(
+                f"round {r + 1}/{args.rounds}: raw {raws[-1].rate:.1f} items/s, end to end "
+                f"{job.rate:.1f} items/s, load average {load()}",
+                flush=True,
+            )
+    base, job = total(raws), total(jobs)
+    summary = {
+        "outputs": sum(s["outputs"] for s in summaries),
+        "errors": sum(s["errors"] for s in summaries),
+        "provider": summaries[0]["provider"],
+        "cost_estimate": round(sum(s["cost_estimate"] for s in summaries), 6),
+        "price_per_device_hour": summaries[0]["price_per_device_hour"],
+        "wall_seconds": sum(s["wall_seconds"] for s in summaries),
+    }
 
-    flow_wall = float(summary["wall_seconds"])  # type: ignore[arg-type]
+    flow_wall = float(summary["wall_seconds"])
     rows = [
         (base.name, base.items, base.seconds, base.rate, 1.0),
         (job.name, job.items, job.seconds, job.rate, job.rate / base.rate),
@@ -240,7 +291,8 @@ def main() -> None:
         ),
     ]
     print()
-    print(f"batch size {args.batch_size}, {len(parts)} shards, load average {load()} now")
+    rounds = f", {args.rounds} rounds" if args.rounds > 1 else ""
+    print(f"batch size {args.batch_size}, {len(parts)} shards{rounds}, load average {load()}")
     print(f"{'':46} {'items':>8} {'seconds':>9} {'items/s':>9} {'vs raw':>7}")
     for name, items, seconds, rate, ratio in rows:
         print(f"{name:46} {items:>8} {seconds:>9.1f} {rate:>9.1f} {ratio:>7.2f}")
