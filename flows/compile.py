@@ -31,9 +31,7 @@ POOL_TYPE = "process"
 
 def schedule_of(workload: Workload, settings: Settings) -> tuple[Schedule, bool]:
     """The workload's own schedule, or the default off-peak window (and True).
-
-    The same rule as `router.plan.schedule_of` (flows cannot import the router;
-    a test holds the two together)."""
+    `lanes plan` shows the same (router.plan imports this)."""
     if workload.schedule is not None:
         return workload.schedule, False
     return settings.offpeak, True

@@ -6,11 +6,10 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
 
+from flows import FLOW_NAME as OFFLINE_FLOW
+from flows.compile import schedule_of
 from lanes.settings import Settings
-from lanes.spec import Schedule, Spec, Workload
-
-# The Prefect flow every offline workload runs; deployments are named after workloads.
-OFFLINE_FLOW = "lanes-offline"
+from lanes.spec import Spec, Workload
 
 
 @dataclass(frozen=True)
@@ -38,13 +37,6 @@ def endpoints(name: str, workload: Workload) -> list[str]:
     if workload.task == "generate":
         return ["POST /v1/completions", "POST /v1/chat/completions"]
     return v2
-
-
-def schedule_of(workload: Workload, settings: Settings) -> tuple[Schedule, bool]:
-    """The workload's own schedule, or the default off-peak window (and True)."""
-    if workload.schedule is not None:
-        return workload.schedule, False
-    return settings.offpeak, True
 
 
 def plan(spec: Spec, settings: Settings, now: datetime | None = None) -> list[Route]:
