@@ -22,16 +22,6 @@ from tests.flows_fixtures import free_port, outputs_of, wait_until, write_jsonl,
 
 pytestmark = pytest.mark.slow
 
-# The offline commands, until router.cli registers them as `lanes compile|deploy|run`.
-OFFLINE_CLI = (
-    "import typer\n"
-    "from router.offline_cli import compile, deploy, run\n"
-    "app = typer.Typer()\n"
-    "for name, fn in (('compile', compile), ('deploy', deploy), ('run', run)):\n"
-    "    app.command(name)(fn)\n"
-    "app(prog_name='lanes')\n"
-)
-
 
 @pytest.fixture
 def prefect_server(tmp_path: Path) -> Iterator[dict[str, str]]:
@@ -97,7 +87,7 @@ def test_compile_deploy_and_a_process_worker_run_the_workload(
     for shard in range(2):
         records = [{"id": f"{shard}-{i}", "x": [[i, 1, 2, 3]]} for i in range(5)]
         write_jsonl(project / "in" / f"part-{shard}.jsonl", records)
-    lanes = [sys.executable, "-c", OFFLINE_CLI]
+    lanes = [sys.executable, "-m", "router.cli"]  # the `lanes` command, from this venv
 
     _run([*lanes, "compile", str(spec)], env, project)
     compiled = yaml.safe_load((project / "prefect.yaml").read_text())
