@@ -231,6 +231,9 @@ class Runtime:
         if model.session.inter_op_threads is not None:
             options.inter_op_num_threads = model.session.inter_op_threads
         options.graph_optimization_level = _OPTIMIZATION[model.session.graph_optimization]
+        if not model.session.spinning:
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            options.add_session_config_entry("session.inter_op.allow_spinning", "0")
         options.log_severity_level = _ORT_FATAL_ONLY
         return options
 

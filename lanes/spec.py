@@ -48,6 +48,11 @@ class SessionOptions(StrictModel):
     graph_optimization: Literal["disable", "basic", "extended", "all"] = Field(
         "all", description="onnxruntime graph optimisation level."
     )
+    spinning: bool = Field(
+        True,
+        description="Let idle onnxruntime threads spin-wait for the next run (lower latency "
+        "on dedicated cores; turn off when the server shares few cores).",
+    )
 
 
 class ModelSpec(StrictModel):

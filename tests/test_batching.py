@@ -1,14 +1,23 @@
-"""The batch queue on its own: composition, waiting, deadlines and bounds."""
+"""The batch queue on its own (composition, waiting, deadlines, bounds) and its worker."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+from pathlib import Path
 
+import numpy as np
 import pytest
+from onnx import TensorProto, helper
 
 from lanes.errors import DeadlineExceeded, Overloaded
+from lanes.runtime import Runtime
+from lanes.settings import Settings
+from lanes.tasks import load_task
 from serving.batching import BatchQueue
+from serving.metrics import Metrics, Utilization
+from serving.worker import BatchWorker
 
 
 async def test_idle_queue_hands_out_a_lone_request_at_once() -> None:
@@ -81,3 +90,56 @@ async def test_close_drains_then_returns_empty() -> None:
         queue.put("b")
     assert [p.item for p in await queue.next_batch()] == ["a"]
     assert await queue.next_batch() == []
+
+
+# ---- the worker that runs a queue's batches ------------------------------------
+
+
+async def test_worker_runs_cheap_batches_on_the_loop_and_slow_ones_on_its_thread(
+    tmp_path: Path,
+) -> None:
+    """Waking a thread costs more than a tiny model's run; a slow run must leave the loop."""
+    from tests import worker_hooks
+    from tests.test_tasks import io, save, spec_for, tensor
+
+    model = save(
+        [helper.make_node("ReduceSum", ["x", "axis1"], ["total"], keepdims=0)],
+        [io("x", TensorProto.FLOAT, ["batch", 3])],
+        [io("total", TensorProto.FLOAT, ["batch"])],
+        tmp_path / "sum.onnx",
+        [tensor("axis1", [1], np.int64)],
+    )
+    spec = spec_for(model, "infer", handler="tests.worker_hooks:threads")
+    task = load_task("w", spec, Runtime(Settings(device="cpu", threads=1)))
+    task.warm_up()  # as the server does before it starts a worker
+    worker = BatchWorker(task, Metrics())
+    worker.start()
+    names = worker_hooks.threads.names
+    names.clear()
+    try:
+        cheap = task.prepare({"x": [[1, 2, 3]]})
+        for _ in range(8):
+            [out] = await worker.submit([cheap])
+            assert out["total"].tolist() == [6.0]
+        # The first run is measured on the worker's thread; then the loop runs them.
+        assert names[0].startswith("lanes-w")
+        assert names[-1] == threading.current_thread().name
+        assert worker.runs_inline(1)
+
+        names.clear()
+        await worker.submit([task.prepare({"x": [[100, 200, 300]]})])  # 5 ms: measured...
+        await worker.submit([cheap])  # ...so the next one goes back to the thread
+        assert names[1].startswith("lanes-w")
+        assert not worker.runs_inline(1)
+    finally:
+        await worker.stop()
+
+
+def test_utilization_is_the_busy_share_of_the_window() -> None:
+    use = Utilization(window_s=10.0)
+    use.record(0.0, 2.0)
+    use.record(5.0, 6.0)
+    use.record(8.0, 10.0)
+    assert use.fraction(now=11.0) == pytest.approx(0.4)  # 1 s of the first run is inside
+    assert use.fraction(now=15.5) == pytest.approx(0.25)  # the first left, the second straddles
+    assert use.fraction(now=30.0) == 0.0
