@@ -101,6 +101,7 @@ def serve(spec_path: str, policy: str, port: int, max_padding: float) -> None:
         assert isinstance(task, GenerateTask)
         await asyncio.to_thread(task.warm_up)
         engine = generate_routes.start_engine(state, task, policy, max_padding)  # type: ignore[arg-type]
+        lanes_app.freeze_heap()
         state.ready = True
         yield
         await engine.stop()

@@ -8,6 +8,7 @@ stops accepting on SIGTERM) each worker finishes what is queued before it exits.
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import logging
 import re
@@ -87,10 +88,23 @@ async def _load(state: ServingState) -> None:
             worker.start()
             state.workers[name] = worker
             log.info("workload %s ready (%s, %s)", name, workload.task, workload.model)
+        freeze_heap()
         state.ready = True
     except LanesError as e:
         state.load_error = str(e)
         log.error("loading failed: %s", e)
+
+
+def freeze_heap() -> None:
+    """Move everything loaded so far out of the garbage collector's sight.
+
+    A full collection walks every tracked object while holding the GIL: with the
+    libraries and sessions loaded that was a 30 ms stall of the event loop and the
+    engine threads (once every ~10 s under streaming load), the worst
+    time-to-first-token of the run. What start-up loaded lives as long as the server.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 async def live(request: Request) -> Response:
