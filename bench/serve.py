@@ -3,11 +3,13 @@
     python bench/serve.py [--seconds 4] [--levels 1,8,32,128] [--rounds 3]
 
 Starts `lanes serve` (and, as a baseline, `bench/baseline_server.py`: FastAPI, one
-session.run per request) in their own processes, drives closed-loop load with
-aiohttp at each concurrency, and prints per model: throughput, p50/p95/p99
-latency, mean batch size (from /metrics), and the ratio to raw in-process
-onnxruntime at the same batch sizes measured in the same run. Ratios travel
-between machines; absolute times on a shared 2-core box do not.
+session.run per request) in their own processes, drives closed-loop load at each
+concurrency (one keep-alive connection per caller, asyncio streams), and prints per
+model: throughput, p50/p95/p99 latency, mean batch size (from /metrics), and the
+ratio to raw in-process onnxruntime at the same batch sizes measured in the same
+run, plus the client's own round trip to /healthz. Ratios travel between machines;
+absolute times on a shared 2-core box do not. `--rounds N` repeats raw and served
+load N times and prints per-figure medians.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import aiohttp
 import httpx
 import numpy as np
 import orjson
@@ -103,31 +104,86 @@ def request_for(model: str) -> tuple[str, dict[str, object]]:
     return "/v2/models/tiny/infer", body
 
 
+class Connection:
+    """One keep-alive HTTP/1.1 connection that sends one fixed request, again and again.
+
+    The lightest client asyncio allows: on this 2-core box aiohttp cost ~0.5 ms per
+    request of its own and competed with the server for the cores, which is not what
+    is being measured. Answers must carry Content-Length (uvicorn's JSON ones do).
+    """
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, url: str) -> Connection:
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        return cls(reader, writer)
+
+    async def send(self, request: bytes) -> int:
+        """Send `request`, read its whole answer; returns the status code."""
+        self.writer.write(request)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        found = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+        if found is None:
+            raise RuntimeError(f"an answer without Content-Length: {head[:200]!r}")
+        await self.reader.readexactly(int(found.group(1)))
+        return int(head[9:12])
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def http_request(method: str, path: str, body: bytes = b"") -> bytes:
+    head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    if body:
+        head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+    return head.encode() + b"\r\n" + body
+
+
+async def http_floor(url: str, requests: int = 600) -> float:
+    """p50 ms of GET /healthz, one at a time: what the client and loopback cost alone."""
+    request = http_request("GET", "/healthz")
+    connection = await Connection.open(url)
+    latencies = []
+    try:
+        for _ in range(requests):
+            start = time.perf_counter()
+            await connection.send(request)
+            latencies.append(time.perf_counter() - start)
+    finally:
+        connection.close()
+    return statistics.median(latencies[requests // 10 :]) * 1000
+
+
 async def closed_loop(url: str, model: str, concurrency: int, seconds: float) -> Load:
-    path, request = request_for(model)
+    path, body = request_for(model)
     # Encoded once: the client's own JSON encoding is not what is being measured.
-    body, headers = orjson.dumps(request), {"content-type": "application/json"}
+    request = http_request("POST", path, orjson.dumps(body))
     latencies: list[float] = []
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(url, connector=connector) as session:
+    connections = [await Connection.open(url) for _ in range(concurrency)]
 
-        async def caller(until: float) -> None:
-            while time.perf_counter() < until:
-                start = time.perf_counter()
-                async with session.post(path, data=body, headers=headers) as answer:
-                    await answer.read()
-                    if answer.status != 200:
-                        raise RuntimeError(f"{path}: HTTP {answer.status}")
-                latencies.append(time.perf_counter() - start)
+    async def caller(connection: Connection, until: float) -> None:
+        while time.perf_counter() < until:
+            start = time.perf_counter()
+            status = await connection.send(request)
+            if status != 200:
+                raise RuntimeError(f"{path}: HTTP {status}")
+            latencies.append(time.perf_counter() - start)
 
+    try:
         warm = time.perf_counter() + min(1.0, seconds / 4)
-        await asyncio.gather(*(caller(warm) for _ in range(concurrency)))
+        await asyncio.gather(*(caller(c, warm) for c in connections))
         latencies.clear()
         before = batch_stats(url, model)
         start = time.perf_counter()
-        await asyncio.gather(*(caller(start + seconds) for _ in range(concurrency)))
+        await asyncio.gather(*(caller(c, start + seconds) for c in connections))
         elapsed = time.perf_counter() - start
         after = batch_stats(url, model)
+    finally:
+        for connection in connections:
+            connection.close()
     mean_batch = None
     if before and after and after[1] > before[1]:
         mean_batch = (after[0] - before[0]) / (after[1] - before[1])
@@ -151,8 +207,10 @@ def batch_stats(url: str, model: str) -> tuple[float, float] | None:
 
 def raw_onnxruntime(
     spec_path: Path, model: str, sizes: list[int], seconds: float
-) -> dict[int, tuple[float, float]]:
-    """items/s and mean ms per run of the task's own batched function, no HTTP."""
+) -> tuple[dict[int, tuple[float, float]], float]:
+    """items/s and median ms per run of the task's own batched function, no HTTP; and
+    the median ms of a batch-1 run after 2 ms idle, as a lone request meets the model
+    (a core left idle wakes slowly on a VM: up to 2 ms more for minilm here)."""
     settings = Settings()
     task = load_task(model, load_spec(spec_path, settings), Runtime(settings))
     item = task.prepare(TEXT if model == "minilm" else {"features": FEATURES})
@@ -170,7 +228,13 @@ def raw_onnxruntime(
             runs += 1
         elapsed = time.perf_counter() - start
         out[size] = (runs * size / elapsed, statistics.median(times) * 1000)
-    return out
+    idle = []
+    for _ in range(max(20, min(200, int(seconds / (out[min(sizes)][1] / 1000 + 0.002))))):
+        time.sleep(0.002)
+        t = time.perf_counter()
+        task.run([item])
+        idle.append(time.perf_counter() - t)
+    return out, statistics.median(idle) * 1000
 
 
 def start(cmd: list[str], url: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
@@ -216,6 +280,8 @@ def main() -> None:
 
     for model in args.models.split(","):
         raws: list[dict[int, tuple[float, float]]] = []
+        floors: list[float] = []
+        idles: list[float] = []
         runs: dict[str, list[dict[int, Load]]] = {}
         servers = {
             "lanes": [sys.executable, "-m", "router.cli", "serve", str(spec_path), "--port", "8431"]
@@ -231,11 +297,18 @@ def main() -> None:
         # Rounds alternate raw and served load, so a neighbour's burst on a shared box
         # hits one round, and the median across rounds shrugs it off.
         for _ in range(args.rounds):
-            raws.append(raw_onnxruntime(spec_path, model, levels, max(1.0, args.seconds / 2)))
+            raw_round, idle = raw_onnxruntime(spec_path, model, levels, max(1.0, args.seconds / 2))
+            raws.append(raw_round)
+            idles.append(idle)
             for name, cmd in servers.items():
                 url = lanes_url if name == "lanes" else base_url
                 proc = start(cmd, url, env)
                 try:
+                    # A fresh process runs its first seconds slower (page faults, first
+                    # shapes, cold caches): load it before measuring anything.
+                    asyncio.run(closed_loop(url, model, 8, 2.0))
+                    if name == "lanes":
+                        floors.append(asyncio.run(http_floor(url)))
                     runs.setdefault(name, []).append(
                         {c: asyncio.run(closed_loop(url, model, c, args.seconds)) for c in levels}
                     )
@@ -292,6 +365,8 @@ def main() -> None:
         lanes1 = results["lanes"][levels[0]].pct(50)
         print(
             f"  lanes p50 at concurrency {levels[0]} minus raw batch-1 run: {lanes1 - raw[levels[0]][1]:+.2f} ms"
+            f" (this client's GET /healthz round trip, no model: {statistics.median(floors):.2f} ms;"
+            f" raw batch-1 after 2 ms idle: {statistics.median(idles):.2f} ms)"
         )
         if "baseline" in results:
             for c in levels:
