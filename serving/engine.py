@@ -192,6 +192,8 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name=f"lanes-engine-{self.name}")
         self._decoding = ThreadPoolExecutor(1, thread_name_prefix=f"lanes-decode-{self.name}")
+        # Prefilled caches not yet in the batch (engine thread only).
+        self._joins: list[tuple[list[int], Past, Array]] = []
         self._thread.daemon = True
 
     # ---- the event-loop side -------------------------------------------------
@@ -312,29 +314,31 @@ class Engine:
     def _step(self, plan: StepPlan) -> None:
         """Prefill the joiners and hand out their first tokens at once, then decode
         every row (prefilling whoever arrives meanwhile, so time to first token never
-        waits for a decode step), then give the joiners their rows for the next step."""
+        waits for a decode step). Joiners' caches enter the batch on the decode thread,
+        just before the next decode, with every other copy of the cache: this thread
+        stays free to prefill newcomers while those copies run."""
         start = time.monotonic()
-        joins: list[tuple[list[int], Past, Array]] = []
         reported = False
+        # Prefilled before this plan was made: each is in plan.decode or has finished.
+        joins = self._take_joins()
         try:
             if plan.prefill or plan.retired:
-                self._join(StepPlan(prefill=plan.prefill, retired=plan.retired), joins)
+                self._join(StepPlan(prefill=plan.prefill, retired=plan.retired))
             reported = True
-            self.cache.release({s.id for s in plan.decode})
+            keep = {s.id for s in plan.decode}
             if plan.decode:
-                if not plan.prefill:
-                    self.cache.compact()  # nobody will fill the holes: do not step them
                 decoding = time.monotonic()
-                logits = self._decode(plan.decode, joins)
+                logits = self._decode(plan.decode, joins, keep)
                 self._series.decode.observe(time.monotonic() - decoding)
                 self._series.rows.observe(len(plan.decode))
                 rows = StepPlan(decode=plan.decode)
                 self._publish(rows, self.scheduler.update(rows, StepOutputs(decode=logits)))
-            for ids, past, mask in joins:
-                self.cache.place(ids, past, mask)
+            elif joins:  # nobody to decode: they all finished
+                self._settle(joins, keep)
         except Exception:  # a model failure answers its callers, never kills the loop
             log.exception("workload %s: a step of %d rows failed", self.name, len(plan.decode))
             self.cache = BatchCache(self.decoder, self.cache.max_padding)
+            self._joins = []
             failed = StepPlan(decode=plan.decode) if reported else plan
             self._publish(failed, self.scheduler.fail(failed))
         finally:
@@ -343,17 +347,29 @@ class Engine:
                 self.utilization.record(start, end)
             self._series.busy.inc(end - start)
 
-    def _join(self, plan: StepPlan, joins: list[tuple[list[int], Past, Array]]) -> None:
+    def _join(self, plan: StepPlan) -> None:
         """Run a prefill-only plan and hand out its first tokens; the joiners' caches
-        wait in `joins` until the decode step in flight (if any) no longer reads the
-        batch's cache."""
+        wait in `_joins` until the next step takes them into the batch."""
         logits: Array | None = None
         if plan.prefill:
             start = time.monotonic()
             logits, past, mask = self._prefill(plan.prefill)
-            joins.append(([s.id for s in plan.prefill], past, mask))
+            self._joins.append(([s.id for s in plan.prefill], past, mask))
             self._series.prefill.observe(time.monotonic() - start)
         self._publish(plan, self.scheduler.update(plan, StepOutputs(prefill=logits)))
+
+    def _take_joins(self) -> list[tuple[list[int], Past, Array]]:
+        joins, self._joins = self._joins, []
+        return joins
+
+    def _settle(self, joins: list[tuple[list[int], Past, Array]], keep: set[int]) -> None:
+        """The batch's cache for the next decode: joiners in (into holes where they
+        fit), then leavers out (rows not in `keep` become holes, a joiner that already
+        finished too), holes compacted away once they are worth a copy."""
+        for ids, past, mask in joins:
+            self.cache.place(ids, past, mask)
+        self.cache.release(keep)
+        self.cache.compact()
 
     def _publish(self, plan: StepPlan, events: list[Event]) -> None:
         self._observe(plan, events)
@@ -380,11 +396,18 @@ class Engine:
                 kv[np.broadcast_to(pad[:, None, :], kv.shape[:3])] = 0
         return out.logits[:, -1], present, mask
 
-    def _decode(self, seqs: Sequence[Seq], joins: list[tuple[list[int], Past, Array]]) -> Array:
-        """One token for every row, on the decode thread; logits come back in `seqs`'
-        order. Requests arriving meanwhile are prefilled on this thread (onnxruntime
-        runs both at once, each releasing the GIL)."""
-        running = self._decoding.submit(self.cache.decode, seqs)
+    def _decode(
+        self, seqs: Sequence[Seq], joins: list[tuple[list[int], Past, Array]], keep: set[int]
+    ) -> Array:
+        """One token for every row, on the decode thread (which first settles the
+        cache); logits come back in `seqs`' order. Requests arriving meanwhile are
+        prefilled on this thread (onnxruntime runs both at once, each releasing the GIL)."""
+
+        def settle_and_decode() -> Array:
+            self._settle(joins, keep)
+            return self.cache.decode(seqs)
+
+        running = self._decoding.submit(settle_and_decode)
         running.add_done_callback(lambda _: self._notify())
         try:
             while True:
@@ -397,7 +420,7 @@ class Engine:
                 early = self.scheduler.schedule(decode=False)
                 self._count_waiting()
                 if not early.empty:
-                    self._join(early, joins)
+                    self._join(early)
         finally:
             concurrent.futures.wait([running])
         return running.result()
