@@ -109,11 +109,13 @@ async def _generate(request: Request, shape: Shape) -> Response:
         stream = engine.submit(prepared, timeout_s(request), ignore_eos=body.ignore_eos)
     except LanesError as e:
         return openai_error(e)
-    flow = pieces(stream, state.guards.get(body.model), body.stream)
+    # A request that does not say is answered as its workload declares (`stream:`).
+    streaming = body.stream if "stream" in body.model_fields_set else engine.task.workload.stream
+    flow = pieces(stream, state.guards.get(body.model), streaming)
     answer = _Answer(shape, body, stream)
     latency = state.metrics.request_latency.labels(body.model)
     try:
-        if body.stream:
+        if streaming:
             first = await _unless_disconnected(request.receive, anext(flow))
             if first is None:
                 stream.cancel()

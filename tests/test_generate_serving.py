@@ -57,6 +57,12 @@ workloads:
     model: tinycode
     batching: {{max_batch_size: 1, max_queue: 1}}
     {greedy}
+  streamer:                    # answers as Server-Sent Events unless a request says not
+    mode: interactive
+    task: generate
+    model: tinycode
+    stream: true
+    {greedy}
   guarded-buffer:
     mode: interactive
     task: generate
@@ -264,6 +270,19 @@ def test_stop_strings_cut_the_text_streamed_or_not(server: ServerThread, found: 
     assert whole["choices"][0]["text"] == cut
     assert whole["choices"][0]["finish_reason"] == "stop"
     assert streamed_text(sse(server, "/v1/completions", body)) == (cut, "stop")
+
+
+def test_a_workload_that_streams_answers_as_events_unless_asked_not_to(
+    server: ServerThread,
+) -> None:
+    body = {"model": "streamer", "prompt": "def ", "max_tokens": 4}
+    events = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    assert events.headers["content-type"].startswith("text/event-stream")
+    assert events.text.endswith("data: [DONE]\n\n")
+    whole = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": False}, timeout=30)
+    assert whole.json()["usage"]["completion_tokens"] == 4
+    default = httpx.post(f"{server.url}/v1/completions", json={**body, "model": "code"}, timeout=30)
+    assert default.headers["content-type"] == "application/json"
 
 
 def test_a_disconnect_frees_its_row(server: ServerThread) -> None:
