@@ -28,7 +28,8 @@ class BatchWorker:
     """Runs one workload's batches on a thread of its own, one batch at a time.
 
     Running off the event loop (onnxruntime releases the GIL) lets HTTP parsing and
-    the next batch's assembly overlap the current run.
+    the next batch's assembly overlap the current run. Batches measured to run in
+    under INLINE_RUN_S are the exception: they run on the loop, cheaper than a hand-off.
     """
 
     def __init__(self, task: Task, metrics: Metrics) -> None:
