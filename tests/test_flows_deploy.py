@@ -6,8 +6,6 @@ free port, and drives it only through command lines, as a person would.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,7 +16,8 @@ import httpx
 import pytest
 import yaml
 
-from tests.flows_fixtures import free_port, outputs_of, wait_until, write_jsonl, write_spec
+from tests.flows_fixtures import outputs_of, write_jsonl, write_spec
+from tests.prefect_server import PREFECT, PrefectServer
 
 pytestmark = pytest.mark.slow
 
@@ -26,41 +25,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def prefect_server(tmp_path: Path) -> Iterator[dict[str, str]]:
     """A real Prefect server; yields the environment that points at it."""
-    port = free_port()
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(tmp_path / "prefect-home"),
-        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-        "DO_NOT_TRACK": "1",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    }
-    log = (tmp_path / "server.log").open("wb")
-    command = [sys.executable, "-m", "prefect", "server", "start"]
-    server = subprocess.Popen(
-        [*command, "--host", "127.0.0.1", "--port", str(port), "--analytics-off"],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # its own group: stopping it stops its children too
-    )
-    try:
-        wait_until(lambda: _healthy(env["PREFECT_API_URL"]), 90, "prefect server", 0.5)
-        yield env
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(timeout=30)
-        log.close()
-
-
-def _healthy(api: str) -> bool:
-    try:
-        return httpx.get(f"{api}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+    with PrefectServer(tmp_path / "prefect-home") as server:
+        yield server.wait()
 
 
 def _run(args: list[str], env: dict[str, str], cwd: Path, timeout: float = 120) -> str:
@@ -103,7 +69,7 @@ def test_compile_deploy_and_a_process_worker_run_the_workload(
     assert schedule["schedule"]["timezone"] == "Europe/Berlin"
     assert found["parameters"] == {"workload": "nightly", "spec": "workloads.yaml"}
 
-    prefect = [sys.executable, "-m", "prefect"]
+    prefect = PREFECT
     _run([*prefect, "deployment", "run", "lanes-offline/nightly"], env, tmp_path)
     _run([*prefect, "worker", "start", "--pool", "lanes", "--run-once"], env, tmp_path, 240)
 
