@@ -1,0 +1,342 @@
+"""What the SDK clients send and how they read the answers, with no I/O: requests
+built from a workload's label, results or typed errors out, and the retry policy.
+`lanes.client` holds the two clients that do the I/O around it.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+import numpy as np
+
+from lanes.errors import (
+    AuthError,
+    DeadlineExceeded,
+    InvalidInput,
+    LanesError,
+    Overloaded,
+    UnknownWorkload,
+    WrongMode,
+)
+from lanes.protocols.v2 import DTYPES
+from lanes.settings import Settings
+from lanes.spec import Spec, Workload
+from lanes.specfile import load_spec
+
+TIMEOUT_HEADER = "X-Timeout-Ms"
+BACKOFF_BASE_S = 0.2
+# The longest a client sleeps before a retry; a longer Retry-After is the caller's call.
+MAX_BACKOFF_S = 8.0
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A whole generated text, why it ended ("stop", "length", "content_filter"), usage."""
+
+    text: str
+    finish_reason: str
+    usage: Usage
+
+
+@dataclass(frozen=True)
+class Request:
+    method: str
+    path: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+
+
+class Core:
+    """What both clients share. No I/O here: requests in, results or typed errors out."""
+
+    def __init__(
+        self,
+        endpoint: str | None,
+        api_key: str | None,
+        spec: Spec | str | Path | None,
+        settings: Settings | None,
+        max_retries: int,
+        prefect_api_url: str | None,
+    ) -> None:
+        if max_retries < 0:
+            raise ValueError(f"max_retries: expected 0 or more, found {max_retries}")
+        self.settings = settings or Settings()
+        self.endpoint = (endpoint or self.settings.endpoint).rstrip("/")
+        key = api_key or (
+            self.settings.api_key.get_secret_value() if self.settings.api_key else None
+        )
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self._spec = spec
+        # Relative input/output paths in the spec are read against its folder.
+        where = spec if isinstance(spec, str | Path) else self.settings.spec
+        self.base = Path(where).resolve().parent
+        self.max_retries = max_retries
+        self.prefect_api_url = prefect_api_url
+
+    @property
+    def spec(self) -> Spec:
+        # Loaded on first use: a client that only follows jobs needs no spec at all.
+        if not isinstance(self._spec, Spec):
+            self._spec = load_spec(self._spec, self.settings, check_files=False)
+        return self._spec
+
+    def workload(self, name: str, mode: Literal["interactive", "offline"]) -> Workload:
+        """The workload, if it runs in `mode`; else WrongMode naming the method to use."""
+        w = self.spec.workload(name)
+        if w.mode == mode:
+            return w
+        if mode == "interactive":
+            raise WrongMode(
+                f"workload {name!r} is offline: submit its records with "
+                f"client.submit({name!r}, records) instead of call or stream"
+            )
+        raise WrongMode(
+            f"workload {name!r} is interactive: use client.call({name!r}, ...) "
+            "(or client.stream), not submit"
+        )
+
+    # ---- requests -----------------------------------------------------------------
+
+    def call_request(
+        self, name: str, input: Any, timeout_ms: float | None, options: dict[str, Any]
+    ) -> Request:
+        w = self.workload(name, "interactive")
+        headers = self._headers(timeout_ms)
+        if w.task == "embed":
+            # base64 float32 is a quarter of the JSON and decodes without parsing floats.
+            body = {**options, "model": name, "input": input, "encoding_format": "base64"}
+            return Request("POST", "/v1/embeddings", body, headers)
+        if w.task == "generate":
+            return self._generate_request(name, input, options, headers, stream=False)
+        tensors = [_tensor(k, v) for k, v in _mapping(input).items()]
+        return Request("POST", f"/v2/models/{name}/infer", {**options, "inputs": tensors}, headers)
+
+    def stream_request(
+        self, name: str, prompt: Any, timeout_ms: float | None, options: dict[str, Any]
+    ) -> Request:
+        w = self.workload(name, "interactive")
+        if w.task != "generate":
+            raise WrongMode(
+                f"workload {name!r} is a {w.task} workload: use client.call, not stream"
+            )
+        return self._generate_request(name, prompt, options, self._headers(timeout_ms), True)
+
+    def _headers(self, timeout_ms: float | None) -> dict[str, str]:
+        if timeout_ms is None:
+            return dict(self.headers)
+        return {**self.headers, TIMEOUT_HEADER: f"{timeout_ms:g}"}
+
+    @staticmethod
+    def _generate_request(
+        name: str, prompt: Any, options: dict[str, Any], headers: dict[str, str], stream: bool
+    ) -> Request:
+        body: dict[str, Any] = {**options, "model": name, "stream": stream}
+        if isinstance(prompt, str):
+            return Request("POST", "/v1/completions", {**body, "prompt": prompt}, headers)
+        # A list of {"role", "content"} messages is a chat.
+        return Request("POST", "/v1/chat/completions", {**body, "messages": list(prompt)}, headers)
+
+    # ---- responses ----------------------------------------------------------------
+
+    def call_result(self, name: str, input: Any, body: Any) -> Any:
+        task = self.spec.workload(name).task
+        try:
+            if task == "embed":
+                vectors = np.stack([_vector(d["embedding"]) for d in body["data"]])
+                return vectors[0] if isinstance(input, str) else vectors
+            if task == "generate":
+                choice = body["choices"][0]
+                text = choice["message"]["content"] if "message" in choice else choice["text"]
+                usage = Usage(**{k: int(body["usage"][k]) for k in Usage.__dataclass_fields__})
+                return Completion(text, choice["finish_reason"], usage)
+            return {o["name"]: _array(o) for o in body["outputs"]}
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise LanesError(
+                f"{self.endpoint}: the answer for {name!r} is not the {task} shape lanes "
+                f"serves ({type(e).__name__}: {e}); is this a lanes endpoint?"
+            ) from None
+
+    def line_text(self, line: str) -> str | None:
+        """The text one SSE line of a stream carries ("" when none); None at `data: [DONE]`."""
+        event = _sse_data(line)
+        if event is _DONE:
+            return None
+        return self.chunk_text(event) if event is not None else ""
+
+    def chunk_text(self, event: dict[str, Any]) -> str:
+        """The text of one SSE event; an error event raises its typed error."""
+        error = event.get("error")
+        if error is not None:
+            code = str(error.get("code")) if isinstance(error, dict) else ""
+            status = int(code) if code.isdigit() else 500
+            raise self.error(status, json.dumps(event).encode(), {})
+        choices = event.get("choices") or []
+        if not choices:
+            return ""  # a usage chunk
+        choice = choices[0]
+        if "delta" in choice:
+            return str(choice["delta"].get("content") or "")
+        return str(choice.get("text") or "")
+
+    def error(self, status: int, body: bytes, headers: Mapping[str, str]) -> LanesError:
+        """The typed error for a failed response, with the server's own message."""
+        message = _message(body) or f"HTTP {status} from {self.endpoint}"
+        if status == 401:
+            return AuthError(message)
+        if status == 404:
+            return UnknownWorkload(message)
+        if status == 503:
+            return Overloaded(message, _retry_after(headers))
+        if status == 504:
+            return DeadlineExceeded(message)
+        if 400 <= status < 500:
+            return InvalidInput(message)
+        return LanesError(f"{self.endpoint} failed with HTTP {status}: {message}")
+
+    def failure(self, error: Exception) -> LanesError:
+        """What the caller sees once retries are over: always a LanesError."""
+        if isinstance(error, LanesError):
+            return error
+        if isinstance(error, httpx.ConnectError | httpx.ConnectTimeout):
+            return LanesError(
+                f"cannot reach the lanes endpoint at {self.endpoint} ({error}); is `lanes serve` "
+                "running there? (LANES_ENDPOINT or Client(endpoint=...))"
+            )
+        if isinstance(error, httpx.TimeoutException):
+            return DeadlineExceeded(
+                f"no answer from {self.endpoint} within the client's timeout "
+                f"({type(error).__name__}); raise Client(timeout=...) or send less"
+            )
+        return LanesError(f"the connection to {self.endpoint} failed: {error!r}")
+
+    # ---- retries ------------------------------------------------------------------
+
+    def retryable(self, error: Exception, attempt: int) -> bool:
+        """Connection errors and 503s, while attempts are left; never a 4xx, never a
+        read or write timeout (the server may still be working on the request)."""
+        if attempt >= self.max_retries:
+            return False
+        if isinstance(error, Overloaded):
+            return error.retry_after <= MAX_BACKOFF_S
+        return isinstance(error, httpx.TransportError) and not isinstance(
+            error, httpx.ReadTimeout | httpx.WriteTimeout | httpx.PoolTimeout
+        )
+
+    @staticmethod
+    def backoff(attempt: int, error: Exception) -> float:
+        """Exponential backoff with full jitter; a server's Retry-After is a floor."""
+        delay = random.uniform(0, min(MAX_BACKOFF_S, BACKOFF_BASE_S * 2**attempt))
+        if isinstance(error, Overloaded):
+            delay = max(delay, error.retry_after)
+        return delay
+
+
+# ---- wire helpers ---------------------------------------------------------------------
+
+_DONE: dict[str, Any] = {}
+
+
+def _sse_data(line: str) -> dict[str, Any] | None:
+    """One SSE line: an event's JSON, _DONE for `data: [DONE]`, None for anything else."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    if data == "[DONE]":
+        return _DONE
+    try:
+        event = json.loads(data)
+    except ValueError:
+        raise LanesError(f"the stream sent an event that is not JSON: {data[:200]!r}") from None
+    return event if isinstance(event, dict) else None
+
+
+def cut_short(endpoint: str) -> LanesError:
+    return LanesError(f"the stream from {endpoint} ended before its [DONE] event; retry it")
+
+
+def json_body(response: httpx.Response, endpoint: str) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        raise LanesError(
+            f"{endpoint} answered HTTP {response.status_code} with a body that is not JSON: "
+            f"{response.text[:200]!r}"
+        ) from None
+
+
+def _message(body: bytes) -> str | None:
+    """The server's message: OpenAI's {"error": {"message"}} or v2's {"error": "..."}."""
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return body.decode(errors="replace")[:500] or None
+    error = parsed.get("error") if isinstance(parsed, dict) else None
+    if isinstance(error, dict):
+        return str(error.get("message"))
+    return str(error) if error is not None else None
+
+
+def _retry_after(headers: Mapping[str, str]) -> float:
+    try:
+        return max(0.0, float(headers.get("retry-after", "1")))
+    except ValueError:
+        return 1.0  # an HTTP date: lanes never sends one
+
+
+def _mapping(input: Any) -> Mapping[str, Any]:
+    if not isinstance(input, Mapping):
+        raise InvalidInput(
+            f"input: an infer workload takes a mapping of input name -> array, "
+            f"found {type(input).__name__}"
+        )
+    return input
+
+
+_V2_NAMES = {np.dtype(v): k for k, v in DTYPES.items() if k != "BYTES"}
+
+
+def _tensor(name: str, value: Any) -> dict[str, Any]:
+    """One v2 request tensor. Python floats (float64) go as FP32, the models' type."""
+    array = np.asarray(value)
+    if array.dtype.kind in "OUS":
+        datatype = "BYTES"
+    elif array.dtype == np.float64:
+        datatype = "FP32"
+    else:
+        found = _V2_NAMES.get(array.dtype)
+        if found is None:
+            raise InvalidInput(f"input {name!r}: dtype {array.dtype} has no v2 datatype")
+        datatype = found
+    return {
+        "name": name,
+        "shape": list(array.shape),
+        "datatype": datatype,
+        "data": array.reshape(-1).tolist(),
+    }
+
+
+def _array(output: Mapping[str, Any]) -> Any:
+    if output["datatype"] == "BYTES" and output["name"] == "result":
+        # A handler's JSON results, one per row.
+        return [json.loads(v) for v in output["data"]]
+    return np.asarray(output["data"], dtype=DTYPES[output["datatype"]]).reshape(output["shape"])
+
+
+def _vector(embedding: Any) -> np.ndarray[Any, Any]:
+    if isinstance(embedding, str):  # OpenAI's base64: little-endian float32
+        return np.frombuffer(base64.b64decode(embedding), dtype="<f4").astype(np.float32)
+    return np.asarray(embedding, dtype=np.float32)
