@@ -61,37 +61,30 @@ workloads:
 """
 
 
+PERCENTILES = (50, 95, 99)
+
+
 @dataclass
 class Load:
-    concurrency: int
-    requests: int
-    seconds: float
-    latencies: list[float]
+    """What one closed-loop run measured: req/s, latency percentiles (ms), mean batch."""
+
+    rps: float
+    ms: dict[int, float]  # percentile -> latency
     mean_batch: float | None
-    percentiles: dict[float, float] | None = None  # set on a median of several rounds
 
-    @property
-    def rps(self) -> float:
-        return self.requests / self.seconds
+    @classmethod
+    def of(cls, latencies: list[float], seconds: float, mean_batch: float | None) -> Load:
+        ms = {q: float(np.percentile(latencies, q)) * 1000 for q in PERCENTILES}
+        return cls(len(latencies) / seconds, ms, mean_batch)
 
-    def pct(self, q: float) -> float:
-        if self.percentiles is not None:
-            return self.percentiles[q]
-        return float(np.percentile(self.latencies, q)) * 1000
-
-    @staticmethod
-    def median(loads: list[Load]) -> Load:
+    @classmethod
+    def median(cls, loads: list[Load]) -> Load:
         """Per figure, the median over rounds of the same concurrency."""
-        if len(loads) == 1:
-            return loads[0]
         batches = [x.mean_batch for x in loads if x.mean_batch is not None]
-        return Load(
-            loads[0].concurrency,
-            int(statistics.median(x.requests / x.seconds for x in loads)),
-            1.0,
-            [],
+        return cls(
+            statistics.median(x.rps for x in loads),
+            {q: statistics.median(x.ms[q] for x in loads) for q in PERCENTILES},
             statistics.median(batches) if batches else None,
-            {q: statistics.median(x.pct(q) for x in loads) for q in (50, 95, 99)},
         )
 
 
@@ -187,7 +180,7 @@ async def closed_loop(url: str, model: str, concurrency: int, seconds: float) ->
     mean_batch = None
     if before and after and after[1] > before[1]:
         mean_batch = (after[0] - before[0]) / (after[1] - before[1])
-    return Load(concurrency, len(latencies), elapsed, latencies, mean_batch)
+    return Load.of(latencies, elapsed, mean_batch)
 
 
 def batch_stats(url: str, model: str) -> tuple[float, float] | None:
@@ -336,9 +329,9 @@ def main() -> None:
                         name,
                         str(c),
                         f"{load.rps:.0f}",
-                        f"{load.pct(50):.2f}",
-                        f"{load.pct(95):.2f}",
-                        f"{load.pct(99):.2f}",
+                        f"{load.ms[50]:.2f}",
+                        f"{load.ms[95]:.2f}",
+                        f"{load.ms[99]:.2f}",
                         f"{load.mean_batch:.1f}" if load.mean_batch else "-",
                         f"{raw_items:.0f}",
                         f"{raw_ms:.2f}",
@@ -362,7 +355,7 @@ def main() -> None:
             rows,
             header,
         )
-        lanes1 = results["lanes"][levels[0]].pct(50)
+        lanes1 = results["lanes"][levels[0]].ms[50]
         print(
             f"  lanes p50 at concurrency {levels[0]} minus raw batch-1 run: {lanes1 - raw[levels[0]][1]:+.2f} ms"
             f" (this client's GET /healthz round trip, no model: {statistics.median(floors):.2f} ms;"
