@@ -97,16 +97,26 @@ class BatchQueue:
             pending.queued = False
             self._live -= 1
 
-    async def next_batch(self) -> list[Pending]:
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def next_batch(self, free: asyncio.Event | None = None) -> list[Pending]:
         """Wait for at least one live request, then return up to `max_batch_size` of them.
 
-        Always returns at least one item, unless the queue was closed and drained
-        (then an empty list). Items it returns no longer count as waiting.
+        With `free`, the batch is taken only once it is set (the model is free), so
+        what arrives while another batch runs joins this one. Always returns at least
+        one item, unless the queue was closed and drained (then an empty list). Items
+        it returns no longer count as waiting.
         """
         while True:
             self._drop_answered()
-            if self._items:
+            if self._items and (free is None or free.is_set()):
                 break
+            if self._items:
+                assert free is not None
+                await free.wait()
+                continue
             if self._closed:
                 return []
             self._arrived.clear()

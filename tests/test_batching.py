@@ -135,6 +135,48 @@ async def test_worker_runs_cheap_batches_on_the_loop_and_slow_ones_on_its_thread
         await worker.stop()
 
 
+async def test_a_lone_request_runs_at_once_and_what_arrives_meanwhile_forms_one_batch(
+    tmp_path: Path,
+) -> None:
+    from tests import worker_hooks
+    from tests.test_tasks import io, save, spec_for, tensor
+
+    model = save(
+        [helper.make_node("ReduceSum", ["x", "axis1"], ["total"], keepdims=0)],
+        [io("x", TensorProto.FLOAT, ["batch", 3])],
+        [io("total", TensorProto.FLOAT, ["batch"])],
+        tmp_path / "sum.onnx",
+        [tensor("axis1", [1], np.int64)],
+    )
+    spec = spec_for(model, "infer", handler="tests.worker_hooks:threads")
+    task = load_task("w", spec, Runtime(Settings(device="cpu", threads=1)))
+    task.warm_up()
+    metrics = Metrics()
+    worker = BatchWorker(task, metrics)
+    worker.start()
+    names = worker_hooks.threads.names
+    names.clear()
+    try:
+        alone = asyncio.create_task(worker.submit([task.prepare({"x": [[100, 200, 300]]})]))
+        await asyncio.sleep(0)  # it is on the model (5 ms), and never was in the queue
+        assert len(worker.queue) == 0
+        later = [
+            asyncio.create_task(worker.submit([task.prepare({"x": [[i, 1, 1]]})])) for i in range(3)
+        ]
+        await asyncio.sleep(0)
+        assert len(worker.queue) == 3  # the model is busy: these wait, together
+        [first] = await alone
+        rest = await asyncio.gather(*later)
+        assert first["total"].tolist() == [600.0]
+        assert [out["total"].tolist() for [out] in rest] == [[2.0], [3.0], [4.0]]
+        assert names[0].startswith("lanes-w")  # the caller's batch still ran off the loop
+        sample = metrics.registry.get_sample_value
+        assert sample("lanes_batch_size_count", {"workload": "w"}) == 2  # 1, then 3
+        assert sample("lanes_batch_size_sum", {"workload": "w"}) == 4
+    finally:
+        await worker.stop()
+
+
 def test_utilization_is_the_busy_share_of_the_window() -> None:
     use = Utilization(window_s=10.0)
     use.record(0.0, 2.0)
