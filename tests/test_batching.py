@@ -112,7 +112,8 @@ async def test_worker_runs_cheap_batches_on_the_loop_and_slow_ones_on_its_thread
     spec = spec_for(model, "infer", handler="tests.worker_hooks:threads")
     task = load_task("w", spec, Runtime(Settings(device="cpu", threads=1)))
     task.warm_up()  # as the server does before it starts a worker
-    worker = BatchWorker(task, Metrics())
+    metrics = Metrics()
+    worker = BatchWorker(task, metrics)
     worker.start()
     names = worker_hooks.threads.names
     names.clear()
@@ -125,6 +126,11 @@ async def test_worker_runs_cheap_batches_on_the_loop_and_slow_ones_on_its_thread
         assert names[0].startswith("lanes-w")
         assert names[-1] == threading.current_thread().name
         assert worker.runs_inline(1)
+        # Cheap runs always queue, so requests parsed together still share a run.
+        batches = metrics.registry.get_sample_value("lanes_batch_size_count", {"workload": "w"})
+        await asyncio.gather(*(worker.submit([cheap]) for _ in range(4)))
+        after = metrics.registry.get_sample_value("lanes_batch_size_count", {"workload": "w"})
+        assert after == batches + 1
 
         names.clear()
         await worker.submit([task.prepare({"x": [[100, 200, 300]]})])  # 5 ms: measured...
