@@ -1,15 +1,20 @@
 """Benchmark of the interactive endpoint against raw onnxruntime and an unbatched server.
 
-    python bench/serve.py [--seconds 4] [--levels 1,8,32,128] [--rounds 3]
+    python bench/serve.py [--seconds 4] [--levels 1,8,32,128] [--models minilm,tiny]
 
-Starts `lanes serve` (and, as a baseline, `bench/baseline_server.py`: FastAPI, one
-session.run per request) in their own processes, drives closed-loop load at each
-concurrency (one keep-alive connection per caller, asyncio streams), and prints per
-model: throughput, p50/p95/p99 latency, mean batch size (from /metrics), and the
-ratio to raw in-process onnxruntime at the same batch sizes measured in the same
-run, plus the client's own round trip to /healthz. Ratios travel between machines;
-absolute times on a shared 2-core box do not. `--rounds N` repeats raw and served
-load N times and prints per-figure medians.
+Starts `lanes serve` and, as a baseline, `bench/baseline_server.py` (FastAPI, one
+session.run per request) side by side, and prints per model and concurrency:
+throughput, p50/p95/p99 latency, mean batch size (from /metrics), raw in-process
+onnxruntime at the same batch size and at its best one, and the ratios; plus the
+client's own round trip to /healthz.
+
+The speed of a shared VM drifts by 1.5-2x within seconds (on this one a fixed numpy
+matmul took 0.18-0.37 ms from one second to the next), so a figure measured after
+another is no baseline for it. At each concurrency the contenders (raw runs at batch
+size = concurrency, raw runs at the best batch size, lanes, the baseline) take turns
+in short slices, in rotation, 30 ms apart (onnxruntime's threads spin a little after
+a run, on the same cores), and every ratio compares figures from the same slices.
+The concurrency-1 gap is the median over rotations of (lanes p50 - raw batch-1 p50).
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -62,30 +69,30 @@ workloads:
 
 
 PERCENTILES = (50, 95, 99)
+PAUSE_S = 0.03  # between slices
 
 
 @dataclass
-class Load:
-    """What one closed-loop run measured: req/s, latency percentiles (ms), mean batch."""
+class Turns:
+    """One contender's slices at one concurrency, pooled."""
 
-    rps: float
-    ms: dict[int, float]  # percentile -> latency
-    mean_batch: float | None
+    latencies: list[float] = field(default_factory=list)  # s, every request or raw run
+    done: int = 0  # items completed, counted for the rate...
+    span: float = 0.0  # ...and the seconds they took
+    slice_p50: list[float] = field(default_factory=list)  # ms, one per slice
 
-    @classmethod
-    def of(cls, latencies: list[float], seconds: float, mean_batch: float | None) -> Load:
-        ms = {q: float(np.percentile(latencies, q)) * 1000 for q in PERCENTILES}
-        return cls(len(latencies) / seconds, ms, mean_batch)
+    def add(self, latencies: list[float], done: int, span: float) -> None:
+        self.latencies += latencies
+        self.done += done
+        self.span += span
+        self.slice_p50.append(statistics.median(latencies) * 1000)
 
-    @classmethod
-    def median(cls, loads: list[Load]) -> Load:
-        """Per figure, the median over rounds of the same concurrency."""
-        batches = [x.mean_batch for x in loads if x.mean_batch is not None]
-        return cls(
-            statistics.median(x.rps for x in loads),
-            {q: statistics.median(x.ms[q] for x in loads) for q in PERCENTILES},
-            statistics.median(batches) if batches else None,
-        )
+    @property
+    def rate(self) -> float:
+        return self.done / self.span if self.span else 0.0
+
+    def ms(self, percentile: float) -> float:
+        return float(np.percentile(self.latencies, percentile)) * 1000
 
 
 def request_for(model: str) -> tuple[str, dict[str, object]]:
@@ -150,37 +157,60 @@ async def http_floor(url: str, requests: int = 600) -> float:
     return statistics.median(latencies[requests // 10 :]) * 1000
 
 
-async def closed_loop(url: str, model: str, concurrency: int, seconds: float) -> Load:
-    path, body = request_for(model)
-    # Encoded once: the client's own JSON encoding is not what is being measured.
-    request = http_request("POST", path, orjson.dumps(body))
-    latencies: list[float] = []
-    connections = [await Connection.open(url) for _ in range(concurrency)]
+async def served_slice(
+    connections: list[Connection], request: bytes, seconds: float
+) -> tuple[list[float], int, float]:
+    """Closed loop on every connection for `seconds`: (latencies, completions, span).
 
-    async def caller(connection: Connection, until: float) -> None:
+    The rate counts completions after the first and up to the last one inside the
+    window, over the time between them: a batching server answers a batch at a time,
+    and the ramp at the start and the drain after the end would bias a short slice.
+    """
+    latencies: list[float] = []
+    finished: list[float] = []
+    until = time.perf_counter() + seconds
+
+    async def caller(connection: Connection) -> None:
         while time.perf_counter() < until:
             start = time.perf_counter()
             status = await connection.send(request)
             if status != 200:
-                raise RuntimeError(f"{path}: HTTP {status}")
-            latencies.append(time.perf_counter() - start)
+                raise RuntimeError(f"HTTP {status} for {request[:40]!r}")
+            end = time.perf_counter()
+            latencies.append(end - start)
+            if end <= until:
+                finished.append(end)
 
-    try:
-        warm = time.perf_counter() + min(1.0, seconds / 4)
-        await asyncio.gather(*(caller(c, warm) for c in connections))
-        latencies.clear()
-        before = batch_stats(url, model)
-        start = time.perf_counter()
-        await asyncio.gather(*(caller(c, start + seconds) for c in connections))
-        elapsed = time.perf_counter() - start
-        after = batch_stats(url, model)
-    finally:
-        for connection in connections:
-            connection.close()
-    mean_batch = None
-    if before and after and after[1] > before[1]:
-        mean_batch = (after[0] - before[0]) / (after[1] - before[1])
-    return Load.of(latencies, elapsed, mean_batch)
+    await asyncio.gather(*(caller(c) for c in connections))
+    if len(finished) < 2:
+        return latencies, 0, 0.0
+    return latencies, len(finished) - 1, finished[-1] - finished[0]
+
+
+def raw_slice(task: Any, batch: list[Any], seconds: float) -> tuple[list[float], int, float]:
+    """Back-to-back runs of the task's own batched function: (run times, items, seconds)."""
+    times: list[float] = []
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds or len(times) < 2:
+        t = time.perf_counter()
+        task.run(batch)
+        times.append(time.perf_counter() - t)
+    return times, len(times) * len(batch), time.perf_counter() - start
+
+
+Slice = Callable[[float], Awaitable[tuple[list[float], int, float]]]
+
+
+async def rotate(contenders: dict[str, Slice], seconds: float, slice_s: float) -> dict[str, Turns]:
+    """Each contender runs `seconds` in all, in slices of `slice_s`, taking turns."""
+    turns = {name: Turns() for name in contenders}
+    names = list(contenders)
+    for i in range(max(3, round(seconds / slice_s))):
+        shift = i % len(names)  # a different one goes first each round
+        for name in names[shift:] + names[:shift]:
+            await asyncio.sleep(PAUSE_S)
+            turns[name].add(*await contenders[name](slice_s))
+    return turns
 
 
 def batch_stats(url: str, model: str) -> tuple[float, float] | None:
@@ -196,38 +226,6 @@ def batch_stats(url: str, model: str) -> tuple[float, float] | None:
             return None
         values[key] = float(found.group(1))
     return values["sum"], values["count"]
-
-
-def raw_onnxruntime(
-    spec_path: Path, model: str, sizes: list[int], seconds: float
-) -> tuple[dict[int, tuple[float, float]], float]:
-    """items/s and median ms per run of the task's own batched function, no HTTP; and
-    the median ms of a batch-1 run after 2 ms idle, as a lone request meets the model
-    (a core left idle wakes slowly on a VM: up to 2 ms more for minilm here)."""
-    settings = Settings()
-    task = load_task(model, load_spec(spec_path, settings), Runtime(settings))
-    item = task.prepare(TEXT if model == "minilm" else {"features": FEATURES})
-    task.warm_up()
-    out = {}
-    for size in sizes:
-        batch = [item] * size
-        task.run(batch)
-        runs, start = 0, time.perf_counter()
-        times = []
-        while time.perf_counter() - start < seconds or runs < 3:
-            t = time.perf_counter()
-            task.run(batch)
-            times.append(time.perf_counter() - t)
-            runs += 1
-        elapsed = time.perf_counter() - start
-        out[size] = (runs * size / elapsed, statistics.median(times) * 1000)
-    idle = []
-    for _ in range(max(20, min(200, int(seconds / (out[min(sizes)][1] / 1000 + 0.002))))):
-        time.sleep(0.002)
-        t = time.perf_counter()
-        task.run([item])
-        idle.append(time.perf_counter() - t)
-    return out, statistics.median(idle) * 1000
 
 
 def start(cmd: list[str], url: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
@@ -251,17 +249,102 @@ def table(title: str, rows: list[list[str]], header: list[str]) -> None:
         print("  ".join(str(c).rjust(w) for c, w in zip(row, widths, strict=True)))
 
 
+async def bench_model(
+    model: str, spec_path: Path, urls: dict[str, str], levels: list[int], seconds: float
+) -> None:
+    settings = Settings()
+    task = load_task(model, load_spec(spec_path, settings), Runtime(settings))
+    item = task.prepare(TEXT if model == "minilm" else {"features": FEATURES})
+    task.warm_up()
+    # The best batch size, from a short scan; its figures come from the rotations.
+    scan = {size: raw_slice(task, [item] * size, 0.3) for size in levels}
+    best = max(levels, key=lambda size: scan[size][1] / scan[size][2])
+    path, body = request_for(model)
+    # Encoded once: the client's own JSON encoding is not what is being measured.
+    request = http_request("POST", path, orjson.dumps(body))
+    floor = await http_floor(urls["lanes"])
+
+    def raw(size: int) -> Slice:
+        async def take(seconds: float) -> tuple[list[float], int, float]:
+            return raw_slice(task, [item] * size, seconds)
+
+        return take
+
+    def served(url: str, concurrency: int) -> Slice:
+        async def take(seconds: float) -> tuple[list[float], int, float]:
+            # Fresh connections each slice: the server closes those idle for 5 s
+            # while the others take their turns.
+            connections = [await Connection.open(url) for _ in range(concurrency)]
+            try:
+                return await served_slice(connections, request, seconds)
+            finally:
+                for connection in connections:
+                    connection.close()
+
+        return take
+
+    rows, notes = [], []
+    for c in levels:
+        # Warm each server at this load, and size the slices: several round trips.
+        p50 = 0.0
+        for url in urls.values():
+            latencies, _, _ = await served(url, c)(1.0)
+            p50 = max(p50, statistics.median(latencies))
+        slice_s = min(3.0, max(0.2, 8 * p50))
+        contenders: dict[str, Slice] = {f"raw b={c}": raw(c), f"raw b={best}": raw(best)}
+        contenders |= {name: served(url, c) for name, url in urls.items()}
+        before = batch_stats(urls["lanes"], model)
+        turns = await rotate(contenders, seconds, slice_s)
+        after = batch_stats(urls["lanes"], model)
+        raw_c, raw_best = turns[f"raw b={c}"], turns[f"raw b={best}"]
+        mean_batch = None
+        if before and after and after[1] > before[1]:
+            mean_batch = (after[0] - before[0]) / (after[1] - before[1])
+        for name in urls:
+            load = turns[name]
+            rows.append(
+                [
+                    name,
+                    str(c),
+                    f"{load.rate:.0f}",
+                    *(f"{load.ms(q):.2f}" for q in PERCENTILES),
+                    f"{mean_batch:.1f}" if name == "lanes" and mean_batch else "-",
+                    f"{raw_c.rate:.0f}",
+                    f"{statistics.median(raw_c.latencies) * 1000:.2f}",
+                    f"{load.rate / raw_best.rate:.2f}",
+                ]
+            )
+        if c == 1:
+            gaps = [s - r for s, r in zip(turns["lanes"].slice_p50, raw_c.slice_p50, strict=True)]
+            q1, q2, q3 = statistics.quantiles(gaps, n=4)
+            notes.append(
+                f"  concurrency 1: lanes p50 minus raw batch-1 p50, paired by rotation: {q2:+.2f} ms"
+                f" (quartiles {q1:+.2f} .. {q3:+.2f}, {len(gaps)} rotations); this client's"
+                f" GET /healthz round trip, no model: {floor:.2f} ms"
+            )
+        if c >= 32:
+            vs_baseline = ""
+            if "baseline" in turns:
+                ratio = turns["lanes"].rate / turns["baseline"].rate
+                vs_baseline = f"; lanes / baseline req/s: {ratio:.2f}x"
+            notes.append(
+                f"  concurrency {c}: lanes {turns['lanes'].rate / raw_best.rate:.2f} of raw best"
+                f" ({raw_best.rate:.0f} items/s at batch {best}, same rotations){vs_baseline}"
+            )
+    header = ["server", "conc", "req/s", "p50 ms", "p95 ms", "p99 ms", "batch"]
+    header += ["raw items/s@b=conc", "raw ms/run", "x raw best"]
+    table(f"{model}: raw onnxruntime's best batch size here: {best}", rows, header)
+    print("\n".join(notes))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument("--seconds", type=float, default=4.0, help="per contender and level")
     parser.add_argument("--levels", default="1,8,32,128")
     parser.add_argument("--models", default="minilm,tiny")
     parser.add_argument("--no-baseline", action="store_true")
-    parser.add_argument(
-        "--rounds", type=int, default=1, help="repeat raw and served load; print medians"
-    )
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     models_dir = Path(os.environ.get("LANES_MODELS_DIR", ROOT / ".lanes" / "models")).resolve()
@@ -269,103 +352,23 @@ def main() -> None:
     spec_path = work / "workloads.yaml"
     spec_path.write_text(SPEC.format(m=models_dir))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    lanes_url, base_url = "http://127.0.0.1:8431", "http://127.0.0.1:8432"
-
+    lanes = [sys.executable, "-m", "router.cli", "serve", str(spec_path), "--port", "8431"]
     for model in args.models.split(","):
-        raws: list[dict[int, tuple[float, float]]] = []
-        floors: list[float] = []
-        idles: list[float] = []
-        runs: dict[str, list[dict[int, Load]]] = {}
-        servers = {
-            "lanes": [sys.executable, "-m", "router.cli", "serve", str(spec_path), "--port", "8431"]
-        }
+        servers = {"lanes": (lanes, "http://127.0.0.1:8431")}
         if not args.no_baseline:
-            servers["baseline"] = [
-                sys.executable,
-                str(ROOT / "bench" / "baseline_server.py"),
-                str(spec_path),
-                model,
-                "8432",
-            ]
-        # Rounds alternate raw and served load, so a neighbour's burst on a shared box
-        # hits one round, and the median across rounds shrugs it off.
-        for _ in range(args.rounds):
-            raw_round, idle = raw_onnxruntime(spec_path, model, levels, max(1.0, args.seconds / 2))
-            raws.append(raw_round)
-            idles.append(idle)
-            for name, cmd in servers.items():
-                url = lanes_url if name == "lanes" else base_url
-                proc = start(cmd, url, env)
-                try:
-                    # A fresh process runs its first seconds slower (page faults, first
-                    # shapes, cold caches): load it before measuring anything.
-                    asyncio.run(closed_loop(url, model, 8, 2.0))
-                    if name == "lanes":
-                        floors.append(asyncio.run(http_floor(url)))
-                    runs.setdefault(name, []).append(
-                        {c: asyncio.run(closed_loop(url, model, c, args.seconds)) for c in levels}
-                    )
-                finally:
-                    proc.terminate()
-                    proc.wait(timeout=30)
-        raw = {
-            c: (
-                statistics.median(r[c][0] for r in raws),
-                statistics.median(r[c][1] for r in raws),
+            baseline = [sys.executable, str(ROOT / "bench" / "baseline_server.py")]
+            servers["baseline"] = (
+                [*baseline, str(spec_path), model, "8432"],
+                "http://127.0.0.1:8432",
             )
-            for c in levels
-        }
-        best = max(v[0] for v in raw.values())
-        results = {
-            name: {c: Load.median([r[c] for r in rs]) for c in levels} for name, rs in runs.items()
-        }
-        rows = []
-        for c in levels:
-            raw_items, raw_ms = raw[c]
-            for name, loads in results.items():
-                load = loads[c]
-                rows.append(
-                    [
-                        name,
-                        str(c),
-                        f"{load.rps:.0f}",
-                        f"{load.ms[50]:.2f}",
-                        f"{load.ms[95]:.2f}",
-                        f"{load.ms[99]:.2f}",
-                        f"{load.mean_batch:.1f}" if load.mean_batch else "-",
-                        f"{raw_items:.0f}",
-                        f"{raw_ms:.2f}",
-                        f"{load.rps / best:.2f}",
-                    ]
-                )
-        header = [
-            "server",
-            "conc",
-            "req/s",
-            "p50 ms",
-            "p95 ms",
-            "p99 ms",
-            "batch",
-            "raw items/s@b=conc",
-            "raw ms/run",
-            "x raw best",
-        ]
-        table(
-            f"{model}: raw onnxruntime best {best:.0f} items/s (batch {max(raw, key=lambda k: raw[k][0])})",
-            rows,
-            header,
-        )
-        lanes1 = results["lanes"][levels[0]].ms[50]
-        print(
-            f"  lanes p50 at concurrency {levels[0]} minus raw batch-1 run: {lanes1 - raw[levels[0]][1]:+.2f} ms"
-            f" (this client's GET /healthz round trip, no model: {statistics.median(floors):.2f} ms;"
-            f" raw batch-1 after 2 ms idle: {statistics.median(idles):.2f} ms)"
-        )
-        if "baseline" in results:
-            for c in levels:
-                if c >= 32:
-                    ratio = results["lanes"][c].rps / results["baseline"][c].rps
-                    print(f"  lanes / baseline req/s at concurrency {c}: {ratio:.2f}x")
+        procs = [start(cmd, url, env) for cmd, url in servers.values()]
+        try:
+            urls = {name: url for name, (_, url) in servers.items()}
+            asyncio.run(bench_model(model, spec_path, urls, levels, args.seconds))
+        finally:
+            for proc in procs:
+                proc.terminate()
+                proc.wait(timeout=30)
 
 
 if __name__ == "__main__":
