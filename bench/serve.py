@@ -36,6 +36,7 @@ from typing import Any
 import httpx
 import numpy as np
 import orjson
+import uvloop
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -107,9 +108,10 @@ def request_for(model: str) -> tuple[str, dict[str, object]]:
 class Connection:
     """One keep-alive HTTP/1.1 connection that sends one fixed request, again and again.
 
-    The lightest client asyncio allows: on this 2-core box aiohttp cost ~0.5 ms per
-    request of its own and competed with the server for the cores, which is not what
-    is being measured. Answers must carry Content-Length (uvicorn's JSON ones do).
+    The lightest client asyncio allows (on uvloop): on this 2-core box aiohttp cost
+    ~0.5 ms per request of its own and competed with the server for the cores, which
+    is not what is being measured. Answers must carry Content-Length (uvicorn's JSON
+    ones do).
     """
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -364,7 +366,8 @@ def main() -> None:
         procs = [start(cmd, url, env) for cmd, url in servers.values()]
         try:
             urls = {name: url for name, (_, url) in servers.items()}
-            asyncio.run(bench_model(model, spec_path, urls, levels, args.seconds))
+            # uvloop: the client's own share of each round trip is not what is measured.
+            uvloop.run(bench_model(model, spec_path, urls, levels, args.seconds))
         finally:
             for proc in procs:
                 proc.terminate()

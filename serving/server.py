@@ -18,7 +18,7 @@ def serve(spec: Spec, settings: Settings, host: str | None = None, port: int | N
         create_app(spec, settings),
         host=host or settings.host,
         port=port if port is not None else settings.port,
-        # httptools and uvloop when installed: a fraction of h11's per-request cost.
+        # httptools and uvloop (uvicorn[standard]): a fraction of h11's per-request cost.
         http="auto",
         loop="auto",
         access_log=False,

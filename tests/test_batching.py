@@ -179,6 +179,15 @@ async def test_a_lone_request_runs_at_once_and_what_arrives_meanwhile_forms_one_
         sample = metrics.registry.get_sample_value
         assert sample("lanes_batch_size_count", {"workload": "w"}) == 2  # 1, then 3
         assert sample("lanes_batch_size_sum", {"workload": "w"}) == 4
+
+        # A caller that leaves mid-run: its run still ends, is counted, and frees the model.
+        gone = asyncio.create_task(worker.submit([task.prepare({"x": [[100, 200, 300]]})]))
+        await asyncio.sleep(0)
+        gone.cancel()
+        [out] = await worker.submit([task.prepare({"x": [[1, 1, 1]]})])
+        assert out["total"].tolist() == [3.0]
+        assert gone.cancelled()
+        assert sample("lanes_batch_size_count", {"workload": "w"}) == 4
     finally:
         await worker.stop()
 
