@@ -50,8 +50,8 @@ class SessionOptions(StrictModel):
     )
     spinning: bool = Field(
         True,
-        description="Let idle onnxruntime threads spin-wait for the next run (lower latency "
-        "on dedicated cores; turn off when the server shares few cores).",
+        description="Let idle onnxruntime threads spin-wait for the next run (lower latency, "
+        "even on 2 cores; turn off to leave idle cores to other processes).",
     )
 
 
