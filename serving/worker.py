@@ -131,8 +131,6 @@ class BatchWorker:
             for pending in batch:
                 pending.future.cancel()  # nobody will read the answers
             raise
-        if len(batch) == 1:
-            return [batch[0].future.result()]
         return [p.future.result() for p in batch]
 
     async def _run_forever(self) -> None:
