@@ -27,19 +27,23 @@ class Utilization:
     def record(self, start: float, end: float) -> None:
         self._runs.append((start, end))
         self._busy += end - start
+        self._forget_before(end - self.window_s)  # bounded even if nobody reads the gauge
 
     def fraction(self, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now
         since = now - self.window_s
-        while self._runs and self._runs[0][1] < since:
-            start, end = self._runs.popleft()
-            self._busy -= end - start
+        self._forget_before(since)
         if not self._runs:
             self._busy = 0.0  # no float drift survives an idle window
             return 0.0
         first_start = self._runs[0][0]
         busy = self._busy - max(0.0, since - first_start)  # the first run may straddle `since`
         return min(max(busy, 0.0) / self.window_s, 1.0)
+
+    def _forget_before(self, since: float) -> None:
+        while self._runs and self._runs[0][1] < since:
+            start, end = self._runs.popleft()
+            self._busy -= end - start
 
 
 class TokenRate:

@@ -200,3 +200,7 @@ def test_utilization_is_the_busy_share_of_the_window() -> None:
     assert use.fraction(now=11.0) == pytest.approx(0.4)  # 1 s of the first run is inside
     assert use.fraction(now=15.5) == pytest.approx(0.25)  # the first left, the second straddles
     assert use.fraction(now=30.0) == 0.0
+    for i in range(100_000):  # a day of runs nobody scraped: only the window is kept
+        use.record(100.0 + i, 100.5 + i)
+    assert len(use._runs) <= 11
+    assert use.fraction(now=100_100.0) == pytest.approx(0.5)
