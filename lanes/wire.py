@@ -25,12 +25,12 @@ from lanes.errors import (
     UnknownWorkload,
     WrongMode,
 )
+from lanes.protocols import TIMEOUT_HEADER
 from lanes.protocols.v2 import DTYPES
 from lanes.settings import Settings
 from lanes.spec import Spec, Workload
 from lanes.specfile import load_spec
 
-TIMEOUT_HEADER = "X-Timeout-Ms"
 BACKOFF_BASE_S = 0.2
 # The longest a client sleeps before a retry; a longer Retry-After is the caller's call.
 MAX_BACKOFF_S = 8.0

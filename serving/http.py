@@ -18,9 +18,8 @@ from lanes.errors import (
     UnknownWorkload,
     WrongMode,
 )
+from lanes.protocols import TIMEOUT_HEADER
 from lanes.protocols.openai import error_body
-
-TIMEOUT_HEADER = "x-timeout-ms"  # per-request deadline, in milliseconds
 
 
 class BodyTooLarge(InvalidInput):
