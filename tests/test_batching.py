@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +16,7 @@ from onnx import TensorProto, helper
 from lanes.errors import DeadlineExceeded, Overloaded
 from lanes.runtime import Runtime
 from lanes.settings import Settings
-from lanes.tasks import load_task
+from lanes.tasks import Task, load_task
 from serving.batching import BatchQueue
 from serving.metrics import Metrics, Utilization
 from serving.worker import BatchWorker
@@ -95,10 +97,22 @@ async def test_close_drains_then_returns_empty() -> None:
 # ---- the worker that runs a queue's batches ------------------------------------
 
 
-async def test_worker_runs_cheap_batches_on_the_loop_and_slow_ones_on_its_thread(
-    tmp_path: Path,
-) -> None:
-    """Waking a thread costs more than a tiny model's run; a slow run must leave the loop."""
+@dataclass
+class SumWorker:
+    """A started worker on a ReduceSum model whose handler records the thread of each
+    output (tests/worker_hooks.py) and sleeps 5 ms on a total over 100."""
+
+    task: Task
+    worker: BatchWorker
+    metrics: Metrics
+    names: list[str]
+
+    def batches(self) -> float | None:
+        return self.metrics.registry.get_sample_value("lanes_batch_size_count", {"workload": "w"})
+
+
+@pytest.fixture
+async def sums(tmp_path: Path) -> AsyncIterator[SumWorker]:
     from tests import worker_hooks
     from tests.test_tasks import io, save, spec_for, tensor
 
@@ -115,81 +129,67 @@ async def test_worker_runs_cheap_batches_on_the_loop_and_slow_ones_on_its_thread
     metrics = Metrics()
     worker = BatchWorker(task, metrics)
     worker.start()
-    names = worker_hooks.threads.names
-    names.clear()
+    worker_hooks.threads.names.clear()
     try:
-        cheap = task.prepare({"x": [[1, 2, 3]]})
-        for _ in range(8):
-            [out] = await worker.submit([cheap])
-            assert out["total"].tolist() == [6.0]
-        # The first run is measured on the worker's thread; then the loop runs them.
-        assert names[0].startswith("lanes-w")
-        assert names[-1] == threading.current_thread().name
-        assert worker.runs_inline(1)
-        # Cheap runs always queue, so requests parsed together still share a run.
-        batches = metrics.registry.get_sample_value("lanes_batch_size_count", {"workload": "w"})
-        await asyncio.gather(*(worker.submit([cheap]) for _ in range(4)))
-        after = metrics.registry.get_sample_value("lanes_batch_size_count", {"workload": "w"})
-        assert after == batches + 1
-
-        names.clear()
-        await worker.submit([task.prepare({"x": [[100, 200, 300]]})])  # 5 ms: measured...
-        await worker.submit([cheap])  # ...so the next one goes back to the thread
-        assert names[1].startswith("lanes-w")
-        assert not worker.runs_inline(1)
+        yield SumWorker(task, worker, metrics, worker_hooks.threads.names)
     finally:
         await worker.stop()
+
+
+async def test_worker_runs_cheap_batches_on_the_loop_and_slow_ones_on_its_thread(
+    sums: SumWorker,
+) -> None:
+    """Waking a thread costs more than a tiny model's run; a slow run must leave the loop."""
+    task, worker, names = sums.task, sums.worker, sums.names
+    cheap = task.prepare({"x": [[1, 2, 3]]})
+    for _ in range(8):
+        [out] = await worker.submit([cheap])
+        assert out["total"].tolist() == [6.0]
+    # The first run is measured on the worker's thread; then the loop runs them.
+    assert names[0].startswith("lanes-w")
+    assert names[-1] == threading.current_thread().name
+    assert worker.runs_inline(1)
+    # Cheap runs always queue, so requests parsed together still share a run.
+    batches = sums.batches()
+    await asyncio.gather(*(worker.submit([cheap]) for _ in range(4)))
+    assert sums.batches() == batches + 1
+
+    names.clear()
+    await worker.submit([task.prepare({"x": [[100, 200, 300]]})])  # 5 ms: measured...
+    await worker.submit([cheap])  # ...so the next one goes back to the thread
+    assert names[1].startswith("lanes-w")
+    assert not worker.runs_inline(1)
 
 
 async def test_a_lone_request_runs_at_once_and_what_arrives_meanwhile_forms_one_batch(
-    tmp_path: Path,
+    sums: SumWorker,
 ) -> None:
-    from tests import worker_hooks
-    from tests.test_tasks import io, save, spec_for, tensor
+    task, worker, names = sums.task, sums.worker, sums.names
+    alone = asyncio.create_task(worker.submit([task.prepare({"x": [[100, 200, 300]]})]))
+    await asyncio.sleep(0)  # it is on the model (5 ms), and never was in the queue
+    assert len(worker.queue) == 0
+    later = [
+        asyncio.create_task(worker.submit([task.prepare({"x": [[i, 1, 1]]})])) for i in range(3)
+    ]
+    await asyncio.sleep(0)
+    assert len(worker.queue) == 3  # the model is busy: these wait, together
+    [first] = await alone
+    rest = await asyncio.gather(*later)
+    assert first["total"].tolist() == [600.0]
+    assert [out["total"].tolist() for [out] in rest] == [[2.0], [3.0], [4.0]]
+    assert names[0].startswith("lanes-w")  # the caller's batch still ran off the loop
+    assert sums.batches() == 2  # 1, then 3
+    sizes = sums.metrics.registry.get_sample_value("lanes_batch_size_sum", {"workload": "w"})
+    assert sizes == 4
 
-    model = save(
-        [helper.make_node("ReduceSum", ["x", "axis1"], ["total"], keepdims=0)],
-        [io("x", TensorProto.FLOAT, ["batch", 3])],
-        [io("total", TensorProto.FLOAT, ["batch"])],
-        tmp_path / "sum.onnx",
-        [tensor("axis1", [1], np.int64)],
-    )
-    spec = spec_for(model, "infer", handler="tests.worker_hooks:threads")
-    task = load_task("w", spec, Runtime(Settings(device="cpu", threads=1)))
-    task.warm_up()
-    metrics = Metrics()
-    worker = BatchWorker(task, metrics)
-    worker.start()
-    names = worker_hooks.threads.names
-    names.clear()
-    try:
-        alone = asyncio.create_task(worker.submit([task.prepare({"x": [[100, 200, 300]]})]))
-        await asyncio.sleep(0)  # it is on the model (5 ms), and never was in the queue
-        assert len(worker.queue) == 0
-        later = [
-            asyncio.create_task(worker.submit([task.prepare({"x": [[i, 1, 1]]})])) for i in range(3)
-        ]
-        await asyncio.sleep(0)
-        assert len(worker.queue) == 3  # the model is busy: these wait, together
-        [first] = await alone
-        rest = await asyncio.gather(*later)
-        assert first["total"].tolist() == [600.0]
-        assert [out["total"].tolist() for [out] in rest] == [[2.0], [3.0], [4.0]]
-        assert names[0].startswith("lanes-w")  # the caller's batch still ran off the loop
-        sample = metrics.registry.get_sample_value
-        assert sample("lanes_batch_size_count", {"workload": "w"}) == 2  # 1, then 3
-        assert sample("lanes_batch_size_sum", {"workload": "w"}) == 4
-
-        # A caller that leaves mid-run: its run still ends, is counted, and frees the model.
-        gone = asyncio.create_task(worker.submit([task.prepare({"x": [[100, 200, 300]]})]))
-        await asyncio.sleep(0)
-        gone.cancel()
-        [out] = await worker.submit([task.prepare({"x": [[1, 1, 1]]})])
-        assert out["total"].tolist() == [3.0]
-        assert gone.cancelled()
-        assert sample("lanes_batch_size_count", {"workload": "w"}) == 4
-    finally:
-        await worker.stop()
+    # A caller that leaves mid-run: its run still ends, is counted, and frees the model.
+    gone = asyncio.create_task(worker.submit([task.prepare({"x": [[100, 200, 300]]})]))
+    await asyncio.sleep(0)
+    gone.cancel()
+    [out] = await worker.submit([task.prepare({"x": [[1, 1, 1]]})])
+    assert out["total"].tolist() == [3.0]
+    assert gone.cancelled()
+    assert sums.batches() == 4
 
 
 def test_utilization_is_the_busy_share_of_the_window() -> None:
