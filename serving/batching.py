@@ -111,10 +111,9 @@ class BatchQueue:
         """
         while True:
             self._drop_answered()
-            if self._items and (free is None or free.is_set()):
-                break
             if self._items:
-                assert free is not None
+                if free is None or free.is_set():
+                    break
                 await free.wait()
                 continue
             if self._closed:
