@@ -6,20 +6,20 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from lanes.errors import LanesError, ModelError
 from lanes.tasks import Task
 from serving.batching import BatchQueue, Pending
 from serving.metrics import Metrics, Utilization
+from serving.model_thread import ModelThread
 
 log = logging.getLogger("lanes.serving")
 
 # A batch expected to run shorter than this runs on the event loop itself: waking
-# the executor thread and then the loop again costs ~0.3-0.5 ms on a small VM,
-# far more than a tiny model's run, and blocking the loop this long delays other
-# requests less than the two hand-offs would.
+# the model thread and then the loop again costs ~0.15-0.2 ms on a small VM (see
+# serving/model_thread.py), ten times a tiny model's run, and a loop blocked this
+# long holds up other requests for little more than those two wake-ups would.
 INLINE_RUN_S = 0.0005
 _COST_WEIGHT = 0.5  # of the newest batch in the running per-item cost: adapts in a few runs
 
@@ -50,7 +50,7 @@ class BatchWorker:
         self._run_time = metrics.run_time.labels(task.name)
         self._busy = metrics.busy_seconds.labels(task.name)
         self._batch_size = metrics.batch_size.labels(task.name)
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"lanes-{task.name}")
+        self._thread = ModelThread(f"lanes-{task.name}")
         self._loop_task: asyncio.Task[None] | None = None
         self._item_cost_s: float | None = None  # running mean of run time per item
         self._free = asyncio.Event()  # set while no batch is on the model
@@ -66,7 +66,7 @@ class BatchWorker:
         self.queue.close()
         if self._loop_task is not None:
             await self._loop_task
-        self._executor.shutdown(wait=True)
+        self._thread.stop()
 
     async def submit(self, items: Sequence[Any], timeout_s: float | None = None) -> list[Any]:
         """Run prepared items (all or none) and wait for their outputs, in order.
@@ -160,7 +160,7 @@ class BatchWorker:
             except Exception as e:
                 self._finish(batch, start, e)
             return True
-        running = asyncio.get_running_loop().run_in_executor(self._executor, self._timed_run, items)
+        running = self._thread.call(self._timed_run, items)
         try:
             result = await asyncio.shield(running)
         except asyncio.CancelledError:

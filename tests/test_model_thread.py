@@ -1,0 +1,64 @@
+"""The model thread: calls run in order on one named thread, answers reach the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from serving.model_thread import ModelThread
+
+
+def _where(tag: str) -> tuple[str, str]:
+    return tag, threading.current_thread().name
+
+
+async def test_calls_run_in_order_on_its_own_thread() -> None:
+    thread = ModelThread("lanes-test")
+    try:
+        answers = await asyncio.gather(*(thread.call(_where, str(i)) for i in range(5)))
+    finally:
+        thread.stop()
+    assert answers == [(str(i), "lanes-test") for i in range(5)]
+
+
+async def test_an_exception_reaches_the_caller_and_the_thread_keeps_serving() -> None:
+    def fail(message: str) -> None:
+        raise ValueError(message)
+
+    thread = ModelThread("lanes-test")
+    try:
+        with pytest.raises(ValueError, match="bad batch"):
+            await thread.call(fail, "bad batch")
+        assert await thread.call(_where, "next") == ("next", "lanes-test")
+    finally:
+        thread.stop()
+
+
+async def test_a_caller_that_leaves_does_not_stop_the_run() -> None:
+    finished = threading.Event()
+
+    def slow(seconds: float) -> None:
+        time.sleep(seconds)
+        finished.set()
+
+    thread = ModelThread("lanes-test")
+    try:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(thread.call(slow, 0.2), 0.01)
+        assert await thread.call(_where, "after") == ("after", "lanes-test")
+        assert finished.is_set()  # it ran to its end before the next call
+    finally:
+        thread.stop()
+
+
+async def test_stop_runs_what_was_called_then_ends_the_thread() -> None:
+    ran: list[str] = []
+    thread = ModelThread("lanes-test")
+    pending = [thread.call(ran.append, tag) for tag in "abc"]
+    await asyncio.to_thread(thread.stop)
+    await asyncio.gather(*pending)
+    assert ran == ["a", "b", "c"]
+    assert not any(t.name == "lanes-test" for t in threading.enumerate())
