@@ -66,7 +66,9 @@ class BatchWorker:
         self.queue.close()
         if self._loop_task is not None:
             await self._loop_task
-        self._thread.stop()
+        # Off the loop: a lone request's run may still be on the thread, and the loop
+        # stays free meanwhile to answer it and other workers' callers.
+        await asyncio.to_thread(self._thread.stop)
 
     async def submit(self, items: Sequence[Any], timeout_s: float | None = None) -> list[Any]:
         """Run prepared items (all or none) and wait for their outputs, in order.
