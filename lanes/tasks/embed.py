@@ -20,6 +20,7 @@ from lanes.runtime import Runtime, check_io, describe
 from lanes.spec import ModelSpec, TaskName, Workload
 from lanes.tasks.base import check_count, load_tokenizer
 from lanes.tasks.handler import NO_HANDLER, Handler
+from lanes.tasks.wordpiece import WordPiece
 
 Vector = npt.NDArray[np.float32]
 
@@ -52,6 +53,7 @@ class EmbedTask:
         # Encode one item at a time, unpadded: `run` pads each batch to its own longest.
         self.tokenizer.no_padding()
         self.tokenizer.enable_truncation(max_length=model.max_length)
+        self._wordpiece = WordPiece.of(self.tokenizer)  # the same ids, faster, where it applies
         self.session = runtime.session(model)
         where = str(model.path)
         check_io(self.session, where=where, task="embed", inputs=("input_ids", "attention_mask"))
@@ -72,7 +74,8 @@ class EmbedTask:
             raise InvalidInput(f"input: expected a string, found {type(text).__name__}")
         if not text.strip():
             raise InvalidInput("input: expected a non-empty string, found an empty one")
-        ids = np.asarray(self.tokenizer.encode(text).ids, dtype=np.int64)
+        found = self._wordpiece.encode(text) if self._wordpiece else None
+        ids = np.asarray(found or self.tokenizer.encode(text).ids, dtype=np.int64)
         if len(ids) == 0:
             raise InvalidInput("input: the tokenizer found no tokens in the text")
         return EmbedItem(ids, len(ids))
