@@ -12,16 +12,15 @@ import gc
 import hmac
 import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import orjson
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from lanes.errors import LanesError
 from lanes.protocols.openai import error_body
@@ -40,7 +39,7 @@ log = logging.getLogger("lanes.serving")
 HEALTH_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
 
 
-def create_app(spec: Spec, settings: Settings) -> Starlette:
+def create_app(spec: Spec, settings: Settings) -> Edge:
     """An app serving `spec`'s interactive workloads; loading starts with its lifespan."""
     state = ServingState(spec, settings)
 
@@ -65,11 +64,10 @@ def create_app(spec: Spec, settings: Settings) -> Starlette:
         *generate_routes.routes,
         *v2_routes.routes,
     ]
-    key = settings.api_key.get_secret_value() if settings.api_key else None
-    guard = Middleware(Guard, metrics=state.metrics, api_key=key)
-    app = Starlette(routes=routes, lifespan=lifespan, middleware=[guard])
+    app = Starlette(routes=routes, lifespan=lifespan)
     app.state.lanes = state
-    return app
+    key = settings.api_key.get_secret_value() if settings.api_key else None
+    return Edge(app, state.metrics, api_key=key)
 
 
 async def _load(state: ServingState) -> None:
@@ -138,6 +136,7 @@ _UNAUTHORIZED = orjson.dumps(
     )
 )
 _MODEL_PATH = re.compile(r"^/v2/models/[^/]+")
+_INFER_PATH = re.compile(r"/v2/models/([^/]+)/infer")
 
 
 def route_label(path: str) -> str:
@@ -145,10 +144,18 @@ def route_label(path: str) -> str:
     return _MODEL_PATH.sub("/v2/models/{name}", path)
 
 
-class Guard:
-    """Pure ASGI middleware: bearer-key auth (constant-time) and responses by status code."""
+class Edge:
+    """The ASGI app uvicorn runs: bearer-key auth (constant-time), responses counted by
+    status code, and a straight path to the two inference routes.
 
-    def __init__(self, app: ASGIApp, metrics: Metrics, api_key: str | None) -> None:
+    POST /v1/embeddings and POST /v2/models/{name}/infer carry every inference call,
+    so they skip Starlette's middleware, router and endpoint wrappers: a lone minilm
+    request was 0.10-0.19 ms faster without them (paired A/B, 2-vCPU VM). They call
+    the same endpoints Starlette routes to; any other method or path, and the
+    lifespan, go through Starlette.
+    """
+
+    def __init__(self, app: Starlette, metrics: Metrics, api_key: str | None) -> None:
         self.app = app
         self.metrics = metrics
         self.key = f"Bearer {api_key}".encode() if api_key else None
@@ -179,7 +186,31 @@ class Guard:
             )
             await send({"type": "http.response.body", "body": body})
             return
-        await self.app(scope, receive, counted)
+        endpoint = self._inference(scope)
+        if endpoint is None:
+            await self.app(scope, receive, counted)
+            return
+        scope["app"] = self.app  # what Starlette sets, for request.app.state
+        try:
+            response = await endpoint(Request(scope, receive))
+        except Exception:
+            self.metrics.responses.labels(label, "500").inc()  # uvicorn answers 500
+            raise
+        self.metrics.responses.labels(label, str(response.status_code)).inc()
+        await response(scope, receive, send)
+
+    def _inference(self, scope: Scope) -> Callable[[Request], Awaitable[Response]] | None:
+        """The endpoint of an inference call; path parameters go where Starlette puts them."""
+        if scope["method"] != "POST":
+            return None
+        path = scope["path"]
+        if path == "/v1/embeddings":
+            return openai_routes.embeddings
+        found = _INFER_PATH.fullmatch(path)
+        if found is None:
+            return None
+        scope["path_params"] = {"name": found.group(1)}
+        return v2_routes.infer
 
     def _authorized(self, scope: Scope) -> bool:
         assert self.key is not None

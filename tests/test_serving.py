@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from openai import AsyncOpenAI, AuthenticationError, OpenAI
 from lanes.runtime import Runtime
 from lanes.settings import Settings
 from lanes.tasks import load_task
+from serving.app import route_label
 from tests.servers import ServerThread, free_port, write_spec
 
 pytestmark = pytest.mark.slow
@@ -69,13 +71,15 @@ def server(spec_path: Path) -> Iterator[ServerThread]:
         yield running
 
 
-def metric(text: str, name: str, **labels: str) -> float:
-    """One sample of a Prometheus exposition, by name and labels."""
+def metric(text: str, name: str, default: float | None = None, **labels: str) -> float:
+    """One sample of a Prometheus exposition, by name and labels (else `default`)."""
     for line in text.splitlines():
         if line.startswith(name + "{") or line.startswith(name + " "):
             found = dict(re.findall(r'(\w+)="([^"]*)"', line.split(" ")[0]))
             if all(found.get(k) == v for k, v in labels.items()):
                 return float(line.rsplit(" ", 1)[1])
+    if default is not None:
+        return default
     raise KeyError(f"{name} {labels} not in metrics")
 
 
@@ -198,6 +202,7 @@ BAD_REQUESTS: list[tuple[str, str, object, int]] = [
     ("POST", "/v1/embeddings", {"model": "nightly", "input": "x"}, 400),
     ("POST", "/v1/embeddings", {"model": "search-query", "input": "x" * 9_000_000}, 413),
     ("GET", "/v1/embeddings", None, 405),
+    ("POST", "/v2/models/infer", None, 405),  # a model named "infer": GET only
     ("POST", "/v2/models/flowers/infer", {"inputs": []}, 400),
     (
         "POST",
@@ -272,6 +277,7 @@ BAD_REQUESTS: list[tuple[str, str, object, int]] = [
 def test_server_survives_bad_requests(server: ServerThread) -> None:
     assert len(BAD_REQUESTS) >= 20
     with httpx.Client(base_url=server.url, timeout=10) as client:
+        before = client.get("/metrics").text
         for method, path, body, status in BAD_REQUESTS:
             if isinstance(body, bytes) or body is None:
                 answer = client.request(
@@ -290,6 +296,14 @@ def test_server_survives_bad_requests(server: ServerThread) -> None:
                 assert isinstance(message, str) and len(message) > 10
         good = client.post("/v1/embeddings", json={"model": "search-query", "input": "still here"})
         assert good.status_code == 200
+        after = client.get("/metrics").text
+    # Every answer is counted by route and status, whichever path served it.
+    counts = Counter((route_label(path), str(status)) for _, path, _, status in BAD_REQUESTS)
+    counts[("/v1/embeddings", "200")] += 1
+    for (route, code), count in counts.items():
+        now = metric(after, "lanes_responses_total", route=route, code=code)
+        then = metric(before, "lanes_responses_total", default=0.0, route=route, code=code)
+        assert now - then == count, (route, code)
 
 
 def test_api_key_guards_everything_but_health(spec_path: Path) -> None:
