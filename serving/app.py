@@ -196,8 +196,8 @@ class Edge:
         except Exception:
             self.metrics.responses.labels(label, "500").inc()  # uvicorn answers 500
             raise
-        self.metrics.responses.labels(label, str(response.status_code)).inc()
         await response(scope, receive, send)
+        self.metrics.responses.labels(label, str(response.status_code)).inc()
 
     def _inference(self, scope: Scope) -> Callable[[Request], Awaitable[Response]] | None:
         """The endpoint of an inference call; path parameters go where Starlette puts them."""

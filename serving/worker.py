@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 from lanes.errors import LanesError, ModelError
@@ -77,38 +78,40 @@ class BatchWorker:
         """
         timeout_s = timeout_s if timeout_s is not None else self.default_timeout_s
         arrived = time.monotonic()
+        pendings: list[Pending] = []
         if self._runs_now(len(items)):
-            outputs = await self._run_now(items, arrived)
-            self._latency.observe(time.monotonic() - arrived)
-            return outputs
-        deadline = arrived + timeout_s if timeout_s is not None else None
-        queued: list[Pending] = []
+            loop = asyncio.get_running_loop()
+            pendings = [Pending(item, loop.create_future(), arrived) for item in items]
+            self._start(pendings)
+        else:
+            deadline = arrived + timeout_s if timeout_s is not None else None
+            try:
+                for item in items:
+                    pendings.append(self.queue.put(item, deadline))
+            except LanesError:
+                for pending in pendings:
+                    pending.future.cancel()
+                raise
+            self._queue_depth.set(len(self.queue))
         try:
-            for item in items:
-                queued.append(self.queue.put(item, deadline))
-        except LanesError:
-            for pending in queued:
-                pending.future.cancel()
-            raise
-        self._queue_depth.set(len(self.queue))
-        try:
-            if len(queued) == 1:
-                outputs = [await queued[0].future]
+            if len(pendings) == 1:
+                outputs = [await pendings[0].future]
             else:
-                outputs = list(await asyncio.gather(*(p.future for p in queued)))
-            self._latency.observe(time.monotonic() - arrived)
-            return outputs
+                outputs = list(await asyncio.gather(*(p.future for p in pendings)))
         except BaseException:
-            # One failed or the caller went away: free the others' places too.
-            for pending in queued:
+            # One failed or the caller went away: free the others' places too. A run
+            # already started ends on the thread regardless and is accounted for then.
+            for pending in pendings:
                 pending.future.cancel()
             raise
+        self._latency.observe(time.monotonic() - arrived)
+        return outputs
 
     def _runs_now(self, items: int) -> bool:
         """Whether a request may skip the queue: the model is free, nobody waits, and
         its batch would run on the thread.
 
-        Then the caller runs its batch itself. Through the queue it would cost two
+        Then the caller starts its batch itself. Through the queue it would cost two
         task switches (to the batch loop and back), ~0.15 ms of a lone request's
         latency here; nothing else changes: one batch at a time, same metrics.
         Batches cheap enough for the loop always queue: they finish before the next
@@ -124,76 +127,52 @@ class BatchWorker:
             and not self.runs_inline(items)
         )
 
-    async def _run_now(self, items: Sequence[Any], arrived: float) -> list[Any]:
-        loop = asyncio.get_running_loop()
-        batch = [Pending(item, loop.create_future(), arrived) for item in items]
-        try:
-            await self._execute(batch)
-        except asyncio.CancelledError:
-            for pending in batch:
-                pending.future.cancel()  # nobody will read the answers
-            raise
-        return [p.future.result() for p in batch]
-
     async def _run_forever(self) -> None:
         while True:
-            batch = await self.queue.next_batch(self._free)
+            batch = await self.queue.next_batch(self._free)  # waits while a batch runs
             self._queue_depth.set(len(self.queue))
             if not batch:
                 return
-            inline = await self._execute(batch)
-            if inline:
+            if self._start(batch):
                 await asyncio.sleep(0)  # an inline run: let replies go and requests arrive
 
-    async def _execute(self, batch: list[Pending]) -> bool:
-        """Run one batch and answer its futures; returns whether it ran on the loop.
+    def _start(self, batch: list[Pending]) -> bool:
+        """Run one batch; returns whether it ran on the loop (then it is answered already).
 
-        If the awaiting caller is cancelled mid-run (a request on the `_run_now` path
-        whose client left), the run finishes on the thread and is accounted for then.
+        Otherwise it runs on the model thread, whose callback answers it: the model
+        is busy (`_free` cleared) until then.
         """
         self._free.clear()
         start = time.monotonic()
-        for pending in batch:
-            self._queue_wait.observe(start - pending.enqueued_at)
         items = [p.item for p in batch]
         if self.runs_inline(len(items)):
             try:
-                self._finish(batch, start, self._timed_run(items))
+                result = self._timed_run(items)
             except Exception as e:
-                self._finish(batch, start, e)
+                self._finish(batch, start, None, e)
+            else:
+                self._finish(batch, start, result, None)
             return True
-        running = self._thread.call(self._timed_run, items)
-        try:
-            result = await asyncio.shield(running)
-        except asyncio.CancelledError:
-            running.add_done_callback(lambda done: self._finish(batch, start, _outcome(done)))
-            raise
-        except Exception as e:
-            self._finish(batch, start, e)
-        else:
-            self._finish(batch, start, result)
+        self._thread.call(self._timed_run, items, partial(self._finish, batch, start))
         return False
 
     def _finish(
-        self, batch: list[Pending], start: float, result: tuple[list[Any], float] | BaseException
+        self,
+        batch: list[Pending],
+        start: float,
+        result: tuple[list[Any], float] | None,
+        error: BaseException | None,
     ) -> None:
-        """Metrics for one run, then each caller's answer; frees the model for the next."""
+        """Each caller's answer, then the run's metrics; frees the model for the next."""
         end = time.monotonic()
         self._free.set()
-        self.utilization.record(start, end)  # the gauge is set when /metrics is read
-        self._busy.inc(end - start)
-        self._batch_size.observe(len(batch))
-        error: BaseException | None = None
         outputs: list[Any] = []
-        if isinstance(result, LanesError):
-            error = result
-        elif isinstance(result, BaseException):
+        if error is not None and not isinstance(error, LanesError):
             # A model failure must answer its callers, not kill the loop.
-            log.error("workload %s: a batch of %d failed", self.name, len(batch), exc_info=result)
-            error = ModelError(f"the model failed on this batch: {result}")
-        else:
-            outputs, run_s = result
-            self._run_time.observe(run_s)
+            log.error("workload %s: a batch of %d failed", self.name, len(batch), exc_info=error)
+            error = ModelError(f"the model failed on this batch: {error}")
+        elif result is not None:
+            outputs = result[0]
             if len(outputs) != len(batch):
                 error = ModelError(
                     f"the task returned {len(outputs)} outputs for {len(batch)} inputs"
@@ -205,6 +184,19 @@ class BatchWorker:
                 pending.future.set_exception(error)
             else:
                 pending.future.set_result(outputs[i])
+        # Accounted after the callers resume and send their answers (call_soon runs
+        # after the wake-ups set_result scheduled): a lone request does not wait on it.
+        run_s = result[1] if result is not None else None
+        asyncio.get_running_loop().call_soon(self._record, batch, start, end, run_s)
+
+    def _record(self, batch: list[Pending], start: float, end: float, run_s: float | None) -> None:
+        for pending in batch:
+            self._queue_wait.observe(start - pending.enqueued_at)
+        self.utilization.record(start, end)  # the gauge is set when /metrics is read
+        self._busy.inc(end - start)
+        self._batch_size.observe(len(batch))
+        if run_s is not None:
+            self._run_time.observe(run_s)
 
     def runs_inline(self, items: int) -> bool:
         """Whether a batch of `items` would run on the event loop (see INLINE_RUN_S)."""
@@ -219,10 +211,3 @@ class BatchWorker:
         old = self._item_cost_s
         self._item_cost_s = cost if old is None else old + _COST_WEIGHT * (cost - old)
         return outputs, took
-
-
-def _outcome(done: asyncio.Future[Any]) -> Any:
-    """A finished future's result, or its exception as a value."""
-    if done.cancelled():
-        return asyncio.CancelledError()
-    return done.exception() or done.result()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -15,10 +17,27 @@ def _where(tag: str) -> tuple[str, str]:
     return tag, threading.current_thread().name
 
 
+def call(thread: ModelThread, fn: Callable[[Any], Any], arg: Any) -> asyncio.Future[Any]:
+    """The call's outcome as a future, settled by its callback; checks the callback's thread."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+    caller = threading.current_thread()
+
+    def done(result: Any, error: BaseException | None) -> None:
+        assert threading.current_thread() is caller, "answered on the caller's loop"
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    thread.call(fn, arg, done)
+    return future
+
+
 async def test_calls_run_in_order_on_its_own_thread() -> None:
     thread = ModelThread("lanes-test")
     try:
-        answers = await asyncio.gather(*(thread.call(_where, str(i)) for i in range(5)))
+        answers = await asyncio.gather(*(call(thread, _where, str(i)) for i in range(5)))
     finally:
         thread.stop()
     assert answers == [(str(i), "lanes-test") for i in range(5)]
@@ -31,8 +50,8 @@ async def test_an_exception_reaches_the_caller_and_the_thread_keeps_serving() ->
     thread = ModelThread("lanes-test")
     try:
         with pytest.raises(ValueError, match="bad batch"):
-            await thread.call(fail, "bad batch")
-        assert await thread.call(_where, "next") == ("next", "lanes-test")
+            await call(thread, fail, "bad batch")
+        assert await call(thread, _where, "next") == ("next", "lanes-test")
     finally:
         thread.stop()
 
@@ -46,10 +65,12 @@ async def test_a_caller_that_leaves_does_not_stop_the_run() -> None:
 
     thread = ModelThread("lanes-test")
     try:
+        running = call(thread, slow, 0.2)
         with pytest.raises(TimeoutError):
-            await asyncio.wait_for(thread.call(slow, 0.2), 0.01)
-        assert await thread.call(_where, "after") == ("after", "lanes-test")
+            await asyncio.wait_for(asyncio.shield(running), 0.01)
+        assert await call(thread, _where, "after") == ("after", "lanes-test")
         assert finished.is_set()  # it ran to its end before the next call
+        assert running.result() is None  # and it was answered all the same
     finally:
         thread.stop()
 
@@ -57,7 +78,7 @@ async def test_a_caller_that_leaves_does_not_stop_the_run() -> None:
 async def test_stop_runs_what_was_called_then_ends_the_thread() -> None:
     ran: list[str] = []
     thread = ModelThread("lanes-test")
-    pending = [thread.call(ran.append, tag) for tag in "abc"]
+    pending = [call(thread, ran.append, tag) for tag in "abc"]
     await asyncio.to_thread(thread.stop)
     await asyncio.gather(*pending)
     assert ran == ["a", "b", "c"]
