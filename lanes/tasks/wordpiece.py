@@ -47,7 +47,7 @@ class WordPiece:
     def of(cls, tokenizer: Tokenizer) -> WordPiece | None:
         """This fast path for `tokenizer` as it is now configured; None if it does not apply.
 
-        Read padding and truncation settings at this call: set them first.
+        It reads the padding and truncation settings as they are now: set them first.
         """
         config = json.loads(tokenizer.to_str())
         model = config.get("model") or {}
@@ -94,7 +94,7 @@ class WordPiece:
         vocab = self.vocab
         ids: list[int] = []
         for word in _WORDS.findall(lowered if self.lowercase else text):
-            found = vocab.get(word)
+            found = vocab.get(word) if len(word) <= self.max_word_chars else None
             if found is not None:  # most words are whole vocabulary entries
                 ids.append(found)
             else:
