@@ -79,28 +79,23 @@ class BatchWorker:
         timeout_s = timeout_s if timeout_s is not None else self.default_timeout_s
         arrived = time.monotonic()
         pendings: list[Pending] = []
-        if self._runs_now(len(items)):
-            loop = asyncio.get_running_loop()
-            pendings = [Pending(item, loop.create_future(), arrived) for item in items]
-            self._start(pendings)
-        else:
-            deadline = arrived + timeout_s if timeout_s is not None else None
-            try:
-                for item in items:
-                    pendings.append(self.queue.put(item, deadline))
-            except LanesError:
-                for pending in pendings:
-                    pending.future.cancel()
-                raise
-            self._queue_depth.set(len(self.queue))
         try:
+            if self._runs_now(len(items)):
+                loop = asyncio.get_running_loop()
+                pendings = [Pending(item, loop.create_future(), arrived) for item in items]
+                self._start(pendings)
+            else:
+                deadline = arrived + timeout_s if timeout_s is not None else None
+                for item in items:
+                    pendings.append(self.queue.put(item, deadline))  # may refuse: Overloaded
+                self._queue_depth.set(len(self.queue))
             if len(pendings) == 1:
                 outputs = [await pendings[0].future]
             else:
                 outputs = list(await asyncio.gather(*(p.future for p in pendings)))
         except BaseException:
-            # One failed or the caller went away: free the others' places too. A run
-            # already started ends on the thread regardless and is accounted for then.
+            # Refused, one failed, or the caller went away: free the others' places too.
+            # A run already started ends on the thread regardless and is accounted for then.
             for pending in pendings:
                 pending.future.cancel()
             raise
