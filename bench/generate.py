@@ -47,11 +47,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from lanes.runtime import Runtime  # noqa: E402
+from lanes.serving.kvcache import MAX_PADDING  # noqa: E402
 from lanes.settings import Settings  # noqa: E402
 from lanes.specfile import load_spec  # noqa: E402
 from lanes.tasks import GenerateTask, load_task  # noqa: E402
 from lanes.tasks.decoder import Past  # noqa: E402
-from serving.kvcache import MAX_PADDING  # noqa: E402
 
 WORKLOAD = "gen"
 POLICIES = ("continuous", "static", "static-drop", "serial")
@@ -88,9 +88,9 @@ def serve(spec_path: str, policy: str, port: int, max_padding: float) -> None:
     from starlette.applications import Starlette
     from starlette.routing import Route
 
-    from serving import app as lanes_app
-    from serving import generate_routes
-    from serving.state import ServingState
+    from lanes.serving import app as lanes_app
+    from lanes.serving import generate_routes
+    from lanes.serving.state import ServingState
 
     settings = Settings(port=port)
     state = ServingState(load_spec(Path(spec_path), settings), settings)

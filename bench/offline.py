@@ -9,7 +9,7 @@ Writes `--records` query-like texts (3-12 words) as JSONL shards under
   and cut into exactly the batches the job makes (each shard sorted by length, then
   `--batch-size` at a time), so padding is identical; only the runs are timed. Half
   the batches run before the job and half after, so both sides see the same machine.
-- end to end: the `lanes-offline` Prefect flow (`flows.batch.offline`) on those
+- end to end: the `lanes-offline` Prefect flow (`lanes.flows.batch.offline`) on those
   shards: list, read, parse, tokenize, run, pool, serialise, write, commit, manifest.
   Timed around the flow call, after a warm-up run has started the embedded Prefect
   API (its one-off start-up is not part of any job).
@@ -163,7 +163,7 @@ def raw(task: EmbedTask, feeds_list: list[Feeds]) -> Measured:
 
 def end_to_end(spec: Path, work: Path, index: int | None) -> tuple[Measured, dict[str, Any]]:
     """One job: the flow over in/ (or in/rK/ in round K), timed around the call."""
-    from flows.batch import offline
+    from lanes.flows.batch import offline
 
     source, dest = work / "in", work / "out"
     if index is not None:
@@ -231,7 +231,7 @@ def main() -> None:
     )
     feeds = batches(task, parts, args.batch_size)
     print("starting the embedded Prefect API (a warm-up run) ...", flush=True)
-    from flows.batch import offline
+    from lanes.flows.batch import offline
 
     offline(workload="warm-up", spec=str(spec))
     raws: list[Measured] = []

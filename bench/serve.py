@@ -354,7 +354,7 @@ def main() -> None:
     spec_path = work / "workloads.yaml"
     spec_path.write_text(SPEC.format(m=models_dir))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    lanes = [sys.executable, "-m", "router.cli", "serve", str(spec_path), "--port", "8431"]
+    lanes = [sys.executable, "-m", "lanes.router.cli", "serve", str(spec_path), "--port", "8431"]
     for model in args.models.split(","):
         servers = {"lanes": (lanes, "http://127.0.0.1:8431")}
         if not args.no_baseline:

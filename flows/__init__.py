@@ -12,4 +12,4 @@ flows.compile   offline workloads -> prefect.yaml
 # The flow every offline workload runs; its deployments are "lanes-offline/<workload>".
 FLOW_NAME = "lanes-offline"
 # Where prefect.yaml points: a module path, valid wherever lanes is installed.
-ENTRYPOINT = "flows.batch:offline"
+ENTRYPOINT = "lanes.flows.batch:offline"

@@ -24,11 +24,11 @@ from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture, as_completed
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
-from flows import FLOW_NAME
-from flows.job import Job, plan_job, plan_shards
-from flows.manifest import Manifest, ShardFailure, build_manifest, write_manifest
-from flows.shard import Model, ShardPlan, ShardStats, committed, run_shard
 from lanes.errors import JobFailed
+from lanes.flows import FLOW_NAME
+from lanes.flows.job import Job, plan_job, plan_shards
+from lanes.flows.manifest import Manifest, ShardFailure, build_manifest, write_manifest
+from lanes.flows.shard import Model, ShardPlan, ShardStats, committed, run_shard
 from lanes.runtime import Runtime
 from lanes.settings import Settings
 from lanes.spec import Runner
@@ -40,7 +40,7 @@ STALE_STAGING_S = 24 * 3600
 
 log = logging.getLogger(__name__)
 # Progress events for whoever watches in this process (`lanes run` draws a bar).
-progress_log = logging.getLogger("flows.progress")
+progress_log = logging.getLogger("lanes.flows.progress")
 
 
 @flow(

@@ -3,7 +3,7 @@
     lanes compile                      # writes ./prefect.yaml beside workloads.yaml
     prefect --no-prompt deploy --all   # registers every deployment, no questions
 
-Each deployment runs `flows.batch:offline` (a module path: it works wherever lanes is
+Each deployment runs `lanes.flows.batch:offline` (a module path: it works wherever lanes is
 installed) with the workload's name as a parameter, on the workload's cron schedule
 or, without one, the default off-peak window (`Settings.offpeak`), in the work pool
 `Settings.work_pool`. The worker first changes to the project folder, so the spec's
@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from flows import ENTRYPOINT, FLOW_NAME
+from lanes.flows import ENTRYPOINT, FLOW_NAME
 from lanes.settings import Settings
 from lanes.spec import Schedule, Spec, Workload
 

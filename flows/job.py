@@ -13,9 +13,9 @@ from pathlib import Path
 
 import orjson
 
-from flows.records import SUFFIXES, output_name
-from flows.shard import ShardPlan
 from lanes.errors import StorageError, WrongMode
+from lanes.flows.records import SUFFIXES, output_name
+from lanes.flows.shard import ShardPlan
 from lanes.layout import ERRORS, MARKERS
 from lanes.settings import Settings
 from lanes.spec import Runner, Spec, Workload

@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from flows.shard import ShardStats
+from lanes.flows.shard import ShardStats
 from lanes.layout import LATEST, MANIFESTS
 from lanes.storage import Storage, join
 

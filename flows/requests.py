@@ -25,8 +25,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from flows.records import Line
 from lanes.errors import InvalidInput
+from lanes.flows.records import Line
 from lanes.protocols.openai import (
     BATCH_URLS,
     BatchRequestLine,

@@ -25,9 +25,9 @@ from typing import IO, Any
 
 import orjson
 
-from flows.records import read_shard
-from flows.requests import Rejection, Request, to_request
 from lanes.errors import InvalidInput
+from lanes.flows.records import read_shard
+from lanes.flows.requests import Rejection, Request, to_request
 from lanes.storage import Storage, StoredFile
 from lanes.tasks.base import Task
 

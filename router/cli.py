@@ -16,13 +16,13 @@ from rich.console import Console
 from rich.table import Table
 
 from lanes.errors import InvalidInput
+from lanes.router import client_cli, offline_cli
+from lanes.router.console import SpecFile, command, guarded
+from lanes.router.plan import plan as make_plan
+from lanes.router.render import to_jsonable
 from lanes.settings import Settings
 from lanes.spec import Spec
 from lanes.specfile import load_spec
-from router import client_cli, offline_cli
-from router.console import SpecFile, command, guarded
-from router.plan import plan as make_plan
-from router.render import to_jsonable
 
 app = typer.Typer(
     add_completion=False,
@@ -104,7 +104,7 @@ def serve(
     port: Annotated[int | None, typer.Option(help="Port (default: LANES_PORT).")] = None,
 ) -> None:
     """Serve every interactive workload on one HTTP endpoint (OpenAI and Open Inference v2)."""
-    from serving.server import serve as run_server
+    from lanes.serving.server import serve as run_server
 
     settings = Settings()
     spec = guarded(lambda: _load(file, settings))

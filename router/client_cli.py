@@ -17,7 +17,7 @@ import typer
 
 from lanes.client import Client
 from lanes.errors import InvalidInput
-from router.render import to_jsonable
+from lanes.router.render import to_jsonable
 
 SpecOption = Annotated[
     Path | None, typer.Option("--file", "-f", help="workloads.yaml (default: LANES_SPEC).")

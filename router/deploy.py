@@ -13,9 +13,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from flows import FLOW_NAME
-from flows.compile import POOL_TYPE, write_prefect_yaml
 from lanes.errors import LanesError
+from lanes.flows import FLOW_NAME
+from lanes.flows.compile import POOL_TYPE, write_prefect_yaml
 from lanes.settings import Settings
 from lanes.spec import Spec
 

@@ -24,9 +24,9 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from lanes.router.console import guarded
 from lanes.settings import Settings
 from lanes.specfile import load_spec
-from router.console import guarded
 
 T = TypeVar("T")
 
@@ -59,7 +59,7 @@ def compile(
     ] = None,
 ) -> None:
     """Write prefect.yaml: one Prefect deployment per offline workload."""
-    from flows.compile import write_prefect_yaml
+    from lanes.flows.compile import write_prefect_yaml
 
     settings = Settings()
     spec_file = file or settings.spec
@@ -78,8 +78,8 @@ def compile(
 def deploy(file: SpecFile = None) -> None:
     """Compile, create the work pool if missing, and register every offline workload
     on the Prefect server in PREFECT_API_URL."""
-    from router.deploy import deploy as deploy_all
-    from router.plan import plan
+    from lanes.router.deploy import deploy as deploy_all
+    from lanes.router.plan import plan
 
     settings = Settings()
     spec_file = file or settings.spec
@@ -112,7 +112,7 @@ def run(
     from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS as STARTUP
     from prefect.settings import temporary_settings
 
-    from flows.batch import offline
+    from lanes.flows.batch import offline
 
     settings = Settings()
     spec_file = file or settings.spec
@@ -141,7 +141,7 @@ def _progress_bar() -> Iterator[None]:
         console=Console(stderr=True),
     )
     handler = _ProgressHandler(progress)
-    watched = logging.getLogger("flows.progress")
+    watched = logging.getLogger("lanes.flows.progress")
     level, propagate = watched.level, watched.propagate
     watched.addHandler(handler)
     # Debug events for the bar only, not for Prefect's console handler.

@@ -6,8 +6,8 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
 
-from flows import FLOW_NAME as OFFLINE_FLOW
-from flows.compile import schedule_of
+from lanes.flows import FLOW_NAME as OFFLINE_FLOW
+from lanes.flows.compile import schedule_of
 from lanes.settings import Settings
 from lanes.spec import Spec, Workload
 

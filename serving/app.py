@@ -25,14 +25,14 @@ from starlette.types import Message, Receive, Scope, Send
 from lanes.errors import LanesError
 from lanes.protocols.openai import error_body
 from lanes.runtime import Runtime
+from lanes.serving import generate_routes, openai_routes, v2_routes
+from lanes.serving.http import JSONResponse
+from lanes.serving.metrics import Metrics
+from lanes.serving.state import ServingState
+from lanes.serving.worker import BatchWorker
 from lanes.settings import Settings
 from lanes.spec import Spec
 from lanes.tasks import GenerateTask, load_task
-from serving import generate_routes, openai_routes, v2_routes
-from serving.http import JSONResponse
-from serving.metrics import Metrics
-from serving.state import ServingState
-from serving.worker import BatchWorker
 
 log = logging.getLogger("lanes.serving")
 

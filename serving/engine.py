@@ -34,11 +34,9 @@ from typing import Any
 import numpy as np
 
 from lanes.errors import Overloaded
-from lanes.tasks.decoder import Past
-from lanes.tasks.generate import GenerateRequest, GenerateTask
-from serving.kvcache import MAX_PADDING, BatchCache
-from serving.metrics import Metrics, TokenRate, Utilization
-from serving.scheduler import (
+from lanes.serving.kvcache import MAX_PADDING, BatchCache
+from lanes.serving.metrics import Metrics, TokenRate, Utilization
+from lanes.serving.scheduler import (
     Event,
     Policy,
     Scheduler,
@@ -46,6 +44,8 @@ from serving.scheduler import (
     StepOutputs,
     StepPlan,
 )
+from lanes.tasks.decoder import Past
+from lanes.tasks.generate import GenerateRequest, GenerateTask
 
 log = logging.getLogger("lanes.serving")
 

@@ -38,14 +38,14 @@ from lanes.protocols.openai import (
     render_chat,
     usage_chunk,
 )
+from lanes.serving.engine import Engine, TokenStream
+from lanes.serving.guard import Piece, TextGuard, pieces
+from lanes.serving.http import JSONResponse, openai_error, read_json, status_of, timeout_s
+from lanes.serving.kvcache import MAX_PADDING
+from lanes.serving.scheduler import Policy
+from lanes.serving.state import ServingState
 from lanes.tasks.decoder import DecoderConfig
 from lanes.tasks.generate import GenerateTask
-from serving.engine import Engine, TokenStream
-from serving.guard import Piece, TextGuard, pieces
-from serving.http import JSONResponse, openai_error, read_json, status_of, timeout_s
-from serving.kvcache import MAX_PADDING
-from serving.scheduler import Policy
-from serving.state import ServingState
 
 T = TypeVar("T")
 DONE = b"data: [DONE]\n\n"

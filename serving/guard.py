@@ -24,9 +24,9 @@ from typing import Any
 
 from lanes.errors import DeadlineExceeded, HandlerError, ModelError, Overloaded
 from lanes.protocols.openai import OpenAIFinish
+from lanes.serving.engine import TokenStream
+from lanes.serving.scheduler import Event
 from lanes.spec import Guard
-from serving.engine import TokenStream
-from serving.scheduler import Event
 
 log = logging.getLogger("lanes.serving")
 

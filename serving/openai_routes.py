@@ -7,8 +7,8 @@ from starlette.routing import Route
 
 from lanes.errors import InvalidInput, LanesError
 from lanes.protocols.openai import EmbeddingsRequest, embeddings_response, parse
-from serving.http import JSONResponse, openai_error, read_json, timeout_s
-from serving.state import ServingState
+from lanes.serving.http import JSONResponse, openai_error, read_json, timeout_s
+from lanes.serving.state import ServingState
 
 
 async def embeddings(request: Request) -> JSONResponse:

@@ -6,9 +6,9 @@ import logging
 
 import uvicorn
 
+from lanes.serving.app import create_app
 from lanes.settings import Settings
 from lanes.spec import Spec
-from serving.app import create_app
 
 
 def serve(spec: Spec, settings: Settings, host: str | None = None, port: int | None = None) -> None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lanes.errors import Overloaded, UnknownWorkload, WrongMode
+from lanes.serving.engine import Engine
+from lanes.serving.guard import TextGuard
+from lanes.serving.metrics import Metrics
+from lanes.serving.worker import BatchWorker
 from lanes.settings import Settings
 from lanes.spec import Spec, TaskName
-from serving.engine import Engine
-from serving.guard import TextGuard
-from serving.metrics import Metrics
-from serving.worker import BatchWorker
 
 
 @dataclass

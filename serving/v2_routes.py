@@ -17,11 +17,11 @@ from starlette.routing import Route
 
 from lanes.errors import InvalidInput, LanesError
 from lanes.protocols.v2 import DTYPES, InferRequest, output_tensor, to_array
+from lanes.serving.http import JSONResponse, read_json, timeout_s, v2_error
+from lanes.serving.state import ServingState
+from lanes.serving.worker import BatchWorker
 from lanes.spec import TaskName
 from lanes.tasks.infer import InferTask
-from serving.http import JSONResponse, read_json, timeout_s, v2_error
-from serving.state import ServingState
-from serving.worker import BatchWorker
 
 TASKS: tuple[TaskName, ...] = ("infer", "embed")
 

@@ -10,10 +10,10 @@ from functools import partial
 from typing import Any
 
 from lanes.errors import LanesError, ModelError
+from lanes.serving.batching import BatchQueue, Pending
+from lanes.serving.metrics import Metrics, Utilization
+from lanes.serving.model_thread import ModelThread
 from lanes.tasks import Task
-from serving.batching import BatchQueue, Pending
-from serving.metrics import Metrics, Utilization
-from serving.model_thread import ModelThread
 
 log = logging.getLogger("lanes.serving")
 

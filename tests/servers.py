@@ -12,9 +12,9 @@ from typing import Any
 import httpx
 import uvicorn
 
+from lanes.serving.app import create_app
 from lanes.settings import Settings
 from lanes.specfile import load_spec
-from serving.app import create_app
 
 
 def free_port() -> int:

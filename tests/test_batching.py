@@ -15,11 +15,11 @@ from onnx import TensorProto, helper
 
 from lanes.errors import DeadlineExceeded, Overloaded
 from lanes.runtime import Runtime
+from lanes.serving.batching import BatchQueue
+from lanes.serving.metrics import Metrics, Utilization
+from lanes.serving.worker import BatchWorker
 from lanes.settings import Settings
 from lanes.tasks import Task, load_task
-from serving.batching import BatchQueue
-from serving.metrics import Metrics, Utilization
-from serving.worker import BatchWorker
 
 
 async def test_idle_queue_hands_out_a_lone_request_at_once() -> None:

@@ -48,7 +48,7 @@ WORKLOADS = """\
 
 def lanes(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "router.cli", *args],
+        [sys.executable, "-m", "lanes.router.cli", *args],
         capture_output=True,
         text=True,
         cwd=ROOT,

@@ -420,7 +420,7 @@ def test_cli_call_and_stream(server: ServerThread, specs: tuple[Path, Path]) -> 
     }
     running = {
         what: subprocess.Popen(
-            [sys.executable, "-m", "router.cli", *args],
+            [sys.executable, "-m", "lanes.router.cli", *args],
             env={**env, "LANES_API_KEY": "nope"} if what == "wrong key" else env,
             cwd=ROOT,
             stdout=subprocess.PIPE,

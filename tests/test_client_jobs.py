@@ -93,7 +93,7 @@ class Setup:
 def setup(demo_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from router.deploy import deploy
+    from lanes.router.deploy import deploy
 
     root = tmp_path_factory.mktemp("jobs")
     project, other = root / "project", root / "client"
@@ -130,7 +130,7 @@ def finish(process: subprocess.Popen[str], timeout: float = 120) -> tuple[str, s
 
 
 def lanes_cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "router.cli", *args]
+    return [sys.executable, "-m", "lanes.router.cli", *args]
 
 
 def flow_run(setup: Setup, id: str) -> dict[str, Any]:

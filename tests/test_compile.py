@@ -9,12 +9,12 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
-from flows import ENTRYPOINT, FLOW_NAME
-from flows.compile import render, schedule_of, write_prefect_yaml
+from lanes.flows import ENTRYPOINT, FLOW_NAME
+from lanes.flows.compile import render, schedule_of, write_prefect_yaml
+from lanes.router import plan as router_plan
+from lanes.router.offline_cli import compile as compile_command
 from lanes.settings import Settings
 from lanes.specfile import load_spec
-from router import plan as router_plan
-from router.offline_cli import compile as compile_command
 from tests.flows_fixtures import write_spec
 
 WORKLOADS = {

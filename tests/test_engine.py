@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from lanes.runtime import Runtime
+from lanes.serving.engine import Engine, TokenStream
+from lanes.serving.metrics import Metrics
+from lanes.serving.scheduler import POLICIES, Policy
 from lanes.settings import Settings
 from lanes.spec import Spec
 from lanes.tasks import GenerateTask, load_task
-from serving.engine import Engine, TokenStream
-from serving.metrics import Metrics
-from serving.scheduler import POLICIES, Policy
 
 pytestmark = pytest.mark.slow
 

@@ -18,11 +18,11 @@ from openai import AsyncOpenAI
 from tokenizers import Tokenizer
 
 from lanes.runtime import Runtime
+from lanes.serving.engine import Engine
+from lanes.serving.metrics import Metrics
 from lanes.settings import Settings
 from lanes.specfile import load_spec
 from lanes.tasks import GenerateTask, load_task
-from serving.engine import Engine
-from serving.metrics import Metrics
 from tests.servers import ServerThread
 
 pytestmark = pytest.mark.slow

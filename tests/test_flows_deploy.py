@@ -53,7 +53,7 @@ def test_compile_deploy_and_a_process_worker_run_the_workload(
     for shard in range(2):
         records = [{"id": f"{shard}-{i}", "x": [[i, 1, 2, 3]]} for i in range(5)]
         write_jsonl(project / "in" / f"part-{shard}.jsonl", records)
-    lanes = [sys.executable, "-m", "router.cli"]  # the `lanes` command, from this venv
+    lanes = [sys.executable, "-m", "lanes.router.cli"]  # the `lanes` command, from this venv
 
     _run([*lanes, "compile", str(spec)], env, project)
     compiled = yaml.safe_load((project / "prefect.yaml").read_text())

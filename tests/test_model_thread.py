@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from serving.model_thread import ModelThread
+from lanes.serving.model_thread import ModelThread
 
 
 def _where(tag: str) -> tuple[str, str]:

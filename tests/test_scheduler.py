@@ -7,8 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from lanes.tasks.sampling import SamplingParams
-from serving.scheduler import (
+from lanes.serving.scheduler import (
     Event,
     Policy,
     Scheduler,
@@ -17,6 +16,7 @@ from serving.scheduler import (
     StepOutputs,
     StepPlan,
 )
+from lanes.tasks.sampling import SamplingParams
 
 # Token ids: 0 is eos; 1-6 are one character each; 7 and 8 are the two halves of "é".
 CHARS = {1: "a", 2: "b", 3: "c", 4: " ", 5: "\n", 6: "x"}

@@ -22,9 +22,9 @@ import tritonclient.http as triton
 from openai import AsyncOpenAI, AuthenticationError, OpenAI
 
 from lanes.runtime import Runtime
+from lanes.serving.app import route_label
 from lanes.settings import Settings
 from lanes.tasks import load_task
-from serving.app import route_label
 from tests.servers import ServerThread, free_port, write_spec
 
 pytestmark = pytest.mark.slow
@@ -331,7 +331,7 @@ def test_sigterm_finishes_queued_work_then_exits(spec_path: Path) -> None:
     port = free_port()
     env = {**os.environ, "LANES_PORT": str(port)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "router.cli", "serve", str(spec_path)],
+        [sys.executable, "-m", "lanes.router.cli", "serve", str(spec_path)],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -241,7 +241,9 @@ def test_next_run_honours_timezone(folder: Path) -> None:
 def test_cli_validate_prints_problems_and_exits_2(folder: Path) -> None:
     path = write(folder, GOOD.replace("max_wait_ms: 2}", "max_wait_ms: soon}"))
     done = subprocess.run(
-        [sys.executable, "-m", "router.cli", "validate", str(path)], capture_output=True, text=True
+        [sys.executable, "-m", "lanes.router.cli", "validate", str(path)],
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 2
     assert f"{path}:10:48: workloads.search-query.batching.max_wait_ms:" in done.stderr
