@@ -198,6 +198,12 @@ class Spec(StrictModel):
     version: Literal[1] = 1
     models: dict[str, ModelSpec]
     workloads: dict[str, Workload]
+    root: Path | None = Field(
+        None,
+        description="The folder of workloads.yaml: relative paths and the user's handler "
+        "modules are found there. Set by the loader, not a key of the file; None (a spec "
+        "built in code) imports handlers from sys.path as it is.",
+    )
 
     def workload(self, name: str) -> Workload:
         from lanes.errors import UnknownWorkload
@@ -226,7 +232,8 @@ def parse_spec(data: Any, base: Path, check_files: bool = True) -> tuple[Spec | 
     """Validate plain data. Returns the spec (None if anything is wrong) and every problem.
 
     Model paths are made absolute against `base`, the folder of workloads.yaml, and,
-    with `check_files`, must exist (a client that only routes calls needs no models).
+    with `check_files`, must exist and every handler and guard must import (with `base`
+    on the import path); a client that only routes calls needs neither.
     """
     found: Found = []
     try:
@@ -256,11 +263,13 @@ def parse_spec(data: Any, base: Path, check_files: bool = True) -> tuple[Spec | 
             found += _from_pydantic(err, ("workloads", name))
     for name, model in models.items() if check_files else ():
         found += _model_problems(name, model)
+    for name, workload in workloads.items() if check_files else ():
+        found += _code_problems(name, workload, base)
     for name, raw in top.workloads.items():
         found += _workload_problems(name, raw, top.models, models)
     if found:
         return None, found
-    return Spec(version=top.version, models=models, workloads=workloads), []
+    return Spec(version=top.version, models=models, workloads=workloads, root=base), []
 
 
 def _resolve(model: ModelSpec, base: Path) -> ModelSpec:
@@ -281,6 +290,25 @@ def _model_problems(name: str, model: ModelSpec) -> Found:
                 False,
             )
         )
+    return found
+
+
+def _code_problems(name: str, workload: Workload, root: Path) -> Found:
+    """The user's own code must import now, not at the first request or in a worker."""
+    from lanes.errors import HandlerError
+    from lanes.tasks.handler import load_handler, load_scorer
+
+    found: Found = []
+    try:
+        if workload.handler is not None:
+            load_handler(workload.handler, root)
+    except HandlerError as err:
+        found.append((("workloads", name, "handler"), str(err), True))
+    try:
+        if workload.guard is not None:
+            load_scorer(workload.guard.handler, root)
+    except HandlerError as err:
+        found.append((("workloads", name, "guard", "handler"), str(err), True))
     return found
 
 

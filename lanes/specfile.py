@@ -49,8 +49,9 @@ def load_spec(
 ) -> Spec:
     """Load and validate a workloads.yaml, with the environment's overrides applied.
 
-    Raises `SpecError` listing every problem found. `check_files=False` skips the
-    check that model files exist (for clients that only route calls).
+    Raises `SpecError` listing every problem found. The spec's folder goes on the import
+    path and every `handler:` and guard is imported; `check_files=False` skips that and
+    the check that model files exist (for clients that only route calls).
     """
     settings = settings or Settings()
     file = Path(path) if path is not None else settings.spec

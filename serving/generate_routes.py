@@ -247,7 +247,7 @@ def start_engine(
     guard = task.workload.guard
     if guard is not None:
         blocked = state.metrics.guard_blocked.labels(name, guard.mode)
-        state.guards[name] = TextGuard.load(guard, on_block=blocked.inc)
+        state.guards[name] = TextGuard.load(guard, state.spec.root, on_block=blocked.inc)
     engine = Engine(task, state.metrics, policy, max_padding)
     engine.start()
     state.engines[name] = engine

@@ -16,17 +16,18 @@ Scoring runs on a worker thread: a guard may be a model of its own.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from lanes.errors import DeadlineExceeded, HandlerError, ModelError, Overloaded
+from lanes.errors import DeadlineExceeded, ModelError, Overloaded
 from lanes.protocols.openai import OpenAIFinish
 from lanes.serving.engine import TokenStream
 from lanes.serving.scheduler import Event
 from lanes.spec import Guard
+from lanes.tasks.handler import load_scorer
 
 log = logging.getLogger("lanes.serving")
 
@@ -53,20 +54,12 @@ class TextGuard:
         self.on_block = on_block
 
     @classmethod
-    def load(cls, spec: Guard, on_block: Callable[[], None] | None = None) -> TextGuard:
-        """Import the scorer; `HandlerError` when it cannot be imported or called."""
-        module_name, _, attr = spec.handler.partition(":")
-        try:
-            score: Any = importlib.import_module(module_name)
-            for part in attr.split("."):
-                score = getattr(score, part)
-        except Exception as err:  # any failure while importing user code is the user's to fix
-            raise HandlerError(
-                f"guard {spec.handler}: cannot import it: {type(err).__name__}: {err}"
-            ) from err
-        if not callable(score):
-            raise HandlerError(f"guard {spec.handler}: is {type(score).__name__}, not callable")
-        return cls(spec, score, on_block)
+    def load(
+        cls, spec: Guard, root: Path | None = None, on_block: Callable[[], None] | None = None
+    ) -> TextGuard:
+        """Import the scorer, with the spec's folder `root` on the import path;
+        `HandlerError` when it cannot be imported or called."""
+        return cls(spec, load_scorer(spec.handler, root), on_block)
 
     async def passes(self, text: str) -> bool:
         """Whether `text` scores below the threshold. A scorer that raises fails closed."""

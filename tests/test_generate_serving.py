@@ -113,7 +113,9 @@ def setup(
 ) -> Iterator[tuple[ServerThread, GenerateTask, Found]]:
     folder = tmp_path_factory.mktemp("generate")
     spec_path = folder / "workloads.yaml"
-    spec_path.write_text(workloads(demo_models, f"{GUARD_MODULE}:blocked"))
+    # The blocked term comes from the model's own greedy texts, so the guard module
+    # beside the spec is written after a first load with the demo's guard.
+    spec_path.write_text(workloads(demo_models, "lanes.demo.guard:blocklist"))
     task = load_task("code", load_spec(spec_path, Settings()), Runtime(Settings(device="cpu")))
     assert isinstance(task, GenerateTask)
     found = find_term(task)
@@ -121,10 +123,9 @@ def setup(
         "from lanes.demo.guard import make_blocklist\n\n"
         f"blocked = make_blocklist([{found.term!r}])\n"
     )
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(folder))
-        with ServerThread(spec_path) as server:
-            yield server, task, found
+    spec_path.write_text(workloads(demo_models, f"{GUARD_MODULE}:blocked"))
+    with ServerThread(spec_path) as server:  # the spec's folder is on the import path
+        yield server, task, found
 
 
 @pytest.fixture(scope="module")

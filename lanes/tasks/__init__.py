@@ -39,7 +39,7 @@ def load_task(name: str, spec: Spec, runtime: Runtime) -> Task:
     """
     workload = spec.workload(name)
     model = spec.models[workload.model]
-    handler = load_handler(workload.handler) if workload.handler else NO_HANDLER
+    handler = load_handler(workload.handler, spec.root) if workload.handler else NO_HANDLER
     match workload.task:
         case "embed":
             return EmbedTask(name, workload, model, runtime, handler)

@@ -7,12 +7,13 @@ absent; an object with neither is an error, caught when the workload loads.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from lanes.errors import HandlerError, InvalidInput
+from lanes.imports import import_object
 
 # A pre that raises one of these is rejecting the input (HTTP 400), not crashing.
 _REJECTIONS = (ValueError, TypeError, KeyError, IndexError)
@@ -46,24 +47,10 @@ class Handler:
 NO_HANDLER = Handler("", None, None)
 
 
-def load_handler(ref: str) -> Handler:
-    """Import `module:attr` (attr may be dotted) once; raise `HandlerError` naming what failed."""
-    module_name, sep, attr = ref.partition(":")
-    if not sep or not module_name or not attr:
-        raise HandlerError(f"handler {ref!r}: expected 'module:attr', e.g. 'mypkg.hooks:handler'")
-    try:
-        target: Any = importlib.import_module(module_name)
-    except Exception as err:  # any failure while importing user code is the user's to fix
-        raise HandlerError(
-            f"handler {ref}: cannot import module {module_name!r}: {type(err).__name__}: {err}"
-        ) from err
-    for part in attr.split("."):
-        try:
-            target = getattr(target, part)
-        except AttributeError:
-            raise HandlerError(
-                f"handler {ref}: module {module_name!r} has no attribute {attr!r}"
-            ) from None
+def load_handler(ref: str, root: Path | None = None) -> Handler:
+    """Import `module:attr` (attr may be dotted) with the spec's folder `root` on the
+    import path; raise `HandlerError` naming what failed."""
+    target = import_object(ref, root, "handler")
     hooks = {name: getattr(target, name, None) for name in ("pre", "post")}
     for name, hook in hooks.items():
         if hook is not None and not callable(hook):
@@ -71,3 +58,12 @@ def load_handler(ref: str) -> Handler:
     if hooks["pre"] is None and hooks["post"] is None:
         raise HandlerError(f"handler {ref}: has neither pre(item) nor post(output); define one")
     return Handler(ref, hooks["pre"], hooks["post"])
+
+
+def load_scorer(ref: str, root: Path | None = None) -> Callable[[str], Any]:
+    """A generate workload's guard: `module:fn` with `fn(text) -> score`, imported with the
+    spec's folder `root` on the import path; `HandlerError` when it cannot be."""
+    score = import_object(ref, root, "guard")
+    if not callable(score):
+        raise HandlerError(f"guard {ref}: is {type(score).__name__}, not callable")
+    return score  # type: ignore[no-any-return]
