@@ -90,14 +90,18 @@ def outcome(manifest: Manifest) -> State[dict[str, Any]]:
     when any committed shard holds rejected records."""
     summary = manifest.summary()
     if manifest.total_errors == 0:
-        return Completed(message=f"{manifest.total_outputs} records answered", data=summary)
+        return Completed(message=f"{_records(manifest.total_outputs)} answered", data=summary)
     errors = join(manifest.output, ERRORS)
     message = (
-        f"{manifest.total_errors} records rejected, {manifest.total_outputs} answered (each "
-        f"shard under its max_error_rate); the rejected ones are in {errors}: fix them and "
-        "rerun them with `lanes run --retry-errors`"
+        f"{_records(manifest.total_errors)} rejected, {manifest.total_outputs} answered "
+        f"(each shard under its max_error_rate); the rejected ones are in {errors}: fix "
+        "them and rerun them with `lanes run --retry-errors`"
     )
     return Completed(name=WITH_ERRORS_STATE, message=message, data=summary)
+
+
+def _records(n: int) -> str:
+    return f"{n} record{'' if n == 1 else 's'}"
 
 
 def run_job(job: Job, settings: Settings, rerun: Rerun = "uncommitted") -> Manifest:
