@@ -225,7 +225,7 @@ def _copy_outputs(storage: Storage, uri: str, out: IO[bytes]) -> _Outputs | None
                     ids.add(line["custom_id"] if "custom_id" in line else line.get("id"))
                     out.write(raw if raw.endswith(b"\n") else raw + b"\n")
                     lines += 1
-    except (StorageError, orjson.JSONDecodeError, AttributeError):
+    except (StorageError, orjson.JSONDecodeError, AttributeError, TypeError):
         out.seek(0)
         out.truncate()
         return None

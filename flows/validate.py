@@ -11,10 +11,11 @@ bad records pass here; the shards' own error rate decides about them.
 
 from __future__ import annotations
 
+import logging
 from itertools import islice
 from typing import Any
 
-from lanes.errors import JobFailed
+from lanes.errors import JobFailed, StorageError
 from lanes.flows.job import Job
 from lanes.flows.records import read_shard, unit
 from lanes.flows.requests import Rejection, to_request
@@ -25,6 +26,8 @@ from lanes.storage import Storage
 SAMPLE_SHARDS = 16  # spread over the job's shards, first and last included
 SAMPLE_RECORDS = 100  # from the start of each
 EXAMPLES = 3  # mismatches named in the message
+
+log = logging.getLogger(__name__)
 
 
 def check_records(job: Job, plans: list[ShardPlan], storage: Storage) -> int:
@@ -38,15 +41,20 @@ def check_records(job: Job, plans: list[ShardPlan], storage: Storage) -> int:
     for plan in _spread(plans, SAMPLE_SHARDS):
         first_seen: set[Any] = set()
         records = read_shard(storage, plan.input, job.max_record_bytes)
-        for line in islice(records, SAMPLE_RECORDS):
-            checked += 1
-            request = to_request(line, shape, plan.input.uri)
-            if isinstance(request, Rejection):
-                rejected.append((plan, request.line))
-            elif request.id in first_seen:
-                rejected.append((plan, request.reject(f"duplicate id {request.id!r}")))
-            else:
-                first_seen.add(request.id)
+        try:
+            for line in islice(records, SAMPLE_RECORDS):
+                checked += 1
+                request = to_request(line, shape, plan.input.uri)
+                if isinstance(request, Rejection):
+                    rejected.append((plan, request.line))
+                elif request.id in first_seen:
+                    rejected.append((plan, request.reject(f"duplicate id {request.id!r}")))
+                else:
+                    first_seen.add(request.id)
+        except StorageError as err:
+            # Unreadable (a corrupt .gz, storage failing): the shard's own retries and
+            # failure deal with that, without holding back the other shards.
+            log.warning("validating the records: skipping %s: %s", plan.input.uri, err)
     if len(rejected) > workload.max_error_rate * checked:
         examples = "; ".join(
             f"{plan.input.uri} {unit(plan.input.name)} {line['line']}: {line['error']}"
