@@ -49,7 +49,7 @@ class RecordShape:
         fields = workload.fields
         pre = handler is not None and handler.pre is not None
         unknown = handler is None and workload.handler is not None
-        named = fields.text if workload.task == "embed" else fields.prompt
+        named = {"embed": fields.text, "generate": fields.prompt}.get(workload.task)
         source = Template.parse(named) if named is not None and is_template(named) else named
         return cls(workload.task, fields, handler, pre or unknown, source)
 
