@@ -2,8 +2,10 @@
 
 flows.batch     the flow (`offline`) and its per-shard task
 flows.shard     one shard end to end: read, batch, run, write, commit
-flows.records   input shards -> numbered records (JSONL, gzip, Parquet)
+flows.records   input shards -> numbered records (JSONL, CSV, JSON arrays, Parquet)
+flows.shape     a workload's `fields:` and `pre`: a plain record -> id, item, kept fields
 flows.requests  a record -> task items, and outputs -> its output line
+flows.validate  a sample of the records checked against their shape before a run
 flows.job       a job planned: URIs, resume keys, one plan per shard
 flows.manifest  the record a run leaves beside its outputs
 flows.compile   offline workloads -> prefect.yaml

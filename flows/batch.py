@@ -3,11 +3,22 @@
     offline(workload="embed-corpus")            # now, in-process (embedded Prefect)
     prefect deploy --all                        # on a schedule: see flows/compile.py
 
-The flow plans the job, skips shards an earlier run committed, runs the rest as
-`shard` tasks on the workload's runner (threads here, or a Dask cluster through
-prefect-dask) with at most `runner.max_concurrent_shards` in flight, then writes the
-run's manifest. A shard that still fails after its retries fails the run, after
-every other shard has finished and the manifest is written: a rerun redoes only it.
+The flow plans the job, checks a sample of the records against the record shape
+(flows.validate: too many mismatches fail the run before any shard runs), skips
+shards an earlier run committed, runs the rest as `shard` tasks on the workload's
+runner (threads here, or a Dask cluster through prefect-dask) with at most
+`runner.max_concurrent_shards` in flight, then writes the run's manifest. A shard
+that still fails after its retries (or rejects more than `max_error_rate` of its
+records, which no retry changes) fails the run, after every other shard has
+finished and the manifest is written: a rerun redoes only it.
+
+`rerun` says what an earlier run's commits are worth: "uncommitted" (the default)
+runs the shards without a current commit; "errors" also reruns the rejected records
+of committed shards; "all" ignores the commits and runs every shard again.
+
+The final state says how it went: Completed when every record was answered,
+Completed named CompletedWithErrors (a message with the counts) when some were
+rejected, Failed when a shard failed.
 """
 
 from __future__ import annotations
@@ -15,25 +26,33 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
-from prefect import flow, task
+from prefect import State, Task, flow, task
 from prefect.cache_policies import NO_CACHE
+from prefect.client.schemas.objects import TaskRun
 from prefect.futures import PrefectFuture, as_completed
+from prefect.states import Completed
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 from lanes.errors import JobFailed
 from lanes.flows import FLOW_NAME
 from lanes.flows.job import Job, plan_job, plan_shards
 from lanes.flows.manifest import Manifest, ShardFailure, build_manifest, write_manifest
-from lanes.flows.shard import Model, ShardPlan, ShardStats, committed, run_shard
+from lanes.flows.shard import Model, ShardPlan, ShardStats, TooManyErrors, committed, run_shard
+from lanes.flows.validate import check_records
+from lanes.jobs import WITH_ERRORS_STATE
+from lanes.layout import ERRORS
 from lanes.runtime import Runtime
 from lanes.settings import Settings
 from lanes.spec import Runner
-from lanes.storage import Storage
+from lanes.storage import Storage, join
 from lanes.tasks import load_task
+
+Rerun = Literal["uncommitted", "errors", "all"]
 
 # Staging files older than this were left by a killed run; younger ones may be live.
 STALE_STAGING_S = 24 * 3600
@@ -53,14 +72,39 @@ def offline(
     spec: str = "workloads.yaml",
     input: str | None = None,
     output: str | None = None,
+    rerun: Rerun = "uncommitted",
 ) -> dict[str, Any]:
     """Run `workload` from the spec file `spec` (relative to the working directory).
-    `input`/`output` override the workload's. Returns the manifest's summary."""
+    `input`/`output` override the workload's; `rerun` is "uncommitted", "errors" or
+    "all" (the module docstring). Returns the manifest's summary; raises JobFailed
+    when a shard failed."""
     settings = Settings()
-    return run_job(plan_job(workload, Path(spec), settings, input, output), settings).summary()
+    job = plan_job(workload, Path(spec), settings, input, output)
+    # A State returned by a flow becomes its run's final state, and a caller of the
+    # flow gets the state's data: the summary.
+    return cast("dict[str, Any]", outcome(run_job(job, settings, rerun)))
 
 
-def run_job(job: Job, settings: Settings) -> Manifest:
+def outcome(manifest: Manifest) -> State[dict[str, Any]]:
+    """The final state of a run that ended well: Completed, or CompletedWithErrors
+    when any committed shard holds rejected records."""
+    summary = manifest.summary()
+    if manifest.total_errors == 0:
+        return Completed(message=f"{_records(manifest.total_outputs)} answered", data=summary)
+    errors = join(manifest.output, ERRORS)
+    message = (
+        f"{_records(manifest.total_errors)} rejected, {manifest.total_outputs} answered "
+        f"(each shard under its max_error_rate); the rejected ones are in {errors}: fix "
+        "them and rerun them with `lanes run --retry-errors`"
+    )
+    return Completed(name=WITH_ERRORS_STATE, message=message, data=summary)
+
+
+def _records(n: int) -> str:
+    return f"{n} record{'' if n == 1 else 's'}"
+
+
+def run_job(job: Job, settings: Settings, rerun: Rerun = "uncommitted") -> Manifest:
     """Inside a flow run: the shards of `job`, then the manifest. Raises JobFailed."""
     from prefect.runtime import flow_run
 
@@ -70,13 +114,17 @@ def run_job(job: Job, settings: Settings) -> Manifest:
     storage.clean_stale(job.output, STALE_STAGING_S)
     plans = plan_shards(job, storage)
     done: list[ShardStats] = []
-    pending: list[ShardPlan] = []
+    pending: list[_Pending] = []
     for plan in plans:
-        earlier = committed(storage, plan)
+        earlier = None if rerun == "all" else committed(storage, plan)
         if earlier is None:
-            pending.append(plan)
+            pending.append(_Pending(plan, None))
+        elif rerun == "errors" and earlier.errors > 0:
+            pending.append(_Pending(plan, earlier))
         else:
             done.append(earlier)
+    # Only shards that will be read whole: a retried one was checked when it first ran.
+    check_records(job, [p.plan for p in pending if p.retry is None], storage)
     _progress("planned", shards=len(plans), pending=len(pending))
     ran, failures = _run_shards(job, pending, settings)
     manifest = build_manifest(
@@ -95,14 +143,24 @@ def run_job(job: Job, settings: Settings) -> Manifest:
     if failures:
         listed = "; ".join(f"{f.input}: {f.error}" for f in failures)
         raise JobFailed(
-            f"{len(failures)} of {len(plans)} shards failed after their retries ({listed}); "
+            f"{len(failures)} of {len(plans)} shards failed ({listed}); "
             "the others are committed: fix the cause and run again to redo only these"
         )
     return manifest
 
 
+@dataclass(frozen=True)
+class _Pending:
+    """A shard to run: whole, or (`retry`: what an earlier run committed) its errors."""
+
+    plan: ShardPlan
+    retry: ShardStats | None
+
+
 @task(name="shard", cache_policy=NO_CACHE, task_run_name="shard {plan.name}")
-def shard(job: Job, plan: ShardPlan, settings: Settings) -> ShardStats:
+def shard(
+    job: Job, plan: ShardPlan, settings: Settings, retry: ShardStats | None = None
+) -> ShardStats:
     """One shard: read, run, write, commit (flows.shard.run_shard)."""
     model = _model(job, settings)
     stats = run_shard(
@@ -112,30 +170,43 @@ def shard(job: Job, plan: ShardPlan, settings: Settings) -> ShardStats:
         job.batch_size,
         job.max_record_bytes,
         progress=lambda n: _progress("records", records=n),
+        retry=retry,
     )
     _progress("shard", shard=plan.name)
     return stats
 
 
+def _worth_retrying(task: Task[Any, Any], run: TaskRun, state: State[Any]) -> bool:
+    """Prefect's retry condition: a shard over its error rate would be so again."""
+    return not isinstance(state.data, TooManyErrors)
+
+
 def _run_shards(
-    job: Job, plans: list[ShardPlan], settings: Settings
+    job: Job, pending: list[_Pending], settings: Settings
 ) -> tuple[list[ShardStats], list[ShardFailure]]:
     """Submit shard tasks, never more than `max_concurrent_shards` in flight."""
-    if not plans:
+    if not pending:
         return [], []
     bound = job.runner.max_concurrent_shards
-    retried = shard.with_options(retries=job.retries, retry_delay_seconds=2)
-    queue = deque(plans)
+    retried = shard.with_options(
+        retries=job.retries, retry_delay_seconds=2, retry_condition_fn=_worth_retrying
+    )
+    queue = deque(pending)
     in_flight: dict[PrefectFuture[ShardStats], ShardPlan] = {}
     stats: list[ShardStats] = []
     failures: list[ShardFailure] = []
     with task_runner(job.runner, settings) as runner:
-        # Each pass waits for one shard to end: at most len(plans) passes.
-        for _ in range(len(plans)):
+        # Each pass waits for one shard to end: at most len(pending) passes.
+        for _ in range(len(pending)):
             while queue and len(in_flight) < bound:
-                plan = queue.popleft()
-                parameters = {"job": job, "plan": plan, "settings": settings}
-                in_flight[runner.submit(retried, parameters)] = plan
+                item = queue.popleft()
+                parameters = {
+                    "job": job,
+                    "plan": item.plan,
+                    "settings": settings,
+                    "retry": item.retry,
+                }
+                in_flight[runner.submit(retried, parameters)] = item.plan
             finished = next(as_completed(list(in_flight)))
             plan = in_flight.pop(finished)
             finished.wait()

@@ -14,11 +14,11 @@ from pathlib import Path
 import orjson
 
 from lanes.errors import StorageError, WrongMode
-from lanes.flows.records import SUFFIXES, output_name
+from lanes.flows.records import FORMATS, is_known, output_name
 from lanes.flows.shard import ShardPlan
 from lanes.layout import ERRORS, MARKERS
 from lanes.settings import Settings
-from lanes.spec import Runner, Spec, Workload
+from lanes.spec import Fields, Runner, Spec, Workload
 from lanes.specfile import load_spec
 from lanes.storage import Storage, is_s3, join
 
@@ -95,6 +95,9 @@ def model_key(spec: Spec, workload: Workload) -> str:
         "handler": workload.handler,
         "generation": workload.generation.model_dump(mode="json"),
     }
+    if workload.fields != Fields():
+        # Only when set: keys of shards committed before `fields:` existed stay valid.
+        identity["fields"] = workload.fields.model_dump(mode="json")
     return hashlib.sha256(orjson.dumps(identity, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
 
@@ -107,11 +110,22 @@ def _file_identity(path: Path) -> tuple[int, int]:
 
 
 def plan_shards(job: Job, storage: Storage) -> list[ShardPlan]:
-    """One plan per input shard, sorted by name. No inputs at all is an error."""
-    files = storage.list_files(job.input, SUFFIXES)
+    """One plan per input shard, sorted by name. No inputs at all is an error, and so is
+    a file in a format not read (skipping it would drop its records unsaid)."""
+    listed = storage.list_files(job.input, ("",))  # every name ends with ""
+    unknown = [f.uri for f in listed if not is_known(f.name)]
+    if unknown:
+        shown = ", ".join(unknown[:5]) + (
+            f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        )
+        raise StorageError(
+            f"{job.input}: {shown}: not an input format lanes reads ({FORMATS}); "
+            "convert or remove it, or narrow the workload's input with a glob "
+            "(e.g. in/*.jsonl)"
+        )
+    files = [f for f in listed if is_known(f.name)]
     if not files:
-        kinds = ", ".join(SUFFIXES)
-        raise StorageError(f"{job.input}: no input files ({kinds}); check the workload's input")
+        raise StorageError(f"{job.input}: no input files ({FORMATS}); check the workload's input")
     plans: dict[str, ShardPlan] = {}
     for file in files:
         name = output_name(file.name)

@@ -25,8 +25,10 @@ class ShardFailure:
 
 @dataclass(frozen=True)
 class Manifest:
-    """One run. Counts of `records`/`outputs`/`errors`/`items` are this run's; the
-    `total_*` ones include shards committed by earlier runs and skipped by this one."""
+    """One run. Counts of `records`/`outputs`/`errors` are of the shards this run ran
+    whole, `retried`/`recovered` of the records it reran in shards committed before
+    (`--retry-errors`), `items` of both; the `total_*` ones are of every committed
+    shard, including those skipped by this run."""
 
     workload: str
     flow_run: str | None
@@ -39,9 +41,12 @@ class Manifest:
     shards_run: int
     shards_skipped: int
     shards_failed: int
+    shards_retried: int
     records: int
     outputs: int
     errors: int
+    retried: int
+    recovered: int
     items: int
     items_per_second: float
     total_outputs: int
@@ -75,6 +80,8 @@ def build_manifest(
     price_per_device_hour: float,
 ) -> Manifest:
     ran = [s for s in stats if not s.skipped]
+    whole = [s for s in ran if not s.retried]
+    retried = [s for s in ran if s.retried]
     wall = max((ended - started).total_seconds(), 1e-9)
     items = sum(s.items for s in ran)
     # A host that ran shards counts as one device for as long as the run took: an
@@ -94,9 +101,12 @@ def build_manifest(
         shards_run=len(ran),
         shards_skipped=len(stats) - len(ran),
         shards_failed=len(failures),
-        records=sum(s.records for s in ran),
-        outputs=sum(s.outputs for s in ran),
-        errors=sum(s.errors for s in ran),
+        shards_retried=len(retried),
+        records=sum(s.records for s in whole),
+        outputs=sum(s.outputs for s in whole),
+        errors=sum(s.errors for s in whole),
+        retried=sum(s.retried for s in retried),
+        recovered=sum(s.recovered for s in retried),
         items=items,
         items_per_second=round(items / wall, 2),
         total_outputs=sum(s.outputs for s in stats),

@@ -1,12 +1,26 @@
-"""Reading input shards into numbered records: JSONL (optionally gzipped) and Parquet.
+"""Reading input shards into numbered records: JSONL, CSV, JSON arrays, Parquet.
 
-A record that cannot be read (malformed JSON, a line over the size limit, a line that
-is not an object) comes back as a `Line` with `error` set, never as an exception:
-one bad line must not cost the rest of its shard.
+    JSONL       .jsonl .ndjson       one JSON object a line; streamed
+    CSV         .csv                 a header line, then one record a line (RFC 4180
+                                     quoting; a quoted field may hold newlines); streamed;
+                                     every value is a string
+    JSON array  .json                one array of objects; read whole
+    Parquet     .parquet .pq         one record a row; read by row groups
+
+The text formats may be gzipped (`.jsonl.gz`, `.csv.gz`, ...). A record's number is
+its line (JSONL; CSV: the line it starts on, the header being line 1), its row
+(Parquet) or its element (JSON array), counted from 1.
+
+A record that cannot be read (malformed JSON, a record over the size limit, a value
+that is not an object, a CSV row with the wrong number of fields) comes back as a
+`Line` with `error` set, never as an exception: one bad record must not cost the rest
+of its shard. A file that cannot be read at all (a CSV header that is no header, a
+JSON file that is no array) is one such Line, numbered 1.
 """
 
 from __future__ import annotations
 
+import csv
 import gzip
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,14 +32,21 @@ from lanes.errors import StorageError
 from lanes.storage import Storage, StoredFile, is_s3
 
 JSONL = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")
+CSV = (".csv", ".csv.gz")
+JSON = (".json", ".json.gz")
 PARQUET = (".parquet", ".pq")
-SUFFIXES = JSONL + PARQUET
+SUFFIXES = JSONL + CSV + JSON + PARQUET
+FORMATS = (
+    "JSONL (.jsonl, .ndjson), CSV (.csv), JSON arrays (.json), each optionally gzipped "
+    "(.gz), and Parquet (.parquet, .pq)"
+)
 _CHUNK = 1024 * 1024
+_QUOTE = ord('"')
 
 
 @dataclass(frozen=True)
 class Line:
-    """One input record: its 1-based line (or Parquet row) number, and the parsed
+    """One input record: its 1-based number (see the module docstring), and the parsed
     object or why it could not be read."""
 
     number: int
@@ -33,8 +54,20 @@ class Line:
     error: str | None = None
 
 
+def is_known(name: str) -> bool:
+    """Whether a file of this name is in a format `read_shard` reads."""
+    return name.endswith(SUFFIXES)
+
+
+def unit(name: str) -> str:
+    """What a record's number counts in a file of this name: line, row or element."""
+    if name.endswith(PARQUET):
+        return "row"
+    return "element" if name.endswith(JSON) else "line"
+
+
 def read_shard(storage: Storage, shard: StoredFile, max_bytes: int) -> Iterator[Line]:
-    """Every record of `shard`, in order. Lines longer than `max_bytes` are errors."""
+    """Every record of `shard`, in order. Records longer than `max_bytes` are errors."""
     if shard.name.endswith(PARQUET):
         yield from _parquet(storage, shard)
         return
@@ -42,8 +75,14 @@ def read_shard(storage: Storage, shard: StoredFile, max_bytes: int) -> Iterator[
         source: IO[bytes] = stream
         if shard.name.endswith(".gz"):
             source = gzip.GzipFile(fileobj=stream, mode="rb")  # type: ignore[assignment]
+        if shard.name.endswith(CSV):
+            records = _csv(source, max_bytes)
+        elif shard.name.endswith(JSON):
+            records = _json_array(source, max_bytes)
+        else:
+            records = _jsonl(source, max_bytes)
         try:
-            yield from _jsonl(source, max_bytes)
+            yield from records
         except (OSError, EOFError) as err:  # a truncated or corrupt .gz
             raise StorageError(f"{shard.uri}: cannot read: {err}") from None
 
@@ -83,6 +122,144 @@ def _parse(number: int, raw: bytes) -> Line:
     if not isinstance(value, dict):
         return Line(number, None, f"expected a JSON object, found {type(value).__name__}")
     return Line(number, value)
+
+
+def _json_array(stream: IO[bytes], max_bytes: int) -> Iterator[Line]:
+    # JSON has no record boundaries to stream by: the array is parsed whole (keep such
+    # files to what fits in memory; JSONL streams).
+    try:
+        value = orjson.loads(stream.read())
+    except orjson.JSONDecodeError as err:
+        yield Line(1, None, f"malformed JSON: {err}")
+        return
+    if not isinstance(value, list):
+        found = type(value).__name__
+        yield Line(1, None, f"expected a JSON array of objects, found {found}")
+        return
+    for number, element in enumerate(value, 1):
+        if not isinstance(element, dict):
+            found = type(element).__name__
+            yield Line(number, None, f"expected a JSON object, found {found}")
+            continue
+        size = len(orjson.dumps(element))
+        if size > max_bytes:
+            yield Line(number, None, f"element is {size} bytes, over the limit of {max_bytes}")
+            continue
+        yield Line(number, element)
+
+
+def _csv(stream: IO[bytes], max_bytes: int) -> Iterator[Line]:
+    # The csv module's own limit on one field (128 KiB) is process-wide; records are
+    # bounded here already, so it only needs to be no lower than ours.
+    csv.field_size_limit(max(csv.field_size_limit(), max_bytes))
+    header: list[str] | None = None
+    for record in _csv_records(stream, max_bytes):
+        if record.error is None and not record.data.strip():
+            continue  # a blank line
+        row, error = _csv_row(record, first=header is None)
+        if header is None:
+            header, error = _header(row, error)
+            if error is not None:
+                yield Line(record.start, None, f"CSV header: {error}")
+                return
+            continue
+        if error is not None or row is None:
+            yield Line(record.start, None, error)
+        elif len(row) != len(header):
+            expected = f"{len(header)} fields (the header's)"
+            yield Line(record.start, None, f"expected {expected}, found {len(row)}")
+        else:
+            yield Line(record.start, dict(zip(header, row, strict=True)))
+
+
+@dataclass(frozen=True)
+class _Record:
+    """One CSV record's bytes (empty when it is over the limit), the line it starts on."""
+
+    start: int
+    data: bytes
+    error: str | None
+
+
+def _csv_records(stream: IO[bytes], max_bytes: int) -> Iterator[_Record]:
+    """The stream cut into CSV records: at a newline outside quotes, so a quoted field
+    may hold newlines; a record over `max_bytes` is skipped to its end."""
+    number = 0  # physical lines started so far
+    while raw := stream.readline(max_bytes + 1):
+        number += 1
+        start, size, parts = number, 0, []
+        quoted, at_start = False, True
+        while True:
+            size += len(raw)
+            if size <= max_bytes:
+                parts.append(raw)
+            quoted, at_start = _scan(raw, quoted, at_start)
+            ended = raw.endswith(b"\n")
+            if ended and not quoted:
+                break
+            raw = stream.readline(max_bytes + 1)
+            if not raw:
+                break
+            if ended:
+                number += 1
+        if size > max_bytes:
+            yield _Record(start, b"", f"record is {size} bytes, over the limit of {max_bytes}")
+        elif quoted:
+            message = f"a quoted field opened on line {start} or later is never closed"
+            yield _Record(start, b"", message)
+        else:
+            yield _Record(start, b"".join(parts), None)
+
+
+def _scan(chunk: bytes, quoted: bool, at_start: bool) -> tuple[bool, bool]:
+    """CSV quoting after `chunk`: (inside a quoted field, at the start of a field).
+
+    A quote opens a quoted field only at the start of a field, as the csv module
+    reads it; `""` inside one is a quote."""
+    at, end = 0, len(chunk)
+    while at < end:
+        if quoted:
+            found = chunk.find(b'"', at)
+            if found < 0:
+                return True, False
+            if found + 1 < end and chunk[found + 1] == _QUOTE:
+                at = found + 2
+                continue
+            quoted, at = False, found + 1
+        elif at_start and chunk[at] == _QUOTE:
+            quoted, at_start, at = True, False, at + 1
+        else:
+            comma = chunk.find(b",", at)
+            if comma < 0:
+                return False, False
+            at, at_start = comma + 1, True
+    return quoted, at_start
+
+
+def _csv_row(record: _Record, first: bool) -> tuple[list[str] | None, str | None]:
+    if record.error is not None:
+        return None, record.error
+    try:
+        # A header may open with the byte-order mark spreadsheet programs write.
+        text = record.data.decode("utf-8-sig" if first else "utf-8")
+    except UnicodeDecodeError as err:
+        return None, f"not UTF-8 text: {err}"
+    try:
+        return next(csv.reader([text]), []), None
+    except csv.Error as err:
+        return None, f"malformed CSV: {err}"
+
+
+def _header(row: list[str] | None, error: str | None) -> tuple[list[str] | None, str | None]:
+    if error is not None or row is None:
+        return None, error
+    names = [name.strip() for name in row]
+    if any(not name for name in names):
+        return None, f"expected a name for every column, found an empty one in {names}"
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        return None, f"expected distinct column names, found {', '.join(map(repr, twice))} twice"
+    return names, None
 
 
 def _parquet(storage: Storage, shard: StoredFile) -> Iterator[Line]:

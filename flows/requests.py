@@ -2,14 +2,17 @@
 
 Two record shapes, told apart line by line:
 
-- a plain record `{"id": ..., <task fields>}`: embed reads `text` (other fields are
-  ignored); infer and generate take every field but `id` as the item. Its output
-  line is `{"id", "embedding": [...]}` (embed), or the id with the output's fields
-  (infer's named tensors, a handler's mapping), or `{"id", "result": ...}`.
+- a plain record, by default `{"id": ..., <task fields>}`; the workload's `fields:`
+  say where its id and text (or prompt) are and which fields to carry to the output
+  (flows.shape). embed reads `text` (other fields are ignored); infer and generate
+  take every field but the id and the kept ones as the item; a handler's `pre` gets
+  the whole record and makes the item. Its output line is `{"id", <kept fields>,
+  "embedding": [...]}` (embed), or the id and kept fields with the output's fields
+  (infer's named tensors, a handler's mapping), or with `"result": ...`.
 - an OpenAI batch line `{"custom_id", "method", "url", "body"}` for /v1/embeddings,
   /v1/completions or /v1/chat/completions: the body is what the online endpoint
-  takes, the output line carries the body it answers (`stream` is ignored: a batch
-  answers whole).
+  takes (a handler's `pre` gets each text or prompt, as online), the output line
+  carries the body it answers (`stream` is ignored: a batch answers whole).
 
 A record that does not fit becomes a `Rejection`, written to the errors file.
 """
@@ -27,6 +30,7 @@ import numpy as np
 
 from lanes.errors import InvalidInput
 from lanes.flows.records import Line
+from lanes.flows.shape import RecordShape
 from lanes.protocols.openai import (
     BATCH_URLS,
     BatchRequestLine,
@@ -88,35 +92,45 @@ class Rejection:
 class PlainRecord:
     number: int
     id: Any
-    item: Any
-    kind: TaskName
+    record: Mapping[str, Any]
+    kept: dict[str, Any]
+    item: Any  # made from the record already, unless the shape defers it to `pre`
+    shape: RecordShape
 
     def prepare(self, task: Task) -> list[Any]:
+        item = self.shape.item_of(self.record) if self.shape.defers_item else self.item
         try:
-            return [task.prepare(self.item)]
+            return [task.check(item)]
         except InvalidInput as err:
-            if self.kind != "embed":
+            if self.shape.kind != "embed":
                 raise
-            # The task names its argument `input`; in a plain record it is `text`.
-            raise InvalidInput(f"text: {str(err).removeprefix('input: ')}") from None
+            # The task names its argument `input`; in a plain record it is the text field.
+            label = self.shape.item_label()
+            raise InvalidInput(f"{label}: {str(err).removeprefix('input: ')}") from None
 
     def answer(self, prepared: Sequence[Any], outputs: Sequence[Any]) -> dict[str, Any]:
         (output,) = outputs
-        if self.kind == "embed" and isinstance(output, np.ndarray):
+        body: dict[str, Any]
+        if self.shape.kind == "embed" and isinstance(output, np.ndarray):
             # Left an array: the writer prints float32's shortest decimals, which read
             # back to the same float32, in about half the bytes and time of tolist().
-            vector = np.ascontiguousarray(output, dtype=np.float32)
-            return {"id": self.id, "embedding": vector}
-        value = jsonable(output)
-        if isinstance(value, dict) and "id" not in value:
-            return {"id": self.id, **value}
-        return {"id": self.id, "result": value}
+            body = {"embedding": np.ascontiguousarray(output, dtype=np.float32)}
+        else:
+            value = jsonable(output)
+            body = value if isinstance(value, dict) and "id" not in value else {"result": value}
+        clash = next((name for name in self.kept if name in body), None)
+        if clash is not None:
+            raise InvalidInput(
+                f'fields.keep: "{clash}" is a field of the output too; '
+                "drop it from `fields.keep` or rename it in a handler"
+            )
+        return {"id": self.id, **self.kept, **body}
 
     def reject(self, message: str) -> dict[str, Any]:
         return {"id": self.id, "line": self.number, "error": message}
 
     def sort_key(self) -> int:
-        return _length(self.item)
+        return _length(self.record if self.shape.defers_item else self.item)
 
 
 @dataclass(frozen=True)
@@ -189,26 +203,22 @@ class CompletionLine:
         return sum(len(m.text) for m in self.request.messages)
 
 
-def to_request(line: Line, kind: TaskName, shard_uri: str) -> Request | Rejection:
+def to_request(line: Line, shape: RecordShape, shard_uri: str) -> Request | Rejection:
     """The request a readable record makes, or why it makes none."""
     if line.value is None:
         return Rejection({"id": None, "line": line.number, "error": line.error})
     record = line.value
     if is_batch_line(record):
-        return _batch_line(line.number, record, kind, shard_uri)
-    if "id" not in record:
-        message = 'missing field "id": a plain record is {"id": ..., <task fields>}'
-        return Rejection({"id": None, "line": line.number, "error": message})
-    rid = record["id"]
-    if not isinstance(rid, str | int) or isinstance(rid, bool):
-        message = f'field "id": expected a string or an integer, found {type(rid).__name__}'
-        return Rejection({"id": None, "line": line.number, "error": message})
-    if kind == "embed":
-        if "text" not in record:
-            message = 'missing field "text": an embed record is {"id": ..., "text": "..."}'
-            return Rejection({"id": rid, "line": line.number, "error": message})
-        return PlainRecord(line.number, rid, record["text"], kind)
-    return PlainRecord(line.number, rid, {k: v for k, v in record.items() if k != "id"}, kind)
+        return _batch_line(line.number, record, shape.kind, shard_uri)
+    rid, problem = shape.id_of(record)
+    if problem is not None:
+        return Rejection({"id": None, "line": line.number, "error": problem})
+    try:
+        kept = shape.kept(record)
+        item = None if shape.defers_item else shape.item_of(record)
+    except InvalidInput as err:
+        return Rejection({"id": rid, "line": line.number, "error": str(err)})
+    return PlainRecord(line.number, rid, record, kept, item, shape)
 
 
 def _batch_line(
@@ -255,8 +265,11 @@ def _batch_rejection(custom_id: Any, number: int, request_id: str, message: str)
 def _length(item: Any) -> int:
     if isinstance(item, str):
         return len(item)
-    if isinstance(item, Mapping) and isinstance(item.get("prompt"), str):
-        return len(item["prompt"])
+    if isinstance(item, Mapping):
+        # A prompt, or a whole record's longest text (its `pre` has not run yet).
+        if isinstance(item.get("prompt"), str):
+            return len(item["prompt"])
+        return max((len(v) for v in item.values() if isinstance(v, str)), default=0)
     return 0
 
 

@@ -9,10 +9,22 @@ aside, published (an atomic rename, or an S3 object that appears only when whole
 and only then the marker. A shard with a marker whose key matches is done; a shard
 without one is redone from scratch, overwriting its outputs under the same names,
 so a run killed at any point and run again leaves each input id in the output once.
+
+A shard that rejected more than its workload's `max_error_rate` of its records fails
+(`TooManyErrors`, not retried: the data would not change) and publishes nothing.
+
+Retrying errors (`lanes run --retry-errors`) reruns only the records a committed
+shard's errors file names, by their numbers in the input, and publishes the old
+output plus the newly answered lines, then the errors still left, then the marker.
+Killed between the two files, the output already holds some records the errors file
+still names: a retry reads the output's ids first and skips those, and the ids'
+first occurrences are found in the whole input as in a full run, so no id is
+written twice and none is lost.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import threading
@@ -25,9 +37,10 @@ from typing import IO, Any
 
 import orjson
 
-from lanes.errors import InvalidInput
-from lanes.flows.records import read_shard
+from lanes.errors import InvalidInput, JobFailed, StorageError
+from lanes.flows.records import read_shard, unit
 from lanes.flows.requests import Rejection, Request, to_request
+from lanes.flows.shape import RecordShape
 from lanes.storage import Storage, StoredFile
 from lanes.tasks.base import Task
 
@@ -63,6 +76,12 @@ class ShardStats:
     provider: str
     committed_at: str
     skipped: bool = False
+    retried: int = 0  # records a --retry-errors run reran (0: the shard ran whole)
+    recovered: int = 0  # of those, answered now
+
+
+class TooManyErrors(JobFailed):
+    """A shard rejected more of its records than its workload's max_error_rate allows."""
 
 
 @dataclass
@@ -97,7 +116,12 @@ def committed(storage: Storage, plan: ShardPlan) -> ShardStats | None:
         marker = orjson.loads(raw)
         if marker.get("key") != plan.key:
             return None
-        stats = {k: marker[k] for k in ShardStats.__dataclass_fields__ if k != "skipped"}
+        # Fields with a default may be absent: markers written before they existed.
+        stats = {
+            name: marker[name]
+            for name, field in ShardStats.__dataclass_fields__.items()
+            if name != "skipped" and (name in marker or field.default is dataclasses.MISSING)
+        }
         return ShardStats(**stats, skipped=True)
     except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
         log.warning("ignoring unreadable marker %s: the shard will be redone", plan.marker)
@@ -111,16 +135,31 @@ def run_shard(
     batch_size: int,
     max_record_bytes: int,
     progress: Callable[[int], None] = lambda n: None,
+    retry: ShardStats | None = None,
 ) -> ShardStats:
-    """Process one shard and commit it. Raises on what a retry might fix (storage, a
-    model that fails on every item); bad records go to the errors file instead."""
+    """Process one shard and commit it; with `retry` (what an earlier run committed),
+    rerun only its errored records. Raises `TooManyErrors` past the workload's
+    max_error_rate, and on what a retry might fix (storage, a model that fails on every
+    item); bad records go to the errors file instead."""
     started = time.monotonic()
+    task = model.task
+    shape = RecordShape.of(task.workload, task.handler)
+    redo = _errored_lines(storage, plan.errors) if retry is not None else None
     with storage.staged(plan.output) as out_path, storage.staged(plan.errors) as err_path:
         with out_path.open("wb") as out, err_path.open("wb") as err:
+            kept = _copy_outputs(storage, plan.output, out) if redo is not None else None
+            if retry is not None and kept is None:
+                redo = None
+                log.warning("%s: no output or errors file to retry: running it whole", plan.name)
             writer = _Writer(out, err, progress)
-            requests = _read(plan, model.task, storage, max_record_bytes, writer)
+            reader = _Reader(shape, redo, kept.ids if kept is not None else set())
+            requests = reader.read(plan, storage, max_record_bytes, writer)
             progress(writer.errors)  # records rejected while reading
             batches = _pipeline(requests, model, batch_size, writer)
+        earlier = kept.lines if kept is not None else 0
+        outputs = earlier + writer.outputs
+        records = outputs + writer.errors
+        _check_error_rate(plan, task.workload.max_error_rate, records, writer)
         # Publish outputs first and the marker last: the marker is the commit.
         storage.publish(out_path, plan.output)
         storage.publish(err_path, plan.errors)
@@ -128,8 +167,8 @@ def run_shard(
         input=plan.input.uri,
         output=plan.output,
         errors_file=plan.errors,
-        records=writer.outputs + writer.errors,
-        outputs=writer.outputs,
+        records=records,
+        outputs=outputs,
         errors=writer.errors,
         items=writer.items,
         batches=batches,
@@ -137,6 +176,8 @@ def run_shard(
         host=socket.gethostname(),
         provider=model.provider,
         committed_at=datetime.now(UTC).isoformat(),
+        retried=len(redo) if redo is not None else 0,
+        recovered=writer.outputs + reader.answered if redo is not None else 0,
     )
     marker = {"key": plan.key, **asdict(stats)}
     del marker["skipped"]
@@ -144,26 +185,93 @@ def run_shard(
     return stats
 
 
-def _read(
-    plan: ShardPlan, task: Task, storage: Storage, max_bytes: int, writer: _Writer
-) -> list[Request]:
-    """The shard's requests, sorted by length; unreadable records go to the writer."""
-    requests: list[Request] = []
-    first_seen: dict[Any, int] = {}
-    for line in read_shard(storage, plan.input, max_bytes):
-        request = to_request(line, task.kind, plan.input.uri)
-        if isinstance(request, Rejection):
-            writer.error(request.line)
-            continue
-        if request.id in first_seen:
-            # An id twice in one shard would be twice in the output: keep the first.
-            message = f"duplicate id {request.id!r}: first on line {first_seen[request.id]}"
-            writer.error(request.reject(message))
-            continue
-        first_seen[request.id] = request.number
-        requests.append(request)
-    requests.sort(key=lambda r: r.sort_key())  # stable: equal lengths keep file order
-    return requests
+def _check_error_rate(plan: ShardPlan, limit: float, records: int, writer: _Writer) -> None:
+    if writer.errors <= limit * records:
+        return
+    what = unit(plan.input.name)
+    examples = "; ".join(f"{what} {e['line']}: {e['error']}" for e in writer.first_errors)
+    raise TooManyErrors(
+        f"{writer.errors} of {records} records rejected, more than "
+        f"max_error_rate {limit:g} allows, so the shard is not committed; for example "
+        f"{examples}"
+    )
+
+
+@dataclass(frozen=True)
+class _Outputs:
+    lines: int
+    ids: set[Any]
+
+
+def _errored_lines(storage: Storage, uri: str) -> set[int] | None:
+    """The numbers of the records an errors file names; None without a readable one."""
+    try:
+        with storage.open(uri) as stream:
+            return {int(orjson.loads(line)["line"]) for line in stream if line.strip()}
+    except (StorageError, orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _copy_outputs(storage: Storage, uri: str, out: IO[bytes]) -> _Outputs | None:
+    """Copy a committed output file into `out`, and the ids it answers; None (and `out`
+    left empty) without a readable one."""
+    ids: set[Any] = set()
+    lines = 0
+    try:
+        with storage.open(uri) as stream:
+            for raw in stream:
+                if raw.strip():
+                    line = orjson.loads(raw)
+                    ids.add(line["custom_id"] if "custom_id" in line else line.get("id"))
+                    out.write(raw if raw.endswith(b"\n") else raw + b"\n")
+                    lines += 1
+    except (StorageError, orjson.JSONDecodeError, AttributeError, TypeError):
+        out.seek(0)
+        out.truncate()
+        return None
+    return _Outputs(lines, ids)
+
+
+class _Reader:
+    """The shard's requests, sorted by length; unreadable records go to the writer.
+
+    With `only`, just the records of those numbers become requests, but every
+    record's id counts for "first seen" as in a full run, and one whose id is in
+    `answered` (the output has it) is skipped."""
+
+    def __init__(self, shape: RecordShape, only: set[int] | None, answered: set[Any]) -> None:
+        self.shape, self.only, self.answered_ids = shape, only, answered
+        self.answered = 0  # records of `only` found answered already
+
+    def read(
+        self, plan: ShardPlan, storage: Storage, max_bytes: int, writer: _Writer
+    ) -> list[Request]:
+        requests: list[Request] = []
+        first_seen: dict[Any, int] = {}
+        for line in read_shard(storage, plan.input, max_bytes):
+            request = to_request(line, self.shape, plan.input.uri)
+            wanted = self.only is None or line.number in self.only
+            if isinstance(request, Rejection):
+                if wanted:
+                    writer.error(request.line)
+                continue
+            if request.id in first_seen:
+                if wanted:
+                    # An id twice in one shard would be twice in the output: keep the first.
+                    first = first_seen[request.id]
+                    writer.error(
+                        request.reject(f"duplicate id {request.id!r}: first on line {first}")
+                    )
+                continue
+            first_seen[request.id] = request.number
+            if not wanted:
+                continue
+            if request.id in self.answered_ids:
+                self.answered += 1  # answered by a retry cut short before its errors file
+                continue
+            requests.append(request)
+        requests.sort(key=lambda r: r.sort_key())  # stable: equal lengths keep file order
+        return requests
 
 
 def _pipeline(requests: list[Request], model: Model, batch_size: int, writer: _Writer) -> int:
@@ -242,13 +350,18 @@ def _bisect(model: Model, items: Sequence[Any]) -> list[Any]:
 class _Writer:
     """Serialises output and error lines; used by one thread at a time."""
 
+    FIRST_ERRORS = 3  # kept to name in a failure's message
+
     def __init__(self, out: IO[bytes], err: IO[bytes], progress: Callable[[int], None]) -> None:
         self.out, self.err, self.progress = out, err, progress
         self.outputs = self.errors = self.items = 0
+        self.first_errors: list[dict[str, Any]] = []
 
     def error(self, line: dict[str, Any]) -> None:
         self.err.write(orjson.dumps(line) + b"\n")
         self.errors += 1
+        if len(self.first_errors) < self.FIRST_ERRORS:
+            self.first_errors.append(line)
 
     def batch(self, batch: _Batch, outputs: list[Any]) -> None:
         for line in batch.rejected:
@@ -267,6 +380,9 @@ class _Writer:
                 )
             except TypeError as err:  # a handler's post returned something not JSON
                 self.error(request.reject(f"the output cannot be written as JSON: {err}"))
+                continue
+            except InvalidInput as err:  # e.g. a kept field the output has too
+                self.error(request.reject(str(err)))
                 continue
             self.out.write(data + b"\n")
             self.outputs += 1

@@ -43,11 +43,16 @@ T = TypeVar("T")
 
 FLOW_NAME = "lanes-offline"  # flows.FLOW_NAME; lanes cannot import the flows wing
 FAILED_STATES = frozenset({"FAILED", "CRASHED", "CANCELLED", "CANCELLING"})
+# The name of the Completed state a run ends in when some records were rejected
+# (flows.batch sets it), and the status a Job reports for it.
+WITH_ERRORS_STATE = "CompletedWithErrors"
+COMPLETED_WITH_ERRORS = "COMPLETED_WITH_ERRORS"
+FINISHED = frozenset({"COMPLETED", COMPLETED_WITH_ERRORS})
 POLL_S = 0.5
 CHUNK_LINES = 1000  # lines an AsyncJob reads per trip to a thread
 SUBMIT_TAG = "lanes-submit"
 # Names that make an s3:// input a single file, not a prefix (flows.records reads these).
-DATA_SUFFIXES = (".jsonl", ".ndjson", ".gz", ".parquet", ".pq")
+DATA_SUFFIXES = (".jsonl", ".ndjson", ".csv", ".json", ".gz", ".parquet", ".pq")
 
 
 def submit(
@@ -115,9 +120,16 @@ class Job:
         return f"Job({self.id!r})"
 
     def status(self) -> str:
-        """The flow run's state: SCHEDULED, PENDING, RUNNING, COMPLETED, FAILED,
-        CANCELLED, CRASHED, ..."""
+        """The flow run's state: SCHEDULED, PENDING, RUNNING, COMPLETED (every record
+        answered), COMPLETED_WITH_ERRORS (it finished, and some records were rejected:
+        see `errors()`), FAILED, CANCELLED, CRASHED, ..."""
         return _state(self._run())
+
+    def message(self) -> str | None:
+        """The message of the flow run's state: how it ended (the counts of answered
+        and rejected records, or why it failed), when it has one."""
+        state = self._run().state
+        return state.message if state else None
 
     def scheduled_time(self) -> datetime | None:
         """When the run is (or was) due to start."""
@@ -132,12 +144,13 @@ class Job:
         return self._output
 
     def wait(self, timeout: float = 3600.0) -> Job:
-        """Block until the job ends. Returns itself once COMPLETED; raises JobFailed if it
-        ended otherwise, TimeoutError if it is still going after `timeout` seconds."""
+        """Block until the job ends. Returns itself once COMPLETED or
+        COMPLETED_WITH_ERRORS; raises JobFailed if it ended otherwise, TimeoutError if
+        it is still going after `timeout` seconds."""
         deadline = time.monotonic() + timeout
         while True:
             state = self.settled()
-            if state == "COMPLETED":
+            if state in FINISHED:
                 return self
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"job {self.id} is still {state} after {timeout:g} s")
@@ -234,12 +247,15 @@ class AsyncJob:
     async def scheduled_time(self) -> datetime | None:
         return await asyncio.to_thread(self.job.scheduled_time)
 
+    async def message(self) -> str | None:
+        return await asyncio.to_thread(self.job.message)
+
     async def wait(self, timeout: float = 3600.0) -> AsyncJob:
         """See `Job.wait`."""
         deadline = time.monotonic() + timeout
         while True:
             state = await asyncio.to_thread(self.job.settled)
-            if state == "COMPLETED":
+            if state in FINISHED:
                 return self
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"job {self.id} is still {state} after {timeout:g} s")
@@ -311,7 +327,11 @@ class _Prefect:
 
 
 def _state(run: FlowRun) -> str:
-    return run.state.type.value if run.state else "UNKNOWN"
+    if run.state is None:
+        return "UNKNOWN"
+    if run.state.type.value == "COMPLETED" and run.state.name == WITH_ERRORS_STATE:
+        return COMPLETED_WITH_ERRORS
+    return run.state.type.value
 
 
 def _result(line: dict[str, Any]) -> dict[str, Any]:

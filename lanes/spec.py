@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from croniter import croniter
@@ -22,8 +22,11 @@ from pydantic import (
     model_validator,
 )
 
+from lanes.template import Template, is_template
+
 Mode = Literal["interactive", "offline"]
 TaskName = Literal["embed", "infer", "generate"]
+_TASKS = get_args(TaskName)
 
 # Workload names become URL paths and Prefect deployment names: DNS labels.
 NAME_PATTERN = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
@@ -170,6 +173,58 @@ class Runner(StrictModel):
         return {"kind": value} if isinstance(value, str) else value
 
 
+# A kept field may not take the name of the output line's own id.
+RESERVED_OUTPUT_FIELDS = ("id", "custom_id")
+
+
+class Fields(StrictModel):
+    """Where the parts of a plain offline record are (OpenAI batch lines have their own)."""
+
+    id: str = Field(
+        "id", min_length=1, description="The field holding each record's id (a string or integer)."
+    )
+    text: str | None = Field(
+        None,
+        min_length=1,
+        description="embed: the field holding the text, or a template of fields such as "
+        '"{subject}\\n\\n{body}"; default: the field `text`.',
+    )
+    prompt: str | None = Field(
+        None,
+        min_length=1,
+        description="generate: the field holding the prompt, or a template of fields; "
+        "default: the record's fields but the id and `keep` are the request "
+        "(prompt, max_tokens, ...).",
+    )
+    keep: list[str] = Field(
+        default_factory=list,
+        description="Fields copied from each record into its output line, beside the id.",
+    )
+
+    @field_validator("text", "prompt")
+    @classmethod
+    def _valid_template(cls, value: str | None) -> str | None:
+        if value is not None and is_template(value):
+            Template.parse(value)  # its ValueError says what is wrong and where
+        return value
+
+    @field_validator("keep")
+    @classmethod
+    def _valid_keep(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not name:
+                raise ValueError("expected field names, found an empty one")
+            if name in RESERVED_OUTPUT_FIELDS:
+                raise ValueError(
+                    f"{name!r} names the output line's id (the record's `fields.id`); "
+                    "it cannot be kept under that name"
+                )
+        twice = sorted({n for n in value if value.count(n) > 1})
+        if twice:
+            raise ValueError(f"expected each field once, found {', '.join(twice)} twice")
+        return value
+
+
 class Workload(StrictModel):
     mode: Mode = Field(description="interactive: someone is waiting; offline: nobody is.")
     task: TaskName
@@ -192,6 +247,16 @@ class Workload(StrictModel):
     schedule: Schedule | None = None
     retries: int = Field(2, ge=0, le=100, description="Retries of a failed shard.")
     runner: Runner = Field(default_factory=Runner)
+    fields: Fields = Field(
+        default_factory=Fields, description="Which record fields are the id, text and output."
+    )
+    max_error_rate: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="Most rejected records a shard may have, as a fraction of its records: "
+        "beyond it the shard fails and is not committed (0: none may fail; 1: no limit).",
+    )
 
 
 class Spec(StrictModel):
@@ -225,7 +290,9 @@ class _Top(StrictModel):
 Loc = tuple[str | int, ...]
 Found = list[tuple[Loc, str, bool]]  # (path, message, points at the key itself)
 
-_OFFLINE_ONLY = ("input", "output", "schedule", "runner")
+_OFFLINE_ONLY = ("input", "output", "schedule", "runner", "fields", "max_error_rate")
+# Which `fields:` key names the item of which task.
+_ITEM_FIELDS = {"text": "embed", "prompt": "generate"}
 
 
 def parse_spec(data: Any, base: Path, check_files: bool = True) -> tuple[Spec | None, Found]:
@@ -344,6 +411,11 @@ def _workload_problems(
         if isinstance(runner, dict) and runner.get("address") and runner.get("kind") != "dask":
             message = "`address` names a Dask scheduler: set `kind: dask`, or remove it"
             found.append(((*at, "runner", "address"), message, True))
+        fields = raw.get("fields")
+        for key, wanted in _ITEM_FIELDS.items():
+            if isinstance(fields, dict) and key in fields and task in _TASKS and task != wanted:
+                message = f"`fields.{key}` is for task {wanted}; task {task} does not read it"
+                found.append(((*at, "fields", key), message, True))
     elif mode == "interactive":
         for key in _OFFLINE_ONLY:
             if key in raw:

@@ -17,6 +17,8 @@ import typer
 
 from lanes.client import Client
 from lanes.errors import InvalidInput
+from lanes.jobs import COMPLETED_WITH_ERRORS
+from lanes.router.console import ExitCode
 from lanes.router.render import to_jsonable
 
 SpecOption = Annotated[
@@ -118,7 +120,9 @@ def job(
         bool, typer.Option(help="Print its results as JSON lines (the status goes to stderr).")
     ] = False,
 ) -> None:
-    """Show a job's status (`ID STATUS`); wait for it to end, print its results."""
+    """Show a job's status (`ID STATUS`); wait for it to end, print its results. With
+    --wait, exits 0 when every record was answered, 3 when some were rejected, 1 when
+    the job failed, 4 when it is still running after --timeout."""
     with Client() as client:
         handle = client.job(id)
         if wait:
@@ -126,11 +130,16 @@ def job(
                 handle.wait(timeout)
             except TimeoutError as e:
                 typer.echo(f"error: {e}", err=True)
-                raise typer.Exit(1) from None
-        typer.echo(f"{handle.id} {handle.status()}", err=results)
+                raise typer.Exit(ExitCode.TIMED_OUT) from None
+        status = handle.status()
+        typer.echo(f"{handle.id} {status}", err=results)
+        if status == COMPLETED_WITH_ERRORS:
+            typer.echo(f"{handle.id}: {handle.message()}", err=True)
         if results:
             for line in handle.results():
                 typer.echo(json.dumps(to_jsonable(line)))
+    if wait and status == COMPLETED_WITH_ERRORS:
+        raise typer.Exit(ExitCode.RECORD_ERRORS)
 
 
 def _when(value: str) -> Literal["offpeak", "now"]:

@@ -1,7 +1,9 @@
-"""How the CLI reports lanes' own errors: a message a person can act on, no traceback."""
+"""How the CLI reports lanes' own errors: a message a person can act on, no traceback;
+and what its exit codes mean."""
 
 from __future__ import annotations
 
+import enum
 import functools
 import sys
 from collections.abc import Callable
@@ -20,6 +22,16 @@ SpecFile = Annotated[
 ]
 
 
+class ExitCode(enum.IntEnum):
+    """Every command's exit status (the README's CLI section lists them)."""
+
+    OK = 0
+    FAILED = 1  # a job or run failed, or anything else lanes could not do
+    BAD_INPUT = 2  # a bad spec, argument or input: fix it and run again
+    RECORD_ERRORS = 3  # a job or run finished, but rejected some records
+    TIMED_OUT = 4  # `lanes job --wait`: still running when --timeout ran out
+
+
 def guarded(fn: Callable[[], T]) -> T:
     """Run `fn`; a LanesError becomes a message on stderr and an exit code: 2 for a bad
     spec or input, 1 for anything else that failed."""
@@ -32,13 +44,13 @@ def guarded(fn: Callable[[], T]) -> T:
             print(problem, file=sys.stderr)
         n = len(e.problems)
         print(f"{n} problem{'s' if n != 1 else ''} found", file=sys.stderr)
-        raise typer.Exit(2) from None
+        raise typer.Exit(ExitCode.BAD_INPUT) from None
     except (InvalidInput, UnknownWorkload, WrongMode) as e:
         print(f"error: {e}", file=sys.stderr)
-        raise typer.Exit(2) from None
+        raise typer.Exit(ExitCode.BAD_INPUT) from None
     except LanesError as e:
         print(f"error: {e}", file=sys.stderr)
-        raise typer.Exit(1) from None
+        raise typer.Exit(ExitCode.FAILED) from None
 
 
 def command(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -24,9 +24,12 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from lanes.router.console import guarded
+from lanes.errors import InvalidInput
+from lanes.layout import ERRORS
+from lanes.router.console import ExitCode, guarded
 from lanes.settings import Settings
 from lanes.specfile import load_spec
+from lanes.storage import join
 
 T = TypeVar("T")
 
@@ -105,28 +108,54 @@ def run(
     output: Annotated[
         str | None, typer.Option("--output", "-o", help="Output folder or s3:// URI.")
     ] = None,
+    retry_errors: Annotated[
+        bool,
+        typer.Option("--retry-errors", help="Also rerun the rejected records of committed shards."),
+    ] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Ignore the commits: rerun every shard whole.")
+    ] = False,
     file: SpecOption = None,
 ) -> None:
     """Run an offline workload now, on an embedded Prefect (no server needed), or on
-    the server in PREFECT_API_URL when one is set. Committed shards are skipped."""
+    the server in PREFECT_API_URL when one is set. Committed shards are skipped.
+    Exits 0 when every record was answered, 3 when some were rejected, 1 when the run
+    failed, 2 for a bad spec or argument."""
     from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS as STARTUP
     from prefect.settings import temporary_settings
 
-    from lanes.flows.batch import offline
+    from lanes.flows.batch import Rerun, offline
 
     settings = Settings()
     spec_file = file or settings.spec
     startup = max(STARTUP.value(), EPHEMERAL_STARTUP_S)
+    if retry_errors and force:
+        _guarded(_both_reruns)
+    rerun: Rerun = "all" if force else "errors" if retry_errors else "uncommitted"
 
     def go() -> dict[str, Any]:
         with temporary_settings(updates={STARTUP: startup}), _progress_bar():
             result: dict[str, Any] = offline(
-                workload=workload, spec=str(spec_file), input=input, output=output
+                workload=workload, spec=str(spec_file), input=input, output=output, rerun=rerun
             )
             return result
 
     summary = _guarded(go)
     _print_summary(summary)
+    if summary["total_errors"]:
+        errors = join(summary["output"], ERRORS)
+        typer.echo(
+            f"{summary['total_errors']} records were rejected: they are in {errors}; "
+            "fix them (or the workload) and rerun them with --retry-errors",
+            err=True,
+        )
+        raise typer.Exit(ExitCode.RECORD_ERRORS)
+
+
+def _both_reruns() -> None:
+    raise InvalidInput(
+        "--force reruns every record, --retry-errors only the rejected ones: choose one"
+    )
 
 
 @contextmanager
@@ -193,6 +222,9 @@ def _print_summary(summary: dict[str, Any]) -> None:
             f"at ${summary['price_per_device_hour']}/h)",
         ),
     ]
+    if summary["shards_retried"]:
+        retried = f"{summary['retried']} records, {summary['recovered']} answered now"
+        rows.insert(4, ("retried", retried))
     for key, value in rows:
         table.add_row(key, str(value))
     Console(width=160).print(table)

@@ -253,3 +253,19 @@ class _Broken:
 
 
 broken = _Broken()
+
+
+class _Picky:
+    """A handler whose `pre` rejects records marked `flaky` until `allow` is set: an
+    error that a later --retry-errors run can fix without touching the input."""
+
+    def __init__(self) -> None:
+        self.allow = False
+
+    def pre(self, record: Any) -> Any:
+        if record.get("flaky") and not self.allow:
+            raise ValueError("a flaky record")
+        return record
+
+
+picky = _Picky()

@@ -58,6 +58,7 @@ WORKLOADS = f"""\
     input: in/
     output: out/
     schedule: {{cron: "{CRON}", timezone: {ZONE}}}
+    max_error_rate: 0.5          # GOOD and BAD: one record in four is rejected
   embed-s3:
     mode: offline
     task: embed
@@ -77,6 +78,7 @@ GHOST = """\
 """
 GOOD = [{"id": f"r{i}", "text": f"record number {i}"} for i in range(3)]
 BAD = {"id": "r-bad", "txt": "a misspelt field"}
+TICKETS = [{"ticket_id": i, "text": f"ticket {i}"} for i in range(3)]  # no `id`
 
 
 @dataclass(frozen=True)
@@ -122,10 +124,10 @@ def start(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen[s
     )
 
 
-def finish(process: subprocess.Popen[str], timeout: float = 120) -> tuple[str, str]:
-    """Its stdout and stderr, once it exited 0."""
+def finish(process: subprocess.Popen[str], timeout: float = 120, code: int = 0) -> tuple[str, str]:
+    """Its stdout and stderr, once it exited with `code`."""
     out, err = process.communicate(timeout=timeout)
-    assert process.returncode == 0, f"{process.args} failed ({process.returncode}):\n{out}{err}"
+    assert process.returncode == code, f"{process.args} ended {process.returncode}:\n{out}{err}"
     return out, err
 
 
@@ -181,6 +183,16 @@ async def test_offpeak_submit_is_scheduled_at_the_next_window(setup: Setup) -> N
         same.manifest()
     assert list(same.errors()) == []
 
+    waited = subprocess.run(
+        lanes_cli("job", job.id, "--wait", "--timeout", "0.2"),
+        env=setup.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert waited.returncode == 4, waited.stderr  # still scheduled: timed out waiting
+    assert "is still SCHEDULED after 0.2 s" in waited.stderr
+
     assert same.cancel() == "CANCELLED"
     assert await job.status() == "CANCELLED"
     with pytest.raises(lanes.JobFailed, match="ended CANCELLED"):
@@ -211,6 +223,9 @@ async def test_jobs_run_on_a_worker_and_are_followed_by_id_from_other_processes(
         # An input folder that does not exist: the job fails on the worker.
         with lanes.Client(spec=setup.spec, prefect_api_url=setup.api) as client:
             failing = client.submit("embed-corpus", "missing-folder/", when="now")
+            clean = client.submit("embed-corpus", GOOD, when="now")
+            # Records in another shape: the records check fails the job before it runs.
+            shapeless = client.submit("embed-corpus", TICKETS, when="now")
         assert failing.status() == "SCHEDULED"
         scheduled = failing.scheduled_time()
         assert scheduled is not None and abs(datetime.now(UTC) - scheduled) < timedelta(minutes=1)
@@ -221,7 +236,7 @@ async def test_jobs_run_on_a_worker_and_are_followed_by_id_from_other_processes(
         assert f"job {job.id}: embed-corpus, scheduled for " in err
 
         deadline = time.monotonic() + 60
-        while due_submissions(setup) < 3:  # the README's job too
+        while due_submissions(setup) < 5:  # the README's job too
             assert readme.poll() is None, readme.communicate()
             assert time.monotonic() < deadline, "the README example did not submit in 60 s"
             time.sleep(0.2)
@@ -229,7 +244,12 @@ async def test_jobs_run_on_a_worker_and_are_followed_by_id_from_other_processes(
 
         # Two more processes follow the job by id: this one, and `lanes job`.
         shown = launch(lanes_cli("job", job.id, "--wait", "--timeout", "30", "--results"))
-        assert job.wait(30) is job and job.status() == "COMPLETED"
+        shown_clean = launch(lanes_cli("job", clean.id, "--wait", "--timeout", "30"))
+        shown_shapeless = launch(lanes_cli("job", shapeless.id, "--wait", "--timeout", "30"))
+        assert job.wait(30) is job and job.status() == "COMPLETED_WITH_ERRORS"
+        assert (job.message() or "").startswith("1 record rejected, 3 answered")
+        assert clean.wait(30).status() == "COMPLETED"
+        assert clean.message() == "3 records answered"
         results = sorted(job.results(), key=lambda r: r["id"])
         assert [r["id"] for r in results] == ["r0", "r1", "r2"]
         assert all(len(r["result"]) == 384 for r in results)
@@ -240,18 +260,26 @@ async def test_jobs_run_on_a_worker_and_are_followed_by_id_from_other_processes(
 
         async with lanes.AsyncClient(spec=setup.spec, prefect_api_url=setup.api) as aclient:
             same = aclient.job(job.id)
-            assert await same.wait(10) is same and await same.status() == "COMPLETED"
+            assert await same.wait(10) is same
+            assert await same.status() == "COMPLETED_WITH_ERRORS"
             assert sorted([r["id"] async for r in same.results()]) == ["r0", "r1", "r2"]
             assert [e["id"] async for e in same.errors()] == ["r-bad"]
             assert (await same.manifest())["outputs"] == 3
-            assert await same.cancel() == "COMPLETED"  # an ended job stays as it ended
+            # An ended job stays as it ended.
+            assert await same.cancel() == "COMPLETED_WITH_ERRORS"
             failed = aclient.job(failing.id)
             with pytest.raises(lanes.JobFailed, match=r"ended FAILED: .*missing-folder"):
                 await failed.wait(30)
 
-        out, err = finish(shown)
-        assert f"{job.id} COMPLETED" in err
+        # `lanes job --wait` exits 3 with record errors, 0 without, 1 for a failed job.
+        out, err = finish(shown, code=3)
+        assert f"{job.id} COMPLETED_WITH_ERRORS" in err and "1 record rejected" in err
         assert sorted(json.loads(line)["id"] for line in out.splitlines()) == ["r0", "r1", "r2"]
+        out, err = finish(shown_clean)
+        assert f"{clean.id} COMPLETED" in out + err
+        out, err = finish(shown_shapeless, code=1)
+        assert "ended FAILED" in err and "validating the records" in err
+        assert 'line 1: missing field "id"' in err
         out, err = finish(readme)
         assert out.rstrip().endswith("['q1']")
     finally:

@@ -114,7 +114,8 @@ def test_the_entrypoint_is_the_flow() -> None:
 
     flow = load_flow_from_entrypoint(ENTRYPOINT, use_placeholder_flow=False)
     assert flow.name == FLOW_NAME
-    assert set(flow.parameters.properties) == {"workload", "spec", "input", "output"}
+    assert set(flow.parameters.properties) == {"workload", "spec", "input", "output", "rerun"}
+    assert flow.parameters.properties["rerun"]["enum"] == ["uncommitted", "errors", "all"]
 
 
 def test_lanes_compile_command(spec_file: Path) -> None:

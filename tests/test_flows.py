@@ -48,16 +48,6 @@ from tests.flows_fixtures import (
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="session")
-def prefect_api() -> Iterator[str]:
-    """One Prefect API (SQLite, temporary) for every flow run of the session."""
-    from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=60):
-        yield str(PREFECT_API_URL.value())
-
-
 def offline_workload(task: str = "embed", **fields: Any) -> dict[str, Any]:
     model = {"embed": "enc", "infer": "affine", "generate": "dec"}[task]
     base = {"mode": "offline", "task": task, "model": model, "input": "in/", "output": "out/"}
@@ -74,7 +64,8 @@ def embed_task(spec_file: Path, workload: str) -> Any:
 def test_embed_job_answers_plain_and_openai_lines_like_the_task(
     prefect_api: str, tmp_path: Path
 ) -> None:
-    spec = write_spec(tmp_path, {"emb": offline_workload()})
+    # A quarter of shard a is bad on purpose: allow it.
+    spec = write_spec(tmp_path, {"emb": offline_workload(max_error_rate=0.5)})
     plain = [{"id": f"d{i}", "text": text(i)} for i in range(40)]
     openai = {
         "custom_id": "req-1",
@@ -144,7 +135,9 @@ def test_embed_job_answers_plain_and_openai_lines_like_the_task(
 
 
 def test_generate_answers_completions_and_chat_lines(prefect_api: str, tmp_path: Path) -> None:
-    workload = offline_workload("generate", generation={"max_new_tokens": 8, "temperature": 0})
+    workload = offline_workload(
+        "generate", generation={"max_new_tokens": 8, "temperature": 0}, max_error_rate=0.5
+    )
     spec = write_spec(tmp_path, {"gen": workload})
     line = {"custom_id": "c1", "method": "POST", "url": "/v1/completions"}
     write_jsonl(

@@ -62,6 +62,8 @@ def test_good_spec_loads_with_defaults(folder: Path) -> None:
     assert query.generation.max_new_tokens == 128
     assert spec.models["enc"].path == folder / "enc.onnx"
     assert spec.workloads["nightly"].retries == 2
+    assert spec.workloads["nightly"].max_error_rate == 0.1
+    assert spec.workloads["nightly"].fields.id == "id"
 
 
 BAD_CASES = [
@@ -173,6 +175,36 @@ BAD_CASES = [
         "version: 1",
         "version: 2",
         "W:1:10: version: input should be 1; found 2",
+    ),
+    (
+        "fields: a bad template",
+        "    output: out/\n",
+        '    output: out/\n    fields: {id: ticket_id, text: "{subject"}\n',
+        "W:17:35: workloads.nightly.fields.text: '{' at position 0 of '{subject' opens no field",
+    ),
+    (
+        "fields: keeping the id's name",
+        "    output: out/\n",
+        "    output: out/\n    fields: {keep: [customer, id]}\n",
+        "W:17:20: workloads.nightly.fields.keep: 'id' names the output line's id",
+    ),
+    (
+        "fields: another task's item",
+        "    output: out/\n",
+        "    output: out/\n    fields: {prompt: body}\n",
+        "W:17:14: workloads.nightly.fields.prompt: `fields.prompt` is for task generate; task embed",
+    ),
+    (
+        "fields on interactive",
+        "    batching: {max_batch_size: 8, max_wait_ms: 2}\n",
+        "    batching: {max_batch_size: 8, max_wait_ms: 2}\n    fields: {id: ticket_id}\n",
+        "W:11:5: workloads.search-query.fields: `fields` applies to offline workloads only",
+    ),
+    (
+        "max_error_rate out of range",
+        "    output: out/\n",
+        "    output: out/\n    max_error_rate: 1.5\n",
+        "W:17:21: workloads.nightly.max_error_rate: input should be less than or equal to 1",
     ),
     (
         "top-level unknown key",

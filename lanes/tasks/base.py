@@ -19,6 +19,7 @@ from tokenizers import Tokenizer
 
 from lanes.errors import ModelError
 from lanes.spec import ModelSpec, TaskName, Workload
+from lanes.tasks.handler import Handler
 
 
 class Task(Protocol):
@@ -27,12 +28,18 @@ class Task(Protocol):
     name: str  # the workload's name
     workload: Workload
     kind: TaskName  # "embed" | "infer" | "generate"
+    handler: Handler
 
     def prepare(self, item: Any) -> Any:
         """Validate and convert one input (after the handler's `pre`). Cheap.
 
         Raises `InvalidInput` naming the field, what was expected and what was found.
         """
+        ...
+
+    def check(self, item: Any) -> Any:
+        """`prepare` without the handler's `pre`: for an item `pre` already made (an
+        offline plain record's, from the whole record)."""
         ...
 
     def run(self, batch: Sequence[Any]) -> list[Any]:

@@ -68,8 +68,12 @@ class EmbedTask:
         self._pad_id = _pad_id(self.tokenizer)
 
     def prepare(self, item: Any) -> EmbedItem:
-        """A non-empty str -> its token ids. Raises `InvalidInput` otherwise."""
-        text = self.handler.before(item)
+        """A non-empty str (after the handler's `pre`) -> its token ids. Raises
+        `InvalidInput` otherwise."""
+        return self.check(self.handler.before(item))
+
+    def check(self, text: Any) -> EmbedItem:
+        """`prepare` without the handler's `pre`."""
         if not isinstance(text, str):
             raise InvalidInput(f"input: expected a string, found {type(text).__name__}")
         if not text.strip():

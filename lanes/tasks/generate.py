@@ -67,7 +67,10 @@ class GenerateTask:
     def prepare(self, item: Any) -> GenerateRequest:
         """A prompt, or a dict of prompt and parameters (null means "the default"),
         -> a tokenized request. Raises `InvalidInput` naming the field."""
-        item = self.handler.before(item)
+        return self.check(self.handler.before(item))
+
+    def check(self, item: Any) -> GenerateRequest:
+        """`prepare` without the handler's `pre`."""
         if isinstance(item, str):
             item = {"prompt": item}
         if not isinstance(item, Mapping):

@@ -3,6 +3,12 @@
 The object named may have `pre(item) -> item` (runs before the task's own checks)
 and/or `post(output) -> output` (runs per item after the model). Either may be
 absent; an object with neither is an error, caught when the workload loads.
+
+What `pre` gets: online, the request's input (a text, a prompt or its options, the
+named tensors); in an offline OpenAI batch line, the same (each text or prompt); in
+an offline plain record, the whole record as a dict (id and all: CSV, JSONL, ...),
+and it returns a record (a mapping, then read by the workload's `fields:` like any
+record) or the task's item itself (embed: the text; generate: the prompt).
 """
 
 from __future__ import annotations

@@ -64,8 +64,12 @@ class InferTask:
         )
 
     def prepare(self, item: Any) -> InferItem:
-        """Check names, dtypes, ranks and fixed dims; raise `InvalidInput` naming the input."""
-        item = self.handler.before(item)
+        """Check names, dtypes, ranks and fixed dims (after the handler's `pre`); raise
+        `InvalidInput` naming the input."""
+        return self.check(self.handler.before(item))
+
+    def check(self, item: Any) -> InferItem:
+        """`prepare` without the handler's `pre`."""
         if not isinstance(item, Mapping):
             expected = ", ".join(self.inputs)
             raise InvalidInput(

@@ -1,0 +1,119 @@
+"""How one workload's plain records become requests: its `fields:` and its handler's `pre`.
+
+    shape = RecordShape.of(workload, handler)
+    shape.id_of(record)      # the id, from `fields.id`
+    shape.kept(record)       # the `fields.keep` fields, for the output line
+    shape.item_of(record)    # the task's item
+
+The item comes from the record by the mapping: embed reads the text field or
+template (`fields.text`, default the field `text`); generate the prompt field or
+template (`fields.prompt`), else every field but the id and the kept ones (prompt,
+max_tokens, ...); infer every field but those. A handler's `pre` gets the whole
+record first, id and all, and returns a record (a mapping, then read by the mapping
+like any record) or the item itself (embed: the text; generate: the prompt). The id
+and the kept fields always come from the record as read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lanes.errors import InvalidInput
+from lanes.spec import Fields, TaskName, Workload
+from lanes.tasks.handler import Handler
+from lanes.template import Template, is_template
+
+# What a record of each task looks like by default, for messages.
+_EXAMPLE = {
+    "embed": '{"id": ..., "text": "..."}',
+    "generate": '{"id": ..., "prompt": "...", <generation options>}',
+    "infer": '{"id": ..., <input name>: <array>, ...}',
+}
+
+
+@dataclass(frozen=True)
+class RecordShape:
+    """`handler` None: not known here (the records check runs without loading the
+    model); then the item is not made, only the id and kept fields are checked."""
+
+    kind: TaskName
+    fields: Fields
+    handler: Handler | None
+    defers_item: bool  # the item is made by `pre`, or by a handler not loaded here
+    source: str | Template | None  # fields.text (embed) or fields.prompt (generate)
+
+    @classmethod
+    def of(cls, workload: Workload, handler: Handler | None) -> RecordShape:
+        fields = workload.fields
+        pre = handler is not None and handler.pre is not None
+        unknown = handler is None and workload.handler is not None
+        named = {"embed": fields.text, "generate": fields.prompt}.get(workload.task)
+        source = Template.parse(named) if named is not None and is_template(named) else named
+        return cls(workload.task, fields, handler, pre or unknown, source)
+
+    def id_of(self, record: Mapping[str, Any]) -> tuple[Any, str | None]:
+        """The record's id, or None and why it has none."""
+        name = self.fields.id
+        if name not in record:
+            if name == "id":
+                hint = "; if your records name it otherwise, set the workload's `fields.id`"
+                example = _EXAMPLE[self.kind]
+                return None, f'missing field "id": a plain record is {example}{hint}'
+            return None, f'missing field "{name}" (the id, by `fields.id`)'
+        rid = record[name]
+        if not isinstance(rid, str | int) or isinstance(rid, bool):
+            return None, (
+                f'field "{name}" (the id): expected a string or an integer, '
+                f"found {type(rid).__name__}"
+            )
+        return rid, None
+
+    def kept(self, record: Mapping[str, Any]) -> dict[str, Any]:
+        """The fields to carry to the output; `InvalidInput` names one that is missing."""
+        missing = [name for name in self.fields.keep if name not in record]
+        if missing:
+            raise InvalidInput(f'missing field "{missing[0]}" (in `fields.keep`)')
+        return {name: record[name] for name in self.fields.keep}
+
+    def item_of(self, record: Mapping[str, Any]) -> Any:
+        """The task's item for `record`; `InvalidInput` says which field is missing."""
+        if self.handler is not None and self.handler.pre is not None:
+            made = self.handler.before(record)
+            if not isinstance(made, Mapping):
+                return made
+            record = made
+        if self.kind == "embed":
+            return self._from(record, "text")
+        if self.kind == "generate" and self.source is not None:
+            return {"prompt": self._from(record, "prompt")}
+        skip = {self.fields.id, *self.fields.keep}
+        return {k: v for k, v in record.items() if k not in skip}
+
+    def item_label(self) -> str:
+        """What an embed record's text is called in messages."""
+        field = self.source if isinstance(self.source, str) else "text"
+        if self.handler is not None and self.handler.pre is not None:
+            return f"{field} (after {self.handler.ref} pre)"
+        return field
+
+    def _from(self, record: Mapping[str, Any], key: str) -> Any:
+        source = self.source
+        if source is None:
+            if key not in record:
+                raise InvalidInput(
+                    f'missing field "{key}": an {self.kind} record is {_EXAMPLE[self.kind]}; '
+                    f"if your records name it otherwise, set the workload's `fields.{key}`"
+                )
+            return record[key]
+        if isinstance(source, str):
+            if source not in record:
+                raise InvalidInput(f'missing field "{source}" (the {key}, by `fields.{key}`)')
+            return record[source]
+        try:
+            return source.render(record)
+        except KeyError as err:
+            raise InvalidInput(
+                f'missing field "{err.args[0]}" (in `fields.{key}`: {source.source!r})'
+            ) from None

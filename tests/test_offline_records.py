@@ -1,0 +1,160 @@
+"""Offline input in the user's own shape, end to end under Prefect's test harness: a
+workload's `fields:` over CSV, JSONL and JSON-array files, a handler's `pre` in a temp
+user project seeing whole records, and input files of an unknown format refused."""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import json
+import re
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+
+from lanes.errors import StorageError
+from lanes.flows.batch import offline
+from lanes.runtime import Runtime
+from lanes.settings import Settings
+from lanes.specfile import load_spec
+from lanes.tasks import load_task
+from tests.flows_fixtures import outputs_of, read_jsonl, text, write_jsonl, write_spec
+
+FIELDS = {"id": "ticket_id", "text": "{subject}\n\n{body}", "keep": ["customer"]}
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def offline_workload(**fields: Any) -> dict[str, Any]:
+    base = {"mode": "offline", "task": "embed", "model": "enc", "input": "in/", "output": "out/"}
+    return {**base, "batch_size": 4, "retries": 0, **fields}
+
+
+def ticket(i: int) -> dict[str, Any]:
+    return {"subject": text(i), "body": text(i + 3), "customer": f"c{i % 3}", "priority": i}
+
+
+def reference(spec: Path, workload: str, texts: list[str]) -> list[Any]:
+    """The vectors the task itself gives these texts (a workload without a handler)."""
+    task = load_task(workload, load_spec(spec, Settings()), Runtime(Settings(device="cpu")))
+    return [task.run([task.prepare(t)])[0] for t in texts]
+
+
+def test_fields_read_a_users_tickets_from_csv_jsonl_and_json_arrays(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    spec = write_spec(tmp_path, {"tickets": offline_workload(fields=FIELDS)})
+    rows = {f"t{i}": ticket(i) for i in range(9)}
+    (tmp_path / "in").mkdir()
+    with (tmp_path / "in" / "export.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, ["ticket_id", "subject", "body", "customer", "priority"])
+        writer.writeheader()
+        writer.writerows({"ticket_id": k, **v} for k, v in list(rows.items())[:3])
+    write_jsonl(
+        tmp_path / "in" / "api.jsonl", [{"ticket_id": k, **v} for k, v in list(rows.items())[3:6]]
+    )
+    (tmp_path / "in" / "backup.json").write_text(
+        json.dumps([{"ticket_id": k, **v} for k, v in list(rows.items())[6:]])
+    )
+
+    summary = offline(workload="tickets", spec=str(spec))
+
+    assert (summary["outputs"], summary["errors"], summary["shards_run"]) == (9, 0, 3)
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.glob("*.jsonl")) == [
+        "api.jsonl",
+        "backup.jsonl",
+        "export.jsonl",
+    ]
+    lines = {line["id"]: line for line in outputs_of(out)}
+    assert sorted(lines) == sorted(rows)
+    ids = sorted(rows)
+    texts = [f"{rows[k]['subject']}\n\n{rows[k]['body']}" for k in ids]
+    for key, expected in zip(ids, reference(spec, "tickets", texts), strict=True):
+        assert list(lines[key]) == ["id", "customer", "embedding"]
+        assert lines[key]["customer"] == rows[key]["customer"]
+        np.testing.assert_allclose(lines[key]["embedding"], expected, rtol=1e-5, atol=1e-6)
+
+
+HOOKS = """\
+class Hooks:
+    def __init__(self):
+        self.seen = []
+
+    def pre(self, record):
+        self.seen.append(dict(record))
+        return f"{record['subject']} {record['body']}"
+
+
+hooks = Hooks()
+"""
+
+
+def test_pre_gets_each_whole_record_in_a_user_project(
+    prefect_api: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = f"ticket_hooks_{uuid.uuid4().hex[:8]}"  # a user's module beside workloads.yaml
+    (tmp_path / f"{module}.py").write_text(HOOKS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = write_spec(
+        tmp_path,
+        {
+            "tickets": offline_workload(handler=f"{module}:hooks", fields={"id": "ticket_id"}),
+            "plain": offline_workload(output="out-plain/"),
+        },
+    )
+    records = [{"ticket_id": 100 + i, **ticket(i)} for i in range(6)]
+    write_jsonl(tmp_path / "in" / "a.jsonl", records)
+
+    summary = offline(workload="tickets", spec=str(spec))
+
+    assert (summary["outputs"], summary["errors"]) == (6, 0)
+    seen = importlib.import_module(module).hooks.seen
+    assert sorted(seen, key=lambda r: r["ticket_id"]) == records  # whole, id and all
+    lines = {line["id"]: line for line in read_jsonl(tmp_path / "out" / "a.jsonl")}
+    texts = [f"{r['subject']} {r['body']}" for r in records]
+    for record, expected in zip(records, reference(spec, "plain", texts), strict=True):
+        np.testing.assert_allclose(
+            lines[record["ticket_id"]]["embedding"], expected, rtol=1e-5, atol=1e-6
+        )
+
+
+def test_an_input_file_of_an_unknown_format_fails_the_run_naming_it(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    spec = write_spec(tmp_path, {"emb": offline_workload()})
+    write_jsonl(tmp_path / "in" / "a.jsonl", [{"id": i, "text": text(i)} for i in range(3)])
+    (tmp_path / "in" / "notes.txt").write_text("not records")
+    (tmp_path / "in" / "_SUCCESS").write_text("")  # bookkeeping: never data
+    with pytest.raises(StorageError) as caught:
+        offline(workload="emb", spec=str(spec))
+    message = str(caught.value)
+    assert str(tmp_path / "in" / "notes.txt") in message and "_SUCCESS" not in message
+    assert "JSONL (.jsonl, .ndjson), CSV (.csv), JSON arrays (.json)" in message
+    assert "narrow the workload's input with a glob" in message
+    assert not (tmp_path / "out" / "a.jsonl").exists()
+
+    summary = offline(workload="emb", spec=str(spec), input=str(tmp_path / "in" / "*.jsonl"))
+    assert summary["outputs"] == 3
+
+
+def test_the_readmes_fields_example_reads_a_ticket_export(prefect_api: str, tmp_path: Path) -> None:
+    section = README.read_text().split("## Offline records", 1)[1]
+    found = re.search(r"```yaml\n(.*?)```", section, re.DOTALL)
+    assert found, "the README's offline records section has no yaml example"
+    (example,) = yaml.safe_load(found.group(1)).values()
+    spec = write_spec(tmp_path, {"triage": {**example, "model": "enc"}})
+    export = tmp_path / example["input"]
+    export.parent.mkdir(parents=True)
+    export.write_text(f"ticket_id,subject,body,customer\nT-17,{text(1)},{text(2)},acme\n")
+
+    assert offline(workload="triage", spec=str(spec))["outputs"] == 1
+
+    (line,) = read_jsonl(tmp_path / example["output"] / "tickets.jsonl")
+    assert list(line) == ["id", "customer", "embedding"]
+    assert (line["id"], line["customer"]) == ("T-17", "acme")
+    (expected,) = reference(spec, "triage", [f"{text(1)}\n\n{text(2)}"])
+    np.testing.assert_allclose(line["embedding"], expected, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,206 @@
+"""The record readers (flows.records) on real files, and plain records in the user's own
+shape (flows.shape: `fields:`, templates, a handler's `pre`)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lanes.errors import InvalidInput
+from lanes.flows.records import Line, read_shard
+from lanes.flows.requests import PlainRecord, Rejection, to_request
+from lanes.flows.shape import RecordShape
+from lanes.settings import Settings
+from lanes.spec import Workload
+from lanes.storage import Storage
+from lanes.tasks.handler import Handler
+from lanes.template import Template
+
+
+def read(path: Path, max_bytes: int = 1 << 20) -> list[Line]:
+    storage = Storage(Settings())
+    (shard,) = storage.list_files(str(path), (path.name,))
+    return list(read_shard(storage, shard, max_bytes))
+
+
+CSV = (
+    "\ufeffticket_id,subject,body\r\n"  # a spreadsheet's byte-order mark and CRLF
+    '1,Printer,"on fire, again\nsee ""photo"""\r\n'  # a quoted comma, newline, quotes
+    "\r\n"  # a blank line
+    '2,5" screen,cracked\n'  # a quote inside an unquoted field is a quote
+    "3,too,many,fields\n"
+    "4," + "x" * 200 + ",long\n"
+    "5,Login,fails\n"
+    '6,"never closed,\n'
+    "still inside\n"
+)
+
+
+def test_csv_records_are_numbered_by_their_first_line_and_bad_ones_are_lines(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "tickets.csv"
+    path.write_text(CSV, encoding="utf-8", newline="")
+    lines = read(path, max_bytes=120)
+    assert lines == [
+        Line(2, {"ticket_id": "1", "subject": "Printer", "body": 'on fire, again\nsee "photo"'}),
+        Line(5, {"ticket_id": "2", "subject": '5" screen', "body": "cracked"}),
+        Line(6, None, "expected 3 fields (the header's), found 4"),
+        Line(7, None, "record is 208 bytes, over the limit of 120"),
+        Line(8, {"ticket_id": "5", "subject": "Login", "body": "fails"}),
+        Line(9, None, "a quoted field opened on line 9 or later is never closed"),
+    ]
+    zipped = tmp_path / "tickets.csv.gz"
+    zipped.write_bytes(gzip.compress(CSV.encode()))
+    assert read(zipped, max_bytes=120) == lines
+
+
+def test_csv_fields_longer_than_the_csv_modules_default_limit_are_read(tmp_path: Path) -> None:
+    path = tmp_path / "long.csv"
+    path.write_text("id,text\n" + f'a,"{"w " * 100_000}"\n')
+    (line,) = read(path)
+    assert line.value is not None and len(line.value["text"]) == 200_000
+
+
+@pytest.mark.parametrize(
+    ("header", "error"),
+    [
+        ("id,text,id", "CSV header: expected distinct column names, found 'id' twice"),
+        ("id,,text", "CSV header: expected a name for every column, found an empty one"),
+    ],
+)
+def test_a_csv_header_that_is_no_header_is_one_error(
+    tmp_path: Path, header: str, error: str
+) -> None:
+    path = tmp_path / "bad.csv"
+    path.write_text(f"{header}\n1,a,b\n2,c,d\n")
+    ((number, value, message),) = [(x.number, x.value, x.error) for x in read(path)]
+    assert (number, value) == (1, None) and message is not None and message.startswith(error)
+
+
+def test_json_arrays_are_read_element_by_element(tmp_path: Path) -> None:
+    path = tmp_path / "records.json"
+    path.write_text(json.dumps([{"id": 1, "text": "a"}, 7, {"id": 3, "text": "y" * 300}]))
+    assert read(path, max_bytes=100) == [
+        Line(1, {"id": 1, "text": "a"}),
+        Line(2, None, "expected a JSON object, found int"),
+        Line(3, None, "element is 318 bytes, over the limit of 100"),
+    ]
+    one = tmp_path / "one.json"
+    one.write_text('{"id": 1, "text": "a"}')
+    assert read(one) == [Line(1, None, "expected a JSON array of objects, found dict")]
+    broken = tmp_path / "broken.json.gz"
+    broken.write_bytes(gzip.compress(b'[{"id": 1'))
+    ((number, value, message),) = [(x.number, x.value, x.error) for x in read(broken)]
+    assert (number, value) == (1, None) and message is not None and "malformed JSON" in message
+
+
+# ---- records in the user's own shape -------------------------------------------------------
+
+
+def shape(task: str = "embed", handler: Handler | None = None, **fields: Any) -> RecordShape:
+    workload = Workload.model_validate(
+        {"mode": "offline", "task": task, "model": "m", "input": "in/", "output": "out/"}
+        | ({"fields": fields} if fields else {})
+        | ({"handler": "tests.test_records:unused"} if handler else {})
+    )
+    return RecordShape.of(workload, handler if handler is not None else None)
+
+
+def request(record: dict[str, Any], rshape: RecordShape) -> PlainRecord | Rejection:
+    made = to_request(Line(4, record), rshape, "in/a.jsonl")
+    assert isinstance(made, PlainRecord | Rejection)
+    return made
+
+
+TICKET = {"ticket_id": 17, "subject": "Printer", "body": "on fire", "customer": "acme", "n": 2}
+
+
+def test_fields_name_the_id_a_template_of_the_text_and_the_fields_to_keep() -> None:
+    rshape = shape(id="ticket_id", text="{subject}: {body} ({n}, {{x}})", keep=["customer"])
+    made = request(TICKET, rshape)
+    assert isinstance(made, PlainRecord)
+    assert (made.id, made.item, made.kept) == (
+        17,
+        "Printer: on fire (2, {x})",
+        {"customer": "acme"},
+    )
+    plain = request(TICKET, shape(id="ticket_id", text="body"))
+    assert isinstance(plain, PlainRecord) and plain.item == "on fire"
+
+
+@pytest.mark.parametrize(
+    ("fields", "record", "error"),
+    [
+        ({}, {"text": "a"}, 'missing field "id": a plain record is {"id": ..., "text": "..."}; '
+         "if your records name it otherwise, set the workload's `fields.id`"),
+        ({"id": "ticket_id"}, {"id": 1, "text": "a"}, 'missing field "ticket_id" (the id, by `fields.id`)'),
+        ({"id": "ticket_id", "text": "{subject} {body}"}, {"ticket_id": 1, "subject": "s"},
+         "missing field \"body\" (in `fields.text`: '{subject} {body}')"),
+        ({"text": "body"}, {"id": 1, "text": "a"}, 'missing field "body" (the text, by `fields.text`)'),
+        ({"keep": ["customer"]}, {"id": 1, "text": "a"}, 'missing field "customer" (in `fields.keep`)'),
+        ({}, {"id": [1], "text": "a"}, 'field "id" (the id): expected a string or an integer, found list'),
+    ],
+)  # fmt: skip
+def test_a_record_missing_what_the_fields_name_is_rejected_saying_which(
+    fields: dict[str, Any], record: dict[str, Any], error: str
+) -> None:
+    made = request(record, shape(**fields))
+    assert isinstance(made, Rejection) and made.line["error"] == error
+    assert made.line["line"] == 4
+
+
+def test_generate_and_infer_items_leave_out_the_id_and_the_kept_fields() -> None:
+    generate = request(TICKET, shape("generate", id="ticket_id", prompt="{body}", keep=["n"]))
+    assert isinstance(generate, PlainRecord) and generate.item == {"prompt": "on fire"}
+    infer = request(TICKET, shape("infer", id="ticket_id", keep=["customer"]))
+    assert isinstance(infer, PlainRecord)
+    assert infer.item == {"subject": "Printer", "body": "on fire", "n": 2}
+
+
+class Hooks:
+    """A handler whose `pre` sees whole records: it keeps what it was given."""
+
+    def __init__(self, returns: Any) -> None:
+        self.seen: list[Any] = []
+        self.returns = returns
+
+    def pre(self, record: Any) -> Any:
+        self.seen.append(record)
+        return self.returns(record)
+
+
+def test_pre_gets_the_whole_record_and_returns_a_record_or_the_item() -> None:
+    text = Hooks(lambda r: f"{r['subject']} / {r['body']}")
+    rshape = shape(handler=Handler("h:text", text.pre, None), id="ticket_id", keep=["customer"])
+    made = request(TICKET, rshape)
+    assert isinstance(made, PlainRecord) and made.item is None  # made when prepared
+    assert rshape.item_of(made.record) == "Printer / on fire"
+    assert text.seen == [TICKET]
+    # A record back is read by the fields like any record.
+    record = Hooks(lambda r: {**r, "body": r["body"].upper()})
+    rshape = shape(handler=Handler("h:rec", record.pre, None), id="ticket_id", text="{body}!")
+    assert rshape.item_of(TICKET) == "ON FIRE!"
+    failing = Hooks(lambda r: r["missing"])
+    rshape = shape(handler=Handler("h:bad", failing.pre, None), id="ticket_id")
+    with pytest.raises(InvalidInput, match=r"handler h:bad rejected the input: 'missing'"):
+        rshape.item_of(TICKET)
+
+
+def test_templates_parse_at_load_time_and_render_values() -> None:
+    template = Template.parse("{a} and {b}{{}} {a}")
+    assert template.fields == ("a", "b")
+    assert template.render({"a": "x", "b": [1, None]}) == "x and [1,null]{} x"
+    assert Template.parse("{Ticket ID}").render({"Ticket ID": None}) == ""
+    for bad, error in [
+        ("{a", "opens no field"),
+        ("a}", "a single '}'"),
+        ("{}", "names no field"),
+        ("{a{b}", "opens no field"),
+    ]:
+        with pytest.raises(ValueError, match=error):
+            Template.parse(bad)
