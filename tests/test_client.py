@@ -179,6 +179,18 @@ def test_call_returns_each_task_s_result(client: lanes.Client, server: ServerThr
     assert isinstance(chat, Completion) and chat.usage.completion_tokens <= 6
 
 
+async def test_call_sends_numbers_as_the_model_s_datatype(
+    client: lanes.Client, aclient: lanes.AsyncClient
+) -> None:
+    """The server takes only the model's datatypes: the clients learn them from the
+    workload's metadata and send ints (INT64 as numpy has them) as the model's FP32."""
+    ints = [[5, 3, 1, 0], [7, 3, 5, 2]]
+    want = client.call("flowers", {"features": np.array(ints, dtype=np.float32)})["logits"]
+    assert np.array_equal(client.call("flowers", {"features": ints})["logits"], want)
+    got = await aclient.call("flowers", {"features": np.array(ints)})
+    assert np.array_equal(got["logits"], want)
+
+
 def test_stream_yields_the_same_text_in_chunks(client: lanes.Client) -> None:
     whole = client.call("code", "import os\ndef main(", max_tokens=10)
     chunks = list(client.stream("code", "import os\ndef main(", max_tokens=10))
