@@ -18,6 +18,7 @@ from onnx import TensorProto, helper, save_model
 from tritonclient.utils import InferenceServerException
 
 from lanes.runtime import Runtime
+from lanes.serving.app import route_label
 from lanes.settings import Settings
 from lanes.tasks import load_task
 from tests.flows_fixtures import embed_model, infer_model, text
@@ -26,6 +27,7 @@ from tests.servers import ServerThread
 pytestmark = pytest.mark.slow
 
 KEY = "triton-key"
+BLOB = b"\xff\x00"  # not UTF-8, and ends in a zero byte
 X = np.array([[1.5, -2.0, 0.25, 4.0], [0.0, 1.0, 2.0, 3.0]], dtype=np.float32)
 KINDS = {  # the kinds model: each input comes back as the output of the same name
     "half": (TensorProto.FLOAT16, "FP16", np.array([[0.5, -1.25], [3.0, 0.0]], np.float16)),
@@ -36,11 +38,11 @@ KINDS = {  # the kinds model: each input comes back as the output of the same na
 
 
 class Tagged:
-    """An affine workload's `post`: its output plus strings (a scalar and a list)."""
+    """An affine workload's `post`: its output plus strings (a scalar and a list) and bytes."""
 
     @staticmethod
     def post(output: dict[str, Any]) -> dict[str, Any]:
-        return {"y": output["y"], "tag": "affine ✓", "notes": ["two", "notes"]}
+        return {"y": output["y"], "tag": "affine ✓", "notes": ["two", "notes"], "blob": BLOB}
 
 
 tagged = Tagged()
@@ -261,6 +263,17 @@ def test_binary_framing_errors_are_400s(server: ServerThread) -> None:
     assert answer.status_code == 400 and "inputs.flag" in answer.json()["error"]
 
 
+def test_text_that_is_not_utf8_is_a_400(client: Any) -> None:
+    bad = np.array([BLOB], dtype=object)
+    kinds = [tensor(n, a[:1], d, True) for n, (_, d, a) in KINDS.items() if n != "word"]
+    for workload, inputs in [
+        ("kinds", [*kinds, tensor("word", bad, "BYTES", True)]),  # a string model input
+        ("words", [tensor("text", bad, "BYTES", True)]),  # an embed workload's texts
+    ]:
+        error = refused(lambda: client.infer(workload, inputs, headers=auth()))  # noqa: B023
+        assert error.status() == "400" and "UTF-8" in error.message(), error
+
+
 def test_the_body_limit_applies_to_binary_bodies(client: Any) -> None:
     big = np.zeros((3000, 4), dtype=np.float32)  # 48 kB of tensor: fine
     assert client.infer("affine", [tensor("x", big, "FP32", True)], headers=auth()).as_numpy(
@@ -317,20 +330,42 @@ def test_a_handler_s_strings_are_bytes_tensors_and_its_metadata_says_so(
         {"name": "y", "datatype": "FP32", "shape": [-1, -1]},
         {"name": "tag", "datatype": "BYTES", "shape": []},
         {"name": "notes", "datatype": "BYTES", "shape": [-1]},
+        {"name": "blob", "datatype": "BYTES", "shape": []},
     ]
-    outputs = [triton.InferRequestedOutput(o["name"], binary_data=binary) for o in meta["outputs"]]
-    result = client.infer(
-        "tagged", [tensor("x", X, "FP32", binary)], outputs=outputs, headers=auth()
-    )
+    x = tensor("x", X, "FP32", binary)
+    outputs = [triton.InferRequestedOutput(n, binary_data=binary) for n in ("y", "tag", "notes")]
+    result = client.infer("tagged", [x], outputs=outputs, headers=auth())
     assert np.array_equal(result.as_numpy("y"), 2 * X + 1)
     tag, notes = result.as_numpy("tag"), result.as_numpy("notes")
     decode = np.vectorize(lambda v: v.decode() if isinstance(v, bytes) else v, otypes=[object])
     assert decode(tag).item() == "affine ✓" and list(decode(notes)) == ["two", "notes"]
+    blob = [triton.InferRequestedOutput("blob", binary_data=binary)]
+    if binary:  # bytes as they are, trailing zero included
+        got = client.infer("tagged", [x], outputs=blob, headers=auth()).as_numpy("blob")
+        assert got.item() == BLOB
+    else:  # JSON cannot carry them: the error says how to ask
+        error = refused(lambda: client.infer("tagged", [x], outputs=blob, headers=auth()))
+        assert error.status() == "400" and "parameters.binary_data: true" in error.message()
+
+
+def test_a_handler_s_string_is_a_bytes_tensor_in_plain_json(server: ServerThread) -> None:
+    x = {"name": "x", "shape": [2, 4], "datatype": "FP32", "data": X.ravel().tolist()}
+    answer = httpx.post(
+        f"{server.url}/v2/models/tagged/infer",
+        json={"inputs": [x], "outputs": [{"name": "tag"}, {"name": "notes"}]},
+        headers=AUTH,
+        timeout=30,
+    )
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["outputs"] == [
+        {"name": "tag", "datatype": "BYTES", "shape": [], "data": ["affine ✓"]},
+        {"name": "notes", "datatype": "BYTES", "shape": [2], "data": ["two", "notes"]},
+    ]
 
 
 def test_a_requested_output_that_does_not_exist_is_a_400(client: Any) -> None:
     x = tensor("x", X, "FP32", True)
-    for workload, outputs in [("affine", "'y'"), ("tagged", "'y', 'tag', 'notes'")]:
+    for workload, outputs in [("affine", "'y'"), ("tagged", "'y', 'tag', 'notes', 'blob'")]:
         asked = [triton.InferRequestedOutput("y"), triton.InferRequestedOutput("z")]
         error = refused(lambda: client.infer(workload, [x], outputs=asked, headers=auth()))  # noqa: B023
         assert error.status() == "400"
@@ -374,3 +409,10 @@ def test_every_v2_error_is_an_error_string(server: ServerThread, client: Any) ->
         # The OpenAI side keeps its own shape.
         assert http.get("/v1/models").json()["error"]["type"] == "authentication_error"
         assert http.get("/nowhere", headers=auth()).text == "Not Found"
+
+
+def test_metrics_fold_versions_away() -> None:
+    assert route_label("/v2/models/affine/versions/7/infer") == (
+        "/v2/models/{name}/versions/{version}/infer"
+    )
+    assert route_label("/v2/models/affine/ready") == "/v2/models/{name}/ready"

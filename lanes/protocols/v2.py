@@ -318,6 +318,8 @@ def result_arrays(result: Any) -> dict[str, Array]:
 def _output_array(name: str, value: Any) -> Array:
     try:
         array = np.asarray(value)
+        if array.dtype.kind == "S":  # numpy's bytes type drops trailing zero bytes
+            array = np.asarray(value, dtype=object)
     except ValueError as e:  # ragged nested lists
         raise ModelError(f"output {name!r}: not a rectangular array ({e})") from None
     if datatype_of(array.dtype) is None:
