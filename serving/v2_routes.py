@@ -27,12 +27,13 @@ from lanes.protocols.v2 import (
     HEADER_LENGTH,
     MODEL_VERSION,
     Array,
+    InferCall,
     InferRequest,
     datatype_of,
     encode_response,
     output_metadata,
+    parse_infer,
     result_arrays,
-    to_array,
 )
 from lanes.runtime import TensorInfo
 from lanes.serving.http import JSONResponse, read_body, timeout_s, v2_error
@@ -55,13 +56,13 @@ async def infer(request: Request) -> Response:
     try:
         worker = _served(state, request)
         raw = await read_body(request, state.settings.max_body_bytes)
-        body = InferRequest.parse(raw, request.headers.get(HEADER_LENGTH))
-        timeout = body.timeout_s() or timeout_s(request)
+        call = parse_infer(raw, request.headers.get(HEADER_LENGTH))
+        timeout = call.request.timeout_s() or timeout_s(request)
         if worker.task.kind == "embed":
-            outputs = await _embed(worker, body, timeout)
+            outputs = await _embed(worker, call, timeout)
         else:
-            outputs = await _infer(worker, body, timeout)
-        answer = encode_response(body, name, outputs)
+            outputs = await _infer(worker, call, timeout)
+        answer = encode_response(call.request, name, outputs)
     except LanesError as e:
         return v2_error(e)
     except Exception as e:  # a handler's own bug: still an answer in v2's shape
@@ -73,18 +74,17 @@ async def infer(request: Request) -> Response:
     return Response(answer.body, media_type="application/octet-stream", headers=headers)
 
 
-async def _infer(
-    worker: BatchWorker, body: InferRequest, timeout: float | None
-) -> dict[str, Array]:
+async def _infer(worker: BatchWorker, call: InferCall, timeout: float | None) -> dict[str, Array]:
     task = worker.task
     assert isinstance(task, InferTask)
+    body = call.request
     if body.outputs:
         declared = _outputs(task)
         if declared is not None:  # else only the answer tells
             body.check_outputs([o["name"] for o in declared], task.name)
     if task.handler.pre is None:
         _check_datatypes(task, body)
-    item = task.prepare(body.arrays())
+    item = task.prepare(call.inputs)
     [result] = await worker.submit([item], timeout)
     outputs = result_arrays(result)
     body.check_outputs(outputs, task.name)
@@ -104,13 +104,12 @@ def _check_datatypes(task: InferTask, body: InferRequest) -> None:
             )
 
 
-async def _embed(
-    worker: BatchWorker, body: InferRequest, timeout: float | None
-) -> dict[str, Array]:
+async def _embed(worker: BatchWorker, call: InferCall, timeout: float | None) -> dict[str, Array]:
+    body = call.request
     body.check_outputs(["embedding"], worker.name)
     if len(body.inputs) != 1 or body.inputs[0].datatype != "BYTES":
         raise InvalidInput("inputs: an embed workload takes one BYTES tensor of texts")
-    texts = to_array(body.inputs[0]).reshape(-1)
+    texts = call.inputs[body.inputs[0].name].reshape(-1)
     items = []
     for i, text in enumerate(texts):
         where = f"inputs[0].data[{i}]"

@@ -266,12 +266,17 @@ def test_binary_framing_errors_are_400s(server: ServerThread) -> None:
 def test_text_that_is_not_utf8_is_a_400(client: Any) -> None:
     bad = np.array([BLOB], dtype=object)
     kinds = [tensor(n, a[:1], d, True) for n, (_, d, a) in KINDS.items() if n != "word"]
-    for workload, inputs in [
-        ("kinds", [*kinds, tensor("word", bad, "BYTES", True)]),  # a string model input
-        ("words", [tensor("text", bad, "BYTES", True)]),  # an embed workload's texts
+    for workload, inputs, message in [
+        # a string model input, and an embed workload's texts
+        (
+            "kinds",
+            [*kinds, tensor("word", bad, "BYTES", True)],
+            "input 'word': element (0,) is not",
+        ),
+        ("words", [tensor("text", bad, "BYTES", True)], "inputs[0].data[0]: expected"),
     ]:
         error = refused(lambda: client.infer(workload, inputs, headers=auth()))  # noqa: B023
-        assert error.status() == "400" and "UTF-8" in error.message(), error
+        assert error.status() == "400" and f"{message} UTF-8 text" in error.message(), error
 
 
 def test_the_body_limit_applies_to_binary_bodies(client: Any) -> None:

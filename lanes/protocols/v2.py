@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lanes.errors import InvalidInput, ModelError
 
@@ -65,7 +65,6 @@ class Tensor(BaseModel):
     datatype: str
     data: list[Any] | None = None
     parameters: dict[str, Any] | None = None
-    _binary: memoryview | None = PrivateAttr(default=None)
 
     def binary_size(self) -> int | None:
         """`parameters.binary_data_size`: this input's bytes after the JSON header."""
@@ -113,73 +112,24 @@ class InferRequest(BaseModel):
     parameters: dict[str, Any] | None = None
 
     @classmethod
-    def parse(cls, body: bytes, header_length: str | None = None) -> InferRequest:
-        """A request body, JSON or with binary tensor data (`header_length` is then the
-        Inference-Header-Content-Length header); InvalidInput names the first wrong field."""
-        view = memoryview(body)
-        size = len(body) if header_length is None else _header_size(header_length, len(body))
-        if size == 0:
+    def parse(cls, body: bytes | memoryview) -> InferRequest:
+        """A JSON request (or the JSON header of one); InvalidInput names the first wrong
+        field."""
+        if not body:
             raise InvalidInput("body: expected a JSON object, found an empty body")
         try:
-            parsed = orjson.loads(view[:size])
+            parsed = orjson.loads(body)
         except orjson.JSONDecodeError as e:
             hint = ""
-            if header_length is None and b'"binary_data_size"' in body:
+            if b'"binary_data_size"' in body:
                 hint = f"; binary tensor data needs an {HEADER_LENGTH} header (the JSON's size)"
             raise InvalidInput(f"body: expected JSON, found malformed JSON ({e}){hint}") from None
         try:
-            request = cls.model_validate(parsed)
+            return cls.model_validate(parsed)
         except ValidationError as err:
             first = err.errors(include_url=False)[0]
             field = ".".join(str(p) for p in first["loc"]) or "body"
             raise InvalidInput(f"{field}: {first['msg'].lower()}") from None
-        request._claim(view[size:], binary=header_length is not None)
-        request._check_names()
-        return request
-
-    def _claim(self, data: memoryview, binary: bool) -> None:
-        """Give each binary input its bytes; every byte after the header must be claimed."""
-        offset = 0
-        for tensor in self.inputs:
-            size = tensor.binary_size()
-            where = f"inputs.{tensor.name}"
-            if size is None:
-                if tensor.data is None:
-                    raise InvalidInput(
-                        f"{where}: no data; send `data`, or binary data and its "
-                        "parameters.binary_data_size"
-                    )
-                continue
-            if tensor.data is not None:
-                raise InvalidInput(f"{where}: both data and parameters.binary_data_size; send one")
-            if not binary:
-                raise InvalidInput(
-                    f"{where}.parameters.binary_data_size: binary data needs an {HEADER_LENGTH} "
-                    "header giving the size of the JSON before it"
-                )
-            if offset + size > len(data):
-                raise InvalidInput(
-                    f"{where}.parameters.binary_data_size: {size} bytes, but only "
-                    f"{len(data) - offset} bytes of binary data are left in the body"
-                )
-            tensor._binary = data[offset : offset + size]
-            offset += size
-        if offset != len(data):
-            raise InvalidInput(
-                f"body: {len(data) - offset} bytes after the JSON header that no input's "
-                "parameters.binary_data_size accounts for"
-            )
-
-    def _check_names(self) -> None:
-        for kind, names in (
-            ("inputs", [t.name for t in self.inputs]),
-            ("outputs", [o.name for o in self.outputs or []]),
-        ):
-            if len(set(names)) == len(names):
-                continue
-            twice = sorted({n for n in names if names.count(n) > 1})
-            if twice:
-                raise InvalidInput(f"{kind}: {', '.join(map(repr, twice))} given more than once")
 
     def timeout_s(self) -> float | None:
         """Triton's `parameters.timeout`, in microseconds, as seconds."""
@@ -189,10 +139,6 @@ class InferRequest(BaseModel):
         if not isinstance(value, int | float) or value <= 0:
             raise InvalidInput(f"parameters.timeout: expected microseconds > 0, found {value!r}")
         return float(value) / 1e6
-
-    def arrays(self) -> dict[str, Array]:
-        """Every input as a numpy array of its datatype and shape, by name."""
-        return {t.name: to_array(t) for t in self.inputs}
 
     def check_outputs(self, available: Collection[str], workload: str) -> None:
         """InvalidInput unless every requested output is one of `available`."""
@@ -205,6 +151,74 @@ class InferRequest(BaseModel):
             )
 
 
+@dataclass(slots=True)
+class InferCall:
+    """A request and its inputs as numpy arrays of their datatypes and shapes, by name."""
+
+    request: InferRequest
+    inputs: dict[str, Array]
+
+
+def parse_infer(body: bytes, header_length: str | None = None) -> InferCall:
+    """A request body, JSON or with binary tensor data (`header_length`: the
+    Inference-Header-Content-Length header); InvalidInput names the first wrong field."""
+    if header_length is None:
+        request, rest = InferRequest.parse(body), memoryview(b"")
+    else:
+        size = _header_size(header_length, len(body))
+        view = memoryview(body)
+        request, rest = InferRequest.parse(view[:size]), view[size:]
+    blobs = _claim(request.inputs, rest, binary=header_length is not None)
+    inputs = {t.name: to_array(t, blob) for t, blob in zip(request.inputs, blobs, strict=True)}
+    if len(inputs) < len(request.inputs):
+        _twice("inputs", [t.name for t in request.inputs])
+    if request.outputs and len({o.name for o in request.outputs}) < len(request.outputs):
+        _twice("outputs", [o.name for o in request.outputs])
+    return InferCall(request, inputs)
+
+
+def _claim(inputs: list[Tensor], data: memoryview, binary: bool) -> list[memoryview | None]:
+    """Each input's binary data (None: its data is JSON); every byte must be claimed."""
+    blobs: list[memoryview | None] = []
+    offset = 0
+    for tensor in inputs:
+        size = None if tensor.parameters is None else tensor.binary_size()
+        if size is None:
+            if tensor.data is None:
+                raise InvalidInput(
+                    f"inputs.{tensor.name}: no data; send `data`, or binary data and its "
+                    "parameters.binary_data_size"
+                )
+            blobs.append(None)
+            continue
+        where = f"inputs.{tensor.name}"
+        if tensor.data is not None:
+            raise InvalidInput(f"{where}: both data and parameters.binary_data_size; send one")
+        if not binary:
+            raise InvalidInput(
+                f"{where}.parameters.binary_data_size: binary data needs an {HEADER_LENGTH} "
+                "header giving the size of the JSON before it"
+            )
+        if offset + size > len(data):
+            raise InvalidInput(
+                f"{where}.parameters.binary_data_size: {size} bytes, but only "
+                f"{len(data) - offset} bytes of binary data are left in the body"
+            )
+        blobs.append(data[offset : offset + size])
+        offset += size
+    if offset != len(data):
+        raise InvalidInput(
+            f"body: {len(data) - offset} bytes after the JSON header that no input's "
+            "parameters.binary_data_size accounts for"
+        )
+    return blobs
+
+
+def _twice(kind: str, names: list[str]) -> None:
+    twice = sorted({n for n in names if names.count(n) > 1})
+    raise InvalidInput(f"{kind}: {', '.join(map(repr, twice))} given more than once")
+
+
 def _header_size(raw: str, body_size: int) -> int:
     if not raw.isdigit() or int(raw) > body_size:
         raise InvalidInput(
@@ -212,6 +226,10 @@ def _header_size(raw: str, body_size: int) -> int:
             f"bytes), found {raw!r}"
         )
     return int(raw)
+
+
+def _binary_output(params: Mapping[str, Any]) -> bool:
+    return _flag(params, "binary_data_output", "", False)
 
 
 def _flag(params: Mapping[str, Any], key: str, where: str, default: bool) -> bool:
@@ -224,9 +242,9 @@ def _flag(params: Mapping[str, Any], key: str, where: str, default: bool) -> boo
 # ---- tensors ---------------------------------------------------------------------------
 
 
-def to_array(tensor: Tensor) -> Array:
-    """A request tensor as a numpy array of its declared dtype and shape (BYTES elements
-    are str from JSON, bytes from binary data)."""
+def to_array(tensor: Tensor, binary: memoryview | None = None) -> Array:
+    """A request tensor (its JSON data, or its `binary` data) as a numpy array of its
+    datatype and shape; BYTES elements are str from JSON, bytes from binary data."""
     dtype = DTYPES.get(tensor.datatype)
     where = f"inputs.{tensor.name}"
     if dtype is None:
@@ -235,8 +253,8 @@ def to_array(tensor: Tensor) -> Array:
     if any(d < 0 for d in tensor.shape):
         raise InvalidInput(f"{where}.shape: expected non-negative dims, found {tensor.shape}")
     count = math.prod(tensor.shape)
-    if tensor._binary is not None:
-        return _from_binary(tensor, tensor._binary, count).reshape(tensor.shape)
+    if binary is not None:
+        return _from_binary(tensor, binary, count).reshape(tensor.shape)
     try:
         array = np.asarray(tensor.data, dtype=dtype)
     except (ValueError, TypeError, OverflowError):
@@ -303,8 +321,8 @@ def result_arrays(result: Any) -> dict[str, Array]:
     """One item's answer as named arrays. A mapping's values are the outputs (strings are
     BYTES); any other value (a handler's `post` may return any JSON value) is one output
     `result`, one BYTES element per row, each a JSON text."""
-    if isinstance(result, Mapping):
-        return {str(name): _output_array(str(name), value) for name, value in result.items()}
+    if isinstance(result, dict | Mapping):
+        return {str(name): _output_array(name, value) for name, value in result.items()}
     rows = result if isinstance(result, list) else [result]
     try:
         texts = [orjson.dumps(r, option=orjson.OPT_SERIALIZE_NUMPY).decode() for r in rows]
@@ -315,7 +333,9 @@ def result_arrays(result: Any) -> dict[str, Array]:
     return {"result": array}
 
 
-def _output_array(name: str, value: Any) -> Array:
+def _output_array(name: Any, value: Any) -> Array:
+    if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
+        return value  # the model's own output, as it came
     try:
         array = np.asarray(value)
         if array.dtype.kind == "S":  # numpy's bytes type drops trailing zero bytes
@@ -335,7 +355,7 @@ def output_metadata(name: str, array: Array) -> dict[str, Any]:
 # ---- responses -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class EncodedResponse:
     """An answer's body; `header_length` is the JSON part's size when binary data follows."""
 
@@ -348,22 +368,27 @@ def encode_response(
 ) -> EncodedResponse:
     """The answer to `request`: the outputs it asked for (all, if none), in its order, each
     as JSON or binary data as it asked."""
-    default = _flag(request.parameters or {}, "binary_data_output", "", False)
-    wanted = request.outputs or [RequestedOutput(name=n) for n in outputs]
+    default = False if request.parameters is None else _binary_output(request.parameters)
+    asked = request.outputs
     entries: list[dict[str, Any]] = []
     blobs: list[bytes] = []
-    for output in wanted:
-        array = outputs[output.name]
+    for output in asked or outputs:
+        name = output.name if isinstance(output, RequestedOutput) else output
+        binary = output.binary(default) if isinstance(output, RequestedOutput) else default
+        array = outputs[name]
         datatype = datatype_of(array.dtype)
-        entry: dict[str, Any] = {"name": output.name, "datatype": datatype, "shape": array.shape}
-        if output.binary(default):
+        entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": array.shape}
+        if binary:
             blob = _bytes_of(array) if datatype == "BYTES" else _raw(array)
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         elif datatype == "BYTES":
-            entry["data"] = _texts(output.name, array)
-        else:  # orjson writes a flat native-order array without a Python list in between
-            entry["data"] = np.ascontiguousarray(array.reshape(-1), array.dtype.newbyteorder("="))
+            entry["data"] = _texts(name, array)
+        else:  # orjson writes a flat native-order array, no Python list in between
+            flat = array.reshape(-1)
+            entry["data"] = (
+                flat if flat.dtype.isnative else flat.astype(flat.dtype.newbyteorder("="))
+            )
         entries.append(entry)
     answer: dict[str, Any] = {
         "model_name": model_name,
