@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import orjson
@@ -121,7 +121,7 @@ class InferRequest(BaseModel):
             parsed = orjson.loads(body)
         except orjson.JSONDecodeError as e:
             hint = ""
-            if b'"binary_data_size"' in body:
+            if isinstance(body, bytes) and b'"binary_data_size"' in body:
                 hint = f"; binary tensor data needs an {HEADER_LENGTH} header (the JSON's size)"
             raise InvalidInput(f"body: expected JSON, found malformed JSON ({e}){hint}") from None
         try:
@@ -214,7 +214,7 @@ def _claim(inputs: list[Tensor], data: memoryview, binary: bool) -> list[memoryv
     return blobs
 
 
-def _twice(kind: str, names: list[str]) -> None:
+def _twice(kind: str, names: list[str]) -> NoReturn:
     twice = sorted({n for n in names if names.count(n) > 1})
     raise InvalidInput(f"{kind}: {', '.join(map(repr, twice))} given more than once")
 
@@ -334,7 +334,7 @@ def result_arrays(result: Any) -> dict[str, Array]:
 
 
 def _output_array(name: Any, value: Any) -> Array:
-    if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
+    if isinstance(value, np.ndarray) and value.dtype in _NAMES:
         return value  # the model's own output, as it came
     try:
         array = np.asarray(value)
