@@ -93,7 +93,7 @@ class Client:
         infer: a dict of output name -> array (a handler's workload: its JSON values);
         generate: a Completion (a str prompt, or a list of chat messages).
         `options` go into the request body (e.g. max_tokens, temperature)."""
-        types = self._core.types_request(workload)
+        types = self._core.types_request(workload, input)
         if types is not None:
             self._core.learn_types(workload, self._json(types))
         request = self._core.call_request(workload, input, timeout_ms, options)
@@ -210,7 +210,7 @@ class AsyncClient:
         self, workload: str, input: Any, *, timeout_ms: float | None = None, **options: Any
     ) -> Any:
         """See `Client.call`."""
-        types = self._core.types_request(workload)
+        types = self._core.types_request(workload, input)
         if types is not None:
             self._core.learn_types(workload, await self._json(types))
         request = self._core.call_request(workload, input, timeout_ms, options)

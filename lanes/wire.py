@@ -128,12 +128,15 @@ class Core:
         tensors = [_tensor(k, v, types.get(k)) for k, v in _mapping(input).items()]
         return Request("POST", f"/v2/models/{name}/infer", {**options, "inputs": tensors}, headers)
 
-    def types_request(self, name: str) -> Request | None:
-        """The metadata request of an infer workload whose input datatypes the client
-        has not learned yet (the server takes only the model's datatypes), else None.
-        Hand its answer to `learn_types`."""
+    def types_request(self, name: str, input: Any) -> Request | None:
+        """The metadata request of an infer workload, when `input` has values whose
+        datatype the client would have to guess and it has not learned the model's yet
+        (the server takes only the model's datatypes), else None. Hand its answer to
+        `learn_types`."""
         w = self.workload(name, "interactive")
-        if w.task != "infer" or name in self._input_types:
+        if w.task != "infer" or name in self._input_types or not isinstance(input, Mapping):
+            return None
+        if not any(_guessed(v) for v in input.values()):
             return None
         return Request("GET", f"/v2/models/{name}", None, dict(self.headers))
 
@@ -330,18 +333,30 @@ def _mapping(input: Any) -> Mapping[str, Any]:
 _V2_NAMES = {np.dtype(v): k for k, v in DTYPES.items() if k != "BYTES"}
 
 
+def _guessed(value: Any) -> bool:
+    """Whether a value's v2 datatype is a guess: Python numbers and lists, and numpy's
+    default int64 and float64 that they become. Any other numpy dtype is the caller's."""
+    if isinstance(value, np.ndarray | np.generic):
+        return value.dtype in _DEFAULT_DTYPES
+    return not isinstance(value, str | bytes)
+
+
+_DEFAULT_DTYPES = (np.dtype(np.int64), np.dtype(np.float64))
+
+
 def _tensor(name: str, value: Any, model_type: str | None = None) -> dict[str, Any]:
-    """One v2 request tensor, as the model's datatype when its values fit it unchanged in
-    kind (ints into floats, float64 into FP32, int64 into int32 within range); else as
-    its own, for the server to name the mismatch. Without the model's, Python floats
-    (float64) go as FP32, the usual type."""
+    """One v2 request tensor. A guessed datatype (see `_guessed`) becomes the model's
+    when the values fit it unchanged in kind (ints into floats, float64 into FP32,
+    int64 into int32 within range), else without the model's, float64 goes as FP32,
+    the usual type; other values go as their own dtype, for the server to name a
+    mismatch."""
     array = np.asarray(value)
     if array.dtype.kind in "OUS":
         datatype = "BYTES"
-    elif model_type is not None and _fits(array, model_type):
+    elif model_type is not None and _guessed(value) and _fits(array, model_type):
         array = array.astype(DTYPES[model_type])
         datatype = model_type
-    elif array.dtype == np.float64 and model_type is None:
+    elif array.dtype == np.float64 and model_type is None and _guessed(value):
         datatype = "FP32"
     else:
         found = _V2_NAMES.get(array.dtype)
