@@ -93,13 +93,18 @@ class Client:
         infer: a dict of output name -> array (a handler's workload: its JSON values);
         generate: a Completion (a str prompt, or a list of chat messages).
         `options` go into the request body (e.g. max_tokens, temperature)."""
+        types = self._core.types_request(workload, input)
+        if types is not None:
+            self._core.learn_types(workload, self._json(types))
         request = self._core.call_request(workload, input, timeout_ms, options)
+        return self._core.call_result(workload, input, self._json(request))
+
+    def _json(self, request: Request) -> Any:
         response = self._send(request)
         try:
-            body = json_body(response, self._core.endpoint)
+            return json_body(response, self._core.endpoint)
         finally:
             response.close()
-        return self._core.call_result(workload, input, body)
 
     def stream(
         self, workload: str, prompt: Any, *, timeout_ms: float | None = None, **options: Any
@@ -205,13 +210,18 @@ class AsyncClient:
         self, workload: str, input: Any, *, timeout_ms: float | None = None, **options: Any
     ) -> Any:
         """See `Client.call`."""
+        types = self._core.types_request(workload, input)
+        if types is not None:
+            self._core.learn_types(workload, await self._json(types))
         request = self._core.call_request(workload, input, timeout_ms, options)
+        return self._core.call_result(workload, input, await self._json(request))
+
+    async def _json(self, request: Request) -> Any:
         response = await self._send(request)
         try:
-            body = json_body(response, self._core.endpoint)
+            return json_body(response, self._core.endpoint)
         finally:
             await response.aclose()
-        return self._core.call_result(workload, input, body)
 
     def stream(
         self, workload: str, prompt: Any, *, timeout_ms: float | None = None, **options: Any

@@ -56,7 +56,7 @@ class Completion:
 class Request:
     method: str
     path: str
-    body: dict[str, Any]
+    body: dict[str, Any] | None  # None: no body (a GET)
     headers: dict[str, str]
 
 
@@ -86,6 +86,8 @@ class Core:
         self.base = Path(where).resolve().parent
         self.max_retries = max_retries
         self.prefect_api_url = prefect_api_url
+        # infer workload -> input name -> v2 datatype, from its metadata (see types_request).
+        self._input_types: dict[str, dict[str, str]] = {}
 
     @property
     def spec(self) -> Spec:
@@ -122,8 +124,30 @@ class Core:
             return Request("POST", "/v1/embeddings", body, headers)
         if w.task == "generate":
             return self._generate_request(name, input, options, headers, stream=False)
-        tensors = [_tensor(k, v) for k, v in _mapping(input).items()]
+        types = self._input_types.get(name, {})
+        tensors = [_tensor(k, v, types.get(k)) for k, v in _mapping(input).items()]
         return Request("POST", f"/v2/models/{name}/infer", {**options, "inputs": tensors}, headers)
+
+    def types_request(self, name: str, input: Any) -> Request | None:
+        """The metadata request of an infer workload, when `input` has values whose
+        datatype the client would have to guess and it has not learned the model's yet
+        (the server takes only the model's datatypes), else None. Hand its answer to
+        `learn_types`."""
+        w = self.workload(name, "interactive")
+        if w.task != "infer" or name in self._input_types or not isinstance(input, Mapping):
+            return None
+        if not any(_guessed(v) for v in input.values()):
+            return None
+        return Request("GET", f"/v2/models/{name}", None, dict(self.headers))
+
+    def learn_types(self, name: str, metadata: Any) -> None:
+        try:
+            self._input_types[name] = {i["name"]: i["datatype"] for i in metadata["inputs"]}
+        except (KeyError, TypeError) as e:
+            raise LanesError(
+                f"{self.endpoint}: the metadata of {name!r} is not the v2 shape "
+                f"({type(e).__name__}: {e}); is this a lanes endpoint?"
+            ) from None
 
     def stream_request(
         self, name: str, prompt: Any, timeout_ms: float | None, options: dict[str, Any]
@@ -309,12 +333,30 @@ def _mapping(input: Any) -> Mapping[str, Any]:
 _V2_NAMES = {np.dtype(v): k for k, v in DTYPES.items() if k != "BYTES"}
 
 
-def _tensor(name: str, value: Any) -> dict[str, Any]:
-    """One v2 request tensor. Python floats (float64) go as FP32, the models' type."""
+def _guessed(value: Any) -> bool:
+    """Whether a value's v2 datatype is a guess: Python numbers and lists, and numpy's
+    default int64 and float64 that they become. Any other numpy dtype is the caller's."""
+    if isinstance(value, np.ndarray | np.generic):
+        return value.dtype in _DEFAULT_DTYPES
+    return not isinstance(value, str | bytes)
+
+
+_DEFAULT_DTYPES = (np.dtype(np.int64), np.dtype(np.float64))
+
+
+def _tensor(name: str, value: Any, model_type: str | None = None) -> dict[str, Any]:
+    """One v2 request tensor. A guessed datatype (see `_guessed`) becomes the model's
+    when the values fit it unchanged in kind (ints into floats, float64 into FP32,
+    int64 into int32 within range), else without the model's, float64 goes as FP32,
+    the usual type; other values go as their own dtype, for the server to name a
+    mismatch."""
     array = np.asarray(value)
     if array.dtype.kind in "OUS":
         datatype = "BYTES"
-    elif array.dtype == np.float64:
+    elif model_type is not None and _guessed(value) and _fits(array, model_type):
+        array = array.astype(DTYPES[model_type])
+        datatype = model_type
+    elif array.dtype == np.float64 and model_type is None and _guessed(value):
         datatype = "FP32"
     else:
         found = _V2_NAMES.get(array.dtype)
@@ -327,6 +369,15 @@ def _tensor(name: str, value: Any) -> dict[str, Any]:
         "datatype": datatype,
         "data": array.reshape(-1).tolist(),
     }
+
+
+def _fits(array: np.ndarray[Any, Any], datatype: str) -> bool:
+    target = DTYPES.get(datatype)
+    if target is None or target is object or array.dtype.kind not in "biuf":
+        return False
+    cast = array.astype(target)
+    same_kind = np.can_cast(array.dtype, target, casting="same_kind")
+    return bool(same_kind and (cast.dtype.kind == "f" or np.array_equal(cast, array)))
 
 
 def _array(output: Mapping[str, Any]) -> Any:

@@ -64,7 +64,9 @@ def create_app(spec: Spec, settings: Settings) -> Edge:
         *generate_routes.routes,
         *v2_routes.routes,
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    # Starlette's own 404 and 405 (no route, wrong method): v2 paths answer in v2's shape.
+    not_routed = {404: v2_routes.not_routed, 405: v2_routes.not_routed}
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=not_routed)
     app.state.lanes = state
     key = settings.api_key.get_secret_value() if settings.api_key else None
     return Edge(app, state.metrics, api_key=key)
@@ -135,13 +137,21 @@ _UNAUTHORIZED = orjson.dumps(
         code="invalid_api_key",
     )
 )
-_MODEL_PATH = re.compile(r"^/v2/models/[^/]+")
-_INFER_PATH = re.compile(r"/v2/models/([^/]+)/infer")
+# Every v2 error, 401 included, is {"error": "..."}: tritonclient reads no other shape.
+_V2_UNAUTHORIZED = orjson.dumps(
+    {"error": "missing or wrong API key: send Authorization: Bearer <key>"}
+)
+_MODEL_PATH = re.compile(r"^/v2/models/[^/]+(/versions/[^/]+)?")
+_INFER_PATH = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
 
 
 def route_label(path: str) -> str:
-    """A bounded label for a path: workload names in /v2 paths are folded away."""
-    return _MODEL_PATH.sub("/v2/models/{name}", path)
+    """A bounded label for a path: workload names and versions in /v2 paths are folded away."""
+    return _MODEL_PATH.sub(_model_label, path)
+
+
+def _model_label(found: re.Match[str]) -> str:
+    return "/v2/models/{name}/versions/{version}" if found.group(1) else "/v2/models/{name}"
 
 
 class Edge:
@@ -173,7 +183,7 @@ class Edge:
             await send(message)
 
         if self.key is not None and path not in HEALTH_PATHS and not self._authorized(scope):
-            body = _UNAUTHORIZED
+            body = _V2_UNAUTHORIZED if path.startswith("/v2") else _UNAUTHORIZED
             await counted(
                 {
                     "type": "http.response.start",
@@ -209,7 +219,8 @@ class Edge:
         found = _INFER_PATH.fullmatch(path)
         if found is None:
             return None
-        scope["path_params"] = {"name": found.group(1)}
+        name, version = found.groups()  # version: None on the unversioned path
+        scope["path_params"] = {"name": name, "version": version}
         return v2_routes.infer
 
     def _authorized(self, scope: Scope) -> bool:

@@ -72,7 +72,18 @@ def v2_error(error: LanesError) -> JSONResponse:
 
 
 async def read_json(request: Request, limit: int) -> Any:
-    """The request's JSON body; InvalidInput if it is too large or not JSON.
+    """The request's JSON body; InvalidInput if it is too large or not JSON."""
+    body = await read_body(request, limit)
+    if not body:
+        raise InvalidInput("body: expected a JSON object, found an empty body")
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise InvalidInput(f"body: expected JSON, found malformed JSON ({e})") from None
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body; BodyTooLarge past `limit` bytes.
 
     The body is read in chunks and abandoned past `limit`, so an oversized upload
     costs at most `limit` bytes of memory.
@@ -87,13 +98,7 @@ async def read_json(request: Request, limit: int) -> Any:
         if size > limit:
             raise BodyTooLarge(f"body: over the limit of {limit} bytes")
         chunks.append(chunk)
-    body = b"".join(chunks)
-    if not body:
-        raise InvalidInput("body: expected a JSON object, found an empty body")
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError as e:
-        raise InvalidInput(f"body: expected JSON, found malformed JSON ({e})") from None
+    return b"".join(chunks)
 
 
 def timeout_s(request: Request) -> float | None:

@@ -1,101 +1,148 @@
-"""Open Inference Protocol v2 (KServe, Triton) routes, JSON encoding.
+"""Open Inference Protocol v2 (KServe, Triton) routes: JSON and binary tensor data.
 
 infer workloads take their model's named tensors; embed workloads take one BYTES
-tensor of texts and answer an FP32 `embedding` tensor [n, dim].
+tensor of texts and answer an FP32 `embedding` tensor [n, dim]. Each workload is
+served as version "1", also at `/v2/models/{name}/versions/1/...`; any other
+version is a 404.
+
+Metadata describes what infer answers: the model's inputs, and its outputs, or with a
+handler's `post` what post returned at warm-up (names, datatypes, ranks; every dim
+-1), none when post failed there. Without a `pre`, each input's datatype must be
+the model's; with one, `pre` takes the inputs as they come.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
 from typing import Any
 
 import numpy as np
-import orjson
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from lanes.errors import InvalidInput, LanesError
-from lanes.protocols.v2 import DTYPES, InferRequest, output_tensor, to_array
-from lanes.serving.http import JSONResponse, read_json, timeout_s, v2_error
+from lanes.errors import InvalidInput, LanesError, ModelError, UnknownWorkload
+from lanes.protocols.v2 import (
+    HEADER_LENGTH,
+    MODEL_VERSION,
+    Array,
+    InferCall,
+    InferRequest,
+    datatype_of,
+    encode_response,
+    output_metadata,
+    parse_infer,
+    result_arrays,
+)
+from lanes.runtime import TensorInfo
+from lanes.serving.http import JSONResponse, read_body, timeout_s, v2_error
 from lanes.serving.state import ServingState
 from lanes.serving.worker import BatchWorker
 from lanes.spec import TaskName
+from lanes.tasks import Task
 from lanes.tasks.infer import InferTask
 
+log = logging.getLogger("lanes.serving")
+
 TASKS: tuple[TaskName, ...] = ("infer", "embed")
+EMBED_INPUTS = [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
+EMBED_OUTPUTS = [{"name": "embedding", "datatype": "FP32", "shape": [-1, -1]}]
 
 
-async def infer(request: Request) -> JSONResponse:
+async def infer(request: Request) -> Response:
     state: ServingState = request.app.state.lanes
     name = request.path_params["name"]
     try:
-        worker = state.worker(name, TASKS)
-        body = InferRequest.parse(await read_json(request, state.settings.max_body_bytes))
-        timeout = body.timeout_s() or timeout_s(request)
+        worker = _served(state, request)
+        raw = await read_body(request, state.settings.max_body_bytes)
+        call = parse_infer(raw, request.headers.get(HEADER_LENGTH))
+        timeout = call.request.timeout_s() or timeout_s(request)
         if worker.task.kind == "embed":
-            outputs = await _embed(worker, body, timeout)
+            outputs = await _embed(worker, call, timeout)
         else:
-            outputs = await _infer(worker, body, timeout)
+            outputs = await _infer(worker, call, timeout)
+        answer = encode_response(call.request, name, outputs)
     except LanesError as e:
         return v2_error(e)
+    except Exception as e:  # a handler's own bug: still an answer in v2's shape
+        log.exception("workload %s: v2 infer failed", name)
+        return v2_error(LanesError(f"workload {name!r} failed: {type(e).__name__}: {e}"))
+    if answer.header_length is None:
+        return Response(answer.body, media_type="application/json")
+    headers = {HEADER_LENGTH: str(answer.header_length)}
+    return Response(answer.body, media_type="application/octet-stream", headers=headers)
+
+
+async def _infer(worker: BatchWorker, call: InferCall, timeout: float | None) -> dict[str, Array]:
+    task = worker.task
+    assert isinstance(task, InferTask)
+    body = call.request
     if body.outputs:
-        outputs = [o for o in outputs if o["name"] in body.output_names]
-    answer: dict[str, Any] = {"model_name": name, "outputs": outputs}
-    if body.id is not None:
-        answer["id"] = body.id
-    return JSONResponse(answer)
-
-
-async def _infer(
-    worker: BatchWorker, body: InferRequest, timeout: float | None
-) -> list[dict[str, Any]]:
-    tensors = {t.name: to_array(t) for t in body.inputs}
-    item = worker.task.prepare(tensors)
+        declared = _outputs(task)
+        if declared is not None:  # else only the answer tells
+            body.check_outputs([o["name"] for o in declared], task.name)
+    if task.handler.pre is None:
+        _check_datatypes(task, body)
+    item = task.prepare(call.inputs)
     [result] = await worker.submit([item], timeout)
-    if isinstance(result, Mapping):
-        return [output_tensor(k, np.asarray(v)) for k, v in result.items()]
-    # A handler's `post` may return any JSON value: one BYTES element per row.
-    rows = result if isinstance(result, list) else [result]
-    texts = np.array([orjson.dumps(r).decode() for r in rows], dtype=object)
-    return [output_tensor("result", texts)]
+    outputs = result_arrays(result)
+    body.check_outputs(outputs, task.name)
+    return outputs
 
 
-async def _embed(
-    worker: BatchWorker, body: InferRequest, timeout: float | None
-) -> list[dict[str, Any]]:
+def _check_datatypes(task: InferTask, body: InferRequest) -> None:
+    for tensor in body.inputs:
+        info = task.inputs.get(tensor.name)
+        if info is None:
+            continue  # prepare names every unknown and missing input
+        expected = _datatype(info)
+        if tensor.datatype != expected:
+            raise InvalidInput(
+                f"inputs.{tensor.name}.datatype: the model takes {expected}, "
+                f"found {tensor.datatype}"
+            )
+
+
+async def _embed(worker: BatchWorker, call: InferCall, timeout: float | None) -> dict[str, Array]:
+    body = call.request
+    body.check_outputs(["embedding"], worker.name)
     if len(body.inputs) != 1 or body.inputs[0].datatype != "BYTES":
         raise InvalidInput("inputs: an embed workload takes one BYTES tensor of texts")
-    texts = to_array(body.inputs[0]).reshape(-1)
+    texts = call.inputs[body.inputs[0].name].reshape(-1)
     items = []
     for i, text in enumerate(texts):
-        value = text.decode() if isinstance(text, bytes) else text
+        where = f"inputs[0].data[{i}]"
         try:
+            value = text.decode() if isinstance(text, bytes) else text
             items.append(worker.task.prepare(value))
+        except UnicodeDecodeError:
+            raise InvalidInput(f"{where}: expected UTF-8 text") from None
         except InvalidInput as e:
-            raise InvalidInput(f"inputs[0].data[{i}]: {str(e).removeprefix('input: ')}") from None
+            raise InvalidInput(f"{where}: {str(e).removeprefix('input: ')}") from None
     vectors = await worker.submit(items, timeout)
-    return [output_tensor("embedding", np.stack(vectors))]
+    try:
+        return {"embedding": np.stack(vectors)}
+    except (ValueError, TypeError) as e:
+        raise ModelError(f"workload {worker.name!r}: the outputs are not vectors ({e})") from None
 
 
-async def model_metadata(request: Request) -> JSONResponse:
+async def model_metadata(request: Request) -> Response:
     state: ServingState = request.app.state.lanes
     name = request.path_params["name"]
     try:
-        worker = state.worker(name, TASKS)
+        task = _served(state, request).task
+        if isinstance(task, InferTask):
+            inputs = [_meta(i) for i in task.inputs.values()]
+        else:
+            inputs = EMBED_INPUTS
+        outputs = _outputs(task) or []
     except LanesError as e:
         return v2_error(e)
-    task = worker.task
-    if not isinstance(task, InferTask):
-        inputs = [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
-        outputs = [{"name": "embedding", "datatype": "FP32", "shape": [-1, -1]}]
-    else:
-        inputs = [_meta(i) for i in task.inputs.values()]
-        outputs = [_meta(o) for o in task.outputs.values()]
     return JSONResponse(
         {
             "name": name,
-            "versions": ["1"],
+            "versions": [MODEL_VERSION],
             "platform": "onnxruntime_onnx",
             "inputs": inputs,
             "outputs": outputs,
@@ -103,23 +150,67 @@ async def model_metadata(request: Request) -> JSONResponse:
     )
 
 
-def _meta(info: Any) -> dict[str, Any]:
-    names = {np.dtype(v): k for k, v in DTYPES.items() if k != "BYTES"}
-    datatype = names.get(info.dtype, "BYTES") if info.dtype is not None else "BYTES"
+def _outputs(task: Task) -> list[dict[str, Any]] | None:
+    """What infer answers (see the module docstring); None when it cannot be known."""
+    if not isinstance(task, InferTask):
+        return EMBED_OUTPUTS
+    if task.handler.post is None:
+        return [_meta(o) for o in task.outputs.values()]
+    if task.post_example is None:
+        return None
+    return [output_metadata(n, a) for n, a in result_arrays(task.post_example).items()]
+
+
+def _meta(info: TensorInfo) -> dict[str, Any]:
     shape = [d if isinstance(d, int) else -1 for d in info.shape]
-    return {"name": info.name, "datatype": datatype, "shape": shape}
+    return {"name": info.name, "datatype": _datatype(info), "shape": shape}
+
+
+def _datatype(info: TensorInfo) -> str:
+    return (datatype_of(info.dtype) if info.dtype is not None else None) or "BYTES"
 
 
 async def model_ready(request: Request) -> Response:
     state: ServingState = request.app.state.lanes
+    try:
+        _served(state, request)
+    except LanesError as e:
+        return v2_error(e)
+    return JSONResponse({"name": request.path_params["name"], "ready": True})
+
+
+def _served(state: ServingState, request: Request) -> BatchWorker:
+    """The worker of the path's workload, at the path's version if it names one."""
     name = request.path_params["name"]
-    ready = name in state.workers
-    status = 200 if ready else 404 if name not in state.spec.workloads else 503
-    return JSONResponse({"name": name, "ready": ready}, status)
+    worker = state.worker(name, TASKS)
+    version = request.path_params.get("version")
+    if version is not None and version != MODEL_VERSION:
+        raise UnknownWorkload(
+            f"workload {name!r} has version {MODEL_VERSION} only, found version {version!r}; "
+            f"use /v2/models/{name}/versions/{MODEL_VERSION} or /v2/models/{name}"
+        )
+    return worker
 
 
 async def server_metadata(request: Request) -> JSONResponse:
-    return JSONResponse({"name": "lanes", "version": "1", "extensions": []})
+    return JSONResponse({"name": "lanes", "version": "1", "extensions": ["binary_tensor_data"]})
+
+
+async def not_routed(request: Request, exc: Exception) -> Response:
+    """Starlette's 404 and 405: in v2's {"error"} shape under /v2, else as Starlette has them."""
+    assert isinstance(exc, HTTPException)
+    path = request.url.path
+    if path != "/v2" and not path.startswith("/v2/"):
+        return PlainTextResponse(exc.detail, exc.status_code, headers=exc.headers)
+    if exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        message = f"{request.method} {path}: method not allowed; this path takes {allowed}"
+    else:
+        message = (
+            f"{request.method} {path}: no such route; v2 serves /v2/models/{{name}} "
+            "(and its /ready, /infer), also under /v2/models/{name}/versions/1"
+        )
+    return JSONResponse({"error": message}, exc.status_code, headers=exc.headers)
 
 
 routes = [
@@ -127,4 +218,7 @@ routes = [
     Route("/v2/models/{name}", model_metadata, methods=["GET"]),
     Route("/v2/models/{name}/ready", model_ready, methods=["GET"]),
     Route("/v2/models/{name}/infer", infer, methods=["POST"]),
+    Route("/v2/models/{name}/versions/{version}", model_metadata, methods=["GET"]),
+    Route("/v2/models/{name}/versions/{version}/ready", model_ready, methods=["GET"]),
+    Route("/v2/models/{name}/versions/{version}/infer", infer, methods=["POST"]),
 ]

@@ -179,6 +179,23 @@ def test_call_returns_each_task_s_result(client: lanes.Client, server: ServerThr
     assert isinstance(chat, Completion) and chat.usage.completion_tokens <= 6
 
 
+async def test_call_sends_numbers_as_the_model_s_datatype(
+    client: lanes.Client, aclient: lanes.AsyncClient
+) -> None:
+    """The server takes only the model's datatypes: the clients learn them from the
+    workload's metadata and send Python ints (and numpy's default int64 and float64) as
+    the model's FP32; an explicit dtype goes as it is, and the server names a mismatch."""
+    ints = [[5, 3, 1, 0], [7, 3, 5, 2]]
+    want = client.call("flowers", {"features": np.array(ints, dtype=np.float32)})["logits"]
+    assert np.array_equal(client.call("flowers", {"features": ints})["logits"], want)
+    got = await aclient.call("flowers", {"features": np.array(ints)})
+    assert np.array_equal(got["logits"], want)
+    got = await aclient.call("flowers", {"features": np.array(ints, dtype=np.float64)})
+    assert np.array_equal(got["logits"], want)
+    with pytest.raises(lanes.InvalidInput, match="the model takes FP32, found INT32"):
+        client.call("flowers", {"features": np.array(ints, dtype=np.int32)})
+
+
 def test_stream_yields_the_same_text_in_chunks(client: lanes.Client) -> None:
     whole = client.call("code", "import os\ndef main(", max_tokens=10)
     chunks = list(client.stream("code", "import os\ndef main(", max_tokens=10))

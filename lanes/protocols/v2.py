@@ -1,14 +1,33 @@
-"""Open Inference Protocol v2 (KServe/Triton) tensor shapes, JSON encoding (no HTTP)."""
+"""Open Inference Protocol v2 (KServe/Triton): request and response bodies, tensors as
+JSON or as binary tensor data (no HTTP).
+
+A body is JSON, or (Triton's binary tensor data extension) a JSON header of
+`Inference-Header-Content-Length` bytes followed by raw tensors: each input with
+`parameters.binary_data_size` takes that many bytes, in the order of `inputs`. Raw
+tensors are little-endian and row-major; BOOL is one byte, BYTES elements are each a
+4-byte little-endian length and the bytes. An output goes back in binary when its
+`parameters.binary_data` says so, else when the request's
+`parameters.binary_data_output` does; then the answer is a JSON header followed by
+the outputs' bytes in the order of its `outputs`.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import numpy as np
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from lanes.errors import InvalidInput
+from lanes.errors import InvalidInput, ModelError
+
+# The size of the JSON part of a body that binary tensor data follows (both ways).
+HEADER_LENGTH = "Inference-Header-Content-Length"
+# lanes serves one version of each workload: the one in workloads.yaml.
+MODEL_VERSION = "1"
 
 DTYPES: dict[str, Any] = {
     "BOOL": np.bool_,
@@ -27,6 +46,16 @@ DTYPES: dict[str, Any] = {
 }
 _NAMES = {np.dtype(v): k for k, v in DTYPES.items() if k != "BYTES"}
 
+Array = np.ndarray[Any, Any]
+
+
+def datatype_of(dtype: np.dtype[Any]) -> str | None:
+    """The v2 datatype of a numpy dtype: text, bytes and objects are BYTES; None when
+    the protocol has no such type (complex numbers, dates)."""
+    if dtype.kind in "OUS":
+        return "BYTES"
+    return _NAMES.get(dtype)
+
 
 class Tensor(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -34,14 +63,44 @@ class Tensor(BaseModel):
     name: str
     shape: list[int]
     datatype: str
-    data: list[Any]
+    data: list[Any] | None = None
     parameters: dict[str, Any] | None = None
+
+    def binary_size(self) -> int | None:
+        """`parameters.binary_data_size`: this input's bytes after the JSON header."""
+        params = self.parameters or {}
+        if "shared_memory_region" in params:
+            raise InvalidInput(
+                f"inputs.{self.name}.parameters.shared_memory_region: shared memory is not "
+                "supported; send the tensor in the body (as data or binary data)"
+            )
+        size = params.get("binary_data_size")
+        if size is None:
+            return None
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise InvalidInput(
+                f"inputs.{self.name}.parameters.binary_data_size: expected a byte count "
+                f">= 0, found {size!r}"
+            )
+        return size
 
 
 class RequestedOutput(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     name: str
+    parameters: dict[str, Any] | None = None
+
+    def binary(self, default: bool) -> bool:
+        """Whether to answer this output as binary data (`parameters.binary_data`)."""
+        params = self.parameters or {}
+        for unsupported in ("classification", "shared_memory_region"):
+            if params.get(unsupported):
+                raise InvalidInput(
+                    f"outputs.{self.name}.parameters.{unsupported}: not supported; ask for "
+                    "the output itself"
+                )
+        return _flag(params, "binary_data", f"outputs.{self.name}.", default)
 
 
 class InferRequest(BaseModel):
@@ -53,18 +112,24 @@ class InferRequest(BaseModel):
     parameters: dict[str, Any] | None = None
 
     @classmethod
-    def parse(cls, body: Any) -> InferRequest:
-        """Validate a request body; InvalidInput names the first wrong field."""
+    def parse(cls, body: bytes | memoryview) -> InferRequest:
+        """A JSON request (or the JSON header of one); InvalidInput names the first wrong
+        field."""
+        if not body:
+            raise InvalidInput("body: expected a JSON object, found an empty body")
         try:
-            return cls.model_validate(body)
+            parsed = orjson.loads(body)
+        except orjson.JSONDecodeError as e:
+            hint = ""
+            if isinstance(body, bytes) and b'"binary_data_size"' in body:
+                hint = f"; binary tensor data needs an {HEADER_LENGTH} header (the JSON's size)"
+            raise InvalidInput(f"body: expected JSON, found malformed JSON ({e}){hint}") from None
+        try:
+            return cls.model_validate(parsed)
         except ValidationError as err:
             first = err.errors(include_url=False)[0]
             field = ".".join(str(p) for p in first["loc"]) or "body"
             raise InvalidInput(f"{field}: {first['msg'].lower()}") from None
-
-    @property
-    def output_names(self) -> set[str]:
-        return {o.name for o in self.outputs or []}
 
     def timeout_s(self) -> float | None:
         """Triton's `parameters.timeout`, in microseconds, as seconds."""
@@ -75,9 +140,111 @@ class InferRequest(BaseModel):
             raise InvalidInput(f"parameters.timeout: expected microseconds > 0, found {value!r}")
         return float(value) / 1e6
 
+    def check_outputs(self, available: Collection[str], workload: str) -> None:
+        """InvalidInput unless every requested output is one of `available`."""
+        missing = [o.name for o in self.outputs or [] if o.name not in available]
+        if missing:
+            listed = ", ".join(map(repr, available)) or "none"
+            raise InvalidInput(
+                f"outputs: workload {workload!r} has no output {', '.join(map(repr, missing))}; "
+                f"its outputs: {listed}"
+            )
 
-def to_array(tensor: Tensor) -> np.ndarray[Any, Any]:
-    """A request tensor as a numpy array of its declared dtype and shape."""
+
+@dataclass(slots=True)
+class InferCall:
+    """A request and its inputs as numpy arrays of their datatypes and shapes, by name."""
+
+    request: InferRequest
+    inputs: dict[str, Array]
+
+
+def parse_infer(body: bytes, header_length: str | None = None) -> InferCall:
+    """A request body, JSON or with binary tensor data (`header_length`: the
+    Inference-Header-Content-Length header); InvalidInput names the first wrong field."""
+    if header_length is None:
+        request, rest = InferRequest.parse(body), memoryview(b"")
+    else:
+        size = _header_size(header_length, len(body))
+        view = memoryview(body)
+        request, rest = InferRequest.parse(view[:size]), view[size:]
+    blobs = _claim(request.inputs, rest, binary=header_length is not None)
+    inputs = {t.name: to_array(t, blob) for t, blob in zip(request.inputs, blobs, strict=True)}
+    if len(inputs) < len(request.inputs):
+        _twice("inputs", [t.name for t in request.inputs])
+    if request.outputs and len({o.name for o in request.outputs}) < len(request.outputs):
+        _twice("outputs", [o.name for o in request.outputs])
+    return InferCall(request, inputs)
+
+
+def _claim(inputs: list[Tensor], data: memoryview, binary: bool) -> list[memoryview | None]:
+    """Each input's binary data (None: its data is JSON); every byte must be claimed."""
+    blobs: list[memoryview | None] = []
+    offset = 0
+    for tensor in inputs:
+        size = None if tensor.parameters is None else tensor.binary_size()
+        if size is None:
+            if tensor.data is None:
+                raise InvalidInput(
+                    f"inputs.{tensor.name}: no data; send `data`, or binary data and its "
+                    "parameters.binary_data_size"
+                )
+            blobs.append(None)
+            continue
+        where = f"inputs.{tensor.name}"
+        if tensor.data is not None:
+            raise InvalidInput(f"{where}: both data and parameters.binary_data_size; send one")
+        if not binary:
+            raise InvalidInput(
+                f"{where}.parameters.binary_data_size: binary data needs an {HEADER_LENGTH} "
+                "header giving the size of the JSON before it"
+            )
+        if offset + size > len(data):
+            raise InvalidInput(
+                f"{where}.parameters.binary_data_size: {size} bytes, but only "
+                f"{len(data) - offset} bytes of binary data are left in the body"
+            )
+        blobs.append(data[offset : offset + size])
+        offset += size
+    if offset != len(data):
+        raise InvalidInput(
+            f"body: {len(data) - offset} bytes after the JSON header that no input's "
+            "parameters.binary_data_size accounts for"
+        )
+    return blobs
+
+
+def _twice(kind: str, names: list[str]) -> NoReturn:
+    twice = sorted({n for n in names if names.count(n) > 1})
+    raise InvalidInput(f"{kind}: {', '.join(map(repr, twice))} given more than once")
+
+
+def _header_size(raw: str, body_size: int) -> int:
+    if not raw.isdigit() or int(raw) > body_size:
+        raise InvalidInput(
+            f"{HEADER_LENGTH}: expected the size of the body's JSON part (0 to {body_size} "
+            f"bytes), found {raw!r}"
+        )
+    return int(raw)
+
+
+def _binary_output(params: Mapping[str, Any]) -> bool:
+    return _flag(params, "binary_data_output", "", False)
+
+
+def _flag(params: Mapping[str, Any], key: str, where: str, default: bool) -> bool:
+    value = params.get(key, default)
+    if not isinstance(value, bool):
+        raise InvalidInput(f"{where}parameters.{key}: expected true or false, found {value!r}")
+    return value
+
+
+# ---- tensors ---------------------------------------------------------------------------
+
+
+def to_array(tensor: Tensor, binary: memoryview | None = None) -> Array:
+    """A request tensor (its JSON data, or its `binary` data) as a numpy array of its
+    datatype and shape; BYTES elements are str from JSON, bytes from binary data."""
     dtype = DTYPES.get(tensor.datatype)
     where = f"inputs.{tensor.name}"
     if dtype is None:
@@ -85,16 +252,18 @@ def to_array(tensor: Tensor) -> np.ndarray[Any, Any]:
         raise InvalidInput(f"{where}.datatype: expected one of {known}, found {tensor.datatype!r}")
     if any(d < 0 for d in tensor.shape):
         raise InvalidInput(f"{where}.shape: expected non-negative dims, found {tensor.shape}")
+    count = math.prod(tensor.shape)
+    if binary is not None:
+        return _from_binary(tensor, binary, count).reshape(tensor.shape)
     try:
         array = np.asarray(tensor.data, dtype=dtype)
     except (ValueError, TypeError, OverflowError):
         raise InvalidInput(f"{where}.data: expected {tensor.datatype} values") from None
-    if dtype is not object and array.dtype.kind in "iu" and not _ints(tensor.data):
+    if dtype is not object and array.dtype.kind in "iu" and not _ints(tensor.data or []):
         raise InvalidInput(f"{where}.data: expected integers for {tensor.datatype}")
-    expected = math.prod(tensor.shape)
-    if array.size != expected:
+    if array.size != count:
         raise InvalidInput(
-            f"{where}: shape {tensor.shape} needs {expected} values, found {array.size}"
+            f"{where}: shape {tensor.shape} needs {count} values, found {array.size}"
         )
     return array.reshape(tensor.shape)
 
@@ -104,14 +273,166 @@ def _ints(data: list[Any]) -> bool:
     return all(isinstance(v, int | np.integer) and not isinstance(v, bool) for v in flat)
 
 
-def output_tensor(name: str, array: np.ndarray[Any, Any]) -> dict[str, Any]:
-    """A response tensor: flat data in row-major order, as the protocol's JSON form has it."""
-    datatype = "BYTES" if array.dtype == object else _NAMES.get(array.dtype)
-    if datatype is None:
-        raise InvalidInput(f"output {name!r}: dtype {array.dtype} has no v2 datatype")
-    return {
-        "name": name,
-        "datatype": datatype,
-        "shape": list(array.shape),
-        "data": array.reshape(-1).tolist(),
+def _from_binary(tensor: Tensor, raw: memoryview, count: int) -> Array:
+    where = f"inputs.{tensor.name}"
+    if tensor.datatype == "BYTES":
+        elements = _split_bytes(raw, where)
+        if len(elements) != count:
+            raise InvalidInput(
+                f"{where}: shape {tensor.shape} needs {count} BYTES elements, found "
+                f"{len(elements)} in its binary data"
+            )
+        array = np.empty(count, dtype=object)
+        array[:] = elements
+        return array
+    dtype = np.dtype(DTYPES[tensor.datatype]).newbyteorder("<")
+    if len(raw) != count * dtype.itemsize:
+        raise InvalidInput(
+            f"{where}: shape {tensor.shape} of {tensor.datatype} is {count * dtype.itemsize} "
+            f"bytes, found parameters.binary_data_size {len(raw)}"
+        )
+    if tensor.datatype == "BOOL" and count and np.frombuffer(raw, np.uint8).max() > 1:
+        raise InvalidInput(f"{where}: BOOL binary data must be bytes 0 or 1")
+    return np.frombuffer(raw, dtype=dtype)
+
+
+def _split_bytes(raw: memoryview, where: str) -> list[bytes]:
+    """BYTES binary data: each element a 4-byte little-endian length, then the bytes."""
+    elements: list[bytes] = []
+    offset, end = 0, len(raw)
+    while offset < end:
+        if offset + 4 > end:
+            raise InvalidInput(
+                f"{where}: BYTES binary data ends inside element {len(elements)}'s 4-byte length"
+            )
+        length = int.from_bytes(raw[offset : offset + 4], "little")
+        offset += 4
+        if offset + length > end:
+            raise InvalidInput(
+                f"{where}: BYTES element {len(elements)} claims {length} bytes, but only "
+                f"{end - offset} are left in its binary data"
+            )
+        elements.append(bytes(raw[offset : offset + length]))
+        offset += length
+    return elements
+
+
+def result_arrays(result: Any) -> dict[str, Array]:
+    """One item's answer as named arrays. A mapping's values are the outputs (strings are
+    BYTES); any other value (a handler's `post` may return any JSON value) is one output
+    `result`, one BYTES element per row, each a JSON text."""
+    if isinstance(result, dict | Mapping):
+        return {str(name): _output_array(name, value) for name, value in result.items()}
+    rows = result if isinstance(result, list) else [result]
+    try:
+        texts = [orjson.dumps(r, option=orjson.OPT_SERIALIZE_NUMPY).decode() for r in rows]
+    except TypeError as e:
+        raise ModelError(f"the handler's result is not JSON: {e}") from None
+    array = np.empty(len(texts), dtype=object)
+    array[:] = texts
+    return {"result": array}
+
+
+def _output_array(name: Any, value: Any) -> Array:
+    if isinstance(value, np.ndarray) and value.dtype in _NAMES:
+        return value  # the model's own output, as it came
+    try:
+        array = np.asarray(value)
+        if array.dtype.kind == "S":  # numpy's bytes type drops trailing zero bytes
+            array = np.asarray(value, dtype=object)
+    except ValueError as e:  # ragged nested lists
+        raise ModelError(f"output {name!r}: not a rectangular array ({e})") from None
+    if datatype_of(array.dtype) is None:
+        raise ModelError(f"output {name!r}: dtype {array.dtype} has no v2 datatype")
+    return array
+
+
+def output_metadata(name: str, array: Array) -> dict[str, Any]:
+    """An output's metadata entry from an example of it: its rank is known, its dims are not."""
+    return {"name": name, "datatype": datatype_of(array.dtype), "shape": [-1] * array.ndim}
+
+
+# ---- responses -------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class EncodedResponse:
+    """An answer's body; `header_length` is the JSON part's size when binary data follows."""
+
+    body: bytes
+    header_length: int | None
+
+
+def encode_response(
+    request: InferRequest, model_name: str, outputs: Mapping[str, Array]
+) -> EncodedResponse:
+    """The answer to `request`: the outputs it asked for (all, if none), in its order, each
+    as JSON or binary data as it asked."""
+    default = False if request.parameters is None else _binary_output(request.parameters)
+    asked = request.outputs
+    entries: list[dict[str, Any]] = []
+    blobs: list[bytes] = []
+    for output in asked or outputs:
+        name = output.name if isinstance(output, RequestedOutput) else output
+        binary = output.binary(default) if isinstance(output, RequestedOutput) else default
+        array = outputs[name]
+        datatype = datatype_of(array.dtype)
+        entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": array.shape}
+        if binary:
+            blob = _bytes_of(array) if datatype == "BYTES" else _raw(array)
+            entry["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        elif datatype == "BYTES":
+            entry["data"] = _texts(name, array)
+        else:  # orjson writes a flat native-order array, no Python list in between
+            flat = array.reshape(-1)
+            entry["data"] = (
+                flat if flat.dtype.isnative else flat.astype(flat.dtype.newbyteorder("="))
+            )
+        entries.append(entry)
+    answer: dict[str, Any] = {
+        "model_name": model_name,
+        "model_version": MODEL_VERSION,
+        "outputs": entries,
     }
+    if request.id is not None:
+        answer["id"] = request.id
+    header = orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not blobs:
+        return EncodedResponse(header, None)
+    return EncodedResponse(b"".join([header, *blobs]), len(header))
+
+
+def _raw(array: Array) -> bytes:
+    return np.ascontiguousarray(array, array.dtype.newbyteorder("<")).tobytes()
+
+
+def _element(value: Any) -> bytes | str:
+    if isinstance(value, bytes | str):
+        return value
+    return orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY).decode()
+
+
+def _bytes_of(array: Array) -> bytes:
+    parts: list[bytes] = []
+    for value in array.reshape(-1).tolist():
+        element = _element(value)
+        data = element.encode() if isinstance(element, str) else element
+        parts += (len(data).to_bytes(4, "little"), data)
+    return b"".join(parts)
+
+
+def _texts(name: str, array: Array) -> list[str]:
+    texts = []
+    for value in array.reshape(-1).tolist():
+        element = _element(value)
+        if isinstance(element, bytes):
+            try:
+                element = element.decode()
+            except UnicodeDecodeError:
+                raise InvalidInput(
+                    f"outputs.{name}: holds bytes that are not UTF-8 text, which JSON cannot "
+                    "carry; ask for it as binary data (parameters.binary_data: true)"
+                ) from None
+        texts.append(element)
+    return texts

@@ -9,6 +9,7 @@ per item.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -20,6 +21,8 @@ from lanes.runtime import Runtime, TensorInfo, describe
 from lanes.spec import ModelSpec, TaskName, Workload
 from lanes.tasks.base import check_count
 from lanes.tasks.handler import NO_HANDLER, Handler
+
+log = logging.getLogger(__name__)
 
 Array = np.ndarray[Any, Any]
 Tensors = dict[str, Array]
@@ -62,6 +65,9 @@ class InferTask:
         self.stacks_rows = all(
             info.shape and not isinstance(info.shape[0], int) for info in self.inputs.values()
         )
+        # What the handler's `post` made of the warm-up's output (None: no post, or it
+        # failed on zeros): servers describe a handler's outputs by it.
+        self.post_example: Any = None
 
     def prepare(self, item: Any) -> InferItem:
         """Check names, dtypes, ranks and fixed dims (after the handler's `pre`); raise
@@ -126,8 +132,14 @@ class InferTask:
         return [{n: pieces[n][i] for n in names} for i in range(len(batch))]
 
     def warm_up(self) -> None:
+        """Run the model once on zeros, and `post` (if any) on its output."""
         feeds = {n: _dummy(info) for n, info in self.inputs.items()}
-        self.tensors([InferItem(feeds, 1)])
+        [outputs] = self.tensors([InferItem(feeds, 1)])
+        if self.handler.post is not None:
+            try:
+                self.post_example = self.handler.post(outputs)
+            except Exception as err:  # a post may well refuse zeros; real inputs will tell
+                log.info("workload %s: post failed on the warm-up's zeros: %s", self.name, err)
 
 
 def _convert(info: TensorInfo, value: Any) -> Array:
@@ -142,11 +154,13 @@ def _convert(info: TensorInfo, value: Any) -> Array:
     source = array.dtype.kind
     wanted = f"input {name!r}: expected {target.name} values ({info.type})"
     if target.kind == "O":  # tensor(string)
-        if source not in "US" and not (source == "O" and _all_str(array)):
+        if source == "O" or source == "S":
+            array = _texts(name, array)  # onnxruntime would feed bytes as their repr
+        elif source != "U":
             raise InvalidInput(f"{wanted}, found {array.dtype.name}")
         array = array.astype(object)
     elif source == "b" and target.kind in "biuf":
-        array = array.astype(target)
+        array = array.astype(target, copy=False)
     elif source in "iu" and target.kind in "iu":
         limits = np.iinfo(cast("np.dtype[np.integer[Any]]", target))
         if array.size and (array.min() < limits.min or array.max() > limits.max):
@@ -154,9 +168,9 @@ def _convert(info: TensorInfo, value: Any) -> Array:
                 f"{wanted}, found integers from {array.min()} to {array.max()}, "
                 f"outside {target.name}'s range"
             )
-        array = array.astype(target)
+        array = array.astype(target, copy=False)
     elif (source in "iu" and target.kind == "f") or (source == "f" and target.kind == "f"):
-        array = array.astype(target)
+        array = array.astype(target, copy=False)
     else:
         found = {"f": "floats", "U": "strings", "S": "bytes", "O": "mixed or non-numeric values"}
         raise InvalidInput(f"{wanted}, found {found.get(source, array.dtype.name)}")
@@ -179,8 +193,21 @@ def _check_shape(info: TensorInfo, shape: tuple[int, ...]) -> None:
             )
 
 
-def _all_str(array: Array) -> bool:
-    return all(isinstance(v, str) for v in array.flat)
+def _texts(name: str, array: Array) -> Array:
+    """Strings as they are and bytes decoded as UTF-8, or `InvalidInput`."""
+    texts = np.empty(array.shape, dtype=object)
+    for index, value in np.ndenumerate(array):
+        if isinstance(value, bytes | np.bytes_):
+            try:
+                value = value.decode()
+            except UnicodeDecodeError:
+                raise InvalidInput(f"input {name!r}: element {index} is not UTF-8 text") from None
+        elif not isinstance(value, str):
+            raise InvalidInput(
+                f"input {name!r}: expected strings, found {type(value).__name__} at {index}"
+            )
+        texts[index] = value
+    return texts
 
 
 def _dummy(info: TensorInfo) -> Array:
