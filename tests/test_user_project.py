@@ -231,6 +231,19 @@ def test_predict_serve_and_run_use_the_users_code(project: Path, elsewhere: Path
             mean = table[ids].mean(axis=0)
             np.testing.assert_allclose(vector, mean / np.linalg.norm(mean), atol=1e-5)
 
+            infer = client.post(
+                "/v2/models/scale/infer",
+                json={
+                    "inputs": [
+                        {"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}
+                    ]
+                },
+            )
+            assert infer.status_code == 200, infer.text
+            outputs = {o["name"]: o for o in infer.json()["outputs"]}
+            assert outputs["tag"]["data"] == [TAG]
+            assert outputs["y"]["data"] == expected_y([1, 2, 3, 4])
+
             completion = client.post(
                 "/v1/completions", json={"model": "chat", "prompt": "a", "max_tokens": 8}
             )
