@@ -25,6 +25,7 @@ from rich.progress import (
 from rich.table import Table
 
 from lanes.router.console import guarded
+from lanes.router.console import lanes_errors_untraced as untraced
 from lanes.settings import Settings
 from lanes.specfile import load_spec
 
@@ -119,7 +120,7 @@ def run(
     startup = max(STARTUP.value(), EPHEMERAL_STARTUP_S)
 
     def go() -> dict[str, Any]:
-        with temporary_settings(updates={STARTUP: startup}), _progress_bar():
+        with temporary_settings(updates={STARTUP: startup}), _progress_bar(), untraced():
             result: dict[str, Any] = offline(
                 workload=workload, spec=str(spec_file), input=input, output=output
             )

@@ -30,6 +30,16 @@ def demo_models() -> Path:
     return dest
 
 
+@pytest.fixture(scope="session")
+def prefect_api() -> Iterator[str]:
+    """One Prefect API (SQLite, temporary) for every flow run of the session."""
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=60):
+        yield str(PREFECT_API_URL.value())
+
+
 @pytest.fixture
 def serve() -> Iterator[type[ServerThread]]:
     """Start real uvicorn servers on 127.0.0.1; each is stopped when the test ends."""

@@ -48,16 +48,6 @@ from tests.flows_fixtures import (
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="session")
-def prefect_api() -> Iterator[str]:
-    """One Prefect API (SQLite, temporary) for every flow run of the session."""
-    from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=60):
-        yield str(PREFECT_API_URL.value())
-
-
 def offline_workload(task: str = "embed", **fields: Any) -> dict[str, Any]:
     model = {"embed": "enc", "infer": "affine", "generate": "dec"}[task]
     base = {"mode": "offline", "task": task, "model": model, "input": "in/", "output": "out/"}
