@@ -60,9 +60,12 @@ def allowed_roots(workload_input: str, base: Path, settings: Settings) -> list[s
     return [absolute(workload_input, base), staging, *extra]
 
 
-def check_input(uri: str, workload_input: str, base: Path, settings: Settings) -> None:
+def check_input(
+    uri: str, workload_input: str, base: Path, settings: Settings, written: str | None = None
+) -> None:
     """Raise InvalidInput unless `uri` lies under one of `allowed_roots`. Relative
-    local paths are read against `base`."""
+    local paths are read against `base`; `written` is how the user wrote `uri`, for
+    the message."""
     if is_s3(uri):
         dots = [p for p in urlparse(uri).path.split("/") if p in (".", "..")]
         if dots:
@@ -73,7 +76,8 @@ def check_input(uri: str, workload_input: str, base: Path, settings: Settings) -
     roots = allowed_roots(workload_input, base, settings)
     if any(_under(_fixed(resolved), _fixed(root)) for root in roots):
         return
-    shown = uri if resolved == uri else f"{uri} ({resolved})"
+    written = written or uri
+    shown = written if resolved == written else f"{written} ({resolved})"
     listed = ", ".join(roots)
     raise InvalidInput(
         f"input {shown} is outside what this workload reads ({listed}); put it there, or "

@@ -73,7 +73,7 @@ def submit(
     given: str | None = None  # an input URI, or records to stage
     if isinstance(records, str | os.PathLike):
         given, data = absolute(os.fspath(records), Path.cwd()), b""
-        check_input(given, workload.input, base, settings)
+        check_input(given, workload.input, base, settings, written=os.fspath(records))
     else:
         data = _jsonl(records)
     scheduled = datetime.now(UTC)
