@@ -209,6 +209,7 @@ async def test_jobs_run_on_a_worker_and_are_followed_by_id_from_other_processes(
     cli_submit = launch(lanes_cli("submit", "embed-corpus", str(records), "--now"))
     try:
         # An input folder that does not exist: the job fails on the worker.
+        (setup.project / "in").mkdir(exist_ok=True)
         monkeypatch.chdir(setup.project / "in")
         with lanes.Client(spec=setup.spec, prefect_api_url=setup.api) as client:
             failing = client.submit("embed-corpus", "missing-folder/", when="now")
