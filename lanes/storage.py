@@ -203,7 +203,8 @@ class Storage:
         if is_s3(uri):
             folder = Path(tempfile.gettempdir())
             label = _TEMP_PREFIX + uri.rstrip("/").rsplit("/", 1)[-1]
-            with self._staging(uri, folder, label, prefix="") as stage:
+            advice = "free space there, or point TMPDIR at a folder with room"
+            with self._staging(uri, folder, label, "", advice) as stage:
                 yield stage
             return
         final = _local_path(uri)
@@ -213,22 +214,24 @@ class Storage:
             raise StorageError(
                 f"{uri}: cannot create {final.parent}: {err.strerror}; {_WHAT_TO_DO}"
             ) from None
-        with self._staging(uri, final.parent, final.name, prefix=".") as stage:
+        with self._staging(uri, final.parent, final.name, ".", _WHAT_TO_DO) as stage:
             yield stage
 
     @contextmanager
-    def _staging(self, uri: str, folder: Path, label: str, prefix: str) -> Iterator[Path]:
+    def _staging(
+        self, uri: str, folder: Path, label: str, prefix: str, advice: str
+    ) -> Iterator[Path]:
         with ExitStack() as stack:
             try:
                 stage = stack.enter_context(staging_file(folder, label, prefix))
             except OSError as err:
-                raise _unwritable(folder, uri, err) from None
+                raise _unwritable(folder, uri, err, advice) from None
             try:
                 yield stage
             except OSError as err:
                 if err.filename != str(stage) and err.errno not in _WRITE_ERRNOS:
                     raise
-                raise _unwritable(folder, uri, err) from None
+                raise _unwritable(folder, uri, err, advice) from None
 
     def publish(self, staged: Path, uri: str) -> None:
         """Make `staged`'s content appear at `uri` all at once, replacing what was there."""
@@ -428,9 +431,9 @@ def _stat(path: Path, name: str) -> StoredFile:
     return StoredFile(str(path), name, info.st_size, str(info.st_mtime_ns))
 
 
-def _unwritable(folder: Path, uri: str, err: OSError) -> StorageError:
+def _unwritable(folder: Path, uri: str, err: OSError, advice: str) -> StorageError:
     why = err.strerror or str(err)
-    return StorageError(f"{folder}: cannot write {uri} there ({why}); {_WHAT_TO_DO}")
+    return StorageError(f"{folder}: cannot write {uri} there ({why}); {advice}")
 
 
 def _older(path: Path, seconds: float) -> bool:
