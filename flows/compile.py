@@ -9,6 +9,15 @@ or, without one, the default off-peak window (`Settings.offpeak`), in the work p
 `Settings.work_pool`. The worker first changes to the project folder, so the spec's
 relative paths mean there what they mean here.
 
+Where workers find the spec (`Source`): by default they run in the spec's folder. With
+`project_dir` (e.g. /app in an image) the project is elsewhere: the folder prefect.yaml
+is written to is taken as the project's root here (as Prefect takes the folder that
+holds prefect.yaml), and the spec is named relative to it, never by this machine's
+absolute path.
+
+lanes marks the prefect.yaml it writes (`MARKER`, its first line) and never replaces one
+without it: that one is the user's.
+
 The output depends only on its inputs: compiling an unchanged spec gives the same
 bytes, so prefect.yaml can be committed and diffed.
 """
@@ -16,17 +25,51 @@ bytes, so prefect.yaml can be committed and diffed.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from lanes.errors import LanesError
 from lanes.flows import ENTRYPOINT, FLOW_NAME
 from lanes.settings import Settings
 from lanes.spec import Schedule, Spec, Workload
 
 POOL_TYPE = "process"
+MARKER = "# Written by `lanes compile`"  # the first line of every prefect.yaml lanes writes
+WORKING_DIRECTORY_STEP = "prefect.deployments.steps.set_working_directory"
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a deployment's runs find the spec: the folder its worker changes to first,
+    and the spec's path as given to the flow (relative to that folder when inside it)."""
+
+    directory: str
+    spec: str
+
+
+def source_of(spec_file: Path, dest: Path, project_dir: Path | None = None) -> Source:
+    """The `Source` of deployments compiled from `spec_file` into `dest`. Raises
+    LanesError when `project_dir` is elsewhere and the spec is not inside the folder
+    of `dest` (its workers could not find it)."""
+    spec_path = spec_file.resolve()
+    if project_dir is None:
+        return Source(str(spec_path.parent), spec_path.name)
+    project = project_dir.resolve()  # need not exist here: e.g. /app in a container image
+    if spec_path.is_relative_to(project):
+        return Source(str(project), spec_path.relative_to(project).as_posix())
+    # The project lives elsewhere (an image): here, it is the folder of prefect.yaml.
+    root = dest.resolve().parent
+    if not spec_path.is_relative_to(root):
+        raise LanesError(
+            f"{spec_file} is outside {root}, the folder prefect.yaml goes to, which is "
+            f"taken as the project that workers find at {project}: write prefect.yaml at "
+            "the project's root (--output ROOT/prefect.yaml) or move the spec into it"
+        )
+    return Source(str(project), spec_path.relative_to(root).as_posix())
 
 
 def schedule_of(workload: Workload, settings: Settings) -> tuple[Schedule, bool]:
@@ -57,28 +100,22 @@ def deployment(
     }
 
 
-def render(spec: Spec, settings: Settings, spec_file: Path, project_dir: Path) -> str:
+def render(spec: Spec, settings: Settings, spec_file: Path, source: Source) -> str:
     """prefect.yaml's text for every offline workload of `spec`, in the spec's order."""
-    project = project_dir.resolve()  # need not exist here: e.g. /app in a container image
-    spec_path = spec_file.resolve()
-    try:
-        spec_param = spec_path.relative_to(project).as_posix()
-    except ValueError:
-        spec_param = str(spec_path)  # the spec lives outside the project folder
     document = {
-        "name": project.name or "lanes",
+        "name": Path(source.directory).name or "lanes",
         "prefect-version": version("prefect"),
         "build": None,
         "push": None,
-        "pull": [{"prefect.deployments.steps.set_working_directory": {"directory": str(project)}}],
+        "pull": [{WORKING_DIRECTORY_STEP: {"directory": source.directory}}],
         "deployments": [
-            deployment(name, w, settings, spec_param)
+            deployment(name, w, settings, source.spec)
             for name, w in spec.workloads.items()
             if w.mode == "offline"
         ],
     }
     header = (
-        f"# Written by `lanes compile` from {spec_file.name}: flow {FLOW_NAME}, one deployment\n"
+        f"{MARKER} from {spec_file.name}: flow {FLOW_NAME}, one deployment\n"
         "# per offline workload. Edit the workloads and recompile rather than this file.\n"
     )
     body = yaml.safe_dump(document, sort_keys=False, default_flow_style=False, width=100)
@@ -91,12 +128,30 @@ def write_prefect_yaml(
     spec_file: Path,
     dest: Path | None = None,
     project_dir: Path | None = None,
+    force: bool = False,
 ) -> Path:
-    """Write prefect.yaml (default: beside the spec); rewrite only when it changes."""
+    """Write prefect.yaml (default: beside the spec); rewrite only when it changes.
+    A prefect.yaml that lanes did not write is refused (LanesError) unless `force`."""
     dest = dest or spec_file.resolve().parent / "prefect.yaml"
-    text = render(spec, settings, spec_file, project_dir or spec_file.resolve().parent)
+    text = render(spec, settings, spec_file, source_of(spec_file, dest, project_dir))
+    if not force and not written_by_lanes(dest):
+        raise LanesError(
+            f"{dest} was not written by lanes compile (its first line is not {MARKER!r}): "
+            "lanes will not replace it; write lanes' file elsewhere with --output (e.g. "
+            "--output lanes-prefect.yaml; `prefect deploy` then needs --prefect-file "
+            "lanes-prefect.yaml), or pass --force to replace it"
+        )
     if not dest.is_file() or dest.read_text(encoding="utf-8") != text:
         staged = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
         staged.write_text(text, encoding="utf-8")
         staged.replace(dest)
     return dest
+
+
+def written_by_lanes(path: Path) -> bool:
+    """True when `path` does not exist or starts with lanes' marker line."""
+    try:
+        with path.open(encoding="utf-8", errors="replace") as f:
+            return f.readline().startswith(MARKER)
+    except FileNotFoundError:
+        return True

@@ -2,7 +2,9 @@
 
 Relative local paths in the spec (and in --input/--output) are read against the
 folder of workloads.yaml, like model paths, so a deployment finds the same files
-wherever its worker starts.
+wherever its worker starts. An input other than the workload's own must lie under
+it, its staging area or an allowed root (lanes.inputs): whoever made the flow run,
+the job reads with this worker's credentials.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ import orjson
 from lanes.errors import StorageError, WrongMode
 from lanes.flows.records import FORMATS, is_known, output_name
 from lanes.flows.shard import ShardPlan
+from lanes.inputs import check_input
 from lanes.layout import ERRORS, MARKERS
 from lanes.settings import Settings
 from lanes.spec import Fields, Runner, Spec, Workload
 from lanes.specfile import load_spec
-from lanes.storage import Storage, is_s3, join
+from lanes.storage import Storage, StoredFile, is_s3, join
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,8 @@ def plan_job(
         )
     base = Path(spec_file).resolve().parent
     source = _resolve(input or w.input, base, "input")
+    if input and w.input:
+        check_input(source, w.input, base, settings)
     dest = _resolve(output or w.output, base, "output")
     if dest.rstrip("/") == source.rstrip("/") or dest.startswith(source.rstrip("/") + "/"):
         raise StorageError(
@@ -111,7 +116,9 @@ def _file_identity(path: Path) -> tuple[int, int]:
 
 def plan_shards(job: Job, storage: Storage) -> list[ShardPlan]:
     """One plan per input shard, sorted by name. No inputs at all is an error, and so is
-    a file in a format not read (skipping it would drop its records unsaid)."""
+    a file in a format not read (skipping it would drop its records unsaid), a file two
+    shards would write, or one that must be a file for one shard and a folder for
+    another: every shard's output, errors and marker are its own."""
     listed = storage.list_files(job.input, ("",))  # every name ends with ""
     unknown = [f.uri for f in listed if not is_known(f.name)]
     if unknown:
@@ -126,23 +133,38 @@ def plan_shards(job: Job, storage: Storage) -> list[ShardPlan]:
     files = [f for f in listed if is_known(f.name)]
     if not files:
         raise StorageError(f"{job.input}: no input files ({FORMATS}); check the workload's input")
-    plans: dict[str, ShardPlan] = {}
+    plans: list[ShardPlan] = []
+    writers: dict[str, StoredFile] = {}  # each written name below the output -> its input
     for file in files:
         name = output_name(file.name)
-        if name in plans:
-            raise StorageError(
-                f"{plans[name].input.uri} and {file.uri} would both write {name}; "
-                "rename one of them"
-            )
+        written = [name, f"{ERRORS}/{name}", f"{MARKERS}/{name.removesuffix('.jsonl')}.json"]
+        for path in written:
+            if path in writers:
+                raise StorageError(
+                    f"{writers[path].uri} and {file.uri} would both write {path}; "
+                    "rename one of them"
+                )
+            writers[path] = file
         key = hashlib.sha256(
             orjson.dumps([file.uri, file.size, file.version, job.model_key])
         ).hexdigest()
-        plans[name] = ShardPlan(
-            input=file,
-            name=name,
-            output=join(job.output, name),
-            errors=join(job.output, ERRORS, name),
-            marker=join(job.output, MARKERS, name.removesuffix(".jsonl") + ".json"),
-            key=key,
+        plans.append(
+            ShardPlan(
+                input=file,
+                name=name,
+                output=join(job.output, written[0]),
+                errors=join(job.output, written[1]),
+                marker=join(job.output, written[2]),
+                key=key,
+            )
         )
-    return list(plans.values())
+    for path, file in writers.items():
+        parts = path.split("/")
+        for depth in range(1, len(parts)):
+            folder = "/".join(parts[:depth])
+            if folder in writers:
+                raise StorageError(
+                    f"{writers[folder].uri} would write the file {folder} and {file.uri} "
+                    f"the folder {folder}/; rename one of them"
+                )
+    return plans

@@ -286,8 +286,20 @@ def _parquet(storage: Storage, shard: StoredFile) -> Iterator[Line]:
 
 
 def output_name(input_name: str) -> str:
-    """The output shard's name for an input shard: same folder and stem, `.jsonl`."""
+    """The output shard's name for an input shard's listed name: the same folders and
+    stem, `.jsonl`, always relative and below the output folder.
+
+    Empty parts are dropped (an S3 key may hold `//`: `a//b.jsonl` is `a/b.jsonl`). A
+    part that is `.`, `..` or starts with `_` or `.` (bookkeeping, hidden; listings skip
+    them) is refused with a StorageError, as is a name with nothing left.
+    """
+    parts = [part for part in input_name.split("/") if part]
+    refused = [part for part in parts if part.startswith(("_", "."))]
+    if refused or not parts:
+        why = f"its part {refused[0]!r} is not a data file's" if refused else "it is empty"
+        raise StorageError(f"input {input_name!r} cannot name an output: {why}; rename it")
+    name = "/".join(parts)
     for suffix in sorted(SUFFIXES, key=len, reverse=True):
-        if input_name.endswith(suffix):
-            return input_name[: -len(suffix)] + ".jsonl"
-    return input_name + ".jsonl"
+        if name.endswith(suffix):
+            return name[: -len(suffix)] + ".jsonl"
+    return name + ".jsonl"

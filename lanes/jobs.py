@@ -31,6 +31,7 @@ import orjson
 
 from lanes import layout
 from lanes.errors import InvalidInput, JobFailed, LanesError, StorageError
+from lanes.inputs import absolute, check_input, folder_of
 from lanes.settings import Settings
 from lanes.spec import Workload
 from lanes.storage import Storage, join
@@ -51,8 +52,6 @@ FINISHED = frozenset({"COMPLETED", COMPLETED_WITH_ERRORS})
 POLL_S = 0.5
 CHUNK_LINES = 1000  # lines an AsyncJob reads per trip to a thread
 SUBMIT_TAG = "lanes-submit"
-# Names that make an s3:// input a single file, not a prefix (flows.records reads these).
-DATA_SUFFIXES = (".jsonl", ".ndjson", ".csv", ".json", ".gz", ".parquet", ".pq")
 
 
 def submit(
@@ -64,9 +63,10 @@ def submit(
     base: Path,
     prefect_api_url: str | None = None,
 ) -> Job:
-    """Stage `records` beside the workload's input (or take an input URI as it is; a
-    relative local path is made absolute here), and create a flow run of its
-    deployment at the next off-peak window (the workload's schedule, else
+    """Stage `records` beside the workload's input (or take an input URI under the
+    workload's input or a root `settings.allowed_input_roots` allows: lanes.inputs; a
+    relative local path is read against the working directory), and create a flow run
+    of its deployment at the next off-peak window (the workload's schedule, else
     `settings.offpeak`) or now."""
     from prefect.states import Scheduled
 
@@ -75,7 +75,12 @@ def submit(
     if workload.input is None or workload.output is None:
         raise InvalidInput(f"workload {name!r} has no input/output; it cannot take jobs")
     key = datetime.now(UTC).strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:8]
-    data = None if isinstance(records, str | os.PathLike) else _jsonl(records)
+    given: str | None = None  # an input URI, or records to stage
+    if isinstance(records, str | os.PathLike):
+        given, data = absolute(os.fspath(records), Path.cwd()), b""
+        check_input(given, workload.input, base, settings, written=os.fspath(records))
+    else:
+        data = _jsonl(records)
     scheduled = datetime.now(UTC)
     if when == "offpeak":
         scheduled = (workload.schedule or settings.offpeak).next_run()
@@ -83,12 +88,12 @@ def submit(
     with prefect.client() as client:
         deployment = prefect.deployment(client, name)
         # Staged only once the deployment is known: a refused submit leaves no files.
-        if data is None:
-            source = _location(str(records))
-        else:
-            source = join(_folder(workload.input, base), layout.SUBMITTED, key) + "/"
+        if given is None:
+            source = join(folder_of(workload.input, base), layout.SUBMITTED, key) + "/"
             Storage(settings).write_bytes(join(source, "records.jsonl"), data)
-        output = join(_folder(workload.output, base), layout.JOBS, key) + "/"
+        else:
+            source = given
+        output = join(folder_of(workload.output, base), layout.JOBS, key) + "/"
         run = client.create_flow_run_from_deployment(
             deployment,
             parameters={"workload": name, "input": source, "output": output},
@@ -355,29 +360,6 @@ async def _in_chunks(lines: Iterator[T]) -> AsyncIterator[T]:
         close = getattr(lines, "close", None)
         if close is not None:
             close()
-
-
-def _location(uri: str) -> str:
-    """An input URI as the worker will read it: local paths made absolute."""
-    if "://" in uri:
-        return uri
-    return str(Path(uri).expanduser().resolve()) + ("/" if uri.endswith("/") else "")
-
-
-def _folder(location: str, base: Path) -> str:
-    """The folder of a workload's input or output, absolute: a glob's fixed part, a
-    single file's folder."""
-    cut = min((location.index(c) for c in "*?[" if c in location), default=None)
-    if cut is not None:
-        location = location[: location.rfind("/", 0, cut) + 1]
-    if "://" in location:
-        last = location.rstrip("/").rsplit("/", 1)[-1]
-        if not location.endswith("/") and last.endswith(DATA_SUFFIXES):
-            return location[: location.rfind("/") + 1]
-        return location
-    path = Path(location).expanduser()
-    path = path if path.is_absolute() else base / path
-    return str(path.parent if path.is_file() else path)
 
 
 def _jsonl(records: Iterable[Mapping[str, Any]]) -> bytes:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from lanes.spec import Schedule
@@ -46,5 +46,21 @@ class Settings(BaseSettings):
     price_per_device_hour: float = Field(
         1.0, ge=0, description="Cost estimate basis for job manifests, in dollars."
     )
+    allowed_input_roots: tuple[str, ...] = Field(
+        (),
+        description="Folders and s3:// prefixes a job may read besides its workload's own "
+        "input and staging area (a submitted URI, `lanes run --input`), as a JSON list: "
+        'LANES_ALLOWED_INPUT_ROOTS=\'["s3://shared/corpora/", "/data/"]\'. Relative '
+        "folders are read against the spec's folder. Set it where jobs are submitted and "
+        "where they run: the worker refuses the rest.",
+    )
     workloads: dict[str, Any] = Field(default_factory=dict, description="Workload overrides.")
     models: dict[str, Any] = Field(default_factory=dict, description="Model overrides.")
+
+    @field_validator("allowed_input_roots")
+    @classmethod
+    def _roots_are_folders(cls, roots: tuple[str, ...]) -> tuple[str, ...]:
+        for root in roots:
+            if not root.strip() or any(c in root for c in "*?["):
+                raise ValueError(f"{root!r}: expected a folder or s3:// prefix, no wildcards")
+        return roots

@@ -4,9 +4,11 @@ What the offline flows need and no more: list the input shards under a folder, g
 or prefix; read one; publish an output atomically; keep small JSON markers.
 
 Publishing is atomic in both places. Locally a file is written aside, as a hidden
-file in the same folder, flushed to disk, then renamed over its final name. On S3 it is written aside on local disk, then uploaded to its final key, in
-parts when large: S3 shows an object only once its whole upload completes, so a
-reader never sees half of one.
+file in the same folder, flushed to disk, then renamed over its final name. On S3 it
+is written aside on local disk, then uploaded to its final key, in parts when large:
+S3 shows an object only once its whole upload completes, so a reader never sees half
+of one. Files written aside are staging files (lanes.staging): a killed run's are
+recognised, and removed, by the next run.
 
 boto3 is imported on first S3 use; credentials come from boto3's usual chain
 (environment, profile, instance role); the endpoint from `Settings.s3_endpoint`,
@@ -15,6 +17,7 @@ else boto3's own `AWS_ENDPOINT_URL`.
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import glob
 import io
@@ -23,9 +26,8 @@ import shutil
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -33,13 +35,19 @@ from urllib.parse import unquote, urlparse
 
 from lanes.errors import StorageError
 from lanes.settings import Settings
+from lanes.staging import SUFFIX as STAGING_SUFFIX
+from lanes.staging import remove_if_abandoned, staging_file
 
 # Files whose name starts with one of these are the job's own bookkeeping (markers,
 # errors, staging, manifests) or hidden: never listed as data (Spark's convention).
 _PRIVATE = ("_", ".")
 _GLOB_CHARS = "*?["
-STAGING_SUFFIX = ".tmp"
 MiB = 1024 * 1024
+# Staging files of S3 uploads, in the system temp folder.
+_TEMP_PREFIX = "lanes-stage-"
+# Errors only writing raises: whichever file they came from, the output could not be written.
+_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
+_WHAT_TO_DO = "make it writable, or choose another output (--output, or the workload's output)"
 
 
 @dataclass(frozen=True)
@@ -58,11 +66,12 @@ def is_s3(uri: str) -> bool:
 
 
 def join(base: str, *parts: str) -> str:
-    """`base` (a folder or prefix, with or without a trailing '/') joined with `parts`."""
+    """`base` (a folder or prefix, with or without a trailing '/') joined with `parts`,
+    each taken as relative: a leading '/' never makes a local part absolute."""
     tail = "/".join(p.strip("/") for p in parts)
     if is_s3(base) or "://" in base:
         return base.rstrip("/") + "/" + tail
-    return str(Path(base, *parts))
+    return str(Path(base, *(p.strip("/") for p in parts)))
 
 
 def _local_path(uri: str) -> Path:
@@ -184,27 +193,45 @@ class Storage:
     def staged(self, uri: str) -> Iterator[Path]:
         """A local file to write `uri`'s content into before `publish`; removed after.
 
-        A local destination stages in a hidden file beside it (`.NAME.RANDOM.tmp`: same
-        folder, so publishing is a rename, and hidden, so never listed as data); an S3
-        destination stages in the system temp folder.
+        A local destination stages in a hidden file beside it (same folder, so
+        publishing is a rename; hidden, so never listed as data); an S3 destination
+        stages in the system temp folder. Either is a locked staging file
+        (lanes.staging) until the block ends. A folder that refuses the file, or a
+        write in the block that fails for want of space or permission, is a
+        StorageError naming the folder and what to do.
         """
         if is_s3(uri):
-            folder = Path(tempfile.mkdtemp(prefix="lanes-stage-"))
-            try:
-                yield folder / "staged"
-            finally:
-                shutil.rmtree(folder, ignore_errors=True)
+            folder = Path(tempfile.gettempdir())
+            label = _TEMP_PREFIX + uri.rstrip("/").rsplit("/", 1)[-1]
+            advice = "free space there, or point TMPDIR at a folder with room"
+            with self._staging(uri, folder, label, "", advice) as stage:
+                yield stage
             return
         final = _local_path(uri)
-        stage = final.parent / f".{final.name}.{uuid.uuid4().hex}{STAGING_SUFFIX}"
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
         except OSError as err:
-            raise StorageError(f"{uri}: cannot create {final.parent}: {err.strerror}") from None
-        try:
+            raise StorageError(
+                f"{uri}: cannot create {final.parent}: {err.strerror}; {_WHAT_TO_DO}"
+            ) from None
+        with self._staging(uri, final.parent, final.name, ".", _WHAT_TO_DO) as stage:
             yield stage
-        finally:
-            stage.unlink(missing_ok=True)
+
+    @contextmanager
+    def _staging(
+        self, uri: str, folder: Path, label: str, prefix: str, advice: str
+    ) -> Iterator[Path]:
+        with ExitStack() as stack:
+            try:
+                stage = stack.enter_context(staging_file(folder, label, prefix))
+            except OSError as err:
+                raise _unwritable(folder, uri, err, advice) from None
+            try:
+                yield stage
+            except OSError as err:
+                if err.filename != str(stage) and err.errno not in _WRITE_ERRNOS:
+                    raise
+                raise _unwritable(folder, uri, err, advice) from None
 
     def publish(self, staged: Path, uri: str) -> None:
         """Make `staged`'s content appear at `uri` all at once, replacing what was there."""
@@ -216,7 +243,9 @@ class Storage:
                 os.replace(staged, final)
                 _fsync_dir(final.parent)
             except OSError as err:
-                raise StorageError(f"{uri}: cannot publish: {err.strerror}") from None
+                raise StorageError(
+                    f"{uri}: cannot publish into {final.parent}: {err.strerror}; {_WHAT_TO_DO}"
+                ) from None
             return
         from boto3.s3.transfer import TransferConfig
 
@@ -235,37 +264,48 @@ class Storage:
             self.publish(stage, uri)
 
     def clean_stale(self, folder: str, older_than_s: float) -> int:
-        """Remove local staging files under `folder` older than `older_than_s`: what a
-        killed run left. Returns how many went. S3 staging lives in the system temp
-        folder, and an upload cut short leaves no object (a bucket lifecycle rule
-        should abort incomplete multipart uploads)."""
+        """Remove the staging files that killed runs left: under a local `folder`, or,
+        for an S3 one, in the system temp folder. Returns how many went.
+
+        A staging file whose writer ran on this host goes as soon as that writer is
+        gone (its lock is free); a live writer's never goes. One from another host,
+        or from before staging files were locked, goes once older than
+        `older_than_s` (lanes.staging says why). An S3 upload cut short leaves no
+        object (a bucket lifecycle rule should abort incomplete multipart uploads).
+        """
         if is_s3(folder):
-            return 0
+            temp = Path(tempfile.gettempdir())
+            removed = 0
+            for path in temp.glob(f"{_TEMP_PREFIX}*"):
+                if path.name.endswith(STAGING_SUFFIX):
+                    removed += remove_if_abandoned(path, older_than_s)
+                elif path.is_dir() and _older(path, older_than_s):
+                    shutil.rmtree(path, ignore_errors=True)  # an older lanes' staging folder
+                    removed += 1
+            return removed
         root = _local_path(folder)
         if not root.is_dir():
             return 0
-        cutoff = time.time() - older_than_s
-        removed = 0
-        for path in root.rglob(f".*{STAGING_SUFFIX}"):
-            try:
-                if path.stat().st_mtime < cutoff:
-                    path.unlink()
-                    removed += 1
-            except FileNotFoundError:
-                continue  # published or cleaned by another run meanwhile
-        return removed
+        return sum(remove_if_abandoned(p, older_than_s) for p in root.rglob(f".*{STAGING_SUFFIX}"))
 
     def ensure_folder(self, location: str) -> None:
-        """Create a local output folder; check an S3 output bucket exists."""
+        """Create a local output folder and check this process can write in it; check
+        an S3 output bucket exists. A StorageError says which and what to do."""
         if is_s3(location):
             bucket, _ = _split_s3(location)
             with self._errors(location, "write"):
                 self._s3().head_bucket(Bucket=bucket)
             return
+        path = _local_path(location)
         try:
-            _local_path(location).mkdir(parents=True, exist_ok=True)
+            path.mkdir(parents=True, exist_ok=True)
+            with staging_file(path, "write-check"):
+                pass
         except OSError as err:
-            raise StorageError(f"{location}: cannot create the folder: {err.strerror}") from None
+            raise StorageError(
+                f"{location}: cannot write in the output folder ({err.strerror or err}); "
+                f"{_WHAT_TO_DO}"
+            ) from None
 
     # ---- S3 -------------------------------------------------------------------------
 
@@ -389,6 +429,18 @@ def _glob_root(pattern: Path) -> Path:
 def _stat(path: Path, name: str) -> StoredFile:
     info = path.stat()
     return StoredFile(str(path), name, info.st_size, str(info.st_mtime_ns))
+
+
+def _unwritable(folder: Path, uri: str, err: OSError, advice: str) -> StorageError:
+    why = err.strerror or str(err)
+    return StorageError(f"{folder}: cannot write {uri} there ({why}); {advice}")
+
+
+def _older(path: Path, seconds: float) -> bool:
+    try:
+        return path.stat().st_mtime < time.time() - seconds
+    except OSError:
+        return False
 
 
 def _fsync_dir(folder: Path) -> None:

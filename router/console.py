@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import enum
 import functools
+import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -61,3 +63,29 @@ def command(fn: Callable[..., Any]) -> Callable[..., Any]:
         return guarded(lambda: fn(*args, **kwargs))
 
     return wrapper
+
+
+class _Untraced(logging.Filter):
+    """Drops the traceback from a record whose exception is a LanesError."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], LanesError):
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+@contextmanager
+def lanes_errors_untraced() -> Iterator[None]:
+    """While the block runs, Prefect logs a flow or task run that failed with a
+    LanesError by its message alone: Prefect adds the traceback to every failure, but
+    a LanesError's message is the whole story (what failed, where, what to do)."""
+    loggers = [logging.getLogger(name) for name in ("prefect.flow_runs", "prefect.task_runs")]
+    untraced = _Untraced()
+    for logger in loggers:
+        logger.addFilter(untraced)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(untraced)

@@ -27,6 +27,7 @@ from rich.table import Table
 from lanes.errors import InvalidInput
 from lanes.layout import ERRORS
 from lanes.router.console import ExitCode, guarded
+from lanes.router.console import lanes_errors_untraced as untraced
 from lanes.settings import Settings
 from lanes.specfile import load_spec
 from lanes.storage import join
@@ -48,39 +49,61 @@ def _guarded(fn: Callable[[], T]) -> T:
     return guarded(fn)
 
 
+OutputFile = Annotated[
+    Path | None,
+    typer.Option("--output", "-o", help="prefect.yaml to write (default: beside the spec)."),
+]
+ProjectDir = Annotated[
+    Path | None,
+    typer.Option(
+        "--project-dir",
+        help="The folder workers run in (default: the spec's); e.g. /app in an image, "
+        "where the folder prefect.yaml goes to is found.",
+    ),
+]
+Force = Annotated[
+    bool, typer.Option("--force", help="Replace a prefect.yaml that lanes did not write.")
+]
+
+
 def compile(
     file: SpecFile = None,
-    output: Annotated[
-        Path | None, typer.Option("--output", "-o", help="Where (default: beside the spec).")
-    ] = None,
-    project_dir: Annotated[
-        Path | None,
-        typer.Option(
-            "--project-dir",
-            help="The folder workers run in (default: the spec's); e.g. /app in an image.",
-        ),
-    ] = None,
+    output: OutputFile = None,
+    project_dir: ProjectDir = None,
+    force: Force = False,
 ) -> None:
     """Write prefect.yaml: one Prefect deployment per offline workload."""
-    from lanes.flows.compile import write_prefect_yaml
+    from lanes.flows.compile import POOL_TYPE, write_prefect_yaml
 
     settings = Settings()
     spec_file = file or settings.spec
 
     def go() -> tuple[Path, list[str]]:
         spec = load_spec(spec_file, settings)
-        path = write_prefect_yaml(spec, settings, spec_file, output, project_dir)
+        path = write_prefect_yaml(spec, settings, spec_file, output, project_dir, force)
         return path, [n for n, w in spec.workloads.items() if w.mode == "offline"]
 
     path, names = _guarded(go)
     listed = ", ".join(names) or "none"
     typer.echo(f"{path}: {len(names)} deployment(s) ({listed})")
-    typer.echo("register them: lanes deploy (or prefect --no-prompt deploy --all)")
+    pool = settings.work_pool
+    prefect_file = "" if path.name == "prefect.yaml" else f" --prefect-file {path.name}"
+    typer.echo(
+        f"register them: lanes deploy, or in {path.parent}: prefect --no-prompt deploy "
+        f"--all{prefect_file} (work pool {pool!r} must exist: "
+        f"prefect work-pool create {pool} --type {POOL_TYPE})"
+    )
 
 
-def deploy(file: SpecFile = None) -> None:
-    """Compile, create the work pool if missing, and register every offline workload
-    on the Prefect server in PREFECT_API_URL."""
+def deploy(
+    file: SpecFile = None,
+    output: OutputFile = None,
+    project_dir: ProjectDir = None,
+    force: Force = False,
+) -> None:
+    """Compile, create the work pool if missing, register every offline workload on
+    the Prefect server in PREFECT_API_URL, and remove the deployments of workloads
+    the spec no longer has."""
     from lanes.router.deploy import deploy as deploy_all
     from lanes.router.plan import plan
 
@@ -89,7 +112,7 @@ def deploy(file: SpecFile = None) -> None:
 
     def go() -> Any:
         spec = load_spec(spec_file, settings)
-        return spec, deploy_all(spec, spec_file, settings)
+        return spec, deploy_all(spec, spec_file, settings, output, project_dir, force)
 
     spec, done = _guarded(go)
     pool = f"work pool {done.pool!r} ({'created' if done.pool_created else 'exists'})"
@@ -97,6 +120,8 @@ def deploy(file: SpecFile = None) -> None:
     for route in plan(spec, settings):
         if route.deployment in done.deployments:
             typer.echo(f"  {route.deployment}  {route.schedule}  next run {route.next_run}")
+    for name in done.removed:
+        typer.echo(f"  {name}  removed: no longer in {spec_file}")
     typer.echo(f"run them: prefect worker start --pool {done.pool}")
 
 
@@ -134,7 +159,7 @@ def run(
     rerun: Rerun = "all" if force else "errors" if retry_errors else "uncommitted"
 
     def go() -> dict[str, Any]:
-        with temporary_settings(updates={STARTUP: startup}), _progress_bar():
+        with temporary_settings(updates={STARTUP: startup}), _progress_bar(), untraced():
             result: dict[str, Any] = offline(
                 workload=workload, spec=str(spec_file), input=input, output=output, rerun=rerun
             )

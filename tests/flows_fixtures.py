@@ -8,7 +8,11 @@ affine map (task infer). Their outputs are known, so tests can check values.
 from __future__ import annotations
 
 import json
+import os
+import select
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -16,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import yaml
 from onnx import TensorProto, helper, numpy_helper, save_model
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
@@ -269,3 +274,77 @@ class _Picky:
 
 
 picky = _Picky()
+
+
+@contextmanager
+def read_only(folder: Path) -> Iterator[None]:
+    """`folder` and every folder under it refuse new files, even to root: by mode bits
+    where they bind this process, else by the immutable attribute (`chattr +i`). The
+    test is skipped where neither can be had."""
+    folders = [folder, *sorted(p for p in folder.rglob("*") if p.is_dir())]
+    modes = {p: p.stat().st_mode for p in folders}
+    for p in folders:
+        p.chmod(0o555)
+    immutable = False
+    try:
+        if _accepts_files(folder):
+            for p in folders:
+                p.chmod(modes[p])
+            done = subprocess.run(["chattr", "+i", *map(str, folders)], capture_output=True)
+            immutable = done.returncode == 0
+            if not immutable or _accepts_files(folder):
+                pytest.skip("cannot make a folder read-only here (root, without chattr)")
+        yield
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", *map(str, folders)], capture_output=True)
+        for p in folders:
+            p.chmod(modes[p])
+
+
+def _accepts_files(folder: Path) -> bool:
+    probe = folder / ".write-probe"
+    try:
+        probe.write_bytes(b"")
+    except OSError:
+        return False
+    probe.unlink()
+    return True
+
+
+_HOLD = """
+import sys
+from lanes.settings import Settings
+from lanes.storage import Storage
+
+with Storage(Settings()).staged(sys.argv[1]) as stage:
+    stage.write_text("half an output")
+    print(stage, flush=True)
+    sys.stdin.readline()  # staged until the test writes a line (or kills this process)
+"""
+
+
+@contextmanager
+def staging_writer(uri: str, timeout: float = 60) -> Iterator[tuple[subprocess.Popen[str], Path]]:
+    """Another process, writing `uri` through `Storage.staged` and held there: yields it
+    and its staging file. Writing a line to its stdin lets it finish; killing it
+    leaves the staging file behind, as a killed run does."""
+    root = Path(__file__).resolve().parent.parent
+    process = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, uri],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        ready, _, _ = select.select([process.stdout], [], [], timeout)
+        line = process.stdout.readline() if ready else ""
+        assert line.strip(), f"the staging writer did not start in {timeout} s"
+        yield process, Path(line.strip())
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate(timeout=timeout)

@@ -206,7 +206,7 @@ def flow_run_deployment(setup: Setup) -> str:
 
 
 async def test_jobs_run_on_a_worker_and_are_followed_by_id_from_other_processes(
-    setup: Setup, tmp_path: Path
+    setup: Setup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Blocking calls on the event loop are fine here: nothing else runs on it."""
     processes: list[subprocess.Popen[str]] = []
@@ -221,6 +221,8 @@ async def test_jobs_run_on_a_worker_and_are_followed_by_id_from_other_processes(
     cli_submit = launch(lanes_cli("submit", "embed-corpus", str(records), "--now"))
     try:
         # An input folder that does not exist: the job fails on the worker.
+        (setup.project / "in").mkdir(exist_ok=True)
+        monkeypatch.chdir(setup.project / "in")
         with lanes.Client(spec=setup.spec, prefect_api_url=setup.api) as client:
             failing = client.submit("embed-corpus", "missing-folder/", when="now")
             clean = client.submit("embed-corpus", GOOD, when="now")
@@ -230,13 +232,21 @@ async def test_jobs_run_on_a_worker_and_are_followed_by_id_from_other_processes(
         scheduled = failing.scheduled_time()
         assert scheduled is not None and abs(datetime.now(UTC) - scheduled) < timedelta(minutes=1)
         missing = flow_run(setup, failing.id)["parameters"]["input"]
-        assert missing == str(Path.cwd() / "missing-folder") + "/"  # made absolute here
+        assert missing == str(setup.project / "in" / "missing-folder") + "/"  # made absolute here
+        # A flow run made past `submit`, reading outside the workload's input: refused
+        # where it runs, whatever its maker checked.
+        secret = tmp_path / "elsewhere" / "secret.jsonl"
+        secret.parent.mkdir()
+        secret.write_text(json.dumps({"id": "secret", "text": "not yours"}) + "\n")
+        bypass = create_run(
+            setup, {"input": str(secret.parent) + "/", "output": str(tmp_path / "b")}
+        )
         out, err = finish(cli_submit)
         job = Job(out.strip(), prefect_api_url=setup.api)  # submitted by `lanes submit`
         assert f"job {job.id}: embed-corpus, scheduled for " in err
 
         deadline = time.monotonic() + 60
-        while due_submissions(setup) < 5:  # the README's job too
+        while due_submissions(setup) < 6:  # the README's job too
             assert readme.poll() is None, readme.communicate()
             assert time.monotonic() < deadline, "the README example did not submit in 60 s"
             time.sleep(0.2)
@@ -270,6 +280,11 @@ async def test_jobs_run_on_a_worker_and_are_followed_by_id_from_other_processes(
             failed = aclient.job(failing.id)
             with pytest.raises(lanes.JobFailed, match=r"ended FAILED: .*missing-folder"):
                 await failed.wait(30)
+            with pytest.raises(
+                lanes.JobFailed, match=r"InvalidInput: input .*/elsewhere/ is outside"
+            ):
+                await aclient.job(bypass).wait(30)
+        assert not (tmp_path / "b").exists()
 
         # `lanes job --wait` exits 3 with record errors, 0 without, 1 for a failed job.
         out, err = finish(shown, code=3)
@@ -287,6 +302,61 @@ async def test_jobs_run_on_a_worker_and_are_followed_by_id_from_other_processes(
             if process.poll() is None:
                 process.kill()
                 process.communicate()
+
+
+def create_run(setup: Setup, parameters: dict[str, str]) -> str:
+    """A flow run of embed-corpus made through Prefect's REST API, due now, as a job."""
+    body = {
+        "parameters": {"workload": "embed-corpus", **parameters},
+        "tags": ["lanes-submit"],
+        "state": {"type": "SCHEDULED", "state_details": {"scheduled_time": None}},
+    }
+    deployment = flow_run_deployment(setup)
+    answer = httpx.post(
+        f"{setup.api}/deployments/{deployment}/create_flow_run", json=body, timeout=10
+    )
+    answer.raise_for_status()
+    return str(answer.json()["id"])
+
+
+def flow_runs(setup: Setup) -> int:
+    answer = httpx.post(f"{setup.api}/flow_runs/count", json={}, timeout=10)
+    answer.raise_for_status()
+    count: int = answer.json()
+    return count
+
+
+def test_submit_refuses_an_input_outside_the_workloads_own(setup: Setup, tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "part.jsonl").write_text(json.dumps(GOOD[0]) + "\n")
+    cwd = tmp_path / "a" / "b"
+    cwd.mkdir(parents=True)
+    before = flow_runs(setup)
+    command = lanes_cli("submit", "embed-corpus", "../../elsewhere/*.jsonl", "--now")
+    refused = subprocess.run(command, env=setup.env, cwd=cwd, capture_output=True, text=True)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert f"error: input ../../elsewhere/*.jsonl ({elsewhere}/*.jsonl) is outside" in (
+        refused.stderr
+    )
+    assert "LANES_ALLOWED_INPUT_ROOTS" in refused.stderr
+    with lanes.Client(spec=setup.spec, prefect_api_url=setup.api) as client:
+        for workload, uri in [
+            ("embed-corpus", str(elsewhere)),
+            ("embed-corpus", str(setup.project / "in" / ".." / "out")),
+            ("embed-s3", f"s3://{BUCKET}/out/"),
+            ("embed-s3", f"s3://{BUCKET}/in/../out/"),
+        ]:
+            with pytest.raises(lanes.InvalidInput, match=r"is outside|may not hold"):
+                client.submit(workload, uri, when="now")
+    assert flow_runs(setup) == before, "a refused submit makes no flow run"
+
+    # Allowed where it is submitted (and it must be where it runs, too).
+    env = {**setup.env, "LANES_ALLOWED_INPUT_ROOTS": json.dumps([str(elsewhere)])}
+    out, _ = finish(start(command, env, cwd))
+    job = Job(out.strip(), prefect_api_url=setup.api)
+    assert flow_run(setup, job.id)["parameters"]["input"] == f"{elsewhere}/*.jsonl"
+    assert job.cancel() == "CANCELLED"
 
 
 def test_records_are_staged_on_s3_when_the_input_is_there(

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import typer
 import yaml
 from typer.testing import CliRunner
 
+from lanes.errors import LanesError
 from lanes.flows import ENTRYPOINT, FLOW_NAME
-from lanes.flows.compile import render, schedule_of, write_prefect_yaml
+from lanes.flows.compile import MARKER, render, schedule_of, source_of, write_prefect_yaml
 from lanes.router import plan as router_plan
 from lanes.router.offline_cli import compile as compile_command
 from lanes.settings import Settings
@@ -83,7 +85,8 @@ def test_settings_choose_the_pool_and_the_off_peak_window(
     monkeypatch.setenv("LANES_OFFPEAK__CRON", "15 3 * * 6")
     monkeypatch.setenv("LANES_OFFPEAK__TIMEZONE", "America/New_York")
     settings = Settings()
-    text = render(load_spec(spec_file, settings), settings, spec_file, Path("/app"))
+    source = source_of(spec_file, spec_file.parent / "prefect.yaml", Path("/app"))
+    text = render(load_spec(spec_file, settings), settings, spec_file, source)
     document = yaml.safe_load(text)
     whenever = document["deployments"][1]
     assert whenever["work_pool"]["name"] == "gpu-pool"
@@ -95,8 +98,9 @@ def test_settings_choose_the_pool_and_the_off_peak_window(
     assert document["pull"][0]["prefect.deployments.steps.set_working_directory"] == {
         "directory": "/app"
     }
-    # The spec lives outside /app here, so the parameter names it in full.
-    assert whenever["parameters"]["spec"] == str(spec_file)
+    # The project is at /app there and in the folder of prefect.yaml here: the spec
+    # is named relative to it, never by this machine's path.
+    assert whenever["parameters"]["spec"] == "workloads.yaml"
 
 
 def test_the_compiler_and_lanes_plan_agree(spec_file: Path) -> None:
@@ -130,3 +134,67 @@ def test_lanes_compile_command(spec_file: Path) -> None:
     broken.write_text("version: 1\nmodels: {}\nworkloads: {x: {mode: offline}}\n")
     result = CliRunner().invoke(app, ["compile", str(broken)])
     assert result.exit_code == 2 and "missing required key 'task'" in result.output
+
+
+def compile_cli(*args: str) -> Any:
+    app = typer.Typer()
+    app.command("compile")(compile_command)
+    app.command("noop")(lambda: None)
+    return CliRunner().invoke(app, ["compile", *args])
+
+
+def test_with_a_project_dir_the_spec_is_named_from_the_project_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`lanes compile --project-dir /app` in the project's root, the spec in a subfolder."""
+    spec_file = write_spec(tmp_path / "config", WORKLOADS)
+    monkeypatch.chdir(tmp_path)
+    result = compile_cli(
+        "config/workloads.yaml", "--output", "prefect.yaml", "--project-dir", "/app"
+    )
+    assert result.exit_code == 0, result.output
+    document = yaml.safe_load((tmp_path / "prefect.yaml").read_text())
+    assert document["pull"] == [
+        {"prefect.deployments.steps.set_working_directory": {"directory": "/app"}}
+    ]
+    specs = {d["parameters"]["spec"] for d in document["deployments"]}
+    assert specs == {"config/workloads.yaml"}
+    assert str(tmp_path) not in (tmp_path / "prefect.yaml").read_text()
+    # A spec under the project folder as this machine has it: relative to that.
+    assert source_of(spec_file, tmp_path / "x.yaml", tmp_path).spec == "config/workloads.yaml"
+    # Without --project-dir, workers run in the spec's folder.
+    assert source_of(spec_file, tmp_path / "x.yaml").directory == str(tmp_path / "config")
+
+
+def test_a_spec_outside_the_project_root_is_refused_with_a_project_dir(tmp_path: Path) -> None:
+    spec_file = write_spec(tmp_path / "elsewhere", WORKLOADS)
+    with pytest.raises(LanesError, match=r"is outside .*project\b.* at /app: write prefect\.yaml"):
+        source_of(spec_file, tmp_path / "project" / "prefect.yaml", Path("/app"))
+    result = compile_cli(
+        str(spec_file), "-o", str(tmp_path / "p" / "prefect.yaml"), "--project-dir", "/app"
+    )
+    assert result.exit_code == 1 and "--output ROOT/prefect.yaml" in result.output
+    assert not (tmp_path / "p" / "prefect.yaml").exists()
+
+
+def test_a_prefect_yaml_lanes_did_not_write_is_never_replaced(spec_file: Path) -> None:
+    mine = spec_file.parent / "prefect.yaml"
+    hand_written = "# my own deployments\ndeployments:\n- name: mine\n  entrypoint: my.py:flow\n"
+    mine.write_text(hand_written)
+    result = compile_cli(str(spec_file))
+    assert result.exit_code == 1, result.output
+    assert f"{mine} was not written by lanes compile" in result.output
+    assert "--output" in result.output and "--force" in result.output
+    assert mine.read_text() == hand_written
+
+    # Written elsewhere, beside it: lanes' own file, marked as such.
+    other = spec_file.parent / "lanes-prefect.yaml"
+    result = compile_cli(str(spec_file), "--output", str(other))
+    assert result.exit_code == 0, result.output
+    assert "prefect --no-prompt deploy --all --prefect-file lanes-prefect.yaml" in result.output
+    assert other.read_text().startswith(MARKER) and mine.read_text() == hand_written
+    assert compile_cli(str(spec_file), "--output", str(other)).exit_code == 0  # its own: fine
+
+    result = compile_cli(str(spec_file), "--force")
+    assert result.exit_code == 0, result.output
+    assert mine.read_text() == other.read_text()

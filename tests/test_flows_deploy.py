@@ -6,6 +6,10 @@ free port, and drives it only through command lines, as a person would.
 
 from __future__ import annotations
 
+import os
+import re
+import shlex
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,6 +24,9 @@ from tests.flows_fixtures import outputs_of, write_jsonl, write_spec
 from tests.prefect_server import PREFECT, PrefectServer
 
 pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+LANES = [sys.executable, "-m", "lanes.router.cli"]  # the `lanes` command, from this venv
 
 
 @pytest.fixture
@@ -85,3 +92,92 @@ def test_compile_deploy_and_a_process_worker_run_the_workload(
         f"{s}-{i}" for s in range(2) for i in range(5)
     )
     assert {tuple(line["y"][0]) for line in lines if line["id"] == "1-3"} == {(7.0, 3.0, 5.0, 7.0)}
+
+
+def _workload(**fields: Any) -> dict[str, Any]:
+    base = {"mode": "offline", "task": "infer", "model": "affine", "input": "in/"}
+    return {
+        **base,
+        "output": "out/",
+        "schedule": {"cron": "0 4 * * *", "timezone": "UTC"},
+        **fields,
+    }
+
+
+def _deployment(api: str, name: str) -> int:
+    return httpx.get(f"{api}/deployments/name/lanes-offline/{name}", timeout=10).status_code
+
+
+def test_lanes_deploy_removes_the_deployments_the_spec_no_longer_has(
+    prefect_server: dict[str, str], tmp_path: Path
+) -> None:
+    env, api = prefect_server, prefect_server["PREFECT_API_URL"]
+    first = write_spec(tmp_path / "first", {"nightly": _workload(), "weekly": _workload()})
+    other = write_spec(tmp_path / "other", {"theirs": _workload()})  # another project
+    _run([*LANES, "deploy", str(first)], env, first.parent)
+    _run([*LANES, "deploy", str(other)], env, other.parent)
+    assert [_deployment(api, n) for n in ("nightly", "weekly", "theirs")] == [200, 200, 200]
+
+    write_spec(tmp_path / "first", {"nightly": _workload()})  # weekly is gone from the spec
+    deployed = _run([*LANES, "deploy", str(first)], env, first.parent)
+
+    assert f"lanes-offline/weekly  removed: no longer in {first}" in deployed
+    assert [_deployment(api, n) for n in ("nightly", "weekly", "theirs")] == [200, 404, 200]
+    again = _run([*LANES, "deploy", str(first)], env, first.parent)
+    assert "removed" not in again
+
+    # A prefect.yaml that lanes did not write stops lanes deploy before it touches Prefect.
+    (first.parent / "prefect.yaml").write_text("deployments: []\n")
+    write_spec(tmp_path / "first", {"other-name": _workload()})
+    refused = subprocess.run(
+        [*LANES, "deploy", str(first)], env=env, cwd=first.parent, capture_output=True, text=True
+    )
+    assert refused.returncode == 1 and "was not written by lanes compile" in refused.stderr
+    assert (first.parent / "prefect.yaml").read_text() == "deployments: []\n"
+    assert _deployment(api, "nightly") == 200
+
+
+def _readme_block(heading: str) -> list[str]:
+    """The command lines of the first bash block under `heading` in infra/README.md."""
+    text = (ROOT / "infra" / "README.md").read_text()
+    section = text.split(heading, 1)[1]
+    found = re.search(r"```bash\n(.*?)```", section, re.DOTALL)
+    assert found, f"no bash block under {heading!r}"
+    return [line for line in found.group(1).splitlines() if line.strip()]
+
+
+def test_prefect_deploy_as_the_readme_says_in_a_project_that_runs_elsewhere(
+    prefect_server: dict[str, str], tmp_path: Path
+) -> None:
+    """infra/README.md's "With Prefect's own CLI", as written, with /app standing for an
+    image's folder: the project is copied there and gone from where it was compiled."""
+    env = prefect_server
+    source, app = tmp_path / "source", tmp_path / "app"
+    spec = write_spec(source, {"nightly": _workload()})
+    relocatable(spec)
+    write_jsonl(source / "in" / "part-0.jsonl", [{"id": i, "x": [[i, 1, 2, 3]]} for i in range(4)])
+
+    commands = _readme_block("### With Prefect's own CLI")
+    assert [line.split()[0] for line in commands] == ["lanes", "prefect", "prefect"]
+    for line in commands:
+        args = shlex.split(line.replace("/app", str(app)), comments=True)
+        program = {"lanes": LANES, "prefect": PREFECT}[args[0]]
+        _run([*program, *args[1:]], env, source)
+
+    shutil.copytree(source, app)  # the image's build
+    shutil.rmtree(source)  # the machine that compiled it is not where it runs
+    _run([*PREFECT, "deployment", "run", "lanes-offline/nightly"], env, tmp_path)
+    _run([*PREFECT, "worker", "start", "--pool", "lanes", "--run-once"], env, tmp_path, 240)
+
+    assert sorted(line["id"] for line in outputs_of(app / "out")) == [0, 1, 2, 3]
+    assert not source.exists()
+
+
+def relocatable(spec: Path) -> None:
+    """Model paths relative to the spec's folder, so the project can move as a whole."""
+    document = yaml.safe_load(spec.read_text())
+    for model in document["models"].values():
+        for key in ("path", "tokenizer"):
+            if key in model:
+                model[key] = os.path.relpath(model[key], spec.parent)
+    spec.write_text(yaml.safe_dump(document, sort_keys=False))

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,8 +17,9 @@ import pytest
 
 from lanes.errors import StorageError
 from lanes.settings import Settings
+from lanes.staging import this_process
 from lanes.storage import MiB, Storage, join
-from tests.flows_fixtures import moto_server, s3_env
+from tests.flows_fixtures import moto_server, read_only, s3_env, staging_writer
 
 SUFFIXES = (".jsonl", ".parquet")
 
@@ -68,15 +73,106 @@ def test_local_publish_is_a_rename_and_leaves_nothing_aside(tmp_path: Path) -> N
     assert storage.read_bytes(str(tmp_path / "missing")) is None
 
 
-def test_clean_stale_removes_only_old_staging_files(tmp_path: Path) -> None:
+def test_clean_stale_removes_only_old_staging_files_it_cannot_ask_the_owner_of(
+    tmp_path: Path,
+) -> None:
+    """Files from before staging files were locked, and files of another host."""
     old = tmp_path / "_errors" / ".part.jsonl.abc.tmp"
     young = tmp_path / ".part.jsonl.def.tmp"
-    for path in (old, young):
+    elsewhere_old = tmp_path / ".a.jsonl.other-host-12-0123456789abcdef.tmp"
+    elsewhere_young = tmp_path / ".b.jsonl.other-host-12-0123456789abcdef.tmp"
+    for path in (old, young, elsewhere_old, elsewhere_young):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("x")
-    os.utime(old, (time.time() - 7200, time.time() - 7200))
-    assert Storage(Settings()).clean_stale(str(tmp_path), older_than_s=3600) == 1
-    assert not old.exists() and young.exists()
+    for path in (old, elsewhere_old):
+        os.utime(path, (time.time() - 7200, time.time() - 7200))
+    assert Storage(Settings()).clean_stale(str(tmp_path), older_than_s=3600) == 2
+    assert not old.exists() and not elsewhere_old.exists()
+    assert young.exists() and elsewhere_young.exists()
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_the_next_run_removes_a_killed_writers_staging_files_never_a_live_ones(
+    where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # S3 uploads stage in the system temp folder: one of this test's own.
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    folder = str(tmp_path / "out") if where == "local" else "s3://bucket/out"
+    storage = Storage(Settings())
+    with (
+        staging_writer(join(folder, "killed.jsonl")) as (killed, killed_file),
+        staging_writer(join(folder, "live.jsonl")) as (live, live_file),
+        storage.staged(join(folder, "mine.jsonl")) as mine,
+    ):
+        mine.write_text("this process's, still being written")
+        staged_in = killed_file.parent
+        assert staged_in == (tmp_path / "out" if where == "local" else temp)
+        assert this_process().host in killed_file.name and str(killed.pid) in killed_file.name
+        killed.send_signal(signal.SIGKILL)
+        assert killed.wait(timeout=60) == -signal.SIGKILL
+        assert killed_file.exists()  # what a killed run leaves, seconds old
+
+        # The next run's clean-up: the killed writer's goes, at once; the others stay.
+        assert storage.clean_stale(folder, older_than_s=24 * 3600) == 1
+        assert not killed_file.exists()
+        assert live_file.exists() and mine.exists()
+        assert live.stdin is not None
+        live.stdin.write("done\n")
+        live.stdin.flush()
+        assert live.wait(timeout=60) == 0
+    assert sorted(p.name for p in staged_in.iterdir()) == []
+
+
+def test_a_read_only_folder_is_one_storage_error_that_says_what_to_do(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    (out / "_committed").mkdir(parents=True)  # as an earlier run left it
+    storage = Storage(Settings())
+    with read_only(out):
+        for attempt in (
+            lambda: storage.ensure_folder(str(out)),
+            lambda: storage.write_bytes(join(str(out), "_committed", "a.json"), b"{}"),
+            lambda: storage.write_bytes(join(str(out), "part.jsonl"), b"{}"),
+            lambda: storage.write_bytes(join(str(out), "new", "part.jsonl"), b"{}"),
+        ):
+            with pytest.raises(StorageError) as caught:
+                attempt()
+            message = str(caught.value)
+            assert str(out) in message and "\n" not in message, message
+            assert "make it writable, or choose another output (--output" in message, message
+        assert storage.clean_stale(str(out), older_than_s=0) == 0  # nothing, and no error
+    assert sorted(p.name for p in out.iterdir()) == ["_committed"]
+
+
+def test_a_write_that_fails_for_want_of_room_is_a_storage_error(tmp_path: Path) -> None:
+    """A file-size limit makes writes fail as a full disk does (EFBIG, like ENOSPC)."""
+    code = f"""
+import resource, signal, sys
+from lanes.errors import StorageError
+from lanes.settings import Settings
+from lanes.storage import Storage
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))
+try:
+    Storage(Settings()).write_bytes({str(tmp_path / "big.json")!r}, b"x" * 4096)
+except StorageError as err:
+    print(err)
+    sys.exit(3)
+"""
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert f"{tmp_path}: cannot write {tmp_path / 'big.json'} there (File too large)" in done.stdout
+    assert list(tmp_path.iterdir()) == []  # nothing published, nothing left aside
+
+
+def test_join_keeps_every_part_below_the_base(tmp_path: Path) -> None:
+    assert join(str(tmp_path), "/tmp/x/evil.jsonl") == str(tmp_path / "tmp/x/evil.jsonl")
+    assert join("s3://b/out/", "/tmp/x.jsonl") == "s3://b/out/tmp/x.jsonl"
 
 
 # ---- S3 -------------------------------------------------------------------------

@@ -1,0 +1,106 @@
+"""Where a job may read: the workload's own input, its staging area, or a root that
+`Settings.allowed_input_roots` allows. Nothing else, however the URI is spelt.
+
+A job runs with the worker's credentials, not the submitter's, so the check runs
+twice: in `submit` (a clear error before anything is staged) and where the flow plans
+the job (whoever created the flow run). Local paths are compared after resolving
+`..` and symlinks; an s3:// URI must not hold `.` or `..` parts at all (S3 keeps them
+as literal keys, but HTTP layers may collapse them). A glob is judged by its fixed
+part, the folder before its first wildcard.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from lanes import layout
+from lanes.errors import InvalidInput
+from lanes.settings import Settings
+from lanes.storage import is_s3, join
+
+_GLOB_CHARS = "*?["
+# Names that make an s3:// location a single file, not a prefix (flows.records reads these).
+DATA_SUFFIXES = (".jsonl", ".ndjson", ".csv", ".json", ".gz", ".parquet", ".pq")
+
+
+def absolute(location: str, base: Path) -> str:
+    """A location as a worker will read it: a local path (or file:// URI) made absolute
+    against `base`, `..` and symlinks resolved, a trailing '/' kept; other URIs as
+    they are."""
+    if location.startswith("file://"):
+        location = unquote(urlparse(location).path)
+    elif "://" in location:
+        return location
+    path = Path(location).expanduser()
+    resolved = os.path.realpath(path if path.is_absolute() else base / path)
+    return resolved + ("/" if location.endswith("/") and resolved != "/" else "")
+
+
+def folder_of(location: str, base: Path) -> str:
+    """The folder of a workload's input or output, absolute: a glob's fixed part, a
+    single file's folder."""
+    cut = min((location.index(c) for c in _GLOB_CHARS if c in location), default=None)
+    if cut is not None:
+        location = location[: location.rfind("/", 0, cut) + 1]
+    if "://" in location and not location.startswith("file://"):
+        last = location.rstrip("/").rsplit("/", 1)[-1]
+        if not location.endswith("/") and last.endswith(DATA_SUFFIXES):
+            return location[: location.rfind("/") + 1]
+        return location
+    path = Path(absolute(location, base))
+    return str(path.parent if path.is_file() else path)
+
+
+def allowed_roots(workload_input: str, base: Path, settings: Settings) -> list[str]:
+    """Where a job of the workload with input `workload_input` may read, absolute."""
+    staging = join(folder_of(workload_input, base), layout.SUBMITTED) + "/"
+    extra = [absolute(root, base) for root in settings.allowed_input_roots]
+    return [absolute(workload_input, base), staging, *extra]
+
+
+def check_input(
+    uri: str, workload_input: str, base: Path, settings: Settings, written: str | None = None
+) -> None:
+    """Raise InvalidInput unless `uri` lies under one of `allowed_roots`. Relative
+    local paths are read against `base`; `written` is how the user wrote `uri`, for
+    the message."""
+    if is_s3(uri):
+        dots = [p for p in urlparse(uri).path.split("/") if p in (".", "..")]
+        if dots:
+            raise InvalidInput(f"input {uri}: an s3:// URI may not hold {dots[0]!r} parts")
+    elif "://" in uri and not uri.startswith("file://"):
+        raise InvalidInput(f"input {uri}: unsupported scheme; use a local path or s3://")
+    resolved = absolute(uri, base)
+    roots = allowed_roots(workload_input, base, settings)
+    if any(_under(_fixed(resolved), _fixed(root)) for root in roots):
+        return
+    written = written or uri
+    shown = written if resolved == written else f"{written} ({resolved})"
+    listed = ", ".join(roots)
+    raise InvalidInput(
+        f"input {shown} is outside what this workload reads ({listed}); put it there, or "
+        "allow its folder in LANES_ALLOWED_INPUT_ROOTS (a JSON list) where the job is "
+        "submitted and where it runs"
+    )
+
+
+def _fixed(location: str) -> str:
+    """The part of a location before its first wildcard, cut at a '/'."""
+    cut = min((location.index(c) for c in _GLOB_CHARS if c in location), default=None)
+    return location if cut is None else location[: location.rfind("/", 0, cut) + 1]
+
+
+def _under(location: str, root: str) -> bool:
+    """Whether `location` is `root` or inside it (both absolute, from `absolute`)."""
+    if is_s3(location) != is_s3(root):
+        return False
+    if is_s3(location):
+        place, top = urlparse(location), urlparse(root)
+        if place.netloc != top.netloc:
+            return False
+        key, prefix = place.path.lstrip("/"), top.path.strip("/")
+        return not prefix or key.rstrip("/") == prefix or key.startswith(prefix + "/")
+    path, folder = Path(location), Path(root)
+    return path == folder or folder in path.parents

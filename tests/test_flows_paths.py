@@ -1,0 +1,240 @@
+"""Where an offline job reads and writes: never outside its input and output.
+
+Output names come from input names safely (S3 keys with `//`, names that would meet),
+an input override must lie under the workload's input or an allowed root, a
+read-only output is one line, and a killed run's staging files go with the next run.
+Under Prefect's test harness, on tiny real models; S3 through a moto server over HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from lanes.errors import InvalidInput, StorageError
+from lanes.flows.batch import offline
+from lanes.flows.job import plan_job, plan_shards
+from lanes.flows.records import output_name
+from lanes.router.offline_cli import run as run_command
+from lanes.settings import Settings
+from lanes.storage import Storage
+from tests.flows_fixtures import (
+    moto_server,
+    read_jsonl,
+    read_only,
+    s3_env,
+    staging_writer,
+    write_jsonl,
+    write_spec,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def workload(**fields: Any) -> dict[str, Any]:
+    base = {"mode": "offline", "task": "infer", "model": "affine", "input": "in/"}
+    return {**base, "output": "out/", "batch_size": 4, "retries": 0, **fields}
+
+
+def records(prefix: str, n: int) -> list[dict[str, Any]]:
+    return [{"id": f"{prefix}{i}", "x": [[i, 0, 0, 0]]} for i in range(n)]
+
+
+def lanes_run(*args: str) -> Any:
+    app = typer.Typer()
+    app.command("run")(run_command)
+    app.command("noop")(lambda: None)  # two commands: typer then wants the command's name
+    return CliRunner().invoke(app, ["run", *args])
+
+
+def files_under(folder: Path) -> dict[str, int]:
+    """Every file below `folder` and its number of lines."""
+    return {
+        p.relative_to(folder).as_posix(): len(p.read_bytes().splitlines())
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint() -> Iterator[str]:
+    with moto_server() as url:
+        yield url
+
+
+# ---- output names -------------------------------------------------------------------------
+
+
+def test_output_names_stay_relative_and_below_the_output() -> None:
+    assert output_name("part-0.jsonl") == "part-0.jsonl"
+    assert output_name("sub/part.parquet") == "sub/part.jsonl"
+    assert output_name("/tmp/x/evil.jsonl.gz") == "tmp/x/evil.jsonl"
+    assert output_name("a//b///c.ndjson") == "a/b/c.jsonl"
+    for name in ("../x.jsonl", "a/../../x.jsonl", "./a.jsonl", "_errors/a.jsonl", "a/.h.jsonl"):
+        with pytest.raises(StorageError, match="cannot name an output"):
+            output_name(name)
+    with pytest.raises(StorageError, match="it is empty"):
+        output_name("//")
+
+
+def test_an_s3_key_with_a_double_slash_stays_inside_a_local_output(
+    prefect_api: str, tmp_path: Path, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`corpus//<abs path>` lists as the name `/<abs path>`: once written outside the
+    output, with its errors file over its output and a manifest that did not say so."""
+    s3 = s3_env(monkeypatch, s3_endpoint)
+    s3.create_bucket(Bucket="lanes-in")
+    victim = tmp_path / "victim" / "evil.jsonl"
+    lines = [*map(json.dumps, records("e", 3)), "{not json"]
+    s3.put_object(Bucket="lanes-in", Key=f"corpus/{victim}", Body="\n".join(lines).encode())
+    good = "\n".join(map(json.dumps, records("g", 2))).encode()
+    s3.put_object(Bucket="lanes-in", Key="corpus/good.jsonl", Body=good)
+    spec = write_spec(tmp_path / "project", {"aff": workload(input="s3://lanes-in/corpus/")})
+    out = tmp_path / "out"
+
+    result = lanes_run("aff", "--file", str(spec), "--output", str(out))
+
+    assert result.exit_code == 0, result.output
+    assert not victim.parent.exists(), "written outside the output folder"
+    inside = victim.relative_to("/").with_suffix(".jsonl").as_posix()
+    on_disk = files_under(out)
+    assert on_disk[inside] == 3 and on_disk[f"_errors/{inside}"] == 1
+    assert on_disk["good.jsonl"] == 2 and on_disk["_errors/good.jsonl"] == 0
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert (manifest["outputs"], manifest["errors"]) == (5, 1)
+    for stats in manifest["shard_stats"]:
+        assert Path(stats["output"]).is_relative_to(out), stats
+        assert stats["outputs"] == len(read_jsonl(Path(stats["output"])))
+        assert stats["errors"] == len(read_jsonl(Path(stats["errors_file"])))
+    assert "5 outputs, 1 errors" in result.output
+
+
+def test_inputs_that_would_write_one_file_are_refused_naming_both(
+    prefect_api: str, tmp_path: Path, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s3 = s3_env(monkeypatch, s3_endpoint)
+    s3.create_bucket(Bucket="lanes-in")
+    twice = tmp_path / "v" / "a.jsonl"
+    for key in (f"corpus{twice}", f"corpus/{twice}"):  # corpus/tmp/... and corpus//tmp/...
+        s3.put_object(Bucket="lanes-in", Key=key, Body=json.dumps(records("a", 1)[0]).encode())
+    spec = write_spec(tmp_path / "project", {"aff": workload(input="s3://lanes-in/corpus/")})
+    out = tmp_path / "out"
+    with pytest.raises(StorageError) as caught:
+        offline(workload="aff", spec=str(spec), output=str(out))
+    message = str(caught.value)
+    assert f"s3://lanes-in/corpus/{twice} and s3://lanes-in/corpus{twice} would both" in message
+    assert not twice.exists() and not any(out.rglob("*.jsonl"))
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "clash"),
+    [
+        ("a.jsonl.gz", "a.jsonl/b.jsonl", "the file a.jsonl and"),  # output file vs folder
+        ("a.jsonl", "a.json/b.jsonl", "the file _committed/a.json and"),  # their markers
+        ("a.jsonl", "a.parquet", "would both write a.jsonl"),
+    ],
+)
+def test_a_file_one_shard_writes_is_never_a_file_or_folder_of_another(
+    tmp_path: Path, first: str, second: str, clash: str
+) -> None:
+    spec = write_spec(tmp_path, {"aff": workload()})
+    for name in (first, second):
+        (tmp_path / "in" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "in" / name).write_bytes(b"")
+    settings = Settings()
+    job = plan_job("aff", spec, settings)
+    with pytest.raises(StorageError, match=clash) as caught:
+        plan_shards(job, Storage(settings))
+    assert str(tmp_path / "in" / first) in str(caught.value)
+    assert str(tmp_path / "in" / second) in str(caught.value)
+
+
+# ---- inputs -------------------------------------------------------------------------------
+
+
+def test_an_input_outside_the_workloads_is_refused_unless_a_setting_allows_it(
+    prefect_api: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    project = tmp_path / "project"
+    spec = write_spec(project, {"aff": workload()})
+    write_jsonl(project / "in" / "sub" / "a.jsonl", records("in", 2))
+    write_jsonl(tmp_path / "elsewhere" / "secret.jsonl", records("secret", 3))
+    pattern = "../elsewhere/*.jsonl"  # relative: read against the spec's folder
+
+    with pytest.raises(
+        InvalidInput, match=r"/\.\./elsewhere/\*\.jsonl \(\S*/elsewhere/\*\.jsonl\) is outside"
+    ):
+        offline(workload="aff", spec=str(spec), input=pattern)
+    refused = lanes_run("aff", "--file", str(spec), "--input", str(tmp_path / "elsewhere"))
+    assert refused.exit_code == 2, refused.output
+    assert "is outside what this workload reads" in refused.output
+    assert "LANES_ALLOWED_INPUT_ROOTS" in refused.output
+    assert not (project / "out").exists()
+
+    # Under the workload's own input: as before.
+    assert offline(workload="aff", spec=str(spec), input="in/sub/")["outputs"] == 2
+    # A root the setting allows.
+    monkeypatch.setenv("LANES_ALLOWED_INPUT_ROOTS", json.dumps([str(tmp_path / "elsewhere")]))
+    summary = offline(workload="aff", spec=str(spec), input=pattern, output="out-2/")
+    assert summary["outputs"] == 3
+
+
+# ---- writing ------------------------------------------------------------------------------
+
+
+def test_a_read_only_output_is_one_line_for_lanes_run_and_for_a_job(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    spec = write_spec(tmp_path, {"aff": workload()})
+    write_jsonl(tmp_path / "in" / "a.jsonl", records("a", 2))
+    out = tmp_path / "out"
+    assert offline(workload="aff", spec=str(spec))["outputs"] == 2  # its folders exist now
+    write_jsonl(tmp_path / "in" / "b.jsonl", records("b", 2))  # a new shard to write
+    before = files_under(out)
+
+    with read_only(out):
+        # The `lanes` command as a person runs it, on this session's Prefect server.
+        env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONPATH": str(ROOT)}
+        command = [sys.executable, "-m", "lanes.router.cli", "run", "aff", "--file", str(spec)]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        state = offline(workload="aff", spec=str(spec), return_state=True)
+
+    printed = done.stdout + done.stderr
+    assert done.returncode == 1, printed
+    assert "Traceback" not in printed and "OSError" not in printed, printed
+    (line,) = [x for x in printed.splitlines() if x.startswith("error:")]
+    assert str(out) in line and "cannot write in the output folder" in line
+    assert "make it writable, or choose another output (--output" in line
+    # A job is a flow run: the message its Job reports is that same one line.
+    assert state.is_failed() and state.message is not None
+    assert "\n" not in state.message and "StorageError" in state.message
+    assert line.removeprefix("error: ") in state.message
+    assert files_under(out) == before
+
+
+def test_the_next_run_removes_a_killed_runs_staging_files(prefect_api: str, tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, {"aff": workload()})
+    write_jsonl(tmp_path / "in" / "a.jsonl", records("a", 2))
+    with staging_writer(str(tmp_path / "out" / "a.jsonl")) as (killed, left):
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(timeout=60)
+    assert left.exists()
+    assert offline(workload="aff", spec=str(spec))["outputs"] == 2
+    assert not left.exists()
+    assert sorted(files_under(tmp_path / "out")) == [
+        "_committed/a.json",
+        "_errors/a.jsonl",
+        "_manifest.json",
+        *[f"_manifests/{p.name}" for p in (tmp_path / "out" / "_manifests").iterdir()],
+        "a.jsonl",
+    ]
