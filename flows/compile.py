@@ -35,7 +35,7 @@ import yaml
 from lanes.errors import LanesError
 from lanes.flows import ENTRYPOINT, FLOW_NAME
 from lanes.settings import Settings
-from lanes.spec import Schedule, Spec, Workload
+from lanes.spec import OfflineWorkload, Schedule, Spec
 
 POOL_TYPE = "process"
 MARKER = "# Written by `lanes compile`"  # the first line of every prefect.yaml lanes writes
@@ -72,7 +72,7 @@ def source_of(spec_file: Path, dest: Path, project_dir: Path | None = None) -> S
     return Source(str(project), spec_path.relative_to(root).as_posix())
 
 
-def schedule_of(workload: Workload, settings: Settings) -> tuple[Schedule, bool]:
+def schedule_of(workload: OfflineWorkload, settings: Settings) -> tuple[Schedule, bool]:
     """The workload's own schedule, or the default off-peak window (and True).
     `lanes plan` shows the same (router.plan imports this)."""
     if workload.schedule is not None:
@@ -81,7 +81,7 @@ def schedule_of(workload: Workload, settings: Settings) -> tuple[Schedule, bool]
 
 
 def deployment(
-    name: str, workload: Workload, settings: Settings, spec_param: str
+    name: str, workload: OfflineWorkload, settings: Settings, spec_param: str
 ) -> dict[str, Any]:
     """One entry of prefect.yaml's `deployments`."""
     schedule, is_default = schedule_of(workload, settings)

@@ -21,7 +21,7 @@ from lanes.flows.shard import ShardPlan
 from lanes.inputs import check_input
 from lanes.layout import ERRORS, MARKERS
 from lanes.settings import Settings
-from lanes.spec import Fields, Runner, Spec, Workload
+from lanes.spec import Fields, OfflineWorkload, Runner, Spec
 from lanes.specfile import load_spec
 from lanes.storage import Storage, StoredFile, is_s3, join
 
@@ -89,7 +89,7 @@ def _resolve(location: str | None, base: Path, what: str) -> str:
     return resolved + "/" if location.endswith("/") else resolved
 
 
-def model_key(spec: Spec, workload: Workload) -> str:
+def model_key(spec: Spec, workload: OfflineWorkload) -> str:
     """A digest of what decides a record's output besides the record itself."""
     model = spec.models[workload.model]
     files = [model.path] + ([model.tokenizer] if model.tokenizer else [])

@@ -41,6 +41,7 @@ from lanes.errors import InvalidInput, JobFailed, StorageError
 from lanes.flows.records import read_shard, unit
 from lanes.flows.requests import Rejection, Request, to_request
 from lanes.flows.shape import RecordShape
+from lanes.spec import as_offline
 from lanes.storage import Storage, StoredFile
 from lanes.tasks.base import Task
 
@@ -143,7 +144,8 @@ def run_shard(
     item); bad records go to the errors file instead."""
     started = time.monotonic()
     task = model.task
-    shape = RecordShape.of(task.workload, task.handler)
+    workload = as_offline(task.workload)
+    shape = RecordShape.of(workload, task.handler)
     redo = _errored_lines(storage, plan.errors) if retry is not None else None
     with storage.staged(plan.output) as out_path, storage.staged(plan.errors) as err_path:
         with out_path.open("wb") as out, err_path.open("wb") as err:
@@ -159,7 +161,7 @@ def run_shard(
         earlier = kept.lines if kept is not None else 0
         outputs = earlier + writer.outputs
         records = outputs + writer.errors
-        _check_error_rate(plan, task.workload.max_error_rate, records, writer)
+        _check_error_rate(plan, workload.max_error_rate, records, writer)
         # Publish outputs first and the marker last: the marker is the commit.
         storage.publish(out_path, plan.output)
         storage.publish(err_path, plan.errors)

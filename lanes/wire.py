@@ -28,7 +28,7 @@ from lanes.errors import (
 from lanes.protocols import TIMEOUT_HEADER
 from lanes.protocols.v2 import DTYPES
 from lanes.settings import Settings
-from lanes.spec import Spec, Workload
+from lanes.spec import OfflineWorkload, Spec, Workload, as_offline
 from lanes.specfile import load_spec
 
 BACKOFF_BASE_S = 0.2
@@ -110,6 +110,10 @@ class Core:
             f"workload {name!r} is interactive: use client.call({name!r}, ...) "
             "(or client.stream), not submit"
         )
+
+    def offline(self, name: str) -> OfflineWorkload:
+        """The workload, if it is offline; else WrongMode naming the method to use."""
+        return as_offline(self.workload(name, "offline"))
 
     # ---- requests -----------------------------------------------------------------
 

@@ -43,8 +43,8 @@ def plan(spec: Spec, settings: Settings, now: datetime | None = None) -> list[Ro
     """One route per workload, in the spec's order."""
     routes = []
     for name, w in spec.workloads.items():
-        batching = w.batching.model_dump()
         if w.mode == "interactive":
+            batching = w.batching.model_dump()
             routes.append(
                 Route(
                     name,

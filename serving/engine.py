@@ -44,6 +44,7 @@ from lanes.serving.scheduler import (
     StepOutputs,
     StepPlan,
 )
+from lanes.spec import as_interactive
 from lanes.tasks.decoder import Past
 from lanes.tasks.generate import GenerateRequest, GenerateTask
 
@@ -160,7 +161,7 @@ class Engine:
         policy: Policy = "continuous",
         max_padding: float = MAX_PADDING,
     ) -> None:
-        workload = task.workload
+        workload = as_interactive(task.workload)
         self.task = task
         self.name = task.name
         self.decoder = task.decoder

@@ -44,6 +44,7 @@ from lanes.serving.http import JSONResponse, openai_error, read_json, status_of,
 from lanes.serving.kvcache import MAX_PADDING
 from lanes.serving.scheduler import Policy
 from lanes.serving.state import ServingState
+from lanes.spec import as_interactive
 from lanes.tasks.decoder import DecoderConfig
 from lanes.tasks.generate import GenerateTask
 
@@ -110,7 +111,8 @@ async def _generate(request: Request, shape: Shape) -> Response:
     except LanesError as e:
         return openai_error(e)
     # A request that does not say is answered as its workload declares (`stream:`).
-    streaming = body.stream if "stream" in body.model_fields_set else engine.task.workload.stream
+    declared = as_interactive(engine.task.workload).stream
+    streaming = body.stream if "stream" in body.model_fields_set else declared
     flow = pieces(stream, state.guards.get(body.model), streaming)
     answer = _Answer(shape, body, stream)
     latency = state.metrics.request_latency.labels(body.model)

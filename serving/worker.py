@@ -13,6 +13,7 @@ from lanes.errors import LanesError, ModelError
 from lanes.serving.batching import BatchQueue, Pending
 from lanes.serving.metrics import Metrics, Utilization
 from lanes.serving.model_thread import ModelThread
+from lanes.spec import as_interactive
 from lanes.tasks import Task
 
 log = logging.getLogger("lanes.serving")
@@ -36,7 +37,8 @@ class BatchWorker:
     """
 
     def __init__(self, task: Task, metrics: Metrics) -> None:
-        batching = task.workload.batching
+        workload = as_interactive(task.workload)
+        batching = workload.batching
         self.task = task
         self.name = task.name
         self.queue = BatchQueue(
@@ -56,7 +58,7 @@ class BatchWorker:
         self._item_cost_s: float | None = None  # running mean of run time per item
         self._free = asyncio.Event()  # set while no batch is on the model
         self._free.set()
-        default = task.workload.slo.timeout_ms
+        default = workload.slo.timeout_ms
         self.default_timeout_s = default / 1000 if default else None
 
     def start(self) -> None:

@@ -120,7 +120,7 @@ BAD_CASES = [
         "offline without output",
         "    output: out/\n",
         "",
-        "W:11:3: workloads.nightly: an offline workload needs `output`",
+        "W:11:3: workloads.nightly: missing required key 'output' (folder or s3://",
     ),
     (
         "schedule on interactive",
