@@ -18,7 +18,9 @@ Every message says what failed, where, and what to do about it.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from typing import Any
 
 
 class LanesError(Exception):
@@ -40,6 +42,17 @@ class Problem:
         if self.line is not None:
             where += f":{self.line}:{self.column}"
         return f"{where}: {self.path}: {self.message}" if self.path else f"{where}: {self.message}"
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """`repr(value)` cut to about `limit` characters: a message names what it found, briefly."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's digit limit for str()
+        return f"an integer of more than {sys.get_int_max_str_digits()} digits"
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit - 20]}... ({len(text)} characters)"
 
 
 class SpecError(LanesError):

@@ -24,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from lanes.errors import shown
 from lanes.template import Template, is_template
 
 Mode = Literal["interactive", "offline"]
@@ -168,7 +169,7 @@ class Schedule(StrictModel):
     @field_validator("cron")
     @classmethod
     def _valid_cron(cls, value: str) -> str:
-        expected = f'expected a five-field cron expression like "0 2 * * *", found {value!r}'
+        expected = f'expected a five-field cron expression like "0 2 * * *", found {shown(value)}'
         try:
             valid = len(value.split()) == 5 and croniter.is_valid(value)
         except Exception:  # croniter's parser raises more than its own errors on odd text
@@ -179,7 +180,7 @@ class Schedule(StrictModel):
             _next_fire(value, datetime.now(UTC))
         except CroniterError:
             raise ValueError(
-                f"{value!r} never fires (no such date in {MAX_YEARS_BETWEEN_RUNS} years, "
+                f"{shown(value)} never fires (no such date in {MAX_YEARS_BETWEEN_RUNS} years, "
                 'e.g. "31 2" is February 31st); check the day and month fields'
             ) from None
         return value
@@ -187,7 +188,7 @@ class Schedule(StrictModel):
     @field_validator("timezone")
     @classmethod
     def _valid_timezone(cls, value: str) -> str:
-        expected = f'expected an IANA time zone like "UTC" or "Europe/Paris", found {value!r}'
+        expected = f'expected an IANA time zone like "UTC" or "Europe/Paris", found {shown(value)}'
         if not TIMEZONE_PATTERN.match(value):
             raise ValueError(expected)
         try:

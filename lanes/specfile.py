@@ -14,7 +14,7 @@ from typing import Any
 from lanes.errors import Problem, SpecError
 from lanes.settings import Settings
 from lanes.spec import Spec
-from lanes.specrules import Found, Loc, parse_spec
+from lanes.specrules import Found, Loc, dotted, parse_spec
 from lanes.specyaml import MAX_BYTES, MAX_DEPTH, Marks, read_yaml
 
 
@@ -133,7 +133,7 @@ def _merge(
 def _problems(found: Found, source: str, marks: Marks, origins: dict[Loc, str]) -> list[Problem]:
     problems = []
     for loc, message, at_key in found:
-        path = ".".join(str(part) for part in loc)
+        path = dotted(loc)
         origin = next(
             (origins[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in origins), None
         )
@@ -146,6 +146,8 @@ def _problems(found: Found, source: str, marks: Marks, origins: dict[Loc, str]) 
     return problems
 
 
-def _one_line(message: str) -> str:
-    # One problem per line: a handler's import error may carry its own newlines.
-    return " ".join(message.split())
+def _one_line(message: str, limit: int = 500) -> str:
+    # One problem per line: a handler's import error may carry its own newlines, a
+    # template's message the whole template.
+    line = " ".join(message.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."

@@ -8,12 +8,12 @@ numbers and env overrides.
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import ValidationError
 
+from lanes.errors import shown
 from lanes.spec import (
     MODE_KEYS,
     NAME_PATTERN,
@@ -37,6 +37,7 @@ class _Top(StrictModel):
 Loc = tuple[str | int, ...]
 Found = list[tuple[Loc, str, bool]]  # (path, message, points at the key itself)
 
+_PLAIN_KEY = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # Which `fields:` key names the item of which task.
 _ITEM_FIELDS = {"text": "embed", "prompt": "generate"}
 
@@ -193,6 +194,9 @@ def _workload_errors(err: ValidationError, at: Loc, raw: Any) -> Found:
                 )
             )
             continue
+        if not e["loc"]:  # not a mapping at all
+            found += _from_pydantic_error(e, at)
+            continue
         mode, *rest = e["loc"]
         if kind == "extra_forbidden" and len(rest) == 1:
             other = "offline" if mode == "interactive" else "interactive"
@@ -234,15 +238,13 @@ def _from_pydantic_error(e: Any, prefix: Loc) -> Found:
     return [(loc, message, False)]
 
 
-def shown(value: Any, limit: int = 80) -> str:
-    """`repr(value)` cut to `limit` characters: a message names what it found, briefly."""
-    try:
-        text = repr(value)
-    except ValueError:  # an int past Python's digit limit for str()
-        return f"an integer of more than {sys.get_int_max_str_digits()} digits"
-    if len(text) <= limit:
-        return text
-    return f"{text[: limit - 20]}... ({len(text)} characters)"
+def dotted(loc: Loc) -> str:
+    """A field path as a message shows it: `workloads.search-query.batching`; a key that
+    is not a plain name is quoted (it may hold a newline, or run long)."""
+    return ".".join(
+        str(part) if isinstance(part, int) or _PLAIN_KEY.match(part) else shown(part, 40)
+        for part in loc
+    )
 
 
 def _lower_first(text: str) -> str:

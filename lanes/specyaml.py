@@ -7,7 +7,7 @@ refused before it costs time or memory, each with its line:
 - nesting deeper than MAX_DEPTH, or more than MAX_NODES values once aliases are
   expanded (a few hundred bytes of "billion laughs" aliases would grow to gigabytes),
   or an alias inside the node it names;
-- an explicit tag other than plain data (`!!binary`, `!!set`, `!!python/...`, `!mine`);
+- an explicit tag (`!!binary`, `!!set`, `!!python/...`, `!mine`, even `!!int`) but `!!str`;
 - a key that is a mapping or a list, an integer of more than MAX_INT_DIGITS digits.
 
 Keys are taken as written: `on:` is the name "on", not True, and `123:` is "123".
@@ -25,8 +25,7 @@ from yaml.events import AliasEvent, Event, NodeEvent
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from lanes.errors import Problem, SpecError
-
-Loc = tuple[str | int, ...]
+from lanes.specrules import Found, Loc, dotted
 
 MAX_BYTES = 1 << 20
 MAX_DEPTH = 20  # a spec needs 6: workloads.NAME.generation.stop[0]
@@ -34,10 +33,12 @@ MAX_NODES = 20_000  # keys and values, aliases counted as often as they are used
 MAX_INT_DIGITS = 18
 
 _CORE = "tag:yaml.org,2002:"
+# What plain values resolve to; an explicit tag may name only text.
 PLAIN_TAGS = frozenset(
     _CORE + name for name in ("str", "int", "float", "bool", "null", "map", "seq", "timestamp")
 )
 MERGE_TAG = _CORE + "merge"
+EXPLICIT_TAGS = frozenset({"!", _CORE + "str"})
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class Marks:
 class Document:
     data: Any  # dicts with str keys, lists, str, int, float, bool, None
     marks: Marks
-    duplicates: list[tuple[Loc, str, bool]]  # (path, message, at the key): a key twice
+    duplicates: Found  # (path, message, at the key): a key twice
 
 
 def read_yaml(raw: bytes, source: str) -> Document:
@@ -88,11 +89,13 @@ def read_yaml(raw: bytes, source: str) -> Document:
         loader = _Loader(text)  # it checks the characters at once
         node = loader.get_single_node()
         marks = Marks()
-        walk = _Walk(marks)
+        walk = _Walk(marks, loader.tagged)
         if node is not None:
             walk.node(node, ())
         if walk.refused:
-            raise SpecError([_at(source, marks, loc, m, k) for loc, m, k in walk.refused])
+            raise SpecError(
+                [Problem(source, at.line, at.column, dotted(loc), m) for loc, m, at in walk.refused]
+            )
         data = loader.construct_document(node) if node is not None else None
     except _Refused as err:
         raise SpecError([Problem(source, err.line, err.column, "", err.message)]) from None
@@ -102,11 +105,6 @@ def read_yaml(raw: bytes, source: str) -> Document:
         if loader is not None:
             loader.dispose()
     return Document(data, marks, walk.duplicates)
-
-
-def _at(source: str, marks: Marks, loc: Loc, message: str, at_key: bool) -> Problem:
-    mark = marks.find(loc, at_key)
-    return Problem(source, mark.line, mark.column, ".".join(map(str, loc)), message)
 
 
 def _decode(raw: bytes, source: str) -> str:
@@ -168,6 +166,7 @@ class _Loader(yaml.SafeLoader):
         self._reach = 0  # deepest level composed (aliases expanded) under it
         self._nodes = 0
         self._sizes: dict[int, tuple[int, int]] = {}  # id(node) -> (nodes, height)
+        self.tagged: dict[int, str] = {}  # id(node) -> its explicit tag, when refused
 
     def compose_node(self, parent: Node | None, index: Any) -> Node | None:
         event: Event = self.peek_event()  # type: ignore[no-untyped-call]
@@ -190,6 +189,9 @@ class _Loader(yaml.SafeLoader):
         before = self._nodes
         node = super().compose_node(parent, index)
         self._count(1, event)
+        tag = getattr(event, "tag", None)
+        if tag is not None and tag not in EXPLICIT_TAGS and node is not None:
+            self.tagged[id(node)] = tag
         if isinstance(event, NodeEvent) and event.anchor is not None:
             self._sizes[id(node)] = (self._nodes - before, self._reach - self._depth + 1)
         self._reach = max(outer, self._reach)
@@ -227,15 +229,17 @@ _Loader.add_constructor(_CORE + "timestamp", _timestamp_as_text)
 class _Walk:
     """Every path's marks; duplicate keys; the keys, tags and integers refused."""
 
-    def __init__(self, marks: Marks) -> None:
+    def __init__(self, marks: Marks, tagged: dict[int, str]) -> None:
         self.marks = marks
-        self.duplicates: list[tuple[Loc, str, bool]] = []
-        self.refused: list[tuple[Loc, str, bool]] = []
+        self.tagged = tagged
+        self.duplicates: Found = []
+        self.refused: list[tuple[Loc, str, Mark]] = []
 
     def node(self, node: Node, loc: Loc) -> None:
         self.marks.values[loc] = _mark(node)
-        if node.tag not in PLAIN_TAGS:
-            self.refused.append((loc, _tag_message(node.tag), False))
+        tag = self.tagged.get(id(node), node.tag)
+        if id(node) in self.tagged or tag not in PLAIN_TAGS:
+            self.refused.append((loc, _tag_message(tag), _mark(node)))
         elif isinstance(node, MappingNode):
             self._mapping(node, loc)
         elif isinstance(node, SequenceNode):
@@ -245,16 +249,15 @@ class _Walk:
             digits = sum(c.isdigit() for c in node.value)
             if digits > MAX_INT_DIGITS:
                 message = f"an integer of {digits} digits is larger than any field takes"
-                self.refused.append((loc, message, False))
+                self.refused.append((loc, message, _mark(node)))
 
     def _mapping(self, node: MappingNode, loc: Loc) -> None:
         seen: set[str] = set()
         for key_node, value_node in node.value:
             if not isinstance(key_node, ScalarNode):
                 kind = "mapping" if isinstance(key_node, MappingNode) else "list"
-                self.marks.values[(*loc, "?")] = _mark(key_node)
                 message = f"expected a name as key, found a {kind}"
-                self.refused.append(((*loc, "?"), message, False))
+                self.refused.append((loc, message, _mark(key_node)))
                 continue
             key = key_node.value
             child = (*loc, key)
@@ -262,8 +265,9 @@ class _Walk:
             if key_node.tag == MERGE_TAG:
                 self.node(value_node, child)  # `<<: *x`: its keys are the mapping's own
                 continue
-            if key_node.tag not in PLAIN_TAGS:
-                self.refused.append((child, _tag_message(key_node.tag), True))
+            if id(key_node) in self.tagged or key_node.tag not in PLAIN_TAGS:
+                tag = self.tagged.get(id(key_node), key_node.tag)
+                self.refused.append((child, _tag_message(tag), _mark(key_node)))
             if key in seen:
                 self.duplicates.append((child, f"key {key!r} appears twice; keep one", True))
             seen.add(key)
@@ -276,4 +280,4 @@ def _mark(node: Node) -> Mark:
 
 def _tag_message(tag: str) -> str:
     short = "!!" + tag.removeprefix(_CORE) if tag.startswith(_CORE) else tag
-    return f"the tag {short} is not plain data; write the value as text, a number or a list"
+    return f"the tag {short} is not plain data; write the value without it (quote text)"
