@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lanes.errors import Overloaded, UnknownWorkload, WrongMode
+from lanes.errors import ModelError, Overloaded, UnknownWorkload, WrongMode
 from lanes.serving.engine import Engine
 from lanes.serving.guard import TextGuard
 from lanes.serving.metrics import Metrics
+from lanes.serving.readiness import Hosted, LoadState, Readiness
 from lanes.serving.worker import BatchWorker
 from lanes.settings import Settings
 from lanes.spec import Spec, TaskName
@@ -21,37 +22,51 @@ class ServingState:
     workers: dict[str, BatchWorker] = field(default_factory=dict)
     engines: dict[str, Engine] = field(default_factory=dict)  # generate workloads
     guards: dict[str, TextGuard] = field(default_factory=dict)  # generate workloads' guards
-    ready: bool = False
-    load_error: str | None = None
+    readiness: Readiness = field(init=False)
+
+    def __post_init__(self) -> None:
+        hosted = [n for n, w in self.spec.workloads.items() if w.mode == "interactive"]
+        self.readiness = Readiness(hosted)
 
     def worker(self, name: str, tasks: tuple[TaskName, ...]) -> BatchWorker:
         """The worker of an interactive workload of one of `tasks`, or a clear error."""
-        self._check(name, tasks)
+        self.hosted(name, tasks)
         worker = self.workers.get(name)
         if worker is None:
-            raise Overloaded(f"workload {name!r} is still loading; retry when /readyz is 200")
+            raise self._not_loaded(name)
         return worker
 
     def engine(self, name: str) -> Engine:
         """The continuous-batching engine of an interactive generate workload."""
-        self._check(name, ("generate",))
+        self.hosted(name, ("generate",))
         engine = self.engines.get(name)
         if engine is None:
-            raise Overloaded(f"workload {name!r} is still loading; retry when /readyz is 200")
+            raise self._not_loaded(name)
         return engine
 
-    def _check(self, name: str, tasks: tuple[TaskName, ...]) -> None:
+    def hosted(self, name: str, tasks: tuple[TaskName, ...] | None = None) -> Hosted:
+        """How interactive workload `name` stands; UnknownWorkload or WrongMode when the
+        server does not host it (or not for one of `tasks`)."""
         workload = self.spec.workloads.get(name)
         if workload is None:
-            known = ", ".join(sorted([*self.workers, *self.engines])) or "none"
+            known = ", ".join(n for n in self.spec.workloads if n in self.readiness) or "none"
             raise UnknownWorkload(f"no workload named {name!r}; interactive ones: {known}")
         if workload.mode == "offline":
             raise WrongMode(
                 f"workload {name!r} is offline: submit it as a batch job "
                 "(client.submit or `lanes submit`), not as a call"
             )
-        if workload.task not in tasks:
+        if tasks is not None and workload.task not in tasks:
             wanted = " or ".join(tasks)
             raise WrongMode(
                 f"workload {name!r} is a {workload.task} workload; this route serves {wanted}"
             )
+        return self.readiness.of(name)
+
+    def _not_loaded(self, name: str) -> ModelError | Overloaded:
+        hosted = self.readiness.of(name)
+        if hosted.state is LoadState.FAILED:
+            return ModelError(
+                f"workload {name!r} failed to load: {hosted.error}; fix it and restart the server"
+            )
+        return Overloaded(f"workload {name!r} is still loading; retry when /readyz is 200")
