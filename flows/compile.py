@@ -32,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from lanes.errors import LanesError
+from lanes.errors import InvalidInput, LanesError, StorageError
 from lanes.flows import ENTRYPOINT, FLOW_NAME
 from lanes.settings import Settings
 from lanes.spec import OfflineWorkload, Schedule, Spec
@@ -131,9 +131,25 @@ def write_prefect_yaml(
     force: bool = False,
 ) -> Path:
     """Write prefect.yaml (default: beside the spec); rewrite only when it changes.
-    A prefect.yaml that lanes did not write is refused (LanesError) unless `force`."""
+    A prefect.yaml that lanes did not write is refused (LanesError) unless `force`; a
+    `dest` in no folder, or that is a folder, is InvalidInput; one that cannot be
+    written, StorageError."""
     dest = dest or spec_file.resolve().parent / "prefect.yaml"
+    if dest.is_dir():
+        raise InvalidInput(f"{dest} is a folder: name the file, e.g. {dest / 'prefect.yaml'}")
+    if not dest.parent.is_dir():
+        raise InvalidInput(
+            f"{dest}: there is no folder {dest.parent}; create it, or write elsewhere"
+        )
     text = render(spec, settings, spec_file, source_of(spec_file, dest, project_dir))
+    try:
+        _write_if_changed(dest, text, force)
+    except OSError as err:
+        raise StorageError(f"cannot write {dest}: {err.strerror or err}") from None
+    return dest
+
+
+def _write_if_changed(dest: Path, text: str, force: bool) -> None:
     if not force and not written_by_lanes(dest):
         raise LanesError(
             f"{dest} was not written by lanes compile (its first line is not {MARKER!r}): "
@@ -145,7 +161,6 @@ def write_prefect_yaml(
         staged = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
         staged.write_text(text, encoding="utf-8")
         staged.replace(dest)
-    return dest
 
 
 def written_by_lanes(path: Path) -> bool:

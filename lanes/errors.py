@@ -2,6 +2,7 @@
 
     LanesError                     every error lanes raises on purpose
     ├── SpecError                  workloads.yaml (or an override) is wrong; holds every Problem
+    │   └── SettingsError          a LANES_* setting is wrong (a bad value, JSON that is not)
     ├── ModelError                 a model file does not fit its task or cannot be loaded
     ├── HandlerError               a workload's `handler: module:attr` cannot be imported
     ├── InvalidInput               a request or record does not fit the workload (HTTP 400)
@@ -61,6 +62,10 @@ class SpecError(LanesError):
     def __init__(self, problems: list[Problem]) -> None:
         self.problems = problems
         super().__init__("\n".join(str(p) for p in problems))
+
+
+class SettingsError(SpecError):
+    """A LANES_* environment variable does not fit its setting; `problems` names each."""
 
 
 class ModelError(LanesError):

@@ -59,13 +59,13 @@ def parse_spec(data: Any, base: Path, check_files: bool = True) -> tuple[Spec | 
     try:
         top = _Top.model_validate(data)
     except ValidationError as err:
-        return None, _from_pydantic(err, ())
+        return None, from_pydantic(err, ())
     models: dict[str, ModelSpec] = {}
     for name, raw in top.models.items():
         try:
             models[name] = _resolve(ModelSpec.model_validate(raw), base)
         except ValidationError as err:
-            found += _from_pydantic(err, ("models", name))
+            found += from_pydantic(err, ("models", name))
     workloads: dict[str, InteractiveWorkload | OfflineWorkload] = {}
     for name, raw in top.workloads.items():
         if not NAME_PATTERN.match(name):
@@ -217,7 +217,7 @@ def _workload_errors(err: ValidationError, at: Loc, raw: Any) -> Found:
     return found
 
 
-def _from_pydantic(err: ValidationError, prefix: Loc) -> Found:
+def from_pydantic(err: ValidationError, prefix: Loc) -> Found:
     found: Found = []
     for e in err.errors(include_url=False):
         found += _from_pydantic_error(e, prefix)

@@ -40,7 +40,7 @@ def _load(file: Path | None, settings: Settings) -> Spec:
 @app.command()
 def validate(file: SpecFile = None) -> None:
     """Check a workloads.yaml: every problem is printed as FILE:LINE:COL: field: message."""
-    settings = Settings()
+    settings = guarded(Settings)
     spec = guarded(lambda: _load(file, settings))
     n = len(spec.workloads)
     typer.echo(f"{file or settings.spec}: ok ({n} workload{'s' if n != 1 else ''})")
@@ -52,7 +52,7 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:
     """Show where each workload goes: endpoint paths, or a Prefect deployment and its next run."""
-    settings = Settings()
+    settings = guarded(Settings)
     spec = guarded(lambda: _load(file, settings))
     routes = make_plan(spec, settings)
     if as_json:
@@ -82,7 +82,7 @@ def predict(
     from lanes.runtime import Runtime
     from lanes.tasks import load_task
 
-    settings = Settings()
+    settings = guarded(Settings)
 
     def run() -> Any:
         spec = _load(file, settings)
@@ -106,7 +106,7 @@ def serve(
     """Serve every interactive workload on one HTTP endpoint (OpenAI and Open Inference v2)."""
     from lanes.serving.server import serve as run_server
 
-    settings = Settings()
+    settings = guarded(Settings)
     spec = guarded(lambda: _load(file, settings))
     run_server(spec, settings, host, port)
 
@@ -124,7 +124,7 @@ def models_build(
             f"error: building models needs torch: pip install 'lanes[build]' ({e})", err=True
         )
         raise typer.Exit(1) from None
-    settings = Settings()
+    settings = guarded(Settings)
     built = build_demo_models(dest or settings.home / "models", force=force)
     for path in built:
         typer.echo(str(path))
