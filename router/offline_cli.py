@@ -247,6 +247,7 @@ class _ProgressHandler(logging.Handler):
         super().__init__(logging.DEBUG)
         self.progress = progress
         self.records = 0
+        self.counted: dict[str, int] = {}  # per running shard, from its records events
         self.bar = progress.add_task("planning", total=None, records=0)
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -255,11 +256,15 @@ class _ProgressHandler(logging.Handler):
         if event == "planned":
             description = f"shards ({fields['shards'] - fields['pending']} already committed)"
             self.progress.update(self.bar, total=fields["pending"], description=description)
-        elif event == "records":
-            self.records += int(fields["records"])
+        elif event == "records":  # only where the shard runs in this process
+            shard, records = str(fields["shard"]), int(fields["records"])
+            self.counted[shard] = self.counted.get(shard, 0) + records
+            self.records += records
             self.progress.update(self.bar, records=self.records)
-        elif event == "shard":
-            self.progress.advance(self.bar)
+        elif event == "shard":  # from the flow, for every runner
+            seen = self.counted.pop(str(fields["shard"]), 0)
+            self.records += max(0, int(fields["records"]) - seen)
+            self.progress.update(self.bar, advance=1, records=self.records)
 
 
 def _print_summary(summary: dict[str, Any]) -> None:

@@ -182,3 +182,39 @@ def test_compile_into_a_missing_folder_is_one_line(
     message = one_line_error(done)
     assert message.startswith(f"error: {output}") and "folder" in message
     assert not (tmp_path / "missing").exists()
+
+
+@pytest.mark.slow
+def test_run_on_dask_advances_the_bar_on_one_prefect_server(tmp_path: Path) -> None:
+    """`lanes run` on an embedded Prefect with a local Dask cluster: the shards run in
+    the worker processes, the bar counts them in this one, and the workers report to
+    the run's own server instead of starting one each."""
+    from tests.flows_fixtures import text, write_jsonl
+    from tests.flows_fixtures import write_spec as write_tiny_spec
+
+    workload = {
+        "mode": "offline",
+        "task": "embed",
+        "model": "enc",
+        "input": "in/",
+        "output": "out/",
+        "runner": {"kind": "dask", "workers": 2},
+    }
+    spec = write_tiny_spec(tmp_path, {"spread": workload})
+    for shard in range(4):
+        rows = [{"id": f"{shard}-{i}", "text": text(i)} for i in range(25)]
+        write_jsonl(tmp_path / "in" / f"part-{shard}.jsonl", rows)
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect")
+    done = subprocess.run(
+        [sys.executable, "-m", "lanes.router.cli", "run", "spread", "--file", str(spec)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    bar = [line for line in done.stderr.splitlines() if line.startswith("shards (")]
+    assert bar and "4/4" in bar[-1] and "100 records" in bar[-1], done.stderr
+    assert done.stderr.count("Starting temporary server") == 1, done.stderr
