@@ -442,3 +442,22 @@ def test_cli_validate_hostile_spec_exits_2_in_one_line_each(folder: Path, case: 
     lines = done.stderr.splitlines()
     assert lines[0].startswith(f"{path}:") and lines[-1] == "1 problem found", lines
     assert "Traceback" not in done.stderr
+
+
+def test_a_handler_that_raises_on_reading_is_a_problem_at_its_line(folder: Path) -> None:
+    (folder / "hooks_that_raise.py").write_text(
+        "class Hooks:\n"
+        "    @property\n"
+        "    def pre(self):\n"
+        "        raise RuntimeError('not today')\n\n\n"
+        "handler = Hooks()\n"
+    )
+    text = GOOD.replace(
+        "    model: enc\n    batching",
+        "    model: enc\n    handler: hooks_that_raise:handler\n    batching",
+    )
+    found = problems(folder, text)
+    assert found == [
+        "W:10:5: workloads.search-query.handler: handler hooks_that_raise:handler: "
+        "reading pre/post failed: RuntimeError('not today')"
+    ]
