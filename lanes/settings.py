@@ -38,7 +38,10 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(None, description="Bearer key the server requires.")
     device: Device = Field("auto", description="auto picks TensorRT/CUDA when a GPU is there.")
     threads: int | None = Field(
-        None, gt=0, le=1024, description="onnxruntime intra-op threads; default: onnxruntime's choice."
+        None,
+        gt=0,
+        le=1024,
+        description="onnxruntime intra-op threads; default: onnxruntime's choice.",
     )
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Largest request body.")
     s3_endpoint: str | None = Field(None, description="S3 endpoint URL (e.g. a MinIO server).")
