@@ -135,13 +135,13 @@ def write_prefect_yaml(
     `dest` in no folder, or that is a folder, is InvalidInput; one that cannot be
     written, StorageError."""
     dest = dest or spec_file.resolve().parent / "prefect.yaml"
+    text = render(spec, settings, spec_file, source_of(spec_file, dest, project_dir))
     if dest.is_dir():
         raise InvalidInput(f"{dest} is a folder: name the file, e.g. {dest / 'prefect.yaml'}")
     if not dest.parent.is_dir():
         raise InvalidInput(
             f"{dest}: there is no folder {dest.parent}; create it, or write elsewhere"
         )
-    text = render(spec, settings, spec_file, source_of(spec_file, dest, project_dir))
     try:
         _write_if_changed(dest, text, force)
     except OSError as err:

@@ -249,7 +249,11 @@ FUZZ = settings(
     deadline=timedelta(seconds=5),
     derandomize=True,  # the same examples on every run: the suite cannot flake
     database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.function_scoped_fixture,
+    ],
 )
 
 
