@@ -67,13 +67,15 @@ async def _embed(
     if len(body.inputs) != 1 or body.inputs[0].datatype != "BYTES":
         raise InvalidInput("inputs: an embed workload takes one BYTES tensor of texts")
     texts = to_array(body.inputs[0]).reshape(-1)
+    if texts.size == 0:
+        raise InvalidInput.field("inputs[0]", "expected at least one text, found none")
     items = []
     for i, text in enumerate(texts):
         value = text.decode() if isinstance(text, bytes) else text
         try:
             items.append(worker.task.prepare(value))
         except InvalidInput as e:
-            raise InvalidInput(f"inputs[0].data[{i}]: {str(e).removeprefix('input: ')}") from None
+            raise e.at(f"inputs[0].data[{i}]") from None
     vectors = await worker.submit(items, timeout)
     return [output_tensor("embedding", np.stack(vectors))]
 
