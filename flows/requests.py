@@ -30,22 +30,24 @@ import numpy as np
 
 from lanes.errors import InvalidInput
 from lanes.flows.records import Line
-from lanes.protocols.openai import (
-    BATCH_URLS,
-    BatchRequestLine,
+from lanes.protocols.completions import (
     ChatCompletionRequest,
     Choice,
     CompletionRequest,
+    chat_response,
+    completion_response,
+    prepare_prompts,
+)
+from lanes.protocols.openai import (
+    BATCH_URLS,
+    BatchRequestLine,
     EmbeddingsRequest,
     batch_output,
-    chat_response,
     check_dimensions,
-    completion_response,
     embeddings_response,
     error_of,
     is_batch_line,
     parse,
-    prepare_prompts,
     prepare_texts,
 )
 from lanes.spec import TaskName

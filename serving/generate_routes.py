@@ -25,7 +25,7 @@ from starlette.routing import Route
 from starlette.types import Receive
 
 from lanes.errors import LanesError
-from lanes.protocols.openai import (
+from lanes.protocols.completions import (
     ChatCompletionRequest,
     Choice,
     CompletionRequest,
@@ -35,10 +35,12 @@ from lanes.protocols.openai import (
     chat_response,
     completion_chunk,
     completion_response,
-    error_of,
-    parse,
     prepare_prompts,
     usage_chunk,
+)
+from lanes.protocols.openai import (
+    error_of,
+    parse,
 )
 from lanes.serving.batching import never_fits
 from lanes.serving.engine import Engine, TokenStream

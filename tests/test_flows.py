@@ -27,7 +27,13 @@ from typer.testing import CliRunner
 
 from lanes.errors import JobFailed, StorageError, WrongMode
 from lanes.flows.batch import offline
-from lanes.protocols.openai import Choice, completion_response, embeddings_response
+from lanes.protocols.completions import (
+    Choice,
+    completion_response,
+)
+from lanes.protocols.openai import (
+    embeddings_response,
+)
 from lanes.router.offline_cli import run as run_command
 from lanes.runtime import Runtime
 from lanes.settings import Settings
