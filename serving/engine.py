@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -151,6 +151,7 @@ class Engine:
     `policy` picks how batches form (see serving/scheduler.py); anything but
     `continuous` is there for the benchmark's comparisons. `max_padding` is how many
     padded cache positions are worth one decoder run less (see serving/kvcache.py).
+    `clock` keeps requests' arrivals and deadlines (the scheduler's clock too).
     """
 
     def __init__(
@@ -159,6 +160,7 @@ class Engine:
         metrics: Metrics,
         policy: Policy = "continuous",
         max_padding: float = MAX_PADDING,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         workload = task.workload
         self.task = task
@@ -172,7 +174,9 @@ class Engine:
             lambda ids: str(tokenizer.decode(list(ids), skip_special_tokens=True)),
             policy=policy,
             max_position=config.max_position,
+            clock=clock,
         )
+        self._clock = clock
         self.cache = BatchCache(self.decoder, max_padding)
         self.max_queue = workload.batching.max_queue
         default = workload.slo.timeout_ms
@@ -224,7 +228,7 @@ class Engine:
         Raises `Overloaded` at once when `max_queue` requests are already waiting.
         """
         timeout_s = timeout_s if timeout_s is not None else self.default_timeout_s
-        now = time.monotonic()
+        now = self._clock()
         seq = Seq(
             id=next(self._ids),
             prompt_ids=request.prompt_ids,
@@ -431,7 +435,7 @@ class Engine:
 
     def _observe(self, plan: StepPlan, events: list[Event]) -> None:
         m = self._series
-        now = time.monotonic()
+        now = self._clock()  # the requests' clock: arrivals and token times
         made = 0
         joined = {s.id: s for s in plan.prefill}  # first tokens come from prefills only
         for event in events:
@@ -448,8 +452,8 @@ class Engine:
                 m.finished(event.finish)
         m.generated.inc(made)
         with self._stats:
-            self.rate.record(now, made)
-        self.refresh_gauges(now)
+            self.rate.record(time.monotonic(), made)
+        self.refresh_gauges()
         m.in_flight.set(self.scheduler.num_running)
         m.queue_depth.set(self._waiting)
 

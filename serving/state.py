@@ -44,14 +44,18 @@ class ServingState:
         workload = self.spec.workloads.get(name)
         if workload is None:
             known = ", ".join(sorted([*self.workers, *self.engines])) or "none"
-            raise UnknownWorkload(f"no workload named {name!r}; interactive ones: {known}")
+            raise UnknownWorkload(
+                f"no workload named {name!r}; interactive ones: {known}", param="model"
+            )
         if workload.mode == "offline":
             raise WrongMode(
                 f"workload {name!r} is offline: submit it as a batch job "
-                "(client.submit or `lanes submit`), not as a call"
+                "(client.submit or `lanes submit`), not as a call",
+                param="model",
             )
         if workload.task not in tasks:
             wanted = " or ".join(tasks)
             raise WrongMode(
-                f"workload {name!r} is a {workload.task} workload; this route serves {wanted}"
+                f"workload {name!r} is a {workload.task} workload; this route serves {wanted}",
+                param="model",
             )

@@ -10,7 +10,7 @@ from functools import partial
 from typing import Any
 
 from lanes.errors import LanesError, ModelError
-from lanes.serving.batching import BatchQueue, Pending
+from lanes.serving.batching import BatchQueue, Pending, never_fits
 from lanes.serving.metrics import Metrics, Utilization
 from lanes.serving.model_thread import ModelThread
 from lanes.tasks import Task
@@ -75,7 +75,12 @@ class BatchWorker:
         """Run prepared items (all or none) and wait for their outputs, in order.
 
         They run at once if the model is free and nobody waits, else they queue.
+        More items than the queue can hold are refused (`RequestTooLarge`), however
+        idle the model is, so the answer does not depend on the moment.
         """
+        too_many = never_fits(len(items), self.queue.max_queue)
+        if too_many is not None:
+            raise too_many
         timeout_s = timeout_s if timeout_s is not None else self.default_timeout_s
         arrived = time.monotonic()
         pendings: list[Pending] = []

@@ -70,10 +70,32 @@ WORKLOADS = """\
     model: minilm
     input: in/
     output: out/
+  code-streams:                    # streams by default: the SDK's and the CLI's default
+    mode: interactive
+    task: generate
+    model: tinycode
+    stream: true
+    generation: {max_new_tokens: 12, temperature: 0}
+  small-queue:                     # two waiting places: three texts can never fit
+    mode: interactive
+    task: embed
+    model: minilm
+    batching: {max_queue: 2}
+"""
+# The server's `shifted` is an infer workload; the client's spec says embed.
+SHIFTED_SERVER = """\
+  shifted:
+    mode: interactive
+    task: infer
+    model: classifier
 """
 # The client's spec also names a workload this server does not serve.
 RETIRED = """\
   retired:
+    mode: interactive
+    task: embed
+    model: minilm
+  shifted:
     mode: interactive
     task: embed
     model: minilm
@@ -84,7 +106,9 @@ ROWS = np.array([[5.1, 3.5, 1.4, 0.2], [6.7, 3.0, 5.2, 2.3]], dtype=np.float32)
 @pytest.fixture(scope="module")
 def specs(demo_models: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """The server's spec, and the client's (one workload more)."""
-    server_spec = write_spec(tmp_path_factory.mktemp("server"), demo_models, WORKLOADS)
+    server_spec = write_spec(
+        tmp_path_factory.mktemp("server"), demo_models, WORKLOADS + SHIFTED_SERVER
+    )
     client_spec = write_spec(tmp_path_factory.mktemp("client"), demo_models, WORKLOADS + RETIRED)
     return server_spec, client_spec
 
@@ -295,6 +319,35 @@ def test_input_errors_carry_the_server_s_message_and_are_never_retried(
         client.call("flowers", [1, 2, 3, 4])
 
 
+def test_errors_come_back_typed_with_the_server_s_param_and_code(
+    client: lanes.Client, server: ServerThread
+) -> None:
+    with pytest.raises(lanes.InvalidInput, match="max_tokens: ") as bad:
+        client.call("code", "x", max_tokens=0)
+    assert (bad.value.param, bad.value.code) == ("max_tokens", "integer_below_min_value")
+    with pytest.raises(lanes.WrongMode, match="is a infer workload") as wrong:
+        client.call("shifted", "hello")  # a 400 from the server, read back as WrongMode
+    assert (wrong.value.param, wrong.value.code) == ("model", "wrong_mode")
+    with pytest.raises(lanes.UnknownWorkload) as unknown:
+        client.call("retired", "hello")
+    assert unknown.value.code == "model_not_found"
+    before = metric(server, "lanes_responses_total", route="/v1/embeddings", code="413")
+    with pytest.raises(lanes.RequestTooLarge, match="at most 2 per request"):
+        client.call("small-queue", ["one", "two", "three"])
+    after = metric(server, "lanes_responses_total", route="/v1/embeddings", code="413")
+    assert after == before + 1, "a request that can never fit is not retried"
+    assert client.call("small-queue", ["one", "two"]).shape == (2, 384)
+
+
+async def test_call_travels_as_the_workload_streams_and_returns_one_completion(
+    client: lanes.Client, aclient: lanes.AsyncClient
+) -> None:
+    whole = client.call("code", "def fib(n):")
+    assert client.call("code-streams", "def fib(n):") == whole
+    assert await aclient.call("code-streams", "def fib(n):") == whole
+    assert whole.usage.completion_tokens == 12
+
+
 def test_unknown_workloads_and_wrong_modes(client: lanes.Client) -> None:
     with pytest.raises(lanes.UnknownWorkload, match="no workload named 'retired'; interactive"):
         client.call("retired", "hello")  # in the client's spec, not on the server: 404
@@ -432,6 +485,8 @@ def test_cli_call_and_stream(server: ServerThread, specs: tuple[Path, Path]) -> 
     commands = {
         "embed": ["call", "search-query", "-i", "how do I reverse a list"],
         "stream": ["stream", "code", "def fib(n):", "--max-tokens", "8"],
+        "call streams": ["call", "code-streams", "-i", "def fib(n):"],
+        "call whole": ["call", "code-streams", "-i", "def fib(n):", "--no-stream"],
         "offline": ["call", "nightly", "-i", "hello"],
         "wrong key": ["call", "search-query", "-i", "x"],
     }
@@ -454,6 +509,14 @@ def test_cli_call_and_stream(server: ServerThread, specs: tuple[Path, Path]) -> 
     assert code == 0, err
     with lanes.Client(server.url, api_key=KEY, spec=specs[1]) as client:
         assert out == client.call("code", "def fib(n):", max_tokens=8).text + "\n"
+        whole = client.call("code-streams", "def fib(n):")
+    # `lanes call` on a workload that streams prints its text as it is made.
+    code, out, err = done["call streams"]
+    assert code == 0, err
+    assert out == whole.text + "\n"
+    code, out, err = done["call whole"]
+    assert code == 0, err
+    assert json.loads(out)["text"] == whole.text
     code, out, err = done["offline"]
     assert code == 2 and "client.submit('nightly'" in err and out == ""
     code, out, err = done["wrong key"]

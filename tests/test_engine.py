@@ -6,11 +6,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from lanes.errors import DeadlineExceeded
 from lanes.runtime import Runtime
 from lanes.serving.engine import Engine, TokenStream
+from lanes.serving.guard import pieces
 from lanes.serving.metrics import Metrics
 from lanes.serving.scheduler import POLICIES, Policy
 from lanes.settings import Settings
@@ -146,5 +149,54 @@ async def test_cache_stays_as_long_as_its_longest_row(task: GenerateTask) -> Non
         # The short row alone: its prompt (2 with bos) + 39 fed tokens, not the long prompt.
         assert engine.cache.length <= 2 + 40
         assert engine.cache.rows <= 1
+    finally:
+        await engine.stop()
+
+
+class _PrefillTakes:
+    """onnxruntime's session, with a clock that moves on by `seconds` during each run
+    of more than one token (a prefill): a prefill that takes that long, on cue."""
+
+    def __init__(self, session: Any, clock: list[float], seconds: float) -> None:
+        self.session, self.clock, self.seconds = session, clock, seconds
+
+    def run(self, names: Any, feeds: dict[str, Any]) -> Any:
+        if feeds["input_ids"].shape[1] > 1:
+            self.clock[0] += self.seconds
+        return self.session.run(names, feeds)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.session, name)
+
+
+async def test_a_deadline_that_passes_before_the_first_token_is_deadline_exceeded(
+    demo_models: Path,
+) -> None:
+    """It joined in time but its first token came too late: 504, not one token and 200."""
+    folder = demo_models / "tinycode"
+    spec = Spec.model_validate(
+        {
+            "models": {
+                "tiny": {"path": folder / "model.onnx", "tokenizer": folder / "tokenizer.json"}
+            },
+            "workloads": {"code": {"mode": "interactive", "task": "generate", "model": "tiny"}},
+        }
+    )
+    task = load_task("code", spec, Runtime(Settings(device="cpu")))
+    assert isinstance(task, GenerateTask)
+    now = [1000.0]
+    task.decoder.session = _PrefillTakes(task.decoder.session, now, seconds=5.0)  # type: ignore[assignment]
+    engine = Engine(task, Metrics(), clock=lambda: now[0])
+    engine.start()
+    try:
+        late = engine.submit(task.prepare({"prompt": "def f(x", "max_tokens": 8}), timeout_s=1.0)
+        with pytest.raises(DeadlineExceeded):
+            async with asyncio.timeout(60):
+                async for _ in pieces(late, None, streaming=True):
+                    pass
+        assert late.completion_tokens == 0
+        on_time = engine.submit(task.prepare({"prompt": "def f(x", "max_tokens": 3}), timeout_s=60)
+        tokens, _, finish = await collect(on_time)
+        assert len(tokens) == 3 and finish == "length"
     finally:
         await engine.stop()

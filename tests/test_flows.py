@@ -27,7 +27,13 @@ from typer.testing import CliRunner
 
 from lanes.errors import JobFailed, StorageError, WrongMode
 from lanes.flows.batch import offline
-from lanes.protocols.openai import completion_response, embeddings_response
+from lanes.protocols.completions import (
+    Choice,
+    completion_response,
+)
+from lanes.protocols.openai import (
+    embeddings_response,
+)
 from lanes.router.offline_cli import run as run_command
 from lanes.runtime import Runtime
 from lanes.settings import Settings
@@ -156,20 +162,46 @@ def test_generate_answers_completions_and_chat_lines(prefect_api: str, tmp_path:
         ],
     )
     summary = offline(workload="gen", spec=str(spec))
-    assert (summary["outputs"], summary["errors"]) == (4, 1)
+    assert (summary["outputs"], summary["errors"]) == (5, 0)
     lines = {line.get("custom_id") or line["id"]: line for line in outputs_of(tmp_path / "out")}
     body = lines["c1"]["response"]["body"]
     created = body["created"]
-    assert body == completion_response(
-        f"cmpl-{lines['c1']['response']['request_id']}", created, "gen", "b c d", "stop", 1, 3
-    )
+    id = f"cmpl-{lines['c1']['response']['request_id']}"
+    assert body == completion_response(id, created, "gen", [Choice("b c d", "stop")], 1, 3)
     assert lines["c2"]["response"]["body"]["choices"][0]["finish_reason"] == "length"
     chat = lines["chat"]["response"]["body"]
     assert chat["object"] == "chat.completion"
     assert chat["choices"][0]["message"] == {"role": "assistant", "content": "c d"}
     assert lines["plain"]["text"] == "d" and lines["plain"]["finish_reason"] == "stop"
+    # A list of prompts: one choice each, in order, as the endpoint answers it.
+    two = lines["two"]["response"]["body"]
+    assert [(c["index"], c["text"]) for c in two["choices"]] == [(0, "b c d"), (1, "c d")]
+    assert two["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
+
+
+def test_text_over_max_length_is_an_error_line_unless_the_workload_truncates(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    words = [f"w{i % 60}" for i in range(300)]  # 302 tokens with [CLS] and [SEP]
+    spec = write_spec(
+        tmp_path,
+        {"strict": offline_workload(), "cut": offline_workload(truncate=True, output="cut/")},
+    )
+    write_jsonl(
+        tmp_path / "in" / "a.jsonl",
+        [{"id": "short", "text": "w1 w2"}, {"id": "long", "text": " ".join(words)}],
+    )
+    offline(workload="strict", spec=str(spec))
+    assert [line["id"] for line in outputs_of(tmp_path / "out")] == ["short"]
     (error,) = errors_of(tmp_path / "out")
-    assert error["id"] == "two" and "expected one prompt" in error["error"]
+    assert error["id"] == "long"
+    assert error["error"].startswith("text: this model's maximum context length is 256 tokens")
+    offline(workload="cut", spec=str(spec))
+    cut = {line["id"]: line for line in outputs_of(tmp_path / "cut")}
+    assert sorted(cut) == ["long", "short"]
+    task = embed_task(spec, "strict")
+    (expected,) = task.run([task.prepare(" ".join(words[:254]))])  # what fits beside the specials
+    np.testing.assert_allclose(cut["long"]["embedding"], expected, rtol=1e-5, atol=1e-6)
 
 
 def test_parquet_gzip_and_infer_outputs(prefect_api: str, tmp_path: Path) -> None:
