@@ -62,6 +62,9 @@ async def infer(request: Request) -> Response:
         else:
             outputs = await _infer(worker, call, timeout)
         answer = encode_response(call.request, name, outputs)
+    except ModelError as e:  # the model or the handler's answer, not the request's fault
+        log.exception("workload %s: v2 infer failed", name)
+        return v2_error(e)
     except LanesError as e:
         return v2_error(e)
     except Exception as e:  # a handler's own bug: still an answer in v2's shape
