@@ -158,11 +158,14 @@ def due_submissions(setup: Setup) -> int:
 
 
 async def test_offpeak_submit_is_scheduled_at_the_next_window(setup: Setup) -> None:
+    schedule = Schedule(cron=CRON, timezone=ZONE)
     async with lanes.AsyncClient(spec=setup.spec, prefect_api_url=setup.api) as client:
+        first = schedule.next_run()
         job = await client.submit("embed-corpus", GOOD)  # the default: offpeak
+        windows = {first, schedule.next_run()}  # two only if a window began meanwhile
         assert isinstance(job, AsyncJob) and await job.status() == "SCHEDULED"
-        window = Schedule(cron=CRON, timezone=ZONE).next_run()
-        assert await job.scheduled_time() == window
+        window = await job.scheduled_time()
+        assert window in windows
     # Read back from Prefect itself: the run's time and parameters.
     run = flow_run(setup, job.id)
     assert datetime.fromisoformat(run["next_scheduled_start_time"]) == window
@@ -210,10 +213,12 @@ async def test_jobs_run_on_a_worker_and_are_followed_by_id_from_other_processes(
     try:
         # An input folder that does not exist: the job fails on the worker.
         with lanes.Client(spec=setup.spec, prefect_api_url=setup.api) as client:
+            before = datetime.now(UTC)
             failing = client.submit("embed-corpus", "missing-folder/", when="now")
+            after = datetime.now(UTC)
         assert failing.status() == "SCHEDULED"
         scheduled = failing.scheduled_time()
-        assert scheduled is not None and abs(datetime.now(UTC) - scheduled) < timedelta(minutes=1)
+        assert scheduled is not None and before <= scheduled <= after
         missing = flow_run(setup, failing.id)["parameters"]["input"]
         assert missing == str(Path.cwd() / "missing-folder") + "/"  # made absolute here
         out, err = finish(cli_submit)
