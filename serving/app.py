@@ -12,6 +12,7 @@ import gc
 import hmac
 import logging
 import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -40,13 +41,22 @@ log = logging.getLogger("lanes.serving")
 HEALTH_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
 
 
-def create_app(spec: Spec, settings: Settings) -> Edge:
-    """An app serving `spec`'s interactive workloads; loading starts with its lifespan."""
-    state = ServingState(spec, settings)
+def create_app(
+    spec: Spec,
+    settings: Settings,
+    runtime: Runtime | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> Edge:
+    """An app serving `spec`'s interactive workloads; loading starts with its lifespan.
+
+    Its sessions come from `runtime` (by default one built from `settings`); `clock`
+    times every queue, deadline and run.
+    """
+    state = ServingState(spec, settings, clock=clock)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        loading = asyncio.create_task(_load(state), name="lanes-load")
+        loading = asyncio.create_task(_load(state, runtime), name="lanes-load")
         try:
             yield
         finally:
@@ -72,8 +82,8 @@ def create_app(spec: Spec, settings: Settings) -> Edge:
     return Edge(app, state.metrics, api_key=key)
 
 
-async def _load(state: ServingState) -> None:
-    runtime = Runtime(state.settings)
+async def _load(state: ServingState, runtime: Runtime | None) -> None:
+    runtime = Runtime(state.settings) if runtime is None else runtime
     try:
         for name, workload in state.spec.workloads.items():
             if workload.mode != "interactive":
@@ -84,7 +94,7 @@ async def _load(state: ServingState) -> None:
                 generate_routes.start_engine(state, task)  # continuous batching
                 log.info("workload %s ready (%s, %s)", name, workload.task, workload.model)
                 continue
-            worker = BatchWorker(task, state.metrics)
+            worker = BatchWorker(task, state.metrics, state.clock)
             worker.start()
             state.workers[name] = worker
             log.info("workload %s ready (%s, %s)", name, workload.task, workload.model)
@@ -124,7 +134,7 @@ async def ready(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     state: ServingState = request.app.state.lanes
     for name, worker in state.workers.items():
-        state.metrics.utilization.labels(name).set(worker.utilization.fraction())
+        state.metrics.utilization.labels(name).set(worker.busy_fraction())
     for engine in state.engines.values():
         engine.refresh_gauges()  # they decay to 0 while it is idle
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lanes.errors import Overloaded, UnknownWorkload, WrongMode
@@ -23,6 +25,8 @@ class ServingState:
     guards: dict[str, TextGuard] = field(default_factory=dict)  # generate workloads' guards
     ready: bool = False
     load_error: str | None = None
+    # Every worker's and engine's: arrivals, deadlines, the time of each run.
+    clock: Callable[[], float] = time.monotonic
 
     def worker(self, name: str, tasks: tuple[TaskName, ...]) -> BatchWorker:
         """The worker of an interactive workload of one of `tasks`, or a clear error."""

@@ -19,6 +19,7 @@ from lanes.serving.scheduler import POLICIES, Policy
 from lanes.settings import Settings
 from lanes.spec import Spec
 from lanes.tasks import GenerateTask, load_task
+from tests.gates import Gate, GatedRuntime
 
 pytestmark = pytest.mark.slow
 
@@ -34,6 +35,10 @@ PROMPTS = [
     ("for i in range(", 11),
     ('"""Utilities for ', 4),
 ]
+
+
+# Always open: it counts the decoder's runs (one per prefill, one per row group a step).
+RUNS = Gate()
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +63,8 @@ def task(demo_models: Path) -> Iterator[GenerateTask]:
             },
         }
     )
-    loaded = load_task("code", spec, Runtime(Settings(device="cpu")))
+    runtime = GatedRuntime(Settings(device="cpu"), {spec.models["tinycode"].path: RUNS})
+    loaded = load_task("code", spec, runtime)
     assert isinstance(loaded, GenerateTask)
     yield loaded
 
@@ -80,19 +86,14 @@ async def run_all(
     policy: Policy,
     items: list[dict[str, object]],
     max_padding: float = 64,
-    groups: list[int] | None = None,
+    metrics: Metrics | None = None,
 ) -> list[tuple[list[int], str, str | None]]:
-    """Every item's tokens, text and finish; `groups` gets the number of row groups
-    seen while they ran."""
-    engine = Engine(task, Metrics(), policy, max_padding)
+    """Every item's tokens, text and finish."""
+    engine = Engine(task, metrics or Metrics(), policy, max_padding)
     engine.start()
     try:
         streams = [engine.submit(task.prepare(item)) for item in items]
-        running = asyncio.gather(*(collect(s) for s in streams))
-        while groups is not None and not running.done():
-            groups.append(len(engine.cache.groups))
-            await asyncio.sleep(0.001)
-        return list(await running)
+        return list(await asyncio.gather(*(collect(s) for s in streams)))
     finally:
         await engine.stop()
 
@@ -119,10 +120,18 @@ async def test_rows_in_groups_of_similar_length_give_the_same_tokens(
     each), merged again as lengths come close; nothing changes for any request."""
     items: list[dict[str, object]] = [{"prompt": p, "max_tokens": n + 8} for p, n in PROMPTS]
     alone = [task.complete(task.prepare(item)).tokens for item in items]
-    seen: list[int] = []
-    got = await run_all(task, "continuous", items, max_padding, seen)
+    metrics, runs = Metrics(), RUNS.passed
+    got = await run_all(task, "continuous", items, max_padding, metrics)
     assert [tokens for tokens, _, _ in got] == alone
-    assert max(seen) > 1, "the rows should have been split into groups"
+    runs = RUNS.passed - runs
+    prefills = metrics.registry.get_sample_value(
+        "lanes_prefill_seconds_count", {"workload": "code"}
+    )
+    steps = metrics.registry.get_sample_value(
+        "lanes_decode_step_seconds_count", {"workload": "code"}
+    )
+    assert prefills is not None and steps is not None
+    assert runs > prefills + steps, "the rows should have been split into groups"
 
 
 async def test_seeded_sampling_batched_equals_alone(task: GenerateTask) -> None:

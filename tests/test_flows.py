@@ -50,6 +50,7 @@ from tests.flows_fixtures import (
     write_jsonl,
     write_spec,
 )
+from tests.gates import GATE_FILE_ENV, held_marker
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -280,23 +281,26 @@ def test_rerun_skips_committed_shards_and_redoes_changed_ones(
 
 
 def test_sigkill_mid_job_then_rerun_gives_every_id_exactly_once(
-    prefect_api: str, tmp_path: Path
+    prefect_api: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     workload = offline_workload(
-        "infer", handler="tests.flows_fixtures:slow", runner={"max_concurrent_shards": 1}
+        "infer",
+        handler="tests.flows_fixtures:held_from_shard_3",
+        runner={"max_concurrent_shards": 1},
     )
     spec = write_spec(tmp_path, {"slow": workload})
     ids = []
     for shard in range(20):
-        records = [{"id": f"s{shard}-{i}", "x": [[i, 0, 0, 0]]} for i in range(30)]
+        records = [{"id": f"s{shard}-{i}", "x": [[i, shard, 0, 0]]} for i in range(30)]
         ids += [r["id"] for r in records]
         write_jsonl(tmp_path / "in" / f"part-{shard:02d}.jsonl", records)
     markers = tmp_path / "out" / "_committed"
+    gate = tmp_path / "gate-open"  # it never opens for the first run: shard 3 waits there
     code = f"from flows.batch import offline; offline(workload='slow', spec={str(spec)!r})"
-    env = {**os.environ, "PREFECT_API_URL": prefect_api}
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, GATE_FILE_ENV: str(gate)}
     worker = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env)
     try:
-        wait_until(lambda: len(list(markers.glob("*.json"))) >= 3, 90, "3 shards committed")
+        wait_until(held_marker(gate).exists, 90, "the job held at shard 3")
         worker.send_signal(signal.SIGKILL)
         worker.wait(timeout=30)
     finally:
@@ -305,8 +309,10 @@ def test_sigkill_mid_job_then_rerun_gives_every_id_exactly_once(
             worker.wait(timeout=30)
     at_kill = len(list(markers.glob("*.json")))
     assert worker.returncode == -signal.SIGKILL
-    assert 3 <= at_kill < 20, "the kill must land mid-job"
+    assert at_kill == 3, "the kill lands mid-job, after shards 0-2 committed"
 
+    gate.touch()
+    monkeypatch.setenv(GATE_FILE_ENV, str(gate))
     summary = offline(workload="slow", spec=str(spec))
 
     assert summary["shards_skipped"] == at_kill and summary["shards_failed"] == 0
