@@ -395,18 +395,33 @@ async def test_full_queue_503_and_deadlines(server: ServerThread) -> None:
                 await asyncio.to_thread(GATE.wait_held)  # and the running one holds its row still
         await eventually(free, "the row freed by the disconnect")
 
-        # A deadline that passes while a sequence runs cuts it like max_tokens.
+        # A deadline that passes before the first token answers 504, not one token...
+        late_body = {**long, "stream": False}
         with GATE.closed():  # even its prefill waits
-            cut = asyncio.create_task(
-                client.post(url, json={**long, "stream": False}, headers={"X-Timeout-Ms": HOUR_MS})
+            early = asyncio.create_task(
+                client.post(url, json=late_body, headers={"X-Timeout-Ms": HOUR_MS})
             )
             await asyncio.to_thread(GATE.wait_held)  # admitted: its prefill is on the model
             CLOCK.jump(7200)
-            GATE.allow(1)  # the prefill makes the first token; the next plan finds it late
+            GATE.allow(1)  # the prefill ends past the deadline
+            answer = await early
+        assert answer.status_code == 504
+        await eventually(free, "the row freed by the deadline")
+
+        # ...and one that passes while the sequence runs cuts it like max_tokens.
+        with GATE.closed():
+            cut = asyncio.create_task(
+                client.post(url, json=late_body, headers={"X-Timeout-Ms": HOUR_MS})
+            )
+            await asyncio.to_thread(GATE.wait_held)  # its prefill
+            GATE.allow(1)  # the first token
+            await asyncio.to_thread(GATE.wait_held)  # its first decode step
+            CLOCK.jump(7200)
+            GATE.allow(1)  # the second token; the next plan finds it late
             answer = await cut
         assert answer.status_code == 200
         assert answer.json()["choices"][0]["finish_reason"] == "length"
-        assert answer.json()["usage"]["completion_tokens"] == 1
+        assert answer.json()["usage"]["completion_tokens"] == 2
 
 
 def test_buffer_guard_holds_the_stream_until_the_whole_text_passed(
