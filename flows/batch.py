@@ -259,7 +259,11 @@ def task_runner(runner: Runner, settings: Settings) -> TaskRunner[Any]:
         "n_workers": runner.workers,
         "threads_per_worker": 1,  # a worker runs one shard; onnxruntime uses the cores
         "processes": True,
-        "dashboard_address": None,
+        # The scheduler serves HTTP (health, metrics) even without a dashboard, by
+        # default on 8787: on a free port instead, so a second cluster on the machine
+        # never finds it taken (Dask then warns and moves).
+        "dashboard_address": ":0",
+        "scheduler_kwargs": {"dashboard": False},
         "local_directory": str(settings.home / "dask"),
     }
     return DaskTaskRunner(cluster_kwargs=cluster)

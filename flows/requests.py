@@ -12,7 +12,11 @@ Two record shapes, told apart line by line:
 - an OpenAI batch line `{"custom_id", "method", "url", "body"}` for /v1/embeddings,
   /v1/completions or /v1/chat/completions: the body is what the online endpoint
   takes (a handler's `pre` gets each text or prompt, as online), the output line
-  carries the body it answers (`stream` is ignored: a batch answers whole).
+  carries the body it answers (`stream` is ignored: a batch answers whole), and a
+  rejected line the 400 body it answers.
+
+Text over the model's `max_length` tokens is rejected as online, unless the workload
+declares `truncate: true`.
 
 A record that does not fit becomes a `Rejection`, written to the errors file.
 """
@@ -31,26 +35,30 @@ import numpy as np
 from lanes.errors import InvalidInput
 from lanes.flows.records import Line
 from lanes.flows.shape import RecordShape
+from lanes.protocols.completions import (
+    ChatCompletionRequest,
+    Choice,
+    CompletionRequest,
+    chat_response,
+    completion_response,
+    prepare_prompts,
+)
 from lanes.protocols.openai import (
     BATCH_URLS,
     BatchRequestLine,
-    ChatCompletionRequest,
-    CompletionRequest,
     EmbeddingsRequest,
     batch_output,
-    chat_response,
-    completion_response,
+    check_dimensions,
     embeddings_response,
-    invalid_request_body,
+    error_of,
     is_batch_line,
     parse,
     prepare_texts,
-    render_chat,
 )
 from lanes.spec import TaskName
 from lanes.tasks.base import Task
 from lanes.tasks.decoder import Completion
-from lanes.tasks.embed import EmbedItem
+from lanes.tasks.embed import EmbedItem, EmbedTask
 from lanes.tasks.generate import GenerateTask
 
 
@@ -72,8 +80,8 @@ class Request(Protocol):
         """The output line, given one output per prepared item."""
         ...
 
-    def reject(self, message: str) -> dict[str, Any]:
-        """The errors-file line for this record."""
+    def reject(self, problem: str | InvalidInput) -> dict[str, Any]:
+        """The errors-file line for this record (an `InvalidInput` keeps its field and code)."""
         ...
 
     def sort_key(self) -> int:
@@ -102,11 +110,10 @@ class PlainRecord:
         try:
             return [task.check(item)]
         except InvalidInput as err:
-            if self.shape.kind != "embed":
+            if self.shape.kind != "embed" or err.param not in ("input", None):
                 raise
             # The task names its argument `input`; in a plain record it is the text field.
-            label = self.shape.item_label()
-            raise InvalidInput(f"{label}: {str(err).removeprefix('input: ')}") from None
+            raise err.at(self.shape.item_label()) from None
 
     def answer(self, prepared: Sequence[Any], outputs: Sequence[Any]) -> dict[str, Any]:
         (output,) = outputs
@@ -126,8 +133,8 @@ class PlainRecord:
             )
         return {"id": self.id, **self.kept, **body}
 
-    def reject(self, message: str) -> dict[str, Any]:
-        return {"id": self.id, "line": self.number, "error": message}
+    def reject(self, problem: str | InvalidInput) -> dict[str, Any]:
+        return {"id": self.id, "line": self.number, "error": str(problem)}
 
     def sort_key(self) -> int:
         return _length(self.record if self.shape.defers_item else self.item)
@@ -141,6 +148,8 @@ class EmbeddingsLine:
     request: EmbeddingsRequest
 
     def prepare(self, task: Task) -> list[Any]:
+        if isinstance(task, EmbedTask):
+            check_dimensions(self.request, task.dimensions)
         return prepare_texts(self.request, task.prepare)
 
     def answer(self, prepared: Sequence[Any], outputs: Sequence[Any]) -> dict[str, Any]:
@@ -150,16 +159,17 @@ class EmbeddingsLine:
         )
         return batch_output(self.id, self.request_id, 200, body)
 
-    def reject(self, message: str) -> dict[str, Any]:
-        return _batch_rejection(self.id, self.number, self.request_id, message)
+    def reject(self, problem: str | InvalidInput) -> dict[str, Any]:
+        return _batch_rejection(self.id, self.number, self.request_id, problem)
 
     def sort_key(self) -> int:
-        return sum(len(t) for t in self.request.texts)
+        given = self.request.input
+        return len(given) if isinstance(given, str) else sum(_length(t) for t in given)
 
 
 @dataclass(frozen=True)
 class CompletionLine:
-    """A /v1/completions or /v1/chat/completions line: one prompt, one completion."""
+    """A /v1/completions or /v1/chat/completions line: one completion per prompt."""
 
     number: int
     id: str
@@ -167,39 +177,46 @@ class CompletionLine:
     request: CompletionRequest | ChatCompletionRequest
 
     def prepare(self, task: Task) -> list[Any]:
-        if isinstance(self.request, ChatCompletionRequest):
-            config = task.decoder.config if isinstance(task, GenerateTask) else None
-            template = config.chat_template if config else None
-            opening = config.chat_generation_prompt if config else None
-            prompt = render_chat(self.request.messages, template, opening)
-        else:
-            prompt = self.request.text
-        return [task.prepare(self.request.generation_item(prompt))]
+        config = task.decoder.config if isinstance(task, GenerateTask) else None
+        template = config.chat_template if config else None
+        opening = config.chat_generation_prompt if config else None
+        return prepare_prompts(self.request, template, opening, task.prepare)
 
     def answer(self, prepared: Sequence[Any], outputs: Sequence[Any]) -> dict[str, Any]:
-        (done,) = outputs
-        if not isinstance(done, Completion):
-            raise TypeError(f"the handler's post returned {type(done).__name__}, not a Completion")
+        done = [o for o in outputs if isinstance(o, Completion)]
+        if len(done) != len(outputs):
+            wrong = next(type(o).__name__ for o in outputs if not isinstance(o, Completion))
+            raise TypeError(f"the handler's post returned {wrong}, not a Completion")
         chat = isinstance(self.request, ChatCompletionRequest)
-        make = chat_response if chat else completion_response
-        body = make(
-            f"{'chatcmpl' if chat else 'cmpl'}-{self.request_id}",
-            int(time.time()),
-            self.request.model,
-            done.text,
-            done.finish_reason,
-            done.prompt_tokens,
-            len(done.tokens),
-        )
+        id = f"{'chatcmpl' if chat else 'cmpl'}-{self.request_id}"
+        created = int(time.time())
+        prompt_tokens = sum(c.prompt_tokens for c in done)
+        completion_tokens = sum(len(c.tokens) for c in done)
+        if chat:
+            (one,) = done
+            body = chat_response(
+                id,
+                created,
+                self.request.model,
+                one.text,
+                one.finish_reason,
+                prompt_tokens,
+                completion_tokens,
+            )
+        else:
+            choices = [Choice(c.text, c.finish_reason) for c in done]
+            body = completion_response(
+                id, created, self.request.model, choices, prompt_tokens, completion_tokens
+            )
         return batch_output(self.id, self.request_id, 200, body)
 
-    def reject(self, message: str) -> dict[str, Any]:
-        return _batch_rejection(self.id, self.number, self.request_id, message)
+    def reject(self, problem: str | InvalidInput) -> dict[str, Any]:
+        return _batch_rejection(self.id, self.number, self.request_id, problem)
 
     def sort_key(self) -> int:
         if isinstance(self.request, CompletionRequest):
             prompt = self.request.prompt
-            return len(prompt) if isinstance(prompt, str) else sum(len(p) for p in prompt)
+            return len(prompt) if isinstance(prompt, str) else sum(_length(p) for p in prompt)
         return sum(len(m.text) for m in self.request.messages)
 
 
@@ -230,7 +247,7 @@ def _batch_line(
     try:
         line = parse(BatchRequestLine, record)
     except InvalidInput as err:
-        return Rejection(_batch_rejection(custom_id, number, request_id, str(err)))
+        return Rejection(_batch_rejection(custom_id, number, request_id, err))
     wanted = BATCH_URLS.get(line.url)
     if wanted is None:
         known = ", ".join(BATCH_URLS)
@@ -243,27 +260,34 @@ def _batch_line(
         if line.url == "/v1/embeddings":
             body = parse(EmbeddingsRequest, line.body)
             return EmbeddingsLine(number, line.custom_id, request_id, body)
-        shape = CompletionRequest if line.url == "/v1/completions" else ChatCompletionRequest
-        return CompletionLine(number, line.custom_id, request_id, parse(shape, line.body))
+        request: CompletionRequest | ChatCompletionRequest = (
+            parse(CompletionRequest, line.body)
+            if line.url == "/v1/completions"
+            else parse(ChatCompletionRequest, line.body)
+        )
+        return CompletionLine(number, line.custom_id, request_id, request)
     except InvalidInput as err:
-        message = f"body.{err}"
-        return Rejection(_batch_rejection(line.custom_id, number, request_id, message))
+        # The errors file's message says where in the line; the body is the endpoint's own.
+        return Rejection(_batch_rejection(line.custom_id, number, request_id, err, "body."))
 
 
-def _batch_rejection(custom_id: Any, number: int, request_id: str, message: str) -> dict[str, Any]:
+def _batch_rejection(
+    custom_id: Any, number: int, request_id: str, problem: str | InvalidInput, where: str = ""
+) -> dict[str, Any]:
     # The errors file doubles as OpenAI's error file: the 400 the endpoint would answer.
-    answer = batch_output(str(custom_id), request_id, 400, invalid_request_body(message))
+    error = problem if isinstance(problem, InvalidInput) else InvalidInput(problem)
+    answer = batch_output(str(custom_id), request_id, error.status, error_of(error))
     return {
         "id": custom_id,
         "line": number,
-        "error": message,
+        "error": where + str(error),
         "custom_id": custom_id,
         "response": answer["response"],
     }
 
 
 def _length(item: Any) -> int:
-    if isinstance(item, str):
+    if isinstance(item, str | list):
         return len(item)
     if isinstance(item, Mapping):
         # A prompt, or a whole record's longest text (its `pre` has not run yet).

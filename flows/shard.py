@@ -306,7 +306,7 @@ def _prepared(requests: list[Request], task: Task, batch_size: int) -> Iterator[
         try:
             prepared = request.prepare(task)
         except InvalidInput as err:
-            batch.rejected.append(request.reject(str(err)))
+            batch.rejected.append(request.reject(err))
             continue
         batch.requests.append((request, prepared))
         size += len(prepared)

@@ -91,12 +91,15 @@ class Client:
         """Run one interactive request and return its result:
         embed: a float32 vector for a text, [n, dim] for a list of texts;
         infer: a dict of output name -> array (a handler's workload: its JSON values);
-        generate: a Completion (a str prompt, or a list of chat messages).
+        generate: a Completion (a str prompt, or a list of chat messages); it travels
+        streamed when the workload says `stream: true`.
         `options` go into the request body (e.g. max_tokens, temperature)."""
         types = self._core.types_request(workload, input)
         if types is not None:
             self._core.learn_types(workload, self._json(types))
         request = self._core.call_request(workload, input, timeout_ms, options)
+        if request.streamed:
+            return self._gather(request)
         return self._core.call_result(workload, input, self._json(request))
 
     def _json(self, request: Request) -> Any:
@@ -154,6 +157,19 @@ class Client:
                     raise core.failure(error) from None
                 time.sleep(core.backoff(attempt, error))
         raise AssertionError("unreachable: the last attempt is never retried")
+
+    def _gather(self, request: Request) -> Completion:
+        gathered = self._core.gathering()
+        response = self._send(request, stream=True)
+        try:
+            for line in response.iter_lines():
+                if gathered.feed(line):
+                    return gathered.result()
+        except httpx.TransportError as error:
+            raise self._core.failure(error) from None
+        finally:
+            response.close()
+        raise cut_short(self._core.endpoint)
 
     def _chunks(self, request: Request) -> Iterator[str]:
         response = self._send(request, stream=True)
@@ -214,6 +230,8 @@ class AsyncClient:
         if types is not None:
             self._core.learn_types(workload, await self._json(types))
         request = self._core.call_request(workload, input, timeout_ms, options)
+        if request.streamed:
+            return await self._gather(request)
         return self._core.call_result(workload, input, await self._json(request))
 
     async def _json(self, request: Request) -> Any:
@@ -270,6 +288,19 @@ class AsyncClient:
                     raise core.failure(error) from None
                 await asyncio.sleep(core.backoff(attempt, error))
         raise AssertionError("unreachable: the last attempt is never retried")
+
+    async def _gather(self, request: Request) -> Completion:
+        gathered = self._core.gathering()
+        response = await self._send(request, stream=True)
+        try:
+            async for line in response.aiter_lines():
+                if gathered.feed(line):
+                    return gathered.result()
+        except httpx.TransportError as error:
+            raise self._core.failure(error) from None
+        finally:
+            await response.aclose()
+        raise cut_short(self._core.endpoint)
 
     async def _chunks(self, request: Request) -> AsyncIterator[str]:
         response = await self._send(request, stream=True)

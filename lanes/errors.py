@@ -1,11 +1,12 @@
-"""Errors a lanes user can act on.
+"""Errors a lanes user can act on, and how each one travels over HTTP.
 
-    LanesError                     every error lanes raises on purpose
+    LanesError                     every error lanes raises on purpose (HTTP 500)
     ├── SpecError                  workloads.yaml (or an override) is wrong; holds every Problem
     │   └── SettingsError          a LANES_* setting is wrong (a bad value, JSON that is not)
-    ├── ModelError                 a model file does not fit its task or cannot be loaded
+    ├── ModelError                 a model file does not fit its task, or failed on a batch
     ├── HandlerError               a workload's `handler: module:attr` cannot be imported
     ├── InvalidInput               a request or record does not fit the workload (HTTP 400)
+    │   └── RequestTooLarge        the request can never fit: body or item count (HTTP 413)
     ├── UnknownWorkload            no workload of that name (HTTP 404)
     ├── WrongMode                  call() on an offline workload, submit() on an interactive one
     ├── Overloaded                 the queue is full; retry later (HTTP 503)
@@ -15,17 +16,38 @@
     └── JobFailed                  an offline job ended in a failed state
 
 Every message says what failed, where, and what to do about it.
+
+This module is the one table between errors and HTTP: each class states its `status`,
+OpenAI's error `type` and its default `code`; each error carries the request field it
+is about (`param`, OpenAI's spelling: `max_tokens`, `input[3]`, `messages[1].content`)
+and a `code` as data. The server writes them as OpenAI's
+`{"error": {"message", "type", "param", "code"}}` (v2: `{"error": message}`) and the
+SDK reads them back into the same class with `from_wire`.
 """
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Self
 
 
 class LanesError(Exception):
-    """Base class of every error lanes raises on purpose."""
+    """Base class of every error lanes raises on purpose.
+
+    `param` names the request field at fault (None when it is no one field);
+    `code` is machine-readable (OpenAI's where OpenAI has one, e.g.
+    `integer_below_min_value`, `model_not_found`), else the class's `default_code`.
+    """
+
+    status: ClassVar[int] = 500
+    error_type: ClassVar[str] = "server_error"  # OpenAI's error `type`
+    default_code: ClassVar[str | None] = None
+
+    def __init__(self, message: str = "", *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code if code is not None else self.default_code
 
 
 @dataclass(frozen=True)
@@ -69,7 +91,9 @@ class SettingsError(SpecError):
 
 
 class ModelError(LanesError):
-    """A model does not fit its task, or onnxruntime cannot load it."""
+    """A model does not fit its task, onnxruntime cannot load it, or it failed on a batch."""
+
+    default_code = "model_error"
 
 
 class HandlerError(LanesError):
@@ -77,19 +101,63 @@ class HandlerError(LanesError):
 
 
 class InvalidInput(LanesError):
-    """A request or record does not fit the workload: the message names the field."""
+    """A request or record does not fit the workload: the message names the field.
+
+    Made with `InvalidInput.field(param, detail)`, its message is `"param: detail"`
+    and `at(other)` moves the same problem to another place (a text's index in a
+    list, the field's name in another protocol) without touching the message's text.
+    """
+
+    status = 400
+    error_type = "invalid_request_error"
+
+    def __init__(
+        self, message: str = "", *, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message, param=param, code=code)
+        self.detail = message
+
+    @classmethod
+    def field(cls, param: str, detail: str, code: str | None = None) -> Self:
+        """The error about request field `param`: `detail` says what was expected and found."""
+        error = cls(f"{param}: {detail}", param=param, code=code)
+        error.detail = detail
+        return error
+
+    def at(self, param: str) -> Self:
+        """The same problem, about `param` instead."""
+        return type(self).field(param, self.detail, self.code)
+
+
+class RequestTooLarge(InvalidInput):
+    """The request can never be served as sent (a body over the size limit, more items
+    than the queue holds): smaller requests can. Never worth a retry as it is."""
+
+    status = 413
+    default_code = "request_too_large"
 
 
 class UnknownWorkload(LanesError):
     """No workload has that name."""
 
+    status = 404
+    error_type = "invalid_request_error"
+    default_code = "model_not_found"
+
 
 class WrongMode(LanesError):
-    """The workload runs in the other mode: the message names the method to use."""
+    """The workload runs in the other mode (or task): the message names what to use."""
+
+    status = 400
+    error_type = "invalid_request_error"
+    default_code = "wrong_mode"
 
 
 class Overloaded(LanesError):
     """The workload's queue is full. Retry after `retry_after` seconds."""
+
+    status = 503
+    default_code = "overloaded"
 
     def __init__(self, message: str, retry_after: float = 1.0) -> None:
         super().__init__(message)
@@ -99,9 +167,16 @@ class Overloaded(LanesError):
 class DeadlineExceeded(LanesError):
     """The request's deadline passed before it could run."""
 
+    status = 504
+    default_code = "timeout"
+
 
 class AuthError(LanesError):
     """The API key is missing or wrong."""
+
+    status = 401
+    error_type = "authentication_error"
+    default_code = "invalid_api_key"
 
 
 class StorageError(LanesError):
@@ -110,3 +185,49 @@ class StorageError(LanesError):
 
 class JobFailed(LanesError):
     """An offline job ended in a failed state."""
+
+
+# What an answer can say. A code names its class; a status its most general one.
+_BY_CODE: tuple[type[LanesError], ...] = (
+    RequestTooLarge,
+    WrongMode,
+    UnknownWorkload,
+    AuthError,
+    Overloaded,
+    DeadlineExceeded,
+    ModelError,
+)
+_BY_STATUS: tuple[type[LanesError], ...] = (
+    InvalidInput,
+    RequestTooLarge,
+    UnknownWorkload,
+    AuthError,
+    Overloaded,
+    DeadlineExceeded,
+)
+
+
+def from_wire(
+    message: str,
+    status: int | None,
+    code: str | None = None,
+    param: str | None = None,
+    error_type: str | None = None,
+    retry_after: float = 1.0,
+) -> LanesError:
+    """The error a server's answer describes: by its `code` when a class owns it, else
+    by its HTTP status (None for an error sent inside a stream), else by OpenAI's
+    `type`. Any other 4xx is an `InvalidInput`; anything else a plain `LanesError`."""
+    cls: type[LanesError] = LanesError
+    owner = next((c for c in _BY_CODE if code is not None and c.default_code == code), None)
+    if owner is not None:
+        cls = owner
+    elif status is not None:
+        cls = next((c for c in _BY_STATUS if c.status == status), cls)
+        if cls is LanesError and 400 <= status < 500:
+            cls = InvalidInput
+    elif error_type in (InvalidInput.error_type, AuthError.error_type):
+        cls = InvalidInput if error_type == InvalidInput.error_type else AuthError
+    if cls is Overloaded:
+        return Overloaded(message, retry_after)
+    return cls(message, param=param, code=code)

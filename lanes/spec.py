@@ -108,7 +108,10 @@ class ModelSpec(StrictModel):
     path: LocalPath = Field(description="The .onnx file, relative to workloads.yaml.")
     tokenizer: LocalPath | None = Field(None, description="A Hugging Face tokenizer.json.")
     max_length: PositiveInt = Field(
-        256, le=1_048_576, description="Longest input in tokens: longer text is truncated (embed)."
+        256,
+        le=1_048_576,
+        description="Longest input in tokens (embed: longer text is refused unless the "
+        "workload sets `truncate`); generate: the context, when config.json does not say.",
     )
     session: SessionOptions = Field(default_factory=SessionOptions)
 
@@ -140,7 +143,7 @@ class Generation(StrictModel):
     max_new_tokens: PositiveInt = Field(128, le=65536)
     temperature: NonNegativeFloat = Field(1.0, le=10, description="0 means greedy.")
     top_k: int = Field(0, ge=0, le=1_048_576, description="0 means no top-k cut.")
-    top_p: float = Field(1.0, gt=0, le=1)
+    top_p: float = Field(1.0, ge=0, le=1, description="0 keeps only the likeliest token.")
     stop: list[str] = Field(default_factory=list, description="Strings that end a completion.")
 
 
@@ -302,6 +305,11 @@ class WorkloadBase(StrictModel):
     handler: HandlerRef | None = Field(
         None, description="module:attr of an object with optional pre(item) and post(output)."
     )
+    truncate: bool = Field(
+        False,
+        description="embed: cut text over the model's max_length tokens instead of "
+        "refusing it (HTTP 400 online, an errors-file line offline).",
+    )
     generation: Generation = Field(default_factory=Generation)
     guard: Guard | None = Field(None, description="generate: score text before it is sent.")
 
@@ -312,7 +320,11 @@ class InteractiveWorkload(WorkloadBase):
     mode: Literal["interactive"] = Field(description="Someone is waiting.")
     batching: Batching = Field(default_factory=Batching)
     slo: Slo = Field(default_factory=Slo)
-    stream: bool = Field(False, description="Stream tokens by default (generate).")
+    stream: bool = Field(
+        False,
+        description="generate: the SDK's and CLI's default (`lanes call`); over HTTP only "
+        "a request's own `stream: true` streams, as in OpenAI's API.",
+    )
 
 
 class OfflineWorkload(WorkloadBase):

@@ -17,18 +17,24 @@ import httpx
 import numpy as np
 
 from lanes.errors import (
-    AuthError,
     DeadlineExceeded,
     InvalidInput,
     LanesError,
     Overloaded,
-    UnknownWorkload,
     WrongMode,
+    from_wire,
 )
 from lanes.protocols import TIMEOUT_HEADER
 from lanes.protocols.v2 import DTYPES
 from lanes.settings import Settings
-from lanes.spec import OfflineWorkload, Spec, Workload, as_offline
+from lanes.spec import (
+    InteractiveWorkload,
+    OfflineWorkload,
+    Spec,
+    Workload,
+    as_interactive,
+    as_offline,
+)
 from lanes.specfile import load_spec
 
 BACKOFF_BASE_S = 0.2
@@ -58,6 +64,7 @@ class Request:
     path: str
     body: dict[str, Any] | None  # None: no body (a GET)
     headers: dict[str, str]
+    streamed: bool = False  # the answer comes as Server-Sent Events
 
 
 class Core:
@@ -111,6 +118,10 @@ class Core:
             "(or client.stream), not submit"
         )
 
+    def interactive(self, name: str) -> InteractiveWorkload:
+        """The workload, if it is interactive; else WrongMode naming the method to use."""
+        return as_interactive(self.workload(name, "interactive"))
+
     def offline(self, name: str) -> OfflineWorkload:
         """The workload, if it is offline; else WrongMode naming the method to use."""
         return as_offline(self.workload(name, "offline"))
@@ -120,14 +131,18 @@ class Core:
     def call_request(
         self, name: str, input: Any, timeout_ms: float | None, options: dict[str, Any]
     ) -> Request:
-        w = self.workload(name, "interactive")
+        w = self.interactive(name)
         headers = self._headers(timeout_ms)
         if w.task == "embed":
             # base64 float32 is a quarter of the JSON and decodes without parsing floats.
             body = {**options, "model": name, "input": input, "encoding_format": "base64"}
             return Request("POST", "/v1/embeddings", body, headers)
         if w.task == "generate":
-            return self._generate_request(name, input, options, headers, stream=False)
+            # The workload's `stream:` says how the answer travels; `call` returns the
+            # same Completion either way (a guard's chunked mode sends what passed).
+            if w.stream:
+                options = {"stream_options": {"include_usage": True}, **options}
+            return self._generate_request(name, input, options, headers, stream=w.stream)
         types = self._input_types.get(name, {})
         tensors = [_tensor(k, v, types.get(k)) for k, v in _mapping(input).items()]
         return Request("POST", f"/v2/models/{name}/infer", {**options, "inputs": tensors}, headers)
@@ -174,9 +189,14 @@ class Core:
     ) -> Request:
         body: dict[str, Any] = {**options, "model": name, "stream": stream}
         if isinstance(prompt, str):
-            return Request("POST", "/v1/completions", {**body, "prompt": prompt}, headers)
-        # A list of {"role", "content"} messages is a chat.
-        return Request("POST", "/v1/chat/completions", {**body, "messages": list(prompt)}, headers)
+            path, body = "/v1/completions", {**body, "prompt": prompt}
+        else:  # a list of {"role", "content"} messages is a chat
+            path, body = "/v1/chat/completions", {**body, "messages": list(prompt)}
+        return Request("POST", path, body, headers, streamed=stream)
+
+    def gathering(self) -> Gathered:
+        """What reads a `call`'s streamed answer back into its Completion."""
+        return Gathered(self)
 
     # ---- responses ----------------------------------------------------------------
 
@@ -209,9 +229,7 @@ class Core:
         """The text of one SSE event; an error event raises its typed error."""
         error = event.get("error")
         if error is not None:
-            code = str(error.get("code")) if isinstance(error, dict) else ""
-            status = int(code) if code.isdigit() else 500
-            raise self.error(status, json.dumps(event).encode(), {})
+            raise self._error(None, event)
         choices = event.get("choices") or []
         if not choices:
             return ""  # a usage chunk
@@ -221,19 +239,36 @@ class Core:
         return str(choice.get("text") or "")
 
     def error(self, status: int, body: bytes, headers: Mapping[str, str]) -> LanesError:
-        """The typed error for a failed response, with the server's own message."""
-        message = _message(body) or f"HTTP {status} from {self.endpoint}"
-        if status == 401:
-            return AuthError(message)
-        if status == 404:
-            return UnknownWorkload(message)
-        if status == 503:
-            return Overloaded(message, _retry_after(headers))
-        if status == 504:
-            return DeadlineExceeded(message)
-        if 400 <= status < 500:
-            return InvalidInput(message)
-        return LanesError(f"{self.endpoint} failed with HTTP {status}: {message}")
+        """The typed error for a failed response, with the server's own message, field
+        (`param`) and `code`."""
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            parsed = body.decode(errors="replace")[:500] or None
+        return self._error(status, parsed, _retry_after(headers))
+
+    def _error(self, status: int | None, parsed: Any, retry_after: float = 1.0) -> LanesError:
+        # OpenAI's {"error": {"message", "type", "param", "code"}} or v2's {"error": "..."}.
+        error = parsed.get("error") if isinstance(parsed, dict) else parsed
+        fields = error if isinstance(error, dict) else {"message": error}
+        text = fields.get("message")
+        message = str(text) if text is not None else f"HTTP {status} from {self.endpoint}"
+        found = from_wire(
+            message,
+            status,
+            code=_str_or_none(fields.get("code")),
+            param=_str_or_none(fields.get("param")),
+            error_type=_str_or_none(fields.get("type")),
+            retry_after=retry_after,
+        )
+        if type(found) is LanesError:
+            where = f"HTTP {status}" if status is not None else "an error in the stream"
+            return LanesError(
+                f"{self.endpoint} failed with {where}: {message}",
+                param=found.param,
+                code=found.code,
+            )
+        return found
 
     def failure(self, error: Exception) -> LanesError:
         """What the caller sees once retries are over: always a LanesError."""
@@ -306,16 +341,42 @@ def json_body(response: httpx.Response, endpoint: str) -> Any:
         ) from None
 
 
-def _message(body: bytes) -> str | None:
-    """The server's message: OpenAI's {"error": {"message"}} or v2's {"error": "..."}."""
-    try:
-        parsed = json.loads(body)
-    except ValueError:
-        return body.decode(errors="replace")[:500] or None
-    error = parsed.get("error") if isinstance(parsed, dict) else None
-    if isinstance(error, dict):
-        return str(error.get("message"))
-    return str(error) if error is not None else None
+def _str_or_none(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+class Gathered:
+    """A streamed generate answer read back, line by line, into the Completion that
+    `call` returns: its text, its finish_reason, and usage (asked for in the request)."""
+
+    def __init__(self, core: Core) -> None:
+        self._core = core
+        self._parts: list[str] = []
+        self._finish: str | None = None
+        self._usage: Usage | None = None
+
+    def feed(self, line: str) -> bool:
+        """Read one line; True at `data: [DONE]`. An error event raises its typed error."""
+        event = _sse_data(line)
+        if event is _DONE:
+            return True
+        if event is None:
+            return False
+        self._parts.append(self._core.chunk_text(event))
+        for choice in event.get("choices") or []:
+            self._finish = choice.get("finish_reason") or self._finish
+        usage = event.get("usage")
+        if isinstance(usage, dict):
+            self._usage = Usage(**{k: int(usage[k]) for k in Usage.__dataclass_fields__})
+        return False
+
+    def result(self) -> Completion:
+        if self._finish is None or self._usage is None:
+            raise LanesError(
+                f"{self._core.endpoint}: the streamed answer had no finish_reason or usage; "
+                "is this a lanes endpoint?"
+            )
+        return Completion("".join(self._parts), self._finish, self._usage)
 
 
 def _retry_after(headers: Mapping[str, str]) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -20,6 +21,8 @@ from lanes.errors import InvalidInput
 from lanes.jobs import COMPLETED_WITH_ERRORS
 from lanes.router.console import ExitCode
 from lanes.router.render import to_jsonable
+from lanes.spec import InteractiveWorkload
+from lanes.specfile import load_spec
 
 SpecOption = Annotated[
     Path | None, typer.Option("--file", "-f", help="workloads.yaml (default: LANES_SPEC).")
@@ -54,13 +57,35 @@ def call(
         ),
     ],
     timeout_ms: TimeoutMs = None,
+    stream: Annotated[
+        bool | None,
+        typer.Option(
+            "--stream/--no-stream",
+            help="generate: print the text as it is made (default: the workload's `stream:`).",
+        ),
+    ] = None,
     file: SpecOption = None,
     endpoint: Endpoint = None,
 ) -> None:
-    """Call an interactive workload on the running endpoint; prints the result as JSON."""
+    """Call an interactive workload on the running endpoint; prints the result as JSON
+    (a generate workload that streams, or --stream: its text as it is made)."""
+    value = _input(input)
     with Client(endpoint, spec=file) as client:
-        result = client.call(workload, _input(input), timeout_ms=timeout_ms)
+        declared = load_spec(file, check_files=False).workload(workload)
+        default = declared.stream if isinstance(declared, InteractiveWorkload) else False
+        streams = default if stream is None else stream
+        if streams and declared.task == "generate" and declared.mode == "interactive":
+            _print_stream(client.stream(workload, value, timeout_ms=timeout_ms))
+            return
+        result = client.call(workload, value, timeout_ms=timeout_ms)
     typer.echo(json.dumps(to_jsonable(result)))
+
+
+def _print_stream(chunks: Iterator[str]) -> None:
+    for chunk in chunks:
+        sys.stdout.write(chunk)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
 
 
 def stream(
@@ -76,10 +101,7 @@ def stream(
     options = {"max_tokens": max_tokens, "temperature": temperature}
     chosen = {k: v for k, v in options.items() if v is not None}
     with Client(endpoint, spec=file) as client:
-        for chunk in client.stream(workload, prompt, timeout_ms=timeout_ms, **chosen):
-            sys.stdout.write(chunk)
-            sys.stdout.flush()
-    sys.stdout.write("\n")
+        _print_stream(client.stream(workload, prompt, timeout_ms=timeout_ms, **chosen))
 
 
 def submit(

@@ -19,7 +19,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lanes.errors import DeadlineExceeded, Overloaded
+from lanes.errors import DeadlineExceeded, Overloaded, RequestTooLarge
+
+
+def never_fits(items: int, max_queue: int) -> RequestTooLarge | None:
+    """Why a request of `items` inputs can never be queued whole (413, not a 503 to
+    retry), or None when it can."""
+    if items <= max_queue:
+        return None
+    return RequestTooLarge(
+        f"this request has {items} inputs; the workload queues at most {max_queue} "
+        f"(`batching.max_queue`), so it can never run as sent: send at most {max_queue} "
+        "per request"
+    )
 
 
 @dataclass(eq=False)

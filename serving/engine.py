@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -152,6 +152,7 @@ class Engine:
     `policy` picks how batches form (see serving/scheduler.py); anything but
     `continuous` is there for the benchmark's comparisons. `max_padding` is how many
     padded cache positions are worth one decoder run less (see serving/kvcache.py).
+    `clock` is the scheduler's (arrivals, deadlines) and times every step.
     """
 
     def __init__(
@@ -160,11 +161,13 @@ class Engine:
         metrics: Metrics,
         policy: Policy = "continuous",
         max_padding: float = MAX_PADDING,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         workload = as_interactive(task.workload)
         self.task = task
         self.name = task.name
         self.decoder = task.decoder
+        self.clock = clock
         config = self.decoder.config
         tokenizer = self.decoder.tokenizer
         self.scheduler = Scheduler(
@@ -173,6 +176,7 @@ class Engine:
             lambda ids: str(tokenizer.decode(list(ids), skip_special_tokens=True)),
             policy=policy,
             max_position=config.max_position,
+            clock=clock,
         )
         self.cache = BatchCache(self.decoder, max_padding)
         self.max_queue = workload.batching.max_queue
@@ -225,7 +229,7 @@ class Engine:
         Raises `Overloaded` at once when `max_queue` requests are already waiting.
         """
         timeout_s = timeout_s if timeout_s is not None else self.default_timeout_s
-        now = time.monotonic()
+        now = self.clock()
         seq = Seq(
             id=next(self._ids),
             prompt_ids=request.prompt_ids,
@@ -261,7 +265,7 @@ class Engine:
 
     def refresh_gauges(self, now: float | None = None) -> None:
         """Tokens/s and busy fraction over the last 10 s (callable from any thread)."""
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         with self._stats:
             rate, busy = self.rate.per_second(now), self.utilization.fraction(now)
         self._series.rate.set(rate)
@@ -318,7 +322,7 @@ class Engine:
         waits for a decode step). Joiners' caches enter the batch on the decode thread,
         just before the next decode, with every other copy of the cache: this thread
         stays free to prefill newcomers while those copies run."""
-        start = time.monotonic()
+        start = self.clock()
         reported = False
         # Prefilled before this plan was made: each is in plan.decode or has finished.
         joins = self._take_joins()
@@ -328,9 +332,9 @@ class Engine:
             reported = True
             keep = {s.id for s in plan.decode}
             if plan.decode:
-                decoding = time.monotonic()
+                decoding = self.clock()
                 logits = self._decode(plan.decode, joins, keep)
-                self._series.decode.observe(time.monotonic() - decoding)
+                self._series.decode.observe(self.clock() - decoding)
                 self._series.rows.observe(len(plan.decode))
                 rows = StepPlan(decode=plan.decode)
                 self._publish(rows, self.scheduler.update(rows, StepOutputs(decode=logits)))
@@ -343,7 +347,7 @@ class Engine:
             failed = StepPlan(decode=plan.decode) if reported else plan
             self._publish(failed, self.scheduler.fail(failed))
         finally:
-            end = time.monotonic()
+            end = self.clock()
             with self._stats:
                 self.utilization.record(start, end)
             self._series.busy.inc(end - start)
@@ -353,10 +357,10 @@ class Engine:
         wait in `_joins` until the next step takes them into the batch."""
         logits: Array | None = None
         if plan.prefill:
-            start = time.monotonic()
+            start = self.clock()
             logits, past, mask = self._prefill(plan.prefill)
             self._joins.append(([s.id for s in plan.prefill], past, mask))
-            self._series.prefill.observe(time.monotonic() - start)
+            self._series.prefill.observe(self.clock() - start)
         self._publish(plan, self.scheduler.update(plan, StepOutputs(prefill=logits)))
 
     def _take_joins(self) -> list[tuple[list[int], Past, Array]]:
@@ -432,7 +436,7 @@ class Engine:
 
     def _observe(self, plan: StepPlan, events: list[Event]) -> None:
         m = self._series
-        now = time.monotonic()
+        now = self.clock()
         made = 0
         joined = {s.id: s for s in plan.prefill}  # first tokens come from prefills only
         for event in events:
@@ -449,8 +453,8 @@ class Engine:
                 m.finished(event.finish)
         m.generated.inc(made)
         with self._stats:
-            self.rate.record(now, made)
-        self.refresh_gauges(now)
+            self.rate.record(time.monotonic(), made)
+        self.refresh_gauges()
         m.in_flight.set(self.scheduler.num_running)
         m.queue_depth.set(self._waiting)
 

@@ -1,10 +1,11 @@
 """OpenAI-compatible generate routes: POST /v1/completions and /v1/chat/completions.
 
 With `stream: true` the answer is Server-Sent Events in OpenAI's chunk format,
-ending with `data: [DONE]`; without it, one JSON body with `usage` and
-`finish_reason`. Either way the response starts only once the first text may be
-sent, so a full queue (503), a deadline passed while queued (504) or a bad
-request (400) is still an HTTP status. A client that disconnects, before or
+ending with `data: [DONE]`; without it (OpenAI's default, whatever the workload's
+`stream:`), one JSON body with `usage` and `finish_reason`. A list of prompts gets
+one choice per prompt, in order (`index`). Either way the response starts only
+once the first text may be sent, so a full queue (503), a deadline passed before
+the first token (504) or a bad request (400) is still an HTTP status. A client that disconnects, before or
 during its stream, aborts its sequence: the engine frees its row at the next step.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -24,8 +25,9 @@ from starlette.routing import Route
 from starlette.types import Receive
 
 from lanes.errors import LanesError
-from lanes.protocols.openai import (
+from lanes.protocols.completions import (
     ChatCompletionRequest,
+    Choice,
     CompletionRequest,
     GenerateParams,
     OpenAIFinish,
@@ -33,19 +35,20 @@ from lanes.protocols.openai import (
     chat_response,
     completion_chunk,
     completion_response,
-    error_body,
-    parse,
-    render_chat,
+    prepare_prompts,
     usage_chunk,
 )
+from lanes.protocols.openai import (
+    error_of,
+    parse,
+)
+from lanes.serving.batching import never_fits
 from lanes.serving.engine import Engine, TokenStream
 from lanes.serving.guard import Piece, TextGuard, pieces
-from lanes.serving.http import JSONResponse, openai_error, read_json, status_of, timeout_s
+from lanes.serving.http import JSONResponse, openai_error, read_json, timeout_s
 from lanes.serving.kvcache import MAX_PADDING
 from lanes.serving.scheduler import Policy
 from lanes.serving.state import ServingState
-from lanes.spec import as_interactive
-from lanes.tasks.decoder import DecoderConfig
 from lanes.tasks.generate import GenerateTask
 
 T = TypeVar("T")
@@ -56,36 +59,40 @@ CLIENT_GONE = 499
 
 
 @dataclass(frozen=True)
-class Shape:
-    """How one endpoint reads its prompt and spells its answers."""
+class Endpoint:
+    """How one endpoint reads its request and spells its answers."""
 
-    request: type[GenerateParams]
+    request: type[CompletionRequest] | type[ChatCompletionRequest]
     id_prefix: str
     chunk_object: str
-    prompt: Callable[[Any, DecoderConfig], str]
-    whole: Callable[[str, int, str, str, OpenAIFinish, int, int], dict[str, Any]]
-    chunk: Callable[[str, int, str, str | None, OpenAIFinish | None, bool], dict[str, Any]]
+    whole: Callable[[str, int, str, Sequence[Choice], int, int], dict[str, Any]]
+    chunk: Callable[[str, int, str, str | None, OpenAIFinish | None, bool, int], dict[str, Any]]
 
 
-COMPLETIONS = Shape(
+def _chat_whole(
+    id: str, created: int, model: str, choices: Sequence[Choice], prompt: int, completion: int
+) -> dict[str, Any]:
+    (choice,) = choices  # a chat is one prompt
+    return chat_response(id, created, model, choice.text, choice.finish_reason, prompt, completion)
+
+
+COMPLETIONS = Endpoint(
     request=CompletionRequest,
     id_prefix="cmpl",
     chunk_object="text_completion",
-    prompt=lambda body, config: body.text,
     whole=completion_response,
-    chunk=lambda id, created, model, text, finish, first: completion_chunk(
-        id, created, model, text or "", finish
+    chunk=lambda id, created, model, text, finish, first, index: completion_chunk(
+        id, created, model, text or "", finish, index
     ),
 )
-CHAT = Shape(
+CHAT = Endpoint(
     request=ChatCompletionRequest,
     id_prefix="chatcmpl",
     chunk_object="chat.completion.chunk",
-    prompt=lambda body, config: render_chat(
-        body.messages, config.chat_template, config.chat_generation_prompt
+    whole=_chat_whole,
+    chunk=lambda id, created, model, text, finish, first, index: chat_chunk(
+        id, created, model, text, finish, first
     ),
-    whole=chat_response,
-    chunk=chat_chunk,
 )
 
 
@@ -97,110 +104,174 @@ async def chat_completions(request: Request) -> Response:
     return await _generate(request, CHAT)
 
 
-async def _generate(request: Request, shape: Shape) -> Response:
+async def _generate(request: Request, endpoint: Endpoint) -> Response:
     state: ServingState = request.app.state.lanes
     arrived = time.monotonic()
+    streams: list[TokenStream] = []
     try:
-        body: GenerateParams = parse(
-            shape.request, await read_json(request, state.settings.max_body_bytes)
-        )
+        body = parse(endpoint.request, await read_json(request, state.settings.max_body_bytes))
         engine = state.engine(body.model)
-        prompt = shape.prompt(body, engine.decoder.config)
-        prepared = engine.task.prepare(body.generation_item(prompt))
-        stream = engine.submit(prepared, timeout_s(request), ignore_eos=body.ignore_eos)
+        config = engine.decoder.config
+        prepared = prepare_prompts(
+            body, config.chat_template, config.chat_generation_prompt, engine.task.prepare
+        )
+        too_many = never_fits(len(prepared), engine.max_queue)
+        if too_many is not None:
+            raise too_many
+        timeout = timeout_s(request)
+        ignore_eos = body.ignore_eos is True
+        for item in prepared:
+            streams.append(engine.submit(item, timeout, ignore_eos=ignore_eos))
     except LanesError as e:
+        _cancel(streams)  # a later prompt was refused: the earlier ones leave too
         return openai_error(e)
-    # A request that does not say is answered as its workload declares (`stream:`).
-    declared = as_interactive(engine.task.workload).stream
-    streaming = body.stream if "stream" in body.model_fields_set else declared
-    flow = pieces(stream, state.guards.get(body.model), streaming)
-    answer = _Answer(shape, body, stream)
+    # OpenAI's default, whatever the workload's `stream:` (that is the SDK's default).
+    streaming = body.streamed
+    guard = state.guards.get(body.model)
+    flows = [pieces(s, guard, streaming) for s in streams]
+    answer = _Answer(endpoint, body, streams)
     latency = state.metrics.request_latency.labels(body.model)
     try:
         if streaming:
-            first = await _unless_disconnected(request.receive, anext(flow))
-            if first is None:
-                stream.cancel()
+            # The answer starts once every prompt has its first text: a refusal or a
+            # deadline before that is still an HTTP status.
+            firsts = await _unless_disconnected(request.receive, _each(flows, _first))
+            if firsts is None:
+                _cancel(streams)
                 return Response(status_code=CLIENT_GONE)
             return StreamingResponse(
-                answer.events(first, flow, lambda: latency.observe(time.monotonic() - arrived)),
+                answer.events(
+                    _merged(firsts, flows), lambda: latency.observe(time.monotonic() - arrived)
+                ),
                 media_type="text/event-stream",
                 headers=SSE_HEADERS,
             )
-        whole = await _unless_disconnected(request.receive, _collect(flow))
+        whole = await _unless_disconnected(request.receive, _each(flows, _collect))
     except LanesError as e:
-        stream.cancel()
+        _cancel(streams)
         return openai_error(e)
-    stream.cancel()  # a no-op once finished; frees the row of a client that left
+    _cancel(streams)  # a no-op once finished; frees the rows of a client that left
     if whole is None:
         return Response(status_code=CLIENT_GONE)
     latency.observe(time.monotonic() - arrived)
     return JSONResponse(answer.whole(whole))
 
 
+def _cancel(streams: Sequence[TokenStream]) -> None:
+    for stream in streams:
+        stream.cancel()
+
+
+async def _first(flow: AsyncIterator[Piece]) -> Piece:
+    return await anext(flow)
+
+
+async def _each(
+    flows: Sequence[AsyncIterator[Piece]], get: Callable[[AsyncIterator[Piece]], Awaitable[Piece]]
+) -> list[Piece]:
+    """`get` of every prompt's flow, at once; the first error, once all have ended."""
+    if len(flows) == 1:  # the usual request: no task of its own
+        return [await get(flows[0])]
+    found = await asyncio.gather(*(get(f) for f in flows), return_exceptions=True)
+    for result in found:
+        if isinstance(result, BaseException):
+            raise result
+    return [r for r in found if isinstance(r, Piece)]
+
+
+async def _merged(
+    firsts: Sequence[Piece], flows: Sequence[AsyncIterator[Piece]]
+) -> AsyncIterator[tuple[int, Piece]]:
+    """Each prompt's pieces as they come, tagged with its index, from the firsts on."""
+    for i, piece in enumerate(firsts):
+        yield i, piece
+    if len(flows) == 1:  # the usual request: no task per piece
+        if firsts[0].finish is None:
+            async for piece in flows[0]:
+                yield 0, piece
+        return
+    waiting = {
+        asyncio.ensure_future(anext(flows[i])): i for i, p in enumerate(firsts) if p.finish is None
+    }
+    try:
+        while waiting:
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                i = waiting.pop(future)
+                piece = future.result()
+                yield i, piece
+                if piece.finish is None:
+                    waiting[asyncio.ensure_future(anext(flows[i]))] = i
+    finally:
+        for future in waiting:
+            future.cancel()
+
+
 class _Answer:
     """One response's id, timestamps and shape."""
 
-    def __init__(self, shape: Shape, body: GenerateParams, stream: TokenStream) -> None:
-        self.shape = shape
+    def __init__(
+        self, endpoint: Endpoint, body: GenerateParams, streams: Sequence[TokenStream]
+    ) -> None:
+        self.endpoint = endpoint
         self.body = body
-        self.stream = stream
-        self.id = f"{shape.id_prefix}-{uuid.uuid4().hex[:24]}"
+        self.streams = streams
+        self.id = f"{endpoint.id_prefix}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
 
-    def whole(self, piece: Piece) -> dict[str, Any]:
-        assert piece.finish is not None
-        return self.shape.whole(
-            self.id,
-            self.created,
-            self.body.model,
-            piece.text,
-            piece.finish,
-            self.stream.prompt_tokens,
-            self.stream.completion_tokens,
-        )
+    @property
+    def usage(self) -> tuple[int, int]:
+        """Prompt and completion tokens, over every prompt."""
+        prompt = sum(s.prompt_tokens for s in self.streams)
+        return prompt, sum(s.completion_tokens for s in self.streams)
 
-    def _event(self, text: str | None, finish: OpenAIFinish | None, first: bool) -> bytes:
-        chunk = self.shape.chunk(self.id, self.created, self.body.model, text, finish, first)
+    def whole(self, pieces: Sequence[Piece]) -> dict[str, Any]:
+        choices = [Choice(p.text, p.finish) for p in pieces if p.finish is not None]
+        return self.endpoint.whole(self.id, self.created, self.body.model, choices, *self.usage)
+
+    def _event(
+        self, text: str | None, finish: OpenAIFinish | None, first: bool, index: int
+    ) -> bytes:
+        chunk = self.endpoint.chunk(
+            self.id, self.created, self.body.model, text, finish, first, index
+        )
         return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
     async def events(
-        self, first: Piece, flow: AsyncIterator[Piece], done: Callable[[], None]
+        self, flow: AsyncIterator[tuple[int, Piece]], done: Callable[[], None]
     ) -> AsyncIterator[bytes]:
-        """The SSE body: text chunks, a chunk with the finish_reason, usage if asked,
-        [DONE]. Leaving early (a disconnect cancels this) aborts the sequence."""
+        """The SSE body: text chunks, a chunk with each finish_reason, usage if asked,
+        [DONE]. Leaving early (a disconnect cancels this) aborts every sequence."""
+        opened: set[int] = set()
         try:
-            piece, opening = first, True
-            while True:
+            async for index, piece in flow:
+                opening = index not in opened
                 if piece.text or opening:
-                    yield self._event(piece.text, None, opening)
-                    opening = False
+                    yield self._event(piece.text, None, opening, index)
+                    opened.add(index)
                 if piece.finish is not None:
-                    yield self._event(None, piece.finish, False)
-                    break
-                piece = await anext(flow)
+                    yield self._event(None, piece.finish, False, index)
             if self.body.include_usage:
                 usage = usage_chunk(
                     self.id,
                     self.created,
                     self.body.model,
-                    self.shape.chunk_object,
-                    self.stream.prompt_tokens,
-                    self.stream.completion_tokens,
+                    self.endpoint.chunk_object,
+                    *self.usage,
                 )
                 yield b"data: " + orjson.dumps(usage) + b"\n\n"
             yield DONE
             done()
         except LanesError as e:
-            # Mid-stream, the status is sent: the error travels as an event (the
-            # openai client raises it as an APIError).
-            body = error_body(str(e), "server_error", code=str(status_of(e)))
-            yield b"data: " + orjson.dumps(body) + b"\n\n"
+            # Mid-stream, the status is sent: the error travels as an event, in the
+            # same shape as an HTTP error (the openai client raises it as an APIError).
+            yield b"data: " + orjson.dumps(error_of(e)) + b"\n\n"
         finally:
-            self.stream.cancel()
+            _cancel(self.streams)
 
 
 async def _collect(flow: AsyncIterator[Piece]) -> Piece:
+    """A prompt's whole text and its finish."""
     text: list[str] = []
     async for piece in flow:
         text.append(piece.text)
@@ -250,7 +321,7 @@ def start_engine(
     if guard is not None:
         blocked = state.metrics.guard_blocked.labels(name, guard.mode)
         state.guards[name] = TextGuard.load(guard, state.spec.root, on_block=blocked.inc)
-    engine = Engine(task, state.metrics, policy, max_padding)
+    engine = Engine(task, state.metrics, policy, max_padding, state.clock)
     engine.start()
     state.engines[name] = engine
     return engine

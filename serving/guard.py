@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lanes.errors import DeadlineExceeded, ModelError, Overloaded
-from lanes.protocols.openai import OpenAIFinish
+from lanes.protocols.completions import OpenAIFinish
 from lanes.serving.engine import TokenStream
 from lanes.serving.scheduler import Event
 from lanes.spec import Guard

@@ -1,4 +1,8 @@
-"""HTTP edge helpers: fast JSON, bounded body reading, and errors in each protocol's shape."""
+"""HTTP edge helpers: fast JSON, bounded body reading, and errors in each protocol's shape.
+
+Statuses, OpenAI types and codes come from the errors themselves (lanes/errors.py):
+this module only writes them.
+"""
 
 from __future__ import annotations
 
@@ -6,24 +10,21 @@ import math
 from typing import Any
 
 import orjson
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from lanes.errors import (
-    AuthError,
-    DeadlineExceeded,
-    InvalidInput,
-    LanesError,
-    Overloaded,
-    UnknownWorkload,
-    WrongMode,
-)
+from lanes.errors import InvalidInput, LanesError, Overloaded, RequestTooLarge
 from lanes.protocols import TIMEOUT_HEADER
-from lanes.protocols.openai import error_body
+from lanes.protocols.openai import error_of
 
 
-class BodyTooLarge(InvalidInput):
-    """The request body is over the server's limit (HTTP 413)."""
+class ClientGone(LanesError):
+    """The client disconnected before its answer started: nobody reads this status
+    (nginx's 499), and nothing failed on the server's side."""
+
+    status = 499
+    error_type = "invalid_request_error"
+    default_code = "client_closed_request"
 
 
 class JSONResponse(Response):
@@ -35,69 +36,65 @@ class JSONResponse(Response):
         return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-def status_of(error: LanesError) -> int:
-    if isinstance(error, BodyTooLarge):
-        return 413
-    if isinstance(error, InvalidInput | WrongMode):
-        return 400
-    if isinstance(error, AuthError):
-        return 401
-    if isinstance(error, UnknownWorkload):
-        return 404
-    if isinstance(error, Overloaded):
-        return 503
-    if isinstance(error, DeadlineExceeded):
-        return 504
-    return 500
-
-
 def _headers(error: LanesError) -> dict[str, str] | None:
     if isinstance(error, Overloaded):
         return {"Retry-After": str(max(1, math.ceil(error.retry_after)))}
     return None
 
 
-def openai_error(error: LanesError, param: str | None = None) -> JSONResponse:
-    """OpenAI's {"error": {message, type, param, code}} shape."""
-    status = status_of(error)
-    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
-    code = {404: "model_not_found", 503: "overloaded", 504: "timeout"}.get(status)
-    body = error_body(str(error), kind.get(status, "server_error"), param, code)
-    return JSONResponse(body, status, headers=_headers(error))
+def openai_error(error: LanesError) -> JSONResponse:
+    """OpenAI's {"error": {message, type, param, code}} shape, at the error's status."""
+    return JSONResponse(error_of(error), error.status, headers=_headers(error))
 
 
 def v2_error(error: LanesError) -> JSONResponse:
     """Open Inference Protocol's {"error": "..."} shape."""
-    return JSONResponse({"error": str(error)}, status_of(error), headers=_headers(error))
+    return JSONResponse({"error": str(error)}, error.status, headers=_headers(error))
+
+
+def is_v2(path: str) -> bool:
+    """Whether a path is the Open Inference Protocol's (its errors are {"error": "..."})."""
+    return path == "/v2" or path.startswith("/v2/")
+
+
+def error_response(path: str, error: LanesError) -> JSONResponse:
+    """`error` in the shape of the protocol `path` belongs to."""
+    return v2_error(error) if is_v2(path) else openai_error(error)
 
 
 async def read_json(request: Request, limit: int) -> Any:
-    """The request's JSON body; InvalidInput if it is too large or not JSON."""
+    """The request's JSON body; InvalidInput if it is not JSON, RequestTooLarge over
+    `limit`, ClientGone if the client left before sending all of it."""
     body = await read_body(request, limit)
     if not body:
-        raise InvalidInput("body: expected a JSON object, found an empty body")
+        raise InvalidInput.field("body", "expected a JSON object, found an empty body")
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as e:
-        raise InvalidInput(f"body: expected JSON, found malformed JSON ({e})") from None
+        raise InvalidInput.field("body", f"expected JSON, found malformed JSON ({e})") from None
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request's body; BodyTooLarge past `limit` bytes.
+    """The request's body; RequestTooLarge past `limit` bytes, ClientGone if the client
+    left before sending all of it.
 
     The body is read in chunks and abandoned past `limit`, so an oversized upload
     costs at most `limit` bytes of memory.
     """
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge(f"body: {declared} bytes is over the limit of {limit} bytes")
+        detail = f"{declared} bytes is over the limit of {limit} bytes"
+        raise RequestTooLarge.field("body", detail)
     chunks = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(f"body: over the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise RequestTooLarge.field("body", f"over the limit of {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone(f"the client disconnected after {size} bytes of the body") from None
     return b"".join(chunks)
 
 
@@ -109,7 +106,9 @@ def timeout_s(request: Request) -> float | None:
     try:
         value = float(raw)
     except ValueError:
-        raise InvalidInput(f"{TIMEOUT_HEADER}: expected milliseconds, found {raw!r}") from None
+        detail = f"expected milliseconds, found {raw!r}"
+        raise InvalidInput.field(TIMEOUT_HEADER, detail, "invalid_type") from None
     if not value > 0 or not math.isfinite(value):
-        raise InvalidInput(f"{TIMEOUT_HEADER}: expected a positive number, found {raw!r}")
+        detail = f"expected a positive number, found {raw!r}"
+        raise InvalidInput.field(TIMEOUT_HEADER, detail, "invalid_value")
     return value / 1000

@@ -1,14 +1,24 @@
-"""OpenAI-compatible routes: POST /v1/embeddings and GET /v1/models."""
+"""OpenAI-compatible routes: POST /v1/embeddings, GET /v1/models and /v1/models/{name}."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from starlette.requests import Request
 from starlette.routing import Route
 
-from lanes.errors import InvalidInput, LanesError
-from lanes.protocols.openai import EmbeddingsRequest, embeddings_response, parse
+from lanes.errors import LanesError, UnknownWorkload
+from lanes.protocols.openai import (
+    EmbeddingsRequest,
+    check_dimensions,
+    embeddings_response,
+    parse,
+    prepare_texts,
+)
 from lanes.serving.http import JSONResponse, openai_error, read_json, timeout_s
 from lanes.serving.state import ServingState
+from lanes.spec import Workload
+from lanes.tasks.embed import EmbedTask
 
 
 async def embeddings(request: Request) -> JSONResponse:
@@ -16,16 +26,9 @@ async def embeddings(request: Request) -> JSONResponse:
     try:
         body = parse(EmbeddingsRequest, await read_json(request, state.settings.max_body_bytes))
         worker = state.worker(body.model, ("embed",))
-        texts = body.texts
-        if not texts:
-            raise InvalidInput("input: expected at least one text, found an empty list")
-        items = []
-        for i, text in enumerate(texts):
-            try:
-                items.append(worker.task.prepare(text))
-            except InvalidInput as e:
-                where = "input" if isinstance(body.input, str) else f"input[{i}]"
-                raise InvalidInput(f"{where}: {str(e).removeprefix('input: ')}") from None
+        if isinstance(worker.task, EmbedTask):
+            check_dimensions(body, worker.task.dimensions)
+        items = prepare_texts(body, worker.task.prepare)
         vectors = await worker.submit(items, timeout_s(request))
     except LanesError as e:
         return openai_error(e)
@@ -33,17 +36,33 @@ async def embeddings(request: Request) -> JSONResponse:
     return JSONResponse(embeddings_response(body.model, vectors, tokens, body.encoding_format))
 
 
+def _card(name: str, workload: Workload) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "lanes", "task": workload.task}
+
+
 async def models(request: Request) -> JSONResponse:
     state: ServingState = request.app.state.lanes
-    data = [
-        {"id": name, "object": "model", "created": 0, "owned_by": "lanes", "task": w.task}
-        for name, w in state.spec.workloads.items()
-        if w.mode == "interactive"
-    ]
+    data = [_card(n, w) for n, w in state.spec.workloads.items() if w.mode == "interactive"]
     return JSONResponse({"object": "list", "data": data})
+
+
+async def model(request: Request) -> JSONResponse:
+    """One interactive workload's card (OpenAI's retrieve model)."""
+    state: ServingState = request.app.state.lanes
+    name = request.path_params["name"]
+    workload = state.spec.workloads.get(name)
+    if workload is None or workload.mode != "interactive":
+        known = ", ".join(n for n, w in state.spec.workloads.items() if w.mode == "interactive")
+        error = UnknownWorkload(
+            f"no interactive workload named {name!r}; interactive ones: {known or 'none'}",
+            param="model",
+        )
+        return openai_error(error)
+    return JSONResponse(_card(name, workload))
 
 
 routes = [
     Route("/v1/embeddings", embeddings, methods=["POST"]),
     Route("/v1/models", models, methods=["GET"]),
+    Route("/v1/models/{name}", model, methods=["GET"]),
 ]

@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from lanes.tasks.sampling import SamplingParams, sample
+from lanes.tasks.sampling import SamplingParams, generator, sample
 
 Array = np.ndarray[Any, Any]
 Policy = Literal["continuous", "static", "static-drop", "serial"]
@@ -92,7 +92,7 @@ class Seq:
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError(f"sequence {self.id}: expected at least one prompt token")
-        self.rng = np.random.default_rng(self.seed)
+        self.rng = generator(self.seed)
 
     @property
     def last_token(self) -> int:
@@ -270,6 +270,7 @@ class Scheduler:
         """Sample each running row's next token from its logits. Returns one event per
         sequence that made a token or finished, the plan's retired ones included."""
         events = [self._final(seq) for seq in plan.retired]
+        now = self.clock() if plan.prefill else 0.0
         for seqs, logits in ((plan.prefill, outputs.prefill), (plan.decode, outputs.decode)):
             if not seqs:
                 continue
@@ -280,6 +281,11 @@ class Scheduler:
             for i, seq in enumerate(seqs):
                 if seq.status.is_finished:
                     continue  # a static batch's finished row: its logits mean nothing
+                if seqs is plan.prefill and seq.deadline is not None and now >= seq.deadline:
+                    # Its deadline passed during its prefill: it made no token in time.
+                    self._finish(seq, SeqStatus.FINISHED_DEADLINE)
+                    events.append(self._final(seq))
+                    continue
                 if seq.sampling.temperature == 0:
                     token = int(greedy[i])
                 else:

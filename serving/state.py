@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lanes.errors import ModelError, Overloaded, UnknownWorkload, WrongMode
@@ -22,6 +24,8 @@ class ServingState:
     workers: dict[str, BatchWorker] = field(default_factory=dict)
     engines: dict[str, Engine] = field(default_factory=dict)  # generate workloads
     guards: dict[str, TextGuard] = field(default_factory=dict)  # generate workloads' guards
+    # Every worker's and engine's: arrivals, deadlines, the time of each run.
+    clock: Callable[[], float] = time.monotonic
     readiness: Readiness = field(init=False)
 
     def __post_init__(self) -> None:
@@ -50,16 +54,20 @@ class ServingState:
         workload = self.spec.workloads.get(name)
         if workload is None:
             known = ", ".join(n for n in self.spec.workloads if n in self.readiness) or "none"
-            raise UnknownWorkload(f"no workload named {name!r}; interactive ones: {known}")
+            raise UnknownWorkload(
+                f"no workload named {name!r}; interactive ones: {known}", param="model"
+            )
         if workload.mode == "offline":
             raise WrongMode(
                 f"workload {name!r} is offline: submit it as a batch job "
-                "(client.submit or `lanes submit`), not as a call"
+                "(client.submit or `lanes submit`), not as a call",
+                param="model",
             )
         if tasks is not None and workload.task not in tasks:
             wanted = " or ".join(tasks)
             raise WrongMode(
-                f"workload {name!r} is a {workload.task} workload; this route serves {wanted}"
+                f"workload {name!r} is a {workload.task} workload; this route serves {wanted}",
+                param="model",
             )
         return self.readiness.of(name)
 

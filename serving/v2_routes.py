@@ -17,9 +17,8 @@ import logging
 from typing import Any
 
 import numpy as np
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from lanes.errors import InvalidInput, LanesError, ModelError, Overloaded, UnknownWorkload
@@ -64,6 +63,9 @@ async def infer(request: Request) -> Response:
         else:
             outputs = await _infer(worker, call, timeout)
         answer = encode_response(call.request, name, outputs)
+    except ModelError as e:  # the model or the handler's answer, not the request's fault
+        log.exception("workload %s: v2 infer failed", name)
+        return v2_error(e)
     except LanesError as e:
         return v2_error(e)
     except Exception as e:  # a handler's own bug: still an answer in v2's shape
@@ -111,6 +113,8 @@ async def _embed(worker: BatchWorker, call: InferCall, timeout: float | None) ->
     if len(body.inputs) != 1 or body.inputs[0].datatype != "BYTES":
         raise InvalidInput("inputs: an embed workload takes one BYTES tensor of texts")
     texts = call.inputs[body.inputs[0].name].reshape(-1)
+    if texts.size == 0:
+        raise InvalidInput.field("inputs[0]", "expected at least one text, found none")
     items = []
     for i, text in enumerate(texts):
         where = f"inputs[0].data[{i}]"
@@ -120,7 +124,7 @@ async def _embed(worker: BatchWorker, call: InferCall, timeout: float | None) ->
         except UnicodeDecodeError:
             raise InvalidInput(f"{where}: expected UTF-8 text") from None
         except InvalidInput as e:
-            raise InvalidInput(f"{where}: {str(e).removeprefix('input: ')}") from None
+            raise e.at(where) from None
     vectors = await worker.submit(items, timeout)
     try:
         return {"embedding": np.stack(vectors)}
@@ -207,23 +211,6 @@ def _check_version(request: Request) -> None:
 
 async def server_metadata(request: Request) -> JSONResponse:
     return JSONResponse({"name": "lanes", "version": "1", "extensions": ["binary_tensor_data"]})
-
-
-async def not_routed(request: Request, exc: Exception) -> Response:
-    """Starlette's 404 and 405: in v2's {"error"} shape under /v2, else as Starlette has them."""
-    assert isinstance(exc, HTTPException)
-    path = request.url.path
-    if path != "/v2" and not path.startswith("/v2/"):
-        return PlainTextResponse(exc.detail, exc.status_code, headers=exc.headers)
-    if exc.status_code == 405:
-        allowed = (exc.headers or {}).get("Allow", "")
-        message = f"{request.method} {path}: method not allowed; this path takes {allowed}"
-    else:
-        message = (
-            f"{request.method} {path}: no such route; v2 serves /v2/models/{{name}} "
-            "(and its /ready, /infer), also under /v2/models/{name}/versions/1"
-        )
-    return JSONResponse({"error": message}, exc.status_code, headers=exc.headers)
 
 
 routes = [

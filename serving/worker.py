@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
 from lanes.errors import LanesError, ModelError
-from lanes.serving.batching import BatchQueue, Pending
+from lanes.serving.batching import BatchQueue, Pending, never_fits
 from lanes.serving.metrics import Metrics, Utilization
 from lanes.serving.model_thread import ModelThread
 from lanes.spec import as_interactive
@@ -34,15 +34,21 @@ class BatchWorker:
     under INLINE_RUN_S are the exception: they run on the loop, cheaper than a hand-off.
     A request that finds the model free and nobody queued runs as its own batch
     from its caller's task; whatever arrives meanwhile queues and forms the next batch.
+
+    `clock` times everything: arrivals and deadlines (it is the queue's clock too),
+    runs, and so the measured cost per item that decides where a batch runs.
     """
 
-    def __init__(self, task: Task, metrics: Metrics) -> None:
+    def __init__(
+        self, task: Task, metrics: Metrics, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         workload = as_interactive(task.workload)
         batching = workload.batching
         self.task = task
         self.name = task.name
+        self.clock = clock
         self.queue = BatchQueue(
-            batching.max_batch_size, batching.max_wait_ms / 1000, batching.max_queue
+            batching.max_batch_size, batching.max_wait_ms / 1000, batching.max_queue, clock
         )
         self.utilization = Utilization()
         self._metrics = metrics
@@ -77,9 +83,14 @@ class BatchWorker:
         """Run prepared items (all or none) and wait for their outputs, in order.
 
         They run at once if the model is free and nobody waits, else they queue.
+        More items than the queue can hold are refused (`RequestTooLarge`), however
+        idle the model is, so the answer does not depend on the moment.
         """
+        too_many = never_fits(len(items), self.queue.max_queue)
+        if too_many is not None:
+            raise too_many
         timeout_s = timeout_s if timeout_s is not None else self.default_timeout_s
-        arrived = time.monotonic()
+        arrived = self.clock()
         pendings: list[Pending] = []
         try:
             if self._runs_now(len(items)):
@@ -101,7 +112,7 @@ class BatchWorker:
             for pending in pendings:
                 pending.future.cancel()
             raise
-        self._latency.observe(time.monotonic() - arrived)
+        self._latency.observe(self.clock() - arrived)
         return outputs
 
     def _runs_now(self, items: int) -> bool:
@@ -140,7 +151,7 @@ class BatchWorker:
         is busy (`_free` cleared) until then.
         """
         self._free.clear()
-        start = time.monotonic()
+        start = self.clock()
         items = [p.item for p in batch]
         if self.runs_inline(len(items)):
             try:
@@ -161,7 +172,7 @@ class BatchWorker:
         error: BaseException | None,
     ) -> None:
         """Each caller's answer, then the run's metrics; frees the model for the next."""
-        end = time.monotonic()
+        end = self.clock()
         self._free.set()
         outputs: list[Any] = []
         if error is not None and not isinstance(error, LanesError):
@@ -195,15 +206,19 @@ class BatchWorker:
         if run_s is not None:
             self._run_time.observe(run_s)
 
+    def busy_fraction(self) -> float:
+        """The model's busy share of the last 10 s, on the worker's clock."""
+        return self.utilization.fraction(self.clock())
+
     def runs_inline(self, items: int) -> bool:
         """Whether a batch of `items` would run on the event loop (see INLINE_RUN_S)."""
         return self._item_cost_s is not None and self._item_cost_s * items < INLINE_RUN_S
 
     def _timed_run(self, items: list[Any]) -> tuple[list[Any], float]:
         """The task's run and its own duration, without any thread hand-off."""
-        start = time.perf_counter()
+        start = self.clock()
         outputs = self.task.run(items)
-        took = time.perf_counter() - start
+        took = self.clock() - start
         cost = took / len(items)
         old = self._item_cost_s
         self._item_cost_s = cost if old is None else old + _COST_WEIGHT * (cost - old)

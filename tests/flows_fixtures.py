@@ -25,6 +25,8 @@ import yaml
 from onnx import TensorProto, helper, numpy_helper, save_model
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
+from tests.gates import FileGate
+
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"] + [f"w{i}" for i in range(60)]
 DIM = 8
 
@@ -237,16 +239,18 @@ def s3_env(monkeypatch: Any, endpoint: str) -> Any:
     return boto3.client("s3", endpoint_url=endpoint)
 
 
-class _Slow:
-    """A handler whose `pre` takes 4 ms a record: a job slow enough to kill mid-way."""
+class _HeldFromShard3:
+    """A handler whose `pre` holds each record of shard 3 on (`x[0][1]` is its shard)
+    at the FileGate (tests/gates.py): a job that stops mid-way, as long as a test wants."""
 
     @staticmethod
     def pre(item: Any) -> Any:
-        time.sleep(0.004)
+        if item["x"][0][1] >= 3:
+            FileGate.wait()
         return item
 
 
-slow = _Slow()
+held_from_shard_3 = _HeldFromShard3()
 
 
 class _Broken:

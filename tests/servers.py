@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -15,6 +16,7 @@ import uvicorn
 from lanes.serving.app import create_app
 from lanes.settings import Settings
 from lanes.specfile import load_spec
+from tests.gates import Gate, GatedRuntime
 
 
 def free_port() -> int:
@@ -40,12 +42,26 @@ workloads:
 
 
 class ServerThread:
-    """`with ServerThread(spec_path, **settings) as server:` serves until the block ends."""
+    """`with ServerThread(spec_path, **settings) as server:` serves until the block ends.
 
-    def __init__(self, spec_path: Path, **settings: Any) -> None:
+    Every run of a model named in `gates` waits at its gate (tests/gates.py); `clock`
+    is the server's clock.
+    """
+
+    def __init__(
+        self,
+        spec_path: Path,
+        gates: Mapping[str, Gate] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        **settings: Any,
+    ) -> None:
         self.settings = Settings(port=free_port(), **settings)
         self.spec = load_spec(spec_path, self.settings)
-        self.app = create_app(self.spec, self.settings)
+        runtime = None
+        if gates:
+            paths = {self.spec.models[name].path: gate for name, gate in gates.items()}
+            runtime = GatedRuntime(self.settings, paths)
+        self.app = create_app(self.spec, self.settings, runtime, clock)
         self.url = f"http://127.0.0.1:{self.settings.port}"
         config = uvicorn.Config(
             self.app,

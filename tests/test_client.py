@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
@@ -25,13 +25,15 @@ import pytest
 
 import lanes
 from lanes.client import Completion
+from tests.gates import HELD, Gate, eventually, wait_until
 from tests.servers import ServerThread, free_port, write_spec
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "sk-test-lanes"
-LANE_WINDOW_S = 1.0  # the slow lanes' max_wait_ms: requests sit this long for company
+# The server's decoder runs wait here while a test holds it closed (tests/gates.py).
+DECODER = Gate()
 
 WORKLOADS = """\
   search-query:
@@ -54,26 +56,50 @@ WORKLOADS = """\
     model: tinycode
     batching: {max_batch_size: 4}
     generation: {max_new_tokens: 12, temperature: 0}
-  full-lane:                       # four places, a 1 s window: the fifth caller gets 503
+  full-lane:                       # four places behind a run held at tests.gates.HELD
     mode: interactive
     task: infer
     model: classifier
-    batching: {max_batch_size: 64, max_wait_ms: 1000, max_queue: 4}
+    handler: tests.gates:held
+    batching: {max_batch_size: 64, max_wait_ms: 0, max_queue: 4}
   late-lane:                       # the same, for deadlines (so neither test fills the other)
     mode: interactive
     task: infer
     model: classifier
-    batching: {max_batch_size: 64, max_wait_ms: 1000, max_queue: 4}
+    handler: tests.gates:held
+    batching: {max_batch_size: 64, max_wait_ms: 0, max_queue: 4}
   nightly:
     mode: offline
     task: embed
     model: minilm
     input: in/
     output: out/
+  code-streams:                    # streams by default: the SDK's and the CLI's default
+    mode: interactive
+    task: generate
+    model: tinycode
+    stream: true
+    generation: {max_new_tokens: 12, temperature: 0}
+  small-queue:                     # two waiting places: three texts can never fit
+    mode: interactive
+    task: embed
+    model: minilm
+    batching: {max_queue: 2}
+"""
+# The server's `shifted` is an infer workload; the client's spec says embed.
+SHIFTED_SERVER = """\
+  shifted:
+    mode: interactive
+    task: infer
+    model: classifier
 """
 # The client's spec also names a workload this server does not serve.
 RETIRED = """\
   retired:
+    mode: interactive
+    task: embed
+    model: minilm
+  shifted:
     mode: interactive
     task: embed
     model: minilm
@@ -84,14 +110,16 @@ ROWS = np.array([[5.1, 3.5, 1.4, 0.2], [6.7, 3.0, 5.2, 2.3]], dtype=np.float32)
 @pytest.fixture(scope="module")
 def specs(demo_models: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """The server's spec, and the client's (one workload more)."""
-    server_spec = write_spec(tmp_path_factory.mktemp("server"), demo_models, WORKLOADS)
+    server_spec = write_spec(
+        tmp_path_factory.mktemp("server"), demo_models, WORKLOADS + SHIFTED_SERVER
+    )
     client_spec = write_spec(tmp_path_factory.mktemp("client"), demo_models, WORKLOADS + RETIRED)
     return server_spec, client_spec
 
 
 @pytest.fixture(scope="module")
 def server(specs: tuple[Path, Path]) -> Iterator[ServerThread]:
-    with ServerThread(specs[0], api_key=KEY) as running:
+    with ServerThread(specs[0], gates={"tinycode": DECODER}, api_key=KEY) as running:
         yield running
 
 
@@ -129,13 +157,8 @@ def metric(server: ServerThread, name: str, **labels: str) -> float:
     return 0.0
 
 
-def wait_for(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"{what}: not within {timeout} s")
+def queue_depth(server: ServerThread, workload: str) -> float:
+    return metric(server, "lanes_queue_depth", workload=workload)
 
 
 # ---- results ---------------------------------------------------------------------------
@@ -239,41 +262,42 @@ LONG = {"max_tokens": 400, "ignore_eos": True}
 
 def test_closing_a_stream_early_frees_its_slot(client: lanes.Client, server: ServerThread) -> None:
     aborted = metric(server, "lanes_sequences_finished_total", workload="code", reason="abort")
-    for n, chunk in enumerate(client.stream("code", "def f(x", **LONG)):
-        assert chunk
-        if n == 0:
+    with DECODER.closed():
+        DECODER.allow(1)  # the prefill: the first chunk; the row's next step waits
+        for chunk in client.stream("code", "def f(x", **LONG):
+            assert chunk
+            DECODER.wait_held()
             assert metric(server, "lanes_sequences_in_flight", workload="code") == 1
-        if n == 2:
             break  # the loop drops the iterator: it closes, and so does its connection
-    wait_for(
-        lambda: (
-            metric(server, "lanes_sequences_finished_total", workload="code", reason="abort")
-            == aborted + 1
-        ),
-        "the server aborting the sequence",
-    )
-    wait_for(
-        lambda: metric(server, "lanes_sequences_in_flight", workload="code") == 0, "a free row"
-    )
+        # The server aborts the sequence while its step is still held.
+        wait_until(
+            lambda: (
+                metric(server, "lanes_sequences_finished_total", workload="code", reason="abort")
+                == aborted + 1
+            ),
+            "the server aborting the sequence",
+        )
+        assert metric(server, "lanes_sequences_in_flight", workload="code") == 0
 
 
 async def test_async_stream_aclose_frees_its_slot(
     aclient: lanes.AsyncClient, server: ServerThread
 ) -> None:
     aborted = metric(server, "lanes_sequences_finished_total", workload="code", reason="abort")
-    chunks = aclient.stream("code", "class Foo:", **LONG)
-    assert await anext(chunks)
-    assert metric(server, "lanes_sequences_in_flight", workload="code") == 1
-    await chunks.aclose()  # type: ignore[attr-defined]
-    for _ in range(500):
-        if metric(server, "lanes_sequences_in_flight", workload="code") == 0:
-            break
-        await asyncio.sleep(0.02)
-    assert metric(server, "lanes_sequences_in_flight", workload="code") == 0
-    assert (
-        metric(server, "lanes_sequences_finished_total", workload="code", reason="abort")
-        == aborted + 1
-    )
+    with DECODER.closed():
+        DECODER.allow(1)
+        chunks = aclient.stream("code", "class Foo:", **LONG)
+        assert await anext(chunks)
+        await asyncio.to_thread(DECODER.wait_held)
+        assert metric(server, "lanes_sequences_in_flight", workload="code") == 1
+        await chunks.aclose()  # type: ignore[attr-defined]
+        await eventually(
+            lambda: metric(server, "lanes_sequences_in_flight", workload="code") == 0, "a free row"
+        )
+        assert (
+            metric(server, "lanes_sequences_finished_total", workload="code", reason="abort")
+            == aborted + 1
+        )
     # The pool still works: the closed connection was replaced, not reused.
     assert (await aclient.call("code", "x", max_tokens=2)).usage.completion_tokens <= 2
 
@@ -293,6 +317,35 @@ def test_input_errors_carry_the_server_s_message_and_are_never_retried(
         client.call("flowers", {"features": [[1.0, 2.0, 3.0]]})  # v2's {"error": "..."} shape
     with pytest.raises(lanes.InvalidInput, match="input: an infer workload takes a mapping"):
         client.call("flowers", [1, 2, 3, 4])
+
+
+def test_errors_come_back_typed_with_the_server_s_param_and_code(
+    client: lanes.Client, server: ServerThread
+) -> None:
+    with pytest.raises(lanes.InvalidInput, match="max_tokens: ") as bad:
+        client.call("code", "x", max_tokens=0)
+    assert (bad.value.param, bad.value.code) == ("max_tokens", "integer_below_min_value")
+    with pytest.raises(lanes.WrongMode, match="is a infer workload") as wrong:
+        client.call("shifted", "hello")  # a 400 from the server, read back as WrongMode
+    assert (wrong.value.param, wrong.value.code) == ("model", "wrong_mode")
+    with pytest.raises(lanes.UnknownWorkload) as unknown:
+        client.call("retired", "hello")
+    assert unknown.value.code == "model_not_found"
+    before = metric(server, "lanes_responses_total", route="/v1/embeddings", code="413")
+    with pytest.raises(lanes.RequestTooLarge, match="at most 2 per request"):
+        client.call("small-queue", ["one", "two", "three"])
+    after = metric(server, "lanes_responses_total", route="/v1/embeddings", code="413")
+    assert after == before + 1, "a request that can never fit is not retried"
+    assert client.call("small-queue", ["one", "two"]).shape == (2, 384)
+
+
+async def test_call_travels_as_the_workload_streams_and_returns_one_completion(
+    client: lanes.Client, aclient: lanes.AsyncClient
+) -> None:
+    whole = client.call("code", "def fib(n):")
+    assert client.call("code-streams", "def fib(n):") == whole
+    assert await aclient.call("code-streams", "def fib(n):") == whole
+    assert whole.usage.completion_tokens == 12
 
 
 def test_unknown_workloads_and_wrong_modes(client: lanes.Client) -> None:
@@ -328,48 +381,67 @@ async def test_a_wrong_or_missing_key_is_an_auth_error(
 async def test_deadlines_on_the_server_and_in_the_client(
     client: lanes.Client, aclient: lanes.AsyncClient, server: ServerThread, specs: tuple[Path, Path]
 ) -> None:
-    started = time.monotonic()
-    with pytest.raises(lanes.DeadlineExceeded, match="deadline"):
-        client.call("late-lane", {"features": ROWS}, timeout_ms=100)  # 504 from the server
-    assert time.monotonic() - started < LANE_WINDOW_S - 0.1, "answered at its deadline"
-    with pytest.raises(lanes.DeadlineExceeded):
-        await aclient.call("late-lane", {"features": ROWS}, timeout_ms=100)
-    # A client timeout shorter than the lane's window: no answer in time, and no retry.
-    with (
-        lanes.Client(server.url, api_key=KEY, spec=specs[1], timeout=0.3) as hasty,
-        pytest.raises(lanes.DeadlineExceeded, match="within the client's timeout"),
-    ):
-        hasty.call("late-lane", {"features": ROWS})
-    # The request the client gave up on still reaches its batch; let it pass.
-    time.sleep(LANE_WINDOW_S)
+    """A run held at the gate keeps late-lane busy: the requests behind it wait."""
+    ran = metric(server, "lanes_batch_size_sum", workload="late-lane")
+    with HELD.closed():
+        running = asyncio.create_task(aclient.call("late-lane", {"features": ROWS}))
+        await asyncio.to_thread(HELD.wait_held)
+        with pytest.raises(lanes.DeadlineExceeded, match="deadline"):
+            client.call("late-lane", {"features": ROWS}, timeout_ms=100)  # 504 from the server
+        with pytest.raises(lanes.DeadlineExceeded):
+            await aclient.call("late-lane", {"features": ROWS}, timeout_ms=100)
+        # A client timeout that passes while it waits: no answer in time, and no retry.
+        with (
+            lanes.Client(server.url, api_key=KEY, spec=specs[1], timeout=0.3) as hasty,
+            pytest.raises(lanes.DeadlineExceeded, match="within the client's timeout"),
+        ):
+            hasty.call("late-lane", {"features": ROWS})
+    assert (await running)["logits"].shape == (2, 3)
+    # The request the client gave up on still reaches the model; let it pass.
+    await eventually(
+        lambda: metric(server, "lanes_batch_size_sum", workload="late-lane") == ran + 2,
+        "the held request and the one its client gave up on run, the late ones never",
+    )
 
 
 async def test_a_full_queue_is_overloaded_and_retries_honour_retry_after(
     server: ServerThread, specs: tuple[Path, Path]
 ) -> None:
-    before = metric(server, "lanes_responses_total", route="/v2/models/{name}/infer", code="503")
+    route = "/v2/models/{name}/infer"
+    before = metric(server, "lanes_responses_total", route=route, code="503")
     settings = {"api_key": KEY, "spec": specs[1]}
     async with (
         lanes.AsyncClient(server.url, max_retries=0, **settings) as once,  # type: ignore[arg-type]
         lanes.AsyncClient(server.url, max_retries=3, **settings) as patient,  # type: ignore[arg-type]
     ):
-        places = [asyncio.create_task(once.call("full-lane", {"features": ROWS})) for _ in range(4)]
-        await asyncio.sleep(0.3)  # the four sit in the lane's window: its queue is full
-        started = time.monotonic()
-        with pytest.raises(lanes.Overloaded, match="full") as refused:
-            await once.call("full-lane", {"features": ROWS})
-        assert refused.value.retry_after == 1.0
-        with (
-            lanes.Client(server.url, max_retries=0, **settings) as sync,  # type: ignore[arg-type]
-            pytest.raises(lanes.Overloaded),
-        ):
-            sync.call("full-lane", {"features": ROWS})
-        # Refused now too; it retries after Retry-After (1 s), when the window has closed.
-        later = await patient.call("full-lane", {"features": ROWS})
+        with HELD.closed():
+            running = asyncio.create_task(once.call("full-lane", {"features": ROWS}))
+            await asyncio.to_thread(HELD.wait_held)
+            places = [
+                asyncio.create_task(once.call("full-lane", {"features": ROWS})) for _ in range(4)
+            ]
+            await eventually(lambda: queue_depth(server, "full-lane") == 4, "a full queue")
+            with pytest.raises(lanes.Overloaded, match="full") as refused:
+                await once.call("full-lane", {"features": ROWS})
+            assert refused.value.retry_after == 1.0
+            with (
+                lanes.Client(server.url, max_retries=0, **settings) as sync,  # type: ignore[arg-type]
+                pytest.raises(lanes.Overloaded),
+            ):
+                sync.call("full-lane", {"features": ROWS})
+            # Refused now too; it retries after Retry-After (1 s), once the gate is open.
+            started = time.monotonic()
+            later = asyncio.create_task(patient.call("full-lane", {"features": ROWS}))
+            await eventually(
+                lambda: (
+                    metric(server, "lanes_responses_total", route=route, code="503") == before + 3
+                ),
+                "the patient client's first try refused",
+            )
+        assert (await later)["logits"].shape == (2, 3)
         assert time.monotonic() - started >= 1.0
-        assert later["logits"].shape == (2, 3)
-        assert all(r["logits"].shape == (2, 3) for r in await asyncio.gather(*places))
-    refusals = metric(server, "lanes_responses_total", route="/v2/models/{name}/infer", code="503")
+        assert all(r["logits"].shape == (2, 3) for r in await asyncio.gather(running, *places))
+    refusals = metric(server, "lanes_responses_total", route=route, code="503")
     assert refusals - before >= 3  # once, sync, and at least the patient client's first try
 
 
@@ -432,6 +504,8 @@ def test_cli_call_and_stream(server: ServerThread, specs: tuple[Path, Path]) -> 
     commands = {
         "embed": ["call", "search-query", "-i", "how do I reverse a list"],
         "stream": ["stream", "code", "def fib(n):", "--max-tokens", "8"],
+        "call streams": ["call", "code-streams", "-i", "def fib(n):"],
+        "call whole": ["call", "code-streams", "-i", "def fib(n):", "--no-stream"],
         "offline": ["call", "nightly", "-i", "hello"],
         "wrong key": ["call", "search-query", "-i", "x"],
     }
@@ -454,6 +528,14 @@ def test_cli_call_and_stream(server: ServerThread, specs: tuple[Path, Path]) -> 
     assert code == 0, err
     with lanes.Client(server.url, api_key=KEY, spec=specs[1]) as client:
         assert out == client.call("code", "def fib(n):", max_tokens=8).text + "\n"
+        whole = client.call("code-streams", "def fib(n):")
+    # `lanes call` on a workload that streams prints its text as it is made.
+    code, out, err = done["call streams"]
+    assert code == 0, err
+    assert out == whole.text + "\n"
+    code, out, err = done["call whole"]
+    assert code == 0, err
+    assert json.loads(out)["text"] == whole.text
     code, out, err = done["offline"]
     assert code == 2 and "client.submit('nightly'" in err and out == ""
     code, out, err = done["wrong key"]

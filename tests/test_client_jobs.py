@@ -160,11 +160,14 @@ def due_submissions(setup: Setup) -> int:
 
 
 async def test_offpeak_submit_is_scheduled_at_the_next_window(setup: Setup) -> None:
+    schedule = Schedule(cron=CRON, timezone=ZONE)
     async with lanes.AsyncClient(spec=setup.spec, prefect_api_url=setup.api) as client:
+        first = schedule.next_run()
         job = await client.submit("embed-corpus", GOOD)  # the default: offpeak
+        windows = {first, schedule.next_run()}  # two only if a window began meanwhile
         assert isinstance(job, AsyncJob) and await job.status() == "SCHEDULED"
-        window = Schedule(cron=CRON, timezone=ZONE).next_run()
-        assert await job.scheduled_time() == window
+        window = await job.scheduled_time()
+        assert window in windows
     # Read back from Prefect itself: the run's time and parameters.
     run = flow_run(setup, job.id)
     assert datetime.fromisoformat(run["next_scheduled_start_time"]) == window
@@ -224,13 +227,15 @@ async def test_jobs_run_on_a_worker_and_are_followed_by_id_from_other_processes(
         (setup.project / "in").mkdir(exist_ok=True)
         monkeypatch.chdir(setup.project / "in")
         with lanes.Client(spec=setup.spec, prefect_api_url=setup.api) as client:
+            before = datetime.now(UTC)
             failing = client.submit("embed-corpus", "missing-folder/", when="now")
             clean = client.submit("embed-corpus", GOOD, when="now")
             # Records in another shape: the records check fails the job before it runs.
             shapeless = client.submit("embed-corpus", TICKETS, when="now")
+            after = datetime.now(UTC)
         assert failing.status() == "SCHEDULED"
         scheduled = failing.scheduled_time()
-        assert scheduled is not None and abs(datetime.now(UTC) - scheduled) < timedelta(minutes=1)
+        assert scheduled is not None and before <= scheduled <= after
         missing = flow_run(setup, failing.id)["parameters"]["input"]
         assert missing == str(setup.project / "in" / "missing-folder") + "/"  # made absolute here
         # A flow run made past `submit`, reading outside the workload's input: refused

@@ -6,16 +6,20 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from lanes.errors import DeadlineExceeded
 from lanes.runtime import Runtime
 from lanes.serving.engine import Engine, TokenStream
+from lanes.serving.guard import pieces
 from lanes.serving.metrics import Metrics
 from lanes.serving.scheduler import POLICIES, Policy
 from lanes.settings import Settings
 from lanes.spec import Spec
 from lanes.tasks import GenerateTask, load_task
+from tests.gates import Gate, GatedRuntime
 
 pytestmark = pytest.mark.slow
 
@@ -31,6 +35,10 @@ PROMPTS = [
     ("for i in range(", 11),
     ('"""Utilities for ', 4),
 ]
+
+
+# Always open: it counts the decoder's runs (one per prefill, one per row group a step).
+RUNS = Gate()
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +63,8 @@ def task(demo_models: Path) -> Iterator[GenerateTask]:
             },
         }
     )
-    loaded = load_task("code", spec, Runtime(Settings(device="cpu")))
+    runtime = GatedRuntime(Settings(device="cpu"), {spec.models["tinycode"].path: RUNS})
+    loaded = load_task("code", spec, runtime)
     assert isinstance(loaded, GenerateTask)
     yield loaded
 
@@ -77,19 +86,14 @@ async def run_all(
     policy: Policy,
     items: list[dict[str, object]],
     max_padding: float = 64,
-    groups: list[int] | None = None,
+    metrics: Metrics | None = None,
 ) -> list[tuple[list[int], str, str | None]]:
-    """Every item's tokens, text and finish; `groups` gets the number of row groups
-    seen while they ran."""
-    engine = Engine(task, Metrics(), policy, max_padding)
+    """Every item's tokens, text and finish."""
+    engine = Engine(task, metrics or Metrics(), policy, max_padding)
     engine.start()
     try:
         streams = [engine.submit(task.prepare(item)) for item in items]
-        running = asyncio.gather(*(collect(s) for s in streams))
-        while groups is not None and not running.done():
-            groups.append(len(engine.cache.groups))
-            await asyncio.sleep(0.001)
-        return list(await running)
+        return list(await asyncio.gather(*(collect(s) for s in streams)))
     finally:
         await engine.stop()
 
@@ -116,10 +120,18 @@ async def test_rows_in_groups_of_similar_length_give_the_same_tokens(
     each), merged again as lengths come close; nothing changes for any request."""
     items: list[dict[str, object]] = [{"prompt": p, "max_tokens": n + 8} for p, n in PROMPTS]
     alone = [task.complete(task.prepare(item)).tokens for item in items]
-    seen: list[int] = []
-    got = await run_all(task, "continuous", items, max_padding, seen)
+    metrics, runs = Metrics(), RUNS.passed
+    got = await run_all(task, "continuous", items, max_padding, metrics)
     assert [tokens for tokens, _, _ in got] == alone
-    assert max(seen) > 1, "the rows should have been split into groups"
+    runs = RUNS.passed - runs
+    prefills = metrics.registry.get_sample_value(
+        "lanes_prefill_seconds_count", {"workload": "code"}
+    )
+    steps = metrics.registry.get_sample_value(
+        "lanes_decode_step_seconds_count", {"workload": "code"}
+    )
+    assert prefills is not None and steps is not None
+    assert runs > prefills + steps, "the rows should have been split into groups"
 
 
 async def test_seeded_sampling_batched_equals_alone(task: GenerateTask) -> None:
@@ -146,5 +158,54 @@ async def test_cache_stays_as_long_as_its_longest_row(task: GenerateTask) -> Non
         # The short row alone: its prompt (2 with bos) + 39 fed tokens, not the long prompt.
         assert engine.cache.length <= 2 + 40
         assert engine.cache.rows <= 1
+    finally:
+        await engine.stop()
+
+
+class _PrefillTakes:
+    """onnxruntime's session, with a clock that moves on by `seconds` during each run
+    of more than one token (a prefill): a prefill that takes that long, on cue."""
+
+    def __init__(self, session: Any, clock: list[float], seconds: float) -> None:
+        self.session, self.clock, self.seconds = session, clock, seconds
+
+    def run(self, names: Any, feeds: dict[str, Any]) -> Any:
+        if feeds["input_ids"].shape[1] > 1:
+            self.clock[0] += self.seconds
+        return self.session.run(names, feeds)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.session, name)
+
+
+async def test_a_deadline_that_passes_before_the_first_token_is_deadline_exceeded(
+    demo_models: Path,
+) -> None:
+    """It joined in time but its first token came too late: 504, not one token and 200."""
+    folder = demo_models / "tinycode"
+    spec = Spec.model_validate(
+        {
+            "models": {
+                "tiny": {"path": folder / "model.onnx", "tokenizer": folder / "tokenizer.json"}
+            },
+            "workloads": {"code": {"mode": "interactive", "task": "generate", "model": "tiny"}},
+        }
+    )
+    task = load_task("code", spec, Runtime(Settings(device="cpu")))
+    assert isinstance(task, GenerateTask)
+    now = [1000.0]
+    task.decoder.session = _PrefillTakes(task.decoder.session, now, seconds=5.0)  # type: ignore[assignment]
+    engine = Engine(task, Metrics(), clock=lambda: now[0])
+    engine.start()
+    try:
+        late = engine.submit(task.prepare({"prompt": "def f(x", "max_tokens": 8}), timeout_s=1.0)
+        with pytest.raises(DeadlineExceeded):
+            async with asyncio.timeout(60):
+                async for _ in pieces(late, None, streaming=True):
+                    pass
+        assert late.completion_tokens == 0
+        on_time = engine.submit(task.prepare({"prompt": "def f(x", "max_tokens": 3}), timeout_s=60)
+        tokens, _, finish = await collect(on_time)
+        assert len(tokens) == 3 and finish == "length"
     finally:
         await engine.stop()

@@ -27,7 +27,13 @@ from typer.testing import CliRunner
 
 from lanes.errors import JobFailed, StorageError, WrongMode
 from lanes.flows.batch import offline
-from lanes.protocols.openai import completion_response, embeddings_response
+from lanes.protocols.completions import (
+    Choice,
+    completion_response,
+)
+from lanes.protocols.openai import (
+    embeddings_response,
+)
 from lanes.router.offline_cli import run as run_command
 from lanes.runtime import Runtime
 from lanes.settings import Settings
@@ -44,6 +50,7 @@ from tests.flows_fixtures import (
     write_jsonl,
     write_spec,
 )
+from tests.gates import GATE_FILE_ENV, held_marker
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -156,20 +163,49 @@ def test_generate_answers_completions_and_chat_lines(prefect_api: str, tmp_path:
         ],
     )
     summary = offline(workload="gen", spec=str(spec))
-    assert (summary["outputs"], summary["errors"]) == (4, 1)
+    assert (summary["outputs"], summary["errors"]) == (5, 0)
     lines = {line.get("custom_id") or line["id"]: line for line in outputs_of(tmp_path / "out")}
     body = lines["c1"]["response"]["body"]
     created = body["created"]
-    assert body == completion_response(
-        f"cmpl-{lines['c1']['response']['request_id']}", created, "gen", "b c d", "stop", 1, 3
-    )
+    id = f"cmpl-{lines['c1']['response']['request_id']}"
+    assert body == completion_response(id, created, "gen", [Choice("b c d", "stop")], 1, 3)
     assert lines["c2"]["response"]["body"]["choices"][0]["finish_reason"] == "length"
     chat = lines["chat"]["response"]["body"]
     assert chat["object"] == "chat.completion"
     assert chat["choices"][0]["message"] == {"role": "assistant", "content": "c d"}
     assert lines["plain"]["text"] == "d" and lines["plain"]["finish_reason"] == "stop"
+    # A list of prompts: one choice each, in order, as the endpoint answers it.
+    two = lines["two"]["response"]["body"]
+    assert [(c["index"], c["text"]) for c in two["choices"]] == [(0, "b c d"), (1, "c d")]
+    assert two["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
+
+
+def test_text_over_max_length_is_an_error_line_unless_the_workload_truncates(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    words = [f"w{i % 60}" for i in range(300)]  # 302 tokens with [CLS] and [SEP]
+    spec = write_spec(
+        tmp_path,
+        {
+            "strict": offline_workload(max_error_rate=0.5),  # one record in two is too long
+            "cut": offline_workload(truncate=True, output="cut/"),
+        },
+    )
+    write_jsonl(
+        tmp_path / "in" / "a.jsonl",
+        [{"id": "short", "text": "w1 w2"}, {"id": "long", "text": " ".join(words)}],
+    )
+    offline(workload="strict", spec=str(spec))
+    assert [line["id"] for line in outputs_of(tmp_path / "out")] == ["short"]
     (error,) = errors_of(tmp_path / "out")
-    assert error["id"] == "two" and "expected one prompt" in error["error"]
+    assert error["id"] == "long"
+    assert error["error"].startswith("text: this model's maximum context length is 256 tokens")
+    offline(workload="cut", spec=str(spec))
+    cut = {line["id"]: line for line in outputs_of(tmp_path / "cut")}
+    assert sorted(cut) == ["long", "short"]
+    task = embed_task(spec, "strict")
+    (expected,) = task.run([task.prepare(" ".join(words[:254]))])  # what fits beside the specials
+    np.testing.assert_allclose(cut["long"]["embedding"], expected, rtol=1e-5, atol=1e-6)
 
 
 def test_parquet_gzip_and_infer_outputs(prefect_api: str, tmp_path: Path) -> None:
@@ -245,23 +281,26 @@ def test_rerun_skips_committed_shards_and_redoes_changed_ones(
 
 
 def test_sigkill_mid_job_then_rerun_gives_every_id_exactly_once(
-    prefect_api: str, tmp_path: Path
+    prefect_api: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     workload = offline_workload(
-        "infer", handler="tests.flows_fixtures:slow", runner={"max_concurrent_shards": 1}
+        "infer",
+        handler="tests.flows_fixtures:held_from_shard_3",
+        runner={"max_concurrent_shards": 1},
     )
     spec = write_spec(tmp_path, {"slow": workload})
     ids = []
     for shard in range(20):
-        records = [{"id": f"s{shard}-{i}", "x": [[i, 0, 0, 0]]} for i in range(30)]
+        records = [{"id": f"s{shard}-{i}", "x": [[i, shard, 0, 0]]} for i in range(30)]
         ids += [r["id"] for r in records]
         write_jsonl(tmp_path / "in" / f"part-{shard:02d}.jsonl", records)
     markers = tmp_path / "out" / "_committed"
+    gate = tmp_path / "gate-open"  # it never opens for the first run: shard 3 waits there
     code = f"from flows.batch import offline; offline(workload='slow', spec={str(spec)!r})"
-    env = {**os.environ, "PREFECT_API_URL": prefect_api}
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, GATE_FILE_ENV: str(gate)}
     worker = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env)
     try:
-        wait_until(lambda: len(list(markers.glob("*.json"))) >= 3, 90, "3 shards committed")
+        wait_until(held_marker(gate).exists, 90, "the job held at shard 3")
         worker.send_signal(signal.SIGKILL)
         worker.wait(timeout=30)
     finally:
@@ -270,8 +309,10 @@ def test_sigkill_mid_job_then_rerun_gives_every_id_exactly_once(
             worker.wait(timeout=30)
     at_kill = len(list(markers.glob("*.json")))
     assert worker.returncode == -signal.SIGKILL
-    assert 3 <= at_kill < 20, "the kill must land mid-job"
+    assert at_kill == 3, "the kill lands mid-job, after shards 0-2 committed"
 
+    gate.touch()
+    monkeypatch.setenv(GATE_FILE_ENV, str(gate))
     summary = offline(workload="slow", spec=str(spec))
 
     assert summary["shards_skipped"] == at_kill and summary["shards_failed"] == 0

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +18,16 @@ from lanes.runtime import Runtime
 from lanes.settings import Settings
 from lanes.specfile import load_spec
 from lanes.tasks import GenerateTask, load_task
+from tests.gates import Gate, JumpClock, eventually, wait_until
 from tests.servers import ServerThread
 
 pytestmark = pytest.mark.slow
+
+# The server's decoder runs wait here while a test holds it closed; its clock jumps
+# when a test needs a deadline to pass.
+GATE = Gate()
+CLOCK = JumpClock()
+HOUR_MS = "3600000"  # a deadline no step can reach unless the clock jumps
 
 GUARD_EVERY = 4
 GUARD_MODULE = "lanes_test_guard"
@@ -124,7 +130,8 @@ def setup(
         f"blocked = make_blocklist([{found.term!r}])\n"
     )
     spec_path.write_text(workloads(demo_models, f"{GUARD_MODULE}:blocked"))
-    with ServerThread(spec_path) as server:  # the spec's folder is on the import path
+    # The spec's folder is on the import path: the guard module beside it imports.
+    with ServerThread(spec_path, gates={"tinycode": GATE}, clock=CLOCK) as server:
         yield server, task, found
 
 
@@ -241,9 +248,21 @@ async def test_16_concurrent_greedy_requests_match_each_alone(
         )
     }
     client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-    answers = await asyncio.gather(
-        *(client.completions.create(model="code", prompt=p, max_tokens=n) for p, n in prompts)
-    )
+    with GATE.closed():  # the first prefill waits at the gate, so the others queue behind it
+        (p, n), *others = prompts
+        calls = [
+            asyncio.create_task(client.completions.create(model="code", prompt=p, max_tokens=n))
+        ]
+        await asyncio.to_thread(GATE.wait_held)
+        calls += [
+            asyncio.create_task(client.completions.create(model="code", prompt=p, max_tokens=n))
+            for p, n in others
+        ]
+        await eventually(
+            lambda: metric(server, "lanes_queue_depth", workload="code") == 15,
+            "the other 15 requests queued behind the first",
+        )
+    answers = await asyncio.gather(*calls)
     await client.close()
     for want, got in zip(alone, answers, strict=True):
         assert got.choices[0].text == want.text
@@ -273,17 +292,18 @@ def test_stop_strings_cut_the_text_streamed_or_not(server: ServerThread, found: 
     assert streamed_text(sse(server, "/v1/completions", body)) == (cut, "stop")
 
 
-def test_a_workload_that_streams_answers_as_events_unless_asked_not_to(
+def test_a_workload_that_streams_still_answers_whole_unless_asked_to_stream(
     server: ServerThread,
 ) -> None:
+    """OpenAI's default: no `stream` is not streamed; the workload's `stream:` is the
+    SDK's and CLI's default only."""
     body = {"model": "streamer", "prompt": "def ", "max_tokens": 4}
-    events = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    assert whole.headers["content-type"] == "application/json"
+    assert whole.json()["usage"]["completion_tokens"] == 4
+    events = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=30)
     assert events.headers["content-type"].startswith("text/event-stream")
     assert events.text.endswith("data: [DONE]\n\n")
-    whole = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": False}, timeout=30)
-    assert whole.json()["usage"]["completion_tokens"] == 4
-    default = httpx.post(f"{server.url}/v1/completions", json={**body, "model": "code"}, timeout=30)
-    assert default.headers["content-type"] == "application/json"
 
 
 def test_a_disconnect_frees_its_row(server: ServerThread) -> None:
@@ -295,29 +315,34 @@ def test_a_disconnect_frees_its_row(server: ServerThread) -> None:
         "stream": True,
         "ignore_eos": True,
     }
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as answer:
-        lines = answer.iter_lines()
-        assert next(lines).startswith("data: ")
-        assert metric(server, "lanes_sequences_in_flight", workload="code") == 1
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if (
+    with GATE.closed():
+        GATE.allow(2)  # the prefill and one decode step; the next step waits: the row is held
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as answer:
+            lines = answer.iter_lines()
+            assert next(lines).startswith("data: ")
+            GATE.wait_held()
+            assert metric(server, "lanes_sequences_in_flight", workload="code") == 1
+        # The client left: the engine retires its row while that step is still held.
+        wait_until(
+            lambda: (
+                metric(server, "lanes_sequences_finished_total", workload="code", reason="abort")
+                > aborted
+            ),
+            "the server aborting the sequence",
+        )
+        assert (
             metric(server, "lanes_sequences_finished_total", workload="code", reason="abort")
-            > aborted
-        ):
-            break
-        time.sleep(0.02)
-    assert (
-        metric(server, "lanes_sequences_finished_total", workload="code", reason="abort")
-        == aborted + 1
-    )
-    assert metric(server, "lanes_sequences_in_flight", workload="code") == 0
+            == aborted + 1
+        )
+        assert metric(server, "lanes_sequences_in_flight", workload="code") == 0
     assert metric(server, "lanes_generated_tokens_total", workload="code") > 0
     assert metric(server, "lanes_time_to_first_token_seconds_count", workload="code") > 0
     assert metric(server, "lanes_inter_token_latency_seconds_count", workload="code") > 0
 
 
 async def test_full_queue_503_and_deadlines(server: ServerThread) -> None:
+    """one-lane has one row and one waiting place. A gate holds the row's sequence
+    between two steps for as long as the test needs; the clock's jumps pass deadlines."""
     url = f"{server.url}/v1/completions"
     long = {
         "model": "one-lane",
@@ -326,33 +351,77 @@ async def test_full_queue_503_and_deadlines(server: ServerThread) -> None:
         "stream": True,
         "ignore_eos": True,
     }
+
+    def queued() -> bool:
+        return metric(server, "lanes_queue_depth", workload="one-lane") == 1
+
+    def free() -> bool:
+        return metric(server, "lanes_sequences_in_flight", workload="one-lane") == 0
+
     async with httpx.AsyncClient(timeout=30) as client:
-        async with client.stream("POST", url, json=long) as running:
-            lines = running.aiter_lines()
-            assert (await anext(lines)).startswith("data: ")  # it holds the only row
-            waiting = asyncio.create_task(
-                client.post(url, json={"model": "one-lane", "prompt": "x", "max_tokens": 2})
-            )
-            await asyncio.sleep(0.2)
-            refused = await client.post(url, json={"model": "one-lane", "prompt": "y"})
-            assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
-            assert refused.json()["error"]["code"] == "overloaded"
+        with GATE.closed():
+            GATE.allow(1)  # its prefill: the first token, then its next step waits
+            async with client.stream("POST", url, json=long) as running:
+                lines = running.aiter_lines()
+                assert (await anext(lines)).startswith("data: ")  # it holds the only row
+                await asyncio.to_thread(GATE.wait_held)
+                waiting = asyncio.create_task(
+                    client.post(url, json={"model": "one-lane", "prompt": "x", "max_tokens": 2})
+                )
+                await eventually(queued, "a request waiting for the row")
+                refused = await client.post(url, json={"model": "one-lane", "prompt": "y"})
+                assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+                assert refused.json()["error"]["code"] == "overloaded"
         assert (await waiting).status_code == 200  # the disconnect above freed the row
-        async with client.stream("POST", url, json=long) as running:
-            lines = running.aiter_lines()  # keep it: a dropped iterator closes the response
-            assert (await anext(lines)).startswith("data: ")
-            started = time.monotonic()
-            late = await client.post(
-                url, json={"model": "one-lane", "prompt": "z"}, headers={"X-Timeout-Ms": "150"}
+
+        # A deadline that passes while the request waits for a row: 504, before any token.
+        with GATE.closed():
+            GATE.allow(1)
+            async with client.stream("POST", url, json=long) as running:
+                lines = running.aiter_lines()  # keep it: a dropped iterator closes the response
+                assert (await anext(lines)).startswith("data: ")
+                await asyncio.to_thread(GATE.wait_held)
+                late = asyncio.create_task(
+                    client.post(
+                        url,
+                        json={"model": "one-lane", "prompt": "z"},
+                        headers={"X-Timeout-Ms": HOUR_MS},
+                    )
+                )
+                await eventually(queued, "a request waiting for the row")
+                CLOCK.jump(7200)
+                GATE.allow(1)  # one more step of the running one: the next plan sees the deadline
+                assert (await late).status_code == 504
+                await asyncio.to_thread(GATE.wait_held)  # and the running one holds its row still
+        await eventually(free, "the row freed by the disconnect")
+
+        # A deadline that passes before the first token answers 504, not one token...
+        late_body = {**long, "stream": False}
+        with GATE.closed():  # even its prefill waits
+            early = asyncio.create_task(
+                client.post(url, json=late_body, headers={"X-Timeout-Ms": HOUR_MS})
             )
-            assert late.status_code == 504 and time.monotonic() - started < 2
-        # A deadline that passes while a sequence runs cuts it like max_tokens.
-        cut = await client.post(
-            url, json={**long, "stream": False}, headers={"X-Timeout-Ms": "300"}
-        )
-        assert cut.status_code == 200
-        assert cut.json()["choices"][0]["finish_reason"] == "length"
-        assert 0 < cut.json()["usage"]["completion_tokens"] < 400
+            await asyncio.to_thread(GATE.wait_held)  # admitted: its prefill is on the model
+            CLOCK.jump(7200)
+            GATE.allow(1)  # the prefill ends past the deadline
+            answer = await early
+        assert answer.status_code == 504
+        await eventually(free, "the row freed by the deadline")
+
+        # ...and one that passes while the sequence runs cuts it like max_tokens.
+        with GATE.closed():
+            cut = asyncio.create_task(
+                client.post(url, json=late_body, headers={"X-Timeout-Ms": HOUR_MS})
+            )
+            await asyncio.to_thread(GATE.wait_held)  # its prefill
+            GATE.allow(1)  # the first token
+            await asyncio.to_thread(GATE.wait_held)  # its first decode step
+            CLOCK.jump(7200)
+            GATE.allow(1)  # the second token; the next plan finds it late
+            answer = await cut
+        assert answer.status_code == 200
+        assert answer.json()["choices"][0]["finish_reason"] == "length"
+        assert answer.json()["usage"]["completion_tokens"] == 2
 
 
 def test_buffer_guard_holds_the_stream_until_the_whole_text_passed(
@@ -408,7 +477,7 @@ def test_bad_generate_requests_get_openai_errors(server: ServerThread) -> None:
     with pytest.raises(BadRequestError, match="n"):
         client.completions.create(model="code", prompt="x", n=2)
     bad = [
-        ({"model": "code", "prompt": ["a", "b"]}, 400, "one prompt"),
+        ({"model": "code", "prompt": ["a", 5]}, 400, "prompt[1]: "),
         ({"model": "code", "prompt": "x", "temperature": -1}, 400, "temperature"),
         ({"model": "code", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
         ({"model": "code", "prompt": "x", "stop": 3}, 400, "stop"),

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from lanes.serving.model_thread import ModelThread
+from tests.gates import WAIT_S
 
 
 def _where(tag: str) -> tuple[str, str]:
@@ -57,17 +57,18 @@ async def test_an_exception_reaches_the_caller_and_the_thread_keeps_serving() ->
 
 
 async def test_a_caller_that_leaves_does_not_stop_the_run() -> None:
-    finished = threading.Event()
+    release, finished = threading.Event(), threading.Event()
 
-    def slow(seconds: float) -> None:
-        time.sleep(seconds)
+    def held(_: None) -> None:
+        assert release.wait(WAIT_S), "never released"
         finished.set()
 
     thread = ModelThread("lanes-test")
     try:
-        running = call(thread, slow, 0.2)
-        with pytest.raises(TimeoutError):
+        running = call(thread, held, None)
+        with pytest.raises(TimeoutError):  # the caller gives up: the run waits for `release`
             await asyncio.wait_for(asyncio.shield(running), 0.01)
+        release.set()
         assert await call(thread, _where, "after") == ("after", "lanes-test")
         assert finished.is_set()  # it ran to its end before the next call
         assert running.result() is None  # and it was answered all the same

@@ -204,6 +204,21 @@ def test_deadlines_expire_waiting_and_running_sequences() -> None:
     assert s.has_work is False
 
 
+def test_a_deadline_that_passes_during_the_prefill_makes_no_token() -> None:
+    clock = Clock()
+    s = make(max_running=2, clock=clock)
+    s.add(seq(0, deadline=105.0))
+    s.add(seq(1, deadline=200.0))
+    plan = s.schedule()
+    assert ids(plan.prefill) == [0, 1]  # both joined in time
+    clock.now = 106.0  # the prefill ran past seq 0's deadline
+    events = by_id(s.update(plan, StepOutputs(prefill=logits(A, A))))
+    assert events[0] == Event(0, (), "", "deadline")  # no first token: the caller gets 504
+    assert events[1].tokens == (A,) and events[1].finish is None
+    plan, events = step(s)
+    assert ids(plan.decode) == [1] and plan.retired == ()
+
+
 def test_static_batch_keeps_finished_rows_until_the_longest_is_done() -> None:
     s = make(max_running=4, policy="static")
     s.add(seq(0, max_new=1))

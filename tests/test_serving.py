@@ -8,9 +8,9 @@ import base64
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,9 +25,12 @@ from lanes.runtime import Runtime
 from lanes.serving.app import route_label
 from lanes.settings import Settings
 from lanes.tasks import load_task
+from tests.gates import GATE_FILE_ENV, HELD, eventually, held_marker, wait_until
 from tests.servers import ServerThread, free_port, write_spec
 
 pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
 
 WORKLOADS = """\
   search-query:
@@ -44,11 +47,17 @@ WORKLOADS = """\
     task: infer
     model: classifier
     handler: lanes.demo.labels:handler
-  slow-lane:                       # waits 1.5 s for company: queues fill, deadlines expire
+  full-batches:                    # a batch runs once 16 requests wait (or after 60 s)
     mode: interactive
     task: embed
     model: minilm
-    batching: {max_batch_size: 64, max_wait_ms: 1500, max_queue: 4}
+    batching: {max_batch_size: 16, max_wait_ms: 60000}
+  held-lane:                       # its runs wait at tests.gates.HELD while a test holds it
+    mode: interactive
+    task: embed
+    model: minilm
+    handler: tests.gates:held
+    batching: {max_batch_size: 64, max_wait_ms: 0, max_queue: 4}
   nightly:
     mode: offline
     task: embed
@@ -84,20 +93,20 @@ def metric(text: str, name: str, default: float | None = None, **labels: str) ->
 
 
 async def test_64_concurrent_callers_get_their_own_answer(server: ServerThread) -> None:
-    task = load_task("search-query", server.spec, Runtime(Settings()))
+    task = load_task("full-batches", server.spec, Runtime(Settings()))
     expected = [task.run([task.prepare(t)])[0] for t in TEXTS]
     client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     answers = await asyncio.gather(
-        *(client.embeddings.create(model="search-query", input=t) for t in TEXTS)
+        *(client.embeddings.create(model="full-batches", input=t) for t in TEXTS)
     )
     await client.close()
     for want, got in zip(expected, answers, strict=True):
         assert np.allclose(got.data[0].embedding, want, atol=1e-5)
         assert got.usage.prompt_tokens > 0
     body = httpx.get(f"{server.url}/metrics").text
-    runs = metric(body, "lanes_batch_size_count", workload="search-query")
-    items = metric(body, "lanes_batch_size_sum", workload="search-query")
-    assert items >= 64 and runs < items, "64 concurrent requests should share model runs"
+    runs = metric(body, "lanes_batch_size_count", workload="full-batches")
+    items = metric(body, "lanes_batch_size_sum", workload="full-batches")
+    assert (runs, items) == (4, 64), "64 concurrent requests share four full runs"
 
 
 def test_openai_list_input_base64_and_models(server: ServerThread) -> None:
@@ -110,7 +119,7 @@ def test_openai_list_input_base64_and_models(server: ServerThread) -> None:
     assert np.allclose(unpacked, floats.data[0].embedding, atol=1e-6)
     assert len(floats.data[0].embedding) == 384
     ids = {m.id for m in client.models.list().data}
-    assert ids == {"search-query", "flowers", "flower-labels", "slow-lane"}
+    assert ids == {"search-query", "flowers", "flower-labels", "full-batches", "held-lane"}
 
 
 def test_tritonclient_infer_and_metadata(server: ServerThread) -> None:
@@ -143,42 +152,58 @@ def test_handler_turns_logits_into_labels(server: ServerThread) -> None:
     assert '"label"' in output["data"][0]
 
 
+def queue_depth(server: ServerThread, workload: str) -> float:
+    return metric(
+        httpx.get(f"{server.url}/metrics").text, "lanes_queue_depth", 0.0, workload=workload
+    )
+
+
+def run_items(server: ServerThread, workload: str) -> float:
+    """Requests that reached the model (the sum of its batch sizes)."""
+    body = httpx.get(f"{server.url}/metrics").text
+    return metric(body, "lanes_batch_size_sum", 0.0, workload=workload)
+
+
 async def test_full_queue_answers_503_with_retry_after(server: ServerThread) -> None:
     url = f"{server.url}/v1/embeddings"
-    async with httpx.AsyncClient(timeout=10) as client:
-        waiting = [
-            asyncio.create_task(client.post(url, json={"model": "slow-lane", "input": f"t{i}"}))
-            for i in range(4)
-        ]
-        await asyncio.sleep(0.3)  # the four sit in the 1.5 s window, filling the queue
-        refused = await client.post(url, json={"model": "slow-lane", "input": "one too many"})
-        assert refused.status_code == 503
-        assert refused.headers["retry-after"] == "1"
-        assert refused.json()["error"]["code"] == "overloaded"
-        assert [r.status_code for r in await asyncio.gather(*waiting)] == [200] * 4
+    async with httpx.AsyncClient(timeout=30) as client:
+
+        def send(text: str) -> asyncio.Task[httpx.Response]:
+            return asyncio.create_task(client.post(url, json={"model": "held-lane", "input": text}))
+
+        with HELD.closed():
+            running = send("on the model")
+            await asyncio.to_thread(HELD.wait_held)
+            waiting = [send(f"t{i}") for i in range(4)]
+            await eventually(lambda: queue_depth(server, "held-lane") == 4, "a full queue")
+            refused = await client.post(url, json={"model": "held-lane", "input": "one too many"})
+            assert refused.status_code == 503
+            assert refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["code"] == "overloaded"
+        answers = await asyncio.gather(running, *waiting)
+        assert [r.status_code for r in answers] == [200] * 5
 
 
 async def test_expired_deadline_answers_504_and_never_reaches_the_model(
     server: ServerThread,
 ) -> None:
-    before = metric(
-        httpx.get(f"{server.url}/metrics").text, "lanes_batch_size_sum", workload="slow-lane"
-    )
-    started = time.monotonic()
-    answer = httpx.post(
-        f"{server.url}/v1/embeddings",
-        json={"model": "slow-lane", "input": "too late"},
-        headers={"X-Timeout-Ms": "100"},
-        timeout=10,
-    )
-    waited = time.monotonic() - started
-    assert answer.status_code == 504
-    assert waited < 1.4, "answered at its deadline, not when the batch window closed"
-    await asyncio.sleep(1.6)
-    after = metric(
-        httpx.get(f"{server.url}/metrics").text, "lanes_batch_size_sum", workload="slow-lane"
-    )
-    assert after == before
+    """The deadline fires while the batch before it still runs (held at the gate)."""
+    url = f"{server.url}/v1/embeddings"
+    before = run_items(server, "held-lane")
+    async with httpx.AsyncClient(timeout=30) as client:
+        with HELD.closed():
+            running = asyncio.create_task(
+                client.post(url, json={"model": "held-lane", "input": "on the model"})
+            )
+            await asyncio.to_thread(HELD.wait_held)
+            late = await client.post(
+                url,
+                json={"model": "held-lane", "input": "too late"},
+                headers={"X-Timeout-Ms": "100"},
+            )
+            assert late.status_code == 504
+        assert (await running).status_code == 200
+    assert run_items(server, "held-lane") == before + 1
 
 
 BAD_REQUESTS: list[tuple[str, str, object, int]] = [
@@ -327,42 +352,75 @@ def test_api_key_guards_everything_but_health(spec_path: Path) -> None:
         assert len(ok.embeddings.create(model="search-query", input="x").data) == 1
 
 
-def test_sigterm_finishes_queued_work_then_exits(spec_path: Path) -> None:
+SIGTERM_WORKLOADS = """\
+  held-lane:                       # its runs wait for the file $TESTS_GATE_FILE
+    mode: interactive
+    task: embed
+    model: minilm
+    handler: tests.gates:held_by_file
+    batching: {max_batch_size: 64, max_wait_ms: 0}
+"""
+
+
+def accepting(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+def test_sigterm_finishes_queued_work_then_exits(demo_models: Path, tmp_path: Path) -> None:
+    """One request held on the model (at a gate file), two queued behind it, then
+    SIGTERM: the server stops accepting, and once the gate opens it answers all three."""
+    spec_path = write_spec(tmp_path, demo_models, SIGTERM_WORKLOADS)
+    gate = tmp_path / "open"
     port = free_port()
-    env = {**os.environ, "LANES_PORT": str(port)}
+    env = {**os.environ, "LANES_PORT": str(port), GATE_FILE_ENV: str(gate)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "lanes.router.cli", "serve", str(spec_path)],
         env=env,
+        cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+
+        def ready() -> bool:
             try:
-                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                    break
+                return httpx.get(f"{url}/readyz", timeout=1).status_code == 200
             except httpx.TransportError:
-                time.sleep(0.1)
+                return False
+
+        wait_until(ready, "the server ready")
+
+        def queued() -> float:
+            body = httpx.get(f"{url}/metrics", timeout=10).text
+            return metric(body, "lanes_queue_depth", 0.0, workload="held-lane")
 
         async def queued_then_terminated() -> list[int]:
-            async with httpx.AsyncClient(timeout=20) as client:
+            async with httpx.AsyncClient(timeout=60) as client:
                 calls = [
                     asyncio.create_task(
                         client.post(
-                            f"{url}/v1/embeddings", json={"model": "slow-lane", "input": f"q{i}"}
+                            f"{url}/v1/embeddings", json={"model": "held-lane", "input": f"q{i}"}
                         )
                     )
                     for i in range(3)
                 ]
-                await asyncio.sleep(0.3)  # queued in the 1.5 s window
+                await eventually(
+                    lambda: held_marker(gate).exists() and queued() == 2,
+                    "one request held on the model and two queued",
+                )
                 proc.send_signal(signal.SIGTERM)
+                await eventually(lambda: not accepting(port), "the server to stop accepting")
+                gate.touch()
                 return [r.status_code for r in await asyncio.gather(*calls)]
 
         assert asyncio.run(queued_then_terminated()) == [200, 200, 200]
         # uvicorn re-raises the signal once its graceful shutdown is done.
-        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
     finally:
         if proc.poll() is None:
             proc.kill()

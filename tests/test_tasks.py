@@ -316,15 +316,36 @@ def test_embed_truncates_to_max_length_keeping_specials(
     encoder: Path, folder: Path, runtime: Runtime
 ) -> None:
     tokenizer = word_tokenizer(folder / "words.json", WORDS, "[CLS] $A [SEP]")
-    task = load_task("w", spec_for(encoder, "embed", tokenizer, max_length=4), runtime)
+    spec = spec_for(encoder, "embed", tokenizer, max_length=4, truncate=True)
+    task = load_task("w", spec, runtime)
     assert isinstance(task, EmbedTask)
     item = task.prepare("a b c a b c")
     assert item.ids.tolist() == [2, 6, 7, 3]
+    assert task.prepare([2, 6, 7, 6, 7, 3]).ids.tolist() == [2, 6, 7, 6]  # ids: cut as given
+
+
+def test_embed_refuses_text_over_max_length_unless_the_workload_truncates(
+    encoder: Path, folder: Path, runtime: Runtime
+) -> None:
+    tokenizer = word_tokenizer(folder / "words.json", WORDS, "[CLS] $A [SEP]")
+    task = load_task("w", spec_for(encoder, "embed", tokenizer, max_length=4), runtime)
+    assert isinstance(task, EmbedTask)
+    assert task.prepare("a b").n_tokens == 4  # [CLS] a b [SEP]: exactly the limit
+    with pytest.raises(InvalidInput, match="maximum context length is 4 tokens") as refused:
+        task.prepare("a b c")
+    assert (refused.value.param, refused.value.code) == ("input", "context_length_exceeded")
+    with pytest.raises(InvalidInput, match="maximum context length is 4 tokens"):
+        task.prepare([2, 6, 7, 8, 3])
 
 
 @pytest.mark.parametrize(
     ("item", "message"),
-    [(3, "input: expected a string, found int"), ("", "non-empty"), (["a"], "found list")],
+    [
+        (3, "input: expected a string, found int"),
+        ("", "non-empty"),
+        (["a"], "expected token ids"),
+        ([4, 99], "token id 99 at .1. is outside the model's vocabulary"),
+    ],
 )
 def test_embed_rejects_non_text(embed: EmbedTask, item: Any, message: str) -> None:
     with pytest.raises(InvalidInput, match=message):
@@ -452,6 +473,16 @@ def test_generate_sampling_is_seeded(generate: GenerateTask) -> None:
     item = {"prompt": "a", "temperature": 1.5, "seed": 7, "max_tokens": 4}
     runs = [generate.run([generate.prepare(item)])[0].tokens for _ in range(2)]
     assert runs[0] == runs[1]
+    # OpenAI's seeds are signed: a negative one is a seed like any other (numpy's are not).
+    negative = {**item, "seed": -(2**63)}
+    runs = [generate.run([generate.prepare(negative)])[0].tokens for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_generate_takes_token_ids_as_a_prompt(generate: GenerateTask) -> None:
+    from_ids = generate.prepare({"prompt": [1]})
+    assert from_ids.prompt_ids == (1,) and from_ids.prompt == "a"
+    assert generate.complete(from_ids) == generate.complete(generate.prepare("a"))
 
 
 @pytest.mark.parametrize(
@@ -459,10 +490,12 @@ def test_generate_sampling_is_seeded(generate: GenerateTask) -> None:
     [
         ({"prompt": "a", "temperature": -1}, "temperature: "),
         ({"prompt": "a", "max_tokens": 1.5}, "max_tokens: "),
-        ({"prompt": "a", "top_p": 0}, "top_p: "),
+        ({"prompt": "a", "top_p": 1.5}, "top_p: expected a value <= 1"),
         ({"prompt": "a", "seed": "x"}, "seed: expected an integer"),
         ({"prompt": "a", "n": 2}, "unknown field 'n'"),
-        ({"max_tokens": 2}, "prompt: expected a string, found NoneType"),
+        ({"max_tokens": 2}, "prompt: expected a string or token ids, found null"),
+        ({"prompt": [1, 99]}, r"prompt: expected token ids from 0 to 5, found 99 at \[1\]"),
+        ({"prompt": "a", "max_tokens": 64}, "maximum context length is 64 tokens"),
         (7, "expected a prompt string"),
     ],
 )
@@ -493,8 +526,9 @@ def test_sample_is_greedy_at_zero_and_cut_by_top_k_and_top_p() -> None:
     assert {sample(logits, SamplingParams(1.0, top_p=0.1), rng) for _ in range(20)} == {1}
     top2 = {sample(logits, SamplingParams(1.0, top_k=2), rng) for _ in range(200)}
     assert top2 == {1, 2}
-    with pytest.raises(ValueError, match="0 < top_p <= 1"):
-        SamplingParams(top_p=0)
+    assert {sample(logits, SamplingParams(1.0, top_p=0), rng) for _ in range(20)} == {1}
+    with pytest.raises(ValueError, match="0 <= top_p <= 1"):
+        SamplingParams(top_p=1.5)
 
 
 def test_decoder_prepends_bos_from_config(

@@ -413,7 +413,9 @@ def test_every_v2_error_is_an_error_string(server: ServerThread, client: Any) ->
             assert isinstance(message, str) and len(message) > 10, (method, path, message)
         # The OpenAI side keeps its own shape.
         assert http.get("/v1/models").json()["error"]["type"] == "authentication_error"
-        assert http.get("/nowhere", headers=auth()).text == "Not Found"
+        assert http.get("/nowhere", headers=auth()).json()["error"]["type"] == (
+            "invalid_request_error"
+        )
 
 
 def test_metrics_fold_versions_away() -> None:

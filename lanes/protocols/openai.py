@@ -1,5 +1,6 @@
-"""OpenAI-compatible request and response shapes (no HTTP): embeddings, completions,
-chat completions (and their stream chunks), batch-file lines.
+"""OpenAI-compatible request and response shapes (no HTTP): what every request shares
+(strict fields, `parse`, inputs as texts or token ids), embeddings, error bodies and
+batch-file lines. Completions and chat completions are in lanes.protocols.completions.
 
 Serving wraps these in routes; flows wraps them in batch records, so an offline
 OpenAI batch line gets exactly the body the online endpoint would have answered.
@@ -14,34 +15,113 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from lanes.errors import InvalidInput
+from lanes.errors import InvalidInput, LanesError
+from lanes.validation import describe, invalid_input
 
 T = TypeVar("T")
 
 
-class OpenAIRequest(BaseModel):
-    # OpenAI clients send fields lanes does not use (user, dimensions): accept, ignore.
-    model_config = ConfigDict(extra="ignore")
+class Shape(BaseModel):
+    """A request shape. Fields OpenAI defines are typed as strictly as OpenAI checks
+    them (no "5" for 5, no 1 for true); fields lanes does not know are ignored, as
+    vLLM ignores them: clients send their own vendors' extensions."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    def check(self) -> None:
+        """Refuse what the types let through but lanes cannot serve (see `unsupported`)."""
+
+
+class OpenAIRequest(Shape):
+    model: str = Field(description="The workload name.")
+    user: str | None = Field(None, description="The caller's end user, for their logs.")
+
+
+def unsupported(param: str, detail: str) -> InvalidInput:
+    """A parameter lanes does not implement, sent with a value that would change the
+    answer (its no-op value is accepted)."""
+    return InvalidInput.field(param, detail, "unsupported_value")
+
+
+R = TypeVar("R", bound=Shape)
+
+
+def parse(model: type[R], body: Any) -> R:
+    """Validate a request body; a bad one raises InvalidInput naming the field."""
+    if not isinstance(body, dict):
+        found = describe(body)
+        raise InvalidInput.field("body", f"expected a JSON object, found {found}", "invalid_type")
+    try:
+        request = model.model_validate(body)
+    except ValidationError as err:
+        raise invalid_input(err) from None
+    request.check()
+    return request
+
+
+Inputs = list[str | list[int]]
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def texts_or_ids(value: str | list[Any], param: str, what: str) -> Inputs:
+    """OpenAI's four spellings of a request's inputs (each a `what`), as a list: a text,
+    a list of texts, one array of token ids, a list of arrays of token ids."""
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        detail = f"expected at least one {what}, found an empty array"
+        raise InvalidInput.field(param, detail, "empty_array")
+    if _is_id(value[0]):
+        return [_token_ids(value, param)]
+    inputs: Inputs = []
+    for i, item in enumerate(value):
+        if isinstance(item, str):
+            inputs.append(item)
+        elif isinstance(item, list):
+            inputs.append(_token_ids(item, f"{param}[{i}]"))
+        else:
+            detail = f"expected a string or an array of token ids, found {describe(item)}"
+            raise InvalidInput.field(f"{param}[{i}]", detail, "invalid_type")
+    return inputs
+
+
+def _token_ids(value: list[Any], param: str) -> list[int]:
+    if not value:
+        detail = "expected at least one token id, found an empty array"
+        raise InvalidInput.field(param, detail, "empty_array")
+    for i, item in enumerate(value):
+        if not _is_id(item):
+            detail = f"expected a token id (an integer), found {describe(item)}"
+            raise InvalidInput.field(f"{param}[{i}]", detail, "invalid_type")
+    return list(value)
+
+
+def one_input(value: str | list[Any]) -> bool:
+    """Whether the request's inputs are one input (a text, an array of token ids)."""
+    return isinstance(value, str) or (bool(value) and _is_id(value[0]))
 
 
 class EmbeddingsRequest(OpenAIRequest):
-    model: str = Field(description="The workload name.")
-    input: str | list[str] = Field(description="One text or a list of texts.")
+    input: str | list[Any] = Field(description="Text(s), or array(s) of token ids.")
     encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, description="Only the model's own.")
 
     @property
-    def texts(self) -> list[str]:
-        return [self.input] if isinstance(self.input, str) else list(self.input)
+    def inputs(self) -> Inputs:
+        return texts_or_ids(self.input, "input", "text")
 
 
-def parse(model: type[OpenAIRequest], body: Any) -> Any:
-    """Validate a request body; a bad one raises InvalidInput naming the field."""
-    try:
-        return model.model_validate(body)
-    except ValidationError as err:
-        first = err.errors(include_url=False)[0]
-        field = ".".join(str(p) for p in first["loc"]) or "body"
-        raise InvalidInput(f"{field}: {first['msg']}") from None
+def check_dimensions(request: EmbeddingsRequest, dimensions: int) -> None:
+    """`dimensions` is accepted when it is the model's own: lanes does not shorten vectors."""
+    if request.dimensions is not None and request.dimensions != dimensions:
+        raise unsupported(
+            "dimensions",
+            f"this model's vectors have {dimensions} dimensions and lanes does not shorten "
+            f"them; send {dimensions} or leave it out, found {request.dimensions}",
+        )
 
 
 def embeddings_response(
@@ -75,209 +155,6 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-# ---- completions and chat completions --------------------------------------------------
-
-OpenAIFinish = Literal["stop", "length", "content_filter"]
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
-
-
-class GenerateParams(OpenAIRequest):
-    """What /v1/completions and /v1/chat/completions share. Unset fields take the
-    workload's `generation:`; `top_k` and `ignore_eos` are vLLM's extensions."""
-
-    model: str = Field(description="The workload name.")
-    max_tokens: int | None = Field(None, description="Most tokens to generate.")
-    temperature: float | None = Field(None, description="0 is greedy.")
-    top_p: float | None = None
-    top_k: int | None = None
-    stop: str | list[str] | None = Field(None, description="Strings that end the text.")
-    seed: int | None = Field(None, description="Makes sampling reproducible.")
-    n: Literal[1] = Field(1, description="Choices per request: lanes makes one.")
-    stream: bool = Field(False, description="Answer as Server-Sent Events.")
-    stream_options: StreamOptions | None = None
-    ignore_eos: bool = Field(False, description="Run to max_tokens (benchmarks).")
-
-    @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
-
-    def generation_item(self, prompt: str) -> dict[str, Any]:
-        """The generate task's item: the prompt and the parameters that are set."""
-        return {
-            "prompt": prompt,
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_k": self.top_k,
-            "top_p": self.top_p,
-            "stop": self.stop,
-            "seed": self.seed,
-        }
-
-
-class CompletionRequest(GenerateParams):
-    prompt: str | list[str] = Field(description="One prompt (a list of one is accepted).")
-
-    @property
-    def text(self) -> str:
-        if isinstance(self.prompt, str):
-            return self.prompt
-        if len(self.prompt) != 1:
-            raise InvalidInput(
-                f"prompt: expected one prompt, found a list of {len(self.prompt)}; "
-                "send one request per prompt"
-            )
-        return self.prompt[0]
-
-
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: str = Field(description="system, user, assistant, ...")
-    content: str | list[ContentPart] | None = None
-
-    @property
-    def text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        return "".join(part.text for part in self.content)
-
-
-class ChatCompletionRequest(GenerateParams):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, description="Newer name of max_tokens.")
-
-    def generation_item(self, prompt: str) -> dict[str, Any]:
-        item = super().generation_item(prompt)
-        if self.max_completion_tokens is not None:
-            item["max_tokens"] = self.max_completion_tokens
-        return item
-
-
-def render_chat(
-    messages: Sequence[ChatMessage], template: str | None, generation_prompt: str | None
-) -> str:
-    """The prompt of a chat: `template.format(role=, content=)` per message, then the
-    generation prompt (both from the model's config.json). `InvalidInput` without one."""
-    if template is None:
-        raise InvalidInput(
-            "messages: this workload's model has no chat template (config.json "
-            "`chat_template`); use /v1/completions with a prompt"
-        )
-    turns = "".join(template.format(role=m.role, content=m.text) for m in messages)
-    return turns + (generation_prompt or "")
-
-
-def usage_body(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def completion_response(
-    id: str,
-    created: int,
-    model: str,
-    text: str,
-    finish_reason: OpenAIFinish,
-    prompt_tokens: int,
-    completion_tokens: int,
-) -> dict[str, Any]:
-    """The body of a /v1/completions answer."""
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    return {
-        "id": id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "usage": usage_body(prompt_tokens, completion_tokens),
-    }
-
-
-def completion_chunk(
-    id: str, created: int, model: str, text: str, finish_reason: OpenAIFinish | None = None
-) -> dict[str, Any]:
-    """One Server-Sent Event of a streamed /v1/completions answer."""
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    return {
-        "id": id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-    }
-
-
-def chat_response(
-    id: str,
-    created: int,
-    model: str,
-    text: str,
-    finish_reason: OpenAIFinish,
-    prompt_tokens: int,
-    completion_tokens: int,
-) -> dict[str, Any]:
-    """The body of a /v1/chat/completions answer."""
-    message = {"role": "assistant", "content": text}
-    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
-    return {
-        "id": id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "usage": usage_body(prompt_tokens, completion_tokens),
-    }
-
-
-def chat_chunk(
-    id: str,
-    created: int,
-    model: str,
-    text: str | None,
-    finish_reason: OpenAIFinish | None = None,
-    first: bool = False,
-) -> dict[str, Any]:
-    """One Server-Sent Event of a streamed chat answer; the first carries the role,
-    the last an empty delta and the finish_reason."""
-    delta: dict[str, Any] = {"role": "assistant"} if first else {}
-    if text is not None:
-        delta["content"] = text
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-    return {
-        "id": id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-    }
-
-
-def usage_chunk(
-    id: str, created: int, model: str, kind: str, prompt_tokens: int, completion_tokens: int
-) -> dict[str, Any]:
-    """The last event of a stream asked for `stream_options.include_usage`: no choices."""
-    return {
-        "id": id,
-        "object": kind,
-        "created": created,
-        "model": model,
-        "choices": [],
-        "usage": usage_body(prompt_tokens, completion_tokens),
-    }
-
-
 # ---- batch files: OpenAI's Batch API and vLLM's run-batch ---------------------------
 
 # The URL of a batch line says which endpoint it would have called online.
@@ -288,7 +165,7 @@ BATCH_URLS: dict[str, str] = {
 }
 
 
-class BatchRequestLine(OpenAIRequest):
+class BatchRequestLine(Shape):
     """One line of a batch input file: {"custom_id", "method", "url", "body"}."""
 
     custom_id: str = Field(min_length=1, description="The caller's id, echoed on the output.")
@@ -302,19 +179,16 @@ def is_batch_line(record: Mapping[str, Any]) -> bool:
     return "custom_id" in record and ("body" in record or "url" in record)
 
 
-def prepare_texts(request: EmbeddingsRequest, prepare: Callable[[str], T]) -> list[T]:
-    """Every text of an embeddings request prepared, at least one; an `InvalidInput`
-    names the text (`input` or `input[i]`) the way the online endpoint does."""
-    texts = request.texts
-    if not texts:
-        raise InvalidInput("input: expected at least one text, found an empty list")
+def prepare_texts(request: EmbeddingsRequest, prepare: Callable[[str | list[int]], T]) -> list[T]:
+    """Every input of an embeddings request prepared, at least one; an `InvalidInput`
+    names the input (`input` or `input[i]`) the way the online endpoint does."""
+    one = one_input(request.input)
     items = []
-    for i, text in enumerate(texts):
+    for i, text in enumerate(request.inputs):
         try:
             items.append(prepare(text))
         except InvalidInput as e:
-            where = "input" if isinstance(request.input, str) else f"input[{i}]"
-            raise InvalidInput(f"{where}: {str(e).removeprefix('input: ')}") from None
+            raise e.at("input" if one else f"input[{i}]") from None
     return items
 
 
@@ -331,6 +205,6 @@ def batch_output(
     }
 
 
-def invalid_request_body(message: str) -> dict[str, Any]:
-    """The 400 body the online endpoint answers an `InvalidInput` with."""
-    return error_body(message, "invalid_request_error")
+def error_of(error: LanesError) -> dict[str, Any]:
+    """The body the online endpoint answers `error` with (its status: `error.status`)."""
+    return error_body(str(error), error.error_type, error.param, error.code)

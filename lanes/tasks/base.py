@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from tokenizers import Tokenizer
 
-from lanes.errors import ModelError
+from lanes.errors import InvalidInput, ModelError
 from lanes.spec import ModelSpec, TaskName, Workload
 from lanes.tasks.handler import Handler
 
@@ -73,3 +73,14 @@ def load_tokenizer(model: ModelSpec, task: str) -> Tokenizer:
         return Tokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises a bare Exception subclass
         raise ModelError(f"cannot load tokenizer {path}: {err}") from err
+
+
+def encode(tokenizer: Tokenizer, text: str, param: str = "input") -> list[int]:
+    """`tokenizer.encode(text).ids`; text the tokenizer cannot encode (a character a
+    WordLevel vocabulary without an unknown token lacks) is an `InvalidInput`."""
+    try:
+        ids: list[int] = tokenizer.encode(text).ids
+    except Exception as err:  # tokenizers raises a bare Exception subclass
+        detail = f"this model's tokenizer cannot encode the text ({err})"
+        raise InvalidInput.field(param, detail, "invalid_value") from None
+    return ids

@@ -8,6 +8,7 @@ that over a batch; `Decoder.generate` is the simple single-sequence loop.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Sequence
@@ -22,8 +23,8 @@ from tokenizers import Tokenizer
 from lanes.errors import InvalidInput, ModelError
 from lanes.runtime import Runtime, TensorInfo, check_io, describe
 from lanes.spec import ModelSpec
-from lanes.tasks.base import load_tokenizer
-from lanes.tasks.sampling import SamplingParams, sample
+from lanes.tasks.base import encode, load_tokenizer
+from lanes.tasks.sampling import SamplingParams, generator, sample
 
 Array = np.ndarray[Any, Any]
 FinishReason = Literal["stop", "length"]
@@ -41,7 +42,7 @@ class DecoderConfig:
     eos_token_ids: frozenset[int]
     bos_token_id: int | None = None  # prepended to prompts that do not start with it
     vocab_size: int | None = None
-    max_position: int | None = None  # longest prompt + completion the model can see
+    max_position: int | None = None  # the context: longest prompt + completion it can see
     chat_template: str | None = None
     chat_generation_prompt: str | None = None
 
@@ -99,12 +100,21 @@ class Decoder:
 
     @classmethod
     def load(cls, model: ModelSpec, runtime: Runtime) -> Decoder:
-        """Load the model, its tokenizer and config.json (next to the model, if there)."""
+        """Load the model, its tokenizer and config.json (next to the model, if there).
+
+        The context length comes from config.json (`max_position_embeddings`,
+        `n_positions` or `max_position`), else the spec's `max_length` when it is
+        declared, else a fixed length of the graph's `attention_mask`, else none."""
         session = runtime.session(model)
         tokenizer = load_tokenizer(model, "generate")
         tokenizer.no_padding()
         tokenizer.no_truncation()
         config = read_config(session, model.path, tokenizer)
+        if config.max_position is None:
+            declared = model.max_length if "max_length" in model.model_fields_set else None
+            mask = describe(session.get_inputs())["attention_mask"].shape
+            fixed = mask[1] if len(mask) == 2 and isinstance(mask[1], int) else None
+            config = dataclasses.replace(config, max_position=declared or fixed)
         return cls(session, tokenizer, config)
 
     def empty_past(self, batch: int) -> Past:
@@ -140,20 +150,35 @@ class Decoder:
 
     def encode(self, prompt: str) -> list[int]:
         """Token ids of `prompt` (after bos, when the model has one and the tokenizer
-        does not add it); `InvalidInput` when there are none or too many."""
-        ids: list[int] = self.tokenizer.encode(prompt).ids
+        does not add it); `InvalidInput` (about `prompt`) when there are none, when the
+        tokenizer cannot encode it, or when they fill the context."""
+        ids = encode(self.tokenizer, prompt, "prompt")
         bos = self.config.bos_token_id
         if bos is not None and ids[:1] != [bos]:
             ids = [bos, *ids]
         if not ids:
-            raise InvalidInput("prompt: expected text with at least one token, found none")
-        limit = self.config.max_position
-        if limit is not None and len(ids) >= limit:
-            raise InvalidInput(
-                f"prompt: expected fewer than {limit} tokens (the model's context), "
-                f"found {len(ids)}"
-            )
+            detail = "expected text with at least one token, found none"
+            raise InvalidInput.field("prompt", detail, "invalid_value")
+        self.check_context(len(ids))
         return ids
+
+    def check_context(self, prompt_tokens: int, max_new_tokens: int | None = None) -> None:
+        """`InvalidInput` (about `prompt`, worded as OpenAI and vLLM word it) when the
+        prompt leaves no room in the context, or no room for `max_new_tokens` more."""
+        limit = self.config.max_position
+        if limit is None:
+            return
+        wanted = 1 if max_new_tokens is None else max_new_tokens
+        if prompt_tokens + wanted <= limit:
+            return
+        completion = "at least 1" if max_new_tokens is None else str(max_new_tokens)
+        raise InvalidInput.field(
+            "prompt",
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_tokens + wanted} tokens ({prompt_tokens} in the prompt, {completion} "
+            "for the completion). Please reduce the length of the prompt or the completion.",
+            "context_length_exceeded",
+        )
 
     def generate(
         self,
@@ -179,7 +204,7 @@ class Decoder:
     ) -> Completion:
         """`generate` from token ids. Ends at eos or a stop string ("stop"), or at
         `max_new_tokens` or the model's context ("length")."""
-        rng = np.random.default_rng(seed)
+        rng = generator(seed)
         n_prompt = len(prompt_ids)
         budget = max_new_tokens
         if self.config.max_position is not None:
@@ -257,7 +282,7 @@ def read_config(session: ort.InferenceSession, path: Path, tokenizer: Tokenizer)
         eos_token_ids=_eos(raw, tokenizer),
         bos_token_id=_int(raw, ("bos_token_id",)),
         vocab_size=_int(raw, ("vocab_size",)),
-        max_position=_int(raw, ("max_position", "max_position_embeddings")),
+        max_position=_int(raw, ("max_position_embeddings", "n_positions", "max_position")),
         chat_template=_str(raw, "chat_template"),
         chat_generation_prompt=_str(raw, "chat_generation_prompt"),
     )

@@ -18,7 +18,7 @@ import numpy.typing as npt
 from lanes.errors import InvalidInput, ModelError
 from lanes.runtime import Runtime, check_io, describe
 from lanes.spec import ModelSpec, TaskName, Workload
-from lanes.tasks.base import check_count, load_tokenizer
+from lanes.tasks.base import check_count, encode, load_tokenizer
 from lanes.tasks.handler import NO_HANDLER, Handler
 from lanes.tasks.wordpiece import WordPiece
 
@@ -27,7 +27,7 @@ Vector = npt.NDArray[np.float32]
 
 @dataclass(frozen=True)
 class EmbedItem:
-    """One text, tokenized: ids with the tokenizer's special tokens, truncated."""
+    """One text, tokenized: ids with the tokenizer's special tokens, within max_length."""
 
     ids: npt.NDArray[np.int64]
     n_tokens: int  # for OpenAI `usage.prompt_tokens`
@@ -52,7 +52,14 @@ class EmbedTask:
         self.tokenizer = load_tokenizer(model, "embed")
         # Encode one item at a time, unpadded: `run` pads each batch to its own longest.
         self.tokenizer.no_padding()
-        self.tokenizer.enable_truncation(max_length=model.max_length)
+        self.max_length = model.max_length
+        # Longer text is refused unless the workload asks for it to be cut.
+        self.truncate = workload.truncate
+        if self.truncate:
+            self.tokenizer.enable_truncation(max_length=model.max_length)
+        else:
+            self.tokenizer.no_truncation()
+        self.vocab_size = self.tokenizer.get_vocab_size()
         self._wordpiece = WordPiece.of(self.tokenizer)  # the same ids, faster, where it applies
         self.session = runtime.session(model)
         where = str(model.path)
@@ -66,22 +73,59 @@ class EmbedTask:
             "last_hidden_state" if "last_hidden_state" in outputs else next(iter(outputs))
         )
         self._pad_id = _pad_id(self.tokenizer)
+        self.dimensions = _dimensions(outputs[self._output].shape) or self._measured_dimensions()
 
     def prepare(self, item: Any) -> EmbedItem:
-        """A non-empty str (after the handler's `pre`) -> its token ids. Raises
-        `InvalidInput` otherwise."""
+        """A non-empty str (after the handler's `pre`) -> its token ids; a list of token
+        ids (the model's own, special tokens included, as a client's tokenizer made them)
+        is taken as it is. Raises `InvalidInput` (about `input`) otherwise, and for more
+        than `max_length` tokens unless the workload truncates."""
         return self.check(self.handler.before(item))
 
     def check(self, text: Any) -> EmbedItem:
         """`prepare` without the handler's `pre`."""
+        if isinstance(text, list):
+            return self._ids(text)
         if not isinstance(text, str):
-            raise InvalidInput(f"input: expected a string, found {type(text).__name__}")
+            found = type(text).__name__
+            raise InvalidInput.field("input", f"expected a string, found {found}", "invalid_type")
         if not text.strip():
-            raise InvalidInput("input: expected a non-empty string, found an empty one")
-        found = self._wordpiece.encode(text) if self._wordpiece else None
-        ids = np.asarray(found or self.tokenizer.encode(text).ids, dtype=np.int64)
+            detail = "expected a non-empty string, found an empty one"
+            raise InvalidInput.field("input", detail, "invalid_value")
+        found_ids = self._wordpiece.encode(text) if self._wordpiece else None
+        ids = np.asarray(found_ids or encode(self.tokenizer, text), dtype=np.int64)
         if len(ids) == 0:
-            raise InvalidInput("input: the tokenizer found no tokens in the text")
+            detail = "the tokenizer found no tokens in the text"
+            raise InvalidInput.field("input", detail, "invalid_value")
+        return self._within_length(ids)
+
+    def _ids(self, ids: list[Any]) -> EmbedItem:
+        for i, token in enumerate(ids):
+            if not isinstance(token, int) or isinstance(token, bool):
+                detail = f"expected token ids (integers), found {token!r} at [{i}]"
+                raise InvalidInput.field("input", detail, "invalid_type")
+            if not 0 <= token < self.vocab_size:
+                detail = (
+                    f"token id {token} at [{i}] is outside the model's vocabulary "
+                    f"(0 to {self.vocab_size - 1})"
+                )
+                raise InvalidInput.field("input", detail, "invalid_value")
+        if not ids:
+            detail = "expected at least one token id, found none"
+            raise InvalidInput.field("input", detail, "empty_array")
+        return self._within_length(np.asarray(ids, dtype=np.int64))
+
+    def _within_length(self, ids: npt.NDArray[np.int64]) -> EmbedItem:
+        if len(ids) > self.max_length:
+            if not self.truncate:
+                raise InvalidInput.field(
+                    "input",
+                    f"this model's maximum context length is {self.max_length} tokens, but "
+                    f"the input has {len(ids)}; send a shorter one (or declare "
+                    "`truncate: true` on the workload to cut it)",
+                    "context_length_exceeded",
+                )
+            ids = ids[: self.max_length]  # token ids given as they are: text was cut already
         return EmbedItem(ids, len(ids))
 
     def run(self, batch: Sequence[EmbedItem]) -> list[Any]:
@@ -110,8 +154,26 @@ class EmbedTask:
         return _pool(np.asarray(hidden, dtype=np.float32), mask, self.name)
 
     def warm_up(self) -> None:
-        ids = np.asarray(self.tokenizer.encode("warm up").ids, dtype=np.int64)
-        self.vectors([EmbedItem(ids, len(ids))])
+        self.vectors([self._warm_up_item()])
+
+    def _warm_up_item(self) -> EmbedItem:
+        # Not every tokenizer can encode any text (a WordLevel one without an unknown
+        # token): then one pad token warms the session up as well.
+        try:
+            ids = encode(self.tokenizer, "warm up")
+        except InvalidInput:
+            ids = []
+        ids = ids or [self._pad_id]
+        return EmbedItem(np.asarray(ids, dtype=np.int64), len(ids))
+
+    def _measured_dimensions(self) -> int:
+        return int(self.vectors([self._warm_up_item()]).shape[1])
+
+
+def _dimensions(shape: Sequence[Any]) -> int | None:
+    """The vector size, when the model's output shape states it."""
+    last = shape[-1] if shape else None
+    return last if isinstance(last, int) and last > 0 else None
 
 
 def _pool(hidden: npt.NDArray[np.float32], mask: npt.NDArray[np.bool_], name: str) -> Vector:

@@ -2,7 +2,10 @@
 
 An item is a prompt string, or a dict {"prompt", "max_tokens"?, "temperature"?,
 "top_k"?, "top_p"?, "stop"?, "seed"?} whose missing fields come from the
-workload's `generation:`. For now `run` completes its items one after another;
+workload's `generation:`; a prompt may also be a list of the model's token ids
+(taken as they are, as vLLM does). A prompt and an explicit `max_tokens` must fit
+the model's context together; without one, the completion stops where the context
+ends. For now `run` completes its items one after another;
 continuous batching (many sequences per step) is the serving engine's job and
 reuses `Decoder.step` and `sampling.sample`.
 """
@@ -22,6 +25,7 @@ from lanes.tasks.base import check_count
 from lanes.tasks.decoder import Completion, Decoder
 from lanes.tasks.handler import NO_HANDLER, Handler
 from lanes.tasks.sampling import SamplingParams
+from lanes.validation import describe, invalid_input
 
 # Request field -> Generation field; the request uses OpenAI's spelling.
 _FIELDS = {
@@ -32,13 +36,14 @@ _FIELDS = {
     "stop": "stop",
 }
 _KNOWN = ("prompt", *_FIELDS, "seed")
+_REQUEST_NAMES = {target: field for field, target in _FIELDS.items()}
 
 
 @dataclass(frozen=True)
 class GenerateRequest:
     """One prompt, tokenized, with every generation parameter settled."""
 
-    prompt: str
+    prompt: str  # the text (token ids given as a prompt: their decoding)
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
     sampling: SamplingParams
@@ -83,21 +88,39 @@ class GenerateTask:
             raise InvalidInput(
                 f"unknown field {unknown[0]!r}; expected some of {', '.join(_KNOWN)}"
             )
-        prompt = item.get("prompt")
-        if not isinstance(prompt, str):
-            raise InvalidInput(f"prompt: expected a string, found {type(prompt).__name__}")
         seed = item.get("seed")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-            raise InvalidInput(f"seed: expected an integer, found {seed!r}")
+            raise InvalidInput.field(
+                "seed", f"expected an integer, found {describe(seed)}", "invalid_type"
+            )
         params = self._generation(item)
+        prompt, ids = self._prompt(item.get("prompt"))
+        asked = item.get("max_tokens")
+        self.decoder.check_context(len(ids), asked if isinstance(asked, int) else None)
         return GenerateRequest(
             prompt=prompt,
-            prompt_ids=tuple(self.decoder.encode(prompt)),
+            prompt_ids=tuple(ids),
             max_new_tokens=params.max_new_tokens,
             sampling=SamplingParams(params.temperature, params.top_k, params.top_p),
             stop=tuple(params.stop),
             seed=seed,
         )
+
+    def _prompt(self, prompt: Any) -> tuple[str, list[int]]:
+        """The prompt's text and token ids, from a text or from token ids."""
+        if isinstance(prompt, str):
+            return prompt, self.decoder.encode(prompt)
+        if not isinstance(prompt, list) or not prompt:
+            detail = f"expected a string or token ids, found {describe(prompt)}"
+            raise InvalidInput.field("prompt", detail, "invalid_type")
+        vocab = self.decoder.config.vocab_size or self.decoder.tokenizer.get_vocab_size()
+        for i, token in enumerate(prompt):
+            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
+                detail = (
+                    f"expected token ids from 0 to {vocab - 1}, found {describe(token)} at [{i}]"
+                )
+                raise InvalidInput.field("prompt", detail, "invalid_value")
+        return self.decoder.tokenizer.decode(prompt), list(prompt)
 
     def _generation(self, item: Mapping[str, Any]) -> Generation:
         """The workload's defaults overridden by the item, checked by the spec's own rules."""
@@ -109,11 +132,7 @@ class GenerateTask:
         try:
             return Generation.model_validate(merged, strict=True)
         except ValidationError as err:
-            first = err.errors(include_url=False)[0]
-            target = str(first["loc"][0]) if first["loc"] else ""
-            field = next((f for f, t in _FIELDS.items() if t == target), target)
-            message = first["msg"][:1].lower() + first["msg"][1:]
-            raise InvalidInput(f"{field}: {message}, found {first['input']!r}") from None
+            raise invalid_input(err, _REQUEST_NAMES) from None
 
     def run(self, batch: Sequence[GenerateRequest]) -> list[Any]:
         """One `Completion` per request, one request after another (for now)."""

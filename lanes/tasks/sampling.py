@@ -14,18 +14,26 @@ import numpy as np
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy; top_k 0 and top_p 1 cut nothing."""
+    """temperature 0 is greedy; top_k 0 and top_p 1 cut nothing; top_p 0 keeps only the
+    likeliest token (OpenAI accepts it)."""
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+        if self.temperature < 0 or self.top_k < 0 or not 0 <= self.top_p <= 1:
             raise ValueError(
-                "expected temperature >= 0, top_k >= 0 and 0 < top_p <= 1, found "
+                "expected temperature >= 0, top_k >= 0 and 0 <= top_p <= 1, found "
                 f"{self.temperature}, {self.top_k}, {self.top_p}"
             )
+
+
+def generator(seed: int | None) -> np.random.Generator:
+    """The random generator of one sequence. Any integer is a seed (OpenAI's are signed
+    64-bit; numpy takes only non-negative ones): a negative one is taken modulo 2**64,
+    so each signed 64-bit integer still names a stream of its own."""
+    return np.random.default_rng(None if seed is None else seed % 2**64)
 
 
 def sample(logits: np.ndarray[Any, Any], params: SamplingParams, rng: np.random.Generator) -> int:

@@ -1,0 +1,131 @@
+"""A request's pydantic `ValidationError` as one `InvalidInput`: the field as the
+request spells it (`messages[1].content`, never pydantic's `messages.1.content.str`),
+what was expected and found in lanes' words, and OpenAI's error code
+(`invalid_type`, `integer_below_min_value`, `missing_required_parameter`, ...).
+
+Shared by every protocol and task that validates a request with pydantic, so a
+field's error reads the same online and offline.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pydantic import ValidationError
+from pydantic_core import ErrorDetails
+
+from lanes.errors import InvalidInput
+
+_EXPECTED = {
+    "string_type": "a string",
+    "int_type": "an integer",
+    "int_parsing": "an integer",
+    "int_from_float": "an integer",
+    "float_type": "a number",
+    "float_parsing": "a number",
+    "bool_type": "a boolean",
+    "bool_parsing": "a boolean",
+    "list_type": "an array",
+    "dict_type": "an object",
+    "model_type": "an object",
+    "model_attributes_type": "an object",
+    "none_required": "null",
+}
+_BOUNDS = {
+    "greater_than_equal": (">=", "ge", "below_min_value"),
+    "greater_than": (">", "gt", "below_min_value"),
+    "less_than_equal": ("<=", "le", "above_max_value"),
+    "less_than": ("<", "lt", "above_max_value"),
+}
+# Union members and validator wrappers that pydantic puts in a location.
+_TAG = re.compile(r"[\[\]\-]|^[A-Z]|^(str|int|float|bool|list|dict|none)$")
+
+
+def invalid_input(err: ValidationError, names: Mapping[str, str] | None = None) -> InvalidInput:
+    """The first problem of `err`, as an `InvalidInput` naming its field. `names`
+    renames top-level fields (a spec's `max_new_tokens` is a request's `max_tokens`).
+
+    In a union (a string or an array of strings) the branch that got deepest says
+    most; where every branch failed at the field itself, the error lists them all.
+    """
+    errors = err.errors(include_url=False)
+    placed = [(_param(e["loc"], names or {}), e) for e in errors]
+    depth = max(len(_parts(e["loc"])) for _, e in placed)
+    param = next(p for p, e in placed if len(_parts(e["loc"])) == depth)
+    here = [e for p, e in placed if p == param]
+    return _one(param or "body", here)
+
+
+def _parts(loc: Sequence[int | str]) -> list[int | str]:
+    return [p for p in loc if isinstance(p, int) or not _TAG.search(p)]
+
+
+def _param(loc: Sequence[int | str], names: Mapping[str, str]) -> str:
+    out = ""
+    for part in _parts(loc):
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            part = names.get(part, part) if not out else part
+            out += f".{part}" if out else part
+    return out
+
+
+def _one(param: str, errors: list[ErrorDetails]) -> InvalidInput:
+    first = errors[0]
+    kind = first["type"]
+    found = describe(first.get("input"))
+    ctx: dict[str, Any] = dict(first.get("ctx") or {})
+    expected = [_EXPECTED[e["type"]] for e in errors if e["type"] in _EXPECTED]
+    if kind in _EXPECTED:
+        wanted = " or ".join(dict.fromkeys(expected))
+        return InvalidInput.field(param, f"expected {wanted}, found {found}", "invalid_type")
+    if kind == "missing":
+        return InvalidInput.field(param, "missing required parameter", "missing_required_parameter")
+    if kind in _BOUNDS:
+        sign, key, suffix = _BOUNDS[kind]
+        limit = ctx.get(key)
+        number = "decimal" if isinstance(limit, float) else "integer"
+        detail = f"expected a value {sign} {limit}, found {found}"
+        return InvalidInput.field(param, detail, f"{number}_{suffix}")
+    if kind == "too_short":
+        least = ctx.get("min_length", 1)
+        if least == 1:
+            return InvalidInput.field(
+                param, "expected at least one item, found an empty array", "empty_array"
+            )
+        detail = f"expected at least {least} items, found {ctx.get('actual_length')}"
+        return InvalidInput.field(param, detail, "array_below_min_length")
+    if kind == "too_long":
+        detail = f"expected at most {ctx.get('max_length')} items, found {ctx.get('actual_length')}"
+        return InvalidInput.field(param, detail, "array_above_max_length")
+    if kind == "string_too_long":
+        detail = f"expected at most {ctx.get('max_length')} characters"
+        return InvalidInput.field(param, detail, "string_above_max_length")
+    if kind == "literal_error":
+        detail = f"expected {ctx.get('expected')}, found {found}"
+        return InvalidInput.field(param, detail, "invalid_value")
+    if kind == "value_error":
+        return InvalidInput.field(param, str(ctx.get("error") or first["msg"]), "invalid_value")
+    # A PydanticCustomError of lanes' own: its type is the code, its message the detail.
+    message = first["msg"]
+    return InvalidInput.field(param, message[:1].lower() + message[1:], kind)
+
+
+def describe(value: Any) -> str:
+    """A found value, short: `null`, `true`, `42`, `'text'`, `an array`, `an object`."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return repr(value if len(value) <= 40 else value[:37] + "...")
+    if isinstance(value, list | tuple):
+        return "an array"
+    if isinstance(value, Mapping):
+        return "an object"
+    return type(value).__name__

@@ -1,0 +1,243 @@
+"""How tests hold a model run open and move time, so that no test races the wall clock.
+
+- `Gate`: runs wait at it while a test keeps it closed; `allow(n)` lets n through.
+  `GatedRuntime` puts a gate in front of every session of the model files it is
+  given (the engine's decoder steps); `held` is a handler whose `post` waits at `HELD`
+  (a batch worker's runs).
+- `FileGate`: the same between processes: runs wait until a file exists.
+- `ManualClock` moves only when told; `JumpClock` is real time plus the jumps a test
+  makes (a deadline passes at once, and nothing else changes).
+- `wait_until` and `eventually` (on an event loop) poll a condition, with a generous
+  bound.
+
+Every wait here is bounded by WAIT_S: a test that never opens its gate fails, it
+never hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from lanes.runtime import Runtime
+from lanes.serving.worker import INLINE_RUN_S
+from lanes.settings import Settings
+from lanes.spec import ModelSpec
+
+WAIT_S = 60.0
+# What a gated handler's item costs at least: a worker never runs a batch measured
+# above INLINE_RUN_S per item on its event loop, where waiting at a gate would stop
+# the server that should let it through.
+PAD_S = 2 * INLINE_RUN_S
+GATE_FILE_ENV = "TESTS_GATE_FILE"
+
+
+class Gate:
+    """Open until `close()`; then each run waits in `wait()` until `allow()` or `open()`."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._open = True
+        self._permits = 0
+        self._held: list[int] = []  # the rows of each run waiting now
+        self.passed = 0  # runs let through so far
+
+    def close(self) -> None:
+        with self._changed:
+            self._open, self._permits = False, 0
+
+    def open(self) -> None:
+        with self._changed:
+            self._open = True
+            self._changed.notify_all()
+
+    def allow(self, runs: int = 1) -> None:
+        """While closed, let `runs` more runs through."""
+        with self._changed:
+            self._permits += runs
+            self._changed.notify_all()
+
+    @contextmanager
+    def closed(self) -> Iterator[Gate]:
+        """Closed inside the block, open again however it ends."""
+        self.close()
+        try:
+            yield self
+        finally:
+            self.open()
+
+    def wait(self, rows: int = 1) -> None:
+        """A run's turn: returns once the gate lets it through."""
+        with self._changed:
+            if not (self._open or self._permits):
+                _refuse_on_an_event_loop()
+            self._held.append(rows)
+            self._changed.notify_all()
+            try:
+                passable = self._changed.wait_for(lambda: self._open or self._permits, WAIT_S)
+                if not passable:
+                    raise TimeoutError(f"a run waited {WAIT_S} s at a gate that never opened")
+                if not self._open:
+                    self._permits -= 1
+                self.passed += 1
+            finally:
+                self._held.remove(rows)
+
+    def held_rows(self) -> int:
+        """Rows of the runs waiting at the gate now."""
+        with self._changed:
+            return sum(self._held)
+
+    def wait_held(self, runs: int = 1) -> None:
+        """Block until `runs` runs wait at the gate and are not let through yet (from a
+        test: `asyncio.to_thread`). A run `allow()` just let through may still be in
+        `wait()`, not yet awake: it does not count, so `allow(1); wait_held()` waits for
+        the next run, never for the one just allowed."""
+
+        def blocked() -> int:
+            return len(self._held) - (0 if self._open else self._permits)
+
+        with self._changed:
+            if not self._changed.wait_for(lambda: blocked() >= runs, WAIT_S):
+                raise TimeoutError(f"{runs} run(s) did not reach the gate within {WAIT_S} s")
+
+
+def _refuse_on_an_event_loop() -> None:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise RuntimeError("a run would wait at a gate on an event loop's thread: that loop stops")
+
+
+class GatedSession:
+    """A real onnxruntime session whose every run first passes `gate`."""
+
+    def __init__(self, session: Any, gate: Gate) -> None:
+        self._session = session
+        self._gate = gate
+
+    def run(self, output_names: Any, input_feed: Mapping[str, Any], run_options: Any = None) -> Any:
+        first = next(iter(input_feed.values()))
+        self._gate.wait(int(first.shape[0]) if first.ndim else 1)
+        return self._session.run(output_names, input_feed, run_options)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._session, name)
+
+
+class GatedRuntime(Runtime):
+    """The real runtime, whose sessions of the model files in `gates` run behind a gate."""
+
+    def __init__(self, settings: Settings, gates: Mapping[Path, Gate]) -> None:
+        super().__init__(settings)
+        self.gates = dict(gates)
+
+    def session(self, model: ModelSpec) -> Any:
+        session = super().session(model)
+        gate = self.gates.get(model.path)
+        return session if gate is None else GatedSession(session, gate)
+
+
+class GatedPost:
+    """A handler whose `post` waits at `gate`, each item costing at least PAD_S."""
+
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate
+
+    def post(self, output: Any) -> Any:
+        time.sleep(PAD_S)
+        self.gate.wait()
+        return output
+
+
+class FileGate:
+    """A gate between processes at the path in $TESTS_GATE_FILE: runs wait until that
+    file exists, and while one waits, the file's name + ".held" exists."""
+
+    @staticmethod
+    def wait() -> None:
+        where = os.environ.get(GATE_FILE_ENV)
+        if where is None:
+            raise RuntimeError(f"a file-gated run, but {GATE_FILE_ENV} names no gate file")
+        path = Path(where)
+        if path.exists():
+            return
+        held_marker(path).touch()
+        deadline = time.monotonic() + WAIT_S
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"a run waited {WAIT_S} s for {path}, which never appeared")
+            time.sleep(0.01)
+
+
+def held_marker(gate_file: Path) -> Path:
+    return gate_file.with_name(gate_file.name + ".held")
+
+
+class FileGatedPost:
+    """`GatedPost` at the `FileGate`, for a server in another process."""
+
+    @staticmethod
+    def post(output: Any) -> Any:
+        time.sleep(PAD_S)
+        FileGate.wait()
+        return output
+
+
+class ManualClock:
+    """A clock that moves only when told to."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self.now += seconds
+
+
+class JumpClock:
+    """time.monotonic() plus every jump so far."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.offset
+
+    def jump(self, seconds: float) -> None:
+        self.offset += seconds
+
+
+def wait_until(check: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
+    """Poll `check()` until it holds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout} s")
+        time.sleep(0.01)
+
+
+async def eventually(check: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
+    """Poll `check()` from a coroutine (other tasks run meanwhile) until it holds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout} s")
+        await asyncio.sleep(0.01)
+
+
+# The handlers of the tests' gated workloads (`handler: tests.gates:held`).
+HELD = Gate()
+held = GatedPost(HELD)
+held_by_file = FileGatedPost()
