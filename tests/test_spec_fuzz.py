@@ -131,7 +131,9 @@ def data_mutant(draw: st.DrawFn) -> Any:
             # Keys of either mode on any workload, and plain noise.
             key = draw(
                 st.sampled_from(["batching", "slo", "stream", "batch_size", "retries", "runner"])
-                | st.sampled_from(["schedule", "input", "fields", "max_error_rate", "guard"])
+                | st.sampled_from(
+                    ["schedule", "input", "fields", "max_error_rate", "guard", "truncate"]
+                )
                 | st.text(max_size=12)
             )
             parent[key] = draw(VALUES)
