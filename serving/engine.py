@@ -13,6 +13,12 @@ own (onnxruntime releases the GIL, so HTTP keeps flowing while a step runs):
 
 Each request's `TokenStream` is on the event loop; `cancel()` (its client left)
 aborts the sequence, whose row is freed at the next step.
+
+A prefill or decode run that fails is run again in halves of its rows
+(lanes/isolation.py; for decode, serving/kvcache.py's `step_group`): the sequences
+that fail alone finish with their own error, every other one goes on with its cache
+and tokens as they were. Only a failure outside the model's runs fails the step's
+every row (and resets the cache).
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ from typing import Any
 import numpy as np
 
 from lanes.errors import Overloaded
-from lanes.serving.kvcache import MAX_PADDING, BatchCache
+from lanes.isolation import failed_alone, isolate
+from lanes.serving.kvcache import MAX_PADDING, BatchCache, Decoded
 from lanes.serving.metrics import Metrics, TokenRate, Utilization
 from lanes.serving.scheduler import (
     Event,
@@ -332,19 +339,25 @@ class Engine:
             keep = {s.id for s in plan.decode}
             if plan.decode:
                 decoding = self.clock()
-                logits = self._decode(plan.decode, joins, keep)
+                decoded = self._decode(plan.decode, joins, keep)
                 self._series.decode.observe(self.clock() - decoding)
                 self._series.rows.observe(len(plan.decode))
                 rows = StepPlan(decode=plan.decode)
-                self._publish(rows, self.scheduler.update(rows, StepOutputs(decode=logits)))
+                failed = self._failures(plan.decode, decoded.failed, _at_position)
+                outputs = StepOutputs(decode=decoded.logits, failed=failed)
+                self._publish(rows, self.scheduler.update(rows, outputs))
             elif joins:  # nobody to decode: they all finished
                 self._settle(joins, keep)
-        except Exception:  # a model failure answers its callers, never kills the loop
+        except Exception as error:  # not one row's fault: it answers them all, never kills the loop
             log.exception("workload %s: a step of %d rows failed", self.name, len(plan.decode))
             self.cache = BatchCache(self.decoder, self.cache.max_padding)
             self._joins = []
-            failed = StepPlan(decode=plan.decode) if reported else plan
-            self._publish(failed, self.scheduler.fail(failed))
+            failed_plan = StepPlan(decode=plan.decode) if reported else plan
+            message = (
+                f"the server failed on a step of this sequence's batch "
+                f"({type(error).__name__}: {error}); the server's log has the details"
+            )
+            self._publish(failed_plan, self.scheduler.fail(failed_plan, message))
         finally:
             end = self.clock()
             with self._stats:
@@ -354,13 +367,15 @@ class Engine:
     def _join(self, plan: StepPlan) -> None:
         """Run a prefill-only plan and hand out its first tokens; the joiners' caches
         wait in `_joins` until the next step takes them into the batch."""
-        logits: Array | None = None
+        outputs = StepOutputs()
         if plan.prefill:
             start = self.clock()
-            logits, past, mask = self._prefill(plan.prefill)
-            self._joins.append(([s.id for s in plan.prefill], past, mask))
+            logits, failed = self._prefill_apart(plan.prefill)
             self._series.prefill.observe(self.clock() - start)
-        self._publish(plan, self.scheduler.update(plan, StepOutputs(prefill=logits)))
+            outputs = StepOutputs(
+                prefill=logits, failed=self._failures(plan.prefill, failed, _prompt)
+            )
+        self._publish(plan, self.scheduler.update(plan, outputs))
 
     def _take_joins(self) -> list[tuple[list[int], Past, Array]]:
         joins, self._joins = self._joins, []
@@ -378,6 +393,40 @@ class Engine:
     def _publish(self, plan: StepPlan, events: list[Event]) -> None:
         self._observe(plan, events)
         self._hand_over(events)
+
+    def _prefill_apart(self, seqs: Sequence[Seq]) -> tuple[Array | None, dict[int, Exception]]:
+        """Prefill `seqs` in one run; if it fails, in halves until the prompts that fail
+        alone are found (lanes/isolation.py). Each successful run's caches wait in
+        `_joins`. Returns logits [len(seqs), vocab] (a failed row's are zeros; None when
+        every row failed) and the failed sequences' errors, by id."""
+        isolated = isolate(self._prefill, seqs)
+        if isolated.error is not None:
+            log.error(
+                "workload %s: a prefill of %d prompts failed; run in halves, %d failed alone",
+                self.name,
+                len(seqs),
+                len(isolated.failed),
+                exc_info=isolated.error,
+            )
+        logits: Array | None = None
+        for part in isolated.ran:
+            found, past, mask = part.result
+            if logits is None:
+                logits = np.zeros((len(seqs), found.shape[-1]), dtype=found.dtype)
+            logits[part.start : part.stop] = found
+            self._joins.append(([s.id for s in seqs[part.start : part.stop]], past, mask))
+        return logits, {seqs[f.index].id: f.error for f in isolated.failed}
+
+    @staticmethod
+    def _failures(
+        seqs: Sequence[Seq], failed: dict[int, Exception], what: Callable[[Seq], str]
+    ) -> dict[int, str]:
+        """What each sequence the model failed on alone tells its caller (`what` names
+        the sequence's input): every row failing is the model's fault, and says so."""
+        every = len(failed) == len(seqs) > 1
+        return {
+            s.id: str(failed_alone(failed[s.id], what(s), every)) for s in seqs if s.id in failed
+        }
 
     def _prefill(self, seqs: Sequence[Seq]) -> tuple[Array, Past, Array]:
         """One run over the joiners' prompts, left-padded to the longest."""
@@ -402,12 +451,13 @@ class Engine:
 
     def _decode(
         self, seqs: Sequence[Seq], joins: list[tuple[list[int], Past, Array]], keep: set[int]
-    ) -> Array:
+    ) -> Decoded:
         """One token for every row, on the decode thread (which first settles the
-        cache); logits come back in `seqs`' order. Requests arriving meanwhile are
-        prefilled on this thread (onnxruntime runs both at once, each releasing the GIL)."""
+        cache); logits come back in `seqs`' order, with the rows the model failed on
+        alone. Requests arriving meanwhile are prefilled on this thread (onnxruntime
+        runs both at once, each releasing the GIL)."""
 
-        def settle_and_decode() -> Array:
+        def settle_and_decode() -> Decoded:
             self._settle(joins, keep)
             return self.cache.decode(seqs)
 
@@ -462,3 +512,11 @@ class Engine:
             return
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
             self._loop.call_soon_threadsafe(self._dispatch, events)
+
+
+def _prompt(seq: Seq) -> str:
+    return "this prompt"
+
+
+def _at_position(seq: Seq) -> str:
+    return f"this sequence at position {seq.position}"
