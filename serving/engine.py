@@ -15,7 +15,7 @@ Each request's `TokenStream` is on the event loop; `cancel()` (its client left)
 aborts the sequence, whose row is freed at the next step.
 
 A prefill or decode run that fails is run again in halves of its rows
-(lanes/isolation.py; for decode, serving/kvcache.py's `step_group`): the sequences
+(lanes/isolation.py, from serving/prefill.py and serving/kvcache.py): the sequences
 that fail alone finish with their own error, every other one goes on with its cache
 and tokens as they were. Only a failure outside the model's runs fails the step's
 every row (and resets the cache).
@@ -40,9 +40,10 @@ from typing import Any
 import numpy as np
 
 from lanes.errors import Overloaded
-from lanes.isolation import failed_alone, isolate
+from lanes.isolation import failed_alone
 from lanes.serving.kvcache import MAX_PADDING, BatchCache, Decoded
 from lanes.serving.metrics import Metrics, TokenRate, Utilization
+from lanes.serving.prefill import Join, prefill_apart
 from lanes.serving.scheduler import (
     Event,
     Policy,
@@ -51,7 +52,6 @@ from lanes.serving.scheduler import (
     StepOutputs,
     StepPlan,
 )
-from lanes.tasks.decoder import Past
 from lanes.tasks.generate import GenerateRequest, GenerateTask
 
 log = logging.getLogger("lanes.serving")
@@ -204,7 +204,7 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name=f"lanes-engine-{self.name}")
         self._decoding = ThreadPoolExecutor(1, thread_name_prefix=f"lanes-decode-{self.name}")
         # Prefilled caches not yet in the batch (engine thread only).
-        self._joins: list[tuple[list[int], Past, Array]] = []
+        self._joins: list[Join] = []
         self._thread.daemon = True
 
     # ---- the event-loop side -------------------------------------------------
@@ -370,52 +370,37 @@ class Engine:
         outputs = StepOutputs()
         if plan.prefill:
             start = self.clock()
-            logits, failed = self._prefill_apart(plan.prefill)
+            done = prefill_apart(self.decoder, plan.prefill)
             self._series.prefill.observe(self.clock() - start)
-            outputs = StepOutputs(
-                prefill=logits, failed=self._failures(plan.prefill, failed, _prompt)
-            )
+            self._joins += done.joins
+            if done.error is not None:
+                log.error(
+                    "workload %s: a prefill of %d prompts failed; run in halves, %d failed alone",
+                    self.name,
+                    len(plan.prefill),
+                    len(done.failed),
+                    exc_info=done.error,
+                )
+            failed = self._failures(plan.prefill, done.failed, _prompt)
+            outputs = StepOutputs(prefill=done.logits, failed=failed)
         self._publish(plan, self.scheduler.update(plan, outputs))
 
-    def _take_joins(self) -> list[tuple[list[int], Past, Array]]:
+    def _take_joins(self) -> list[Join]:
         joins, self._joins = self._joins, []
         return joins
 
-    def _settle(self, joins: list[tuple[list[int], Past, Array]], keep: set[int]) -> None:
+    def _settle(self, joins: list[Join], keep: set[int]) -> None:
         """The batch's cache for the next decode: joiners in (into holes where they
         fit), then leavers out (rows not in `keep` become holes, a joiner that already
         finished too), holes compacted away once they are worth a copy."""
-        for ids, past, mask in joins:
-            self.cache.place(ids, past, mask)
+        for join in joins:
+            self.cache.place(join.ids, join.past, join.mask)
         self.cache.release(keep)
         self.cache.compact()
 
     def _publish(self, plan: StepPlan, events: list[Event]) -> None:
         self._observe(plan, events)
         self._hand_over(events)
-
-    def _prefill_apart(self, seqs: Sequence[Seq]) -> tuple[Array | None, dict[int, Exception]]:
-        """Prefill `seqs` in one run; if it fails, in halves until the prompts that fail
-        alone are found (lanes/isolation.py). Each successful run's caches wait in
-        `_joins`. Returns logits [len(seqs), vocab] (a failed row's are zeros; None when
-        every row failed) and the failed sequences' errors, by id."""
-        isolated = isolate(self._prefill, seqs)
-        if isolated.error is not None:
-            log.error(
-                "workload %s: a prefill of %d prompts failed; run in halves, %d failed alone",
-                self.name,
-                len(seqs),
-                len(isolated.failed),
-                exc_info=isolated.error,
-            )
-        logits: Array | None = None
-        for part in isolated.ran:
-            found, past, mask = part.result
-            if logits is None:
-                logits = np.zeros((len(seqs), found.shape[-1]), dtype=found.dtype)
-            logits[part.start : part.stop] = found
-            self._joins.append(([s.id for s in seqs[part.start : part.stop]], past, mask))
-        return logits, {seqs[f.index].id: f.error for f in isolated.failed}
 
     @staticmethod
     def _failures(
@@ -428,30 +413,7 @@ class Engine:
             s.id: str(failed_alone(failed[s.id], what(s), every)) for s in seqs if s.id in failed
         }
 
-    def _prefill(self, seqs: Sequence[Seq]) -> tuple[Array, Past, Array]:
-        """One run over the joiners' prompts, left-padded to the longest."""
-        width = max(len(s.prompt_ids) for s in seqs)
-        ids = np.zeros((len(seqs), width), dtype=np.int64)
-        mask = np.zeros((len(seqs), width), dtype=np.int64)
-        positions = np.zeros((len(seqs), width), dtype=np.int64)
-        for j, seq in enumerate(seqs):
-            n = len(seq.prompt_ids)
-            ids[j, width - n :] = seq.prompt_ids
-            mask[j, width - n :] = 1
-            positions[j, width - n :] = np.arange(n)
-        out = self.decoder.step(ids, mask, positions, self.decoder.empty_past(len(seqs)))
-        present = out.present
-        if not mask.all():
-            # Padding's keys/values are never attended (mask 0), but a model may have
-            # left NaN there (a query row with every key masked): 0 * NaN is NaN.
-            pad = mask == 0
-            for kv in (*present.keys, *present.values):
-                kv[np.broadcast_to(pad[:, None, :], kv.shape[:3])] = 0
-        return out.logits[:, -1], present, mask
-
-    def _decode(
-        self, seqs: Sequence[Seq], joins: list[tuple[list[int], Past, Array]], keep: set[int]
-    ) -> Decoded:
+    def _decode(self, seqs: Sequence[Seq], joins: list[Join], keep: set[int]) -> Decoded:
         """One token for every row, on the decode thread (which first settles the
         cache); logits come back in `seqs`' order, with the rows the model failed on
         alone. Requests arriving meanwhile are prefilled on this thread (onnxruntime

@@ -241,9 +241,11 @@ class BatchCache:
             if step.logits is None:
                 continue
             if logits is None:
-                logits = np.zeros((len(seqs), step.logits.shape[-1]), dtype=step.logits.dtype)
+                logits = np.empty((len(seqs), step.logits.shape[-1]), dtype=step.logits.dtype)
             rows = [r for r, sid in enumerate(group.slots) if sid is not None]
             logits[[order[group.slots[r]] for r in rows]] = step.logits[rows]
+        if failed and logits is not None:
+            logits[[order[sid] for sid in failed]] = 0
         held = sum(g.live for g in self.groups)
         if held + len(failed) != len(seqs) or (logits is None and not failed):
             raise ValueError(

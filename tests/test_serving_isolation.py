@@ -8,6 +8,7 @@ Retry-After; `x-should-retry: false`, which the openai client obeys)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -205,3 +206,18 @@ async def test_an_infer_input_the_model_fails_on_fails_alone(server: ServerThrea
     assert bad.status_code == 500
     assert "run on its own" in bad.json()["error"] and "INVALID_ARGUMENT" in bad.json()["error"]
     assert "retry-after" not in bad.headers
+
+
+def test_a_stream_the_model_fails_on_mid_way_ends_with_its_error_event(
+    server: ServerThread,
+) -> None:
+    body = {**completion(BAD_PROMPTS["decode"]), "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as answer:
+        assert answer.status_code == 200  # its first tokens came before the failure
+        events = [line for line in answer.iter_lines() if line.startswith("data: ")]
+    error = json.loads(events[-1].removeprefix("data: "))["error"]
+    assert error["code"] == "model_error" and f"position {POSITIONS}" in error["message"]
+    with lanes.Client(server.url, spec=server.spec) as client:
+        chunks = client.stream("gen", BAD_PROMPTS["decode"])
+        with pytest.raises(lanes.ModelError, match=f"position {POSITIONS}"):
+            list(chunks)
