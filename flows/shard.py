@@ -41,7 +41,7 @@ from lanes.errors import InvalidInput, JobFailed, StorageError
 from lanes.flows.records import read_shard, unit
 from lanes.flows.requests import Rejection, Request, to_request
 from lanes.flows.shape import RecordShape
-from lanes.isolation import Failed, failed_alone, isolate, outputs
+from lanes.isolation import Failed, failed_alone, isolate, per_item
 from lanes.storage import Storage, StoredFile
 from lanes.tasks.base import Task
 
@@ -326,13 +326,13 @@ def _run(model: Model, items: Sequence[Any]) -> list[Any]:
         raise isolated.failed[0].error
     if isolated.error is not None:
         log.warning(
-            "a batch of %d failed (%s: %s); run in halves, %d items failed alone",
+            "a batch of %d failed (%s: %s); %d of its items fail on their own",
             len(items),
             type(isolated.error).__name__,
             isolated.error,
             len(isolated.failed),
         )
-    return outputs(isolated, len(items))
+    return per_item(isolated, len(items))
 
 
 class _Writer:

@@ -9,7 +9,7 @@ With one bad item among n it costs about 2·log2(n) runs more, and only when a r
 fails. A run that fails must leave no trace (a model run's outputs are new arrays),
 so what the halves give is what the batch would have given without the culprits.
 
-Both lanes use it: the serving workers per dynamic batch (`outputs`), the generate
+Both lanes use it: the serving workers per dynamic batch (`per_item`), the generate
 engine per prefill and per decode run over rows of the KV cache, the offline shard
 per batch of records. `failed_alone` words the error that an item failing alone gets:
 the same input fails the same way every time, so it is never worth a retry.
@@ -100,7 +100,7 @@ def isolate(
     return Isolated(tuple(ran), tuple(lone), first[0] if first else None)
 
 
-def outputs(isolated: Isolated[Sequence[O]], count: int) -> list[O | Failed]:
+def per_item(isolated: Isolated[Sequence[O]], count: int) -> list[O | Failed]:
     """Each of `count` items' output, in order, from runs that return one output per
     item; a `Failed` where the item failed alone. `ModelError` when a run returned
     another number of outputs than it had items (naming both)."""
@@ -110,7 +110,7 @@ def outputs(isolated: Isolated[Sequence[O]], count: int) -> list[O | Failed]:
     while len(found) < count:
         part = parts.get(len(found))
         if part is None:
-            raise ValueError(f"outputs: no run covers item {len(found)} of {count}")
+            raise ValueError(f"per_item: no run covers item {len(found)} of {count}")
         if isinstance(part, Failed):
             found.append(part)
             continue

@@ -343,6 +343,7 @@ class Engine:
                 self._series.decode.observe(self.clock() - decoding)
                 self._series.rows.observe(len(plan.decode))
                 rows = StepPlan(decode=plan.decode)
+                self._log_isolated("decode step", len(plan.decode), decoded.error, decoded.failed)
                 failed = self._failures(plan.decode, decoded.failed, _at_position)
                 outputs = StepOutputs(decode=decoded.logits, failed=failed)
                 self._publish(rows, self.scheduler.update(rows, outputs))
@@ -373,14 +374,7 @@ class Engine:
             done = prefill_apart(self.decoder, plan.prefill)
             self._series.prefill.observe(self.clock() - start)
             self._joins += done.joins
-            if done.error is not None:
-                log.error(
-                    "workload %s: a prefill of %d prompts failed; run in halves, %d failed alone",
-                    self.name,
-                    len(plan.prefill),
-                    len(done.failed),
-                    exc_info=done.error,
-                )
+            self._log_isolated("prefill", len(plan.prefill), done.error, done.failed)
             failed = self._failures(plan.prefill, done.failed, _prompt)
             outputs = StepOutputs(prefill=done.logits, failed=failed)
         self._publish(plan, self.scheduler.update(plan, outputs))
@@ -401,6 +395,19 @@ class Engine:
     def _publish(self, plan: StepPlan, events: list[Event]) -> None:
         self._observe(plan, events)
         self._hand_over(events)
+
+    def _log_isolated(
+        self, run: str, rows: int, error: Exception | None, failed: dict[int, Exception]
+    ) -> None:
+        if error is not None:
+            log.error(
+                "workload %s: a %s of %d rows failed; %d of them fail on their own",
+                self.name,
+                run,
+                rows,
+                len(failed),
+                exc_info=error,
+            )
 
     @staticmethod
     def _failures(

@@ -31,7 +31,6 @@ exactly as the whole run would have advanced them.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +41,6 @@ from lanes.isolation import Isolated, isolate
 from lanes.tasks.decoder import Decoder, Past, StepOutput
 
 Array = np.ndarray[Any, Any]
-log = logging.getLogger("lanes.serving")
 
 # A compaction (dropping holes, trimming leading padding) copies the whole group,
 # about a step's worth of memory traffic; what it saves is paid back over steps. So
@@ -231,10 +229,12 @@ class BatchCache:
         order = {s.id: i for i, s in enumerate(seqs)}
         logits: Array | None = None
         failed: dict[int, Exception] = {}
+        error: Exception | None = None
         for group in self.groups:
             ids, mask, positions = group.step_inputs(by_id)
             step = step_group(self.decoder, group, ids, mask, positions)
             group.advance(step.present, mask)
+            error = error or step.error
             if step.failed:
                 failed.update(step.failed)
                 group.release({sid for sid in group.slots if sid is not None} - step.failed.keys())
@@ -251,7 +251,7 @@ class BatchCache:
             raise ValueError(
                 f"decode: the cache holds {held + len(failed)} sequences, the step has {len(seqs)}"
             )
-        return Decoded(logits, failed)
+        return Decoded(logits, failed, error)
 
     def place(self, ids: Sequence[int], past: Past, mask: Array) -> None:
         """Add one prefill's sequences to the group where their padding costs least,
@@ -290,22 +290,25 @@ class BatchCache:
 @dataclass(frozen=True)
 class Decoded:
     """One decode step of the batch: next-token logits [len(seqs), vocab] in the step's
-    order (None when every row failed; a failed row's logits are zeros), and the
-    sequences the model failed on alone, by id, with what each raised."""
+    order (None when every row failed; a failed row's logits are zeros), the sequences
+    the model failed on alone, by id, with what each raised, and what the first group
+    run that failed raised (None: every group's run succeeded whole)."""
 
     logits: Array | None
     failed: dict[int, Exception]
+    error: Exception | None = None
 
 
 @dataclass(frozen=True)
 class GroupStep:
     """One group's decode run: logits [rows, vocab] (None when every live row failed),
-    the group's new past, and the sequences the model failed on alone, by id, with
-    their errors."""
+    the group's new past, the sequences the model failed on alone, by id, with their
+    errors, and what the whole run raised (None: it succeeded)."""
 
     logits: Array | None
     present: Past
     failed: dict[int, Exception]
+    error: Exception | None = None
 
 
 def step_group(
@@ -336,16 +339,12 @@ def step_apart(
 
     # With holes, the failed run is not the live rows' run: that one is tried first.
     isolated = isolate(run, live, error if len(live) == len(group.slots) else None)
-    log.error(
-        "a decode run of %d rows failed; run in halves, %d failed alone",
-        len(live),
-        len(isolated.failed),
-        exc_info=error,
-    )
-    return _reassembled(group, live, isolated)
+    return _reassembled(group, live, isolated, error)
 
 
-def _reassembled(group: KVCache, live: list[int], isolated: Isolated[StepOutput]) -> GroupStep:
+def _reassembled(
+    group: KVCache, live: list[int], isolated: Isolated[StepOutput], error: Exception
+) -> GroupStep:
     rows = len(group.slots)
 
     def grown(past: Array) -> Array:
@@ -368,4 +367,4 @@ def _reassembled(group: KVCache, live: list[int], isolated: Isolated[StepOutput]
         sid = group.slots[live[lost.index]]
         if sid is not None:  # always: `live` holds only rows with a sequence
             failed[sid] = lost.error
-    return GroupStep(logits, Past(tuple(keys), tuple(values)), failed)
+    return GroupStep(logits, Past(tuple(keys), tuple(values)), failed, error)

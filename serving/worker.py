@@ -10,7 +10,7 @@ from functools import partial
 from typing import Any
 
 from lanes.errors import LanesError, ModelError
-from lanes.isolation import Failed, Isolated, failed_alone, isolate, outputs
+from lanes.isolation import Failed, Isolated, failed_alone, isolate, per_item
 from lanes.serving.batching import BatchQueue, Pending, never_fits
 from lanes.serving.metrics import Metrics, Utilization
 from lanes.serving.model_thread import ModelThread
@@ -234,7 +234,7 @@ class BatchWorker:
 
     def _log_failures(self, isolated: Isolated[Any], items: int) -> None:
         log.error(
-            "workload %s: a batch of %d failed; run in halves, %d items failed alone",
+            "workload %s: a batch of %d failed; %d of its items fail on their own",
             self.name,
             items,
             len(isolated.failed),
@@ -248,5 +248,5 @@ def _with_errors(isolated: Isolated[Any], items: int) -> list[Any]:
     every = isolated.all_failed and items > 1
     return [
         Failed(o.index, failed_alone(o.error, every=every)) if isinstance(o, Failed) else o
-        for o in outputs(isolated, items)
+        for o in per_item(isolated, items)
     ]

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import pytest
 
 from lanes.errors import InvalidInput, ModelError
-from lanes.isolation import Failed, failed_alone, isolate, outputs
+from lanes.isolation import Failed, failed_alone, isolate, per_item
 
 
 class Picky:
@@ -30,7 +30,7 @@ def test_a_run_that_succeeds_runs_once() -> None:
     run = Picky()
     isolated = isolate(run, [1, 2, 3])
     assert isolated.whole and not isolated.failed and isolated.error is None
-    assert outputs(isolated, 3) == [2, 4, 6] and run.runs == [[1, 2, 3]]
+    assert per_item(isolated, 3) == [2, 4, 6] and run.runs == [[1, 2, 3]]
 
 
 def test_the_items_a_run_fails_on_fail_alone_and_the_rest_get_their_outputs() -> None:
@@ -39,7 +39,7 @@ def test_the_items_a_run_fails_on_fail_alone_and_the_rest_get_their_outputs() ->
     isolated = isolate(run, items)
     assert not isolated.whole and not isolated.all_failed
     assert isinstance(isolated.error, ValueError)
-    found = outputs(isolated, len(items))
+    found = per_item(isolated, len(items))
     assert [o.index for o in found if isinstance(o, Failed)] == [3, 6]
     assert [o for o in found if not isinstance(o, Failed)] == [0, 2, 4, 8, 10, 14]
     assert "cannot take [3]" in str(found[3].error)  # type: ignore[union-attr]
@@ -60,10 +60,10 @@ def test_every_item_failing_alone_is_the_models_fault() -> None:
     assert not isolate(Picky(), []).all_failed
 
 
-def test_outputs_check_each_run_returns_one_output_per_item() -> None:
+def test_per_item_checks_each_run_returns_one_output_per_item() -> None:
     isolated = isolate(lambda items: [0], [1, 2])
     with pytest.raises(ModelError, match="a run of 2 items returned 1 outputs"):
-        outputs(isolated, 2)
+        per_item(isolated, 2)
 
 
 def test_the_error_an_item_gets_says_not_to_resend_it_as_it_is() -> None:
