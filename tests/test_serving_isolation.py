@@ -114,7 +114,7 @@ async def test_a_sequence_the_decoder_fails_on_fails_alone(
         alone = [(await client.post(url, json=completion(p))).json() for p in GOOD_PROMPTS]
         assert [a["choices"][0]["text"] for a in alone[:3]] == ["b c d", "c d", "d"]
         prompts = [GOOD_PROMPTS[0], BAD_PROMPTS[where], *GOOD_PROMPTS[1:]]
-        steps = metric(server, "lanes_batch_size_count", workload="gen")
+        prefills = metric(server, "lanes_prefill_seconds_count", workload="gen")
         with DECODER.closed():  # the first prefill waits: the other seven queue behind it
             calls = [asyncio.create_task(client.post(url, json=completion(prompts[0])))]
             await asyncio.to_thread(DECODER.wait_held)
@@ -132,8 +132,9 @@ async def test_a_sequence_the_decoder_fails_on_fails_alone(
         assert got.json()["choices"] == want["choices"]
         assert got.json()["usage"] == want["usage"]
     assert_not_to_retry(bad, "this prompt" if where == "prefill" else f"position {POSITIONS}")
-    # Every request but the first joined in one prefill, so the bad row shared its runs.
-    assert metric(server, "lanes_batch_size_count", workload="gen") > steps
+    # The first prefilled alone, the other seven (the bad one among them) together: the
+    # bad row shared its prefill, and its decode steps, with six others.
+    assert metric(server, "lanes_prefill_seconds_count", workload="gen") - prefills == 2
 
 
 def test_no_client_retries_a_sequence_the_model_fails_on(server: ServerThread) -> None:
