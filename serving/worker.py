@@ -10,6 +10,7 @@ from functools import partial
 from typing import Any
 
 from lanes.errors import LanesError, ModelError
+from lanes.isolation import Failed, Isolated, failed_alone, isolate, per_item
 from lanes.serving.batching import BatchQueue, Pending, never_fits
 from lanes.serving.metrics import Metrics, Utilization
 from lanes.serving.model_thread import ModelThread
@@ -190,6 +191,8 @@ class BatchWorker:
                 continue  # the caller went away meanwhile
             if error is not None:
                 pending.future.set_exception(error)
+            elif isinstance(outputs[i], Failed):  # the model fails on this item alone
+                pending.future.set_exception(outputs[i].error)
             else:
                 pending.future.set_result(outputs[i])
         # Accounted after the callers resume and send their answers (call_soon runs
@@ -215,11 +218,37 @@ class BatchWorker:
         return self._item_cost_s is not None and self._item_cost_s * items < INLINE_RUN_S
 
     def _timed_run(self, items: list[Any]) -> tuple[list[Any], float]:
-        """The task's run and its own duration, without any thread hand-off."""
+        """The task's run and its own duration, without any thread hand-off.
+
+        A run that fails is run again in halves (lanes/isolation.py): an item that
+        fails alone gets a `Failed` holding its own error, the others their outputs.
+        Only a whole run's duration teaches the cost per item."""
         start = self.clock()
-        outputs = self.task.run(items)
+        isolated = isolate(self.task.run, items)
         took = self.clock() - start
-        cost = took / len(items)
-        old = self._item_cost_s
-        self._item_cost_s = cost if old is None else old + _COST_WEIGHT * (cost - old)
-        return outputs, took
+        if isolated.whole:
+            cost = took / len(items)
+            old = self._item_cost_s
+            self._item_cost_s = cost if old is None else old + _COST_WEIGHT * (cost - old)
+        else:
+            self._log_failures(isolated, len(items))
+        return _with_errors(isolated, len(items)), took
+
+    def _log_failures(self, isolated: Isolated[Any], items: int) -> None:
+        log.error(
+            "workload %s: a batch of %d failed; %d of its items fail on their own",
+            self.name,
+            items,
+            len(isolated.failed),
+            exc_info=isolated.error,
+        )
+
+
+def _with_errors(isolated: Isolated[Any], items: int) -> list[Any]:
+    """Each item's output; where it failed alone, a `Failed` holding the error its
+    caller gets (every item failing alone is the model's fault, and says so)."""
+    every = isolated.all_failed and items > 1
+    return [
+        Failed(o.index, failed_alone(o.error, every=every)) if isinstance(o, Failed) else o
+        for o in per_item(isolated, items)
+    ]
