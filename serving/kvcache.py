@@ -63,6 +63,7 @@ class KVCache:
     """
 
     def __init__(self, decoder: Decoder) -> None:
+        self.pad = decoder.config.pad_token_id
         self.slots: list[int | None] = []
         empty = decoder.empty_past(0)
         self.keys: list[Array] = list(empty.keys)
@@ -98,7 +99,7 @@ class KVCache:
         last token at its own position; a hole attends only to its own dummy token
         (finite, and nobody reads it)."""
         rows = len(self.slots)
-        ids = np.zeros((rows, 1), dtype=np.int64)
+        ids = np.full((rows, 1), self.pad, dtype=np.int64)
         positions = np.zeros((rows, 1), dtype=np.int64)
         for r, sid in enumerate(self.slots):
             if sid is not None:

@@ -45,7 +45,7 @@ class Prefilled:
 def prefill(decoder: Decoder, seqs: Sequence[Seq]) -> tuple[Array, Join]:
     """One run over the joiners' prompts, left-padded to the longest."""
     width = max(len(s.prompt_ids) for s in seqs)
-    ids = np.zeros((len(seqs), width), dtype=np.int64)
+    ids = np.full((len(seqs), width), decoder.config.pad_token_id, dtype=np.int64)
     mask = np.zeros((len(seqs), width), dtype=np.int64)
     positions = np.zeros((len(seqs), width), dtype=np.int64)
     for j, seq in enumerate(seqs):
