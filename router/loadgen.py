@@ -5,10 +5,11 @@
 
 Each of `concurrency` clients holds one keep-alive HTTP/1.1 connection and sends the
 next request as soon as its answer is read (closed loop), cycling through `requests`
-from its own offset. A level runs `warm_s` untimed, then `seconds` timed: its rate
-counts the answers that arrive inside the timed window, over the window's length, and
-its latencies are those answers' round trips, so the ramp at the start and requests
-cut off at the end bias neither.
+from its own offset. A level runs `warm_s` untimed, then a timed window of at least
+`seconds` (longer, until it holds two answers per client): its rate counts the
+answers that arrive inside the window, over the window's length, and its latencies
+are those answers' round trips, so the ramp at the start and requests cut off at the
+end bias neither.
 
 The clients run in a process of their own (`python -m lanes.router.loadgen`), so the
 endpoint being measured never shares a GIL with them. The parent writes one level per
@@ -35,6 +36,8 @@ import orjson
 # A request whose answer takes longer than this is counted as an error, so a level
 # always ends.
 REQUEST_TIMEOUT_S = 120.0
+# A level's timed window stays open until it holds this many answers per client.
+MIN_ANSWERS_PER_CLIENT = 2
 
 
 @dataclass(frozen=True)
@@ -167,13 +170,14 @@ async def _level(
 ) -> Level:
     answers: list[_Answer] = []
     began = time.perf_counter()
-    window = (began + warm_s, began + warm_s + seconds)
+    opens = began + warm_s
+    window = _Window(opens, minimum=MIN_ANSWERS_PER_CLIENT * concurrency)
 
     async def client(offset: int) -> None:
         connection: _Connection | None = None
         i = offset
         try:
-            while time.perf_counter() < window[1]:
+            while window.closes is None:
                 start = time.perf_counter()
                 try:
                     if connection is None:
@@ -186,26 +190,59 @@ async def _level(
                     if connection is not None:
                         connection.close()
                     connection = None
-                answers.append(_Answer(start, time.perf_counter(), status, error))
+                answer = _Answer(start, time.perf_counter(), status, error)
+                answers.append(answer)
+                window.count(answer)
                 i += 1
         finally:
             if connection is not None:
                 connection.close()
 
-    await asyncio.gather(*(client(k * 7919) for k in range(concurrency)))
-    timed = [a for a in answers if window[0] <= a.end <= window[1] and a.status == 200]
+    clients = [asyncio.ensure_future(client(k * 7919)) for k in range(concurrency)]
+    await window.close_after(seconds, limit_s=seconds * 10 + 30)
+    await asyncio.gather(*clients)
+    closes = window.closes
+    assert closes is not None
+    timed = [a for a in answers if opens <= a.end <= closes and a.status == 200]
     failed = [a for a in answers if a.status != 200]
     latencies = np.array([a.end - a.start for a in timed]) * 1000
     return Level(
         concurrency=concurrency,
-        seconds=seconds,
+        seconds=closes - opens,
         completed=len(timed),
         errors=len(failed),
         first_error=failed[0].error if failed else None,
-        items_per_second=len(timed) / seconds,
+        items_per_second=len(timed) / (closes - opens),
         p50_ms=float(np.percentile(latencies, 50)) if len(timed) else None,
         p99_ms=float(np.percentile(latencies, 99)) if len(timed) else None,
     )
+
+
+class _Window:
+    """The timed window of a level: it opens at `opens` and closes once `seconds` have
+    passed and it holds `minimum` good answers (answers slower than the window would
+    otherwise leave it empty), at once if any answer failed (the level has failed),
+    and at `limit_s` regardless."""
+
+    def __init__(self, opens: float, minimum: int) -> None:
+        self.opens, self.minimum = opens, minimum
+        self.closes: float | None = None
+        self.good = 0
+        self.failed = False
+
+    def count(self, answer: _Answer) -> None:
+        if answer.status != 200:
+            self.failed = True
+        elif answer.end >= self.opens and self.closes is None:
+            self.good += 1
+
+    async def close_after(self, seconds: float, limit_s: float) -> None:
+        await asyncio.sleep(max(self.opens + seconds - time.perf_counter(), 0))
+        limit = self.opens + limit_s
+        # Checks every 10 ms: at most limit_s / 0.01 checks.
+        while self.good < self.minimum and not self.failed and time.perf_counter() < limit:
+            await asyncio.sleep(0.01)
+        self.closes = time.perf_counter()
 
 
 async def _serve_levels(url: str, requests_file: Path) -> None:

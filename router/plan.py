@@ -31,9 +31,9 @@ class LaneCost:
     @classmethod
     def of(cls, lane: Mode, record: Throughput | None, price: float, workload: str) -> LaneCost:
         if record is None:
-            note = f"not measured: run lanes calibrate {workload}"
-            return cls(lane, None, None, None, None, None, note)
-        note: str | None = None
+            unmeasured = f"not measured: run lanes calibrate {workload}"
+            return cls(lane, None, None, None, None, None, unmeasured)
+        note = None
         if record.meets_slo is False:
             note = f"even one client missed the p99 target of {record.slo_p99_ms:g} ms"
         return cls(
