@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -158,7 +159,9 @@ def _cost_cells(cost: LaneCost, label: str, workload: str) -> tuple[str, str, st
     lane = f"{cost.lane} ({label})"
     if cost.usd_per_1k_items is None or cost.items_per_second is None:
         return lane, "-", "-", cost.note or ""
-    measured = f"{cost.source} {cost.measured_at}"
+    measured = str(cost.source)
+    if cost.measured_at is not None:
+        measured += " " + datetime.fromisoformat(cost.measured_at).strftime("%Y-%m-%d %H:%M %Z")
     if cost.measured_for not in (None, workload):
         measured += f" (of {cost.measured_for}, the same model)"
     if cost.note:
