@@ -48,6 +48,7 @@ from lanes.flows.shard import Model, ShardPlan, ShardStats, TooManyErrors, commi
 from lanes.flows.validate import check_records
 from lanes.jobs import WITH_ERRORS_STATE
 from lanes.layout import ERRORS
+from lanes.measurements import Measurements, Throughput, newest
 from lanes.runtime import Runtime
 from lanes.settings import Settings
 from lanes.spec import Runner
@@ -129,6 +130,7 @@ def run_job(job: Job, settings: Settings, rerun: Rerun = "uncommitted") -> Manif
     check_records(job, [p.plan for p in pending if p.retry is None], storage)
     _progress("planned", shards=len(plans), pending=len(pending))
     ran, failures = _run_shards(job, pending, settings)
+    measurements = Measurements(settings.home)
     manifest = build_manifest(
         workload=job.workload,
         flow_run=str(flow_run.id) if flow_run.id else None,
@@ -139,9 +141,11 @@ def run_job(job: Job, settings: Settings, rerun: Rerun = "uncommitted") -> Manif
         stats=done + ran,
         failures=failures,
         price_per_device_hour=settings.price_per_device_hour,
+        interactive=newest(measurements.load(), "interactive", job.model_key, job.workload),
     )
     uri = write_manifest(storage, manifest)
     log.info("manifest %s", uri)
+    _record_throughput(measurements, job, manifest, uri)
     if failures:
         listed = "; ".join(f"{f.input}: {f.error}" for f in failures)
         raise JobFailed(
@@ -149,6 +153,29 @@ def run_job(job: Job, settings: Settings, rerun: Rerun = "uncommitted") -> Manif
             "the others are committed: fix the cause and run again to redo only these"
         )
     return manifest
+
+
+def _record_throughput(store: Measurements, job: Job, manifest: Manifest, uri: str) -> None:
+    """The run's offline items/s per device, for `lanes plan` and later manifests. A
+    run that ran nothing measured nothing; a home that cannot be written costs the run
+    nothing but a warning."""
+    if manifest.items == 0:
+        return
+    record = Throughput(
+        workload=job.workload,
+        model_key=job.model_key,
+        lane="offline",
+        items_per_second=manifest.items / max(manifest.wall_seconds, 1e-3) / manifest.devices,
+        measured_at=datetime.fromisoformat(manifest.ended_at),
+        source=f"manifest {uri}",
+        items=manifest.items,
+        provider=manifest.provider,
+        batch_size=job.batch_size,
+    )
+    try:
+        store.save(record)
+    except OSError as err:
+        log.warning("could not record the run's throughput under %s: %s", store.folder, err)
 
 
 @dataclass(frozen=True)

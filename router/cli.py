@@ -16,7 +16,8 @@ from rich.console import Console
 from rich.table import Table
 
 from lanes.errors import InvalidInput
-from lanes.router import client_cli, offline_cli
+from lanes.measurements import Measurements
+from lanes.router import client_cli, cost_cli, offline_cli
 from lanes.router.console import SpecFile, command, guarded
 from lanes.router.plan import plan as make_plan
 from lanes.router.render import to_jsonable
@@ -51,10 +52,12 @@ def plan(
     file: SpecFile = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:
-    """Show where each workload goes: endpoint paths, or a Prefect deployment and its next run."""
+    """Show where each workload goes: endpoint paths, or a Prefect deployment and its next
+    run; and $ per 1k items in its own lane and in the other, from the newest measurement
+    (`lanes calibrate`, an offline run's manifest)."""
     settings = guarded(Settings)
     spec = guarded(lambda: _load(file, settings))
-    routes = make_plan(spec, settings)
+    routes = make_plan(spec, settings, measurements=Measurements(settings.home).load())
     if as_json:
         typer.echo(json.dumps([r.as_json() for r in routes], indent=2))
         return
@@ -70,6 +73,7 @@ def plan(
         batching = ", ".join(f"{k}={v}" for k, v in r.batching.items())
         table.add_row(r.workload, r.mode, r.task, r.model, where, batching)
     Console(width=160).print(table)
+    cost_cli.print_costs(routes, settings)
 
 
 @app.command()
@@ -133,6 +137,7 @@ def models_build(
 for module, names in (
     (offline_cli, ("compile", "deploy", "run")),
     (client_cli, ("call", "stream", "submit", "job")),
+    (cost_cli, ("calibrate",)),
 ):
     for name in names:
         app.command(name)(command(getattr(module, name)))

@@ -267,6 +267,16 @@ class _ProgressHandler(logging.Handler):
             self.progress.update(self.bar, advance=1, records=self.records)
 
 
+def _interactive_cost(summary: dict[str, Any]) -> str:
+    """What the run's items would have cost in the interactive lane."""
+    if summary.get("interactive_cost_estimate") is None:
+        return f"not measured: run lanes calibrate {summary['workload']}"
+    return (
+        f"${summary['interactive_cost_estimate']:.4f} at "
+        f"{summary['interactive_items_per_second']} items/s ({summary['interactive_measured']})"
+    )
+
+
 def _print_summary(summary: dict[str, Any]) -> None:
     table = Table(title=f"lanes run {summary['workload']}", show_header=False)
     rows = [
@@ -283,6 +293,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
             f"${summary['cost_estimate']:.4f} ({summary['device_hours']:.4f} device-hours "
             f"at ${summary['price_per_device_hour']}/h)",
         ),
+        ("on the endpoint", _interactive_cost(summary)),
     ]
     if summary["shards_retried"]:
         retried = f"{summary['retried']} records, {summary['recovered']} answered now"
