@@ -43,7 +43,8 @@ def prefect_api() -> Iterator[str]:
     from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=60):
+    # Generous: on a loaded machine the server has taken over a minute to answer.
+    with prefect_test_harness(server_startup_timeout=300):
         yield str(PREFECT_API_URL.value())
 
 
