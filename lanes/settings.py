@@ -44,6 +44,14 @@ class Settings(BaseSettings):
         description="onnxruntime intra-op threads; default: onnxruntime's choice.",
     )
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Largest request body.")
+    drain_s: float = Field(
+        5.0,
+        ge=0,
+        le=3600,
+        description="After SIGTERM, how long /readyz answers 503 (draining) while requests "
+        "are still served, each answer closing its connection, so that load balancers stop "
+        "sending before the listener closes; a second signal stops at once.",
+    )
     s3_endpoint: str | None = Field(None, description="S3 endpoint URL (e.g. a MinIO server).")
     work_pool: str = Field("lanes", description="Prefect work pool offline deployments use.")
     offpeak: Schedule = Field(

@@ -2,8 +2,9 @@
 
 Workers load in the background after start-up, so liveness answers at once and
 readiness (serving/readiness.py) turns true when every session is loaded and warm, or
-says which workload failed and why. On shutdown (uvicorn
-stops accepting on SIGTERM) each worker finishes what is queued before it exits.
+says which workload failed and why. On SIGTERM the server drains (serving/server.py):
+readiness turns false and every answer closes its connection, then the listener closes
+and each worker finishes what is queued before it exits.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from lanes.runtime import Runtime
 from lanes.serving import generate_routes, openai_routes, v2_routes
 from lanes.serving.http import JSONResponse, error_response, is_v2
 from lanes.serving.metrics import Metrics
+from lanes.serving.readiness import Readiness
 from lanes.serving.state import ServingState
 from lanes.serving.worker import BatchWorker
 from lanes.settings import Settings
@@ -80,7 +82,7 @@ def create_app(
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
     app.state.lanes = state
     key = settings.api_key.get_secret_value() if settings.api_key else None
-    return Edge(app, state.metrics, api_key=key)
+    return Edge(app, state.metrics, api_key=key, readiness=state.readiness)
 
 
 async def _load(state: ServingState, runtime: Runtime | None) -> None:
@@ -201,6 +203,20 @@ _MODEL_PATH = re.compile(r"^/v2/models/[^/]+(/versions/[^/]+)?")
 _INFER_PATH = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
 
 
+def _closing(send: Send) -> Send:
+    """`send`, with `Connection: close` on the answer."""
+
+    async def closing(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), _CLOSE]}
+        await send(message)
+
+    return closing
+
+
+_CLOSE = (b"connection", b"close")
+
+
 def route_label(path: str) -> str:
     """A bounded label for a path: workload names and versions in /v2 paths are folded away."""
     return _MODEL_PATH.sub(_model_label, path)
@@ -225,15 +241,27 @@ class Edge:
     500 (JSON) when the answer had not started, so the connection stays usable.
     """
 
-    def __init__(self, app: Starlette, metrics: Metrics, api_key: str | None) -> None:
+    def __init__(
+        self, app: Starlette, metrics: Metrics, api_key: str | None, readiness: Readiness
+    ) -> None:
         self.app = app
         self.metrics = metrics
         self.token = api_key.encode() if api_key else None
+        self.readiness = readiness
+
+    def drain(self) -> None:
+        """Stop being ready and close each connection after its answer (the server is
+        about to stop); safe to call from a signal handler."""
+        self.readiness.drain()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if self.readiness.draining:
+            # A client told to close opens its next connection elsewhere (or here while
+            # the listener is open), never reusing one the server is about to close.
+            send = _closing(send)
         path: str = scope["path"]
         label = route_label(path)
         if self.token is not None and path not in HEALTH_PATHS and not self._authorized(scope):

@@ -42,6 +42,12 @@ class Readiness:
 
     def __init__(self, names: Iterable[str]) -> None:
         self._hosted = dict.fromkeys(names, LOADING)
+        # Set once, when the server is told to stop: it still serves, but is not ready.
+        self.draining = False
+
+    def drain(self) -> None:
+        """From now on not ready, whatever each workload's state (safe in a signal handler)."""
+        self.draining = True
 
     def __contains__(self, name: str) -> bool:
         return name in self._hosted
@@ -72,7 +78,11 @@ class Readiness:
     def as_json(self) -> dict[str, Any]:
         """The body of /readyz."""
         state = self.overall()
-        body: dict[str, Any] = {"status": state.value, "ready": state is LoadState.READY}
+        status = "draining" if self.draining else state.value
+        body: dict[str, Any] = {
+            "status": status,
+            "ready": state is LoadState.READY and not self.draining,
+        }
         errors = self.errors()
         if errors is not None:
             body["error"] = errors

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import socket
+import time
+from collections.abc import Callable
+from types import FrameType
 
 import uvicorn
 
@@ -10,12 +15,67 @@ from lanes.serving.app import create_app
 from lanes.settings import Settings
 from lanes.spec import Spec
 
+log = logging.getLogger("lanes.serving")
+
+# After the listener closes, how long requests already written on open connections
+# have to reach the server before idle connections are closed.
+LINGER_S = 0.2
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, stopping as a load balancer needs it to.
+
+    On the first SIGTERM or SIGINT it drains for `drain_s`: `on_drain` turns readiness
+    false (a balancer's health check takes the replica out) while every request is
+    still served, each answer closing its connection, so no client keeps a connection
+    the server is about to close. Then the listener closes, requests already on their
+    way are read (`LINGER_S`), in-flight and queued work finishes, and the app's
+    lifespan stops its workers. A second signal skips what is left of the drain.
+    """
+
+    def __init__(
+        self, config: uvicorn.Config, drain_s: float, on_drain: Callable[[], None]
+    ) -> None:
+        super().__init__(config)
+        self.drain_s = drain_s
+        self.on_drain = on_drain
+        self.drain_until: float | None = None
+        self._drain_logged = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.drain_until is None and self.drain_s > 0 and not self.should_exit:
+            self.drain_until = time.monotonic() + self.drain_s
+            self.on_drain()  # sets a flag: safe in a signal handler, unlike logging
+            return
+        super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_until is not None:
+            if not self._drain_logged:
+                self._drain_logged = True
+                log.info(
+                    "draining for %.1f s: /readyz answers 503, requests are still served",
+                    self.drain_s,
+                )
+            if time.monotonic() >= self.drain_until:
+                self.should_exit = True
+        return await super().on_tick(counter)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for server in self.servers:
+            server.close()
+        # uvicorn closes idle connections at once: first let requests that clients
+        # already wrote on them arrive, so that they are answered, not cut off.
+        await asyncio.sleep(LINGER_S)
+        await super().shutdown(sockets)
+
 
 def serve(spec: Spec, settings: Settings, host: str | None = None, port: int | None = None) -> None:
-    """Serve until SIGINT/SIGTERM; then stop accepting, finish queued work, exit."""
+    """Serve until SIGINT/SIGTERM; then drain, stop accepting, finish queued work, exit."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    app = create_app(spec, settings)
     config = uvicorn.Config(
-        create_app(spec, settings),
+        app,
         host=host or settings.host,
         port=port if port is not None else settings.port,
         # httptools and uvloop (uvicorn[standard]): a fraction of h11's per-request cost.
@@ -25,4 +85,4 @@ def serve(spec: Spec, settings: Settings, host: str | None = None, port: int | N
         timeout_graceful_shutdown=30,
         log_level="info",
     )
-    uvicorn.Server(config).run()
+    DrainingServer(config, settings.drain_s, app.drain).run()

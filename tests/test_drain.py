@@ -1,0 +1,317 @@
+"""`lanes serve` stops as a load balancer needs it to: on SIGTERM readiness drops while
+requests are still served (each answer closing its connection), then the listener
+closes and work in flight and queued finishes. Real server processes, real signals,
+a gated handler instead of timing windows; and a rolling restart of two replicas
+behind a real haproxy with closed-loop load and no failed request.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.gates import GATE_FILE_ENV, held_marker
+from tests.servers import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+LANES = str(Path(sys.executable).with_name("lanes"))
+WAIT_S = 120.0
+ROW = {"name": "features", "shape": [1, 4], "datatype": "FP32", "data": [5.1, 3.5, 1.4, 0.2]}
+
+
+def wait_until(check: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"gave up waiting for {what} after {timeout} s")
+
+
+def write_spec(folder: Path, models: Path) -> Path:
+    path = folder / "workloads.yaml"
+    path.write_text(
+        f"""\
+version: 1
+models:
+  classifier: {{path: {models}/classifier/model.onnx}}
+workloads:
+  fast: {{task: infer, mode: interactive, model: classifier}}
+  held:
+    task: infer
+    mode: interactive
+    model: classifier
+    handler: tests.gates:held_by_file
+    batching: {{max_batch_size: 1}}
+"""
+    )
+    return path
+
+
+@dataclass
+class Replica:
+    """One `lanes serve` process on its own port."""
+
+    spec: Path
+    env: dict[str, str]
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[str] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> Replica:
+        self.process = subprocess.Popen(
+            [LANES, "serve", str(self.spec), "--port", str(self.port)],
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        wait_until(self._ready, f"lanes serve on {self.port} ready")
+        return self
+
+    def _ready(self) -> bool:
+        assert self.process is not None
+        if self.process.poll() is not None:
+            raise AssertionError(f"lanes serve exited: {self.process.communicate()[1]}")
+        try:
+            return httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def signal(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGTERM)
+
+    def wait(self) -> str:
+        """Its exit, which must be clean; its stderr."""
+        assert self.process is not None
+        _, stderr = self.process.communicate(timeout=WAIT_S)
+        # uvicorn re-raises the signal it stopped on, as a process killed by it would.
+        assert self.process.returncode in (0, -signal.SIGTERM), stderr
+        assert "Application shutdown complete" in stderr, stderr
+        assert "Traceback" not in stderr, stderr
+        return stderr
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.communicate(timeout=WAIT_S)
+
+
+def environment(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LANES_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return {**env, **extra}
+
+
+def queued(url: str, workload: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        if family.name == "lanes_queue_depth":
+            for sample in family.samples:
+                if sample.labels.get("workload") == workload:
+                    return sample.value
+    return 0.0
+
+
+def answered(url: str) -> float:
+    """How many inference calls the server at `url` has answered."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "lanes_responses"
+        for sample in family.samples
+        if sample.name == "lanes_responses_total" and "infer" in sample.labels.get("route", "")
+    )
+
+
+def refused(url: str) -> bool:
+    try:
+        httpx.get(f"{url}/healthz", timeout=5)
+    except httpx.ConnectError:
+        return True
+    return False
+
+
+def infer(client: httpx.Client, workload: str) -> httpx.Response:
+    return client.post(f"/v2/models/{workload}/infer", json={"inputs": [ROW]})
+
+
+@pytest.fixture
+def replica(tmp_path: Path, demo_models: Path) -> Iterator[Replica]:
+    gate = tmp_path / "gate"
+    env = environment(LANES_DRAIN_S="600", **{GATE_FILE_ENV: str(gate)})
+    server = Replica(write_spec(tmp_path, demo_models), env)
+    try:
+        yield server
+    finally:
+        gate.touch()  # never leave a run waiting
+        server.kill()
+
+
+def test_sigterm_drains_then_finishes_work_in_flight_and_queued(
+    replica: Replica, tmp_path: Path
+) -> None:
+    gate = tmp_path / "gate"
+    gate.touch()  # open while the held workload warms up
+    replica.start()
+    gate.unlink()
+    answers: list[httpx.Response] = []
+
+    def held_call() -> None:
+        with httpx.Client(base_url=replica.url, timeout=WAIT_S) as c:
+            answers.append(infer(c, "held"))
+
+    # One call runs at the gate, a second waits in the queue behind it.
+    callers = [threading.Thread(target=held_call) for _ in range(2)]
+    callers[0].start()
+    wait_until(held_marker(gate).exists, "the first held call at the gate")
+    callers[1].start()
+    wait_until(lambda: queued(replica.url, "held") >= 1, "the second held call queued")
+
+    with httpx.Client(base_url=replica.url, timeout=WAIT_S) as kept:
+        before = infer(kept, "fast")
+        assert before.status_code == 200 and "connection" not in before.headers
+
+        replica.signal()  # the first: drain
+        wait_until(
+            lambda: httpx.get(f"{replica.url}/readyz", timeout=10).json()["status"] == "draining",
+            "/readyz to say draining",
+        )
+        ready = httpx.get(f"{replica.url}/readyz", timeout=10)
+        assert ready.status_code == 503 and ready.json()["ready"] is False
+        # Still served while draining, on the kept connection, which the answer closes.
+        during = infer(kept, "fast")
+        assert during.status_code == 200, during.text
+        assert during.headers["connection"] == "close"
+
+    replica.signal()  # the second: the drain ends, the listener closes
+    wait_until(lambda: refused(replica.url), "the listener to close")
+    assert replica.process is not None and replica.process.poll() is None
+    assert answers == []  # both held calls still in the server
+
+    gate.touch()
+    for caller in callers:
+        caller.join(timeout=WAIT_S)
+    assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+    assert all(a.json()["outputs"][0]["name"] == "logits" for a in answers)
+    stderr = replica.wait()
+    assert "draining for 600.0 s" in stderr
+
+
+HAPROXY = shutil.which("haproxy")
+
+
+def haproxy_config(port: int, replicas: list[Replica]) -> str:
+    servers = "\n".join(
+        f"    server r{i} 127.0.0.1:{r.port} check inter 100ms fall 2 rise 1"
+        for i, r in enumerate(replicas)
+    )
+    # Health checks on /readyz take a draining replica out. No retries (retry-on,
+    # redispatch): they would hide a request the server dropped, and a POST is not
+    # always safe to send twice.
+    return f"""\
+global
+    maxconn 256
+defaults
+    mode http
+    timeout connect 5s
+    timeout client 60s
+    timeout server 60s
+    timeout check 5s
+frontend lanes
+    bind 127.0.0.1:{port}
+    default_backend replicas
+backend replicas
+    balance roundrobin
+    option httpchk GET /readyz
+    http-check expect status 200
+{servers}
+"""
+
+
+@pytest.mark.skipif(HAPROXY is None, reason="haproxy is not installed (apt install haproxy)")
+def test_rolling_restart_behind_haproxy_fails_no_request(tmp_path: Path, demo_models: Path) -> None:
+    assert HAPROXY is not None
+    spec = write_spec(tmp_path, demo_models)
+    # The drain must outlast a few of haproxy's health checks (every 100 ms).
+    (tmp_path / "gate").touch()  # the held workload is not used here
+    env = environment(LANES_DRAIN_S="3", **{GATE_FILE_ENV: str(tmp_path / "gate")})
+    replicas = [Replica(spec, env), Replica(spec, env)]
+    port = free_port()
+    config = tmp_path / "haproxy.cfg"
+    config.write_text(haproxy_config(port, replicas))
+    balancer: subprocess.Popen[bytes] | None = None
+    outcomes: Counter[str] = Counter()
+    failures: list[str] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def client() -> None:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as c:
+            for _ in range(100_000):  # bounded; the test stops it long before
+                if stop.is_set():
+                    return
+                try:
+                    answer = infer(c, "fast")
+                    status = str(answer.status_code)
+                    if answer.status_code != 200:
+                        failures.append(answer.text[:200])
+                except httpx.TransportError as err:
+                    status = type(err).__name__
+                with lock:
+                    outcomes[status] += 1
+
+    def served() -> int:
+        with lock:
+            return sum(outcomes.values())
+
+    try:
+        for r in replicas:
+            r.start()
+        balancer = subprocess.Popen([HAPROXY, "-f", str(config), "-db"])
+        wait_until(lambda: not refused(f"http://127.0.0.1:{port}"), "haproxy listening")
+        clients = [threading.Thread(target=client) for _ in range(8)]
+        for c in clients:
+            c.start()
+        for r in replicas:
+            mark = served()
+            wait_until(lambda m=mark: served() >= m + 200, "load through both replicas")
+            r.signal()
+            r.wait()
+            mark = served()
+            wait_until(lambda m=mark: served() >= m + 200, "load on the other replica alone")
+            r.start()
+            wait_until(lambda r=r: answered(r.url) >= 50, "haproxy sending to the new replica")
+        mark = served()
+        wait_until(lambda m=mark: served() >= m + 200, "load after the restarts")
+        stop.set()
+        for c in clients:
+            c.join(timeout=WAIT_S)
+    finally:
+        stop.set()
+        for r in replicas:
+            r.kill()
+        if balancer is not None:
+            balancer.kill()
+            balancer.wait(timeout=WAIT_S)
+    print(f"rolling restart carried {dict(outcomes)}")
+    assert set(outcomes) == {"200"}, (outcomes, failures[:3])
+    assert outcomes["200"] >= 800
