@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from lanes.binding import Placement, Runner, uses_io_binding
 from lanes.errors import ModelError
 from lanes.settings import Device, Settings
 from lanes.spec import ModelSpec
@@ -254,6 +255,23 @@ class Runtime:
             raise ModelError(f"onnxruntime cannot load {path}: {err}") from err
         self._check_obtained(session, path)
         return session
+
+    def binds(self, session: ort.InferenceSession) -> bool:
+        """Whether runs of `session` use IO binding (the `io_binding` setting, for the
+        device the session got)."""
+        return uses_io_binding(self.settings.io_binding, Placement.of(session))
+
+    def runner(self, session: ort.InferenceSession) -> Runner:
+        """`session`'s runs, IO-bound when `binds` says so. A model with an output that
+        is not a tensor (a sequence, a map) cannot bind it: it runs unbound, on the
+        same device, and says so."""
+        if not self.binds(session):
+            return Runner(session, None)
+        odd = [o.name for o in session.get_outputs() if not o.type.startswith("tensor(")]
+        if odd:
+            log.info("outputs %s are not tensors: runs are not IO-bound", ", ".join(odd))
+            return Runner(session, None)
+        return Runner(session, Placement.of(session))
 
     def _check_obtained(self, session: ort.InferenceSession, path: Path) -> None:
         wanted = self.choice.gpu_provider

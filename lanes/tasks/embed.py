@@ -62,6 +62,7 @@ class EmbedTask:
         self.vocab_size = self.tokenizer.get_vocab_size()
         self._wordpiece = WordPiece.of(self.tokenizer)  # the same ids, faster, where it applies
         self.session = runtime.session(model)
+        self.runner = runtime.runner(self.session)
         where = str(model.path)
         check_io(self.session, where=where, task="embed", inputs=("input_ids", "attention_mask"))
         inputs = describe(self.session.get_inputs())
@@ -150,7 +151,7 @@ class EmbedTask:
         }
         if self._token_types:
             feeds["token_type_ids"] = np.zeros_like(ids)
-        (hidden,) = self.session.run([self._output], feeds)
+        (hidden,) = self.runner.run([self._output], feeds)
         return _pool(np.asarray(hidden, dtype=np.float32), mask, self.name)
 
     def warm_up(self) -> None:

@@ -53,6 +53,7 @@ class InferTask:
         self.workload = workload
         self.handler = handler
         self.session = runtime.session(model)
+        self.runner = runtime.runner(self.session)
         self.inputs = describe(self.session.get_inputs())
         self.outputs = describe(self.session.get_outputs())
         for info in self.inputs.values():
@@ -114,10 +115,10 @@ class InferTask:
         names = list(self.outputs)
         if len(batch) <= 1 or not self.stacks_rows:
             return [
-                dict(zip(names, self.session.run(names, it.inputs), strict=True)) for it in batch
+                dict(zip(names, self.runner.run(names, it.inputs), strict=True)) for it in batch
             ]
         feeds = {n: np.concatenate([it.inputs[n] for it in batch]) for n in self.inputs}
-        results = self.session.run(names, feeds)
+        results = self.runner.run(names, feeds)
         total = sum(it.rows for it in batch)
         bounds = np.cumsum([it.rows for it in batch])[:-1]
         pieces: dict[str, list[Array]] = {}
