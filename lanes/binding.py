@@ -78,15 +78,14 @@ class Runner:
     """One session's runs: `run(names, feeds)` -> numpy outputs, as `session.run` returns.
 
     With a `placement` the run is IO-bound: inputs bound once, outputs allocated on
-    that device and copied to the host once, after the run. String outputs (tensors
-    onnxruntime keeps on the host only) are bound to the host. Thread-safe: each run
-    makes its own binding.
+    that device and copied to the host once, after the run (numeric tensors only:
+    `Runtime.runner` leaves other models unbound). Thread-safe: each run makes its
+    own binding.
     """
 
     def __init__(self, session: ort.InferenceSession, placement: Placement | None) -> None:
         self.session = session
         self.placement = placement
-        self._host_outputs = {o.name for o in session.get_outputs() if o.type == "tensor(string)"}
 
     @property
     def bound(self) -> bool:
@@ -98,9 +97,6 @@ class Runner:
         binding = self.session.io_binding()
         bind_inputs(binding, feeds)
         for name in names:
-            if name in self._host_outputs:
-                binding.bind_output(name, "cpu")
-            else:
-                binding.bind_output(name, self.placement.device_type, self.placement.device_id)
+            binding.bind_output(name, self.placement.device_type, self.placement.device_id)
         self.session.run_with_iobinding(binding)
         return list(binding.copy_outputs_to_cpu())

@@ -262,14 +262,18 @@ class Runtime:
         return uses_io_binding(self.settings.io_binding, Placement.of(session))
 
     def runner(self, session: ort.InferenceSession) -> Runner:
-        """`session`'s runs, IO-bound when `binds` says so. A model with an output that
-        is not a tensor (a sequence, a map) cannot bind it: it runs unbound, on the
-        same device, and says so."""
+        """`session`'s runs, IO-bound when `binds` says so. onnxruntime binds numeric
+        tensors only: a model with a string input or output, or an output that is a
+        sequence or a map, runs unbound (on the same device), and says so."""
         if not self.binds(session):
             return Runner(session, None)
-        odd = [o.name for o in session.get_outputs() if not o.type.startswith("tensor(")]
+        odd = [
+            f"{t.name} ({t.type})"
+            for t in (*session.get_inputs(), *session.get_outputs())
+            if not t.type.startswith("tensor(") or t.type == "tensor(string)"
+        ]
         if odd:
-            log.info("outputs %s are not tensors: runs are not IO-bound", ", ".join(odd))
+            log.info("%s cannot be IO-bound: runs are not", ", ".join(odd))
             return Runner(session, None)
         return Runner(session, Placement.of(session))
 
