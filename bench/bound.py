@@ -28,7 +28,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lanes.binding import Placement, Runner  # noqa: E402
+from lanes.binding import Placement, run  # noqa: E402
 from lanes.runtime import Runtime  # noqa: E402
 from lanes.settings import Settings  # noqa: E402
 from lanes.spec import Spec  # noqa: E402
@@ -61,10 +61,10 @@ def row(name: str, size: int, plain: float, bound: float, diff: float) -> str:
 def bench_session(name: str, session: Any, feeds: dict[str, Any], size: int, s: float) -> str:
     """One batched run of `session`, plain and bound, on the same feeds."""
     names = [o.name for o in session.get_outputs()]
-    plain, bound = Runner(session, None), Runner(session, Placement.of(session))
-    want, got = plain.run(names, feeds), bound.run(names, feeds)
+    placements = (None, Placement.of(session))
+    want, got = (run(session, names, feeds, p) for p in placements)
     diff = max(float(np.max(np.abs(w - g), initial=0.0)) for w, g in zip(want, got, strict=True))
-    rates = [rate(lambda r=r: r.run(names, feeds), size, s) for r in (plain, bound)]
+    rates = [rate(lambda p=p: run(session, names, feeds, p), size, s) for p in placements]
     return row(name, size, rates[0], rates[1], diff)
 
 

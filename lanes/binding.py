@@ -9,8 +9,8 @@ between steps (lanes/tasks/device_past.py). On the CPU provider a bound run is t
 same code path with the device being the host, which is how the tests exercise it.
 
 `Placement.of(session)` says where a session runs; `uses_io_binding` is the pure
-decision of whether to bind (the `io_binding` setting); `Runner` runs a session one
-way or the other behind one `run(names, feeds)`.
+decision of whether to bind (the `io_binding` setting); `run` runs a session one way
+or the other and returns numpy outputs either way.
 """
 
 from __future__ import annotations
@@ -74,29 +74,21 @@ def bind_inputs(binding: ort.IOBinding, feeds: Mapping[str, Array | ort.OrtValue
             binding.bind_cpu_input(name, np.ascontiguousarray(value))
 
 
-class Runner:
-    """One session's runs: `run(names, feeds)` -> numpy outputs, as `session.run` returns.
-
-    With a `placement` the run is IO-bound: inputs bound once, outputs allocated on
-    that device and copied to the host once, after the run (numeric tensors only:
-    `Runtime.runner` leaves other models unbound). Thread-safe: each run makes its
-    own binding.
-    """
-
-    def __init__(self, session: ort.InferenceSession, placement: Placement | None) -> None:
-        self.session = session
-        self.placement = placement
-
-    @property
-    def bound(self) -> bool:
-        return self.placement is not None
-
-    def run(self, names: Sequence[str], feeds: Mapping[str, Array]) -> list[Any]:
-        if self.placement is None:
-            return list(self.session.run(list(names), dict(feeds)))
-        binding = self.session.io_binding()
-        bind_inputs(binding, feeds)
-        for name in names:
-            binding.bind_output(name, self.placement.device_type, self.placement.device_id)
-        self.session.run_with_iobinding(binding)
-        return list(binding.copy_outputs_to_cpu())
+def run(
+    session: ort.InferenceSession,
+    names: Sequence[str],
+    feeds: Mapping[str, Array],
+    placement: Placement | None,
+) -> list[Any]:
+    """`session.run(names, feeds)`, IO-bound when `placement` is given: inputs bound
+    once, outputs allocated on that device and copied to the host once, after the run
+    (numeric tensors only: `Runtime.binding` gives None for other models). Each call
+    makes its own binding, so runs from many threads do not share one."""
+    if placement is None:
+        return list(session.run(list(names), dict(feeds)))
+    binding = session.io_binding()
+    bind_inputs(binding, feeds)
+    for name in names:
+        binding.bind_output(name, placement.device_type, placement.device_id)
+    session.run_with_iobinding(binding)
+    return list(binding.copy_outputs_to_cpu())

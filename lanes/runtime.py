@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from lanes.binding import Placement, Runner, uses_io_binding
+from lanes.binding import Placement, uses_io_binding
 from lanes.errors import ModelError
 from lanes.settings import Device, Settings
 from lanes.spec import ModelSpec
@@ -261,12 +261,13 @@ class Runtime:
         device the session got)."""
         return uses_io_binding(self.settings.io_binding, Placement.of(session))
 
-    def runner(self, session: ort.InferenceSession) -> Runner:
-        """`session`'s runs, IO-bound when `binds` says so. onnxruntime binds numeric
-        tensors only: a model with a string input or output, or an output that is a
-        sequence or a map, runs unbound (on the same device), and says so."""
+    def binding(self, session: ort.InferenceSession) -> Placement | None:
+        """Where runs of `session` bind their outputs (`lanes.binding.run`), or None
+        when they do not bind. onnxruntime binds numeric tensors only: a model with a
+        string input or output, or an output that is a sequence or a map, runs unbound
+        (on the same device), and says so."""
         if not self.binds(session):
-            return Runner(session, None)
+            return None
         odd = [
             f"{t.name} ({t.type})"
             for t in (*session.get_inputs(), *session.get_outputs())
@@ -274,8 +275,8 @@ class Runtime:
         ]
         if odd:
             log.info("%s cannot be IO-bound: runs are not", ", ".join(odd))
-            return Runner(session, None)
-        return Runner(session, Placement.of(session))
+            return None
+        return Placement.of(session)
 
     def _check_obtained(self, session: ort.InferenceSession, path: Path) -> None:
         wanted = self.choice.gpu_provider

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, save_model
 
-from lanes.binding import Placement, uses_io_binding
+from lanes.binding import Placement, run, uses_io_binding
 from lanes.runtime import CPU, Runtime
 from lanes.settings import IoBinding, Settings
 from lanes.spec import ModelSpec, Spec
@@ -85,32 +85,32 @@ def test_a_session_here_is_on_the_cpu_and_binds_as_the_setting_says(tmp_path: Pa
         assert session.get_providers() == [CPU]
         assert Placement.of(session) == CPU0
         assert runtime.binds(session) is binds
-        assert runtime.runner(session).bound is binds
+        assert runtime.binding(session) == (CPU0 if binds else None)
 
 
 def test_models_binding_cannot_take_run_unbound(tmp_path: Path) -> None:
     """onnxruntime binds numeric tensors only: strings in or out, or a sequence out."""
     runtime = Runtime(Settings(device="cpu", io_binding="on"))
-    strings = runtime.runner(runtime.session(ModelSpec(path=strings_model(tmp_path / "s.onnx"))))
-    assert not strings.bound
+    strings = runtime.session(ModelSpec(path=strings_model(tmp_path / "s.onnx")))
+    assert runtime.binds(strings) and runtime.binding(strings) is None
     texts = np.asarray(["é", "", "b"], dtype=object)
     numbers = np.asarray([1.5, -2.0, 0.25], dtype=np.float32)
-    y, m = strings.run(["y", "m"], {"x": texts, "n": numbers})
+    y, m = run(strings, ["y", "m"], {"x": texts, "n": numbers}, runtime.binding(strings))
     assert y.tolist() == ["é", "", "b"]
     assert m.dtype == np.float32 and m.tolist() == [1.5, -2.0, 0.25]
-    sequence = runtime.runner(runtime.session(ModelSpec(path=sequence_model(tmp_path / "q.onnx"))))
-    assert not sequence.bound
-    (made,) = sequence.run(["s"], {"x": np.asarray([1.0, 2.0], dtype=np.float32)})
+    sequence = runtime.session(ModelSpec(path=sequence_model(tmp_path / "q.onnx")))
+    assert runtime.binding(sequence) is None
+    x = np.asarray([1.0, 2.0], dtype=np.float32)
+    (made,) = run(sequence, ["s"], {"x": x}, runtime.binding(sequence))
     assert [list(x) for x in made] == [[1.0, 2.0]]
 
 
 def test_a_bound_run_feeds_and_returns_numbers(tmp_path: Path) -> None:
     runtime = Runtime(Settings(device="cpu", io_binding="on"))
-    model = ModelSpec(path=identity_model(tmp_path / "model.onnx"))
-    runner = runtime.runner(runtime.session(model))
-    assert runner.bound
+    session = runtime.session(ModelSpec(path=identity_model(tmp_path / "model.onnx")))
+    assert runtime.binding(session) == CPU0
     x = np.arange(5, dtype=np.float32)
-    (y,) = runner.run(["y"], {"x": x[::2]})  # not contiguous: bound as a contiguous copy
+    (y,) = run(session, ["y"], {"x": x[::2]}, CPU0)  # not contiguous: bound as a copy
     assert isinstance(y, np.ndarray) and y.tolist() == [0.0, 2.0, 4.0]
 
 
@@ -136,7 +136,7 @@ def demo_spec(demo_models: Path) -> Spec:
 def loaded(spec: Spec, name: str, setting: IoBinding) -> EmbedTask | InferTask:
     task = load_task(name, spec, Runtime(Settings(device="cpu", threads=1, io_binding=setting)))
     assert isinstance(task, EmbedTask | InferTask)
-    assert task.runner.bound is (setting == "on")
+    assert task.placement == (CPU0 if setting == "on" else None)
     return task
 
 
