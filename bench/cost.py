@@ -57,8 +57,7 @@ workloads:
     model: minilm
     batching: {{max_batch_size: 32, max_wait_ms: 0}}
     slo: {{p99_ms: {p99}}}
-    batch_size: 256
-"""
+"""  # the offline lane's copy (lane_spec) takes offline's default batch_size, 256
 BATCH_REFERENCE = 0.5  # batch price / online price, as providers sell them
 
 

@@ -284,7 +284,8 @@ def server_counters(url: str) -> dict[str, float]:
 
 
 def raw_tokens_per_s(task: GenerateTask, batch: int, past_len: int, seconds: float) -> float:
-    """Decoder.step alone: `batch` rows, one new token each, on a past of `past_len`."""
+    """Decoder.step alone (`step_bound` where the decoder binds): `batch` rows, one new
+    token each, on a past of `past_len`."""
     decoder = task.decoder
     c = decoder.config
     rng = np.random.default_rng(0)
@@ -294,10 +295,21 @@ def raw_tokens_per_s(task: GenerateTask, batch: int, past_len: int, seconds: flo
     ids = np.ones((batch, 1), dtype=np.int64)
     mask = np.ones((batch, past_len + 1), dtype=np.int64)
     positions = np.full((batch, 1), past_len, dtype=np.int64)
-    decoder.step(ids, mask, positions, past)
+    # Where the decoder binds (a GPU), its limit is the bound step on a device past.
+    if decoder.binds:
+        on_device = decoder.to_device(past)
+
+        def step() -> None:
+            decoder.step_bound(ids, mask, positions, on_device)
+    else:
+
+        def step() -> None:
+            decoder.step(ids, mask, positions, past)
+
+    step()
     steps, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds or steps < 5:
-        decoder.step(ids, mask, positions, past)
+        step()
         steps += 1
     return steps * batch / (time.perf_counter() - start)
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from lanes.binding import Placement, uses_io_binding
 from lanes.errors import ModelError
 from lanes.settings import Device, Settings
 from lanes.spec import ModelSpec
@@ -254,6 +255,28 @@ class Runtime:
             raise ModelError(f"onnxruntime cannot load {path}: {err}") from err
         self._check_obtained(session, path)
         return session
+
+    def binds(self, session: ort.InferenceSession) -> bool:
+        """Whether runs of `session` use IO binding (the `io_binding` setting, for the
+        device the session got)."""
+        return uses_io_binding(self.settings.io_binding, Placement.of(session))
+
+    def binding(self, session: ort.InferenceSession) -> Placement | None:
+        """Where runs of `session` bind their outputs (`lanes.binding.run`), or None
+        when they do not bind. onnxruntime binds numeric tensors only: a model with a
+        string input or output, or an output that is a sequence or a map, runs unbound
+        (on the same device), and says so."""
+        if not self.binds(session):
+            return None
+        odd = [
+            f"{t.name} ({t.type})"
+            for t in (*session.get_inputs(), *session.get_outputs())
+            if not t.type.startswith("tensor(") or t.type == "tensor(string)"
+        ]
+        if odd:
+            log.info("%s cannot be IO-bound: runs are not", ", ".join(odd))
+            return None
+        return Placement.of(session)
 
     def _check_obtained(self, session: ort.InferenceSession, path: Path) -> None:
         wanted = self.choice.gpu_provider

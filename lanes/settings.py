@@ -15,6 +15,7 @@ from lanes.spec import Schedule
 from lanes.specrules import from_pydantic
 
 Device = Literal["auto", "cpu", "cuda", "tensorrt"]
+IoBinding = Literal["auto", "on", "off"]
 
 
 class Settings(BaseSettings):
@@ -37,6 +38,12 @@ class Settings(BaseSettings):
     endpoint: str = Field("http://127.0.0.1:8000", description="Where the SDK client calls.")
     api_key: SecretStr | None = Field(None, description="Bearer key the server requires.")
     device: Device = Field("auto", description="auto picks TensorRT/CUDA when a GPU is there.")
+    io_binding: IoBinding = Field(
+        "auto",
+        description="Run sessions with onnxruntime's IO binding (outputs allocated on the "
+        "session's device, a decoder's past kept there between steps): auto binds on a "
+        "GPU only; on binds on the CPU too (the same code path, which the tests use).",
+    )
     threads: int | None = Field(
         None,
         gt=0,

@@ -3,12 +3,16 @@
 Inputs: `input_ids` [B, T], `attention_mask` [B, P+T], `position_ids` [B, T] (if
 the model has it), `past_key_values.N.key|value` [B, H, P, D]. Outputs: `logits`
 [B, T, V], `present.N.key|value` [B, H, P+T, D]. `Decoder.step` runs one step of
-that over a batch; `Decoder.generate` is the simple single-sequence loop.
+that over a batch on numpy arrays; `Decoder.step_bound` runs it with IO binding on a
+`DevicePast` that stays on the session's device (lanes/tasks/device_past.py), only
+the logits coming back to the host. `Decoder.generate` is the simple
+single-sequence loop, on the bound path when the decoder `binds`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -17,17 +21,29 @@ import numpy as np
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
+from lanes.binding import Placement, bind_inputs
 from lanes.errors import InvalidInput
 from lanes.runtime import Runtime, describe
 from lanes.spec import ModelSpec
 from lanes.tasks.base import encode, load_tokenizer
 from lanes.tasks.decoder_config import DecoderConfig, read_config
+from lanes.tasks.device_past import DevicePast, PastRows, RowRef
 from lanes.tasks.sampling import SamplingParams, generator, sample
 
 Array = np.ndarray[Any, Any]
 FinishReason = Literal["stop", "length"]
 
-__all__ = ["Completion", "Decoder", "DecoderConfig", "Past", "StepOutput", "read_config"]
+__all__ = [
+    "BoundStep",
+    "Completion",
+    "Decoder",
+    "DecoderConfig",
+    "DevicePast",
+    "Past",
+    "RowRef",
+    "StepOutput",
+    "read_config",
+]
 
 
 @dataclass(frozen=True)
@@ -53,6 +69,12 @@ class StepOutput:
 
 
 @dataclass(frozen=True)
+class BoundStep:
+    logits: Array  # [batch, new tokens, vocab], on the host
+    present: DevicePast  # the cache including the new tokens, on the session's device
+
+
+@dataclass(frozen=True)
 class Completion:
     text: str  # decoded, without special tokens, cut before a stop string
     tokens: list[int]  # generated ids (no eos); len() is usage.completion_tokens
@@ -61,14 +83,27 @@ class Completion:
 
 
 class Decoder:
-    """One decoder session and its tokenizer. `step` is thread-safe; so is `generate`."""
+    """One decoder session and its tokenizer. `step`, `step_bound`, `generate` and the
+    device past's helpers are thread-safe.
+
+    `placement` is where the session runs, hence where a `DevicePast` lives; `binds`
+    (the runtime's `io_binding` choice) makes `generate` run on the bound path.
+    """
 
     def __init__(
-        self, session: ort.InferenceSession, tokenizer: Tokenizer, config: DecoderConfig
+        self,
+        session: ort.InferenceSession,
+        tokenizer: Tokenizer,
+        config: DecoderConfig,
+        binds: bool = False,
     ) -> None:
         self.session = session
         self.tokenizer = tokenizer
         self.config = config
+        self.binds = binds
+        self.placement = Placement.of(session)
+        self._rows: PastRows | None = None
+        self._rows_lock = threading.Lock()
         inputs = describe(session.get_inputs())
         self._ids_dtype = inputs["input_ids"].dtype or np.dtype(np.int64)
         self._mask_dtype = inputs["attention_mask"].dtype or np.dtype(np.int64)
@@ -99,7 +134,7 @@ class Decoder:
             mask = describe(session.get_inputs())["attention_mask"].shape
             fixed = mask[1] if len(mask) == 2 and isinstance(mask[1], int) else None
             config = dataclasses.replace(config, max_position=declared or fixed)
-        return cls(session, tokenizer, config)
+        return cls(session, tokenizer, config, binds=runtime.binds(session))
 
     def empty_past(self, batch: int) -> Past:
         c = self.config
@@ -113,24 +148,90 @@ class Decoder:
 
         `attention_mask` covers past and new tokens: [B, past.length + T].
         """
+        self._check_step(input_ids, attention_mask, past.length, past.batch)
+        feeds = self._feeds(input_ids, attention_mask, position_ids)
+        for i in range(self.config.num_layers):
+            feeds[f"past_key_values.{i}.key"] = past.keys[i]
+            feeds[f"past_key_values.{i}.value"] = past.values[i]
+        logits, *present = self.session.run(self._outputs, feeds)
+        return StepOutput(logits, Past(tuple(present[0::2]), tuple(present[1::2])))
+
+    def empty_device_past(self, batch: int) -> DevicePast:
+        """A past of no positions on the session's device, for a prefill."""
+        return self.to_device(self.empty_past(batch))
+
+    def to_device(self, past: Past) -> DevicePast:
+        """`past` copied to the session's device (on the CPU: wrapped, not copied)."""
+        where = self.placement
+        return DevicePast(
+            tuple(_ortvalue(k, where) for k in past.keys),
+            tuple(_ortvalue(v, where) for v in past.values),
+        )
+
+    @staticmethod
+    def to_host(past: DevicePast) -> Past:
+        """`past` copied to numpy arrays."""
+        return Past(tuple(k.numpy() for k in past.keys), tuple(v.numpy() for v in past.values))
+
+    def step_bound(
+        self, input_ids: Array, attention_mask: Array, position_ids: Array, past: DevicePast
+    ) -> BoundStep:
+        """`step` with IO binding: `past` is bound in where it lies, the present is
+        allocated on the session's device and returned there; only the logits are
+        copied to the host. The same numbers as `step` on the same provider."""
+        self._check_step(input_ids, attention_mask, past.length, past.batch)
+        binding = self.session.io_binding()
+        bind_inputs(binding, self._feeds(input_ids, attention_mask, position_ids))
+        for i in range(self.config.num_layers):
+            binding.bind_ortvalue_input(f"past_key_values.{i}.key", past.keys[i])
+            binding.bind_ortvalue_input(f"past_key_values.{i}.value", past.values[i])
+        where = self.placement
+        for name in self._outputs:
+            binding.bind_output(name, where.device_type, where.device_id)
+        self.session.run_with_iobinding(binding)
+        logits, *present = binding.get_outputs()
+        return BoundStep(logits.numpy(), DevicePast.of(present[0::2] + present[1::2]))
+
+    def assemble_past(
+        self, sources: Sequence[DevicePast], rows: Sequence[RowRef | None], length: int
+    ) -> DevicePast:
+        """Rows of `sources` rearranged on the device: row i is `rows[i]`'s source row,
+        right-aligned to `length` positions (zeros before, or its first positions
+        dropped), or zeros for None. See `PastRows.assemble`."""
+        return self._past_rows().assemble(sources, rows, length)
+
+    def take_past(self, past: DevicePast, rows: Sequence[int], drop: int = 0) -> DevicePast:
+        """`rows` of `past` in that order, without their first `drop` positions, on the
+        device."""
+        return self._past_rows().take(past, rows, drop)
+
+    def _past_rows(self) -> PastRows:
+        with self._rows_lock:
+            if self._rows is None:
+                providers = self.session.get_providers()
+                c = self.config
+                self._rows = PastRows(providers, self.placement, c.num_layers, self._past_dtype)
+            return self._rows
+
+    def _check_step(self, input_ids: Array, attention_mask: Array, length: int, rows: int) -> None:
         batch, new = input_ids.shape
-        if attention_mask.shape != (batch, past.length + new) or past.batch != batch:
+        if attention_mask.shape != (batch, length + new) or rows != batch:
             raise ValueError(
-                f"step: input_ids {input_ids.shape} and a past of length {past.length} "
-                f"(batch {past.batch}) need attention_mask ({batch}, {past.length + new}), "
+                f"step: input_ids {input_ids.shape} and a past of length {length} "
+                f"(batch {rows}) need attention_mask ({batch}, {length + new}), "
                 f"found {attention_mask.shape}"
             )
+
+    def _feeds(
+        self, input_ids: Array, attention_mask: Array, position_ids: Array
+    ) -> dict[str, Array]:
         feeds: dict[str, Array] = {
             "input_ids": input_ids.astype(self._ids_dtype, copy=False),
             "attention_mask": attention_mask.astype(self._mask_dtype, copy=False),
         }
         if self._positions:
             feeds["position_ids"] = position_ids.astype(self._positions_dtype, copy=False)
-        for i in range(self.config.num_layers):
-            feeds[f"past_key_values.{i}.key"] = past.keys[i]
-            feeds[f"past_key_values.{i}.value"] = past.values[i]
-        logits, *present = self.session.run(self._outputs, feeds)
-        return StepOutput(logits, Past(tuple(present[0::2]), tuple(present[1::2])))
+        return feeds
 
     def encode(self, prompt: str) -> list[int]:
         """Token ids of `prompt` (after bos, when lanes adds it and the tokenizer did
@@ -194,11 +295,12 @@ class Decoder:
         if self.config.max_position is not None:
             budget = min(budget, self.config.max_position - n_prompt)
         ids = np.asarray([prompt_ids], dtype=np.int64)
-        out = self.step(ids, np.ones_like(ids), np.arange(n_prompt)[None, :], self.empty_past(1))
+        steps = _BoundSteps(self) if self.binds else _HostSteps(self)
+        logits = steps.run(ids, np.ones_like(ids), np.arange(n_prompt)[None, :])
         tokens: list[int] = []
         text = ""
         while len(tokens) < budget:
-            token = sample(out.logits[0, -1], sampling, rng)
+            token = sample(logits[0, -1], sampling, rng)
             if token in self.config.eos_token_ids:
                 return Completion(text, tokens, "stop", n_prompt)
             tokens.append(token)
@@ -209,13 +311,42 @@ class Decoder:
             if len(tokens) == budget:
                 break
             seen = n_prompt + len(tokens)
-            out = self.step(
-                np.asarray([[token]]),
-                np.ones((1, seen), dtype=np.int64),
-                np.asarray([[seen - 1]]),
-                out.present,
+            logits = steps.run(
+                np.asarray([[token]]), np.ones((1, seen), dtype=np.int64), np.asarray([[seen - 1]])
             )
         return Completion(text, tokens, "length", n_prompt)
+
+
+class _HostSteps:
+    """One sequence's steps on numpy past: `run` returns the logits, keeps the past."""
+
+    def __init__(self, decoder: Decoder) -> None:
+        self.decoder = decoder
+        self.past = decoder.empty_past(1)
+
+    def run(self, ids: Array, mask: Array, positions: Array) -> Array:
+        out = self.decoder.step(ids, mask, positions, self.past)
+        self.past = out.present
+        return out.logits
+
+
+class _BoundSteps:
+    """`_HostSteps` on the bound path: the past stays on the device."""
+
+    def __init__(self, decoder: Decoder) -> None:
+        self.decoder = decoder
+        self.past = decoder.empty_device_past(1)
+
+    def run(self, ids: Array, mask: Array, positions: Array) -> Array:
+        out = self.decoder.step_bound(ids, mask, positions, self.past)
+        self.past = out.present
+        return out.logits
+
+
+def _ortvalue(array: Array, where: Placement) -> ort.OrtValue:
+    return ort.OrtValue.ortvalue_from_numpy(
+        np.ascontiguousarray(array), where.device_type, where.device_id
+    )
 
 
 def _first_stop(text: str, stop: Sequence[str]) -> int | None:

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from lanes.binding import run
 from lanes.errors import InvalidInput, ModelError
 from lanes.runtime import Runtime, check_io, describe
 from lanes.spec import ModelSpec, TaskName, Workload
@@ -62,6 +63,7 @@ class EmbedTask:
         self.vocab_size = self.tokenizer.get_vocab_size()
         self._wordpiece = WordPiece.of(self.tokenizer)  # the same ids, faster, where it applies
         self.session = runtime.session(model)
+        self.placement = runtime.binding(self.session)  # None: runs are not IO-bound
         where = str(model.path)
         check_io(self.session, where=where, task="embed", inputs=("input_ids", "attention_mask"))
         inputs = describe(self.session.get_inputs())
@@ -150,7 +152,7 @@ class EmbedTask:
         }
         if self._token_types:
             feeds["token_type_ids"] = np.zeros_like(ids)
-        (hidden,) = self.session.run([self._output], feeds)
+        (hidden,) = run(self.session, [self._output], feeds, self.placement)
         return _pool(np.asarray(hidden, dtype=np.float32), mask, self.name)
 
     def warm_up(self) -> None:

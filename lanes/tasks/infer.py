@@ -16,6 +16,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from lanes.binding import run
 from lanes.errors import InvalidInput, ModelError
 from lanes.runtime import Runtime, TensorInfo, describe
 from lanes.spec import ModelSpec, TaskName, Workload
@@ -53,6 +54,7 @@ class InferTask:
         self.workload = workload
         self.handler = handler
         self.session = runtime.session(model)
+        self.placement = runtime.binding(self.session)  # None: runs are not IO-bound
         self.inputs = describe(self.session.get_inputs())
         self.outputs = describe(self.session.get_outputs())
         for info in self.inputs.values():
@@ -114,10 +116,11 @@ class InferTask:
         names = list(self.outputs)
         if len(batch) <= 1 or not self.stacks_rows:
             return [
-                dict(zip(names, self.session.run(names, it.inputs), strict=True)) for it in batch
+                dict(zip(names, run(self.session, names, it.inputs, self.placement), strict=True))
+                for it in batch
             ]
         feeds = {n: np.concatenate([it.inputs[n] for it in batch]) for n in self.inputs}
-        results = self.session.run(names, feeds)
+        results = run(self.session, names, feeds, self.placement)
         total = sum(it.rows for it in batch)
         bounds = np.cumsum([it.rows for it in batch])[:-1]
         pieces: dict[str, list[Array]] = {}
