@@ -1,0 +1,221 @@
+"""What no request, sequence of requests or body can do to the endpoint: grow its
+metrics without bound, freeze its event loop, leave a request unanswered, reset a
+connection instead of answering, or grow its memory batch after batch.
+
+Real uvicorn on 127.0.0.1, the demo models, raw sockets where the bytes on the wire
+are the point.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+from tests.gates import PARSE_HELD, WAIT_S
+from tests.servers import ServerThread, write_spec
+
+pytestmark = pytest.mark.slow
+
+KEY = "s3cret"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+LIMIT = 1024 * 1024  # the servers' max_body_bytes
+
+WORKLOADS = """\
+  search-query:
+    mode: interactive
+    task: embed
+    model: minilm
+    batching: {max_batch_size: 32, max_wait_ms: 0}
+  flowers:
+    mode: interactive
+    task: infer
+    model: classifier
+  parse-held:                      # its inputs' `pre` waits at tests.gates.PARSE_HELD
+    mode: interactive
+    task: embed
+    model: minilm
+    handler: tests.gates:parse_held
+    batching: {max_batch_size: 32, max_wait_ms: 0}
+"""
+
+
+@pytest.fixture(scope="module")
+def spec_path(demo_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_spec(tmp_path_factory.mktemp("limits"), demo_models, WORKLOADS)
+
+
+@pytest.fixture(scope="module")
+def server(spec_path: Path) -> Iterator[ServerThread]:
+    with ServerThread(spec_path, api_key=KEY, max_body_bytes=LIMIT) as running:
+        yield running
+
+
+def responses(exposition: str) -> dict[tuple[str, str], float]:
+    """Every lanes_responses_total sample, by (route, code)."""
+    found = {}
+    for line in exposition.splitlines():
+        if line.startswith("lanes_responses_total{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split(" ")[0]))
+            found[labels["route"], labels["code"]] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def scrape(server: ServerThread) -> str:
+    return httpx.get(f"{server.url}/metrics", headers=AUTH, timeout=WAIT_S).text
+
+
+# ---- metrics: a fixed set of series, whatever the paths ------------------------------
+
+
+async def test_route_labels_are_the_apps_templates_whatever_the_path(
+    server: ServerThread,
+) -> None:
+    """Unique paths, with and without the key, add to a fixed set of series."""
+    before = responses(scrape(server))
+    unique = 60
+    async with httpx.AsyncClient(base_url=server.url, timeout=WAIT_S) as client:
+        calls = []
+        for i in range(unique):
+            calls.append(client.get(f"/probe/{i}/x"))  # unauthenticated, no such route
+            calls.append(client.get(f"/probe/{i}", headers=AUTH))  # authenticated, none
+            calls.append(client.post(f"/v2/models/ghost-{i}/infer", json={}))
+            calls.append(client.get(f"/v2/models/m-{i}/versions/{i}/ready", headers=AUTH))
+            calls.append(client.get(f"/v1/models/m-{i}", headers=AUTH))
+        answers = await asyncio.gather(*calls)
+    assert {a.status_code for a in answers} == {401, 404}
+    after = responses(scrape(server))
+    new = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+    assert new == {
+        ("other", "401"): unique,
+        ("other", "404"): unique,
+        ("/v2/models/{name}/infer", "401"): unique,
+        ("/v2/models/{name}/versions/{version}/ready", "404"): unique,
+        ("/v1/models/{name}", "404"): unique,
+        ("/metrics", "200"): 1,  # the scrape of `before`
+    }
+    assert not any("probe" in route or "ghost" in route for route, _ in after)
+
+
+def test_metrics_carry_no_created_series(server: ServerThread) -> None:
+    good = {"model": "search-query", "input": "counted"}
+    assert httpx.post(f"{server.url}/v1/embeddings", json=good, headers=AUTH).status_code == 200
+    exposition = scrape(server)
+    assert "lanes_responses_total{" in exposition
+    assert "lanes_request_latency_seconds_bucket{" in exposition
+    assert "_created" not in exposition
+
+
+# ---- a body over the limit: always the 413, never a reset ----------------------------
+
+
+def exchange(port: int, request: bytes) -> tuple[int, bytes, bool]:
+    """Send all of `request`, then read one answer: its status, its body, and whether
+    the server then closed the connection cleanly (False: it is still open)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+        sock.sendall(request)
+        received = b""
+        while b"\r\n\r\n" not in received:
+            chunk = sock.recv(65536)
+            assert chunk, f"the connection closed before an answer: {received!r}"
+            received += chunk
+        head, _, body = received.partition(b"\r\n\r\n")
+        status = int(head.split(b" ")[1])
+        length = int(re.search(rb"(?i)content-length: (\d+)", head).group(1))  # type: ignore[union-attr]
+        while len(body) < length:
+            chunk = sock.recv(65536)
+            assert chunk, "the connection closed in the middle of the answer"
+            body += chunk
+        closes = re.search(rb"(?i)connection: close", head) is not None
+        if closes:
+            assert sock.recv(65536) == b"", "bytes after the answer"  # a reset raises here
+        return status, body, closes
+
+
+def post(
+    path: str,
+    body: bytes,
+    *,
+    version: bytes = b"1.1",
+    chunked: bool = False,
+    extra: bytes = b"",
+) -> bytes:
+    head = b"POST " + path.encode() + b" HTTP/" + version + b"\r\nHost: test\r\n"
+    head += b"Content-Type: application/json\r\n" + extra
+    if not chunked:
+        return head + b"Content-Length: %d\r\n\r\n" % len(body) + body
+    step = 64 * 1024
+    pieces = [
+        b"%x\r\n%s\r\n" % (len(body[i : i + step]), body[i : i + step])
+        for i in range(0, len(body), step)
+    ]
+    return head + b"Transfer-Encoding: chunked\r\n\r\n" + b"".join(pieces) + b"0\r\n\r\n"
+
+
+OVERSIZED = orjson.dumps({"model": "search-query", "input": "x" * (4 * LIMIT)})
+AUTHORIZED = f"Authorization: Bearer {KEY}\r\n".encode()
+
+
+@pytest.mark.parametrize(
+    ("how", "request_bytes"),
+    [
+        ("kept alive", post("/v1/embeddings", OVERSIZED, extra=AUTHORIZED)),
+        (
+            "Connection: close",
+            post("/v1/embeddings", OVERSIZED, extra=AUTHORIZED + b"Connection: close\r\n"),
+        ),
+        ("HTTP/1.0", post("/v1/embeddings", OVERSIZED, version=b"1.0", extra=AUTHORIZED)),
+        ("chunked", post("/v1/embeddings", OVERSIZED, chunked=True, extra=AUTHORIZED)),
+        (
+            "chunked, Connection: close",
+            post(
+                "/v1/embeddings",
+                OVERSIZED,
+                chunked=True,
+                extra=AUTHORIZED + b"Connection: close\r\n",
+            ),
+        ),
+        (
+            "v2, Connection: close",
+            post(
+                "/v2/models/flowers/infer", OVERSIZED, extra=AUTHORIZED + b"Connection: close\r\n"
+            ),
+        ),
+    ],
+)
+def test_a_body_over_the_limit_gets_413_never_a_reset(
+    server: ServerThread, how: str, request_bytes: bytes
+) -> None:
+    status, body, _ = exchange(server.settings.port, request_bytes)
+    assert status == 413, (how, body[:300])
+    assert b"over the limit" in body
+
+
+@pytest.mark.parametrize(
+    ("status", "request_bytes"),
+    [
+        (401, post("/v1/embeddings", OVERSIZED, extra=b"Connection: close\r\n")),
+        (404, post("/nowhere", OVERSIZED, extra=AUTHORIZED + b"Connection: close\r\n")),
+    ],
+)
+def test_a_big_body_answered_unread_gets_its_answer(
+    server: ServerThread, status: int, request_bytes: bytes
+) -> None:
+    got, body, closes = exchange(server.settings.port, request_bytes)
+    assert (got, closes) == (status, True), body[:300]
+
+
+def test_httpx_gets_413_and_its_connection_stays_usable(server: ServerThread) -> None:
+    good = {"model": "search-query", "input": "after the refusal"}
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=WAIT_S) as client:
+        for headers in ({}, {"Connection": "close"}):
+            refused = client.post("/v1/embeddings", content=OVERSIZED, headers=headers)
+            assert refused.status_code == 413, refused.text[:300]
+            assert "over the limit" in refused.json()["error"]["message"]
+            assert client.post("/v1/embeddings", json=good).status_code == 200
