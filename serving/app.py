@@ -71,6 +71,7 @@ def create_app(
             await asyncio.gather(loading, return_exceptions=True)
             await asyncio.gather(*(w.stop() for w in state.workers.values()))
             await asyncio.gather(*(e.stop() for e in state.engines.values()))
+            state.offload.close()
 
     handlers = {HTTPException: no_route, Exception: internal_error}
     app = Starlette(routes=_routes(), lifespan=lifespan, exception_handlers=handlers)

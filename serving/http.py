@@ -66,13 +66,27 @@ def error_response(path: str, error: LanesError) -> JSONResponse:
 async def read_json(request: Request, limit: int) -> Any:
     """The request's JSON body; InvalidInput if it is not JSON, RequestTooLarge over
     `limit`, ClientGone if the client left before sending all of it."""
-    body = await read_body(request, limit)
+    return decode_json(await read_body(request, limit))
+
+
+def decode_json(body: bytes) -> Any:
+    """A body's JSON; InvalidInput if it is empty or not JSON."""
     if not body:
         raise InvalidInput.field("body", "expected a JSON object, found an empty body")
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as e:
         raise InvalidInput.field("body", f"expected JSON, found malformed JSON ({e})") from None
+
+
+def check_inputs(count: int, limit: int, param: str) -> None:
+    """RequestTooLarge when a request carries more than `limit` inputs (in `param`)."""
+    if count > limit:
+        raise RequestTooLarge.field(
+            param,
+            f"{count} inputs is over the limit of {limit} per request "
+            f"(LANES_MAX_INPUTS_PER_REQUEST); split them into requests of at most {limit}",
+        )
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from lanes.errors import Overloaded, UnknownWorkload, WrongMode
 from lanes.serving.engine import Engine
 from lanes.serving.guard import TextGuard
 from lanes.serving.metrics import Metrics
+from lanes.serving.offload import Offload
 from lanes.serving.worker import BatchWorker
 from lanes.settings import Settings
 from lanes.spec import Spec, TaskName
@@ -27,6 +29,11 @@ class ServingState:
     load_error: str | None = None
     # Every worker's and engine's: arrivals, deadlines, the time of each run.
     clock: Callable[[], float] = time.monotonic
+
+    @cached_property
+    def offload(self) -> Offload:
+        """Where large bodies are parsed and tokenized (off the event loop)."""
+        return Offload(self.settings.offload_body_bytes)
 
     def worker(self, name: str, tasks: tuple[TaskName, ...]) -> BatchWorker:
         """The worker of an interactive workload of one of `tasks`, or a clear error."""

@@ -77,16 +77,24 @@ class BatchWorker:
         # stays free meanwhile to answer it and other workers' callers.
         await asyncio.to_thread(self._thread.stop)
 
+    def admit(self, items: int) -> None:
+        """Raise now what `submit` would refuse `items` inputs with, so that a caller
+        can ask before it prepares them: RequestTooLarge if they can never be queued,
+        Overloaded while the queue has no room for all of them."""
+        too_many = never_fits(items, self.queue.max_queue)
+        if too_many is not None:
+            raise too_many
+        self.queue.check_room(items)
+
     async def submit(self, items: Sequence[Any], timeout_s: float | None = None) -> list[Any]:
         """Run prepared items (all or none) and wait for their outputs, in order.
 
         They run at once if the model is free and nobody waits, else they queue.
         More items than the queue can hold are refused (`RequestTooLarge`), however
-        idle the model is, so the answer does not depend on the moment.
+        idle the model is, so the answer does not depend on the moment; more than it
+        has room for now, at once and all of them (`Overloaded`).
         """
-        too_many = never_fits(len(items), self.queue.max_queue)
-        if too_many is not None:
-            raise too_many
+        self.admit(len(items))
         timeout_s = timeout_s if timeout_s is not None else self.default_timeout_s
         arrived = self.clock()
         pendings: list[Pending] = []

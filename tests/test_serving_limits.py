@@ -26,6 +26,7 @@ pytestmark = pytest.mark.slow
 KEY = "s3cret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 LIMIT = 1024 * 1024  # the servers' max_body_bytes
+OFFLOAD = 1024  # and offload_body_bytes: a large body need not be costly to run
 
 WORKLOADS = """\
   search-query:
@@ -53,7 +54,9 @@ def spec_path(demo_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 @pytest.fixture(scope="module")
 def server(spec_path: Path) -> Iterator[ServerThread]:
-    with ServerThread(spec_path, api_key=KEY, max_body_bytes=LIMIT) as running:
+    with ServerThread(
+        spec_path, api_key=KEY, max_body_bytes=LIMIT, offload_body_bytes=OFFLOAD
+    ) as running:
         yield running
 
 
@@ -79,7 +82,7 @@ async def test_route_labels_are_the_apps_templates_whatever_the_path(
 ) -> None:
     """Unique paths, with and without the key, add to a fixed set of series."""
     before = responses(scrape(server))
-    unique = 60
+    unique = 30
     async with httpx.AsyncClient(base_url=server.url, timeout=WAIT_S) as client:
         calls = []
         for i in range(unique):
@@ -219,3 +222,75 @@ def test_httpx_gets_413_and_its_connection_stays_usable(server: ServerThread) ->
             assert refused.status_code == 413, refused.text[:300]
             assert "over the limit" in refused.json()["error"]["message"]
             assert client.post("/v1/embeddings", json=good).status_code == 200
+
+
+# ---- one request's size: bounded inputs, large bodies off the event loop -------------
+
+
+def test_more_inputs_than_the_limit_is_413_before_any_is_tokenized(server: ServerThread) -> None:
+    """The count is checked before tokenizing: with the workload's `pre` held closed,
+    the refusal comes at once, and no `pre` ran."""
+    with PARSE_HELD.closed():
+        passed = PARSE_HELD.passed
+        body = {"model": "parse-held", "input": ["x"] * 2049}
+        refused = httpx.post(f"{server.url}/v1/embeddings", json=body, headers=AUTH, timeout=WAIT_S)
+        assert refused.status_code == 413, refused.text[:300]
+        error = refused.json()["error"]
+        assert error["param"] == "input"
+        assert (
+            "2049 inputs" in error["message"] and "LANES_MAX_INPUTS_PER_REQUEST" in error["message"]
+        )
+        v2 = {
+            "inputs": [{"name": "text", "shape": [2049], "datatype": "BYTES", "data": ["x"] * 2049}]
+        }
+        url = f"{server.url}/v2/models/parse-held/infer"
+        refused = httpx.post(url, json=v2, headers=AUTH, timeout=WAIT_S)
+        assert refused.status_code == 413, refused.text[:300]
+        assert "2049 inputs" in refused.json()["error"]
+        assert PARSE_HELD.passed == passed
+
+
+def test_a_body_of_many_tiny_texts_is_refused_before_tokenizing(server: ServerThread) -> None:
+    """The issue's case: a body under the size limit of many one-letter texts."""
+    tiny = orjson.dumps({"model": "parse-held", "input": ["x"] * 200_000})
+    assert len(tiny) < LIMIT
+    with PARSE_HELD.closed(), httpx.Client(base_url=server.url, headers=AUTH) as client:
+        passed = PARSE_HELD.passed
+        refused = client.post("/v1/embeddings", content=tiny, timeout=WAIT_S)
+        assert refused.status_code == 413, refused.text[:300]
+        assert "200000 inputs" in refused.json()["error"]["message"]
+        assert PARSE_HELD.passed == passed
+
+
+def large_body(route: str) -> tuple[str, dict[str, object]]:
+    """A request to parse-held whose body is over offload_body_bytes."""
+    texts = [f"text {i} " + "lanes " * 20 for i in range(12)]
+    if route == "v1":
+        return "/v1/embeddings", {"model": "parse-held", "input": texts}
+    tensor = {"name": "text", "shape": [len(texts)], "datatype": "BYTES", "data": texts}
+    return "/v2/models/parse-held/infer", {"inputs": [tensor]}
+
+
+@pytest.mark.parametrize("route", ["v1", "v2"])
+async def test_the_loop_serves_others_while_a_large_body_is_tokenized(
+    server: ServerThread, route: str
+) -> None:
+    """A large body's inputs are prepared off the event loop: with its `pre` held at
+    a gate, /healthz and a small embedding are answered; once the gate opens, the
+    large request is answered too."""
+    path, body = large_body(route)
+    assert len(orjson.dumps(body)) > server.settings.offload_body_bytes
+    small = {"model": "search-query", "input": "a small request meanwhile"}
+    async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=WAIT_S) as client:
+        with PARSE_HELD.closed():
+            large = asyncio.create_task(client.post(path, json=body))
+            await asyncio.to_thread(PARSE_HELD.wait_held)  # its first text's `pre` is held
+            assert (await client.get("/healthz")).status_code == 200
+            assert (await client.post("/v1/embeddings", json=small)).status_code == 200
+            assert not large.done()
+        answer = await large
+    assert answer.status_code == 200, answer.text[:300]
+    if route == "v1":
+        assert len(answer.json()["data"]) == 12
+    else:
+        assert answer.json()["outputs"][0]["shape"] == [12, 384]
