@@ -102,7 +102,7 @@ def serve(spec_path: str, policy: str, port: int, max_padding: float) -> None:
         await asyncio.to_thread(task.warm_up)
         engine = generate_routes.start_engine(state, task, policy, max_padding)  # type: ignore[arg-type]
         lanes_app.freeze_heap()
-        state.ready = True
+        state.readiness.ready(WORKLOAD)
         yield
         await engine.stop()
 

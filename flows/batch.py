@@ -26,6 +26,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -46,6 +48,7 @@ from lanes.flows.shard import Model, ShardPlan, ShardStats, TooManyErrors, commi
 from lanes.flows.validate import check_records
 from lanes.jobs import WITH_ERRORS_STATE
 from lanes.layout import ERRORS
+from lanes.measurements import Measurements, Throughput, newest
 from lanes.runtime import Runtime
 from lanes.settings import Settings
 from lanes.spec import Runner
@@ -127,6 +130,7 @@ def run_job(job: Job, settings: Settings, rerun: Rerun = "uncommitted") -> Manif
     check_records(job, [p.plan for p in pending if p.retry is None], storage)
     _progress("planned", shards=len(plans), pending=len(pending))
     ran, failures = _run_shards(job, pending, settings)
+    measurements = Measurements(settings.home)
     manifest = build_manifest(
         workload=job.workload,
         flow_run=str(flow_run.id) if flow_run.id else None,
@@ -137,9 +141,11 @@ def run_job(job: Job, settings: Settings, rerun: Rerun = "uncommitted") -> Manif
         stats=done + ran,
         failures=failures,
         price_per_device_hour=settings.price_per_device_hour,
+        interactive=newest(measurements.load(), "interactive", job.model_key, job.workload),
     )
     uri = write_manifest(storage, manifest)
     log.info("manifest %s", uri)
+    _record_throughput(measurements, job, manifest, uri)
     if failures:
         listed = "; ".join(f"{f.input}: {f.error}" for f in failures)
         raise JobFailed(
@@ -147,6 +153,29 @@ def run_job(job: Job, settings: Settings, rerun: Rerun = "uncommitted") -> Manif
             "the others are committed: fix the cause and run again to redo only these"
         )
     return manifest
+
+
+def _record_throughput(store: Measurements, job: Job, manifest: Manifest, uri: str) -> None:
+    """The run's offline items/s per device, for `lanes plan` and later manifests. A
+    run that ran nothing measured nothing; a home that cannot be written costs the run
+    nothing but a warning."""
+    if manifest.items == 0:
+        return
+    record = Throughput(
+        workload=job.workload,
+        model_key=job.model_key,
+        lane="offline",
+        items_per_second=manifest.items / max(manifest.wall_seconds, 1e-3) / manifest.devices,
+        measured_at=datetime.fromisoformat(manifest.ended_at),
+        source=f"manifest {uri}",
+        items=manifest.items,
+        provider=manifest.provider,
+        batch_size=job.batch_size,
+    )
+    try:
+        store.save(record)
+    except OSError as err:
+        log.warning("could not record the run's throughput under %s: %s", store.folder, err)
 
 
 @dataclass(frozen=True)
@@ -169,10 +198,11 @@ def shard(
         Storage(settings),
         job.batch_size,
         job.max_record_bytes,
-        progress=lambda n: _progress("records", records=n),
+        # Seen where the task runs: in this process with threads, nowhere with Dask
+        # (the flow reports each finished shard itself, for every runner).
+        progress=lambda n: _progress("records", shard=plan.name, records=n),
         retry=retry,
     )
-    _progress("shard", shard=plan.name)
     return stats
 
 
@@ -192,10 +222,10 @@ def _run_shards(
         retries=job.retries, retry_delay_seconds=2, retry_condition_fn=_worth_retrying
     )
     queue = deque(pending)
-    in_flight: dict[PrefectFuture[ShardStats], ShardPlan] = {}
     stats: list[ShardStats] = []
     failures: list[ShardFailure] = []
-    with task_runner(job.runner, settings) as runner:
+    in_flight: dict[PrefectFuture[ShardStats], _Pending] = {}
+    with _api_for_workers(), task_runner(job.runner, settings) as runner:
         # Each pass waits for one shard to end: at most len(pending) passes.
         for _ in range(len(pending)):
             while queue and len(in_flight) < bound:
@@ -206,16 +236,42 @@ def _run_shards(
                     "settings": settings,
                     "retry": item.retry,
                 }
-                in_flight[runner.submit(retried, parameters)] = item.plan
+                in_flight[runner.submit(retried, parameters)] = item
             finished = next(as_completed(list(in_flight)))
-            plan = in_flight.pop(finished)
+            item = in_flight.pop(finished)
             finished.wait()
             if finished.state.is_completed():
-                stats.append(finished.result())
+                done: ShardStats = finished.result()
+                stats.append(done)
+                ran = done.retried if item.retry is not None and done.retried else done.records
+                _progress("shard", shard=item.plan.name, records=ran)
             else:
                 error = finished.result(raise_on_failure=False)
-                failures.append(ShardFailure(plan.input.uri, f"{type(error).__name__}: {error}"))
+                failures.append(
+                    ShardFailure(item.plan.input.uri, f"{type(error).__name__}: {error}")
+                )
+                _progress("shard", shard=item.plan.name, records=0)
     return stats, failures
+
+
+@contextmanager
+def _api_for_workers() -> Iterator[None]:
+    """Shard tasks report to this flow run's Prefect API, wherever they run.
+
+    Prefect hands a task's settings to a Dask worker with the task, but an embedded
+    API (`lanes run` without PREFECT_API_URL) is not among them: each worker process
+    would start an embedded server of its own. Naming this run's API in the settings
+    the tasks carry keeps them on the flow's.
+    """
+    from prefect.context import FlowRunContext
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    context = FlowRunContext.get()
+    if PREFECT_API_URL.value() or context is None or context.client is None:
+        yield
+        return
+    with temporary_settings(updates={PREFECT_API_URL: str(context.client.api_url)}):
+        yield
 
 
 def task_runner(runner: Runner, settings: Settings) -> TaskRunner[Any]:

@@ -32,10 +32,10 @@ from typing import Any
 
 import yaml
 
-from lanes.errors import LanesError
+from lanes.errors import InvalidInput, LanesError, StorageError
 from lanes.flows import ENTRYPOINT, FLOW_NAME
 from lanes.settings import Settings
-from lanes.spec import Schedule, Spec, Workload
+from lanes.spec import OfflineWorkload, Schedule, Spec
 
 POOL_TYPE = "process"
 MARKER = "# Written by `lanes compile`"  # the first line of every prefect.yaml lanes writes
@@ -72,7 +72,7 @@ def source_of(spec_file: Path, dest: Path, project_dir: Path | None = None) -> S
     return Source(str(project), spec_path.relative_to(root).as_posix())
 
 
-def schedule_of(workload: Workload, settings: Settings) -> tuple[Schedule, bool]:
+def schedule_of(workload: OfflineWorkload, settings: Settings) -> tuple[Schedule, bool]:
     """The workload's own schedule, or the default off-peak window (and True).
     `lanes plan` shows the same (router.plan imports this)."""
     if workload.schedule is not None:
@@ -81,7 +81,7 @@ def schedule_of(workload: Workload, settings: Settings) -> tuple[Schedule, bool]
 
 
 def deployment(
-    name: str, workload: Workload, settings: Settings, spec_param: str
+    name: str, workload: OfflineWorkload, settings: Settings, spec_param: str
 ) -> dict[str, Any]:
     """One entry of prefect.yaml's `deployments`."""
     schedule, is_default = schedule_of(workload, settings)
@@ -131,9 +131,25 @@ def write_prefect_yaml(
     force: bool = False,
 ) -> Path:
     """Write prefect.yaml (default: beside the spec); rewrite only when it changes.
-    A prefect.yaml that lanes did not write is refused (LanesError) unless `force`."""
+    A prefect.yaml that lanes did not write is refused (LanesError) unless `force`; a
+    `dest` in no folder, or that is a folder, is InvalidInput; one that cannot be
+    written, StorageError."""
     dest = dest or spec_file.resolve().parent / "prefect.yaml"
     text = render(spec, settings, spec_file, source_of(spec_file, dest, project_dir))
+    if dest.is_dir():
+        raise InvalidInput(f"{dest} is a folder: name the file, e.g. {dest / 'prefect.yaml'}")
+    if not dest.parent.is_dir():
+        raise InvalidInput(
+            f"{dest}: there is no folder {dest.parent}; create it, or write elsewhere"
+        )
+    try:
+        _write_if_changed(dest, text, force)
+    except OSError as err:
+        raise StorageError(f"cannot write {dest}: {err.strerror or err}") from None
+    return dest
+
+
+def _write_if_changed(dest: Path, text: str, force: bool) -> None:
     if not force and not written_by_lanes(dest):
         raise LanesError(
             f"{dest} was not written by lanes compile (its first line is not {MARKER!r}): "
@@ -145,7 +161,6 @@ def write_prefect_yaml(
         staged = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
         staged.write_text(text, encoding="utf-8")
         staged.replace(dest)
-    return dest
 
 
 def written_by_lanes(path: Path) -> bool:

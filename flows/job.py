@@ -21,7 +21,7 @@ from lanes.flows.shard import ShardPlan
 from lanes.inputs import check_input
 from lanes.layout import ERRORS, MARKERS
 from lanes.settings import Settings
-from lanes.spec import Fields, Runner, Spec, Workload
+from lanes.spec import Fields, OfflineWorkload, Runner, Spec, Workload
 from lanes.specfile import load_spec
 from lanes.storage import Storage, StoredFile, is_s3, join
 
@@ -90,7 +90,8 @@ def _resolve(location: str | None, base: Path, what: str) -> str:
 
 
 def model_key(spec: Spec, workload: Workload) -> str:
-    """A digest of what decides a record's output besides the record itself."""
+    """A digest of what decides a record's output besides the record itself (the same
+    for a workload in either lane, so that the lanes' measurements can be compared)."""
     model = spec.models[workload.model]
     files = [model.path] + ([model.tokenizer] if model.tokenizer else [])
     identity = {
@@ -100,7 +101,7 @@ def model_key(spec: Spec, workload: Workload) -> str:
         "handler": workload.handler,
         "generation": workload.generation.model_dump(mode="json"),
     }
-    if workload.fields != Fields():
+    if isinstance(workload, OfflineWorkload) and workload.fields != Fields():
         # Only when set: keys of shards committed before `fields:` existed stay valid.
         identity["fields"] = workload.fields.model_dump(mode="json")
     return hashlib.sha256(orjson.dumps(identity, option=orjson.OPT_SORT_KEYS)).hexdigest()

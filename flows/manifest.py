@@ -2,6 +2,11 @@
 
 Written to `<output>/_manifests/<start>-<run>.json`, and to `<output>/_manifest.json`
 for the latest run. Measured items/s are kept so a later run can be planned from them.
+
+Cost: the run's `cost_estimate` is its device-hours at `price_per_device_hour`;
+`interactive_cost_estimate` is what the same items would have cost on the endpoint,
+at the newest interactive measurement of the same model (lanes.measurements: `lanes
+calibrate`, or a running endpoint's metrics), null when there is none.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import orjson
 
 from lanes.flows.shard import ShardStats
 from lanes.layout import LATEST, MANIFESTS
+from lanes.measurements import Throughput, usd_for
 from lanes.storage import Storage, join
 
 
@@ -56,6 +62,11 @@ class Manifest:
     device_hours: float
     price_per_device_hour: float
     cost_estimate: float
+    cost_per_1k_items: float | None  # null when the run ran no items
+    interactive_items_per_second: float | None  # the measurement below, per device
+    interactive_cost_estimate: float | None  # the same items on the endpoint
+    interactive_cost_per_1k_items: float | None
+    interactive_measured: str | None  # where and when that rate was measured
     failures: list[ShardFailure]
     shard_stats: list[ShardStats]
 
@@ -78,7 +89,9 @@ def build_manifest(
     stats: list[ShardStats],
     failures: list[ShardFailure],
     price_per_device_hour: float,
+    interactive: Throughput | None = None,
 ) -> Manifest:
+    """`interactive`: the newest interactive measurement of the job's model, if any."""
     ran = [s for s in stats if not s.skipped]
     whole = [s for s in ran if not s.retried]
     retried = [s for s in ran if s.retried]
@@ -89,6 +102,8 @@ def build_manifest(
     devices = max(1, len({s.host for s in ran}))
     device_hours = wall / 3600 * devices
     providers = sorted({s.provider for s in ran}) or ["none"]
+    cost = device_hours * price_per_device_hour
+    online = _interactive_cost(interactive, price_per_device_hour, items)
     return Manifest(
         workload=workload,
         flow_run=flow_run,
@@ -115,9 +130,34 @@ def build_manifest(
         devices=devices,
         device_hours=round(device_hours, 6),
         price_per_device_hour=price_per_device_hour,
-        cost_estimate=round(device_hours * price_per_device_hour, 6),
+        cost_estimate=round(cost, 6),
+        cost_per_1k_items=round(cost / items * 1000, 8) if items else None,
+        interactive_items_per_second=online.items_per_second,
+        interactive_cost_estimate=online.cost,
+        interactive_cost_per_1k_items=online.per_1k,
+        interactive_measured=online.measured,
         failures=failures,
         shard_stats=stats,
+    )
+
+
+@dataclass(frozen=True)
+class _Online:
+    items_per_second: float | None = None
+    cost: float | None = None
+    per_1k: float | None = None
+    measured: str | None = None
+
+
+def _interactive_cost(record: Throughput | None, price: float, items: int) -> _Online:
+    if record is None:
+        return _Online()
+    rate = record.items_per_second
+    return _Online(
+        items_per_second=round(rate, 2),
+        cost=round(usd_for(price, rate, items), 6),
+        per_1k=round(usd_for(price, rate, 1000), 8),
+        measured=f"{record.source} at {record.measured_at.isoformat()} ({record.workload})",
     )
 
 

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from lanes.errors import InvalidInput
+from lanes.errors import InvalidInput, LanesError
 from lanes.flows.records import Line
 from lanes.flows.shape import RecordShape
 from lanes.protocols.completions import (
@@ -80,8 +80,8 @@ class Request(Protocol):
         """The output line, given one output per prepared item."""
         ...
 
-    def reject(self, problem: str | InvalidInput) -> dict[str, Any]:
-        """The errors-file line for this record (an `InvalidInput` keeps its field and code)."""
+    def reject(self, problem: str | LanesError) -> dict[str, Any]:
+        """The errors-file line for this record (an error keeps its field, code and status)."""
         ...
 
     def sort_key(self) -> int:
@@ -133,7 +133,7 @@ class PlainRecord:
             )
         return {"id": self.id, **self.kept, **body}
 
-    def reject(self, problem: str | InvalidInput) -> dict[str, Any]:
+    def reject(self, problem: str | LanesError) -> dict[str, Any]:
         return {"id": self.id, "line": self.number, "error": str(problem)}
 
     def sort_key(self) -> int:
@@ -159,7 +159,7 @@ class EmbeddingsLine:
         )
         return batch_output(self.id, self.request_id, 200, body)
 
-    def reject(self, problem: str | InvalidInput) -> dict[str, Any]:
+    def reject(self, problem: str | LanesError) -> dict[str, Any]:
         return _batch_rejection(self.id, self.number, self.request_id, problem)
 
     def sort_key(self) -> int:
@@ -210,7 +210,7 @@ class CompletionLine:
             )
         return batch_output(self.id, self.request_id, 200, body)
 
-    def reject(self, problem: str | InvalidInput) -> dict[str, Any]:
+    def reject(self, problem: str | LanesError) -> dict[str, Any]:
         return _batch_rejection(self.id, self.number, self.request_id, problem)
 
     def sort_key(self) -> int:
@@ -272,10 +272,10 @@ def _batch_line(
 
 
 def _batch_rejection(
-    custom_id: Any, number: int, request_id: str, problem: str | InvalidInput, where: str = ""
+    custom_id: Any, number: int, request_id: str, problem: str | LanesError, where: str = ""
 ) -> dict[str, Any]:
     # The errors file doubles as OpenAI's error file: the 400 the endpoint would answer.
-    error = problem if isinstance(problem, InvalidInput) else InvalidInput(problem)
+    error = problem if isinstance(problem, LanesError) else InvalidInput(problem)
     answer = batch_output(str(custom_id), request_id, error.status, error_of(error))
     return {
         "id": custom_id,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lanes.errors import InvalidInput
-from lanes.spec import Fields, TaskName, Workload
+from lanes.spec import Fields, OfflineWorkload, TaskName
 from lanes.tasks.handler import Handler
 from lanes.template import Template, is_template
 
@@ -45,7 +45,7 @@ class RecordShape:
     source: str | Template | None  # fields.text (embed) or fields.prompt (generate)
 
     @classmethod
-    def of(cls, workload: Workload, handler: Handler | None) -> RecordShape:
+    def of(cls, workload: OfflineWorkload, handler: Handler | None) -> RecordShape:
         fields = workload.fields
         pre = handler is not None and handler.pre is not None
         unknown = handler is None and workload.handler is not None

@@ -41,6 +41,8 @@ from lanes.errors import InvalidInput, JobFailed, StorageError
 from lanes.flows.records import read_shard, unit
 from lanes.flows.requests import Rejection, Request, to_request
 from lanes.flows.shape import RecordShape
+from lanes.isolation import Failed, failed_alone, isolate, per_item
+from lanes.spec import as_offline
 from lanes.storage import Storage, StoredFile
 from lanes.tasks.base import Task
 
@@ -94,11 +96,6 @@ class Model:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-@dataclass(frozen=True)
-class _Failed:
-    message: str
-
-
 @dataclass
 class _Batch:
     """Whole requests, prepared, and the records the preparing rejected."""
@@ -143,7 +140,8 @@ def run_shard(
     item); bad records go to the errors file instead."""
     started = time.monotonic()
     task = model.task
-    shape = RecordShape.of(task.workload, task.handler)
+    workload = as_offline(task.workload)
+    shape = RecordShape.of(workload, task.handler)
     redo = _errored_lines(storage, plan.errors) if retry is not None else None
     with storage.staged(plan.output) as out_path, storage.staged(plan.errors) as err_path:
         with out_path.open("wb") as out, err_path.open("wb") as err:
@@ -159,7 +157,7 @@ def run_shard(
         earlier = kept.lines if kept is not None else 0
         outputs = earlier + writer.outputs
         records = outputs + writer.errors
-        _check_error_rate(plan, task.workload.max_error_rate, records, writer)
+        _check_error_rate(plan, workload.max_error_rate, records, writer)
         # Publish outputs first and the marker last: the marker is the commit.
         storage.publish(out_path, plan.output)
         storage.publish(err_path, plan.errors)
@@ -316,35 +314,27 @@ def _prepared(requests: list[Request], task: Task, batch_size: int) -> Iterator[
 
 
 def _run(model: Model, items: Sequence[Any]) -> list[Any]:
-    """One model run; if it fails, find the items it fails on by halving the batch.
+    """One model run; if it fails, find the items it fails on by halving the batch
+    (lanes/isolation.py). An item that fails alone becomes that record's error. When
+    every item fails alone, the model (not the data) is at fault: the first error is
+    raised, for the shard's retries."""
 
-    An item that fails alone becomes that record's error. When every item fails
-    alone, the model (not the data) is at fault: the first error is raised, for
-    the shard's retries."""
-    if not items:
-        return []
-    try:
+    def run(part: Sequence[Any]) -> Sequence[Any]:
         with model.lock:
-            return list(model.task.run(items))
-    except Exception as err:
-        if len(items) == 1:
-            raise
-        log.warning("a batch of %d failed (%s): retrying it in halves", len(items), err)
-        results = _bisect(model, items)
-        if all(isinstance(r, _Failed) for r in results):
-            raise
-        return results
+            return list(model.task.run(part))
 
-
-def _bisect(model: Model, items: Sequence[Any]) -> list[Any]:
-    try:
-        with model.lock:
-            return list(model.task.run(items))
-    except Exception as err:
-        if len(items) == 1:
-            return [_Failed(f"the model failed on this record: {type(err).__name__}: {err}")]
-        middle = len(items) // 2
-        return _bisect(model, items[:middle]) + _bisect(model, items[middle:])
+    isolated = isolate(run, items)
+    if isolated.all_failed:
+        raise isolated.failed[0].error
+    if isolated.error is not None:
+        log.warning(
+            "a batch of %d failed (%s: %s); %d of its items fail on their own",
+            len(items),
+            type(isolated.error).__name__,
+            isolated.error,
+            len(isolated.failed),
+        )
+    return per_item(isolated, len(items))
 
 
 class _Writer:
@@ -370,9 +360,9 @@ class _Writer:
         for request, prepared in batch.requests:
             mine = outputs[at : at + len(prepared)]
             at += len(prepared)
-            failed = next((o for o in mine if isinstance(o, _Failed)), None)
+            failed = next((o for o in mine if isinstance(o, Failed)), None)
             if failed is not None:
-                self.error(request.reject(failed.message))
+                self.error(request.reject(failed_alone(failed.error, "this record")))
                 continue
             try:
                 data = orjson.dumps(

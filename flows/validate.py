@@ -21,6 +21,7 @@ from lanes.flows.records import read_shard, unit
 from lanes.flows.requests import Rejection, to_request
 from lanes.flows.shape import RecordShape
 from lanes.flows.shard import ShardPlan
+from lanes.spec import as_offline
 from lanes.storage import Storage
 
 SAMPLE_SHARDS = 16  # spread over the job's shards, first and last included
@@ -34,7 +35,7 @@ def check_records(job: Job, plans: list[ShardPlan], storage: Storage) -> int:
     """Raise `JobFailed` when the sample's rejected share is over `max_error_rate`;
     returns how many records were checked. The handler is not imported here: with one,
     its `pre` may make the item, so only the id and kept fields are checked."""
-    workload = job.spec.workload(job.workload)
+    workload = as_offline(job.spec.workload(job.workload))
     shape = RecordShape.of(workload, None)
     checked = 0
     rejected: list[tuple[ShardPlan, dict[str, Any]]] = []

@@ -125,7 +125,7 @@ class Client:
         from lanes.jobs import submit
 
         core = self._core
-        w = core.workload(workload, "offline")
+        w = core.offline(workload)
         return submit(w, workload, records, when, core.settings, core.base, core.prefect_api_url)
 
     def job(self, id: str) -> Job:
@@ -253,7 +253,7 @@ class AsyncClient:
         from lanes.jobs import AsyncJob, submit
 
         core = self._core
-        w = core.workload(workload, "offline")
+        w = core.offline(workload)
         job = await asyncio.to_thread(
             submit, w, workload, records, when, core.settings, core.base, core.prefect_api_url
         )

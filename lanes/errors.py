@@ -2,7 +2,8 @@
 
     LanesError                     every error lanes raises on purpose (HTTP 500)
     ├── SpecError                  workloads.yaml (or an override) is wrong; holds every Problem
-    ├── ModelError                 a model file does not fit its task, or failed on a batch
+    │   └── SettingsError          a LANES_* setting is wrong (a bad value, JSON that is not)
+    ├── ModelError                 a model does not fit its task, or failed on an input alone
     ├── HandlerError               a workload's `handler: module:attr` cannot be imported
     ├── InvalidInput               a request or record does not fit the workload (HTTP 400)
     │   └── RequestTooLarge        the request can never fit: body or item count (HTTP 413)
@@ -21,13 +22,16 @@ OpenAI's error `type` and its default `code`; each error carries the request fie
 is about (`param`, OpenAI's spelling: `max_tokens`, `input[3]`, `messages[1].content`)
 and a `code` as data. The server writes them as OpenAI's
 `{"error": {"message", "type", "param", "code"}}` (v2: `{"error": message}`) and the
-SDK reads them back into the same class with `from_wire`.
+SDK reads them back into the same class with `from_wire`. An error whose class says it
+`repeats` fails the same way for the same request: the server adds `x-should-retry:
+false` (which the openai client obeys; it retries other 500s), and no SDK retries it.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
-from typing import ClassVar, Self
+from typing import Any, ClassVar, Self
 
 
 class LanesError(Exception):
@@ -41,6 +45,7 @@ class LanesError(Exception):
     status: ClassVar[int] = 500
     error_type: ClassVar[str] = "server_error"  # OpenAI's error `type`
     default_code: ClassVar[str | None] = None
+    repeats: ClassVar[bool] = False  # the same request fails the same way: never retry
 
     def __init__(self, message: str = "", *, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -65,6 +70,17 @@ class Problem:
         return f"{where}: {self.path}: {self.message}" if self.path else f"{where}: {self.message}"
 
 
+def shown(value: Any, limit: int = 80) -> str:
+    """`repr(value)` cut to about `limit` characters: a message names what it found, briefly."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's digit limit for str()
+        return f"an integer of more than {sys.get_int_max_str_digits()} digits"
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit - 20]}... ({len(text)} characters)"
+
+
 class SpecError(LanesError):
     """The spec is invalid. `problems` lists every problem found, in file order."""
 
@@ -73,10 +89,17 @@ class SpecError(LanesError):
         super().__init__("\n".join(str(p) for p in problems))
 
 
+class SettingsError(SpecError):
+    """A LANES_* environment variable does not fit its setting; `problems` names each."""
+
+
 class ModelError(LanesError):
-    """A model does not fit its task, onnxruntime cannot load it, or it failed on a batch."""
+    """A model does not fit its task, onnxruntime cannot load it, or it failed on an
+    input run on its own (the input passed every check the model declares, so the
+    model is at fault, and it fails the same way every time: a 500 never to retry)."""
 
     default_code = "model_error"
+    repeats = True
 
 
 class HandlerError(LanesError):

@@ -48,4 +48,6 @@ def import_object(ref: str, root: Path | None, what: str) -> Any:
             raise HandlerError(
                 f"{what} {ref}: module {module_name!r} has no attribute {attr!r}"
             ) from None
+        except Exception as err:  # a property of the user's that raises
+            raise HandlerError(f"{what} {ref}: reading {part!r} failed: {err!r}") from err
     return target

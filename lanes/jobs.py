@@ -33,7 +33,7 @@ from lanes import layout
 from lanes.errors import InvalidInput, JobFailed, LanesError, StorageError
 from lanes.inputs import absolute, check_input, folder_of
 from lanes.settings import Settings
-from lanes.spec import Workload
+from lanes.spec import OfflineWorkload
 from lanes.storage import Storage, join
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ SUBMIT_TAG = "lanes-submit"
 
 
 def submit(
-    workload: Workload,
+    workload: OfflineWorkload,
     name: str,
     records: Iterable[Mapping[str, Any]] | str | os.PathLike[str],
     when: str,
@@ -72,8 +72,6 @@ def submit(
 
     if when not in ("offpeak", "now"):
         raise InvalidInput(f'when: expected "offpeak" or "now", found {when!r}')
-    if workload.input is None or workload.output is None:
-        raise InvalidInput(f"workload {name!r} has no input/output; it cannot take jobs")
     key = datetime.now(UTC).strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:8]
     given: str | None = None  # an input URI, or records to stage
     if isinstance(records, str | os.PathLike):

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, field_validator
+import pydantic_settings
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from lanes.errors import Problem, SettingsError
 from lanes.spec import Schedule
+from lanes.specrules import from_pydantic
 
 Device = Literal["auto", "cpu", "cuda", "tensorrt"]
 
@@ -19,6 +23,7 @@ class Settings(BaseSettings):
     `workloads` and `models` hold overrides of spec fields:
     LANES_WORKLOADS__SEARCH_QUERY__BATCHING__MAX_WAIT_MS=5 sets
     workloads.search-query.batching.max_wait_ms (a '-' in a name is '_' here).
+    A bad value raises `SettingsError`, one problem per variable.
     """
 
     model_config = SettingsConfigDict(
@@ -33,7 +38,10 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(None, description="Bearer key the server requires.")
     device: Device = Field("auto", description="auto picks TensorRT/CUDA when a GPU is there.")
     threads: int | None = Field(
-        None, gt=0, description="onnxruntime intra-op threads; default: onnxruntime's choice."
+        None,
+        gt=0,
+        le=1024,
+        description="onnxruntime intra-op threads; default: onnxruntime's choice.",
     )
     max_body_bytes: int = Field(
         8 * 1024 * 1024, gt=0, description="Largest request body; a larger one gets 413."
@@ -79,6 +87,21 @@ class Settings(BaseSettings):
     workloads: dict[str, Any] = Field(default_factory=dict, description="Workload overrides.")
     models: dict[str, Any] = Field(default_factory=dict, description="Model overrides.")
 
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as err:
+            problems = [
+                Problem(_variable(loc), None, None, "", message)
+                for loc, message, _ in from_pydantic(err, ())
+            ]
+            raise SettingsError(problems) from None
+        except pydantic_settings.SettingsError as err:  # a complex value that is not JSON
+            named = re.search(r'field "(\w+)"', str(err))
+            source = _variable((named.group(1),)) if named else "env LANES_*"
+            message = "expected JSON (a list or an object), found a value that does not parse"
+            raise SettingsError([Problem(source, None, None, "", message)]) from None
+
     @field_validator("allowed_input_roots")
     @classmethod
     def _roots_are_folders(cls, roots: tuple[str, ...]) -> tuple[str, ...]:
@@ -86,3 +109,7 @@ class Settings(BaseSettings):
             if not root.strip() or any(c in root for c in "*?["):
                 raise ValueError(f"{root!r}: expected a folder or s3:// prefix, no wildcards")
         return roots
+
+
+def _variable(loc: tuple[str | int, ...]) -> str:
+    return "env LANES_" + "__".join(str(part).upper() for part in loc)

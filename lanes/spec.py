@@ -1,53 +1,99 @@
-"""The workloads.yaml schema: pydantic models for every field, and the cross-field rules.
+"""The workloads.yaml schema: pydantic models for every field.
 
-`parse_spec` validates plain data (every problem at once, as `Problem`s with field
-paths); `lanes.specfile.load_spec` adds YAML reading, line numbers and env overrides.
+A workload is interactive or offline (`Workload`, a union told apart by `mode`), and
+each mode has only its own keys. `lanes.specrules.parse_spec` checks plain data
+against it, with the rules that span fields; `lanes.specfile.load_spec` reads the file.
 """
 
 from __future__ import annotations
 
 import re
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from croniter import croniter
+from croniter import CroniterError, croniter
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
-    ValidationError,
+    TypeAdapter,
     field_validator,
     model_validator,
 )
 
+from lanes.errors import shown
 from lanes.template import Template, is_template
 
 Mode = Literal["interactive", "offline"]
 TaskName = Literal["embed", "infer", "generate"]
-_TASKS = get_args(TaskName)
+TASK_NAMES: tuple[TaskName, ...] = get_args(TaskName)
 
 # Workload names become URL paths and Prefect deployment names: DNS labels.
 NAME_PATTERN = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 HANDLER_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
 
+# What a file system takes (Linux: PATH_MAX, NAME_MAX), checked on the text alone so a
+# bad value is a spec problem, not an OSError from the first stat().
+MAX_PATH_CHARS = 4096
+MAX_NAME_BYTES = 255
+# A cron that fires less often than this is taken for one that never fires (Feb 29
+# fires at most 8 years apart).
+MAX_YEARS_BETWEEN_RUNS = 9
+# Longest is 32 characters ("America/Argentina/ComodRivadavia").
+TIMEZONE_PATTERN = re.compile(r"^[A-Za-z0-9_+-]{1,40}(/[A-Za-z0-9_+-]{1,40}){0,3}$")
+
+
+def _path_text(value: str) -> str:
+    if "\0" in value:
+        raise ValueError("expected a path, found one holding a NUL character")
+    if len(value) > MAX_PATH_CHARS:
+        raise ValueError(
+            f"expected a path of at most {MAX_PATH_CHARS} characters, found {len(value)}"
+        )
+    if "://" not in value:  # a local path: each name must fit the file system
+        for part in value.split("/"):
+            if len(part.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+                raise ValueError(
+                    f"expected a path whose every name is at most {MAX_NAME_BYTES} bytes, "
+                    f"found one of {len(part.encode('utf-8', 'surrogatepass'))}"
+                )
+    return value
+
+
+def _local_path(value: Path) -> Path:
+    _path_text(str(value))
+    return value
+
+
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeFloat = Annotated[float, Field(ge=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
+# A duration in milliseconds: up to a day.
+Milliseconds = Annotated[float, Field(gt=0, le=86_400_000)]
+LocalPath = Annotated[Path, AfterValidator(_local_path)]
+Location = Annotated[str, Field(min_length=1), AfterValidator(_path_text)]
+HandlerRef = Annotated[str, Field(pattern=HANDLER_PATTERN, max_length=200)]
 
 
 class StrictModel(BaseModel):
-    """Unknown keys are errors; values are not coerced across types silently."""
+    """Unknown keys are errors; infinities and NaN are refused; nothing is coerced that
+    would surprise (a number is not a string, a mapping is not a name)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class SessionOptions(StrictModel):
     intra_op_threads: PositiveInt | None = Field(
-        None, description="Threads inside one operator; default: the LANES_THREADS setting."
+        None,
+        le=1024,
+        description="Threads inside one operator; default: the LANES_THREADS setting.",
     )
-    inter_op_threads: PositiveInt | None = Field(None, description="Threads across operators.")
+    inter_op_threads: PositiveInt | None = Field(
+        None, le=1024, description="Threads across operators."
+    )
     graph_optimization: Literal["disable", "basic", "extended", "all"] = Field(
         "all", description="onnxruntime graph optimisation level."
     )
@@ -59,10 +105,11 @@ class SessionOptions(StrictModel):
 
 
 class ModelSpec(StrictModel):
-    path: Path = Field(description="The .onnx file, relative to workloads.yaml.")
-    tokenizer: Path | None = Field(None, description="A Hugging Face tokenizer.json.")
+    path: LocalPath = Field(description="The .onnx file, relative to workloads.yaml.")
+    tokenizer: LocalPath | None = Field(None, description="A Hugging Face tokenizer.json.")
     max_length: PositiveInt = Field(
         256,
+        le=1_048_576,
         description="Longest input in tokens (embed: longer text is refused unless the "
         "workload sets `truncate`); generate: the context, when config.json does not say.",
     )
@@ -77,15 +124,17 @@ class Batching(StrictModel):
         0.0, le=60_000, description="How long an idle executor waits for company; 0 runs now."
     )
     max_queue: PositiveInt = Field(
-        1024, description="Requests waiting beyond this are refused with 503 and Retry-After."
+        1024,
+        le=1_048_576,
+        description="Requests waiting beyond this are refused with 503 and Retry-After.",
     )
 
 
 class Slo(StrictModel):
-    p50_ms: PositiveFloat | None = Field(None, description="Target median latency.")
-    p99_ms: PositiveFloat | None = Field(None, description="Target 99th percentile latency.")
-    ttft_ms: PositiveFloat | None = Field(None, description="Target time to first token.")
-    timeout_ms: PositiveFloat | None = Field(
+    p50_ms: Milliseconds | None = Field(None, description="Target median latency.")
+    p99_ms: Milliseconds | None = Field(None, description="Target 99th percentile latency.")
+    ttft_ms: Milliseconds | None = Field(None, description="Target time to first token.")
+    timeout_ms: Milliseconds | None = Field(
         None, description="Deadline of each request: past it, a queued request gets 504."
     )
 
@@ -93,7 +142,7 @@ class Slo(StrictModel):
 class Generation(StrictModel):
     max_new_tokens: PositiveInt = Field(128, le=65536)
     temperature: NonNegativeFloat = Field(1.0, le=10, description="0 means greedy.")
-    top_k: int = Field(0, ge=0, description="0 means no top-k cut.")
+    top_k: int = Field(0, ge=0, le=1_048_576, description="0 means no top-k cut.")
     top_p: float = Field(1.0, ge=0, le=1, description="0 keeps only the likeliest token.")
     stop: list[str] = Field(default_factory=list, description="Strings that end a completion.")
 
@@ -101,8 +150,7 @@ class Generation(StrictModel):
 class Guard(StrictModel):
     """A scorer a generate workload's text must pass before a client sees it."""
 
-    handler: str = Field(
-        pattern=HANDLER_PATTERN,
+    handler: HandlerRef = Field(
         description="module:fn; fn(text) -> a risk score in [0, 1] (or a bool: True fails).",
     )
     mode: Literal["buffer", "chunked"] = Field(
@@ -118,35 +166,51 @@ class Guard(StrictModel):
 
 
 class Schedule(StrictModel):
-    cron: str = Field(description='Five-field cron, e.g. "0 2 * * *".')
+    cron: str = Field(max_length=200, description='Five-field cron, e.g. "0 2 * * *".')
     timezone: str = Field("UTC", description="IANA time zone the cron is read in.")
 
     @field_validator("cron")
     @classmethod
     def _valid_cron(cls, value: str) -> str:
-        if len(value.split()) != 5 or not croniter.is_valid(value):
+        expected = f'expected a five-field cron expression like "0 2 * * *", found {shown(value)}'
+        try:
+            valid = len(value.split()) == 5 and croniter.is_valid(value)
+        except Exception:  # croniter's parser raises more than its own errors on odd text
+            valid = False
+        if not valid:
+            raise ValueError(expected)
+        try:
+            _next_fire(value, datetime.now(UTC))
+        except CroniterError:
             raise ValueError(
-                f'expected a five-field cron expression like "0 2 * * *", found {value!r}'
-            )
+                f"{shown(value)} never fires (no such date in {MAX_YEARS_BETWEEN_RUNS} years, "
+                'e.g. "31 2" is February 31st); check the day and month fields'
+            ) from None
         return value
 
     @field_validator("timezone")
     @classmethod
     def _valid_timezone(cls, value: str) -> str:
+        expected = f'expected an IANA time zone like "UTC" or "Europe/Paris", found {shown(value)}'
+        if not TIMEZONE_PATTERN.match(value):
+            raise ValueError(expected)
         try:
             ZoneInfo(value)
-        except (ZoneInfoNotFoundError, ValueError):
-            raise ValueError(
-                f'expected an IANA time zone like "UTC" or "Europe/Paris", found {value!r}'
-            ) from None
+        except (ZoneInfoNotFoundError, ValueError, OSError):
+            raise ValueError(expected) from None
         return value
 
     def next_run(self, after: datetime | None = None) -> datetime:
         """The first time strictly after `after` (default: now) that the cron fires."""
         zone = ZoneInfo(self.timezone)
-        start = (after or datetime.now(zone)).astimezone(zone)
-        result: datetime = croniter(self.cron, start).get_next(datetime)
-        return result
+        return _next_fire(self.cron, (after or datetime.now(zone)).astimezone(zone))
+
+
+def _next_fire(cron: str, start: datetime) -> datetime:
+    """CroniterBadDateError when `cron` does not fire within MAX_YEARS_BETWEEN_RUNS."""
+    found = croniter(cron, start, max_years_between_matches=MAX_YEARS_BETWEEN_RUNS)
+    result: datetime = found.get_next(datetime)
+    return result
 
 
 class Runner(StrictModel):
@@ -159,6 +223,8 @@ class Runner(StrictModel):
     )
     address: str | None = Field(
         None,
+        pattern=r"^[a-z][a-z0-9+.-]*://[^\s/]+$",
+        max_length=255,
         description="Dask scheduler address, e.g. tcp://10.0.0.5:8786 (kind: dask); "
         "none starts a local cluster.",
     )
@@ -227,22 +293,17 @@ class Fields(StrictModel):
         return value
 
 
-class Workload(StrictModel):
+class WorkloadBase(StrictModel):
+    """What a workload of either mode has. A workload is an `InteractiveWorkload` or an
+    `OfflineWorkload` (`Workload`), told apart by `mode`; a key of the other mode is
+    an error."""
+
     mode: Mode = Field(description="interactive: someone is waiting; offline: nobody is.")
     task: TaskName
-    model: str = Field(description="A key of `models`.")
+    model: str = Field(max_length=1000, description="A key of `models`.")
     description: str | None = None
-    handler: str | None = Field(
-        None,
-        pattern=HANDLER_PATTERN,
-        description="module:attr of an object with optional pre(item) and post(output).",
-    )
-    batching: Batching = Field(default_factory=Batching)
-    slo: Slo = Field(default_factory=Slo)
-    stream: bool = Field(
-        False,
-        description="generate: the SDK's and CLI's default (`lanes call`); over HTTP only "
-        "a request's own `stream: true` streams, as in OpenAI's API.",
+    handler: HandlerRef | None = Field(
+        None, description="module:attr of an object with optional pre(item) and post(output)."
     )
     truncate: bool = Field(
         False,
@@ -251,9 +312,27 @@ class Workload(StrictModel):
     )
     generation: Generation = Field(default_factory=Generation)
     guard: Guard | None = Field(None, description="generate: score text before it is sent.")
-    # offline only
-    input: str | None = Field(None, description="Folder, glob or s3://bucket/prefix/ of inputs.")
-    output: str | None = Field(None, description="Folder or s3://bucket/prefix/ for outputs.")
+
+
+class InteractiveWorkload(WorkloadBase):
+    """Someone is waiting: served on the endpoint, batched within a latency budget."""
+
+    mode: Literal["interactive"] = Field(description="Someone is waiting.")
+    batching: Batching = Field(default_factory=Batching)
+    slo: Slo = Field(default_factory=Slo)
+    stream: bool = Field(
+        False,
+        description="generate: the SDK's and CLI's default (`lanes call`); over HTTP only "
+        "a request's own `stream: true` streams, as in OpenAI's API.",
+    )
+
+
+class OfflineWorkload(WorkloadBase):
+    """Nobody is waiting: a Prefect flow over input files, on a schedule."""
+
+    mode: Literal["offline"] = Field(description="Nobody is waiting.")
+    input: Location = Field(description="Folder, glob or s3://bucket/prefix/ of inputs.")
+    output: Location = Field(description="Folder or s3://bucket/prefix/ for outputs.")
     batch_size: PositiveInt = Field(256, le=65536, description="Records per model run.")
     schedule: Schedule | None = None
     retries: int = Field(2, ge=0, le=100, description="Retries of a failed shard.")
@@ -270,6 +349,35 @@ class Workload(StrictModel):
     )
 
 
+Workload = Annotated[InteractiveWorkload | OfflineWorkload, Field(discriminator="mode")]
+WORKLOAD = TypeAdapter[InteractiveWorkload | OfflineWorkload](Workload)
+# Which keys only one mode has, for "applies to offline workloads only".
+MODE_KEYS: dict[str, frozenset[str]] = {
+    "interactive": frozenset(InteractiveWorkload.model_fields) - set(WorkloadBase.model_fields),
+    "offline": frozenset(OfflineWorkload.model_fields) - set(WorkloadBase.model_fields),
+}
+
+
+def as_interactive(workload: Workload) -> InteractiveWorkload:
+    """`workload`, where only an interactive one fits (the endpoint's batching, SLO and
+    streaming); WrongMode for an offline one."""
+    if isinstance(workload, InteractiveWorkload):
+        return workload
+    from lanes.errors import WrongMode
+
+    raise WrongMode("an offline workload is not served: it runs as batch jobs (lanes run)")
+
+
+def as_offline(workload: Workload) -> OfflineWorkload:
+    """`workload`, where only an offline one fits (input, output, shards); WrongMode for
+    an interactive one."""
+    if isinstance(workload, OfflineWorkload):
+        return workload
+    from lanes.errors import WrongMode
+
+    raise WrongMode("an interactive workload takes no batch jobs: call it on the endpoint")
+
+
 class Spec(StrictModel):
     version: Literal[1] = 1
     models: dict[str, ModelSpec]
@@ -281,7 +389,7 @@ class Spec(StrictModel):
         "built in code) imports handlers from sys.path as it is.",
     )
 
-    def workload(self, name: str) -> Workload:
+    def workload(self, name: str) -> InteractiveWorkload | OfflineWorkload:
         from lanes.errors import UnknownWorkload
 
         try:
@@ -289,170 +397,3 @@ class Spec(StrictModel):
         except KeyError:
             known = ", ".join(sorted(self.workloads)) or "none"
             raise UnknownWorkload(f"no workload named {name!r}; known: {known}") from None
-
-
-class _Top(StrictModel):
-    version: Literal[1] = 1
-    models: dict[str, Any]
-    workloads: dict[str, Any]
-
-
-# (path, message) pairs; a path is a tuple of keys from the document's root.
-Loc = tuple[str | int, ...]
-Found = list[tuple[Loc, str, bool]]  # (path, message, points at the key itself)
-
-_OFFLINE_ONLY = ("input", "output", "schedule", "runner", "fields", "max_error_rate")
-# Which `fields:` key names the item of which task.
-_ITEM_FIELDS = {"text": "embed", "prompt": "generate"}
-
-
-def parse_spec(data: Any, base: Path, check_files: bool = True) -> tuple[Spec | None, Found]:
-    """Validate plain data. Returns the spec (None if anything is wrong) and every problem.
-
-    Model paths are made absolute against `base`, the folder of workloads.yaml, and,
-    with `check_files`, must exist and every handler and guard must import (with `base`
-    on the import path); a client that only routes calls needs neither.
-    """
-    found: Found = []
-    try:
-        top = _Top.model_validate(data)
-    except ValidationError as err:
-        return None, _from_pydantic(err, ())
-    models: dict[str, ModelSpec] = {}
-    for name, raw in top.models.items():
-        try:
-            models[name] = _resolve(ModelSpec.model_validate(raw), base)
-        except ValidationError as err:
-            found += _from_pydantic(err, ("models", name))
-    workloads: dict[str, Workload] = {}
-    for name, raw in top.workloads.items():
-        if not NAME_PATTERN.match(name):
-            found.append(
-                (
-                    ("workloads", name),
-                    "expected a DNS-safe name (lower-case letters, digits and '-', "
-                    f"at most 63, starting and ending alphanumeric), found {name!r}",
-                    True,
-                )
-            )
-        try:
-            workloads[name] = Workload.model_validate(raw)
-        except ValidationError as err:
-            found += _from_pydantic(err, ("workloads", name))
-    for name, model in models.items() if check_files else ():
-        found += _model_problems(name, model)
-    for name, workload in workloads.items() if check_files else ():
-        found += _code_problems(name, workload, base)
-    for name, raw in top.workloads.items():
-        found += _workload_problems(name, raw, top.models, models)
-    if found:
-        return None, found
-    return Spec(version=top.version, models=models, workloads=workloads, root=base), []
-
-
-def _resolve(model: ModelSpec, base: Path) -> ModelSpec:
-    tokenizer = base / model.tokenizer if model.tokenizer else None
-    return model.model_copy(update={"path": base / model.path, "tokenizer": tokenizer})
-
-
-def _model_problems(name: str, model: ModelSpec) -> Found:
-    hint = "build the demo models with `lanes models build`, or fix the path"
-    found: Found = []
-    if not model.path.is_file():
-        found.append((("models", name, "path"), f"no model file at {model.path}; {hint}", False))
-    if model.tokenizer is not None and not model.tokenizer.is_file():
-        found.append(
-            (
-                ("models", name, "tokenizer"),
-                f"no tokenizer file at {model.tokenizer}; {hint}",
-                False,
-            )
-        )
-    return found
-
-
-def _code_problems(name: str, workload: Workload, root: Path) -> Found:
-    """The user's own code must import now, not at the first request or in a worker."""
-    from lanes.errors import HandlerError
-    from lanes.tasks.handler import load_handler, load_scorer
-
-    found: Found = []
-    try:
-        if workload.handler is not None:
-            load_handler(workload.handler, root)
-    except HandlerError as err:
-        found.append((("workloads", name, "handler"), str(err), True))
-    try:
-        if workload.guard is not None:
-            load_scorer(workload.guard.handler, root)
-    except HandlerError as err:
-        found.append((("workloads", name, "guard", "handler"), str(err), True))
-    return found
-
-
-def _workload_problems(
-    name: str, raw: Any, declared: dict[str, Any], models: dict[str, ModelSpec]
-) -> Found:
-    """Cross-field rules. They read the raw mapping, so they apply (and report) even
-    when some other field of the workload failed validation."""
-    if not isinstance(raw, dict):
-        return []
-    at: Loc = ("workloads", name)
-    found: Found = []
-    model, task, mode = raw.get("model"), raw.get("task"), raw.get("mode")
-    if isinstance(model, str) and model not in declared:
-        known = ", ".join(sorted(declared)) or "none declared"
-        message = f"expected the name of a declared model ({known}), found {model!r}"
-        found.append(((*at, "model"), message, False))
-    elif model in models and task in ("embed", "generate") and not models[model].tokenizer:
-        message = (
-            f"task {task!r} needs a tokenizer, but model {model!r} declares none; "
-            f"add `tokenizer:` to models.{model}"
-        )
-        found.append(((*at, "model"), message, False))
-    if raw.get("guard") is not None and task in ("embed", "infer"):
-        message = f"`guard` scores generated text: it applies to task generate, not {task!r}"
-        found.append(((*at, "guard"), message, True))
-    if mode == "offline":
-        for key in ("input", "output"):
-            if raw.get(key) is None:
-                message = f"an offline workload needs `{key}` (a folder, glob or s3:// URI)"
-                found.append((at, message, True))
-        runner = raw.get("runner")
-        if isinstance(runner, dict) and runner.get("address") and runner.get("kind") != "dask":
-            message = "`address` names a Dask scheduler: set `kind: dask`, or remove it"
-            found.append(((*at, "runner", "address"), message, True))
-        fields = raw.get("fields")
-        for key, wanted in _ITEM_FIELDS.items():
-            if isinstance(fields, dict) and key in fields and task in _TASKS and task != wanted:
-                message = f"`fields.{key}` is for task {wanted}; task {task} does not read it"
-                found.append(((*at, "fields", key), message, True))
-    elif mode == "interactive":
-        for key in _OFFLINE_ONLY:
-            if key in raw:
-                message = (
-                    f"`{key}` applies to offline workloads only; remove it or set `mode: offline`"
-                )
-                found.append(((*at, key), message, True))
-    return found
-
-
-def _from_pydantic(err: ValidationError, prefix: Loc) -> Found:
-    found: Found = []
-    for e in err.errors(include_url=False):
-        loc: Loc = prefix + tuple(e["loc"])
-        kind = e["type"]
-        if kind == "extra_forbidden":
-            found.append((loc, f"unknown key {loc[-1]!r}", True))
-        elif kind == "missing":
-            found.append((loc[:-1], f"missing required key {loc[-1]!r}", True))
-        else:
-            message = e["msg"].removeprefix("Value error, ")
-            if "found" not in message:
-                message = f"{_lower_first(message)}; found {e['input']!r}"
-            found.append((loc, message, False))
-    return found
-
-
-def _lower_first(text: str) -> str:
-    return text[:1].lower() + text[1:]

@@ -1,47 +1,21 @@
-"""Reading workloads.yaml: YAML with line numbers, environment overrides, then the schema.
+"""Reading workloads.yaml: bounded YAML with line numbers (lanes.specyaml), environment
+overrides, then the schema and its rules (lanes.specrules).
 
 Every problem comes back at once as `file:LINE:COL: field.path: message`, or, for a
 value that came from the environment, `env LANES_WORKLOADS__...: field.path: message`.
+Whatever the file holds, the result is a Spec or a SpecError.
 """
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from lanes.errors import Problem, SpecError
 from lanes.settings import Settings
-from lanes.spec import Found, Loc, Spec, parse_spec
-
-
-@dataclass(frozen=True)
-class Mark:
-    line: int  # 1-based
-    column: int  # 1-based
-
-
-@dataclass(frozen=True)
-class Marks:
-    """Where each path of the document sits: its key, and its value."""
-
-    keys: dict[Loc, Mark]
-    values: dict[Loc, Mark]
-
-    def find(self, loc: Loc, at_key: bool) -> Mark | None:
-        # A path the file does not have (a missing key, a default) points at its
-        # nearest ancestor that it does have.
-        for end in range(len(loc), -1, -1):
-            sub = loc[:end]
-            table = self.keys if at_key and end == len(loc) else self.values
-            if sub in table:
-                return table[sub]
-            if sub in self.keys:
-                return self.keys[sub]
-        return None
+from lanes.spec import Spec
+from lanes.specrules import Found, Loc, dotted, parse_spec
+from lanes.specyaml import MAX_BYTES, MAX_DEPTH, Marks, read_yaml
 
 
 def load_spec(
@@ -55,57 +29,30 @@ def load_spec(
     """
     settings = settings or Settings()
     file = Path(path) if path is not None else settings.spec
-    name = str(path) if path is not None else str(settings.spec)
+    name = str(file)
     try:
-        text = file.read_text(encoding="utf-8")
-    except OSError as err:
+        with file.open("rb") as f:
+            raw = f.read(MAX_BYTES + 1)
+    except (OSError, ValueError) as err:  # ValueError: a NUL in the path
+        reason = getattr(err, "strerror", None) or str(err)
         raise SpecError(
-            [Problem(name, None, None, "", f"cannot read the spec: {err.strerror}")]
+            [Problem(name, None, None, "", f"cannot read the spec: {reason}")]
         ) from None
-    return parse_text(text, name, file.resolve().parent, settings, check_files)
+    return parse_bytes(raw, name, file.resolve().parent, settings, check_files)
 
 
-def parse_text(
-    text: str, source: str, base: Path, settings: Settings, check_files: bool = True
+def parse_bytes(
+    raw: bytes, source: str, base: Path, settings: Settings, check_files: bool = True
 ) -> Spec:
-    """Validate YAML text; `source` names it in messages, `base` anchors relative paths."""
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        line, col = (mark.line + 1, mark.column + 1) if mark is not None else (None, None)
-        what = getattr(err, "problem", None) or str(err)
-        raise SpecError([Problem(source, line, col, "", f"invalid YAML: {what}")]) from None
-    marks = Marks({}, {})
-    duplicates: Found = []
-    if node is not None:
-        _walk(node, (), marks, duplicates)
-    if data is None:
-        data = {}
+    """Validate a spec's bytes; `source` names it in messages, `base` anchors relative paths."""
+    document = read_yaml(raw, source)
+    data = {} if document.data is None else document.data
     data, origins, unknown = _apply_overrides(data, settings)
     spec, found = parse_spec(data, base, check_files)
-    found = duplicates + found
+    found = document.duplicates + found
     if spec is None or found or unknown:
-        raise SpecError(_problems(found, source, marks, origins) + unknown)
+        raise SpecError(_problems(found, source, document.marks, origins) + unknown)
     return spec
-
-
-def _walk(node: yaml.Node, loc: Loc, marks: Marks, duplicates: Found) -> None:
-    marks.values[loc] = Mark(node.start_mark.line + 1, node.start_mark.column + 1)
-    if isinstance(node, yaml.MappingNode):
-        seen: set[str] = set()
-        for key_node, value_node in node.value:
-            key = key_node.value
-            child = (*loc, key)
-            if key in seen:
-                duplicates.append((child, f"key {key!r} appears twice; keep one", True))
-            seen.add(key)
-            marks.keys[child] = Mark(key_node.start_mark.line + 1, key_node.start_mark.column + 1)
-            _walk(value_node, child, marks, duplicates)
-    elif isinstance(node, yaml.SequenceNode):
-        for index, item in enumerate(node.value):
-            _walk(item, (*loc, index), marks, duplicates)
 
 
 def _apply_overrides(data: Any, settings: Settings) -> tuple[Any, dict[Loc, str], list[Problem]]:
@@ -119,7 +66,7 @@ def _apply_overrides(data: Any, settings: Settings) -> tuple[Any, dict[Loc, str]
     unknown: list[Problem] = []
     if not isinstance(data, dict):
         return data, origins, unknown
-    data = copy.deepcopy(data)
+    data = _unshared(data)
     for section, overrides in (("workloads", settings.workloads), ("models", settings.models)):
         if not overrides:
             continue
@@ -135,12 +82,39 @@ def _apply_overrides(data: Any, settings: Settings) -> tuple[Any, dict[Loc, str]
                 message = f"names no {section[:-1]} of the spec (known: {known}; '-' is '_')"
                 unknown.append(Problem(f"env {var}", None, None, f"{section}.{env_key}", message))
                 continue
+            if _depth(values) > MAX_DEPTH:
+                message = f"nested more than {MAX_DEPTH} deep; a spec needs 6"
+                unknown.append(Problem(f"env {var}", None, None, f"{section}.{env_key}", message))
+                continue
             if not isinstance(values, dict) or not isinstance(table[name], dict):
                 table[name] = values
                 origins[(section, name)] = var
                 continue
             _merge(table[name], values, (section, name), var, origins)
     return data, origins, unknown
+
+
+def _unshared(data: Any) -> Any:
+    """A copy in which no two paths share an object (an alias's value is written out
+    at each use), so an override of one path changes that path alone. The document's
+    size is bounded (lanes.specyaml), and so is this copy."""
+    if isinstance(data, dict):
+        return {key: _unshared(value) for key, value in data.items()}
+    if isinstance(data, list):
+        return [_unshared(item) for item in data]
+    return data
+
+
+def _depth(value: Any) -> int:
+    """How deep `value` nests, counted without recursion (an override is any JSON)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if depth <= MAX_DEPTH and isinstance(item, dict | list):
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def _merge(
@@ -159,15 +133,21 @@ def _merge(
 def _problems(found: Found, source: str, marks: Marks, origins: dict[Loc, str]) -> list[Problem]:
     problems = []
     for loc, message, at_key in found:
-        path = ".".join(str(part) for part in loc)
+        path = dotted(loc)
         origin = next(
             (origins[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in origins), None
         )
         if origin is not None:
-            problems.append(Problem(f"env {origin}", None, None, path, message))
+            problems.append(Problem(f"env {origin}", None, None, path, _one_line(message)))
             continue
         mark = marks.find(loc, at_key)
-        line, col = (mark.line, mark.column) if mark else (None, None)
-        problems.append(Problem(source, line, col, path, message))
+        problems.append(Problem(source, mark.line, mark.column, path, _one_line(message)))
     problems.sort(key=lambda p: (p.source.startswith("env"), p.line or 0, p.column or 0))
     return problems
+
+
+def _one_line(message: str, limit: int = 500) -> str:
+    # One problem per line: a handler's import error may carry its own newlines, a
+    # template's message the whole template.
+    line = " ".join(message.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."

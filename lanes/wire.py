@@ -27,7 +27,14 @@ from lanes.errors import (
 from lanes.protocols import TIMEOUT_HEADER
 from lanes.protocols.v2 import DTYPES
 from lanes.settings import Settings
-from lanes.spec import Spec, Workload
+from lanes.spec import (
+    InteractiveWorkload,
+    OfflineWorkload,
+    Spec,
+    Workload,
+    as_interactive,
+    as_offline,
+)
 from lanes.specfile import load_spec
 
 BACKOFF_BASE_S = 0.2
@@ -111,12 +118,20 @@ class Core:
             "(or client.stream), not submit"
         )
 
+    def interactive(self, name: str) -> InteractiveWorkload:
+        """The workload, if it is interactive; else WrongMode naming the method to use."""
+        return as_interactive(self.workload(name, "interactive"))
+
+    def offline(self, name: str) -> OfflineWorkload:
+        """The workload, if it is offline; else WrongMode naming the method to use."""
+        return as_offline(self.workload(name, "offline"))
+
     # ---- requests -----------------------------------------------------------------
 
     def call_request(
         self, name: str, input: Any, timeout_ms: float | None, options: dict[str, Any]
     ) -> Request:
-        w = self.workload(name, "interactive")
+        w = self.interactive(name)
         headers = self._headers(timeout_ms)
         if w.task == "embed":
             # base64 float32 is a quarter of the JSON and decodes without parsing floats.

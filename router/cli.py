@@ -16,7 +16,8 @@ from rich.console import Console
 from rich.table import Table
 
 from lanes.errors import InvalidInput
-from lanes.router import client_cli, offline_cli
+from lanes.measurements import Measurements
+from lanes.router import client_cli, cost_cli, offline_cli
 from lanes.router.console import SpecFile, command, guarded
 from lanes.router.plan import plan as make_plan
 from lanes.router.render import to_jsonable
@@ -40,7 +41,7 @@ def _load(file: Path | None, settings: Settings) -> Spec:
 @app.command()
 def validate(file: SpecFile = None) -> None:
     """Check a workloads.yaml: every problem is printed as FILE:LINE:COL: field: message."""
-    settings = Settings()
+    settings = guarded(Settings)
     spec = guarded(lambda: _load(file, settings))
     n = len(spec.workloads)
     typer.echo(f"{file or settings.spec}: ok ({n} workload{'s' if n != 1 else ''})")
@@ -51,10 +52,12 @@ def plan(
     file: SpecFile = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:
-    """Show where each workload goes: endpoint paths, or a Prefect deployment and its next run."""
-    settings = Settings()
+    """Show where each workload goes: endpoint paths, or a Prefect deployment and its next
+    run; and $ per 1k items in its own lane and in the other, from the newest measurement
+    (`lanes calibrate`, an offline run's manifest)."""
+    settings = guarded(Settings)
     spec = guarded(lambda: _load(file, settings))
-    routes = make_plan(spec, settings)
+    routes = make_plan(spec, settings, measurements=Measurements(settings.home).load())
     if as_json:
         typer.echo(json.dumps([r.as_json() for r in routes], indent=2))
         return
@@ -70,6 +73,7 @@ def plan(
         batching = ", ".join(f"{k}={v}" for k, v in r.batching.items())
         table.add_row(r.workload, r.mode, r.task, r.model, where, batching)
     Console(width=160).print(table)
+    cost_cli.print_costs(routes, settings)
 
 
 @app.command()
@@ -82,7 +86,7 @@ def predict(
     from lanes.runtime import Runtime
     from lanes.tasks import load_task
 
-    settings = Settings()
+    settings = guarded(Settings)
 
     def run() -> Any:
         spec = _load(file, settings)
@@ -106,7 +110,7 @@ def serve(
     """Serve every interactive workload on one HTTP endpoint (OpenAI and Open Inference v2)."""
     from lanes.serving.server import serve as run_server
 
-    settings = Settings()
+    settings = guarded(Settings)
     spec = guarded(lambda: _load(file, settings))
     run_server(spec, settings, host, port)
 
@@ -124,7 +128,7 @@ def models_build(
             f"error: building models needs torch: pip install 'lanes[build]' ({e})", err=True
         )
         raise typer.Exit(1) from None
-    settings = Settings()
+    settings = guarded(Settings)
     built = build_demo_models(dest or settings.home / "models", force=force)
     for path in built:
         typer.echo(str(path))
@@ -133,6 +137,7 @@ def models_build(
 for module, names in (
     (offline_cli, ("compile", "deploy", "run")),
     (client_cli, ("call", "stream", "submit", "job")),
+    (cost_cli, ("calibrate",)),
 ):
     for name in names:
         app.command(name)(command(getattr(module, name)))

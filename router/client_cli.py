@@ -21,6 +21,7 @@ from lanes.errors import InvalidInput
 from lanes.jobs import COMPLETED_WITH_ERRORS
 from lanes.router.console import ExitCode
 from lanes.router.render import to_jsonable
+from lanes.spec import InteractiveWorkload
 from lanes.specfile import load_spec
 
 SpecOption = Annotated[
@@ -71,7 +72,8 @@ def call(
     value = _input(input)
     with Client(endpoint, spec=file) as client:
         declared = load_spec(file, check_files=False).workload(workload)
-        streams = declared.stream if stream is None else stream
+        default = declared.stream if isinstance(declared, InteractiveWorkload) else False
+        streams = default if stream is None else stream
         if streams and declared.task == "generate" and declared.mode == "interactive":
             _print_stream(client.stream(workload, value, timeout_ms=timeout_ms))
             return

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
+import httpx
 import typer
 from rich.console import Console
 from rich.progress import (
@@ -24,7 +25,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from lanes.errors import InvalidInput
+from lanes.errors import InvalidInput, LanesError
 from lanes.layout import ERRORS
 from lanes.router.console import ExitCode, guarded
 from lanes.router.console import lanes_errors_untraced as untraced
@@ -43,6 +44,7 @@ SpecOption = Annotated[
 ]
 # An embedded Prefect server starts in 9-15 s on a small machine; Prefect waits 20 s.
 EPHEMERAL_STARTUP_S = 90
+PREFECT_HEALTH_TIMEOUT_S = 10
 
 
 def _guarded(fn: Callable[[], T]) -> T:
@@ -159,10 +161,16 @@ def run(
     rerun: Rerun = "all" if force else "errors" if retry_errors else "uncommitted"
 
     def go() -> dict[str, Any]:
+        _check_prefect_api()
         with temporary_settings(updates={STARTUP: startup}), _progress_bar(), untraced():
-            result: dict[str, Any] = offline(
-                workload=workload, spec=str(spec_file), input=input, output=output, rerun=rerun
-            )
+            try:
+                result: dict[str, Any] = offline(
+                    workload=workload, spec=str(spec_file), input=input, output=output, rerun=rerun
+                )
+            except RuntimeError as err:  # Prefect's client: "Failed to reach API at ..."
+                if isinstance(err.__cause__, httpx.TransportError):
+                    raise _unreachable(err.__cause__) from None
+                raise
             return result
 
     summary = _guarded(go)
@@ -175,6 +183,30 @@ def run(
             err=True,
         )
         raise typer.Exit(ExitCode.RECORD_ERRORS)
+
+
+def _check_prefect_api() -> None:
+    """With PREFECT_API_URL set, the run is that server's: one that does not answer is
+    one line at once, not a traceback from deep in Prefect's client."""
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        return  # an embedded Prefect starts with the run
+    try:
+        httpx.get(f"{str(url).rstrip('/')}/health", timeout=PREFECT_HEALTH_TIMEOUT_S)
+    except httpx.TransportError as err:
+        raise _unreachable(err) from None
+
+
+def _unreachable(err: httpx.TransportError) -> LanesError:
+    from prefect.settings import PREFECT_API_URL
+
+    return LanesError(
+        f"cannot reach the Prefect API at {PREFECT_API_URL.value()} ({type(err).__name__}: "
+        f"{err}): start that server (prefect server start), or unset PREFECT_API_URL to "
+        "run on an embedded Prefect"
+    )
 
 
 def _both_reruns() -> None:
@@ -215,6 +247,7 @@ class _ProgressHandler(logging.Handler):
         super().__init__(logging.DEBUG)
         self.progress = progress
         self.records = 0
+        self.counted: dict[str, int] = {}  # per running shard, from its records events
         self.bar = progress.add_task("planning", total=None, records=0)
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -223,11 +256,25 @@ class _ProgressHandler(logging.Handler):
         if event == "planned":
             description = f"shards ({fields['shards'] - fields['pending']} already committed)"
             self.progress.update(self.bar, total=fields["pending"], description=description)
-        elif event == "records":
-            self.records += int(fields["records"])
+        elif event == "records":  # only where the shard runs in this process
+            shard, records = str(fields["shard"]), int(fields["records"])
+            self.counted[shard] = self.counted.get(shard, 0) + records
+            self.records += records
             self.progress.update(self.bar, records=self.records)
-        elif event == "shard":
-            self.progress.advance(self.bar)
+        elif event == "shard":  # from the flow, for every runner
+            seen = self.counted.pop(str(fields["shard"]), 0)
+            self.records += max(0, int(fields["records"]) - seen)
+            self.progress.update(self.bar, advance=1, records=self.records)
+
+
+def _interactive_cost(summary: dict[str, Any]) -> str:
+    """What the run's items would have cost in the interactive lane."""
+    if summary.get("interactive_cost_estimate") is None:
+        return f"not measured: run lanes calibrate {summary['workload']}"
+    return (
+        f"${summary['interactive_cost_estimate']:.4f} at "
+        f"{summary['interactive_items_per_second']} items/s ({summary['interactive_measured']})"
+    )
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
@@ -246,6 +293,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
             f"${summary['cost_estimate']:.4f} ({summary['device_hours']:.4f} device-hours "
             f"at ${summary['price_per_device_hour']}/h)",
         ),
+        ("on the endpoint", _interactive_cost(summary)),
     ]
     if summary["shards_retried"]:
         retried = f"{summary['retried']} records, {summary['recovered']} answered now"

@@ -1,4 +1,5 @@
-"""Where the router sends each workload: endpoint paths, or a Prefect deployment."""
+"""Where the router sends each workload: endpoint paths, or a Prefect deployment; and
+what 1000 of its items cost in its own lane and in the other one."""
 
 from __future__ import annotations
 
@@ -8,8 +9,42 @@ from typing import Any
 
 from lanes.flows import FLOW_NAME as OFFLINE_FLOW
 from lanes.flows.compile import schedule_of
+from lanes.flows.job import model_key
+from lanes.measurements import Throughput, newest
 from lanes.settings import Settings
-from lanes.spec import Spec, Workload
+from lanes.spec import Mode, Spec, Workload
+
+
+@dataclass(frozen=True)
+class LaneCost:
+    """A workload's items in one lane, from the newest measurement of its model there
+    (lanes.measurements); every figure None when there is none (`note` says what to do)."""
+
+    lane: Mode
+    usd_per_1k_items: float | None
+    items_per_second: float | None  # per device
+    source: str | None  # "calibrate", "manifest URI", "metrics URL"
+    measured_at: str | None
+    measured_for: str | None  # the workload measured: this one, or another of its model
+    note: str | None  # e.g. the SLO the interactive rate missed
+
+    @classmethod
+    def of(cls, lane: Mode, record: Throughput | None, price: float, workload: str) -> LaneCost:
+        if record is None:
+            unmeasured = f"not measured: run lanes calibrate {workload}"
+            return cls(lane, None, None, None, None, None, unmeasured)
+        note = None
+        if record.meets_slo is False:
+            note = f"even one client missed the p99 target of {record.slo_p99_ms:g} ms"
+        return cls(
+            lane=lane,
+            usd_per_1k_items=round(record.usd_per_1k_items(price), 8),
+            items_per_second=round(record.items_per_second, 2),
+            source=record.source,
+            measured_at=record.measured_at.isoformat(),
+            measured_for=record.workload,
+            note=note,
+        )
 
 
 @dataclass(frozen=True)
@@ -24,6 +59,8 @@ class Route:
     schedule: str | None  # offline: "cron (timezone)"
     schedule_is_default: bool
     next_run: str | None  # offline: ISO time of the next scheduled run
+    cost: LaneCost  # in its own lane
+    other_lane_cost: LaneCost  # had it the other label
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -39,41 +76,55 @@ def endpoints(name: str, workload: Workload) -> list[str]:
     return v2
 
 
-def plan(spec: Spec, settings: Settings, now: datetime | None = None) -> list[Route]:
-    """One route per workload, in the spec's order."""
+def plan(
+    spec: Spec,
+    settings: Settings,
+    now: datetime | None = None,
+    measurements: list[Throughput] | None = None,
+) -> list[Route]:
+    """One route per workload, in the spec's order; costs from `measurements` (newest
+    first, as lanes.measurements.Measurements.load returns them; none: nothing measured)."""
+    records = measurements or []
+    price = settings.price_per_device_hour
     routes = []
     for name, w in spec.workloads.items():
-        batching = w.batching.model_dump()
+        key = model_key(spec, w)
+        other: Mode = "offline" if w.mode == "interactive" else "interactive"
+        own_cost = LaneCost.of(w.mode, newest(records, w.mode, key, name), price, name)
+        other_cost = LaneCost.of(other, newest(records, other, key, name), price, name)
         if w.mode == "interactive":
             routes.append(
                 Route(
-                    name,
-                    w.mode,
-                    w.task,
-                    w.model,
-                    batching,
-                    endpoints(name, w),
-                    None,
-                    None,
-                    False,
-                    None,
+                    workload=name,
+                    mode=w.mode,
+                    task=w.task,
+                    model=w.model,
+                    batching=w.batching.model_dump(),
+                    endpoints=endpoints(name, w),
+                    deployment=None,
+                    schedule=None,
+                    schedule_is_default=False,
+                    next_run=None,
+                    cost=own_cost,
+                    other_lane_cost=other_cost,
                 )
             )
             continue
         schedule, is_default = schedule_of(w, settings)
-        batching = {"batch_size": w.batch_size}
         routes.append(
             Route(
                 workload=name,
                 mode=w.mode,
                 task=w.task,
                 model=w.model,
-                batching=batching,
+                batching={"batch_size": w.batch_size},
                 endpoints=[],
                 deployment=f"{OFFLINE_FLOW}/{name}",
                 schedule=f"{schedule.cron} ({schedule.timezone})",
                 schedule_is_default=is_default,
                 next_run=schedule.next_run(now).isoformat(),
+                cost=own_cost,
+                other_lane_cost=other_cost,
             )
         )
     return routes

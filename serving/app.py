@@ -1,7 +1,8 @@
 """The ASGI app that hosts every interactive workload of a spec.
 
 Workers load in the background after start-up, so liveness answers at once and
-readiness turns true when every session is loaded and warm. On shutdown (uvicorn
+readiness (serving/readiness.py) turns true when every session is loaded and warm, or
+says which workload failed and why. On shutdown (uvicorn
 stops accepting on SIGTERM) each worker finishes what is queued before it exits.
 """
 
@@ -81,26 +82,46 @@ def create_app(
 
 
 async def _load(state: ServingState, runtime: Runtime | None) -> None:
-    runtime = Runtime(state.settings) if runtime is None else runtime
+    """Load every interactive workload, one after another, into `state.readiness`.
+
+    A workload that fails to load (any exception: a broken model, a user's handler, a
+    bug) is logged once with its name and marked failed with the message; the others
+    still load, and /readyz answers failed.
+    """
     try:
-        for name, workload in state.spec.workloads.items():
-            if workload.mode != "interactive":
-                continue
+        runtime = Runtime(state.settings) if runtime is None else runtime
+    except Exception as err:
+        for name in state.spec.workloads:
+            if name in state.readiness:
+                _failed(state, name, err)
+        return
+    for name, workload in state.spec.workloads.items():
+        if name not in state.readiness:
+            continue
+        try:
             task = await asyncio.to_thread(load_task, name, state.spec, runtime)
             await asyncio.to_thread(task.warm_up)
             if isinstance(task, GenerateTask):
                 generate_routes.start_engine(state, task)  # continuous batching
-                log.info("workload %s ready (%s, %s)", name, workload.task, workload.model)
-                continue
-            worker = BatchWorker(task, state.metrics, state.clock)
-            worker.start()
-            state.workers[name] = worker
-            log.info("workload %s ready (%s, %s)", name, workload.task, workload.model)
-        freeze_heap()
-        state.ready = True
-    except LanesError as e:
-        state.load_error = str(e)
-        log.error("loading failed: %s", e)
+            else:
+                worker = BatchWorker(task, state.metrics, state.clock)
+                worker.start()
+                state.workers[name] = worker
+            freeze_heap()
+        except Exception as err:
+            _failed(state, name, err)
+            continue
+        state.readiness.ready(name)
+        log.info("workload %s ready (%s, %s)", name, workload.task, workload.model)
+
+
+def _failed(state: ServingState, name: str, err: Exception) -> None:
+    # A LanesError's message is the whole story; anything else is a bug somewhere,
+    # and its traceback says where.
+    ours = isinstance(err, LanesError)
+    message = str(err) if ours else f"{type(err).__name__}: {err}"
+    log.error("workload %s failed to load: %s", name, message, exc_info=None if ours else err)
+    state.readiness.failed(name, message)
 
 
 def freeze_heap() -> None:
@@ -120,13 +141,11 @@ async def live(request: Request) -> Response:
 
 
 async def ready(request: Request) -> Response:
+    """/readyz and /v2/health/ready: 200 once every workload is loaded and warm, else
+    503; the body has each workload's state, and what failed."""
     state: ServingState = request.app.state.lanes
-    if state.ready:
-        return JSONResponse({"status": "ready", "ready": True})
-    body = {"status": "failed" if state.load_error else "loading", "ready": False}
-    if state.load_error:
-        body["error"] = state.load_error
-    return JSONResponse(body, 503)
+    body = state.readiness.as_json()
+    return JSONResponse(body, 200 if body["ready"] else 503)
 
 
 async def metrics(request: Request) -> Response:

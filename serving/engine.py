@@ -13,6 +13,12 @@ own (onnxruntime releases the GIL, so HTTP keeps flowing while a step runs):
 
 Each request's `TokenStream` is on the event loop; `cancel()` (its client left)
 aborts the sequence, whose row is freed at the next step.
+
+A prefill or decode run that fails is run again in halves of its rows
+(lanes/isolation.py, from serving/prefill.py and serving/kvcache.py): the sequences
+that fail alone finish with their own error, every other one goes on with its cache
+and tokens as they were. Only a failure outside the model's runs fails the step's
+every row (and resets the cache).
 """
 
 from __future__ import annotations
@@ -34,8 +40,10 @@ from typing import Any
 import numpy as np
 
 from lanes.errors import Overloaded
-from lanes.serving.kvcache import MAX_PADDING, BatchCache
+from lanes.isolation import failed_alone
+from lanes.serving.kvcache import MAX_PADDING, BatchCache, Decoded
 from lanes.serving.metrics import Metrics, TokenRate, Utilization
+from lanes.serving.prefill import Join, prefill_apart
 from lanes.serving.scheduler import (
     Event,
     Policy,
@@ -44,7 +52,7 @@ from lanes.serving.scheduler import (
     StepOutputs,
     StepPlan,
 )
-from lanes.tasks.decoder import Past
+from lanes.spec import as_interactive
 from lanes.tasks.generate import GenerateRequest, GenerateTask
 
 log = logging.getLogger("lanes.serving")
@@ -162,7 +170,7 @@ class Engine:
         max_padding: float = MAX_PADDING,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        workload = task.workload
+        workload = as_interactive(task.workload)
         self.task = task
         self.name = task.name
         self.decoder = task.decoder
@@ -197,7 +205,7 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name=f"lanes-engine-{self.name}")
         self._decoding = ThreadPoolExecutor(1, thread_name_prefix=f"lanes-decode-{self.name}")
         # Prefilled caches not yet in the batch (engine thread only).
-        self._joins: list[tuple[list[int], Past, Array]] = []
+        self._joins: list[Join] = []
         self._thread.daemon = True
 
     # ---- the event-loop side -------------------------------------------------
@@ -332,19 +340,26 @@ class Engine:
             keep = {s.id for s in plan.decode}
             if plan.decode:
                 decoding = self.clock()
-                logits = self._decode(plan.decode, joins, keep)
+                decoded = self._decode(plan.decode, joins, keep)
                 self._series.decode.observe(self.clock() - decoding)
                 self._series.rows.observe(len(plan.decode))
                 rows = StepPlan(decode=plan.decode)
-                self._publish(rows, self.scheduler.update(rows, StepOutputs(decode=logits)))
+                self._log_isolated("decode step", len(plan.decode), decoded.error, decoded.failed)
+                failed = self._failures(plan.decode, decoded.failed, _at_position)
+                outputs = StepOutputs(decode=decoded.logits, failed=failed)
+                self._publish(rows, self.scheduler.update(rows, outputs))
             elif joins:  # nobody to decode: they all finished
                 self._settle(joins, keep)
-        except Exception:  # a model failure answers its callers, never kills the loop
+        except Exception as error:  # not one row's fault: it answers them all, never kills the loop
             log.exception("workload %s: a step of %d rows failed", self.name, len(plan.decode))
             self.cache = BatchCache(self.decoder, self.cache.max_padding)
             self._joins = []
-            failed = StepPlan(decode=plan.decode) if reported else plan
-            self._publish(failed, self.scheduler.fail(failed))
+            failed_plan = StepPlan(decode=plan.decode) if reported else plan
+            message = (
+                f"the server failed on a step of this sequence's batch "
+                f"({type(error).__name__}: {error}); the server's log has the details"
+            )
+            self._publish(failed_plan, self.scheduler.fail(failed_plan, message))
         finally:
             end = self.clock()
             with self._stats:
@@ -354,24 +369,27 @@ class Engine:
     def _join(self, plan: StepPlan) -> None:
         """Run a prefill-only plan and hand out its first tokens; the joiners' caches
         wait in `_joins` until the next step takes them into the batch."""
-        logits: Array | None = None
+        outputs = StepOutputs()
         if plan.prefill:
             start = self.clock()
-            logits, past, mask = self._prefill(plan.prefill)
-            self._joins.append(([s.id for s in plan.prefill], past, mask))
+            done = prefill_apart(self.decoder, plan.prefill)
             self._series.prefill.observe(self.clock() - start)
-        self._publish(plan, self.scheduler.update(plan, StepOutputs(prefill=logits)))
+            self._joins += done.joins
+            self._log_isolated("prefill", len(plan.prefill), done.error, done.failed)
+            failed = self._failures(plan.prefill, done.failed, _prompt)
+            outputs = StepOutputs(prefill=done.logits, failed=failed)
+        self._publish(plan, self.scheduler.update(plan, outputs))
 
-    def _take_joins(self) -> list[tuple[list[int], Past, Array]]:
+    def _take_joins(self) -> list[Join]:
         joins, self._joins = self._joins, []
         return joins
 
-    def _settle(self, joins: list[tuple[list[int], Past, Array]], keep: set[int]) -> None:
+    def _settle(self, joins: list[Join], keep: set[int]) -> None:
         """The batch's cache for the next decode: joiners in (into holes where they
         fit), then leavers out (rows not in `keep` become holes, a joiner that already
         finished too), holes compacted away once they are worth a copy."""
-        for ids, past, mask in joins:
-            self.cache.place(ids, past, mask)
+        for join in joins:
+            self.cache.place(join.ids, join.past, join.mask)
         self.cache.release(keep)
         self.cache.compact()
 
@@ -379,35 +397,37 @@ class Engine:
         self._observe(plan, events)
         self._hand_over(events)
 
-    def _prefill(self, seqs: Sequence[Seq]) -> tuple[Array, Past, Array]:
-        """One run over the joiners' prompts, left-padded to the longest."""
-        width = max(len(s.prompt_ids) for s in seqs)
-        ids = np.zeros((len(seqs), width), dtype=np.int64)
-        mask = np.zeros((len(seqs), width), dtype=np.int64)
-        positions = np.zeros((len(seqs), width), dtype=np.int64)
-        for j, seq in enumerate(seqs):
-            n = len(seq.prompt_ids)
-            ids[j, width - n :] = seq.prompt_ids
-            mask[j, width - n :] = 1
-            positions[j, width - n :] = np.arange(n)
-        out = self.decoder.step(ids, mask, positions, self.decoder.empty_past(len(seqs)))
-        present = out.present
-        if not mask.all():
-            # Padding's keys/values are never attended (mask 0), but a model may have
-            # left NaN there (a query row with every key masked): 0 * NaN is NaN.
-            pad = mask == 0
-            for kv in (*present.keys, *present.values):
-                kv[np.broadcast_to(pad[:, None, :], kv.shape[:3])] = 0
-        return out.logits[:, -1], present, mask
+    def _log_isolated(
+        self, run: str, rows: int, error: Exception | None, failed: dict[int, Exception]
+    ) -> None:
+        if error is not None:
+            log.error(
+                "workload %s: a %s of %d rows failed; %d of them fail on their own",
+                self.name,
+                run,
+                rows,
+                len(failed),
+                exc_info=error,
+            )
 
-    def _decode(
-        self, seqs: Sequence[Seq], joins: list[tuple[list[int], Past, Array]], keep: set[int]
-    ) -> Array:
+    @staticmethod
+    def _failures(
+        seqs: Sequence[Seq], failed: dict[int, Exception], what: Callable[[Seq], str]
+    ) -> dict[int, str]:
+        """What each sequence the model failed on alone tells its caller (`what` names
+        the sequence's input): every row failing is the model's fault, and says so."""
+        every = len(failed) == len(seqs) > 1
+        return {
+            s.id: str(failed_alone(failed[s.id], what(s), every)) for s in seqs if s.id in failed
+        }
+
+    def _decode(self, seqs: Sequence[Seq], joins: list[Join], keep: set[int]) -> Decoded:
         """One token for every row, on the decode thread (which first settles the
-        cache); logits come back in `seqs`' order. Requests arriving meanwhile are
-        prefilled on this thread (onnxruntime runs both at once, each releasing the GIL)."""
+        cache); logits come back in `seqs`' order, with the rows the model failed on
+        alone. Requests arriving meanwhile are prefilled on this thread (onnxruntime
+        runs both at once, each releasing the GIL)."""
 
-        def settle_and_decode() -> Array:
+        def settle_and_decode() -> Decoded:
             self._settle(joins, keep)
             return self.cache.decode(seqs)
 
@@ -462,3 +482,11 @@ class Engine:
             return
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
             self._loop.call_soon_threadsafe(self._dispatch, events)
+
+
+def _prompt(seq: Seq) -> str:
+    return "this prompt"
+
+
+def _at_position(seq: Seq) -> str:
+    return f"this sequence at position {seq.position}"

@@ -338,7 +338,7 @@ def start_engine(
     max_padding: float = MAX_PADDING,
 ) -> Engine:
     """Start the engine of a loaded generate workload (and load its guard) in `state`.
-    Call on the event loop; `state.ready` is the caller's to set. `policy` and
+    Call on the event loop; its readiness is the caller's to mark. `policy` and
     `max_padding` are the benchmark's knobs (see serving/engine.py)."""
     name = task.name
     guard = task.workload.guard

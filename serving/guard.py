@@ -95,8 +95,8 @@ def _finish(stream: TokenStream, event: Event) -> OpenAIFinish | None:
         return None
     if event.finish == "deadline" and stream.completion_tokens == 0:
         raise DeadlineExceeded("deadline passed before the request reached the model")
-    if event.finish == "error":
-        raise ModelError("the model failed while generating this text; retry")
+    if event.finish == "error":  # the same input fails the same way: no retry helps
+        raise ModelError(event.error or "the model failed while generating this text")
     if event.finish == "abort":
         raise Overloaded("the server stopped this sequence (shutting down); retry", 1.0)
     return _FINISH[event.finish]

@@ -40,6 +40,8 @@ class JSONResponse(Response):
 def _headers(error: LanesError) -> dict[str, str] | None:
     if isinstance(error, Overloaded):
         return {"Retry-After": str(max(1, math.ceil(error.retry_after)))}
+    if error.repeats:  # the openai client retries a 500 unless told not to
+        return {"x-should-retry": "false"}
     return None
 
 

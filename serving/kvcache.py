@@ -22,16 +22,23 @@ on isolated steps says ~400: it misses that a smaller run also fits the caches.
 Within a group, a sequence that leaves makes a hole that a joiner may fill in
 place (a copy of the joiner's own cache only); holes and leading columns that are
 padding in every row are compacted away once they are worth a copy of the group.
+
+A group's run that fails is run again in halves of its rows, each on its own slice
+of the past (`step_group`; a failed run changed none of it, `present` being an
+output): the rows that fail alone become holes and are reported, the others advance
+exactly as the whole run would have advanced them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from lanes.tasks.decoder import Decoder, Past
+from lanes.isolation import Isolated, isolate
+from lanes.tasks.decoder import Decoder, Past, StepOutput
 
 Array = np.ndarray[Any, Any]
 
@@ -56,6 +63,7 @@ class KVCache:
     """
 
     def __init__(self, decoder: Decoder) -> None:
+        self.pad = decoder.config.pad_token_id
         self.slots: list[int | None] = []
         empty = decoder.empty_past(0)
         self.keys: list[Array] = list(empty.keys)
@@ -91,7 +99,7 @@ class KVCache:
         last token at its own position; a hole attends only to its own dummy token
         (finite, and nobody reads it)."""
         rows = len(self.slots)
-        ids = np.zeros((rows, 1), dtype=np.int64)
+        ids = np.full((rows, 1), self.pad, dtype=np.int64)
         positions = np.zeros((rows, 1), dtype=np.int64)
         for r, sid in enumerate(self.slots):
             if sid is not None:
@@ -214,26 +222,37 @@ class BatchCache:
             group.compact()
         self._merge()
 
-    def decode(self, seqs: Sequence[Any]) -> Array:
-        """One decode step of every group; next-token logits [len(seqs), vocab] in
-        `seqs`' order. `seqs` have `id`, `last_token` and `position`."""
+    def decode(self, seqs: Sequence[Any]) -> Decoded:
+        """One decode step of every group: next-token logits in `seqs`' order, and the
+        sequences the model failed on alone (holes now; see `step_group`). `seqs` have
+        `id`, `last_token` and `position`."""
         by_id = {s.id: s for s in seqs}
         order = {s.id: i for i, s in enumerate(seqs)}
         logits: Array | None = None
+        failed: dict[int, Exception] = {}
+        error: Exception | None = None
         for group in self.groups:
             ids, mask, positions = group.step_inputs(by_id)
-            out = self.decoder.step(ids, mask, positions, group.past)
-            group.advance(out.present, mask)
+            step = step_group(self.decoder, group, ids, mask, positions)
+            group.advance(step.present, mask)
+            error = error or step.error
+            if step.failed:
+                failed.update(step.failed)
+                group.release({sid for sid in group.slots if sid is not None} - step.failed.keys())
+            if step.logits is None:
+                continue
             if logits is None:
-                logits = np.empty((len(seqs), out.logits.shape[-1]), dtype=out.logits.dtype)
+                logits = np.empty((len(seqs), step.logits.shape[-1]), dtype=step.logits.dtype)
             rows = [r for r, sid in enumerate(group.slots) if sid is not None]
-            logits[[order[group.slots[r]] for r in rows]] = out.logits[rows, -1]
-        if logits is None or sum(g.live for g in self.groups) != len(seqs):
+            logits[[order[group.slots[r]] for r in rows]] = step.logits[rows]
+        if failed and logits is not None:
+            logits[[order[sid] for sid in failed]] = 0
+        held = sum(g.live for g in self.groups)
+        if held + len(failed) != len(seqs) or (logits is None and not failed):
             raise ValueError(
-                f"decode: the cache holds {sum(g.live for g in self.groups)} sequences, "
-                f"the step has {len(seqs)}"
+                f"decode: the cache holds {held + len(failed)} sequences, the step has {len(seqs)}"
             )
-        return logits
+        return Decoded(logits, failed, error)
 
     def place(self, ids: Sequence[int], past: Past, mask: Array) -> None:
         """Add one prefill's sequences to the group where their padding costs least,
@@ -267,3 +286,86 @@ class BatchCache:
                 del self.groups[i]
             else:
                 i += 1
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """One decode step of the batch: next-token logits [len(seqs), vocab] in the step's
+    order (None when every row failed; a failed row's logits are zeros), the sequences
+    the model failed on alone, by id, with what each raised, and what the first group
+    run that failed raised (None: every group's run succeeded whole)."""
+
+    logits: Array | None
+    failed: dict[int, Exception]
+    error: Exception | None = None
+
+
+@dataclass(frozen=True)
+class GroupStep:
+    """One group's decode run: logits [rows, vocab] (None when every live row failed),
+    the group's new past, the sequences the model failed on alone, by id, with their
+    errors, and what the whole run raised (None: it succeeded)."""
+
+    logits: Array | None
+    present: Past
+    failed: dict[int, Exception]
+    error: Exception | None = None
+
+
+def step_group(
+    decoder: Decoder, group: KVCache, ids: Array, mask: Array, positions: Array
+) -> GroupStep:
+    """One decode run over the whole group; if it fails, `step_apart`."""
+    try:
+        out = decoder.step(ids, mask, positions, group.past)
+    except Exception as error:
+        return step_apart(decoder, group, ids, mask, positions, error)
+    return GroupStep(out.logits[:, -1], out.present, {})
+
+
+def step_apart(
+    decoder: Decoder, group: KVCache, ids: Array, mask: Array, positions: Array, error: Exception
+) -> GroupStep:
+    """After the group's run raised `error`: run its live rows in halves, each on its
+    own rows of the past and inputs, until the rows that fail alone are found
+    (lanes/isolation.py). The present is put back together row by row: what each
+    successful run gave its rows, zeros for holes and failed rows (never read: they
+    are holes from now on)."""
+    live = [r for r, sid in enumerate(group.slots) if sid is not None]
+
+    def run(rows: Sequence[int]) -> StepOutput:
+        index = np.asarray(rows, dtype=np.int64)
+        past = Past(tuple(k[index] for k in group.keys), tuple(v[index] for v in group.values))
+        return decoder.step(ids[index], mask[index], positions[index], past)
+
+    # With holes, the failed run is not the live rows' run: that one is tried first.
+    isolated = isolate(run, live, error if len(live) == len(group.slots) else None)
+    return _reassembled(group, live, isolated, error)
+
+
+def _reassembled(
+    group: KVCache, live: list[int], isolated: Isolated[StepOutput], error: Exception
+) -> GroupStep:
+    rows = len(group.slots)
+
+    def grown(past: Array) -> Array:
+        _, heads, length, dim = past.shape
+        return np.zeros((rows, heads, length + 1, dim), dtype=past.dtype)
+
+    keys, values = [grown(k) for k in group.keys], [grown(v) for v in group.values]
+    logits: Array | None = None
+    for part in isolated.ran:
+        index = np.asarray(live[part.start : part.stop], dtype=np.int64)
+        out = part.result
+        if logits is None:
+            logits = np.zeros((rows, out.logits.shape[-1]), dtype=out.logits.dtype)
+        logits[index] = out.logits[:, -1]
+        present = (*out.present.keys, *out.present.values)
+        for ours, theirs in zip((*keys, *values), present, strict=True):
+            ours[index] = theirs
+    failed: dict[int, Exception] = {}
+    for lost in isolated.failed:
+        sid = group.slots[live[lost.index]]
+        if sid is not None:  # always: `live` holds only rows with a sequence
+            failed[sid] = lost.error
+    return GroupStep(logits, Past(tuple(keys), tuple(values)), failed, error)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -47,7 +47,7 @@ class SeqStatus(enum.IntEnum):
     FINISHED_LENGTH = 3  # its token budget, or the model's context
     FINISHED_ABORTED = 4  # the client went away (or the server is stopping)
     FINISHED_DEADLINE = 5  # its deadline passed
-    FINISHED_ERROR = 6  # the model failed on its batch
+    FINISHED_ERROR = 6  # the model failed on it (alone: see StepOutputs.failed)
 
     @property
     def is_finished(self) -> bool:
@@ -84,6 +84,7 @@ class Seq:
     tokens: list[int] = field(default_factory=list)
     text: str = ""  # decoded so far (cut before a stop string once one is found)
     sent: int = 0  # characters of `text` already handed out in events
+    error: str | None = None  # why it finished with FINISHED_ERROR
     rng: np.random.Generator = field(init=False, repr=False)
     # incremental detokenization: text of tokens[prefix:read] is already in `text`
     _prefix: int = field(default=0, repr=False)
@@ -129,10 +130,16 @@ class StepPlan:
 @dataclass(frozen=True)
 class StepOutputs:
     """Next-token logits of the plan's rows: [len(plan.prefill), vocab] and
-    [len(plan.decode), vocab] (None where that list is empty)."""
+    [len(plan.decode), vocab] (None where that list is empty, or every row in it failed).
+
+    `failed` are the rows the model failed on alone, by sequence id, with what to tell
+    their callers: they finish with an error and their logits are not read; every
+    other row goes on as usual.
+    """
 
     prefill: Array | None = None
     decode: Array | None = None
+    failed: Mapping[int, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -145,6 +152,7 @@ class Event:
     text: str = ""
     finish: FinishReason | None = None
     first: bool = False  # carries the sequence's first generated token
+    error: str | None = None  # with finish "error": what failed
 
 
 Detokenize = Callable[[Sequence[int]], str]
@@ -199,15 +207,17 @@ class Scheduler:
             self._finish(seq, SeqStatus.FINISHED_ABORTED)
             self._unreported.append(seq)
 
-    def fail(self, plan: StepPlan) -> list[Event]:
-        """Instead of update() when the model failed on `plan`: its retired sequences
-        are reported as usual, every row (joiners included) finishes with an error and
+    def fail(self, plan: StepPlan, error: str) -> list[Event]:
+        """Instead of update() when the step failed outside any one row's run (the
+        engine could not tell which rows are at fault): its retired sequences are
+        reported as usual, every row (joiners included) finishes with `error` and
         every row is freed."""
         events = [self._final(seq) for seq in plan.retired]
         for seq in self.rows:
             if not seq.status.is_finished:
+                seq.error = error
                 self._finish(seq, SeqStatus.FINISHED_ERROR)
-                events.append(Event(seq.id, finish="error"))
+                events.append(self._final(seq))
         self.rows = []
         return events
 
@@ -244,6 +254,8 @@ class Scheduler:
             self.waiting = deque(s for s in self.waiting if not s.status.is_finished)
         if decode and (self.policy != "static" or all(s.status.is_finished for s in self.rows)):
             self.rows = [s for s in self.rows if not s.status.is_finished]
+        elif decode:  # a row the model failed on would fail again: it leaves even static
+            self.rows = [s for s in self.rows if s.status != SeqStatus.FINISHED_ERROR]
         prefill = self._admit()
         retired, self._unreported = tuple(self._unreported), []
         rows = tuple(self.rows) if decode else ()
@@ -267,12 +279,17 @@ class Scheduler:
         return tuple(joining)
 
     def update(self, plan: StepPlan, outputs: StepOutputs) -> list[Event]:
-        """Sample each running row's next token from its logits. Returns one event per
+        """Sample each running row's next token from its logits; rows in
+        `outputs.failed` finish with their error instead. Returns one event per
         sequence that made a token or finished, the plan's retired ones included."""
         events = [self._final(seq) for seq in plan.retired]
         now = self.clock() if plan.prefill else 0.0
+        failed = outputs.failed
         for seqs, logits in ((plan.prefill, outputs.prefill), (plan.decode, outputs.decode)):
             if not seqs:
+                continue
+            events += self._fail_rows(seqs, failed)
+            if all(s.id in failed for s in seqs):
                 continue
             if logits is None or logits.shape[0] != len(seqs):
                 found = None if logits is None else logits.shape
@@ -280,7 +297,7 @@ class Scheduler:
             greedy = logits.argmax(axis=-1)  # one vectorised argmax serves every greedy row
             for i, seq in enumerate(seqs):
                 if seq.status.is_finished:
-                    continue  # a static batch's finished row: its logits mean nothing
+                    continue  # a static batch's finished row (or a failed one): no logits
                 if seqs is plan.prefill and seq.deadline is not None and now >= seq.deadline:
                     # Its deadline passed during its prefill: it made no token in time.
                     self._finish(seq, SeqStatus.FINISHED_DEADLINE)
@@ -291,6 +308,17 @@ class Scheduler:
                 else:
                     token = sample(logits[i], seq.sampling, seq.rng)
                 events.append(self._advance(seq, token))
+        return events
+
+    def _fail_rows(self, seqs: Sequence[Seq], failed: Mapping[int, str]) -> list[Event]:
+        """The rows of `seqs` the model failed on alone finish with their own error
+        (a row that finished otherwise meanwhile, an abort, keeps its finish)."""
+        events = []
+        for seq in seqs:
+            if seq.id in failed and not seq.status.is_finished:
+                seq.error = failed[seq.id]
+                self._finish(seq, SeqStatus.FINISHED_ERROR)
+                events.append(self._final(seq))
         return events
 
     def _advance(self, seq: Seq, token: int) -> Event:
@@ -327,7 +355,7 @@ class Scheduler:
     def _final(self, seq: Seq, tokens: tuple[int, ...] = (), first: bool = False) -> Event:
         text = "" if seq.status == SeqStatus.FINISHED_ABORTED else seq.text[seq.sent :]
         seq.sent = len(seq.text)
-        return Event(seq.id, tokens, text, seq.status.finish_reason, first)
+        return Event(seq.id, tokens, text, seq.status.finish_reason, first, seq.error)
 
     def _delta(self, seq: Seq) -> str:
         """New text of the last token, decoding only a short window (vLLM's offsets);

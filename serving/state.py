@@ -7,11 +7,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from lanes.errors import Overloaded, UnknownWorkload, WrongMode
+from lanes.errors import ModelError, Overloaded, UnknownWorkload, WrongMode
 from lanes.serving.engine import Engine
 from lanes.serving.guard import TextGuard
 from lanes.serving.metrics import Metrics
 from lanes.serving.offload import Offload
+from lanes.serving.readiness import Hosted, LoadState, Readiness
 from lanes.serving.worker import BatchWorker
 from lanes.settings import Settings
 from lanes.spec import Spec, TaskName
@@ -25,10 +26,13 @@ class ServingState:
     workers: dict[str, BatchWorker] = field(default_factory=dict)
     engines: dict[str, Engine] = field(default_factory=dict)  # generate workloads
     guards: dict[str, TextGuard] = field(default_factory=dict)  # generate workloads' guards
-    ready: bool = False
-    load_error: str | None = None
     # Every worker's and engine's: arrivals, deadlines, the time of each run.
     clock: Callable[[], float] = time.monotonic
+    readiness: Readiness = field(init=False)
+
+    def __post_init__(self) -> None:
+        hosted = [n for n, w in self.spec.workloads.items() if w.mode == "interactive"]
+        self.readiness = Readiness(hosted)
 
     @cached_property
     def offload(self) -> Offload:
@@ -37,24 +41,26 @@ class ServingState:
 
     def worker(self, name: str, tasks: tuple[TaskName, ...]) -> BatchWorker:
         """The worker of an interactive workload of one of `tasks`, or a clear error."""
-        self._check(name, tasks)
+        self.hosted(name, tasks)
         worker = self.workers.get(name)
         if worker is None:
-            raise Overloaded(f"workload {name!r} is still loading; retry when /readyz is 200")
+            raise self._not_loaded(name)
         return worker
 
     def engine(self, name: str) -> Engine:
         """The continuous-batching engine of an interactive generate workload."""
-        self._check(name, ("generate",))
+        self.hosted(name, ("generate",))
         engine = self.engines.get(name)
         if engine is None:
-            raise Overloaded(f"workload {name!r} is still loading; retry when /readyz is 200")
+            raise self._not_loaded(name)
         return engine
 
-    def _check(self, name: str, tasks: tuple[TaskName, ...]) -> None:
+    def hosted(self, name: str, tasks: tuple[TaskName, ...] | None = None) -> Hosted:
+        """How interactive workload `name` stands; UnknownWorkload or WrongMode when the
+        server does not host it (or not for one of `tasks`)."""
         workload = self.spec.workloads.get(name)
         if workload is None:
-            known = ", ".join(sorted([*self.workers, *self.engines])) or "none"
+            known = ", ".join(n for n in self.spec.workloads if n in self.readiness) or "none"
             raise UnknownWorkload(
                 f"no workload named {name!r}; interactive ones: {known}", param="model"
             )
@@ -64,9 +70,18 @@ class ServingState:
                 "(client.submit or `lanes submit`), not as a call",
                 param="model",
             )
-        if workload.task not in tasks:
+        if tasks is not None and workload.task not in tasks:
             wanted = " or ".join(tasks)
             raise WrongMode(
                 f"workload {name!r} is a {workload.task} workload; this route serves {wanted}",
                 param="model",
             )
+        return self.readiness.of(name)
+
+    def _not_loaded(self, name: str) -> ModelError | Overloaded:
+        hosted = self.readiness.of(name)
+        if hosted.state is LoadState.FAILED:
+            return ModelError(
+                f"workload {name!r} failed to load: {hosted.error}; fix it and restart the server"
+            )
+        return Overloaded(f"workload {name!r} is still loading; retry when /readyz is 200")

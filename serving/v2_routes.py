@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from lanes.errors import InvalidInput, LanesError, ModelError, UnknownWorkload
+from lanes.errors import InvalidInput, LanesError, ModelError, Overloaded, UnknownWorkload
 from lanes.protocols.v2 import (
     HEADER_LENGTH,
     MODEL_VERSION,
@@ -36,6 +36,7 @@ from lanes.protocols.v2 import (
 )
 from lanes.runtime import TensorInfo
 from lanes.serving.http import JSONResponse, check_inputs, read_body, timeout_s, v2_error
+from lanes.serving.readiness import LoadState
 from lanes.serving.state import ServingState
 from lanes.serving.worker import BatchWorker
 from lanes.spec import TaskName
@@ -190,25 +191,37 @@ def _datatype(info: TensorInfo) -> str:
 
 
 async def model_ready(request: Request) -> Response:
+    """200 once the workload (any task) is loaded and warm; 503 while it loads or after
+    it failed, with what failed."""
     state: ServingState = request.app.state.lanes
+    name = request.path_params["name"]
     try:
-        _served(state, request)
+        _check_version(request)
+        hosted = state.hosted(name)
     except LanesError as e:
         return v2_error(e)
-    return JSONResponse({"name": request.path_params["name"], "ready": True})
+    if hosted.state is LoadState.READY:
+        return JSONResponse({"name": name, "ready": True})
+    if hosted.state is LoadState.FAILED:
+        return JSONResponse({"error": f"workload {name!r} failed to load: {hosted.error}"}, 503)
+    return v2_error(Overloaded(f"workload {name!r} is still loading"))
 
 
 def _served(state: ServingState, request: Request) -> BatchWorker:
     """The worker of the path's workload, at the path's version if it names one."""
+    worker = state.worker(request.path_params["name"], TASKS)
+    _check_version(request)
+    return worker
+
+
+def _check_version(request: Request) -> None:
     name = request.path_params["name"]
-    worker = state.worker(name, TASKS)
     version = request.path_params.get("version")
     if version is not None and version != MODEL_VERSION:
         raise UnknownWorkload(
             f"workload {name!r} has version {MODEL_VERSION} only, found version {version!r}; "
             f"use /v2/models/{name}/versions/{MODEL_VERSION} or /v2/models/{name}"
         )
-    return worker
 
 
 async def server_metadata(request: Request) -> JSONResponse:

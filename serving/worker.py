@@ -10,9 +10,11 @@ from functools import partial
 from typing import Any
 
 from lanes.errors import LanesError, ModelError
+from lanes.isolation import Failed, Isolated, failed_alone, isolate, per_item
 from lanes.serving.batching import BatchQueue, Pending, never_fits
 from lanes.serving.metrics import Metrics, Utilization
 from lanes.serving.model_thread import ModelThread
+from lanes.spec import as_interactive
 from lanes.tasks import Task
 
 log = logging.getLogger("lanes.serving")
@@ -41,7 +43,8 @@ class BatchWorker:
     def __init__(
         self, task: Task, metrics: Metrics, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        batching = task.workload.batching
+        workload = as_interactive(task.workload)
+        batching = workload.batching
         self.task = task
         self.name = task.name
         self.clock = clock
@@ -62,7 +65,7 @@ class BatchWorker:
         self._item_cost_s: float | None = None  # running mean of run time per item
         self._free = asyncio.Event()  # set while no batch is on the model
         self._free.set()
-        default = task.workload.slo.timeout_ms
+        default = workload.slo.timeout_ms
         self.default_timeout_s = default / 1000 if default else None
 
     def start(self) -> None:
@@ -196,6 +199,8 @@ class BatchWorker:
                 continue  # the caller went away meanwhile
             if error is not None:
                 pending.future.set_exception(error)
+            elif isinstance(outputs[i], Failed):  # the model fails on this item alone
+                pending.future.set_exception(outputs[i].error)
             else:
                 pending.future.set_result(outputs[i])
         # Accounted after the callers resume and send their answers (call_soon runs
@@ -221,11 +226,37 @@ class BatchWorker:
         return self._item_cost_s is not None and self._item_cost_s * items < INLINE_RUN_S
 
     def _timed_run(self, items: list[Any]) -> tuple[list[Any], float]:
-        """The task's run and its own duration, without any thread hand-off."""
+        """The task's run and its own duration, without any thread hand-off.
+
+        A run that fails is run again in halves (lanes/isolation.py): an item that
+        fails alone gets a `Failed` holding its own error, the others their outputs.
+        Only a whole run's duration teaches the cost per item."""
         start = self.clock()
-        outputs = self.task.run(items)
+        isolated = isolate(self.task.run, items)
         took = self.clock() - start
-        cost = took / len(items)
-        old = self._item_cost_s
-        self._item_cost_s = cost if old is None else old + _COST_WEIGHT * (cost - old)
-        return outputs, took
+        if isolated.whole:
+            cost = took / len(items)
+            old = self._item_cost_s
+            self._item_cost_s = cost if old is None else old + _COST_WEIGHT * (cost - old)
+        else:
+            self._log_failures(isolated, len(items))
+        return _with_errors(isolated, len(items)), took
+
+    def _log_failures(self, isolated: Isolated[Any], items: int) -> None:
+        log.error(
+            "workload %s: a batch of %d failed; %d of its items fail on their own",
+            self.name,
+            items,
+            len(isolated.failed),
+            exc_info=isolated.error,
+        )
+
+
+def _with_errors(isolated: Isolated[Any], items: int) -> list[Any]:
+    """Each item's output; where it failed alone, a `Failed` holding the error its
+    caller gets (every item failing alone is the model's fault, and says so)."""
+    every = isolated.all_failed and items > 1
+    return [
+        Failed(o.index, failed_alone(o.error, every=every)) if isinstance(o, Failed) else o
+        for o in per_item(isolated, items)
+    ]

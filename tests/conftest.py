@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +21,10 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_HOME", str(ROOT / ".lanes" / "prefect-tests"))
 # Prefect creates its home without parents; a fresh clone has no .lanes/ yet.
 Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
+# Every offline run records its throughput under LANES_HOME (lanes.measurements): the
+# tests' runs write to a folder of their own, never to the project's .lanes/.
+os.environ["LANES_HOME"] = tempfile.mkdtemp(prefix="lanes-tests-home-")
+atexit.register(shutil.rmtree, os.environ["LANES_HOME"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

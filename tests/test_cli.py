@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.servers import write_spec
+from tests.servers import free_port, write_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -127,3 +127,94 @@ def test_predict_bad_input_names_the_field(spec_path: Path) -> None:
     assert "Traceback" not in done.stderr
     unknown = lanes("predict", "nope", "--input", '"x"', "--file", str(spec_path))
     assert unknown.returncode == 2 and "no workload named 'nope'" in unknown.stderr
+
+
+# ---- one line, not a traceback ---------------------------------------------------------
+
+
+def one_line_error(done: subprocess.CompletedProcess[str]) -> str:
+    """The error a command printed, checked to be a message without a traceback."""
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert 1 <= len(lines) <= 2, done.stderr  # the problem (and "1 problem found")
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "expected"),
+    [
+        ("LANES_PORT", "eighty", "env LANES_PORT: input should be a valid integer"),
+        ("LANES_OFFPEAK__CRON", "* * 31 2 *", "env LANES_OFFPEAK__CRON: '* * 31 2 *' never fires"),
+        ("LANES_ALLOWED_INPUT_ROOTS", "/data/", "env LANES_ALLOWED_INPUT_ROOTS: expected JSON"),
+    ],
+)
+@pytest.mark.parametrize(
+    "command",
+    [["validate"], ["run", "nightly-embed"], ["call", "search-query", "-i", "hi"]],
+    ids=["validate", "run", "call"],
+)
+def test_a_bad_setting_is_one_line_and_exit_2(
+    command: list[str], variable: str, value: str, expected: str
+) -> None:
+    done = lanes(*command, env={variable: value})
+    assert done.returncode == 2, done.stderr
+    assert one_line_error(done).startswith(expected)
+
+
+@pytest.mark.slow
+def test_run_with_prefect_down_is_one_line(spec_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}/api"  # nothing listens there
+    done = lanes("run", "nightly-embed", "--file", str(spec_path), env={"PREFECT_API_URL": url})
+    assert done.returncode == 1, done.stderr
+    message = one_line_error(done)
+    assert message.startswith(f"error: cannot reach the Prefect API at {url}")
+    assert "unset PREFECT_API_URL" in message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["missing/prefect.yaml", "."], ids=["no folder", "a folder"])
+def test_compile_into_a_missing_folder_is_one_line(
+    spec_path: Path, tmp_path: Path, where: str
+) -> None:
+    output = tmp_path / where
+    done = lanes("compile", str(spec_path), "-o", str(output))
+    assert done.returncode == 2, done.stderr
+    message = one_line_error(done)
+    assert message.startswith(f"error: {output}") and "folder" in message
+    assert not (tmp_path / "missing").exists()
+
+
+@pytest.mark.slow
+def test_run_on_dask_advances_the_bar_on_one_prefect_server(tmp_path: Path) -> None:
+    """`lanes run` on an embedded Prefect with a local Dask cluster: the shards run in
+    the worker processes, the bar counts them in this one, and the workers report to
+    the run's own server instead of starting one each."""
+    from tests.flows_fixtures import text, write_jsonl
+    from tests.flows_fixtures import write_spec as write_tiny_spec
+
+    workload = {
+        "mode": "offline",
+        "task": "embed",
+        "model": "enc",
+        "input": "in/",
+        "output": "out/",
+        "runner": {"kind": "dask", "workers": 2},
+    }
+    spec = write_tiny_spec(tmp_path, {"spread": workload})
+    for shard in range(4):
+        rows = [{"id": f"{shard}-{i}", "text": text(i)} for i in range(25)]
+        write_jsonl(tmp_path / "in" / f"part-{shard}.jsonl", rows)
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect")
+    done = subprocess.run(
+        [sys.executable, "-m", "lanes.router.cli", "run", "spread", "--file", str(spec)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    bar = [line for line in done.stderr.splitlines() if line.startswith("shards (")]
+    assert bar and "4/4" in bar[-1] and "100 records" in bar[-1], done.stderr
+    assert done.stderr.count("Starting temporary server") == 1, done.stderr

@@ -16,6 +16,7 @@ from lanes.flows.compile import MARKER, render, schedule_of, source_of, write_pr
 from lanes.router import plan as router_plan
 from lanes.router.offline_cli import compile as compile_command
 from lanes.settings import Settings
+from lanes.spec import OfflineWorkload
 from lanes.specfile import load_spec
 from tests.flows_fixtures import write_spec
 
@@ -108,6 +109,8 @@ def test_the_compiler_and_lanes_plan_agree(spec_file: Path) -> None:
     spec = load_spec(spec_file, settings)
     assert router_plan.OFFLINE_FLOW == FLOW_NAME
     for workload in spec.workloads.values():
+        if not isinstance(workload, OfflineWorkload):
+            continue
         assert schedule_of(workload, settings) == router_plan.schedule_of(workload, settings)
     planned = {r.deployment for r in router_plan.plan(spec, settings) if r.deployment}
     assert planned == {f"{FLOW_NAME}/nightly", f"{FLOW_NAME}/whenever"}

@@ -58,3 +58,15 @@ def test_answers_without_a_known_code_go_by_status() -> None:
     assert type(from_wire("m", 404)) is UnknownWorkload  # v2 says no code
     assert type(from_wire("m", 500)) is LanesError
     assert type(from_wire("m", None, error_type="invalid_request_error")) is InvalidInput
+
+
+def test_only_a_full_queue_asks_for_a_retry_and_a_model_error_asks_for_none() -> None:
+    from lanes.serving.http import openai_error, v2_error
+
+    for write in (openai_error, v2_error):
+        busy = write(Overloaded("queue full", 2.0))
+        assert busy.status_code == 503 and busy.headers["retry-after"] == "2"
+        failed = write(ModelError("the model failed on this input, run on its own"))
+        assert failed.status_code == 500 and "retry-after" not in failed.headers
+        assert failed.headers["x-should-retry"] == "false"  # the openai client retries 500s
+        assert "x-should-retry" not in write(LanesError("internal error")).headers

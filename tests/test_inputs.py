@@ -112,10 +112,10 @@ def test_allowed_roots_come_from_the_setting(
 
 
 def test_the_setting_takes_folders_not_patterns(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pydantic import ValidationError
+    from lanes.errors import SettingsError
 
     monkeypatch.setenv("LANES_ALLOWED_INPUT_ROOTS", '["s3://shared/*"]')
-    with pytest.raises(ValidationError, match="expected a folder or s3:// prefix"):
+    with pytest.raises(SettingsError, match=r"LANES_ALLOWED_INPUT_ROOTS: .* expected a folder"):
         Settings()
 
 

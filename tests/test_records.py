@@ -15,7 +15,7 @@ from lanes.flows.records import Line, read_shard
 from lanes.flows.requests import PlainRecord, Rejection, to_request
 from lanes.flows.shape import RecordShape
 from lanes.settings import Settings
-from lanes.spec import Workload
+from lanes.spec import OfflineWorkload
 from lanes.storage import Storage
 from lanes.tasks.handler import Handler
 from lanes.template import Template
@@ -103,7 +103,7 @@ def test_json_arrays_are_read_element_by_element(tmp_path: Path) -> None:
 
 
 def shape(task: str = "embed", handler: Handler | None = None, **fields: Any) -> RecordShape:
-    workload = Workload.model_validate(
+    workload = OfflineWorkload.model_validate(
         {"mode": "offline", "task": task, "model": "m", "input": "in/", "output": "out/"}
         | ({"fields": fields} if fields else {})
         | ({"handler": "tests.test_records:unused"} if handler else {})

@@ -300,13 +300,48 @@ def test_a_failed_step_errors_every_row_and_frees_them() -> None:
     step(s)
     s.add(seq(2))
     plan = s.schedule()
-    events = s.fail(plan)
-    assert sorted((e.seq_id, e.finish) for e in events) == [
-        (0, "error"),
-        (1, "error"),
-        (2, "error"),
+    events = s.fail(plan, "the step failed")
+    assert sorted((e.seq_id, e.finish, e.error) for e in events) == [
+        (0, "error", "the step failed"),
+        (1, "error", "the step failed"),
+        (2, "error", "the step failed"),
     ]
     assert s.rows == [] and not s.has_work
+
+
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_rows_the_model_failed_on_alone_finish_and_the_others_go_on(policy: Policy) -> None:
+    s = make(policy=policy)
+    for i in range(4):
+        s.add(seq(i))
+    joining = s.schedule()
+    outputs = StepOutputs(prefill=logits(B, B, B, B), failed={3: "the model failed on 3"})
+    events = by_id(s.update(joining, outputs))
+    assert (events[3].finish, events[3].error, events[3].tokens) == (
+        "error",
+        "the model failed on 3",
+        (),
+    )
+    assert [events[i].tokens for i in range(3)] == [(B,)] * 3
+    # A failed row leaves at once, even a static batch: stepping it would fail again.
+    plan = s.schedule()
+    assert ids(plan.decode) == [0, 1, 2]
+    outputs = StepOutputs(decode=logits(C, EOS, C), failed={1: "the model failed on 1"})
+    events = by_id(s.update(plan, outputs))
+    assert (events[1].finish, events[1].error) == ("error", "the model failed on 1")
+    assert events[0].tokens == events[2].tokens == (C,) and events[0].finish is None
+    assert ids(s.schedule().decode) == [0, 2]
+
+
+def test_a_list_of_rows_that_all_failed_needs_no_logits() -> None:
+    s = make()
+    s.add(seq(0))
+    s.add(seq(1))
+    plan = s.schedule()
+    outputs = StepOutputs(failed={0: "failed", 1: "failed"})
+    events = by_id(s.update(plan, outputs))
+    assert [events[i].finish for i in (0, 1)] == ["error", "error"]
+    assert s.schedule().empty and not s.has_work
 
 
 def test_duplicate_ids_and_unknown_policies_are_refused() -> None:

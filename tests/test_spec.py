@@ -120,7 +120,7 @@ BAD_CASES = [
         "offline without output",
         "    output: out/\n",
         "",
-        "W:11:3: workloads.nightly: an offline workload needs `output`",
+        "W:11:3: workloads.nightly: missing required key 'output' (folder or s3://",
     ),
     (
         "schedule on interactive",
@@ -280,3 +280,184 @@ def test_cli_validate_prints_problems_and_exits_2(folder: Path) -> None:
     assert done.returncode == 2
     assert f"{path}:10:48: workloads.search-query.batching.max_wait_ms:" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+BOMB = "".join(
+    f"l{n}: &l{n} [{', '.join([f'*l{n - 1}'] * 9)}]\n" if n else "l0: &l0 [lol, lol, lol]\n"
+    for n in range(9)
+)
+# (name, the file's bytes made from GOOD, expected problem line): each made the loader
+# crash, hang or accept a spec that failed later.
+HOSTILE_CASES = [
+    (
+        "a mapping where a name goes",
+        GOOD.replace("    model: enc\n    batching", "    model: {name: enc}\n    batching"),
+        "W:9:12: workloads.search-query.model: input should be a valid string; found {'name': 'enc'}",
+    ),
+    (
+        "a mapping as a key",
+        GOOD.replace("  search-query:", "  {search: query}:"),
+        "W:6:3: workloads: expected a name as key, found a mapping",
+    ),
+    ("nested 500 deep", GOOD + "x: " + "[" * 500 + "]" * 500, "W:18:23: nested more than 20 deep"),
+    (
+        "a 5,000-digit integer",
+        GOOD.replace("max_batch_size: 8", "max_batch_size: " + "9" * 5000),
+        "W:10:32: workloads.search-query.batching.max_batch_size: an integer of 5000 digits",
+    ),
+    (
+        "a path longer than the file system takes",
+        GOOD.replace("clf: {path: clf.onnx}", "clf: {path: " + "a" * 5000 + "}"),
+        "W:4:15: models.clf.path: expected a path of at most 4096 characters",
+    ),
+    (
+        "a file name longer than the file system takes",
+        GOOD.replace("clf: {path: clf.onnx}", "clf: {path: " + "a" * 300 + ".onnx}"),
+        "W:4:15: models.clf.path: expected a path whose every name is at most 255 bytes",
+    ),
+    (
+        "a time zone longer than the file system takes",
+        GOOD.replace("Europe/Paris", "Europe/" + "P" * 5000),
+        "W:17:46: workloads.nightly.schedule.timezone: expected an IANA time zone",
+    ),
+    ("an alias bomb", BOMB + GOOD, "W:5:35: more than 20000 keys and values"),
+    (
+        "an alias inside itself",
+        GOOD + "x: &x [*x]\n",
+        "W:18:8: alias *x is inside the node it names",
+    ),
+    (
+        "a !!binary model name",
+        GOOD.replace("    model: enc\n    batching", "    model: !!binary ZW5j\n    batching"),
+        "W:9:12: workloads.search-query.model: the tag !!binary is not plain data",
+    ),
+    (
+        "an explicit !!int",
+        GOOD.replace("max_batch_size: 8", "max_batch_size: !!int eight"),
+        "W:10:32: workloads.search-query.batching.max_batch_size: the tag !!int is not plain",
+    ),
+    (
+        "a cron that never fires",
+        GOOD.replace('"30 1 * * *"', '"* * 31 2 *"'),
+        "W:17:22: workloads.nightly.schedule.cron: '* * 31 2 *' never fires",
+    ),
+    (
+        "bytes that are not UTF-8",
+        GOOD.replace("  nightly:", "  nightly: # caf\udce9", 1),
+        "W:11:17: not UTF-8 text: byte 0xe9",
+    ),
+    ("a NUL character", GOOD.replace("in/", "in\x00/"), "W:15:14: invalid YAML: character U+0000"),
+    (
+        "a missing top-level key",
+        "version: 1\nmodels: {}\n",
+        "W:1:1: missing required key 'workloads'",
+    ),
+    ("an empty file", "", "W:1:1: missing required key 'models'"),
+    (
+        "a list for a spec",
+        "- version: 1\n",
+        "W:1:1: expected a mapping of `version`, `models` and `workloads`, found list",
+    ),
+    (
+        "a key of the other mode (offline)",
+        GOOD.replace("    output: out/\n", "    output: out/\n    batching: {max_batch_size: 8}\n"),
+        "W:17:5: workloads.nightly.batching: `batching` applies to interactive workloads only",
+    ),
+    (
+        "a key of the other mode (interactive)",
+        GOOD.replace("max_wait_ms: 2}\n", "max_wait_ms: 2}\n    retries: 3\n"),
+        "W:11:5: workloads.search-query.retries: `retries` applies to offline workloads only",
+    ),
+    (
+        "stream on an offline workload",
+        GOOD.replace("    output: out/\n", "    output: out/\n    stream: true\n"),
+        "W:17:5: workloads.nightly.stream: `stream` applies to interactive workloads only",
+    ),
+    (
+        "an infinite deadline",
+        GOOD.replace("max_wait_ms: 2}", "max_wait_ms: .inf}"),
+        "W:10:48: workloads.search-query.batching.max_wait_ms: input should be a finite number",
+    ),
+    (
+        "a key with a newline",
+        GOOD.replace(
+            "    model: enc\n    batching", '    model: enc\n    "a\\nb": 1\n    batching'
+        ),
+        "W:10:5: workloads.search-query.'a\\nb': unknown key 'a\\nb'",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [c[1:] for c in HOSTILE_CASES], ids=[c[0] for c in HOSTILE_CASES]
+)
+def test_hostile_spec_is_one_problem_line_not_a_crash(
+    folder: Path, text: str, expected: str
+) -> None:
+    path = folder / "workloads.yaml"
+    path.write_bytes(text.encode("utf-8", "surrogateescape"))
+    with pytest.raises(SpecError) as caught:
+        load_spec(path, Settings())
+    found = [str(p).replace(str(path), "W") for p in caught.value.problems]
+    assert any(p.startswith(expected) for p in found), found
+    assert all("\n" not in p for p in found), found
+
+
+def test_what_yaml_would_make_a_date_or_a_bool_stays_as_written(folder: Path) -> None:
+    text = GOOD.replace("  search-query:", "  on:").replace(
+        "    mode: interactive\n", "    mode: interactive\n    description: 2024-13-45\n"
+    )
+    spec = load_spec(write(folder, text), Settings())
+    assert spec.workloads["on"].description == "2024-13-45"
+
+
+def test_aliases_and_merge_keys_still_work(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    text = GOOD.replace(
+        "    batching: {max_batch_size: 8, max_wait_ms: 2}\n",
+        "    batching: &fast {max_batch_size: 8, max_wait_ms: 2}\n",
+    ).replace(
+        "  nightly:\n",
+        "  second:\n    <<: &query {mode: interactive, task: embed, model: enc}\n"
+        "    batching: *fast\n  nightly:\n",
+    )
+    # An override of one use of an alias changes that use alone.
+    monkeypatch.setenv("LANES_WORKLOADS__SECOND__BATCHING__MAX_WAIT_MS", "7")
+    spec = load_spec(write(folder, text), Settings())
+    second = spec.workloads["second"]
+    assert second.mode == "interactive" and second.batching.max_wait_ms == 7
+    assert spec.workloads["search-query"].batching.max_wait_ms == 2
+
+
+@pytest.mark.parametrize("case", ["an alias bomb", "a !!binary model name"])
+def test_cli_validate_hostile_spec_exits_2_in_one_line_each(folder: Path, case: str) -> None:
+    [text] = [c[1] for c in HOSTILE_CASES if c[0] == case]
+    path = write(folder, text)
+    done = subprocess.run(
+        [sys.executable, "-m", "lanes.router.cli", "validate", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.splitlines()
+    assert lines[0].startswith(f"{path}:") and lines[-1] == "1 problem found", lines
+    assert "Traceback" not in done.stderr
+
+
+def test_a_handler_that_raises_on_reading_is_a_problem_at_its_line(folder: Path) -> None:
+    (folder / "hooks_that_raise.py").write_text(
+        "class Hooks:\n"
+        "    @property\n"
+        "    def pre(self):\n"
+        "        raise RuntimeError('not today')\n\n\n"
+        "handler = Hooks()\n"
+    )
+    text = GOOD.replace(
+        "    model: enc\n    batching",
+        "    model: enc\n    handler: hooks_that_raise:handler\n    batching",
+    )
+    found = problems(folder, text)
+    assert found == [
+        "W:10:5: workloads.search-query.handler: handler hooks_that_raise:handler: "
+        "reading pre/post failed: RuntimeError('not today')"
+    ]

@@ -496,6 +496,9 @@ def test_generate_takes_token_ids_as_a_prompt(generate: GenerateTask) -> None:
         ({"max_tokens": 2}, "prompt: expected a string or token ids, found null"),
         ({"prompt": [1, 99]}, r"prompt: expected token ids from 0 to 5, found 99 at \[1\]"),
         ({"prompt": "a", "max_tokens": 64}, "maximum context length is 64 tokens"),
+        # A prompt that fills the context alone, without max_tokens: no room for a token.
+        ({"prompt": " ".join(["a"] * 64)}, r"64 in the prompt, at least 1 for the completion"),
+        ({"prompt": [1] * 64}, r"64 in the prompt, at least 1 for the completion"),
         (7, "expected a prompt string"),
     ],
 )

@@ -9,42 +9,25 @@ that over a batch; `Decoder.generate` is the simple single-sequence loop.
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
-from lanes.errors import InvalidInput, ModelError
-from lanes.runtime import Runtime, TensorInfo, check_io, describe
+from lanes.errors import InvalidInput
+from lanes.runtime import Runtime, describe
 from lanes.spec import ModelSpec
 from lanes.tasks.base import encode, load_tokenizer
+from lanes.tasks.decoder_config import DecoderConfig, read_config
 from lanes.tasks.sampling import SamplingParams, generator, sample
 
 Array = np.ndarray[Any, Any]
 FinishReason = Literal["stop", "length"]
 
-_PAST = re.compile(r"^past_key_values\.(\d+)\.key$")
-
-
-@dataclass(frozen=True)
-class DecoderConfig:
-    """What the loop needs to know about the model, from its metadata and config.json."""
-
-    num_layers: int
-    num_heads: int  # key/value heads (fewer than query heads under GQA)
-    head_dim: int
-    eos_token_ids: frozenset[int]
-    bos_token_id: int | None = None  # prepended to prompts that do not start with it
-    vocab_size: int | None = None
-    max_position: int | None = None  # the context: longest prompt + completion it can see
-    chat_template: str | None = None
-    chat_generation_prompt: str | None = None
+__all__ = ["Completion", "Decoder", "DecoderConfig", "Past", "StepOutput", "read_config"]
 
 
 @dataclass(frozen=True)
@@ -100,7 +83,8 @@ class Decoder:
 
     @classmethod
     def load(cls, model: ModelSpec, runtime: Runtime) -> Decoder:
-        """Load the model, its tokenizer and config.json (next to the model, if there).
+        """Load the model, its tokenizer and the config files beside them (see
+        lanes/tasks/decoder_config.py).
 
         The context length comes from config.json (`max_position_embeddings`,
         `n_positions` or `max_position`), else the spec's `max_length` when it is
@@ -109,7 +93,7 @@ class Decoder:
         tokenizer = load_tokenizer(model, "generate")
         tokenizer.no_padding()
         tokenizer.no_truncation()
-        config = read_config(session, model.path, tokenizer)
+        config = read_config(session, model.path, tokenizer, model.tokenizer)
         if config.max_position is None:
             declared = model.max_length if "max_length" in model.model_fields_set else None
             mask = describe(session.get_inputs())["attention_mask"].shape
@@ -149,12 +133,12 @@ class Decoder:
         return StepOutput(logits, Past(tuple(present[0::2]), tuple(present[1::2])))
 
     def encode(self, prompt: str) -> list[int]:
-        """Token ids of `prompt` (after bos, when the model has one and the tokenizer
-        does not add it); `InvalidInput` (about `prompt`) when there are none, when the
+        """Token ids of `prompt` (after bos, when lanes adds it and the tokenizer did
+        not); `InvalidInput` (about `prompt`) when there are none, when the
         tokenizer cannot encode it, or when they fill the context."""
         ids = encode(self.tokenizer, prompt, "prompt")
         bos = self.config.bos_token_id
-        if bos is not None and ids[:1] != [bos]:
+        if self.config.add_bos_token and bos is not None and ids[:1] != [bos]:
             ids = [bos, *ids]
         if not ids:
             detail = "expected text with at least one token, found none"
@@ -237,93 +221,3 @@ class Decoder:
 def _first_stop(text: str, stop: Sequence[str]) -> int | None:
     hits = [i for i in (text.find(s) for s in stop if s) if i >= 0]
     return min(hits) if hits else None
-
-
-def read_config(session: ort.InferenceSession, path: Path, tokenizer: Tokenizer) -> DecoderConfig:
-    """Layers, heads and head_dim from the past_key_values inputs (config.json fills in
-    symbolic dims; a disagreement is a `ModelError`); eos and the rest from config.json."""
-    where = str(path)
-    inputs = describe(session.get_inputs())
-    layers = sorted(int(m.group(1)) for n in inputs if (m := _PAST.match(n)))
-    if not layers or layers != list(range(len(layers))):
-        raise ModelError(
-            f"model {where} cannot serve task 'generate': expected inputs "
-            f"past_key_values.0.key, past_key_values.0.value, ...; found {', '.join(inputs)}"
-        )
-    past_in = [f"past_key_values.{i}.{p}" for i in layers for p in ("key", "value")]
-    present = [f"present.{i}.{p}" for i in layers for p in ("key", "value")]
-    check_io(
-        session,
-        where=where,
-        task="generate",
-        inputs=["input_ids", "attention_mask", *past_in],
-        outputs=["logits", *present],
-    )
-    file = path.parent / "config.json"
-    raw: dict[str, Any] = {}
-    if file.is_file():
-        try:
-            raw = json.loads(file.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as err:
-            raise ModelError(f"cannot read {file}: {err}") from err
-    first = inputs["past_key_values.0.key"]
-    heads = _dim(first, 1, raw, ("num_heads", "num_key_value_heads", "num_attention_heads"), where)
-    head_dim = _dim(first, 3, raw, ("head_dim",), where)
-    configured = _int(raw, ("num_layers", "num_hidden_layers"))
-    if configured is not None and configured != len(layers):
-        raise ModelError(
-            f"{file} says num_layers={configured} but model {where} has {len(layers)} "
-            "past_key_values layers; rebuild one of them"
-        )
-    return DecoderConfig(
-        num_layers=len(layers),
-        num_heads=heads,
-        head_dim=head_dim,
-        eos_token_ids=_eos(raw, tokenizer),
-        bos_token_id=_int(raw, ("bos_token_id",)),
-        vocab_size=_int(raw, ("vocab_size",)),
-        max_position=_int(raw, ("max_position_embeddings", "n_positions", "max_position")),
-        chat_template=_str(raw, "chat_template"),
-        chat_generation_prompt=_str(raw, "chat_generation_prompt"),
-    )
-
-
-def _int(raw: dict[str, Any], keys: Sequence[str]) -> int | None:
-    for key in keys:
-        if isinstance(raw.get(key), int):
-            return int(raw[key])
-    return None
-
-
-def _str(raw: dict[str, Any], key: str) -> str | None:
-    value = raw.get(key)
-    return value if isinstance(value, str) else None
-
-
-def _dim(info: TensorInfo, axis: int, raw: dict[str, Any], keys: Sequence[str], where: str) -> int:
-    from_model = info.shape[axis] if len(info.shape) == 4 else None
-    from_config = _int(raw, keys)
-    if isinstance(from_model, int):
-        if from_config is not None and from_config != from_model:
-            raise ModelError(
-                f"config.json next to {where} says {keys[0]}={from_config} but input "
-                f"{info.name} has {from_model}; rebuild one of them"
-            )
-        return from_model
-    if from_config is None:
-        raise ModelError(
-            f"model {where}: dim {axis} of {info} is symbolic; put {keys[0]} in a "
-            "config.json next to the model"
-        )
-    return from_config
-
-
-def _eos(raw: dict[str, Any], tokenizer: Tokenizer) -> frozenset[int]:
-    eos = raw.get("eos_token_id")
-    if isinstance(eos, int):
-        return frozenset({eos})
-    if isinstance(eos, list):
-        return frozenset(int(e) for e in eos)
-    # No config: the usual end-of-text tokens, when the tokenizer has them.
-    found = (tokenizer.token_to_id(t) for t in ("</s>", "<|endoftext|>", "<eos>"))
-    return frozenset(i for i in found if i is not None)

@@ -57,7 +57,10 @@ def load_handler(ref: str, root: Path | None = None) -> Handler:
     """Import `module:attr` (attr may be dotted) with the spec's folder `root` on the
     import path; raise `HandlerError` naming what failed."""
     target = import_object(ref, root, "handler")
-    hooks = {name: getattr(target, name, None) for name in ("pre", "post")}
+    try:
+        hooks = {name: getattr(target, name, None) for name in ("pre", "post")}
+    except Exception as err:  # a property of the user's that raises
+        raise HandlerError(f"handler {ref}: reading pre/post failed: {err!r}") from err
     for name, hook in hooks.items():
         if hook is not None and not callable(hook):
             raise HandlerError(f"handler {ref}: {name} is {type(hook).__name__}, not callable")

@@ -1,0 +1,251 @@
+"""Checking plain data against the workloads.yaml schema: every problem at once, each
+with its field path, and the cross-field rules pydantic cannot state.
+
+`parse_spec` validates plain data; `lanes.specfile.load_spec` adds YAML reading, line
+numbers and env overrides.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import ValidationError
+
+from lanes.errors import shown
+from lanes.spec import (
+    MODE_KEYS,
+    NAME_PATTERN,
+    TASK_NAMES,
+    WORKLOAD,
+    InteractiveWorkload,
+    ModelSpec,
+    OfflineWorkload,
+    Spec,
+    StrictModel,
+)
+
+
+class _Top(StrictModel):
+    version: Literal[1] = 1
+    models: dict[str, Any]
+    workloads: dict[str, Any]
+
+
+# (path, message) pairs; a path is a tuple of keys from the document's root.
+Loc = tuple[str | int, ...]
+Found = list[tuple[Loc, str, bool]]  # (path, message, points at the key itself)
+
+_PLAIN_KEY = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# Which `fields:` key names the item of which task.
+_ITEM_FIELDS = {"text": "embed", "prompt": "generate"}
+
+
+def parse_spec(data: Any, base: Path, check_files: bool = True) -> tuple[Spec | None, Found]:
+    """Validate plain data. Returns the spec (None if anything is wrong) and every problem.
+
+    Model paths are made absolute against `base`, the folder of workloads.yaml, and,
+    with `check_files`, must exist and every handler and guard must import (with `base`
+    on the import path); a client that only routes calls needs neither.
+    """
+    found: Found = []
+    if not isinstance(data, dict):
+        message = (
+            "expected a mapping of `version`, `models` and `workloads`, "
+            f"found {type(data).__name__} {shown(data)}"
+        )
+        return None, [((), message, False)]
+    try:
+        top = _Top.model_validate(data)
+    except ValidationError as err:
+        return None, from_pydantic(err, ())
+    models: dict[str, ModelSpec] = {}
+    for name, raw in top.models.items():
+        try:
+            models[name] = _resolve(ModelSpec.model_validate(raw), base)
+        except ValidationError as err:
+            found += from_pydantic(err, ("models", name))
+    workloads: dict[str, InteractiveWorkload | OfflineWorkload] = {}
+    for name, raw in top.workloads.items():
+        if not NAME_PATTERN.match(name):
+            found.append(
+                (
+                    ("workloads", name),
+                    "expected a DNS-safe name (lower-case letters, digits and '-', "
+                    f"at most 63, starting and ending alphanumeric), found {shown(name)}",
+                    True,
+                )
+            )
+        try:
+            workloads[name] = WORKLOAD.validate_python(raw)
+        except ValidationError as err:
+            found += _workload_errors(err, ("workloads", name), raw)
+    for name, model in models.items() if check_files else ():
+        found += _model_problems(name, model)
+    for name, workload in workloads.items() if check_files else ():
+        found += _code_problems(name, workload, base)
+    for name, raw in top.workloads.items():
+        found += _workload_problems(name, raw, top.models, models)
+    if found:
+        return None, found
+    return Spec(version=top.version, models=models, workloads=workloads, root=base), []
+
+
+def _resolve(model: ModelSpec, base: Path) -> ModelSpec:
+    tokenizer = base / model.tokenizer if model.tokenizer else None
+    return model.model_copy(update={"path": base / model.path, "tokenizer": tokenizer})
+
+
+def _model_problems(name: str, model: ModelSpec) -> Found:
+    hint = "build the demo models with `lanes models build`, or fix the path"
+    found: Found = []
+    for key, path in (("path", model.path), ("tokenizer", model.tokenizer)):
+        if path is None:
+            continue
+        try:
+            exists = path.is_file()
+        except (OSError, ValueError) as err:  # the joined path may still be too long
+            message = f"cannot check {shown(str(path))}: {getattr(err, 'strerror', None) or err}"
+            found.append((("models", name, key), message, False))
+            continue
+        if not exists:
+            what = "model" if key == "path" else "tokenizer"
+            found.append((("models", name, key), f"no {what} file at {path}; {hint}", False))
+    return found
+
+
+def _code_problems(name: str, workload: InteractiveWorkload | OfflineWorkload, root: Path) -> Found:
+    """The user's own code must import now, not at the first request or in a worker."""
+    from lanes.errors import HandlerError
+    from lanes.tasks.handler import load_handler, load_scorer
+
+    found: Found = []
+    try:
+        if workload.handler is not None:
+            load_handler(workload.handler, root)
+    except HandlerError as err:
+        found.append((("workloads", name, "handler"), str(err), True))
+    try:
+        if workload.guard is not None:
+            load_scorer(workload.guard.handler, root)
+    except HandlerError as err:
+        found.append((("workloads", name, "guard", "handler"), str(err), True))
+    return found
+
+
+def _workload_problems(
+    name: str, raw: Any, declared: dict[str, Any], models: dict[str, ModelSpec]
+) -> Found:
+    """Cross-field rules. They read the raw mapping, so they apply (and report) even
+    when some other field of the workload failed validation; each value's type is
+    checked before it is used (a failed field has its own problem already)."""
+    if not isinstance(raw, dict):
+        return []
+    at: Loc = ("workloads", name)
+    found: Found = []
+    model, task, mode = (_text(raw.get(key)) for key in ("model", "task", "mode"))
+    if model is not None and model not in declared:
+        known = ", ".join(sorted(declared)) or "none declared"
+        message = f"expected the name of a declared model ({known}), found {shown(model)}"
+        found.append(((*at, "model"), message, False))
+    elif model in models and task in ("embed", "generate") and not models[model].tokenizer:
+        message = (
+            f"task {task!r} needs a tokenizer, but model {model!r} declares none; "
+            f"add `tokenizer:` to models.{model}"
+        )
+        found.append(((*at, "model"), message, False))
+    if raw.get("guard") is not None and task in ("embed", "infer"):
+        message = f"`guard` scores generated text: it applies to task generate, not {task!r}"
+        found.append(((*at, "guard"), message, True))
+    if mode == "offline":
+        runner = raw.get("runner")
+        if isinstance(runner, dict) and runner.get("address") and runner.get("kind") != "dask":
+            message = "`address` names a Dask scheduler: set `kind: dask`, or remove it"
+            found.append(((*at, "runner", "address"), message, True))
+        fields = raw.get("fields")
+        for key, wanted in _ITEM_FIELDS.items():
+            if isinstance(fields, dict) and key in fields and task in TASK_NAMES and task != wanted:
+                message = f"`fields.{key}` is for task {wanted}; task {task} does not read it"
+                found.append(((*at, "fields", key), message, True))
+    return found
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _workload_errors(err: ValidationError, at: Loc, raw: Any) -> Found:
+    """A workload's errors, without the mode pydantic puts first in each path, and a key
+    of the other mode named as such."""
+    found: Found = []
+    for e in err.errors(include_url=False):
+        kind = e["type"]
+        if kind == "union_tag_not_found":
+            message = "missing required key 'mode': interactive (someone is waiting) or offline"
+            found.append((at, message, True))
+            continue
+        if kind == "union_tag_invalid":
+            found.append(
+                (
+                    (*at, "mode"),
+                    f"input should be 'interactive' or 'offline'; found {shown(raw['mode'])}",
+                    False,
+                )
+            )
+            continue
+        if not e["loc"]:  # not a mapping at all
+            found += _from_pydantic_error(e, at)
+            continue
+        mode, *rest = e["loc"]
+        if kind == "extra_forbidden" and len(rest) == 1:
+            other = "offline" if mode == "interactive" else "interactive"
+            if rest[0] in MODE_KEYS[other]:
+                message = (
+                    f"`{rest[0]}` applies to {other} workloads only; "
+                    f"remove it or set `mode: {other}`"
+                )
+                found.append(((*at, rest[0]), message, True))
+                continue
+        if kind == "missing" and len(rest) == 1:
+            model = InteractiveWorkload if mode == "interactive" else OfflineWorkload
+            about = model.model_fields[str(rest[0])].description or ""
+            message = f"missing required key {rest[0]!r} ({_lower_first(about).rstrip('.')})"
+            found.append((at, message, True))
+            continue
+        found += _from_pydantic_error({**e, "loc": tuple(rest)}, at)
+    return found
+
+
+def from_pydantic(err: ValidationError, prefix: Loc) -> Found:
+    found: Found = []
+    for e in err.errors(include_url=False):
+        found += _from_pydantic_error(e, prefix)
+    return found
+
+
+def _from_pydantic_error(e: Any, prefix: Loc) -> Found:
+    loc: Loc = prefix + tuple(e["loc"])
+    kind = e["type"]
+    if kind == "extra_forbidden":
+        return [(loc, f"unknown key {shown(loc[-1])}", True)]
+    if kind == "missing":
+        return [(loc[:-1], f"missing required key {shown(loc[-1])}", True)]
+    # "a valid dictionary or instance of Batching": the class name means nothing here.
+    message = re.sub(r" or instance of \w+", "", e["msg"].removeprefix("Value error, "))
+    if "found" not in message:
+        message = f"{_lower_first(message)}; found {shown(e['input'])}"
+    return [(loc, message, False)]
+
+
+def dotted(loc: Loc) -> str:
+    """A field path as a message shows it: `workloads.search-query.batching`; a key that
+    is not a plain name is quoted (it may hold a newline, or run long)."""
+    return ".".join(
+        str(part) if isinstance(part, int) or _PLAIN_KEY.match(part) else shown(part, 40)
+        for part in loc
+    )
+
+
+def _lower_first(text: str) -> str:
+    return text[:1].lower() + text[1:]

@@ -1,0 +1,82 @@
+"""Prefill: the joiners' prompts in one left-padded decoder run, and what to do when
+that run fails.
+
+`prefill_apart` runs the joiners whole and, if that raises, in halves until the
+prompts that fail alone are found (lanes/isolation.py): every other joiner gets its
+logits and a cache (`Join`) to enter the batch's with, exactly as from the whole run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from lanes.isolation import isolate
+from lanes.serving.scheduler import Seq
+from lanes.tasks.decoder import Decoder, Past
+
+Array = np.ndarray[Any, Any]
+
+
+@dataclass(frozen=True)
+class Join:
+    """Prefilled sequences' cache, waiting to enter the batch's (serving/kvcache.py)."""
+
+    ids: list[int]
+    past: Past
+    mask: Array
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """A prefill's next-token logits [len(seqs), vocab] (a failed row's are zeros;
+    None when every row failed), the caches of the joiners it ran, the joiners it
+    failed on alone (by id), and what the whole run raised (None: it succeeded)."""
+
+    logits: Array | None
+    joins: list[Join]
+    failed: dict[int, Exception] = field(default_factory=dict)
+    error: Exception | None = None
+
+
+def prefill(decoder: Decoder, seqs: Sequence[Seq]) -> tuple[Array, Join]:
+    """One run over the joiners' prompts, left-padded to the longest."""
+    width = max(len(s.prompt_ids) for s in seqs)
+    ids = np.full((len(seqs), width), decoder.config.pad_token_id, dtype=np.int64)
+    mask = np.zeros((len(seqs), width), dtype=np.int64)
+    positions = np.zeros((len(seqs), width), dtype=np.int64)
+    for j, seq in enumerate(seqs):
+        n = len(seq.prompt_ids)
+        ids[j, width - n :] = seq.prompt_ids
+        mask[j, width - n :] = 1
+        positions[j, width - n :] = np.arange(n)
+    out = decoder.step(ids, mask, positions, decoder.empty_past(len(seqs)))
+    present = out.present
+    if not mask.all():
+        # Padding's keys/values are never attended (mask 0), but a model may have
+        # left NaN there (a query row with every key masked): 0 * NaN is NaN.
+        pad = mask == 0
+        for kv in (*present.keys, *present.values):
+            kv[np.broadcast_to(pad[:, None, :], kv.shape[:3])] = 0
+    return out.logits[:, -1], Join([s.id for s in seqs], present, mask)
+
+
+def prefill_apart(decoder: Decoder, seqs: Sequence[Seq]) -> Prefilled:
+    """`prefill`; if it fails, in halves until the prompts that fail alone are found."""
+    isolated = isolate(lambda part: prefill(decoder, part), seqs)
+    if isolated.whole:
+        logits, join = isolated.ran[0].result
+        return Prefilled(logits, [join])
+    found: Array | None = None
+    joins = []
+    for part in isolated.ran:
+        logits, join = part.result
+        if found is None:
+            found = np.zeros((len(seqs), logits.shape[-1]), dtype=logits.dtype)
+        found[part.start : part.stop] = logits
+        joins.append(join)
+    failed = {seqs[f.index].id: f.error for f in isolated.failed}
+    return Prefilled(found, joins, failed, isolated.error)

@@ -1,0 +1,346 @@
+"""The cost of each lane: `lanes plan`'s figures, the manifest's, and `lanes calibrate`
+end to end, on tiny real models (an endpoint on 127.0.0.1, load from a child process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from lanes.errors import LanesError
+from lanes.flows.batch import offline
+from lanes.flows.job import model_key
+from lanes.flows.manifest import build_manifest
+from lanes.flows.shard import ShardStats
+from lanes.measurements import Measurements, Throughput, usd_per_1k_items
+from lanes.router.calibrate import (
+    concurrency_levels,
+    lane_spec,
+    measure_interactive,
+    measure_offline,
+    read_metrics,
+    served_from_metrics,
+)
+from lanes.router.loadgen import HttpRequest, LoadGenerator
+from lanes.router.plan import plan
+from lanes.settings import Settings
+from lanes.spec import as_interactive
+from lanes.specfile import load_spec
+from tests.flows_fixtures import text, write_jsonl, write_spec
+from tests.servers import ServerThread
+
+ROOT = Path(__file__).resolve().parent.parent
+T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "search": {
+        "mode": "interactive",
+        "task": "embed",
+        "model": "enc",
+        "batching": {"max_batch_size": 4},
+        "slo": {"p99_ms": 250},
+    },
+    "corpus": {
+        "mode": "offline",
+        "task": "embed",
+        "model": "enc",
+        "input": "in/",
+        "output": "out/",
+        "batch_size": 8,
+        "retries": 0,
+    },
+    "scale": {
+        "mode": "interactive",
+        "task": "infer",
+        "model": "affine",
+        "batching": {"max_batch_size": 2},
+    },
+    "complete": {
+        "mode": "interactive",
+        "task": "generate",
+        "model": "dec",
+        "batching": {"max_batch_size": 2},
+        "generation": {"max_new_tokens": 4, "temperature": 0},
+    },
+}
+
+
+def lanes(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lanes.router.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "LANES_HOME": str(home), "LANES_PRICE_PER_DEVICE_HOUR": "3.6"},
+        timeout=300,
+    )
+
+
+def measured(
+    spec_file: Path, workload: str, lane: str, rate: float, minutes: int = 0, **more: Any
+) -> Throughput:
+    spec = load_spec(spec_file, Settings())
+    return Throughput(
+        workload=workload,
+        model_key=model_key(spec, spec.workload(workload)),
+        lane=lane,  # type: ignore[arg-type]
+        items_per_second=rate,
+        measured_at=T0 + timedelta(minutes=minutes),
+        source="calibrate",
+        **more,
+    )
+
+
+# ---- lanes plan ---------------------------------------------------------------------------
+
+
+def test_plan_without_measurements_says_how_to_get_them(tmp_path: Path) -> None:
+    spec_file = write_spec(tmp_path, WORKLOADS)
+    routes = {r.workload: r for r in plan(load_spec(spec_file, Settings()), Settings())}
+    search = routes["search"]
+    assert (search.cost.lane, search.other_lane_cost.lane) == ("interactive", "offline")
+    assert routes["corpus"].cost.lane == "offline"
+    assert search.cost.usd_per_1k_items is None and search.cost.items_per_second is None
+    assert search.cost.note == "not measured: run lanes calibrate search"
+    assert routes["corpus"].other_lane_cost.note == "not measured: run lanes calibrate corpus"
+
+
+def test_plan_prices_each_lane_from_the_newest_measurement_of_the_model(tmp_path: Path) -> None:
+    spec_file = write_spec(tmp_path, WORKLOADS)
+    home = tmp_path / "home"
+    store = Measurements(home)
+    store.save(measured(spec_file, "search", "offline", 100.0, minutes=0))
+    store.save(measured(spec_file, "search", "offline", 400.0, minutes=5))  # newer: this one
+    store.save(
+        measured(
+            spec_file, "search", "interactive", 40.0, p99_ms=9.0, slo_p99_ms=250.0, meets_slo=True
+        )
+    )
+    store.save(measured(spec_file, "scale", "interactive", 50.0, meets_slo=False, slo_p99_ms=1.0))
+
+    done = lanes("plan", str(spec_file), "--json", home=home)
+    assert done.returncode == 0, done.stderr
+    routes = {r["workload"]: r for r in json.loads(done.stdout)}
+    own, other = routes["search"]["cost"], routes["search"]["other_lane_cost"]
+    assert own["lane"] == "interactive" and own["items_per_second"] == 40.0
+    assert own["usd_per_1k_items"] == pytest.approx(usd_per_1k_items(3.6, 40.0))
+    assert other["lane"] == "offline" and other["items_per_second"] == 400.0
+    assert other["usd_per_1k_items"] == pytest.approx(0.0025)  # $0.001/s over 400 items/s x 1000
+    assert other["source"] == "calibrate" and other["measured_at"].startswith("2026-12-01T12:05")
+    # An offline workload of the same model and task settings is priced by those figures.
+    corpus = routes["corpus"]
+    assert corpus["cost"]["items_per_second"] == 400.0
+    assert corpus["cost"]["measured_for"] == "search"
+    assert corpus["other_lane_cost"]["items_per_second"] == 40.0
+    assert routes["scale"]["cost"]["note"] == "even one client missed the p99 target of 1 ms"
+    assert routes["scale"]["other_lane_cost"]["note"] == "not measured: run lanes calibrate scale"
+    assert routes["complete"]["cost"]["usd_per_1k_items"] is None
+
+    table = lanes("plan", str(spec_file), home=home)
+    assert table.returncode == 0, table.stderr
+    assert "$ per 1k items at $3.6 per device-hour" in table.stdout
+    assert (
+        "$0.002500" in table.stdout and "not measured: run lanes calibrate complete" in table.stdout
+    )
+
+
+# ---- the manifest -------------------------------------------------------------------------
+
+
+def stats(items: int, host: str = "h1") -> ShardStats:
+    return ShardStats(
+        input="in/a.jsonl",
+        output="out/a.jsonl",
+        errors_file="out/_errors/a.jsonl",
+        records=items,
+        outputs=items,
+        errors=0,
+        items=items,
+        batches=1,
+        seconds=1.0,
+        host=host,
+        provider="CPUExecutionProvider",
+        committed_at=T0.isoformat(),
+    )
+
+
+def test_the_manifest_records_the_runs_cost_and_the_interactive_lanes(tmp_path: Path) -> None:
+    spec_file = write_spec(tmp_path, WORKLOADS)
+    online = measured(spec_file, "search", "interactive", 20.0)
+    common: dict[str, Any] = {
+        "workload": "corpus",
+        "flow_run": None,
+        "input": "in/",
+        "output": "out/",
+        "started": T0,
+        "ended": T0 + timedelta(seconds=100),
+        "failures": [],
+        "price_per_device_hour": 3.6,
+    }
+    manifest = build_manifest(stats=[stats(600), stats(400, "h2")], interactive=online, **common)
+    # Two hosts for 100 s at $0.001 a device-second: $0.20 for 1000 items.
+    assert manifest.devices == 2 and manifest.cost_estimate == pytest.approx(0.2)
+    assert manifest.cost_per_1k_items == pytest.approx(0.2)
+    # On the endpoint at 20 items/s: 50 device-seconds for the same 1000 items.
+    assert manifest.interactive_items_per_second == 20.0
+    assert manifest.interactive_cost_estimate == pytest.approx(0.05)
+    assert manifest.interactive_cost_per_1k_items == pytest.approx(0.05)
+    assert (
+        manifest.interactive_measured == f"calibrate at {online.measured_at.isoformat()} (search)"
+    )
+
+    unmeasured = build_manifest(stats=[stats(0)], interactive=None, **common)
+    assert unmeasured.cost_per_1k_items is None
+    assert unmeasured.interactive_cost_estimate is None
+    assert unmeasured.interactive_items_per_second is None
+    assert unmeasured.interactive_measured is None
+    summary = unmeasured.summary()
+    assert summary["interactive_cost_per_1k_items"] is None and "cost_per_1k_items" in summary
+
+
+def test_a_run_prices_its_items_on_the_endpoint_and_records_its_own_rate(
+    prefect_api: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home = tmp_path / "home"
+    monkeypatch.setenv("LANES_HOME", str(home))
+    monkeypatch.setenv("LANES_PRICE_PER_DEVICE_HOUR", "3600")  # $1 a device-second
+    spec_file = write_spec(tmp_path, WORKLOADS)
+    online = measured(spec_file, "search", "interactive", 20.0)
+    Measurements(home).save(online)
+    write_jsonl(tmp_path / "in" / "a.jsonl", [{"id": i, "text": text(i)} for i in range(30)])
+
+    offline(workload="corpus", spec=str(spec_file))
+
+    manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
+    assert manifest["items"] == 30 and manifest["interactive_items_per_second"] == 20.0
+    assert manifest["interactive_cost_estimate"] == pytest.approx(30 / 20.0)
+    assert manifest["interactive_cost_per_1k_items"] == pytest.approx(1000 / 20.0)
+    # wall_seconds is rounded to the millisecond, the cost to the micro-dollar.
+    assert manifest["cost_estimate"] == pytest.approx(manifest["wall_seconds"], abs=1e-3)
+    assert manifest["cost_per_1k_items"] == pytest.approx(
+        manifest["cost_estimate"] / 30 * 1000, rel=1e-3, abs=1e-3
+    )
+    assert manifest["interactive_measured"].startswith("calibrate at 2026-12-01T12:00:00")
+    records = [r for r in Measurements(home).load() if r.lane == "offline"]
+    assert len(records) == 1
+    (run,) = records
+    assert run.workload == "corpus" and run.source.startswith("manifest ")
+    assert run.source.endswith(".json") and "_manifests" in run.source
+    assert run.items == 30 and run.batch_size == 8 and run.model_key == online.model_key
+    assert run.items_per_second == pytest.approx(30 / manifest["wall_seconds"], rel=0.01)
+
+
+# ---- lanes calibrate --------------------------------------------------------------------------
+
+
+def test_concurrency_levels_double_up_to_the_batch_size() -> None:
+    assert concurrency_levels(1) == [1]
+    assert concurrency_levels(4) == [1, 2, 4]
+    assert concurrency_levels(12) == [1, 2, 4, 8, 12]
+
+
+@pytest.mark.slow
+def test_calibrate_measures_and_stores_both_lanes_then_plan_prices_them(tmp_path: Path) -> None:
+    spec_file = write_spec(tmp_path, WORKLOADS)
+    home = tmp_path / "home"
+    done = lanes(
+        "calibrate", "search", "--file", str(spec_file), "-s", "0.3", "-n", "40", home=home
+    )
+    assert done.returncode == 0, done.stderr
+    assert "offline lane" in done.stderr and "interactive lane" in done.stderr  # the progress
+    assert "p99 target 250 ms" in done.stdout and "chosen" in done.stdout
+    records = {r.lane: r for r in Measurements(home).load()}
+    assert set(records) == {"offline", "interactive"}
+    key = model_key(
+        load_spec(spec_file, Settings()), load_spec(spec_file, Settings()).workloads["search"]
+    )
+    for r in records.values():
+        assert r.workload == "search" and r.model_key == key and r.source == "calibrate"
+        assert r.items_per_second > 0 and r.provider == "CPUExecutionProvider"
+    assert records["offline"].items == 40 and records["offline"].batch_size == 256
+    online = records["interactive"]
+    assert online.concurrency in (1, 2, 4) and online.slo_p99_ms == 250.0
+    assert online.p99_ms is not None and isinstance(online.meets_slo, bool)
+    assert online.items > 0
+
+    planned = lanes("plan", str(spec_file), "--json", home=home)
+    assert planned.returncode == 0, planned.stderr
+    routes = {r["workload"]: r for r in json.loads(planned.stdout)}
+    assert routes["search"]["cost"]["items_per_second"] == round(online.items_per_second, 2)
+    assert routes["corpus"]["cost"]["items_per_second"] == round(
+        records["offline"].items_per_second, 2
+    )
+    assert routes["corpus"]["other_lane_cost"]["measured_for"] == "search"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workload", ["scale", "complete", "corpus"])
+def test_calibrate_runs_both_lanes_of_each_task(workload: str, tmp_path: Path) -> None:
+    spec_file = write_spec(tmp_path, WORKLOADS)
+    settings = Settings()
+    spec = load_spec(spec_file, settings)
+    done: list[int] = []
+    offline_rate, items = measure_offline(spec, workload, settings, 12, done.append)
+    assert sum(done) == 12 and len(items) == 12
+    assert offline_rate.lane == "offline" and offline_rate.items == 12
+    levels = []
+    served = lane_spec(spec, workload, "interactive")
+    online, ran = measure_interactive(spec, workload, settings, items, 0.2, levels.append)
+    assert (
+        ran == levels
+        and [lv.concurrency for lv in ran]
+        == concurrency_levels(as_interactive(served.workload(workload)).batching.max_batch_size)[
+            : len(ran)
+        ]
+    )
+    assert all(lv.errors == 0 for lv in ran)
+    assert online.lane == "interactive" and online.items_per_second > 0
+    assert online.concurrency in [lv.concurrency for lv in ran]
+
+
+def test_metrics_of_a_running_endpoint_give_items_per_busy_second(tmp_path: Path) -> None:
+    spec_file = write_spec(tmp_path, WORKLOADS)
+    with ServerThread(spec_file) as server:
+        settings = server.settings
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            for i in range(5):
+                body = {"model": "search", "input": [text(i), text(i + 1)]}
+                assert client.post("/v1/embeddings", json=body).status_code == 200
+            for _ in range(3):
+                body = {"model": "complete", "prompt": "a", "max_tokens": 3}
+                assert client.post("/v1/completions", json=body).status_code == 200
+            metrics = client.get("/metrics").text
+        embedded = served_from_metrics(metrics, "search", "embed")
+        assert embedded is not None and embedded.items == 10 and embedded.busy_seconds > 0
+        completed = served_from_metrics(metrics, "complete", "generate")
+        assert completed is not None and completed.items == 3 and completed.busy_seconds > 0
+        assert served_from_metrics(metrics, "scale", "infer") is None  # never ran
+
+        record = read_metrics(server.spec, "search", settings, server.url)
+        assert record.lane == "interactive" and record.items == 10
+        assert record.source == f"metrics {server.url}"
+        assert record.items_per_second == pytest.approx(10 / embedded.busy_seconds)
+        with pytest.raises(LanesError, match="has run nothing there yet"):
+            read_metrics(server.spec, "scale", settings, server.url)
+
+
+def test_the_load_generator_counts_refused_requests_as_errors(tmp_path: Path) -> None:
+    spec_file = write_spec(tmp_path, WORKLOADS)
+    with ServerThread(spec_file) as server:
+        good = HttpRequest("/v1/embeddings", {"model": "search", "input": "w1 w2"})
+        with LoadGenerator(server.url, [good]) as load:
+            level = load.run(2, 0.2, warm_s=0.0)
+        assert level.concurrency == 2 and level.errors == 0 and level.completed > 0
+        assert level.p50_ms is not None and level.p99_ms is not None
+        bad = HttpRequest("/v1/embeddings", {"model": "nobody", "input": "w1"})
+        with LoadGenerator(server.url, [bad]) as load:
+            refused = load.run(1, 0.2, warm_s=0.0)
+        assert refused.completed == 0 and refused.errors > 0 and refused.p99_ms is None
+        assert refused.first_error is not None and refused.first_error.startswith("HTTP 404")

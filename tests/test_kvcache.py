@@ -1,0 +1,98 @@
+"""The batch's KV cache on a real decoder that fails on positions past its table
+(tests/failing_models.py): a decode run that fails leaves the other rows' cache and
+logits exactly as a cache that never held the failing row."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from lanes.runtime import Runtime
+from lanes.serving.kvcache import BatchCache
+from lanes.settings import Settings
+from lanes.spec import ModelSpec
+from lanes.tasks.decoder import Decoder
+from tests.failing_models import POSITIONS, positional_decoder
+
+A, B, C = 1, 2, 3  # token ids of "a", "b", "c"
+ONE_GROUP = 1e9  # padding never costs more than a run: every row in one group
+
+
+@dataclass
+class Row:
+    """What the cache needs of a sequence: its id, last token and that token's position."""
+
+    id: int
+    tokens: list[int]
+
+    @property
+    def last_token(self) -> int:
+        return self.tokens[-1]
+
+    @property
+    def position(self) -> int:
+        return len(self.tokens) - 1
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory: pytest.TempPathFactory) -> Decoder:
+    model, tokenizer = positional_decoder(tmp_path_factory.mktemp("kvcache") / "dec")
+    spec = ModelSpec(path=model, tokenizer=tokenizer)
+    return Decoder.load(spec, Runtime(Settings(device="cpu")))
+
+
+def filled(decoder: Decoder, rows: list[Row]) -> BatchCache:
+    """A cache holding each row's tokens but its last (each prefilled on its own), so
+    the next decode feeds the last."""
+    cache = BatchCache(decoder, ONE_GROUP)
+    for row in rows:
+        prompt = np.asarray([row.tokens[:-1]], dtype=np.int64)
+        out = decoder.step(
+            prompt, np.ones_like(prompt), np.arange(prompt.shape[1])[None], decoder.empty_past(1)
+        )
+        cache.place([row.id], out.present, np.ones_like(prompt))
+    assert len(cache.groups) == 1
+    return cache
+
+
+def cached(cache: BatchCache, seq_id: int) -> tuple[np.ndarray, ...]:
+    """One sequence's keys and values over its unpadded positions."""
+    (group,) = cache.groups
+    r = group.slots.index(seq_id)
+    start = group.start[r]
+    return (*(k[r, :, start:] for k in group.keys), *(v[r, :, start:] for v in group.values))
+
+
+def test_a_row_that_fails_alone_leaves_the_others_as_if_it_never_was(decoder: Decoder) -> None:
+    good = [Row(1, [A, B]), Row(3, [C, A, B, C])]
+    bad = Row(2, [A] * POSITIONS + [B])  # fed at position POSITIONS: past the table
+    with_bad = filled(decoder, [good[0], bad, good[1]])
+    without = filled(decoder, good)
+
+    decoded = with_bad.decode([good[0], bad, good[1]])
+    assert list(decoded.failed) == [bad.id]
+    assert "out of data bounds" in str(decoded.failed[bad.id])
+    reference = without.decode(good)
+    assert decoded.logits is not None and reference.logits is not None
+    assert np.array_equal(decoded.logits[[0, 2]], reference.logits)
+    for row in good:
+        for ours, theirs in zip(cached(with_bad, row.id), cached(without, row.id), strict=True):
+            assert np.array_equal(ours, theirs)
+    assert with_bad.groups[0].live == 2, "the failed row is a hole now"
+
+    # The next step goes on without it, and still matches.
+    for row in good:
+        row.tokens.append(int(np.argmax(reference.logits[good.index(row)])))
+    again, clean = with_bad.decode(good), without.decode(good)
+    assert not again.failed and again.logits is not None and clean.logits is not None
+    assert np.array_equal(again.logits, clean.logits)
+
+
+def test_when_every_row_fails_each_is_reported(decoder: Decoder) -> None:
+    rows = [Row(1, [A] * POSITIONS + [B]), Row(2, [B] * POSITIONS + [C])]
+    cache = filled(decoder, rows)
+    decoded = cache.decode(rows)
+    assert decoded.logits is None and sorted(decoded.failed) == [1, 2]
+    assert cache.groups[0].live == 0
