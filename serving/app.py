@@ -25,7 +25,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
-from lanes.errors import LanesError
+from lanes.errors import LanesError, Overloaded
+from lanes.protocols import TIMEOUT_HEADER
 from lanes.protocols.openai import error_body
 from lanes.runtime import Runtime
 from lanes.serving import generate_routes, openai_routes, v2_routes
@@ -198,6 +199,7 @@ _V2_UNAUTHORIZED = orjson.dumps(
 _UNAUTHORIZED_HEADERS = {"WWW-Authenticate": "Bearer"}
 _INFER_PATH = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
 OTHER_ROUTE = "other"
+_TIMEOUT_HEADER = TIMEOUT_HEADER.lower().encode()
 
 
 def _routes() -> list[Route]:
@@ -277,11 +279,15 @@ class Edge:
             await self._routed(scope, receipt, send, label)
             return
         scope["app"] = self.app  # what Starlette sets, for request.app.state
-        try:
-            response = await endpoint(Request(scope, receipt))
-        except Exception as exc:
-            log.exception("%s %s failed", scope["method"], path)
-            response = _internal(path, exc)
+        overloaded = self._shed(scope)
+        if overloaded is not None:
+            response: Response = error_response(path, overloaded)
+        else:
+            try:
+                response = await endpoint(Request(scope, receipt))
+            except Exception as exc:
+                log.exception("%s %s failed", scope["method"], path)
+                response = _internal(path, exc)
         await self._before_answer(scope, receipt, response.raw_headers)
         await response(scope, receipt, send)
         self.metrics.responses.labels(label, str(response.status_code)).inc()
@@ -313,6 +319,35 @@ class Edge:
             log.exception("%s %s failed", scope["method"], scope["path"])
             if not started:
                 await _internal(scope["path"], exc)(scope, receipt, counted)
+
+    def _shed(self, scope: Scope) -> Overloaded | None:
+        """Overloaded when every workload an inference call may be for refuses one
+        more input now (queue full, or its expected wait past the workload's
+        deadline): then the 503 costs no body reading, parsing or tokenizing, which
+        under overload is what would otherwise take the model's share of the CPU.
+
+        /v1/embeddings names its workload in the body, so it is shed only while every
+        embed workload refuses. A call with a deadline of its own (X-Timeout-Ms) is
+        left to its route, which knows it; a v2 `timeout` parameter lies in the body,
+        unread here, so the workload's own deadline (`slo.timeout_ms`) decides.
+        """
+        state: ServingState = self.app.state.lanes
+        if scope["path"] == "/v1/embeddings":
+            workers = [w for w in state.workers.values() if w.task.kind == "embed"]
+        else:
+            worker = state.workers.get(scope["path_params"]["name"])
+            workers = [] if worker is None else [worker]
+        if not workers or any(name == _TIMEOUT_HEADER for name, _ in scope["headers"]):
+            return None
+        refusal = None
+        for worker in workers:
+            try:
+                worker.admit(1)
+            except Overloaded as e:
+                refusal = e
+            else:
+                return None
+        return refusal
 
     def _inference(self, scope: Scope) -> Callable[[Request], Awaitable[Response]] | None:
         """The endpoint of an inference call; path parameters go where Starlette puts them."""

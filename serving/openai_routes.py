@@ -43,9 +43,10 @@ async def embeddings(request: Request) -> JSONResponse:
             check_dimensions(body, worker.task.dimensions)
         count = input_count(body.input)
         check_inputs(count, settings.max_inputs_per_request, "input")
-        worker.admit(count)
+        timeout = timeout_s(request)
+        worker.admit(count, timeout)
         items = await state.offload.run(len(raw), prepare_texts, body, worker.task.prepare)
-        vectors = await worker.submit(items, timeout_s(request))
+        vectors = await worker.submit(items, timeout)
     except LanesError as e:
         return openai_error(e)
     tokens = sum(item.n_tokens for item in items)

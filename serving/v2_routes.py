@@ -91,7 +91,7 @@ async def _infer(
             body.check_outputs([o["name"] for o in declared], task.name)
     if task.handler.pre is None:
         _check_datatypes(task, body)
-    worker.admit(1)
+    worker.admit(1, timeout)
     item = await state.offload.run(size, task.prepare, call.inputs)
     [result] = await worker.submit([item], timeout)
     outputs = result_arrays(result)
@@ -124,7 +124,7 @@ async def _embed(
         raise InvalidInput.field("inputs[0]", "expected at least one text, found none")
     count = int(texts.size)
     check_inputs(count, state.settings.max_inputs_per_request, "inputs[0]")
-    worker.admit(count)
+    worker.admit(count, timeout)
     items = await state.offload.run(size, _prepare_texts, worker.task, texts)
     vectors = await worker.submit(items, timeout)
     try:
