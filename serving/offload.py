@@ -9,6 +9,10 @@ GIL back at least every switch interval (5 ms) and keeps serving.
 One thread: large bodies are prepared one after another, so however many arrive, the
 loop competes for the GIL with one thread, not with a pool of them. Small bodies
 stay on the loop, where they cost less than the hand-off to the thread and back.
+
+After a body of TRIM_AFTER_BODY_BYTES or more, the thread hands the memory its
+preparation freed back to the system (serving/memory.py), so that RSS does not stay at
+the peak of the largest requests.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import ParamSpec, TypeVar
+
+from lanes.serving.memory import TRIM_AFTER_BODY_BYTES, Trimmer
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -29,6 +35,7 @@ class Offload:
     def __init__(self, threshold_bytes: int) -> None:
         self.threshold_bytes = threshold_bytes
         self._pool: ThreadPoolExecutor | None = None  # started by the first large body
+        self.trimmer = Trimmer()
 
     async def run(self, size: int, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """`fn(*args, **kwargs)` for a body of `size` bytes; its exception, if it raises.
@@ -41,7 +48,15 @@ class Offload:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="lanes-parse")
         call = functools.partial(fn, *args, **kwargs)
+        if size >= TRIM_AFTER_BODY_BYTES:
+            call = functools.partial(self._trimmed, call)
         return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+
+    def _trimmed(self, call: Callable[[], T]) -> T:
+        try:
+            return call()
+        finally:
+            self.trimmer.trim()
 
     def close(self) -> None:
         """Let the preparation under way end; drop those waiting (nobody reads them)."""
