@@ -98,7 +98,7 @@ class BatchWorker:
         timeout_s = timeout_s if timeout_s is not None else self.default_timeout_s
         if timeout_s is None:
             return
-        wait = self.expected_wait_s(items)
+        wait = self.expected_wait_s()
         if wait > timeout_s:
             raise Overloaded(
                 f"workload {self.name!r} is overloaded: the queue's expected wait, about "
@@ -107,14 +107,14 @@ class BatchWorker:
                 wait,
             )
 
-    def expected_wait_s(self, items: int) -> float:
-        """About how long `items` more inputs would wait for their batch to start: the
-        queue ahead of them and their own, at the measured cost per input (0 before
-        the first run)."""
+    def expected_wait_s(self) -> float:
+        """About how long what is queued now takes to run, at the measured cost per
+        input (0 before the first run): the least a newcomer waits for its batch.
+
+        Only the queue counts, not the rest of the batch on the model (unknown, and a
+        request behind no queue is better left to its deadline: it may still make it)."""
         cost = self._item_cost_s
-        if cost is None or (self._free.is_set() and len(self.queue) == 0):
-            return 0.0
-        return (len(self.queue) + items) * cost
+        return 0.0 if cost is None else len(self.queue) * cost
 
     async def submit(self, items: Sequence[Any], timeout_s: float | None = None) -> list[Any]:
         """Run prepared items (all or none) and wait for their outputs, in order.

@@ -132,10 +132,11 @@ async def test_a_full_queue_answers_the_rest_503_at_once_and_serves_those_it_too
 async def test_a_request_the_queue_cannot_serve_by_its_deadline_gets_503_not_504(
     server: ServerThread,
 ) -> None:
-    """With one run measured at 100 s (the clock jumps while it is held) and the model
-    busy again, a request with a 1 s deadline would wait about 100 s: it is refused at
-    once with a Retry-After of that wait, never queued to fail at its deadline. A
-    request without a deadline is still taken, and served once the model is free."""
+    """With one run measured at 100 s (the clock jumps while it is held), the model
+    busy again and one request queued, a request with a 1 s deadline would wait about
+    100 s: it is refused at once with a Retry-After of that wait, never queued to fail
+    at its deadline. Requests without a deadline are still taken, and served once the
+    model is free."""
     executor = worker(server)
     one_second = {"X-Timeout-Ms": "1000"}
     async with httpx.AsyncClient(base_url=server.url, timeout=WAIT_S) as client:
@@ -147,13 +148,15 @@ async def test_a_request_the_queue_cannot_serve_by_its_deadline_gets_503_not_504
         with HELD.closed():
             busy = asyncio.create_task(client.post(V1[0], json=V1[1]))
             await asyncio.to_thread(HELD.wait_held)
+            queued = asyncio.create_task(client.post(V1[0], json=V1[1]))
+            await eventually(lambda: len(executor.queue) == 1, "one request queued")
             for path, body in (V1, V2):
                 refused = await client.post(path, json=body, headers=one_second)
                 assert refused.status_code == 503, refused.text
                 assert int(refused.headers["retry-after"]) >= 50, refused.headers
                 assert re.search(r"expected wait, about \d+ ms", refused.text), refused.text
             patient = asyncio.create_task(client.post(V1[0], json=V1[1]))
-            await eventually(lambda: len(executor.queue) == 1, "the request without a deadline")
+            await eventually(lambda: len(executor.queue) == 2, "the request without a deadline")
             assert not busy.done()
-        assert (await busy).status_code == 200
-        assert (await patient).status_code == 200
+        answers = await asyncio.gather(busy, queued, patient)
+    assert [a.status_code for a in answers] == [200] * 3, [a.text for a in answers]
