@@ -50,7 +50,29 @@ class Settings(BaseSettings):
         le=1024,
         description="onnxruntime intra-op threads; default: onnxruntime's choice.",
     )
-    max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Largest request body.")
+    max_body_bytes: int = Field(
+        8 * 1024 * 1024, gt=0, description="Largest request body; a larger one gets 413."
+    )
+    max_inputs_per_request: int = Field(
+        2048,
+        gt=0,
+        description="Most inputs (texts, prompts) one request may carry; a request of more "
+        "gets 413 before any of them is tokenized.",
+    )
+    offload_body_bytes: int = Field(
+        16 * 1024,
+        ge=0,
+        description="Bodies larger than this are parsed and tokenized on a worker thread, "
+        "so that the event loop keeps answering other requests meanwhile; smaller ones "
+        "cost less than the hand-off.",
+    )
+    discard_body_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=0,
+        description="Most bytes of an unread body (a request answered 413, 401 or 503 "
+        "before its body was read) the server reads and drops before it closes the "
+        "connection, so that the client gets the answer rather than a reset.",
+    )
     drain_s: float = Field(
         5.0,
         ge=0,

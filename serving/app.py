@@ -26,11 +26,19 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
-from lanes.errors import LanesError
+from lanes.errors import LanesError, Overloaded
+from lanes.protocols import TIMEOUT_HEADER
 from lanes.protocols.openai import error_body
 from lanes.runtime import Runtime
 from lanes.serving import generate_routes, openai_routes, v2_routes
-from lanes.serving.http import JSONResponse, error_response, is_v2
+from lanes.serving.http import (
+    JSONResponse,
+    Receipt,
+    closes_after,
+    discard_unread,
+    error_response,
+    is_v2,
+)
 from lanes.serving.metrics import Metrics
 from lanes.serving.readiness import Readiness
 from lanes.serving.state import ServingState
@@ -67,22 +75,19 @@ def create_app(
             await asyncio.gather(loading, return_exceptions=True)
             await asyncio.gather(*(w.stop() for w in state.workers.values()))
             await asyncio.gather(*(e.stop() for e in state.engines.values()))
+            state.offload.close()
 
-    routes = [
-        Route("/healthz", live, methods=["GET"]),
-        Route("/v2/health/live", live, methods=["GET"]),
-        Route("/readyz", ready, methods=["GET"]),
-        Route("/v2/health/ready", ready, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        *openai_routes.routes,
-        *generate_routes.routes,
-        *v2_routes.routes,
-    ]
     handlers = {HTTPException: no_route, Exception: internal_error}
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+    app = Starlette(routes=_routes(), lifespan=lifespan, exception_handlers=handlers)
     app.state.lanes = state
     key = settings.api_key.get_secret_value() if settings.api_key else None
-    return Edge(app, state.metrics, api_key=key, readiness=state.readiness)
+    return Edge(
+        app,
+        state.metrics,
+        api_key=key,
+        readiness=state.readiness,
+        discard_limit=settings.discard_body_bytes,
+    )
 
 
 async def _load(state: ServingState, runtime: Runtime | None) -> None:
@@ -199,8 +204,29 @@ _UNAUTHORIZED = orjson.dumps(
 _V2_UNAUTHORIZED = orjson.dumps(
     {"error": "missing or wrong API key: send Authorization: Bearer <key>"}
 )
-_MODEL_PATH = re.compile(r"^/v2/models/[^/]+(/versions/[^/]+)?")
+_UNAUTHORIZED_HEADERS = {"WWW-Authenticate": "Bearer"}
 _INFER_PATH = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
+OTHER_ROUTE = "other"
+_TIMEOUT_HEADER = TIMEOUT_HEADER.lower().encode()
+
+
+def _routes() -> list[Route]:
+    return [
+        Route("/healthz", live, methods=["GET"]),
+        Route("/v2/health/live", live, methods=["GET"]),
+        Route("/readyz", ready, methods=["GET"]),
+        Route("/v2/health/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        *openai_routes.routes,
+        *generate_routes.routes,
+        *v2_routes.routes,
+    ]
+
+
+# The label of each route the app serves: its template, so that names and versions
+# in the path never make a series of their own.
+_STATIC = frozenset(r.path for r in _routes() if not r.param_convertors)
+_TEMPLATES = tuple((r.path_regex, r.path) for r in _routes() if r.param_convertors)
 
 
 def _closing(send: Send) -> Send:
@@ -218,12 +244,15 @@ _CLOSE = (b"connection", b"close")
 
 
 def route_label(path: str) -> str:
-    """A bounded label for a path: workload names and versions in /v2 paths are folded away."""
-    return _MODEL_PATH.sub(_model_label, path)
-
-
-def _model_label(found: re.Match[str]) -> str:
-    return "/v2/models/{name}/versions/{version}" if found.group(1) else "/v2/models/{name}"
+    """The template of the route `path` belongs to (`/v2/models/{name}/infer`), or
+    OTHER_ROUTE for a path no route serves: the label set is fixed by the code,
+    whatever paths clients send."""
+    if path in _STATIC:
+        return path
+    for regex, template in _TEMPLATES:
+        if regex.match(path):
+            return template
+    return OTHER_ROUTE
 
 
 class Edge:
@@ -239,14 +268,24 @@ class Edge:
 
     An exception no route caught is logged once, with its traceback, and answered
     500 (JSON) when the answer had not started, so the connection stays usable.
+
+    Every answer reaches its client: one sent before the body was read, on a
+    connection that closes after it, first reads what is left of the body (up to
+    `discard_limit` bytes, see `discard_unread`) so that the close is not a reset.
     """
 
     def __init__(
-        self, app: Starlette, metrics: Metrics, api_key: str | None, readiness: Readiness
+        self,
+        app: Starlette,
+        metrics: Metrics,
+        api_key: str | None,
+        readiness: Readiness,
+        discard_limit: int,
     ) -> None:
         self.app = app
         self.metrics = metrics
         self.token = api_key.encode() if api_key else None
+        self.discard_limit = discard_limit
         self.readiness = readiness
 
     def drain(self) -> None:
@@ -264,35 +303,41 @@ class Edge:
             send = _closing(send)
         path: str = scope["path"]
         label = route_label(path)
+        receipt = Receipt(receive)
         if self.token is not None and path not in HEALTH_PATHS and not self._authorized(scope):
             self.metrics.responses.labels(label, "401").inc()
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 401,
-                    "headers": [
-                        (b"content-type", b"application/json"),
-                        (b"www-authenticate", b"Bearer"),
-                    ],
-                }
-            )
             body = _V2_UNAUTHORIZED if is_v2(path) else _UNAUTHORIZED
-            await send({"type": "http.response.body", "body": body})
+            refusal = Response(body, 401, _UNAUTHORIZED_HEADERS, "application/json")
+            await self._before_answer(scope, receipt, refusal.raw_headers)
+            await refusal(scope, receipt, send)
             return
         endpoint = self._inference(scope)
         if endpoint is None:
-            await self._routed(scope, receive, send, label)
+            await self._routed(scope, receipt, send, label)
             return
         scope["app"] = self.app  # what Starlette sets, for request.app.state
-        try:
-            response = await endpoint(Request(scope, receive))
-        except Exception as exc:
-            log.exception("%s %s failed", scope["method"], path)
-            response = _internal(path, exc)
-        await response(scope, receive, send)
+        overloaded = self._shed(scope)
+        if overloaded is not None:
+            response: Response = error_response(path, overloaded)
+        else:
+            try:
+                response = await endpoint(Request(scope, receipt))
+            except Exception as exc:
+                log.exception("%s %s failed", scope["method"], path)
+                response = _internal(path, exc)
+        await self._before_answer(scope, receipt, response.raw_headers)
+        await response(scope, receipt, send)
         self.metrics.responses.labels(label, str(response.status_code)).inc()
 
-    async def _routed(self, scope: Scope, receive: Receive, send: Send, label: str) -> None:
+    async def _before_answer(
+        self, scope: Scope, receipt: Receipt, headers: list[tuple[bytes, bytes]]
+    ) -> None:
+        # While draining every answer closes its connection (`_closing`).
+        closes = self.readiness.draining or closes_after(scope, headers)
+        if not receipt.whole and closes:
+            await discard_unread(scope, receipt, self.discard_limit)
+
+    async def _routed(self, scope: Scope, receipt: Receipt, send: Send, label: str) -> None:
         started = finished = False
 
         async def counted(message: Message) -> None:
@@ -300,18 +345,48 @@ class Edge:
             if message["type"] == "http.response.start":
                 started = True
                 self.metrics.responses.labels(label, str(message["status"])).inc()
+                await self._before_answer(scope, receipt, message.get("headers", []))
             elif message["type"] == "http.response.body" and not message.get("more_body"):
                 finished = True
             await send(message)
 
         try:
-            await self.app(scope, receive, counted)
+            await self.app(scope, receipt, counted)
         except Exception as exc:
             if started and not finished:
                 raise  # cut short mid-answer: uvicorn logs it and closes the connection
             log.exception("%s %s failed", scope["method"], scope["path"])
             if not started:
-                await _internal(scope["path"], exc)(scope, receive, counted)
+                await _internal(scope["path"], exc)(scope, receipt, counted)
+
+    def _shed(self, scope: Scope) -> Overloaded | None:
+        """Overloaded when every workload an inference call may be for refuses one
+        more input now (queue full, or its expected wait past the workload's
+        deadline): then the 503 costs no body reading, parsing or tokenizing, which
+        under overload is what would otherwise take the model's share of the CPU.
+
+        /v1/embeddings names its workload in the body, so it is shed only while every
+        embed workload refuses. A call with a deadline of its own (X-Timeout-Ms) is
+        left to its route, which knows it; a v2 `timeout` parameter lies in the body,
+        unread here, so the workload's own deadline (`slo.timeout_ms`) decides.
+        """
+        state: ServingState = self.app.state.lanes
+        if scope["path"] == "/v1/embeddings":
+            workers = [w for w in state.workers.values() if w.task.kind == "embed"]
+        else:
+            worker = state.workers.get(scope["path_params"]["name"])
+            workers = [] if worker is None else [worker]
+        if not workers or any(name == _TIMEOUT_HEADER for name, _ in scope["headers"]):
+            return None
+        refusal = None
+        for worker in workers:
+            try:
+                worker.admit(1)
+            except Overloaded as e:
+                refusal = e
+            else:
+                return None
+        return refusal
 
     def _inference(self, scope: Scope) -> Callable[[Request], Awaitable[Response]] | None:
         """The endpoint of an inference call; path parameters go where Starlette puts them."""

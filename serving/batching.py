@@ -74,6 +74,17 @@ class BatchQueue:
         """Requests waiting (not counting those already answered)."""
         return self._live
 
+    def check_room(self, items: int) -> None:
+        """Raise Overloaded now if `items` more requests cannot all be queued."""
+        if self._closed:
+            raise Overloaded("the server is shutting down; retry on another replica", 1.0)
+        if self._live + items > self.max_queue:
+            room = self.max_queue - self._live
+            raise Overloaded(
+                f"queue full ({self._live} waiting, room for {room} of {items}); retry shortly",
+                1.0,
+            )
+
     def put(self, item: Any, deadline: float | None = None) -> Pending:
         """Queue one prepared item; raises Overloaded at once when the queue is full.
 

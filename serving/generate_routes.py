@@ -40,12 +40,20 @@ from lanes.protocols.completions import (
 )
 from lanes.protocols.openai import (
     error_of,
+    input_count,
     parse,
 )
 from lanes.serving.batching import never_fits
 from lanes.serving.engine import Engine, TokenStream
 from lanes.serving.guard import Piece, TextGuard, pieces
-from lanes.serving.http import JSONResponse, openai_error, read_json, timeout_s
+from lanes.serving.http import (
+    JSONResponse,
+    check_inputs,
+    decode_json,
+    openai_error,
+    read_body,
+    timeout_s,
+)
 from lanes.serving.kvcache import MAX_PADDING
 from lanes.serving.scheduler import Policy
 from lanes.serving.state import ServingState
@@ -108,12 +116,22 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
     state: ServingState = request.app.state.lanes
     arrived = time.monotonic()
     streams: list[TokenStream] = []
+    settings = state.settings
     try:
-        body = parse(endpoint.request, await read_json(request, state.settings.max_body_bytes))
+        # A large body is parsed and tokenized off the event loop (serving/offload.py).
+        raw = await read_body(request, settings.max_body_bytes)
+        body = await state.offload.run(len(raw), _decode, endpoint.request, raw)
         engine = state.engine(body.model)
+        if isinstance(body, CompletionRequest):
+            check_inputs(input_count(body.prompt), settings.max_inputs_per_request, "prompt")
         config = engine.decoder.config
-        prepared = prepare_prompts(
-            body, config.chat_template, config.chat_generation_prompt, engine.task.prepare
+        prepared = await state.offload.run(
+            len(raw),
+            prepare_prompts,
+            body,
+            config.chat_template,
+            config.chat_generation_prompt,
+            engine.task.prepare,
         )
         too_many = never_fits(len(prepared), engine.max_queue)
         if too_many is not None:
@@ -155,6 +173,12 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
         return Response(status_code=CLIENT_GONE)
     latency.observe(time.monotonic() - arrived)
     return JSONResponse(answer.whole(whole))
+
+
+def _decode(
+    shape: type[CompletionRequest] | type[ChatCompletionRequest], raw: bytes
+) -> CompletionRequest | ChatCompletionRequest:
+    return parse(shape, decode_json(raw))
 
 
 def _cancel(streams: Sequence[TokenStream]) -> None:

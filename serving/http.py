@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
+from starlette.types import Message, Receive, Scope
 
 from lanes.errors import InvalidInput, LanesError, Overloaded, RequestTooLarge
 from lanes.protocols import TIMEOUT_HEADER
@@ -67,13 +68,27 @@ def error_response(path: str, error: LanesError) -> JSONResponse:
 async def read_json(request: Request, limit: int) -> Any:
     """The request's JSON body; InvalidInput if it is not JSON, RequestTooLarge over
     `limit`, ClientGone if the client left before sending all of it."""
-    body = await read_body(request, limit)
+    return decode_json(await read_body(request, limit))
+
+
+def decode_json(body: bytes) -> Any:
+    """A body's JSON; InvalidInput if it is empty or not JSON."""
     if not body:
         raise InvalidInput.field("body", "expected a JSON object, found an empty body")
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as e:
         raise InvalidInput.field("body", f"expected JSON, found malformed JSON ({e})") from None
+
+
+def check_inputs(count: int, limit: int, param: str) -> None:
+    """RequestTooLarge when a request carries more than `limit` inputs (in `param`)."""
+    if count > limit:
+        raise RequestTooLarge.field(
+            param,
+            f"{count} inputs is over the limit of {limit} per request "
+            f"(LANES_MAX_INPUTS_PER_REQUEST); split them into requests of at most {limit}",
+        )
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -114,3 +129,68 @@ def timeout_s(request: Request) -> float | None:
         detail = f"expected a positive number, found {raw!r}"
         raise InvalidInput.field(TIMEOUT_HEADER, detail, "invalid_value")
     return value / 1000
+
+
+class Receipt:
+    """A request's `receive` that notes whether the body has arrived whole."""
+
+    __slots__ = ("_receive", "asked", "whole")
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self.asked = False  # whether anything read the body yet
+        self.whole = False
+
+    async def __call__(self) -> Message:
+        self.asked = True
+        message = await self._receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            self.whole = True
+        return message
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None
+
+
+def closes_after(scope: Scope, response_headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether the connection closes once this answer is sent: HTTP/1.0, or
+    `Connection: close` from either side."""
+    if scope.get("http_version") == "1.0":
+        return True
+    for where in (scope["headers"], response_headers):
+        for key, value in where:
+            if key.lower() == b"connection" and b"close" in value.lower():
+                return True
+    return False
+
+
+async def discard_unread(scope: Scope, receipt: Receipt, limit: int) -> None:
+    """Read and drop what is left of a body the answer did not need (a 413, a 401,
+    a 503 sent before the body was read), up to `limit` bytes.
+
+    Call it before the answer when the connection closes after it: a socket closed
+    with unread bytes in its buffer is reset, and the client sees the reset, not the
+    answer. A kept-alive connection needs none of this (uvicorn skips the rest of
+    the body itself), nor a client that waits for `100 Continue` before sending the
+    body and has not been asked for it: it sends nothing. A declared body over
+    `limit` is not read: its client may see a reset.
+    """
+    if receipt.whole:
+        return
+    length = _header(scope, b"content-length")
+    chunked = _header(scope, b"transfer-encoding") is not None
+    if not chunked and (length is None or not length.isdigit() or int(length) == 0):
+        return  # no body
+    if length is not None and length.isdigit() and int(length) > limit:
+        return
+    expect = _header(scope, b"expect")
+    if not receipt.asked and expect is not None and expect.lower() == b"100-continue":
+        return
+    dropped = 0
+    while not receipt.whole and dropped <= limit:
+        message = await receipt()
+        dropped += len(message.get("body", b""))

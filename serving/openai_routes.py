@@ -12,28 +12,49 @@ from lanes.protocols.openai import (
     EmbeddingsRequest,
     check_dimensions,
     embeddings_response,
+    input_count,
     parse,
     prepare_texts,
 )
-from lanes.serving.http import JSONResponse, openai_error, read_json, timeout_s
+from lanes.serving.http import (
+    JSONResponse,
+    check_inputs,
+    decode_json,
+    openai_error,
+    read_body,
+    timeout_s,
+)
 from lanes.serving.state import ServingState
 from lanes.spec import Workload
 from lanes.tasks.embed import EmbedTask
 
 
 async def embeddings(request: Request) -> JSONResponse:
+    """Admission comes before tokenizing: a request the queue cannot take now, or
+    ever, is refused having cost its parsing only. A large body is parsed and
+    tokenized off the event loop (serving/offload.py)."""
     state: ServingState = request.app.state.lanes
+    settings = state.settings
     try:
-        body = parse(EmbeddingsRequest, await read_json(request, state.settings.max_body_bytes))
+        raw = await read_body(request, settings.max_body_bytes)
+        body = await state.offload.run(len(raw), _decode, raw)
         worker = state.worker(body.model, ("embed",))
         if isinstance(worker.task, EmbedTask):
             check_dimensions(body, worker.task.dimensions)
-        items = prepare_texts(body, worker.task.prepare)
-        vectors = await worker.submit(items, timeout_s(request))
+        count = input_count(body.input)
+        check_inputs(count, settings.max_inputs_per_request, "input")
+        timeout = timeout_s(request)
+        worker.admit(count, timeout)
+        items = await state.offload.run(len(raw), prepare_texts, body, worker.task.prepare)
+        vectors = await worker.submit(items, timeout)
     except LanesError as e:
         return openai_error(e)
     tokens = sum(item.n_tokens for item in items)
     return JSONResponse(embeddings_response(body.model, vectors, tokens, body.encoding_format))
+
+
+def _decode(raw: bytes) -> EmbeddingsRequest:
+    return parse(EmbeddingsRequest, decode_json(raw))
 
 
 def _card(name: str, workload: Workload) -> dict[str, Any]:

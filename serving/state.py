@@ -5,11 +5,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from lanes.errors import ModelError, Overloaded, UnknownWorkload, WrongMode
 from lanes.serving.engine import Engine
 from lanes.serving.guard import TextGuard
 from lanes.serving.metrics import Metrics
+from lanes.serving.offload import Offload
 from lanes.serving.readiness import Hosted, LoadState, Readiness
 from lanes.serving.worker import BatchWorker
 from lanes.settings import Settings
@@ -31,6 +33,11 @@ class ServingState:
     def __post_init__(self) -> None:
         hosted = [n for n, w in self.spec.workloads.items() if w.mode == "interactive"]
         self.readiness = Readiness(hosted)
+
+    @cached_property
+    def offload(self) -> Offload:
+        """Where large bodies are parsed and tokenized (off the event loop)."""
+        return Offload(self.settings.offload_body_bytes)
 
     def worker(self, name: str, tasks: tuple[TaskName, ...]) -> BatchWorker:
         """The worker of an interactive workload of one of `tasks`, or a clear error."""

@@ -35,7 +35,7 @@ from lanes.protocols.v2 import (
     result_arrays,
 )
 from lanes.runtime import TensorInfo
-from lanes.serving.http import JSONResponse, read_body, timeout_s, v2_error
+from lanes.serving.http import JSONResponse, check_inputs, read_body, timeout_s, v2_error
 from lanes.serving.readiness import LoadState
 from lanes.serving.state import ServingState
 from lanes.serving.worker import BatchWorker
@@ -51,17 +51,19 @@ EMBED_OUTPUTS = [{"name": "embedding", "datatype": "FP32", "shape": [-1, -1]}]
 
 
 async def infer(request: Request) -> Response:
+    """As /v1/embeddings: admission before preparing, large bodies off the loop."""
     state: ServingState = request.app.state.lanes
     name = request.path_params["name"]
     try:
         worker = _served(state, request)
         raw = await read_body(request, state.settings.max_body_bytes)
-        call = parse_infer(raw, request.headers.get(HEADER_LENGTH))
+        header_length = request.headers.get(HEADER_LENGTH)
+        call = await state.offload.run(len(raw), parse_infer, raw, header_length)
         timeout = call.request.timeout_s() or timeout_s(request)
         if worker.task.kind == "embed":
-            outputs = await _embed(worker, call, timeout)
+            outputs = await _embed(state, worker, call, timeout, len(raw))
         else:
-            outputs = await _infer(worker, call, timeout)
+            outputs = await _infer(state, worker, call, timeout, len(raw))
         answer = encode_response(call.request, name, outputs)
     except ModelError as e:  # the model or the handler's answer, not the request's fault
         log.exception("workload %s: v2 infer failed", name)
@@ -77,7 +79,9 @@ async def infer(request: Request) -> Response:
     return Response(answer.body, media_type="application/octet-stream", headers=headers)
 
 
-async def _infer(worker: BatchWorker, call: InferCall, timeout: float | None) -> dict[str, Array]:
+async def _infer(
+    state: ServingState, worker: BatchWorker, call: InferCall, timeout: float | None, size: int
+) -> dict[str, Array]:
     task = worker.task
     assert isinstance(task, InferTask)
     body = call.request
@@ -87,7 +91,8 @@ async def _infer(worker: BatchWorker, call: InferCall, timeout: float | None) ->
             body.check_outputs([o["name"] for o in declared], task.name)
     if task.handler.pre is None:
         _check_datatypes(task, body)
-    item = task.prepare(call.inputs)
+    worker.admit(1, timeout)
+    item = await state.offload.run(size, task.prepare, call.inputs)
     [result] = await worker.submit([item], timeout)
     outputs = result_arrays(result)
     body.check_outputs(outputs, task.name)
@@ -107,7 +112,9 @@ def _check_datatypes(task: InferTask, body: InferRequest) -> None:
             )
 
 
-async def _embed(worker: BatchWorker, call: InferCall, timeout: float | None) -> dict[str, Array]:
+async def _embed(
+    state: ServingState, worker: BatchWorker, call: InferCall, timeout: float | None, size: int
+) -> dict[str, Array]:
     body = call.request
     body.check_outputs(["embedding"], worker.name)
     if len(body.inputs) != 1 or body.inputs[0].datatype != "BYTES":
@@ -115,21 +122,29 @@ async def _embed(worker: BatchWorker, call: InferCall, timeout: float | None) ->
     texts = call.inputs[body.inputs[0].name].reshape(-1)
     if texts.size == 0:
         raise InvalidInput.field("inputs[0]", "expected at least one text, found none")
-    items = []
-    for i, text in enumerate(texts):
-        where = f"inputs[0].data[{i}]"
-        try:
-            value = text.decode() if isinstance(text, bytes) else text
-            items.append(worker.task.prepare(value))
-        except UnicodeDecodeError:
-            raise InvalidInput(f"{where}: expected UTF-8 text") from None
-        except InvalidInput as e:
-            raise e.at(where) from None
+    count = int(texts.size)
+    check_inputs(count, state.settings.max_inputs_per_request, "inputs[0]")
+    worker.admit(count, timeout)
+    items = await state.offload.run(size, _prepare_texts, worker.task, texts)
     vectors = await worker.submit(items, timeout)
     try:
         return {"embedding": np.stack(vectors)}
     except (ValueError, TypeError) as e:
         raise ModelError(f"workload {worker.name!r}: the outputs are not vectors ({e})") from None
+
+
+def _prepare_texts(task: Task, texts: Array) -> list[Any]:
+    items = []
+    for i, text in enumerate(texts):
+        where = f"inputs[0].data[{i}]"
+        try:
+            value = text.decode() if isinstance(text, bytes) else text
+            items.append(task.prepare(value))
+        except UnicodeDecodeError:
+            raise InvalidInput(f"{where}: expected UTF-8 text") from None
+        except InvalidInput as e:
+            raise e.at(where) from None
+    return items
 
 
 async def model_metadata(request: Request) -> Response:

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
-from lanes.errors import LanesError, ModelError
+from lanes.errors import LanesError, ModelError, Overloaded
 from lanes.isolation import Failed, Isolated, failed_alone, isolate, per_item
 from lanes.serving.batching import BatchQueue, Pending, never_fits
 from lanes.serving.metrics import Metrics, Utilization
@@ -80,16 +80,51 @@ class BatchWorker:
         # stays free meanwhile to answer it and other workers' callers.
         await asyncio.to_thread(self._thread.stop)
 
+    def admit(self, items: int, timeout_s: float | None = None) -> None:
+        """Raise now what `submit` would refuse `items` inputs with, so that a caller
+        can ask before it prepares them: RequestTooLarge if they can never be queued;
+        Overloaded while the queue has no room for all of them, or while its expected
+        wait is past their deadline (`timeout_s`, else the workload's `slo.timeout_ms`).
+
+        The second is what keeps goodput under overload: a FIFO queue longer than the
+        deadline would let every request in only to fail it at its deadline (504),
+        each having cost its parsing, tokenizing and queueing; refused at once, the
+        ones let in are the ones served in time, and the refused retry elsewhere.
+        """
+        too_many = never_fits(items, self.queue.max_queue)
+        if too_many is not None:
+            raise too_many
+        self.queue.check_room(items)
+        timeout_s = timeout_s if timeout_s is not None else self.default_timeout_s
+        if timeout_s is None:
+            return
+        wait = self.expected_wait_s()
+        if wait > timeout_s:
+            raise Overloaded(
+                f"workload {self.name!r} is overloaded: the queue's expected wait, about "
+                f"{wait * 1000:.0f} ms, is past this request's deadline of "
+                f"{timeout_s * 1000:.0f} ms; retry shortly",
+                wait,
+            )
+
+    def expected_wait_s(self) -> float:
+        """About how long what is queued now takes to run, at the measured cost per
+        input (0 before the first run): the least a newcomer waits for its batch.
+
+        Only the queue counts, not the rest of the batch on the model (unknown, and a
+        request behind no queue is better left to its deadline: it may still make it)."""
+        cost = self._item_cost_s
+        return 0.0 if cost is None else len(self.queue) * cost
+
     async def submit(self, items: Sequence[Any], timeout_s: float | None = None) -> list[Any]:
         """Run prepared items (all or none) and wait for their outputs, in order.
 
         They run at once if the model is free and nobody waits, else they queue.
         More items than the queue can hold are refused (`RequestTooLarge`), however
-        idle the model is, so the answer does not depend on the moment.
+        idle the model is, so the answer does not depend on the moment; more than it
+        has room for now, at once and all of them (`Overloaded`).
         """
-        too_many = never_fits(len(items), self.queue.max_queue)
-        if too_many is not None:
-            raise too_many
+        self.admit(len(items), timeout_s)
         timeout_s = timeout_s if timeout_s is not None else self.default_timeout_s
         arrived = self.clock()
         pendings: list[Pending] = []

@@ -3,7 +3,8 @@
 - `Gate`: runs wait at it while a test keeps it closed; `allow(n)` lets n through.
   `GatedRuntime` puts a gate in front of every session of the model files it is
   given (the engine's decoder steps); `held` is a handler whose `post` waits at `HELD`
-  (a batch worker's runs).
+  (a batch worker's runs), `parse_held` one whose `pre` waits at `PARSE_HELD` (the
+  preparing of a request's inputs).
 - `FileGate`: the same between processes: runs wait until a file exists.
 - `ManualClock` moves only when told; `JumpClock` is real time plus the jumps a test
   makes (a deadline passes at once, and nothing else changes).
@@ -157,6 +158,17 @@ class GatedPost:
         return output
 
 
+class GatedPre:
+    """A handler whose `pre` waits at `gate`, then passes the input on unchanged."""
+
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate
+
+    def pre(self, item: Any) -> Any:
+        self.gate.wait()
+        return item
+
+
 class FileGate:
     """A gate between processes at the path in $TESTS_GATE_FILE: runs wait until that
     file exists, and while one waits, the file's name + ".held" exists."""
@@ -241,3 +253,5 @@ async def eventually(check: Callable[[], bool], what: str, timeout: float = WAIT
 HELD = Gate()
 held = GatedPost(HELD)
 held_by_file = FileGatedPost()
+PARSE_HELD = Gate()
+parse_held = GatedPre(PARSE_HELD)

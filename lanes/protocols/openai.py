@@ -104,6 +104,11 @@ def one_input(value: str | list[Any]) -> bool:
     return isinstance(value, str) or (bool(value) and _is_id(value[0]))
 
 
+def input_count(value: str | list[Any]) -> int:
+    """How many inputs `value` holds, before any of them is checked."""
+    return 1 if one_input(value) else len(value)
+
+
 class EmbeddingsRequest(OpenAIRequest):
     input: str | list[Any] = Field(description="Text(s), or array(s) of token ids.")
     encoding_format: Literal["float", "base64"] = "float"
