@@ -25,10 +25,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
+from lanes.backfill import INTERNAL_PREFIX
 from lanes.errors import LanesError
 from lanes.protocols.openai import error_body
 from lanes.runtime import Runtime
-from lanes.serving import generate_routes, openai_routes, v2_routes
+from lanes.serving import backfill_routes, generate_routes, openai_routes, v2_routes
 from lanes.serving.http import JSONResponse, error_response, is_v2
 from lanes.serving.metrics import Metrics
 from lanes.serving.state import ServingState
@@ -75,6 +76,7 @@ def create_app(
         *openai_routes.routes,
         *generate_routes.routes,
         *v2_routes.routes,
+        *backfill_routes.routes,
     ]
     handlers = {HTTPException: no_route, Exception: internal_error}
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
@@ -236,7 +238,9 @@ class Edge:
             return
         path: str = scope["path"]
         label = route_label(path)
-        if self.token is not None and path not in HEALTH_PATHS and not self._authorized(scope):
+        # The internal routes check their own key (serving/backfill_routes.py).
+        open_path = path in HEALTH_PATHS or path.startswith(INTERNAL_PREFIX)
+        if self.token is not None and not open_path and not self._authorized(scope):
             self.metrics.responses.labels(label, "401").inc()
             await send(
                 {
