@@ -393,3 +393,36 @@ def test_an_endpoint_runner_may_name_the_model_instead_of_a_workload(tmp_path: P
     from lanes.backfill import served_workload
 
     assert served_workload(load_spec(spec, Settings()).workloads, "corpus") == "live"
+
+
+# ---- offline batch size ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("slo", "slack_ms", "items"), [({"p99_ms": 50}, 48, 47), ({}, 20, 19)])
+def test_offline_runs_are_sized_to_the_interactive_slack(
+    tmp_path: Path, slo: dict[str, Any], slack_ms: float, items: int
+) -> None:
+    """One run fits in p99 minus the service time (or the default slack), by the cost
+    model: here 1 ms fixed + 1 ms per item, so an interactive batch of 1 takes 2 ms."""
+    from lanes.serving.metrics import Metrics
+    from lanes.serving.worker import DEFAULT_SLACK_S, LEARNING_ITEMS, BatchWorker
+    from tests.gates import ManualClock
+
+    workloads = {"live": live("infer", slo=slo, batching={"max_batch_size": 64})}
+    spec = load_spec(write_spec(tmp_path, workloads), Settings())
+    task = load_task("live", spec, Runtime(Settings(device="cpu")))
+    clock = ManualClock()
+
+    async def sized() -> tuple[int, float, int]:
+        worker = BatchWorker(task, Metrics(), clock)
+        candidates = [task.prepare({"x": [[1, 2, 3, 4]]})]
+        before = worker.offline_items(candidates)  # nothing measured yet
+        for n in (1, 2, 4, 8, 16, 1, 2, 4, 8, 16):
+            worker.cost.observe(n, 0, 0.001 + 0.001 * n)
+        return before, worker.slack_s(), worker.offline_items(candidates)
+
+    before, slack, after = asyncio.run(sized())
+    assert before == LEARNING_ITEMS
+    assert slack == pytest.approx(slack_ms / 1000)
+    assert after == items
+    assert DEFAULT_SLACK_S == 0.020
