@@ -40,11 +40,21 @@ from prefect.futures import PrefectFuture, as_completed
 from prefect.states import Completed
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
+from lanes.backfill import served_workload
 from lanes.errors import JobFailed
 from lanes.flows import FLOW_NAME
+from lanes.flows.endpoint import EndpointModel, batch_key
 from lanes.flows.job import Job, plan_job, plan_shards
 from lanes.flows.manifest import Manifest, ShardFailure, build_manifest, write_manifest
-from lanes.flows.shard import Model, ShardPlan, ShardStats, TooManyErrors, committed, run_shard
+from lanes.flows.shard import (
+    Model,
+    ShardModel,
+    ShardPlan,
+    ShardStats,
+    TooManyErrors,
+    committed,
+    run_shard,
+)
 from lanes.flows.validate import check_records
 from lanes.jobs import WITH_ERRORS_STATE
 from lanes.layout import ERRORS
@@ -112,6 +122,8 @@ def run_job(job: Job, settings: Settings, rerun: Rerun = "uncommitted") -> Manif
     from prefect.runtime import flow_run
 
     started = datetime.now(UTC)
+    if job.runner.kind == "endpoint":
+        batch_key(settings)  # no key: fail before any shard runs, saying which to set
     storage = Storage(settings)
     storage.ensure_folder(job.output)
     storage.clean_stale(job.output, STALE_STAGING_S)
@@ -275,8 +287,9 @@ def _api_for_workers() -> Iterator[None]:
 
 
 def task_runner(runner: Runner, settings: Settings) -> TaskRunner[Any]:
-    """Threads in this process, or Dask (a cluster at `address`, else a local one)."""
-    if runner.kind == "local":
+    """Threads in this process (for the endpoint runner too: its shards wait on the
+    endpoint), or Dask (a cluster at `address`, else a local one)."""
+    if runner.kind in ("local", "endpoint"):
         return ThreadPoolTaskRunner(max_workers=runner.max_concurrent_shards)
     from prefect_dask.task_runners import DaskTaskRunner
 
@@ -298,22 +311,38 @@ def task_runner(runner: Runner, settings: Settings) -> TaskRunner[Any]:
 
 # One loaded model per process, reused by every shard task that runs here (a thread
 # of this flow, or a Dask worker): loading costs more than a small shard.
-_loaded: dict[str, Model] = {}
+_loaded: dict[str, ShardModel] = {}
 _loading = threading.Lock()
 
 
-def _model(job: Job, settings: Settings) -> Model:
-    key = f"{job.workload}|{job.model_key}|{settings.model_dump_json()}"
+def _model(job: Job, settings: Settings) -> ShardModel:
+    key = f"{job.workload}|{job.model_key}|{job.runner.model_dump_json()}|"
+    key += settings.model_dump_json()
     with _loading:
         model = _loaded.get(key)
         if model is None:
-            runtime = Runtime(settings)
-            loaded = load_task(job.workload, job.spec, runtime)
-            loaded.warm_up()
-            model = Model(loaded, runtime.providers[0])
+            model = _endpoint_model(job, settings) if job.runner.kind == "endpoint" else None
+            if model is None:
+                runtime = Runtime(settings)
+                loaded = load_task(job.workload, job.spec, runtime)
+                loaded.warm_up()
+                model = Model(loaded, runtime.providers[0])
+            for old in _loaded.values():
+                if isinstance(old, EndpointModel):
+                    old.close()
             _loaded.clear()  # a worker serves one job at a time: keep memory flat
             _loaded[key] = model
         return model
+
+
+def _endpoint_model(job: Job, settings: Settings) -> EndpointModel:
+    """The endpoint runs the batches; this process only prepares and answers records,
+    with the task on the CPU, whatever the device setting (the device is the
+    endpoint's)."""
+    key = batch_key(settings)
+    task = load_task(job.workload, job.spec, Runtime(settings.model_copy(update={"device": "cpu"})))
+    url = job.runner.url or settings.endpoint
+    return EndpointModel(task, url, served_workload(job.spec.workloads, job.workload), key)
 
 
 def _progress(event: str, **fields: Any) -> None:

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import orjson
 
@@ -86,14 +86,57 @@ class TooManyErrors(JobFailed):
     """A shard rejected more of its records than its workload's max_error_rate allows."""
 
 
+class ShardModel(Protocol):
+    """What runs a shard's batches. `task` prepares the records and `answer`s them
+    (the same in every runner, so a record's line does not depend on where it ran);
+    `run` runs one batch of prepared items."""
+
+    @property
+    def task(self) -> Task: ...
+
+    @property
+    def provider(self) -> str:
+        """The execution provider the batches ran on, for the shard's stats."""
+        ...
+
+    def run(self, items: Sequence[Any]) -> list[Any]:
+        """One output per item (a `Failed` for an item that fails alone); raises when
+        the run failed for a reason a retry might fix, or failed on every item."""
+        ...
+
+
 @dataclass
 class Model:
-    """A loaded task. `lock`: one batch on the device at a time, however many shards
-    run at once in this process, so the rest of their work overlaps the model's."""
+    """A task loaded in this process. `lock`: one batch on the device at a time,
+    however many shards run at once in this process, so the rest of their work
+    overlaps the model's. (flows.endpoint.EndpointModel runs on the endpoint's.)"""
 
     task: Task
     provider: str
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def run(self, items: Sequence[Any]) -> list[Any]:
+        """One model run; if it fails, find the items it fails on by halving the batch
+        (lanes/isolation.py). An item that fails alone becomes that record's error.
+        When every item fails alone, the model (not the data) is at fault: the first
+        error is raised, for the shard's retries."""
+
+        def run(part: Sequence[Any]) -> Sequence[Any]:
+            with self.lock:
+                return list(self.task.run(part))
+
+        isolated = isolate(run, items)
+        if isolated.all_failed:
+            raise isolated.failed[0].error
+        if isolated.error is not None:
+            log.warning(
+                "a batch of %d failed (%s: %s); %d of its items fail on their own",
+                len(items),
+                type(isolated.error).__name__,
+                isolated.error,
+                len(isolated.failed),
+            )
+        return per_item(isolated, len(items))
 
 
 @dataclass
@@ -127,7 +170,7 @@ def committed(storage: Storage, plan: ShardPlan) -> ShardStats | None:
 
 def run_shard(
     plan: ShardPlan,
-    model: Model,
+    model: ShardModel,
     storage: Storage,
     batch_size: int,
     max_record_bytes: int,
@@ -272,7 +315,7 @@ class _Reader:
         return requests
 
 
-def _pipeline(requests: list[Request], model: Model, batch_size: int, writer: _Writer) -> int:
+def _pipeline(requests: list[Request], model: ShardModel, batch_size: int, writer: _Writer) -> int:
     """Prepare batch k+1 and write batch k-1 while batch k runs. Returns batches run."""
     batches = _prepared(requests, model.task, batch_size)
     runs = 0
@@ -284,7 +327,7 @@ def _pipeline(requests: list[Request], model: Model, batch_size: int, writer: _W
             items = [item for _, prepared in batch.requests for item in prepared]
             outputs: list[Any] = []
             for start in range(0, len(items), batch_size):
-                outputs += _run(model, items[start : start + batch_size])
+                outputs += model.run(items[start : start + batch_size])
                 runs += 1
             if writing is not None:
                 writing.result()
@@ -311,30 +354,6 @@ def _prepared(requests: list[Request], task: Task, batch_size: int) -> Iterator[
             batch, size = _Batch([], []), 0
     if batch.requests or batch.rejected:
         yield batch
-
-
-def _run(model: Model, items: Sequence[Any]) -> list[Any]:
-    """One model run; if it fails, find the items it fails on by halving the batch
-    (lanes/isolation.py). An item that fails alone becomes that record's error. When
-    every item fails alone, the model (not the data) is at fault: the first error is
-    raised, for the shard's retries."""
-
-    def run(part: Sequence[Any]) -> Sequence[Any]:
-        with model.lock:
-            return list(model.task.run(part))
-
-    isolated = isolate(run, items)
-    if isolated.all_failed:
-        raise isolated.failed[0].error
-    if isolated.error is not None:
-        log.warning(
-            "a batch of %d failed (%s: %s); %d of its items fail on their own",
-            len(items),
-            type(isolated.error).__name__,
-            isolated.error,
-            len(isolated.failed),
-        )
-    return per_item(isolated, len(items))
 
 
 class _Writer:

@@ -37,6 +37,12 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     endpoint: str = Field("http://127.0.0.1:8000", description="Where the SDK client calls.")
     api_key: SecretStr | None = Field(None, description="Bearer key the server requires.")
+    internal_key: SecretStr | None = Field(
+        None,
+        description="Bearer key of the endpoint's internal batch route (offline workloads "
+        "with `runner: {kind: endpoint}`), held by the server and the flow; default: "
+        "api_key. With neither, the server refuses the route.",
+    )
     device: Device = Field("auto", description="auto picks TensorRT/CUDA when a GPU is there.")
     io_binding: IoBinding = Field(
         "auto",
@@ -101,6 +107,11 @@ class Settings(BaseSettings):
     )
     workloads: dict[str, Any] = Field(default_factory=dict, description="Workload overrides.")
     models: dict[str, Any] = Field(default_factory=dict, description="Model overrides.")
+
+    def batch_key(self) -> str | None:
+        """The key of the internal batch route: internal_key, else api_key."""
+        key = self.internal_key or self.api_key
+        return key.get_secret_value() if key is not None else None
 
     def __init__(self, **values: Any) -> None:
         try:

@@ -216,10 +216,11 @@ def _next_fire(cron: str, start: datetime) -> datetime:
 class Runner(StrictModel):
     """Where an offline workload's shard tasks run. `runner: dask` is short for `{kind: dask}`."""
 
-    kind: Literal["local", "dask"] = Field(
+    kind: Literal["local", "dask", "endpoint"] = Field(
         "local",
         description="local: threads in the flow's own process; dask: a Dask cluster "
-        "through prefect-dask.",
+        "through prefect-dask; endpoint: the serving endpoint's own sessions, in its "
+        "offline lane (batches run only while no interactive request waits).",
     )
     address: str | None = Field(
         None,
@@ -233,6 +234,22 @@ class Runner(StrictModel):
     )
     max_concurrent_shards: PositiveInt = Field(
         2, le=4096, description="Shards in flight at once: reading one overlaps running another."
+    )
+    url: str | None = Field(
+        None,
+        pattern=r"^https?://[^\s/]+(/[^\s]*)?$",
+        max_length=2000,
+        description="kind: endpoint: the serving endpoint, e.g. http://10.0.0.5:8000; "
+        "none: the LANES_ENDPOINT setting. The flow authenticates with LANES_INTERNAL_KEY "
+        "(else LANES_API_KEY), which the server must hold too.",
+    )
+    workload: str | None = Field(
+        None,
+        min_length=1,
+        max_length=1000,
+        description="kind: endpoint: the interactive workload whose sessions run the "
+        "batches (same model and task), or the name of that model; none: the one "
+        "interactive workload of the same model and task.",
     )
 
     @model_validator(mode="before")

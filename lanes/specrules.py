@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
+from lanes.backfill import ENDPOINT_TASKS, served_workload
 from lanes.errors import shown
 from lanes.spec import (
     MODE_KEYS,
@@ -87,6 +88,8 @@ def parse_spec(data: Any, base: Path, check_files: bool = True) -> tuple[Spec | 
         found += _code_problems(name, workload, base)
     for name, raw in top.workloads.items():
         found += _workload_problems(name, raw, top.models, models)
+    for name, workload in workloads.items():
+        found += _runner_problems(name, workload, workloads)
     if found:
         return None, found
     return Spec(version=top.version, models=models, workloads=workloads, root=base), []
@@ -169,6 +172,29 @@ def _workload_problems(
                 message = f"`fields.{key}` is for task {wanted}; task {task} does not read it"
                 found.append(((*at, "fields", key), message, True))
     return found
+
+
+def _runner_problems(
+    name: str,
+    workload: InteractiveWorkload | OfflineWorkload,
+    workloads: dict[str, InteractiveWorkload | OfflineWorkload],
+) -> Found:
+    """An offline workload on the endpoint needs an interactive one to run on."""
+    if not isinstance(workload, OfflineWorkload):
+        return []
+    at: Loc = ("workloads", name, "runner")
+    runner = workload.runner
+    if runner.kind != "endpoint":
+        keys = [k for k in ("url", "workload") if getattr(runner, k) is not None]
+        return [
+            ((*at, k), f"`{k}` is for `kind: endpoint`: set it, or remove this", True) for k in keys
+        ]
+    try:
+        served_workload(workloads, name)
+    except ValueError as err:
+        key = "kind" if workload.task not in ENDPOINT_TASKS else "workload"
+        return [((*at, key), str(err), False)]
+    return []
 
 
 def _text(value: Any) -> str | None:

@@ -26,11 +26,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
+from lanes.backfill import INTERNAL_PREFIX
 from lanes.errors import LanesError, Overloaded
 from lanes.protocols import TIMEOUT_HEADER
 from lanes.protocols.openai import error_body
 from lanes.runtime import Runtime
-from lanes.serving import generate_routes, openai_routes, v2_routes
+from lanes.serving import backfill_routes, generate_routes, openai_routes, v2_routes
 from lanes.serving.http import (
     JSONResponse,
     Receipt,
@@ -220,6 +221,7 @@ def _routes() -> list[Route]:
         *openai_routes.routes,
         *generate_routes.routes,
         *v2_routes.routes,
+        *backfill_routes.routes,
     ]
 
 
@@ -304,7 +306,9 @@ class Edge:
         path: str = scope["path"]
         label = route_label(path)
         receipt = Receipt(receive)
-        if self.token is not None and path not in HEALTH_PATHS and not self._authorized(scope):
+        # The internal routes check their own key (serving/backfill_routes.py).
+        open_path = path in HEALTH_PATHS or path.startswith(INTERNAL_PREFIX)
+        if self.token is not None and not open_path and not self._authorized(scope):
             self.metrics.responses.labels(label, "401").inc()
             body = _V2_UNAUTHORIZED if is_v2(path) else _UNAUTHORIZED
             refusal = Response(body, 401, _UNAUTHORIZED_HEADERS, "application/json")

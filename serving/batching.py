@@ -5,6 +5,10 @@ is what makes batches grow with load by themselves: whatever arrived while a bat
 ran is the next batch, at once. An idle executor runs a lone request now, unless
 `max_wait_s` asks it to wait for company (never longer than that).
 
+Offline work waits in a second queue of the same workload (`LaneQueues`): a batch is
+taken from it only when no interactive request waits, so an interactive request
+waits behind at most the one offline batch that was on the model when it arrived.
+
 A queued request whose deadline passes is failed with DeadlineExceeded at its
 deadline, by a timer on the event loop, even while a batch is running; it never
 reaches the model. A full queue refuses new requests at once (Overloaded).
@@ -15,9 +19,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from lanes.errors import DeadlineExceeded, Overloaded, RequestTooLarge
 
@@ -60,14 +64,16 @@ class BatchQueue:
         max_wait_s: float,
         max_queue: int,
         clock: Callable[[], float] = time.monotonic,
+        arrived: asyncio.Event | None = None,
     ) -> None:
+        """`arrived` is set on every `put`: queues sharing one wake one waiter."""
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_s
         self.max_queue = max_queue
         self._clock = clock
         self._items: deque[Pending] = deque()
         self._live = 0
-        self._arrived = asyncio.Event()
+        self._arrived = arrived if arrived is not None else asyncio.Event()
         self._closed = False
 
     def __len__(self) -> int:
@@ -133,8 +139,7 @@ class BatchQueue:
         it returns no longer count as waiting.
         """
         while True:
-            self._drop_answered()
-            if self._items:
+            if self.waiting():
                 if free is None or free.is_set():
                     break
                 await free.wait()
@@ -143,10 +148,32 @@ class BatchQueue:
                 return []
             self._arrived.clear()
             await self._arrived.wait()
-        if self.max_wait_s > 0 and self._live < self.max_batch_size:
+        return await self.take()
+
+    def waiting(self) -> bool:
+        """Whether a live request waits (answered ones at the head are dropped)."""
+        self._drop_answered()
+        return bool(self._items)
+
+    def peek(self, most: int) -> list[Any]:
+        """The items of the first `most` live requests, left in the queue."""
+        found: list[Any] = []
+        for pending in self._items:
+            if len(found) >= most:
+                break
+            if pending.live:
+                found.append(pending.item)
+        return found
+
+    async def take(self, most: int | None = None) -> list[Pending]:
+        """Up to `most` (default `max_batch_size`) live requests, after waiting for
+        company as `max_wait_s` allows; may be empty if every waiting one was answered
+        meanwhile. Items it returns no longer count as waiting."""
+        limit = self.max_batch_size if most is None else max(min(most, self.max_batch_size), 1)
+        if self.max_wait_s > 0 and self._live < limit and self._items:
             await self._wait_for_company(self._items[0].enqueued_at + self.max_wait_s)
         batch: list[Pending] = []
-        while self._items and len(batch) < self.max_batch_size:
+        while self._items and len(batch) < limit:
             pending = self._items.popleft()
             if pending.live:
                 # Once it reaches the model it is answered by the model, deadline or not.
@@ -176,3 +203,70 @@ class BatchQueue:
         """Refuse new requests; `next_batch` drains what is queued, then returns []."""
         self._closed = True
         self._arrived.set()
+
+
+Lane = Literal["interactive", "offline"]
+LANES: tuple[Lane, ...] = ("interactive", "offline")
+
+
+@dataclass(frozen=True)
+class LaneBatch:
+    """Requests of one lane, to run as one batch."""
+
+    lane: Lane
+    items: list[Pending]
+
+
+class LaneQueues:
+    """One workload's two queues: interactive first, offline only when no interactive
+    request waits (one model, one batch at a time: a request that arrives during an
+    offline run is in the next batch)."""
+
+    def __init__(
+        self,
+        batching: tuple[int, float, int],
+        offline: tuple[int, int],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`batching`: the interactive queue's (max_batch_size, max_wait_s, max_queue);
+        `offline`: the offline queue's (max_batch_size, max_queue). Offline work never
+        waits for company: nobody waits for it, and the model is free now."""
+        self._arrived = asyncio.Event()
+        size, wait, bound = batching
+        self.interactive = BatchQueue(size, wait, bound, clock, self._arrived)
+        most, bound = offline
+        self.offline = BatchQueue(most, 0.0, bound, clock, self._arrived)
+
+    def of(self, lane: Lane) -> BatchQueue:
+        return self.interactive if lane == "interactive" else self.offline
+
+    async def next_batch(
+        self, free: asyncio.Event, offline_items: Callable[[Sequence[Any]], int]
+    ) -> LaneBatch | None:
+        """The next batch once the model is `free`: interactive requests if any wait,
+        else up to `offline_items(candidates)` offline ones (`candidates`: the items of
+        the first offline requests, as many as one offline batch may hold). None once
+        both queues are closed and drained; never an empty batch."""
+        while True:
+            interactive, offline = self.interactive.waiting(), self.offline.waiting()
+            if interactive or offline:
+                if not free.is_set():
+                    await free.wait()
+                    continue
+                if interactive:
+                    batch = LaneBatch("interactive", await self.interactive.take())
+                else:
+                    candidates = self.offline.peek(self.offline.max_batch_size)
+                    most = offline_items(candidates)
+                    batch = LaneBatch("offline", await self.offline.take(most))
+                if batch.items:
+                    return batch
+                continue  # every one of them was answered meanwhile (deadline, gone)
+            if self.interactive.closed and self.offline.closed:
+                return None
+            self._arrived.clear()
+            await self._arrived.wait()
+
+    def close(self) -> None:
+        self.interactive.close()
+        self.offline.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
@@ -114,6 +115,23 @@ class Metrics:
             ["workload"],
             registry=r,
         )
+        # Per lane of an embed/infer workload: interactive requests and offline items
+        # (runner kind endpoint) share the model, interactive first.
+        self.lane_items = Counter(
+            "lanes_lane_items",
+            "Items run, by lane (interactive requests' inputs, offline records' items).",
+            ["workload", "lane"],
+            registry=r,
+        )
+        self.lane_queue_depth = Gauge(
+            "lanes_lane_queue_depth", "Items waiting, by lane.", ["workload", "lane"], registry=r
+        )
+        self.lane_busy_seconds = Counter(
+            "lanes_lane_busy_seconds",
+            "Time the model executor spent on each lane's batches.",
+            ["workload", "lane"],
+            registry=r,
+        )
         self.responses = Counter(
             "lanes_responses",
             "Responses by route and status code.",
@@ -197,3 +215,20 @@ class _WithoutCreated:
         for family in self.registry.collect():  # fresh objects on every collect
             family.samples = [s for s in family.samples if not s.name.endswith("_created")]
             yield family
+
+
+@dataclass(frozen=True)
+class LaneSeries:
+    """One lane's series of one workload, looked up once."""
+
+    items: Counter
+    queue_depth: Gauge
+    busy: Counter
+
+    @classmethod
+    def of(cls, metrics: Metrics, workload: str, lane: str) -> LaneSeries:
+        return cls(
+            metrics.lane_items.labels(workload, lane),
+            metrics.lane_queue_depth.labels(workload, lane),
+            metrics.lane_busy_seconds.labels(workload, lane),
+        )

@@ -1,4 +1,12 @@
-"""The executor of one embed or infer workload: its task, its queue and its batch loop."""
+"""The executor of one embed or infer workload: its task, its two lanes and its batch loop.
+
+Interactive requests come first. Offline items (`submit_offline`, from flows whose
+runner is this endpoint) run only when no interactive request waits, in batches
+sized so that one run fits in the workload's slack: its `slo.p99_ms` minus its
+measured service time (the cost model's upper estimate of a typical interactive
+batch), or DEFAULT_SLACK_S without a p99 SLO. An interactive request that arrives
+during an offline run waits for that one run at most.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +17,12 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
+from lanes.batchframe import run_unhandled
+from lanes.costmodel import CostModel
 from lanes.errors import LanesError, ModelError, Overloaded
 from lanes.isolation import Failed, Isolated, failed_alone, isolate, per_item
-from lanes.serving.batching import BatchQueue, Pending, never_fits
-from lanes.serving.metrics import Metrics, Utilization
+from lanes.serving.batching import LANES, Lane, LaneQueues, Pending, never_fits
+from lanes.serving.metrics import LaneSeries, Metrics, Utilization
 from lanes.serving.model_thread import ModelThread
 from lanes.spec import as_interactive
 from lanes.tasks import Task
@@ -25,6 +35,14 @@ log = logging.getLogger("lanes.serving")
 # long holds up other requests for little more than those two wake-ups would.
 INLINE_RUN_S = 0.0005
 _COST_WEIGHT = 0.5  # of the newest batch in the running per-item cost: adapts in a few runs
+# An offline run's budget without `slo.p99_ms`: what an interactive request may wait
+# behind one offline batch at most.
+DEFAULT_SLACK_S = 0.020
+# Offline batches until the cost model has seen enough runs to size them.
+LEARNING_ITEMS = 4
+# Offline items one workload holds queued: any one offline batch (batch_size <= 65536)
+# fits; beyond, 503 and Retry-After, which the flow's endpoint runner waits out.
+OFFLINE_MAX_QUEUE = 65536
 
 
 class BatchWorker:
@@ -48,9 +66,18 @@ class BatchWorker:
         self.task = task
         self.name = task.name
         self.clock = clock
-        self.queue = BatchQueue(
-            batching.max_batch_size, batching.max_wait_ms / 1000, batching.max_queue, clock
+        self.lanes = LaneQueues(
+            (batching.max_batch_size, batching.max_wait_ms / 1000, batching.max_queue),
+            (batching.max_batch_size, OFFLINE_MAX_QUEUE),
+            clock,
         )
+        self.queue = self.lanes.interactive
+        p99 = workload.slo.p99_ms
+        self.p99_s = p99 / 1000 if p99 is not None else None
+        # Learned from every whole run, of either lane: sizes offline batches.
+        self.cost = CostModel(clock=clock)
+        self._typical = _Typical()  # of interactive batches: their service time
+        self._lane = {lane: LaneSeries.of(metrics, task.name, lane) for lane in LANES}
         self.utilization = Utilization()
         self._metrics = metrics
         # Children looked up once: labels() per observation is measurable at c=1.
@@ -72,8 +99,8 @@ class BatchWorker:
         self._loop_task = asyncio.create_task(self._run_forever(), name=f"batch-{self.name}")
 
     async def stop(self) -> None:
-        """Finish what is queued, then stop."""
-        self.queue.close()
+        """Finish what is queued (both lanes), then stop."""
+        self.lanes.close()
         if self._loop_task is not None:
             await self._loop_task
         # Off the loop: a lone request's run may still be on the thread, and the loop
@@ -132,12 +159,12 @@ class BatchWorker:
             if self._runs_now(len(items)):
                 loop = asyncio.get_running_loop()
                 pendings = [Pending(item, loop.create_future(), arrived) for item in items]
-                self._start(pendings)
+                self._start(pendings, "interactive")
             else:
                 deadline = arrived + timeout_s if timeout_s is not None else None
                 for item in items:
                     pendings.append(self.queue.put(item, deadline))  # may refuse: Overloaded
-                self._queue_depth.set(len(self.queue))
+                self._set_depths()
             if len(pendings) == 1:
                 outputs = [await pendings[0].future]
             else:
@@ -150,6 +177,33 @@ class BatchWorker:
             raise
         self._latency.observe(self.clock() - arrived)
         return outputs
+
+    async def submit_offline(self, items: Sequence[Any]) -> list[Any]:
+        """Run prepared items in the offline lane, through the model alone (no
+        handler: the offline workload applies its own); per item, its raw output or
+        the exception it failed with. Refused whole (Overloaded) when the offline queue
+        cannot hold them all."""
+        too_many = never_fits(len(items), self.lanes.offline.max_queue)
+        if too_many is not None:
+            raise too_many
+        if len(self.lanes.offline) + len(items) > self.lanes.offline.max_queue:
+            raise Overloaded(
+                f"the offline lane holds {len(self.lanes.offline)} items; retry shortly", 1.0
+            )
+        pendings = [self.lanes.offline.put(item) for item in items]
+        self._set_depths()
+        try:
+            outcomes = await asyncio.gather(*(p.future for p in pendings), return_exceptions=True)
+        except BaseException:
+            for pending in pendings:  # the flow went away: its items leave the queue
+                pending.future.cancel()
+            raise
+        return list(outcomes)
+
+    def _set_depths(self) -> None:
+        self._queue_depth.set(len(self.queue))
+        for lane, series in self._lane.items():
+            series.queue_depth.set(len(self.lanes.of(lane)))
 
     def _runs_now(self, items: int) -> bool:
         """Whether a request may skip the queue: the model is free, nobody waits, and
@@ -173,14 +227,34 @@ class BatchWorker:
 
     async def _run_forever(self) -> None:
         while True:
-            batch = await self.queue.next_batch(self._free)  # waits while a batch runs
-            self._queue_depth.set(len(self.queue))
-            if not batch:
+            # Waits while a batch runs; interactive requests first.
+            batch = await self.lanes.next_batch(self._free, self.offline_items)
+            self._set_depths()
+            if batch is None:
                 return
-            if self._start(batch):
+            if self._start(batch.items, batch.lane):
                 await asyncio.sleep(0)  # an inline run: let replies go and requests arrive
 
-    def _start(self, batch: list[Pending]) -> bool:
+    def slack_s(self) -> float:
+        """What one offline run may take: the p99 SLO minus the interactive service
+        time (DEFAULT_SLACK_S without a p99 SLO); 0 when the service time alone
+        exceeds the SLO."""
+        if self.p99_s is None:
+            return DEFAULT_SLACK_S
+        service = self.cost.estimate(self._typical.items, self._typical.tokens)
+        return max(self.p99_s - (service.upper if service is not None else 0.0), 0.0)
+
+    def offline_items(self, candidates: Sequence[Any]) -> int:
+        """How many of the waiting offline items one run takes: as many as fit in the
+        slack by the cost model (padded to the longest of the candidates), at most
+        `max_batch_size`; LEARNING_ITEMS until the model has a fit."""
+        most = self.lanes.offline.max_batch_size
+        if self.cost.fit is None:
+            return min(LEARNING_ITEMS, most)
+        tokens = max((_tokens(c) for c in candidates), default=0)
+        return self.cost.largest_batch(self.slack_s(), most, tokens)
+
+    def _start(self, batch: list[Pending], lane: Lane = "interactive") -> bool:
         """Run one batch; returns whether it ran on the loop (then it is answered already).
 
         Otherwise it runs on the model thread, whose callback answers it: the model
@@ -189,20 +263,25 @@ class BatchWorker:
         self._free.clear()
         start = self.clock()
         items = [p.item for p in batch]
+        run = partial(self._timed_run, self.task.run if lane == "interactive" else self._raw)
         if self.runs_inline(len(items)):
             try:
-                result = self._timed_run(items)
+                result = run(items)
             except Exception as e:
-                self._finish(batch, start, None, e)
+                self._finish(batch, lane, start, None, e)
             else:
-                self._finish(batch, start, result, None)
+                self._finish(batch, lane, start, result, None)
             return True
-        self._thread.call(self._timed_run, items, partial(self._finish, batch, start))
+        self._thread.call(run, items, partial(self._finish, batch, lane, start))
         return False
+
+    def _raw(self, items: Sequence[Any]) -> list[Any]:
+        return run_unhandled(self.task, items)
 
     def _finish(
         self,
         batch: list[Pending],
+        lane: Lane,
         start: float,
         result: tuple[list[Any], float] | None,
         error: BaseException | None,
@@ -233,16 +312,32 @@ class BatchWorker:
         # Accounted after the callers resume and send their answers (call_soon runs
         # after the wake-ups set_result scheduled): a lone request does not wait on it.
         run_s = result[1] if result is not None else None
-        asyncio.get_running_loop().call_soon(self._record, batch, start, end, run_s)
+        whole = (
+            run_s is not None and error is None and not any(isinstance(o, Failed) for o in outputs)
+        )
+        asyncio.get_running_loop().call_soon(
+            self._record, batch, lane, start, end, run_s if whole else None
+        )
 
-    def _record(self, batch: list[Pending], start: float, end: float, run_s: float | None) -> None:
-        for pending in batch:
-            self._queue_wait.observe(start - pending.enqueued_at)
+    def _record(
+        self, batch: list[Pending], lane: Lane, start: float, end: float, run_s: float | None
+    ) -> None:
+        """`run_s`: the whole run's own time (None when it failed or was split)."""
+        series = self._lane[lane]
+        if lane == "interactive":
+            for pending in batch:
+                self._queue_wait.observe(start - pending.enqueued_at)
+            self._batch_size.observe(len(batch))
         self.utilization.record(start, end)  # the gauge is set when /metrics is read
         self._busy.inc(end - start)
-        self._batch_size.observe(len(batch))
+        series.busy.inc(end - start)
+        series.items.inc(len(batch))
         if run_s is not None:
             self._run_time.observe(run_s)
+            tokens = _padded_tokens([p.item for p in batch])
+            self.cost.observe(len(batch), tokens, run_s)
+            if lane == "interactive":
+                self._typical.observe(len(batch), tokens)
 
     def busy_fraction(self) -> float:
         """The model's busy share of the last 10 s, on the worker's clock."""
@@ -252,14 +347,16 @@ class BatchWorker:
         """Whether a batch of `items` would run on the event loop (see INLINE_RUN_S)."""
         return self._item_cost_s is not None and self._item_cost_s * items < INLINE_RUN_S
 
-    def _timed_run(self, items: list[Any]) -> tuple[list[Any], float]:
+    def _timed_run(
+        self, run: Callable[[Sequence[Any]], list[Any]], items: list[Any]
+    ) -> tuple[list[Any], float]:
         """The task's run and its own duration, without any thread hand-off.
 
         A run that fails is run again in halves (lanes/isolation.py): an item that
         fails alone gets a `Failed` holding its own error, the others their outputs.
         Only a whole run's duration teaches the cost per item."""
         start = self.clock()
-        isolated = isolate(self.task.run, items)
+        isolated = isolate(run, items)
         took = self.clock() - start
         if isolated.whole:
             cost = took / len(items)
@@ -287,3 +384,32 @@ def _with_errors(isolated: Isolated[Any], items: int) -> list[Any]:
         Failed(o.index, failed_alone(o.error, every=every)) if isinstance(o, Failed) else o
         for o in per_item(isolated, items)
     ]
+
+
+class _Typical:
+    """A running mean of interactive batches' items and padded tokens."""
+
+    def __init__(self) -> None:
+        self.items = 1
+        self.tokens = 0
+        self._items = self._tokens = 0.0
+        self._seen = False
+
+    def observe(self, items: int, tokens: int) -> None:
+        if not self._seen:
+            self._items, self._tokens, self._seen = float(items), float(tokens), True
+        else:
+            self._items += _COST_WEIGHT * (items - self._items)
+            self._tokens += _COST_WEIGHT * (tokens - self._tokens)
+        self.items = max(round(self._items), 1)
+        self.tokens = round(self._tokens)
+
+
+def _tokens(item: Any) -> int:
+    """An item's length in tokens (what a batch pads to); 0 for items without tokens."""
+    n = getattr(item, "n_tokens", 0)
+    return n if isinstance(n, int) else 0
+
+
+def _padded_tokens(items: Sequence[Any]) -> int:
+    return len(items) * max((_tokens(i) for i in items), default=0)

@@ -39,7 +39,10 @@ def demo_models() -> Path:
 
 @pytest.fixture(scope="session")
 def prefect_api() -> Iterator[str]:
-    """One Prefect API (SQLite, temporary) for every in-process flow run of the session."""
+    """One Prefect API (SQLite, temporary) for every in-process flow run of the session.
+
+    Its server starts in ~10 s alone, but took ~2 min on a machine shared by several
+    test runs: a generous bound, never a wait."""
     from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 

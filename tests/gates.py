@@ -118,15 +118,21 @@ def _refuse_on_an_event_loop() -> None:
 
 
 class GatedSession:
-    """A real onnxruntime session whose every run first passes `gate`."""
+    """A real onnxruntime session whose every run first passes `gate`; with `pad_s`,
+    each of its rows costs at least that (PAD_S: a batch worker never runs it on its
+    event loop)."""
 
-    def __init__(self, session: Any, gate: Gate) -> None:
+    def __init__(self, session: Any, gate: Gate, pad_s: float = 0.0) -> None:
         self._session = session
         self._gate = gate
+        self._pad_s = pad_s
 
     def run(self, output_names: Any, input_feed: Mapping[str, Any], run_options: Any = None) -> Any:
         first = next(iter(input_feed.values()))
-        self._gate.wait(int(first.shape[0]) if first.ndim else 1)
+        rows = int(first.shape[0]) if first.ndim else 1
+        if self._pad_s:
+            time.sleep(self._pad_s * rows)
+        self._gate.wait(rows)
         return self._session.run(output_names, input_feed, run_options)
 
     def __getattr__(self, name: str) -> Any:
@@ -136,14 +142,15 @@ class GatedSession:
 class GatedRuntime(Runtime):
     """The real runtime, whose sessions of the model files in `gates` run behind a gate."""
 
-    def __init__(self, settings: Settings, gates: Mapping[Path, Gate]) -> None:
+    def __init__(self, settings: Settings, gates: Mapping[Path, Gate], pad_s: float = 0.0) -> None:
         super().__init__(settings)
         self.gates = dict(gates)
+        self.pad_s = pad_s
 
     def session(self, model: ModelSpec) -> Any:
         session = super().session(model)
         gate = self.gates.get(model.path)
-        return session if gate is None else GatedSession(session, gate)
+        return session if gate is None else GatedSession(session, gate, self.pad_s)
 
 
 class GatedPost:

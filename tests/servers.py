@@ -44,8 +44,8 @@ workloads:
 class ServerThread:
     """`with ServerThread(spec_path, **settings) as server:` serves until the block ends.
 
-    Every run of a model named in `gates` waits at its gate (tests/gates.py); `clock`
-    is the server's clock.
+    Every run of a model named in `gates` waits at its gate (tests/gates.py), each of
+    its rows costing at least `pad_s`; `clock` is the server's clock.
     """
 
     def __init__(
@@ -53,6 +53,7 @@ class ServerThread:
         spec_path: Path,
         gates: Mapping[str, Gate] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        pad_s: float = 0.0,
         **settings: Any,
     ) -> None:
         self.settings = Settings(port=free_port(), **settings)
@@ -60,7 +61,7 @@ class ServerThread:
         runtime = None
         if gates:
             paths = {self.spec.models[name].path: gate for name, gate in gates.items()}
-            runtime = GatedRuntime(self.settings, paths)
+            runtime = GatedRuntime(self.settings, paths, pad_s)
         self.app = create_app(self.spec, self.settings, runtime, clock)
         self.url = f"http://127.0.0.1:{self.settings.port}"
         config = uvicorn.Config(

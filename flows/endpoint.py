@@ -1,0 +1,121 @@
+"""A shard's batches on the serving endpoint's sessions (`runner: {kind: endpoint}`).
+
+The flow reads, prepares and writes as with the local runner (its own copy of the
+task, on the CPU, prepares records and applies the workload's handler); only the
+model run moves: each batch of prepared items goes to
+POST /internal/v1/batch/{workload}, where it waits in the offline lane of the
+interactive workload named by `runner.workload` and runs when no interactive request
+waits. Commits, retries, manifests and resume stay the flow's, as for every runner.
+
+A full offline lane (503) or a lost connection is retried here, `ATTEMPTS` times
+with the server's Retry-After; anything else fails the batch, and so the shard, for
+Prefect's retries.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+
+from lanes.backfill import CONTENT_TYPE, PROVIDER_HEADER, batch_path
+from lanes.batchframe import decode_outputs, encode_items
+from lanes.errors import JobFailed, LanesError, from_wire
+from lanes.isolation import Failed
+from lanes.settings import Settings
+from lanes.tasks.base import Task
+
+log = logging.getLogger(__name__)
+
+ATTEMPTS = 10
+MAX_RETRY_AFTER_S = 5.0
+# Offline work waits while interactive requests come first: no read timeout.
+TIMEOUT = httpx.Timeout(connect=10.0, read=None, write=60.0, pool=None)
+
+
+def batch_key(settings: Settings) -> str:
+    """The internal key the flow sends; JobFailed naming the settings without one."""
+    key = settings.batch_key()
+    if key is None:
+        raise JobFailed(
+            "runner kind endpoint needs the server's internal key: set LANES_INTERNAL_KEY "
+            "(or LANES_API_KEY) here and on the server"
+        )
+    return key
+
+
+@dataclass
+class EndpointModel:
+    """Runs batches on the endpoint at `url` (its base URL), in `workload`'s offline lane."""
+
+    task: Task
+    url: str
+    workload: str
+    key: str
+    provider: str = "endpoint"  # the server's provider, once it has answered
+    client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=TIMEOUT))
+
+    def run(self, items: Sequence[Any]) -> list[Any]:
+        """Per item: the workload's handler's `post` of the model's output, or a
+        `Failed`; raises when every item failed (the model's fault, for retries)."""
+        response = self._post(encode_items(items))
+        self.provider = response.headers.get(PROVIDER_HEADER, self.provider)
+        outputs: list[Any] = []
+        for i, raw in enumerate(decode_outputs(response.content, len(items), self.task.kind)):
+            if isinstance(raw, Failed):
+                outputs.append(raw)
+                continue
+            try:
+                outputs.append(self.task.handler.after(raw))
+            except Exception as err:  # the handler's post fails on this output alone
+                outputs.append(Failed(i, err))
+        failed = [o for o in outputs if isinstance(o, Failed)]
+        if failed and len(failed) == len(outputs):
+            raise failed[0].error
+        return outputs
+
+    def _post(self, body: bytes) -> httpx.Response:
+        target = self.url.rstrip("/") + batch_path(self.workload)
+        headers = {"authorization": f"Bearer {self.key}", "content-type": CONTENT_TYPE}
+        for attempt in range(1, ATTEMPTS + 1):
+            try:
+                response = self.client.post(target, content=body, headers=headers)
+            except httpx.TransportError as err:
+                if attempt == ATTEMPTS:
+                    raise JobFailed(f"{target}: {type(err).__name__}: {err}") from err
+                log.warning("%s: %s; retrying", target, err)
+                time.sleep(min(attempt * 0.5, MAX_RETRY_AFTER_S))
+                continue
+            if response.status_code == 200:
+                return response
+            error = _error_of(response)
+            if response.status_code != 503 or attempt == ATTEMPTS:
+                raise error
+            wait = _retry_after(response)
+            log.info("%s: %s; retrying in %.1f s", target, error, wait)
+            time.sleep(wait)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _error_of(response: httpx.Response) -> LanesError:
+    try:
+        error = orjson.loads(response.content)["error"]
+        message, code = str(error["message"]), error.get("code")
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        message, code = f"HTTP {response.status_code}: {response.text[:200]}", None
+    return from_wire(f"the endpoint refused the batch: {message}", response.status_code, code)
+
+
+def _retry_after(response: httpx.Response) -> float:
+    try:
+        return min(max(float(response.headers.get("retry-after", "1")), 0.1), MAX_RETRY_AFTER_S)
+    except ValueError:
+        return 1.0

@@ -1,0 +1,78 @@
+"""Offline work on the endpoint's own sessions: what both wings agree on.
+
+An offline workload with `runner: {kind: endpoint}` prepares its records in the flow
+(the same `prepare` as the local runner) and sends each batch of prepared items to
+the serving process, which runs them in its offline lane (interactive requests
+first) through the model alone: the flow applies its own handler's `post` to what
+comes back, so each output line is the one the local runner writes.
+
+Bodies of `POST /internal/v1/batch/{workload}` are frames of arrays
+(lanes.batchframe). The route is authenticated with the server's internal key
+(LANES_INTERNAL_KEY, else LANES_API_KEY). Light: the spec's rules import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from lanes.spec import InteractiveWorkload, OfflineWorkload, TaskName, Workload
+
+INTERNAL_PREFIX = "/internal/"
+BATCH_ROUTE = "/internal/v1/batch/{workload}"
+CONTENT_TYPE = "application/x-lanes-batch"
+PROVIDER_HEADER = "x-lanes-provider"  # the server's execution provider, for the manifest
+ENDPOINT_TASKS: tuple[TaskName, ...] = ("embed", "infer")
+
+
+def batch_path(workload: str) -> str:
+    return BATCH_ROUTE.format(workload=workload)
+
+
+def served_workload(workloads: Mapping[str, Workload], name: str) -> str:
+    """The interactive workload whose sessions run offline workload `name`'s batches
+    (`runner.workload`: that workload, or its model's name; none: the one interactive
+    workload of the same model and task). ValueError says what is wrong and what to
+    declare."""
+    offline = workloads[name]
+    assert isinstance(offline, OfflineWorkload)
+    if offline.task not in ENDPOINT_TASKS:
+        raise ValueError(
+            f"runner kind endpoint runs {' and '.join(ENDPOINT_TASKS)} workloads; a "
+            f"{offline.task} workload runs with kind local or dask for now"
+        )
+    wanted = offline.runner.workload
+    target = workloads.get(wanted) if wanted is not None else None
+    if isinstance(target, OfflineWorkload):
+        raise ValueError(f"{wanted!r} is an offline workload; name an interactive one")
+    if isinstance(target, InteractiveWorkload):
+        if target.model != offline.model or target.task != offline.task:
+            raise ValueError(
+                f"{wanted!r} serves model {target.model!r} ({target.task}); this workload "
+                f"needs model {offline.model!r} ({offline.task}): name an interactive "
+                "workload of the same model and task"
+            )
+        assert wanted is not None
+        return wanted
+    if wanted is not None and wanted != offline.model:
+        raise ValueError(
+            f"expected an interactive workload or this workload's model "
+            f"({offline.model!r}), found {wanted!r}"
+        )
+    fits = sorted(
+        n
+        for n, w in workloads.items()
+        if isinstance(w, InteractiveWorkload)
+        and w.model == offline.model
+        and w.task == offline.task
+    )
+    if len(fits) == 1:
+        return fits[0]
+    if not fits:
+        raise ValueError(
+            f"no interactive {offline.task} workload serves model {offline.model!r}: declare "
+            "one (the endpoint runs offline batches on its sessions)"
+        )
+    raise ValueError(
+        f"interactive workloads {', '.join(fits)} all serve model {offline.model!r}: name "
+        "one in `runner.workload`"
+    )

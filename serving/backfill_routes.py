@@ -1,0 +1,62 @@
+"""POST /internal/v1/batch/{workload}: offline batches on an interactive workload's sessions.
+
+A flow whose workload declares `runner: {kind: endpoint}` sends its prepared items
+here (lanes.batchframe); they wait in the workload's offline lane and run only while
+no interactive request waits (serving/worker.py). The route takes its own bearer key,
+the server's internal key (LANES_INTERNAL_KEY, else LANES_API_KEY): without either
+the server refuses every batch, so an open endpoint never opens its model to bulk
+work unasked.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from lanes.backfill import BATCH_ROUTE, CONTENT_TYPE, ENDPOINT_TASKS, PROVIDER_HEADER
+from lanes.batchframe import decode_items, encode_outputs
+from lanes.errors import AuthError, LanesError
+from lanes.serving.http import openai_error, read_body
+from lanes.serving.state import ServingState
+from lanes.tasks import EmbedTask, InferTask, Task
+
+
+async def batch(request: Request) -> Response:
+    state: ServingState = request.app.state.lanes
+    try:
+        _authorize(request, state.settings.batch_key())
+        worker = state.worker(request.path_params["workload"], ENDPOINT_TASKS)
+        body = await read_body(request, state.settings.max_body_bytes)
+        items = decode_items(worker.task, body)
+        outcomes = await worker.submit_offline(items)
+    except LanesError as e:
+        return openai_error(e)
+    headers = {PROVIDER_HEADER: _provider(worker.task)}
+    return Response(encode_outputs(outcomes), media_type=CONTENT_TYPE, headers=headers)
+
+
+def _authorize(request: Request, key: str | None) -> None:
+    if key is None:
+        raise AuthError(
+            "this server takes no offline batches: set LANES_INTERNAL_KEY (or LANES_API_KEY) "
+            "on the server and on the flow that sends them"
+        )
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), key):
+        raise AuthError(
+            "missing or wrong internal key: send Authorization: Bearer <LANES_INTERNAL_KEY "
+            "(else LANES_API_KEY) of the server>"
+        )
+
+
+def _provider(task: Task) -> str:
+    if isinstance(task, EmbedTask | InferTask):
+        providers = task.session.get_providers()
+        return str(providers[0]) if providers else "unknown"
+    return "unknown"
+
+
+routes = [Route(BATCH_ROUTE, batch, methods=["POST"])]

@@ -1,0 +1,428 @@
+"""Offline work on the endpoint's sessions: a real uvicorn server, real onnxruntime on
+the tests' tiny models, and real flow runs whose runner is that endpoint.
+
+The server's offline lane runs only when no interactive request waits; the gated
+model (tests/gates.py) holds an offline batch on the model while an interactive
+request arrives, so the order of runs is forced, never timed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import orjson
+import pytest
+
+from lanes.backfill import CONTENT_TYPE, batch_path
+from lanes.batchframe import decode_outputs, encode_items
+from lanes.errors import SpecError
+from lanes.flows.batch import offline
+from lanes.runtime import Runtime
+from lanes.serving.batching import LaneQueues
+from lanes.settings import Settings
+from lanes.specfile import load_spec
+from lanes.tasks import load_task
+from tests.flows_fixtures import (
+    errors_of,
+    outputs_of,
+    read_jsonl,
+    text,
+    wait_until,
+    write_jsonl,
+    write_spec,
+)
+from tests.gates import GATE_FILE_ENV, PAD_S, Gate, held_marker
+from tests.gates import wait_until as wait_for
+from tests.servers import ServerThread
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY = "internal-test-key"
+
+
+def live(task: str = "embed", **fields: Any) -> dict[str, Any]:
+    model = {"embed": "enc", "infer": "affine"}[task]
+    return {"mode": "interactive", "task": task, "model": model, **fields}
+
+
+def batch(task: str = "embed", out: str = "out/", **fields: Any) -> dict[str, Any]:
+    model = {"embed": "enc", "infer": "affine", "generate": "dec"}[task]
+    return {
+        "mode": "offline",
+        "task": task,
+        "model": model,
+        "input": "in/",
+        "output": out,
+        "batch_size": 16,
+        "retries": 0,
+        **fields,
+    }
+
+
+def on_endpoint(**runner: Any) -> dict[str, Any]:
+    return {"kind": "endpoint", **runner}
+
+
+def metric(server: ServerThread, name: str, **labels: str) -> float | None:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        series, _, value = line.rpartition(" ")
+        if series.startswith(name + "{"):
+            found = ",".join(sorted(series[len(name) + 1 : -1].split(",")))
+            if found == wanted:
+                return float(value)
+    return None
+
+
+def send_batch(server: ServerThread, workload: str, items: list[Any], key: str | None) -> Any:
+    headers = {"content-type": CONTENT_TYPE}
+    if key is not None:
+        headers["authorization"] = f"Bearer {key}"
+    url = server.url + batch_path(workload)
+    return httpx.post(url, content=encode_items(items), headers=headers, timeout=60)
+
+
+# ---- the lanes in the server -----------------------------------------------------------
+
+
+def test_an_interactive_request_waits_behind_at_most_the_one_offline_batch_running(
+    serve: type[ServerThread], tmp_path: Path
+) -> None:
+    spec = write_spec(tmp_path, {"search": live(), "corpus": batch(runner=on_endpoint())})
+    gate = Gate()
+    task = load_task("search", load_spec(spec, Settings()), Runtime(Settings(device="cpu")))
+    texts = [text(i) for i in range(12)]
+    items = [task.prepare(t) for t in texts]
+    with serve(spec, gates={"enc": gate}, pad_s=PAD_S, internal_key=KEY) as server:
+        results: dict[str, Any] = {}
+
+        def offline_batch() -> None:
+            results["offline"] = send_batch(server, "search", items, KEY)
+
+        def interactive() -> None:
+            body = {"model": "search", "input": "w1 w2 w3"}
+            results["interactive"] = httpx.post(
+                f"{server.url}/v1/embeddings", json=body, timeout=60
+            )
+
+        with gate.closed():
+            sender = threading.Thread(target=offline_batch)
+            sender.start()
+            gate.wait_held()  # the first offline batch is on the model
+            first = gate.held_rows()
+            assert 1 <= first < len(items), "the offline items run in several batches"
+            caller = threading.Thread(target=interactive)
+            caller.start()
+            wait_for(
+                lambda: (
+                    metric(server, "lanes_lane_queue_depth", workload="search", lane="interactive")
+                    == 1
+                ),
+                "the interactive request is queued",
+            )
+            assert metric(server, "lanes_lane_queue_depth", workload="search", lane="offline") == (
+                len(items) - first
+            )
+            gate.allow(1)  # the offline batch ends...
+            gate.wait_held()
+            assert gate.held_rows() == 1, "...and the next run is the interactive request's"
+            gate.allow(1)
+            caller.join(timeout=60)
+            assert results["interactive"].status_code == 200
+            assert "offline" not in results, "offline items are still waiting their turn"
+        sender.join(timeout=60)
+
+        response = results["offline"]
+        assert response.status_code == 200
+        vectors = decode_outputs(response.content, len(items), "embed")
+        for got, want in zip(vectors, task.run(items), strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+        assert metric(server, "lanes_lane_items_total", workload="search", lane="offline") == 12
+        assert metric(server, "lanes_lane_items_total", workload="search", lane="interactive") == 1
+        for lane in ("interactive", "offline"):
+            busy = metric(server, "lanes_lane_busy_seconds_total", workload="search", lane=lane)
+            assert busy is not None and busy > 0
+            depth = metric(server, "lanes_lane_queue_depth", workload="search", lane=lane)
+            assert depth == 0
+
+
+def test_the_internal_route_refuses_a_missing_or_wrong_key(
+    serve: type[ServerThread], tmp_path: Path
+) -> None:
+    spec = write_spec(tmp_path, {"search": live()})
+    task = load_task("search", load_spec(spec, Settings()), Runtime(Settings(device="cpu")))
+    items = [task.prepare("w1 w2")]
+    with serve(spec, internal_key=KEY, api_key="public-key") as server:
+        for key in (None, "wrong", "public-key"):
+            refused = send_batch(server, "search", items, key)
+            assert refused.status_code == 401
+            assert "internal key" in refused.json()["error"]["message"]
+        assert send_batch(server, "search", items, KEY).status_code == 200
+        # The internal key opens only the internal route.
+        embed = {"model": "search", "input": "w1"}
+        headers = {"authorization": f"Bearer {KEY}"}
+        assert (
+            httpx.post(f"{server.url}/v1/embeddings", json=embed, headers=headers).status_code
+            == 401
+        )
+        # A frame that does not parse is a 400, not a 500.
+        garbage = httpx.post(
+            server.url + batch_path("search"), content=b"not a frame", headers=headers
+        )
+        assert garbage.status_code == 400 and "frame" in garbage.json()["error"]["message"]
+
+    with serve(spec) as open_server:  # no key at all: the route is closed
+        refused = send_batch(open_server, "search", items, "anything")
+        assert refused.status_code == 401
+        assert "LANES_INTERNAL_KEY" in refused.json()["error"]["message"]
+
+
+def test_offline_lane_queues_take_interactive_first() -> None:
+    """The choice itself, without a model: interactive waiting wins over older offline."""
+
+    async def scenario() -> list[str]:
+        lanes = LaneQueues((8, 0.0, 100), (8, 100), lambda: 0.0)
+        free = asyncio.Event()
+        free.set()
+        for i in range(5):
+            lanes.offline.put(f"o{i}")
+        lanes.interactive.put("i0")
+        order = []
+        for _ in range(3):
+            taken = await lanes.next_batch(free, lambda candidates: 2)
+            assert taken is not None
+            order.append(f"{taken.lane}:{','.join(p.item for p in taken.items)}")
+            for pending in taken.items:
+                pending.future.set_result(None)
+        lanes.close()
+        return order
+
+    assert asyncio.run(scenario()) == ["interactive:i0", "offline:o0,o1", "offline:o2,o3"]
+
+
+# ---- flows on the endpoint -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("task", ["embed", "infer"])
+def test_offline_output_through_the_endpoint_equals_the_local_runners(
+    prefect_api: str,
+    serve: type[ServerThread],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    task: str,
+) -> None:
+    if task == "embed":
+        records: list[Any] = [{"id": f"d{i}", "text": text(i)} for i in range(40)]
+        records.append(
+            {
+                "custom_id": "req-1",
+                "method": "POST",
+                "url": "/v1/embeddings",
+                "body": {"model": "x", "input": ["w1 w2 w3", "w4"]},
+            }
+        )
+        records.append({"id": "d-number", "text": 7})
+    else:
+        records = [{"id": f"r{i}", "x": [[i, 1, 2, 3]]} for i in range(40)]
+        records.append({"id": "r-bad", "x": [[1, 2]]})
+    spec = write_spec(
+        tmp_path,
+        {
+            "live": live(task),
+            "local": batch(task, "out-local/", max_error_rate=0.5),
+            "remote": batch(
+                task, "out-remote/", max_error_rate=0.5, runner=on_endpoint(workload="live")
+            ),
+        },
+    )
+    write_jsonl(tmp_path / "in" / "a.jsonl", records[:25])
+    write_jsonl(tmp_path / "in" / "b.jsonl", records[25:])
+    with serve(spec, internal_key=KEY) as server:
+        monkeypatch.setenv("LANES_ENDPOINT", server.url)
+        monkeypatch.setenv("LANES_INTERNAL_KEY", KEY)
+        remote = offline(workload="remote", spec=str(spec))
+        served = metric(server, "lanes_lane_items_total", workload="live", lane="offline")
+    local = offline(workload="local", spec=str(spec))
+
+    assert served is not None and served >= 40
+    assert remote["outputs"] == local["outputs"] == 41 - (task == "infer")
+    for name in ("a.jsonl", "b.jsonl"):
+        there = read_jsonl(tmp_path / "out-remote" / name)
+        here = read_jsonl(tmp_path / "out-local" / name)
+        assert len(there) == len(here)
+        for got, want in zip(there, here, strict=True):
+            _assert_same_line(got, want)
+    assert errors_of(tmp_path / "out-remote") == errors_of(tmp_path / "out-local") != []
+
+
+def _assert_same_line(got: dict[str, Any], want: dict[str, Any]) -> None:
+    """Equal lines; vectors to float32 rounding (batched with other neighbours, a sum
+    may round differently in its last bits)."""
+    got, want = orjson.loads(orjson.dumps(got)), orjson.loads(orjson.dumps(want))
+    if "embedding" in want:
+        np.testing.assert_allclose(
+            got.pop("embedding"), want.pop("embedding"), rtol=1e-6, atol=1e-7
+        )
+    if "response" in want:
+        got_data, want_data = got["response"]["body"]["data"], want["response"]["body"]["data"]
+        for g, w in zip(got_data, want_data, strict=True):
+            np.testing.assert_allclose(g.pop("embedding"), w.pop("embedding"), rtol=1e-6, atol=1e-7)
+        got.pop("id"), want.pop("id")  # batch_req_ ids are random per run
+    assert got == want
+
+
+def test_a_sigkilled_backfill_job_rerun_gives_every_id_exactly_once(
+    prefect_api: str, serve: type[ServerThread], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    workload = batch(
+        "infer",
+        handler="tests.flows_fixtures:held_from_shard_3",
+        runner=on_endpoint(max_concurrent_shards=1),
+    )
+    spec = write_spec(tmp_path, {"live": live("infer"), "slow": workload})
+    ids = []
+    for shard in range(8):
+        shard_records = [{"id": f"s{shard}-{i}", "x": [[i, shard, 0, 0]]} for i in range(30)]
+        ids += [r["id"] for r in shard_records]
+        write_jsonl(tmp_path / "in" / f"part-{shard:02d}.jsonl", shard_records)
+    markers = tmp_path / "out" / "_committed"
+    gate = tmp_path / "gate-open"  # never opens for the first run: shard 3 waits there
+    with serve(spec, internal_key=KEY) as server:
+        code = f"from flows.batch import offline; offline(workload='slow', spec={str(spec)!r})"
+        env = {
+            **os.environ,
+            "PREFECT_API_URL": prefect_api,
+            GATE_FILE_ENV: str(gate),
+            "LANES_ENDPOINT": server.url,
+            "LANES_INTERNAL_KEY": KEY,
+        }
+        worker = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env)
+        try:
+            wait_until(held_marker(gate).exists, 90, "the job held at shard 3")
+            worker.send_signal(signal.SIGKILL)
+            worker.wait(timeout=30)
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait(timeout=30)
+        at_kill = len(list(markers.glob("*.json")))
+        assert worker.returncode == -signal.SIGKILL
+        assert at_kill == 3, "the kill lands mid-job, after shards 0-2 committed"
+
+        gate.touch()
+        monkeypatch.setenv(GATE_FILE_ENV, str(gate))
+        monkeypatch.setenv("LANES_ENDPOINT", server.url)
+        monkeypatch.setenv("LANES_INTERNAL_KEY", KEY)
+        summary = offline(workload="slow", spec=str(spec))
+
+    assert summary["shards_skipped"] == at_kill and summary["shards_failed"] == 0
+    seen = Counter(line["id"] for line in outputs_of(tmp_path / "out"))
+    assert sorted(seen) == sorted(ids) and set(seen.values()) == {1}
+    assert errors_of(tmp_path / "out") == []
+
+
+def test_a_flow_without_the_internal_key_fails_before_any_shard(
+    prefect_api: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = write_spec(tmp_path, {"live": live(), "corpus": batch(runner=on_endpoint())})
+    write_jsonl(tmp_path / "in" / "a.jsonl", [{"id": "d0", "text": "w1"}])
+    monkeypatch.delenv("LANES_INTERNAL_KEY", raising=False)
+    monkeypatch.delenv("LANES_API_KEY", raising=False)
+    with pytest.raises(Exception, match="LANES_INTERNAL_KEY"):
+        offline(workload="corpus", spec=str(spec))
+    assert not (tmp_path / "out" / "a.jsonl").exists()
+
+
+# ---- the spec --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("workloads", "where", "says"),
+    [
+        (
+            {"gen": batch("generate", runner=on_endpoint())},
+            "workloads.gen.runner.kind",
+            "runs embed and infer workloads",
+        ),
+        (
+            {"live": live("infer"), "corpus": batch(runner=on_endpoint(workload="live"))},
+            "workloads.corpus.runner.workload",
+            "same model and task",
+        ),
+        (
+            {"corpus": batch(runner=on_endpoint())},
+            "workloads.corpus.runner.workload",
+            "no interactive embed workload serves model 'enc'",
+        ),
+        (
+            {"a": live(), "b": live(), "corpus": batch(runner=on_endpoint())},
+            "workloads.corpus.runner.workload",
+            "name one in `runner.workload`",
+        ),
+        (
+            {"live": live(), "corpus": batch(runner={"kind": "local", "url": "http://h:1"})},
+            "workloads.corpus.runner.url",
+            "is for `kind: endpoint`",
+        ),
+    ],
+)
+def test_the_spec_says_what_an_endpoint_runner_needs(
+    tmp_path: Path, workloads: dict[str, Any], where: str, says: str
+) -> None:
+    spec = write_spec(tmp_path, workloads)
+    with pytest.raises(SpecError) as raised:
+        load_spec(spec, Settings())
+    message = str(raised.value)
+    assert where in message and says in message
+
+
+def test_an_endpoint_runner_may_name_the_model_instead_of_a_workload(tmp_path: Path) -> None:
+    spec = write_spec(
+        tmp_path, {"live": live(), "corpus": batch(runner=on_endpoint(workload="enc"))}
+    )
+    from lanes.backfill import served_workload
+
+    assert served_workload(load_spec(spec, Settings()).workloads, "corpus") == "live"
+
+
+# ---- offline batch size ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("slo", "slack_ms", "items"), [({"p99_ms": 50}, 48, 47), ({}, 20, 19)])
+def test_offline_runs_are_sized_to_the_interactive_slack(
+    tmp_path: Path, slo: dict[str, Any], slack_ms: float, items: int
+) -> None:
+    """One run fits in p99 minus the service time (or the default slack), by the cost
+    model: here 1 ms fixed + 1 ms per item, so an interactive batch of 1 takes 2 ms."""
+    from lanes.serving.metrics import Metrics
+    from lanes.serving.worker import DEFAULT_SLACK_S, LEARNING_ITEMS, BatchWorker
+    from tests.gates import ManualClock
+
+    workloads = {"live": live("infer", slo=slo, batching={"max_batch_size": 64})}
+    spec = load_spec(write_spec(tmp_path, workloads), Settings())
+    task = load_task("live", spec, Runtime(Settings(device="cpu")))
+    clock = ManualClock()
+
+    async def sized() -> tuple[int, float, int]:
+        worker = BatchWorker(task, Metrics(), clock)
+        candidates = [task.prepare({"x": [[1, 2, 3, 4]]})]
+        before = worker.offline_items(candidates)  # nothing measured yet
+        for n in (1, 2, 4, 8, 16, 1, 2, 4, 8, 16):
+            worker.cost.observe(n, 0, 0.001 + 0.001 * n)
+        return before, worker.slack_s(), worker.offline_items(candidates)
+
+    before, slack, after = asyncio.run(sized())
+    assert before == LEARNING_ITEMS
+    assert slack == pytest.approx(slack_ms / 1000)
+    assert after == items
+    assert DEFAULT_SLACK_S == 0.020
