@@ -180,7 +180,33 @@ def run_shard(
     marker = {"key": plan.key, **asdict(stats)}
     del marker["skipped"]
     storage.write_bytes(plan.marker, orjson.dumps(marker, option=orjson.OPT_INDENT_2))
+    _log_shard(plan, stats)
     return stats
+
+
+def _log_shard(plan: ShardPlan, stats: ShardStats) -> None:
+    """The shard's one line: records, errors, items/s (its fields too, in JSON logs)."""
+    rate = stats.items / stats.seconds if stats.seconds > 0 else 0.0
+    fields = {
+        "shard": plan.name,
+        "input": stats.input,
+        "records": stats.records,
+        "errors": stats.errors,
+        "items": stats.items,
+        "batches": stats.batches,
+        "seconds": stats.seconds,
+        "items_per_s": round(rate, 3),
+    }
+    log.info(
+        "shard %s: %d records, %d errors, %d items in %d batches, %.1f items/s",
+        plan.name,
+        stats.records,
+        stats.errors,
+        stats.items,
+        stats.batches,
+        rate,
+        extra={"lanes": fields},
+    )
 
 
 def _check_error_rate(plan: ShardPlan, limit: float, records: int, writer: _Writer) -> None:

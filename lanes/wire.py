@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import random
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ from lanes.errors import (
     WrongMode,
     from_wire,
 )
-from lanes.protocols import TIMEOUT_HEADER
+from lanes.protocols import REQUEST_ID_HEADER, TIMEOUT_HEADER
 from lanes.protocols.v2 import DTYPES
 from lanes.settings import Settings
 from lanes.spec import (
@@ -179,9 +180,11 @@ class Core:
         return self._generate_request(name, prompt, options, self._headers(timeout_ms), True)
 
     def _headers(self, timeout_ms: float | None) -> dict[str, str]:
-        if timeout_ms is None:
-            return dict(self.headers)
-        return {**self.headers, TIMEOUT_HEADER: f"{timeout_ms:g}"}
+        # One id per call, kept by its retries: the server's logs and errors say it.
+        headers = {**self.headers, REQUEST_ID_HEADER: uuid.uuid4().hex}
+        if timeout_ms is not None:
+            headers[TIMEOUT_HEADER] = f"{timeout_ms:g}"
+        return headers
 
     @staticmethod
     def _generate_request(
@@ -245,12 +248,24 @@ class Core:
             parsed = json.loads(body)
         except ValueError:
             parsed = body.decode(errors="replace")[:500] or None
-        return self._error(status, parsed, _retry_after(headers))
+        found = self._error(status, parsed, _retry_after(headers))
+        found.request_id = found.request_id or headers.get(REQUEST_ID_HEADER)
+        return found
 
     def _error(self, status: int | None, parsed: Any, retry_after: float = 1.0) -> LanesError:
         # OpenAI's {"error": {"message", "type", "param", "code"}} or v2's {"error": "..."}.
         error = parsed.get("error") if isinstance(parsed, dict) else parsed
         fields = error if isinstance(error, dict) else {"message": error}
+        rid = fields.get("request_id") or (
+            parsed.get("request_id") if isinstance(parsed, dict) else None
+        )
+        found = self._typed(status, fields, retry_after)
+        found.request_id = _str_or_none(rid)
+        return found
+
+    def _typed(
+        self, status: int | None, fields: Mapping[str, Any], retry_after: float
+    ) -> LanesError:
         text = fields.get("message")
         message = str(text) if text is not None else f"HTTP {status} from {self.endpoint}"
         found = from_wire(

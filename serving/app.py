@@ -29,6 +29,7 @@ from lanes.errors import LanesError
 from lanes.protocols.openai import error_body
 from lanes.runtime import Runtime
 from lanes.serving import generate_routes, openai_routes, v2_routes
+from lanes.serving.access import RequestIds
 from lanes.serving.http import JSONResponse, error_response, is_v2
 from lanes.serving.metrics import Metrics
 from lanes.serving.state import ServingState
@@ -47,8 +48,10 @@ def create_app(
     settings: Settings,
     runtime: Runtime | None = None,
     clock: Callable[[], float] = time.monotonic,
-) -> Edge:
+) -> RequestIds:
     """An app serving `spec`'s interactive workloads; loading starts with its lifespan.
+
+    Outermost, `RequestIds` (serving/access.py) gives each request its id and access line.
 
     Its sessions come from `runtime` (by default one built from `settings`); `clock`
     times every queue, deadline and run.
@@ -80,7 +83,7 @@ def create_app(
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
     app.state.lanes = state
     key = settings.api_key.get_secret_value() if settings.api_key else None
-    return Edge(app, state.metrics, api_key=key)
+    return RequestIds(Edge(app, state.metrics, api_key=key), route_label)
 
 
 async def _load(state: ServingState, runtime: Runtime | None) -> None:

@@ -42,6 +42,7 @@ from lanes.protocols.openai import (
     error_of,
     parse,
 )
+from lanes.serving.access import RequestRecord, named, record_of
 from lanes.serving.batching import never_fits
 from lanes.serving.engine import Engine, TokenStream
 from lanes.serving.guard import Piece, TextGuard, pieces
@@ -108,9 +109,11 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
     state: ServingState = request.app.state.lanes
     arrived = time.monotonic()
     streams: list[TokenStream] = []
+    record = record_of(request.scope)
     try:
         body = parse(endpoint.request, await read_json(request, state.settings.max_body_bytes))
         engine = state.engine(body.model)
+        named(request.scope, body.model)
         config = engine.decoder.config
         prepared = prepare_prompts(
             body, config.chat_template, config.chat_generation_prompt, engine.task.prepare
@@ -129,7 +132,7 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
     streaming = body.streamed
     guard = state.guards.get(body.model)
     flows = [pieces(s, guard, streaming) for s in streams]
-    answer = _Answer(endpoint, body, streams)
+    answer = _Answer(endpoint, body, streams, record)
     latency = state.metrics.request_latency.labels(body.model)
     try:
         if streaming:
@@ -154,6 +157,7 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
     if whole is None:
         return Response(status_code=CLIENT_GONE)
     latency.observe(time.monotonic() - arrived)
+    answer.account()
     return JSONResponse(answer.whole(whole))
 
 
@@ -211,13 +215,25 @@ class _Answer:
     """One response's id, timestamps and shape."""
 
     def __init__(
-        self, endpoint: Endpoint, body: GenerateParams, streams: Sequence[TokenStream]
+        self,
+        endpoint: Endpoint,
+        body: GenerateParams,
+        streams: Sequence[TokenStream],
+        record: RequestRecord | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.body = body
         self.streams = streams
-        self.id = f"{endpoint.id_prefix}-{uuid.uuid4().hex[:24]}"
+        self.record = record
+        # From the request id, as vLLM does: grep either and find both.
+        rid = record.id if record is not None else uuid.uuid4().hex
+        self.id = f"{endpoint.id_prefix}-{rid}"
         self.created = int(time.time())
+
+    def account(self) -> None:
+        """Write the tokens in and out in the request's record, for its access line."""
+        if self.record is not None:
+            self.record.tokens_in, self.record.tokens_out = self.usage
 
     @property
     def usage(self) -> tuple[int, int]:
@@ -265,8 +281,13 @@ class _Answer:
         except LanesError as e:
             # Mid-stream, the status is sent: the error travels as an event, in the
             # same shape as an HTTP error (the openai client raises it as an APIError).
-            yield b"data: " + orjson.dumps(error_of(e)) + b"\n\n"
+            body = error_of(e)
+            if self.record is not None:
+                body["error"]["request_id"] = self.record.id
+                self.record.error = body["error"]["code"] or body["error"]["type"]
+            yield b"data: " + orjson.dumps(body) + b"\n\n"
         finally:
+            self.account()
             _cancel(self.streams)
 
 

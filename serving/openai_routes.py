@@ -15,6 +15,7 @@ from lanes.protocols.openai import (
     parse,
     prepare_texts,
 )
+from lanes.serving.access import named, record_of
 from lanes.serving.http import JSONResponse, openai_error, read_json, timeout_s
 from lanes.serving.state import ServingState
 from lanes.spec import Workload
@@ -26,10 +27,11 @@ async def embeddings(request: Request) -> JSONResponse:
     try:
         body = parse(EmbeddingsRequest, await read_json(request, state.settings.max_body_bytes))
         worker = state.worker(body.model, ("embed",))
+        named(request.scope, worker.name)
         if isinstance(worker.task, EmbedTask):
             check_dimensions(body, worker.task.dimensions)
         items = prepare_texts(body, worker.task.prepare)
-        vectors = await worker.submit(items, timeout_s(request))
+        vectors = await worker.submit(items, timeout_s(request), record_of(request.scope))
     except LanesError as e:
         return openai_error(e)
     tokens = sum(item.n_tokens for item in items)

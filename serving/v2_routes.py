@@ -35,6 +35,7 @@ from lanes.protocols.v2 import (
     result_arrays,
 )
 from lanes.runtime import TensorInfo
+from lanes.serving.access import RequestRecord, named, record_of
 from lanes.serving.http import JSONResponse, read_body, timeout_s, v2_error
 from lanes.serving.readiness import LoadState
 from lanes.serving.state import ServingState
@@ -55,13 +56,15 @@ async def infer(request: Request) -> Response:
     name = request.path_params["name"]
     try:
         worker = _served(state, request)
+        named(request.scope, worker.name)
         raw = await read_body(request, state.settings.max_body_bytes)
         call = parse_infer(raw, request.headers.get(HEADER_LENGTH))
         timeout = call.request.timeout_s() or timeout_s(request)
+        record = record_of(request.scope)
         if worker.task.kind == "embed":
-            outputs = await _embed(worker, call, timeout)
+            outputs = await _embed(worker, call, timeout, record)
         else:
-            outputs = await _infer(worker, call, timeout)
+            outputs = await _infer(worker, call, timeout, record)
         answer = encode_response(call.request, name, outputs)
     except ModelError as e:  # the model or the handler's answer, not the request's fault
         log.exception("workload %s: v2 infer failed", name)
@@ -77,7 +80,9 @@ async def infer(request: Request) -> Response:
     return Response(answer.body, media_type="application/octet-stream", headers=headers)
 
 
-async def _infer(worker: BatchWorker, call: InferCall, timeout: float | None) -> dict[str, Array]:
+async def _infer(
+    worker: BatchWorker, call: InferCall, timeout: float | None, record: RequestRecord | None
+) -> dict[str, Array]:
     task = worker.task
     assert isinstance(task, InferTask)
     body = call.request
@@ -88,7 +93,7 @@ async def _infer(worker: BatchWorker, call: InferCall, timeout: float | None) ->
     if task.handler.pre is None:
         _check_datatypes(task, body)
     item = task.prepare(call.inputs)
-    [result] = await worker.submit([item], timeout)
+    [result] = await worker.submit([item], timeout, record)
     outputs = result_arrays(result)
     body.check_outputs(outputs, task.name)
     return outputs
@@ -107,7 +112,9 @@ def _check_datatypes(task: InferTask, body: InferRequest) -> None:
             )
 
 
-async def _embed(worker: BatchWorker, call: InferCall, timeout: float | None) -> dict[str, Array]:
+async def _embed(
+    worker: BatchWorker, call: InferCall, timeout: float | None, record: RequestRecord | None
+) -> dict[str, Array]:
     body = call.request
     body.check_outputs(["embedding"], worker.name)
     if len(body.inputs) != 1 or body.inputs[0].datatype != "BYTES":
@@ -125,7 +132,7 @@ async def _embed(worker: BatchWorker, call: InferCall, timeout: float | None) ->
             raise InvalidInput(f"{where}: expected UTF-8 text") from None
         except InvalidInput as e:
             raise e.at(where) from None
-    vectors = await worker.submit(items, timeout)
+    vectors = await worker.submit(items, timeout, record)
     try:
         return {"embedding": np.stack(vectors)}
     except (ValueError, TypeError) as e:

@@ -11,6 +11,7 @@ from typing import Any
 
 from lanes.errors import LanesError, ModelError
 from lanes.isolation import Failed, Isolated, failed_alone, isolate, per_item
+from lanes.serving.access import RequestRecord
 from lanes.serving.batching import BatchQueue, Pending, never_fits
 from lanes.serving.metrics import Metrics, Utilization
 from lanes.serving.model_thread import ModelThread
@@ -80,8 +81,15 @@ class BatchWorker:
         # stays free meanwhile to answer it and other workers' callers.
         await asyncio.to_thread(self._thread.stop)
 
-    async def submit(self, items: Sequence[Any], timeout_s: float | None = None) -> list[Any]:
+    async def submit(
+        self,
+        items: Sequence[Any],
+        timeout_s: float | None = None,
+        request: RequestRecord | None = None,
+    ) -> list[Any]:
         """Run prepared items (all or none) and wait for their outputs, in order.
+
+        The run writes its queue wait and batch size in `request`, the caller's record.
 
         They run at once if the model is free and nobody waits, else they queue.
         More items than the queue can hold are refused (`RequestTooLarge`), however
@@ -96,12 +104,15 @@ class BatchWorker:
         try:
             if self._runs_now(len(items)):
                 loop = asyncio.get_running_loop()
-                pendings = [Pending(item, loop.create_future(), arrived) for item in items]
+                pendings = [
+                    Pending(item, loop.create_future(), arrived, request=request) for item in items
+                ]
                 self._start(pendings)
             else:
                 deadline = arrived + timeout_s if timeout_s is not None else None
                 for item in items:
                     pendings.append(self.queue.put(item, deadline))  # may refuse: Overloaded
+                    pendings[-1].request = request
                 self._queue_depth.set(len(self.queue))
             if len(pendings) == 1:
                 outputs = [await pendings[0].future]
@@ -178,7 +189,13 @@ class BatchWorker:
         outputs: list[Any] = []
         if error is not None and not isinstance(error, LanesError):
             # A model failure must answer its callers, not kill the loop.
-            log.error("workload %s: a batch of %d failed", self.name, len(batch), exc_info=error)
+            log.error(
+                "workload %s: a batch of %d failed (requests %s)",
+                self.name,
+                len(batch),
+                _ids(batch),
+                exc_info=error,
+            )
             error = ModelError(f"the model failed on this batch: {error}")
         elif result is not None:
             outputs = result[0]
@@ -187,6 +204,9 @@ class BatchWorker:
                     f"the task returned {len(outputs)} outputs for {len(batch)} inputs"
                 )
         for i, pending in enumerate(batch):
+            if pending.request is not None:  # before its answer: the access line reads it
+                pending.request.queue_wait_s = start - pending.enqueued_at
+                pending.request.batch_size = len(batch)
             if pending.future.done():
                 continue  # the caller went away meanwhile
             if error is not None:
@@ -242,6 +262,11 @@ class BatchWorker:
             len(isolated.failed),
             exc_info=isolated.error,
         )
+
+
+def _ids(batch: list[Pending]) -> str:
+    """The request ids of a batch, for a line about the whole batch."""
+    return ", ".join(sorted({p.request.id for p in batch if p.request is not None})) or "none"
 
 
 def _with_errors(isolated: Isolated[Any], items: int) -> list[Any]:
