@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import io
-import logging
 import os
 import signal
 import subprocess
@@ -20,7 +18,6 @@ import pytest
 from openai import BadRequestError, OpenAI
 
 import lanes
-from lanes import logs
 from lanes.errors import InvalidInput
 from tests.gates import wait_until
 from tests.servers import free_port, write_spec
@@ -272,20 +269,3 @@ def test_every_line_is_json_and_none_holds_a_key_or_a_body(served: Served) -> No
         assert key not in text
 
 
-def test_text_lines_end_with_the_request_id() -> None:
-    out = io.StringIO()
-    handler = logs.handler("text", out)
-    logger = logging.getLogger("tests.access.text")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-    try:
-        token = logs.request_id.set("abc123")
-        logger.info("inside")
-        logs.request_id.reset(token)
-        logger.info("outside")
-    finally:
-        logger.removeHandler(handler)
-    inside, outside = out.getvalue().splitlines()
-    assert inside.endswith("tests.access.text: inside request_id=abc123")
-    assert outside.endswith("tests.access.text: outside")
