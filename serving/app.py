@@ -57,6 +57,7 @@ def create_app(
     times every queue, deadline and run.
     """
     state = ServingState(spec, settings, clock=clock)
+    state.metrics.price.set(settings.price_per_device_hour)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -267,5 +267,3 @@ def test_every_line_is_json_and_none_holds_a_key_or_a_body(served: Served) -> No
     assert SECRET not in text
     for key in (KEY, WRONG_KEY, KEY[8:], WRONG_KEY[8:]):
         assert key not in text
-
-
