@@ -72,6 +72,11 @@ class Settings(BaseSettings):
         description="The threshold of the access lines (one per request, at INFO): "
         "WARNING turns them off.",
     )
+    tracing: bool = Field(
+        False,
+        description="Export OpenTelemetry spans over OTLP/HTTP, as the OTEL_* variables "
+        "say (needs the otel extra).",
+    )
     workloads: dict[str, Any] = Field(default_factory=dict, description="Workload overrides.")
     models: dict[str, Any] = Field(default_factory=dict, description="Model overrides.")
 

@@ -9,7 +9,8 @@ import base64
 import json
 import random
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -37,6 +38,7 @@ from lanes.spec import (
     as_offline,
 )
 from lanes.specfile import load_spec
+from lanes.tracing import Tracing
 
 BACKOFF_BASE_S = 0.2
 # The longest a client sleeps before a retry; a longer Retry-After is the caller's call.
@@ -79,6 +81,7 @@ class Core:
         settings: Settings | None,
         max_retries: int,
         prefect_api_url: str | None,
+        tracing: Tracing | None = None,
     ) -> None:
         if max_retries < 0:
             raise ValueError(f"max_retries: expected 0 or more, found {max_retries}")
@@ -94,6 +97,7 @@ class Core:
         self.base = Path(where).resolve().parent
         self.max_retries = max_retries
         self.prefect_api_url = prefect_api_url
+        self.tracing = tracing if tracing is not None else Tracing.from_settings(self.settings)
         # infer workload -> input name -> v2 datatype, from its metadata (see types_request).
         self._input_types: dict[str, dict[str, str]] = {}
 
@@ -196,6 +200,25 @@ class Core:
         else:  # a list of {"role", "content"} messages is a chat
             path, body = "/v1/chat/completions", {**body, "messages": list(prompt)}
         return Request("POST", path, body, headers, streamed=stream)
+
+    def traced(self, request: Request) -> AbstractContextManager[object]:
+        """A CLIENT span around a request's attempts, its context in the request's
+        headers (traceparent); nothing when tracing is off."""
+        if self.tracing is None:
+            return nullcontext()
+        return self._traced(self.tracing, request)
+
+    @contextmanager
+    def _traced(self, tracing: Tracing, request: Request) -> Iterator[object]:
+        attributes = {
+            "http.request.method": request.method,
+            "url.full": self.endpoint + request.path,
+            "lanes.request_id": request.headers.get(REQUEST_ID_HEADER, ""),
+        }
+        name = f"{request.method} {request.path}"
+        with tracing.span(name, tracing.kinds.CLIENT, attributes=attributes) as span:
+            tracing.inject(request.headers)
+            yield span
 
     def gathering(self) -> Gathered:
         """What reads a `call`'s streamed answer back into its Completion."""

@@ -22,12 +22,15 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lanes.logs import ACCESS_LOGGER, request_id
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import SpanContext
 
 log = logging.getLogger(ACCESS_LOGGER)
 
@@ -50,6 +53,7 @@ class RequestRecord:
     tokens_in: int | None = None  # generate: prompt tokens
     tokens_out: int | None = None  # generate: completion tokens
     error: str | None = None  # the error body's code (or type)
+    trace: SpanContext | None = None  # the request's span, when tracing is on
 
     def fields(self, latency_s: float) -> dict[str, Any]:
         found: dict[str, Any] = {

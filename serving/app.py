@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lanes.errors import LanesError
 from lanes.protocols.openai import error_body
@@ -33,10 +33,12 @@ from lanes.serving.access import RequestIds
 from lanes.serving.http import JSONResponse, error_response, is_v2
 from lanes.serving.metrics import Metrics
 from lanes.serving.state import ServingState
+from lanes.serving.tracing import TracedRequests
 from lanes.serving.worker import BatchWorker
 from lanes.settings import Settings
 from lanes.spec import Spec
 from lanes.tasks import GenerateTask, load_task
+from lanes.tracing import Tracing
 
 log = logging.getLogger("lanes.serving")
 
@@ -48,15 +50,18 @@ def create_app(
     settings: Settings,
     runtime: Runtime | None = None,
     clock: Callable[[], float] = time.monotonic,
+    tracing: Tracing | None = None,
 ) -> RequestIds:
     """An app serving `spec`'s interactive workloads; loading starts with its lifespan.
 
     Outermost, `RequestIds` (serving/access.py) gives each request its id and access line.
 
     Its sessions come from `runtime` (by default one built from `settings`); `clock`
-    times every queue, deadline and run.
+    times every queue, deadline and run. `tracing` (by default as `settings.tracing`
+    says: off) traces each request, its queue wait and its batch.
     """
-    state = ServingState(spec, settings, clock=clock)
+    tracing = tracing if tracing is not None else Tracing.from_settings(settings)
+    state = ServingState(spec, settings, clock=clock, tracing=tracing)
     state.metrics.price.set(settings.price_per_device_hour)
 
     @asynccontextmanager
@@ -84,7 +89,10 @@ def create_app(
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
     app.state.lanes = state
     key = settings.api_key.get_secret_value() if settings.api_key else None
-    return RequestIds(Edge(app, state.metrics, api_key=key), route_label)
+    edge: ASGIApp = Edge(app, state.metrics, api_key=key)
+    if tracing is not None:
+        edge = TracedRequests(edge, tracing)
+    return RequestIds(edge, route_label)
 
 
 async def _load(state: ServingState, runtime: Runtime | None) -> None:
@@ -110,7 +118,7 @@ async def _load(state: ServingState, runtime: Runtime | None) -> None:
             if isinstance(task, GenerateTask):
                 generate_routes.start_engine(state, task)  # continuous batching
             else:
-                worker = BatchWorker(task, state.metrics, state.clock)
+                worker = BatchWorker(task, state.metrics, state.clock, state.tracing)
                 worker.start()
                 state.workers[name] = worker
             freeze_heap()

@@ -15,8 +15,10 @@ from lanes.serving.access import RequestRecord
 from lanes.serving.batching import BatchQueue, Pending, never_fits
 from lanes.serving.metrics import Metrics, Utilization
 from lanes.serving.model_thread import ModelThread
+from lanes.serving.tracing import batch_spans
 from lanes.spec import as_interactive
 from lanes.tasks import Task
+from lanes.tracing import Tracing
 
 log = logging.getLogger("lanes.serving")
 
@@ -42,7 +44,11 @@ class BatchWorker:
     """
 
     def __init__(
-        self, task: Task, metrics: Metrics, clock: Callable[[], float] = time.monotonic
+        self,
+        task: Task,
+        metrics: Metrics,
+        clock: Callable[[], float] = time.monotonic,
+        tracing: Tracing | None = None,
     ) -> None:
         workload = as_interactive(task.workload)
         batching = workload.batching
@@ -53,6 +59,7 @@ class BatchWorker:
             batching.max_batch_size, batching.max_wait_ms / 1000, batching.max_queue, clock
         )
         self.utilization = Utilization()
+        self._tracing = tracing
         self._metrics = metrics
         # Children looked up once: labels() per observation is measurable at c=1.
         self._queue_wait = metrics.queue_wait.labels(task.name)
@@ -228,6 +235,8 @@ class BatchWorker:
         self._batch_size.observe(len(batch))
         if run_s is not None:
             self._run_time.observe(run_s)
+        if self._tracing is not None:
+            batch_spans(self._tracing, self.name, batch, start, end, run_s, self.clock)
 
     def busy_fraction(self) -> float:
         """The model's busy share of the last 10 s, on the worker's clock."""
