@@ -45,6 +45,7 @@ from lanes.isolation import Failed, failed_alone, isolate, per_item
 from lanes.spec import as_offline
 from lanes.storage import Storage, StoredFile
 from lanes.tasks.base import Task
+from lanes.tracing import Tracing, maybe_span
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +134,7 @@ def run_shard(
     max_record_bytes: int,
     progress: Callable[[int], None] = lambda n: None,
     retry: ShardStats | None = None,
+    tracing: Tracing | None = None,
 ) -> ShardStats:
     """Process one shard and commit it; with `retry` (what an earlier run committed),
     rerun only its errored records. Raises `TooManyErrors` past the workload's
@@ -153,7 +155,7 @@ def run_shard(
             reader = _Reader(shape, redo, kept.ids if kept is not None else set())
             requests = reader.read(plan, storage, max_record_bytes, writer)
             progress(writer.errors)  # records rejected while reading
-            batches = _pipeline(requests, model, batch_size, writer)
+            batches = _pipeline(requests, model, batch_size, writer, tracing)
         earlier = kept.lines if kept is not None else 0
         outputs = earlier + writer.outputs
         records = outputs + writer.errors
@@ -298,8 +300,15 @@ class _Reader:
         return requests
 
 
-def _pipeline(requests: list[Request], model: Model, batch_size: int, writer: _Writer) -> int:
-    """Prepare batch k+1 and write batch k-1 while batch k runs. Returns batches run."""
+def _pipeline(
+    requests: list[Request],
+    model: Model,
+    batch_size: int,
+    writer: _Writer,
+    tracing: Tracing | None = None,
+) -> int:
+    """Prepare batch k+1 and write batch k-1 while batch k runs. Returns batches run.
+    With `tracing`, each model run is a span ("batch") below the current one."""
     batches = _prepared(requests, model.task, batch_size)
     runs = 0
     with ThreadPoolExecutor(2, thread_name_prefix="lanes-shard") as pool:
@@ -310,7 +319,9 @@ def _pipeline(requests: list[Request], model: Model, batch_size: int, writer: _W
             items = [item for _, prepared in batch.requests for item in prepared]
             outputs: list[Any] = []
             for start in range(0, len(items), batch_size):
-                outputs += _run(model, items[start : start + batch_size])
+                part = items[start : start + batch_size]
+                with maybe_span(tracing, "batch", {"lanes.batch_size": len(part)}):
+                    outputs += _run(model, part)
                 runs += 1
             if writing is not None:
                 writing.result()

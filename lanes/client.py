@@ -130,7 +130,10 @@ class Client:
 
         core = self._core
         w = core.offline(workload)
-        return submit(w, workload, records, when, core.settings, core.base, core.prefect_api_url)
+        with core.submitting(workload) as trace:
+            return submit(
+                w, workload, records, when, core.settings, core.base, core.prefect_api_url, trace
+            )
 
     def job(self, id: str) -> Job:
         """A job submitted earlier, from any process that reaches the same Prefect API."""
@@ -260,9 +263,18 @@ class AsyncClient:
 
         core = self._core
         w = core.offline(workload)
-        job = await asyncio.to_thread(
-            submit, w, workload, records, when, core.settings, core.base, core.prefect_api_url
-        )
+        with core.submitting(workload) as trace:
+            job = await asyncio.to_thread(
+                submit,
+                w,
+                workload,
+                records,
+                when,
+                core.settings,
+                core.base,
+                core.prefect_api_url,
+                trace,
+            )
         return AsyncJob(job)
 
     def job(self, id: str) -> AsyncJob:

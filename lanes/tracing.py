@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping, MutableMapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 from lanes.errors import LanesError
@@ -33,16 +33,21 @@ class Tracing:
         from opentelemetry.trace import SpanKind
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+        self.provider = provider
         self.tracer: Tracer = provider.get_tracer(name)
         self.kinds = SpanKind
         self._propagator = TraceContextTextMapPropagator()
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Tracing | None:
-        """None unless `settings.tracing`; then spans go over OTLP/HTTP as `OTEL_*` say."""
+        """None unless `settings.tracing`; then the process's tracer provider: the one
+        the application set up (OpenTelemetry's global), else one lanes installs as the
+        global, exporting over OTLP/HTTP as the `OTEL_*` variables say. One per
+        process: a flow's shards and a server's requests share its exporter."""
         if not settings.tracing:
             return None
         try:
+            from opentelemetry import trace
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
             from opentelemetry.sdk.resources import Resource
             from opentelemetry.sdk.trace import TracerProvider
@@ -52,9 +57,17 @@ class Tracing:
                 f"LANES_TRACING=true needs OpenTelemetry's SDK and OTLP exporter ({e}): "
                 "pip install 'lanes[otel]', or unset LANES_TRACING"
             ) from None
-        provider = TracerProvider(resource=Resource.create())
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-        return cls(provider)
+        if not isinstance(trace.get_tracer_provider(), TracerProvider):
+            provider = TracerProvider(resource=Resource.create())
+            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+            trace.set_tracer_provider(provider)  # a racing thread's may win: either serves
+        return cls(trace.get_tracer_provider())
+
+    def flush(self) -> None:
+        """Export what is pending now (a worker process may exit next)."""
+        force_flush = getattr(self.provider, "force_flush", None)
+        if force_flush is not None:
+            force_flush()
 
     # ---- context across the wire ----------------------------------------------------
 
@@ -127,6 +140,20 @@ class Tracing:
 
         context = trace.get_current_span().get_span_context()
         return context if context.is_valid else None
+
+
+def maybe_span(
+    tracing: Tracing | None,
+    name: str,
+    attributes: Mapping[str, Any] | None = None,
+    carrier: Mapping[str, str] | None = None,
+) -> AbstractContextManager[object]:
+    """A span (continuing `carrier`'s trace, when given) if tracing is on, else a
+    block that costs nothing."""
+    if tracing is None:
+        return nullcontext()
+    context = tracing.extract(carrier) if carrier else None
+    return tracing.span(name, context=context, attributes=attributes)
 
 
 class WallClock:

@@ -220,6 +220,17 @@ class Core:
             tracing.inject(request.headers)
             yield span
 
+    @contextmanager
+    def submitting(self, workload: str) -> Iterator[dict[str, str] | None]:
+        """A span around a submit (with tracing on), and its context as W3C headers
+        for the flow run to continue; None when tracing is off."""
+        if self.tracing is None:
+            yield None
+            return
+        tracing = self.tracing
+        with tracing.span(f"submit {workload}", tracing.kinds.PRODUCER):
+            yield tracing.carrier()
+
     def gathering(self) -> Gathered:
         """What reads a `call`'s streamed answer back into its Completion."""
         return Gathered(self)

@@ -163,3 +163,57 @@ async def test_a_batch_of_eight_links_its_eight_requests(
 
 def test_tracing_is_off_by_default() -> None:
     assert Tracing.from_settings(Settings()) is None
+
+
+# ---- offline: the flow run, its shards, their batches -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def process_exporter() -> InMemorySpanExporter:
+    """The exporter of this process's global tracer provider, which LANES_TRACING uses."""
+    from opentelemetry import trace
+
+    exporter = InMemorySpanExporter()
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return exporter
+
+
+def test_an_offline_run_continues_its_callers_trace(
+    prefect_api: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    process_exporter: InMemorySpanExporter,
+) -> None:
+    from opentelemetry import trace
+
+    from lanes.flows.batch import offline
+    from tests.flows_fixtures import text, write_jsonl
+    from tests.flows_fixtures import write_spec as write_offline_spec
+
+    monkeypatch.setenv("LANES_TRACING", "true")
+    workload = {"mode": "offline", "task": "embed", "model": "enc", "input": "in/"}
+    spec = write_offline_spec(tmp_path, {"emb": {**workload, "output": "out/", "batch_size": 4}})
+    write_jsonl(tmp_path / "in" / "a.jsonl", [{"id": f"a{i}", "text": text(i)} for i in range(6)])
+    write_jsonl(tmp_path / "in" / "b.jsonl", [{"id": "b0", "text": "w1"}])
+    caller_side = Tracing(trace.get_tracer_provider())
+    with caller_side.span("caller") as caller:
+        carrier = caller_side.carrier()
+    offline(workload="emb", spec=str(spec), trace=carrier)
+
+    spans = spans_of(process_exporter, caller.get_span_context().trace_id)
+    run = one(spans, "offline emb")
+    assert run.parent is not None and run.parent.span_id == caller.get_span_context().span_id
+    shards = {s.name: s for s in spans if s.name.startswith("shard ")}
+    assert sorted(shards) == ["shard a.jsonl", "shard b.jsonl"]
+    for shard in shards.values():
+        assert shard.parent is not None and shard.parent.span_id == run.context.span_id
+    sizes: dict[str, list[int]] = {name: [] for name in shards}
+    for batch in (s for s in spans if s.name == "batch"):
+        assert batch.parent is not None and batch.attributes is not None
+        (name,) = [n for n, s in shards.items() if s.context.span_id == batch.parent.span_id]
+        sizes[name].append(int(str(batch.attributes["lanes.batch_size"])))
+    assert sorted(sizes["shard a.jsonl"]) == [2, 4] and sizes["shard b.jsonl"] == [1]
