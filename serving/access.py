@@ -49,7 +49,7 @@ class RequestRecord:
     workload: str | None = None
     status: int | None = None
     queue_wait_s: float | None = None  # arrival at the executor to the start of its run
-    batch_size: int | None = None  # requests in the run it rode in
+    batch_size: int | None = None  # items in the model run it rode in (a request may hold many)
     tokens_in: int | None = None  # generate: prompt tokens
     tokens_out: int | None = None  # generate: completion tokens
     error: str | None = None  # the error body's code (or type)
