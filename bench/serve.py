@@ -1,6 +1,6 @@
 """Benchmark of the interactive endpoint against raw onnxruntime and an unbatched server.
 
-    python bench/serve.py [--seconds 4] [--levels 1,8,32,128] [--models minilm,tiny]
+    python bench/serve.py [--seconds 4] [--levels 1,8,32,128] [--models minilm,tiny] [--tracing]
 
 Starts `lanes serve` and, as a baseline, `bench/baseline_server.py` (FastAPI, one
 session.run per request) side by side, and prints per model and concurrency:
@@ -15,18 +15,24 @@ size = concurrency, raw runs at the best batch size, lanes, the baseline) take t
 in short slices, in rotation, 30 ms apart (onnxruntime's threads spin a little after
 a run, on the same cores), and every ratio compares figures from the same slices.
 The concurrency-1 gap is the median over rotations of (lanes p50 - raw batch-1 p50).
+
+`--tracing` adds a third server in the same rotations: lanes with LANES_TRACING=true,
+exporting every span over OTLP/HTTP to a sink in this process that answers 200, and
+prints what tracing costs at each concurrency (p50 and req/s against lanes untraced).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import http.server
 import os
 import re
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -230,6 +236,26 @@ def batch_stats(url: str, model: str) -> tuple[float, float] | None:
     return values["sum"], values["count"]
 
 
+class _Sink(http.server.BaseHTTPRequestHandler):
+    """An OTLP/HTTP collector that reads every export and keeps nothing."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        self.send_response(200)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def otlp_sink() -> str:
+    """Start the sink on a free port; its URL, for OTEL_EXPORTER_OTLP_ENDPOINT."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Sink)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}"
+
+
 def start(cmd: list[str], url: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 90
@@ -324,6 +350,13 @@ async def bench_model(
                 f" (quartiles {q1:+.2f} .. {q3:+.2f}, {len(gaps)} rotations); this client's"
                 f" GET /healthz round trip, no model: {floor:.2f} ms"
             )
+        if "traced" in turns:
+            on, off = turns["traced"], turns["lanes"]
+            notes.append(
+                f"  concurrency {c}: tracing on costs {on.ms(50) - off.ms(50):+.2f} ms at p50"
+                f" ({on.ms(50):.2f} vs {off.ms(50):.2f}), {on.ms(99) - off.ms(99):+.2f} ms at"
+                f" p99; req/s on/off {on.rate / off.rate:.2f}x"
+            )
         if c >= 32:
             vs_baseline = ""
             if "baseline" in turns:
@@ -347,6 +380,9 @@ def main() -> None:
     parser.add_argument("--levels", default="1,8,32,128")
     parser.add_argument("--models", default="minilm,tiny")
     parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument(
+        "--tracing", action="store_true", help="also lanes with tracing on (see above)"
+    )
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     models_dir = Path(os.environ.get("LANES_MODELS_DIR", ROOT / ".lanes" / "models")).resolve()
@@ -355,17 +391,24 @@ def main() -> None:
     spec_path.write_text(SPEC.format(m=models_dir))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     lanes = [sys.executable, "-m", "lanes.router.cli", "serve", str(spec_path), "--port", "8431"]
+    traced_env = dict(env)
+    if args.tracing:
+        traced_env |= {"LANES_TRACING": "true", "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_sink()}
     for model in args.models.split(","):
-        servers = {"lanes": (lanes, "http://127.0.0.1:8431")}
+        servers = {"lanes": (lanes, "http://127.0.0.1:8431", env)}
+        if args.tracing:
+            traced = [*lanes[:-1], "8433"]
+            servers["traced"] = (traced, "http://127.0.0.1:8433", traced_env)
         if not args.no_baseline:
             baseline = [sys.executable, str(ROOT / "bench" / "baseline_server.py")]
             servers["baseline"] = (
                 [*baseline, str(spec_path), model, "8432"],
                 "http://127.0.0.1:8432",
+                env,
             )
-        procs = [start(cmd, url, env) for cmd, url in servers.values()]
+        procs = [start(cmd, url, server_env) for cmd, url, server_env in servers.values()]
         try:
-            urls = {name: url for name, (_, url) in servers.items()}
+            urls = {name: url for name, (_, url, _) in servers.items()}
             # uvloop: the client's own share of each round trip is not what is measured.
             uvloop.run(bench_model(model, spec_path, urls, levels, args.seconds))
         finally:

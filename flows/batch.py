@@ -64,6 +64,7 @@ from lanes.settings import Settings
 from lanes.spec import Runner
 from lanes.storage import Storage, join
 from lanes.tasks import load_task
+from lanes.tracing import Tracing, maybe_span
 
 Rerun = Literal["uncommitted", "errors", "all"]
 
@@ -86,16 +87,25 @@ def offline(
     input: str | None = None,
     output: str | None = None,
     rerun: Rerun = "uncommitted",
+    trace: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Run `workload` from the spec file `spec` (relative to the working directory).
     `input`/`output` override the workload's; `rerun` is "uncommitted", "errors" or
-    "all" (the module docstring). Returns the manifest's summary; raises JobFailed
-    when a shard failed."""
+    "all" (the module docstring); `trace` is the W3C context (traceparent) of whoever
+    submitted the run, continued by its spans when LANES_TRACING is on. Returns the
+    manifest's summary; raises JobFailed when a shard failed."""
     settings = Settings()
-    job = plan_job(workload, Path(spec), settings, input, output)
+    tracing = Tracing.from_settings(settings)
+    try:
+        with maybe_span(tracing, f"offline {workload}", {"lanes.workload": workload}, trace):
+            job = plan_job(workload, Path(spec), settings, input, output)
+            manifest = run_job(job, settings, rerun, tracing)
+    finally:
+        if tracing is not None:
+            tracing.flush()  # a worker process may exit next
     # A State returned by a flow becomes its run's final state, and a caller of the
     # flow gets the state's data: the summary.
-    return cast("dict[str, Any]", outcome(run_job(job, settings, rerun)))
+    return cast("dict[str, Any]", outcome(manifest))
 
 
 def outcome(manifest: Manifest) -> State[dict[str, Any]]:
@@ -117,8 +127,11 @@ def _records(n: int) -> str:
     return f"{n} record{'' if n == 1 else 's'}"
 
 
-def run_job(job: Job, settings: Settings, rerun: Rerun = "uncommitted") -> Manifest:
-    """Inside a flow run: the shards of `job`, then the manifest. Raises JobFailed."""
+def run_job(
+    job: Job, settings: Settings, rerun: Rerun = "uncommitted", tracing: Tracing | None = None
+) -> Manifest:
+    """Inside a flow run: the shards of `job`, then the manifest. Raises JobFailed.
+    With `tracing`, each shard's span continues the current one."""
     from prefect.runtime import flow_run
 
     started = datetime.now(UTC)
@@ -141,7 +154,8 @@ def run_job(job: Job, settings: Settings, rerun: Rerun = "uncommitted") -> Manif
     # Only shards that will be read whole: a retried one was checked when it first ran.
     check_records(job, [p.plan for p in pending if p.retry is None], storage)
     _progress("planned", shards=len(plans), pending=len(pending))
-    ran, failures = _run_shards(job, pending, settings)
+    trace = tracing.carrier() if tracing is not None else None
+    ran, failures = _run_shards(job, pending, settings, trace)
     measurements = Measurements(settings.home)
     manifest = build_manifest(
         workload=job.workload,
@@ -200,10 +214,28 @@ class _Pending:
 
 @task(name="shard", cache_policy=NO_CACHE, task_run_name="shard {plan.name}")
 def shard(
-    job: Job, plan: ShardPlan, settings: Settings, retry: ShardStats | None = None
+    job: Job,
+    plan: ShardPlan,
+    settings: Settings,
+    retry: ShardStats | None = None,
+    trace: dict[str, str] | None = None,
 ) -> ShardStats:
-    """One shard: read, run, write, commit (flows.shard.run_shard)."""
+    """One shard: read, run, write, commit (flows.shard.run_shard); with `trace` (the
+    flow run's span, as W3C headers: the shard may run in another process), a span."""
     model = _model(job, settings)
+    tracing = Tracing.from_settings(settings) if trace is not None else None
+    with maybe_span(tracing, f"shard {plan.name}", {"lanes.shard": plan.name}, trace):
+        return _shard(job, plan, settings, model, retry, tracing)
+
+
+def _shard(
+    job: Job,
+    plan: ShardPlan,
+    settings: Settings,
+    model: ShardModel,
+    retry: ShardStats | None,
+    tracing: Tracing | None,
+) -> ShardStats:
     stats = run_shard(
         plan,
         model,
@@ -214,7 +246,10 @@ def shard(
         # (the flow reports each finished shard itself, for every runner).
         progress=lambda n: _progress("records", shard=plan.name, records=n),
         retry=retry,
+        tracing=tracing,
     )
+    if tracing is not None:
+        tracing.flush()  # on a Dask worker, nobody else will
     return stats
 
 
@@ -224,7 +259,7 @@ def _worth_retrying(task: Task[Any, Any], run: TaskRun, state: State[Any]) -> bo
 
 
 def _run_shards(
-    job: Job, pending: list[_Pending], settings: Settings
+    job: Job, pending: list[_Pending], settings: Settings, trace: dict[str, str] | None = None
 ) -> tuple[list[ShardStats], list[ShardFailure]]:
     """Submit shard tasks, never more than `max_concurrent_shards` in flight."""
     if not pending:
@@ -247,6 +282,7 @@ def _run_shards(
                     "plan": item.plan,
                     "settings": settings,
                     "retry": item.retry,
+                    "trace": trace,
                 }
                 in_flight[runner.submit(retried, parameters)] = item
             finished = next(as_completed(list(in_flight)))

@@ -45,6 +45,7 @@ from lanes.isolation import Failed, failed_alone, isolate, per_item
 from lanes.spec import as_offline
 from lanes.storage import Storage, StoredFile
 from lanes.tasks.base import Task
+from lanes.tracing import Tracing, maybe_span
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +177,7 @@ def run_shard(
     max_record_bytes: int,
     progress: Callable[[int], None] = lambda n: None,
     retry: ShardStats | None = None,
+    tracing: Tracing | None = None,
 ) -> ShardStats:
     """Process one shard and commit it; with `retry` (what an earlier run committed),
     rerun only its errored records. Raises `TooManyErrors` past the workload's
@@ -196,7 +198,7 @@ def run_shard(
             reader = _Reader(shape, redo, kept.ids if kept is not None else set())
             requests = reader.read(plan, storage, max_record_bytes, writer)
             progress(writer.errors)  # records rejected while reading
-            batches = _pipeline(requests, model, batch_size, writer)
+            batches = _pipeline(requests, model, batch_size, writer, tracing)
         earlier = kept.lines if kept is not None else 0
         outputs = earlier + writer.outputs
         records = outputs + writer.errors
@@ -223,7 +225,33 @@ def run_shard(
     marker = {"key": plan.key, **asdict(stats)}
     del marker["skipped"]
     storage.write_bytes(plan.marker, orjson.dumps(marker, option=orjson.OPT_INDENT_2))
+    _log_shard(plan, stats)
     return stats
+
+
+def _log_shard(plan: ShardPlan, stats: ShardStats) -> None:
+    """The shard's one line: records, errors, items/s (its fields too, in JSON logs)."""
+    rate = stats.items / stats.seconds if stats.seconds > 0 else 0.0
+    fields = {
+        "shard": plan.name,
+        "input": stats.input,
+        "records": stats.records,
+        "errors": stats.errors,
+        "items": stats.items,
+        "batches": stats.batches,
+        "seconds": stats.seconds,
+        "items_per_s": round(rate, 3),
+    }
+    log.info(
+        "shard %s: %d records, %d errors, %d items in %d batches, %.1f items/s",
+        plan.name,
+        stats.records,
+        stats.errors,
+        stats.items,
+        stats.batches,
+        rate,
+        extra={"lanes": fields},
+    )
 
 
 def _check_error_rate(plan: ShardPlan, limit: float, records: int, writer: _Writer) -> None:
@@ -315,8 +343,15 @@ class _Reader:
         return requests
 
 
-def _pipeline(requests: list[Request], model: ShardModel, batch_size: int, writer: _Writer) -> int:
-    """Prepare batch k+1 and write batch k-1 while batch k runs. Returns batches run."""
+def _pipeline(
+    requests: list[Request],
+    model: ShardModel,
+    batch_size: int,
+    writer: _Writer,
+    tracing: Tracing | None = None,
+) -> int:
+    """Prepare batch k+1 and write batch k-1 while batch k runs. Returns batches run.
+    With `tracing`, each model run is a span ("batch") below the current one."""
     batches = _prepared(requests, model.task, batch_size)
     runs = 0
     with ThreadPoolExecutor(2, thread_name_prefix="lanes-shard") as pool:
@@ -327,7 +362,9 @@ def _pipeline(requests: list[Request], model: ShardModel, batch_size: int, write
             items = [item for _, prepared in batch.requests for item in prepared]
             outputs: list[Any] = []
             for start in range(0, len(items), batch_size):
-                outputs += model.run(items[start : start + batch_size])
+                part = items[start : start + batch_size]
+                with maybe_span(tracing, "batch", {"lanes.batch_size": len(part)}):
+                    outputs += model.run(part)
                 runs += 1
             if writing is not None:
                 writing.result()

@@ -35,6 +35,7 @@ from lanes.errors import (
 )
 from lanes.settings import Settings
 from lanes.spec import Spec
+from lanes.tracing import Tracing
 from lanes.wire import Completion, Core, Request, Usage, cut_short, json_body
 
 __all__ = ["AsyncClient", "Client", "Completion", "Records", "Usage", "When"]
@@ -53,6 +54,8 @@ class Client:
     `timeout` bounds each HTTP exchange (seconds, or an httpx.Timeout); a call's
     `timeout_ms` is its deadline on the server (X-Timeout-Ms). `max_retries` bounds
     the retries of one request. `transport` is httpx's (e.g. httpx.MockTransport).
+    `tracing` (default: as LANES_TRACING says, off) spans each call and sends its
+    W3C traceparent.
     """
 
     def __init__(
@@ -66,8 +69,9 @@ class Client:
         max_retries: int = 3,
         prefect_api_url: str | None = None,
         transport: httpx.BaseTransport | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
-        self._core = Core(endpoint, api_key, spec, settings, max_retries, prefect_api_url)
+        self._core = Core(endpoint, api_key, spec, settings, max_retries, prefect_api_url, tracing)
         self._http = httpx.Client(
             base_url=self._core.endpoint, timeout=timeout, transport=transport
         )
@@ -126,7 +130,10 @@ class Client:
 
         core = self._core
         w = core.offline(workload)
-        return submit(w, workload, records, when, core.settings, core.base, core.prefect_api_url)
+        with core.submitting(workload) as trace:
+            return submit(
+                w, workload, records, when, core.settings, core.base, core.prefect_api_url, trace
+            )
 
     def job(self, id: str) -> Job:
         """A job submitted earlier, from any process that reaches the same Prefect API."""
@@ -137,26 +144,27 @@ class Client:
     def _send(self, request: Request, stream: bool = False) -> httpx.Response:
         """The response of the first attempt that is not retried; raises typed errors."""
         core = self._core
-        for attempt in range(core.max_retries + 1):
-            try:
-                response = self._http.send(
-                    self._http.build_request(
-                        request.method, request.path, json=request.body, headers=request.headers
-                    ),
-                    stream=stream,
-                )
-                if response.status_code < 400:
-                    return response
+        with core.traced(request):  # a no-op unless tracing is on
+            for attempt in range(core.max_retries + 1):
                 try:
-                    response.read()
-                finally:
-                    response.close()
-                raise core.error(response.status_code, response.content, response.headers)
-            except (LanesError, httpx.TransportError) as error:
-                if not core.retryable(error, attempt):
-                    raise core.failure(error) from None
-                time.sleep(core.backoff(attempt, error))
-        raise AssertionError("unreachable: the last attempt is never retried")
+                    response = self._http.send(
+                        self._http.build_request(
+                            request.method, request.path, json=request.body, headers=request.headers
+                        ),
+                        stream=stream,
+                    )
+                    if response.status_code < 400:
+                        return response
+                    try:
+                        response.read()
+                    finally:
+                        response.close()
+                    raise core.error(response.status_code, response.content, response.headers)
+                except (LanesError, httpx.TransportError) as error:
+                    if not core.retryable(error, attempt):
+                        raise core.failure(error) from None
+                    time.sleep(core.backoff(attempt, error))
+            raise AssertionError("unreachable: the last attempt is never retried")
 
     def _gather(self, request: Request) -> Completion:
         gathered = self._core.gathering()
@@ -203,8 +211,9 @@ class AsyncClient:
         max_retries: int = 3,
         prefect_api_url: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
-        self._core = Core(endpoint, api_key, spec, settings, max_retries, prefect_api_url)
+        self._core = Core(endpoint, api_key, spec, settings, max_retries, prefect_api_url, tracing)
         self._http = httpx.AsyncClient(
             base_url=self._core.endpoint, timeout=timeout, transport=transport
         )
@@ -254,9 +263,18 @@ class AsyncClient:
 
         core = self._core
         w = core.offline(workload)
-        job = await asyncio.to_thread(
-            submit, w, workload, records, when, core.settings, core.base, core.prefect_api_url
-        )
+        with core.submitting(workload) as trace:
+            job = await asyncio.to_thread(
+                submit,
+                w,
+                workload,
+                records,
+                when,
+                core.settings,
+                core.base,
+                core.prefect_api_url,
+                trace,
+            )
         return AsyncJob(job)
 
     def job(self, id: str) -> AsyncJob:
@@ -268,26 +286,27 @@ class AsyncClient:
 
     async def _send(self, request: Request, stream: bool = False) -> httpx.Response:
         core = self._core
-        for attempt in range(core.max_retries + 1):
-            try:
-                response = await self._http.send(
-                    self._http.build_request(
-                        request.method, request.path, json=request.body, headers=request.headers
-                    ),
-                    stream=stream,
-                )
-                if response.status_code < 400:
-                    return response
+        with core.traced(request):  # a no-op unless tracing is on
+            for attempt in range(core.max_retries + 1):
                 try:
-                    await response.aread()
-                finally:
-                    await response.aclose()
-                raise core.error(response.status_code, response.content, response.headers)
-            except (LanesError, httpx.TransportError) as error:
-                if not core.retryable(error, attempt):
-                    raise core.failure(error) from None
-                await asyncio.sleep(core.backoff(attempt, error))
-        raise AssertionError("unreachable: the last attempt is never retried")
+                    response = await self._http.send(
+                        self._http.build_request(
+                            request.method, request.path, json=request.body, headers=request.headers
+                        ),
+                        stream=stream,
+                    )
+                    if response.status_code < 400:
+                        return response
+                    try:
+                        await response.aread()
+                    finally:
+                        await response.aclose()
+                    raise core.error(response.status_code, response.content, response.headers)
+                except (LanesError, httpx.TransportError) as error:
+                    if not core.retryable(error, attempt):
+                        raise core.failure(error) from None
+                    await asyncio.sleep(core.backoff(attempt, error))
+            raise AssertionError("unreachable: the last attempt is never retried")
 
     async def _gather(self, request: Request) -> Completion:
         gathered = self._core.gathering()

@@ -46,6 +46,8 @@ class LanesError(Exception):
     error_type: ClassVar[str] = "server_error"  # OpenAI's error `type`
     default_code: ClassVar[str | None] = None
     repeats: ClassVar[bool] = False  # the same request fails the same way: never retry
+    # The server's id of the request that failed (X-Request-Id), when it came from one.
+    request_id: str | None = None
 
     def __init__(self, message: str = "", *, param: str | None = None, code: str | None = None):
         super().__init__(message)

@@ -62,12 +62,14 @@ def submit(
     settings: Settings,
     base: Path,
     prefect_api_url: str | None = None,
+    trace: dict[str, str] | None = None,
 ) -> Job:
     """Stage `records` beside the workload's input (or take an input URI under the
     workload's input or a root `settings.allowed_input_roots` allows: lanes.inputs; a
     relative local path is read against the working directory), and create a flow run
     of its deployment at the next off-peak window (the workload's schedule, else
-    `settings.offpeak`) or now."""
+    `settings.offpeak`) or now. `trace` (W3C headers of the caller's span) goes with
+    the run, whose spans continue it."""
     from prefect.states import Scheduled
 
     if when not in ("offpeak", "now"):
@@ -94,7 +96,12 @@ def submit(
         output = join(folder_of(workload.output, base), layout.JOBS, key) + "/"
         run = client.create_flow_run_from_deployment(
             deployment,
-            parameters={"workload": name, "input": source, "output": output},
+            parameters={
+                "workload": name,
+                "input": source,
+                "output": output,
+                **({"trace": trace} if trace else {}),
+            },
             state=Scheduled(scheduled_time=scheduled),
             name=f"{name}-{key}",
             tags=[SUBMIT_TAG],

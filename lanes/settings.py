@@ -11,6 +11,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from lanes.errors import Problem, SettingsError
+from lanes.logs import LogFormat, LogLevel
 from lanes.spec import Schedule
 from lanes.specrules import from_pydantic
 
@@ -104,6 +105,20 @@ class Settings(BaseSettings):
         'LANES_ALLOWED_INPUT_ROOTS=\'["s3://shared/corpora/", "/data/"]\'. Relative '
         "folders are read against the spec's folder. Set it where jobs are submitted and "
         "where they run: the worker refuses the rest.",
+    )
+    log_format: LogFormat = Field(
+        "text", description="Log lines as text or as one JSON object per line."
+    )
+    log_level: LogLevel = Field("INFO", description="The threshold of every log line.")
+    access_log_level: LogLevel = Field(
+        "INFO",
+        description="The threshold of the access lines (one per request, at INFO): "
+        "WARNING turns them off.",
+    )
+    tracing: bool = Field(
+        False,
+        description="Export OpenTelemetry spans over OTLP/HTTP, as the OTEL_* variables "
+        "say (needs the otel extra).",
     )
     workloads: dict[str, Any] = Field(default_factory=dict, description="Workload overrides.")
     models: dict[str, Any] = Field(default_factory=dict, description="Model overrides.")

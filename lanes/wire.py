@@ -8,7 +8,9 @@ from __future__ import annotations
 import base64
 import json
 import random
-from collections.abc import Mapping
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -24,7 +26,7 @@ from lanes.errors import (
     WrongMode,
     from_wire,
 )
-from lanes.protocols import TIMEOUT_HEADER
+from lanes.protocols import REQUEST_ID_HEADER, TIMEOUT_HEADER
 from lanes.protocols.v2 import DTYPES
 from lanes.settings import Settings
 from lanes.spec import (
@@ -36,6 +38,7 @@ from lanes.spec import (
     as_offline,
 )
 from lanes.specfile import load_spec
+from lanes.tracing import Tracing
 
 BACKOFF_BASE_S = 0.2
 # The longest a client sleeps before a retry; a longer Retry-After is the caller's call.
@@ -78,6 +81,7 @@ class Core:
         settings: Settings | None,
         max_retries: int,
         prefect_api_url: str | None,
+        tracing: Tracing | None = None,
     ) -> None:
         if max_retries < 0:
             raise ValueError(f"max_retries: expected 0 or more, found {max_retries}")
@@ -93,6 +97,7 @@ class Core:
         self.base = Path(where).resolve().parent
         self.max_retries = max_retries
         self.prefect_api_url = prefect_api_url
+        self.tracing = tracing if tracing is not None else Tracing.from_settings(self.settings)
         # infer workload -> input name -> v2 datatype, from its metadata (see types_request).
         self._input_types: dict[str, dict[str, str]] = {}
 
@@ -179,9 +184,11 @@ class Core:
         return self._generate_request(name, prompt, options, self._headers(timeout_ms), True)
 
     def _headers(self, timeout_ms: float | None) -> dict[str, str]:
-        if timeout_ms is None:
-            return dict(self.headers)
-        return {**self.headers, TIMEOUT_HEADER: f"{timeout_ms:g}"}
+        # One id per call, kept by its retries: the server's logs and errors say it.
+        headers = {**self.headers, REQUEST_ID_HEADER: uuid.uuid4().hex}
+        if timeout_ms is not None:
+            headers[TIMEOUT_HEADER] = f"{timeout_ms:g}"
+        return headers
 
     @staticmethod
     def _generate_request(
@@ -193,6 +200,36 @@ class Core:
         else:  # a list of {"role", "content"} messages is a chat
             path, body = "/v1/chat/completions", {**body, "messages": list(prompt)}
         return Request("POST", path, body, headers, streamed=stream)
+
+    def traced(self, request: Request) -> AbstractContextManager[object]:
+        """A CLIENT span around a request's attempts, its context in the request's
+        headers (traceparent); nothing when tracing is off."""
+        if self.tracing is None:
+            return nullcontext()
+        return self._traced(self.tracing, request)
+
+    @contextmanager
+    def _traced(self, tracing: Tracing, request: Request) -> Iterator[object]:
+        attributes = {
+            "http.request.method": request.method,
+            "url.full": self.endpoint + request.path,
+            "lanes.request_id": request.headers.get(REQUEST_ID_HEADER, ""),
+        }
+        name = f"{request.method} {request.path}"
+        with tracing.span(name, tracing.kinds.CLIENT, attributes=attributes) as span:
+            tracing.inject(request.headers)
+            yield span
+
+    @contextmanager
+    def submitting(self, workload: str) -> Iterator[dict[str, str] | None]:
+        """A span around a submit (with tracing on), and its context as W3C headers
+        for the flow run to continue; None when tracing is off."""
+        if self.tracing is None:
+            yield None
+            return
+        tracing = self.tracing
+        with tracing.span(f"submit {workload}", tracing.kinds.PRODUCER):
+            yield tracing.carrier()
 
     def gathering(self) -> Gathered:
         """What reads a `call`'s streamed answer back into its Completion."""
@@ -245,12 +282,24 @@ class Core:
             parsed = json.loads(body)
         except ValueError:
             parsed = body.decode(errors="replace")[:500] or None
-        return self._error(status, parsed, _retry_after(headers))
+        found = self._error(status, parsed, _retry_after(headers))
+        found.request_id = found.request_id or headers.get(REQUEST_ID_HEADER)
+        return found
 
     def _error(self, status: int | None, parsed: Any, retry_after: float = 1.0) -> LanesError:
         # OpenAI's {"error": {"message", "type", "param", "code"}} or v2's {"error": "..."}.
         error = parsed.get("error") if isinstance(parsed, dict) else parsed
         fields = error if isinstance(error, dict) else {"message": error}
+        rid = fields.get("request_id") or (
+            parsed.get("request_id") if isinstance(parsed, dict) else None
+        )
+        found = self._typed(status, fields, retry_after)
+        found.request_id = _str_or_none(rid)
+        return found
+
+    def _typed(
+        self, status: int | None, fields: Mapping[str, Any], retry_after: float
+    ) -> LanesError:
         text = fields.get("message")
         message = str(text) if text is not None else f"HTTP {status} from {self.endpoint}"
         found = from_wire(

@@ -7,6 +7,7 @@ message a person can act on, without a traceback: exit code 2 for a bad spec or 
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Annotated, Any
@@ -113,6 +114,28 @@ def serve(
     settings = guarded(Settings)
     spec = guarded(lambda: _load(file, settings))
     run_server(spec, settings, host, port)
+
+
+@app.command()
+def top(
+    endpoint: Annotated[
+        str | None, typer.Option(help="Server URL (default: LANES_ENDPOINT).")
+    ] = None,
+    once: Annotated[
+        bool, typer.Option("--once", help="Print one frame (one interval's window) and exit.")
+    ] = False,
+    interval: Annotated[
+        float, typer.Option(min=0.1, help="Seconds between frames (the window of each).")
+    ] = 1.0,
+) -> None:
+    """A live view of a running server from its /metrics: per workload req/s, p50/p99,
+    queue depth, batch size, utilization, tokens/s, errors; responses per route."""
+    from lanes.router.top import run as run_top
+
+    settings = guarded(Settings)
+    key = settings.api_key.get_secret_value() if settings.api_key else None
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a live view ends
+        guarded(lambda: run_top(endpoint or settings.endpoint, key, interval, once))
 
 
 @models_app.command("build")

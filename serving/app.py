@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lanes.backfill import INTERNAL_PREFIX
 from lanes.errors import LanesError, Overloaded
@@ -32,6 +32,7 @@ from lanes.protocols import TIMEOUT_HEADER
 from lanes.protocols.openai import error_body
 from lanes.runtime import Runtime
 from lanes.serving import backfill_routes, generate_routes, openai_routes, v2_routes
+from lanes.serving.access import RequestIds
 from lanes.serving.http import (
     JSONResponse,
     Receipt,
@@ -43,10 +44,12 @@ from lanes.serving.http import (
 from lanes.serving.metrics import Metrics
 from lanes.serving.readiness import Readiness
 from lanes.serving.state import ServingState
+from lanes.serving.tracing import TracedRequests
 from lanes.serving.worker import BatchWorker
 from lanes.settings import Settings
 from lanes.spec import Spec
 from lanes.tasks import GenerateTask, load_task
+from lanes.tracing import Tracing
 
 log = logging.getLogger("lanes.serving")
 
@@ -58,13 +61,19 @@ def create_app(
     settings: Settings,
     runtime: Runtime | None = None,
     clock: Callable[[], float] = time.monotonic,
-) -> Edge:
+    tracing: Tracing | None = None,
+) -> Served:
     """An app serving `spec`'s interactive workloads; loading starts with its lifespan.
 
+    Outermost, `RequestIds` (serving/access.py) gives each request its id and access line.
+
     Its sessions come from `runtime` (by default one built from `settings`); `clock`
-    times every queue, deadline and run.
+    times every queue, deadline and run. `tracing` (by default as `settings.tracing`
+    says: off) traces each request, its queue wait and its batch.
     """
-    state = ServingState(spec, settings, clock=clock)
+    tracing = tracing if tracing is not None else Tracing.from_settings(settings)
+    state = ServingState(spec, settings, clock=clock, tracing=tracing)
+    state.metrics.price.set(settings.price_per_device_hour)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -82,13 +91,33 @@ def create_app(
     app = Starlette(routes=_routes(), lifespan=lifespan, exception_handlers=handlers)
     app.state.lanes = state
     key = settings.api_key.get_secret_value() if settings.api_key else None
-    return Edge(
+    edge = Edge(
         app,
         state.metrics,
         api_key=key,
         readiness=state.readiness,
         discard_limit=settings.discard_body_bytes,
     )
+    outer: ASGIApp = edge if tracing is None else TracedRequests(edge, tracing)
+    return Served(RequestIds(outer, route_label), state, edge)
+
+
+class Served:
+    """What `create_app` returns: the ASGI app uvicorn runs, the state it serves, and
+    the switch `lanes serve` turns on SIGTERM (`drain`)."""
+
+    def __init__(self, app: ASGIApp, state: ServingState, edge: Edge) -> None:
+        self.app = app
+        self.state = state
+        self._edge = edge
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.app(scope, receive, send)
+
+    def drain(self) -> None:
+        """Not ready from now on, each answer closing its connection; safe in a signal
+        handler."""
+        self._edge.drain()
 
 
 async def _load(state: ServingState, runtime: Runtime | None) -> None:
@@ -114,7 +143,7 @@ async def _load(state: ServingState, runtime: Runtime | None) -> None:
             if isinstance(task, GenerateTask):
                 generate_routes.start_engine(state, task)  # continuous batching
             else:
-                worker = BatchWorker(task, state.metrics, state.clock)
+                worker = BatchWorker(task, state.metrics, state.clock, state.tracing)
                 worker.start()
                 state.workers[name] = worker
             freeze_heap()

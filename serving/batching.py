@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lanes.errors import DeadlineExceeded, Overloaded, RequestTooLarge
+from lanes.serving.access import RequestRecord
 
 
 def never_fits(items: int, max_queue: int) -> RequestTooLarge | None:
@@ -48,6 +49,7 @@ class Pending:
     deadline: float | None = None
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
     queued: bool = True  # still waiting in the queue (not yet handed to a batch)
+    request: RequestRecord | None = None  # its HTTP request's: the run writes its part
 
     @property
     def live(self) -> bool:

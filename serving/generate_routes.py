@@ -43,6 +43,7 @@ from lanes.protocols.openai import (
     input_count,
     parse,
 )
+from lanes.serving.access import RequestRecord, named, record_of
 from lanes.serving.batching import never_fits
 from lanes.serving.engine import Engine, TokenStream
 from lanes.serving.guard import Piece, TextGuard, pieces
@@ -117,11 +118,13 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
     arrived = time.monotonic()
     streams: list[TokenStream] = []
     settings = state.settings
+    record = record_of(request.scope)
     try:
         # A large body is parsed and tokenized off the event loop (serving/offload.py).
         raw = await read_body(request, settings.max_body_bytes)
         body = await state.offload.run(len(raw), _decode, endpoint.request, raw)
         engine = state.engine(body.model)
+        named(request.scope, body.model)
         if isinstance(body, CompletionRequest):
             check_inputs(input_count(body.prompt), settings.max_inputs_per_request, "prompt")
         config = engine.decoder.config
@@ -147,7 +150,7 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
     streaming = body.streamed
     guard = state.guards.get(body.model)
     flows = [pieces(s, guard, streaming) for s in streams]
-    answer = _Answer(endpoint, body, streams)
+    answer = _Answer(endpoint, body, streams, record)
     latency = state.metrics.request_latency.labels(body.model)
     try:
         if streaming:
@@ -172,6 +175,7 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
     if whole is None:
         return Response(status_code=CLIENT_GONE)
     latency.observe(time.monotonic() - arrived)
+    answer.account()
     return JSONResponse(answer.whole(whole))
 
 
@@ -235,13 +239,25 @@ class _Answer:
     """One response's id, timestamps and shape."""
 
     def __init__(
-        self, endpoint: Endpoint, body: GenerateParams, streams: Sequence[TokenStream]
+        self,
+        endpoint: Endpoint,
+        body: GenerateParams,
+        streams: Sequence[TokenStream],
+        record: RequestRecord | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.body = body
         self.streams = streams
-        self.id = f"{endpoint.id_prefix}-{uuid.uuid4().hex[:24]}"
+        self.record = record
+        # From the request id, as vLLM does: grep either and find both.
+        rid = record.id if record is not None else uuid.uuid4().hex
+        self.id = f"{endpoint.id_prefix}-{rid}"
         self.created = int(time.time())
+
+    def account(self) -> None:
+        """Write the tokens in and out in the request's record, for its access line."""
+        if self.record is not None:
+            self.record.tokens_in, self.record.tokens_out = self.usage
 
     @property
     def usage(self) -> tuple[int, int]:
@@ -289,8 +305,13 @@ class _Answer:
         except LanesError as e:
             # Mid-stream, the status is sent: the error travels as an event, in the
             # same shape as an HTTP error (the openai client raises it as an APIError).
-            yield b"data: " + orjson.dumps(error_of(e)) + b"\n\n"
+            body = error_of(e)
+            if self.record is not None:
+                body["error"]["request_id"] = self.record.id
+                self.record.error = body["error"]["code"] or body["error"]["type"]
+            yield b"data: " + orjson.dumps(body) + b"\n\n"
         finally:
+            self.account()
             _cancel(self.streams)
 
 

@@ -195,6 +195,12 @@ class Metrics:
             ["workload", "mode"],
             registry=r,
         )
+        self.price = Gauge(
+            "lanes_price_per_device_hour",
+            "LANES_PRICE_PER_DEVICE_HOUR, in dollars: busy time per item times it is the "
+            "cost per item (the dashboard's $ per 1k items).",
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(_WithoutCreated(self.registry))

@@ -16,6 +16,7 @@ from lanes.protocols.openai import (
     parse,
     prepare_texts,
 )
+from lanes.serving.access import named, record_of
 from lanes.serving.http import (
     JSONResponse,
     check_inputs,
@@ -39,6 +40,7 @@ async def embeddings(request: Request) -> JSONResponse:
         raw = await read_body(request, settings.max_body_bytes)
         body = await state.offload.run(len(raw), _decode, raw)
         worker = state.worker(body.model, ("embed",))
+        named(request.scope, worker.name)
         if isinstance(worker.task, EmbedTask):
             check_dimensions(body, worker.task.dimensions)
         count = input_count(body.input)
@@ -46,7 +48,7 @@ async def embeddings(request: Request) -> JSONResponse:
         timeout = timeout_s(request)
         worker.admit(count, timeout)
         items = await state.offload.run(len(raw), prepare_texts, body, worker.task.prepare)
-        vectors = await worker.submit(items, timeout)
+        vectors = await worker.submit(items, timeout, record_of(request.scope))
     except LanesError as e:
         return openai_error(e)
     tokens = sum(item.n_tokens for item in items)

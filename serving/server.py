@@ -11,6 +11,7 @@ from types import FrameType
 
 import uvicorn
 
+from lanes import logs
 from lanes.serving.app import create_app
 from lanes.settings import Settings
 from lanes.spec import Spec
@@ -72,7 +73,7 @@ class DrainingServer(uvicorn.Server):
 
 def serve(spec: Spec, settings: Settings, host: str | None = None, port: int | None = None) -> None:
     """Serve until SIGINT/SIGTERM; then drain, stop accepting, finish queued work, exit."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logs.configure(settings.log_format, settings.log_level, settings.access_log_level)
     app = create_app(spec, settings)
     config = uvicorn.Config(
         app,
@@ -81,8 +82,9 @@ def serve(spec: Spec, settings: Settings, host: str | None = None, port: int | N
         # httptools and uvloop (uvicorn[standard]): a fraction of h11's per-request cost.
         http="auto",
         loop="auto",
-        access_log=False,
+        access_log=False,  # lanes.access writes one line per request, with its id
+        log_config=None,  # uvicorn's lines go to the root handler, in the same format
         timeout_graceful_shutdown=30,
-        log_level="info",
+        log_level=settings.log_level.lower(),
     )
     DrainingServer(config, settings.drain_s, app.drain).run()

@@ -16,6 +16,7 @@ from lanes.serving.readiness import Hosted, LoadState, Readiness
 from lanes.serving.worker import BatchWorker
 from lanes.settings import Settings
 from lanes.spec import Spec, TaskName
+from lanes.tracing import Tracing
 
 
 @dataclass
@@ -28,6 +29,7 @@ class ServingState:
     guards: dict[str, TextGuard] = field(default_factory=dict)  # generate workloads' guards
     # Every worker's and engine's: arrivals, deadlines, the time of each run.
     clock: Callable[[], float] = time.monotonic
+    tracing: Tracing | None = None  # None: off
     readiness: Readiness = field(init=False)
 
     def __post_init__(self) -> None:

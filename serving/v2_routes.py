@@ -35,6 +35,7 @@ from lanes.protocols.v2 import (
     result_arrays,
 )
 from lanes.runtime import TensorInfo
+from lanes.serving.access import RequestRecord, named, record_of
 from lanes.serving.http import JSONResponse, check_inputs, read_body, timeout_s, v2_error
 from lanes.serving.readiness import LoadState
 from lanes.serving.state import ServingState
@@ -56,14 +57,16 @@ async def infer(request: Request) -> Response:
     name = request.path_params["name"]
     try:
         worker = _served(state, request)
+        named(request.scope, worker.name)
         raw = await read_body(request, state.settings.max_body_bytes)
         header_length = request.headers.get(HEADER_LENGTH)
         call = await state.offload.run(len(raw), parse_infer, raw, header_length)
         timeout = call.request.timeout_s() or timeout_s(request)
+        record = record_of(request.scope)
         if worker.task.kind == "embed":
-            outputs = await _embed(state, worker, call, timeout, len(raw))
+            outputs = await _embed(state, worker, call, timeout, len(raw), record)
         else:
-            outputs = await _infer(state, worker, call, timeout, len(raw))
+            outputs = await _infer(state, worker, call, timeout, len(raw), record)
         answer = encode_response(call.request, name, outputs)
     except ModelError as e:  # the model or the handler's answer, not the request's fault
         log.exception("workload %s: v2 infer failed", name)
@@ -80,7 +83,12 @@ async def infer(request: Request) -> Response:
 
 
 async def _infer(
-    state: ServingState, worker: BatchWorker, call: InferCall, timeout: float | None, size: int
+    state: ServingState,
+    worker: BatchWorker,
+    call: InferCall,
+    timeout: float | None,
+    size: int,
+    record: RequestRecord | None,
 ) -> dict[str, Array]:
     task = worker.task
     assert isinstance(task, InferTask)
@@ -93,7 +101,7 @@ async def _infer(
         _check_datatypes(task, body)
     worker.admit(1, timeout)
     item = await state.offload.run(size, task.prepare, call.inputs)
-    [result] = await worker.submit([item], timeout)
+    [result] = await worker.submit([item], timeout, record)
     outputs = result_arrays(result)
     body.check_outputs(outputs, task.name)
     return outputs
@@ -113,7 +121,12 @@ def _check_datatypes(task: InferTask, body: InferRequest) -> None:
 
 
 async def _embed(
-    state: ServingState, worker: BatchWorker, call: InferCall, timeout: float | None, size: int
+    state: ServingState,
+    worker: BatchWorker,
+    call: InferCall,
+    timeout: float | None,
+    size: int,
+    record: RequestRecord | None,
 ) -> dict[str, Array]:
     body = call.request
     body.check_outputs(["embedding"], worker.name)
@@ -126,7 +139,7 @@ async def _embed(
     check_inputs(count, state.settings.max_inputs_per_request, "inputs[0]")
     worker.admit(count, timeout)
     items = await state.offload.run(size, _prepare_texts, worker.task, texts)
-    vectors = await worker.submit(items, timeout)
+    vectors = await worker.submit(items, timeout, record)
     try:
         return {"embedding": np.stack(vectors)}
     except (ValueError, TypeError) as e:

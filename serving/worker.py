@@ -21,11 +21,14 @@ from lanes.batchframe import run_unhandled
 from lanes.costmodel import CostModel
 from lanes.errors import LanesError, ModelError, Overloaded
 from lanes.isolation import Failed, Isolated, failed_alone, isolate, per_item
+from lanes.serving.access import RequestRecord
 from lanes.serving.batching import LANES, Lane, LaneQueues, Pending, never_fits
 from lanes.serving.metrics import LaneSeries, Metrics, Utilization
 from lanes.serving.model_thread import ModelThread
+from lanes.serving.tracing import batch_spans
 from lanes.spec import as_interactive
 from lanes.tasks import Task
+from lanes.tracing import Tracing
 
 log = logging.getLogger("lanes.serving")
 
@@ -59,7 +62,11 @@ class BatchWorker:
     """
 
     def __init__(
-        self, task: Task, metrics: Metrics, clock: Callable[[], float] = time.monotonic
+        self,
+        task: Task,
+        metrics: Metrics,
+        clock: Callable[[], float] = time.monotonic,
+        tracing: Tracing | None = None,
     ) -> None:
         workload = as_interactive(task.workload)
         batching = workload.batching
@@ -79,6 +86,7 @@ class BatchWorker:
         self._typical = _Typical()  # of interactive batches: their service time
         self._lane = {lane: LaneSeries.of(metrics, task.name, lane) for lane in LANES}
         self.utilization = Utilization()
+        self._tracing = tracing
         self._metrics = metrics
         # Children looked up once: labels() per observation is measurable at c=1.
         self._queue_wait = metrics.queue_wait.labels(task.name)
@@ -143,8 +151,15 @@ class BatchWorker:
         cost = self._item_cost_s
         return 0.0 if cost is None else len(self.queue) * cost
 
-    async def submit(self, items: Sequence[Any], timeout_s: float | None = None) -> list[Any]:
+    async def submit(
+        self,
+        items: Sequence[Any],
+        timeout_s: float | None = None,
+        request: RequestRecord | None = None,
+    ) -> list[Any]:
         """Run prepared items (all or none) and wait for their outputs, in order.
+
+        The run writes its queue wait and batch size in `request`, the caller's record.
 
         They run at once if the model is free and nobody waits, else they queue.
         More items than the queue can hold are refused (`RequestTooLarge`), however
@@ -158,12 +173,15 @@ class BatchWorker:
         try:
             if self._runs_now(len(items)):
                 loop = asyncio.get_running_loop()
-                pendings = [Pending(item, loop.create_future(), arrived) for item in items]
+                pendings = [
+                    Pending(item, loop.create_future(), arrived, request=request) for item in items
+                ]
                 self._start(pendings, "interactive")
             else:
                 deadline = arrived + timeout_s if timeout_s is not None else None
                 for item in items:
                     pendings.append(self.queue.put(item, deadline))  # may refuse: Overloaded
+                    pendings[-1].request = request
                 self._set_depths()
             if len(pendings) == 1:
                 outputs = [await pendings[0].future]
@@ -292,7 +310,13 @@ class BatchWorker:
         outputs: list[Any] = []
         if error is not None and not isinstance(error, LanesError):
             # A model failure must answer its callers, not kill the loop.
-            log.error("workload %s: a batch of %d failed", self.name, len(batch), exc_info=error)
+            log.error(
+                "workload %s: a batch of %d failed (requests %s)",
+                self.name,
+                len(batch),
+                _ids(batch),
+                exc_info=error,
+            )
             error = ModelError(f"the model failed on this batch: {error}")
         elif result is not None:
             outputs = result[0]
@@ -301,6 +325,9 @@ class BatchWorker:
                     f"the task returned {len(outputs)} outputs for {len(batch)} inputs"
                 )
         for i, pending in enumerate(batch):
+            if pending.request is not None:  # before its answer: the access line reads it
+                pending.request.queue_wait_s = start - pending.enqueued_at
+                pending.request.batch_size = len(batch)
             if pending.future.done():
                 continue  # the caller went away meanwhile
             if error is not None:
@@ -338,6 +365,8 @@ class BatchWorker:
             self.cost.observe(len(batch), tokens, run_s)
             if lane == "interactive":
                 self._typical.observe(len(batch), tokens)
+        if self._tracing is not None:
+            batch_spans(self._tracing, self.name, batch, start, end, run_s, self.clock)
 
     def busy_fraction(self) -> float:
         """The model's busy share of the last 10 s, on the worker's clock."""
@@ -374,6 +403,11 @@ class BatchWorker:
             len(isolated.failed),
             exc_info=isolated.error,
         )
+
+
+def _ids(batch: list[Pending]) -> str:
+    """The request ids of a batch, for a line about the whole batch."""
+    return ", ".join(sorted({p.request.id for p in batch if p.request is not None})) or "none"
 
 
 def _with_errors(isolated: Isolated[Any], items: int) -> list[Any]:

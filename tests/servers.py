@@ -16,6 +16,7 @@ import uvicorn
 from lanes.serving.app import create_app
 from lanes.settings import Settings
 from lanes.specfile import load_spec
+from lanes.tracing import Tracing
 from tests.gates import Gate, GatedRuntime
 
 
@@ -45,7 +46,8 @@ class ServerThread:
     """`with ServerThread(spec_path, **settings) as server:` serves until the block ends.
 
     Every run of a model named in `gates` waits at its gate (tests/gates.py), each of
-    its rows costing at least `pad_s`; `clock` is the server's clock.
+    its rows costing at least `pad_s`; `clock` is the server's clock; `tracing` its
+    spans' destination.
     """
 
     def __init__(
@@ -54,6 +56,7 @@ class ServerThread:
         gates: Mapping[str, Gate] | None = None,
         clock: Callable[[], float] = time.monotonic,
         pad_s: float = 0.0,
+        tracing: Tracing | None = None,
         **settings: Any,
     ) -> None:
         self.settings = Settings(port=free_port(), **settings)
@@ -62,7 +65,7 @@ class ServerThread:
         if gates:
             paths = {self.spec.models[name].path: gate for name, gate in gates.items()}
             runtime = GatedRuntime(self.settings, paths, pad_s)
-        self.app = create_app(self.spec, self.settings, runtime, clock)
+        self.app = create_app(self.spec, self.settings, runtime, clock, tracing)
         self.url = f"http://127.0.0.1:{self.settings.port}"
         config = uvicorn.Config(
             self.app,

@@ -202,6 +202,36 @@ async def test_offpeak_submit_is_scheduled_at_the_next_window(setup: Setup) -> N
         same.wait(5)
 
 
+def test_a_traced_submit_hands_its_trace_to_the_flow_run(setup: Setup) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from lanes.tracing import Tracing
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing = Tracing(provider)
+    with lanes.Client(spec=setup.spec, prefect_api_url=setup.api, tracing=tracing) as client:
+        job = client.submit("embed-corpus", GOOD)  # off-peak: it stays scheduled
+    try:
+        (span,) = [s for s in exporter.get_finished_spans() if s.name == "submit embed-corpus"]
+        parameters = flow_run(setup, job.id)["parameters"]
+        _, trace_id, span_id, _ = parameters["trace"]["traceparent"].split("-")
+        assert int(trace_id, 16) == span.context.trace_id
+        assert int(span_id, 16) == span.context.span_id
+    finally:
+        job.cancel()
+    # Untraced, the run has no trace parameter: the flow's default.
+    with lanes.Client(spec=setup.spec, prefect_api_url=setup.api) as client:
+        plain = client.submit("embed-corpus", GOOD)
+    try:
+        assert "trace" not in flow_run(setup, plain.id)["parameters"]
+    finally:
+        plain.cancel()
+
+
 def flow_run_deployment(setup: Setup) -> str:
     answer = httpx.get(f"{setup.api}/deployments/name/lanes-offline/embed-corpus", timeout=10)
     answer.raise_for_status()

@@ -121,7 +121,8 @@ def test_the_entrypoint_is_the_flow() -> None:
 
     flow = load_flow_from_entrypoint(ENTRYPOINT, use_placeholder_flow=False)
     assert flow.name == FLOW_NAME
-    assert set(flow.parameters.properties) == {"workload", "spec", "input", "output", "rerun"}
+    expected = {"workload", "spec", "input", "output", "rerun", "trace"}  # trace: W3C context
+    assert set(flow.parameters.properties) == expected
     assert flow.parameters.properties["rerun"]["enum"] == ["uncommitted", "errors", "all"]
 
 

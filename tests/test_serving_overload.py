@@ -53,7 +53,7 @@ def server(demo_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 
 def worker(server: ServerThread) -> BatchWorker:
-    state: ServingState = server.app.app.state.lanes
+    state: ServingState = server.app.state
     return state.workers["held-embed"]
 
 

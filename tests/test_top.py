@@ -1,0 +1,180 @@
+"""`lanes top` over a real server's /metrics, and the Grafana dashboard's metric names."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
+from typer.testing import CliRunner
+
+from lanes.router.cli import app
+from lanes.router.top import Scrape, Series, quantile, route_rows, run, scrape, workload_rows
+from tests.gates import wait_until
+from tests.servers import ServerThread, write_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+DASHBOARD = ROOT / "infra" / "grafana" / "lanes.json"
+
+WORKLOADS = """\
+  search-query:
+    mode: interactive
+    task: embed
+    model: minilm
+    batching: {max_batch_size: 32, max_wait_ms: 0}
+  code-complete:
+    mode: interactive
+    task: generate
+    model: tinycode
+    generation: {max_new_tokens: 4, temperature: 0}
+"""
+
+
+@pytest.fixture(scope="module")
+def server(demo_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+    spec = write_spec(tmp_path_factory.mktemp("top"), demo_models, WORKLOADS)
+    with ServerThread(spec) as running:
+        yield running
+
+
+def test_quantiles_interpolate_inside_their_bucket() -> None:
+    buckets = {0.1: 50.0, 0.2: 100.0, math.inf: 100.0}
+    assert quantile(0.5, buckets) == pytest.approx(0.1)
+    assert quantile(0.99, buckets) == pytest.approx(0.198)
+    assert quantile(0.25, buckets) == pytest.approx(0.05)
+    # A rank in the +Inf bucket answers the highest finite bound, as Prometheus does.
+    assert quantile(0.99, {0.1: 1.0, math.inf: 10.0}) == pytest.approx(0.1)
+    assert quantile(0.5, {0.1: 0.0, math.inf: 0.0}) is None
+    assert quantile(0.5, {}) is None
+
+
+@pytest.mark.slow
+def test_a_window_of_traffic_reads_back_as_rows(server: ServerThread) -> None:
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        before = scrape(client, server.url)
+        for i in range(5):
+            r = client.post("/v1/embeddings", json={"model": "search-query", "input": f"t {i}"})
+            assert r.status_code == 200
+        r = client.post("/v1/embeddings", json={"model": "nowhere", "input": "x"})
+        assert r.status_code == 404
+        r = client.post(
+            "/v1/completions", json={"model": "code-complete", "prompt": "def f", "max_tokens": 3}
+        )
+        assert r.status_code == 200
+
+        def counted() -> Scrape:
+            return scrape(client, server.url)
+
+        # The responses counter moves once the answer has been sent.
+        wait_until(
+            lambda: sum(r.responses for r in route_rows(counted(), before)) >= 7, "the counts"
+        )
+        after = counted()
+    rows = {r.series: r for r in workload_rows(after, before)}
+    embed = rows[Series("search-query")]
+    seconds = after.at - before.at
+    assert embed.requests == 5
+    assert embed.requests_per_s == pytest.approx(5 / seconds)
+    assert embed.p50_s is not None and embed.p99_s is not None
+    assert 0 < embed.p50_s <= embed.p99_s <= 30
+    assert embed.batch_size == 1  # one at a time
+    assert embed.queue_depth == 0
+    assert embed.utilization is not None and 0 <= embed.utilization <= 1
+    generate = rows[Series("code-complete")]
+    assert generate.requests == 1 and generate.tokens_per_s is not None
+    assert generate.tokens_per_s > 0 and generate.errors_per_s == 0
+
+    routes = {r.route: r for r in route_rows(after, before)}
+    assert routes["/v1/embeddings"].responses == 6
+    assert routes["/v1/embeddings"].client_errors == 1
+    assert routes["/v1/embeddings"].server_errors == 0
+    assert routes["/v1/completions"].responses == 1
+
+    # The first frame has no window: totals since the start, no rates.
+    first = {r.series: r for r in workload_rows(after)}
+    assert first[Series("search-query")].requests >= 5
+    assert first[Series("search-query")].requests_per_s is None
+
+
+@pytest.mark.slow
+def test_lanes_top_once_prints_every_workload_and_route(server: ServerThread) -> None:
+    httpx.post(f"{server.url}/v1/embeddings", json={"model": "search-query", "input": "x"})
+    result = CliRunner().invoke(
+        app,
+        ["top", "--once", "--endpoint", server.url, "--interval", "0.1"],
+        env={"COLUMNS": "200"},
+    )
+    assert result.exit_code == 0, result.output
+    for name in ("search-query", "code-complete", "/v1/embeddings", "req/s", "p99", "tok/s"):
+        assert name in result.output
+
+
+@pytest.mark.slow
+def test_the_live_view_redraws_each_frame(server: ServerThread) -> None:
+    out = io.StringIO()
+    run(server.url, None, 0.05, frames=range(2), console=Console(file=out, width=200))
+    assert out.getvalue().count("over the last") >= 1
+
+
+def test_lanes_top_without_a_server_says_where_it_looked() -> None:
+    result = CliRunner().invoke(app, ["top", "--once", "--endpoint", "http://127.0.0.1:9"])
+    assert result.exit_code == 1
+    assert "cannot read http://127.0.0.1:9/metrics" in result.output
+
+
+# ---- infra/grafana/lanes.json ----------------------------------------------------------
+
+
+def _expressions(node: object) -> Iterator[str]:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in ("expr", "definition") and isinstance(value, str):
+                yield value
+            else:
+                yield from _expressions(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from _expressions(item)
+
+
+def _served_names(text: str) -> set[str]:
+    """Every series name a scrape of this /metrics can have, by each family's type."""
+    suffixes = {
+        "histogram": ("_bucket", "_count", "_sum", "_created"),
+        "counter": ("_total", "_created"),
+        "gauge": ("",),
+    }
+    names = set()
+    for family in text_string_to_metric_families(text):
+        for suffix in suffixes.get(family.type, ("",)):
+            names.add(family.name + suffix)
+    return names
+
+
+@pytest.mark.slow
+def test_the_dashboard_queries_only_metrics_the_server_exports(server: ServerThread) -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert dashboard["title"] and dashboard["panels"]
+    expressions = list(_expressions(dashboard))
+    assert len(expressions) >= 10
+    served = _served_names(httpx.get(f"{server.url}/metrics").text)
+    used = {name for expr in expressions for name in re.findall(r"\blanes_[a-z_]+\b", expr)}
+    assert used, expressions
+    assert used <= served, f"not exported: {sorted(used - served)}"
+    # Latency panels read quantiles from the histograms, not averages.
+    quantiles = [e for e in expressions if "histogram_quantile" in e]
+    for metric in (
+        "lanes_request_latency_seconds_bucket",
+        "lanes_time_to_first_token_seconds_bucket",
+        "lanes_inter_token_latency_seconds_bucket",
+    ):
+        assert any(metric in e for e in quantiles), metric
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
