@@ -46,8 +46,8 @@ import orjson
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from lanes.generation.kvcache import MAX_PADDING  # noqa: E402
 from lanes.runtime import Runtime  # noqa: E402
-from lanes.serving.kvcache import MAX_PADDING  # noqa: E402
 from lanes.settings import Settings  # noqa: E402
 from lanes.specfile import load_spec  # noqa: E402
 from lanes.tasks import GenerateTask, load_task  # noqa: E402
@@ -349,7 +349,7 @@ def main() -> None:
         "--max-padding",
         type=float,
         default=MAX_PADDING,
-        help="padded cache positions worth one decoder run less (serving/kvcache.py)",
+        help="padded cache positions worth one decoder run less (lanes/generation/kvcache.py)",
     )
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)

@@ -1,63 +1,45 @@
-"""Continuous batching, the thin loop: plan -> decoder.step -> update -> streams.
+"""Continuous batching online: the step loop on a thread, arrivals, streams to clients.
 
-One `Engine` per interactive generate workload. Its loop runs on a thread of its
-own (onnxruntime releases the GIL, so HTTP keeps flowing while a step runs):
+One `Engine` per interactive generate workload. Its thread runs the plain step
+loop of lanes/generation (onnxruntime releases the GIL, so HTTP keeps flowing while
+a step runs):
 
-    plan = scheduler.schedule()
-    prefill the joiners (one left-padded run) and hand out their first tokens
-    decode every row (on the decode thread; arrivals meanwhile are prefilled
-        at once, from a prefill-only plan: schedule(decode=False))
-    events = scheduler.update(plan, logits)
-    loop.call_soon_threadsafe(dispatch, events)   # into each request's TokenStream
-    the joiners' caches join the batch's (serving/kvcache.py) for the next step
+    take what arrived (and the aborts) since the last step
+    plan = scheduler.schedule()        # deadlines expire here, joiners take free rows
+    step = loop.run(plan)              # the whole plan, one update
+    loop.call_soon_threadsafe(dispatch, step.events)   # into each request's TokenStream
+
+What arrives during a step joins at the next one. A step that admits joiners runs
+only their prefill (the scheduler's `prefill_alone`), so a newcomer waits for at most
+the step in flight and its own prefill, never for a decode of the others.
 
 Each request's `TokenStream` is on the event loop; `cancel()` (its client left)
 aborts the sequence, whose row is freed at the next step.
-
-A prefill or decode run that fails is run again in halves of its rows
-(lanes/isolation.py, from serving/prefill.py and serving/kvcache.py): the sequences
-that fail alone finish with their own error, every other one goes on with its cache
-and tokens as they were. Only a failure outside the model's runs fails the step's
-every row (and resets the cache).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import itertools
-import logging
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-import numpy as np
+from prometheus_client import Counter, Gauge, Histogram
 
 from lanes.errors import Overloaded
-from lanes.isolation import failed_alone
-from lanes.serving.kvcache import MAX_PADDING, BatchCache, Decoded
+from lanes.generation.batch import scheduler_for
+from lanes.generation.kvcache import MAX_PADDING, BatchCache
+from lanes.generation.loop import Step, StepLoop
+from lanes.generation.scheduler import Event, Policy, Seq
 from lanes.serving.metrics import Metrics, TokenRate, Utilization
-from lanes.serving.prefill import Join, prefill_apart
-from lanes.serving.scheduler import (
-    Event,
-    Policy,
-    Scheduler,
-    Seq,
-    StepOutputs,
-    StepPlan,
-)
 from lanes.spec import as_interactive
 from lanes.tasks.generate import GenerateRequest, GenerateTask
 
-log = logging.getLogger("lanes.serving")
-
-Array = np.ndarray[Any, Any]
 SWITCH_INTERVAL_S = 0.001
 
 
@@ -67,39 +49,34 @@ class _Series:
 
     metrics: Metrics
     name: str
-    ttft: Any
-    itl: Any
-    generated: Any
-    in_flight: Any
-    queue_depth: Any
-    prefill: Any
-    decode: Any
-    rows: Any
-    busy: Any
-    rate: Any
-    utilization: Any
+    ttft: Histogram
+    itl: Histogram
+    generated: Counter
+    in_flight: Gauge
+    queue_depth: Gauge
+    prefill: Histogram
+    decode: Histogram
+    rows: Histogram
+    busy: Counter
+    rate: Gauge
+    utilization: Gauge
 
     @classmethod
     def bind(cls, m: Metrics, name: str) -> _Series:
         return cls(
-            m,
-            name,
-            *(
-                series.labels(name)
-                for series in (
-                    m.ttft,
-                    m.itl,
-                    m.generated_tokens,
-                    m.in_flight,
-                    m.queue_depth,
-                    m.prefill_time,
-                    m.decode_time,
-                    m.batch_size,
-                    m.busy_seconds,
-                    m.tokens_per_second,
-                    m.utilization,
-                )
-            ),
+            metrics=m,
+            name=name,
+            ttft=m.ttft.labels(name),
+            itl=m.itl.labels(name),
+            generated=m.generated_tokens.labels(name),
+            in_flight=m.in_flight.labels(name),
+            queue_depth=m.queue_depth.labels(name),
+            prefill=m.prefill_time.labels(name),
+            decode=m.decode_time.labels(name),
+            rows=m.batch_size.labels(name),
+            busy=m.busy_seconds.labels(name),
+            rate=m.tokens_per_second.labels(name),
+            utilization=m.utilization.labels(name),
         )
 
     def finished(self, reason: str) -> None:
@@ -156,9 +133,9 @@ class TokenStream:
 class Engine:
     """The continuous-batching executor of one generate workload.
 
-    `policy` picks how batches form (see serving/scheduler.py); anything but
+    `policy` picks how batches form (see lanes/generation/scheduler.py); anything but
     `continuous` is there for the benchmark's comparisons. `max_padding` is how many
-    padded cache positions are worth one decoder run less (see serving/kvcache.py).
+    padded cache positions are worth one decoder run less (lanes/generation/kvcache.py).
     `clock` is the scheduler's (arrivals, deadlines) and times every step.
     """
 
@@ -175,17 +152,14 @@ class Engine:
         self.name = task.name
         self.decoder = task.decoder
         self.clock = clock
-        config = self.decoder.config
-        tokenizer = self.decoder.tokenizer
-        self.scheduler = Scheduler(
+        self.scheduler = scheduler_for(
+            self.decoder,
             workload.batching.max_batch_size,
-            config.eos_token_ids,
-            lambda ids: str(tokenizer.decode(list(ids), skip_special_tokens=True)),
             policy=policy,
-            max_position=config.max_position,
+            prefill_alone=True,
             clock=clock,
         )
-        self.cache = BatchCache(self.decoder, max_padding)
+        self.loop = StepLoop(self.decoder, self.scheduler, self.name, max_padding, clock)
         self.max_queue = workload.batching.max_queue
         default = workload.slo.timeout_ms
         self.default_timeout_s = default / 1000 if default else None
@@ -201,17 +175,18 @@ class Engine:
         self._ids = itertools.count(1)
         self._streams: dict[int, TokenStream] = {}  # event-loop side only
         self._last_token_at: dict[int, float] = {}  # engine-thread side only
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._event_loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name=f"lanes-engine-{self.name}")
-        self._decoding = ThreadPoolExecutor(1, thread_name_prefix=f"lanes-decode-{self.name}")
-        # Prefilled caches not yet in the batch (engine thread only).
-        self._joins: list[Join] = []
         self._thread.daemon = True
+
+    @property
+    def cache(self) -> BatchCache:
+        return self.loop.cache
 
     # ---- the event-loop side -------------------------------------------------
 
     def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
+        self._event_loop = asyncio.get_running_loop()
         # This thread and the event loop take turns at the GIL, and CPython makes a
         # waiting thread wait up to the switch interval (5 ms by default): a token
         # would sit that long between the engine and its stream. 1 ms is still long
@@ -226,7 +201,6 @@ class Engine:
             self._lock.notify()
         if self._thread.is_alive():
             await asyncio.to_thread(self._thread.join, 30)
-        self._decoding.shutdown(wait=False)
 
     def submit(
         self, request: GenerateRequest, timeout_s: float | None = None, ignore_eos: bool = False
@@ -245,7 +219,7 @@ class Engine:
             stop=request.stop,
             seed=request.seed,
             deadline=now + timeout_s if timeout_s is not None else None,
-            ignore_eos=ignore_eos,
+            ignore_eos=ignore_eos or request.ignore_eos,
             arrived=now,
         )
         stream = TokenStream(seq.id, len(seq.prompt_ids), self)
@@ -290,23 +264,29 @@ class Engine:
 
     def _run(self) -> None:
         while True:
-            stopping = self._take_inbox(wait=True)
+            stopping = self._take_inbox()
             plan = self.scheduler.schedule()
-            self._count_waiting()
+            with self._lock:
+                self._waiting = len(self._inbox) + self.scheduler.num_waiting
             if plan.empty:
                 if stopping:
                     return
                 continue
-            self._step(plan)
+            start = self.clock()
+            step = self.loop.run(plan)
+            end = self.clock()
+            self._observe(step)
+            self._hand_over(step.events)
+            with self._stats:
+                self.utilization.record(start, end)
+            self._series.busy.inc(end - start)
 
-    def _take_inbox(self, wait: bool) -> bool:
-        """Move new requests and aborts into the scheduler (with `wait`, first sleep
-        until there is something to do). Returns whether the engine is stopping."""
+    def _take_inbox(self) -> bool:
+        """Sleep until there is something to do, then move new requests and aborts
+        into the scheduler. Returns whether the engine is stopping."""
         scheduler = self.scheduler
         with self._lock:
-            while wait and not (
-                self._inbox or self._aborts or self._stopping or scheduler.has_work
-            ):
+            while not (self._inbox or self._aborts or self._stopping or scheduler.has_work):
                 self._lock.wait()
             joining, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
@@ -319,156 +299,30 @@ class Engine:
             scheduler.abort(seq_id)
         return stopping
 
-    def _count_waiting(self) -> None:
-        with self._lock:
-            self._waiting = len(self._inbox) + self.scheduler.num_waiting
-
-    def _step(self, plan: StepPlan) -> None:
-        """Prefill the joiners and hand out their first tokens at once, then decode
-        every row (prefilling whoever arrives meanwhile, so time to first token never
-        waits for a decode step). Joiners' caches enter the batch on the decode thread,
-        just before the next decode, with every other copy of the cache: this thread
-        stays free to prefill newcomers while those copies run."""
-        start = self.clock()
-        reported = False
-        # Prefilled before this plan was made: each is in plan.decode or has finished.
-        joins = self._take_joins()
-        try:
-            if plan.prefill or plan.retired:
-                self._join(StepPlan(prefill=plan.prefill, retired=plan.retired))
-            reported = True
-            keep = {s.id for s in plan.decode}
-            if plan.decode:
-                decoding = self.clock()
-                decoded = self._decode(plan.decode, joins, keep)
-                self._series.decode.observe(self.clock() - decoding)
-                self._series.rows.observe(len(plan.decode))
-                rows = StepPlan(decode=plan.decode)
-                self._log_isolated("decode step", len(plan.decode), decoded.error, decoded.failed)
-                failed = self._failures(plan.decode, decoded.failed, _at_position)
-                outputs = StepOutputs(decode=decoded.logits, failed=failed)
-                self._publish(rows, self.scheduler.update(rows, outputs))
-            elif joins:  # nobody to decode: they all finished
-                self._settle(joins, keep)
-        except Exception as error:  # not one row's fault: it answers them all, never kills the loop
-            log.exception("workload %s: a step of %d rows failed", self.name, len(plan.decode))
-            self.cache = BatchCache(self.decoder, self.cache.max_padding)
-            self._joins = []
-            failed_plan = StepPlan(decode=plan.decode) if reported else plan
-            message = (
-                f"the server failed on a step of this sequence's batch "
-                f"({type(error).__name__}: {error}); the server's log has the details"
-            )
-            self._publish(failed_plan, self.scheduler.fail(failed_plan, message))
-        finally:
-            end = self.clock()
-            with self._stats:
-                self.utilization.record(start, end)
-            self._series.busy.inc(end - start)
-
-    def _join(self, plan: StepPlan) -> None:
-        """Run a prefill-only plan and hand out its first tokens; the joiners' caches
-        wait in `_joins` until the next step takes them into the batch."""
-        outputs = StepOutputs()
-        if plan.prefill:
-            start = self.clock()
-            done = prefill_apart(self.decoder, plan.prefill)
-            self._series.prefill.observe(self.clock() - start)
-            self._joins += done.joins
-            self._log_isolated("prefill", len(plan.prefill), done.error, done.failed)
-            failed = self._failures(plan.prefill, done.failed, _prompt)
-            outputs = StepOutputs(prefill=done.logits, failed=failed)
-        self._publish(plan, self.scheduler.update(plan, outputs))
-
-    def _take_joins(self) -> list[Join]:
-        joins, self._joins = self._joins, []
-        return joins
-
-    def _settle(self, joins: list[Join], keep: set[int]) -> None:
-        """The batch's cache for the next decode: joiners in (into holes where they
-        fit), then leavers out (rows not in `keep` become holes, a joiner that already
-        finished too), holes compacted away once they are worth a copy."""
-        for join in joins:
-            self.cache.place(join.ids, join.past, join.mask)
-        self.cache.release(keep)
-        self.cache.compact()
-
-    def _publish(self, plan: StepPlan, events: list[Event]) -> None:
-        self._observe(plan, events)
-        self._hand_over(events)
-
-    def _log_isolated(
-        self, run: str, rows: int, error: Exception | None, failed: dict[int, Exception]
-    ) -> None:
-        if error is not None:
-            log.error(
-                "workload %s: a %s of %d rows failed; %d of them fail on their own",
-                self.name,
-                run,
-                rows,
-                len(failed),
-                exc_info=error,
-            )
-
-    @staticmethod
-    def _failures(
-        seqs: Sequence[Seq], failed: dict[int, Exception], what: Callable[[Seq], str]
-    ) -> dict[int, str]:
-        """What each sequence the model failed on alone tells its caller (`what` names
-        the sequence's input): every row failing is the model's fault, and says so."""
-        every = len(failed) == len(seqs) > 1
-        return {
-            s.id: str(failed_alone(failed[s.id], what(s), every)) for s in seqs if s.id in failed
-        }
-
-    def _decode(self, seqs: Sequence[Seq], joins: list[Join], keep: set[int]) -> Decoded:
-        """One token for every row, on the decode thread (which first settles the
-        cache); logits come back in `seqs`' order, with the rows the model failed on
-        alone. Requests arriving meanwhile are prefilled on this thread (onnxruntime
-        runs both at once, each releasing the GIL)."""
-
-        def settle_and_decode() -> Decoded:
-            self._settle(joins, keep)
-            return self.cache.decode(seqs)
-
-        running = self._decoding.submit(settle_and_decode)
-        running.add_done_callback(lambda _: self._notify())
-        try:
-            while True:
-                with self._lock:
-                    while not (self._inbox or self._aborts or running.done()):
-                        self._lock.wait()
-                if running.done():
-                    break
-                self._take_inbox(wait=False)
-                early = self.scheduler.schedule(decode=False)
-                self._count_waiting()
-                if not early.empty:
-                    self._join(early)
-        finally:
-            concurrent.futures.wait([running])
-        return running.result()
-
-    def _notify(self) -> None:
-        with self._lock:
-            self._lock.notify()
-
-    def _observe(self, plan: StepPlan, events: list[Event]) -> None:
+    def _observe(self, step: Step) -> None:
         m = self._series
+        plan = step.plan
+        if plan.prefill:
+            m.prefill.observe(step.prefill_s)
+        if plan.decode:
+            m.decode.observe(step.decode_s)
+            m.rows.observe(len(plan.decode))
         now = self.clock()
         made = 0
+        last_at = self._last_token_at
         joined = {s.id: s for s in plan.prefill}  # first tokens come from prefills only
-        for event in events:
+        for event in step.events:
             if event.tokens:
                 made += len(event.tokens)
-                last = self._last_token_at.get(event.seq_id)
                 if event.first and event.seq_id in joined:
                     m.ttft.observe(now - joined[event.seq_id].arrived)
-                elif last is not None:
-                    m.itl.observe(now - last)
-                self._last_token_at[event.seq_id] = now
+                else:
+                    last = last_at.get(event.seq_id)
+                    if last is not None:
+                        m.itl.observe(now - last)
+                last_at[event.seq_id] = now
             if event.finish is not None:
-                self._last_token_at.pop(event.seq_id, None)
+                last_at.pop(event.seq_id, None)
                 m.finished(event.finish)
         m.generated.inc(made)
         with self._stats:
@@ -478,15 +332,7 @@ class Engine:
         m.queue_depth.set(self._waiting)
 
     def _hand_over(self, events: list[Event]) -> None:
-        if not events or self._loop is None:
+        if not events or self._event_loop is None:
             return
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
-            self._loop.call_soon_threadsafe(self._dispatch, events)
-
-
-def _prompt(seq: Seq) -> str:
-    return "this prompt"
-
-
-def _at_position(seq: Seq) -> str:
-    return f"this sequence at position {seq.position}"
+            self._event_loop.call_soon_threadsafe(self._dispatch, events)

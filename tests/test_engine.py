@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 
 from lanes.errors import DeadlineExceeded
+from lanes.generation.scheduler import POLICIES, Policy
 from lanes.runtime import Runtime
 from lanes.serving.engine import Engine, TokenStream
 from lanes.serving.guard import pieces
 from lanes.serving.metrics import Metrics
-from lanes.serving.scheduler import POLICIES, Policy
 from lanes.settings import Settings
 from lanes.spec import Spec
 from lanes.tasks import GenerateTask, load_task

@@ -20,10 +20,10 @@ import pytest
 from openai import AsyncOpenAI
 
 from lanes.errors import InvalidInput
+from lanes.generation.scheduler import Event
 from lanes.runtime import Runtime
 from lanes.serving.engine import Engine, TokenStream
 from lanes.serving.metrics import Metrics
-from lanes.serving.scheduler import Event
 from lanes.settings import Settings
 from lanes.spec import Spec
 from lanes.tasks import GenerateTask, load_task

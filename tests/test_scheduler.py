@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from lanes.serving.scheduler import (
+from lanes.generation.scheduler import (
     Event,
     Policy,
     Scheduler,
@@ -353,19 +353,16 @@ def test_duplicate_ids_and_unknown_policies_are_refused() -> None:
         make(policy="eager")  # type: ignore[arg-type]
 
 
-def test_a_prefill_only_plan_admits_joiners_while_a_decode_runs() -> None:
-    s = make(max_running=3)
+def test_prefill_alone_runs_joiners_without_the_rows_then_decodes_them_all() -> None:
+    s = make(max_running=3, prefill_alone=True)
     s.add(seq(0, max_new=2))
     s.add(seq(1, max_new=5))
     step(s)
-    running = s.schedule()  # decode plan in flight: rows 0 and 1
     s.add(seq(2))
-    s.add(seq(3))
     s.abort(1)
-    mid = s.schedule(decode=False)
-    assert mid.decode == () and ids(mid.prefill) == [2] and ids(mid.retired) == [1]
-    assert by_id(s.update(mid, StepOutputs(prefill=logits(B))))[2].text == "b"
-    events = by_id(s.update(running, StepOutputs(decode=logits(A, A))))
-    assert events[0].finish == "length" and 1 not in events  # 1 left mid-step
-    plan = s.schedule()
-    assert ids(plan.decode) == [2] and ids(plan.prefill) == [3]
+    plan, events = step(s, B)  # a joiner: its prefill alone, the rows wait a step
+    assert plan.decode == () and ids(plan.prefill) == [2] and ids(plan.retired) == [1]
+    assert by_id(events)[2].text == "b" and by_id(events)[1].finish == "abort"
+    plan, events = step(s)
+    assert ids(plan.decode) == [0, 2] and plan.prefill == ()
+    assert by_id(events)[0].finish == "length"

@@ -1,7 +1,7 @@
 """Continuous batching, the pure part: which sequences run this step, and what came of it.
 
     plan = scheduler.schedule()            # who joins (prefill), who steps (decode)
-    outputs = <run the model on the plan>  # the engine's job (serving/engine.py)
+    outputs = <run the model on the plan>  # the step loop's job (lanes/generation/loop.py)
     events = scheduler.update(plan, outputs)
 
 No onnxruntime, no threads, no I/O: logits in, events out. The clock and the
@@ -162,7 +162,10 @@ class Scheduler:
     """Decides each step's batch for one decoder; single-threaded (the engine's loop).
 
     `max_running` bounds the rows; `max_prefill_tokens` bounds one step's joiners by
-    their padded prompt size (at least one joins when a row is free).
+    their padded prompt size (at least one joins when a row is free). With
+    `prefill_alone`, a step that admits joiners runs only their prefill and the rows
+    decode at the next one: a newcomer's first token never waits for a decode (the
+    online engine's choice; offline, nobody waits for a first token).
     """
 
     def __init__(
@@ -174,6 +177,7 @@ class Scheduler:
         policy: Policy = "continuous",
         max_position: int | None = None,
         max_prefill_tokens: int = 4096,
+        prefill_alone: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if policy not in POLICIES:
@@ -184,6 +188,7 @@ class Scheduler:
         self.detokenize = detokenize
         self.max_position = max_position
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefill_alone = prefill_alone
         self.clock = clock
         self.waiting: deque[Seq] = deque()
         self.rows: list[Seq] = []
@@ -235,15 +240,9 @@ class Scheduler:
 
     # ---- the step ----------------------------------------------------------
 
-    def schedule(self, decode: bool = True) -> StepPlan:
+    def schedule(self) -> StepPlan:
         """The next step: expire what is past its deadline, drop finished rows (per
-        policy), and let waiting sequences join the free rows.
-
-        `decode=False` plans a prefill only, while the last plan's decode is still
-        running: rows stay as they are (finished ones included, until that plan's
-        update), joiners take only rows that are free now, and they decode from the
-        next full plan on.
-        """
+        policy), and let waiting sequences join the free rows."""
         now = self.clock()
         for seq in (*self.rows, *self.waiting):
             if seq.deadline is not None and now >= seq.deadline and not seq.status.is_finished:
@@ -252,13 +251,13 @@ class Scheduler:
                 self._unreported.append(seq)
         if any(s.status.is_finished for s in self.waiting):
             self.waiting = deque(s for s in self.waiting if not s.status.is_finished)
-        if decode and (self.policy != "static" or all(s.status.is_finished for s in self.rows)):
+        if self.policy != "static" or all(s.status.is_finished for s in self.rows):
             self.rows = [s for s in self.rows if not s.status.is_finished]
-        elif decode:  # a row the model failed on would fail again: it leaves even static
+        else:  # a row the model failed on would fail again: it leaves even static
             self.rows = [s for s in self.rows if s.status != SeqStatus.FINISHED_ERROR]
         prefill = self._admit()
         retired, self._unreported = tuple(self._unreported), []
-        rows = tuple(self.rows) if decode else ()
+        rows = () if prefill and self.prefill_alone else tuple(self.rows)
         self.rows.extend(prefill)
         return StepPlan(prefill=prefill, decode=rows, retired=retired)
 
