@@ -3,6 +3,9 @@
 The work of a shard overlaps with itself: while the model runs batch k, a second
 thread prepares (tokenizes) batch k+1 and a third writes batch k-1. Records are
 sorted by text length inside the shard first, so each batch pads to similar lengths.
+A generate task runs a window of GENERATE_WINDOW batches at a time through its
+continuous step loop (lanes/generation/batch.py) with `batch_size` rows in flight,
+each finished row refilled from the window at once.
 
 Commit protocol, the basis of exactly-once: the output and errors files are written
 aside, published (an atomic rename, or an S3 object that appears only when whole),
@@ -45,8 +48,14 @@ from lanes.isolation import Failed, failed_alone, isolate, per_item
 from lanes.spec import as_offline
 from lanes.storage import Storage, StoredFile
 from lanes.tasks.base import Task
+from lanes.tasks.generate import GenerateTask
 
 log = logging.getLogger(__name__)
+
+# Batches of a generate task's records that one continuous loop runs: rows are
+# refilled from the window as sequences finish, so only the window's last rows
+# drain with nobody to take their place.
+GENERATE_WINDOW = 8
 
 
 @dataclass(frozen=True)
@@ -274,7 +283,9 @@ class _Reader:
 
 def _pipeline(requests: list[Request], model: Model, batch_size: int, writer: _Writer) -> int:
     """Prepare batch k+1 and write batch k-1 while batch k runs. Returns batches run."""
-    batches = _prepared(requests, model.task, batch_size)
+    continuous = isinstance(model.task, GenerateTask)
+    window = batch_size * GENERATE_WINDOW if continuous else batch_size
+    batches = _prepared(requests, model.task, window)
     runs = 0
     with ThreadPoolExecutor(2, thread_name_prefix="lanes-shard") as pool:
         upcoming = pool.submit(next, batches, None)
@@ -283,9 +294,13 @@ def _pipeline(requests: list[Request], model: Model, batch_size: int, writer: _W
             upcoming = pool.submit(next, batches, None)
             items = [item for _, prepared in batch.requests for item in prepared]
             outputs: list[Any] = []
-            for start in range(0, len(items), batch_size):
-                outputs += _run(model, items[start : start + batch_size])
+            if continuous:
+                outputs = _run_continuous(model, items)
                 runs += 1
+            else:
+                for start in range(0, len(items), batch_size):
+                    outputs += _run(model, items[start : start + batch_size])
+                    runs += 1
             if writing is not None:
                 writing.result()
             writing = pool.submit(writer.batch, batch, outputs)
@@ -335,6 +350,22 @@ def _run(model: Model, items: Sequence[Any]) -> list[Any]:
             len(isolated.failed),
         )
     return per_item(isolated, len(items))
+
+
+def _run_continuous(model: Model, items: Sequence[Any]) -> list[Any]:
+    """A generate task's window in its step loop, which isolates the rows the model
+    fails on by itself (lanes/generation/loop.py); as in `_run`, every item failing
+    alone is the model's fault and is raised."""
+    task = model.task
+    assert isinstance(task, GenerateTask)
+    with model.lock:
+        outputs = task.run_apart(items)
+    failed = [o for o in outputs if isinstance(o, Failed)]
+    if failed and len(failed) == len(outputs):
+        raise failed[0].error
+    if failed:
+        log.warning("%d of a window of %d prompts fail on their own", len(failed), len(items))
+    return outputs
 
 
 class _Writer:
