@@ -174,6 +174,12 @@ class Engine:
         self._stopping = False
         self._ids = itertools.count(1)
         self._streams: dict[int, TokenStream] = {}  # event-loop side only
+        # Events handed over, not yet dispatched (under _outbox_lock): while the event
+        # loop has not drained them, a step adds to them instead of waking it again
+        # (each wake-up is a write to its self-pipe, from a thread that then waits
+        # for the GIL).
+        self._outbox: list[Event] = []
+        self._outbox_lock = threading.Lock()
         self._last_token_at: dict[int, float] = {}  # engine-thread side only
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name=f"lanes-engine-{self.name}")
@@ -251,6 +257,11 @@ class Engine:
             rate, busy = self.rate.per_second(now), self.utilization.fraction(now)
         self._series.rate.set(rate)
         self._series.utilization.set(busy)
+
+    def _drain(self) -> None:
+        with self._outbox_lock:
+            events, self._outbox = self._outbox, []
+        self._dispatch(events)
 
     def _dispatch(self, events: list[Event]) -> None:
         for event in events:
@@ -334,5 +345,9 @@ class Engine:
     def _hand_over(self, events: list[Event]) -> None:
         if not events or self._event_loop is None:
             return
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
-            self._event_loop.call_soon_threadsafe(self._dispatch, events)
+        with self._outbox_lock:
+            waking = not self._outbox  # else a drain is due already and takes these too
+            self._outbox += events
+        if waking:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
+                self._event_loop.call_soon_threadsafe(self._drain)

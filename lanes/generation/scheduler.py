@@ -293,7 +293,8 @@ class Scheduler:
             if logits is None or logits.shape[0] != len(seqs):
                 found = None if logits is None else logits.shape
                 raise ValueError(f"update: expected logits for {len(seqs)} rows, found {found}")
-            greedy = logits.argmax(axis=-1)  # one vectorised argmax serves every greedy row
+            # One vectorised argmax serves every greedy row.
+            greedy: list[int] = logits.argmax(axis=-1).tolist()
             for i, seq in enumerate(seqs):
                 if seq.status.is_finished:
                     continue  # a static batch's finished row (or a failed one): no logits
@@ -303,7 +304,7 @@ class Scheduler:
                     events.append(self._final(seq))
                     continue
                 if seq.sampling.temperature == 0:
-                    token = int(greedy[i])
+                    token = greedy[i]
                 else:
                     token = sample(logits[i], seq.sampling, seq.rng)
                 events.append(self._advance(seq, token))
