@@ -9,7 +9,8 @@ at each concurrency runs closed-loop streaming clients (asyncio streams) against
 policy in turn, `--repeats` slices of `--seconds` each, interleaved so that the
 drifting load of a shared machine falls on every policy alike. Each client sends a
 completion with `max_tokens` drawn log-uniform between 8 and 512 (seeded;
-heavy-tailed, as chat replies are; `ignore_eos`, so lengths are what was drawn),
+heavy-tailed, as chat replies are; cut at 448 so prompt and completion fit the
+model's 512-token context; `ignore_eos`, so lengths are what was drawn),
 reads its stream to the end and sends the next.
 
 Printed per policy and concurrency: TTFT p50/p99 and ITL p50/p99 (client side;
@@ -54,6 +55,7 @@ from lanes.tasks import GenerateTask, load_task  # noqa: E402
 from lanes.tasks.decoder import Past  # noqa: E402
 
 WORKLOAD = "gen"
+MAX_TOKENS = 448  # the longest prompt below is under 64 tokens
 POLICIES = ("continuous", "static", "static-drop", "serial")
 SPEC = """\
 version: 1
@@ -218,7 +220,8 @@ async def closed_loop(url: str, policy: str, clients: int, seconds: float, warm:
                     {
                         "model": WORKLOAD,
                         "prompt": PROMPTS[(k + i) % len(PROMPTS)],
-                        "max_tokens": next(lengths),
+                        # Within tinycode's 512-token context, the prompt included.
+                        "max_tokens": min(next(lengths), MAX_TOKENS),
                         "stream": True,
                         "ignore_eos": True,
                     }

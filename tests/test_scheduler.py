@@ -363,6 +363,10 @@ def test_prefill_alone_runs_joiners_without_the_rows_then_decodes_them_all() -> 
     plan, events = step(s, B)  # a joiner: its prefill alone, the rows wait a step
     assert plan.decode == () and ids(plan.prefill) == [2] and ids(plan.retired) == [1]
     assert by_id(events)[2].text == "b" and by_id(events)[1].finish == "abort"
-    plan, events = step(s)
-    assert ids(plan.decode) == [0, 2] and plan.prefill == ()
+    s.add(seq(3))
+    plan, events = step(s)  # joiners never twice in a row alone: the rows decode too
+    assert ids(plan.decode) == [0, 2] and ids(plan.prefill) == [3]
     assert by_id(events)[0].finish == "length"
+    s.add(seq(4))
+    plan, _ = step(s)  # a free row again, and the last step decoded: alone again
+    assert plan.decode == () and ids(plan.prefill) == [4]

@@ -164,8 +164,9 @@ class Scheduler:
     `max_running` bounds the rows; `max_prefill_tokens` bounds one step's joiners by
     their padded prompt size (at least one joins when a row is free). With
     `prefill_alone`, a step that admits joiners runs only their prefill and the rows
-    decode at the next one: a newcomer's first token never waits for a decode (the
-    online engine's choice; offline, nobody waits for a first token).
+    decode at the next one: a newcomer's first token waits for no decode (the online
+    engine's choice; offline, nobody waits for a first token). Never two such steps
+    in a row while rows wait: then the joiners prefill in the rows' decode step.
     """
 
     def __init__(
@@ -189,6 +190,7 @@ class Scheduler:
         self.max_position = max_position
         self.max_prefill_tokens = max_prefill_tokens
         self.prefill_alone = prefill_alone
+        self._prefilled_alone = False  # the last plan left waiting rows out for joiners
         self.clock = clock
         self.waiting: deque[Seq] = deque()
         self.rows: list[Seq] = []
@@ -257,7 +259,11 @@ class Scheduler:
             self.rows = [s for s in self.rows if s.status != SeqStatus.FINISHED_ERROR]
         prefill = self._admit()
         retired, self._unreported = tuple(self._unreported), []
-        rows = () if prefill and self.prefill_alone else tuple(self.rows)
+        # Joiners run alone, but never twice in a row while rows wait: arrivals that
+        # trickle in one per step would otherwise starve the decode.
+        alone = bool(prefill) and self.prefill_alone and not self._prefilled_alone
+        self._prefilled_alone = alone and bool(self.rows)
+        rows = () if alone else tuple(self.rows)
         self.rows.extend(prefill)
         return StepPlan(prefill=prefill, decode=rows, retired=retired)
 
