@@ -12,6 +12,7 @@ endpoint, alone or batched.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -43,11 +44,10 @@ def scheduler_for(
     policy: Policy = "continuous",
     max_prefill_tokens: int = 4096,
     prefill_alone: bool = False,
-    clock: Callable[[], float] | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Scheduler:
     """A scheduler for `decoder`'s eos, context and tokenizer, with `rows` in flight."""
     config = decoder.config
-    extra = {} if clock is None else {"clock": clock}
     return Scheduler(
         rows,
         config.eos_token_ids,
@@ -56,7 +56,7 @@ def scheduler_for(
         max_position=config.max_position,
         max_prefill_tokens=max_prefill_tokens,
         prefill_alone=prefill_alone,
-        **extra,  # type: ignore[arg-type]
+        clock=clock,
     )
 
 
