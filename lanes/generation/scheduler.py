@@ -159,7 +159,7 @@ Detokenize = Callable[[Sequence[int]], str]
 
 
 class Scheduler:
-    """Decides each step's batch for one decoder; single-threaded (the engine's loop).
+    """Decides each step's batch for one decoder; single-threaded (the step loop's).
 
     `max_running` bounds the rows; `max_prefill_tokens` bounds one step's joiners by
     their padded prompt size (at least one joins when a row is free). With
@@ -216,7 +216,7 @@ class Scheduler:
 
     def fail(self, plan: StepPlan, error: str) -> list[Event]:
         """Instead of update() when the step failed outside any one row's run (the
-        engine could not tell which rows are at fault): its retired sequences are
+        loop could not tell which rows are at fault): its retired sequences are
         reported as usual, every row (joiners included) finishes with `error` and
         every row is freed."""
         events = [self._final(seq) for seq in plan.retired]
