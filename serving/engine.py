@@ -6,8 +6,9 @@ a step runs):
 
     take what arrived (and the aborts) since the last step
     plan = scheduler.schedule()        # deadlines expire here, joiners take free rows
-    step = loop.run(plan)              # the whole plan, one update
-    loop.call_soon_threadsafe(dispatch, step.events)   # into each request's TokenStream
+    step = loop.run(plan, flush)       # the whole plan, one update; just before its
+                                       # model run, flush() hands the last step's events
+                                       # to the event loop (into each TokenStream)
 
 What arrives during a step joins at the next one. A step that admits joiners runs
 only their prefill (the scheduler's `prefill_alone`), so a newcomer waits for at most
@@ -181,6 +182,7 @@ class Engine:
         self._outbox: list[Event] = []
         self._outbox_lock = threading.Lock()
         self._last_token_at: dict[int, float] = {}  # engine-thread side only
+        self._unsent: list[Event] = []  # engine-thread side only: for the next _flush
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name=f"lanes-engine-{self.name}")
         self._thread.daemon = True
@@ -281,13 +283,18 @@ class Engine:
                 self._waiting = len(self._inbox) + self.scheduler.num_waiting
             if plan.empty:
                 if stopping:
+                    self._flush()
                     return
                 continue
             start = self.clock()
-            step = self.loop.run(plan)
+            # The last step's events go out as this step's model run starts: the
+            # event loop's wake-up then costs this thread no wait for the GIL.
+            step = self.loop.run(plan, self._flush)
             end = self.clock()
             self._observe(step)
-            self._hand_over(step.events)
+            self._unsent += step.events
+            if not plan.runs_model:
+                self._flush()
             with self._stats:
                 self.utilization.record(start, end)
             self._series.busy.inc(end - start)
@@ -296,6 +303,8 @@ class Engine:
         """Sleep until there is something to do, then move new requests and aborts
         into the scheduler. Returns whether the engine is stopping."""
         scheduler = self.scheduler
+        if self._unsent and not (self._inbox or scheduler.has_work):
+            self._flush()  # no step is coming to take them out (a racy peek: at worst later)
         with self._lock:
             while not (self._inbox or self._aborts or self._stopping or scheduler.has_work):
                 self._lock.wait()
@@ -341,6 +350,10 @@ class Engine:
         self.refresh_gauges()
         m.in_flight.set(self.scheduler.num_running)
         m.queue_depth.set(self._waiting)
+
+    def _flush(self) -> None:
+        events, self._unsent = self._unsent, []
+        self._hand_over(events)
 
     def _hand_over(self, events: list[Event]) -> None:
         if not events or self._event_loop is None:

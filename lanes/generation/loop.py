@@ -45,9 +45,9 @@ class Step:
     decode_s: float = 0.0
     failed: bool = False  # the step failed outside any one row: every row errored
 
-    @property
-    def tokens(self) -> int:
-        return sum(len(e.tokens) for e in self.events)
+
+def _nothing() -> None:
+    pass
 
 
 class StepLoop:
@@ -69,9 +69,11 @@ class StepLoop:
         self.cache = BatchCache(decoder, max_padding)
         self._joins: list[Join] = []  # prefilled, entering the cache at the next run
 
-    def run(self, plan: StepPlan) -> Step:
+    def run(self, plan: StepPlan, before_model: Callable[[], None] = _nothing) -> Step:
         """Run `plan` whole and update the scheduler with it; never raises for what
-        the model does (a failure becomes the rows' error events)."""
+        the model does (a failure becomes the rows' error events). `before_model` is
+        called once, just before the plan's first model run (not at all without one):
+        the caller's work there overlaps the run, which releases the GIL."""
         prefill_s = decode_s = 0.0
         outputs = StepOutputs()
         try:
@@ -79,6 +81,7 @@ class StepLoop:
             decode = None
             if plan.decode:
                 self._settle({s.id for s in plan.decode})
+                before_model()
                 start = self.clock()
                 decoded = self.cache.decode(plan.decode)
                 decode_s = self.clock() - start
@@ -87,6 +90,8 @@ class StepLoop:
                 decode = decoded.logits
             prefill = None
             if plan.prefill:
+                if not plan.decode:
+                    before_model()
                 start = self.clock()
                 done = prefill_apart(self.decoder, plan.prefill)
                 prefill_s = self.clock() - start
