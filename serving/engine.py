@@ -1,46 +1,64 @@
-"""Continuous batching online: the step loop on a thread, arrivals, streams to clients.
+"""Continuous batching, the thin loop: plan -> decoder.step -> update -> streams.
 
-One `Engine` per interactive generate workload. Its thread runs the plain step
-loop of lanes/generation (onnxruntime releases the GIL, so HTTP keeps flowing while
-a step runs):
+One `Engine` per interactive generate workload. Its loop runs on a thread of its
+own (onnxruntime releases the GIL, so HTTP keeps flowing while a step runs):
 
-    take what arrived (and the aborts) since the last step
-    plan = scheduler.schedule()        # deadlines expire here, joiners take free rows
-    step = loop.run(plan, flush)       # the whole plan, one update; just before its
-                                       # model run, flush() hands the last step's events
-                                       # to the event loop (into each TokenStream)
-
-What arrives during a step joins at the next one. A step that admits joiners runs
-only their prefill (the scheduler's `prefill_alone`), so a newcomer waits for at most
-the step in flight and its own prefill, never for a decode of the others.
+    plan = scheduler.schedule()
+    prefill the joiners (one left-padded run) and hand out their first tokens
+    decode every row (on the decode thread; arrivals meanwhile are prefilled
+        at once, from a prefill-only plan: schedule(decode=False))
+    events = scheduler.update(plan, logits)
+    loop.call_soon_threadsafe(dispatch, events)   # into each request's TokenStream
+    the joiners' caches join the batch's (lanes/generation/kvcache.py) for the next step
 
 Each request's `TokenStream` is on the event loop; `cancel()` (its client left)
 aborts the sequence, whose row is freed at the next step.
+
+A prefill or decode run that fails is run again in halves of its rows
+(lanes/isolation.py, from lanes/generation/prefill.py and lanes/generation/kvcache.py): the sequences
+that fail alone finish with their own error, every other one goes on with its cache
+and tokens as they were. Only a failure outside the model's runs fails the step's
+every row (and resets the cache).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
+import logging
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 
 from lanes.errors import Overloaded
-from lanes.generation.batch import scheduler_for
-from lanes.generation.kvcache import MAX_PADDING, BatchCache
-from lanes.generation.loop import Step, StepLoop
-from lanes.generation.scheduler import Event, Policy, Seq
+from lanes.generation.kvcache import MAX_PADDING, BatchCache, Decoded
+from lanes.generation.prefill import Join, prefill_apart
+from lanes.generation.scheduler import (
+    Event,
+    Policy,
+    Scheduler,
+    Seq,
+    StepOutputs,
+    StepPlan,
+)
+from lanes.isolation import failed_alone
 from lanes.serving.metrics import Metrics, TokenRate, Utilization
 from lanes.spec import as_interactive
 from lanes.tasks.generate import GenerateRequest, GenerateTask
 
+log = logging.getLogger("lanes.serving")
+
+Array = np.ndarray[Any, Any]
 SWITCH_INTERVAL_S = 0.001
 
 
@@ -136,7 +154,7 @@ class Engine:
 
     `policy` picks how batches form (see lanes/generation/scheduler.py); anything but
     `continuous` is there for the benchmark's comparisons. `max_padding` is how many
-    padded cache positions are worth one decoder run less (lanes/generation/kvcache.py).
+    padded cache positions are worth one decoder run less (see lanes/generation/kvcache.py).
     `clock` is the scheduler's (arrivals, deadlines) and times every step.
     """
 
@@ -153,14 +171,17 @@ class Engine:
         self.name = task.name
         self.decoder = task.decoder
         self.clock = clock
-        self.scheduler = scheduler_for(
-            self.decoder,
+        config = self.decoder.config
+        tokenizer = self.decoder.tokenizer
+        self.scheduler = Scheduler(
             workload.batching.max_batch_size,
+            config.eos_token_ids,
+            lambda ids: str(tokenizer.decode(list(ids), skip_special_tokens=True)),
             policy=policy,
-            prefill_alone=True,
+            max_position=config.max_position,
             clock=clock,
         )
-        self.loop = StepLoop(self.decoder, self.scheduler, self.name, max_padding, clock)
+        self.cache = BatchCache(self.decoder, max_padding)
         self.max_queue = workload.batching.max_queue
         default = workload.slo.timeout_ms
         self.default_timeout_s = default / 1000 if default else None
@@ -175,26 +196,18 @@ class Engine:
         self._stopping = False
         self._ids = itertools.count(1)
         self._streams: dict[int, TokenStream] = {}  # event-loop side only
-        # Events handed over, not yet dispatched (under _outbox_lock): while the event
-        # loop has not drained them, a step adds to them instead of waking it again
-        # (each wake-up is a write to its self-pipe, from a thread that then waits
-        # for the GIL).
-        self._outbox: list[Event] = []
-        self._outbox_lock = threading.Lock()
         self._last_token_at: dict[int, float] = {}  # engine-thread side only
-        self._unsent: list[Event] = []  # engine-thread side only: for the next _flush
-        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name=f"lanes-engine-{self.name}")
+        self._decoding = ThreadPoolExecutor(1, thread_name_prefix=f"lanes-decode-{self.name}")
+        # Prefilled caches not yet in the batch (engine thread only).
+        self._joins: list[Join] = []
         self._thread.daemon = True
-
-    @property
-    def cache(self) -> BatchCache:
-        return self.loop.cache
 
     # ---- the event-loop side -------------------------------------------------
 
     def start(self) -> None:
-        self._event_loop = asyncio.get_running_loop()
+        self._loop = asyncio.get_running_loop()
         # This thread and the event loop take turns at the GIL, and CPython makes a
         # waiting thread wait up to the switch interval (5 ms by default): a token
         # would sit that long between the engine and its stream. 1 ms is still long
@@ -209,6 +222,7 @@ class Engine:
             self._lock.notify()
         if self._thread.is_alive():
             await asyncio.to_thread(self._thread.join, 30)
+        self._decoding.shutdown(wait=False)
 
     def submit(
         self, request: GenerateRequest, timeout_s: float | None = None, ignore_eos: bool = False
@@ -260,11 +274,6 @@ class Engine:
         self._series.rate.set(rate)
         self._series.utilization.set(busy)
 
-    def _drain(self) -> None:
-        with self._outbox_lock:
-            events, self._outbox = self._outbox, []
-        self._dispatch(events)
-
     def _dispatch(self, events: list[Event]) -> None:
         for event in events:
             stream = self._streams.get(event.seq_id)
@@ -277,36 +286,23 @@ class Engine:
 
     def _run(self) -> None:
         while True:
-            stopping = self._take_inbox()
+            stopping = self._take_inbox(wait=True)
             plan = self.scheduler.schedule()
-            with self._lock:
-                self._waiting = len(self._inbox) + self.scheduler.num_waiting
+            self._count_waiting()
             if plan.empty:
                 if stopping:
-                    self._flush()
                     return
                 continue
-            start = self.clock()
-            # The last step's events go out as this step's model run starts: the
-            # event loop's wake-up then costs this thread no wait for the GIL.
-            step = self.loop.run(plan, self._flush)
-            end = self.clock()
-            self._observe(step)
-            self._unsent += step.events
-            if not plan.runs_model:
-                self._flush()
-            with self._stats:
-                self.utilization.record(start, end)
-            self._series.busy.inc(end - start)
+            self._step(plan)
 
-    def _take_inbox(self) -> bool:
-        """Sleep until there is something to do, then move new requests and aborts
-        into the scheduler. Returns whether the engine is stopping."""
+    def _take_inbox(self, wait: bool) -> bool:
+        """Move new requests and aborts into the scheduler (with `wait`, first sleep
+        until there is something to do). Returns whether the engine is stopping."""
         scheduler = self.scheduler
-        if self._unsent and not (self._inbox or scheduler.has_work):
-            self._flush()  # no step is coming to take them out (a racy peek: at worst later)
         with self._lock:
-            while not (self._inbox or self._aborts or self._stopping or scheduler.has_work):
+            while wait and not (
+                self._inbox or self._aborts or self._stopping or scheduler.has_work
+            ):
                 self._lock.wait()
             joining, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
@@ -319,30 +315,156 @@ class Engine:
             scheduler.abort(seq_id)
         return stopping
 
-    def _observe(self, step: Step) -> None:
-        m = self._series
-        plan = step.plan
+    def _count_waiting(self) -> None:
+        with self._lock:
+            self._waiting = len(self._inbox) + self.scheduler.num_waiting
+
+    def _step(self, plan: StepPlan) -> None:
+        """Prefill the joiners and hand out their first tokens at once, then decode
+        every row (prefilling whoever arrives meanwhile, so time to first token never
+        waits for a decode step). Joiners' caches enter the batch on the decode thread,
+        just before the next decode, with every other copy of the cache: this thread
+        stays free to prefill newcomers while those copies run."""
+        start = self.clock()
+        reported = False
+        # Prefilled before this plan was made: each is in plan.decode or has finished.
+        joins = self._take_joins()
+        try:
+            if plan.prefill or plan.retired:
+                self._join(StepPlan(prefill=plan.prefill, retired=plan.retired))
+            reported = True
+            keep = {s.id for s in plan.decode}
+            if plan.decode:
+                decoding = self.clock()
+                decoded = self._decode(plan.decode, joins, keep)
+                self._series.decode.observe(self.clock() - decoding)
+                self._series.rows.observe(len(plan.decode))
+                rows = StepPlan(decode=plan.decode)
+                self._log_isolated("decode step", len(plan.decode), decoded.error, decoded.failed)
+                failed = self._failures(plan.decode, decoded.failed, _at_position)
+                outputs = StepOutputs(decode=decoded.logits, failed=failed)
+                self._publish(rows, self.scheduler.update(rows, outputs))
+            elif joins:  # nobody to decode: they all finished
+                self._settle(joins, keep)
+        except Exception as error:  # not one row's fault: it answers them all, never kills the loop
+            log.exception("workload %s: a step of %d rows failed", self.name, len(plan.decode))
+            self.cache = BatchCache(self.decoder, self.cache.max_padding)
+            self._joins = []
+            failed_plan = StepPlan(decode=plan.decode) if reported else plan
+            message = (
+                f"the server failed on a step of this sequence's batch "
+                f"({type(error).__name__}: {error}); the server's log has the details"
+            )
+            self._publish(failed_plan, self.scheduler.fail(failed_plan, message))
+        finally:
+            end = self.clock()
+            with self._stats:
+                self.utilization.record(start, end)
+            self._series.busy.inc(end - start)
+
+    def _join(self, plan: StepPlan) -> None:
+        """Run a prefill-only plan and hand out its first tokens; the joiners' caches
+        wait in `_joins` until the next step takes them into the batch."""
+        outputs = StepOutputs()
         if plan.prefill:
-            m.prefill.observe(step.prefill_s)
-        if plan.decode:
-            m.decode.observe(step.decode_s)
-            m.rows.observe(len(plan.decode))
+            start = self.clock()
+            done = prefill_apart(self.decoder, plan.prefill)
+            self._series.prefill.observe(self.clock() - start)
+            self._joins += done.joins
+            self._log_isolated("prefill", len(plan.prefill), done.error, done.failed)
+            failed = self._failures(plan.prefill, done.failed, _prompt)
+            outputs = StepOutputs(prefill=done.logits, failed=failed)
+        self._publish(plan, self.scheduler.update(plan, outputs))
+
+    def _take_joins(self) -> list[Join]:
+        joins, self._joins = self._joins, []
+        return joins
+
+    def _settle(self, joins: list[Join], keep: set[int]) -> None:
+        """The batch's cache for the next decode: joiners in (into holes where they
+        fit), then leavers out (rows not in `keep` become holes, a joiner that already
+        finished too), holes compacted away once they are worth a copy."""
+        for join in joins:
+            self.cache.place(join.ids, join.past, join.mask)
+        self.cache.release(keep)
+        self.cache.compact()
+
+    def _publish(self, plan: StepPlan, events: list[Event]) -> None:
+        self._observe(plan, events)
+        self._hand_over(events)
+
+    def _log_isolated(
+        self, run: str, rows: int, error: Exception | None, failed: dict[int, Exception]
+    ) -> None:
+        if error is not None:
+            log.error(
+                "workload %s: a %s of %d rows failed; %d of them fail on their own",
+                self.name,
+                run,
+                rows,
+                len(failed),
+                exc_info=error,
+            )
+
+    @staticmethod
+    def _failures(
+        seqs: Sequence[Seq], failed: dict[int, Exception], what: Callable[[Seq], str]
+    ) -> dict[int, str]:
+        """What each sequence the model failed on alone tells its caller (`what` names
+        the sequence's input): every row failing is the model's fault, and says so."""
+        every = len(failed) == len(seqs) > 1
+        return {
+            s.id: str(failed_alone(failed[s.id], what(s), every)) for s in seqs if s.id in failed
+        }
+
+    def _decode(self, seqs: Sequence[Seq], joins: list[Join], keep: set[int]) -> Decoded:
+        """One token for every row, on the decode thread (which first settles the
+        cache); logits come back in `seqs`' order, with the rows the model failed on
+        alone. Requests arriving meanwhile are prefilled on this thread (onnxruntime
+        runs both at once, each releasing the GIL)."""
+
+        def settle_and_decode() -> Decoded:
+            self._settle(joins, keep)
+            return self.cache.decode(seqs)
+
+        running = self._decoding.submit(settle_and_decode)
+        running.add_done_callback(lambda _: self._notify())
+        try:
+            while True:
+                with self._lock:
+                    while not (self._inbox or self._aborts or running.done()):
+                        self._lock.wait()
+                if running.done():
+                    break
+                self._take_inbox(wait=False)
+                early = self.scheduler.schedule(decode=False)
+                self._count_waiting()
+                if not early.empty:
+                    self._join(early)
+        finally:
+            concurrent.futures.wait([running])
+        return running.result()
+
+    def _notify(self) -> None:
+        with self._lock:
+            self._lock.notify()
+
+    def _observe(self, plan: StepPlan, events: list[Event]) -> None:
+        m = self._series
         now = self.clock()
         made = 0
-        last_at = self._last_token_at
         joined = {s.id: s for s in plan.prefill}  # first tokens come from prefills only
-        for event in step.events:
+        for event in events:
             if event.tokens:
                 made += len(event.tokens)
+                last = self._last_token_at.get(event.seq_id)
                 if event.first and event.seq_id in joined:
                     m.ttft.observe(now - joined[event.seq_id].arrived)
-                else:
-                    last = last_at.get(event.seq_id)
-                    if last is not None:
-                        m.itl.observe(now - last)
-                last_at[event.seq_id] = now
+                elif last is not None:
+                    m.itl.observe(now - last)
+                self._last_token_at[event.seq_id] = now
             if event.finish is not None:
-                last_at.pop(event.seq_id, None)
+                self._last_token_at.pop(event.seq_id, None)
                 m.finished(event.finish)
         m.generated.inc(made)
         with self._stats:
@@ -351,16 +473,16 @@ class Engine:
         m.in_flight.set(self.scheduler.num_running)
         m.queue_depth.set(self._waiting)
 
-    def _flush(self) -> None:
-        events, self._unsent = self._unsent, []
-        self._hand_over(events)
-
     def _hand_over(self, events: list[Event]) -> None:
-        if not events or self._event_loop is None:
+        if not events or self._loop is None:
             return
-        with self._outbox_lock:
-            waking = not self._outbox  # else a drain is due already and takes these too
-            self._outbox += events
-        if waking:
-            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
-                self._event_loop.call_soon_threadsafe(self._drain)
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
+            self._loop.call_soon_threadsafe(self._dispatch, events)
+
+
+def _prompt(seq: Seq) -> str:
+    return "this prompt"
+
+
+def _at_position(seq: Seq) -> str:
+    return f"this sequence at position {seq.position}"

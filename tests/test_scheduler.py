@@ -370,3 +370,21 @@ def test_prefill_alone_runs_joiners_without_the_rows_then_decodes_them_all() -> 
     s.add(seq(4))
     plan, _ = step(s)  # a free row again, and the last step decoded: alone again
     assert plan.decode == () and ids(plan.prefill) == [4]
+
+
+def test_a_prefill_only_plan_admits_joiners_while_a_decode_runs() -> None:
+    s = make(max_running=3)
+    s.add(seq(0, max_new=2))
+    s.add(seq(1, max_new=5))
+    step(s)
+    running = s.schedule()  # decode plan in flight: rows 0 and 1
+    s.add(seq(2))
+    s.add(seq(3))
+    s.abort(1)
+    mid = s.schedule(decode=False)
+    assert mid.decode == () and ids(mid.prefill) == [2] and ids(mid.retired) == [1]
+    assert by_id(s.update(mid, StepOutputs(prefill=logits(B))))[2].text == "b"
+    events = by_id(s.update(running, StepOutputs(decode=logits(A, A))))
+    assert events[0].finish == "length" and 1 not in events  # 1 left mid-step
+    plan = s.schedule()
+    assert ids(plan.decode) == [2] and ids(plan.prefill) == [3]

@@ -242,9 +242,15 @@ class Scheduler:
 
     # ---- the step ----------------------------------------------------------
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, decode: bool = True) -> StepPlan:
         """The next step: expire what is past its deadline, drop finished rows (per
-        policy), and let waiting sequences join the free rows."""
+        policy), and let waiting sequences join the free rows.
+
+        `decode=False` plans a prefill only, while the last plan's decode is still
+        running: rows stay as they are (finished ones included, until that plan's
+        update), joiners take only rows that are free now, and they decode from the
+        next full plan on.
+        """
         now = self.clock()
         for seq in (*self.rows, *self.waiting):
             if seq.deadline is not None and now >= seq.deadline and not seq.status.is_finished:
@@ -253,9 +259,9 @@ class Scheduler:
                 self._unreported.append(seq)
         if any(s.status.is_finished for s in self.waiting):
             self.waiting = deque(s for s in self.waiting if not s.status.is_finished)
-        if self.policy != "static" or all(s.status.is_finished for s in self.rows):
+        if decode and (self.policy != "static" or all(s.status.is_finished for s in self.rows)):
             self.rows = [s for s in self.rows if not s.status.is_finished]
-        else:  # a row the model failed on would fail again: it leaves even static
+        elif decode:  # a row the model failed on would fail again: it leaves even static
             self.rows = [s for s in self.rows if s.status != SeqStatus.FINISHED_ERROR]
         prefill = self._admit()
         retired, self._unreported = tuple(self._unreported), []
@@ -263,7 +269,7 @@ class Scheduler:
         # trickle in one per step would otherwise starve the decode.
         alone = bool(prefill) and self.prefill_alone and not self._prefilled_alone
         self._prefilled_alone = alone and bool(self.rows)
-        rows = () if alone else tuple(self.rows)
+        rows = () if alone or not decode else tuple(self.rows)
         self.rows.extend(prefill)
         return StepPlan(prefill=prefill, decode=rows, retired=retired)
 
