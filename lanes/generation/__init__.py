@@ -8,7 +8,7 @@
 - `loop`: the plain synchronous step loop, plan -> model runs -> update;
 - `batch`: offline generation, many prompts through the loop with rows refilled.
 
-The online engine (serving/engine.py) wraps the loop with a thread, arrivals and
-streams; the offline shard (flows/shard.py, through `GenerateTask.run`) drives it
-until every prompt is done.
+The offline shard (flows/shard.py, through `GenerateTask.run`) drives the loop until
+every prompt is done; the online engine (serving/engine.py) runs the scheduler, the
+cache and prefill on its own two threads, with arrivals and streams.
 """

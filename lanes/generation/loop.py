@@ -4,9 +4,10 @@
     step = loop.run(scheduler.schedule())     # one whole plan, one update
     step.events                               # tokens, text and finishes of this step
 
-Both lanes drive it: the online engine (serving/engine.py) on a thread of its own,
-between arrivals, and the offline batch (lanes/generation/batch.py) until every
-sequence is done. Each plan runs whole: its joiners' prompts are prefilled in one
+The offline batch (lanes/generation/batch.py) drives it until every sequence is
+done; the online engine (serving/engine.py) runs its own two-thread loop over the
+same scheduler, prefill and cache, to act on disconnects and deadlines while a step
+runs. Each plan runs whole here: its joiners' prompts are prefilled in one
 left-padded run (lanes/generation/prefill.py), its rows decode one token each over
 the batch's KV cache (lanes/generation/kvcache.py), and the scheduler updates the
 plan once with both. The joiners' caches enter the batch's at the next run, with
@@ -46,10 +47,6 @@ class Step:
     failed: bool = False  # the step failed outside any one row: every row errored
 
 
-def _nothing() -> None:
-    pass
-
-
 class StepLoop:
     """Runs a scheduler's plans on one decoder, keeping the batch's KV cache between
     them. Single-threaded: one plan at a time, from one thread."""
@@ -69,11 +66,9 @@ class StepLoop:
         self.cache = BatchCache(decoder, max_padding)
         self._joins: list[Join] = []  # prefilled, entering the cache at the next run
 
-    def run(self, plan: StepPlan, before_model: Callable[[], None] = _nothing) -> Step:
+    def run(self, plan: StepPlan) -> Step:
         """Run `plan` whole and update the scheduler with it; never raises for what
-        the model does (a failure becomes the rows' error events). `before_model` is
-        called once, just before the plan's first model run (not at all without one):
-        the caller's work there overlaps the run, which releases the GIL."""
+        the model does (a failure becomes the rows' error events)."""
         prefill_s = decode_s = 0.0
         outputs = StepOutputs()
         try:
@@ -81,7 +76,6 @@ class StepLoop:
             decode = None
             if plan.decode:
                 self._settle({s.id for s in plan.decode})
-                before_model()
                 start = self.clock()
                 decoded = self.cache.decode(plan.decode)
                 decode_s = self.clock() - start
@@ -90,8 +84,6 @@ class StepLoop:
                 decode = decoded.logits
             prefill = None
             if plan.prefill:
-                if not plan.decode:
-                    before_model()
                 start = self.clock()
                 done = prefill_apart(self.decoder, plan.prefill)
                 prefill_s = self.clock() - start
