@@ -59,7 +59,7 @@ from lanes.spec import TaskName
 from lanes.tasks.base import Task
 from lanes.tasks.decoder import Completion
 from lanes.tasks.embed import EmbedItem, EmbedTask
-from lanes.tasks.generate import GenerateTask
+from lanes.tasks.generate import GenerateRequest, GenerateTask
 
 
 class Request(Protocol):
@@ -180,7 +180,13 @@ class CompletionLine:
         config = task.decoder.config if isinstance(task, GenerateTask) else None
         template = config.chat_template if config else None
         opening = config.chat_generation_prompt if config else None
-        return prepare_prompts(self.request, template, opening, task.prepare)
+        prepared = prepare_prompts(self.request, template, opening, task.prepare)
+        if self.request.ignore_eos:  # as online: run to max_tokens
+            prepared = [
+                dataclasses.replace(p, ignore_eos=True) if isinstance(p, GenerateRequest) else p
+                for p in prepared
+            ]
+        return prepared
 
     def answer(self, prepared: Sequence[Any], outputs: Sequence[Any]) -> dict[str, Any]:
         done = [o for o in outputs if isinstance(o, Completion)]

@@ -3,6 +3,9 @@
 The work of a shard overlaps with itself: while the model runs batch k, a second
 thread prepares (tokenizes) batch k+1 and a third writes batch k-1. Records are
 sorted by text length inside the shard first, so each batch pads to similar lengths.
+A generate task runs a window of GENERATE_WINDOW batches at a time through its
+continuous step loop (lanes/generation/batch.py) with `batch_size` rows in flight,
+each finished row refilled from the window at once.
 
 Commit protocol, the basis of exactly-once: the output and errors files are written
 aside, published (an atomic rename, or an S3 object that appears only when whole),
@@ -45,9 +48,15 @@ from lanes.isolation import Failed, failed_alone, isolate, per_item
 from lanes.spec import as_offline
 from lanes.storage import Storage, StoredFile
 from lanes.tasks.base import Task
+from lanes.tasks.generate import GenerateTask
 from lanes.tracing import Tracing, maybe_span
 
 log = logging.getLogger(__name__)
+
+# Batches of a generate task's records that one continuous loop runs: rows are
+# refilled from the window as sequences finish, so only the window's last rows
+# drain with nobody to take their place.
+GENERATE_WINDOW = 8
 
 
 @dataclass(frozen=True)
@@ -122,6 +131,9 @@ class Model:
         When every item fails alone, the model (not the data) is at fault: the first
         error is raised, for the shard's retries."""
 
+        if isinstance(self.task, GenerateTask):
+            return self._run_continuous(self.task, items)
+
         def run(part: Sequence[Any]) -> Sequence[Any]:
             with self.lock:
                 return list(self.task.run(part))
@@ -138,6 +150,19 @@ class Model:
                 len(isolated.failed),
             )
         return per_item(isolated, len(items))
+
+    def _run_continuous(self, task: GenerateTask, items: Sequence[Any]) -> list[Any]:
+        """A generate task's items through its step loop, which isolates the rows the
+        model fails on by itself (lanes/generation/loop.py); as in `run`, every item
+        failing alone is the model's fault and is raised."""
+        with self.lock:
+            outputs = task.run_apart(items)
+        failed = [o for o in outputs if isinstance(o, Failed)]
+        if failed and len(failed) == len(outputs):
+            raise failed[0].error
+        if failed:
+            log.warning("%d of a window of %d prompts fail on their own", len(failed), len(items))
+        return outputs
 
 
 @dataclass
@@ -352,7 +377,11 @@ def _pipeline(
 ) -> int:
     """Prepare batch k+1 and write batch k-1 while batch k runs. Returns batches run.
     With `tracing`, each model run is a span ("batch") below the current one."""
-    batches = _prepared(requests, model.task, batch_size)
+    # A generate task's step loop refills rows as sequences finish: hand it several
+    # batches at once, so rows stay full across batch edges.
+    continuous = isinstance(model.task, GenerateTask)
+    window = batch_size * GENERATE_WINDOW if continuous else batch_size
+    batches = _prepared(requests, model.task, window)
     runs = 0
     with ThreadPoolExecutor(2, thread_name_prefix="lanes-shard") as pool:
         upcoming = pool.submit(next, batches, None)
@@ -361,11 +390,16 @@ def _pipeline(
             upcoming = pool.submit(next, batches, None)
             items = [item for _, prepared in batch.requests for item in prepared]
             outputs: list[Any] = []
-            for start in range(0, len(items), batch_size):
-                part = items[start : start + batch_size]
-                with maybe_span(tracing, "batch", {"lanes.batch_size": len(part)}):
-                    outputs += model.run(part)
+            if continuous:
+                with maybe_span(tracing, "batch", {"lanes.batch_size": len(items)}):
+                    outputs = model.run(items)
                 runs += 1
+            else:
+                for start in range(0, len(items), batch_size):
+                    part = items[start : start + batch_size]
+                    with maybe_span(tracing, "batch", {"lanes.batch_size": len(part)}):
+                        outputs += model.run(part)
+                    runs += 1
             if writing is not None:
                 writing.result()
             writing = pool.submit(writer.batch, batch, outputs)

@@ -10,9 +10,10 @@ fails. A run that fails must leave no trace (a model run's outputs are new array
 so what the halves give is what the batch would have given without the culprits.
 
 Both lanes use it: the serving workers per dynamic batch (`per_item`), the generate
-engine per prefill and per decode run over rows of the KV cache, the offline shard
-per batch of records. `failed_alone` words the error that an item failing alone gets:
-the same input fails the same way every time, so it is never worth a retry.
+step loop (lanes/generation, online and offline) per prefill and per decode run over
+rows of the KV cache, the offline shard per batch of records. `failed_alone` words
+the error that an item failing alone gets: the same input fails the same way every
+time, so it is never worth a retry.
 """
 
 from __future__ import annotations

@@ -9,13 +9,13 @@ own (onnxruntime releases the GIL, so HTTP keeps flowing while a step runs):
         at once, from a prefill-only plan: schedule(decode=False))
     events = scheduler.update(plan, logits)
     loop.call_soon_threadsafe(dispatch, events)   # into each request's TokenStream
-    the joiners' caches join the batch's (serving/kvcache.py) for the next step
+    the joiners' caches join the batch's (lanes/generation/kvcache.py) for the next step
 
 Each request's `TokenStream` is on the event loop; `cancel()` (its client left)
 aborts the sequence, whose row is freed at the next step.
 
 A prefill or decode run that fails is run again in halves of its rows
-(lanes/isolation.py, from serving/prefill.py and serving/kvcache.py): the sequences
+(lanes/isolation.py, from lanes/generation/prefill.py and lanes/generation/kvcache.py): the sequences
 that fail alone finish with their own error, every other one goes on with its cache
 and tokens as they were. Only a failure outside the model's runs fails the step's
 every row (and resets the cache).
@@ -38,13 +38,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from prometheus_client import Counter, Gauge, Histogram
 
 from lanes.errors import Overloaded
-from lanes.isolation import failed_alone
-from lanes.serving.kvcache import MAX_PADDING, BatchCache, Decoded
-from lanes.serving.metrics import Metrics, TokenRate, Utilization
-from lanes.serving.prefill import Join, prefill_apart
-from lanes.serving.scheduler import (
+from lanes.generation.kvcache import MAX_PADDING, BatchCache, Decoded
+from lanes.generation.prefill import Join, prefill_apart
+from lanes.generation.scheduler import (
     Event,
     Policy,
     Scheduler,
@@ -52,6 +51,8 @@ from lanes.serving.scheduler import (
     StepOutputs,
     StepPlan,
 )
+from lanes.isolation import failed_alone
+from lanes.serving.metrics import Metrics, TokenRate, Utilization
 from lanes.spec import as_interactive
 from lanes.tasks.generate import GenerateRequest, GenerateTask
 
@@ -67,39 +68,34 @@ class _Series:
 
     metrics: Metrics
     name: str
-    ttft: Any
-    itl: Any
-    generated: Any
-    in_flight: Any
-    queue_depth: Any
-    prefill: Any
-    decode: Any
-    rows: Any
-    busy: Any
-    rate: Any
-    utilization: Any
+    ttft: Histogram
+    itl: Histogram
+    generated: Counter
+    in_flight: Gauge
+    queue_depth: Gauge
+    prefill: Histogram
+    decode: Histogram
+    rows: Histogram
+    busy: Counter
+    rate: Gauge
+    utilization: Gauge
 
     @classmethod
     def bind(cls, m: Metrics, name: str) -> _Series:
         return cls(
-            m,
-            name,
-            *(
-                series.labels(name)
-                for series in (
-                    m.ttft,
-                    m.itl,
-                    m.generated_tokens,
-                    m.in_flight,
-                    m.queue_depth,
-                    m.prefill_time,
-                    m.decode_time,
-                    m.batch_size,
-                    m.busy_seconds,
-                    m.tokens_per_second,
-                    m.utilization,
-                )
-            ),
+            metrics=m,
+            name=name,
+            ttft=m.ttft.labels(name),
+            itl=m.itl.labels(name),
+            generated=m.generated_tokens.labels(name),
+            in_flight=m.in_flight.labels(name),
+            queue_depth=m.queue_depth.labels(name),
+            prefill=m.prefill_time.labels(name),
+            decode=m.decode_time.labels(name),
+            rows=m.batch_size.labels(name),
+            busy=m.busy_seconds.labels(name),
+            rate=m.tokens_per_second.labels(name),
+            utilization=m.utilization.labels(name),
         )
 
     def finished(self, reason: str) -> None:
@@ -156,9 +152,9 @@ class TokenStream:
 class Engine:
     """The continuous-batching executor of one generate workload.
 
-    `policy` picks how batches form (see serving/scheduler.py); anything but
+    `policy` picks how batches form (see lanes/generation/scheduler.py); anything but
     `continuous` is there for the benchmark's comparisons. `max_padding` is how many
-    padded cache positions are worth one decoder run less (see serving/kvcache.py).
+    padded cache positions are worth one decoder run less (see lanes/generation/kvcache.py).
     `clock` is the scheduler's (arrivals, deadlines) and times every step.
     """
 
@@ -245,7 +241,7 @@ class Engine:
             stop=request.stop,
             seed=request.seed,
             deadline=now + timeout_s if timeout_s is not None else None,
-            ignore_eos=ignore_eos,
+            ignore_eos=ignore_eos or request.ignore_eos,
             arrived=now,
         )
         stream = TokenStream(seq.id, len(seq.prompt_ids), self)

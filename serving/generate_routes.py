@@ -25,6 +25,8 @@ from starlette.routing import Route
 from starlette.types import Receive
 
 from lanes.errors import LanesError
+from lanes.generation.kvcache import MAX_PADDING
+from lanes.generation.scheduler import Policy
 from lanes.protocols.completions import (
     ChatCompletionRequest,
     Choice,
@@ -55,8 +57,6 @@ from lanes.serving.http import (
     read_body,
     timeout_s,
 )
-from lanes.serving.kvcache import MAX_PADDING
-from lanes.serving.scheduler import Policy
 from lanes.serving.state import ServingState
 from lanes.tasks.generate import GenerateTask
 

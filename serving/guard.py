@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from lanes.errors import DeadlineExceeded, ModelError, Overloaded
+from lanes.generation.scheduler import Event
 from lanes.protocols.completions import OpenAIFinish
 from lanes.serving.engine import TokenStream
-from lanes.serving.scheduler import Event
 from lanes.spec import Guard
 from lanes.tasks.handler import load_scorer
 

@@ -1,5 +1,6 @@
-"""The continuous-batching engine on the demo tinycode decoder, without HTTP: every
-batching policy gives each request exactly the tokens it gets alone."""
+"""The step loop's two users on the demo tinycode decoder, without HTTP: the online
+engine (every batching policy) and the offline batch give each request exactly the
+tokens it gets alone (`Decoder.complete`, the plain single-sequence loop)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,17 @@ from typing import Any
 import pytest
 
 from lanes.errors import DeadlineExceeded
+from lanes.generation.batch import generate_batch
+from lanes.generation.scheduler import POLICIES, Policy
+from lanes.isolation import Failed
 from lanes.runtime import Runtime
 from lanes.serving.engine import Engine, TokenStream
 from lanes.serving.guard import pieces
 from lanes.serving.metrics import Metrics
-from lanes.serving.scheduler import POLICIES, Policy
 from lanes.settings import Settings
 from lanes.spec import Spec
 from lanes.tasks import GenerateTask, load_task
+from lanes.tasks.decoder import Completion
 from tests.gates import Gate, GatedRuntime
 
 pytestmark = pytest.mark.slow
@@ -81,14 +85,28 @@ async def collect(stream: TokenStream) -> tuple[list[int], str, str | None]:
     return tokens, "".join(text), finish
 
 
+def alone(task: GenerateTask, item: dict[str, object]) -> Completion:
+    """The item completed by the decoder's own single-sequence loop, no scheduler."""
+    r = task.prepare(item)
+    return task.decoder.complete(r.prompt_ids, r.max_new_tokens, r.sampling, r.stop, r.seed)
+
+
+Got = list[tuple[list[int], str, str | None]]
+# Who drives the step loop: the online engine under each policy, or the offline batch.
+USERS = [*(("online", p) for p in POLICIES), ("offline", "continuous")]
+
+
 async def run_all(
     task: GenerateTask,
     policy: Policy,
     items: list[dict[str, object]],
     max_padding: float = 64,
     metrics: Metrics | None = None,
-) -> list[tuple[list[int], str, str | None]]:
+    user: str = "online",
+) -> Got:
     """Every item's tokens, text and finish."""
+    if user == "offline":
+        return run_offline(task, items, max_padding)
     engine = Engine(task, metrics or Metrics(), policy, max_padding)
     engine.start()
     try:
@@ -98,18 +116,26 @@ async def run_all(
         await engine.stop()
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+def run_offline(task: GenerateTask, items: list[dict[str, object]], max_padding: float) -> Got:
+    """The offline lane's loop, 3 rows in flight as the engine's."""
+    requests = [task.prepare(item) for item in items]
+    done = generate_batch(task.decoder, requests, 3, "code", max_padding=max_padding)
+    assert not any(isinstance(d, Failed) for d in done)
+    return [(d.tokens, d.text, d.finish_reason) for d in done if isinstance(d, Completion)]
+
+
+@pytest.mark.parametrize(("user", "policy"), USERS)
 async def test_every_policy_gives_each_request_its_tokens_alone(
-    task: GenerateTask, policy: Policy
+    task: GenerateTask, user: str, policy: Policy
 ) -> None:
     items: list[dict[str, object]] = [{"prompt": p, "max_tokens": n} for p, n in PROMPTS]
-    alone = [task.complete(task.prepare(item)) for item in items]
-    got = await run_all(task, policy, items)
-    for want, (tokens, text, finish) in zip(alone, got, strict=True):
+    want_all = [alone(task, item) for item in items]
+    got = await run_all(task, policy, items, user=user)
+    for want, (tokens, text, finish) in zip(want_all, got, strict=True):
         assert tokens == want.tokens
         assert text == want.text
         assert finish == want.finish_reason
-    assert len({tuple(c.tokens) for c in alone}) > 1, "the prompts should not all agree"
+    assert len({tuple(c.tokens) for c in want_all}) > 1, "the prompts should not all agree"
 
 
 @pytest.mark.parametrize("max_padding", [0, 24])
@@ -119,10 +145,11 @@ async def test_rows_in_groups_of_similar_length_give_the_same_tokens(
     """Small padding budgets split the batch into several groups (one decoder run
     each), merged again as lengths come close; nothing changes for any request."""
     items: list[dict[str, object]] = [{"prompt": p, "max_tokens": n + 8} for p, n in PROMPTS]
-    alone = [task.complete(task.prepare(item)).tokens for item in items]
+    want = [alone(task, item).tokens for item in items]
+    assert [tokens for tokens, _, _ in run_offline(task, items, max_padding)] == want
     metrics, runs = Metrics(), RUNS.passed
     got = await run_all(task, "continuous", items, max_padding, metrics)
-    assert [tokens for tokens, _, _ in got] == alone
+    assert [tokens for tokens, _, _ in got] == want
     runs = RUNS.passed - runs
     prefills = metrics.registry.get_sample_value(
         "lanes_prefill_seconds_count", {"workload": "code"}
@@ -134,14 +161,15 @@ async def test_rows_in_groups_of_similar_length_give_the_same_tokens(
     assert runs > prefills + steps, "the rows should have been split into groups"
 
 
-async def test_seeded_sampling_batched_equals_alone(task: GenerateTask) -> None:
+@pytest.mark.parametrize("user", ["online", "offline"])
+async def test_seeded_sampling_batched_equals_alone(task: GenerateTask, user: str) -> None:
     items: list[dict[str, object]] = [
         {"prompt": p, "max_tokens": n, "temperature": 0.9, "top_k": 40, "seed": i}
         for i, (p, n) in enumerate(PROMPTS)
     ]
-    alone = [task.complete(task.prepare(item)).tokens for item in items]
-    got = await run_all(task, "continuous", items)
-    assert [tokens for tokens, _, _ in got] == alone
+    want = [alone(task, item).tokens for item in items]
+    got = await run_all(task, "continuous", items, user=user)
+    assert [tokens for tokens, _, _ in got] == want
 
 
 async def test_cache_stays_as_long_as_its_longest_row(task: GenerateTask) -> None:

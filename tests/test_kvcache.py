@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from lanes.generation.kvcache import BatchCache
 from lanes.runtime import Runtime
-from lanes.serving.kvcache import BatchCache
 from lanes.settings import Settings
 from lanes.spec import ModelSpec
 from lanes.tasks.decoder import Decoder

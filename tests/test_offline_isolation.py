@@ -15,7 +15,7 @@ from lanes.runtime import Runtime
 from lanes.settings import Settings
 from lanes.specfile import load_spec
 from lanes.tasks import load_task
-from tests.failing_models import BAD_WORD, short_embed_model
+from tests.failing_models import BAD_WORD, POSITIONS, positional_decoder, short_embed_model
 from tests.flows_fixtures import outputs_of, read_jsonl, text, write_jsonl
 
 
@@ -64,3 +64,54 @@ def test_a_record_the_model_fails_on_is_an_error_line_and_the_rest_are_answered(
     response = errors["req-bad"]["response"]
     assert response["status_code"] == 500, "the status the endpoint answers for it"
     assert response["body"]["error"]["code"] == "model_error"
+
+
+def test_a_prompt_the_decoder_fails_on_fails_alone_in_the_offline_loop(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    """The offline lane runs generate in the same step loop as the endpoint: a prompt
+    that fails in its prefill, and one that fails mid-way at a decode step, are each an
+    error line; every other prompt of their batch gets what it gets alone."""
+    model, tokenizer = positional_decoder(tmp_path / "dec")
+    spec = {
+        "version": 1,
+        "models": {"dec": {"path": str(model), "tokenizer": str(tokenizer)}},
+        "workloads": {
+            "gen": {
+                "mode": "offline",
+                "task": "generate",
+                "model": "dec",
+                "input": "in/",
+                "output": "out/",
+                "batch_size": 4,
+                "retries": 0,
+                "max_error_rate": 0.3,
+                "generation": {"max_new_tokens": 16, "temperature": 0},
+            },
+        },
+    }
+    spec_path = tmp_path / "workloads.yaml"
+    spec_path.write_text(yaml.safe_dump(spec))
+    good = ["a", "b", "c", "a b", "c a", "b b c", "a a"]
+    bad = {
+        "p-prefill": " ".join(["a"] * (POSITIONS + 1)),
+        "p-decode": " ".join(["a"] * (POSITIONS - 1)),
+    }
+    records = [{"id": f"g{i}", "prompt": p} for i, p in enumerate(good)]
+    records[3:3] = [{"id": k, "prompt": p} for k, p in bad.items()]
+    write_jsonl(tmp_path / "in" / "a.jsonl", records)
+
+    summary = offline(workload="gen", spec=str(spec_path))
+
+    assert (summary["outputs"], summary["errors"]) == (len(good), 2)
+    lines = {line["id"]: line for line in outputs_of(tmp_path / "out")}
+    task = load_task("gen", load_spec(spec_path, Settings()), Runtime(Settings(device="cpu")))
+    for i, prompt in enumerate(good):
+        r = task.prepare(prompt)
+        alone = task.decoder.complete(r.prompt_ids, r.max_new_tokens, r.sampling)
+        assert lines[f"g{i}"]["tokens"] == alone.tokens, prompt
+        assert lines[f"g{i}"]["text"] == alone.text
+    errors = {e["id"]: e["error"] for e in read_jsonl(tmp_path / "out" / "_errors" / "a.jsonl")}
+    assert sorted(errors) == sorted(bad)
+    assert "this prompt, run on its own" in errors["p-prefill"]
+    assert f"at position {POSITIONS}, run on its own" in errors["p-decode"]

@@ -20,13 +20,14 @@ import pytest
 from openai import AsyncOpenAI
 
 from lanes.errors import InvalidInput
+from lanes.generation.batch import generate_batch
+from lanes.generation.scheduler import Event
 from lanes.runtime import Runtime
 from lanes.serving.engine import Engine, TokenStream
 from lanes.serving.metrics import Metrics
-from lanes.serving.scheduler import Event
 from lanes.settings import Settings
 from lanes.spec import Spec
-from lanes.tasks import GenerateTask, load_task
+from lanes.tasks import Completion, GenerateTask, load_task
 from tests.conftest import ROOT
 from tests.optimum_exports import (
     BOS,
@@ -189,6 +190,15 @@ async def test_greedy_batched_equals_transformers(task: GenerateTask, reference:
         metrics.registry.get_sample_value("lanes_batch_size_count", {"workload": task.name}) or 1
     )
     assert batch / steps > 1, "the rows should have decoded together"
+
+
+def test_greedy_batched_offline_equals_transformers(
+    task: GenerateTask, reference: Reference
+) -> None:
+    """The offline lane's loop: two rows for four prompts, each refilled as it frees."""
+    want = reference.greedy(PROMPTS)
+    done = generate_batch(task.decoder, [task.prepare(p) for p in PROMPTS], 2, task.name)
+    assert [d.tokens if isinstance(d, Completion) else d for d in done] == want
 
 
 async def test_a_float16_export_decodes_like_transformers(

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from lanes.serving.scheduler import (
+from lanes.generation.scheduler import (
     Event,
     Policy,
     Scheduler,
@@ -351,6 +351,25 @@ def test_duplicate_ids_and_unknown_policies_are_refused() -> None:
         s.add(seq(0))
     with pytest.raises(ValueError, match="policy"):
         make(policy="eager")  # type: ignore[arg-type]
+
+
+def test_prefill_alone_runs_joiners_without_the_rows_then_decodes_them_all() -> None:
+    s = make(max_running=3, prefill_alone=True)
+    s.add(seq(0, max_new=2))
+    s.add(seq(1, max_new=5))
+    step(s)
+    s.add(seq(2))
+    s.abort(1)
+    plan, events = step(s, B)  # a joiner: its prefill alone, the rows wait a step
+    assert plan.decode == () and ids(plan.prefill) == [2] and ids(plan.retired) == [1]
+    assert by_id(events)[2].text == "b" and by_id(events)[1].finish == "abort"
+    s.add(seq(3))
+    plan, events = step(s)  # joiners never twice in a row alone: the rows decode too
+    assert ids(plan.decode) == [0, 2] and ids(plan.prefill) == [3]
+    assert by_id(events)[0].finish == "length"
+    s.add(seq(4))
+    plan, _ = step(s)  # a free row again, and the last step decoded: alone again
+    assert plan.decode == () and ids(plan.prefill) == [4]
 
 
 def test_a_prefill_only_plan_admits_joiners_while_a_decode_runs() -> None:

@@ -5,9 +5,9 @@ An item is a prompt string, or a dict {"prompt", "max_tokens"?, "temperature"?,
 workload's `generation:`; a prompt may also be a list of the model's token ids
 (taken as they are, as vLLM does). A prompt and an explicit `max_tokens` must fit
 the model's context together; without one, the completion stops where the context
-ends. For now `run` completes its items one after another;
-continuous batching (many sequences per step) is the serving engine's job and
-reuses `Decoder.step` and `sampling.sample`.
+ends. `run` completes a batch in the step loop of lanes/generation (continuous
+batching: as many sequences in flight as the workload's batch size, refilled as
+they finish), the loop the serving engine runs too.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from lanes.errors import InvalidInput
+from lanes.isolation import Failed
 from lanes.runtime import Runtime
-from lanes.spec import Generation, ModelSpec, TaskName, Workload
+from lanes.spec import Generation, ModelSpec, OfflineWorkload, TaskName, Workload
 from lanes.tasks.base import check_count
 from lanes.tasks.decoder import Completion, Decoder
 from lanes.tasks.handler import NO_HANDLER, Handler
@@ -49,6 +50,17 @@ class GenerateRequest:
     sampling: SamplingParams
     stop: tuple[str, ...]
     seed: int | None
+    ignore_eos: bool = False  # run to the budget (benchmarks)
+
+
+def _generate_batch(
+    decoder: Decoder, requests: Sequence[GenerateRequest], rows: int, name: str
+) -> list[Completion | Failed]:
+    # lanes.generation sits on lanes.tasks.decoder, which imports this package's
+    # __init__ (and so this module): imported when first used, the cycle never closes.
+    from lanes.generation.batch import generate_batch
+
+    return generate_batch(decoder, requests, rows, name)
 
 
 class GenerateTask:
@@ -134,17 +146,45 @@ class GenerateTask:
         except ValidationError as err:
             raise invalid_input(err, _REQUEST_NAMES) from None
 
+    @property
+    def rows(self) -> int:
+        """Sequences in flight at once: the workload's batch size."""
+        workload = self.workload
+        if isinstance(workload, OfflineWorkload):
+            return workload.batch_size
+        return workload.batching.max_batch_size
+
     def run(self, batch: Sequence[GenerateRequest]) -> list[Any]:
-        """One `Completion` per request, one request after another (for now)."""
-        outputs = [self.handler.after(self.complete(request)) for request in batch]
+        """One `Completion` per request (the handler's `post` of it); raises what the
+        first request that failed alone raised (`run_apart` says which)."""
+        outputs = self.run_apart(batch)
+        failed = next((o for o in outputs if isinstance(o, Failed)), None)
+        if failed is not None:
+            raise failed.error
+        return outputs
+
+    def run_apart(self, batch: Sequence[GenerateRequest]) -> list[Any]:
+        """`run`, where a request the model (or the handler's `post`) failed on alone
+        gets a `Failed` and every other request its output. Raises only when a step
+        failed outside any one request's run."""
+        outputs: list[Any] = []
+        for i, done in enumerate(_generate_batch(self.decoder, batch, self.rows, self.name)):
+            if isinstance(done, Failed):
+                outputs.append(done)
+                continue
+            try:
+                outputs.append(self.handler.after(done))
+            except Exception as error:  # one output's post: its request alone fails
+                outputs.append(Failed(i, error))
         check_count(self.name, outputs, batch)
         return outputs
 
     def complete(self, request: GenerateRequest) -> Completion:
         """One request, without the handler."""
-        return self.decoder.complete(
-            request.prompt_ids, request.max_new_tokens, request.sampling, request.stop, request.seed
-        )
+        (done,) = _generate_batch(self.decoder, [request], 1, self.name)
+        if isinstance(done, Failed):
+            raise done.error
+        return done
 
     def warm_up(self) -> None:
         self.decoder.complete(self.decoder.encode("warm up"), 2, SamplingParams(temperature=0))

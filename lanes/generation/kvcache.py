@@ -99,12 +99,14 @@ class KVCache:
         last token at its own position; a hole attends only to its own dummy token
         (finite, and nobody reads it)."""
         rows = len(self.slots)
-        ids = np.full((rows, 1), self.pad, dtype=np.int64)
-        positions = np.zeros((rows, 1), dtype=np.int64)
+        # Built as lists and converted once: item by item into arrays costs more.
+        tokens, at = [self.pad] * rows, [0] * rows
         for r, sid in enumerate(self.slots):
             if sid is not None:
-                ids[r, 0] = seqs[sid].last_token
-                positions[r, 0] = seqs[sid].position
+                seq = seqs[sid]
+                tokens[r], at[r] = seq.last_token, seq.position
+        ids = np.array(tokens, dtype=np.int64).reshape(rows, 1)
+        positions = np.array(at, dtype=np.int64).reshape(rows, 1)
         mask = np.concatenate([self.mask, np.ones((rows, 1), dtype=np.int64)], axis=1)
         return ids, mask, positions
 

@@ -1,7 +1,7 @@
 """Continuous batching, the pure part: which sequences run this step, and what came of it.
 
     plan = scheduler.schedule()            # who joins (prefill), who steps (decode)
-    outputs = <run the model on the plan>  # the engine's job (serving/engine.py)
+    outputs = <run the model on the plan>  # the step loop's job (lanes/generation/loop.py)
     events = scheduler.update(plan, outputs)
 
 No onnxruntime, no threads, no I/O: logits in, events out. The clock and the
@@ -159,10 +159,14 @@ Detokenize = Callable[[Sequence[int]], str]
 
 
 class Scheduler:
-    """Decides each step's batch for one decoder; single-threaded (the engine's loop).
+    """Decides each step's batch for one decoder; single-threaded (the step loop's).
 
     `max_running` bounds the rows; `max_prefill_tokens` bounds one step's joiners by
-    their padded prompt size (at least one joins when a row is free).
+    their padded prompt size (at least one joins when a row is free). With
+    `prefill_alone`, a step that admits joiners runs only their prefill and the rows
+    decode at the next one: a newcomer's first token waits for no decode (the online
+    engine's choice; offline, nobody waits for a first token). Never two such steps
+    in a row while rows wait: then the joiners prefill in the rows' decode step.
     """
 
     def __init__(
@@ -174,6 +178,7 @@ class Scheduler:
         policy: Policy = "continuous",
         max_position: int | None = None,
         max_prefill_tokens: int = 4096,
+        prefill_alone: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if policy not in POLICIES:
@@ -184,6 +189,8 @@ class Scheduler:
         self.detokenize = detokenize
         self.max_position = max_position
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefill_alone = prefill_alone
+        self._prefilled_alone = False  # the last plan left waiting rows out for joiners
         self.clock = clock
         self.waiting: deque[Seq] = deque()
         self.rows: list[Seq] = []
@@ -209,7 +216,7 @@ class Scheduler:
 
     def fail(self, plan: StepPlan, error: str) -> list[Event]:
         """Instead of update() when the step failed outside any one row's run (the
-        engine could not tell which rows are at fault): its retired sequences are
+        loop could not tell which rows are at fault): its retired sequences are
         reported as usual, every row (joiners included) finishes with `error` and
         every row is freed."""
         events = [self._final(seq) for seq in plan.retired]
@@ -258,7 +265,11 @@ class Scheduler:
             self.rows = [s for s in self.rows if s.status != SeqStatus.FINISHED_ERROR]
         prefill = self._admit()
         retired, self._unreported = tuple(self._unreported), []
-        rows = tuple(self.rows) if decode else ()
+        # Joiners run alone, but never twice in a row while rows wait: arrivals that
+        # trickle in one per step would otherwise starve the decode.
+        alone = bool(prefill) and self.prefill_alone and not self._prefilled_alone
+        self._prefilled_alone = alone and bool(self.rows)
+        rows = () if alone or not decode else tuple(self.rows)
         self.rows.extend(prefill)
         return StepPlan(prefill=prefill, decode=rows, retired=retired)
 
@@ -294,7 +305,8 @@ class Scheduler:
             if logits is None or logits.shape[0] != len(seqs):
                 found = None if logits is None else logits.shape
                 raise ValueError(f"update: expected logits for {len(seqs)} rows, found {found}")
-            greedy = logits.argmax(axis=-1)  # one vectorised argmax serves every greedy row
+            # One vectorised argmax serves every greedy row.
+            greedy: list[int] = logits.argmax(axis=-1).tolist()
             for i, seq in enumerate(seqs):
                 if seq.status.is_finished:
                     continue  # a static batch's finished row (or a failed one): no logits
@@ -304,7 +316,7 @@ class Scheduler:
                     events.append(self._final(seq))
                     continue
                 if seq.sampling.temperature == 0:
-                    token = int(greedy[i])
+                    token = greedy[i]
                 else:
                     token = sample(logits[i], seq.sampling, seq.rng)
                 events.append(self._advance(seq, token))

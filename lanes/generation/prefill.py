@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from lanes.generation.scheduler import Seq
 from lanes.isolation import isolate
-from lanes.serving.scheduler import Seq
 from lanes.tasks.decoder import Decoder, Past
 
 Array = np.ndarray[Any, Any]
@@ -23,7 +23,7 @@ Array = np.ndarray[Any, Any]
 
 @dataclass(frozen=True)
 class Join:
-    """Prefilled sequences' cache, waiting to enter the batch's (serving/kvcache.py)."""
+    """Prefilled sequences' cache, waiting to enter the batch's (lanes/generation/kvcache.py)."""
 
     ids: list[int]
     past: Past

@@ -1,0 +1,201 @@
+"""Benchmark of offline generate: the shard path against the raw batched decode loop and
+against one sequence at a time, in one run, on the demo tinycode decoder.
+
+    python bench/offline_generate.py [--prompts 96] [--tokens 48] [--batch-size 32]
+
+The same `--prompts` code prompts (greedy, `ignore_eos`, so every completion is
+`--tokens` long) go through:
+
+- raw: `Decoder.step` alone, batch by batch: `--batch-size` prompts sorted by length,
+  one left-padded prefill, then a token per step for every row (argmax), the present
+  fed back as the past. No scheduler, no detokenising, no files: the limit.
+- offline lane: the shard path of `lanes run` in process (flows.shard.run_shard:
+  read the JSONL of OpenAI /v1/completions batch lines, tokenize, the continuous step
+  loop with `--batch-size` rows, detokenise, write the response bodies, commit), no
+  Prefect. Timed around the shard.
+- one at a time: `Decoder.complete` per prompt, the path offline generate took before
+  it ran in the step loop.
+
+Each runs `--repeats` times, interleaved, after an untimed warm-up; the best of each is
+kept. Prints tokens/s and the ratios offline/raw (target >= 0.9) and
+offline/one-at-a-time. On a shared machine the wall-clock figures drift: the load
+average is printed with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from lanes.flows.job import Job, model_key, plan_shards  # noqa: E402
+from lanes.flows.shard import Model, run_shard  # noqa: E402
+from lanes.runtime import Runtime  # noqa: E402
+from lanes.settings import Settings  # noqa: E402
+from lanes.spec import as_offline  # noqa: E402
+from lanes.specfile import load_spec  # noqa: E402
+from lanes.storage import Storage  # noqa: E402
+from lanes.tasks import GenerateTask, load_task  # noqa: E402
+from lanes.tasks.sampling import SamplingParams  # noqa: E402
+
+WORKLOAD = "gen"
+SPEC = """\
+version: 1
+models:
+  tinycode:
+    path: {m}/tinycode/model.onnx
+    tokenizer: {m}/tinycode/tokenizer.json
+    session: {{intra_op_threads: {threads}}}
+workloads:
+  gen:
+    mode: offline
+    task: generate
+    model: tinycode
+    input: in/
+    output: out/
+    batch_size: {batch}
+    generation: {{max_new_tokens: {tokens}, temperature: 0}}
+"""
+PROMPTS = [
+    "def ",
+    "import os\n",
+    "class Config:\n    def __init__(self, path",
+    "    for name in sorted(names):\n        if name.startswith('_'):\n            continue\n",
+    "# Copyright 2001 Python Software Foundation\n\nimport sys\nimport re\n",
+    "    return self.",
+    'def parse(text, *, strict=False):\n    """Parse text into a list of tokens.\n\n',
+    "for i in range(",
+    "    if not path.exists():\n        raise FileNotFoundError(",
+    "from collections import",
+]
+
+
+def prompts(n: int) -> list[str]:
+    return [f"{PROMPTS[i % len(PROMPTS)]}{'    ' * (i // len(PROMPTS) % 4)}" for i in range(n)]
+
+
+def raw(task: GenerateTask, texts: list[str], tokens: int, batch: int) -> float:
+    """Seconds of the plain batched decode loop over `texts`."""
+    decoder = task.decoder
+    encoded = sorted((decoder.encode(t) for t in texts), key=len)
+    pad = decoder.config.pad_token_id
+    start = time.perf_counter()
+    for at in range(0, len(encoded), batch):
+        part = encoded[at : at + batch]
+        width = max(len(p) for p in part)
+        ids = np.full((len(part), width), pad, dtype=np.int64)
+        mask = np.zeros((len(part), width), dtype=np.int64)
+        positions = np.zeros((len(part), width), dtype=np.int64)
+        for j, p in enumerate(part):
+            ids[j, width - len(p) :], mask[j, width - len(p) :] = p, 1
+            positions[j, width - len(p) :] = np.arange(len(p))
+        out = decoder.step(ids, mask, positions, decoder.empty_past(len(part)))
+        step_positions = positions[:, -1:]
+        for _ in range(tokens - 1):
+            ids = out.logits[:, -1].argmax(axis=-1)[:, None]
+            mask = np.concatenate([mask, np.ones((len(part), 1), dtype=np.int64)], axis=1)
+            step_positions = step_positions + 1
+            out = decoder.step(ids, mask, step_positions, out.present)
+    return time.perf_counter() - start
+
+
+def serial(task: GenerateTask, texts: list[str], tokens: int) -> float:
+    """Seconds of `Decoder.complete` over `texts`, one after another (eos ends some
+    early: the token count is what they made)."""
+    decoder, greedy = task.decoder, SamplingParams(temperature=0)
+    start = time.perf_counter()
+    made = 0
+    for text in texts:
+        made += len(decoder.complete(decoder.encode(text), tokens, greedy).tokens)
+    elapsed = time.perf_counter() - start
+    return elapsed * (len(texts) * tokens) / max(made, 1)  # per token, as if all were full
+
+
+def lane(
+    model: Model, spec: Any, settings: Settings, folder: Path, texts: list[str], tokens: int
+) -> float:
+    """Seconds of the shard path over OpenAI batch lines of `texts`."""
+    (folder / "in").mkdir(parents=True)
+    with (folder / "in" / "part.jsonl").open("wb") as out:
+        for i, text in enumerate(texts):
+            body = {"model": WORKLOAD, "prompt": text, "max_tokens": tokens, "ignore_eos": True}
+            line = {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body}
+            out.write(orjson.dumps(line) + b"\n")
+    workload = as_offline(spec.workload(WORKLOAD))
+    job = Job(
+        workload=WORKLOAD,
+        spec=spec,
+        input=f"{folder}/in/",
+        output=f"{folder}/out/",
+        batch_size=workload.batch_size,
+        retries=0,
+        runner=workload.runner,
+        model_key=model_key(spec, workload),
+        max_record_bytes=settings.max_body_bytes,
+    )
+    storage = Storage(settings)
+    (plan,) = plan_shards(job, storage)
+    start = time.perf_counter()
+    stats = run_shard(plan, model, storage, job.batch_size, job.max_record_bytes)
+    elapsed = time.perf_counter() - start
+    assert stats.outputs == len(texts), stats
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--prompts", type=int, default=96)
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads")
+    args = parser.parse_args()
+    models = ROOT / ".lanes" / "models"
+    with tempfile.TemporaryDirectory(prefix="lanes-bench-") as tmp:
+        root = Path(tmp)
+        spec_path = root / "workloads.yaml"
+        spec_path.write_text(
+            SPEC.format(m=models, threads=args.threads, batch=args.batch_size, tokens=args.tokens)
+        )
+        settings = Settings(device="cpu")
+        spec = load_spec(spec_path, settings)
+        runtime = Runtime(settings)
+        task = load_task(WORKLOAD, spec, runtime)
+        assert isinstance(task, GenerateTask)
+        model = Model(task, runtime.providers[0])
+        texts = prompts(args.prompts)
+        total = args.prompts * args.tokens
+        # Warm-up, untimed: every path once on a few prompts.
+        raw(task, texts[:4], 4, args.batch_size)
+        serial(task, texts[:2], 4)
+        lane(model, spec, settings, root / "warm", texts[:4], 4)
+        best = {"raw": np.inf, "offline": np.inf, "one at a time": np.inf}
+        for r in range(args.repeats):
+            best["raw"] = min(best["raw"], raw(task, texts, args.tokens, args.batch_size))
+            seconds = lane(model, spec, settings, root / f"run{r}", texts, args.tokens)
+            best["offline"] = min(best["offline"], seconds)
+            best["one at a time"] = min(best["one at a time"], serial(task, texts, args.tokens))
+    rates = {name: total / seconds for name, seconds in best.items()}
+    print(
+        f"tinycode, {args.prompts} prompts x {args.tokens} tokens (greedy, ignore_eos), "
+        f"batch_size {args.batch_size}, {args.threads} onnxruntime thread(s), best of "
+        f"{args.repeats}; load average {os.getloadavg()[0]:.1f}"
+    )
+    for name, rate in rates.items():
+        print(f"  {name:<14} {rate:>9.0f} tokens/s")
+    print(f"  offline / raw           {rates['offline'] / rates['raw']:.2f}x (target >= 0.9)")
+    print(f"  offline / one at a time {rates['offline'] / rates['one at a time']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Offline generation: many prompts through the step loop, as many rows in flight as
+allowed, until every one is done.
+
+Nobody waits for a first token, so the only aim is throughput: prompts join in order
+of length (one prefill pads alike prompts, and the cache's groups stay few), as many
+join per step as there are free rows and as fit `max_prefill_tokens`, and a row that
+finishes is refilled at the next step. Every sequence goes through the same
+scheduler as online (stop strings, token budgets, the model's context, detokenising,
+sampling, `ignore_eos`), so a greedy prompt gets the same tokens here as on the
+endpoint, alone or batched.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from lanes.errors import ModelError
+from lanes.generation.kvcache import MAX_PADDING
+from lanes.generation.loop import StepLoop
+from lanes.generation.scheduler import Detokenize, Policy, Scheduler, Seq, SeqStatus
+from lanes.isolation import Failed
+from lanes.tasks.decoder import Completion, Decoder
+
+if TYPE_CHECKING:
+    from lanes.tasks.generate import GenerateRequest
+
+# Padded prompt tokens one prefill may hold: it returns logits for every position
+# ([rows, width, vocab]), so this bounds a prefill's memory, not anyone's wait.
+OFFLINE_PREFILL_TOKENS = 16384
+
+
+def detokenizer(decoder: Decoder) -> Detokenize:
+    """Token ids -> text as a completion shows it (special tokens left out)."""
+    tokenizer = decoder.tokenizer
+    return lambda ids: str(tokenizer.decode(list(ids), skip_special_tokens=True))
+
+
+def scheduler_for(
+    decoder: Decoder,
+    rows: int,
+    *,
+    policy: Policy = "continuous",
+    max_prefill_tokens: int = 4096,
+    prefill_alone: bool = False,
+    clock: Callable[[], float] = time.monotonic,
+) -> Scheduler:
+    """A scheduler for `decoder`'s eos, context and tokenizer, with `rows` in flight."""
+    config = decoder.config
+    return Scheduler(
+        rows,
+        config.eos_token_ids,
+        detokenizer(decoder),
+        policy=policy,
+        max_position=config.max_position,
+        max_prefill_tokens=max_prefill_tokens,
+        prefill_alone=prefill_alone,
+        clock=clock,
+    )
+
+
+def generate_batch(
+    decoder: Decoder,
+    requests: Sequence[GenerateRequest],
+    rows: int,
+    name: str,
+    *,
+    max_prefill_tokens: int = OFFLINE_PREFILL_TOKENS,
+    max_padding: float = MAX_PADDING,
+) -> list[Completion | Failed]:
+    """One `Completion` per request, in the requests' order; a `Failed` (a `ModelError`
+    saying why) for a request the model failed on alone. Never more than `rows`
+    sequences in flight. Raises `ModelError` when a step fails outside any one row's
+    run (no row is to blame, so the caller may retry the whole batch)."""
+    scheduler = scheduler_for(decoder, rows, max_prefill_tokens=max_prefill_tokens)
+    seqs = [
+        Seq(
+            id=i,
+            prompt_ids=r.prompt_ids,
+            max_new_tokens=r.max_new_tokens,
+            sampling=r.sampling,
+            stop=r.stop,
+            seed=r.seed,
+            ignore_eos=r.ignore_eos,
+        )
+        for i, r in enumerate(requests)
+    ]
+    # Stable: equal lengths keep their order, so a rerun batches the same way.
+    for seq in sorted(seqs, key=lambda s: len(s.prompt_ids)):
+        scheduler.add(seq)
+    loop = StepLoop(decoder, scheduler, name, max_padding)
+    # Each step makes a token for, or finishes, every sequence it runs, and every
+    # sequence has a budget: the loop ends.
+    while scheduler.has_work:
+        step = loop.run(scheduler.schedule())
+        if step.failed:
+            why = next((e.error for e in step.events if e.error), "a step failed")
+            raise ModelError(why)
+    return [_result(i, seq) for i, seq in enumerate(seqs)]
+
+
+def _result(index: int, seq: Seq) -> Completion | Failed:
+    if seq.status == SeqStatus.FINISHED_STOPPED:
+        return Completion(seq.text, list(seq.tokens), "stop", len(seq.prompt_ids))
+    if seq.status == SeqStatus.FINISHED_LENGTH:
+        return Completion(seq.text, list(seq.tokens), "length", len(seq.prompt_ids))
+    why = seq.error or f"the sequence ended as {seq.status.name.lower()}"
+    return Failed(index, ModelError(why))

@@ -1,0 +1,153 @@
+"""The step loop, plain and synchronous: plan -> prefill and decode runs -> update.
+
+    loop = StepLoop(decoder, scheduler, name)
+    step = loop.run(scheduler.schedule())     # one whole plan, one update
+    step.events                               # tokens, text and finishes of this step
+
+The offline batch (lanes/generation/batch.py) drives it until every sequence is
+done; the online engine (serving/engine.py) runs its own two-thread loop over the
+same scheduler, prefill and cache, to act on disconnects and deadlines while a step
+runs. Each plan runs whole here: its joiners' prompts are prefilled in one
+left-padded run (lanes/generation/prefill.py), its rows decode one token each over
+the batch's KV cache (lanes/generation/kvcache.py), and the scheduler updates the
+plan once with both. The joiners' caches enter the batch's at the next run, with
+the rows that left going out, so each decode sees exactly its plan's rows.
+
+A prefill or decode run that fails is run again in halves of its rows
+(lanes/isolation.py): the sequences that fail alone finish with their own error,
+every other one goes on as if they had never been there. Only a failure outside the
+model's runs fails every row of the plan (and resets the cache).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from lanes.generation.kvcache import MAX_PADDING, BatchCache
+from lanes.generation.prefill import Join, prefill_apart
+from lanes.generation.scheduler import Event, Scheduler, Seq, StepOutputs, StepPlan
+from lanes.isolation import failed_alone
+from lanes.tasks.decoder import Decoder
+
+log = logging.getLogger("lanes.generation")
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one run of a plan did: the plan, its events, and how long its model runs
+    took (seconds on the loop's clock; 0 where the plan had none)."""
+
+    plan: StepPlan
+    events: list[Event]
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    failed: bool = False  # the step failed outside any one row: every row errored
+
+
+class StepLoop:
+    """Runs a scheduler's plans on one decoder, keeping the batch's KV cache between
+    them. Single-threaded: one plan at a time, from one thread."""
+
+    def __init__(
+        self,
+        decoder: Decoder,
+        scheduler: Scheduler,
+        name: str,
+        max_padding: float = MAX_PADDING,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.decoder = decoder
+        self.scheduler = scheduler
+        self.name = name
+        self.clock = clock
+        self.cache = BatchCache(decoder, max_padding)
+        self._joins: list[Join] = []  # prefilled, entering the cache at the next run
+
+    def run(self, plan: StepPlan) -> Step:
+        """Run `plan` whole and update the scheduler with it; never raises for what
+        the model does (a failure becomes the rows' error events)."""
+        prefill_s = decode_s = 0.0
+        outputs = StepOutputs()
+        try:
+            failed: dict[int, str] = {}
+            decode = None
+            if plan.decode:
+                self._settle({s.id for s in plan.decode})
+                start = self.clock()
+                decoded = self.cache.decode(plan.decode)
+                decode_s = self.clock() - start
+                self._log_isolated("decode step", len(plan.decode), decoded.error, decoded.failed)
+                failed.update(_failures(plan.decode, decoded.failed, _at_position))
+                decode = decoded.logits
+            prefill = None
+            if plan.prefill:
+                start = self.clock()
+                done = prefill_apart(self.decoder, plan.prefill)
+                prefill_s = self.clock() - start
+                self._joins += done.joins
+                self._log_isolated("prefill", len(plan.prefill), done.error, done.failed)
+                failed.update(_failures(plan.prefill, done.failed, _prompt))
+                prefill = done.logits
+            outputs = StepOutputs(prefill=prefill, decode=decode, failed=failed)
+            events = self.scheduler.update(plan, outputs)
+            if self.scheduler.num_running == 0 and (self._joins or self.cache.rows):
+                self._settle(set())  # nobody is left to decode: free the whole cache
+        except Exception as error:  # not one row's fault: it answers them all
+            log.exception(
+                "workload %s: a step of %d rows failed",
+                self.name,
+                len(plan.decode) + len(plan.prefill),
+            )
+            self.cache = BatchCache(self.decoder, self.cache.max_padding)
+            self._joins = []
+            message = (
+                f"the server failed on a step of this sequence's batch "
+                f"({type(error).__name__}: {error}); the server's log has the details"
+            )
+            return Step(plan, self.scheduler.fail(plan, message), prefill_s, decode_s, True)
+        return Step(plan, events, prefill_s, decode_s)
+
+    def _settle(self, keep: set[int]) -> None:
+        """The batch's cache for the next decode: joiners in (into holes where they
+        fit), then leavers out (rows not in `keep` become holes, a joiner that already
+        finished too), holes compacted away once they are worth a copy."""
+        joins, self._joins = self._joins, []
+        for join in joins:
+            self.cache.place(join.ids, join.past, join.mask)
+        self.cache.release(keep)
+        self.cache.compact()
+
+    def _log_isolated(
+        self, run: str, rows: int, error: Exception | None, failed: dict[int, Exception]
+    ) -> None:
+        if error is not None:
+            log.error(
+                "workload %s: a %s of %d rows failed; %d of them fail on their own",
+                self.name,
+                run,
+                rows,
+                len(failed),
+                exc_info=error,
+            )
+
+
+def _failures(
+    seqs: Sequence[Seq], failed: dict[int, Exception], what: Callable[[Seq], str]
+) -> dict[int, str]:
+    """What each sequence the model failed on alone tells its caller (`what` names
+    the sequence's input): every row failing is the model's fault, and says so."""
+    if not failed:
+        return {}
+    every = len(failed) == len(seqs) > 1
+    return {s.id: str(failed_alone(failed[s.id], what(s), every)) for s in seqs if s.id in failed}
+
+
+def _prompt(seq: Seq) -> str:
+    return "this prompt"
+
+
+def _at_position(seq: Seq) -> str:
+    return f"this sequence at position {seq.position}"

@@ -1,0 +1,113 @@
+"""Offline generate answers as the endpoint does, line for line: the same prompts run
+through a real `lanes run` (a Prefect flow, the shard path, the continuous step loop
+with fewer rows than prompts, so rows are refilled) and through a real server's
+/v1/completions and /v1/chat/completions, greedy, give the same texts, finishes and
+token counts, for plain records and for OpenAI batch lines alike."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.flows_fixtures import outputs_of, write_jsonl
+from tests.servers import ServerThread, write_spec
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+GENERATION = "generation: {max_new_tokens: 20, temperature: 0}"
+WORKLOADS = f"""\
+  live:
+    mode: interactive
+    task: generate
+    model: tinycode
+    batching: {{max_batch_size: 4}}
+    {GENERATION}
+  nightly:
+    mode: offline
+    task: generate
+    model: tinycode
+    input: in/
+    output: out/
+    batch_size: 3
+    retries: 0
+    {GENERATION}
+"""
+PROMPTS = [
+    "def ",
+    "import os\n",
+    "class Config:\n    def __init__(self, path",
+    "    for name in sorted(names):\n        if name.startswith('_'):\n",
+    "# Copyright 2001 Python Software Foundation\n\nimport sys\n",
+    "    return self.",
+    "for i in range(",
+]
+
+
+def plain(i: int, prompt: str) -> dict[str, Any]:
+    """A plain record; budgets and a stop string differ, so rows finish apart."""
+    record: dict[str, Any] = {"id": f"p{i}", "prompt": prompt, "max_tokens": 4 + 3 * i}
+    if i == 2:
+        record["stop"] = [" ", "\n", "("]
+    return record
+
+
+def batch_line(custom_id: str, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+def test_offline_generate_equals_the_endpoints_greedy_answers(
+    demo_models: Path, tmp_path: Path
+) -> None:
+    spec = write_spec(tmp_path, demo_models, WORKLOADS)
+    records: list[dict[str, Any]] = [plain(i, p) for i, p in enumerate(PROMPTS)]
+    completions = {"model": "nightly", "prompt": PROMPTS[:3], "max_tokens": 12}
+    chat = {
+        "model": "nightly",
+        "messages": [{"role": "user", "content": "write a loop"}],
+        "max_tokens": 16,
+    }
+    records += [
+        batch_line("c-1", "/v1/completions", completions),
+        batch_line("c-2", "/v1/chat/completions", chat),
+        batch_line("c-3", "/v1/completions", {**completions, "prompt": PROMPTS[4]}),
+    ]
+    write_jsonl(tmp_path / "in" / "part-0.jsonl", records)
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect")
+    done = subprocess.run(
+        [sys.executable, "-m", "lanes.router.cli", "run", "nightly", "--file", str(spec)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    offline = {line.get("custom_id") or line["id"]: line for line in outputs_of(tmp_path / "out")}
+    assert len(offline) == len(records)
+
+    with ServerThread(spec) as server, httpx.Client(base_url=server.url, timeout=60) as http:
+        for record in records[: len(PROMPTS)]:
+            body = {k: v for k, v in record.items() if k != "id"}
+            online = http.post("/v1/completions", json={"model": "live", **body}).json()
+            (choice,) = online["choices"]
+            line = offline[record["id"]]
+            assert line["text"] == choice["text"], record
+            assert line["finish_reason"] == choice["finish_reason"], record
+            assert len(line["tokens"]) == online["usage"]["completion_tokens"]
+            assert line["prompt_tokens"] == online["usage"]["prompt_tokens"]
+        for record in records[len(PROMPTS) :]:
+            online = http.post(record["url"], json={**record["body"], "model": "live"}).json()
+            response = offline[record["custom_id"]]["response"]
+            assert response["status_code"] == 200
+            assert response["body"]["choices"] == online["choices"], record
+            assert response["body"]["usage"] == online["usage"]
+    finishes = {offline[r["id"]]["finish_reason"] for r in records[: len(PROMPTS)]}
+    assert "length" in finishes and "stop" in finishes, "the records should end both ways"
