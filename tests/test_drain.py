@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -74,21 +75,28 @@ class Replica:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def log(self) -> Path:
+        return self.spec.with_name(f"serve-{self.port}.log")
+
     def start(self) -> Replica:
-        self.process = subprocess.Popen(
-            [LANES, "serve", str(self.spec), "--port", str(self.port)],
-            env=self.env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        # Its log goes to a file: a pipe nobody reads fills up with access lines and
+        # stops the server at its next write.
+        with self.log.open("a") as log:
+            self.process = subprocess.Popen(
+                [LANES, "serve", str(self.spec), "--port", str(self.port)],
+                env=self.env,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                text=True,
+            )
         wait_until(self._ready, f"lanes serve on {self.port} ready")
         return self
 
     def _ready(self) -> bool:
         assert self.process is not None
         if self.process.poll() is not None:
-            raise AssertionError(f"lanes serve exited: {self.process.communicate()[1]}")
+            raise AssertionError(f"lanes serve exited: {self.log.read_text()}")
         try:
             return httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200
         except httpx.TransportError:
@@ -101,7 +109,8 @@ class Replica:
     def wait(self) -> str:
         """Its exit, which must be clean; its stderr."""
         assert self.process is not None
-        _, stderr = self.process.communicate(timeout=WAIT_S)
+        self.process.wait(timeout=WAIT_S)
+        stderr = self.log.read_text()
         # uvicorn re-raises the signal it stopped on, as a process killed by it would.
         assert self.process.returncode in (0, -signal.SIGTERM), stderr
         assert "Application shutdown complete" in stderr, stderr
@@ -111,7 +120,7 @@ class Replica:
     def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
-            self.process.communicate(timeout=WAIT_S)
+            self.process.wait(timeout=WAIT_S)
 
 
 def environment(**extra: str) -> dict[str, str]:
@@ -219,7 +228,7 @@ def test_sigterm_drains_then_finishes_work_in_flight_and_queued(
 HAPROXY = shutil.which("haproxy")
 
 
-def haproxy_config(port: int, replicas: list[Replica]) -> str:
+def haproxy_config(port: int, replicas: list[Replica], sock: Path) -> str:
     servers = "\n".join(
         f"    server r{i} 127.0.0.1:{r.port} check inter 100ms fall 2 rise 1"
         for i, r in enumerate(replicas)
@@ -230,12 +239,13 @@ def haproxy_config(port: int, replicas: list[Replica]) -> str:
     return f"""\
 global
     maxconn 256
+    stats socket {sock} level admin
 defaults
     mode http
     timeout connect 5s
     timeout client 60s
     timeout server 60s
-    timeout check 5s
+    timeout check 30s
 frontend lanes
     bind 127.0.0.1:{port}
     default_backend replicas
@@ -247,17 +257,36 @@ backend replicas
 """
 
 
+def haproxy_status(sock: Path, server: str) -> str:
+    """What haproxy's stats say of backend server `server` (UP, DOWN, ...)."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(sock))
+        s.sendall(b"show stat\n")
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    lines = data.decode().splitlines()
+    header = lines[0].lstrip("# ").split(",")
+    for line in lines[1:]:
+        row = dict(zip(header, line.split(","), strict=False))
+        if row.get("pxname") == "replicas" and row.get("svname") == server:
+            return row["status"]
+    raise AssertionError(f"haproxy has no server {server}: {data.decode()}")
+
+
 @pytest.mark.skipif(HAPROXY is None, reason="haproxy is not installed (apt install haproxy)")
 def test_rolling_restart_behind_haproxy_fails_no_request(tmp_path: Path, demo_models: Path) -> None:
     assert HAPROXY is not None
     spec = write_spec(tmp_path, demo_models)
-    # The drain must outlast a few of haproxy's health checks (every 100 ms).
     (tmp_path / "gate").touch()  # the held workload is not used here
-    env = environment(LANES_DRAIN_S="3", **{GATE_FILE_ENV: str(tmp_path / "gate")})
+    # Each drain lasts until haproxy has taken its replica out (then a second signal
+    # ends it), whatever the time its health checks take on this machine.
+    env = environment(LANES_DRAIN_S="600", **{GATE_FILE_ENV: str(tmp_path / "gate")})
     replicas = [Replica(spec, env), Replica(spec, env)]
     port = free_port()
     config = tmp_path / "haproxy.cfg"
-    config.write_text(haproxy_config(port, replicas))
+    sock = tmp_path / "haproxy.sock"
+    config.write_text(haproxy_config(port, replicas, sock))
     balancer: subprocess.Popen[bytes] | None = None
     outcomes: Counter[str] = Counter()
     failures: list[str] = []
@@ -291,14 +320,18 @@ def test_rolling_restart_behind_haproxy_fails_no_request(tmp_path: Path, demo_mo
         clients = [threading.Thread(target=client) for _ in range(8)]
         for c in clients:
             c.start()
-        for r in replicas:
+        for i, r in enumerate(replicas):
+            name = f"r{i}"
             mark = served()
             wait_until(lambda m=mark: served() >= m + 200, "load through both replicas")
-            r.signal()
+            r.signal()  # drain
+            wait_until(lambda n=name: haproxy_status(sock, n).startswith("DOWN"), "out")
+            r.signal()  # the drain ends: the listener closes, work in flight finishes
             r.wait()
             mark = served()
             wait_until(lambda m=mark: served() >= m + 200, "load on the other replica alone")
             r.start()
+            wait_until(lambda n=name: haproxy_status(sock, n) == "UP", f"{name} back in")
             wait_until(lambda r=r: answered(r.url) >= 50, "haproxy sending to the new replica")
         mark = served()
         wait_until(lambda m=mark: served() >= m + 200, "load after the restarts")
