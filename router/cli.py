@@ -21,6 +21,7 @@ from lanes.router import client_cli, cost_cli, offline_cli
 from lanes.router.console import SpecFile, command, guarded
 from lanes.router.plan import plan as make_plan
 from lanes.router.render import to_jsonable
+from lanes.router.render_cli import render_app
 from lanes.settings import Settings
 from lanes.spec import Spec
 from lanes.specfile import load_spec
@@ -32,6 +33,7 @@ app = typer.Typer(
 )
 models_app = typer.Typer(no_args_is_help=True, help="Build the demo models.")
 app.add_typer(models_app, name="models")
+app.add_typer(render_app, name="render")
 
 
 def _load(file: Path | None, settings: Settings) -> Spec:
