@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -14,7 +15,7 @@ from lanes.router.console import SpecFile, guarded
 from lanes.router.render_k8s import K8sOptions, dump_all, groups, serving_objects
 from lanes.router.render_pool import base_job_template, dask_objects, worker_objects
 from lanes.settings import Settings
-from lanes.spec import OfflineWorkload, Spec
+from lanes.spec import QUANTITY_PATTERN, OfflineWorkload, Spec
 from lanes.specfile import load_spec
 
 render_app = typer.Typer(no_args_is_help=True, help="Write what runs the spec elsewhere.")
@@ -76,6 +77,10 @@ def k8s(
     dask_workers: Annotated[
         int, typer.Option(help="Dask worker pods per in-cluster scheduler.")
     ] = 2,
+    offline_cpu: Annotated[
+        int, typer.Option(help="CPUs of each flow-run Job and Dask worker pod.")
+    ] = 2,
+    offline_memory: Annotated[str, typer.Option(help="Memory of each of those pods.")] = "4Gi",
 ) -> None:
     """Kubernetes objects for the spec: per group of interactive workloads a Deployment,
     Service, ConfigMap (the spec), PodDisruptionBudget, KEDA ScaledObject and
@@ -87,6 +92,12 @@ def k8s(
         if not image:
             raise InvalidInput(
                 "--image: name the serving image, e.g. registry.example/lanes-serve:1.0"
+            )
+        if offline_cpu < 1:
+            raise InvalidInput(f"--offline-cpu: expected at least 1, found {offline_cpu}")
+        if not re.match(QUANTITY_PATTERN, offline_memory):
+            raise InvalidInput(
+                f"--offline-memory: expected a quantity such as 4Gi, found {offline_memory!r}"
             )
         if dask_workers < 1:
             raise InvalidInput(f"--dask-workers: expected at least 1, found {dask_workers}")
@@ -102,6 +113,8 @@ def k8s(
             models_claim=models_claim,
             project_dir=project_dir,
             drain_s=drain_s,
+            offline_cpu=offline_cpu,
+            offline_memory=offline_memory,
         )
         return render_files(raw, spec, settings, options, dask_workers)
 

@@ -53,6 +53,8 @@ class K8sOptions:
     project_dir: str = "/app"  # where the image holds the project (workloads.yaml)
     drain_s: float = 5.0  # LANES_DRAIN_S: readiness 503 after SIGTERM, still serving
     prefect_api_secret: str = "prefect-api"  # a Secret with key `url`
+    offline_cpu: int = 2  # CPUs of a flow run's Job and of a Dask worker pod
+    offline_memory: str = "4Gi"
 
 
 @dataclass(frozen=True)
@@ -195,6 +197,7 @@ def _deployment(
         {"name": "LANES_PORT", "value": str(HTTP_PORT)},
         {"name": "LANES_HOME", "value": "/tmp/lanes"},
         {"name": "LANES_DEVICE", "value": device},
+        *_threads(group.deploy.cpu),
         {"name": "LANES_DRAIN_S", "value": f"{options.drain_s:g}"},
         {
             "name": "LANES_API_KEY",
@@ -277,6 +280,12 @@ def _deployment(
             },
         },
     }
+
+
+def _threads(cpu: str) -> list[dict[str, str]]:
+    """LANES_THREADS for a whole number of CPUs: onnxruntime would otherwise size its
+    pool by the node's cores, not the pod's share."""
+    return [{"name": "LANES_THREADS", "value": cpu}] if cpu.isdigit() and cpu != "0" else []
 
 
 def _probe(path: str, failures: int) -> dict[str, Any]:

@@ -41,12 +41,14 @@ def base_job_template(
         "PREFECT_HOME": "/tmp/prefect",
         "LANES_HOME": "/tmp/lanes",
         "LANES_DEVICE": settings.device,
+        # onnxruntime would size its pool by the node's cores, not the pod's share.
+        "LANES_THREADS": str(options.offline_cpu),
     }
     if settings.s3_endpoint:
         env["LANES_S3_ENDPOINT"] = settings.s3_endpoint
     resources: dict[str, Any] = {
-        "requests": {"cpu": "2", "memory": "4Gi"},
-        "limits": {"memory": "4Gi"},
+        "requests": {"cpu": str(options.offline_cpu), "memory": options.offline_memory},
+        "limits": {"memory": options.offline_memory},
     }
     if gpu:
         resources["limits"][GPU] = 1
@@ -275,10 +277,11 @@ def _dask_cluster(
         {"name": "PREFECT_HOME", "value": "/tmp/prefect"},
         {"name": "LANES_HOME", "value": "/tmp/lanes"},
         {"name": "LANES_DEVICE", "value": settings.device},
+        {"name": "LANES_THREADS", "value": str(options.offline_cpu)},
     ]
     resources: dict[str, Any] = {
-        "requests": {"cpu": "2", "memory": "4Gi"},
-        "limits": {"memory": "4Gi"},
+        "requests": {"cpu": str(options.offline_cpu), "memory": options.offline_memory},
+        "limits": {"memory": options.offline_memory},
     }
     worker_pod: dict[str, Any] = {
         "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "fsGroup": 10001},

@@ -317,3 +317,32 @@ def test_offline_workloads_need_the_worker_image(spec_path: Path) -> None:
     options = K8sOptions(image=OPTIONS.image)
     with pytest.raises(InvalidInput, match="--worker-image"):
         render_files(yaml.safe_load(spec_path.read_text()), spec, s, options)
+
+
+def test_the_10m_plan_in_infra_renders_valid_objects() -> None:
+    """infra/README.md's overnight plan: its spec and command give valid objects, and
+    the Dask workers it counts on, each with onnxruntime's threads fitted to its CPUs."""
+    path = Path(__file__).resolve().parent.parent / "infra" / "plans" / "embed-10m.yaml"
+    s = Settings()
+    spec = load_spec(path, s, check_files=False)
+    options = K8sOptions(
+        image=OPTIONS.image,
+        worker_image=OPTIONS.worker_image,
+        models_claim="lanes-models",
+        offline_cpu=2,
+        offline_memory="4Gi",
+    )
+    files = render_files(yaml.safe_load(path.read_text()), spec, s, options, dask_workers=29)
+    objects = _objects(files)
+    for obj in objects:
+        _validate(obj)
+    kubernetes_validate.validate(
+        _filled(json.loads(files["work-pool-lanes.json"])), K8S_VERSION, strict=True
+    )
+    workers = _by_kind(objects, "Deployment", "dask-scheduler-worker")
+    assert workers["spec"]["replicas"] == 29
+    container = workers["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][:2] == ["dask", "worker"]
+    assert container["resources"]["requests"]["cpu"] == "2"
+    assert {"name": "LANES_THREADS", "value": "2"} in container["env"]
+    _by_kind(objects, "Service", "dask-scheduler")
