@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ from lanes.settings import Settings
 from lanes.specfile import load_spec
 
 K8S_VERSION = "1.33.0"
+ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).parent / "fixtures"
 CRD_SCHEMAS = {
     "ScaledObject": FIXTURES / "keda-scaledobject-v2.20.2.schema.json",
@@ -319,20 +321,27 @@ def test_offline_workloads_need_the_worker_image(spec_path: Path) -> None:
         render_files(yaml.safe_load(spec_path.read_text()), spec, s, options)
 
 
-def test_the_10m_plan_in_infra_renders_valid_objects() -> None:
-    """infra/README.md's overnight plan: its spec and command give valid objects, and
-    the Dask workers it counts on, each with onnxruntime's threads fitted to its CPUs."""
-    path = Path(__file__).resolve().parent.parent / "infra" / "plans" / "embed-10m.yaml"
-    s = Settings()
-    spec = load_spec(path, s, check_files=False)
-    options = K8sOptions(
-        image=OPTIONS.image,
-        worker_image=OPTIONS.worker_image,
-        models_claim="lanes-models",
-        offline_cpu=2,
-        offline_memory="4Gi",
-    )
-    files = render_files(yaml.safe_load(path.read_text()), spec, s, options, dask_workers=29)
+def _plan_render_command() -> list[str]:
+    """The `lanes render k8s` line of infra/README.md's 10M plan, as written."""
+    text = (ROOT / "infra" / "README.md").read_text()
+    section = text.split("**The rendered config.**", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    lines = block.replace("\\\n", " ").splitlines()
+    command = next(line for line in lines if line.startswith("lanes render k8s"))
+    return shlex.split(command, comments=True)
+
+
+def test_the_10m_plan_in_infra_renders_valid_objects(tmp_path: Path) -> None:
+    """infra/README.md's overnight plan, its command as written: valid objects, and the
+    Dask workers it counts on, each with onnxruntime's threads fitted to its CPUs."""
+    args = _plan_render_command()
+    out = args.index("--out")
+    args[out + 1] = str(tmp_path / "k8s")
+    subprocess.run(
+        [sys.executable, "-m", "lanes.router.cli", *args[1:]],
+        cwd=ROOT, check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+    files = {p.name: p.read_text() for p in (tmp_path / "k8s").iterdir()}
     objects = _objects(files)
     for obj in objects:
         _validate(obj)
@@ -346,3 +355,5 @@ def test_the_10m_plan_in_infra_renders_valid_objects() -> None:
     assert container["resources"]["requests"]["cpu"] == "2"
     assert {"name": "LANES_THREADS", "value": "2"} in container["env"]
     _by_kind(objects, "Service", "dask-scheduler")
+    spec = load_spec(ROOT / "infra" / "plans" / "embed-10m.yaml", Settings(), check_files=False)
+    assert spec.workloads["embed-corpus"].runner.max_concurrent_shards == 29
