@@ -110,11 +110,15 @@ def serve(
     port: Annotated[int | None, typer.Option(help="Port (default: LANES_PORT).")] = None,
 ) -> None:
     """Serve every interactive workload on one HTTP endpoint (OpenAI and Open Inference v2)."""
-    from lanes.serving.server import serve as run_server
-
     settings = guarded(Settings)
     spec = guarded(lambda: _load(file, settings))
-    run_server(spec, settings, host, port)
+
+    def start() -> None:
+        from lanes.serving.server import serve as run_server
+
+        run_server(spec, settings, host, port)
+
+    guarded(start)
 
 
 @models_app.command("build")

@@ -18,7 +18,8 @@ import httpx
 import pytest
 from dockerfile_parse import DockerfileParser
 
-from tests.servers import free_port, write_spec
+from tests.flows_fixtures import DIM, embed_model
+from tests.servers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGES = ROOT / "infra" / "images"
@@ -132,7 +133,7 @@ import sys
 class Refuse:
     def find_spec(self, name, path=None, target=None):
         if name.split('.')[0] in {blocked!r}:
-            raise ModuleNotFoundError(f"No module named {{name!r}} (not in lanes[serve])")
+            raise ModuleNotFoundError(f"No module named {{name!r}} (not in lanes[serve])", name=name)
         return None
 sys.meta_path.insert(0, Refuse())
 from lanes.router.cli import main
@@ -141,13 +142,20 @@ main()
 """
 
 
-@pytest.mark.slow
-def test_lanes_serve_runs_on_the_serve_extra_alone(demo_models: Path, tmp_path: Path) -> None:
-    spec = write_spec(
-        tmp_path,
-        demo_models,
-        "  search:\n    mode: interactive\n    task: embed\n    model: minilm\n",
+def _embed_spec(folder: Path) -> Path:
+    """A spec of one interactive embed workload `search` on a tiny test encoder."""
+    model, tokenizer = embed_model(folder / "models" / "enc")
+    path = folder / "workloads.yaml"
+    path.write_text(
+        f"version: 1\nmodels:\n  enc: {{path: {model}, tokenizer: {tokenizer}}}\n"
+        "workloads:\n  search: {mode: interactive, task: embed, model: enc}\n"
     )
+    return path
+
+
+@pytest.mark.slow
+def test_lanes_serve_runs_on_the_serve_extra_alone(tmp_path: Path) -> None:
+    spec = _embed_spec(tmp_path)
     port = free_port()
     code = _BLOCKED_SERVE.format(blocked=NOT_SERVING, spec=str(spec), port=port)
     log = tmp_path / "serve.log"
@@ -170,8 +178,17 @@ def test_lanes_serve_runs_on_the_serve_extra_alone(demo_models: Path, tmp_path: 
             assert ready.get("ready") is True, log.read_text()[-2000:]
             embedded = client.post("/v1/embeddings", json={"model": "search", "input": "hello"})
             assert embedded.status_code == 200, embedded.text
-            assert len(embedded.json()["data"][0]["embedding"]) == 384
+            assert len(embedded.json()["data"][0]["embedding"]) == DIM
     finally:
         process.terminate()
         process.wait(timeout=60)
     assert "not in lanes[serve]" not in log.read_text()
+
+
+def test_a_command_whose_extra_is_missing_says_which_to_install(tmp_path: Path) -> None:
+    spec = _embed_spec(tmp_path)
+    code = _BLOCKED_SERVE.format(blocked=("starlette",), spec=str(spec), port=free_port())
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "needs lanes[serve]" in done.stderr and "pip install 'lanes[serve]'" in done.stderr
+    assert "Traceback" not in done.stderr
