@@ -42,7 +42,7 @@ from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 from lanes.errors import JobFailed
 from lanes.flows import FLOW_NAME
-from lanes.flows.job import Job, plan_job, plan_shards
+from lanes.flows.job import Job, Lane, plan_job, plan_shards
 from lanes.flows.manifest import Manifest, ShardFailure, build_manifest, write_manifest
 from lanes.flows.shard import Model, ShardPlan, ShardStats, TooManyErrors, committed, run_shard
 from lanes.flows.validate import check_records
@@ -76,16 +76,20 @@ def offline(
     input: str | None = None,
     output: str | None = None,
     rerun: Rerun = "uncommitted",
+    lane: Lane = "declared",
+    finish_by: datetime | None = None,
 ) -> dict[str, Any]:
     """Run `workload` from the spec file `spec` (relative to the working directory).
     `input`/`output` override the workload's; `rerun` is "uncommitted", "errors" or
-    "all" (the module docstring). Returns the manifest's summary; raises JobFailed
-    when a shard failed."""
+    "all" (the module docstring); `lane="offline"` runs an interactive workload in
+    the offline lane (flows.job.plan_job); past `finish_by` no further shard starts
+    (a batch's completion window: the shards left are its expired requests).
+    Returns the manifest's summary; raises JobFailed when a shard failed."""
     settings = Settings()
-    job = plan_job(workload, Path(spec), settings, input, output)
+    job = plan_job(workload, Path(spec), settings, input, output, lane)
     # A State returned by a flow becomes its run's final state, and a caller of the
     # flow gets the state's data: the summary.
-    return cast("dict[str, Any]", outcome(run_job(job, settings, rerun)))
+    return cast("dict[str, Any]", outcome(run_job(job, settings, rerun, finish_by)))
 
 
 def outcome(manifest: Manifest) -> State[dict[str, Any]]:
@@ -107,8 +111,11 @@ def _records(n: int) -> str:
     return f"{n} record{'' if n == 1 else 's'}"
 
 
-def run_job(job: Job, settings: Settings, rerun: Rerun = "uncommitted") -> Manifest:
-    """Inside a flow run: the shards of `job`, then the manifest. Raises JobFailed."""
+def run_job(
+    job: Job, settings: Settings, rerun: Rerun = "uncommitted", finish_by: datetime | None = None
+) -> Manifest:
+    """Inside a flow run: the shards of `job` (none started past `finish_by`), then the
+    manifest. Raises JobFailed."""
     from prefect.runtime import flow_run
 
     started = datetime.now(UTC)
@@ -129,7 +136,7 @@ def run_job(job: Job, settings: Settings, rerun: Rerun = "uncommitted") -> Manif
     # Only shards that will be read whole: a retried one was checked when it first ran.
     check_records(job, [p.plan for p in pending if p.retry is None], storage)
     _progress("planned", shards=len(plans), pending=len(pending))
-    ran, failures = _run_shards(job, pending, settings)
+    ran, failures = _run_shards(job, pending, settings, finish_by)
     measurements = Measurements(settings.home)
     manifest = build_manifest(
         workload=job.workload,
@@ -212,9 +219,10 @@ def _worth_retrying(task: Task[Any, Any], run: TaskRun, state: State[Any]) -> bo
 
 
 def _run_shards(
-    job: Job, pending: list[_Pending], settings: Settings
+    job: Job, pending: list[_Pending], settings: Settings, finish_by: datetime | None = None
 ) -> tuple[list[ShardStats], list[ShardFailure]]:
-    """Submit shard tasks, never more than `max_concurrent_shards` in flight."""
+    """Submit shard tasks, never more than `max_concurrent_shards` in flight, and none
+    once `finish_by` passed."""
     if not pending:
         return [], []
     bound = job.runner.max_concurrent_shards
@@ -228,6 +236,11 @@ def _run_shards(
     with _api_for_workers(), task_runner(job.runner, settings) as runner:
         # Each pass waits for one shard to end: at most len(pending) passes.
         for _ in range(len(pending)):
+            if finish_by is not None and datetime.now(UTC) >= finish_by and queue:
+                log.warning("%d shards not started: past %s", len(queue), finish_by.isoformat())
+                queue.clear()
+            if not in_flight and not queue:
+                break
             while queue and len(in_flight) < bound:
                 item = queue.popleft()
                 parameters = {

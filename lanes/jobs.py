@@ -52,6 +52,8 @@ FINISHED = frozenset({"COMPLETED", COMPLETED_WITH_ERRORS})
 POLL_S = 0.5
 CHUNK_LINES = 1000  # lines an AsyncJob reads per trip to a thread
 SUBMIT_TAG = "lanes-submit"
+BATCH_TAG = "lanes-batch"  # runs of the Batch API's batches (lanes.batches)
+BATCH_PREFIX = "batch_"  # a batch's id: this and its flow run's id in hex
 
 
 def submit(
@@ -102,6 +104,51 @@ def submit(
     return Job(str(run.id), settings, prefect_api_url=prefect_api_url)
 
 
+def create_run(
+    deployment: str,
+    parameters: dict[str, Any],
+    scheduled: datetime,
+    name: str,
+    tags: list[str],
+    prefect_api_url: str | None = None,
+) -> uuid.UUID:
+    """A flow run of deployment `lanes-offline/<deployment>`, due at `scheduled`
+    (the Batch API's batches: lanes.batches). Returns its id."""
+    from prefect.states import Scheduled
+
+    prefect = _Prefect(prefect_api_url)
+    with prefect.client() as client:
+        found = prefect.deployment(client, deployment)
+        run = client.create_flow_run_from_deployment(
+            found,
+            parameters=parameters,
+            state=Scheduled(scheduled_time=scheduled),
+            name=name,
+            tags=tags,
+        )
+        return run.id
+
+
+def list_runs(
+    tags: list[str], limit: int = 50, prefect_api_url: str | None = None
+) -> list[FlowRun]:
+    """The newest flow runs that carry any of `tags` (jobs and batches), newest first."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    runs: list[FlowRun] = []
+    with _Prefect(prefect_api_url).client() as client:
+        for tag in tags:  # Prefect's tag filter is all_ (every tag), so one tag a call
+            found = client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[tag])),
+                sort=FlowRunSort.EXPECTED_START_TIME_DESC,
+                limit=limit,
+            )
+            runs.extend(found)
+    runs.sort(key=lambda r: r.expected_start_time or r.created or datetime.min.replace(tzinfo=UTC))
+    return runs[::-1][:limit]
+
+
 class Job:
     """One submitted offline job, by its id (the flow run's): `status()`, `wait()`,
     `results()`, `errors()`, `manifest()`, `cancel()`. Reads Prefect for its state
@@ -111,10 +158,13 @@ class Job:
         self, id: str, settings: Settings | None = None, *, prefect_api_url: str | None = None
     ) -> None:
         try:
-            self._uuid = uuid.UUID(id)
+            # A batch of the OpenAI door is a run too: its id holds the run's.
+            self._uuid = uuid.UUID(id.removeprefix(BATCH_PREFIX))
         except ValueError:
-            raise InvalidInput(f"job id: expected a UUID (from submit), found {id!r}") from None
-        self.id = str(self._uuid)
+            raise InvalidInput(
+                f"job id: expected a UUID (from submit) or a batch id, found {id!r}"
+            ) from None
+        self.id = id if id.startswith(BATCH_PREFIX) else str(self._uuid)
         self.settings = settings or Settings()
         self._prefect = _Prefect(prefect_api_url)
         self._output: str | None = None

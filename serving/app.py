@@ -25,10 +25,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
+from lanes.batches import Batches
 from lanes.errors import LanesError
 from lanes.protocols.openai import error_body
 from lanes.runtime import Runtime
-from lanes.serving import generate_routes, openai_routes, v2_routes
+from lanes.serving import batches_routes, files_routes, generate_routes, openai_routes, v2_routes
 from lanes.serving.http import JSONResponse, error_response, is_v2
 from lanes.serving.metrics import Metrics
 from lanes.serving.state import ServingState
@@ -47,11 +48,12 @@ def create_app(
     settings: Settings,
     runtime: Runtime | None = None,
     clock: Callable[[], float] = time.monotonic,
+    now: Callable[[], float] = time.time,
 ) -> Edge:
     """An app serving `spec`'s interactive workloads; loading starts with its lifespan.
 
     Its sessions come from `runtime` (by default one built from `settings`); `clock`
-    times every queue, deadline and run.
+    times every queue, deadline and run; `now` (the wall clock) the Batch API's batches.
     """
     state = ServingState(spec, settings, clock=clock)
 
@@ -75,10 +77,13 @@ def create_app(
         *openai_routes.routes,
         *generate_routes.routes,
         *v2_routes.routes,
+        *files_routes.routes,
+        *batches_routes.routes,
     ]
     handlers = {HTTPException: no_route, Exception: internal_error}
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
     app.state.lanes = state
+    app.state.batches = Batches(spec, settings, now)
     key = settings.api_key.get_secret_value() if settings.api_key else None
     return Edge(app, state.metrics, api_key=key)
 

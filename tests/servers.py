@@ -45,7 +45,7 @@ class ServerThread:
     """`with ServerThread(spec_path, **settings) as server:` serves until the block ends.
 
     Every run of a model named in `gates` waits at its gate (tests/gates.py); `clock`
-    is the server's clock.
+    is the server's clock, `now` its wall clock (the Batch API's batches).
     """
 
     def __init__(
@@ -53,6 +53,7 @@ class ServerThread:
         spec_path: Path,
         gates: Mapping[str, Gate] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        now: Callable[[], float] = time.time,
         **settings: Any,
     ) -> None:
         self.settings = Settings(port=free_port(), **settings)
@@ -61,7 +62,7 @@ class ServerThread:
         if gates:
             paths = {self.spec.models[name].path: gate for name, gate in gates.items()}
             runtime = GatedRuntime(self.settings, paths)
-        self.app = create_app(self.spec, self.settings, runtime, clock)
+        self.app = create_app(self.spec, self.settings, runtime, clock, now)
         self.url = f"http://127.0.0.1:{self.settings.port}"
         config = uvicorn.Config(
             self.app,
