@@ -104,7 +104,7 @@ class Batches:
         self.settings = settings
         self.store = BatchStore(settings)
         self.now = now
-        self.prefect_api_url = prefect_api_url
+        self.prefect_api_url = prefect_api_url or settings.prefect_api_url
         self._finalizing = threading.Lock()
 
     # ---- create -------------------------------------------------------------------

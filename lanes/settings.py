@@ -75,6 +75,11 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Largest request body.")
     s3_endpoint: str | None = Field(None, description="S3 endpoint URL (e.g. a MinIO server).")
     work_pool: str = Field("lanes", description="Prefect work pool offline deployments use.")
+    prefect_api_url: str | None = Field(
+        None,
+        description="The Prefect API the endpoint's Batch API runs batches on; default: "
+        "Prefect's own PREFECT_API_URL.",
+    )
     offpeak: Schedule = Field(
         default_factory=lambda: Schedule(cron="0 2 * * *", timezone="UTC"),
         description="Off-peak window for offline workloads without a schedule "
