@@ -28,7 +28,7 @@ from lanes.jobs import Job
 from lanes.settings import Settings
 from lanes.specfile import load_spec
 from tests.batch_hooks import MARK
-from tests.flows_fixtures import outputs_of, text, write_jsonl, write_spec
+from tests.flows_fixtures import moto_server, outputs_of, s3_env, text, write_spec
 from tests.gates import GATE_FILE_ENV, ManualClock, held_marker, wait_until
 from tests.prefect_server import PREFECT, PrefectServer
 from tests.servers import ServerThread
@@ -36,6 +36,7 @@ from tests.servers import ServerThread
 pytestmark = pytest.mark.slow
 
 SHARD_LINES = 3
+BUCKET = "lanes-batch-store"
 WAIT_S = 180.0  # a batch: the worker starts a flow run process and loads the model
 WORKLOADS = {
     "embed-live": {
@@ -66,8 +67,8 @@ class Setup:
     clock: ManualClock  # seconds since the epoch, as the server sees them
     api: str  # the Prefect API
 
-    def server(self) -> ServerThread:
-        batch = {"store": str(self.store), "shard_lines": SHARD_LINES}
+    def server(self, store: str | None = None) -> ServerThread:
+        batch = {"store": store or str(self.store), "shard_lines": SHARD_LINES}
         return ServerThread(self.spec, now=self.clock, batch=batch, prefect_api_url=self.api)
 
 
@@ -82,8 +83,13 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     spec = write_spec(project, WORKLOADS)
     (project / "in").mkdir()
     store, gate = root / "store", root / "gate"
-    with PrefectServer(root / "prefect-home") as prefect, pytest.MonkeyPatch.context() as env:
+    with (
+        PrefectServer(root / "prefect-home") as prefect,
+        pytest.MonkeyPatch.context() as env,
+        moto_server() as s3,
+    ):
         prefect.wait()
+        s3_env(env, s3).create_bucket(Bucket=BUCKET)
         env.setenv("LANES_BATCH__STORE", str(store))
         with temporary_settings(updates={PREFECT_API_URL: prefect.api_url}):
             deployed = deploy(load_spec(spec), spec, Settings())
@@ -93,6 +99,9 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
             "LANES_BATCH__STORE": str(store),
             GATE_FILE_ENV: str(gate),
             "PREFECT_WORKER_QUERY_SECONDS": "1",
+            # The S3 test's store: the worker reads its batches' inputs there.
+            "LANES_ALLOWED_INPUT_ROOTS": json.dumps([f"s3://{BUCKET}/"]),
+            **{k: v for k, v in os.environ.items() if k.startswith("AWS_")},
             "PYTHONPATH": os.pathsep.join(sys.path),
         }
         worker = subprocess.Popen(
@@ -188,7 +197,7 @@ def test_a_batch_runs_in_the_offline_lane_as_lanes_run_does(setup: Setup) -> Non
         assert (done.request_counts.completed, done.request_counts.failed) == (7, 1)
         output = jsonl(client.files.content(done.output_file_id).read())
         errors = jsonl(client.files.content(done.error_file_id).read())
-        assert [line["custom_id"] for line in output] == [f"r{i}" for i in range(7)]
+        assert sorted(line["custom_id"] for line in output) == [f"r{i}" for i in range(7)]
         assert [(e["custom_id"], e["line"]) for e in errors] == [("r7", 8)]
 
     # `lanes run` of the same workload over the same file writes the same lines.
@@ -300,7 +309,7 @@ def test_cancel_mid_run_keeps_the_committed_lines(setup: Setup, closed_gate: Non
         done = finished(client, batch.id)
         assert done.status == "cancelled", done
         output = jsonl(client.files.content(done.output_file_id).read())
-        assert [line["custom_id"] for line in output] == [f"r{i}" for i in (0, 1, 2, 6, 7, 8)]
+        assert sorted(line["custom_id"] for line in output) == [f"r{i}" for i in (0, 1, 2, 6, 7, 8)]
         with pytest.raises(openai.BadRequestError, match="already cancelled"):
             client.batches.cancel(batch.id)
 
@@ -317,7 +326,7 @@ def test_a_passed_window_expires_the_batch_with_its_finished_lines(
         assert done.expired_at is not None
         output = jsonl(client.files.content(done.output_file_id).read())
         errors = jsonl(client.files.content(done.error_file_id).read())
-    assert [line["custom_id"] for line in output] == [f"r{i}" for i in (0, 1, 2, 6, 7, 8)]
+    assert sorted(line["custom_id"] for line in output) == [f"r{i}" for i in (0, 1, 2, 6, 7, 8)]
     assert [(e["custom_id"], e["line"]) for e in errors] == [("r3", 4), ("r4", 5), ("r5", 6)]
     assert {e["error"]["code"] for e in errors} == {"batch_expired"}
     assert (done.request_counts.completed, done.request_counts.failed) == (6, 3)
@@ -354,3 +363,26 @@ def test_batches_list_paginates(setup: Setup) -> None:
         client.files.delete(uploaded.id)
         with pytest.raises(openai.NotFoundError):
             client.files.retrieve(uploaded.id)
+
+
+def test_the_store_on_s3(setup: Setup) -> None:
+    import boto3
+
+    texts = [text(i) for i in range(4)]
+    with setup.server(f"s3://{BUCKET}/store/") as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        uploaded = client.files.create(
+            file=("s3.jsonl", lines_for("embed-live", texts)), purpose="batch"
+        )
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
+        )
+        done = finished(client, batch.id)
+        assert done.status == "completed", done.errors
+        output = jsonl(client.files.content(done.output_file_id).read())
+    assert sorted(line["custom_id"] for line in output) == ["r0", "r1", "r2", "r3"]
+    listed = boto3.client("s3").list_objects_v2(Bucket=BUCKET, Prefix="store/files/")
+    keys = {obj["Key"] for obj in listed["Contents"]}
+    assert f"store/files/{uploaded.id}.data" in keys
+    assert f"store/files/{done.output_file_id}.data" in keys
+    assert not list(setup.store.glob(f"**/{uploaded.id}*"))
