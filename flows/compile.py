@@ -118,20 +118,21 @@ def batch_deployment(settings: Settings, spec_param: str) -> dict[str, Any]:
 
 def render(spec: Spec, settings: Settings, spec_file: Path, source: Source) -> str:
     """prefect.yaml's text for every offline workload of `spec`, in the spec's order."""
+    deployments = [
+        deployment(name, w, settings, source.spec)
+        for name, w in spec.workloads.items()
+        if w.mode == "offline"
+    ]
+    if any(w.mode == "interactive" for w in spec.workloads.values()):
+        deployments.append(batch_deployment(settings, source.spec))
     document = {
         "name": Path(source.directory).name or "lanes",
         "prefect-version": version("prefect"),
         "build": None,
         "push": None,
         "pull": [{WORKING_DIRECTORY_STEP: {"directory": source.directory}}],
-        "deployments": [
-            deployment(name, w, settings, source.spec)
-            for name, w in spec.workloads.items()
-            if w.mode == "offline"
-        ],
+        "deployments": deployments,
     }
-    if any(w.mode == "interactive" for w in spec.workloads.values()):
-        document["deployments"].append(batch_deployment(settings, source.spec))
     header = (
         f"{MARKER} from {spec_file.name}: flow {FLOW_NAME}, one deployment\n"
         "# per offline workload. Edit the workloads and recompile rather than this file.\n"

@@ -309,7 +309,7 @@ class Batches:
             record["status"] = "in_progress"
         return public(record)
 
-    def list(self, after: str | None, limit: int) -> dict[str, Any]:
+    def page(self, after: str | None, limit: int) -> dict[str, Any]:
         if not 1 <= limit <= 100:
             raise InvalidInput.field("limit", f"expected 1 to 100, found {limit}")
         records = [self.store.batch(i) for i in self.store.batch_ids()]

@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -129,24 +130,37 @@ def create_run(
         return run.id
 
 
-def list_runs(
-    tags: list[str], limit: int = 50, prefect_api_url: str | None = None
-) -> list[FlowRun]:
-    """The newest flow runs that carry any of `tags` (jobs and batches), newest first."""
+@dataclass(frozen=True)
+class JobSummary:
+    """One job or batch as `lanes job` lists it."""
+
+    id: str  # a batch's is its Batch API id
+    kind: str  # "job" (client.submit) or "batch" (the endpoint's /v1/batches)
+    status: str  # as Job.status() says
+    name: str
+    scheduled: datetime | None
+
+
+def list_jobs(limit: int = 50, prefect_api_url: str | None = None) -> list[JobSummary]:
+    """The newest submitted jobs and Batch API batches, newest first."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
     from prefect.client.schemas.sorting import FlowRunSort
 
-    runs: list[FlowRun] = []
+    found: list[JobSummary] = []
     with _Prefect(prefect_api_url).client() as client:
-        for tag in tags:  # Prefect's tag filter is all_ (every tag), so one tag a call
-            found = client.read_flow_runs(
+        for tag, kind in ((SUBMIT_TAG, "job"), (BATCH_TAG, "batch")):
+            runs = client.read_flow_runs(
                 flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[tag])),
                 sort=FlowRunSort.EXPECTED_START_TIME_DESC,
                 limit=limit,
             )
-            runs.extend(found)
-    runs.sort(key=lambda r: r.expected_start_time or r.created or datetime.min.replace(tzinfo=UTC))
-    return runs[::-1][:limit]
+            for run in runs:
+                id = BATCH_PREFIX + run.id.hex if kind == "batch" else str(run.id)
+                when = run.expected_start_time
+                found.append(JobSummary(id, kind, _state(run), run.name, when))
+    oldest = datetime.min.replace(tzinfo=UTC)
+    found.sort(key=lambda j: j.scheduled or oldest, reverse=True)
+    return found[:limit]
 
 
 class Job:

@@ -46,7 +46,7 @@ async def list_batches(request: Request) -> Response:
         raw = query.get("limit", "20")
         if not raw.isdigit():
             raise InvalidInput.field("limit", f"expected an integer from 1 to 100, found {raw!r}")
-        page = await asyncio.to_thread(_batches(request).list, query.get("after"), int(raw))
+        page = await asyncio.to_thread(_batches(request).page, query.get("after"), int(raw))
     except LanesError as err:
         return openai_error(err)
     return JSONResponse(page)

@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,7 +222,17 @@ def test_a_batch_runs_in_the_offline_lane_as_lanes_run_does(setup: Setup) -> Non
     # client.job(batch id) follows the same run as a submitted job.
     job = Job(done.id, Settings(), prefect_api_url=setup.api)
     assert job.status() == "COMPLETED_WITH_ERRORS"
-    assert [r["id"] for r in job.results()] == [f"r{i}" for i in range(7)]
+    assert sorted(r["id"] for r in job.results()) == [f"r{i}" for i in range(7)]
+    listed = subprocess.run(
+        [sys.executable, "-m", "lanes.router.cli", "job"],
+        env=setup.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert listed.returncode == 0, listed.stderr
+    mine = [line.split() for line in listed.stdout.splitlines() if line.startswith(done.id)]
+    assert [row[1:3] for row in mine] == [["batch", "COMPLETED_WITH_ERRORS"]]
 
 
 def test_an_interactive_workloads_batch_equals_the_endpoint(setup: Setup) -> None:
@@ -386,3 +397,24 @@ def test_the_store_on_s3(setup: Setup) -> None:
     assert f"store/files/{uploaded.id}.data" in keys
     assert f"store/files/{done.output_file_id}.data" in keys
     assert not list(setup.store.glob(f"**/{uploaded.id}*"))
+
+
+def test_the_readme_example_runs(setup: Setup, capsys: pytest.CaptureFixture[str]) -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = readme.split("## Batch API", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    assert len([line for line in block.splitlines() if line.strip()]) <= 11
+    polls: list[float] = []
+
+    def sleep(seconds: float) -> None:  # the example's poll, bounded and short
+        assert len(polls) < WAIT_S * 4, "the README's batch never ended"
+        polls.append(seconds)
+        time.sleep(0.25)
+
+    with setup.server() as server:
+        code = block.replace("http://127.0.0.1:8000", server.url).replace(
+            '"search-query"', '"embed-live"'
+        )
+        code = code.replace("time.sleep(5)", "sleep(5)")
+        exec(compile(code, "README.md", "exec"), {"sleep": sleep})
+    printed = jsonl(capsys.readouterr().out.encode())
+    assert sorted(line["custom_id"] for line in printed) == ["q0", "q1"]
