@@ -22,6 +22,7 @@ answers for any batch, after a restart too. Assembling the files is idempotent.
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import time
@@ -36,6 +37,7 @@ from pydantic import Field
 
 from lanes import layout
 from lanes.batchstore import BatchStore, new_id
+from lanes.deadline import plan_start
 from lanes.errors import InvalidInput, NotFound
 from lanes.jobs import (
     BATCH_PREFIX,
@@ -45,10 +47,13 @@ from lanes.jobs import (
     Job,
     create_run,
 )
+from lanes.measurements import Measurements
 from lanes.protocols.openai import BATCH_URLS, Shape, parse
 from lanes.settings import Settings
 from lanes.spec import Spec
 from lanes.storage import join
+
+log = logging.getLogger(__name__)
 
 # The deployment that runs batches of interactive workloads (compiled when the spec has
 # any): not a DNS label, so it never clashes with a workload's own.
@@ -161,10 +166,11 @@ class Batches:
         if workload.mode == "interactive":
             parameters["lane"] = "offline"
             deployment = BATCH_DEPLOYMENT
+        start = self._start(checked.model, checked.lines, created + window)
         run = create_run(
             deployment,
             parameters,
-            datetime.now(UTC),
+            start,
             name=f"batch-{checked.model}-{folder_key[:8]}",
             tags=[BATCH_TAG],
             prefect_api_url=self.prefect_api_url,
@@ -173,6 +179,27 @@ class Batches:
         record["_lanes"]["flow_run"] = str(run)
         self.store.save_batch(record)
         return public(record)
+
+    def _start(self, workload: str, items: int, deadline: float) -> datetime:
+        """When the batch's run starts (`Settings.batch.start`; lanes.deadline)."""
+        if self.settings.batch.start == "now":
+            return datetime.now(UTC)  # due at once on Prefect's clock, whatever `now` says
+        now = datetime.fromtimestamp(self.now(), UTC)
+        # The workload's own newest offline rate (its model's key lives in the flows wing).
+        rates = [
+            r
+            for r in Measurements(self.settings.home).load()
+            if r.lane == "offline" and r.workload == workload
+        ]
+        plan = plan_start(
+            items,
+            rates[0].items_per_second if rates else None,
+            datetime.fromtimestamp(deadline, UTC),
+            self.settings.offpeak.next_run(now),
+            now,
+        )
+        log.info("batch of %s: %s", workload, plan.note)
+        return plan.start
 
     def _check_and_split(self, file_id: str, endpoint: str, folder: str) -> _Checked:
         """Every line checked (OpenAI's validating step), the good ones written in shards."""

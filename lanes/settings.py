@@ -37,6 +37,12 @@ class BatchApi(BaseModel):
         description="Lines per shard of a batch's input: each shard commits on its own "
         "(live request_counts; a cancelled or expired batch keeps its committed shards).",
     )
+    start: Literal["now", "latest"] = Field(
+        "now",
+        description="now: a batch starts at once; latest: at the latest moment that still "
+        "ends by created_at + completion_window inside the off-peak window, from the "
+        "workload's measured offline items/s (lanes.deadline).",
+    )
     batch_size: int = Field(
         256,
         gt=0,

@@ -418,3 +418,24 @@ def test_the_readme_example_runs(setup: Setup, capsys: pytest.CaptureFixture[str
         exec(compile(code, "README.md", "exec"), {"sleep": sleep})
     printed = jsonl(capsys.readouterr().out.encode())
     assert sorted(line["custom_id"] for line in printed) == ["q0", "q1"]
+
+
+def test_start_latest_schedules_the_run_before_the_deadline(setup: Setup) -> None:
+    now = time.time()
+    batch_settings = {"store": str(setup.store), "shard_lines": SHARD_LINES, "start": "latest"}
+    server = ServerThread(
+        setup.spec, now=lambda: now, batch=batch_settings, prefect_api_url=setup.api
+    )
+    with server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        uploaded = client.files.create(
+            file=("late.jsonl", lines_for("embed-live", ["w1 w2"])), purpose="batch"
+        )
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
+        )
+        run = Job(batch.id, Settings(), prefect_api_url=setup.api).scheduled_time()
+        assert run is not None
+        assert now + 60 < run.timestamp() <= batch.expires_at
+        assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+        assert finished(client, batch.id).status == "cancelled"
