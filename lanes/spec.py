@@ -461,3 +461,16 @@ class Spec(StrictModel):
         except KeyError:
             known = ", ".join(sorted(self.workloads)) or "none"
             raise UnknownWorkload(f"no workload named {name!r}; known: {known}") from None
+
+
+def in_offline_lane(
+    workload: InteractiveWorkload | OfflineWorkload, input: str, output: str, **offline: Any
+) -> OfflineWorkload:
+    """`workload` in the offline lane: an offline one as declared; an interactive one
+    as an offline workload of the keys both modes have (same task, model, handler,
+    generation), reading `input` and writing `output`, with `offline`'s keys (e.g.
+    batch_size) and the offline defaults for the rest."""
+    if isinstance(workload, OfflineWorkload):
+        return workload
+    shared = workload.model_dump(include=set(WorkloadBase.model_fields) - {"mode"})
+    return OfflineWorkload(mode="offline", input=input, output=output, **shared, **offline)
