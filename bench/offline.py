@@ -1,8 +1,9 @@
 """Benchmark of an offline embed job end to end against raw onnxruntime, in one run.
 
-    python bench/offline.py [--records 100000] [--shards 20] [--batch-size 256]
+    python bench/offline.py [--records 100000] [--shards 20] [--batch-size 256] [--words 3-12]
 
-Writes `--records` query-like texts (3-12 words) as JSONL shards under
+Writes `--records` query-like texts (3-12 words; `--words 150-200` for documents of
+160-250 tokens, under the model's 256) as JSONL shards under
 .lanes/bench/offline/in/, then measures, on the demo minilm encoder:
 
 - raw: onnxruntime's `session.run` alone over the same texts, tokenized beforehand
@@ -102,9 +103,9 @@ def load() -> str:
     return f"{os.getloadavg()[0]:.2f}"
 
 
-def texts(n: int, seed: int = 0) -> list[str]:
+def texts(n: int, seed: int = 0, words: tuple[int, int] = (3, 12)) -> list[str]:
     rng = random.Random(seed)
-    return [" ".join(rng.choices(WORDS, k=rng.randint(3, 12))) for _ in range(n)]
+    return [" ".join(rng.choices(WORDS, k=rng.randint(*words))) for _ in range(n)]
 
 
 def write_shards(folder: Path, corpus: list[str], shards: int, rounds: int = 1) -> list[list[str]]:
@@ -196,6 +197,9 @@ def main() -> None:
         help="1: one job over every record; N: N jobs over 1/N each, alternating with "
         "raw (for a machine whose load comes and goes)",
     )
+    parser.add_argument(
+        "--words", default="3-12", help="MIN-MAX words per text (documents: 150-200)"
+    )
     parser.add_argument("--models", type=Path, default=ROOT / ".lanes" / "models")
     parser.add_argument("--work", type=Path, default=ROOT / ".lanes" / "bench" / "offline")
     args = parser.parse_args()
@@ -210,7 +214,8 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     spec = work / "workloads.yaml"
     spec.write_text(SPEC.format(model=model.resolve(), batch_size=args.batch_size))
-    corpus = texts(args.records)
+    low, _, high = args.words.partition("-")
+    corpus = texts(args.records, words=(int(low), int(high or low)))
     parts = write_shards(work / "in", corpus, args.shards, args.rounds)
     write_shards(work / "warm", corpus[:64], 1)
     shutil.rmtree(work / "warm-out", ignore_errors=True)

@@ -44,7 +44,7 @@ from lanes.backfill import served_workload
 from lanes.errors import JobFailed
 from lanes.flows import FLOW_NAME
 from lanes.flows.endpoint import EndpointModel, batch_key
-from lanes.flows.job import Job, plan_job, plan_shards
+from lanes.flows.job import Job, Lane, plan_job, plan_shards
 from lanes.flows.manifest import Manifest, ShardFailure, build_manifest, write_manifest
 from lanes.flows.shard import (
     Model,
@@ -88,18 +88,23 @@ def offline(
     output: str | None = None,
     rerun: Rerun = "uncommitted",
     trace: dict[str, str] | None = None,
+    lane: Lane = "declared",
+    finish_by: datetime | None = None,
 ) -> dict[str, Any]:
     """Run `workload` from the spec file `spec` (relative to the working directory).
     `input`/`output` override the workload's; `rerun` is "uncommitted", "errors" or
     "all" (the module docstring); `trace` is the W3C context (traceparent) of whoever
-    submitted the run, continued by its spans when LANES_TRACING is on. Returns the
-    manifest's summary; raises JobFailed when a shard failed."""
+    submitted the run, continued by its spans when LANES_TRACING is on; `lane="offline"`
+    runs an interactive workload in the offline lane (flows.job.plan_job); past
+    `finish_by` no further shard starts (a batch's completion window: the shards left
+    are its expired requests). Returns the manifest's summary; raises JobFailed when a
+    shard failed."""
     settings = Settings()
     tracing = Tracing.from_settings(settings)
     try:
         with maybe_span(tracing, f"offline {workload}", {"lanes.workload": workload}, trace):
-            job = plan_job(workload, Path(spec), settings, input, output)
-            manifest = run_job(job, settings, rerun, tracing)
+            job = plan_job(workload, Path(spec), settings, input, output, lane)
+            manifest = run_job(job, settings, rerun, tracing, finish_by)
     finally:
         if tracing is not None:
             tracing.flush()  # a worker process may exit next
@@ -128,10 +133,15 @@ def _records(n: int) -> str:
 
 
 def run_job(
-    job: Job, settings: Settings, rerun: Rerun = "uncommitted", tracing: Tracing | None = None
+    job: Job,
+    settings: Settings,
+    rerun: Rerun = "uncommitted",
+    tracing: Tracing | None = None,
+    finish_by: datetime | None = None,
 ) -> Manifest:
-    """Inside a flow run: the shards of `job`, then the manifest. Raises JobFailed.
-    With `tracing`, each shard's span continues the current one."""
+    """Inside a flow run: the shards of `job` (none started past `finish_by`), then the
+    manifest. Raises JobFailed. With `tracing`, each shard's span continues the
+    current one."""
     from prefect.runtime import flow_run
 
     started = datetime.now(UTC)
@@ -155,7 +165,7 @@ def run_job(
     check_records(job, [p.plan for p in pending if p.retry is None], storage)
     _progress("planned", shards=len(plans), pending=len(pending))
     trace = tracing.carrier() if tracing is not None else None
-    ran, failures = _run_shards(job, pending, settings, trace)
+    ran, failures = _run_shards(job, pending, settings, trace, finish_by)
     measurements = Measurements(settings.home)
     manifest = build_manifest(
         workload=job.workload,
@@ -259,9 +269,14 @@ def _worth_retrying(task: Task[Any, Any], run: TaskRun, state: State[Any]) -> bo
 
 
 def _run_shards(
-    job: Job, pending: list[_Pending], settings: Settings, trace: dict[str, str] | None = None
+    job: Job,
+    pending: list[_Pending],
+    settings: Settings,
+    trace: dict[str, str] | None = None,
+    finish_by: datetime | None = None,
 ) -> tuple[list[ShardStats], list[ShardFailure]]:
-    """Submit shard tasks, never more than `max_concurrent_shards` in flight."""
+    """Submit shard tasks, never more than `max_concurrent_shards` in flight, and none
+    once `finish_by` passed."""
     if not pending:
         return [], []
     bound = job.runner.max_concurrent_shards
@@ -275,6 +290,11 @@ def _run_shards(
     with _api_for_workers(), task_runner(job.runner, settings) as runner:
         # Each pass waits for one shard to end: at most len(pending) passes.
         for _ in range(len(pending)):
+            if finish_by is not None and datetime.now(UTC) >= finish_by and queue:
+                log.warning("%d shards not started: past %s", len(queue), finish_by.isoformat())
+                queue.clear()
+            if not in_flight and not queue:
+                break
             while queue and len(in_flight) < bound:
                 item = queue.popleft()
                 parameters = {

@@ -32,6 +32,7 @@ from typing import Any
 
 import yaml
 
+from lanes.batches import BATCH_DEPLOYMENT
 from lanes.errors import InvalidInput, LanesError, StorageError
 from lanes.flows import ENTRYPOINT, FLOW_NAME
 from lanes.settings import Settings
@@ -100,19 +101,37 @@ def deployment(
     }
 
 
+def batch_deployment(settings: Settings, spec_param: str) -> dict[str, Any]:
+    """The deployment that runs the Batch API's batches of interactive workloads in the
+    offline lane (lanes.batches): no schedule; each run names its workload."""
+    return {
+        "name": BATCH_DEPLOYMENT,
+        "description": "Batches of interactive workloads from the endpoint's /v1/batches, "
+        "run in the offline lane.",
+        "entrypoint": ENTRYPOINT,
+        "parameters": {"spec": spec_param, "lane": "offline"},
+        "work_pool": {"name": settings.work_pool, "work_queue_name": None, "job_variables": {}},
+        "schedules": [],
+        "tags": ["lanes", "offline", "batch"],
+    }
+
+
 def render(spec: Spec, settings: Settings, spec_file: Path, source: Source) -> str:
     """prefect.yaml's text for every offline workload of `spec`, in the spec's order."""
+    deployments = [
+        deployment(name, w, settings, source.spec)
+        for name, w in spec.workloads.items()
+        if w.mode == "offline"
+    ]
+    if any(w.mode == "interactive" for w in spec.workloads.values()):
+        deployments.append(batch_deployment(settings, source.spec))
     document = {
         "name": Path(source.directory).name or "lanes",
         "prefect-version": version("prefect"),
         "build": None,
         "push": None,
         "pull": [{WORKING_DIRECTORY_STEP: {"directory": source.directory}}],
-        "deployments": [
-            deployment(name, w, settings, source.spec)
-            for name, w in spec.workloads.items()
-            if w.mode == "offline"
-        ],
+        "deployments": deployments,
     }
     header = (
         f"{MARKER} from {spec_file.name}: flow {FLOW_NAME}, one deployment\n"

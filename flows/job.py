@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import orjson
 
@@ -21,9 +22,12 @@ from lanes.flows.shard import ShardPlan
 from lanes.inputs import check_input
 from lanes.layout import ERRORS, MARKERS
 from lanes.settings import Settings
-from lanes.spec import Fields, OfflineWorkload, Runner, Spec, Workload
+from lanes.spec import Fields, OfflineWorkload, Runner, Spec, Workload, in_offline_lane
 from lanes.specfile import load_spec
 from lanes.storage import Storage, StoredFile, is_s3, join
+
+# "declared": the workload as workloads.yaml says; "offline": an interactive one too.
+Lane = Literal["declared", "offline"]
 
 
 @dataclass(frozen=True)
@@ -47,9 +51,24 @@ def plan_job(
     settings: Settings,
     input: str | None = None,
     output: str | None = None,
+    lane: Lane = "declared",
 ) -> Job:
-    """Load the spec and settle the job. Raises SpecError, UnknownWorkload, WrongMode."""
+    """Load the spec and settle the job. Raises SpecError, UnknownWorkload, WrongMode.
+    `lane="offline"` runs an interactive workload in the offline lane (the Batch API's
+    batches): its model and task with the offline defaults, `Settings.batch.batch_size`
+    records per model run, and no error-rate limit (OpenAI's batches fail no request
+    for another's error); it needs `input` and `output`."""
     spec = load_spec(spec_file, settings)
+    declared = spec.workload(workload)
+    if lane == "offline" and declared.mode == "interactive":
+        if not input or not output:
+            raise WrongMode(
+                f"workload {workload!r} is interactive: a batch of it names input and output"
+            )
+        offline = in_offline_lane(
+            declared, input, output, batch_size=settings.batch.batch_size, max_error_rate=1.0
+        )
+        spec = spec.model_copy(update={"workloads": {**spec.workloads, workload: offline}})
     w = spec.workload(workload)
     if w.mode != "offline":
         raise WrongMode(
@@ -59,7 +78,9 @@ def plan_job(
     base = Path(spec_file).resolve().parent
     source = _resolve(input or w.input, base, "input")
     if input and w.input:
-        check_input(source, w.input, base, settings)
+        # An interactive workload reads nothing of its own: only what the Batch API staged.
+        own = w.input if declared.mode == "offline" else join(settings.batch_store(), "batches")
+        check_input(source, own, base, settings)
     dest = _resolve(output or w.output, base, "output")
     if dest.rstrip("/") == source.rstrip("/") or dest.startswith(source.rstrip("/") + "/"):
         raise StorageError(

@@ -41,7 +41,7 @@ from lanes.wire import Completion, Core, Request, Usage, cut_short, json_body
 __all__ = ["AsyncClient", "Client", "Completion", "Records", "Usage", "When"]
 
 if TYPE_CHECKING:
-    from lanes.jobs import AsyncJob, Job
+    from lanes.jobs import AsyncJob, Job, JobSummary
 
 When = Literal["offpeak", "now"]
 # What `submit` takes: records (mappings, staged as JSONL) or an input URI as it is.
@@ -136,10 +136,18 @@ class Client:
             )
 
     def job(self, id: str) -> Job:
-        """A job submitted earlier, from any process that reaches the same Prefect API."""
+        """A job submitted earlier, or a batch made through the endpoint's /v1/batches
+        (its `batch_...` id), from any process that reaches the same Prefect API."""
         from lanes.jobs import Job
 
         return Job(id, self._core.settings, prefect_api_url=self._core.prefect_api_url)
+
+    def jobs(self, limit: int = 50) -> list[JobSummary]:
+        """The newest submitted jobs and the endpoint's Batch API batches (the same kind
+        of run: `job(id)` takes either's id), newest first."""
+        from lanes.jobs import list_jobs
+
+        return list_jobs(limit, self._core.prefect_api_url)
 
     def _send(self, request: Request, stream: bool = False) -> httpx.Response:
         """The response of the first attempt that is not retried; raises typed errors."""

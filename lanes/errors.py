@@ -8,6 +8,7 @@
     ├── InvalidInput               a request or record does not fit the workload (HTTP 400)
     │   └── RequestTooLarge        the request can never fit: body or item count (HTTP 413)
     ├── UnknownWorkload            no workload of that name (HTTP 404)
+    ├── NotFound                   no Batch API file or batch of that id (HTTP 404)
     ├── WrongMode                  call() on an offline workload, submit() on an interactive one
     ├── Overloaded                 the queue is full; retry later (HTTP 503)
     ├── DeadlineExceeded           the request's deadline passed before it ran (HTTP 504)
@@ -151,6 +152,14 @@ class UnknownWorkload(LanesError):
     status = 404
     error_type = "invalid_request_error"
     default_code = "model_not_found"
+
+
+class NotFound(LanesError):
+    """No file or batch of the Batch API has that id."""
+
+    status = 404
+    error_type = "invalid_request_error"
+    default_code = "not_found"
 
 
 class WrongMode(LanesError):

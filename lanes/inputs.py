@@ -57,7 +57,9 @@ def allowed_roots(workload_input: str, base: Path, settings: Settings) -> list[s
     """Where a job of the workload with input `workload_input` may read, absolute."""
     staging = join(folder_of(workload_input, base), layout.SUBMITTED) + "/"
     extra = [absolute(root, base) for root in settings.allowed_input_roots]
-    return [absolute(workload_input, base), staging, *extra]
+    # Where the Batch API stages each batch's input (lanes.batchstore).
+    batches = join(settings.batch_store(), "batches") + "/"
+    return [absolute(workload_input, base), staging, batches, *extra]
 
 
 def check_input(

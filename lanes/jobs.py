@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -52,6 +53,8 @@ FINISHED = frozenset({"COMPLETED", COMPLETED_WITH_ERRORS})
 POLL_S = 0.5
 CHUNK_LINES = 1000  # lines an AsyncJob reads per trip to a thread
 SUBMIT_TAG = "lanes-submit"
+BATCH_TAG = "lanes-batch"  # runs of the Batch API's batches (lanes.batches)
+BATCH_PREFIX = "batch_"  # a batch's id: this and its flow run's id in hex
 
 
 def submit(
@@ -109,6 +112,64 @@ def submit(
     return Job(str(run.id), settings, prefect_api_url=prefect_api_url)
 
 
+def create_run(
+    deployment: str,
+    parameters: dict[str, Any],
+    scheduled: datetime,
+    name: str,
+    tags: list[str],
+    prefect_api_url: str | None = None,
+) -> uuid.UUID:
+    """A flow run of deployment `lanes-offline/<deployment>`, due at `scheduled`
+    (the Batch API's batches: lanes.batches). Returns its id."""
+    from prefect.states import Scheduled
+
+    prefect = _Prefect(prefect_api_url)
+    with prefect.client() as client:
+        found = prefect.deployment(client, deployment)
+        run = client.create_flow_run_from_deployment(
+            found,
+            parameters=parameters,
+            state=Scheduled(scheduled_time=scheduled),
+            name=name,
+            tags=tags,
+        )
+        return run.id
+
+
+@dataclass(frozen=True)
+class JobSummary:
+    """One job or batch as `lanes job` lists it."""
+
+    id: str  # a batch's is its Batch API id
+    kind: str  # "job" (client.submit) or "batch" (the endpoint's /v1/batches)
+    status: str  # as Job.status() says
+    name: str
+    scheduled: datetime | None
+
+
+def list_jobs(limit: int = 50, prefect_api_url: str | None = None) -> list[JobSummary]:
+    """The newest submitted jobs and Batch API batches, newest first."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    found: list[JobSummary] = []
+    with _Prefect(prefect_api_url).client() as client:
+        for tag, kind in ((SUBMIT_TAG, "job"), (BATCH_TAG, "batch")):
+            runs = client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[tag])),
+                sort=FlowRunSort.EXPECTED_START_TIME_DESC,
+                limit=limit,
+            )
+            for run in runs:
+                id = BATCH_PREFIX + run.id.hex if kind == "batch" else str(run.id)
+                when = run.expected_start_time
+                found.append(JobSummary(id, kind, _state(run), run.name, when))
+    oldest = datetime.min.replace(tzinfo=UTC)
+    found.sort(key=lambda j: j.scheduled or oldest, reverse=True)
+    return found[:limit]
+
+
 class Job:
     """One submitted offline job, by its id (the flow run's): `status()`, `wait()`,
     `results()`, `errors()`, `manifest()`, `cancel()`. Reads Prefect for its state
@@ -118,10 +179,13 @@ class Job:
         self, id: str, settings: Settings | None = None, *, prefect_api_url: str | None = None
     ) -> None:
         try:
-            self._uuid = uuid.UUID(id)
+            # A batch of the OpenAI door is a run too: its id holds the run's.
+            self._uuid = uuid.UUID(id.removeprefix(BATCH_PREFIX))
         except ValueError:
-            raise InvalidInput(f"job id: expected a UUID (from submit), found {id!r}") from None
-        self.id = str(self._uuid)
+            raise InvalidInput(
+                f"job id: expected a UUID (from submit) or a batch id, found {id!r}"
+            ) from None
+        self.id = id if id.startswith(BATCH_PREFIX) else str(self._uuid)
         self.settings = settings or Settings()
         self._prefect = _Prefect(prefect_api_url)
         self._output: str | None = None

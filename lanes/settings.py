@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pydantic_settings
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from lanes.errors import Problem, SettingsError
@@ -17,6 +17,41 @@ from lanes.specrules import from_pydantic
 
 Device = Literal["auto", "cpu", "cuda", "tensorrt"]
 IoBinding = Literal["auto", "on", "off"]
+
+
+class BatchApi(BaseModel):
+    """The OpenAI Batch API of the endpoint (/v1/files, /v1/batches): LANES_BATCH__*."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    store: str | None = Field(
+        None,
+        description="Folder or s3://bucket/prefix/ holding uploaded files and batches; "
+        "default: LANES_HOME/batches. The server and the workers must see the same one.",
+    )
+    max_file_bytes: int = Field(
+        200 * 1024 * 1024, gt=0, description="Largest file POST /v1/files takes."
+    )
+    shard_lines: int = Field(
+        1000,
+        gt=0,
+        le=1_000_000,
+        description="Lines per shard of a batch's input: each shard commits on its own "
+        "(live request_counts; a cancelled or expired batch keeps its committed shards).",
+    )
+    start: Literal["now", "latest"] = Field(
+        "now",
+        description="now: a batch starts at once; latest: at the latest moment that still "
+        "ends by created_at + completion_window inside the off-peak window, from the "
+        "workload's measured offline items/s (lanes.deadline).",
+    )
+    batch_size: int = Field(
+        256,
+        gt=0,
+        le=65536,
+        description="Records per model run when a batch names an interactive workload "
+        "(an offline workload's batches use its own batch_size).",
+    )
 
 
 class Settings(BaseSettings):
@@ -90,6 +125,11 @@ class Settings(BaseSettings):
     )
     s3_endpoint: str | None = Field(None, description="S3 endpoint URL (e.g. a MinIO server).")
     work_pool: str = Field("lanes", description="Prefect work pool offline deployments use.")
+    prefect_api_url: str | None = Field(
+        None,
+        description="The Prefect API the endpoint's Batch API runs batches on; default: "
+        "Prefect's own PREFECT_API_URL.",
+    )
     offpeak: Schedule = Field(
         default_factory=lambda: Schedule(cron="0 2 * * *", timezone="UTC"),
         description="Off-peak window for offline workloads without a schedule "
@@ -120,6 +160,7 @@ class Settings(BaseSettings):
         description="Export OpenTelemetry spans over OTLP/HTTP, as the OTEL_* variables "
         "say (needs the otel extra).",
     )
+    batch: BatchApi = Field(default_factory=BatchApi, description="The OpenAI Batch API.")
     workloads: dict[str, Any] = Field(default_factory=dict, description="Workload overrides.")
     models: dict[str, Any] = Field(default_factory=dict, description="Model overrides.")
 
@@ -142,6 +183,11 @@ class Settings(BaseSettings):
             source = _variable((named.group(1),)) if named else "env LANES_*"
             message = "expected JSON (a list or an object), found a value that does not parse"
             raise SettingsError([Problem(source, None, None, "", message)]) from None
+
+    def batch_store(self) -> str:
+        """Where the Batch API keeps files and batches (a folder or s3:// prefix, with '/')."""
+        store = self.batch.store or str((self.home / "batches").resolve())
+        return store if store.endswith("/") else store + "/"
 
     @field_validator("allowed_input_roots")
     @classmethod

@@ -331,6 +331,50 @@ class WorkloadBase(StrictModel):
     guard: Guard | None = Field(None, description="generate: score text before it is sent.")
 
 
+# A Kubernetes resource quantity ("500m", "2", "4Gi").
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$"
+# Its Deployment is named lanes-GROUP: a DNS label of at most 63 characters.
+GROUP_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,55}[a-z0-9])?$"
+
+
+class Deploy(StrictModel):
+    """How `lanes render k8s` runs an interactive workload. The workloads of one group
+    share a Deployment (each pod serves them all, as one `lanes serve` does); the
+    group-wide keys must agree across its workloads where they are set."""
+
+    group: str = Field(
+        "serve", pattern=GROUP_PATTERN, description="The Deployment lanes-GROUP serves it."
+    )
+    device: Literal["cpu", "cuda", "tensorrt"] | None = Field(
+        None,
+        description="The group's pods' LANES_DEVICE; cuda and tensorrt ask for one "
+        "nvidia.com/gpu per pod (default: the renderer's LANES_DEVICE).",
+    )
+    min_replicas: int = Field(
+        1, ge=0, le=1000, description="Fewest pods (0: KEDA scales the group to zero)."
+    )
+    max_replicas: int = Field(4, ge=1, le=1000, description="Most pods.")
+    cpu: str = Field("1", pattern=QUANTITY_PATTERN, description="CPU per pod (requests = limits).")
+    memory: str = Field(
+        "2Gi", pattern=QUANTITY_PATTERN, description="Memory per pod (requests = limits)."
+    )
+    target_queue_depth: PositiveInt | None = Field(
+        None,
+        le=1_048_576,
+        description="Requests waiting (generate: sequences waiting or in flight) per pod "
+        "that KEDA keeps the group at (default: the workload's max_batch_size).",
+    )
+
+    @model_validator(mode="after")
+    def _replicas_in_order(self) -> Deploy:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"expected min_replicas <= max_replicas, found {self.min_replicas} > "
+                f"{self.max_replicas}"
+            )
+        return self
+
+
 class InteractiveWorkload(WorkloadBase):
     """Someone is waiting: served on the endpoint, batched within a latency budget."""
 
@@ -341,6 +385,9 @@ class InteractiveWorkload(WorkloadBase):
         False,
         description="generate: the SDK's and CLI's default (`lanes call`); over HTTP only "
         "a request's own `stream: true` streams, as in OpenAI's API.",
+    )
+    deploy: Deploy = Field(
+        default_factory=Deploy, description="Its Kubernetes group (lanes render k8s)."
     )
 
 
@@ -414,3 +461,16 @@ class Spec(StrictModel):
         except KeyError:
             known = ", ".join(sorted(self.workloads)) or "none"
             raise UnknownWorkload(f"no workload named {name!r}; known: {known}") from None
+
+
+def in_offline_lane(
+    workload: InteractiveWorkload | OfflineWorkload, input: str, output: str, **offline: Any
+) -> OfflineWorkload:
+    """`workload` in the offline lane: an offline one as declared; an interactive one
+    as an offline workload of the keys both modes have (same task, model, handler,
+    generation), reading `input` and writing `output`, with `offline`'s keys (e.g.
+    batch_size) and the offline defaults for the rest."""
+    if isinstance(workload, OfflineWorkload):
+        return workload
+    shared = workload.model_dump(include=set(WorkloadBase.model_fields) - {"mode"})
+    return OfflineWorkload(mode="offline", input=input, output=output, **shared, **offline)

@@ -263,6 +263,27 @@ class Storage:
             stage.write_bytes(data)
             self.publish(stage, uri)
 
+    def delete(self, uri: str) -> bool:
+        """Remove one file; False when there was none."""
+        if not is_s3(uri):
+            try:
+                _local_path(uri).unlink()
+            except FileNotFoundError:
+                return False
+            except OSError as err:
+                raise StorageError(f"{uri}: cannot delete: {err.strerror}") from None
+            return True
+        bucket, key = _split_s3(uri)
+        client = self._s3()
+        try:
+            with self._errors(uri, "read"):
+                client.head_object(Bucket=bucket, Key=key)
+        except _Missing:
+            return False
+        with self._errors(uri, "delete"):
+            client.delete_object(Bucket=bucket, Key=key)
+        return True
+
     def clean_stale(self, folder: str, older_than_s: float) -> int:
         """Remove the staging files that killed runs left: under a local `folder`, or,
         for an S3 one, in the system temp folder. Returns how many went.

@@ -22,6 +22,7 @@ from lanes.router import client_cli, cost_cli, offline_cli
 from lanes.router.console import SpecFile, command, guarded
 from lanes.router.plan import plan as make_plan
 from lanes.router.render import to_jsonable
+from lanes.router.render_cli import render_app
 from lanes.settings import Settings
 from lanes.spec import Spec
 from lanes.specfile import load_spec
@@ -33,6 +34,7 @@ app = typer.Typer(
 )
 models_app = typer.Typer(no_args_is_help=True, help="Build the demo models.")
 app.add_typer(models_app, name="models")
+app.add_typer(render_app, name="render")
 
 
 def _load(file: Path | None, settings: Settings) -> Spec:
@@ -109,11 +111,15 @@ def serve(
     port: Annotated[int | None, typer.Option(help="Port (default: LANES_PORT).")] = None,
 ) -> None:
     """Serve every interactive workload on one HTTP endpoint (OpenAI and Open Inference v2)."""
-    from lanes.serving.server import serve as run_server
-
     settings = guarded(Settings)
     spec = guarded(lambda: _load(file, settings))
-    run_server(spec, settings, host, port)
+
+    def start() -> None:
+        from lanes.serving.server import serve as run_server
+
+        run_server(spec, settings, host, port)
+
+    guarded(start)
 
 
 @app.command()

@@ -135,17 +135,26 @@ def submit(
 
 
 def job(
-    id: Annotated[str, typer.Argument(help="A job id from `lanes submit`.")],
+    id: Annotated[
+        str | None,
+        typer.Argument(help="A job id from `lanes submit`, or a batch id; none: list them."),
+    ] = None,
     wait: Annotated[bool, typer.Option(help="Wait until the job ends.")] = False,
     timeout: Annotated[float, typer.Option(help="Seconds to wait at most.")] = 3600,
     results: Annotated[
         bool, typer.Option(help="Print its results as JSON lines (the status goes to stderr).")
     ] = False,
 ) -> None:
-    """Show a job's status (`ID STATUS`); wait for it to end, print its results. With
+    """Without ID, list the newest jobs and Batch API batches (`ID KIND STATUS
+    SCHEDULED NAME`). Show a job's status (`ID STATUS`); wait for it to end, print its results. With
     --wait, exits 0 when every record was answered, 3 when some were rejected, 1 when
     the job failed, 4 when it is still running after --timeout."""
     with Client() as client:
+        if id is None:
+            for found in client.jobs():
+                at = found.scheduled.isoformat() if found.scheduled else "-"
+                typer.echo(f"{found.id}  {found.kind}  {found.status}  {at}  {found.name}")
+            return
         handle = client.job(id)
         if wait:
             try:

@@ -34,9 +34,29 @@ class ExitCode(enum.IntEnum):
     TIMED_OUT = 4  # `lanes job --wait`: still running when --timeout ran out
 
 
+# The extra of lanes (pyproject.toml) that brings each package a lane imports, for the
+# message when an install lacks it.
+EXTRA_OF = {
+    "starlette": "serve",
+    "uvicorn": "serve",
+    "prometheus_client": "serve",
+    "prefect": "offline",
+    "prefect_dask": "offline",
+    "dask": "offline",
+    "distributed": "offline",
+    "boto3": "offline",
+    "botocore": "offline",
+    "pyarrow": "offline",
+    "onnxruntime": "runtime",
+    "tokenizers": "runtime",
+    "torch": "build",
+}
+
+
 def guarded(fn: Callable[[], T]) -> T:
     """Run `fn`; a LanesError becomes a message on stderr and an exit code: 2 for a bad
-    spec or input, 1 for anything else that failed."""
+    spec or input, 1 for anything else that failed; so does a package of a lane that
+    this install lacks (the message names the extra to install)."""
     # Plain prints, not rich: one problem per line, never wrapped, so editors and
     # grep can jump to FILE:LINE:COL.
     try:
@@ -52,6 +72,16 @@ def guarded(fn: Callable[[], T]) -> T:
         raise typer.Exit(ExitCode.BAD_INPUT) from None
     except LanesError as e:
         print(f"error: {e}", file=sys.stderr)
+        raise typer.Exit(ExitCode.FAILED) from None
+    except ModuleNotFoundError as e:
+        extra = EXTRA_OF.get((e.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(
+            f"error: this command needs lanes[{extra}], which this install lacks (no module "
+            f"named {e.name!r}): pip install 'lanes[{extra}]'",
+            file=sys.stderr,
+        )
         raise typer.Exit(ExitCode.FAILED) from None
 
 

@@ -23,6 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from lanes.batches import BATCH_DEPLOYMENT
 from lanes.errors import LanesError
 from lanes.flows import FLOW_NAME
 from lanes.flows.compile import (
@@ -98,8 +99,10 @@ def deploy(
         )
     path = write_prefect_yaml(spec, settings, spec_file, dest, project_dir, force)
     names = [n for n, w in spec.workloads.items() if w.mode == "offline"]
+    if any(w.mode == "interactive" for w in spec.workloads.values()):
+        names.append(BATCH_DEPLOYMENT)  # the Batch API's runs of interactive workloads
     if not names:
-        raise LanesError(f"{spec_file}: no offline workloads to deploy")
+        raise LanesError(f"{spec_file}: no workloads to deploy")
     try:
         created = ensure_work_pool(settings.work_pool)
     except Exception as err:  # httpx and Prefect raise many kinds for one cause

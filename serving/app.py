@@ -27,11 +27,19 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lanes.backfill import INTERNAL_PREFIX
+from lanes.batches import Batches
 from lanes.errors import LanesError, Overloaded
 from lanes.protocols import TIMEOUT_HEADER
 from lanes.protocols.openai import error_body
 from lanes.runtime import Runtime
-from lanes.serving import backfill_routes, generate_routes, openai_routes, v2_routes
+from lanes.serving import (
+    backfill_routes,
+    batches_routes,
+    files_routes,
+    generate_routes,
+    openai_routes,
+    v2_routes,
+)
 from lanes.serving.access import RequestIds
 from lanes.serving.http import (
     JSONResponse,
@@ -62,6 +70,7 @@ def create_app(
     runtime: Runtime | None = None,
     clock: Callable[[], float] = time.monotonic,
     tracing: Tracing | None = None,
+    now: Callable[[], float] = time.time,
 ) -> Served:
     """An app serving `spec`'s interactive workloads; loading starts with its lifespan.
 
@@ -69,7 +78,8 @@ def create_app(
 
     Its sessions come from `runtime` (by default one built from `settings`); `clock`
     times every queue, deadline and run. `tracing` (by default as `settings.tracing`
-    says: off) traces each request, its queue wait and its batch.
+    says: off) traces each request, its queue wait and its batch; `now` (the wall
+    clock) times the Batch API's batches.
     """
     tracing = tracing if tracing is not None else Tracing.from_settings(settings)
     state = ServingState(spec, settings, clock=clock, tracing=tracing)
@@ -90,6 +100,7 @@ def create_app(
     handlers = {HTTPException: no_route, Exception: internal_error}
     app = Starlette(routes=_routes(), lifespan=lifespan, exception_handlers=handlers)
     app.state.lanes = state
+    app.state.batches = Batches(spec, settings, now)
     key = settings.api_key.get_secret_value() if settings.api_key else None
     edge = Edge(
         app,
@@ -251,6 +262,8 @@ def _routes() -> list[Route]:
         *generate_routes.routes,
         *v2_routes.routes,
         *backfill_routes.routes,
+        *files_routes.routes,
+        *batches_routes.routes,
     ]
 
 

@@ -47,7 +47,7 @@ class ServerThread:
 
     Every run of a model named in `gates` waits at its gate (tests/gates.py), each of
     its rows costing at least `pad_s`; `clock` is the server's clock; `tracing` its
-    spans' destination.
+    spans' destination; `now` its wall clock (the Batch API's batches).
     """
 
     def __init__(
@@ -57,6 +57,7 @@ class ServerThread:
         clock: Callable[[], float] = time.monotonic,
         pad_s: float = 0.0,
         tracing: Tracing | None = None,
+        now: Callable[[], float] = time.time,
         **settings: Any,
     ) -> None:
         self.settings = Settings(port=free_port(), **settings)
@@ -65,7 +66,7 @@ class ServerThread:
         if gates:
             paths = {self.spec.models[name].path: gate for name, gate in gates.items()}
             runtime = GatedRuntime(self.settings, paths, pad_s)
-        self.app = create_app(self.spec, self.settings, runtime, clock, tracing)
+        self.app = create_app(self.spec, self.settings, runtime, clock, tracing, now)
         self.url = f"http://127.0.0.1:{self.settings.port}"
         config = uvicorn.Config(
             self.app,

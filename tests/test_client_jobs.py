@@ -108,7 +108,11 @@ def setup(demo_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         # `lanes deploy`, in this process: compile, make the work pool, prefect deploy --all.
         with temporary_settings(updates={PREFECT_API_URL: prefect.api_url}):
             deployed = deploy(load_spec(spec), spec, Settings())
-        assert deployed.deployments == ["lanes-offline/embed-corpus", "lanes-offline/embed-s3"]
+        assert deployed.deployments == [
+            "lanes-offline/embed-corpus",
+            "lanes-offline/embed-s3",
+            "lanes-offline/openai_batch",
+        ]
         yield Setup(project, spec, client_spec, env, prefect.api_url, server.url)
 
 

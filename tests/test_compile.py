@@ -54,7 +54,7 @@ def test_one_deployment_per_offline_workload(spec_file: Path) -> None:
     assert document["pull"] == [
         {"prefect.deployments.steps.set_working_directory": {"directory": str(spec_file.parent)}}
     ]
-    nightly, whenever = document["deployments"]
+    nightly, whenever, batches = document["deployments"]
     assert nightly == {
         "name": "nightly",
         "description": "Embed the corpus overnight.",
@@ -67,6 +67,9 @@ def test_one_deployment_per_offline_workload(spec_file: Path) -> None:
     # No schedule of its own: the default off-peak window.
     assert whenever["schedules"] == [{"cron": "0 2 * * *", "timezone": "UTC", "active": True}]
     assert "default off-peak window" in whenever["description"]
+    # The spec has an interactive workload: the Batch API runs its batches offline here.
+    assert batches["name"] == "openai_batch" and batches["schedules"] == []
+    assert batches["parameters"] == {"spec": "workloads.yaml", "lane": "offline"}
 
 
 def test_recompiling_an_unchanged_spec_gives_the_same_bytes(spec_file: Path) -> None:
@@ -121,7 +124,8 @@ def test_the_entrypoint_is_the_flow() -> None:
 
     flow = load_flow_from_entrypoint(ENTRYPOINT, use_placeholder_flow=False)
     assert flow.name == FLOW_NAME
-    expected = {"workload", "spec", "input", "output", "rerun", "trace"}  # trace: W3C context
+    # trace: the W3C context of a submitter; lane, finish_by: the Batch API's runs
+    expected = {"workload", "spec", "input", "output", "rerun", "trace", "lane", "finish_by"}
     assert set(flow.parameters.properties) == expected
     assert flow.parameters.properties["rerun"]["enum"] == ["uncommitted", "errors", "all"]
 

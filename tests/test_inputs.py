@@ -101,6 +101,7 @@ def test_allowed_roots_come_from_the_setting(
     assert roots == [
         f"{project}/in/",
         f"{project}/in/_submitted/",
+        f"{settings.batch_store()}batches/",  # where the Batch API stages its batches
         f"{project}/shared/corpora/",
         "s3://shared/corpora",
     ]

@@ -1,0 +1,56 @@
+# The serving image: `lanes serve` on onnxruntime-gpu, from `pip install lanes[serve]`
+# (no torch, no prefect), as a non-root user. Build from the repository's root:
+#
+#   docker build -f infra/images/serve.Dockerfile -t lanes-serve .                 # models baked in
+#   docker build -f infra/images/serve.Dockerfile --target serve -t lanes-serve .  # models mounted
+#
+# Baked (the default, last stage): the project's .lanes/models is copied to
+# /app/.lanes/models, where the demo workloads.yaml looks for it. Mounted (--target
+# serve): nothing is copied; mount the model files read-only where the spec's model
+# paths point, e.g. `-v $PWD/.lanes/models:/app/.lanes/models:ro`, or a volume in
+# Kubernetes (`lanes render k8s --models-claim NAME`). Either way /app/workloads.yaml
+# is the spec; in Kubernetes a ConfigMap replaces it (lanes render k8s).
+#
+# onnxruntime-gpu 1.31 is built against CUDA 13 and cuDNN 9: the base brings both.
+# On a machine without a GPU the same image runs on the CPU provider (LANES_DEVICE=cpu).
+ARG BASE=nvidia/cuda:13.0.1-cudnn-runtime-ubuntu24.04
+
+FROM ${BASE} AS build
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv \
+    && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/lanes
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY lanes/ lanes/
+COPY serving/ serving/
+COPY flows/ flows/
+COPY router/ router/
+# The serve extra and nothing else: the image holds what `pip install lanes[serve]` holds.
+RUN /opt/lanes/bin/pip install --no-cache-dir ".[serve]"
+
+FROM ${BASE} AS serve
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --uid 10001 --create-home --shell /usr/sbin/nologin lanes
+COPY --from=build /opt/lanes /opt/lanes
+ENV PATH=/opt/lanes/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    LANES_HOST=0.0.0.0 \
+    LANES_PORT=8000 \
+    LANES_HOME=/tmp/lanes
+WORKDIR /app
+COPY --chown=10001:10001 workloads.yaml ./
+USER 10001
+EXPOSE 8000
+# /healthz answers while the process lives; /readyz (the Kubernetes readiness probe)
+# only once every model has loaded.
+HEALTHCHECK --interval=10s --timeout=3s --start-period=120s --retries=3 \
+    CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=2)"]
+ENTRYPOINT ["lanes"]
+CMD ["serve", "/app/workloads.yaml"]
+
+FROM serve AS serve-baked
+COPY --chown=10001:10001 .lanes/models/ .lanes/models/

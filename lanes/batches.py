@@ -1,0 +1,495 @@
+"""OpenAI's Batch API over the offline lane: a batch is a Prefect flow run of `lanes-offline`.
+
+    create    every line of the input file checked (OpenAI's `validating`); a bad file
+              is a `failed` batch whose `errors` name the lines. A good one is split
+              into shards of `Settings.batch.shard_lines` lines under the store and run
+              as a flow run: an offline workload's own deployment, or, for an
+              interactive workload, the `openai-batch` deployment, which runs it in
+              the offline lane with `Settings.batch.batch_size` (flows.batch `lane`).
+    retrieve  the status from the flow run's state and the shards' commits:
+              in_progress (request_counts of committed shards), cancelling, and once the
+              run ended, finalizing -> completed | failed | expired | cancelled, with
+              the output and error files assembled from the committed shards.
+    cancel    the flow run is cancelled; committed shards stay, in the output file.
+
+A window that passes expires the batch: the run is stopped (the flow also starts no
+shard past it), the committed shards' lines are in the output file, the rest in the
+error file with OpenAI's `batch_expired` error.
+
+Everything lives in Prefect and the store (lanes.batchstore); any server reaching both
+answers for any batch, after a restart too. Assembling the files is idempotent.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+import orjson
+from pydantic import Field
+
+from lanes import layout
+from lanes.batchstore import BatchStore, new_id
+from lanes.deadline import plan_start
+from lanes.errors import InvalidInput, NotFound
+from lanes.jobs import (
+    BATCH_PREFIX,
+    BATCH_TAG,
+    FAILED_STATES,
+    FINISHED,
+    Job,
+    create_run,
+)
+from lanes.measurements import Measurements
+from lanes.protocols.openai import BATCH_URLS, Shape, parse
+from lanes.settings import Settings
+from lanes.spec import Spec
+from lanes.storage import join
+
+log = logging.getLogger(__name__)
+
+# The deployment that runs batches of interactive workloads (compiled when the spec has
+# any): not a DNS label, so it never clashes with a workload's own.
+BATCH_DEPLOYMENT = "openai_batch"
+FINAL = frozenset({"completed", "failed", "expired", "cancelled"})
+MAX_ERRORS = 100  # validation errors reported per file
+EXPIRED = {
+    "code": "batch_expired",
+    "message": "This request could not be executed before the completion window expired.",
+}
+_WINDOW = re.compile(r"^(\d{1,6})([smhd])$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+class BatchCreate(Shape):
+    input_file_id: str = Field(min_length=1, max_length=100)
+    endpoint: Literal["/v1/embeddings", "/v1/completions", "/v1/chat/completions"]
+    completion_window: str = Field(min_length=2, max_length=10)
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+
+
+def window_seconds(window: str) -> int:
+    """ "24h" -> 86400. OpenAI takes only 24h; lanes takes any count of s, m, h or d."""
+    found = _WINDOW.match(window)
+    if found is None or int(found.group(1)) == 0:
+        raise InvalidInput.field(
+            "completion_window", f'expected a duration like "24h" (s, m, h or d), found {window!r}'
+        )
+    return int(found.group(1)) * _UNIT_S[found.group(2)]
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """An input file, checked and split: its lines, shards, model, and what was wrong."""
+
+    lines: int
+    shards: int
+    model: str | None
+    errors: list[dict[str, Any]]
+
+
+class Batches:
+    """The Batch API's operations. `now` is the wall clock (seconds since the epoch)."""
+
+    def __init__(
+        self,
+        spec: Spec,
+        settings: Settings,
+        now: Callable[[], float] = time.time,
+        prefect_api_url: str | None = None,
+    ) -> None:
+        self.spec = spec
+        self.settings = settings
+        self.store = BatchStore(settings)
+        self.now = now
+        self.prefect_api_url = prefect_api_url or settings.prefect_api_url
+        self._finalizing = threading.Lock()
+
+    # ---- create -------------------------------------------------------------------
+
+    def create(self, body: Any) -> dict[str, Any]:
+        request = parse(BatchCreate, body)
+        window = window_seconds(request.completion_window)
+        self.store.file(request.input_file_id)
+        folder_key = uuid.uuid4().hex
+        folder = self.store.batch_folder(folder_key)
+        checked = self._check_and_split(request.input_file_id, request.endpoint, folder)
+        created = int(self.now())
+        record: dict[str, Any] = {
+            "id": "",
+            "object": "batch",
+            "endpoint": request.endpoint,
+            "errors": None,
+            "input_file_id": request.input_file_id,
+            "completion_window": request.completion_window,
+            "status": "validating",
+            "output_file_id": None,
+            "error_file_id": None,
+            "created_at": created,
+            "in_progress_at": None,
+            "expires_at": created + window,
+            "finalizing_at": None,
+            "completed_at": None,
+            "failed_at": None,
+            "expired_at": None,
+            "cancelling_at": None,
+            "cancelled_at": None,
+            "request_counts": {"total": checked.lines, "completed": 0, "failed": 0},
+            "metadata": request.metadata,
+            "_lanes": {"folder": folder, "shards": checked.shards, "flow_run": None},
+        }
+        if checked.errors:
+            record.update(
+                id=new_id(BATCH_PREFIX),
+                status="failed",
+                failed_at=created,
+                errors={"object": "list", "data": checked.errors},
+            )
+            self.store.save_batch(record)
+            return public(record)
+        assert checked.model is not None
+        workload = self.spec.workloads[checked.model]
+        parameters: dict[str, Any] = {
+            "workload": checked.model,
+            "input": join(folder, "in") + "/",
+            "output": join(folder, "out") + "/",
+            "finish_by": datetime.fromtimestamp(created + window, UTC).isoformat(),
+        }
+        deployment = checked.model
+        if workload.mode == "interactive":
+            parameters["lane"] = "offline"
+            deployment = BATCH_DEPLOYMENT
+        start = self._start(checked.model, checked.lines, created + window)
+        run = create_run(
+            deployment,
+            parameters,
+            start,
+            name=f"batch-{checked.model}-{folder_key[:8]}",
+            tags=[BATCH_TAG],
+            prefect_api_url=self.prefect_api_url,
+        )
+        record.update(id=BATCH_PREFIX + run.hex, status="in_progress", in_progress_at=created)
+        record["_lanes"]["flow_run"] = str(run)
+        self.store.save_batch(record)
+        return public(record)
+
+    def _start(self, workload: str, items: int, deadline: float) -> datetime:
+        """When the batch's run starts (`Settings.batch.start`; lanes.deadline)."""
+        if self.settings.batch.start == "now":
+            return datetime.now(UTC)  # due at once on Prefect's clock, whatever `now` says
+        now = datetime.fromtimestamp(self.now(), UTC)
+        # The workload's own newest offline rate (its model's key lives in the flows wing).
+        rates = [
+            r
+            for r in Measurements(self.settings.home).load()
+            if r.lane == "offline" and r.workload == workload
+        ]
+        plan = plan_start(
+            items,
+            rates[0].items_per_second if rates else None,
+            datetime.fromtimestamp(deadline, UTC),
+            self.settings.offpeak.next_run(now),
+            now,
+        )
+        log.info("batch of %s: %s", workload, plan.note)
+        return plan.start
+
+    def _check_and_split(self, file_id: str, endpoint: str, folder: str) -> _Checked:
+        """Every line checked (OpenAI's validating step), the good ones written in shards."""
+        errors: list[dict[str, Any]] = []
+        seen: set[str] = set()
+        model: str | None = None
+        lines = shards = 0
+        per_shard = self.settings.batch.shard_lines
+        storage = self.store.storage
+
+        def error(number: int, message: str, param: str | None = None) -> None:
+            if len(errors) < MAX_ERRORS:
+                entry = {"code": "invalid_request", "message": message, "param": param}
+                errors.append({**entry, "line": number})
+
+        def shard_lines(stream: Iterator[bytes]) -> Iterator[tuple[int, bytes]]:
+            for number, raw in enumerate(stream, 1):
+                if raw.strip():
+                    yield number, raw if raw.endswith(b"\n") else raw + b"\n"
+
+        with self.store.content(file_id) as stream:
+            numbered = shard_lines(iter(stream))
+            exhausted = False
+            while not exhausted:
+                uri = join(folder, "in", f"part-{shards:05d}.jsonl")
+                written = 0
+                with storage.staged(uri) as stage, stage.open("wb") as out:
+                    for number, raw in numbered:
+                        lines += 1
+                        found = self._check_line(number, raw, endpoint, seen, model, error)
+                        model = model or found
+                        out.write(raw)
+                        written += 1
+                        if written == per_shard:
+                            break
+                    else:
+                        exhausted = True
+                    out.flush()
+                    if written:
+                        storage.publish(stage, uri)
+                shards += 1 if written else 0
+        if lines == 0:
+            error(1, "the input file holds no lines; expected one JSON request per line")
+        if model is not None and not errors:
+            self._check_model(model, endpoint, error)
+        return _Checked(lines, shards, model, errors)
+
+    def _check_line(
+        self,
+        number: int,
+        raw: bytes,
+        endpoint: str,
+        seen: set[str],
+        model: str | None,
+        error: Callable[[int, str, str | None], None],
+    ) -> str | None:
+        """The line's model when it is a good request line; else its errors are added."""
+        try:
+            line = orjson.loads(raw)
+        except orjson.JSONDecodeError as err:
+            error(number, f"line {number}: not JSON ({err})", None)
+            return None
+        if not isinstance(line, dict):
+            error(number, f"line {number}: expected a JSON object", None)
+            return None
+        custom_id = line.get("custom_id")
+        if not isinstance(custom_id, str) or not custom_id:
+            error(number, f"line {number}: custom_id: expected a non-empty string", "custom_id")
+        elif custom_id in seen:
+            error(number, f"line {number}: custom_id {custom_id!r} is used twice", "custom_id")
+        else:
+            seen.add(custom_id)
+        if line.get("method") != "POST":
+            error(number, f'line {number}: method: expected "POST"', "method")
+        if line.get("url") != endpoint:
+            found = line.get("url")
+            error(
+                number,
+                f"line {number}: url: expected the batch's {endpoint}, found {found!r}",
+                "url",
+            )
+        body = line.get("body")
+        name = body.get("model") if isinstance(body, dict) else None
+        if not isinstance(name, str):
+            error(number, f"line {number}: body.model: expected a workload's name", "body.model")
+            return None
+        if model is not None and name != model:
+            error(
+                number,
+                f"line {number}: body.model: expected {model!r} as on the lines before "
+                f"(one model per batch), found {name!r}",
+                "body.model",
+            )
+            return None
+        return name
+
+    def _check_model(
+        self, model: str, endpoint: str, error: Callable[[int, str, str | None], None]
+    ) -> None:
+        workload = self.spec.workloads.get(model)
+        if workload is None:
+            known = ", ".join(self.spec.workloads) or "none"
+            error(
+                1, f"line 1: body.model: no workload named {model!r}; known: {known}", "body.model"
+            )
+        elif workload.task != BATCH_URLS[endpoint]:
+            error(
+                1,
+                f"line 1: body.model: workload {model!r} is a {workload.task} workload; "
+                f"{endpoint} takes a {BATCH_URLS[endpoint]} one",
+                "body.model",
+            )
+
+    # ---- retrieve, list, cancel ---------------------------------------------------
+
+    def retrieve(self, batch_id: str) -> dict[str, Any]:
+        record = self.store.batch(batch_id)
+        if record["status"] in FINAL:
+            return public(record)
+        job = self._job(record)
+        state = job.status()
+        now = int(self.now())
+        lanes = record["_lanes"]
+        if now >= record["expires_at"] and not lanes.get("expiring") and state not in _ENDED:
+            lanes["expiring"] = True
+            self.store.save_batch(record)
+            state = job.cancel()
+        if state in _ENDED:
+            return public(self._finalize(record, state, job))
+        record["request_counts"] = self._counts(record)
+        if state == "CANCELLING":
+            record["status"] = "finalizing" if lanes.get("expiring") else "cancelling"
+        else:
+            record["status"] = "in_progress"
+        return public(record)
+
+    def page(self, after: str | None, limit: int) -> dict[str, Any]:
+        if not 1 <= limit <= 100:
+            raise InvalidInput.field("limit", f"expected 1 to 100, found {limit}")
+        records = [self.store.batch(i) for i in self.store.batch_ids()]
+        records.sort(key=lambda r: (r["created_at"], r["id"]), reverse=True)
+        ids = [r["id"] for r in records]
+        start = 0
+        if after is not None:
+            if after not in ids:
+                raise NotFound(f"no batch with id {after!r}", param="after")
+            start = ids.index(after) + 1
+        page = records[start : start + limit]
+        data = [self.retrieve(r["id"]) if r["status"] not in FINAL else public(r) for r in page]
+        return {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": start + limit < len(records),
+        }
+
+    def cancel(self, batch_id: str) -> dict[str, Any]:
+        record = self.store.batch(batch_id)
+        if record["status"] in FINAL:
+            raise InvalidInput.field(
+                "batch_id", f"batch {batch_id} is already {record['status']}", "batch_final"
+            )
+        record["cancelling_at"] = int(self.now())
+        self.store.save_batch(record)
+        self._job(record).cancel()
+        return self.retrieve(batch_id)
+
+    def _job(self, record: dict[str, Any]) -> Job:
+        return Job(record["id"], self.settings, prefect_api_url=self.prefect_api_url)
+
+    # ---- progress and the end -----------------------------------------------------
+
+    def _markers(self, record: dict[str, Any]) -> list[dict[str, Any] | None]:
+        """Each shard's commit marker (flows.shard), None for one not committed."""
+        out = join(record["_lanes"]["folder"], "out")
+        found: list[dict[str, Any] | None] = []
+        for shard in range(record["_lanes"]["shards"]):
+            raw = self.store.storage.read_bytes(join(out, layout.MARKERS, f"part-{shard:05d}.json"))
+            found.append(orjson.loads(raw) if raw is not None else None)
+        return found
+
+    def _counts(self, record: dict[str, Any]) -> dict[str, int]:
+        done = [m for m in self._markers(record) if m is not None]
+        return {
+            "total": record["request_counts"]["total"],
+            "completed": sum(int(m["outputs"]) for m in done),
+            "failed": sum(int(m["errors"]) for m in done),
+        }
+
+    def _finalize(self, record: dict[str, Any], state: str, job: Job) -> dict[str, Any]:
+        """The ended run's output and error files, and the batch's last status."""
+        with self._finalizing:
+            again = self.store.batch(record["id"])
+            if again["status"] in FINAL:
+                return again  # another request finished it
+            record = again
+            lanes = record["_lanes"]
+            now = int(self.now())
+            markers = self._markers(record)
+            missing = any(m is None for m in markers)
+            if lanes.get("expiring") or (state in FINISHED and missing):
+                status = "expired"  # the flow starts no shard past the window
+            elif state == "CANCELLED" and record["cancelling_at"] is not None:
+                status = "cancelled"
+            elif state in FAILED_STATES:
+                status = "failed"
+            else:
+                status = "completed"
+            record.update(status="finalizing", finalizing_at=now)
+            counts = self._assemble(record, markers, expired=status == "expired")
+            record["request_counts"] = counts
+            record["status"] = status
+            record[f"{status}_at"] = now
+            if status == "failed":
+                message = job.message() or f"the offline run ended {state}"
+                error = {"code": "batch_failed", "message": message, "param": None, "line": None}
+                record["errors"] = {"object": "list", "data": [error]}
+            self.store.save_batch(record)
+            return record
+
+    def _assemble(
+        self, record: dict[str, Any], markers: list[dict[str, Any] | None], expired: bool
+    ) -> dict[str, int]:
+        """Write the output file (committed shards' lines, in input order) and the error
+        file (their rejected lines, numbered as in the input file, then with `expired`
+        every line of a shard never committed); returns the counts."""
+        folder = record["_lanes"]["folder"]
+        per_shard = self.settings.batch.shard_lines
+        storage = self.store.storage
+        counts = {"total": record["request_counts"]["total"], "completed": 0, "failed": 0}
+
+        def outputs() -> Iterator[bytes]:
+            for shard, marker in enumerate(markers):
+                if marker is not None:
+                    with storage.open(join(folder, "out", f"part-{shard:05d}.jsonl")) as lines:
+                        for line in lines:
+                            if line.strip():
+                                counts["completed"] += 1
+                                yield line
+
+        def errors() -> Iterator[bytes]:
+            for shard, marker in enumerate(markers):
+                first = shard * per_shard
+                if marker is not None:
+                    uri = join(folder, "out", layout.ERRORS, f"part-{shard:05d}.jsonl")
+                    if marker["errors"] and storage.read_bytes(uri) is not None:
+                        with storage.open(uri) as lines:
+                            for line in lines:
+                                if line.strip():
+                                    counts["failed"] += 1
+                                    entry = orjson.loads(line)
+                                    if isinstance(entry.get("line"), int):
+                                        entry["line"] += first
+                                    yield orjson.dumps(entry) + b"\n"
+                elif expired:
+                    uri = join(folder, "in", f"part-{shard:05d}.jsonl")
+                    with storage.open(uri) as lines:
+                        for number, line in enumerate(lines, first + 1):
+                            counts["failed"] += 1
+                            yield orjson.dumps(_expired(record["id"], number, line)) + b"\n"
+
+        batch = record["id"]
+        made = self.store.put_file(f"{batch}_output.jsonl", "batch_output", outputs())
+        record["output_file_id"] = made.id
+        failed = self.store.put_file(f"{batch}_error.jsonl", "batch_output", errors())
+        if failed.bytes:
+            record["error_file_id"] = failed.id
+        else:
+            self.store.delete_file(failed.id)
+        return counts
+
+
+_ENDED = frozenset({*FINISHED, *FAILED_STATES} - {"CANCELLING"})
+
+
+def _expired(batch: str, number: int, line: bytes) -> dict[str, Any]:
+    try:
+        custom_id = orjson.loads(line).get("custom_id")
+    except (orjson.JSONDecodeError, AttributeError):
+        custom_id = None
+    return {
+        "id": f"batch_req_{batch.removeprefix(BATCH_PREFIX)[:12]}{number:08d}",
+        "custom_id": custom_id,
+        "line": number,
+        "response": None,
+        "error": EXPIRED,
+    }
+
+
+def public(record: dict[str, Any]) -> dict[str, Any]:
+    """The batch object as OpenAI shapes it (lanes' own bookkeeping left out)."""
+    return {k: v for k, v in record.items() if not k.startswith("_")}

@@ -1,0 +1,174 @@
+"""The Batch API's store: uploaded files and batch records, in a folder or on S3.
+
+    <store>/files/<file id>.json      the file object (OpenAI's shape)
+    <store>/files/<file id>.data      its bytes, as uploaded (or as a batch wrote them)
+    <store>/batches/<batch id>.json   the batch record (lanes.batches)
+    <store>/batches/<batch id>/in/    the batch's input, in shards of `shard_lines` lines
+    <store>/batches/<batch id>/out/   the offline run's outputs (lanes.layout)
+
+The store is `Settings.batch_store()`: the server writes it, the offline lane's workers
+read the inputs and write the outputs there, so both must see the same one. Nothing
+about a file or a batch lives in the server's memory.
+
+One API key is one tenant: whoever holds the server's key sees every file and batch.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import orjson
+
+from lanes.errors import InvalidInput, NotFound, StorageError
+from lanes.settings import Settings
+from lanes.storage import Storage, join
+
+FILE_PURPOSES = ("batch", "batch_output")  # what an upload may say, what a batch writes
+CHUNK = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class FileObject:
+    """OpenAI's file object."""
+
+    id: str
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    object: str = "file"
+    status: str = "processed"
+    status_details: str | None = None
+    expires_at: int | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex}"
+
+
+class BatchStore:
+    """Files and batch records by id. Thread-safe (Storage is); every call reads afresh."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.root = settings.batch_store()
+        self.storage = Storage(settings)
+
+    # ---- files --------------------------------------------------------------------
+
+    def _file_meta(self, file_id: str) -> str:
+        return join(self.root, "files", f"{_safe(file_id, 'file_id')}.json")
+
+    def file_data(self, file_id: str) -> str:
+        return join(self.root, "files", f"{_safe(file_id, 'file_id')}.data")
+
+    @contextmanager
+    def writing(self, file_id: str) -> Iterator[IO[bytes]]:
+        """A stream to write a new file's bytes into; published when the block ends well."""
+        uri = self.file_data(file_id)
+        with self.storage.staged(uri) as stage:
+            with stage.open("wb") as out:
+                yield out
+            self.storage.publish(stage, uri)
+
+    def add_file(self, file_id: str, filename: str, purpose: str, size: int) -> FileObject:
+        """Record a file whose bytes `writing` published."""
+        made = FileObject(file_id, size, int(time.time()), filename, purpose)
+        self.storage.write_bytes(self._file_meta(file_id), orjson.dumps(made.as_json()))
+        return made
+
+    def put_file(self, filename: str, purpose: str, lines: Iterator[bytes]) -> FileObject:
+        """A new file of `lines` (each with its newline), written as it comes."""
+        file_id = new_id("file-")
+        size = 0
+        with self.writing(file_id) as out:
+            for line in lines:
+                out.write(line)
+                size += len(line)
+        return self.add_file(file_id, filename, purpose, size)
+
+    def file(self, file_id: str) -> FileObject:
+        raw = self.storage.read_bytes(self._file_meta(file_id))
+        if raw is None:
+            raise NotFound(f"no file with id {file_id!r}", param="file_id")
+        return FileObject(**orjson.loads(raw))
+
+    def files(self) -> list[FileObject]:
+        """Every file, newest first."""
+        listed = self._listed(join(self.root, "files") + "/", ".json")
+        found = []
+        for uri in listed:
+            raw = self.storage.read_bytes(uri)
+            if raw is not None:
+                found.append(FileObject(**orjson.loads(raw)))
+        return sorted(found, key=lambda f: (f.created_at, f.id), reverse=True)
+
+    @contextmanager
+    def content(self, file_id: str) -> Iterator[IO[bytes]]:
+        self.file(file_id)
+        with self.storage.open(self.file_data(file_id)) as stream:
+            yield stream
+
+    def chunks(self, file_id: str) -> Iterator[bytes]:
+        """A file's bytes, CHUNK at a time (for a streamed download)."""
+        with self.content(file_id) as stream:
+            while chunk := stream.read(CHUNK):
+                yield chunk
+
+    def delete_file(self, file_id: str) -> None:
+        self.file(file_id)
+        self.storage.delete(self.file_data(file_id))
+        self.storage.delete(self._file_meta(file_id))
+
+    # ---- batch records ------------------------------------------------------------
+
+    def batch_folder(self, batch_id: str) -> str:
+        return join(self.root, "batches", _safe(batch_id, "batch_id"))
+
+    def _batch_uri(self, batch_id: str) -> str:
+        return join(self.root, "batches", f"{_safe(batch_id, 'batch_id')}.json")
+
+    def save_batch(self, record: dict[str, Any]) -> None:
+        self.storage.write_bytes(self._batch_uri(record["id"]), orjson.dumps(record))
+
+    def batch(self, batch_id: str) -> dict[str, Any]:
+        raw = self.storage.read_bytes(self._batch_uri(batch_id))
+        if raw is None:
+            raise NotFound(f"no batch with id {batch_id!r}", param="batch_id")
+        record: dict[str, Any] = orjson.loads(raw)
+        return record
+
+    def batch_ids(self) -> list[str]:
+        """Every batch's id."""
+        listed = self._listed(join(self.root, "batches") + "/", ".json")
+        return [Path(uri).name.removesuffix(".json") for uri in listed if "/in/" not in uri]
+
+    def _listed(self, folder: str, suffix: str) -> list[str]:
+        try:
+            files = self.storage.list_files(folder, (suffix,))
+        except StorageError:
+            return []  # nothing stored yet
+        return [f.uri for f in files if "/" not in f.name]
+
+
+def _safe(value: str, param: str) -> str:
+    """An id as a path part: no separators, no dots, bounded (ids are user input)."""
+    if not value or len(value) > 100 or not all(c.isalnum() or c in "-_" for c in value):
+        raise NotFound(f"no such id {value!r}", param=param)
+    return value
+
+
+def check_purpose(purpose: str) -> None:
+    if purpose != "batch":
+        raise InvalidInput.field(
+            "purpose", f'expected "batch" (lanes takes files for the Batch API), found {purpose!r}'
+        )

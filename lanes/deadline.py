@@ -1,0 +1,67 @@
+"""When to start an offline run so that it finishes by a deadline, as late as it can.
+
+A run of `items` at a measured `items_per_second` takes `items / rate` seconds; lanes
+adds a margin (`MARGIN`, a fraction of that, and `STARTUP_S` for the flow run to
+start and the model to load) and starts it at the latest moment that still ends
+by the deadline. The start must lie inside the off-peak window (from its opening to
+the deadline): a run that cannot fit there starts now, and the plan says so. A run
+with no measured rate starts when the window opens, and the plan says to measure one.
+
+Pure: the clock is an argument, so the arithmetic is tested without waiting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+MARGIN = 0.25  # of the expected run time: rates vary with the input's lengths
+STARTUP_S = 60.0  # a flow run's start and the model's load
+
+
+@dataclass(frozen=True)
+class StartPlan:
+    start: datetime
+    expected_finish: datetime | None  # None without a measured rate
+    on_time: bool  # whether the expected finish is by the deadline
+    note: str
+
+
+def plan_start(
+    items: int,
+    items_per_second: float | None,
+    finish_by: datetime,
+    window_opens: datetime,
+    now: datetime,
+) -> StartPlan:
+    """The start of a run of `items` that must end by `finish_by`, in the off-peak
+    window that opens at `window_opens` (clamped to `now` when already open)."""
+    opens = max(window_opens, now)
+    if items_per_second is None or items_per_second <= 0:
+        return StartPlan(
+            opens,
+            None,
+            True,
+            "no measured rate for this model: starting when the off-peak window opens "
+            "(run `lanes calibrate WORKLOAD` or one run to plan by the deadline)",
+        )
+    expected = items / items_per_second
+    needed = timedelta(seconds=expected * (1 + MARGIN) + STARTUP_S)
+    latest = finish_by - needed
+    run = timedelta(seconds=expected + STARTUP_S)
+    if latest >= opens:
+        note = (
+            f"{items} items at {items_per_second:g} items/s take {needed.total_seconds():.0f} s "
+            f"with a {MARGIN:.0%} margin and {STARTUP_S:.0f} s to start: starting at the "
+            f"latest moment that ends by {finish_by.isoformat()}"
+        )
+        return StartPlan(latest, latest + run, True, note)
+    finish = now + run
+    on_time = finish <= finish_by
+    where = "inside the off-peak window" if latest >= now else "even if started now"
+    note = (
+        f"{items} items at {items_per_second:g} items/s need {needed.total_seconds():.0f} s, "
+        f"which does not fit by {finish_by.isoformat()} {where}: starting now, expected "
+        f"to finish at {finish.isoformat()}"
+    )
+    return StartPlan(now, finish, on_time, note)

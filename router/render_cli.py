@@ -1,0 +1,132 @@
+"""`lanes render k8s`: the files, from lanes.router.render_k8s and render_pool."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+
+from lanes.errors import InvalidInput
+from lanes.router.console import SpecFile, guarded
+from lanes.router.render_k8s import K8sOptions, dump_all, groups, serving_objects
+from lanes.router.render_pool import base_job_template, dask_objects, worker_objects
+from lanes.settings import Settings
+from lanes.spec import QUANTITY_PATTERN, OfflineWorkload, Spec
+from lanes.specfile import load_spec
+
+render_app = typer.Typer(no_args_is_help=True, help="Write what runs the spec elsewhere.")
+
+
+def render_files(
+    raw: dict[str, Any], spec: Spec, settings: Settings, options: K8sOptions, dask_workers: int = 2
+) -> dict[str, str]:
+    """File name -> text: `serve-GROUP.yaml` per group of interactive workloads; for
+    offline workloads `prefect-worker.yaml`, `work-pool-POOL.json` and, for a Dask
+    runner whose address is in the cluster, `dask.yaml`. Same inputs, same bytes."""
+    files: dict[str, str] = {}
+    for group in groups(spec):
+        objects = serving_objects(raw, spec, settings, options, group)
+        files[f"serve-{group.name}.yaml"] = dump_all(objects)
+    if any(isinstance(w, OfflineWorkload) for w in spec.workloads.values()):
+        if not options.worker_image:
+            raise InvalidInput(
+                "--worker-image: the spec has offline workloads, whose Jobs run the worker "
+                "image (infra/images/worker.Dockerfile); name it"
+            )
+        image = options.worker_image
+        files["prefect-worker.yaml"] = dump_all(worker_objects(settings, options, image))
+        template = base_job_template(spec, settings, options, image)
+        files[f"work-pool-{settings.work_pool}.json"] = json.dumps(template, indent=2) + "\n"
+        cluster = dask_objects(spec, settings, options, image, dask_workers)
+        if cluster:
+            files["dask.yaml"] = dump_all(cluster)
+    return files
+
+
+@render_app.command("k8s")
+def k8s(
+    file: SpecFile = None,
+    image: Annotated[
+        str, typer.Option(help="The serving image (infra/images/serve.Dockerfile).")
+    ] = "",
+    worker_image: Annotated[
+        str | None, typer.Option(help="The offline image (infra/images/worker.Dockerfile).")
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Folder to write one file per part (default: stdout).")
+    ] = None,
+    namespace: Annotated[str, typer.Option(help="Namespace of every object.")] = "lanes",
+    api_key_secret: Annotated[
+        str, typer.Option(help="Secret whose key `api-key` is the endpoint's API key.")
+    ] = "lanes-api-key",
+    prometheus: Annotated[
+        str, typer.Option(help="Prometheus the KEDA triggers query.")
+    ] = "http://prometheus-operated.monitoring.svc:9090",
+    models_claim: Annotated[
+        str | None,
+        typer.Option(
+            help="PersistentVolumeClaim holding the models (default: baked in the image)."
+        ),
+    ] = None,
+    project_dir: Annotated[str, typer.Option(help="The project's folder in the images.")] = "/app",
+    drain_s: Annotated[float, typer.Option(help="LANES_DRAIN_S of the serving pods.")] = 5.0,
+    dask_workers: Annotated[
+        int, typer.Option(help="Dask worker pods per in-cluster scheduler.")
+    ] = 2,
+    offline_cpu: Annotated[
+        int, typer.Option(help="CPUs of each flow-run Job and Dask worker pod.")
+    ] = 2,
+    offline_memory: Annotated[str, typer.Option(help="Memory of each of those pods.")] = "4Gi",
+) -> None:
+    """Kubernetes objects for the spec: per group of interactive workloads a Deployment,
+    Service, ConfigMap (the spec), PodDisruptionBudget, KEDA ScaledObject and
+    ServiceMonitor; for offline workloads the Prefect work pool's base job template, its
+    worker and a Dask cluster. The same spec gives the same bytes."""
+    settings = guarded(Settings)
+
+    def run() -> dict[str, str]:
+        if not image:
+            raise InvalidInput(
+                "--image: name the serving image, e.g. registry.example/lanes-serve:1.0"
+            )
+        if offline_cpu < 1:
+            raise InvalidInput(f"--offline-cpu: expected at least 1, found {offline_cpu}")
+        if not re.match(QUANTITY_PATTERN, offline_memory):
+            raise InvalidInput(
+                f"--offline-memory: expected a quantity such as 4Gi, found {offline_memory!r}"
+            )
+        if dask_workers < 1:
+            raise InvalidInput(f"--dask-workers: expected at least 1, found {dask_workers}")
+        path = file or settings.spec
+        spec = load_spec(path, settings, check_files=False)
+        raw = yaml.safe_load(Path(path).read_text())
+        options = K8sOptions(
+            image=image,
+            namespace=namespace,
+            worker_image=worker_image,
+            api_key_secret=api_key_secret,
+            prometheus=prometheus,
+            models_claim=models_claim,
+            project_dir=project_dir,
+            drain_s=drain_s,
+            offline_cpu=offline_cpu,
+            offline_memory=offline_memory,
+        )
+        return render_files(raw, spec, settings, options, dask_workers)
+
+    files = guarded(run)
+    if out is None:
+        for name, text in files.items():
+            if name.endswith(".yaml"):
+                typer.echo(text, nl=False)
+        if any(name.endswith(".json") for name in files):
+            typer.echo("# the work pool's base job template is written with --out DIR", err=True)
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (out / name).write_text(text)
+        typer.echo(str(out / name))

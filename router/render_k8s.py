@@ -1,0 +1,389 @@
+"""`lanes render k8s`: Kubernetes objects from workloads.yaml, the same bytes for the same
+spec and options.
+
+Interactive workloads, per `deploy.group`: a Deployment of `lanes serve` (startup probe
+on /readyz while the models load, readiness /readyz, liveness /healthz, a grace period
+longer than the drain, one nvidia.com/gpu on cuda), a Service, a ConfigMap holding the
+group's own spec (mounted over the image's /app/workloads.yaml), a PodDisruptionBudget,
+a KEDA ScaledObject whose Prometheus triggers read the server's own queue gauges, and a
+ServiceMonitor. The API key comes from a Secret the renderer never sees.
+
+Offline workloads: lanes.router.render_pool (the Prefect work pool and its worker).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import yaml
+
+from lanes.errors import InvalidInput
+from lanes.settings import Settings
+from lanes.spec import Deploy, InteractiveWorkload, Spec
+
+Manifest = dict[str, Any]
+APP = "lanes"
+GPU = "nvidia.com/gpu"
+HTTP_PORT = 8000
+# uvicorn's timeout_graceful_shutdown in lanes.serving.server: after the drain, queued
+# and running requests get this long to finish.
+SHUTDOWN_S = 30
+# Seconds of grace beyond drain + shutdown, so Kubernetes never SIGKILLs a clean exit.
+GRACE_MARGIN_S = 15
+# The startup probe gives the models this long to load before the pod is restarted.
+MODEL_LOAD_S = 600
+PROBE_PERIOD_S = 5
+
+
+@dataclass(frozen=True)
+class K8sOptions:
+    """What the spec does not say about the cluster."""
+
+    image: str  # the serving image (infra/images/serve.Dockerfile)
+    namespace: str = "lanes"
+    worker_image: str | None = None  # the offline image (infra/images/worker.Dockerfile)
+    api_key_secret: str = "lanes-api-key"  # a Secret with key `api-key`
+    prometheus: str = "http://prometheus-operated.monitoring.svc:9090"
+    models_claim: str | None = None  # a PersistentVolumeClaim holding the models
+    project_dir: str = "/app"  # where the image holds the project (workloads.yaml)
+    drain_s: float = 5.0  # LANES_DRAIN_S: readiness 503 after SIGTERM, still serving
+    prefect_api_secret: str = "prefect-api"  # a Secret with key `url`
+    offline_cpu: int = 2  # CPUs of a flow run's Job and of a Dask worker pod
+    offline_memory: str = "4Gi"
+
+
+@dataclass(frozen=True)
+class Group:
+    """The interactive workloads one Deployment serves, and the settings they share."""
+
+    name: str
+    workloads: tuple[str, ...]
+    deploy: Deploy
+
+    @property
+    def app_name(self) -> str:
+        return f"{APP}-{self.name}"
+
+
+def groups(spec: Spec) -> list[Group]:
+    """The spec's interactive workloads by `deploy.group`, in the order groups first
+    appear. Group-wide keys set on two of a group's workloads must agree
+    (InvalidInput names both)."""
+    members: dict[str, list[tuple[str, InteractiveWorkload]]] = {}
+    for name, workload in spec.workloads.items():
+        if isinstance(workload, InteractiveWorkload):
+            members.setdefault(workload.deploy.group, []).append((name, workload))
+    found = []
+    for group, named in members.items():
+        values: dict[str, Any] = {}
+        setters: dict[str, str] = {}
+        for name, workload in named:
+            for key in sorted(workload.deploy.model_fields_set - {"group", "target_queue_depth"}):
+                value = getattr(workload.deploy, key)
+                if key in values and values[key] != value:
+                    raise InvalidInput(
+                        f"workloads {setters[key]} and {name} of group {group!r} disagree on "
+                        f"deploy.{key} ({values[key]!r} vs {value!r}): set it the same on "
+                        "both, or give them different deploy.group"
+                    )
+                values[key], setters[key] = value, name
+        deploy = Deploy(group=group, **values)
+        found.append(Group(group, tuple(name for name, _ in named), deploy))
+    return found
+
+
+def group_spec(raw: dict[str, Any], spec: Spec, group: Group) -> dict[str, Any]:
+    """The spec a group's pods load: its workloads and the models they name, as written."""
+    used = {spec.workloads[name].model for name in group.workloads}
+    models = {name: model for name, model in raw["models"].items() if name in used}
+    workloads = {name: raw["workloads"][name] for name in group.workloads}
+    return {"version": raw.get("version", 1), "models": models, "workloads": workloads}
+
+
+def device_of(group: Group, settings: Settings) -> str:
+    return group.deploy.device or settings.device
+
+
+def uses_gpu(device: str) -> bool:
+    return device in ("cuda", "tensorrt")
+
+
+def labels(component: str, instance: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": APP,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/instance": instance,
+    }
+
+
+def models_mount(spec: Spec, names: Sequence[str], project_dir: str) -> str:
+    """Where the image holds (or a volume mounts) the models of `names`: the folder above
+    every model and tokenizer file, as the pod sees it (relative paths are under
+    project_dir)."""
+    files: list[Path] = []
+    for name in sorted(set(names)):
+        model = spec.models[name]
+        files += [model.path] + ([model.tokenizer] if model.tokenizer else [])
+    root = spec.root or Path.cwd()
+    seen = []
+    for file in files:
+        try:
+            seen.append(str(PurePosixPath(project_dir) / file.relative_to(root)))
+        except ValueError:  # outside the project: the pod sees the same absolute path
+            seen.append(str(file))
+    return os.path.commonpath([str(PurePosixPath(f).parent) for f in seen])
+
+
+def serving_objects(
+    raw: dict[str, Any], spec: Spec, settings: Settings, options: K8sOptions, group: Group
+) -> list[Manifest]:
+    """The objects of one group, in the order `kubectl apply` should see them."""
+    name, ns = group.app_name, options.namespace
+    meta: dict[str, Any] = {"name": name, "namespace": ns, "labels": labels("serve", group.name)}
+    selector = {
+        "app.kubernetes.io/name": APP,
+        "app.kubernetes.io/component": "serve",
+        "app.kubernetes.io/instance": group.name,
+    }
+    spec_text = dump(group_spec(raw, spec, group))
+    config = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": meta,
+        "data": {"workloads.yaml": spec_text},
+    }
+    return [
+        config,
+        _deployment(spec, settings, options, group, meta, selector, spec_text),
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": meta,
+            "spec": {
+                "selector": selector,
+                "ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}],
+            },
+        },
+        {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": meta,
+            # A voluntary eviction (a node drain) takes one pod at a time.
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector}},
+        },
+        _scaled_object(spec, options, group, meta),
+        _service_monitor(options, meta, selector),
+    ]
+
+
+def _deployment(
+    spec: Spec,
+    settings: Settings,
+    options: K8sOptions,
+    group: Group,
+    meta: dict[str, Any],
+    selector: dict[str, str],
+    spec_text: str,
+) -> Manifest:
+    device = device_of(group, settings)
+    spec_path = str(PurePosixPath(options.project_dir) / "workloads.yaml")
+    env: list[dict[str, Any]] = [
+        {"name": "LANES_HOST", "value": "0.0.0.0"},
+        {"name": "LANES_PORT", "value": str(HTTP_PORT)},
+        {"name": "LANES_HOME", "value": "/tmp/lanes"},
+        {"name": "LANES_DEVICE", "value": device},
+        *_threads(group.deploy.cpu),
+        {"name": "LANES_DRAIN_S", "value": f"{options.drain_s:g}"},
+        {
+            "name": "LANES_API_KEY",
+            "valueFrom": {"secretKeyRef": {"name": options.api_key_secret, "key": "api-key"}},
+        },
+    ]
+    resources: dict[str, dict[str, Any]] = {
+        "requests": {"cpu": group.deploy.cpu, "memory": group.deploy.memory},
+        "limits": {"cpu": group.deploy.cpu, "memory": group.deploy.memory},
+    }
+    if uses_gpu(device):
+        resources["limits"][GPU] = 1
+    mounts: list[dict[str, Any]] = [
+        {"name": "spec", "mountPath": spec_path, "subPath": "workloads.yaml", "readOnly": True},
+        # The root file system is read-only: LANES_HOME and temporary files live here.
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    volumes: list[dict[str, Any]] = [
+        {"name": "spec", "configMap": {"name": group.app_name}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    if options.models_claim:
+        used = [spec.workloads[n].model for n in group.workloads]
+        where = models_mount(spec, used, options.project_dir)
+        mounts.append({"name": "models", "mountPath": where, "readOnly": True})
+        volumes.append(
+            {
+                "name": "models",
+                "persistentVolumeClaim": {"claimName": options.models_claim, "readOnly": True},
+            }
+        )
+    container: dict[str, Any] = {
+        "name": "serve",
+        "image": options.image,
+        "args": ["serve", spec_path],
+        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        "env": env,
+        "resources": resources,
+        "startupProbe": _probe("/readyz", MODEL_LOAD_S // PROBE_PERIOD_S),
+        "readinessProbe": _probe("/readyz", 2),
+        "livenessProbe": _probe("/healthz", 3),
+        "volumeMounts": mounts,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    pod: dict[str, Any] = {
+        # SIGTERM starts the drain (readiness 503, still answering), then uvicorn's
+        # graceful shutdown; Kubernetes must not SIGKILL before both are done.
+        "terminationGracePeriodSeconds": int(options.drain_s) + SHUTDOWN_S + GRACE_MARGIN_S,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "fsGroup": 10001},
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if uses_gpu(device):
+        pod["tolerations"] = [{"key": GPU, "operator": "Exists", "effect": "NoSchedule"}]
+    digest = hashlib.sha256(spec_text.encode()).hexdigest()
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": meta,
+        "spec": {
+            # KEDA owns the count; this is the count before its first decision.
+            "replicas": max(group.deploy.min_replicas, 1),
+            "selector": {"matchLabels": selector},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            "template": {
+                # A changed spec changes the pod template: the Deployment rolls.
+                "metadata": {
+                    "labels": {**meta["labels"]},
+                    "annotations": {"lanes.dev/spec-sha256": digest},
+                },
+                "spec": pod,
+            },
+        },
+    }
+
+
+def _threads(cpu: str) -> list[dict[str, str]]:
+    """LANES_THREADS for a whole number of CPUs: onnxruntime would otherwise size its
+    pool by the node's cores, not the pod's share."""
+    return [{"name": "LANES_THREADS", "value": cpu}] if cpu.isdigit() and cpu != "0" else []
+
+
+def _probe(path: str, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": PROBE_PERIOD_S,
+        "timeoutSeconds": 2,
+        "failureThreshold": failures,
+    }
+
+
+def _scaled_object(spec: Spec, options: K8sOptions, group: Group, meta: dict[str, Any]) -> Manifest:
+    """One Prometheus trigger per workload (KEDA scales to the highest): the requests
+    waiting, and for generate the sequences in flight too, per pod (AverageValue)."""
+    triggers = []
+    for name in group.workloads:
+        workload = spec.workloads[name]
+        assert isinstance(workload, InteractiveWorkload)
+        where = f'namespace="{options.namespace}",service="{group.app_name}",workload="{name}"'
+        query = f"sum(lanes_queue_depth{{{where}}})"
+        if workload.task == "generate":
+            query += f" + sum(lanes_sequences_in_flight{{{where}}})"
+        target = workload.deploy.target_queue_depth or workload.batching.max_batch_size
+        triggers.append(
+            {
+                "type": "prometheus",
+                "name": name,
+                "metricType": "AverageValue",
+                "metadata": {
+                    "serverAddress": options.prometheus,
+                    "query": query,
+                    "threshold": str(target),
+                    # From zero, the first waiting request wakes the group.
+                    "activationThreshold": "0",
+                    "ignoreNullValues": "true",
+                },
+            }
+        )
+    return {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": meta,
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": meta["name"]},
+            "minReplicaCount": group.deploy.min_replicas,
+            "maxReplicaCount": group.deploy.max_replicas,
+            "pollingInterval": 15,
+            "cooldownPeriod": 300,
+            "triggers": triggers,
+        },
+    }
+
+
+def _service_monitor(
+    options: K8sOptions, meta: dict[str, Any], selector: dict[str, str]
+) -> Manifest:
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": meta,
+        "spec": {
+            "selector": {"matchLabels": selector},
+            "namespaceSelector": {"matchNames": [options.namespace]},
+            "endpoints": [
+                {
+                    "port": "http",
+                    "path": "/metrics",
+                    "interval": "15s",
+                    # /metrics takes the API key like every route but the health checks.
+                    "authorization": {
+                        "type": "Bearer",
+                        "credentials": {"name": options.api_key_secret, "key": "api-key"},
+                    },
+                }
+            ],
+        },
+    }
+
+
+class _Dumper(yaml.SafeDumper):
+    """Block style, the spec's text as a literal block: readable and stable."""
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def dump(value: Any) -> str:
+    """YAML in the order the dicts were built, never wrapped."""
+    text: str = yaml.dump(
+        value, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1_000_000
+    )
+    return text
+
+
+def dump_all(objects: Sequence[Manifest]) -> str:
+    return "".join("---\n" + dump(o) for o in objects)

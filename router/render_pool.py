@@ -1,0 +1,390 @@
+"""The offline half of `lanes render k8s`: a Prefect Kubernetes work pool's base job
+template (each flow run a Job of the worker image, one GPU on cuda) and the Prefect
+worker that polls the pool, with the service account and role it needs to make Jobs.
+
+The template has the shape of prefect-kubernetes' own (a `job_configuration` whose
+`{{ placeholders }}` Prefect fills from `variables`, a JSON schema with defaults), so
+`prefect work-pool create POOL --type kubernetes --base-job-template FILE` takes it.
+"""
+
+from __future__ import annotations
+
+from pathlib import PurePosixPath
+from typing import Any
+
+from lanes.router.render_k8s import GPU, K8sOptions, Manifest, labels, models_mount, uses_gpu
+from lanes.settings import Settings
+from lanes.spec import OfflineWorkload, Spec
+
+JOB_CONTAINER = "prefect-job"
+
+
+def offline_models(spec: Spec) -> list[str]:
+    return [w.model for w in spec.workloads.values() if isinstance(w, OfflineWorkload)]
+
+
+def _variable(kind: str, default: Any, description: str) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": kind, "description": description}
+    if default is not None:
+        schema["default"] = default
+    return schema
+
+
+def base_job_template(
+    spec: Spec, settings: Settings, options: K8sOptions, image: str
+) -> dict[str, Any]:
+    """The work pool's base job template for the spec's offline workloads."""
+    gpu = uses_gpu(settings.device)
+    env = {
+        "DO_NOT_TRACK": "1",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_HOME": "/tmp/prefect",
+        "LANES_HOME": "/tmp/lanes",
+        "LANES_DEVICE": settings.device,
+        # onnxruntime would size its pool by the node's cores, not the pod's share.
+        "LANES_THREADS": str(options.offline_cpu),
+    }
+    if settings.s3_endpoint:
+        env["LANES_S3_ENDPOINT"] = settings.s3_endpoint
+    resources: dict[str, Any] = {
+        "requests": {"cpu": str(options.offline_cpu), "memory": options.offline_memory},
+        "limits": {"memory": options.offline_memory},
+    }
+    if gpu:
+        resources["limits"][GPU] = 1
+    container: dict[str, Any] = {
+        "name": JOB_CONTAINER,
+        "image": "{{ image }}",
+        "imagePullPolicy": "{{ image_pull_policy }}",
+        "args": "{{ command }}",
+        "env": "{{ env }}",
+        "workingDir": options.project_dir,
+        "resources": resources,
+    }
+    pod: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "serviceAccountName": "{{ service_account_name }}",
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "fsGroup": 10001},
+        "containers": [container],
+    }
+    if gpu:
+        pod["tolerations"] = [{"key": GPU, "operator": "Exists", "effect": "NoSchedule"}]
+    if options.models_claim and offline_models(spec):
+        where = models_mount(spec, offline_models(spec), options.project_dir)
+        container["volumeMounts"] = [{"name": "models", "mountPath": where, "readOnly": True}]
+        pod["volumes"] = [
+            {
+                "name": "models",
+                "persistentVolumeClaim": {"claimName": options.models_claim, "readOnly": True},
+            }
+        ]
+    job_manifest = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "generateName": "{{ name }}-",
+            "namespace": "{{ namespace }}",
+            "labels": "{{ labels }}",
+        },
+        "spec": {
+            # Prefect retries shards itself; a failed pod is a failed flow run.
+            "backoffLimit": 0,
+            "ttlSecondsAfterFinished": "{{ finished_job_ttl }}",
+            "template": {"spec": pod},
+        },
+    }
+    variables = {
+        "name": _variable("string", None, "Name given to infrastructure created by a worker."),
+        "namespace": _variable(
+            "string", options.namespace, "The Kubernetes namespace of the Jobs."
+        ),
+        "image": _variable("string", image, "The image each flow run's Job runs."),
+        "image_pull_policy": {
+            **_variable("string", "IfNotPresent", "When the kubelet pulls the image."),
+            "enum": ["IfNotPresent", "Always", "Never"],
+        },
+        "service_account_name": _variable(
+            "string", "default", "The Jobs' service account (S3 access, e.g. IRSA)."
+        ),
+        "finished_job_ttl": _variable("integer", 3600, "Seconds a finished Job is kept."),
+        "job_watch_timeout_seconds": _variable(
+            "integer", None, "How long the worker watches a Job (none: no limit)."
+        ),
+        "pod_watch_timeout_seconds": _variable(
+            "integer", 600, "How long the worker waits for the pod to start (image pull, GPU node)."
+        ),
+        "stream_output": _variable("boolean", True, "Copy the Job's output to the worker's log."),
+        "env": {
+            **_variable("object", env, "Environment of the flow run."),
+            "additionalProperties": {"type": ["string", "null"]},
+        },
+        "labels": {
+            **_variable("object", labels("offline", "flow-run"), "Labels of the Jobs."),
+            "additionalProperties": {"type": "string"},
+        },
+        "command": _variable("string", None, "The command (default: Prefect's flow-run command)."),
+        "cluster_config": _variable("object", None, "A cluster config block (none: in-cluster)."),
+    }
+    return {
+        "job_configuration": {
+            "command": "{{ command }}",
+            "env": "{{ env }}",
+            "labels": "{{ labels }}",
+            "name": "{{ name }}",
+            "namespace": "{{ namespace }}",
+            "job_manifest": job_manifest,
+            "cluster_config": "{{ cluster_config }}",
+            "job_watch_timeout_seconds": "{{ job_watch_timeout_seconds }}",
+            "pod_watch_timeout_seconds": "{{ pod_watch_timeout_seconds }}",
+            "stream_output": "{{ stream_output }}",
+        },
+        "variables": {"type": "object", "properties": variables},
+    }
+
+
+def worker_objects(settings: Settings, options: K8sOptions, image: str) -> list[Manifest]:
+    """The Prefect worker that polls the pool and makes one Job per flow run."""
+    name, ns = "prefect-worker", options.namespace
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": ns,
+        "labels": labels("prefect-worker", settings.work_pool),
+    }
+    selector = {"app.kubernetes.io/name": "lanes", "app.kubernetes.io/component": "prefect-worker"}
+    container = {
+        "name": "worker",
+        "image": image,
+        "args": [
+            "prefect",
+            "worker",
+            "start",
+            "--pool",
+            settings.work_pool,
+            "--type",
+            "kubernetes",
+        ],
+        "env": [
+            {
+                "name": "PREFECT_API_URL",
+                "valueFrom": {"secretKeyRef": {"name": options.prefect_api_secret, "key": "url"}},
+            },
+            {"name": "DO_NOT_TRACK", "value": "1"},
+            {"name": "PREFECT_SERVER_ANALYTICS_ENABLED", "value": "false"},
+            {"name": "PREFECT_HOME", "value": "/tmp/prefect"},
+        ],
+        "workingDir": str(PurePosixPath(options.project_dir)),
+        "resources": {
+            "requests": {"cpu": "100m", "memory": "256Mi"},
+            "limits": {"memory": "512Mi"},
+        },
+        "securityContext": {"runAsNonRoot": True, "allowPrivilegeEscalation": False},
+    }
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": meta,
+            "rules": [
+                {
+                    "apiGroups": ["batch"],
+                    "resources": ["jobs"],
+                    "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"],
+                },
+                {
+                    "apiGroups": [""],
+                    "resources": ["pods", "pods/log", "pods/status", "events"],
+                    "verbs": ["get", "list", "watch"],
+                },
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": meta,
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}],
+            "roleRef": {"kind": "Role", "name": name, "apiGroup": "rbac.authorization.k8s.io"},
+        },
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": meta,
+            "spec": {
+                # One poller per pool: two would only race for the same flow runs.
+                "replicas": 1,
+                "selector": {"matchLabels": selector},
+                "template": {
+                    "metadata": {"labels": {**meta["labels"]}},
+                    "spec": {
+                        "serviceAccountName": name,
+                        "securityContext": {"runAsNonRoot": True, "runAsUser": 10001},
+                        "containers": [container],
+                    },
+                },
+            },
+        },
+    ]
+
+
+def dask_objects(
+    spec: Spec, settings: Settings, options: K8sOptions, image: str, workers: int
+) -> list[Manifest]:
+    """A Dask scheduler (Deployment and Service) and `workers` worker pods for each
+    offline workload whose `runner.address` names a host in the cluster
+    (tcp://NAME:PORT), so the flow run's shards spread over those pods."""
+    found: list[Manifest] = []
+    done: set[str] = set()
+    for w in spec.workloads.values():
+        if not isinstance(w, OfflineWorkload) or w.runner.kind != "dask" or not w.runner.address:
+            continue
+        scheme, _, rest = w.runner.address.partition("://")
+        host, _, port_text = rest.partition(":")
+        if scheme != "tcp" or "." in host or host in done:
+            continue  # an address outside the cluster, or one already rendered
+        done.add(host)
+        port = int(port_text or 8786)
+        found += _dask_cluster(spec, settings, options, image, host, port, workers)
+    return found
+
+
+def _dask_cluster(
+    spec: Spec,
+    settings: Settings,
+    options: K8sOptions,
+    image: str,
+    host: str,
+    port: int,
+    workers: int,
+) -> list[Manifest]:
+    ns = options.namespace
+    scheduler_sel = {
+        "app.kubernetes.io/name": "lanes",
+        "app.kubernetes.io/component": "dask-scheduler",
+        "app.kubernetes.io/instance": host,
+    }
+    worker_name = f"{host}-worker"
+    worker_sel = {
+        "app.kubernetes.io/name": "lanes",
+        "app.kubernetes.io/component": "dask-worker",
+        "app.kubernetes.io/instance": worker_name,
+    }
+    prefect_env = [
+        {
+            "name": "PREFECT_API_URL",
+            "valueFrom": {"secretKeyRef": {"name": options.prefect_api_secret, "key": "url"}},
+        },
+        {"name": "DO_NOT_TRACK", "value": "1"},
+        {"name": "PREFECT_HOME", "value": "/tmp/prefect"},
+        {"name": "LANES_HOME", "value": "/tmp/lanes"},
+        {"name": "LANES_DEVICE", "value": settings.device},
+        {"name": "LANES_THREADS", "value": str(options.offline_cpu)},
+    ]
+    resources: dict[str, Any] = {
+        "requests": {"cpu": str(options.offline_cpu), "memory": options.offline_memory},
+        "limits": {"memory": options.offline_memory},
+    }
+    worker_pod: dict[str, Any] = {
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "fsGroup": 10001},
+        "containers": [
+            {
+                "name": "dask-worker",
+                "image": image,
+                # One shard at a time per pod: onnxruntime's threads take the cores.
+                "args": [
+                    "dask",
+                    "worker",
+                    f"tcp://{host}:{port}",
+                    "--nworkers",
+                    "1",
+                    "--nthreads",
+                    "1",
+                ],
+                "env": prefect_env,
+                "workingDir": options.project_dir,
+                "resources": resources,
+            }
+        ],
+    }
+    if uses_gpu(settings.device):
+        resources["limits"][GPU] = 1
+        worker_pod["tolerations"] = [{"key": GPU, "operator": "Exists", "effect": "NoSchedule"}]
+    if options.models_claim:
+        where = models_mount(spec, offline_models(spec), options.project_dir)
+        worker_pod["containers"][0]["volumeMounts"] = [
+            {"name": "models", "mountPath": where, "readOnly": True}
+        ]
+        worker_pod["volumes"] = [
+            {
+                "name": "models",
+                "persistentVolumeClaim": {"claimName": options.models_claim, "readOnly": True},
+            }
+        ]
+    scheduler_meta: dict[str, Any] = {
+        "name": host,
+        "namespace": ns,
+        "labels": labels("dask-scheduler", host),
+    }
+    worker_meta: dict[str, Any] = {
+        "name": worker_name,
+        "namespace": ns,
+        "labels": labels("dask-worker", worker_name),
+    }
+    return [
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": scheduler_meta,
+            "spec": {
+                "replicas": 1,
+                "selector": {"matchLabels": scheduler_sel},
+                "template": {
+                    "metadata": {"labels": {**scheduler_meta["labels"]}},
+                    "spec": {
+                        "securityContext": {"runAsNonRoot": True, "runAsUser": 10001},
+                        "containers": [
+                            {
+                                "name": "dask-scheduler",
+                                "image": image,
+                                "args": ["dask", "scheduler", "--port", str(port)],
+                                "ports": [
+                                    {"name": "dask", "containerPort": port, "protocol": "TCP"},
+                                    {"name": "dashboard", "containerPort": 8787, "protocol": "TCP"},
+                                ],
+                                "resources": {
+                                    "requests": {"cpu": "500m", "memory": "1Gi"},
+                                    "limits": {"memory": "2Gi"},
+                                },
+                            }
+                        ],
+                    },
+                },
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": scheduler_meta,
+            "spec": {
+                "selector": scheduler_sel,
+                "ports": [
+                    {"name": "dask", "port": port, "targetPort": "dask", "protocol": "TCP"},
+                    {
+                        "name": "dashboard",
+                        "port": 8787,
+                        "targetPort": "dashboard",
+                        "protocol": "TCP",
+                    },
+                ],
+            },
+        },
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": worker_meta,
+            "spec": {
+                "replicas": workers,
+                "selector": {"matchLabels": worker_sel},
+                "template": {"metadata": {"labels": {**worker_meta["labels"]}}, "spec": worker_pod},
+            },
+        },
+    ]

@@ -1,0 +1,440 @@
+"""The OpenAI Batch API on the endpoint, through the official `openai` client, against a
+real uvicorn server, a real Prefect server and a real process worker that runs the
+batches in the offline lane.
+
+A shard is held open with the FileGate (tests/batch_hooks.py: a text that says HOLD
+waits in the worker until the test creates the gate file), never with a timing window;
+the completion window passes by the server's injected wall clock.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from lanes.jobs import Job
+from lanes.settings import Settings
+from lanes.specfile import load_spec
+from tests.batch_hooks import MARK
+from tests.flows_fixtures import moto_server, outputs_of, s3_env, text, write_spec
+from tests.gates import GATE_FILE_ENV, ManualClock, held_marker, wait_until
+from tests.prefect_server import PREFECT, PrefectServer
+from tests.servers import ServerThread
+
+pytestmark = pytest.mark.slow
+
+SHARD_LINES = 3
+BUCKET = "lanes-batch-store"
+WAIT_S = 180.0  # a batch: the worker starts a flow run process and loads the model
+WORKLOADS = {
+    "embed-live": {
+        "mode": "interactive",
+        "task": "embed",
+        "model": "enc",
+        "handler": "tests.batch_hooks:hold",
+    },
+    "embed-night": {
+        "mode": "offline",
+        "task": "embed",
+        "model": "enc",
+        "input": "in/",
+        "output": "out/",
+        "schedule": {"cron": "0 3 * * *", "timezone": "UTC"},
+        "max_error_rate": 1.0,  # a shard of three lines has one too long
+    },
+}
+
+
+@dataclass
+class Setup:
+    project: Path
+    spec: Path
+    store: Path
+    env: dict[str, str]  # a process's: Prefect, the store
+    gate: Path
+    clock: ManualClock  # seconds since the epoch, as the server sees them
+    api: str  # the Prefect API
+
+    def server(self, store: str | None = None) -> ServerThread:
+        batch = {"store": store or str(self.store), "shard_lines": SHARD_LINES}
+        return ServerThread(self.spec, now=self.clock, batch=batch, prefect_api_url=self.api)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from lanes.router.deploy import deploy
+
+    root = tmp_path_factory.mktemp("batches")
+    project = root / "project"
+    spec = write_spec(project, WORKLOADS)
+    (project / "in").mkdir()
+    store, gate = root / "store", root / "gate"
+    with (
+        PrefectServer(root / "prefect-home") as prefect,
+        pytest.MonkeyPatch.context() as env,
+        moto_server() as s3,
+    ):
+        prefect.wait()
+        s3_env(env, s3).create_bucket(Bucket=BUCKET)
+        env.setenv("LANES_BATCH__STORE", str(store))
+        with temporary_settings(updates={PREFECT_API_URL: prefect.api_url}):
+            deployed = deploy(load_spec(spec), spec, Settings())
+        assert "lanes-offline/openai_batch" in deployed.deployments
+        process_env = {
+            **prefect.env,
+            "LANES_BATCH__STORE": str(store),
+            GATE_FILE_ENV: str(gate),
+            "PREFECT_WORKER_QUERY_SECONDS": "1",
+            # The S3 test's store: the worker reads its batches' inputs there.
+            "LANES_ALLOWED_INPUT_ROOTS": json.dumps([f"s3://{BUCKET}/"]),
+            **{k: v for k, v in os.environ.items() if k.startswith("AWS_")},
+            "PYTHONPATH": os.pathsep.join(sys.path),
+        }
+        worker = subprocess.Popen(
+            [*PREFECT, "worker", "start", "--pool", "lanes"],
+            env=process_env,
+            cwd=project,
+            stdout=(root / "worker.log").open("wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            clock = ManualClock(1.9e9)
+            yield Setup(project, spec, store, process_env, gate, clock, prefect.api_url)
+        finally:
+            worker.terminate()
+            worker.wait(timeout=60)
+
+
+def lines_for(model: str, texts: list[str], url: str = "/v1/embeddings") -> bytes:
+    rows = [
+        {"custom_id": f"r{i}", "method": "POST", "url": url, "body": {"model": model, "input": t}}
+        for i, t in enumerate(texts)
+    ]
+    return b"".join(json.dumps(r).encode() + b"\n" for r in rows)
+
+
+def finished(client: openai.OpenAI, batch_id: str) -> Any:
+    final = {"completed", "failed", "expired", "cancelled"}
+    return wait_until_value(lambda: _if(client.batches.retrieve(batch_id), final), WAIT_S)
+
+
+def _if(batch: Any, statuses: set[str]) -> Any:
+    return batch if batch.status in statuses else None
+
+
+def wait_until_value(check: Any, timeout: float) -> Any:
+    found: list[Any] = []
+
+    def probe() -> bool:
+        value = check()
+        if value is not None:
+            found.append(value)
+        return value is not None
+
+    wait_until(probe, "the batch", timeout)
+    return found[-1]
+
+
+def jsonl(content: bytes) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in content.splitlines() if line.strip()]
+
+
+def without_ids(line: dict[str, Any], vectors: bool = True) -> dict[str, Any]:
+    """A line less what names its run (the request id is made from the shard's URI),
+    and without `vectors`, less its embeddings."""
+    line = json.loads(json.dumps(line))
+    del line["id"]
+    if isinstance(line.get("response"), dict):
+        del line["response"]["request_id"]
+        if not vectors:
+            for item in line["response"]["body"].get("data", []):
+                del item["embedding"]
+    return line
+
+
+def vectors(lines: list[dict[str, Any]]) -> list[list[float]]:
+    return [line["response"]["body"]["data"][0]["embedding"] for line in lines]
+
+
+def test_a_batch_runs_in_the_offline_lane_as_lanes_run_does(setup: Setup) -> None:
+    texts = [text(i) for i in range(7)] + ["w1 " * 400]  # the last is over max_length
+    body = lines_for("embed-night", texts)
+    (setup.project / "in" / "mine.jsonl").write_bytes(body)
+    with setup.server() as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        uploaded = client.files.create(file=("mine.jsonl", io.BytesIO(body)), purpose="batch")
+        assert (uploaded.bytes, uploaded.filename, uploaded.purpose) == (
+            len(body),
+            "mine.jsonl",
+            "batch",
+        )
+        assert client.files.content(uploaded.id).read() == body
+        batch = client.batches.create(
+            input_file_id=uploaded.id,
+            endpoint="/v1/embeddings",
+            completion_window="24h",
+            metadata={"team": "search"},
+        )
+        assert batch.status == "in_progress" and batch.request_counts.total == 8
+        done = finished(client, batch.id)
+        assert done.status == "completed", done.errors
+        assert done.metadata == {"team": "search"}
+        assert (done.request_counts.completed, done.request_counts.failed) == (7, 1)
+        output = jsonl(client.files.content(done.output_file_id).read())
+        errors = jsonl(client.files.content(done.error_file_id).read())
+        assert sorted(line["custom_id"] for line in output) == [f"r{i}" for i in range(7)]
+        assert [(e["custom_id"], e["line"]) for e in errors] == [("r7", 8)]
+
+    # `lanes run` of the same workload over the same file writes the same lines.
+    ran_it = subprocess.run(
+        [sys.executable, "-m", "lanes.router.cli", "run", "embed-night", "--output", "out/"],
+        env=setup.env,
+        cwd=setup.project,
+        capture_output=True,
+        timeout=300,
+    )
+    assert ran_it.returncode == 3, ran_it.stderr  # finished, one record rejected
+    ran = outputs_of(setup.project / "out")
+    # Equal but for the last float bits: shards of other sizes pad their batches otherwise.
+    assert [without_ids(x, vectors=False) for x in output] == [
+        without_ids(x, vectors=False) for x in ran
+    ]
+    np.testing.assert_allclose(vectors(output), vectors(ran), atol=1e-6)
+    ran_errors = jsonl((setup.project / "out" / "_errors" / "mine.jsonl").read_bytes())
+    assert [without_ids(x) for x in errors] == [without_ids(x) for x in ran_errors]
+
+    # client.job(batch id) follows the same run as a submitted job.
+    job = Job(done.id, Settings(), prefect_api_url=setup.api)
+    assert job.status() == "COMPLETED_WITH_ERRORS"
+    assert sorted(r["id"] for r in job.results()) == [f"r{i}" for i in range(7)]
+    listed = subprocess.run(
+        [sys.executable, "-m", "lanes.router.cli", "job"],
+        env=setup.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert listed.returncode == 0, listed.stderr
+    mine = [line.split() for line in listed.stdout.splitlines() if line.startswith(done.id)]
+    assert [row[1:3] for row in mine] == [["batch", "COMPLETED_WITH_ERRORS"]]
+
+
+def test_an_interactive_workloads_batch_equals_the_endpoint(setup: Setup) -> None:
+    texts = [text(i) for i in range(5)]
+    with setup.server() as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        uploaded = client.files.create(
+            file=("live.jsonl", io.BytesIO(lines_for("embed-live", texts))), purpose="batch"
+        )
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
+        )
+        done = finished(client, batch.id)
+        assert done.status == "completed" and done.error_file_id is None, done
+        output = jsonl(client.files.content(done.output_file_id).read())
+        online = client.embeddings.create(model="embed-live", input=texts)
+    for line, answer in zip(output, online.data, strict=True):
+        vector = line["response"]["body"]["data"][0]["embedding"]
+        np.testing.assert_allclose(vector, answer.embedding, atol=1e-6)
+
+
+def test_a_malformed_file_fails_in_validating_naming_the_line(setup: Setup) -> None:
+    good = lines_for("embed-live", ["w1 w2"]).decode()
+    body = good + "{not json\n" + good.replace("r0", "r1").replace("/v1/embeddings", "/v1/x")
+    with setup.server() as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        uploaded = client.files.create(file=("bad.jsonl", body.encode()), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
+        )
+        assert batch.status == "failed"
+        assert batch.errors is not None
+        found = [(e.line, e.param) for e in batch.errors.data or []]
+        assert found == [(2, None), (3, "url")], batch.errors
+        assert "line 2: not JSON" in (batch.errors.data or [])[0].message
+        # No such file, a bad window: answered at once, in OpenAI's shape.
+        with pytest.raises(openai.NotFoundError):
+            client.batches.create(
+                input_file_id="file-nope", endpoint="/v1/embeddings", completion_window="24h"
+            )
+        with pytest.raises(openai.BadRequestError, match="completion_window"):
+            client.batches.create(
+                input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="soon"
+            )
+        with pytest.raises(openai.BadRequestError, match="purpose"):
+            client.files.create(file=("x.jsonl", b"{}\n"), purpose="fine-tune")
+
+
+def held_batch(client: openai.OpenAI, setup: Setup) -> Any:
+    """A batch of three shards whose second holds at the gate until the test opens it;
+    returned once the other two committed."""
+    texts = [text(i) for i in range(9)]
+    texts[3] = f"{MARK} w1 w2"
+    uploaded = client.files.create(
+        file=("held.jsonl", lines_for("embed-live", texts)), purpose="batch"
+    )
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="1h"
+    )
+    wait_until(held_marker(setup.gate).exists, "shard 2 held", WAIT_S)
+    wait_until(
+        lambda: client.batches.retrieve(batch.id).request_counts.completed == 6,  # type: ignore[union-attr]
+        "shards 1 and 3 committed",
+        WAIT_S,
+    )
+    return batch
+
+
+@pytest.fixture
+def closed_gate(setup: Setup) -> Iterator[None]:
+    setup.gate.unlink(missing_ok=True)
+    held_marker(setup.gate).unlink(missing_ok=True)
+    try:
+        yield
+    finally:
+        setup.gate.touch()  # whatever still waits goes on
+
+
+def test_cancel_mid_run_keeps_the_committed_lines(setup: Setup, closed_gate: None) -> None:
+    with setup.server() as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        batch = held_batch(client, setup)
+        cancelling = client.batches.cancel(batch.id)
+        assert cancelling.status in ("cancelling", "cancelled")
+        done = finished(client, batch.id)
+        assert done.status == "cancelled", done
+        output = jsonl(client.files.content(done.output_file_id).read())
+        assert sorted(line["custom_id"] for line in output) == [f"r{i}" for i in (0, 1, 2, 6, 7, 8)]
+        with pytest.raises(openai.BadRequestError, match="already cancelled"):
+            client.batches.cancel(batch.id)
+
+
+def test_a_passed_window_expires_the_batch_with_its_finished_lines(
+    setup: Setup, closed_gate: None
+) -> None:
+    with setup.server() as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        batch = held_batch(client, setup)
+        setup.clock.advance(3601)
+        done = finished(client, batch.id)
+        assert done.status == "expired", done
+        assert done.expired_at is not None
+        output = jsonl(client.files.content(done.output_file_id).read())
+        errors = jsonl(client.files.content(done.error_file_id).read())
+    assert sorted(line["custom_id"] for line in output) == [f"r{i}" for i in (0, 1, 2, 6, 7, 8)]
+    assert [(e["custom_id"], e["line"]) for e in errors] == [("r3", 4), ("r4", 5), ("r5", 6)]
+    assert {e["error"]["code"] for e in errors} == {"batch_expired"}
+    assert (done.request_counts.completed, done.request_counts.failed) == (6, 3)
+
+
+def test_a_restarted_server_still_reports_the_batch(setup: Setup, closed_gate: None) -> None:
+    with setup.server() as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        batch = held_batch(client, setup)
+    setup.gate.touch()
+    with setup.server() as again:
+        client = openai.OpenAI(base_url=f"{again.url}/v1", api_key="none")
+        done = finished(client, batch.id)
+        assert done.status == "completed" and done.request_counts.completed == 9, done
+
+
+def test_batches_list_paginates(setup: Setup) -> None:
+    with setup.server() as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        uploaded = client.files.create(file=("p.jsonl", b"{}\n"), purpose="batch")
+        made = []
+        for _ in range(3):
+            setup.clock.advance(1)  # newest first: by creation time
+            batch = client.batches.create(
+                input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
+            )
+            made.append(batch.id)
+        seen = [b.id for b in client.batches.list(limit=2)]  # the iterator follows `after`
+        first = client.batches.list(limit=2)
+        assert first.has_more and len(first.data) == 2
+        assert [i for i in seen if i in made] == made[::-1]
+        listed = httpx.get(f"{server.url}/v1/files", timeout=10).json()
+        assert uploaded.id in [f["id"] for f in listed["data"]]
+        client.files.delete(uploaded.id)
+        with pytest.raises(openai.NotFoundError):
+            client.files.retrieve(uploaded.id)
+
+
+def test_the_store_on_s3(setup: Setup) -> None:
+    import boto3
+
+    texts = [text(i) for i in range(4)]
+    with setup.server(f"s3://{BUCKET}/store/") as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        uploaded = client.files.create(
+            file=("s3.jsonl", lines_for("embed-live", texts)), purpose="batch"
+        )
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
+        )
+        done = finished(client, batch.id)
+        assert done.status == "completed", done.errors
+        output = jsonl(client.files.content(done.output_file_id).read())
+    assert sorted(line["custom_id"] for line in output) == ["r0", "r1", "r2", "r3"]
+    listed = boto3.client("s3").list_objects_v2(Bucket=BUCKET, Prefix="store/files/")
+    keys = {obj["Key"] for obj in listed["Contents"]}
+    assert f"store/files/{uploaded.id}.data" in keys
+    assert f"store/files/{done.output_file_id}.data" in keys
+    assert not list(setup.store.glob(f"**/{uploaded.id}*"))
+
+
+def test_the_readme_example_runs(setup: Setup, capsys: pytest.CaptureFixture[str]) -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = readme.split("## Batch API", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    polls: list[float] = []
+
+    def sleep(seconds: float) -> None:  # the example's poll, bounded and short
+        assert len(polls) < WAIT_S * 4, "the README's batch never ended"
+        polls.append(seconds)
+        time.sleep(0.25)
+
+    with setup.server() as server:
+        code = block.replace("http://127.0.0.1:8000", server.url).replace(
+            '"search-query"', '"embed-live"'
+        )
+        code = code.replace("time.sleep(5)", "sleep(5)")
+        exec(compile(code, "README.md", "exec"), {"sleep": sleep})
+    printed = jsonl(capsys.readouterr().out.encode())
+    assert sorted(line["custom_id"] for line in printed) == ["q0", "q1"]
+
+
+def test_start_latest_schedules_the_run_before_the_deadline(setup: Setup) -> None:
+    now = time.time()
+    batch_settings = {"store": str(setup.store), "shard_lines": SHARD_LINES, "start": "latest"}
+    server = ServerThread(
+        setup.spec, now=lambda: now, batch=batch_settings, prefect_api_url=setup.api
+    )
+    with server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        uploaded = client.files.create(
+            file=("late.jsonl", lines_for("embed-live", ["w1 w2"])), purpose="batch"
+        )
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
+        )
+        run = Job(batch.id, Settings(), prefect_api_url=setup.api).scheduled_time()
+        assert run is not None
+        assert now + 60 < run.timestamp() <= batch.expires_at
+        assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+        assert finished(client, batch.id).status == "cancelled"

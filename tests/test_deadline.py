@@ -1,0 +1,42 @@
+"""Deadline scheduling (lanes.deadline) with an injected clock: no waiting, no wall time."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from lanes.deadline import MARGIN, STARTUP_S, plan_start
+
+NOW = datetime(2030, 1, 1, 22, 0, tzinfo=UTC)
+OPENS = datetime(2030, 1, 2, 2, 0, tzinfo=UTC)  # the off-peak window
+FINISH_BY = datetime(2030, 1, 2, 7, 0, tzinfo=UTC)
+
+
+def test_the_start_is_the_latest_that_ends_by_the_deadline() -> None:
+    plan = plan_start(36_000, 10.0, FINISH_BY, OPENS, NOW)  # one hour of work
+    needed = timedelta(seconds=3600 * (1 + MARGIN) + STARTUP_S)
+    assert plan.start == FINISH_BY - needed == datetime(2030, 1, 2, 5, 44, tzinfo=UTC)
+    assert plan.expected_finish == plan.start + timedelta(seconds=3600 + STARTUP_S)
+    assert plan.on_time and "latest moment" in plan.note
+
+
+def test_a_run_that_does_not_fit_off_peak_starts_now_and_says_so() -> None:
+    plan = plan_start(36_000 * 6, 10.0, FINISH_BY, OPENS, NOW)  # six hours: before 02:00
+    assert plan.start == NOW
+    assert plan.on_time and "does not fit" in plan.note and "inside the off-peak" in plan.note
+
+
+def test_an_impossible_deadline_starts_now_and_says_so() -> None:
+    plan = plan_start(36_000 * 24, 10.0, FINISH_BY, OPENS, NOW)  # a day of work
+    assert plan.start == NOW and not plan.on_time
+    assert plan.expected_finish == NOW + timedelta(seconds=24 * 3600 + STARTUP_S)
+    assert "even if started now" in plan.note
+
+
+def test_without_a_measured_rate_it_starts_when_the_window_opens() -> None:
+    plan = plan_start(100, None, FINISH_BY, OPENS, NOW)
+    assert plan.start == OPENS and plan.expected_finish is None
+    assert "lanes calibrate" in plan.note
+    # A window already open opens now.
+    assert plan_start(100, None, FINISH_BY, OPENS, OPENS + timedelta(hours=1)).start == (
+        OPENS + timedelta(hours=1)
+    )

@@ -1,0 +1,194 @@
+"""infra/images: the Dockerfiles, parsed (these machines run no containers), and the
+extras they install, checked against pyproject.toml; and `lanes serve` run with only
+what the serve extra brings (prefect, torch and the offline packages cannot import).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from dockerfile_parse import DockerfileParser
+
+from tests.flows_fixtures import DIM, embed_model
+from tests.servers import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+IMAGES = ROOT / "infra" / "images"
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+# What the serving image must not hold, and what only the offline lane needs.
+NOT_SERVING = ("torch", "prefect", "prefect_dask", "dask", "distributed", "boto3", "pyarrow")
+
+
+def _parsed(name: str) -> DockerfileParser:
+    return DockerfileParser(path=str(IMAGES / name))
+
+
+def _instructions(parser: DockerfileParser, stage: str) -> list[tuple[str, str]]:
+    """(instruction, value) of one stage, from its FROM to the next FROM."""
+    found: list[tuple[str, str]] = []
+    inside = False
+    for item in parser.structure:
+        if item["instruction"] == "FROM":
+            inside = item["value"].split()[-1] == stage
+            continue
+        if inside and item["instruction"] != "COMMENT":
+            found.append((item["instruction"], item["value"]))
+    return found
+
+
+def _closure(extra: str) -> set[str]:
+    """Every requirement name an extra of lanes pulls in, following `lanes[...]`."""
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    names: set[str] = set()
+    pending = [extra]
+    seen: set[str] = set()
+    while pending:
+        current = pending.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        for requirement in extras[current]:
+            inner = re.match(r"lanes\[([\w,]+)\]", requirement)
+            if inner:
+                pending += inner.group(1).split(",")
+            else:
+                names.add(re.split(r"[\[<>=~;! ]", requirement, maxsplit=1)[0].lower())
+    return names | {
+        re.split(r"[\[<>=~;! ]", r, maxsplit=1)[0].lower()
+        for r in PYPROJECT["project"]["dependencies"]
+    }
+
+
+@pytest.mark.parametrize(
+    ("dockerfile", "stage", "extra", "ports"),
+    [
+        ("serve.Dockerfile", "serve", "serve", {"8000"}),
+        ("worker.Dockerfile", "worker", "worker", {"8786", "8787"}),
+    ],
+)
+def test_each_image_installs_its_extra_as_non_root_on_the_cuda_base(
+    dockerfile: str, stage: str, extra: str, ports: set[str]
+) -> None:
+    parser = _parsed(dockerfile)
+    default_base = re.search(r"^ARG BASE=(\S+)$", parser.content, re.M)
+    assert default_base is not None, "a BASE build argument with a default"
+    base = default_base.group(1)
+    assert re.fullmatch(r"nvidia/cuda:13\.\d+\.\d+-cudnn-runtime-ubuntu\d+\.\d+", base), base
+    # Every stage starts from that base (or from a stage of this file).
+    stages = [s["value"].split() for s in parser.structure if s["instruction"] == "FROM"]
+    assert all(words[0] in ("${BASE}", stage) for words in stages), stages
+
+    runs = [v for i, v in _instructions(parser, "build") if i == "RUN"]
+    installs = [r for r in runs if "pip install" in r]
+    assert installs == [f'/opt/lanes/bin/pip install --no-cache-dir ".[{extra}]"'], installs
+    assert not any(
+        "torch" in line for line in parser.content.splitlines() if not line.startswith("#")
+    )
+
+    final = _instructions(parser, stage)
+    users = [v for i, v in final if i == "USER"]
+    assert users and users[-1] not in ("0", "root"), users
+    assert "useradd --uid " + users[-1] in " ".join(v for i, v in final if i == "RUN")
+    exposed = {p for i, v in final if i == "EXPOSE" for p in v.split()}
+    assert exposed == ports
+    healthchecks = [v for i, v in final if i == "HEALTHCHECK"]
+    assert len(healthchecks) == 1 and "CMD" in healthchecks[0]
+
+
+def test_the_serving_image_bakes_models_in_its_last_stage_and_mounts_them_in_serve() -> None:
+    parser = _parsed("serve.Dockerfile")
+    assert parser.baseimage == "serve"  # the default target: serve-baked, FROM serve
+    baked = _instructions(parser, "serve-baked")
+    assert baked == [("COPY", "--chown=10001:10001 .lanes/models/ .lanes/models/")]
+    assert not any(".lanes" in v for i, v in _instructions(parser, "serve") if i == "COPY")
+    healthcheck = next(v for i, v in _instructions(parser, "serve") if i == "HEALTHCHECK")
+    assert "/healthz" in healthcheck
+    entry = next(v for i, v in _instructions(parser, "serve") if i == "ENTRYPOINT")
+    command = next(v for i, v in _instructions(parser, "serve") if i == "CMD")
+    assert json.loads(entry) + json.loads(command) == ["lanes", "serve", "/app/workloads.yaml"]
+
+
+def test_the_serve_extra_holds_neither_torch_nor_prefect_and_dev_holds_every_lane() -> None:
+    serving = _closure("serve")
+    assert not serving & {"torch", "prefect", "prefect-dask", "boto3", "pyarrow"}, serving
+    assert {"onnxruntime-gpu", "starlette", "uvicorn", "prometheus-client"} <= serving
+    assert {"prefect", "prefect-dask", "prefect-kubernetes", "boto3"} <= _closure("worker")
+    assert "torch" not in _closure("worker")
+    # `make up` and `make test` install .[dev]: both lanes and the model build.
+    assert {"prefect", "starlette", "torch", "onnxruntime-gpu"} <= _closure("dev")
+
+
+# A finder that refuses the offline lane's packages and torch, as in the serving image.
+_BLOCKED_SERVE = """
+import sys
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in {blocked!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (not in lanes[serve])", name=name)
+        return None
+sys.meta_path.insert(0, Refuse())
+from lanes.router.cli import main
+sys.argv = ["lanes", "serve", {spec!r}, "--port", "{port}"]
+main()
+"""
+
+
+def _embed_spec(folder: Path) -> Path:
+    """A spec of one interactive embed workload `search` on a tiny test encoder."""
+    model, tokenizer = embed_model(folder / "models" / "enc")
+    path = folder / "workloads.yaml"
+    path.write_text(
+        f"version: 1\nmodels:\n  enc: {{path: {model}, tokenizer: {tokenizer}}}\n"
+        "workloads:\n  search: {mode: interactive, task: embed, model: enc}\n"
+    )
+    return path
+
+
+@pytest.mark.slow
+def test_lanes_serve_runs_on_the_serve_extra_alone(tmp_path: Path) -> None:
+    spec = _embed_spec(tmp_path)
+    port = free_port()
+    code = _BLOCKED_SERVE.format(blocked=NOT_SERVING, spec=str(spec), port=port)
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=out)
+    try:
+        ready: dict[str, Any] = {}
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
+            for _ in range(600):  # up to ~60 s for the process to start and load
+                if process.poll() is not None:
+                    break
+                try:
+                    answer = client.get("/readyz")
+                except httpx.TransportError:
+                    answer = None
+                if answer is not None and answer.status_code == 200:
+                    ready = answer.json()
+                    break
+                time.sleep(0.1)
+            assert ready.get("ready") is True, log.read_text()[-2000:]
+            embedded = client.post("/v1/embeddings", json={"model": "search", "input": "hello"})
+            assert embedded.status_code == 200, embedded.text
+            assert len(embedded.json()["data"][0]["embedding"]) == DIM
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+    assert "not in lanes[serve]" not in log.read_text()
+
+
+def test_a_command_whose_extra_is_missing_says_which_to_install(tmp_path: Path) -> None:
+    spec = _embed_spec(tmp_path)
+    code = _BLOCKED_SERVE.format(blocked=("starlette",), spec=str(spec), port=free_port())
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "needs lanes[serve]" in done.stderr and "pip install 'lanes[serve]'" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -1,0 +1,359 @@
+"""`lanes render k8s`: every object valid against the Kubernetes OpenAPI schemas (built-in
+kinds, kubernetes-validate) or its CRD's schema (KEDA ScaledObject, ServiceMonitor:
+tests/fixtures), the same bytes from every run, the GPU only where the device is cuda,
+and autoscaling on series the server really exports."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from lanes.errors import InvalidInput, SpecError
+from lanes.router.render_cli import render_files
+from lanes.router.render_k8s import SHUTDOWN_S, K8sOptions, groups
+from lanes.serving.metrics import Metrics
+from lanes.settings import Settings
+from lanes.specfile import load_spec
+
+K8S_VERSION = "1.33.0"
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).parent / "fixtures"
+CRD_SCHEMAS = {
+    "ScaledObject": FIXTURES / "keda-scaledobject-v2.20.2.schema.json",
+    "ServiceMonitor": FIXTURES / "servicemonitor-v0.93.0.schema.json",
+}
+
+SPEC = """\
+version: 1
+models:
+  minilm: {path: models/minilm/model.onnx, tokenizer: models/minilm/tokenizer.json}
+  tinycode: {path: models/tinycode/model.onnx, tokenizer: models/tinycode/tokenizer.json}
+  classifier: {path: models/classifier/model.onnx}
+workloads:
+  search-query:
+    mode: interactive
+    task: embed
+    model: minilm
+    batching: {max_batch_size: 32}
+  flower-classify:
+    mode: interactive
+    task: infer
+    model: classifier
+    deploy: {target_queue_depth: 8}
+  code-complete:
+    mode: interactive
+    task: generate
+    model: tinycode
+    batching: {max_batch_size: 16}
+    deploy: {group: generate, device: cuda, min_replicas: 0, max_replicas: 8, cpu: "4", memory: 16Gi}
+  embed-corpus:
+    mode: offline
+    task: embed
+    model: minilm
+    input: s3://corpus/in/
+    output: s3://corpus/out/
+    runner: {kind: dask, address: "tcp://dask-scheduler:8786"}
+"""
+OPTIONS = K8sOptions(
+    image="registry.example/lanes-serve:1.0",
+    worker_image="registry.example/lanes-worker:1.0",
+    models_claim="lanes-models",
+)
+
+
+@pytest.fixture
+def spec_path(tmp_path: Path) -> Path:
+    path = tmp_path / "workloads.yaml"
+    path.write_text(SPEC)
+    return path
+
+
+def _render(spec_path: Path, **settings: Any) -> dict[str, str]:
+    s = Settings(**settings)
+    spec = load_spec(spec_path, s, check_files=False)
+    return render_files(yaml.safe_load(spec_path.read_text()), spec, s, OPTIONS)
+
+
+def _objects(files: dict[str, str]) -> list[dict[str, Any]]:
+    return [
+        o
+        for name, text in files.items()
+        if name.endswith(".yaml")
+        for o in yaml.safe_load_all(text)
+    ]
+
+
+def _strict(schema: Any) -> Any:
+    """The CRD schema with unknown fields refused: the API server would silently prune
+    them, so a misspelt key would be lost without a word."""
+    if isinstance(schema, dict):
+        schema = {k: _strict(v) for k, v in schema.items()}
+        if "properties" in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
+            schema.setdefault("additionalProperties", False)
+        return schema
+    if isinstance(schema, list):
+        return [_strict(v) for v in schema]
+    return schema
+
+
+def _validate(obj: dict[str, Any]) -> None:
+    kind = obj["kind"]
+    if kind in CRD_SCHEMAS:
+        schema = json.loads(CRD_SCHEMAS[kind].read_text())
+        jsonschema.validate(obj, _strict(schema))
+    else:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def _by_kind(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    found = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(found) == 1, (kind, name, [(o["kind"], o["metadata"]["name"]) for o in objects])
+    return found[0]
+
+
+def _filled(template: dict[str, Any]) -> dict[str, Any]:
+    """The Job a Prefect Kubernetes worker makes from the base job template: each
+    "{{ var }}" replaced by the variable's default, a key without one dropped, env as
+    the name/value list the worker writes."""
+    defaults = {k: v.get("default") for k, v in template["variables"]["properties"].items()}
+    defaults["name"] = "lanes-offline-run"
+    defaults["env"] = [{"name": k, "value": v} for k, v in defaults["env"].items()]
+
+    def fill(value: Any) -> Any:
+        if isinstance(value, dict):
+            filled = {k: fill(v) for k, v in value.items()}
+            return {k: v for k, v in filled.items() if v is not None}
+        if isinstance(value, list):
+            return [fill(v) for v in value]
+        if isinstance(value, str):
+            whole = re.fullmatch(r"\{\{ (\w+) \}\}", value)
+            if whole:
+                return defaults[whole.group(1)]
+            return re.sub(r"\{\{ (\w+) \}\}", lambda m: str(defaults[m.group(1)]), value)
+        return value
+
+    job: dict[str, Any] = fill(template["job_configuration"]["job_manifest"])
+    return job
+
+
+def test_every_rendered_object_is_valid_against_its_schema(spec_path: Path) -> None:
+    files = _render(spec_path)
+    assert sorted(files) == [
+        "dask.yaml",
+        "prefect-worker.yaml",
+        "serve-generate.yaml",
+        "serve-serve.yaml",
+        "work-pool-lanes.json",
+    ]
+    objects = _objects(files)
+    kinds = sorted({o["kind"] for o in objects})
+    assert kinds == [
+        "ConfigMap",
+        "Deployment",
+        "PodDisruptionBudget",
+        "Role",
+        "RoleBinding",
+        "ScaledObject",
+        "Service",
+        "ServiceAccount",
+        "ServiceMonitor",
+    ]
+    for obj in objects:
+        _validate(obj)
+    job = _filled(json.loads(files["work-pool-lanes.json"]))
+    kubernetes_validate.validate(job, K8S_VERSION, strict=True)
+    assert job["spec"]["template"]["spec"]["containers"][0]["image"] == OPTIONS.worker_image
+
+
+def test_a_misspelt_key_fails_validation(spec_path: Path) -> None:
+    """The checks above can fail: a key the schema does not know is refused, in a
+    built-in kind and in a CRD."""
+    objects = _objects(_render(spec_path))
+    deployment = _by_kind(objects, "Deployment", "lanes-serve")
+    deployment["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        _validate(deployment)
+    scaled = _by_kind(objects, "ScaledObject", "lanes-serve")
+    scaled["spec"]["minReplicas"] = 1
+    with pytest.raises(jsonschema.ValidationError):
+        _validate(scaled)
+
+
+def test_the_same_spec_gives_the_same_bytes_in_every_process(
+    spec_path: Path, tmp_path: Path
+) -> None:
+    folders = []
+    for seed in ("1", "2"):
+        out = tmp_path / f"out-{seed}"
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        args = [
+            sys.executable, "-m", "lanes.router.cli", "render", "k8s", str(spec_path),
+            "--image", OPTIONS.image, "--worker-image", str(OPTIONS.worker_image),
+            "--models-claim", "lanes-models", "--out", str(out),
+        ]  # fmt: skip
+        subprocess.run(args, env=env, check=True, capture_output=True, timeout=120)
+        folders.append({p.name: p.read_bytes() for p in sorted(out.iterdir())})
+    assert folders[0] == folders[1]
+    in_process = {name: text.encode() for name, text in _render(spec_path).items()}
+    assert folders[0] == in_process
+
+
+def test_a_gpu_group_asks_for_the_gpu_and_a_cpu_group_does_not(spec_path: Path) -> None:
+    objects = _objects(_render(spec_path))
+    gpu = _by_kind(objects, "Deployment", "lanes-generate")["spec"]["template"]["spec"]
+    container = gpu["containers"][0]
+    assert container["resources"]["limits"] == {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": 1}
+    assert {"name": "LANES_DEVICE", "value": "cuda"} in container["env"]
+    assert gpu["tolerations"][0]["key"] == "nvidia.com/gpu"
+    cpu = _by_kind(objects, "Deployment", "lanes-serve")["spec"]["template"]["spec"]
+    assert "nvidia.com/gpu" not in cpu["containers"][0]["resources"]["limits"]
+    assert "tolerations" not in cpu
+    # Offline Jobs and Dask workers follow LANES_DEVICE where the spec is rendered.
+    files = _render(spec_path, device="cuda")
+    job = _filled(json.loads(files["work-pool-lanes.json"]))
+    assert (
+        job["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+        == 1
+    )
+    dask_worker = _by_kind(_objects(files), "Deployment", "dask-scheduler-worker")
+    assert (
+        dask_worker["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"][
+            "nvidia.com/gpu"
+        ]
+        == 1
+    )
+    cpu_job = _filled(json.loads(_render(spec_path, device="cpu")["work-pool-lanes.json"]))
+    assert (
+        "nvidia.com/gpu"
+        not in cpu_job["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    )
+
+
+def test_probes_grace_secret_and_models_volume(spec_path: Path) -> None:
+    objects = _objects(_render(spec_path))
+    pod = _by_kind(objects, "Deployment", "lanes-serve")["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["startupProbe"]["httpGet"]["path"] == "/readyz"
+    assert (
+        container["startupProbe"]["failureThreshold"] * container["startupProbe"]["periodSeconds"]
+        >= 300
+    )
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert pod["terminationGracePeriodSeconds"] > OPTIONS.drain_s + SHUTDOWN_S
+    key = next(e for e in container["env"] if e["name"] == "LANES_API_KEY")
+    assert key["valueFrom"]["secretKeyRef"] == {"name": "lanes-api-key", "key": "api-key"}
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["models"]["mountPath"] == "/app/models" and mounts["models"]["readOnly"]
+    assert mounts["spec"]["mountPath"] == "/app/workloads.yaml"
+
+
+def test_each_group_gets_its_own_spec_which_loads(spec_path: Path, tmp_path: Path) -> None:
+    objects = _objects(_render(spec_path))
+    config = _by_kind(objects, "ConfigMap", "lanes-generate")["data"]["workloads.yaml"]
+    pod_spec = tmp_path / "pod" / "workloads.yaml"
+    pod_spec.parent.mkdir()
+    pod_spec.write_text(config)
+    loaded = load_spec(pod_spec, Settings(), check_files=False)
+    assert list(loaded.workloads) == ["code-complete"]
+    assert list(loaded.models) == ["tinycode"]
+    serve = yaml.safe_load(_by_kind(objects, "ConfigMap", "lanes-serve")["data"]["workloads.yaml"])
+    assert list(serve["workloads"]) == ["search-query", "flower-classify"]
+
+
+def test_autoscaling_reads_series_the_server_exports(spec_path: Path) -> None:
+    objects = _objects(_render(spec_path))
+    exported = {family.name for family in Metrics().registry.collect()}
+    triggers = {
+        t["name"]: t
+        for name in ("lanes-serve", "lanes-generate")
+        for t in _by_kind(objects, "ScaledObject", name)["spec"]["triggers"]
+    }
+    assert sorted(triggers) == ["code-complete", "flower-classify", "search-query"]
+    for trigger in triggers.values():
+        assert trigger["type"] == "prometheus"
+        for series in re.findall(r"(lanes_\w+)\{", trigger["metadata"]["query"]):
+            assert series in exported, series
+    assert "lanes_sequences_in_flight" in triggers["code-complete"]["metadata"]["query"]
+    assert triggers["search-query"]["metadata"]["threshold"] == "32"
+    assert triggers["flower-classify"]["metadata"]["threshold"] == "8"
+    generate = _by_kind(objects, "ScaledObject", "lanes-generate")["spec"]
+    assert (generate["minReplicaCount"], generate["maxReplicaCount"]) == (0, 8)
+
+
+def test_workloads_of_one_group_that_disagree_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "workloads.yaml"
+    path.write_text(
+        SPEC.replace("deploy: {target_queue_depth: 8}", "deploy: {device: cuda}").replace(
+            "batching: {max_batch_size: 32}",
+            "batching: {max_batch_size: 32}\n    deploy: {device: cpu}",
+        )
+    )
+    with pytest.raises(InvalidInput, match=r"search-query and flower-classify .*deploy\.device"):
+        groups(load_spec(path, Settings(), check_files=False))
+
+
+def test_a_bad_deploy_block_fails_at_load_with_its_field(tmp_path: Path) -> None:
+    path = tmp_path / "workloads.yaml"
+    path.write_text(
+        SPEC.replace("min_replicas: 0, max_replicas: 8", "min_replicas: 9, max_replicas: 8")
+    )
+    with pytest.raises(SpecError, match=r"workloads\.code-complete\.deploy"):
+        load_spec(path, Settings(), check_files=False)
+
+
+def test_offline_workloads_need_the_worker_image(spec_path: Path) -> None:
+    s = Settings()
+    spec = load_spec(spec_path, s, check_files=False)
+    options = K8sOptions(image=OPTIONS.image)
+    with pytest.raises(InvalidInput, match="--worker-image"):
+        render_files(yaml.safe_load(spec_path.read_text()), spec, s, options)
+
+
+def _plan_render_command() -> list[str]:
+    """The `lanes render k8s` line of infra/README.md's 10M plan, as written."""
+    text = (ROOT / "infra" / "README.md").read_text()
+    section = text.split("**The rendered config.**", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    lines = block.replace("\\\n", " ").splitlines()
+    command = next(line for line in lines if line.startswith("lanes render k8s"))
+    return shlex.split(command, comments=True)
+
+
+def test_the_10m_plan_in_infra_renders_valid_objects(tmp_path: Path) -> None:
+    """infra/README.md's overnight plan, its command as written: valid objects, and the
+    Dask workers it counts on, each with onnxruntime's threads fitted to its CPUs."""
+    args = _plan_render_command()
+    out = args.index("--out")
+    args[out + 1] = str(tmp_path / "k8s")
+    subprocess.run(
+        [sys.executable, "-m", "lanes.router.cli", *args[1:]],
+        cwd=ROOT, check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+    files = {p.name: p.read_text() for p in (tmp_path / "k8s").iterdir()}
+    objects = _objects(files)
+    for obj in objects:
+        _validate(obj)
+    kubernetes_validate.validate(
+        _filled(json.loads(files["work-pool-lanes.json"])), K8S_VERSION, strict=True
+    )
+    workers = _by_kind(objects, "Deployment", "dask-scheduler-worker")
+    assert workers["spec"]["replicas"] == 29
+    container = workers["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][:2] == ["dask", "worker"]
+    assert container["resources"]["requests"]["cpu"] == "2"
+    assert {"name": "LANES_THREADS", "value": "2"} in container["env"]
+    _by_kind(objects, "Service", "dask-scheduler")
+    spec = load_spec(ROOT / "infra" / "plans" / "embed-10m.yaml", Settings(), check_files=False)
+    assert spec.workloads["embed-corpus"].runner.max_concurrent_shards == 29
