@@ -42,6 +42,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from lanes.errors import Overloaded
 from lanes.generation.kvcache import MAX_PADDING, BatchCache, Decoded
+from lanes.generation.loop import at_position, failures, log_isolated, prompt_of
 from lanes.generation.prefill import Join, prefill_apart
 from lanes.generation.scheduler import (
     Event,
@@ -51,7 +52,6 @@ from lanes.generation.scheduler import (
     StepOutputs,
     StepPlan,
 )
-from lanes.isolation import failed_alone
 from lanes.serving.metrics import Metrics, TokenRate, Utilization
 from lanes.spec import as_interactive
 from lanes.tasks.generate import GenerateRequest, GenerateTask
@@ -340,8 +340,10 @@ class Engine:
                 self._series.decode.observe(self.clock() - decoding)
                 self._series.rows.observe(len(plan.decode))
                 rows = StepPlan(decode=plan.decode)
-                self._log_isolated("decode step", len(plan.decode), decoded.error, decoded.failed)
-                failed = self._failures(plan.decode, decoded.failed, _at_position)
+                log_isolated(
+                    self.name, "decode step", len(plan.decode), decoded.error, decoded.failed
+                )
+                failed = failures(plan.decode, decoded.failed, at_position)
                 outputs = StepOutputs(decode=decoded.logits, failed=failed)
                 self._publish(rows, self.scheduler.update(rows, outputs))
             elif joins:  # nobody to decode: they all finished
@@ -371,8 +373,8 @@ class Engine:
             done = prefill_apart(self.decoder, plan.prefill)
             self._series.prefill.observe(self.clock() - start)
             self._joins += done.joins
-            self._log_isolated("prefill", len(plan.prefill), done.error, done.failed)
-            failed = self._failures(plan.prefill, done.failed, _prompt)
+            log_isolated(self.name, "prefill", len(plan.prefill), done.error, done.failed)
+            failed = failures(plan.prefill, done.failed, prompt_of)
             outputs = StepOutputs(prefill=done.logits, failed=failed)
         self._publish(plan, self.scheduler.update(plan, outputs))
 
@@ -392,30 +394,6 @@ class Engine:
     def _publish(self, plan: StepPlan, events: list[Event]) -> None:
         self._observe(plan, events)
         self._hand_over(events)
-
-    def _log_isolated(
-        self, run: str, rows: int, error: Exception | None, failed: dict[int, Exception]
-    ) -> None:
-        if error is not None:
-            log.error(
-                "workload %s: a %s of %d rows failed; %d of them fail on their own",
-                self.name,
-                run,
-                rows,
-                len(failed),
-                exc_info=error,
-            )
-
-    @staticmethod
-    def _failures(
-        seqs: Sequence[Seq], failed: dict[int, Exception], what: Callable[[Seq], str]
-    ) -> dict[int, str]:
-        """What each sequence the model failed on alone tells its caller (`what` names
-        the sequence's input): every row failing is the model's fault, and says so."""
-        every = len(failed) == len(seqs) > 1
-        return {
-            s.id: str(failed_alone(failed[s.id], what(s), every)) for s in seqs if s.id in failed
-        }
 
     def _decode(self, seqs: Sequence[Seq], joins: list[Join], keep: set[int]) -> Decoded:
         """One token for every row, on the decode thread (which first settles the
@@ -478,11 +456,3 @@ class Engine:
             return
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
             self._loop.call_soon_threadsafe(self._dispatch, events)
-
-
-def _prompt(seq: Seq) -> str:
-    return "this prompt"
-
-
-def _at_position(seq: Seq) -> str:
-    return f"this sequence at position {seq.position}"

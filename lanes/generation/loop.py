@@ -80,7 +80,7 @@ class StepLoop:
                 decoded = self.cache.decode(plan.decode)
                 decode_s = self.clock() - start
                 self._log_isolated("decode step", len(plan.decode), decoded.error, decoded.failed)
-                failed.update(_failures(plan.decode, decoded.failed, _at_position))
+                failed.update(failures(plan.decode, decoded.failed, at_position))
                 decode = decoded.logits
             prefill = None
             if plan.prefill:
@@ -89,7 +89,7 @@ class StepLoop:
                 prefill_s = self.clock() - start
                 self._joins += done.joins
                 self._log_isolated("prefill", len(plan.prefill), done.error, done.failed)
-                failed.update(_failures(plan.prefill, done.failed, _prompt))
+                failed.update(failures(plan.prefill, done.failed, prompt_of))
                 prefill = done.logits
             outputs = StepOutputs(prefill=prefill, decode=decode, failed=failed)
             events = self.scheduler.update(plan, outputs)
@@ -123,18 +123,26 @@ class StepLoop:
     def _log_isolated(
         self, run: str, rows: int, error: Exception | None, failed: dict[int, Exception]
     ) -> None:
-        if error is not None:
-            log.error(
-                "workload %s: a %s of %d rows failed; %d of them fail on their own",
-                self.name,
-                run,
-                rows,
-                len(failed),
-                exc_info=error,
-            )
+        log_isolated(self.name, run, rows, error, failed)
 
 
-def _failures(
+def log_isolated(
+    workload: str, run: str, rows: int, error: Exception | None, failed: dict[int, Exception]
+) -> None:
+    """One log line, with the traceback, for a run of `rows` rows that failed and was
+    split (`failed`: the rows that fail on their own); nothing when it did not fail."""
+    if error is not None:
+        log.error(
+            "workload %s: a %s of %d rows failed; %d of them fail on their own",
+            workload,
+            run,
+            rows,
+            len(failed),
+            exc_info=error,
+        )
+
+
+def failures(
     seqs: Sequence[Seq], failed: dict[int, Exception], what: Callable[[Seq], str]
 ) -> dict[int, str]:
     """What each sequence the model failed on alone tells its caller (`what` names
@@ -145,9 +153,9 @@ def _failures(
     return {s.id: str(failed_alone(failed[s.id], what(s), every)) for s in seqs if s.id in failed}
 
 
-def _prompt(seq: Seq) -> str:
+def prompt_of(seq: Seq) -> str:
     return "this prompt"
 
 
-def _at_position(seq: Seq) -> str:
+def at_position(seq: Seq) -> str:
     return f"this sequence at position {seq.position}"
