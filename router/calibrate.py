@@ -53,13 +53,13 @@ from lanes.settings import Settings
 from lanes.spec import (
     InteractiveWorkload,
     Mode,
-    OfflineWorkload,
     Spec,
     TaskName,
     Workload,
     WorkloadBase,
     as_interactive,
     as_offline,
+    in_offline_lane,
 )
 from lanes.storage import Storage
 from lanes.tasks import InferTask, Task, load_task
@@ -100,14 +100,11 @@ def lane_spec(spec: Spec, name: str, lane: Mode, folder: str = "calibrate") -> S
     """`spec` with workload `name` alone, in `lane`'s mode: the keys both modes have,
     and the other mode's defaults (an offline copy reads and writes under `folder`)."""
     workload = spec.workload(name)
-    if workload.mode != lane:
+    if lane == "offline":
+        workload = in_offline_lane(workload, f"{folder}/in/", f"{folder}/out/")
+    elif workload.mode != lane:
         shared = workload.model_dump(include=set(WorkloadBase.model_fields) - {"mode"})
-        if lane == "offline":
-            workload = OfflineWorkload(
-                mode="offline", input=f"{folder}/in/", output=f"{folder}/out/", **shared
-            )
-        else:
-            workload = InteractiveWorkload(mode="interactive", **shared)
+        workload = InteractiveWorkload(mode="interactive", **shared)
     return spec.model_copy(update={"workloads": {name: workload}})
 
 
