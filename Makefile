@@ -3,6 +3,8 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 PYTHON ?= python3
+# Test files run side by side: most of their time is spent waiting on servers and workers.
+TEST_WORKERS ?= 3
 
 # Prefect must never phone home, and keeps its database inside the project.
 export DO_NOT_TRACK := 1
@@ -33,4 +35,4 @@ lint: install
 
 test: lint
 	mkdir -p $(PREFECT_HOME)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile

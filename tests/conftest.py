@@ -30,10 +30,16 @@ atexit.register(shutil.rmtree, os.environ["LANES_HOME"], ignore_errors=True)
 @pytest.fixture(scope="session")
 def demo_models() -> Path:
     """The demo models, built on first use (a couple of minutes) and reused after."""
+    from filelock import FileLock
+
     from lanes.demo.build import build_demo_models
 
     dest = Path(os.environ.get("LANES_MODELS_DIR", ROOT / ".lanes" / "models"))
-    build_demo_models(dest, progress=False)
+    dest.mkdir(parents=True, exist_ok=True)
+    # Test workers run side by side (pytest-xdist): one builds, the others wait for it
+    # instead of replacing a model folder another worker is reading.
+    with FileLock(str(dest / ".build.lock")):
+        build_demo_models(dest, progress=False)
     return dest
 
 
