@@ -155,6 +155,8 @@ class GenerateSpans:
     def observed(self, plan: StepPlan, events: Sequence[Event], now: float) -> None:
         """A step's `events` (of `plan`), at `now`: the decode span of every traced
         sequence that finished (or the queue wait of one that never ran)."""
+        if not self._seqs:  # nobody traced in flight (requests without a span)
+            return
         decoded = {s.id for s in plan.decode}
         ended: list[tuple[_Traced, Event]] = []
         with self._lock:

@@ -5,6 +5,9 @@ several requests links each; a guard's scoring is a span of the request."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -183,3 +186,32 @@ def test_a_guarded_request_has_its_guard_span(
     (decode,) = spans_of(exporter, request.context.trace_id, "decode")
     assert guard.start_time is not None and decode.end_time is not None
     assert decode.end_time <= guard.start_time  # buffer: the whole text, once it is made
+
+
+def test_tracing_off_imports_nothing_of_opentelemetry(demo_models: Path, tmp_path: Path) -> None:
+    """Off, a streamed and a guarded completion build no span: OpenTelemetry is never
+    even imported (in a fresh process, since this one has the SDK loaded)."""
+    spec = write_spec(tmp_path, demo_models, WORKLOADS)
+    script = f"""
+import sys
+import httpx
+from pathlib import Path
+from tests.servers import ServerThread
+
+with ServerThread(Path({str(spec)!r})) as server:
+    for model, stream in (("code", True), ("guarded", False)):
+        body = {{"model": model, "prompt": "def ", "max_tokens": 4, "stream": stream}}
+        answer = httpx.post(f"{{server.url}}/v1/completions", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+print(sorted(m for m in sys.modules if m.startswith("opentelemetry")))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parent.parent,
+        env={**os.environ, "LANES_TRACING": "false"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
