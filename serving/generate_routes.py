@@ -143,7 +143,7 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
         ignore_eos = body.ignore_eos is True
         trace = record.trace if record is not None else None
         for item in prepared:
-            streams.append(engine.submit(item, timeout, ignore_eos, trace))
+            streams.append(engine.submit(item, timeout, ignore_eos=ignore_eos, trace=trace))
     except LanesError as e:
         _cancel(streams)  # a later prompt was refused: the earlier ones leave too
         return openai_error(e)
