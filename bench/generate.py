@@ -1,7 +1,7 @@
 """Benchmark of token streaming: continuous batching against static batching, static
 batching that drops finished sequences, and one sequence at a time.
 
-    python bench/generate.py [--seconds 8] [--repeats 2] [--levels 1,4,16,64]
+    python bench/generate.py [--seconds 8] [--repeats 2] [--levels 1,4,16,64] [--tracing]
 
 It starts one server process per policy (this script with --serve: the app's own
 /v1/completions route and engine, with the batching policy set on the engine), and
@@ -21,6 +21,11 @@ time, the engine's busy fraction, and the ratio of tokens/s to raw onnxruntime:
 each slice. Ratios travel between machines; absolute times on a shared 2-core box
 do not. Requests still waiting when a slice ends count their wait so far as their
 TTFT (a lower bound; such cells are marked `>`).
+
+`--tracing` adds the policy `traced`: continuous batching with LANES_TRACING=true,
+every span (request, queue, prefill, decode) exported over OTLP/HTTP to a sink in
+this process (bench/serve.py's), and prints what tracing costs at each concurrency
+(tokens/s, TTFT and ITL against `continuous`, from the same interleaved slices).
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from lanes.tasks.decoder import Past  # noqa: E402
 WORKLOAD = "gen"
 MAX_TOKENS = 448  # the longest prompt below is under 64 tokens
 POLICIES = ("continuous", "static", "static-drop", "serial")
+TRACED = "traced"  # continuous, tracing on
 SPEC = """\
 version: 1
 models:
@@ -92,10 +98,16 @@ def serve(spec_path: str, policy: str, port: int, max_padding: float) -> None:
 
     from lanes.serving import app as lanes_app
     from lanes.serving import generate_routes
+    from lanes.serving.access import RequestIds
     from lanes.serving.state import ServingState
+    from lanes.serving.tracing import TracedRequests
+    from lanes.tracing import Tracing
 
-    settings = Settings(port=port)
-    state = ServingState(load_spec(Path(spec_path), settings), settings)
+    traced = policy == TRACED
+    policy = "continuous" if traced else policy
+    settings = Settings(port=port, tracing=traced)
+    tracing = Tracing.from_settings(settings)
+    state = ServingState(load_spec(Path(spec_path), settings), settings, tracing=tracing)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -115,7 +127,10 @@ def serve(spec_path: str, policy: str, port: int, max_padding: float) -> None:
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.lanes = state
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    # As the app's own stack wraps its routes (serving/app.py), on every policy alike.
+    inner = app if tracing is None else TracedRequests(app, tracing)
+    served = RequestIds(inner, lanes_app.route_label)
+    uvicorn.run(served, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
 @dataclass
@@ -318,11 +333,13 @@ def raw_tokens_per_s(task: GenerateTask, batch: int, past_len: int, seconds: flo
 
 
 def start_server(
-    spec_path: Path, policy: str, port: int, max_padding: float
+    spec_path: Path, policy: str, port: int, max_padding: float, otlp: str | None = None
 ) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, __file__, "--serve", policy, "--spec", str(spec_path)]
     cmd += ["--port", str(port), "--max-padding", str(max_padding)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if otlp is not None:
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = otlp
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     url = f"http://127.0.0.1:{port}"
@@ -366,6 +383,9 @@ def main() -> None:
         default=MAX_PADDING,
         help="padded cache positions worth one decoder run less (lanes/generation/kvcache.py)",
     )
+    parser.add_argument(
+        "--tracing", action="store_true", help="also continuous with tracing on (see above)"
+    )
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -380,9 +400,16 @@ def main() -> None:
     task = load_task(WORKLOAD, load_spec(spec_path, settings), Runtime(settings))
     assert isinstance(task, GenerateTask)
     policies = args.policies.split(",")
+    otlp = None
+    if args.tracing:
+        from serve import otlp_sink  # bench/serve.py, beside this script
+
+        policies.append(TRACED)
+        otlp = otlp_sink()
     urls = {p: f"http://127.0.0.1:{args.port + i}" for i, p in enumerate(policies)}
     servers = [
-        start_server(spec_path, p, args.port + i, args.max_padding) for i, p in enumerate(policies)
+        start_server(spec_path, p, args.port + i, args.max_padding, otlp if p == TRACED else None)
+        for i, p in enumerate(policies)
     ]
     runs = {(p, c): Run(p, c) for c in levels for p in policies}
     try:
@@ -456,6 +483,7 @@ def main() -> None:
     ]
     table(rows, header)
     checks(runs)
+    tracing_costs(runs, levels)
 
 
 def checks(runs: dict[tuple[str, int], Run]) -> None:
@@ -489,6 +517,20 @@ def checks(runs: dict[tuple[str, int], Run]) -> None:
         print(
             f"continuous TTFT p99 at 16 clients / TTFT p50 at 1 client: {ratio:.2f}x "
             f"({verdict} <= 3x)"
+        )
+
+
+def tracing_costs(runs: dict[tuple[str, int], Run], levels: list[int]) -> None:
+    """What tracing on costs against continuous untraced, from the same interleaved slices."""
+    for c in levels:
+        on, off = runs.get((TRACED, c)), runs.get(("continuous", c))
+        if on is None or off is None or not (on.tokens and off.tokens):
+            continue
+        print(
+            f"tracing at {c} clients: tokens/s on/off {on.tokens_per_s / off.tokens_per_s:.2f}x; "
+            f"TTFT p50 {on.pct(on.ttft, 50):.1f} vs {off.pct(off.ttft, 50):.1f} ms; "
+            f"ITL p50 {on.pct(on.itl, 50):.2f} vs {off.pct(off.itl, 50):.2f} ms, "
+            f"p99 {on.pct(on.itl, 99):.2f} vs {off.pct(off.itl, 99):.2f} ms"
         )
 
 

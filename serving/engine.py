@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
@@ -53,8 +53,13 @@ from lanes.generation.scheduler import (
     StepPlan,
 )
 from lanes.serving.metrics import Metrics, TokenRate, Utilization
+from lanes.serving.tracing import GenerateSpans
 from lanes.spec import as_interactive
 from lanes.tasks.generate import GenerateRequest, GenerateTask
+from lanes.tracing import Tracing
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import SpanContext
 
 log = logging.getLogger("lanes.serving")
 
@@ -155,7 +160,8 @@ class Engine:
     `policy` picks how batches form (see lanes/generation/scheduler.py); anything but
     `continuous` is there for the benchmark's comparisons. `max_padding` is how many
     padded cache positions are worth one decoder run less (see lanes/generation/kvcache.py).
-    `clock` is the scheduler's (arrivals, deadlines) and times every step.
+    `clock` is the scheduler's (arrivals, deadlines) and times every step. With
+    `tracing`, a request submitted with its span gets its prefill and decode spans.
     """
 
     def __init__(
@@ -165,6 +171,7 @@ class Engine:
         policy: Policy = "continuous",
         max_padding: float = MAX_PADDING,
         clock: Callable[[], float] = time.monotonic,
+        tracing: Tracing | None = None,
     ) -> None:
         workload = as_interactive(task.workload)
         self.task = task
@@ -188,6 +195,7 @@ class Engine:
         self.utilization = Utilization()
         self.rate = TokenRate()
         self._series = _Series.bind(metrics, self.name)
+        self._spans = GenerateSpans(tracing, self.name, clock) if tracing is not None else None
         self._stats = threading.Lock()  # rate and utilization: engine thread and /metrics
         self._lock = threading.Condition()
         self._inbox: list[Seq] = []
@@ -225,9 +233,14 @@ class Engine:
         self._decoding.shutdown(wait=False)
 
     def submit(
-        self, request: GenerateRequest, timeout_s: float | None = None, ignore_eos: bool = False
+        self,
+        request: GenerateRequest,
+        timeout_s: float | None = None,
+        ignore_eos: bool = False,
+        trace: SpanContext | None = None,
     ) -> TokenStream:
-        """Queue a prepared request; its tokens arrive on the returned stream.
+        """Queue a prepared request; its tokens arrive on the returned stream. `trace`:
+        its HTTP request's span (spans of its own hang below it when tracing is on).
 
         Raises `Overloaded` at once when `max_queue` requests are already waiting.
         """
@@ -251,6 +264,8 @@ class Engine:
             if self._waiting >= self.max_queue:
                 raise Overloaded(f"queue full ({self.max_queue} waiting); retry shortly", 1.0)
             self._waiting += 1
+            if self._spans is not None and trace is not None:
+                self._spans.submitted(seq, trace)
             self._inbox.append(seq)
             self._streams[seq.id] = stream
             self._lock.notify()
@@ -371,7 +386,10 @@ class Engine:
         if plan.prefill:
             start = self.clock()
             done = prefill_apart(self.decoder, plan.prefill)
-            self._series.prefill.observe(self.clock() - start)
+            end = self.clock()
+            self._series.prefill.observe(end - start)
+            if self._spans is not None:
+                self._spans.prefilled(plan.prefill, start, end)
             self._joins += done.joins
             log_isolated(self.name, "prefill", len(plan.prefill), done.error, done.failed)
             failed = failures(plan.prefill, done.failed, prompt_of)
@@ -450,6 +468,8 @@ class Engine:
         self.refresh_gauges()
         m.in_flight.set(self.scheduler.num_running)
         m.queue_depth.set(self._waiting)
+        if self._spans is not None:
+            self._spans.observed(plan, events, now)
 
     def _hand_over(self, events: list[Event]) -> None:
         if not events or self._loop is None:

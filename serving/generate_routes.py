@@ -141,8 +141,9 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
             raise too_many
         timeout = timeout_s(request)
         ignore_eos = body.ignore_eos is True
+        trace = record.trace if record is not None else None
         for item in prepared:
-            streams.append(engine.submit(item, timeout, ignore_eos=ignore_eos))
+            streams.append(engine.submit(item, timeout, ignore_eos=ignore_eos, trace=trace))
     except LanesError as e:
         _cancel(streams)  # a later prompt was refused: the earlier ones leave too
         return openai_error(e)
@@ -365,8 +366,8 @@ def start_engine(
     guard = task.workload.guard
     if guard is not None:
         blocked = state.metrics.guard_blocked.labels(name, guard.mode)
-        state.guards[name] = TextGuard.load(guard, state.spec.root, on_block=blocked.inc)
-    engine = Engine(task, state.metrics, policy, max_padding, state.clock)
+        state.guards[name] = TextGuard.load(guard, state.spec.root, blocked.inc, state.tracing)
+    engine = Engine(task, state.metrics, policy, max_padding, state.clock, state.tracing)
     engine.start()
     state.engines[name] = engine
     return engine

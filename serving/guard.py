@@ -10,7 +10,8 @@ counts as 1 or 0): text scoring at or above `threshold` fails. Modes:
   before the failing chunk is sent. The text before it was already seen.
 
 `pieces()` turns a request's token stream into what may be sent, guard applied.
-Scoring runs on a worker thread: a guard may be a model of its own.
+Scoring runs on a worker thread: a guard may be a model of its own. With tracing on,
+each scoring is a `guard` span below the current one (the request's).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from lanes.protocols.completions import OpenAIFinish
 from lanes.serving.engine import TokenStream
 from lanes.spec import Guard
 from lanes.tasks.handler import load_scorer
+from lanes.tracing import Tracing
 
 log = logging.getLogger("lanes.serving")
 
@@ -47,22 +49,44 @@ class TextGuard:
     """A loaded guard of one workload."""
 
     def __init__(
-        self, spec: Guard, score: Callable[[str], Any], on_block: Callable[[], None] | None = None
+        self,
+        spec: Guard,
+        score: Callable[[str], Any],
+        on_block: Callable[[], None] | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.spec = spec
         self.score = score
         self.on_block = on_block
+        self.tracing = tracing
 
     @classmethod
     def load(
-        cls, spec: Guard, root: Path | None = None, on_block: Callable[[], None] | None = None
+        cls,
+        spec: Guard,
+        root: Path | None = None,
+        on_block: Callable[[], None] | None = None,
+        tracing: Tracing | None = None,
     ) -> TextGuard:
         """Import the scorer, with the spec's folder `root` on the import path;
         `HandlerError` when it cannot be imported or called."""
-        return cls(spec, load_scorer(spec.handler, root), on_block)
+        return cls(spec, load_scorer(spec.handler, root), on_block, tracing)
 
     async def passes(self, text: str) -> bool:
         """Whether `text` scores below the threshold. A scorer that raises fails closed."""
+        if self.tracing is None:
+            return await self._passes(text)
+        attributes = {
+            "lanes.guard.handler": self.spec.handler,
+            "lanes.guard.mode": self.spec.mode,
+            "lanes.guard.chars": len(text),
+        }
+        with self.tracing.span("guard", attributes=attributes) as span:
+            passed = await self._passes(text)
+            span.set_attribute("lanes.guard.passed", passed)
+            return passed
+
+    async def _passes(self, text: str) -> bool:
         try:
             score = await asyncio.to_thread(self.score, text)
             passed = float(score) < self.spec.threshold

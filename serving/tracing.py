@@ -1,4 +1,5 @@
-"""Spans of the serving side: one per HTTP request, its queue wait, and each batch run.
+"""Spans of the serving side: one per HTTP request, its queue wait, and each batch run
+(a generate request's prefill run and decode window: `GenerateSpans`).
 
 `TracedRequests` wraps the app only when tracing is on. A request's span continues
 the caller's trace (its `traceparent`) and is written in the request's record, so
@@ -9,13 +10,20 @@ of them, so a trace viewer shows it in place. The model's run is the batch's chi
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from lanes.generation.scheduler import Event, Seq, StepPlan
 from lanes.serving.access import record_of
 from lanes.serving.batching import Pending
 from lanes.tracing import Tracing, WallClock
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import SpanContext
 
 
 class TracedRequests:
@@ -83,3 +91,97 @@ def batch_spans(
     )
     if run_s is not None:
         tracing.finished("model", wall.ns(max(start, end - run_s)), wall.ns(end), run)
+
+
+@dataclass(eq=False)
+class _Traced:
+    """One traced sequence's times so far (on the engine's clock)."""
+
+    request: SpanContext  # its HTTP request's span
+    arrived: float
+    prefill: SpanContext | None = None  # the (last) prefill run it rode in
+    first_at: float | None = None  # its first token
+    tokens: int = 0
+    steps: int = 0  # decode steps it rode in (one that makes eos makes no token)
+
+
+class GenerateSpans:
+    """Spans of one generate engine's requests, built only when tracing is on: each
+    sequence's queue wait (arrival to its prefill), each prefill run linked to every
+    request it prefilled (its parent the oldest, as a batch's is), and each sequence's
+    decode window, from its first token to its finish, with the tokens it made and the
+    steps it rode in: a span per request, never one per token.
+
+    `submitted` runs on the event loop, the rest on the engine's thread.
+    """
+
+    def __init__(self, tracing: Tracing, workload: str, clock: Callable[[], float]) -> None:
+        self.tracing = tracing
+        self.workload = workload
+        self._wall = WallClock(clock())
+        self._lock = threading.Lock()
+        self._seqs: dict[int, _Traced] = {}
+
+    def submitted(self, seq: Seq, request: SpanContext) -> None:
+        with self._lock:
+            self._seqs[seq.id] = _Traced(request, seq.arrived)
+
+    def prefilled(self, seqs: Sequence[Seq], start: float, end: float) -> None:
+        """One prefill run of `seqs`, from `start` to `end`."""
+        with self._lock:
+            traced = [t for s in seqs if (t := self._seqs.get(s.id)) is not None]
+        if not traced:
+            return
+        ns, tracing = self._wall.ns, self.tracing
+        for t in traced:
+            if t.prefill is None:  # its first run ends its wait
+                tracing.finished("queue", ns(t.arrived), ns(start), t.request)
+        requests = list({c.span_id: c for c in (t.request for t in traced)}.values())
+        run = tracing.finished(
+            "prefill",
+            ns(start),
+            ns(end),
+            min(traced, key=lambda t: t.arrived).request,
+            [tracing.link(c) for c in requests],
+            {
+                "lanes.workload": self.workload,
+                "lanes.batch_size": len(seqs),
+                "lanes.prompt_tokens": sum(len(s.prompt_ids) for s in seqs),
+            },
+        )
+        for t in traced:
+            t.prefill = run
+
+    def observed(self, plan: StepPlan, events: Sequence[Event], now: float) -> None:
+        """A step's `events` (of `plan`), at `now`: the decode span of every traced
+        sequence that finished (or the queue wait of one that never ran)."""
+        if not self._seqs:  # nobody traced in flight (requests without a span)
+            return
+        decoded = {s.id for s in plan.decode}
+        ended: list[tuple[_Traced, Event]] = []
+        with self._lock:
+            for event in events:
+                t = self._seqs.get(event.seq_id)
+                if t is None:
+                    continue
+                if event.tokens and t.first_at is None:
+                    t.first_at = now
+                t.tokens += len(event.tokens)
+                t.steps += event.seq_id in decoded
+                if event.finish is not None:
+                    ended.append((t, event))
+                    del self._seqs[event.seq_id]
+        ns = self._wall.ns
+        for t, event in ended:
+            finish = {"lanes.finish_reason": event.finish or ""}
+            if t.first_at is not None:
+                self.tracing.finished(
+                    "decode",
+                    ns(t.first_at),
+                    ns(now),
+                    t.request,
+                    [self.tracing.link(t.prefill)] if t.prefill is not None else None,
+                    {"lanes.tokens_out": t.tokens, "lanes.steps": t.steps, **finish},
+                )
+            elif t.prefill is None:  # left before any prefill (a deadline, an abort)
+                self.tracing.finished("queue", ns(t.arrived), ns(now), t.request, None, finish)
