@@ -6,6 +6,11 @@ sized so that one run fits in the workload's slack: its `slo.p99_ms` minus its
 measured service time (the cost model's upper estimate of a typical interactive
 batch), or DEFAULT_SLACK_S without a p99 SLO. An interactive request that arrives
 during an offline run waits for that one run at most.
+
+A workload that declares `slo.p99_ms` or `slo.timeout_ms` also sizes its interactive
+batches by the cost model (serving/slo.py), and answers 504 at once a request whose
+run is expected to end past its deadline; until the model has a fit, and without
+either, batches are formed as the queue forms them.
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ from lanes.costmodel import CostModel
 from lanes.errors import LanesError, ModelError, Overloaded
 from lanes.isolation import Failed, Isolated, failed_alone, isolate, per_item
 from lanes.serving.access import RequestRecord
-from lanes.serving.batching import LANES, Lane, LaneQueues, Pending, never_fits
+from lanes.serving.batching import LANES, Lane, LaneQueues, Pending, never_fits, unreachable
 from lanes.serving.metrics import LaneSeries, Metrics, Utilization
 from lanes.serving.model_thread import ModelThread
+from lanes.serving.slo import Waiting, plan_batch, run_seconds
 from lanes.serving.tracing import batch_spans
 from lanes.spec import as_interactive
 from lanes.tasks import Task
@@ -81,10 +87,13 @@ class BatchWorker:
         self.queue = self.lanes.interactive
         p99 = workload.slo.p99_ms
         self.p99_s = p99 / 1000 if p99 is not None else None
+        # Interactive batches sized by the cost model, deadlines predicted.
+        self.steers = p99 is not None or workload.slo.timeout_ms is not None
         # Learned from every whole run, of either lane: sizes offline batches.
         self.cost = CostModel(clock=clock)
         self._typical = _Typical()  # of interactive batches: their service time
         self._lane = {lane: LaneSeries.of(metrics, task.name, lane) for lane in LANES}
+        self._utilization = metrics.utilization.labels(task.name)
         self.utilization = Utilization()
         self._tracing = tracing
         self._metrics = metrics
@@ -100,6 +109,7 @@ class BatchWorker:
         self._item_cost_s: float | None = None  # running mean of run time per item
         self._free = asyncio.Event()  # set while no batch is on the model
         self._free.set()
+        self._busy_until = 0.0  # while not free: when its run is expected to end (steering)
         default = workload.slo.timeout_ms
         self.default_timeout_s = default / 1000 if default else None
 
@@ -169,6 +179,8 @@ class BatchWorker:
         self.admit(len(items), timeout_s)
         timeout_s = timeout_s if timeout_s is not None else self.default_timeout_s
         arrived = self.clock()
+        deadline = arrived + timeout_s if timeout_s is not None else None
+        early_s = self._check_reachable(items, arrived, deadline)
         pendings: list[Pending] = []
         try:
             if self._runs_now(len(items)):
@@ -178,9 +190,9 @@ class BatchWorker:
                 ]
                 self._start(pendings, "interactive")
             else:
-                deadline = arrived + timeout_s if timeout_s is not None else None
                 for item in items:
-                    pendings.append(self.queue.put(item, deadline))  # may refuse: Overloaded
+                    # May refuse: Overloaded.
+                    pendings.append(self.queue.put(item, deadline, early_s))
                     pendings[-1].request = request
                 self._set_depths()
             if len(pendings) == 1:
@@ -195,6 +207,40 @@ class BatchWorker:
             raise
         self._latency.observe(self.clock() - arrived)
         return outputs
+
+    def _check_reachable(self, items: Sequence[Any], now: float, deadline: float | None) -> float:
+        """Raise DeadlineExceeded now if, steering, the run of these items is expected to
+        end past `deadline` even if it starts as soon as the model's current run ends.
+        Returns how long before the deadline a queued item's timer fires: its own
+        expected run (0 when not steering)."""
+        if not self.steers or deadline is None:
+            return 0.0
+        fit = self.cost.fit
+        if fit is None:
+            return 0.0
+        own = run_seconds(fit, 1, max((_tokens(i) for i in items), default=0))
+        busy = 0.0 if self._free.is_set() else max(self._busy_until - now, 0.0)
+        if now + busy + own > deadline:
+            raise unreachable(deadline - now)
+        return own
+
+    def interactive_items(self, candidates: list[Pending]) -> int:
+        """How many of the first waiting requests the next interactive batch takes, by
+        the workload's SLO and cost model (serving/slo.py); those whose run can no
+        longer end by their deadline are answered 504 first. `max_batch_size` until the
+        model has a fit."""
+        fit = self.cost.fit
+        most = self.queue.max_batch_size
+        if fit is None:
+            return most
+        now = self.clock()
+        waiting = [Waiting(p.enqueued_at, p.deadline, _tokens(p.item)) for p in candidates]
+        plan = plan_batch(waiting, now, fit, self.p99_s, most)
+        for i in plan.unreachable:
+            late = candidates[i]
+            left = (late.deadline if late.deadline is not None else now) - now
+            late.future.set_exception(unreachable(left, now - late.enqueued_at))
+        return plan.size
 
     async def submit_offline(self, items: Sequence[Any]) -> list[Any]:
         """Run prepared items in the offline lane, through the model alone (no
@@ -246,7 +292,9 @@ class BatchWorker:
     async def _run_forever(self) -> None:
         while True:
             # Waits while a batch runs; interactive requests first.
-            batch = await self.lanes.next_batch(self._free, self.offline_items)
+            batch = await self.lanes.next_batch(
+                self._free, self.offline_items, self.interactive_items if self.steers else None
+            )
             self._set_depths()
             if batch is None:
                 return
@@ -281,6 +329,8 @@ class BatchWorker:
         self._free.clear()
         start = self.clock()
         items = [p.item for p in batch]
+        if self.steers and (fit := self.cost.fit) is not None:
+            self._busy_until = start + run_seconds(fit, len(items), _padded_tokens(items))
         run = partial(self._timed_run, self.task.run if lane == "interactive" else self._raw)
         if self.runs_inline(len(items)):
             try:
@@ -371,6 +421,12 @@ class BatchWorker:
     def busy_fraction(self) -> float:
         """The model's busy share of the last 10 s, on the worker's clock."""
         return self.utilization.fraction(self.clock())
+
+    def refresh_gauges(self) -> None:
+        """The gauges read when /metrics is: utilization, and the cost model's fit
+        (refitted first if a run came since)."""
+        self._utilization.set(self.busy_fraction())
+        self._metrics.show_cost(self.name, self.cost.fit)
 
     def runs_inline(self, items: int) -> bool:
         """Whether a batch of `items` would run on the event loop (see INLINE_RUN_S)."""
