@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
 from lanes.batchframe import run_unhandled
-from lanes.costmodel import CostModel
+from lanes.costmodel import CostModel, Fit
 from lanes.errors import LanesError, ModelError, Overloaded
 from lanes.isolation import Failed, Isolated, failed_alone, isolate, per_item
 from lanes.serving.access import RequestRecord
@@ -52,6 +53,10 @@ LEARNING_ITEMS = 4
 # Offline items one workload holds queued: any one offline batch (batch_size <= 65536)
 # fits; beyond, 503 and Retry-After, which the flow's endpoint runner waits out.
 OFFLINE_MAX_QUEUE = 65536
+# How often steering takes the cost model's fit afresh, on the worker's clock: a refit
+# (least squares over the window) costs more than a small model's run, and the fit
+# moves little from one batch to the next.
+REFIT_S = 0.1
 
 
 class BatchWorker:
@@ -110,6 +115,8 @@ class BatchWorker:
         self._free = asyncio.Event()  # set while no batch is on the model
         self._free.set()
         self._busy_until = 0.0  # while not free: when its run is expected to end (steering)
+        self._steering: Fit | None = None  # the fit steering uses, taken at _steering_at
+        self._steering_at = -math.inf
         default = workload.slo.timeout_ms
         self.default_timeout_s = default / 1000 if default else None
 
@@ -215,7 +222,7 @@ class BatchWorker:
         expected run (0 when not steering)."""
         if not self.steers or deadline is None:
             return 0.0
-        fit = self.cost.fit
+        fit = self.steering_fit()
         if fit is None:
             return 0.0
         own = run_seconds(fit, 1, max((_tokens(i) for i in items), default=0))
@@ -229,7 +236,7 @@ class BatchWorker:
         the workload's SLO and cost model (serving/slo.py); those whose run can no
         longer end by their deadline are answered 504 first. `max_batch_size` until the
         model has a fit."""
-        fit = self.cost.fit
+        fit = self.steering_fit()
         most = self.queue.max_batch_size
         if fit is None:
             return most
@@ -241,6 +248,13 @@ class BatchWorker:
             left = (late.deadline if late.deadline is not None else now) - now
             late.future.set_exception(unreachable(left, now - late.enqueued_at))
         return plan.size
+
+    def steering_fit(self) -> Fit | None:
+        """The cost model's fit, refitted at most every REFIT_S."""
+        now = self.clock()
+        if now - self._steering_at >= REFIT_S:
+            self._steering, self._steering_at = self.cost.fit, now
+        return self._steering
 
     async def submit_offline(self, items: Sequence[Any]) -> list[Any]:
         """Run prepared items in the offline lane, through the model alone (no
@@ -329,7 +343,7 @@ class BatchWorker:
         self._free.clear()
         start = self.clock()
         items = [p.item for p in batch]
-        if self.steers and (fit := self.cost.fit) is not None:
+        if self.steers and (fit := self.steering_fit()) is not None:
             self._busy_until = start + run_seconds(fit, len(items), _padded_tokens(items))
         run = partial(self._timed_run, self.task.run if lane == "interactive" else self._raw)
         if self.runs_inline(len(items)):
