@@ -10,6 +10,7 @@ on the model; nothing depends on the machine's speed.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import pytest
 from lanes.costmodel import Fit
 from lanes.errors import DeadlineExceeded
 from lanes.runtime import Runtime
-from lanes.serving.batching import UNREACHABLE
+from lanes.serving.batching import UNREACHABLE, BatchQueue
 from lanes.serving.metrics import Metrics
 from lanes.serving.slo import Waiting, plan_batch
 from lanes.serving.state import ServingState
@@ -258,3 +259,14 @@ async def test_the_server_refuses_at_once_what_cannot_finish_and_serves_what_is_
         assert refused.status_code == 504 and refused.json()["error"]["code"] == UNREACHABLE
         assert served.status_code == 200
         assert costly.items == ran + 2
+
+
+async def test_a_queued_timer_fires_one_expected_run_before_the_deadline() -> None:
+    """The queue's timer for a request whose own run takes `early_s` fires that long
+    before its deadline: from then on it can only be late (here a minute early)."""
+    queue = BatchQueue(max_batch_size=8, max_wait_s=0, max_queue=10)
+    doomed = queue.put("doomed", deadline=time.monotonic() + WAIT_S, early_s=WAIT_S - 0.01)
+    with pytest.raises(DeadlineExceeded, match="cannot finish by its deadline") as refused:
+        await asyncio.wait_for(doomed.future, WAIT_S / 2)
+    assert refused.value.code == UNREACHABLE
+    assert len(queue) == 0
