@@ -11,18 +11,25 @@ alone and now, is expected to end past it (the `seconds` estimate: even a typica
 is too late) is answered 504 at once instead of late; and a batch never grows so that
 its `upper` estimate ends past the deadline of a request in it.
 
-Pure: the planner reads arrivals, deadlines and sizes, the time and a fit, and says
-what to do; the worker does it. Without a fit (too few runs seen) there is no plan,
-and the batcher behaves as without an SLO.
+`plan_batch` is pure: it reads arrivals, deadlines and sizes, the time and a fit, and
+says what to do. `Steering` is one worker's use of it, on the worker's clock. Without a
+fit (too few runs seen) there is no plan, and the batcher behaves as without an SLO.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from lanes.costmodel import Fit
+from lanes.costmodel import CostModel, Fit
+from lanes.serving.batching import Pending, unreachable
+
+# How often steering takes the cost model's fit afresh, on the worker's clock: a refit
+# (least squares over the window) costs more than a small model's run, and the fit
+# moves little from one batch to the next.
+REFIT_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -80,3 +87,74 @@ def plan_batch(
         if rate >= best_rate:
             best, best_rate = k, rate
     return BatchPlan(best, tuple(unreachable))
+
+
+class Steering:
+    """One workload's `slo.p99_ms` and deadlines, applied with its cost model."""
+
+    def __init__(
+        self, cost: CostModel, p99_s: float | None, most: int, clock: Callable[[], float]
+    ) -> None:
+        self.cost = cost
+        self.p99_s = p99_s
+        self.most = most  # max_batch_size
+        self._clock = clock
+        self._fit: Fit | None = None
+        self._fit_at = -math.inf
+        self._busy_until = 0.0  # while a batch runs: when it is expected to end
+
+    def fit(self) -> Fit | None:
+        """The cost model's fit, refitted at most every REFIT_S."""
+        now = self._clock()
+        if now - self._fit_at >= REFIT_S:
+            self._fit, self._fit_at = self.cost.fit, now
+        return self._fit
+
+    def started(self, start: float, items: Sequence[Any]) -> None:
+        """A batch of `items` started at `start`."""
+        fit = self.fit()
+        if fit is not None:
+            self._busy_until = start + run_seconds(fit, len(items), padded_tokens(items))
+
+    def check_reachable(
+        self, items: Sequence[Any], now: float, deadline: float | None, busy: bool
+    ) -> float:
+        """Raise DeadlineExceeded now if these items' run is expected to end past
+        `deadline` even if it starts as soon as the batch on the model (if `busy`) ends.
+        Returns how long before the deadline a queued item's timer fires: its own
+        expected run (0 without a deadline or a fit)."""
+        fit = self.fit() if deadline is not None else None
+        if fit is None or deadline is None:
+            return 0.0
+        own = run_seconds(fit, 1, max((tokens_of(i) for i in items), default=0))
+        rest = max(self._busy_until - now, 0.0) if busy else 0.0
+        if now + rest + own > deadline:
+            raise unreachable(deadline - now)
+        return own
+
+    def batch_size(self, candidates: list[Pending]) -> int:
+        """How many of the first waiting requests the next batch takes; those whose run
+        can no longer end by their deadline are answered 504 first. `most` until the
+        model has a fit."""
+        fit = self.fit()
+        if fit is None:
+            return self.most
+        now = self._clock()
+        waiting = [Waiting(p.enqueued_at, p.deadline, tokens_of(p.item)) for p in candidates]
+        plan = plan_batch(waiting, now, fit, self.p99_s, self.most)
+        for i in plan.unreachable:
+            late = candidates[i]
+            left = (late.deadline if late.deadline is not None else now) - now
+            late.future.set_exception(unreachable(left, now - late.enqueued_at))
+        return plan.size
+
+
+def tokens_of(item: Any) -> int:
+    """An item's length in tokens (what a batch pads to); 0 for items without tokens."""
+    n = getattr(item, "n_tokens", 0)
+    return n if isinstance(n, int) else 0
+
+
+def padded_tokens(items: Sequence[Any]) -> int:
+    """What a batch of `items` pads to, in all."""
+    return len(items) * max((tokens_of(i) for i in items), default=0)

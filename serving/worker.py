@@ -17,21 +17,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
 from lanes.batchframe import run_unhandled
-from lanes.costmodel import CostModel, Fit
+from lanes.costmodel import CostModel
 from lanes.errors import LanesError, ModelError, Overloaded
 from lanes.isolation import Failed, Isolated, failed_alone, isolate, per_item
 from lanes.serving.access import RequestRecord
-from lanes.serving.batching import LANES, Lane, LaneQueues, Pending, never_fits, unreachable
+from lanes.serving.batching import LANES, Lane, LaneQueues, Pending, never_fits
 from lanes.serving.metrics import LaneSeries, Metrics, Utilization
 from lanes.serving.model_thread import ModelThread
-from lanes.serving.slo import Waiting, plan_batch, run_seconds
+from lanes.serving.slo import Steering, padded_tokens, tokens_of
 from lanes.serving.tracing import batch_spans
 from lanes.spec import as_interactive
 from lanes.tasks import Task
@@ -53,10 +52,6 @@ LEARNING_ITEMS = 4
 # Offline items one workload holds queued: any one offline batch (batch_size <= 65536)
 # fits; beyond, 503 and Retry-After, which the flow's endpoint runner waits out.
 OFFLINE_MAX_QUEUE = 65536
-# How often steering takes the cost model's fit afresh, on the worker's clock: a refit
-# (least squares over the window) costs more than a small model's run, and the fit
-# moves little from one batch to the next.
-REFIT_S = 0.1
 
 
 class BatchWorker:
@@ -94,8 +89,10 @@ class BatchWorker:
         self.p99_s = p99 / 1000 if p99 is not None else None
         # Interactive batches sized by the cost model, deadlines predicted.
         self.steers = p99 is not None or workload.slo.timeout_ms is not None
-        # Learned from every whole run, of either lane: sizes offline batches.
+        # Learned from every whole run, of either lane: sizes offline batches, and
+        # interactive ones where an SLO steers them.
         self.cost = CostModel(clock=clock)
+        self.steering = Steering(self.cost, self.p99_s, batching.max_batch_size, clock)
         self._typical = _Typical()  # of interactive batches: their service time
         self._lane = {lane: LaneSeries.of(metrics, task.name, lane) for lane in LANES}
         self._utilization = metrics.utilization.labels(task.name)
@@ -114,9 +111,6 @@ class BatchWorker:
         self._item_cost_s: float | None = None  # running mean of run time per item
         self._free = asyncio.Event()  # set while no batch is on the model
         self._free.set()
-        self._busy_until = 0.0  # while not free: when its run is expected to end (steering)
-        self._steering: Fit | None = None  # the fit steering uses, taken at _steering_at
-        self._steering_at = -math.inf
         default = workload.slo.timeout_ms
         self.default_timeout_s = default / 1000 if default else None
 
@@ -187,7 +181,10 @@ class BatchWorker:
         timeout_s = timeout_s if timeout_s is not None else self.default_timeout_s
         arrived = self.clock()
         deadline = arrived + timeout_s if timeout_s is not None else None
-        early_s = self._check_reachable(items, arrived, deadline)
+        early_s = 0.0
+        if self.steers:
+            busy = not self._free.is_set()
+            early_s = self.steering.check_reachable(items, arrived, deadline, busy)
         pendings: list[Pending] = []
         try:
             if self._runs_now(len(items)):
@@ -214,47 +211,6 @@ class BatchWorker:
             raise
         self._latency.observe(self.clock() - arrived)
         return outputs
-
-    def _check_reachable(self, items: Sequence[Any], now: float, deadline: float | None) -> float:
-        """Raise DeadlineExceeded now if, steering, the run of these items is expected to
-        end past `deadline` even if it starts as soon as the model's current run ends.
-        Returns how long before the deadline a queued item's timer fires: its own
-        expected run (0 when not steering)."""
-        if not self.steers or deadline is None:
-            return 0.0
-        fit = self.steering_fit()
-        if fit is None:
-            return 0.0
-        own = run_seconds(fit, 1, max((_tokens(i) for i in items), default=0))
-        busy = 0.0 if self._free.is_set() else max(self._busy_until - now, 0.0)
-        if now + busy + own > deadline:
-            raise unreachable(deadline - now)
-        return own
-
-    def interactive_items(self, candidates: list[Pending]) -> int:
-        """How many of the first waiting requests the next interactive batch takes, by
-        the workload's SLO and cost model (serving/slo.py); those whose run can no
-        longer end by their deadline are answered 504 first. `max_batch_size` until the
-        model has a fit."""
-        fit = self.steering_fit()
-        most = self.queue.max_batch_size
-        if fit is None:
-            return most
-        now = self.clock()
-        waiting = [Waiting(p.enqueued_at, p.deadline, _tokens(p.item)) for p in candidates]
-        plan = plan_batch(waiting, now, fit, self.p99_s, most)
-        for i in plan.unreachable:
-            late = candidates[i]
-            left = (late.deadline if late.deadline is not None else now) - now
-            late.future.set_exception(unreachable(left, now - late.enqueued_at))
-        return plan.size
-
-    def steering_fit(self) -> Fit | None:
-        """The cost model's fit, refitted at most every REFIT_S."""
-        now = self.clock()
-        if now - self._steering_at >= REFIT_S:
-            self._steering, self._steering_at = self.cost.fit, now
-        return self._steering
 
     async def submit_offline(self, items: Sequence[Any]) -> list[Any]:
         """Run prepared items in the offline lane, through the model alone (no
@@ -307,7 +263,7 @@ class BatchWorker:
         while True:
             # Waits while a batch runs; interactive requests first.
             batch = await self.lanes.next_batch(
-                self._free, self.offline_items, self.interactive_items if self.steers else None
+                self._free, self.offline_items, self.steering.batch_size if self.steers else None
             )
             self._set_depths()
             if batch is None:
@@ -331,7 +287,7 @@ class BatchWorker:
         most = self.lanes.offline.max_batch_size
         if self.cost.fit is None:
             return min(LEARNING_ITEMS, most)
-        tokens = max((_tokens(c) for c in candidates), default=0)
+        tokens = max((tokens_of(c) for c in candidates), default=0)
         return self.cost.largest_batch(self.slack_s(), most, tokens)
 
     def _start(self, batch: list[Pending], lane: Lane = "interactive") -> bool:
@@ -343,8 +299,8 @@ class BatchWorker:
         self._free.clear()
         start = self.clock()
         items = [p.item for p in batch]
-        if self.steers and (fit := self.steering_fit()) is not None:
-            self._busy_until = start + run_seconds(fit, len(items), _padded_tokens(items))
+        if self.steers:
+            self.steering.started(start, items)
         run = partial(self._timed_run, self.task.run if lane == "interactive" else self._raw)
         if self.runs_inline(len(items)):
             try:
@@ -425,7 +381,7 @@ class BatchWorker:
         series.items.inc(len(batch))
         if run_s is not None:
             self._run_time.observe(run_s)
-            tokens = _padded_tokens([p.item for p in batch])
+            tokens = padded_tokens([p.item for p in batch])
             self.cost.observe(len(batch), tokens, run_s)
             if lane == "interactive":
                 self._typical.observe(len(batch), tokens)
@@ -507,13 +463,3 @@ class _Typical:
             self._tokens += _COST_WEIGHT * (tokens - self._tokens)
         self.items = max(round(self._items), 1)
         self.tokens = round(self._tokens)
-
-
-def _tokens(item: Any) -> int:
-    """An item's length in tokens (what a batch pads to); 0 for items without tokens."""
-    n = getattr(item, "n_tokens", 0)
-    return n if isinstance(n, int) else 0
-
-
-def _padded_tokens(items: Sequence[Any]) -> int:
-    return len(items) * max((_tokens(i) for i in items), default=0)

@@ -123,7 +123,7 @@ async def test_the_worker_sizes_each_batch_to_the_budget_left(tmp_path: Path) ->
     clock = ManualClock()
     worker = worker_for(tmp_path, clock, {"p99_ms": 10})
     assert worker.steers
-    size = worker.interactive_items
+    size = worker.steering.batch_size
     for n in (1, 2, 4, 8) * 3:
         worker.cost.observe(n, 0, n * MS)
     pendings = [worker.queue.put(i) for i in range(20)]
@@ -148,7 +148,7 @@ async def test_without_an_slo_or_a_fit_the_queue_forms_batches_as_before(
         worker.queue.put(i)
     clock.advance(5.5 * MS)
     assert worker.cost.fit is None  # too few runs yet: the whole batch
-    assert len(await worker.queue.take(size=worker.interactive_items)) == 20
+    assert len(await worker.queue.take(size=worker.steering.batch_size)) == 20
 
 
 async def test_a_queued_request_past_its_deadline_by_prediction_is_answered_first(
@@ -161,7 +161,7 @@ async def test_a_queued_request_past_its_deadline_by_prediction_is_answered_firs
     doomed = worker.queue.put("doomed", deadline=clock() + 10 * MS)
     clock.advance(9.5 * MS)  # 0.5 ms left of its deadline; its run takes 1 ms
     fine = worker.queue.put("fine", deadline=clock() + 10 * MS)
-    batch = await worker.queue.take(size=worker.interactive_items)
+    batch = await worker.queue.take(size=worker.steering.batch_size)
     assert [p.item for p in batch] == ["fine"]
     with pytest.raises(DeadlineExceeded, match="cannot finish by its deadline") as refused:
         await doomed.future
