@@ -497,6 +497,14 @@ async def bench_slo(
         rows,
         [*header, "batch"],
     )
+    print(f"  the 'slo' server's cost model, from /metrics: {cost_fit(urls['slo'], 'minilm')}")
+
+
+def cost_fit(url: str, model: str) -> str:
+    """The lanes_cost_* gauges of one workload, as one line."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    found = re.findall(rf'lanes_cost_(\w+){{workload="{model}"}} (\S+)', text)
+    return ", ".join(f"{name} {float(value):.4g}" for name, value in found) or "none"
 
 
 def run_slo_mode(args: argparse.Namespace, models_dir: Path, work: Path) -> None:
