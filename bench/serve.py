@@ -19,6 +19,9 @@ The concurrency-1 gap is the median over rotations of (lanes p50 - raw batch-1 p
 `--tracing` adds a third server in the same rotations: lanes with LANES_TRACING=true,
 exporting every span over OTLP/HTTP to a sink in this process that answers 200, and
 prints what tracing costs at each concurrency (p50 and req/s against lanes untraced).
+
+`--slo` is a mode of its own (see `bench_slo`): minilm with and without `slo.p99_ms`
+(about twice raw onnxruntime's batch-1 run), under open-loop arrivals, interleaved.
 """
 
 from __future__ import annotations
@@ -372,6 +375,164 @@ async def bench_model(
     print("\n".join(notes))
 
 
+# ---- --slo: does slo.p99_ms steer the batcher? --------------------------------------
+
+SLO_SPEC = """\
+version: 1
+models:
+  minilm: {{path: {m}/minilm/model.onnx, tokenizer: {m}/minilm/tokenizer.json}}
+workloads:
+  minilm:
+    mode: interactive
+    task: embed
+    model: minilm
+    batching: {{max_batch_size: 128, max_wait_ms: 0, max_queue: 4096}}
+{slo}"""
+
+
+@dataclass
+class OpenTurns:
+    """One server's open-loop slices at one arrival rate, pooled."""
+
+    latencies: list[float] = field(default_factory=list)  # s, from each scheduled arrival
+    refused: int = 0  # answers other than 200
+    done: int = 0
+    span: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return self.done / self.span if self.span else 0.0
+
+    def ms(self, percentile: float) -> float:
+        return float(np.percentile(self.latencies, percentile)) * 1000 if self.latencies else 0.0
+
+
+async def open_slice(
+    url: str, request: bytes, rate: float, seconds: float, seed: int, turns: OpenTurns
+) -> None:
+    """Poisson arrivals at `rate` for `seconds` (the same times for every server: one
+    seed per slice), each sent on an idle connection or a new one, and timed from its
+    scheduled arrival, so a server that falls behind pays for its backlog. The rate
+    counts 200s over the time from the first arrival to the last answer."""
+    gaps = np.random.default_rng(seed).exponential(1 / rate, int(rate * seconds * 2) + 10)
+    offsets = np.cumsum(gaps)
+    offsets = offsets[offsets < seconds]
+    idle: list[Connection] = []
+    start = time.perf_counter()
+    last = start
+
+    async def one(offset: float) -> None:
+        nonlocal last
+        await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+        connection = idle.pop() if idle else await Connection.open(url)
+        status = await connection.send(request)
+        last = max(last, time.perf_counter())
+        if status == 200:
+            turns.latencies.append(time.perf_counter() - start - offset)
+            turns.done += 1
+        else:
+            turns.refused += 1
+        idle.append(connection)
+
+    try:
+        await asyncio.gather(*(one(float(o)) for o in offsets))
+    finally:
+        for connection in idle:
+            connection.close()
+    turns.span += last - start
+
+
+def batch_1_ms(spec_path: Path, runs: int = 300) -> float:
+    """Raw onnxruntime's median batch-1 run of the bench's text, in process."""
+    settings = Settings()
+    task = load_task("minilm", load_spec(spec_path, settings), Runtime(settings))
+    task.warm_up()
+    item = task.prepare(TEXT)
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        task.run([item])
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[runs // 10 :]) * 1000
+
+
+async def bench_slo(
+    urls: dict[str, str], p99_ms: float, rates: list[float], seconds: float
+) -> None:
+    """Each rate: both servers take turns in slices of the same arrivals; p50/p99 of
+    what was served, req/s served, answers refused, mean batch size (from /metrics)."""
+    path, body = request_for("minilm")
+    request = http_request("POST", path, orjson.dumps(body))
+    for url in urls.values():  # warm up: connections, sessions, and the cost model's fit
+        await open_slice(url, request, rates[0], 1.0, 0, OpenTurns())
+    rows = []
+    slice_s = 0.5
+    for rate in rates:
+        turns = {name: OpenTurns() for name in urls}
+        before = {name: batch_stats(url, "minilm") for name, url in urls.items()}
+        names = list(urls)
+        for i in range(max(2, round(seconds / slice_s))):
+            for name in names[i % 2 :] + names[: i % 2]:
+                await asyncio.sleep(PAUSE_S * 3)  # the previous slice's backlog drains
+                await open_slice(urls[name], request, rate, slice_s, i, turns[name])
+        for name, url in urls.items():
+            after, was = batch_stats(url, "minilm"), before[name]
+            mean = (after[0] - was[0]) / (after[1] - was[1]) if after and was else 0.0
+            load = turns[name]
+            rows.append(
+                [
+                    name,
+                    f"{rate:.0f}",
+                    f"{load.rate:.0f}",
+                    f"{load.ms(50):.2f}",
+                    f"{load.ms(99):.2f}",
+                    "yes" if load.ms(99) <= p99_ms else "no",
+                    str(load.refused),
+                    f"{mean:.1f}",
+                ]
+            )
+    header = ["server", "arrivals/s", "served/s", "p50 ms", "p99 ms", "p99 in SLO", "refused"]
+    table(
+        f"minilm, open-loop arrivals; slo.p99_ms = {p99_ms:.1f} on the 'slo' server only",
+        rows,
+        [*header, "batch"],
+    )
+    print(f"  the 'slo' server's cost model, from /metrics: {cost_fit(urls['slo'], 'minilm')}")
+
+
+def cost_fit(url: str, model: str) -> str:
+    """The lanes_cost_* gauges of one workload, as one line."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    found = re.findall(rf'lanes_cost_(\w+){{workload="{model}"}} (\S+)', text)
+    return ", ".join(f"{name} {float(value):.4g}" for name, value in found) or "none"
+
+
+def run_slo_mode(args: argparse.Namespace, models_dir: Path, work: Path) -> None:
+    """Two `lanes serve`: the same minilm workload without an SLO and with p99_ms."""
+    plain = work / "plain.yaml"
+    plain.write_text(SLO_SPEC.format(m=models_dir, slo=""))
+    t1 = batch_1_ms(plain)
+    p99_ms = round(args.slo_factor * t1, 1)
+    steered = work / "slo.yaml"
+    steered.write_text(SLO_SPEC.format(m=models_dir, slo=f"    slo: {{p99_ms: {p99_ms}}}\n"))
+    # Arrival rates as multiples of raw batch-1 capacity (1 / its run time).
+    rates = [float(x) * 1000 / t1 for x in args.slo_loads.split(",")]
+    print(f"raw onnxruntime batch-1 run: {t1:.2f} ms (median); slo.p99_ms = {p99_ms}")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    servers = {"no slo": (plain, 8431), "slo": (steered, 8434)}
+    procs, urls = [], {}
+    try:
+        for name, (spec, port) in servers.items():
+            cmd = [sys.executable, "-m", "lanes.router.cli", "serve", str(spec), "--port"]
+            urls[name] = f"http://127.0.0.1:{port}"
+            procs.append(start([*cmd, str(port)], urls[name], env))
+        uvloop.run(bench_slo(urls, p99_ms, rates, args.seconds))
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -383,12 +544,22 @@ def main() -> None:
     parser.add_argument(
         "--tracing", action="store_true", help="also lanes with tracing on (see above)"
     )
+    parser.add_argument(
+        "--slo", action="store_true", help="the p99_ms steering mode instead (see above)"
+    )
+    parser.add_argument("--slo-factor", type=float, default=2.0, help="p99_ms / batch-1 run")
+    parser.add_argument(
+        "--slo-loads", default="0.5,1,2", help="arrival rates, x raw batch-1 capacity"
+    )
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     models_dir = Path(os.environ.get("LANES_MODELS_DIR", ROOT / ".lanes" / "models")).resolve()
     work = Path(tempfile.mkdtemp(prefix="lanes-bench-"))
     spec_path = work / "workloads.yaml"
     spec_path.write_text(SPEC.format(m=models_dir))
+    if args.slo:
+        run_slo_mode(args, models_dir, work)
+        return
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     lanes = [sys.executable, "-m", "lanes.router.cli", "serve", str(spec_path), "--port", "8431"]
     traced_env = dict(env)

@@ -200,8 +200,8 @@ async def ready(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     state: ServingState = request.app.state.lanes
-    for name, worker in state.workers.items():
-        state.metrics.utilization.labels(name).set(worker.busy_fraction())
+    for worker in state.workers.values():
+        worker.refresh_gauges()
     for engine in state.engines.values():
         engine.refresh_gauges()  # they decay to 0 while it is idle
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")

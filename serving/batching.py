@@ -12,6 +12,10 @@ waits behind at most the one offline batch that was on the model when it arrived
 A queued request whose deadline passes is failed with DeadlineExceeded at its
 deadline, by a timer on the event loop, even while a batch is running; it never
 reaches the model. A full queue refuses new requests at once (Overloaded).
+
+A workload with an SLO sizes its interactive batches itself (`take(size=...)`, see
+serving/slo.py): it may answer some of the waiting requests first, and its timers
+fire as early as their run is known to end past the deadline (`put(early_s=...)`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from typing import Any, Literal
 from lanes.errors import DeadlineExceeded, Overloaded, RequestTooLarge
 from lanes.serving.access import RequestRecord
 
+# The code of a 504 answered before the deadline, because the run would end past it.
+UNREACHABLE = "deadline_unreachable"
+
 
 def never_fits(items: int, max_queue: int) -> RequestTooLarge | None:
     """Why a request of `items` inputs can never be queued whole (413, not a 503 to
@@ -36,6 +43,16 @@ def never_fits(items: int, max_queue: int) -> RequestTooLarge | None:
         f"this request has {items} inputs; the workload queues at most {max_queue} "
         f"(`batching.max_queue`), so it can never run as sent: send at most {max_queue} "
         "per request"
+    )
+
+
+def unreachable(left_s: float, waited_s: float = 0.0) -> DeadlineExceeded:
+    """A request whose run is expected to end past its deadline, `left_s` away."""
+    return DeadlineExceeded(
+        f"this request cannot finish by its deadline: {left_s * 1000:.0f} ms are left, less "
+        f"than its run is expected to take (waited {waited_s * 1000:.0f} ms); send it with a "
+        "longer deadline (`X-Timeout-Ms`, `slo.timeout_ms`) or when the workload is less busy",
+        code=UNREACHABLE,
     )
 
 
@@ -93,10 +110,11 @@ class BatchQueue:
                 1.0,
             )
 
-    def put(self, item: Any, deadline: float | None = None) -> Pending:
+    def put(self, item: Any, deadline: float | None = None, early_s: float = 0.0) -> Pending:
         """Queue one prepared item; raises Overloaded at once when the queue is full.
 
-        `deadline` is on the queue's clock (time.monotonic by default).
+        `deadline` is on the queue's clock (time.monotonic by default). Its timer fires
+        `early_s` before it: from then on even a run of its own ends too late.
         """
         if self._closed:
             raise Overloaded("the server is shutting down; retry on another replica", 1.0)
@@ -105,7 +123,7 @@ class BatchQueue:
         loop = asyncio.get_running_loop()
         pending = Pending(item, loop.create_future(), self._clock(), deadline)
         if deadline is not None:
-            delay = deadline - pending.enqueued_at
+            delay = deadline - early_s - pending.enqueued_at
             pending.timer = loop.call_later(max(delay, 0.0), self._expire, pending)
         pending.future.add_done_callback(lambda _: self._forget(pending))
         self._items.append(pending)
@@ -114,11 +132,16 @@ class BatchQueue:
         return pending
 
     def _expire(self, pending: Pending) -> None:
-        if pending.live:
-            waited = (self._clock() - pending.enqueued_at) * 1000
-            pending.future.set_exception(
-                DeadlineExceeded(f"deadline passed after {waited:.0f} ms in the queue")
-            )
+        if not pending.live:
+            return
+        now = self._clock()
+        waited = (now - pending.enqueued_at) * 1000
+        if pending.deadline is not None and now < pending.deadline:
+            pending.future.set_exception(unreachable(pending.deadline - now, waited / 1000))
+            return
+        pending.future.set_exception(
+            DeadlineExceeded(f"deadline passed after {waited:.0f} ms in the queue")
+        )
 
     def _forget(self, pending: Pending) -> None:
         # Runs once per request when its future resolves, whichever way.
@@ -157,6 +180,16 @@ class BatchQueue:
         self._drop_answered()
         return bool(self._items)
 
+    def head(self, most: int) -> list[Pending]:
+        """The first `most` live requests, left in the queue."""
+        found: list[Pending] = []
+        for pending in self._items:
+            if len(found) >= most:
+                break
+            if pending.live:
+                found.append(pending)
+        return found
+
     def peek(self, most: int) -> list[Any]:
         """The items of the first `most` live requests, left in the queue."""
         found: list[Any] = []
@@ -167,13 +200,23 @@ class BatchQueue:
                 found.append(pending.item)
         return found
 
-    async def take(self, most: int | None = None) -> list[Pending]:
+    async def take(
+        self, most: int | None = None, size: Callable[[list[Pending]], int] | None = None
+    ) -> list[Pending]:
         """Up to `most` (default `max_batch_size`) live requests, after waiting for
         company as `max_wait_s` allows; may be empty if every waiting one was answered
-        meanwhile. Items it returns no longer count as waiting."""
+        meanwhile. Items it returns no longer count as waiting.
+
+        `size`, once the wait is over, is given the first `max_batch_size` live requests
+        and says how many of them to take (after answering any it will not run)."""
         limit = self.max_batch_size if most is None else max(min(most, self.max_batch_size), 1)
         if self.max_wait_s > 0 and self._live < limit and self._items:
             await self._wait_for_company(self._items[0].enqueued_at + self.max_wait_s)
+        if size is not None:
+            limit = min(size(self.head(limit)), limit)
+            if limit <= 0:
+                self._drop_answered()
+                return []
         batch: list[Pending] = []
         while self._items and len(batch) < limit:
             pending = self._items.popleft()
@@ -243,12 +286,16 @@ class LaneQueues:
         return self.interactive if lane == "interactive" else self.offline
 
     async def next_batch(
-        self, free: asyncio.Event, offline_items: Callable[[Sequence[Any]], int]
+        self,
+        free: asyncio.Event,
+        offline_items: Callable[[Sequence[Any]], int],
+        interactive_items: Callable[[list[Pending]], int] | None = None,
     ) -> LaneBatch | None:
-        """The next batch once the model is `free`: interactive requests if any wait,
-        else up to `offline_items(candidates)` offline ones (`candidates`: the items of
-        the first offline requests, as many as one offline batch may hold). None once
-        both queues are closed and drained; never an empty batch."""
+        """The next batch once the model is `free`: interactive requests if any wait
+        (as many as `interactive_items(first ones)` says, if given: see `take`), else up
+        to `offline_items(candidates)` offline ones (`candidates`: the items of the
+        first offline requests, as many as one offline batch may hold). None once both
+        queues are closed and drained; never an empty batch."""
         while True:
             interactive, offline = self.interactive.waiting(), self.offline.waiting()
             if interactive or offline:
@@ -256,7 +303,8 @@ class LaneQueues:
                     await free.wait()
                     continue
                 if interactive:
-                    batch = LaneBatch("interactive", await self.interactive.take())
+                    taken = await self.interactive.take(size=interactive_items)
+                    batch = LaneBatch("interactive", taken)
                 else:
                     candidates = self.offline.peek(self.offline.max_batch_size)
                     most = offline_items(candidates)

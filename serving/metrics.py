@@ -11,6 +11,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import Metric
 
+from lanes.costmodel import Fit
+
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -132,6 +134,39 @@ class Metrics:
             ["workload", "lane"],
             registry=r,
         )
+        # Each embed/infer workload's cost model (lanes/costmodel.py): one series each.
+        self.cost_fixed = Gauge(
+            "lanes_cost_fixed_seconds",
+            "Cost model: the fixed time of one run (run = fixed + per item x items + per "
+            "token x padded tokens).",
+            ["workload"],
+            registry=r,
+        )
+        self.cost_per_item = Gauge(
+            "lanes_cost_per_item_seconds",
+            "Cost model: the time each item adds to a run.",
+            ["workload"],
+            registry=r,
+        )
+        self.cost_per_token = Gauge(
+            "lanes_cost_per_token_seconds",
+            "Cost model: the time each padded token adds to a run (0 without tokens).",
+            ["workload"],
+            registry=r,
+        )
+        self.cost_spread = Gauge(
+            "lanes_cost_spread",
+            "Cost model: measured over predicted run time at its quantile (upper "
+            "estimate = prediction x spread).",
+            ["workload"],
+            registry=r,
+        )
+        self.cost_samples = Gauge(
+            "lanes_cost_samples",
+            "Cost model: the recent runs it is fitted on (0: too few yet, nothing is sized by it).",
+            ["workload"],
+            registry=r,
+        )
         self.responses = Counter(
             "lanes_responses",
             "Responses by route and status code.",
@@ -201,6 +236,18 @@ class Metrics:
             "cost per item (the dashboard's $ per 1k items).",
             registry=r,
         )
+
+    def show_cost(self, workload: str, fit: Fit | None) -> None:
+        """A workload's current cost fit; without one, 0 samples (the coefficients keep
+        the last fit's, and appear with the first)."""
+        if fit is None:
+            self.cost_samples.labels(workload).set(0)
+            return
+        self.cost_fixed.labels(workload).set(fit.fixed_s)
+        self.cost_per_item.labels(workload).set(fit.per_item_s)
+        self.cost_per_token.labels(workload).set(fit.per_token_s)
+        self.cost_spread.labels(workload).set(fit.spread)
+        self.cost_samples.labels(workload).set(fit.samples)
 
     def render(self) -> bytes:
         return generate_latest(_WithoutCreated(self.registry))

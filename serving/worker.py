@@ -6,6 +6,11 @@ sized so that one run fits in the workload's slack: its `slo.p99_ms` minus its
 measured service time (the cost model's upper estimate of a typical interactive
 batch), or DEFAULT_SLACK_S without a p99 SLO. An interactive request that arrives
 during an offline run waits for that one run at most.
+
+A workload that declares `slo.p99_ms` or `slo.timeout_ms` also sizes its interactive
+batches by the cost model (serving/slo.py), and answers 504 at once a request whose
+run is expected to end past its deadline; until the model has a fit, and without
+either, batches are formed as the queue forms them.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from lanes.serving.access import RequestRecord
 from lanes.serving.batching import LANES, Lane, LaneQueues, Pending, never_fits
 from lanes.serving.metrics import LaneSeries, Metrics, Utilization
 from lanes.serving.model_thread import ModelThread
+from lanes.serving.slo import Steering, padded_tokens, tokens_of
 from lanes.serving.tracing import batch_spans
 from lanes.spec import as_interactive
 from lanes.tasks import Task
@@ -81,10 +87,15 @@ class BatchWorker:
         self.queue = self.lanes.interactive
         p99 = workload.slo.p99_ms
         self.p99_s = p99 / 1000 if p99 is not None else None
-        # Learned from every whole run, of either lane: sizes offline batches.
+        # Interactive batches sized by the cost model, deadlines predicted.
+        self.steers = p99 is not None or workload.slo.timeout_ms is not None
+        # Learned from every whole run, of either lane: sizes offline batches, and
+        # interactive ones where an SLO steers them.
         self.cost = CostModel(clock=clock)
+        self.steering = Steering(self.cost, self.p99_s, batching.max_batch_size, clock)
         self._typical = _Typical()  # of interactive batches: their service time
         self._lane = {lane: LaneSeries.of(metrics, task.name, lane) for lane in LANES}
+        self._utilization = metrics.utilization.labels(task.name)
         self.utilization = Utilization()
         self._tracing = tracing
         self._metrics = metrics
@@ -169,6 +180,11 @@ class BatchWorker:
         self.admit(len(items), timeout_s)
         timeout_s = timeout_s if timeout_s is not None else self.default_timeout_s
         arrived = self.clock()
+        deadline = arrived + timeout_s if timeout_s is not None else None
+        early_s = 0.0
+        if self.steers:
+            busy = not self._free.is_set()
+            early_s = self.steering.check_reachable(items, arrived, deadline, busy)
         pendings: list[Pending] = []
         try:
             if self._runs_now(len(items)):
@@ -178,9 +194,9 @@ class BatchWorker:
                 ]
                 self._start(pendings, "interactive")
             else:
-                deadline = arrived + timeout_s if timeout_s is not None else None
                 for item in items:
-                    pendings.append(self.queue.put(item, deadline))  # may refuse: Overloaded
+                    # May refuse: Overloaded.
+                    pendings.append(self.queue.put(item, deadline, early_s))
                     pendings[-1].request = request
                 self._set_depths()
             if len(pendings) == 1:
@@ -246,7 +262,9 @@ class BatchWorker:
     async def _run_forever(self) -> None:
         while True:
             # Waits while a batch runs; interactive requests first.
-            batch = await self.lanes.next_batch(self._free, self.offline_items)
+            batch = await self.lanes.next_batch(
+                self._free, self.offline_items, self.steering.batch_size if self.steers else None
+            )
             self._set_depths()
             if batch is None:
                 return
@@ -269,7 +287,7 @@ class BatchWorker:
         most = self.lanes.offline.max_batch_size
         if self.cost.fit is None:
             return min(LEARNING_ITEMS, most)
-        tokens = max((_tokens(c) for c in candidates), default=0)
+        tokens = max((tokens_of(c) for c in candidates), default=0)
         return self.cost.largest_batch(self.slack_s(), most, tokens)
 
     def _start(self, batch: list[Pending], lane: Lane = "interactive") -> bool:
@@ -281,6 +299,8 @@ class BatchWorker:
         self._free.clear()
         start = self.clock()
         items = [p.item for p in batch]
+        if self.steers:
+            self.steering.started(start, items)
         run = partial(self._timed_run, self.task.run if lane == "interactive" else self._raw)
         if self.runs_inline(len(items)):
             try:
@@ -361,7 +381,7 @@ class BatchWorker:
         series.items.inc(len(batch))
         if run_s is not None:
             self._run_time.observe(run_s)
-            tokens = _padded_tokens([p.item for p in batch])
+            tokens = padded_tokens([p.item for p in batch])
             self.cost.observe(len(batch), tokens, run_s)
             if lane == "interactive":
                 self._typical.observe(len(batch), tokens)
@@ -371,6 +391,12 @@ class BatchWorker:
     def busy_fraction(self) -> float:
         """The model's busy share of the last 10 s, on the worker's clock."""
         return self.utilization.fraction(self.clock())
+
+    def refresh_gauges(self) -> None:
+        """The gauges read when /metrics is: utilization, and the cost model's fit
+        (refitted first if a run came since)."""
+        self._utilization.set(self.busy_fraction())
+        self._metrics.show_cost(self.name, self.cost.fit)
 
     def runs_inline(self, items: int) -> bool:
         """Whether a batch of `items` would run on the event loop (see INLINE_RUN_S)."""
@@ -437,13 +463,3 @@ class _Typical:
             self._tokens += _COST_WEIGHT * (tokens - self._tokens)
         self.items = max(round(self._items), 1)
         self.tokens = round(self._tokens)
-
-
-def _tokens(item: Any) -> int:
-    """An item's length in tokens (what a batch pads to); 0 for items without tokens."""
-    n = getattr(item, "n_tokens", 0)
-    return n if isinstance(n, int) else 0
-
-
-def _padded_tokens(items: Sequence[Any]) -> int:
-    return len(items) * max((_tokens(i) for i in items), default=0)
