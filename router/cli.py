@@ -56,11 +56,13 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:
     """Show where each workload goes: endpoint paths, or a Prefect deployment and its next
-    run; and $ per 1k items in its own lane and in the other, from the newest measurement
+    run (with `schedule.finish_by`: its planned start and expected finish, and why); and
+    $ per 1k items in its own lane and in the other, from the newest measurement
     (`lanes calibrate`, an offline run's manifest)."""
     settings = guarded(Settings)
     spec = guarded(lambda: _load(file, settings))
-    routes = make_plan(spec, settings, measurements=Measurements(settings.home).load())
+    measurements = Measurements(settings.home).load()
+    routes = make_plan(spec, settings, measurements=measurements, calibrate=True)
     if as_json:
         typer.echo(json.dumps([r.as_json() for r in routes], indent=2))
         return
@@ -73,9 +75,18 @@ def plan(
         else:
             default = " (default off-peak)" if r.schedule_is_default else ""
             where = f"deployment {r.deployment}\n{r.schedule}{default}\nnext run {r.next_run}"
+            if r.deadline is not None and r.deadline.get("start"):
+                finish = r.deadline["expected_finish"] or "unknown (no rate)"
+                where += (
+                    f"\nfinish by {r.deadline['finish_by']}\nstart {r.deadline['start']}"
+                    f"\nexpected finish {finish}"
+                )
         batching = ", ".join(f"{k}={v}" for k, v in r.batching.items())
         table.add_row(r.workload, r.mode, r.task, r.model, where, batching)
     Console(width=160).print(table)
+    for r in routes:
+        if r.deadline is not None:
+            typer.echo(f"{r.workload}: {r.deadline['note']}")
     cost_cli.print_costs(routes, settings)
 
 
