@@ -18,7 +18,7 @@ Pure: the clock is an argument, so the arithmetic is tested without waiting.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, time, timedelta
+from datetime import UTC, datetime, time, timedelta
 from zoneinfo import ZoneInfo
 
 from lanes.settings import Settings
@@ -44,8 +44,11 @@ def plan_start(
     now: datetime,
 ) -> StartPlan:
     """The start of a run of `items` that must end by `finish_by`, in the off-peak
-    window that opens at `window_opens` (clamped to `now` when already open)."""
-    opens = max(window_opens, now)
+    window that opens at `window_opens` (clamped to `now` when already open). Times
+    are compared and returned in UTC: arithmetic on a zone's wall clock is off by the
+    hour a DST change adds or removes."""
+    finish_by, now = finish_by.astimezone(UTC), now.astimezone(UTC)
+    opens = max(window_opens.astimezone(UTC), now)
     if items_per_second is None or items_per_second <= 0:
         return StartPlan(
             opens,
@@ -102,15 +105,15 @@ def deadline_after(opens: datetime, finish_by: str, timezone: str) -> datetime:
     deadline = datetime.combine(day, time(hour, minute), tzinfo=zone)
     if deadline <= opens:
         deadline = datetime.combine(day + timedelta(days=1), time(hour, minute), tzinfo=zone)
-    return deadline
+    return deadline.astimezone(UTC)
 
 
 def window_at(opens_with: Schedule, finish_by: str, timezone: str, now: datetime) -> Window:
     """The window open at `now` (its cron fired and its deadline has not passed), else
-    the next one."""
-    last = opens_with.last_run(now)
+    the next one; in UTC."""
+    last = opens_with.last_run(now).astimezone(UTC)
     deadline = deadline_after(last, finish_by, timezone)
     if now < deadline:
         return Window(last, deadline)
-    upcoming = opens_with.next_run(now)
+    upcoming = opens_with.next_run(now).astimezone(UTC)
     return Window(upcoming, deadline_after(upcoming, finish_by, timezone))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -54,6 +55,14 @@ def validate(file: SpecFile = None) -> None:
 def plan(
     file: SpecFile = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+    at: Annotated[
+        str | None,
+        typer.Option(
+            "--at",
+            help="Plan as of this ISO time (e.g. 2030-01-01T21:00+00:00; no offset: UTC) "
+            "instead of now: next runs and deadline starts.",
+        ),
+    ] = None,
 ) -> None:
     """Show where each workload goes: endpoint paths, or a Prefect deployment and its next
     run (with `schedule.finish_by`: its planned start and expected finish, and why); and
@@ -62,7 +71,8 @@ def plan(
     settings = guarded(Settings)
     spec = guarded(lambda: _load(file, settings))
     measurements = Measurements(settings.home).load()
-    routes = make_plan(spec, settings, measurements=measurements, calibrate=True)
+    now = guarded(lambda: _moment(at)) if at is not None else None
+    routes = make_plan(spec, settings, now, measurements=measurements, calibrate=True)
     if as_json:
         typer.echo(json.dumps([r.as_json() for r in routes], indent=2))
         return
@@ -88,6 +98,16 @@ def plan(
         if r.deadline is not None:
             typer.echo(f"{r.workload}: {r.deadline['note']}")
     cost_cli.print_costs(routes, settings)
+
+
+def _moment(text: str) -> datetime:
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise InvalidInput.field(
+            "--at", f"expected an ISO time like 2030-01-01T21:00+00:00, found {text!r}"
+        ) from None
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
 @app.command()
