@@ -267,7 +267,7 @@ def test_lanes_plan_shows_the_start_from_the_last_runs_rate(
 ) -> None:
     home = tmp_path / "home"
     monkeypatch.setenv("LANES_HOME", str(home))
-    spec_file, job = project(tmp_path, 24)
+    spec_file, _ = project(tmp_path, 24)
     offline(workload="corpus", spec=str(spec_file))  # no deployment: runs now, as `lanes run`
     (measured,) = Measurements(home).load()
     assert measured.source.startswith("manifest ") and measured.items == 24
@@ -298,7 +298,7 @@ def test_lanes_plan_shows_the_start_from_the_last_runs_rate(
 
 def test_without_history_plan_calibrates_on_a_sample_of_the_input_first(tmp_path: Path) -> None:
     home = tmp_path / "home"
-    spec_file, job = project(tmp_path, 40)
+    spec_file, _ = project(tmp_path, 40)
     settings = Settings(home=home)
     spec = load_spec(spec_file, settings)
 
