@@ -135,7 +135,10 @@ def _start_later(job: Job, settings: Settings) -> State[dict[str, Any]] | None:
     plan = plan_run(job, settings, storage, now, Measurements(settings.home).load(), measure)
     at = deferred_until(plan, now)
     if at is None:
-        log.info("%s: starting now: %s", job.workload, plan.note)
+        if plan.fits:
+            log.info("%s: starting now: %s", job.workload, plan.note)
+        else:
+            log.warning("%s: not in time off-peak: %s", job.workload, plan.note)
         return None
     run = defer(deployment.name, plan, parameters, name=f"{job.workload}-{at:%Y%m%d-%H%M}")
     message = f"starts at {at.isoformat()} as flow run {run}: {plan.note}"

@@ -56,6 +56,7 @@ class RunStart:
     start: datetime
     expected_finish: datetime | None
     on_time: bool
+    fits: bool  # False: it does not fit in the window, so it starts now
     note: str
 
     def as_json(self) -> dict[str, Any]:
@@ -113,6 +114,7 @@ def plan_run(
         start=plan.start,
         expected_finish=plan.expected_finish,
         on_time=plan.on_time,
+        fits=plan.fits,
         note=note,
     )
 

@@ -34,6 +34,7 @@ class StartPlan:
     expected_finish: datetime | None  # None without a measured rate
     on_time: bool  # whether the expected finish is by the deadline
     note: str
+    fits: bool = True  # False: it does not fit in the window, so it starts now
 
 
 def plan_start(
@@ -76,7 +77,7 @@ def plan_start(
         f"which does not fit by {finish_by.isoformat()} {where}: starting now, expected "
         f"to finish at {finish.isoformat()}"
     )
-    return StartPlan(now, finish, on_time, note)
+    return StartPlan(now, finish, on_time, note, fits=False)
 
 
 @dataclass(frozen=True)

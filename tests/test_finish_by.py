@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -16,6 +17,7 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 import pytest
+import yaml
 
 from lanes.deadline import MARGIN, STARTUP_S, deadline_after, opening, plan_start, window_at
 from lanes.errors import SpecError
@@ -214,7 +216,7 @@ def test_the_start_is_the_latest_that_finishes_by_the_deadline(tmp_path: Path) -
     # 36 items at 0.01/s: an hour of work, 75 min with the margin and the start-up.
     assert started.start == DEADLINE - needed(36, 0.01) == datetime(2030, 1, 2, 4, 44, tzinfo=UTC)
     assert started.expected_finish == started.start + timedelta(seconds=3600 + STARTUP_S)
-    assert started.on_time and "latest moment" in started.note
+    assert started.on_time and started.fits and "latest moment" in started.note
     assert not started.calibrated and started.rate_source == "manifest somewhere"
     # The run the deployment fired at the opening waits for it; one at the start runs.
     assert deferred_until(started, OPENS) == started.start
@@ -225,7 +227,7 @@ def test_an_impossible_deadline_starts_now_and_says_so(tmp_path: Path) -> None:
     _, job = project(tmp_path, 36)
     slow = rate(job, 36 / (12 * 3600))  # twelve hours of work in a nine-hour window
     started = plan_run(job, Settings(), Storage(Settings()), OPENS, [slow])
-    assert started.start == OPENS and not started.on_time
+    assert started.start == OPENS and not started.on_time and not started.fits
     assert "does not fit" in started.note and "even if started now" in started.note
     assert deferred_until(started, OPENS) is None
 
@@ -328,3 +330,17 @@ def test_without_history_plan_calibrates_on_a_sample_of_the_input_first(tmp_path
     (again,) = plan(spec, settings, OPENS, Measurements(home).load(), calibrate=True)
     assert again.deadline is not None and not again.deadline["calibrated"]
     assert len(Measurements(home).load()) == 1
+
+
+def test_the_readmes_example_is_a_window_from_22_to_7_in_berlin(tmp_path: Path) -> None:
+    section = (ROOT / "README.md").read_text().split("### Finish by a deadline", 1)[1]
+    found = re.search(r"```yaml\n(.*?)```", section, re.DOTALL)
+    assert found, "the README's deadline section has no yaml example"
+    (example,) = yaml.safe_load(found.group(1)).values()
+    spec_file = write_spec(tmp_path, {"embed-corpus": {**example, "model": "enc"}})
+    workload = load_spec(spec_file, Settings()).workloads["embed-corpus"]
+    assert isinstance(workload, OfflineWorkload) and workload.schedule is not None
+    schedule = workload.schedule
+    assert schedule.finish_by is not None
+    window = window_at(schedule, schedule.finish_by, schedule.timezone, OPENS)
+    assert (window.opens, window.finish_by) == (OPENS, DEADLINE)
