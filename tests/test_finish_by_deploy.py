@@ -1,11 +1,11 @@
 """A deployment's run of a workload with `schedule.finish_by`, on a real Prefect server:
-fired at the window's opening, it schedules a run of the same deployment at its
-planned start and ends Completed saying so. Driven by command lines, as a person
+fired at the window's opening, with no earlier run, it measures its model on a sample
+of the input, schedules a run of the same deployment at its planned start and ends
+Completed saying so. Driven by command lines, as a person
 would (`lanes deploy`, `prefect deployment run`, a process worker)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
@@ -16,11 +16,9 @@ import httpx
 import pytest
 
 from lanes.deadline import MARGIN, STARTUP_S
-from lanes.flows.job import settle_job
+from lanes.flows.sample import SAMPLE_SOURCE
 from lanes.flows.start import DEADLINE_TAG
-from lanes.measurements import Measurements, Throughput
-from lanes.settings import Settings
-from lanes.specfile import load_spec
+from lanes.measurements import Measurements
 from tests.flows_fixtures import outputs_of, text, write_jsonl, write_spec
 from tests.prefect_server import PREFECT, PrefectServer
 
@@ -60,21 +58,8 @@ def test_a_run_fired_at_the_opening_reschedules_itself_at_its_planned_start(
         project = tmp_path / "project"
         spec_file = write_spec(project, {"corpus": workload})
         write_jsonl(project / "in" / "a.jsonl", [{"id": i, "text": text(i)} for i in range(12)])
-        home = tmp_path / "home"
-        settings = Settings(home=home)
-        job = settle_job(load_spec(spec_file, settings), "corpus", project, settings)
-        rate = 0.25  # 48 s of work: 120 s with the margin and the start-up
-        Measurements(home).save(
-            Throughput(
-                workload="corpus",
-                model_key=job.model_key,
-                lane="offline",
-                items_per_second=rate,
-                measured_at=now,
-                source="manifest earlier",
-            )
-        )
-        env = {**server.wait(), "LANES_HOME": str(home), "PYTHONPATH": os.environ["PYTHONPATH"]}
+        home = tmp_path / "home"  # no earlier run: the run measures its model first
+        env = {**server.wait(), "LANES_HOME": str(home)}
         api = env["PREFECT_API_URL"]
 
         _run([*LANES, "deploy", str(spec_file)], env, project)
@@ -92,6 +77,10 @@ def test_a_run_fired_at_the_opening_reschedules_itself_at_its_planned_start(
     deferred = [r for r in runs if DEADLINE_TAG in r["tags"]]
     assert len(deferred) == 1, [(r["name"], r["tags"]) for r in runs]
     (later,) = deferred
+    # Measured on a sample of the input (two batches of 4), stored as lanes calibrate's.
+    (measured,) = Measurements(home).load()
+    assert measured.source == SAMPLE_SOURCE and measured.items == 8
+    rate = measured.items_per_second
     deadline = closes.replace(second=0, microsecond=0)  # the first finish_by after opening
     start = deadline - timedelta(seconds=12 / rate * (1 + MARGIN) + STARTUP_S)
     assert later["state_type"] == "SCHEDULED"
@@ -100,5 +89,5 @@ def test_a_run_fired_at_the_opening_reschedules_itself_at_its_planned_start(
     assert later["parameters"]["workload"] == "corpus"
     message = fired[0]["state"]["message"]
     assert message.startswith(f"starts at {start.isoformat()} as flow run {later['id']}")
-    assert "latest moment" in message
+    assert "no earlier run of this model: measured" in message and "latest moment" in message
     assert not (project / "out").exists() or outputs_of(project / "out") == []
