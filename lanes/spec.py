@@ -196,10 +196,16 @@ class Schedule(StrictModel):
             )
         return self
 
-    @field_validator("finish_by")
+    @field_validator("finish_by", mode="before")
     @classmethod
-    def _valid_finish_by(cls, value: str | None) -> str | None:
-        if value is not None and not FINISH_BY_PATTERN.match(value):
+    def _valid_finish_by(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool):
+            # YAML 1.1 reads an unquoted 22:30 as base 60: the number 1350.
+            raise ValueError(
+                f'expected a time of day as "HH:MM" in quotes, e.g. "07:00", found the '
+                f"number {value} (YAML reads an unquoted 22:30 as 22 * 60 + 30)"
+            )
+        if isinstance(value, str) and not FINISH_BY_PATTERN.match(value):
             raise ValueError(
                 f'expected a time of day as "HH:MM" (00:00 to 23:59), e.g. "07:00", '
                 f"found {shown(value)}"

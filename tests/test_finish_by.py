@@ -150,15 +150,16 @@ def test_finish_by_takes_a_time_of_day_with_or_without_a_cron(
 
 
 @pytest.mark.parametrize(
-    "value", ['"7:00"', '"24:00"', '"07:60"', '"7am"', '"07:00:00"', "700", '""']
+    "value", ['"7:00"', '"24:00"', '"07:60"', '"7am"', '"07:00:00"', "700", '""', "22:30"]
 )
 def test_a_bad_finish_by_names_the_field_and_the_format(tmp_path: Path, value: str) -> None:
     with pytest.raises(SpecError) as caught:
         load(tmp_path, "{finish_by: " + value + "}")
     (problem,) = [str(p) for p in caught.value.problems]
     assert "workloads.nightly.schedule.finish_by:" in problem
-    if value != "700":  # a number: pydantic's own "a valid string"
-        assert 'expected a time of day as "HH:MM"' in problem, problem
+    assert 'expected a time of day as "HH:MM"' in problem, problem
+    if value == "22:30":  # unquoted: YAML 1.1 makes it a number in base 60
+        assert "found the number 1350" in problem and "in quotes" in problem
 
 
 def test_a_schedule_needs_a_cron_or_a_finish_by(tmp_path: Path) -> None:
