@@ -55,6 +55,7 @@ from lanes.flows.shard import (
     committed,
     run_shard,
 )
+from lanes.flows.start import calibration, defer, deferred_until, plan_run, should_plan
 from lanes.flows.validate import check_records
 from lanes.jobs import WITH_ERRORS_STATE
 from lanes.layout import ERRORS
@@ -90,6 +91,7 @@ def offline(
     trace: dict[str, str] | None = None,
     lane: Lane = "declared",
     finish_by: datetime | None = None,
+    planned_start: datetime | None = None,
 ) -> dict[str, Any]:
     """Run `workload` from the spec file `spec` (relative to the working directory).
     `input`/`output` override the workload's; `rerun` is "uncommitted", "errors" or
@@ -97,13 +99,19 @@ def offline(
     submitted the run, continued by its spans when LANES_TRACING is on; `lane="offline"`
     runs an interactive workload in the offline lane (flows.job.plan_job); past
     `finish_by` no further shard starts (a batch's completion window: the shards left
-    are its expired requests). Returns the manifest's summary; raises JobFailed when a
-    shard failed."""
+    are its expired requests). A deployment's run of a workload with
+    `schedule.finish_by` first plans its start (flows.start) and, when that is later,
+    schedules a run of the same deployment then (`planned_start`: that run's planned
+    time) and ends Completed saying so. Returns the manifest's summary; raises
+    JobFailed when a shard failed."""
     settings = Settings()
     tracing = Tracing.from_settings(settings)
     try:
         with maybe_span(tracing, f"offline {workload}", {"lanes.workload": workload}, trace):
             job = plan_job(workload, Path(spec), settings, input, output, lane)
+            later = _start_later(job, settings)
+            if later is not None:
+                return cast("dict[str, Any]", later)
             manifest = run_job(job, settings, rerun, tracing, finish_by)
     finally:
         if tracing is not None:
@@ -111,6 +119,30 @@ def offline(
     # A State returned by a flow becomes its run's final state, and a caller of the
     # flow gets the state's data: the summary.
     return cast("dict[str, Any]", outcome(manifest))
+
+
+def _start_later(job: Job, settings: Settings) -> State[dict[str, Any]] | None:
+    """A Completed state when this run of a deadline workload starts later, as another
+    flow run (flows.start); None to run now."""
+    from prefect.runtime import deployment, flow_run
+
+    parameters = dict(flow_run.parameters)
+    if not should_plan(job, deployment.name, parameters):
+        return None
+    storage = Storage(settings)
+    now = datetime.now(UTC)
+    measure = calibration(job, settings, storage, lambda: _model(job, settings))
+    plan = plan_run(job, settings, storage, now, Measurements(settings.home).load(), measure)
+    at = deferred_until(plan, now)
+    if at is None:
+        if plan.fits:
+            log.info("%s: starting now: %s", job.workload, plan.note)
+        else:
+            log.warning("%s: not in time off-peak: %s", job.workload, plan.note)
+        return None
+    run = defer(deployment.name, plan, parameters, name=f"{job.workload}-{at:%Y%m%d-%H%M}")
+    message = f"starts at {at.isoformat()} as flow run {run}: {plan.note}"
+    return Completed(message=message, data={"rescheduled_as": run, **plan.as_json()})
 
 
 def outcome(manifest: Manifest) -> State[dict[str, Any]]:

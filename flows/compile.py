@@ -33,6 +33,7 @@ from typing import Any
 import yaml
 
 from lanes.batches import BATCH_DEPLOYMENT
+from lanes.deadline import opening
 from lanes.errors import InvalidInput, LanesError, StorageError
 from lanes.flows import ENTRYPOINT, FLOW_NAME
 from lanes.settings import Settings
@@ -74,11 +75,10 @@ def source_of(spec_file: Path, dest: Path, project_dir: Path | None = None) -> S
 
 
 def schedule_of(workload: OfflineWorkload, settings: Settings) -> tuple[Schedule, bool]:
-    """The workload's own schedule, or the default off-peak window (and True).
+    """The schedule the deployment fires on, the opening of the workload's window: its
+    own cron, or the default off-peak window (and True; lanes.deadline.opening).
     `lanes plan` shows the same (router.plan imports this)."""
-    if workload.schedule is not None:
-        return workload.schedule, False
-    return settings.offpeak, True
+    return opening(workload, settings)
 
 
 def deployment(

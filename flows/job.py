@@ -59,6 +59,21 @@ def plan_job(
     records per model run, and no error-rate limit (OpenAI's batches fail no request
     for another's error); it needs `input` and `output`."""
     spec = load_spec(spec_file, settings)
+    return settle_job(
+        spec, workload, Path(spec_file).resolve().parent, settings, input, output, lane
+    )
+
+
+def settle_job(
+    spec: Spec,
+    workload: str,
+    base: Path,
+    settings: Settings,
+    input: str | None = None,
+    output: str | None = None,
+    lane: Lane = "declared",
+) -> Job:
+    """`plan_job` of a loaded spec whose relative paths are read against `base`."""
     declared = spec.workload(workload)
     if lane == "offline" and declared.mode == "interactive":
         if not input or not output:
@@ -75,7 +90,6 @@ def plan_job(
             f"workload {workload!r} is interactive: call it through the endpoint, "
             "or declare it `mode: offline` with an input and output"
         )
-    base = Path(spec_file).resolve().parent
     source = _resolve(input or w.input, base, "input")
     if input and w.input:
         # An interactive workload reads nothing of its own: only what the Batch API staged.

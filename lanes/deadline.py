@@ -7,13 +7,22 @@ by the deadline. The start must lie inside the off-peak window (from its opening
 the deadline): a run that cannot fit there starts now, and the plan says so. A run
 with no measured rate starts when the window opens, and the plan says to measure one.
 
+An offline workload's window (`schedule: {cron, finish_by, timezone}`) opens when its
+cron fires (`opening`: the default off-peak window's cron when it names none) and
+closes at the first `finish_by` after that; `window_at` finds the one open at a given
+moment, or else the next.
+
 Pure: the clock is an argument, so the arithmetic is tested without waiting.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, time, timedelta
+from zoneinfo import ZoneInfo
+
+from lanes.settings import Settings
+from lanes.spec import OfflineWorkload, Schedule
 
 MARGIN = 0.25  # of the expected run time: rates vary with the input's lengths
 STARTUP_S = 60.0  # a flow run's start and the model's load
@@ -25,6 +34,7 @@ class StartPlan:
     expected_finish: datetime | None  # None without a measured rate
     on_time: bool  # whether the expected finish is by the deadline
     note: str
+    fits: bool = True  # False: it does not fit in the window, so it starts now
 
 
 def plan_start(
@@ -35,8 +45,11 @@ def plan_start(
     now: datetime,
 ) -> StartPlan:
     """The start of a run of `items` that must end by `finish_by`, in the off-peak
-    window that opens at `window_opens` (clamped to `now` when already open)."""
-    opens = max(window_opens, now)
+    window that opens at `window_opens` (clamped to `now` when already open). Times
+    are compared and returned in UTC: arithmetic on a zone's wall clock is off by the
+    hour a DST change adds or removes."""
+    finish_by, now = finish_by.astimezone(UTC), now.astimezone(UTC)
+    opens = max(window_opens.astimezone(UTC), now)
     if items_per_second is None or items_per_second <= 0:
         return StartPlan(
             opens,
@@ -64,4 +77,44 @@ def plan_start(
         f"which does not fit by {finish_by.isoformat()} {where}: starting now, expected "
         f"to finish at {finish.isoformat()}"
     )
-    return StartPlan(now, finish, on_time, note)
+    return StartPlan(now, finish, on_time, note, fits=False)
+
+
+@dataclass(frozen=True)
+class Window:
+    """An off-peak window: from `opens` to the deadline `finish_by`."""
+
+    opens: datetime
+    finish_by: datetime
+
+
+def opening(workload: OfflineWorkload, settings: Settings) -> tuple[Schedule, bool]:
+    """The schedule whose cron opens the workload's window: its own, or (and True) the
+    default off-peak window `settings.offpeak`, for a workload with no schedule or one
+    that names only `finish_by`."""
+    if workload.schedule is not None and workload.schedule.cron is not None:
+        return workload.schedule, False
+    return settings.offpeak, True
+
+
+def deadline_after(opens: datetime, finish_by: str, timezone: str) -> datetime:
+    """The first `finish_by` ("HH:MM" in `timezone`) strictly after `opens`: the same
+    day, or the next one when the window crosses midnight."""
+    zone = ZoneInfo(timezone)
+    hour, minute = (int(part) for part in finish_by.split(":"))
+    day = opens.astimezone(zone).date()
+    deadline = datetime.combine(day, time(hour, minute), tzinfo=zone)
+    if deadline <= opens:
+        deadline = datetime.combine(day + timedelta(days=1), time(hour, minute), tzinfo=zone)
+    return deadline.astimezone(UTC)
+
+
+def window_at(opens_with: Schedule, finish_by: str, timezone: str, now: datetime) -> Window:
+    """The window open at `now` (its cron fired and its deadline has not passed), else
+    the next one; in UTC."""
+    last = opens_with.last_run(now).astimezone(UTC)
+    deadline = deadline_after(last, finish_by, timezone)
+    if now < deadline:
+        return Window(last, deadline)
+    upcoming = opens_with.next_run(now).astimezone(UTC)
+    return Window(upcoming, deadline_after(upcoming, finish_by, timezone))

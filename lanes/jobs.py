@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import orjson
 
 from lanes import layout
+from lanes.deadline import opening
 from lanes.errors import InvalidInput, JobFailed, LanesError, StorageError
 from lanes.inputs import absolute, check_input, folder_of
 from lanes.settings import Settings
@@ -86,7 +87,7 @@ def submit(
         data = _jsonl(records)
     scheduled = datetime.now(UTC)
     if when == "offpeak":
-        scheduled = (workload.schedule or settings.offpeak).next_run()
+        scheduled = opening(workload, settings)[0].next_run()
     prefect = _Prefect(prefect_api_url)
     with prefect.client() as client:
         deployment = prefect.deployment(client, name)

@@ -189,6 +189,13 @@ class Settings(BaseSettings):
         store = self.batch.store or str((self.home / "batches").resolve())
         return store if store.endswith("/") else store + "/"
 
+    @field_validator("offpeak")
+    @classmethod
+    def _offpeak_opens(cls, offpeak: Schedule) -> Schedule:
+        if offpeak.cron is None:
+            raise ValueError("expected a cron (LANES_OFFPEAK__CRON): the default window's opening")
+        return offpeak
+
     @field_validator("allowed_input_roots")
     @classmethod
     def _roots_are_folders(cls, roots: tuple[str, ...]) -> tuple[str, ...]:

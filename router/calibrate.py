@@ -41,8 +41,9 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from lanes.errors import LanesError, ModelError
-from lanes.flows.job import Job, model_key, plan_shards
-from lanes.flows.shard import Model, ShardStats, run_shard
+from lanes.flows.job import Job, model_key
+from lanes.flows.sample import run_records
+from lanes.flows.shard import Model, ShardStats
 from lanes.layout import ERRORS
 from lanes.measurements import Throughput
 from lanes.protocols.v2 import datatype_of
@@ -205,10 +206,6 @@ def _run(
     items: list[Item],
     progress: Callable[[int], None] = lambda n: None,
 ) -> ShardStats:
-    (folder / "in").mkdir(parents=True)
-    with (folder / "in" / "items.jsonl").open("wb") as out:
-        for item in items:
-            out.write(orjson.dumps(item.record, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
     workload = as_offline(spec.workload(name))
     job = Job(
         workload=name,
@@ -221,8 +218,7 @@ def _run(
         model_key=model_key(spec, workload),
         max_record_bytes=settings.max_body_bytes,
     )
-    (plan,) = plan_shards(job, storage)
-    stats = run_shard(plan, model, storage, job.batch_size, job.max_record_bytes, progress)
+    stats = run_records(job, (item.record for item in items), folder, model, storage, progress)
     if stats.errors:
         first = (folder / "out" / ERRORS / "items.jsonl").read_text().splitlines()[0]
         problem = orjson.loads(first).get("error")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -54,13 +55,24 @@ def validate(file: SpecFile = None) -> None:
 def plan(
     file: SpecFile = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+    at: Annotated[
+        str | None,
+        typer.Option(
+            "--at",
+            help="Plan as of this ISO time (e.g. 2030-01-01T21:00+00:00; no offset: UTC) "
+            "instead of now: next runs and deadline starts.",
+        ),
+    ] = None,
 ) -> None:
     """Show where each workload goes: endpoint paths, or a Prefect deployment and its next
-    run; and $ per 1k items in its own lane and in the other, from the newest measurement
+    run (with `schedule.finish_by`: its planned start and expected finish, and why); and
+    $ per 1k items in its own lane and in the other, from the newest measurement
     (`lanes calibrate`, an offline run's manifest)."""
     settings = guarded(Settings)
     spec = guarded(lambda: _load(file, settings))
-    routes = make_plan(spec, settings, measurements=Measurements(settings.home).load())
+    measurements = Measurements(settings.home).load()
+    now = guarded(lambda: _moment(at)) if at is not None else None
+    routes = make_plan(spec, settings, now, measurements=measurements, calibrate=True)
     if as_json:
         typer.echo(json.dumps([r.as_json() for r in routes], indent=2))
         return
@@ -73,10 +85,29 @@ def plan(
         else:
             default = " (default off-peak)" if r.schedule_is_default else ""
             where = f"deployment {r.deployment}\n{r.schedule}{default}\nnext run {r.next_run}"
+            if r.deadline is not None and r.deadline.get("start"):
+                finish = r.deadline["expected_finish"] or "unknown (no rate)"
+                where += (
+                    f"\nfinish by {r.deadline['finish_by']}\nstart {r.deadline['start']}"
+                    f"\nexpected finish {finish}"
+                )
         batching = ", ".join(f"{k}={v}" for k, v in r.batching.items())
         table.add_row(r.workload, r.mode, r.task, r.model, where, batching)
     Console(width=160).print(table)
+    for r in routes:
+        if r.deadline is not None:
+            typer.echo(f"{r.workload}: {r.deadline['note']}")
     cost_cli.print_costs(routes, settings)
+
+
+def _moment(text: str) -> datetime:
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise InvalidInput.field(
+            "--at", f"expected an ISO time like 2030-01-01T21:00+00:00, found {text!r}"
+        ) from None
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
 @app.command()

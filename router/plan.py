@@ -4,15 +4,20 @@ what 1000 of its items cost in its own lane and in the other one."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from datetime import datetime
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
+from lanes.errors import LanesError
 from lanes.flows import FLOW_NAME as OFFLINE_FLOW
 from lanes.flows.compile import schedule_of
-from lanes.flows.job import model_key
+from lanes.flows.job import Job, model_key, settle_job
+from lanes.flows.shard import Model, ShardModel
+from lanes.flows.start import calibration, plan_run
 from lanes.measurements import Throughput, newest
 from lanes.settings import Settings
-from lanes.spec import Mode, Spec, Workload
+from lanes.spec import Mode, Spec, Workload, as_offline
+from lanes.storage import Storage
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,7 @@ class Route:
     next_run: str | None  # offline: ISO time of the next scheduled run
     cost: LaneCost  # in its own lane
     other_lane_cost: LaneCost  # had it the other label
+    deadline: dict[str, Any] | None = None  # offline with finish_by: flows.start.RunStart
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -81,9 +87,14 @@ def plan(
     settings: Settings,
     now: datetime | None = None,
     measurements: list[Throughput] | None = None,
+    calibrate: bool = False,
 ) -> list[Route]:
     """One route per workload, in the spec's order; costs from `measurements` (newest
-    first, as lanes.measurements.Measurements.load returns them; none: nothing measured)."""
+    first, as lanes.measurements.Measurements.load returns them; none: nothing measured).
+    An offline workload with `schedule.finish_by` gets its run's start (`deadline`,
+    flows.start.plan_run) for the window open at `now` or the next; with `calibrate`, a
+    workload whose model has no offline rate is first measured on a sample of its input
+    (and the rate stored under LANES_HOME)."""
     records = measurements or []
     price = settings.price_per_device_hour
     routes = []
@@ -125,6 +136,43 @@ def plan(
                 next_run=schedule.next_run(now).isoformat(),
                 cost=own_cost,
                 other_lane_cost=other_cost,
+                deadline=_deadline(spec, name, settings, now, records, calibrate),
             )
         )
     return routes
+
+
+def _deadline(
+    spec: Spec,
+    name: str,
+    settings: Settings,
+    now: datetime | None,
+    records: list[Throughput],
+    calibrate: bool,
+) -> dict[str, Any] | None:
+    """The planned start of `name`'s next run when it has a deadline (the note says why
+    there is none when its input cannot be read)."""
+    schedule = as_offline(spec.workload(name)).schedule
+    if schedule is None or schedule.finish_by is None:
+        return None
+    try:
+        job = settle_job(spec, name, spec.root or Path.cwd(), settings)
+        storage = Storage(settings)
+        measure = None
+        if calibrate:
+            measure = calibration(job, settings, storage, lambda: _local_model(job, settings))
+        return plan_run(
+            job, settings, storage, now or datetime.now(UTC), records, measure
+        ).as_json()
+    except LanesError as err:
+        return {"note": f"cannot plan the start: {err}"}
+
+
+def _local_model(job: Job, settings: Settings) -> ShardModel:
+    from lanes.runtime import Runtime  # onnxruntime: only when a model is measured
+    from lanes.tasks import load_task
+
+    runtime = Runtime(settings)
+    task = load_task(job.workload, job.spec, runtime)
+    task.warm_up()
+    return Model(task, runtime.providers[0])

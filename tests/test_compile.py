@@ -124,8 +124,10 @@ def test_the_entrypoint_is_the_flow() -> None:
 
     flow = load_flow_from_entrypoint(ENTRYPOINT, use_placeholder_flow=False)
     assert flow.name == FLOW_NAME
-    # trace: the W3C context of a submitter; lane, finish_by: the Batch API's runs
+    # trace: the W3C context of a submitter; lane, finish_by: the Batch API's runs;
+    # planned_start: a deadline workload's run at the start it planned (flows.start)
     expected = {"workload", "spec", "input", "output", "rerun", "trace", "lane", "finish_by"}
+    expected.add("planned_start")
     assert set(flow.parameters.properties) == expected
     assert flow.parameters.properties["rerun"]["enum"] == ["uncommitted", "errors", "all"]
 
@@ -206,3 +208,26 @@ def test_a_prefect_yaml_lanes_did_not_write_is_never_replaced(spec_file: Path) -
     result = compile_cli(str(spec_file), "--force")
     assert result.exit_code == 0, result.output
     assert mine.read_text() == other.read_text()
+
+
+def test_a_deadline_deploys_on_its_windows_opening(tmp_path: Path) -> None:
+    """`finish_by` alone: the default window's opening; with a cron: the cron."""
+    deadline = {**WORKLOADS["nightly"], "description": None}
+    workloads = {
+        "alone": {**deadline, "schedule": {"finish_by": "07:00", "timezone": "Europe/Berlin"}},
+        "both": {**deadline, "schedule": {"cron": "0 22 * * *", "finish_by": "07:00"}},
+    }
+    spec_file = write_spec(tmp_path, workloads)
+    settings = Settings()
+    document = yaml.safe_load(
+        render(
+            load_spec(spec_file, settings),
+            settings,
+            spec_file,
+            source_of(spec_file, spec_file.parent / "prefect.yaml"),
+        )
+    )
+    alone, both = document["deployments"]
+    assert alone["schedules"] == [{"cron": "0 2 * * *", "timezone": "UTC", "active": True}]
+    assert "default off-peak window" in alone["description"]
+    assert both["schedules"] == [{"cron": "0 22 * * *", "timezone": "UTC", "active": True}]

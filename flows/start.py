@@ -1,0 +1,173 @@
+"""When a run of a workload with a deadline (`schedule.finish_by`) starts.
+
+The deployment fires when the off-peak window opens (flows.compile). A run of a
+workload with `finish_by` then plans its start (`plan_run`): the input's records
+counted (flows.records.count_records), the newest measured offline rate of the
+workload's model (lanes.measurements: `lanes calibrate` or an earlier run's
+manifest) or, with none, one measured now on a sample of the real input
+(flows.sample) and stored beside `lanes calibrate`'s, then lanes.deadline.plan_start
+with its margin. A start later than now is honoured by Prefect: the run creates a
+flow run of the same deployment, scheduled then, with `planned_start` among its
+parameters (so it runs, not replans), and ends Completed saying so (`defer`). A run
+that cannot finish in time off-peak starts now; with `runner: {kind: endpoint}` it
+runs on the shared endpoint, in the idle time its interactive traffic leaves.
+
+Rates are per device: a run over several (a Dask cluster) is planned as if on one,
+so it starts early rather than late.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from lanes.deadline import opening, plan_start, window_at
+from lanes.errors import LanesError
+from lanes.flows.job import Job, plan_shards
+from lanes.flows.records import count_records
+from lanes.flows.sample import measure_sample
+from lanes.flows.shard import ShardModel
+from lanes.jobs import create_run
+from lanes.measurements import Measurements, Throughput, newest
+from lanes.settings import Settings
+from lanes.spec import as_offline
+from lanes.storage import Storage
+
+log = logging.getLogger(__name__)
+
+# A planned start this close to now is now: rescheduling costs a flow run's start.
+RESCHEDULE_SLACK_S = 60.0
+DEADLINE_TAG = "lanes-deadline"  # the runs a deadline rescheduled
+
+
+@dataclass(frozen=True)
+class RunStart:
+    """A deadline run's plan: when it starts, from what, and why (`note`)."""
+
+    window_opens: datetime
+    finish_by: datetime
+    items: int
+    items_per_second: float | None
+    rate_source: str | None  # "calibrate", "manifest URI", or the sample's
+    calibrated: bool  # the rate was measured just now, on a sample of the input
+    start: datetime
+    expected_finish: datetime | None
+    on_time: bool
+    fits: bool  # False: it does not fit in the window, so it starts now
+    note: str
+
+    def as_json(self) -> dict[str, Any]:
+        shown = asdict(self)
+        for key in ("window_opens", "finish_by", "start", "expected_finish"):
+            value = getattr(self, key)
+            shown[key] = value.isoformat() if value is not None else None
+        return shown
+
+
+def has_deadline(job: Job) -> bool:
+    workload = as_offline(job.spec.workload(job.workload))
+    return workload.schedule is not None and workload.schedule.finish_by is not None
+
+
+def plan_run(
+    job: Job,
+    settings: Settings,
+    storage: Storage,
+    now: datetime,
+    records: list[Throughput],
+    calibrate: Callable[[], Throughput] | None = None,
+) -> RunStart:
+    """When `job` starts, planned at `now` from `records` (newest first, as
+    Measurements.load gives them). With no rate for its model there, `calibrate()`
+    measures one (None: plan without, starting when the window opens). Raises
+    LanesError when the job has no deadline, or its input cannot be read."""
+    workload = as_offline(job.spec.workload(job.workload))
+    schedule = workload.schedule
+    if schedule is None or schedule.finish_by is None:
+        raise LanesError(f"workload {job.workload!r} has no schedule.finish_by to plan by")
+    window = window_at(opening(workload, settings)[0], schedule.finish_by, schedule.timezone, now)
+    items = sum(count_records(storage, plan.input) for plan in plan_shards(job, storage))
+    record = newest(records, "offline", job.model_key, job.workload)
+    calibrated = False
+    if record is None and calibrate is not None:
+        record, calibrated = calibrate(), True
+    rate = record.items_per_second if record is not None else None
+    plan = plan_start(items, rate, window.finish_by, window.opens, now)
+    note = plan.note
+    if calibrated and record is not None:
+        note = (
+            f"no earlier run of this model: measured {rate:g} items/s on {record.items} "
+            f"records of the input (stored with lanes calibrate's); {note}"
+        )
+    if plan.start == now and rate is not None and job.runner.kind == "endpoint":
+        note += "; on the shared endpoint (runner: endpoint), in its interactive lane's idle time"
+    return RunStart(
+        window_opens=window.opens,
+        finish_by=window.finish_by,
+        items=items,
+        items_per_second=rate,
+        rate_source=record.source if record is not None else None,
+        calibrated=calibrated,
+        start=plan.start,
+        expected_finish=plan.expected_finish,
+        on_time=plan.on_time,
+        fits=plan.fits,
+        note=note,
+    )
+
+
+def calibration(
+    job: Job, settings: Settings, storage: Storage, model: Callable[[], ShardModel]
+) -> Callable[[], Throughput]:
+    """`plan_run`'s `calibrate`: measure on a sample of the job's input with `model()`
+    and store the rate where `lanes calibrate` stores its own."""
+
+    def measure() -> Throughput:
+        record = measure_sample(job, settings, storage, model())
+        Measurements(settings.home).save(record)
+        return record
+
+    return measure
+
+
+def deferred_until(plan: RunStart, now: datetime) -> datetime | None:
+    """The time a run planned as `plan` must wait for, None when it starts now."""
+    if plan.start - now > timedelta(seconds=RESCHEDULE_SLACK_S):
+        return plan.start
+    return None
+
+
+def should_plan(
+    job: Job,
+    deployment: str | None,
+    parameters: dict[str, Any],
+) -> bool:
+    """Whether a flow run plans its start: a run of a deployment, of a workload with a
+    deadline, that no one has planned yet (`planned_start`), reading the workload's own
+    input (a submitted job or a batch says when it runs itself)."""
+    if deployment is None or not has_deadline(job):
+        return False
+    others = ("planned_start", "input", "output", "finish_by")
+    return not any(parameters.get(name) is not None for name in others)
+
+
+def defer(
+    deployment: str,
+    plan: RunStart,
+    parameters: dict[str, Any],
+    name: str,
+) -> str:
+    """Create the flow run of `deployment` that starts at `plan.start`, with
+    `parameters` and `planned_start`; returns its id."""
+    run = create_run(
+        deployment,
+        {**parameters, "planned_start": plan.start.isoformat()},
+        plan.start,
+        name=name,
+        tags=[DEADLINE_TAG],
+    )
+    log.info("rescheduled to %s as flow run %s: %s", plan.start.isoformat(), run, plan.note)
+    return str(run)
