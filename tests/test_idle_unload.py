@@ -208,3 +208,41 @@ def test_idle_unload_s_is_checked_when_the_spec_loads(demo_models: Path, tmp_pat
     assert "workloads.zero.idle_unload_s: input should be greater than 0" in message
     assert "workloads.writer.idle_unload_s: `idle_unload_s` unloads an embed or infer" in message
     assert "workloads.nightly.idle_unload_s: `idle_unload_s` applies to interactive" in message
+
+
+def test_a_load_that_fails_answers_its_waiting_requests_and_the_next_one_tries_again(
+    demo_models: Path, tmp_path: Path
+) -> None:
+    model = tmp_path / "classifier.onnx"
+    model.write_bytes((demo_models / "classifier" / "model.onnx").read_bytes())
+    spec = tmp_path / "workloads.yaml"
+    spec.write_text(f"""\
+version: 1
+models:
+  mine: {{path: {model}}}
+workloads:
+  tiny:
+    mode: interactive
+    task: infer
+    model: mine
+    idle_unload_s: {IDLE_S}
+""")
+    clock = JumpClock()
+    with ServerThread(spec, clock=clock) as server:
+        served = Served(server, clock, Gate())
+        infer = "/v2/models/tiny/infer"
+        assert served.http.post(infer, json=FEATURES).status_code == 200
+        served.unload("tiny")
+        model.rename(tmp_path / "elsewhere.onnx")  # the file is gone when it must load
+
+        lost = served.http.post(infer, json=FEATURES)
+        assert lost.status_code == 500, lost.text
+        assert f"no model file at {model}" in lost.json()["error"]
+        assert served.residency("tiny").state is Presence.UNLOADED
+        assert served.http.get("/readyz").status_code == 200  # it can still wake
+
+        (tmp_path / "elsewhere.onnx").rename(model)
+        back = served.http.post(infer, json=FEATURES)
+        assert back.status_code == 200, back.text
+        assert served.metric("lanes_model_loads_total", "tiny") == 2
+        assert served.metric("lanes_model_loaded", "tiny") == 1
