@@ -8,8 +8,9 @@ per round: waits until /metrics says its model is unloaded, then times one reque
 (request in -> answer out: the load and the run), then one warm request, then, in this
 process, raw onnxruntime's cold path (an InferenceSession with the server's session
 options, plus one run of the same tokens). Prints each figure's median over the
-rounds, the server's own load time (lanes_model_load_seconds), and the ratios
-cold / raw and cold / warm. Figures from a shared machine drift; the ratios travel.
+rounds, the server's own load time (lanes_model_load_seconds), its resident memory
+loaded and unloaded, and the ratios cold / raw and cold / warm. The server loads again
+from its optimized copy of the model; raw creates a session of the declared file. Figures from a shared machine drift; the ratios travel.
 """
 
 from __future__ import annotations
@@ -104,6 +105,16 @@ def raw_cold(spec_path: Path, model: str) -> float:
     return time.perf_counter() - start
 
 
+def rss_mb(pid: int) -> float:
+    """The process's resident memory (Linux /proc), in MB; nan elsewhere."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return float("nan")
+    found = re.search(r"^VmRSS:\s+(\d+) kB", status, re.M)
+    return int(found.group(1)) / 1024 if found else float("nan")
+
+
 def ms(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms"
 
@@ -125,14 +136,18 @@ def main() -> None:
     cold: list[float] = []
     warm: list[float] = []
     raw: list[float] = []
+    rss_loaded: list[float] = []
+    rss_unloaded: list[float] = []
     proc = start(cmd, url, env)
     try:
         with httpx.Client(base_url=url, timeout=WAIT_S) as client:
             timed_request(client)  # the connection, and the first run after start-up
             for _ in range(args.rounds):
                 wait_unloaded(client)
+                rss_unloaded.append(rss_mb(proc.pid))
                 cold.append(timed_request(client))
                 warm.append(min(timed_request(client) for _ in range(5)))
+                rss_loaded.append(rss_mb(proc.pid))
                 raw.append(raw_cold(spec_path, args.model))  # the server idles meanwhile
             loads = metric(client, "lanes_model_load_seconds_count")
             load_s = metric(client, "lanes_model_load_seconds_sum") / loads
@@ -145,6 +160,8 @@ def main() -> None:
     print(f"    of which the server's load               : {ms(load_s)} ({loads:.0f} loads)")
     print(f"  warm request                             : {ms(w)}")
     print(f"  raw onnxruntime: session + one run       : {ms(r)}")
+    loaded, unloaded = statistics.median(rss_loaded), statistics.median(rss_unloaded)
+    print(f"  server RSS loaded / unloaded             : {loaded:.0f} / {unloaded:.0f} MB")
     print(f"  cold / raw = {c / r:.2f}x   cold / warm = {c / w:.0f}x   target cold <= 1000 ms")
 
 

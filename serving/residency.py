@@ -80,20 +80,19 @@ class Residency:
         unloaded, so the next arrival tries again."""
         self._series.loads.inc()
         self._series.load_time.observe(self._clock() - self._load_started)
-        if error is None:
-            self.state = Presence.LOADED
-            self._series.loaded.set(1)
-        else:
-            self.state = Presence.UNLOADED
         self.touch()
+        if error is None:
+            self._series.loaded.set(1)
+        # The state last: a reader on another thread that sees it sees the rest.
+        self.state = Presence.LOADED if error is None else Presence.UNLOADED
 
     def unload(self) -> None:
         """Release the session now (on the event loop: it is dropping the last
         reference; onnxruntime frees the memory)."""
         self.model.unload()
-        self.state = Presence.UNLOADED
         self._series.loaded.set(0)
         self._series.unloads.inc()
+        self.state = Presence.UNLOADED
 
 
 def residency_of(
