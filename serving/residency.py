@@ -9,7 +9,9 @@ answered, not refused. Only an arrival while unloaded starts a load, and the sta
 changes on the event loop, so concurrent arrivals share one load.
 
 Idleness is measured on the worker's clock (injected in tests); the check runs every
-`poll_s` of real time, a cheap comparison.
+`poll_s` of real time, a cheap comparison. An unload, like a load, runs on the
+model's thread and holds the model meanwhile; what arrives during it waits for the
+load that follows.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 from collections.abc import Callable
 
 from lanes.errors import ModelError
+from lanes.serving.memory import Trimmer
 from lanes.serving.metrics import Metrics, ResidencySeries
 from lanes.tasks import Task
 from lanes.tasks.session_slot import Releasable
@@ -29,8 +32,9 @@ IDLE_POLL_S = 0.5
 
 class Presence(enum.Enum):
     LOADED = "loaded"
-    LOADING = "loading"
+    UNLOADING = "unloading"
     UNLOADED = "unloaded"
+    LOADING = "loading"
 
 
 class Residency:
@@ -52,6 +56,7 @@ class Residency:
         self._clock = clock
         self._last_used = clock()
         self._load_started = 0.0
+        self._trimmer = Trimmer()
         series.loaded.set(1 if model.loaded else 0)
 
     def touch(self) -> None:
@@ -86,10 +91,18 @@ class Residency:
         # The state last: a reader on another thread that sees it sees the rest.
         self.state = Presence.LOADED if error is None else Presence.UNLOADED
 
-    def unload(self) -> None:
-        """Release the session now (on the event loop: it is dropping the last
-        reference; onnxruntime frees the memory)."""
+    def begin_unload(self) -> None:
+        """The worker found the model idle and free; `release` follows, then `end_unload`."""
+        self.state = Presence.UNLOADING
+
+    def release(self, _: object = None) -> None:
+        """Off the event loop (the worker's model thread): destroying a large session
+        takes tens of ms. Then the heap's free pages go back to the system
+        (serving/memory.py): without it glibc keeps most of the session's memory."""
         self.model.unload()
+        self._trimmer.trim()
+
+    def end_unload(self) -> None:
         self._series.loaded.set(0)
         self._series.unloads.inc()
         self.state = Presence.UNLOADED

@@ -236,12 +236,16 @@ class BatchWorker:
     def _wake(self) -> None:
         """An arrival: idleness counts from now, and an unloaded model starts loading.
 
-        The load holds the model as a batch would (`_free` cleared), so what arrives
-        meanwhile queues, its deadlines running, and forms the first batch after it."""
+        A load (or an unload) holds the model as a batch would (`_free` cleared), so
+        what arrives meanwhile queues, its deadlines running, and forms the first batch
+        after the load."""
         residency = self.residency
         if residency is None:
             return
         residency.touch()
+        self._load(residency)
+
+    def _load(self, residency: Residency) -> None:
         if residency.begin_load():
             log.info("workload %s: loading its model again (idle_unload_s)", self.name)
             self._free.clear()
@@ -265,9 +269,9 @@ class BatchWorker:
         self._free.set()
 
     def unload_if_idle(self) -> bool:
-        """Unload the model if it is loaded, free, nothing waits for it in either lane,
-        and `idle_unload_s` has passed on the clock since its last arrival or run;
-        returns whether it did. On the loop, so no arrival slips in between."""
+        """Start unloading the model if it is loaded, free, nothing waits for it in
+        either lane, and `idle_unload_s` has passed on the clock since its last arrival
+        or run; returns whether it did. On the loop, so no arrival slips in between."""
         residency = self.residency
         if (
             residency is None
@@ -278,9 +282,21 @@ class BatchWorker:
             or not residency.idle()
         ):
             return False
-        residency.unload()
-        log.info("workload %s: model unloaded after %g s idle", self.name, residency.idle_s)
+        residency.begin_unload()
+        self._free.clear()
+        self._thread.call(residency.release, None, self._unloaded)
         return True
+
+    def _unloaded(self, result: object, error: BaseException | None) -> None:
+        assert self.residency is not None
+        if error is not None:  # the session is dropped whatever failed after
+            log.error("workload %s: unloading failed: %s", self.name, error, exc_info=error)
+        self.residency.end_unload()
+        log.info("workload %s: model unloaded after %g s idle", self.name, self.residency.idle_s)
+        if len(self.queue) > 0 or len(self.lanes.offline) > 0:
+            self._load(self.residency)  # they arrived during the unload
+        else:
+            self._free.set()
 
     async def _watch_idle(self, residency: Residency) -> None:
         while True:
