@@ -14,8 +14,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
+from lanes.backfill import CONTENT_TYPE, batch_path
+from lanes.batchframe import decode_outputs, encode_items
 from lanes.errors import SpecError
 from lanes.serving.residency import Presence, Residency
 from lanes.serving.worker import BatchWorker
@@ -26,6 +29,7 @@ from tests.servers import ServerThread, write_spec
 
 pytestmark = pytest.mark.slow
 
+INTERNAL_KEY = "internal-test-key"
 IDLE_S = 3600  # far beyond the real time a test takes: only a jump makes it idle
 WORKLOADS = f"""\
   search:
@@ -90,7 +94,8 @@ class Served:
 def served(demo_models: Path, tmp_path: Path) -> Iterator[Served]:
     clock, load = JumpClock(), Gate()
     spec = write_spec(tmp_path, demo_models, WORKLOADS)
-    with ServerThread(spec, clock=clock, load_gates={"minilm": load, "classifier": load}) as s:
+    gates = {"minilm": load, "classifier": load}
+    with ServerThread(spec, clock=clock, load_gates=gates, internal_key=INTERNAL_KEY) as s:
         yield Served(s, clock, load)
         load.open()  # never leave a load waiting at the end
 
@@ -180,6 +185,20 @@ def test_a_deadline_that_passes_while_loading_is_a_504_and_the_load_serves_the_r
         assert not patient.done()
         served.load.open()
         assert vector(patient.result(WAIT_S)) == warm
+    assert served.loads("minilm") == 3
+
+
+def test_offline_items_on_the_endpoint_wake_an_unloaded_model_too(served: Served) -> None:
+    warm = vector(served.embed())
+    served.unload("search")
+    task = served.worker("search").task
+    items = [task.prepare(TEXT), task.prepare("another text")]
+    headers = {"content-type": CONTENT_TYPE, "authorization": f"Bearer {INTERNAL_KEY}"}
+    answer = served.http.post(batch_path("search"), content=encode_items(items), headers=headers)
+    assert answer.status_code == 200, answer.text
+    vectors = decode_outputs(answer.content, len(items), "embed")
+    np.testing.assert_allclose(vectors[0], warm, atol=1e-5)  # batched with another text
+    assert served.residency("search").state is Presence.LOADED
     assert served.loads("minilm") == 3
 
 
