@@ -238,8 +238,16 @@ class Runtime:
         options.log_severity_level = _ORT_FATAL_ONLY
         return options
 
-    def session(self, model: ModelSpec) -> ort.InferenceSession:
+    def session(self, model: ModelSpec, optimized: Path | None = None) -> ort.InferenceSession:
         """Load `model.path` on the chosen providers.
+
+        With `optimized` (a path of this process's own), the first load also writes
+        the optimized graph there, its weights in a file beside it, and every later
+        one loads that copy without optimizing again: a large model loads in about
+        half the time (no big protobuf to parse, no graph passes), which is what a
+        workload's load after `idle_unload_s` waits for. The copy is only for this
+        process: an optimized graph may be specific to the providers it was made
+        for. A copy that cannot be loaded is removed, and the model loads as declared.
 
         Raises `ModelError` with the path and onnxruntime's message when it cannot
         load, and when an explicit GPU device was not obtained.
@@ -247,13 +255,45 @@ class Runtime:
         path = model.path
         if not path.is_file():
             raise ModelError(f"no model file at {path}; build it or fix models.*.path")
+        if TENSORRT in self.choice.providers:
+            optimized = None  # its compiled nodes cannot be saved
+        if optimized is not None and optimized.is_file():
+            try:
+                return self._load(optimized, model, _OPTIMIZATION["disable"])
+            except ModelError as err:
+                log.warning("%s; loading %s instead", err, path)
+                optimized.unlink(missing_ok=True)
+        if optimized is None:
+            return self._load(path, model)
+        try:
+            return self._load(path, model, save_to=optimized)
+        except ModelError as err:  # the copy could not be written (a full disk?)
+            optimized.unlink(missing_ok=True)
+            log.warning("%s; loading it without keeping an optimized copy", err)
+            return self._load(path, model)
+
+    def _load(
+        self,
+        path: Path,
+        model: ModelSpec,
+        level: ort.GraphOptimizationLevel | None = None,
+        save_to: Path | None = None,
+    ) -> ort.InferenceSession:
+        options = self.session_options(model)
+        if level is not None:
+            options.graph_optimization_level = level
+        if save_to is not None:
+            options.optimized_model_filepath = str(save_to)
+            weights = "session.optimized_model_external_initializers"
+            options.add_session_config_entry(f"{weights}_file_name", save_to.name + ".data")
+            options.add_session_config_entry(f"{weights}_min_size_in_bytes", "1024")
         try:
             session = ort.InferenceSession(
-                str(path), self.session_options(model), providers=list(self.choice.providers)
+                str(path), options, providers=list(self.choice.providers)
             )
         except Exception as err:  # onnxruntime raises its own pybind classes
             raise ModelError(f"onnxruntime cannot load {path}: {err}") from err
-        self._check_obtained(session, path)
+        self._check_obtained(session, model.path)
         return session
 
     def binds(self, session: ort.InferenceSession) -> bool:

@@ -73,6 +73,7 @@ NonNegativeFloat = Annotated[float, Field(ge=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 # A duration in milliseconds: up to a day.
 Milliseconds = Annotated[float, Field(gt=0, le=86_400_000)]
+IdleSeconds = Annotated[float, Field(gt=0, le=30 * 86_400)]  # at most 30 days
 LocalPath = Annotated[Path, AfterValidator(_local_path)]
 Location = Annotated[str, Field(min_length=1), AfterValidator(_path_text)]
 HandlerRef = Annotated[str, Field(pattern=HANDLER_PATTERN, max_length=200)]
@@ -450,6 +451,12 @@ class InteractiveWorkload(WorkloadBase):
     )
     deploy: Deploy = Field(
         default_factory=Deploy, description="Its Kubernetes group (lanes render k8s)."
+    )
+    idle_unload_s: IdleSeconds | None = Field(
+        None,
+        description="embed and infer: seconds without requests after which the model's "
+        "session is unloaded (its memory freed); the next request loads it again and is "
+        "answered, within its deadline. None: always loaded.",
     )
 
 

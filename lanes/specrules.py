@@ -161,6 +161,12 @@ def _workload_problems(
     if raw.get("guard") is not None and task in ("embed", "infer"):
         message = f"`guard` scores generated text: it applies to task generate, not {task!r}"
         found.append(((*at, "guard"), message, True))
+    if raw.get("idle_unload_s") is not None and task == "generate":
+        message = (
+            "`idle_unload_s` unloads an embed or infer model when idle; a generate "
+            "workload's decoder stays loaded: remove it"
+        )
+        found.append(((*at, "idle_unload_s"), message, True))
     if mode == "offline":
         runner = raw.get("runner")
         if isinstance(runner, dict) and runner.get("address") and runner.get("kind") != "dask":

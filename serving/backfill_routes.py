@@ -53,7 +53,7 @@ def _authorize(request: Request, key: str | None) -> None:
 
 
 def _provider(task: Task) -> str:
-    if isinstance(task, EmbedTask | InferTask):
+    if isinstance(task, EmbedTask | InferTask) and task.loaded:  # idle_unload_s may unload it
         providers = task.session.get_providers()
         return str(providers[0]) if providers else "unknown"
     return "unknown"

@@ -151,6 +151,12 @@ class BatchQueue:
             pending.queued = False
             self._live -= 1
 
+    def fail_waiting(self, error: BaseException) -> None:
+        """Answer every waiting request with `error` (what would run them cannot)."""
+        for pending in self._items:
+            if pending.live:
+                pending.future.set_exception(error)
+
     @property
     def closed(self) -> bool:
         return self._closed

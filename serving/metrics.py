@@ -173,6 +173,33 @@ class Metrics:
             ["route", "code"],
             registry=r,
         )
+        # Scale to zero inside a replica: embed/infer workloads with `idle_unload_s`.
+        self.model_loaded = Gauge(
+            "lanes_model_loaded",
+            "1 while the workload's model session is in memory, 0 while it is unloaded "
+            "(idle_unload_s) or loading again.",
+            ["workload"],
+            registry=r,
+        )
+        self.model_loads = Counter(
+            "lanes_model_loads",
+            "Loads of a model unloaded while idle (each wake-up from zero, failed ones too).",
+            ["workload"],
+            registry=r,
+        )
+        self.model_unloads = Counter(
+            "lanes_model_unloads",
+            "Unloads of a model after idle_unload_s without requests.",
+            ["workload"],
+            registry=r,
+        )
+        self.model_load_time = Histogram(
+            "lanes_model_load_seconds",
+            "Time to load a model unloaded while idle (what the first request waits for).",
+            ["workload"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
 
         # generate workloads (continuous batching)
         self.ttft = Histogram(
@@ -268,6 +295,25 @@ class _WithoutCreated:
         for family in self.registry.collect():  # fresh objects on every collect
             family.samples = [s for s in family.samples if not s.name.endswith("_created")]
             yield family
+
+
+@dataclass(frozen=True)
+class ResidencySeries:
+    """One workload's load and unload series, looked up once."""
+
+    loaded: Gauge
+    loads: Counter
+    unloads: Counter
+    load_time: Histogram
+
+    @classmethod
+    def of(cls, metrics: Metrics, workload: str) -> ResidencySeries:
+        return cls(
+            metrics.model_loaded.labels(workload),
+            metrics.model_loads.labels(workload),
+            metrics.model_unloads.labels(workload),
+            metrics.model_load_time.labels(workload),
+        )
 
 
 @dataclass(frozen=True)

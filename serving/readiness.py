@@ -2,7 +2,9 @@
 
 One registry answers every readiness question (`/readyz`, `/v2/health/ready`,
 `/v2/models/{name}/ready`) and every request that finds its workload not loaded,
-whatever the workload's task. The loader is the only writer.
+whatever the workload's task. The loader is the only writer. A workload whose model
+`idle_unload_s` unloaded stays ready: it wakes for the next request
+(serving/residency.py), which waits for that and is answered.
 """
 
 from __future__ import annotations

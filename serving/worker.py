@@ -16,6 +16,7 @@ either, batches are formed as the queue forms them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +31,7 @@ from lanes.serving.access import RequestRecord
 from lanes.serving.batching import LANES, Lane, LaneQueues, Pending, never_fits
 from lanes.serving.metrics import LaneSeries, Metrics, Utilization
 from lanes.serving.model_thread import ModelThread
+from lanes.serving.residency import Presence, Residency, residency_of
 from lanes.serving.slo import Steering, padded_tokens, tokens_of
 from lanes.serving.tracing import batch_spans
 from lanes.spec import as_interactive
@@ -64,7 +66,9 @@ class BatchWorker:
     from its caller's task; whatever arrives meanwhile queues and forms the next batch.
 
     `clock` times everything: arrivals and deadlines (it is the queue's clock too),
-    runs, and so the measured cost per item that decides where a batch runs.
+    runs, and so the measured cost per item that decides where a batch runs, and the
+    idle time after which a workload with `idle_unload_s` unloads its model
+    (serving/residency.py).
     """
 
     def __init__(
@@ -113,12 +117,21 @@ class BatchWorker:
         self._free.set()
         default = workload.slo.timeout_ms
         self.default_timeout_s = default / 1000 if default else None
+        self.residency = residency_of(task, workload.idle_unload_s, metrics, clock)
+        self._idle_task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self._loop_task = asyncio.create_task(self._run_forever(), name=f"batch-{self.name}")
+        if self.residency is not None:
+            watch = self._watch_idle(self.residency)
+            self._idle_task = asyncio.create_task(watch, name=f"idle-{self.name}")
 
     async def stop(self) -> None:
         """Finish what is queued (both lanes), then stop."""
+        if self._idle_task is not None:
+            self._idle_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._idle_task
         self.lanes.close()
         if self._loop_task is not None:
             await self._loop_task
@@ -178,6 +191,7 @@ class BatchWorker:
         has room for now, at once and all of them (`Overloaded`).
         """
         self.admit(len(items), timeout_s)
+        self._wake()
         timeout_s = timeout_s if timeout_s is not None else self.default_timeout_s
         arrived = self.clock()
         deadline = arrived + timeout_s if timeout_s is not None else None
@@ -224,6 +238,7 @@ class BatchWorker:
             raise Overloaded(
                 f"the offline lane holds {len(self.lanes.offline)} items; retry shortly", 1.0
             )
+        self._wake()
         pendings = [self.lanes.offline.put(item) for item in items]
         self._set_depths()
         try:
@@ -233,6 +248,77 @@ class BatchWorker:
                 pending.future.cancel()
             raise
         return list(outcomes)
+
+    def _wake(self) -> None:
+        """An arrival: idleness counts from now, and an unloaded model starts loading.
+
+        A load (or an unload) holds the model as a batch would (`_free` cleared), so
+        what arrives meanwhile queues, its deadlines running, and forms the first batch
+        after the load."""
+        residency = self.residency
+        if residency is None:
+            return
+        residency.touch()
+        self._load(residency)
+
+    def _load(self, residency: Residency) -> None:
+        if residency.begin_load():
+            log.info("workload %s: loading its model again (idle_unload_s)", self.name)
+            self._free.clear()
+            self._thread.call(residency.load, None, self._loaded)
+
+    def _loaded(self, result: object, error: BaseException | None) -> None:
+        """The load's end, on the loop: a failed one fails what waits for it."""
+        assert self.residency is not None
+        self.residency.end_load(error)
+        if error is not None:
+            ours = isinstance(error, LanesError)
+            log.error(
+                "workload %s: its model failed to load again: %s",
+                self.name,
+                error,
+                exc_info=None if ours else error,
+            )
+            failure = error if ours else ModelError(f"the model failed to load: {error}")
+            self.lanes.interactive.fail_waiting(failure)
+            self.lanes.offline.fail_waiting(failure)
+        self._free.set()
+
+    def unload_if_idle(self) -> bool:
+        """Start unloading the model if it is loaded, free, nothing waits for it in
+        either lane, and `idle_unload_s` has passed on the clock since its last arrival
+        or run; returns whether it did. On the loop, so no arrival slips in between."""
+        residency = self.residency
+        if (
+            residency is None
+            or residency.state is not Presence.LOADED
+            or not self._free.is_set()
+            or len(self.queue) > 0
+            or len(self.lanes.offline) > 0
+            or not residency.idle()
+        ):
+            return False
+        residency.begin_unload()
+        self._free.clear()
+        self._thread.call(residency.release, None, self._unloaded)
+        return True
+
+    def _unloaded(self, result: object, error: BaseException | None) -> None:
+        assert self.residency is not None
+        if error is not None:  # the session is dropped whatever failed after
+            log.error("workload %s: unloading failed: %s", self.name, error, exc_info=error)
+        self.residency.end_unload()
+        log.info("workload %s: model unloaded after %g s idle", self.name, self.residency.idle_s)
+        if len(self.queue) > 0 or len(self.lanes.offline) > 0:
+            self._load(self.residency)  # they arrived during the unload
+        else:
+            self._free.set()
+
+    async def _watch_idle(self, residency: Residency) -> None:
+        while True:
+            await asyncio.sleep(residency.poll_s)
+            self.unload_if_idle()
+            residency.checks += 1
 
     def _set_depths(self) -> None:
         self._queue_depth.set(len(self.queue))
@@ -327,6 +413,8 @@ class BatchWorker:
         """Each caller's answer, then the run's metrics; frees the model for the next."""
         end = self.clock()
         self._free.set()
+        if self.residency is not None:
+            self.residency.touch()
         outputs: list[Any] = []
         if error is not None and not isinstance(error, LanesError):
             # A model failure must answer its callers, not kill the loop.

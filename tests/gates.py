@@ -4,7 +4,8 @@
   `GatedRuntime` puts a gate in front of every session of the model files it is
   given (the engine's decoder steps); `held` is a handler whose `post` waits at `HELD`
   (a batch worker's runs), `parse_held` one whose `pre` waits at `PARSE_HELD` (the
-  preparing of a request's inputs).
+  preparing of a request's inputs); its `load_gates` hold the creation of a model's
+  sessions (a load after `idle_unload_s`).
 - `FileGate`: the same between processes: runs wait until a file exists.
 - `ManualClock` moves only when told; `JumpClock` is real time plus the jumps a test
   makes (a deadline passes at once, and nothing else changes).
@@ -18,6 +19,7 @@ never hangs.
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import threading
 import time
@@ -140,15 +142,29 @@ class GatedSession:
 
 
 class GatedRuntime(Runtime):
-    """The real runtime, whose sessions of the model files in `gates` run behind a gate."""
+    """The real runtime, whose sessions of the model files in `gates` run behind a gate,
+    and whose loads of the files in `load_gates` wait at theirs first. `loads` counts
+    the sessions created, per model file."""
 
-    def __init__(self, settings: Settings, gates: Mapping[Path, Gate], pad_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        gates: Mapping[Path, Gate],
+        pad_s: float = 0.0,
+        load_gates: Mapping[Path, Gate] | None = None,
+    ) -> None:
         super().__init__(settings)
         self.gates = dict(gates)
         self.pad_s = pad_s
+        self.load_gates = dict(load_gates or {})
+        self.loads: collections.Counter[Path] = collections.Counter()
 
-    def session(self, model: ModelSpec) -> Any:
-        session = super().session(model)
+    def session(self, model: ModelSpec, optimized: Path | None = None) -> Any:
+        load_gate = self.load_gates.get(model.path)
+        if load_gate is not None:
+            load_gate.wait()
+        session = super().session(model, optimized)
+        self.loads[model.path] += 1
         gate = self.gates.get(model.path)
         return session if gate is None else GatedSession(session, gate, self.pad_s)
 

@@ -46,8 +46,10 @@ class ServerThread:
     """`with ServerThread(spec_path, **settings) as server:` serves until the block ends.
 
     Every run of a model named in `gates` waits at its gate (tests/gates.py), each of
-    its rows costing at least `pad_s`; `clock` is the server's clock; `tracing` its
-    spans' destination; `now` its wall clock (the Batch API's batches).
+    its rows costing at least `pad_s`; every load of a model named in `load_gates`
+    waits at its own (and `runtime.loads` counts them); `clock` is the server's
+    clock; `tracing` its spans' destination; `now` its wall clock (the Batch API's
+    batches).
     """
 
     def __init__(
@@ -58,15 +60,17 @@ class ServerThread:
         pad_s: float = 0.0,
         tracing: Tracing | None = None,
         now: Callable[[], float] = time.time,
+        load_gates: Mapping[str, Gate] | None = None,
         **settings: Any,
     ) -> None:
         self.settings = Settings(port=free_port(), **settings)
         self.spec = load_spec(spec_path, self.settings)
-        runtime = None
-        if gates:
-            paths = {self.spec.models[name].path: gate for name, gate in gates.items()}
-            runtime = GatedRuntime(self.settings, paths, pad_s)
-        self.app = create_app(self.spec, self.settings, runtime, clock, tracing, now)
+        self.runtime: GatedRuntime | None = None
+        if gates or load_gates:
+            paths = {self.spec.models[name].path: gate for name, gate in (gates or {}).items()}
+            holds = {self.spec.models[n].path: gate for n, gate in (load_gates or {}).items()}
+            self.runtime = GatedRuntime(self.settings, paths, pad_s, holds)
+        self.app = create_app(self.spec, self.settings, self.runtime, clock, tracing, now)
         self.url = f"http://127.0.0.1:{self.settings.port}"
         config = uvicorn.Config(
             self.app,

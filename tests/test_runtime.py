@@ -154,3 +154,44 @@ def test_check_io_names_the_missing_input_and_lists_the_model(model: ModelSpec) 
     assert "no input 'input_ids'" in message
     assert "its inputs: x tensor(float) [n]" in message
     assert "'x'" not in message.split("its inputs")[0]
+
+
+def weighted_model(path: Path) -> ModelSpec:
+    """x float32 [512] -> y = x + w, w an initializer of 2 KiB (an external weight when
+    written as a copy)."""
+    w = helper.make_tensor("w", TensorProto.FLOAT, [512], np.arange(512, dtype=np.float32))
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "w"], ["y"])],
+        "weighted",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [512])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [512])],
+        initializer=[w],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    save_model(model, str(path))
+    return ModelSpec(path=path)
+
+
+def test_an_optimized_copy_is_written_once_and_loaded_after(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = weighted_model(tmp_path / "weighted.onnx")
+    runtime = Runtime(Settings(device="cpu"))
+    copy = tmp_path / "copies" / "weighted.onnx"
+    copy.parent.mkdir()
+    x = {"x": np.ones(512, dtype=np.float32)}
+    expected = np.arange(512, dtype=np.float32) + 1
+
+    (first,) = runtime.session(model, optimized=copy).run(None, x)
+    assert copy.is_file() and (tmp_path / "copies" / "weighted.onnx.data").is_file()
+    model.path.write_bytes(b"not a model any more")  # from now on only the copy loads
+    (again,) = runtime.session(model, optimized=copy).run(None, x)
+    assert first.tolist() == again.tolist() == expected.tolist()
+
+    copy.write_bytes(b"a broken copy")
+    weighted_model(model.path)
+    with caplog.at_level(logging.WARNING, logger="lanes.runtime"):
+        (fallback,) = runtime.session(model, optimized=copy).run(None, x)
+    assert fallback.tolist() == expected.tolist()
+    assert f"onnxruntime cannot load {copy}" in caplog.text
+    assert copy.is_file()  # written again by the load of the model itself

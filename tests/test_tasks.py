@@ -107,16 +107,30 @@ def test_infer_output_is_exact(infer: InferTask) -> None:
     assert out["y"].dtype == np.float32
 
 
-def test_infer_batches_items_of_different_rows_in_one_run(infer: InferTask) -> None:
+def test_an_unloaded_task_refuses_to_run_until_it_loads_again(
+    affine: Path, runtime: Runtime
+) -> None:
+    task = load_task("w", spec_for(affine, "infer"), runtime)
+    assert isinstance(task, InferTask)
+    item = task.prepare({"x": [[1, 2, 3]]})  # preparing needs no session
+    task.unload()
+    assert not task.loaded
+    with pytest.raises(ModelError, match="unloaded; load it first"):
+        task.run([item])
+    task.load()
+    (out,) = task.run([item])
+    assert out["y"].tolist() == [[3.0, 5.0, 7.0]]
+
+
+def test_infer_batches_items_of_different_rows_in_one_run(
+    infer: InferTask, monkeypatch: pytest.MonkeyPatch
+) -> None:
     rows = [1, 3, 2]
     xs = [np.arange(n * 3, dtype=np.float32).reshape(n, 3) + 10 * i for i, n in enumerate(rows)]
     prepared = [infer.prepare({"x": x}) for x in xs]
     counting = CountingSession(infer.session)
-    infer.session = counting  # type: ignore[assignment]
-    try:
-        outputs = infer.run(prepared)
-    finally:
-        infer.session = counting.session
+    monkeypatch.setattr(infer.slot, "_session", counting)  # the task's session, counted
+    outputs = infer.run(prepared)
     assert counting.runs == 1
     assert len(outputs) == 3
     for x, out in zip(xs, outputs, strict=True):

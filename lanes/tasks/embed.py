@@ -14,13 +14,15 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import onnxruntime as ort
 
-from lanes.binding import run
+from lanes.binding import Placement, run
 from lanes.errors import InvalidInput, ModelError
 from lanes.runtime import Runtime, check_io, describe
 from lanes.spec import ModelSpec, TaskName, Workload
 from lanes.tasks.base import check_count, encode, load_tokenizer
 from lanes.tasks.handler import NO_HANDLER, Handler
+from lanes.tasks.session_slot import SessionSlot, unloads_when_idle
 from lanes.tasks.wordpiece import WordPiece
 
 Vector = npt.NDArray[np.float32]
@@ -62,8 +64,7 @@ class EmbedTask:
             self.tokenizer.no_truncation()
         self.vocab_size = self.tokenizer.get_vocab_size()
         self._wordpiece = WordPiece.of(self.tokenizer)  # the same ids, faster, where it applies
-        self.session = runtime.session(model)
-        self.placement = runtime.binding(self.session)  # None: runs are not IO-bound
+        self.slot = SessionSlot(runtime, model, unloads_when_idle(workload))
         where = str(model.path)
         check_io(self.session, where=where, task="embed", inputs=("input_ids", "attention_mask"))
         inputs = describe(self.session.get_inputs())
@@ -76,6 +77,25 @@ class EmbedTask:
         )
         self._pad_id = _pad_id(self.tokenizer)
         self.dimensions = _dimensions(outputs[self._output].shape) or self._measured_dimensions()
+
+    @property
+    def session(self) -> ort.InferenceSession:
+        return self.slot.session
+
+    @property
+    def placement(self) -> Placement | None:
+        return self.slot.placement  # None: runs are not IO-bound
+
+    @property
+    def loaded(self) -> bool:
+        return self.slot.loaded
+
+    def load(self) -> None:
+        """Load the session again after `unload` (see lanes/tasks/session_slot.py)."""
+        self.slot.load()
+
+    def unload(self) -> None:
+        self.slot.unload()
 
     def prepare(self, item: Any) -> EmbedItem:
         """A non-empty str (after the handler's `pre`) -> its token ids; a list of token

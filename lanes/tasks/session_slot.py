@@ -1,0 +1,89 @@
+"""One model's onnxruntime session, which can be released and loaded again.
+
+The embed and infer tasks hold their session here, so that a workload with
+`idle_unload_s` can free the session's memory while idle and keep everything else
+it loaded (tokenizer, handler, the model's input and output names): loading again is
+the session alone, from an optimized copy of the model that the first load wrote to a
+temporary folder of this process (see `Runtime.session`), removed with the slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import onnxruntime as ort
+
+from lanes.binding import Placement
+from lanes.errors import ModelError
+from lanes.runtime import Runtime
+from lanes.spec import InteractiveWorkload, ModelSpec, Workload
+
+log = logging.getLogger(__name__)
+
+
+def unloads_when_idle(workload: Workload) -> bool:
+    """Whether `workload` may unload its model while idle (`idle_unload_s`)."""
+    return isinstance(workload, InteractiveWorkload) and workload.idle_unload_s is not None
+
+
+@runtime_checkable
+class Releasable(Protocol):
+    """A task whose model session can be released while idle and loaded again."""
+
+    @property
+    def loaded(self) -> bool: ...
+
+    def load(self) -> None:
+        """Create the session again (a no-op while loaded); `ModelError` if it cannot."""
+        ...
+
+    def unload(self) -> None:
+        """Release the session and its memory; runs fail until `load`."""
+        ...
+
+
+class SessionSlot:
+    """`runtime.session(model)`, loaded at construction; `unload` drops it. With
+    `reloads`, it keeps an optimized copy of the model to load again from."""
+
+    def __init__(self, runtime: Runtime, model: ModelSpec, reloads: bool = False) -> None:
+        self._runtime = runtime
+        self._model = model
+        self._session: ort.InferenceSession | None = None
+        self.placement: Placement | None = None  # None: runs are not IO-bound
+        self._copies: tempfile.TemporaryDirectory[str] | None = None
+        self._optimized: Path | None = None
+        if reloads:
+            try:  # removed when the slot is, or at exit
+                self._copies = tempfile.TemporaryDirectory(prefix="lanes-session-")
+            except OSError as err:
+                log.warning("no optimized copy of %s to reload from: %s", model.path, err)
+            else:
+                self._optimized = Path(self._copies.name) / model.path.name
+        self.load()
+
+    @property
+    def loaded(self) -> bool:
+        return self._session is not None
+
+    @property
+    def session(self) -> ort.InferenceSession:
+        """The session; `ModelError` while unloaded (the server loads it before a run)."""
+        if self._session is None:
+            raise ModelError(f"the session of {self._model.path} is unloaded; load it first")
+        return self._session
+
+    def load(self) -> None:
+        if self._session is not None:
+            return
+        session = self._runtime.session(self._model, self._optimized)
+        self.placement = self._runtime.binding(session)
+        self._session = session
+
+    def unload(self) -> None:
+        # The last reference: onnxruntime frees the session's memory here.
+        self._session = None
+        self.placement = None
