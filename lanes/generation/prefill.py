@@ -42,15 +42,17 @@ class Prefilled:
     error: Exception | None = None
 
 
-def prefill(decoder: Decoder, seqs: Sequence[Seq]) -> tuple[Array, Join]:
-    """One run over the joiners' prompts, left-padded to the longest."""
-    width = max(len(s.prompt_ids) for s in seqs)
+def prefill(decoder: Decoder, seqs: Sequence[Seq], recompute: bool = False) -> tuple[Array, Join]:
+    """One run over the joiners' prompts, left-padded to the longest; with
+    `recompute`, over what a preempted sequence's cache held (`Seq.cached_ids`)."""
+    contexts = [s.cached_ids if recompute else s.prompt_ids for s in seqs]
+    width = max(len(c) for c in contexts)
     ids = np.full((len(seqs), width), decoder.config.pad_token_id, dtype=np.int64)
     mask = np.zeros((len(seqs), width), dtype=np.int64)
     positions = np.zeros((len(seqs), width), dtype=np.int64)
-    for j, seq in enumerate(seqs):
-        n = len(seq.prompt_ids)
-        ids[j, width - n :] = seq.prompt_ids
+    for j, context in enumerate(contexts):
+        n = len(context)
+        ids[j, width - n :] = context
         mask[j, width - n :] = 1
         positions[j, width - n :] = np.arange(n)
     out = decoder.step(ids, mask, positions, decoder.empty_past(len(seqs)))
@@ -64,9 +66,9 @@ def prefill(decoder: Decoder, seqs: Sequence[Seq]) -> tuple[Array, Join]:
     return out.logits[:, -1], Join([s.id for s in seqs], present, mask)
 
 
-def prefill_apart(decoder: Decoder, seqs: Sequence[Seq]) -> Prefilled:
+def prefill_apart(decoder: Decoder, seqs: Sequence[Seq], recompute: bool = False) -> Prefilled:
     """`prefill`; if it fails, in halves until the prompts that fail alone are found."""
-    isolated = isolate(lambda part: prefill(decoder, part), seqs)
+    isolated = isolate(lambda part: prefill(decoder, part, recompute), seqs)
     if isolated.whole:
         logits, join = isolated.ran[0].result
         return Prefilled(logits, [join])
