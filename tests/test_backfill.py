@@ -311,18 +311,29 @@ def _assert_same_line(got: dict[str, Any], want: dict[str, Any]) -> None:
     assert got == want
 
 
+@pytest.mark.parametrize("task", ["infer", "generate"])
 def test_a_sigkilled_backfill_job_rerun_gives_every_id_exactly_once(
-    prefect_api: str, serve: type[ServerThread], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    prefect_api: str,
+    serve: type[ServerThread],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    task: str,
 ) -> None:
+    held = "held_from_shard_3" if task == "infer" else "prompt_held_from_shard_3"
     workload = batch(
-        "infer",
-        handler="tests.flows_fixtures:held_from_shard_3",
+        task,
+        handler=f"tests.flows_fixtures:{held}",
         runner=on_endpoint(max_concurrent_shards=1),
     )
-    spec = write_spec(tmp_path, {"live": live("infer"), "slow": workload})
+    spec = write_spec(tmp_path, {"live": live(task), "slow": workload})
     ids = []
     for shard in range(8):
-        shard_records = [{"id": f"s{shard}-{i}", "x": [[i, shard, 0, 0]]} for i in range(30)]
+        shard_records: list[dict[str, Any]] = [
+            {"id": f"s{shard}-{i}", "x": [[i, shard, 0, 0]]}
+            if task == "infer"
+            else {"id": f"s{shard}-{i}", "prompt": "ab"[i % 2], "max_tokens": 3, "shard": shard}
+            for i in range(30)
+        ]
         ids += [r["id"] for r in shard_records]
         write_jsonl(tmp_path / "in" / f"part-{shard:02d}.jsonl", shard_records)
     markers = tmp_path / "out" / "_committed"
