@@ -366,7 +366,8 @@ def start_engine(
     if guard is not None:
         blocked = state.metrics.guard_blocked.labels(name, guard.mode)
         state.guards[name] = TextGuard.load(guard, state.spec.root, on_block=blocked.inc)
-    engine = Engine(task, state.metrics, policy, max_padding, state.clock)
+    keep = state.settings.preempted_cache_bytes
+    engine = Engine(task, state.metrics, policy, max_padding, state.clock, keep)
     engine.start()
     state.engines[name] = engine
     return engine

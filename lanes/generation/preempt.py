@@ -25,8 +25,9 @@ from lanes.generation.prefill import Join, Prefilled, prefill_apart
 from lanes.generation.scheduler import Seq
 from lanes.tasks.decoder import Decoder
 
-# Bytes of preempted caches one decoder's loop holds at most by default: beyond, a
-# preempted sequence's cache is recomputed when it resumes.
+# Bytes of preempted caches one decoder's loop holds at most by default (the server's
+# is Settings.preempted_cache_bytes): beyond, a preempted sequence's cache is
+# recomputed when it resumes.
 KEEP_BYTES = 256 * 1024 * 1024
 
 
