@@ -51,8 +51,9 @@ from lanes.errors import LanesError, ModelError, Overloaded
 from lanes.generation.kvcache import MAX_PADDING, BatchCache, Decoded
 from lanes.generation.loop import at_position, failures, log_isolated, prompt_of
 from lanes.generation.preempt import KEEP_BYTES, Preempted
-from lanes.generation.prefill import Join, prefill_apart
+from lanes.generation.prefill import Chunked, Join, prefill_apart
 from lanes.generation.scheduler import (
+    Chunk,
     Event,
     Lane,
     Policy,
@@ -61,6 +62,7 @@ from lanes.generation.scheduler import (
     StepOutputs,
     StepPlan,
 )
+from lanes.generation.steer import Steer
 from lanes.serving.metrics import LaneSeries, Metrics, TokenRate, Utilization
 from lanes.spec import as_interactive
 from lanes.tasks.decoder import Completion
@@ -194,8 +196,18 @@ class Engine:
             lambda ids: str(tokenizer.decode(list(ids), skip_special_tokens=True)),
             policy=policy,
             max_position=config.max_position,
+            chunked=workload.slo.ttft_ms is not None,
             clock=clock,
         )
+        slo = workload.slo
+        self.steer = Steer(
+            slo.ttft_ms / 1000 if slo.ttft_ms else None,
+            slo.itl_ms / 1000 if slo.itl_ms else None,
+            workload.batching.max_batch_size,
+            clock,
+        )
+        self._default_prefill_tokens = self.scheduler.max_prefill_tokens
+        self.chunked = Chunked()  # the prompt being prefilled in parts (engine thread)
         self.cache = BatchCache(self.decoder, max_padding)
         self.preempted = Preempted(keep_bytes)
         self._lanes = {lane: LaneSeries.of(metrics, self.name, lane) for lane in _LANES}
@@ -351,6 +363,7 @@ class Engine:
     def _run(self) -> None:
         while True:
             stopping = self._take_inbox(wait=True)
+            self._steer()
             plan = self.scheduler.schedule()
             self._count_waiting()
             if plan.empty:
@@ -358,6 +371,14 @@ class Engine:
                     return
                 continue
             self._step(plan)
+
+    def _steer(self) -> None:
+        """The SLOs' bounds on the next full plan's prefill and rows (lanes/generation/steer.py)."""
+        scheduler, steer = self.scheduler, self.steer
+        if steer.ttft_s is not None:
+            scheduler.max_prefill_tokens = steer.prefill_tokens(self._default_prefill_tokens)
+        if steer.itl_s is not None:
+            scheduler.max_running = steer.rows(max(self.cache.length, 1))
 
     def _take_inbox(self, wait: bool) -> bool:
         """Move new requests and aborts into the scheduler (with `wait`, first sleep
@@ -375,7 +396,9 @@ class Engine:
             scheduler.add(seq)
             self._lane_of[seq.id] = seq.lane
         if stopping:
-            aborts += [s.id for s in (*scheduler.waiting, *scheduler.offline, *scheduler.rows)]
+            queued = (*scheduler.waiting, *scheduler.offline, *scheduler.rows)
+            chunking = [scheduler.chunking] if scheduler.chunking is not None else []
+            aborts += [s.id for s in (*queued, *chunking)]
         for seq_id in aborts:
             scheduler.abort(seq_id)
         return stopping
@@ -400,14 +423,20 @@ class Engine:
         if plan.preempted:
             self._lanes["offline"].preemptions.inc(len(plan.preempted))
         try:
-            if plan.prefill or plan.retired or plan.resumed:
-                self._join(StepPlan(plan.prefill, retired=plan.retired, resumed=plan.resumed))
+            if plan.prefill or plan.retired or plan.resumed or plan.chunk:
+                self._join(
+                    StepPlan(
+                        plan.prefill, retired=plan.retired, resumed=plan.resumed, chunk=plan.chunk
+                    )
+                )
             reported = True
             keep = {s.id for s in plan.decode}
             if plan.decode:
                 decoding = self.clock()
                 decoded = self._decode(plan.decode, joins, keep, plan.preempted)
-                self._series.decode.observe(self.clock() - decoding)
+                took = self.clock() - decoding
+                self._series.decode.observe(took)
+                self.steer.observe_decode(len(plan.decode), self.cache.length, took)
                 self._series.rows.observe(len(plan.decode))
                 rows = StepPlan(decode=plan.decode)
                 log_isolated(
@@ -450,7 +479,10 @@ class Engine:
         if plan.prefill:
             start = self.clock()
             done = prefill_apart(self.decoder, plan.prefill)
-            self._series.prefill.observe(self.clock() - start)
+            took = self.clock() - start
+            self._series.prefill.observe(took)
+            width = max(len(s.prompt_ids) for s in plan.prefill)
+            self.steer.observe_prefill(len(plan.prefill), len(plan.prefill) * width, took)
             self._joins += done.joins
             log_isolated(self.name, "prefill", len(plan.prefill), done.error, done.failed)
             failed = failures(plan.prefill, done.failed, prompt_of)
@@ -461,7 +493,21 @@ class Engine:
             log_isolated(self.name, "recompute", len(plan.resumed), back.error, back.failed)
             failed = {**outputs.failed, **failures(plan.resumed, back.failed, prompt_of)}
             outputs = StepOutputs(prefill=outputs.prefill, failed=failed)
+        if plan.chunk is not None:
+            outputs = self._run_chunk(plan.chunk, outputs)
         self._publish(plan, self.scheduler.update(plan, outputs))
+
+    def _run_chunk(self, chunk: Chunk, outputs: StepOutputs) -> StepOutputs:
+        """One part of a long prompt; the final part's cache joins the batch next step."""
+        start = self.clock()
+        part = self.chunked.run(self.decoder, chunk)
+        took = self.clock() - start
+        self._series.prefill.observe(took)
+        self.steer.observe_prefill(1, chunk.stop - chunk.start, took)
+        self._joins += part.joins
+        log_isolated(self.name, "prefill chunk", 1, part.error, part.failed)
+        failed = {**outputs.failed, **failures((chunk.seq,), part.failed, prompt_of)}
+        return StepOutputs(outputs.prefill, outputs.decode, failed, part.logits)
 
     def _take_joins(self) -> list[Join]:
         joins, self._joins = self._joins, []
@@ -520,7 +566,8 @@ class Engine:
         m = self._series
         now = self.clock()
         made = 0
-        joined = {s.id: s for s in plan.prefill}  # first tokens come from prefills only
+        # First tokens come from prefills only (a prompt's final chunk among them).
+        joined = {s.id: s for s in (*plan.prefill, *([plan.chunk.seq] if plan.chunk else []))}
         for event in events:
             lane = self._lane_of.get(event.seq_id, "interactive")
             if event.tokens:

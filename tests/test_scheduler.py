@@ -451,3 +451,50 @@ def test_interactive_rows_are_never_preempted_and_prefill_only_plans_admit_no_of
     assert s.schedule(decode=False).empty, "offline work waits for a full plan"
     s.add(seq(3))
     assert ids(s.schedule(decode=False).prefill) == [3]
+
+
+# ---- chunked prefill: a long prompt in parts, the rows decoding meanwhile ----------------
+
+
+def test_a_prompt_over_the_budget_is_prefilled_in_parts_while_rows_keep_decoding() -> None:
+    s = make(max_running=3, max_prefill_tokens=4, chunked=True)
+    s.add(seq(1, prompt=2, max_new=20))
+    step(s)
+    s.add(seq(2, prompt=10))
+    s.add(seq(3, prompt=3))
+    parts = []
+    for _ in range(3):
+        plan = s.schedule()
+        assert ids(plan.decode) == [1], "the row decodes at every step"
+        assert plan.chunk is not None and plan.chunk.seq.id == 2
+        parts.append((plan.chunk.start, plan.chunk.stop))
+        final = plan.chunk.final
+        # Prefill tokens per step stay within the budget: seq 3 waits while parts run.
+        assert plan.chunk.stop - plan.chunk.start + len(plan.prefill) * 3 <= 4
+        events = s.update(
+            plan,
+            StepOutputs(
+                prefill=logits(*[A] * len(plan.prefill)) if plan.prefill else None,
+                decode=logits(A),
+                chunk=logits(B) if final else None,
+            ),
+        )
+        got = by_id(events)
+        assert got[1].tokens == (A,)
+        assert (2 in got) == final, "only the final part makes a token"
+    assert parts == [(0, 4), (4, 8), (8, 10)]
+    assert by_id(events)[2].tokens == (B,) and by_id(events)[2].first
+    plan = s.schedule()
+    assert ids(plan.decode) == [1, 2] and plan.chunk is None
+    assert ids(plan.prefill) == [3]
+
+
+def test_an_aborted_prompt_mid_chunks_frees_its_row() -> None:
+    s = make(max_running=2, max_prefill_tokens=4, chunked=True)
+    s.add(seq(1, prompt=10))
+    plan, _ = step(s)
+    assert plan.chunk is not None and not plan.prefill
+    s.abort(1)
+    plan = s.schedule()
+    assert plan.chunk is None and ids(plan.retired) == [1]
+    assert s.chunking is None and s.num_running == 0

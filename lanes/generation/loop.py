@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from lanes.generation.kvcache import MAX_PADDING, BatchCache
 from lanes.generation.preempt import KEEP_BYTES, Preempted
-from lanes.generation.prefill import Join, prefill_apart
+from lanes.generation.prefill import Chunked, Join, prefill_apart
 from lanes.generation.scheduler import Event, Scheduler, Seq, StepOutputs, StepPlan
 from lanes.isolation import failed_alone
 from lanes.tasks.decoder import Decoder
@@ -70,6 +70,7 @@ class StepLoop:
         self.cache = BatchCache(decoder, max_padding)
         self._joins: list[Join] = []  # prefilled, entering the cache at the next run
         self.preempted = Preempted(keep_bytes)
+        self.chunked = Chunked()
 
     def run(self, plan: StepPlan) -> Step:
         """Run `plan` whole and update the scheduler with it; never raises for what
@@ -102,7 +103,14 @@ class StepLoop:
                 self._joins += back.joins
                 self._log_isolated("recompute", len(plan.resumed), back.error, back.failed)
                 failed.update(failures(plan.resumed, back.failed, prompt_of))
-            outputs = StepOutputs(prefill=prefill, decode=decode, failed=failed)
+            chunk = None
+            if plan.chunk is not None:
+                part = self.chunked.run(self.decoder, plan.chunk)
+                self._joins += part.joins
+                self._log_isolated("prefill chunk", 1, part.error, part.failed)
+                failed.update(failures((plan.chunk.seq,), part.failed, prompt_of))
+                chunk = part.logits
+            outputs = StepOutputs(prefill, decode, failed, chunk)
             events = self.scheduler.update(plan, outputs)
             for event in events:
                 if event.finish is not None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from lanes.generation.scheduler import Seq
+from lanes.generation.scheduler import Chunk, Seq
 from lanes.isolation import isolate
 from lanes.tasks.decoder import Decoder, Past
 
@@ -82,3 +82,43 @@ def prefill_apart(decoder: Decoder, seqs: Sequence[Seq], recompute: bool = False
         joins.append(join)
     failed = {seqs[f.index].id: f.error for f in isolated.failed}
     return Prefilled(found, joins, failed, isolated.error)
+
+
+def prefill_chunk(decoder: Decoder, chunk: Chunk, past: Past | None) -> tuple[Array, Past]:
+    """One part of a long prompt, on `past` (its earlier parts' cache; None for the
+    first part): the next-token logits [1, vocab] after it, and the cache with it."""
+    seq = chunk.seq
+    ids = np.asarray([seq.prompt_ids[chunk.start : chunk.stop]], dtype=np.int64)
+    mask = np.ones((1, chunk.stop), dtype=np.int64)
+    positions = np.arange(chunk.start, chunk.stop, dtype=np.int64).reshape(1, -1)
+    before = decoder.empty_past(1) if past is None else past
+    if before.length != chunk.start:
+        raise ValueError(
+            f"sequence {seq.id}: a chunk from {chunk.start} on a cache of {before.length}"
+        )
+    out = decoder.step(ids, mask, positions, before)
+    return out.logits[:, -1], out.present
+
+
+@dataclass
+class Chunked:
+    """The cache of the prompt being prefilled in parts, kept between its steps (one
+    prompt at a time: a first part starts afresh, so an aborted one's cache goes then)."""
+
+    past: Past | None = None
+
+    def run(self, decoder: Decoder, chunk: Chunk) -> Prefilled:
+        """One part: for the final one its logits [1, vocab] and the cache to enter the
+        batch with; for an earlier one neither. A run that raises is the sequence's
+        failure alone (in `failed`)."""
+        try:
+            logits, present = prefill_chunk(decoder, chunk, self.past if chunk.start else None)
+        except Exception as error:
+            self.past = None
+            return Prefilled(None, [], {chunk.seq.id: error}, error)
+        if not chunk.final:
+            self.past = present
+            return Prefilled(None, [])
+        self.past = None
+        mask = np.ones((1, chunk.stop), dtype=np.int64)
+        return Prefilled(logits, [Join([chunk.seq.id], present, mask)])
