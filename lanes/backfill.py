@@ -3,8 +3,10 @@
 An offline workload with `runner: {kind: endpoint}` prepares its records in the flow
 (the same `prepare` as the local runner) and sends each batch of prepared items to
 the serving process, which runs them in its offline lane (interactive requests
-first) through the model alone: the flow applies its own handler's `post` to what
-comes back, so each output line is the one the local runner writes.
+first; a generate workload's sequences take free rows and are preempted when
+interactive ones need them) through the model alone: the flow applies its own
+handler's `post` to what comes back, so each output line is the one the local runner
+writes.
 
 Bodies of `POST /internal/v1/batch/{workload}` are frames of arrays
 (lanes.batchframe). The route is authenticated with the server's internal key
@@ -21,7 +23,7 @@ INTERNAL_PREFIX = "/internal/"
 BATCH_ROUTE = "/internal/v1/batch/{workload}"
 CONTENT_TYPE = "application/x-lanes-batch"
 PROVIDER_HEADER = "x-lanes-provider"  # the server's execution provider, for the manifest
-ENDPOINT_TASKS: tuple[TaskName, ...] = ("embed", "infer")
+ENDPOINT_TASKS: tuple[TaskName, ...] = ("embed", "infer", "generate")
 
 
 def batch_path(workload: str) -> str:
@@ -37,7 +39,7 @@ def served_workload(workloads: Mapping[str, Workload], name: str) -> str:
     assert isinstance(offline, OfflineWorkload)
     if offline.task not in ENDPOINT_TASKS:
         raise ValueError(
-            f"runner kind endpoint runs {' and '.join(ENDPOINT_TASKS)} workloads; a "
+            f"runner kind endpoint runs {', '.join(ENDPOINT_TASKS)} workloads; a "
             f"{offline.task} workload runs with kind local or dask for now"
         )
     wanted = offline.runner.workload

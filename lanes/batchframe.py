@@ -5,26 +5,33 @@ One frame:
     MAGIC, uint32 little-endian header length, orjson header, array bytes
 
 The header lists one entry per item: its named arrays (dtype, shape, where its bytes
-lie), or, in an answer, the error that item failed with alone. Text tensors (infer's
-BYTES) travel as JSON lists in the header.
+lie) and its JSON fields (a generate request's parameters, a completion's text), or,
+in an answer, the error that item failed with alone. Text tensors (infer's BYTES)
+travel as JSON lists in the header.
 """
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import orjson
+from pydantic import ValidationError
 
 from lanes.backfill import CONTENT_TYPE
 from lanes.errors import InvalidInput, LanesError, ModelError, from_wire
 from lanes.isolation import Failed
-from lanes.spec import TaskName
+from lanes.spec import Generation, TaskName
 from lanes.tasks.base import Task
+from lanes.tasks.decoder import Completion
 from lanes.tasks.embed import EmbedItem, EmbedTask
+from lanes.tasks.generate import GenerateRequest, GenerateTask
 from lanes.tasks.infer import InferItem, InferTask
+from lanes.tasks.sampling import SamplingParams
+from lanes.validation import invalid_input
 
 MAGIC = b"LNB1"
 _LENGTH = struct.Struct("<I")
@@ -32,7 +39,15 @@ _LENGTH = struct.Struct("<I")
 Arrays = dict[str, np.ndarray[Any, Any]]
 
 
-def _pack(entries: Sequence[Arrays | LanesError]) -> bytes:
+@dataclass(frozen=True)
+class Entry:
+    """One item of a frame: named arrays, and fields that JSON holds as they are."""
+
+    arrays: Arrays
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+def _pack(entries: Sequence[Arrays | Entry | LanesError]) -> bytes:
     header: list[Any] = []
     chunks: list[bytes] = []
     at = 0
@@ -41,8 +56,10 @@ def _pack(entries: Sequence[Arrays | LanesError]) -> bytes:
             error = {"message": str(entry), "status": entry.status, "code": entry.code}
             header.append({"error": error})
             continue
+        if not isinstance(entry, Entry):
+            entry = Entry(entry)
         described: dict[str, Any] = {}
-        for name, array in entry.items():
+        for name, array in entry.arrays.items():
             if array.dtype == object:
                 described[name] = {"text": [str(v) for v in array.ravel()], "shape": array.shape}
                 continue
@@ -55,12 +72,12 @@ def _pack(entries: Sequence[Arrays | LanesError]) -> bytes:
             }
             chunks.append(data)
             at += len(data)
-        header.append({"arrays": described})
+        header.append({"arrays": described, **({"fields": entry.fields} if entry.fields else {})})
     head = orjson.dumps({"items": header})
     return b"".join([MAGIC, _LENGTH.pack(len(head)), head, *chunks])
 
 
-def _unpack(body: bytes, what: str) -> list[Arrays | LanesError]:
+def _unpack(body: bytes, what: str) -> list[Entry | LanesError]:
     """The frame's entries; InvalidInput naming what is wrong with it."""
     view = memoryview(body)
     start = len(MAGIC) + _LENGTH.size
@@ -78,7 +95,7 @@ def _unpack(body: bytes, what: str) -> list[Arrays | LanesError]:
         raise InvalidInput(f"{what}: the batch frame does not parse ({err})") from None
 
 
-def _entry(entry: Mapping[str, Any], blob: memoryview) -> Arrays | LanesError:
+def _entry(entry: Mapping[str, Any], blob: memoryview) -> Entry | LanesError:
     if "error" in entry:
         error = entry["error"]
         return from_wire(str(error["message"]), int(error["status"]), error.get("code"))
@@ -94,7 +111,10 @@ def _entry(entry: Mapping[str, Any], blob: memoryview) -> Arrays | LanesError:
         arrays[name] = np.frombuffer(blob[at : at + size], dtype=np.dtype(spec["dtype"])).reshape(
             shape
         )
-    return arrays
+    fields = entry.get("fields", {})
+    if not isinstance(fields, dict):
+        raise ValueError("an item's fields are not an object")
+    return Entry(arrays, fields)
 
 
 # ---- items out, outputs back -----------------------------------------------------------
@@ -102,12 +122,14 @@ def _entry(entry: Mapping[str, Any], blob: memoryview) -> Arrays | LanesError:
 
 def encode_items(items: Sequence[Any]) -> bytes:
     """Prepared embed or infer items, as the route's request body."""
-    entries: list[Arrays | LanesError] = []
+    entries: list[Arrays | Entry | LanesError] = []
     for item in items:
         if isinstance(item, EmbedItem):
             entries.append({"ids": item.ids})
         elif isinstance(item, InferItem):
             entries.append(dict(item.inputs))
+        elif isinstance(item, GenerateRequest):
+            entries.append(_generate_entry(item))
         else:
             raise TypeError(f"cannot send a {type(item).__name__} to the endpoint's batch route")
     return _pack(entries)
@@ -122,7 +144,7 @@ def decode_items(task: Task, body: bytes) -> list[Any]:
         if isinstance(entry, LanesError):
             raise InvalidInput(f"body: item {i} is an error, not an input")
         try:
-            items.append(_item(task, entry))
+            items.append(_item(task, entry.arrays, entry.fields))
         except InvalidInput as err:
             raise InvalidInput(f"body: item {i}: {err}") from None
     if not items:
@@ -130,7 +152,7 @@ def decode_items(task: Task, body: bytes) -> list[Any]:
     return items
 
 
-def _item(task: Task, arrays: Arrays) -> Any:
+def _item(task: Task, arrays: Arrays, fields: dict[str, Any]) -> Any:
     if isinstance(task, EmbedTask):
         ids = arrays.get("ids")
         if ids is None or ids.ndim != 1 or ids.dtype != np.int64 or len(ids) == 0:
@@ -142,6 +164,8 @@ def _item(task: Task, arrays: Arrays) -> Any:
         return EmbedItem(ids, len(ids))
     if isinstance(task, InferTask):
         return task.check(arrays)
+    if isinstance(task, GenerateTask):
+        return _generate_request(task, arrays, fields)
     raise InvalidInput(f"workload {task.name!r} ({task.kind}) takes no offline batches")
 
 
@@ -158,10 +182,18 @@ def run_unhandled(task: Task, items: Sequence[Any]) -> list[Any]:
 def encode_outputs(outcomes: Sequence[Any]) -> bytes:
     """Each item's raw output (a vector, or named tensors) or the error it failed
     with alone, as the route's answer."""
-    entries: list[Arrays | LanesError] = []
+    entries: list[Arrays | Entry | LanesError] = []
     for outcome in outcomes:
         if isinstance(outcome, LanesError):
             entries.append(outcome)
+        elif isinstance(outcome, Completion):
+            tokens = np.asarray(outcome.tokens, dtype=np.int64)
+            fields = {
+                "text": outcome.text,
+                "finish_reason": outcome.finish_reason,
+                "prompt_tokens": outcome.prompt_tokens,
+            }
+            entries.append(Entry({"tokens": tokens}, fields))
         elif isinstance(outcome, Exception):
             entries.append(ModelError(f"the model failed on this item: {outcome}"))
         elif isinstance(outcome, np.ndarray):
@@ -173,7 +205,7 @@ def encode_outputs(outcomes: Sequence[Any]) -> bytes:
 
 def decode_outputs(body: bytes, count: int, kind: TaskName) -> list[Any]:
     """The route's answer: per item its raw output (embed: the vector; infer: named
-    tensors) or a `Failed` holding its error. ModelError when it does not hold
+    tensors; generate: the `Completion`) or a `Failed` holding its error. ModelError when it does not hold
     `count` entries."""
     try:
         entries = _unpack(body, "the endpoint's answer")
@@ -186,7 +218,73 @@ def decode_outputs(body: bytes, count: int, kind: TaskName) -> list[Any]:
         if isinstance(entry, LanesError):
             outputs.append(Failed(i, entry))
         elif kind == "embed":
-            outputs.append(entry["embedding"].copy())  # writable, as a local run's
+            outputs.append(entry.arrays["embedding"].copy())  # writable, as a local run's
+        elif kind == "generate":
+            outputs.append(_completion(entry))
         else:
-            outputs.append({name: array.copy() for name, array in entry.items()})
+            outputs.append({name: array.copy() for name, array in entry.arrays.items()})
     return outputs
+
+
+# ---- generate: a request's parameters and a completion travel as fields ----------------
+
+
+def _generate_entry(request: GenerateRequest) -> Entry:
+    sampling = request.sampling
+    fields = {
+        "max_new_tokens": request.max_new_tokens,
+        "temperature": sampling.temperature,
+        "top_k": sampling.top_k,
+        "top_p": sampling.top_p,
+        "stop": list(request.stop),
+        "seed": request.seed,
+        "ignore_eos": request.ignore_eos,
+    }
+    return Entry({"prompt_ids": np.asarray(request.prompt_ids, dtype=np.int64)}, fields)
+
+
+def _generate_request(task: GenerateTask, arrays: Arrays, fields: dict[str, Any]) -> Any:
+    """A prepared request as the flow settled it (every parameter given), checked by
+    the spec's rules and the model's vocabulary and context."""
+    ids = arrays.get("prompt_ids")
+    if ids is None or ids.ndim != 1 or ids.dtype != np.int64 or len(ids) == 0:
+        raise InvalidInput("expected `prompt_ids`, a non-empty 1-d int64 array of token ids")
+    decoder = task.decoder
+    vocab = decoder.config.vocab_size or decoder.tokenizer.get_vocab_size()
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+        raise InvalidInput(f"token ids outside the vocabulary (0 to {vocab - 1})")
+    decoder.check_context(len(ids))
+    seed, ignore_eos = fields.get("seed"), fields.get("ignore_eos", False)
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise InvalidInput("`seed`: expected an integer or null")
+    if not isinstance(ignore_eos, bool):
+        raise InvalidInput("`ignore_eos`: expected true or false")
+    names = ("max_new_tokens", "temperature", "top_k", "top_p", "stop")
+    try:
+        params = Generation.model_validate({n: fields[n] for n in names if n in fields})
+    except ValidationError as err:
+        raise invalid_input(err) from None
+    prompt_ids = tuple(int(i) for i in ids)
+    return GenerateRequest(
+        prompt=str(decoder.tokenizer.decode(list(prompt_ids))),
+        prompt_ids=prompt_ids,
+        max_new_tokens=params.max_new_tokens,
+        sampling=SamplingParams(params.temperature, params.top_k, params.top_p),
+        stop=tuple(params.stop),
+        seed=seed,
+        ignore_eos=ignore_eos,
+    )
+
+
+def _completion(entry: Entry) -> Completion:
+    fields = entry.fields
+    tokens = entry.arrays.get("tokens")
+    reason = fields.get("finish_reason")
+    if tokens is None or reason not in ("stop", "length"):
+        raise ModelError("the endpoint answered a generate item without tokens or finish")
+    return Completion(
+        str(fields.get("text", "")),
+        [int(t) for t in tokens],
+        reason,
+        int(fields.get("prompt_tokens", 0)),
+    )

@@ -79,6 +79,13 @@ class Settings(BaseSettings):
         "with `runner: {kind: endpoint}`), held by the server and the flow; default: "
         "api_key. With neither, the server refuses the route.",
     )
+    preempted_cache_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=0,
+        description="Bytes of KV cache a generate workload's engine keeps for offline "
+        "sequences preempted by interactive ones; beyond, a preempted sequence's cache is "
+        "recomputed when it resumes.",
+    )
     device: Device = Field("auto", description="auto picks TensorRT/CUDA when a GPU is there.")
     io_binding: IoBinding = Field(
         "auto",

@@ -134,7 +134,16 @@ class Batching(StrictModel):
 class Slo(StrictModel):
     p50_ms: Milliseconds | None = Field(None, description="Target median latency.")
     p99_ms: Milliseconds | None = Field(None, description="Target 99th percentile latency.")
-    ttft_ms: Milliseconds | None = Field(None, description="Target time to first token.")
+    ttft_ms: Milliseconds | None = Field(
+        None,
+        description="Target time to first token; for generate it bounds one step's "
+        "prefill (longer prompts are prefilled in parts over several steps).",
+    )
+    itl_ms: Milliseconds | None = Field(
+        None,
+        description="Target inter-token latency; for generate it bounds the rows of one "
+        "decode step.",
+    )
     timeout_ms: Milliseconds | None = Field(
         None, description="Deadline of each request: past it, a queued request gets 504."
     )

@@ -2,7 +2,9 @@
 
 A flow whose workload declares `runner: {kind: endpoint}` sends its prepared items
 here (lanes.batchframe); they wait in the workload's offline lane and run only while
-no interactive request waits (serving/worker.py). The route takes its own bearer key,
+no interactive request waits (serving/worker.py), or, for a generate workload, take
+the rows no interactive request needs and give them up when one does
+(serving/engine.py). The route takes its own bearer key,
 the server's internal key (LANES_INTERNAL_KEY, else LANES_API_KEY): without either
 the server refuses every batch, so an open endpoint never opens its model to bulk
 work unasked.
@@ -11,6 +13,7 @@ work unasked.
 from __future__ import annotations
 
 import hmac
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -19,22 +22,30 @@ from starlette.routing import Route
 from lanes.backfill import BATCH_ROUTE, CONTENT_TYPE, ENDPOINT_TASKS, PROVIDER_HEADER
 from lanes.batchframe import decode_items, encode_outputs
 from lanes.errors import AuthError, LanesError
+from lanes.serving.engine import Engine
 from lanes.serving.http import openai_error, read_body
 from lanes.serving.state import ServingState
-from lanes.tasks import EmbedTask, InferTask, Task
+from lanes.serving.worker import BatchWorker
+from lanes.tasks import EmbedTask, GenerateTask, InferTask, Task
 
 
 async def batch(request: Request) -> Response:
     state: ServingState = request.app.state.lanes
     try:
         _authorize(request, state.settings.batch_key())
-        worker = state.worker(request.path_params["workload"], ENDPOINT_TASKS)
+        name = request.path_params["workload"]
+        executor: Engine | BatchWorker
+        state.hosted(name, ENDPOINT_TASKS)
+        if state.spec.workloads[name].task == "generate":
+            executor = state.engine(name)
+        else:
+            executor = state.worker(name, ENDPOINT_TASKS)
         body = await read_body(request, state.settings.max_body_bytes)
-        items = decode_items(worker.task, body)
-        outcomes = await worker.submit_offline(items)
+        items = decode_items(executor.task, body)
+        outcomes: list[Any] = list(await executor.submit_offline(items))
     except LanesError as e:
         return openai_error(e)
-    headers = {PROVIDER_HEADER: _provider(worker.task)}
+    headers = {PROVIDER_HEADER: _provider(executor.task)}
     return Response(encode_outputs(outcomes), media_type=CONTENT_TYPE, headers=headers)
 
 
@@ -53,7 +64,9 @@ def _authorize(request: Request, key: str | None) -> None:
 
 
 def _provider(task: Task) -> str:
-    if isinstance(task, EmbedTask | InferTask) and task.loaded:  # idle_unload_s may unload it
+    if isinstance(task, GenerateTask):
+        providers = task.decoder.session.get_providers()
+    elif isinstance(task, EmbedTask | InferTask) and task.loaded:  # idle_unload_s may unload it
         providers = task.session.get_providers()
         return str(providers[0]) if providers else "unknown"
     return "unknown"

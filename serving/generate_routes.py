@@ -367,7 +367,16 @@ def start_engine(
     if guard is not None:
         blocked = state.metrics.guard_blocked.labels(name, guard.mode)
         state.guards[name] = TextGuard.load(guard, state.spec.root, blocked.inc, state.tracing)
-    engine = Engine(task, state.metrics, policy, max_padding, state.clock, state.tracing)
+    keep = state.settings.preempted_cache_bytes
+    engine = Engine(
+        task,
+        state.metrics,
+        policy,
+        max_padding,
+        state.clock,
+        tracing=state.tracing,
+        keep_bytes=keep,
+    )
     engine.start()
     state.engines[name] = engine
     return engine

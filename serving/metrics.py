@@ -117,8 +117,8 @@ class Metrics:
             ["workload"],
             registry=r,
         )
-        # Per lane of an embed/infer workload: interactive requests and offline items
-        # (runner kind endpoint) share the model, interactive first.
+        # Per lane: interactive requests and offline items (runner kind endpoint) share
+        # the model, interactive first (a generate workload's items are sequences).
         self.lane_items = Counter(
             "lanes_lane_items",
             "Items run, by lane (interactive requests' inputs, offline records' items).",
@@ -165,6 +165,13 @@ class Metrics:
             "lanes_cost_samples",
             "Cost model: the recent runs it is fitted on (0: too few yet, nothing is sized by it).",
             ["workload"],
+            registry=r,
+        )
+        self.lane_preemptions = Counter(
+            "lanes_lane_preemptions",
+            "Sequences that gave their row up to an interactive one, by lane (a generate "
+            "workload's offline sequences; they resume where they were).",
+            ["workload", "lane"],
             registry=r,
         )
         self.responses = Counter(
@@ -323,6 +330,7 @@ class LaneSeries:
     items: Counter
     queue_depth: Gauge
     busy: Counter
+    preemptions: Counter
 
     @classmethod
     def of(cls, metrics: Metrics, workload: str, lane: str) -> LaneSeries:
@@ -330,4 +338,5 @@ class LaneSeries:
             metrics.lane_items.labels(workload, lane),
             metrics.lane_queue_depth.labels(workload, lane),
             metrics.lane_busy_seconds.labels(workload, lane),
+            metrics.lane_preemptions.labels(workload, lane),
         )

@@ -253,6 +253,20 @@ class _HeldFromShard3:
 held_from_shard_3 = _HeldFromShard3()
 
 
+class _PromptHeldFromShard3:
+    """`held_from_shard_3` for generate records: {"prompt", "shard"} -> the prompt,
+    held at the FileGate from shard 3 on."""
+
+    @staticmethod
+    def pre(item: Any) -> Any:
+        if item["shard"] >= 3:
+            FileGate.wait()
+        return {"prompt": item["prompt"], "max_tokens": item["max_tokens"]}
+
+
+prompt_held_from_shard_3 = _PromptHeldFromShard3()
+
+
 class _Broken:
     """A handler whose `post` always fails: a model that is broken, not bad data."""
 

@@ -50,7 +50,7 @@ KEY = "internal-test-key"
 
 
 def live(task: str = "embed", **fields: Any) -> dict[str, Any]:
-    model = {"embed": "enc", "infer": "affine"}[task]
+    model = {"embed": "enc", "infer": "affine", "generate": "dec"}[task]
     return {"mode": "interactive", "task": task, "model": model, **fields}
 
 
@@ -213,7 +213,7 @@ def test_offline_lane_queues_take_interactive_first() -> None:
 # ---- flows on the endpoint -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("task", ["embed", "infer"])
+@pytest.mark.parametrize("task", ["embed", "infer", "generate"])
 def test_offline_output_through_the_endpoint_equals_the_local_runners(
     prefect_api: str,
     serve: type[ServerThread],
@@ -232,16 +232,39 @@ def test_offline_output_through_the_endpoint_equals_the_local_runners(
             }
         )
         records.append({"id": "d-number", "text": 7})
+    elif task == "generate":
+        # The test decoder completes a -> b -> c -> d, then eos.
+        prompts = ["a", "b", "c", "a b", "d a", "b c a"]
+        records = [
+            {"id": f"g{i}", "prompt": prompts[i % 6], "max_tokens": 1 + i % 4} for i in range(40)
+        ]
+        records[5]["stop"] = ["c"]
+        records.append(
+            {
+                "custom_id": "req-1",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"model": "x", "prompt": ["a", "b a"], "max_tokens": 5},
+            }
+        )
+        records.append({"id": "g-bad", "prompt": 7})
     else:
         records = [{"id": f"r{i}", "x": [[i, 1, 2, 3]]} for i in range(40)]
         records.append({"id": "r-bad", "x": [[1, 2]]})
+    # Greedy, so that the two runs may agree; on the endpoint, rows fewer than prompts.
+    greedy = {"generation": {"temperature": 0}} if task == "generate" else {}
+    rows = {"batching": {"max_batch_size": 4}} if task == "generate" else {}
     spec = write_spec(
         tmp_path,
         {
-            "live": live(task),
-            "local": batch(task, "out-local/", max_error_rate=0.5),
+            "live": live(task, **rows),
+            "local": batch(task, "out-local/", max_error_rate=0.5, **greedy),
             "remote": batch(
-                task, "out-remote/", max_error_rate=0.5, runner=on_endpoint(workload="live")
+                task,
+                "out-remote/",
+                max_error_rate=0.5,
+                runner=on_endpoint(workload="live"),
+                **greedy,
             ),
         },
     )
@@ -274,25 +297,43 @@ def _assert_same_line(got: dict[str, Any], want: dict[str, Any]) -> None:
             got.pop("embedding"), want.pop("embedding"), rtol=1e-6, atol=1e-7
         )
     if "response" in want:
-        got_data, want_data = got["response"]["body"]["data"], want["response"]["body"]["data"]
-        for g, w in zip(got_data, want_data, strict=True):
+        for g, w in zip(
+            got["response"]["body"].get("data", []),
+            want["response"]["body"].get("data", []),
+            strict=True,
+        ):
             np.testing.assert_allclose(g.pop("embedding"), w.pop("embedding"), rtol=1e-6, atol=1e-7)
         got.pop("id"), want.pop("id")  # batch_req_ ids are random per run
+        for line in (got, want):  # and so are a completion's id and its time
+            line["response"].pop("request_id", None)
+            line["response"]["body"].pop("id", None)
+            line["response"]["body"].pop("created", None)
     assert got == want
 
 
+@pytest.mark.parametrize("task", ["infer", "generate"])
 def test_a_sigkilled_backfill_job_rerun_gives_every_id_exactly_once(
-    prefect_api: str, serve: type[ServerThread], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    prefect_api: str,
+    serve: type[ServerThread],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    task: str,
 ) -> None:
+    held = "held_from_shard_3" if task == "infer" else "prompt_held_from_shard_3"
     workload = batch(
-        "infer",
-        handler="tests.flows_fixtures:held_from_shard_3",
+        task,
+        handler=f"tests.flows_fixtures:{held}",
         runner=on_endpoint(max_concurrent_shards=1),
     )
-    spec = write_spec(tmp_path, {"live": live("infer"), "slow": workload})
+    spec = write_spec(tmp_path, {"live": live(task), "slow": workload})
     ids = []
     for shard in range(8):
-        shard_records = [{"id": f"s{shard}-{i}", "x": [[i, shard, 0, 0]]} for i in range(30)]
+        shard_records: list[dict[str, Any]] = [
+            {"id": f"s{shard}-{i}", "x": [[i, shard, 0, 0]]}
+            if task == "infer"
+            else {"id": f"s{shard}-{i}", "prompt": "ab"[i % 2], "max_tokens": 3, "shard": shard}
+            for i in range(30)
+        ]
         ids += [r["id"] for r in shard_records]
         write_jsonl(tmp_path / "in" / f"part-{shard:02d}.jsonl", shard_records)
     markers = tmp_path / "out" / "_committed"
@@ -351,8 +392,8 @@ def test_a_flow_without_the_internal_key_fails_before_any_shard(
     [
         (
             {"gen": batch("generate", runner=on_endpoint())},
-            "workloads.gen.runner.kind",
-            "runs embed and infer workloads",
+            "workloads.gen.runner.workload",
+            "no interactive generate workload serves model 'dec'",
         ),
         (
             {"live": live("infer"), "corpus": batch(runner=on_endpoint(workload="live"))},

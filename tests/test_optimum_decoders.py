@@ -192,6 +192,18 @@ async def test_greedy_batched_equals_transformers(task: GenerateTask, reference:
     assert batch / steps > 1, "the rows should have decoded together"
 
 
+def test_prompts_prefilled_in_parts_decode_as_transformers(
+    task: GenerateTask, reference: Reference
+) -> None:
+    """Prefill in parts of 5 tokens, each on the cache of the parts before it: the
+    export takes several new tokens on a past, and greedy output is unchanged."""
+    want = reference.greedy(PROMPTS)
+    requests = [task.prepare(p) for p in PROMPTS]
+    assert max(len(r.prompt_ids) for r in requests) > 3 * 5, "some prompt takes several parts"
+    done = generate_batch(task.decoder, requests, 2, task.name, max_prefill_tokens=5, chunked=True)
+    assert [d.tokens if isinstance(d, Completion) else d for d in done] == want
+
+
 def test_greedy_batched_offline_equals_transformers(
     task: GenerateTask, reference: Reference
 ) -> None:

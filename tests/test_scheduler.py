@@ -388,3 +388,113 @@ def test_a_prefill_only_plan_admits_joiners_while_a_decode_runs() -> None:
     assert events[0].finish == "length" and 1 not in events  # 1 left mid-step
     plan = s.schedule()
     assert ids(plan.decode) == [2] and ids(plan.prefill) == [3]
+
+
+# ---- two lanes: offline sequences take free rows, and leave them for interactive ones
+
+
+def test_offline_sequences_take_only_rows_no_interactive_one_waits_for() -> None:
+    s = make(max_running=3)
+    for i in range(3):
+        s.add(seq(10 + i, offline=True))
+    s.add(seq(1))
+    plan, _ = step(s)
+    assert [r.id for r in plan.prefill] == [1, 10, 11], "interactive first, offline after"
+    assert s.num_offline_waiting == 1 and s.num_waiting == 0
+
+
+def test_an_interactive_arrival_preempts_the_newest_offline_row_at_the_next_plan() -> None:
+    s = make(max_running=3)
+    for i in range(3):
+        s.add(seq(10 + i, offline=True))
+    step(s, B)  # all three prefill and make their first token
+    step(s, C)  # and their second
+    s.add(seq(1))
+    plan = s.schedule()
+    assert [r.id for r in plan.preempted] == [12], "the newest offline row leaves"
+    assert [r.id for r in plan.prefill] == [1] and [r.id for r in plan.decode] == [10, 11]
+    (left,) = plan.preempted
+    assert left.status == SeqStatus.WAITING and left.preemptions == 1
+    assert left.tokens == [B, C], "it keeps what it made"
+    assert left.cached_ids == (1, 2, 3, B), "its cache held the prompt and all but the last"
+    events = s.update(plan, StepOutputs(prefill=logits(A), decode=logits(A, A)))
+    assert {e.seq_id for e in events} == {1, 10, 11}, "nothing for the preempted one"
+    # Rows are full again: it waits, until one frees; then it resumes without a prefill.
+    plan, _ = step(s)
+    assert not plan.resumed and s.num_offline_waiting == 1
+    s.abort(10)
+    plan = s.schedule()
+    assert [r.id for r in plan.resumed] == [12] and not plan.prefill
+    events = s.update(plan, StepOutputs(decode=logits(*([A] * len(plan.decode)))))
+    assert 12 not in {e.seq_id for e in events if e.tokens}, "a resume samples nothing"
+    plan, events = step(s, {12: A})
+    assert 12 in [r.id for r in plan.decode]
+    assert next(e for e in events if e.seq_id == 12).tokens == (A,)
+    assert left.tokens == [B, C, A], "one token per decode, none lost or made twice"
+
+
+def test_interactive_rows_are_never_preempted_and_prefill_only_plans_admit_no_offline_one() -> None:
+    s = make(max_running=2)
+    s.add(seq(1))
+    s.add(seq(2))
+    step(s)
+    s.add(seq(10, offline=True))
+    s.add(seq(3))
+    plan = s.schedule()
+    assert not plan.preempted and not plan.prefill, "rows held by interactive ones stay"
+    s.update(plan, StepOutputs(decode=logits(A, A)))
+
+    s = make(max_running=3)
+    s.add(seq(1))
+    step(s)
+    s.add(seq(10, offline=True))
+    assert s.schedule(decode=False).empty, "offline work waits for a full plan"
+    s.add(seq(3))
+    assert ids(s.schedule(decode=False).prefill) == [3]
+
+
+# ---- chunked prefill: a long prompt in parts, the rows decoding meanwhile ----------------
+
+
+def test_a_prompt_over_the_budget_is_prefilled_in_parts_while_rows_keep_decoding() -> None:
+    s = make(max_running=3, max_prefill_tokens=4, chunked=True)
+    s.add(seq(1, prompt=2, max_new=20))
+    step(s)
+    s.add(seq(2, prompt=10))
+    s.add(seq(3, prompt=3))
+    parts = []
+    for _ in range(3):
+        plan = s.schedule()
+        assert ids(plan.decode) == [1], "the row decodes at every step"
+        assert plan.chunk is not None and plan.chunk.seq.id == 2
+        parts.append((plan.chunk.start, plan.chunk.stop))
+        final = plan.chunk.final
+        # Prefill tokens per step stay within the budget: seq 3 waits while parts run.
+        assert plan.chunk.stop - plan.chunk.start + len(plan.prefill) * 3 <= 4
+        events = s.update(
+            plan,
+            StepOutputs(
+                prefill=logits(*[A] * len(plan.prefill)) if plan.prefill else None,
+                decode=logits(A),
+                chunk=logits(B) if final else None,
+            ),
+        )
+        got = by_id(events)
+        assert got[1].tokens == (A,)
+        assert (2 in got) == final, "only the final part makes a token"
+    assert parts == [(0, 4), (4, 8), (8, 10)]
+    assert by_id(events)[2].tokens == (B,) and by_id(events)[2].first
+    plan = s.schedule()
+    assert ids(plan.decode) == [1, 2] and plan.chunk is None
+    assert ids(plan.prefill) == [3]
+
+
+def test_an_aborted_prompt_mid_chunks_frees_its_row() -> None:
+    s = make(max_running=2, max_prefill_tokens=4, chunked=True)
+    s.add(seq(1, prompt=10))
+    plan, _ = step(s)
+    assert plan.chunk is not None and not plan.prefill
+    s.abort(1)
+    plan = s.schedule()
+    assert plan.chunk is None and ids(plan.retired) == [1]
+    assert s.chunking is None and s.num_running == 0

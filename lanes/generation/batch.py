@@ -44,6 +44,7 @@ def scheduler_for(
     policy: Policy = "continuous",
     max_prefill_tokens: int = 4096,
     prefill_alone: bool = False,
+    chunked: bool = False,
     clock: Callable[[], float] = time.monotonic,
 ) -> Scheduler:
     """A scheduler for `decoder`'s eos, context and tokenizer, with `rows` in flight."""
@@ -56,6 +57,7 @@ def scheduler_for(
         max_position=config.max_position,
         max_prefill_tokens=max_prefill_tokens,
         prefill_alone=prefill_alone,
+        chunked=chunked,
         clock=clock,
     )
 
@@ -68,12 +70,14 @@ def generate_batch(
     *,
     max_prefill_tokens: int = OFFLINE_PREFILL_TOKENS,
     max_padding: float = MAX_PADDING,
+    chunked: bool = False,
 ) -> list[Completion | Failed]:
     """One `Completion` per request, in the requests' order; a `Failed` (a `ModelError`
     saying why) for a request the model failed on alone. Never more than `rows`
     sequences in flight. Raises `ModelError` when a step fails outside any one row's
-    run (no row is to blame, so the caller may retry the whole batch)."""
-    scheduler = scheduler_for(decoder, rows, max_prefill_tokens=max_prefill_tokens)
+    run (no row is to blame, so the caller may retry the whole batch). With `chunked`,
+    prompts over `max_prefill_tokens` are prefilled in parts (see Scheduler)."""
+    scheduler = scheduler_for(decoder, rows, max_prefill_tokens=max_prefill_tokens, chunked=chunked)
     seqs = [
         Seq(
             id=i,

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from lanes.generation.prefill import Join
 from lanes.isolation import Isolated, isolate
 from lanes.tasks.decoder import Decoder, Past, StepOutput
 
@@ -93,6 +94,14 @@ class KVCache:
                 self.start[r] = self.length
                 self.mask[r] = 0
                 self.empty_since[r] = self.steps
+
+    def take(self, sid: int) -> Join:
+        """A copy of sequence `sid`'s cache: its row's real columns."""
+        r = self.slots.index(sid)
+        at = self.start[r]
+        keys = tuple(k[r : r + 1, :, at:].copy() for k in self.keys)
+        values = tuple(v[r : r + 1, :, at:].copy() for v in self.values)
+        return Join([sid], Past(keys, values), self.mask[r : r + 1, at:].copy())
 
     def step_inputs(self, seqs: dict[int, Any]) -> tuple[Array, Array, Array]:
         """input_ids, attention_mask and position_ids of a decode step: each row's
@@ -223,6 +232,13 @@ class BatchCache:
         for group in self.groups:
             group.compact()
         self._merge()
+
+    def take(self, sid: int) -> Join | None:
+        """A copy of sequence `sid`'s cache, or None when no row holds it."""
+        for group in self.groups:
+            if sid in group.slots:
+                return group.take(sid)
+        return None
 
     def decode(self, seqs: Sequence[Any]) -> Decoded:
         """One decode step of every group: next-token logits in `seqs`' order, and the

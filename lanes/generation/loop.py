@@ -12,6 +12,8 @@ left-padded run (lanes/generation/prefill.py), its rows decode one token each ov
 the batch's KV cache (lanes/generation/kvcache.py), and the scheduler updates the
 plan once with both. The joiners' caches enter the batch's at the next run, with
 the rows that left going out, so each decode sees exactly its plan's rows.
+Preempted rows' caches are kept on their way out, and resumed sequences' caches
+come back (kept, or recomputed) beside the joiners' (lanes/generation/preempt.py).
 
 A prefill or decode run that fails is run again in halves of its rows
 (lanes/isolation.py): the sequences that fail alone finish with their own error,
@@ -27,7 +29,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from lanes.generation.kvcache import MAX_PADDING, BatchCache
-from lanes.generation.prefill import Join, prefill_apart
+from lanes.generation.preempt import KEEP_BYTES, Preempted
+from lanes.generation.prefill import Chunked, Join, prefill_apart
 from lanes.generation.scheduler import Event, Scheduler, Seq, StepOutputs, StepPlan
 from lanes.isolation import failed_alone
 from lanes.tasks.decoder import Decoder
@@ -58,6 +61,7 @@ class StepLoop:
         name: str,
         max_padding: float = MAX_PADDING,
         clock: Callable[[], float] = time.monotonic,
+        keep_bytes: int = KEEP_BYTES,
     ) -> None:
         self.decoder = decoder
         self.scheduler = scheduler
@@ -65,6 +69,8 @@ class StepLoop:
         self.clock = clock
         self.cache = BatchCache(decoder, max_padding)
         self._joins: list[Join] = []  # prefilled, entering the cache at the next run
+        self.preempted = Preempted(keep_bytes)
+        self.chunked = Chunked()
 
     def run(self, plan: StepPlan) -> Step:
         """Run `plan` whole and update the scheduler with it; never raises for what
@@ -74,8 +80,9 @@ class StepLoop:
         try:
             failed: dict[int, str] = {}
             decode = None
+            if plan.decode or plan.preempted:
+                self._settle({s.id for s in plan.decode}, plan.preempted)
             if plan.decode:
-                self._settle({s.id for s in plan.decode})
                 start = self.clock()
                 decoded = self.cache.decode(plan.decode)
                 decode_s = self.clock() - start
@@ -91,8 +98,23 @@ class StepLoop:
                 self._log_isolated("prefill", len(plan.prefill), done.error, done.failed)
                 failed.update(failures(plan.prefill, done.failed, prompt_of))
                 prefill = done.logits
-            outputs = StepOutputs(prefill=prefill, decode=decode, failed=failed)
+            if plan.resumed:
+                back = self.preempted.resume(self.decoder, plan.resumed)
+                self._joins += back.joins
+                self._log_isolated("recompute", len(plan.resumed), back.error, back.failed)
+                failed.update(failures(plan.resumed, back.failed, prompt_of))
+            chunk = None
+            if plan.chunk is not None:
+                part = self.chunked.run(self.decoder, plan.chunk)
+                self._joins += part.joins
+                self._log_isolated("prefill chunk", 1, part.error, part.failed)
+                failed.update(failures((plan.chunk.seq,), part.failed, prompt_of))
+                chunk = part.logits
+            outputs = StepOutputs(prefill, decode, failed, chunk)
             events = self.scheduler.update(plan, outputs)
+            for event in events:
+                if event.finish is not None:
+                    self.preempted.drop(event.seq_id)
             if self.scheduler.num_running == 0 and (self._joins or self.cache.rows):
                 self._settle(set())  # nobody is left to decode: free the whole cache
         except Exception as error:  # not one row's fault: it answers them all
@@ -110,13 +132,15 @@ class StepLoop:
             return Step(plan, self.scheduler.fail(plan, message), prefill_s, decode_s, True)
         return Step(plan, events, prefill_s, decode_s)
 
-    def _settle(self, keep: set[int]) -> None:
+    def _settle(self, keep: set[int], preempted: Sequence[Seq] = ()) -> None:
         """The batch's cache for the next decode: joiners in (into holes where they
-        fit), then leavers out (rows not in `keep` become holes, a joiner that already
-        finished too), holes compacted away once they are worth a copy."""
+        fit), preempted rows' caches kept, then leavers out (rows not in `keep` become
+        holes, a joiner that already finished too), holes compacted away once they are
+        worth a copy."""
         joins, self._joins = self._joins, []
         for join in joins:
             self.cache.place(join.ids, join.past, join.mask)
+        self.preempted.keep(self.cache, preempted)
         self.cache.release(keep)
         self.cache.compact()
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from lanes.generation.scheduler import Seq
+from lanes.generation.scheduler import Chunk, Seq
 from lanes.isolation import isolate
 from lanes.tasks.decoder import Decoder, Past
 
@@ -42,15 +42,17 @@ class Prefilled:
     error: Exception | None = None
 
 
-def prefill(decoder: Decoder, seqs: Sequence[Seq]) -> tuple[Array, Join]:
-    """One run over the joiners' prompts, left-padded to the longest."""
-    width = max(len(s.prompt_ids) for s in seqs)
+def prefill(decoder: Decoder, seqs: Sequence[Seq], recompute: bool = False) -> tuple[Array, Join]:
+    """One run over the joiners' prompts, left-padded to the longest; with
+    `recompute`, over what a preempted sequence's cache held (`Seq.cached_ids`)."""
+    contexts = [s.cached_ids if recompute else s.prompt_ids for s in seqs]
+    width = max(len(c) for c in contexts)
     ids = np.full((len(seqs), width), decoder.config.pad_token_id, dtype=np.int64)
     mask = np.zeros((len(seqs), width), dtype=np.int64)
     positions = np.zeros((len(seqs), width), dtype=np.int64)
-    for j, seq in enumerate(seqs):
-        n = len(seq.prompt_ids)
-        ids[j, width - n :] = seq.prompt_ids
+    for j, context in enumerate(contexts):
+        n = len(context)
+        ids[j, width - n :] = context
         mask[j, width - n :] = 1
         positions[j, width - n :] = np.arange(n)
     out = decoder.step(ids, mask, positions, decoder.empty_past(len(seqs)))
@@ -64,9 +66,9 @@ def prefill(decoder: Decoder, seqs: Sequence[Seq]) -> tuple[Array, Join]:
     return out.logits[:, -1], Join([s.id for s in seqs], present, mask)
 
 
-def prefill_apart(decoder: Decoder, seqs: Sequence[Seq]) -> Prefilled:
+def prefill_apart(decoder: Decoder, seqs: Sequence[Seq], recompute: bool = False) -> Prefilled:
     """`prefill`; if it fails, in halves until the prompts that fail alone are found."""
-    isolated = isolate(lambda part: prefill(decoder, part), seqs)
+    isolated = isolate(lambda part: prefill(decoder, part, recompute), seqs)
     if isolated.whole:
         logits, join = isolated.ran[0].result
         return Prefilled(logits, [join])
@@ -80,3 +82,43 @@ def prefill_apart(decoder: Decoder, seqs: Sequence[Seq]) -> Prefilled:
         joins.append(join)
     failed = {seqs[f.index].id: f.error for f in isolated.failed}
     return Prefilled(found, joins, failed, isolated.error)
+
+
+def prefill_chunk(decoder: Decoder, chunk: Chunk, past: Past | None) -> tuple[Array, Past]:
+    """One part of a long prompt, on `past` (its earlier parts' cache; None for the
+    first part): the next-token logits [1, vocab] after it, and the cache with it."""
+    seq = chunk.seq
+    ids = np.asarray([seq.prompt_ids[chunk.start : chunk.stop]], dtype=np.int64)
+    mask = np.ones((1, chunk.stop), dtype=np.int64)
+    positions = np.arange(chunk.start, chunk.stop, dtype=np.int64).reshape(1, -1)
+    before = decoder.empty_past(1) if past is None else past
+    if before.length != chunk.start:
+        raise ValueError(
+            f"sequence {seq.id}: a chunk from {chunk.start} on a cache of {before.length}"
+        )
+    out = decoder.step(ids, mask, positions, before)
+    return out.logits[:, -1], out.present
+
+
+@dataclass
+class Chunked:
+    """The cache of the prompt being prefilled in parts, kept between its steps (one
+    prompt at a time: a first part starts afresh, so an aborted one's cache goes then)."""
+
+    past: Past | None = None
+
+    def run(self, decoder: Decoder, chunk: Chunk) -> Prefilled:
+        """One part: for the final one its logits [1, vocab] and the cache to enter the
+        batch with; for an earlier one neither. A run that raises is the sequence's
+        failure alone (in `failed`)."""
+        try:
+            logits, present = prefill_chunk(decoder, chunk, self.past if chunk.start else None)
+        except Exception as error:
+            self.past = None
+            return Prefilled(None, [], {chunk.seq.id: error}, error)
+        if not chunk.final:
+            self.past = present
+            return Prefilled(None, [])
+        self.past = None
+        mask = np.ones((1, chunk.stop), dtype=np.int64)
+        return Prefilled(logits, [Join([chunk.seq.id], present, mask)])

@@ -36,6 +36,7 @@ Array = np.ndarray[Any, Any]
 Policy = Literal["continuous", "static", "static-drop", "serial"]
 POLICIES: tuple[Policy, ...] = ("continuous", "static", "static-drop", "serial")
 FinishReason = Literal["stop", "length", "abort", "deadline", "error"]
+Lane = Literal["interactive", "offline"]
 
 
 class SeqStatus(enum.IntEnum):
@@ -80,6 +81,9 @@ class Seq:
     deadline: float | None = None  # on the scheduler's clock
     ignore_eos: bool = False  # benchmarks: run to the budget
     arrived: float = 0.0  # on the scheduler's clock: for time-to-first-token
+    offline: bool = False  # the offline lane's: free rows only, preempted for interactive
+    preemptions: int = 0  # times it gave its row up to an interactive sequence
+    prefilled: int = 0  # prompt tokens in its cache so far (a prompt prefilled in chunks)
     status: SeqStatus = SeqStatus.WAITING
     tokens: list[int] = field(default_factory=list)
     text: str = ""  # decoded so far (cut before a stop string once one is found)
@@ -105,6 +109,30 @@ class Seq:
         """Position of `last_token`: decode steps feed it at this position."""
         return len(self.prompt_ids) + len(self.tokens) - 1
 
+    @property
+    def cached_ids(self) -> tuple[int, ...]:
+        """What its cache holds before its next decode: the prompt and every token but
+        the last (which that decode feeds). A preempted sequence's recompute prefills these."""
+        return (*self.prompt_ids, *self.tokens[:-1])
+
+    @property
+    def lane(self) -> Lane:
+        return "offline" if self.offline else "interactive"
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Part of a long prompt prefilled in one step, on the cache of its earlier parts:
+    `seq.prompt_ids[start:stop]`. The last part (`final`) samples the first token."""
+
+    seq: Seq
+    start: int
+    stop: int
+
+    @property
+    def final(self) -> bool:
+        return self.stop == len(self.seq.prompt_ids)
+
 
 @dataclass(frozen=True)
 class StepPlan:
@@ -112,19 +140,34 @@ class StepPlan:
     `decode` are the batch's rows in order, each fed `last_token` at `position`;
     under `static`, finished rows stay in it and their logits are ignored.
     `retired` left without running (aborted or past their deadline): update() reports them.
+    `preempted` (offline) left their rows to interactive joiners: the loop keeps their
+    caches where memory allows (lanes/generation/preempt.py). `resumed` take rows
+    again: their cache is put back (or recomputed from `cached_ids`) and they decode
+    from the next plan on; they sample nothing now, so no token is made twice.
+    `chunk` is the next part of a prompt too long for one step's prefill budget.
     """
 
     prefill: tuple[Seq, ...] = ()
     decode: tuple[Seq, ...] = ()
     retired: tuple[Seq, ...] = ()
+    preempted: tuple[Seq, ...] = ()
+    resumed: tuple[Seq, ...] = ()
+    chunk: Chunk | None = None
 
     @property
     def runs_model(self) -> bool:
-        return bool(self.prefill or self.decode)
+        return bool(self.prefill or self.decode or self.resumed or self.chunk)
 
     @property
     def empty(self) -> bool:
-        return not (self.prefill or self.decode or self.retired)
+        return not (
+            self.prefill
+            or self.decode
+            or self.retired
+            or self.preempted
+            or self.resumed
+            or self.chunk
+        )
 
 
 @dataclass(frozen=True)
@@ -132,14 +175,15 @@ class StepOutputs:
     """Next-token logits of the plan's rows: [len(plan.prefill), vocab] and
     [len(plan.decode), vocab] (None where that list is empty, or every row in it failed).
 
-    `failed` are the rows the model failed on alone, by sequence id, with what to tell
-    their callers: they finish with an error and their logits are not read; every
-    other row goes on as usual.
+    `failed` are the rows the model failed on alone (a resumed sequence's recompute
+    included), by sequence id, with what to tell their callers: they finish with an
+    error and their logits are not read; every other row goes on as usual.
     """
 
     prefill: Array | None = None
     decode: Array | None = None
     failed: Mapping[int, str] = field(default_factory=dict)
+    chunk: Array | None = None  # [1, vocab]: the final chunk's next-token logits
 
 
 @dataclass(frozen=True)
@@ -167,6 +211,16 @@ class Scheduler:
     decode at the next one: a newcomer's first token waits for no decode (the online
     engine's choice; offline, nobody waits for a first token). Never two such steps
     in a row while rows wait: then the joiners prefill in the rows' decode step.
+
+    Two lanes share the rows. Offline sequences (`Seq.offline`) wait in a queue of
+    their own and take only rows that no interactive sequence waits for; when
+    interactive ones wait and every row is taken, the newest offline rows are
+    preempted (continuous policy, full plans only): back to the front of the offline
+    queue with the tokens they made, to resume when rows are free again.
+
+    With `chunked`, `max_prefill_tokens` is a hard budget: a prompt longer than it is
+    prefilled in parts over several full plans (`StepPlan.chunk`, one prompt at a time,
+    holding a row meanwhile), so the rows decoding keep stepping while it is admitted.
     """
 
     def __init__(
@@ -179,6 +233,7 @@ class Scheduler:
         max_position: int | None = None,
         max_prefill_tokens: int = 4096,
         prefill_alone: bool = False,
+        chunked: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if policy not in POLICIES:
@@ -190,9 +245,12 @@ class Scheduler:
         self.max_position = max_position
         self.max_prefill_tokens = max_prefill_tokens
         self.prefill_alone = prefill_alone
+        self.chunked = chunked
+        self.chunking: Seq | None = None  # the prompt being prefilled in parts
         self._prefilled_alone = False  # the last plan left waiting rows out for joiners
         self.clock = clock
         self.waiting: deque[Seq] = deque()
+        self.offline: deque[Seq] = deque()  # the offline lane's, preempted ones first
         self.rows: list[Seq] = []
         self._live: dict[int, Seq] = {}  # unfinished sequences, by id
         self._unreported: list[Seq] = []  # finished outside update(): aborts, deadlines
@@ -204,7 +262,7 @@ class Scheduler:
         if seq.id in self._live:
             raise ValueError(f"sequence {seq.id} is already scheduled")
         self._live[seq.id] = seq
-        self.waiting.append(seq)
+        (self.offline if seq.offline else self.waiting).append(seq)
 
     def abort(self, seq_id: int) -> None:
         """The client went away: the sequence leaves at the next step. Unknown or
@@ -220,25 +278,35 @@ class Scheduler:
         reported as usual, every row (joiners included) finishes with `error` and
         every row is freed."""
         events = [self._final(seq) for seq in plan.retired]
-        for seq in self.rows:
+        for seq in (*self.rows, *self._chunking()):
             if not seq.status.is_finished:
                 seq.error = error
                 self._finish(seq, SeqStatus.FINISHED_ERROR)
                 events.append(self._final(seq))
         self.rows = []
+        self.chunking = None
         return events
+
+    def _chunking(self) -> tuple[Seq, ...]:
+        return () if self.chunking is None else (self.chunking,)
 
     @property
     def num_waiting(self) -> int:
+        """Interactive sequences waiting for a row."""
         return sum(1 for s in self.waiting if not s.status.is_finished)
 
     @property
+    def num_offline_waiting(self) -> int:
+        """Offline sequences waiting for a row (preempted ones included)."""
+        return sum(1 for s in self.offline if not s.status.is_finished)
+
+    @property
     def num_running(self) -> int:
-        return sum(1 for s in self.rows if not s.status.is_finished)
+        return sum(1 for s in (*self.rows, *self._chunking()) if not s.status.is_finished)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.rows or self._unreported)
+        return bool(self.waiting or self.offline or self.rows or self._unreported or self.chunking)
 
     # ---- the step ----------------------------------------------------------
 
@@ -249,41 +317,106 @@ class Scheduler:
         `decode=False` plans a prefill only, while the last plan's decode is still
         running: rows stay as they are (finished ones included, until that plan's
         update), joiners take only rows that are free now, and they decode from the
-        next full plan on.
+        next full plan on; only interactive sequences join it (nobody waits for an
+        offline one's first token), and nobody is preempted from rows still running.
         """
         now = self.clock()
-        for seq in (*self.rows, *self.waiting):
+        for seq in (*self.rows, *self.waiting, *self.offline, *self._chunking()):
             if seq.deadline is not None and now >= seq.deadline and not seq.status.is_finished:
                 self._finish(seq, SeqStatus.FINISHED_DEADLINE)
                 self._flush(seq)
                 self._unreported.append(seq)
         if any(s.status.is_finished for s in self.waiting):
             self.waiting = deque(s for s in self.waiting if not s.status.is_finished)
+        if any(s.status.is_finished for s in self.offline):
+            self.offline = deque(s for s in self.offline if not s.status.is_finished)
         if decode and (self.policy != "static" or all(s.status.is_finished for s in self.rows)):
             self.rows = [s for s in self.rows if not s.status.is_finished]
         elif decode:  # a row the model failed on would fail again: it leaves even static
             self.rows = [s for s in self.rows if s.status != SeqStatus.FINISHED_ERROR]
-        prefill = self._admit()
+        if self.chunking is not None and self.chunking.status.is_finished:
+            self.chunking = None  # aborted or past its deadline: reported as retired
+        preempted = self._preempt() if decode else ()
+        running = tuple(self.rows)
+        chunk = self._chunk() if decode else None
+        budget = self.max_prefill_tokens - (0 if chunk is None else chunk.stop - chunk.start)
+        prefill = self._admit(self.waiting, budget)
+        self.rows.extend(prefill)
+        resumed: tuple[Seq, ...] = ()
+        if decode and not self.waiting:  # offline rows only where no interactive one waits
+            offline = self._admit(self.offline, budget - _padded(prefill))
+            resumed = tuple(s for s in offline if s.tokens)
+            prefill += tuple(s for s in offline if not s.tokens)
+            self.rows.extend(offline)
         retired, self._unreported = tuple(self._unreported), []
         # Joiners run alone, but never twice in a row while rows wait: arrivals that
         # trickle in one per step would otherwise starve the decode.
         alone = bool(prefill) and self.prefill_alone and not self._prefilled_alone
-        self._prefilled_alone = alone and bool(self.rows)
-        rows = () if alone or not decode else tuple(self.rows)
-        self.rows.extend(prefill)
-        return StepPlan(prefill=prefill, decode=rows, retired=retired)
+        self._prefilled_alone = alone and bool(running)
+        rows = () if alone or not decode else running
+        return StepPlan(prefill, rows, retired, preempted, resumed, chunk)
 
-    def _admit(self) -> tuple[Seq, ...]:
+    def _chunk(self) -> Chunk | None:
+        """The next part of the prompt being prefilled in parts; a new one starts when
+        the first waiting prompt (interactive first) is over the budget and a row is free."""
+        if not self.chunked or self.policy != "continuous":
+            return None
+        if self.chunking is None and len(self.rows) < self.max_running:
+            queue = self.waiting if self.waiting else self.offline
+            head = queue[0] if queue else None
+            if head is not None and not head.tokens and len(head.prompt_ids) > self._budget:
+                self.chunking = queue.popleft()
+                self.chunking.status = SeqStatus.RUNNING
+        seq = self.chunking
+        if seq is None:
+            return None
+        return Chunk(seq, seq.prefilled, min(seq.prefilled + self._budget, len(seq.prompt_ids)))
+
+    @property
+    def _budget(self) -> int:
+        return max(self.max_prefill_tokens, 1)
+
+    def _preempt(self) -> tuple[Seq, ...]:
+        """Free a row for each interactive sequence waiting, from the newest offline
+        rows (the least work to redo if a cache must be recomputed)."""
+        if self.policy != "continuous":
+            return ()
+        free = self.max_running - len(self.rows) - len(self._chunking())
+        wanted = self.num_waiting - free
+        victims: list[Seq] = []
+        for seq in reversed(self.rows):
+            if len(victims) >= wanted:
+                break
+            if seq.offline and not seq.status.is_finished:
+                victims.append(seq)
+        if not victims:
+            return ()
+        for seq in victims:
+            seq.status = SeqStatus.WAITING
+            seq.preemptions += 1
+        out = set(map(id, victims))
+        self.rows = [s for s in self.rows if id(s) not in out]
+        self.offline.extendleft(victims)  # newest first in: the oldest ends up in front
+        return tuple(reversed(victims))
+
+    def _admit(self, queue: deque[Seq], budget: int) -> tuple[Seq, ...]:
+        """Joiners from `queue` while rows are free and their padded prompts fit
+        `budget` (at least one, unless chunking makes the budget hard); a resumed
+        sequence costs no prefill tokens here."""
         static = self.policy in ("static", "static-drop")
         if static and self.rows:
             return ()  # nobody joins a static batch once it runs
         joining: list[Seq] = []
         longest = 0
-        while self.waiting and len(self.rows) + len(joining) < self.max_running:
-            size = max(longest, len(self.waiting[0].prompt_ids))
-            if joining and not static and size * (len(joining) + 1) > self.max_prefill_tokens:
+        hard = self.chunked and not static
+        held = len(self.rows) + len(self._chunking())
+        while queue and held + len(joining) < self.max_running:
+            head = queue[0]
+            size = max(longest, 0 if head.tokens else len(head.prompt_ids))
+            over = size * (len(joining) + 1) > budget
+            if over and not static and (joining or (hard and not head.tokens)):
                 break
-            seq = self.waiting.popleft()
+            seq = queue.popleft()
             seq.status = SeqStatus.RUNNING
             joining.append(seq)
             longest = size
@@ -296,6 +429,9 @@ class Scheduler:
         events = [self._final(seq) for seq in plan.retired]
         now = self.clock() if plan.prefill else 0.0
         failed = outputs.failed
+        events += self._fail_rows(plan.resumed, failed)  # their recompute failed alone
+        if plan.chunk is not None:
+            events += self._chunked(plan.chunk, outputs)
         for seqs, logits in ((plan.prefill, outputs.prefill), (plan.decode, outputs.decode)):
             if not seqs:
                 continue
@@ -321,6 +457,33 @@ class Scheduler:
                     token = sample(logits[i], seq.sampling, seq.rng)
                 events.append(self._advance(seq, token))
         return events
+
+    def _chunked(self, chunk: Chunk, outputs: StepOutputs) -> list[Event]:
+        """A part of a long prompt ran: the last one samples its first token, and the
+        sequence takes its place among the rows (decoding from the next plan on)."""
+        seq = chunk.seq
+        events = self._fail_rows((seq,), outputs.failed)
+        if seq.status.is_finished:  # failed, aborted or expired meanwhile
+            if self.chunking is seq:
+                self.chunking = None
+            return events
+        seq.prefilled = chunk.stop
+        if not chunk.final:
+            return events
+        if outputs.chunk is None or outputs.chunk.shape[0] != 1:
+            found = None if outputs.chunk is None else outputs.chunk.shape
+            raise ValueError(f"update: expected logits for the final chunk, found {found}")
+        self.chunking = None
+        self.rows.append(seq)
+        logits = outputs.chunk[0]
+        if seq.deadline is not None and self.clock() >= seq.deadline:
+            self._finish(seq, SeqStatus.FINISHED_DEADLINE)
+            return [*events, self._final(seq)]
+        if seq.sampling.temperature == 0:
+            token = int(logits.argmax())
+        else:
+            token = sample(logits, seq.sampling, seq.rng)
+        return [*events, self._advance(seq, token)]
 
     def _fail_rows(self, seqs: Sequence[Seq], failed: Mapping[int, str]) -> list[Event]:
         """The rows of `seqs` the model failed on alone finish with their own error
@@ -389,6 +552,11 @@ class Scheduler:
     def _finish(self, seq: Seq, status: SeqStatus) -> None:
         seq.status = status
         self._live.pop(seq.id, None)
+
+
+def _padded(seqs: Sequence[Seq]) -> int:
+    """Prefill tokens of joiners in one left-padded run."""
+    return len(seqs) * max((len(s.prompt_ids) for s in seqs if not s.tokens), default=0)
 
 
 def _first_stop(text: str, stop: Sequence[str], before: int) -> int | None:
