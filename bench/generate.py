@@ -1,7 +1,7 @@
 """Benchmark of token streaming: continuous batching against static batching, static
 batching that drops finished sequences, and one sequence at a time.
 
-    python bench/generate.py [--seconds 8] [--repeats 2] [--levels 1,4,16,64]
+    python bench/generate.py [--seconds 8] [--repeats 2] [--levels 1,4,16,64] [--png PATH]
 
 It starts one server process per policy (this script with --serve: the app's own
 /v1/completions route and engine, with the batching policy set on the engine), and
@@ -21,6 +21,9 @@ time, the engine's busy fraction, and the ratio of tokens/s to raw onnxruntime:
 each slice. Ratios travel between machines; absolute times on a shared 2-core box
 do not. Requests still waiting when a slice ends count their wait so far as their
 TTFT (a lower bound; such cells are marked `>`).
+
+`--png PATH` also draws TTFT p50 and p99 against tokens/s, one curve per policy
+(lanes.router.plot).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from lanes.generation.kvcache import MAX_PADDING  # noqa: E402
+from lanes.router.plot import Chart, Curve, CurvePoint, plotting_missing, save_chart  # noqa: E402
 from lanes.runtime import Runtime  # noqa: E402
 from lanes.settings import Settings  # noqa: E402
 from lanes.specfile import load_spec  # noqa: E402
@@ -366,9 +370,13 @@ def main() -> None:
         default=MAX_PADDING,
         help="padded cache positions worth one decoder run less (lanes/generation/kvcache.py)",
     )
+    parser.add_argument("--png", type=Path, help="draw TTFT against tokens/s here (see above)")
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.png and (missing := plotting_missing()):
+        print(missing, file=sys.stderr)
+        args.png = None
     if args.serve:
         serve(args.spec, args.serve, args.port, args.max_padding)
         return
@@ -456,6 +464,22 @@ def main() -> None:
     ]
     table(rows, header)
     checks(runs)
+    if args.png:
+        curves = [
+            Curve(
+                p,
+                [
+                    CurvePoint(r.tokens_per_s, r.pct(r.ttft, 50), r.pct(r.ttft, 99), f"x{c}")
+                    for c in levels
+                    if (r := runs[p, c]).ttft
+                ],
+            )
+            for p in policies
+        ]
+        note = f"closed loop at {args.levels} clients, {args.repeats} x {args.seconds:g} s per cell"
+        title = "bench/generate.py: time to first token against throughput"
+        save_chart(Chart(title, curves, "tokens/s", latency="TTFT", note=note), args.png)
+        print(f"chart: {args.png}")
 
 
 def checks(runs: dict[tuple[str, int], Run]) -> None:

@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from lanes.errors import InvalidInput
+from lanes.errors import InvalidInput, LanesError
 from lanes.router.console import progress_bar
 from lanes.settings import Settings
 from lanes.specfile import load_spec
@@ -206,7 +206,7 @@ def tune(
             (p for p in points if p.p99_ms is not None), key=lambda p: p.p99_ms or 0.0, default=None
         )
         found = f"; the lowest was {lowest.p99_ms:.1f} ms" if lowest and lowest.p99_ms else ""
-        raise InvalidInput(
+        raise LanesError(
             f"no point met the p99 target of {target:g} ms{found}: nothing to recommend "
             "(try smaller --sizes or --waits, fewer clients, or a looser --p99)"
         )
@@ -271,6 +271,11 @@ def _print_points(
             mark,
         )
     Console(width=160).print(table)
+    failed = [p for p in points if p.errors]
+    if failed:
+        typer.echo(
+            f"{len(failed)} point(s) had errors (never chosen); the first: {failed[0].first_error}"
+        )
     if best is None:
         return
     typer.echo(
