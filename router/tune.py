@@ -17,7 +17,8 @@ router.loadgen's closed-loop clients (a child process per configuration).
 At each concurrency, the configurations take turns, `repeats` slices each, in a
 rotation that starts with a different one every round (as bench/serve.py does): the
 drift of a shared machine hits all alike. A point pools its slices: answers over
-timed seconds, and the percentiles of all their latencies.
+timed seconds, and the percentiles of all their latencies. A configuration far past
+the target at one concurrency (`Plan.give_up_ms`) stops there.
 
 `best_point` picks the highest throughput whose p99 meets the target.
 """
@@ -99,12 +100,15 @@ class Point:
 
 @dataclass(frozen=True)
 class Plan:
-    """What to measure: each configuration at each level, `repeats` slices of `seconds`."""
+    """What to measure: each configuration at each level, `repeats` slices of `seconds`.
+    A configuration whose p99 at a level is over `give_up_ms`, or that had errors
+    there, is not run at more clients (they would only queue longer)."""
 
     configs: list[Config]
     levels: list[int]
     seconds: float
     repeats: int
+    give_up_ms: float | None = None
 
     @property
     def slices(self) -> int:
@@ -184,10 +188,13 @@ def measure(
     plan: Plan,
     endpoint: str | None = None,
     on_slice: Callable[[Config, Level], None] = lambda config, level: None,
+    on_skip: Callable[[Config, int], None] = lambda config, slices: None,
 ) -> list[Point]:
-    """Every configuration of `plan` at every level (the module docstring): on an
-    endpoint of its own, or with `endpoint`, on that running server (then `plan` holds
-    one configuration, the one it serves). Points by configuration, then level."""
+    """Every configuration of `plan` at every level (the module docstring), until it
+    gives up (`Plan`): on an endpoint of its own, or with `endpoint`, on that running
+    server (then `plan` holds one configuration, the one it serves). Points by
+    configuration, then level. `on_slice` hears of each slice run, `on_skip` of the
+    slices a configuration that gave up leaves out."""
     workload = interactive(spec, name)
     if endpoint is not None and len(plan.configs) != 1:
         raise InvalidInput("a running endpoint serves one configuration: measure one")
@@ -215,8 +222,9 @@ def measure(
         loads = [
             stack.enter_context(LoadGenerator(url, listed, headers=headers)) for listed in requests
         ]
-        for concurrency in plan.levels:
-            for index, repeat in _turns(len(plan.configs), plan.repeats):
+        running = list(range(len(plan.configs)))
+        for step, concurrency in enumerate(plan.levels):
+            for index, repeat in _turns(running, plan.repeats):
                 time.sleep(PAUSE_S)
                 level = loads[index].run(concurrency, plan.seconds, min(plan.seconds / 4, WARM_S))
                 config = plan.configs[index]
@@ -228,18 +236,23 @@ def measure(
                     )
                 slices.setdefault((index, concurrency), []).append(level)
                 on_slice(config, level)
+            for index in list(running):
+                point = pooled(plan.configs[index], concurrency, slices[index, concurrency])
+                if plan.give_up_ms is not None and not point.meets(plan.give_up_ms):
+                    running.remove(index)
+                    on_skip(plan.configs[index], (len(plan.levels) - step - 1) * plan.repeats)
     return [
         pooled(config, concurrency, slices[index, concurrency])
         for index, config in enumerate(plan.configs)
         for concurrency in plan.levels
+        if (index, concurrency) in slices
     ]
 
 
-def _turns(configs: int, repeats: int) -> Iterator[tuple[int, int]]:
+def _turns(order: list[int], repeats: int) -> Iterator[tuple[int, int]]:
     """(configuration, repeat) in rotation: each round starts with the next one."""
-    order = list(range(configs))
     for repeat in range(repeats):
-        shift = repeat % configs
+        shift = repeat % len(order) if order else 0
         for index in order[shift:] + order[:shift]:
             yield index, repeat
 

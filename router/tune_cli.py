@@ -165,7 +165,8 @@ def tune(
         configs = grid(w, size_list, wait_list)
     levels = _counts(concurrency, "--concurrency")
     levels = levels or default_levels(max(c.max_batch_size for c in configs))
-    plan = Plan(configs, levels, seconds, repeats)
+    # Past twice the target a curve has crossed the line: more clients only queue.
+    plan = Plan(configs, levels, seconds, repeats, give_up_ms=2 * target)
     where = f"the endpoint at {endpoint}" if endpoint else "an endpoint of its own"
     typer.echo(
         f"tuning {workload} on {where}: {len(configs)} configuration(s) x {len(levels)} "
@@ -186,7 +187,14 @@ def tune(
                 f"{level.items_per_second:.0f}/s, p99 {p99_text}",
             )
 
-        points = measure(spec, workload, settings, plan, endpoint, slice_done)
+        total = plan.slices
+
+        def skipped(config: Config, slices: int) -> None:
+            nonlocal total
+            total -= slices
+            progress.update(bar, total=total)
+
+        points = measure(spec, workload, settings, plan, endpoint, slice_done, skipped)
     best = best_point(points, target)
     source = "--p99" if p99 is not None else "slo.p99_ms" if w.slo.p99_ms else "default"
     _print_points(workload, points, target, source, best, declared)

@@ -215,6 +215,18 @@ def test_tune_measures_a_running_endpoint_as_it_serves(tmp_path: Path) -> None:
             server.url,
             lambda c, lv: seen.append(lv.completed),
         )
+        # A target no answer meets: after the first level the configuration gives up.
+        hopeless = Plan([Config(2)], [1, 2, 4], seconds=0.2, repeats=1, give_up_ms=1e-6)
+        skipped: list[tuple[Config, int]] = []
+        first = measure(
+            server.spec,
+            "complete",
+            settings,
+            hopeless,
+            server.url,
+            on_skip=lambda c, n: skipped.append((c, n)),
+        )
+    assert [p.concurrency for p in first] == [1] and skipped == [(Config(2), 2)]
     assert len(seen) == 4 and all(n > 0 for n in seen)  # every slice got answers
     assert [(p.config, p.concurrency) for p in points] == [(Config(2), 1), (Config(2), 2)]
     for p in points:
