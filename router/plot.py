@@ -76,6 +76,7 @@ def save_chart(chart: Chart, path: Path) -> Path:
     # display needed.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
 
     figure = Figure(figsize=(8, 5), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)
@@ -127,10 +128,14 @@ def save_chart(chart: Chart, path: Path) -> Path:
             zorder=5,
         )
     axes.set_yscale("log")
+    # Plain numbers (20, 50, 100), not powers of ten, on a scale of a few decades.
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
+    axes.yaxis.set_major_formatter(plain)
+    axes.yaxis.set_minor_formatter(plain)
+    axes.tick_params(axis="y", which="minor", labelsize=7)
     axes.set_xlabel(f"throughput ({chart.throughput_unit})")
     axes.set_ylabel(f"{chart.latency} (ms): p99 solid, p50 dashed")
     axes.grid(True, which="both", alpha=0.25)
-    axes.set_xlim(left=0)
     axes.legend(fontsize=7, loc="best", ncols=2 if len(chart.curves) > 4 else 1)
     figure.suptitle(chart.title, fontsize=11)
     if chart.note:

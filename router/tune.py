@@ -288,7 +288,7 @@ def chart(
         curves.setdefault(p.config, []).append(point)
     chosen = None
     if best is not None:
-        label = f"best: {best.config.short}, {best.concurrency} clients"
+        label = f"best: {best.config.short}, {clients(best.concurrency)}"
         chosen = Chosen(CurvePoint(best.items_per_second, best.p50_ms, best.p99_ms), label)
     return Chart(
         title=f"lanes tune {name}: latency against throughput",
@@ -297,6 +297,10 @@ def chart(
         chosen=chosen,
         note=note,
     )
+
+
+def clients(n: int) -> str:
+    return f"{n} client{'s' if n != 1 else ''}"
 
 
 def snippet(name: str, config: Config) -> str:

@@ -130,6 +130,7 @@ def tune(
         Plan,
         best_point,
         chart,
+        clients,
         current,
         default_levels,
         default_sizes,
@@ -183,7 +184,7 @@ def tune(
             progress.update(
                 bar,
                 advance=1,
-                description=f"{config.short}, {level.concurrency} clients: "
+                description=f"{config.short}, {clients(level.concurrency)}: "
                 f"{level.items_per_second:.0f}/s, p99 {p99_text}",
             )
 
@@ -220,8 +221,8 @@ def tune(
         )
     if endpoint is not None:
         typer.echo(
-            f"the endpoint sustains {best.items_per_second:.1f} items/s with {best.concurrency} "
-            f"clients within p99 {target:g} ms"
+            f"the endpoint sustains {best.items_per_second:.1f} items/s with "
+            f"{clients(best.concurrency)} within p99 {target:g} ms"
         )
         return
     if write:
@@ -247,6 +248,8 @@ def _print_points(
     best: Point | None,
     declared: Config,
 ) -> None:
+    from lanes.router.tune import clients
+
     table = Table(title=f"{name}: closed-loop load, p99 target {target:g} ms ({source})")
     waits = any(p.config.max_wait_ms is not None for p in points)
     headers = ["max_batch_size", *(["max_wait_ms"] if waits else []), "clients"]
@@ -287,7 +290,7 @@ def _print_points(
     if best is None:
         return
     typer.echo(
-        f"best: {best.config.label} at {best.concurrency} clients: "
+        f"best: {best.config.label} at {clients(best.concurrency)}: "
         f"{best.items_per_second:.1f} items/s, p50 {best.p50_ms or 0:.2f} ms, p99 "
         f"{best.p99_ms or 0:.2f} ms"
     )
