@@ -113,6 +113,7 @@ def save_chart(chart: Chart, path: Path) -> Path:
             ha="right",
             color="crimson",
             fontsize=8,
+            bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1},
         )
     chosen = chart.chosen
     if chosen is not None and chosen.point.p99_ms is not None:
