@@ -2,6 +2,7 @@
 batching that drops finished sequences, and one sequence at a time.
 
     python bench/generate.py [--seconds 8] [--repeats 2] [--levels 1,4,16,64] [--tracing]
+        [--png PATH]
 
 It starts one server process per policy (this script with --serve: the app's own
 /v1/completions route and engine, with the batching policy set on the engine), and
@@ -26,6 +27,8 @@ TTFT (a lower bound; such cells are marked `>`).
 every span (request, queue, prefill, decode) exported over OTLP/HTTP to a sink in
 this process (bench/serve.py's), and prints what tracing costs at each concurrency
 (tokens/s, TTFT and ITL against `continuous`, from the same interleaved slices).
+`--png PATH` also draws TTFT p50 and p99 against tokens/s, one curve per policy
+(lanes.router.plot).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from lanes.generation.kvcache import MAX_PADDING  # noqa: E402
+from lanes.router.plot import Chart, Curve, CurvePoint, plotting_missing, save_chart  # noqa: E402
 from lanes.runtime import Runtime  # noqa: E402
 from lanes.settings import Settings  # noqa: E402
 from lanes.specfile import load_spec  # noqa: E402
@@ -386,9 +390,13 @@ def main() -> None:
     parser.add_argument(
         "--tracing", action="store_true", help="also continuous with tracing on (see above)"
     )
+    parser.add_argument("--png", type=Path, help="draw TTFT against tokens/s here (see above)")
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.png and (missing := plotting_missing()):
+        print(missing, file=sys.stderr)
+        args.png = None
     if args.serve:
         serve(args.spec, args.serve, args.port, args.max_padding)
         return
@@ -484,6 +492,22 @@ def main() -> None:
     table(rows, header)
     checks(runs)
     tracing_costs(runs, levels)
+    if args.png:
+        curves = [
+            Curve(
+                p,
+                [
+                    CurvePoint(r.tokens_per_s, r.pct(r.ttft, 50), r.pct(r.ttft, 99), f"x{c}")
+                    for c in levels
+                    if (r := runs[p, c]).ttft
+                ],
+            )
+            for p in policies
+        ]
+        note = f"closed loop at {args.levels} clients, {args.repeats} x {args.seconds:g} s per cell"
+        title = "bench/generate.py: time to first token against throughput"
+        save_chart(Chart(title, curves, "tokens/s", latency="TTFT", note=note), args.png)
+        print(f"chart: {args.png}")
 
 
 def checks(runs: dict[tuple[str, int], Run]) -> None:

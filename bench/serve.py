@@ -1,6 +1,7 @@
 """Benchmark of the interactive endpoint against raw onnxruntime and an unbatched server.
 
     python bench/serve.py [--seconds 4] [--levels 1,8,32,128] [--models minilm,tiny] [--tracing]
+                          [--png PATH]
 
 Starts `lanes serve` and, as a baseline, `bench/baseline_server.py` (FastAPI, one
 session.run per request) side by side, and prints per model and concurrency:
@@ -22,6 +23,8 @@ prints what tracing costs at each concurrency (p50 and req/s against lanes untra
 
 `--slo` is a mode of its own (see `bench_slo`): minilm with and without `slo.p99_ms`
 (about twice raw onnxruntime's batch-1 run), under open-loop arrivals, interleaved.
+`--png PATH` also draws p50 and p99 latency against req/s, one curve per server
+(lanes.router.plot; PATH-MODEL.png when several models run).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ import uvloop
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from lanes.router.plot import Chart, Curve, CurvePoint, plotting_missing, save_chart  # noqa: E402
 from lanes.runtime import Runtime  # noqa: E402
 from lanes.settings import Settings  # noqa: E402
 from lanes.specfile import load_spec  # noqa: E402
@@ -282,7 +286,8 @@ def table(title: str, rows: list[list[str]], header: list[str]) -> None:
 
 async def bench_model(
     model: str, spec_path: Path, urls: dict[str, str], levels: list[int], seconds: float
-) -> None:
+) -> list[Curve]:
+    """Prints the model's table; returns each server's curve (for --png)."""
     settings = Settings()
     task = load_task(model, load_spec(spec_path, settings), Runtime(settings))
     item = task.prepare(TEXT if model == "minilm" else {"features": FEATURES})
@@ -315,6 +320,7 @@ async def bench_model(
         return take
 
     rows, notes = [], []
+    curves = {name: Curve(name, []) for name in urls}
     for c in levels:
         # Warm each server at this load, and size the slices: several round trips.
         p50 = 0.0
@@ -333,6 +339,7 @@ async def bench_model(
             mean_batch = (after[0] - before[0]) / (after[1] - before[1])
         for name in urls:
             load = turns[name]
+            curves[name].points.append(CurvePoint(load.rate, load.ms(50), load.ms(99), f"x{c}"))
             rows.append(
                 [
                     name,
@@ -373,6 +380,7 @@ async def bench_model(
     header += ["raw items/s@b=conc", "raw ms/run", "x raw best"]
     table(f"{model}: raw onnxruntime's best batch size here: {best}", rows, header)
     print("\n".join(notes))
+    return list(curves.values())
 
 
 # ---- --slo: does slo.p99_ms steer the batcher? --------------------------------------
@@ -551,7 +559,11 @@ def main() -> None:
     parser.add_argument(
         "--slo-loads", default="0.5,1,2", help="arrival rates, x raw batch-1 capacity"
     )
+    parser.add_argument("--png", type=Path, help="draw latency against req/s here (see above)")
     args = parser.parse_args()
+    if args.png and (missing := plotting_missing()):
+        print(missing, file=sys.stderr)
+        args.png = None
     levels = [int(x) for x in args.levels.split(",")]
     models_dir = Path(os.environ.get("LANES_MODELS_DIR", ROOT / ".lanes" / "models")).resolve()
     work = Path(tempfile.mkdtemp(prefix="lanes-bench-"))
@@ -581,7 +593,14 @@ def main() -> None:
         try:
             urls = {name: url for name, (_, url, _) in servers.items()}
             # uvloop: the client's own share of each round trip is not what is measured.
-            uvloop.run(bench_model(model, spec_path, urls, levels, args.seconds))
+            curves = uvloop.run(bench_model(model, spec_path, urls, levels, args.seconds))
+            if args.png:
+                many = "," in args.models
+                png = args.png.with_stem(f"{args.png.stem}-{model}") if many else args.png
+                title = f"bench/serve.py {model}: latency against throughput"
+                note = f"closed loop at {args.levels} clients, {args.seconds:g} s per server"
+                save_chart(Chart(title, curves, "req/s", note=note), png)
+                print(f"chart: {png}")
         finally:
             for proc in procs:
                 proc.terminate()

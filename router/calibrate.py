@@ -117,16 +117,17 @@ def concurrency_levels(max_batch_size: int) -> list[int]:
     return levels if levels[-1] == max_batch_size else [*levels, max_batch_size]
 
 
-def synthetic_items(task: Task, count: int, seed: int = 0) -> list[Item]:
-    """`count` items for `task`'s workload, the same on every call with the same seed."""
+def synthetic_items(task: Task, count: int, seed: int = 0, name: str | None = None) -> list[Item]:
+    """`count` items for `task`'s workload, the same on every call with the same seed;
+    their requests name workload `name` (default: the task's own)."""
     rng = random.Random(seed)
     vocabulary = _VOCABULARY.split()
-    name, workload = task.name, task.workload
+    name, workload = name or task.name, task.workload
     items = []
     for i in range(count):
         if workload.task == "infer":
             assert isinstance(task, InferTask)
-            items.append(_infer_item(task, i, np.random.default_rng([seed, i])))
+            items.append(_infer_item(task, name, i, np.random.default_rng([seed, i])))
             continue
         words = " ".join(rng.choice(vocabulary) for _ in range(rng.randint(3, 30)))
         if workload.task == "embed":
@@ -138,7 +139,7 @@ def synthetic_items(task: Task, count: int, seed: int = 0) -> list[Item]:
     return items
 
 
-def _infer_item(task: InferTask, i: int, rng: np.random.Generator) -> Item:
+def _infer_item(task: InferTask, name: str, i: int, rng: np.random.Generator) -> Item:
     record: dict[str, Any] = {as_offline(task.workload).fields.id: f"c{i}"}
     tensors = []
     for info in task.inputs.values():
@@ -154,7 +155,7 @@ def _infer_item(task: InferTask, i: int, rng: np.random.Generator) -> Item:
         datatype = "BYTES" if dtype.kind == "O" else datatype_of(dtype)
         flat = np.asarray(value, dtype=object if dtype.kind == "O" else dtype).ravel().tolist()
         tensors.append({"name": info.name, "shape": shape, "datatype": datatype, "data": flat})
-    return Item(record, HttpRequest(f"/v2/models/{task.name}/infer", {"inputs": tensors}))
+    return Item(record, HttpRequest(f"/v2/models/{name}/infer", {"inputs": tensors}))
 
 
 # ---- offline -----------------------------------------------------------------------

@@ -19,7 +19,7 @@ from rich.table import Table
 
 from lanes.errors import InvalidInput
 from lanes.measurements import Measurements
-from lanes.router import client_cli, cost_cli, offline_cli
+from lanes.router import client_cli, cost_cli, offline_cli, tune_cli
 from lanes.router.console import SpecFile, command, guarded
 from lanes.router.plan import plan as make_plan
 from lanes.router.render import to_jsonable
@@ -198,6 +198,7 @@ for module, names in (
     (offline_cli, ("compile", "deploy", "run")),
     (client_cli, ("call", "stream", "submit", "job")),
     (cost_cli, ("calibrate",)),
+    (tune_cli, ("tune",)),
 ):
     for name in names:
         app.command(name)(command(getattr(module, name)))

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from lanes.errors import InvalidInput, LanesError, SpecError, UnknownWorkload, WrongMode
 
@@ -50,6 +52,7 @@ EXTRA_OF = {
     "onnxruntime": "runtime",
     "tokenizers": "runtime",
     "torch": "build",
+    "matplotlib": "plot",
 }
 
 
@@ -119,3 +122,17 @@ def lanes_errors_untraced() -> Iterator[None]:
     finally:
         for logger in loggers:
             logger.removeFilter(untraced)
+
+
+@contextmanager
+def progress_bar() -> Iterator[Progress]:
+    """A rich progress display on stderr (stdout keeps the tables), for long commands."""
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+    )
+    with progress:
+        yield progress

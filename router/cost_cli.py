@@ -5,19 +5,17 @@ Plain typer-compatible functions; router.cli registers them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from lanes.errors import InvalidInput
 from lanes.measurements import Measurements, Throughput
+from lanes.router.console import progress_bar
 from lanes.router.plan import LaneCost, Route
 from lanes.settings import Settings
 from lanes.specfile import load_spec
@@ -71,7 +69,7 @@ def calibrate(
         _print_records([record], settings, store)
         return
     count = items or DEFAULT_ITEMS[w.task]
-    with _progress() as progress:
+    with progress_bar() as progress:
         bar = progress.add_task("offline lane: records", total=count)
         offline, samples = measure_offline(
             spec, workload, settings, count, lambda n: progress.advance(bar, n)
@@ -95,19 +93,6 @@ def calibrate(
     store.save(interactive)
     _print_levels(ran, interactive)
     _print_records([offline, interactive], settings, store)
-
-
-@contextmanager
-def _progress() -> Iterator[Progress]:
-    progress = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-    )
-    with progress:
-        yield progress
 
 
 def _print_levels(levels: list[Level], chosen: Throughput) -> None:

@@ -1,4 +1,4 @@
-"""A closed-loop HTTP load generator in a child process, for `lanes calibrate`.
+"""A closed-loop HTTP load generator in a child process, for `lanes calibrate` and `lanes tune`.
 
     with LoadGenerator(url, requests) as load:
         level = load.run(concurrency=8, seconds=3.0)   # Level(items_per_second, p99_ms, ...)
@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -60,19 +60,30 @@ class Level:
     items_per_second: float
     p50_ms: float | None
     p99_ms: float | None
+    # The round trips of the `completed` answers, for pooling several levels' latencies.
+    latencies_ms: list[float] = field(default_factory=list)
 
 
 class LoadGenerator:
-    """The child process, started on entry and stopped on exit."""
+    """The child process, started on entry and stopped on exit. `headers` go with every
+    request (an Authorization header for an endpoint that wants a key)."""
 
-    def __init__(self, url: str, requests: list[HttpRequest], timeout_s: float = 600) -> None:
+    def __init__(
+        self,
+        url: str,
+        requests: list[HttpRequest],
+        timeout_s: float = 600,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         if not requests:
             raise ValueError("requests: expected at least one request to send")
         self.url = url
         self.timeout_s = timeout_s
+        # A folder only this user can read: the headers may hold a key.
         self._folder = tempfile.TemporaryDirectory(prefix="lanes-loadgen-")
         self._requests = Path(self._folder.name) / "requests.json"
-        self._requests.write_bytes(orjson.dumps([asdict(r) for r in requests]))
+        listed = {"headers": headers or {}, "requests": [asdict(r) for r in requests]}
+        self._requests.write_bytes(orjson.dumps(listed))
         self._process: subprocess.Popen[str] | None = None
 
     def __enter__(self) -> LoadGenerator:
@@ -156,10 +167,11 @@ class _Connection:
         self.writer.close()
 
 
-def _encoded(request: HttpRequest, host: str) -> bytes:
+def _encoded(request: HttpRequest, host: str, headers: dict[str, str]) -> bytes:
     body = orjson.dumps(request.body)
+    extra = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
     head = (
-        f"POST {request.path} HTTP/1.1\r\nHost: {host}\r\n"
+        f"POST {request.path} HTTP/1.1\r\nHost: {host}\r\n{extra}"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
     )
     return head.encode() + body
@@ -215,6 +227,7 @@ async def _level(
         items_per_second=len(timed) / (closes - opens),
         p50_ms=float(np.percentile(latencies, 50)) if len(timed) else None,
         p99_ms=float(np.percentile(latencies, 99)) if len(timed) else None,
+        latencies_ms=latencies.tolist(),
     )
 
 
@@ -251,7 +264,10 @@ async def _serve_levels(url: str, requests_file: Path) -> None:
         raise SystemExit(f"url: expected http://HOST:PORT, found {url!r}")
     host, port = found.group(1), int(found.group(2))
     listed = orjson.loads(requests_file.read_bytes())
-    requests = [_encoded(HttpRequest(r["path"], r["body"]), host) for r in listed]
+    headers = listed["headers"]
+    requests = [
+        _encoded(HttpRequest(r["path"], r["body"]), host, headers) for r in listed["requests"]
+    ]
     loop = asyncio.get_running_loop()
     while order := await loop.run_in_executor(None, sys.stdin.readline):
         level = json.loads(order)
