@@ -2,7 +2,7 @@
 batching that drops finished sequences, and one sequence at a time.
 
     python bench/generate.py [--seconds 8] [--repeats 2] [--levels 1,4,16,64] [--tracing]
-        [--png PATH]
+        [--png PATH] [--burst [--bursts 2] [--burst-size 4]]
 
 It starts one server process per policy (this script with --serve: the app's own
 /v1/completions route and engine, with the batching policy set on the engine), and
@@ -29,6 +29,16 @@ this process (bench/serve.py's), and prints what tracing costs at each concurren
 (tokens/s, TTFT and ITL against `continuous`, from the same interleaved slices).
 `--png PATH` also draws TTFT p50 and p99 against tokens/s, one curve per policy
 (lanes.router.plot).
+
+`--burst` asks what the generate SLOs buy: two continuous servers, `steered` with
+`slo: {ttft_ms, itl_ms}` on the workload (`--slo-ttft-factor` and `--slo-itl-factor`
+times a raw Decoder.step of 16 rows, measured first and printed) and `continuous`
+without, in the same interleaved slices. The load is the closed-loop clients plus
+`--bursts` bursts per slice, spread over its measured time, of `--burst-size` long
+prompts at once (the model's context, read from its config, less LONG_NEW_TOKENS to
+generate). Printed per concurrency, for each server: the closed-loop clients' TTFT
+p50/p99, the long prompts' TTFT p50/p99, ITL p50/p99 over every stream, tokens/s and
+rows per step, and steered/unsteered ratios.
 """
 
 from __future__ import annotations
@@ -62,11 +72,14 @@ from lanes.settings import Settings  # noqa: E402
 from lanes.specfile import load_spec  # noqa: E402
 from lanes.tasks import GenerateTask, load_task  # noqa: E402
 from lanes.tasks.decoder import Past  # noqa: E402
+from lanes.tasks.sampling import SamplingParams  # noqa: E402
 
 WORKLOAD = "gen"
 MAX_TOKENS = 448  # the longest prompt below is under 64 tokens
 POLICIES = ("continuous", "static", "static-drop", "serial")
 TRACED = "traced"  # continuous, tracing on
+STEERED = "steered"  # continuous, slo.ttft_ms and slo.itl_ms on the workload (--burst)
+LONG_NEW_TOKENS = 16  # what a burst's long prompt generates, within the context
 SPEC = """\
 version: 1
 models:
@@ -81,7 +94,7 @@ workloads:
     model: tinycode
     batching: {{max_batch_size: {batch}, max_queue: 4096}}
     generation: {{max_new_tokens: 512, temperature: 0}}
-"""
+{slo}"""
 PROMPTS = [
     "def ",
     "import os\n",
@@ -108,7 +121,7 @@ def serve(spec_path: str, policy: str, port: int, max_padding: float) -> None:
     from lanes.tracing import Tracing
 
     traced = policy == TRACED
-    policy = "continuous" if traced else policy
+    policy = "continuous" if traced or policy == STEERED else policy
     settings = Settings(port=port, tracing=traced)
     tracing = Tracing.from_settings(settings)
     state = ServingState(load_spec(Path(spec_path), settings), settings, tracing=tracing)
@@ -155,6 +168,8 @@ class Run:
     prefills: float = 0.0
     raw: list[float] = field(default_factory=list)  # raw tokens/s after each slice
     requests: int = 0  # completed
+    long_ttft: list[float] = field(default_factory=list)  # the bursts' long prompts
+    long_censored: int = 0
 
     def add(self, other: Run) -> None:
         self.seconds += other.seconds
@@ -165,10 +180,12 @@ class Run:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.raw += other.raw
         self.requests += other.requests
+        self.long_ttft += other.long_ttft
+        self.long_censored += other.long_censored
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds
+        return self.tokens / self.seconds if self.seconds else math.nan
 
     @property
     def raw_tokens_per_s(self) -> float:
@@ -221,7 +238,46 @@ def draw_lengths(seed: int, n: int) -> list[int]:
     return [round(math.exp(x)) for x in rng.uniform(math.log(8), math.log(512), n)]
 
 
-async def closed_loop(url: str, policy: str, clients: int, seconds: float, warm: float) -> Run:
+@dataclass(frozen=True)
+class Burst:
+    """Long prompts sent at once, `count` times in a slice's measured time."""
+
+    prompt: list[int]  # token ids
+    size: int
+    count: int
+
+
+def long_prompt(task: GenerateTask) -> list[int]:
+    """Code's token ids, as long as the model's context leaves LONG_NEW_TOKENS for."""
+    limit = task.decoder.config.max_position
+    if limit is None:
+        raise SystemExit("--burst needs the model's context length (config.json)")
+    want = limit - LONG_NEW_TOKENS
+    text = "".join(PROMPTS)
+    ids: list[int] = task.decoder.tokenizer.encode(text * (want // 8 + 1)).ids
+    return ids[:want]
+
+
+def request_body(prompt: str | list[int], max_tokens: int) -> bytes:
+    body = orjson.dumps(
+        {
+            "model": WORKLOAD,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "stream": True,
+            "ignore_eos": True,
+        }
+    )
+    return (
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+
+
+async def closed_loop(
+    url: str, policy: str, clients: int, seconds: float, warm: float, burst: Burst | None = None
+) -> Run:
     run = Run(policy, clients)
     start = time.perf_counter()
     measure_from = start + warm
@@ -235,25 +291,14 @@ async def closed_loop(url: str, policy: str, clients: int, seconds: float, warm:
         i = 0
         try:
             while True:
-                body = orjson.dumps(
-                    {
-                        "model": WORKLOAD,
-                        "prompt": PROMPTS[(k + i) % len(PROMPTS)],
-                        # Within tinycode's 512-token context, the prompt included.
-                        "max_tokens": min(next(lengths), MAX_TOKENS),
-                        "stream": True,
-                        "ignore_eos": True,
-                    }
-                )
+                # Within tinycode's 512-token context, the prompt included.
+                length = min(next(lengths), MAX_TOKENS)
+                request = request_body(PROMPTS[(k + i) % len(PROMPTS)], length)
                 i += 1
                 sent = time.perf_counter()
                 waiting[k] = sent
                 last: float | None = None
-                writer.write(
-                    b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                    b"Content-Type: application/json\r\n"
-                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
-                )
+                writer.write(request)
                 async for _event in sse_events(reader):
                     now = time.perf_counter()
                     if last is None:
@@ -268,7 +313,40 @@ async def closed_loop(url: str, policy: str, clients: int, seconds: float, warm:
         finally:
             writer.close()
 
+    long_waiting: dict[int, float] = {}  # long request -> when it was sent
+
+    async def long(n: int, request: bytes) -> None:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            sent = long_waiting[n] = time.perf_counter()
+            last: float | None = None
+            writer.write(request)
+            async for _event in sse_events(reader):
+                now = time.perf_counter()
+                if last is None:
+                    del long_waiting[n]
+                    run.long_ttft.append(now - sent)
+                else:
+                    run.itl.append(now - last)
+                last = now
+        finally:
+            writer.close()
+
+    async def bursts(burst: Burst) -> None:
+        request = request_body(burst.prompt, LONG_NEW_TOKENS)
+        sent: list[asyncio.Task[None]] = []
+        for b in range(burst.count):  # evenly over the measured time
+            await asyncio.sleep(
+                max(0.0, measure_from + (b + 0.5) * seconds / burst.count - time.perf_counter())
+            )
+            sent += [
+                asyncio.create_task(long(b * burst.size + j, request)) for j in range(burst.size)
+            ]
+        await asyncio.gather(*sent)
+
     tasks = [asyncio.create_task(client(k)) for k in range(clients)]
+    if burst is not None:
+        tasks.append(asyncio.create_task(bursts(burst)))
     await asyncio.sleep(max(0.0, measure_from - time.perf_counter()))
     before = server_counters(url)
     await asyncio.sleep(max(0.0, end - time.perf_counter()))
@@ -277,6 +355,9 @@ async def closed_loop(url: str, policy: str, clients: int, seconds: float, warm:
     for sent in waiting.values():  # still no first token: starved, count the wait so far
         run.ttft.append(stopped - sent)
         run.censored += 1
+    for sent in long_waiting.values():
+        run.long_ttft.append(stopped - sent)
+        run.long_censored += 1
     for task in tasks:
         task.cancel()
     for task in tasks:
@@ -391,6 +472,17 @@ def main() -> None:
         "--tracing", action="store_true", help="also continuous with tracing on (see above)"
     )
     parser.add_argument("--png", type=Path, help="draw TTFT against tokens/s here (see above)")
+    parser.add_argument(
+        "--burst", action="store_true", help="continuous with and without SLOs (see above)"
+    )
+    parser.add_argument("--bursts", type=int, default=2, help="bursts per slice (--burst)")
+    parser.add_argument("--burst-size", type=int, default=4, help="long prompts per burst")
+    parser.add_argument(
+        "--slo-ttft-factor", type=float, default=2.0, help="ttft_ms over a raw 16-row step"
+    )
+    parser.add_argument(
+        "--slo-itl-factor", type=float, default=4.0, help="itl_ms over a raw 16-row step"
+    )
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -402,12 +494,22 @@ def main() -> None:
         return
     levels = [int(x) for x in args.levels.split(",")]
     models = Path(os.environ.get("LANES_MODELS_DIR", ROOT / ".lanes" / "models")).resolve()
-    spec_path = Path(tempfile.mkdtemp(prefix="lanes-bench-")) / "workloads.yaml"
-    spec_path.write_text(SPEC.format(m=models, batch=args.max_batch, threads=args.threads))
+    folder = Path(tempfile.mkdtemp(prefix="lanes-bench-"))
+    spec_path = folder / "workloads.yaml"
+    spec_path.write_text(SPEC.format(m=models, batch=args.max_batch, threads=args.threads, slo=""))
     settings = Settings()
     task = load_task(WORKLOAD, load_spec(spec_path, settings), Runtime(settings))
     assert isinstance(task, GenerateTask)
     policies = args.policies.split(",")
+    specs = dict.fromkeys(policies, spec_path)
+    burst = None
+    if args.burst:
+        burst, steered = burst_setup(task, args)
+        policies = ["continuous", STEERED]
+        specs = {"continuous": spec_path, STEERED: folder / "steered.yaml"}
+        specs[STEERED].write_text(
+            SPEC.format(m=models, batch=args.max_batch, threads=args.threads, slo=steered)
+        )
     otlp = None
     if args.tracing:
         from serve import otlp_sink  # bench/serve.py, beside this script
@@ -416,7 +518,7 @@ def main() -> None:
         otlp = otlp_sink()
     urls = {p: f"http://127.0.0.1:{args.port + i}" for i, p in enumerate(policies)}
     servers = [
-        start_server(spec_path, p, args.port + i, args.max_padding, otlp if p == TRACED else None)
+        start_server(specs[p], p, args.port + i, args.max_padding, otlp if p == TRACED else None)
         for i, p in enumerate(policies)
     ]
     runs = {(p, c): Run(p, c) for c in levels for p in policies}
@@ -426,7 +528,7 @@ def main() -> None:
                 # Rotate the order: slow drifts of a shared machine hit every policy alike.
                 for policy in policies[rep % len(policies) :] + policies[: rep % len(policies)]:
                     part = asyncio.run(
-                        closed_loop(urls[policy], policy, c, args.seconds, args.warm)
+                        closed_loop(urls[policy], policy, c, args.seconds, args.warm, burst)
                     )
                     # Right after the slice, on the same machine: the raw limit.
                     part.raw.append(
@@ -490,6 +592,9 @@ def main() -> None:
         "vs raw",
     ]
     table(rows, header)
+    if burst is not None:
+        burst_tables(runs, levels)
+        return
     checks(runs)
     tracing_costs(runs, levels)
     if args.png:
@@ -510,12 +615,68 @@ def main() -> None:
         print(f"chart: {args.png}")
 
 
+def burst_setup(task: GenerateTask, args: argparse.Namespace) -> tuple[Burst, str]:
+    """The bursts' long prompt and the steered server's `slo:` line, from a raw
+    16-row step and one long prefill measured here (printed)."""
+    prompt = long_prompt(task)
+    step_ms = 1000 * 16 / raw_tokens_per_s(task, 16, args.raw_past, 1.0)
+    greedy = SamplingParams(temperature=0.0)
+    task.decoder.complete(prompt, 1, greedy)
+    start = time.perf_counter()
+    for _ in range(3):
+        task.decoder.complete(prompt, 1, greedy)
+    prefill_ms = 1000 * (time.perf_counter() - start) / 3
+    ttft_ms, itl_ms = args.slo_ttft_factor * step_ms, args.slo_itl_factor * step_ms
+    print(
+        f"raw Decoder.step, 16 rows, past {args.raw_past}: {step_ms:.2f} ms; prefill of one "
+        f"{len(prompt)}-token prompt: {prefill_ms:.1f} ms; steered: slo ttft_ms {ttft_ms:.1f} "
+        f"({args.slo_ttft_factor:g}x the step), itl_ms {itl_ms:.1f} ({args.slo_itl_factor:g}x); "
+        f"{args.bursts} burst(s) of {args.burst_size} long prompts per slice"
+    )
+    slo = f"    slo: {{ttft_ms: {ttft_ms:.3f}, itl_ms: {itl_ms:.3f}}}\n"
+    return Burst(prompt, args.burst_size, args.bursts), slo
+
+
+def burst_tables(runs: dict[tuple[str, int], Run], levels: list[int]) -> None:
+    """Per concurrency: each server's latencies under the bursts, and steered/unsteered."""
+    header = ["server", "TTFT p50", "TTFT p99", "long TTFT p50", "long TTFT p99"]
+    header += ["ITL p50", "ITL p99", "tok/s", "rows/step"]
+
+    def cells(r: Run) -> list[float]:
+        return [
+            r.pct(r.ttft, 50),
+            r.pct(r.ttft, 99),
+            r.pct(r.long_ttft, 50),
+            r.pct(r.long_ttft, 99),
+            r.pct(r.itl, 50),
+            r.pct(r.itl, 99),
+            r.tokens_per_s,
+            r.rows_per_step,
+        ]
+
+    for c in levels:
+        off, on = runs["continuous", c], runs[STEERED, c]
+        print(f"\n{c} clients and bursts of long prompts (ms; `>`: some still waited at the end)")
+        rows = []
+        for name, r in (("unsteered", off), ("steered", on)):
+            marks = [">" if r.censored else ""] * 2 + [">" if r.long_censored else ""] * 2
+            marks += [""] * 4
+            rows.append([name] + [f"{m}{v:.1f}" for m, v in zip(marks, cells(r), strict=True)])
+        ratios = [a / b if b else math.nan for a, b in zip(cells(on), cells(off), strict=True)]
+        rows.append(["steered/unsteered"] + [f"{x:.2f}x" for x in ratios])
+        table(rows, header)
+
+
 def checks(runs: dict[tuple[str, int], Run]) -> None:
     def get(policy: str, c: int) -> Run | None:
         return runs.get((policy, c))
 
     print()
     cont, static, drop = get("continuous", 16), get("static", 16), get("static-drop", 16)
+    for r in (cont, static, drop):
+        if r is not None and not r.tokens:
+            print(f"{r.policy} at 16 clients: no completions")
+    cont, static, drop = (r if r and r.tokens else None for r in (cont, static, drop))
     if cont and static:
         ratio = cont.tokens_per_s / static.tokens_per_s
         verdict = "meets" if ratio >= 2 else "MISSES"
