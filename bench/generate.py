@@ -32,7 +32,8 @@ this process (bench/serve.py's), and prints what tracing costs at each concurren
 
 `--burst` asks what the generate SLOs buy: two continuous servers, `steered` with
 `slo: {ttft_ms, itl_ms}` on the workload (`--slo-ttft-factor` and `--slo-itl-factor`
-times a raw Decoder.step of 16 rows, measured first and printed) and `continuous`
+times a raw Decoder.step of 16 rows on a past as long as the long prompts, measured
+first and printed) and `continuous`
 without, in the same interleaved slices. The load is the closed-loop clients plus
 `--bursts` bursts per slice, spread over its measured time, of `--burst-size` long
 prompts at once (the model's context, read from its config, less LONG_NEW_TOKENS to
@@ -481,7 +482,7 @@ def main() -> None:
         "--slo-ttft-factor", type=float, default=2.0, help="ttft_ms over a raw 16-row step"
     )
     parser.add_argument(
-        "--slo-itl-factor", type=float, default=4.0, help="itl_ms over a raw 16-row step"
+        "--slo-itl-factor", type=float, default=3.0, help="itl_ms over a raw 16-row step"
     )
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
@@ -617,9 +618,11 @@ def main() -> None:
 
 def burst_setup(task: GenerateTask, args: argparse.Namespace) -> tuple[Burst, str]:
     """The bursts' long prompt and the steered server's `slo:` line, from a raw
-    16-row step and one long prefill measured here (printed)."""
+    16-row step and one long prefill measured here (printed). The step runs on a past
+    as long as the long prompt: after a burst the cache is that long, and an `itl_ms`
+    set from a short past would bound the rows of 16 clients, not only those of 64."""
     prompt = long_prompt(task)
-    step_ms = 1000 * 16 / raw_tokens_per_s(task, 16, args.raw_past, 1.0)
+    step_ms = 1000 * 16 / raw_tokens_per_s(task, 16, len(prompt), 1.0)
     greedy = SamplingParams(temperature=0.0)
     task.decoder.complete(prompt, 1, greedy)
     start = time.perf_counter()
@@ -628,7 +631,7 @@ def burst_setup(task: GenerateTask, args: argparse.Namespace) -> tuple[Burst, st
     prefill_ms = 1000 * (time.perf_counter() - start) / 3
     ttft_ms, itl_ms = args.slo_ttft_factor * step_ms, args.slo_itl_factor * step_ms
     print(
-        f"raw Decoder.step, 16 rows, past {args.raw_past}: {step_ms:.2f} ms; prefill of one "
+        f"raw Decoder.step, 16 rows, past {len(prompt)}: {step_ms:.2f} ms; prefill of one "
         f"{len(prompt)}-token prompt: {prefill_ms:.1f} ms; steered: slo ttft_ms {ttft_ms:.1f} "
         f"({args.slo_ttft_factor:g}x the step), itl_ms {itl_ms:.1f} ({args.slo_itl_factor:g}x); "
         f"{args.bursts} burst(s) of {args.burst_size} long prompts per slice"
