@@ -134,11 +134,17 @@ class Turns:
         return self.offline_items / self.seconds if self.seconds else 0.0
 
 
-async def paced(url: str, rate: float, seconds: float, clients: int = 4) -> list[float]:
-    """A closed loop paced to `rate` requests/s in all: each client sends, waits for
-    its answer, then for its next tick (at once when it is late)."""
-    body = orjson.dumps({"model": "search", "input": TEXT})
-    request = http_request("POST", "/v1/embeddings", body)
+def embed_request() -> bytes:
+    return http_request("POST", "/v1/embeddings", orjson.dumps({"model": "search", "input": TEXT}))
+
+
+async def paced(
+    url: str, rate: float, seconds: float, clients: int = 4, request: bytes | None = None
+) -> list[float]:
+    """A closed loop paced to `rate` requests/s in all: each client sends `request`
+    (an embedding by default), waits for its answer, then for its next tick (at once
+    when it is late)."""
+    request = request or embed_request()
     connections = [await Connection.open(url) for _ in range(clients)]
     latencies: list[float] = []
     period = clients / rate
@@ -162,10 +168,12 @@ async def paced(url: str, rate: float, seconds: float, clients: int = 4) -> list
     return latencies
 
 
-async def saturated(url: str, seconds: float, clients: int = 16) -> float:
-    """Interactive items/s with `clients` back-to-back callers."""
-    body = orjson.dumps({"model": "search", "input": TEXT})
-    request = http_request("POST", "/v1/embeddings", body)
+async def saturated(
+    url: str, seconds: float, clients: int = 16, request: bytes | None = None
+) -> float:
+    """Interactive requests/s with `clients` back-to-back callers of `request` (an
+    embedding by default)."""
+    request = request or embed_request()
     connections = [await Connection.open(url) for _ in range(clients)]
     done = 0
     until = time.perf_counter() + seconds

@@ -39,8 +39,8 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 sys.path.insert(0, str(ROOT))
 
-from backfill import KEY, OfflineJob, Turns, merge  # noqa: E402
-from serve import Connection, http_request, start, table  # noqa: E402
+from backfill import KEY, OfflineJob, Turns, merge, paced, saturated  # noqa: E402
+from serve import http_request, start, table  # noqa: E402
 
 from lanes.flows.endpoint import EndpointModel  # noqa: E402
 from lanes.runtime import Runtime  # noqa: E402
@@ -112,51 +112,6 @@ def request() -> bytes:
     return http_request("POST", "/v1/completions", body)
 
 
-async def paced(url: str, rate: float, seconds: float, clients: int) -> list[float]:
-    """`clients` callers paced to `rate` requests/s in all, each waiting for its answer."""
-    connections = [await Connection.open(url) for _ in range(clients)]
-    latencies: list[float] = []
-    period = clients / rate
-    until = time.perf_counter() + seconds
-    sent = request()
-
-    async def client(i: int, connection: Connection) -> None:
-        tick = time.perf_counter() + period * i / clients
-        while tick < until:
-            await asyncio.sleep(max(tick - time.perf_counter(), 0))
-            began = time.perf_counter()
-            if await connection.send(sent) != 200:
-                raise RuntimeError("an interactive request failed")
-            latencies.append(time.perf_counter() - began)
-            tick += period
-
-    try:
-        await asyncio.gather(*(client(i, c) for i, c in enumerate(connections)))
-    finally:
-        for connection in connections:
-            connection.close()
-    return latencies
-
-
-async def saturated(url: str, seconds: float, clients: int) -> float:
-    connections = [await Connection.open(url) for _ in range(clients)]
-    done = 0
-    until = time.perf_counter() + seconds
-    sent = request()
-
-    async def client(connection: Connection) -> None:
-        nonlocal done
-        while time.perf_counter() < until:
-            await connection.send(sent)
-            done += 1
-
-    began = time.perf_counter()
-    await asyncio.gather(*(client(c) for c in connections))
-    for connection in connections:
-        connection.close()
-    return done / (time.perf_counter() - began)
-
-
 async def measured(
     url: str, job: CountingJob | None, rate: float | None, seconds: float, clients: int
 ) -> tuple[Turns, float, float]:
@@ -165,7 +120,7 @@ async def measured(
         job.start()
         await asyncio.sleep(0.2)
     preempted, began = preemptions(url), time.perf_counter()
-    latencies = await paced(url, rate, seconds, clients) if rate else []
+    latencies = await paced(url, rate, seconds, clients, request()) if rate else []
     if not rate:
         await asyncio.sleep(seconds)
     took = time.perf_counter() - began
@@ -199,9 +154,9 @@ async def run(args: argparse.Namespace) -> None:
         prompts = [PROMPT + "x" * (i % 7) for i in range(OFFLINE_PROMPTS)]
         job = CountingJob(EndpointModel(task, url, "code", KEY), [task.prepare(p) for p in prompts])
         await measured(url, job, None, 1.0, clients)  # warm both lanes
-        await saturated(url, 1.0, clients)
+        await saturated(url, 1.0, clients, request())
         capacity = statistics.median(
-            [await saturated(url, args.seconds, clients) for _ in range(args.rotations)]
+            [await saturated(url, args.seconds, clients, request()) for _ in range(args.rotations)]
         )
         alone = [(await measured(url, job, None, args.seconds, clients))[1] for _ in range(2)]
         alone_rate = statistics.median(alone)

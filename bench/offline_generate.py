@@ -38,11 +38,10 @@ import orjson
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lanes.flows.job import Job, model_key, plan_shards  # noqa: E402
+from lanes.flows.job import folder_job, plan_shards  # noqa: E402
 from lanes.flows.shard import Model, run_shard  # noqa: E402
 from lanes.runtime import Runtime  # noqa: E402
 from lanes.settings import Settings  # noqa: E402
-from lanes.spec import as_offline  # noqa: E402
 from lanes.specfile import load_spec  # noqa: E402
 from lanes.storage import Storage  # noqa: E402
 from lanes.tasks import GenerateTask, load_task  # noqa: E402
@@ -131,18 +130,7 @@ def lane(
             body = {"model": WORKLOAD, "prompt": text, "max_tokens": tokens, "ignore_eos": True}
             line = {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body}
             out.write(orjson.dumps(line) + b"\n")
-    workload = as_offline(spec.workload(WORKLOAD))
-    job = Job(
-        workload=WORKLOAD,
-        spec=spec,
-        input=f"{folder}/in/",
-        output=f"{folder}/out/",
-        batch_size=workload.batch_size,
-        retries=0,
-        runner=workload.runner,
-        model_key=model_key(spec, workload),
-        max_record_bytes=settings.max_body_bytes,
-    )
+    job = folder_job(spec, WORKLOAD, folder, settings)
     storage = Storage(settings)
     (plan,) = plan_shards(job, storage)
     start = time.perf_counter()

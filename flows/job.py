@@ -124,6 +124,25 @@ def _resolve(location: str | None, base: Path, what: str) -> str:
     return resolved + "/" if location.endswith("/") else resolved
 
 
+def folder_job(spec: Spec, name: str, folder: Path | str, settings: Settings) -> Job:
+    """Offline workload `name`'s job over `folder`/in/ into `folder`/out/, without
+    retries: what a calibration or a benchmark runs in a scratch folder."""
+    workload = spec.workload(name)
+    if not isinstance(workload, OfflineWorkload):
+        raise WrongMode(f"workload {name!r} is not offline: give its offline copy")
+    return Job(
+        workload=name,
+        spec=spec,
+        input=f"{folder}/in/",
+        output=f"{folder}/out/",
+        batch_size=workload.batch_size,
+        retries=0,
+        runner=workload.runner,
+        model_key=model_key(spec, workload),
+        max_record_bytes=settings.max_body_bytes,
+    )
+
+
 def model_key(spec: Spec, workload: Workload) -> str:
     """A digest of what decides a record's output besides the record itself (the same
     for a workload in either lane, so that the lanes' measurements can be compared)."""

@@ -41,7 +41,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from lanes.errors import LanesError, ModelError
-from lanes.flows.job import Job, model_key
+from lanes.flows.job import folder_job, model_key
 from lanes.flows.sample import run_records
 from lanes.flows.shard import Model, ShardStats
 from lanes.layout import ERRORS
@@ -207,18 +207,7 @@ def _run(
     items: list[Item],
     progress: Callable[[int], None] = lambda n: None,
 ) -> ShardStats:
-    workload = as_offline(spec.workload(name))
-    job = Job(
-        workload=name,
-        spec=spec,
-        input=f"{folder}/in/",
-        output=f"{folder}/out/",
-        batch_size=workload.batch_size,
-        retries=0,
-        runner=workload.runner,
-        model_key=model_key(spec, workload),
-        max_record_bytes=settings.max_body_bytes,
-    )
+    job = folder_job(spec, name, folder, settings)
     stats = run_records(job, (item.record for item in items), folder, model, storage, progress)
     if stats.errors:
         first = (folder / "out" / ERRORS / "items.jsonl").read_text().splitlines()[0]

@@ -14,15 +14,14 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import onnxruntime as ort
 
-from lanes.binding import Placement, run
+from lanes.binding import run
 from lanes.errors import InvalidInput, ModelError
 from lanes.runtime import Runtime, check_io, describe
 from lanes.spec import ModelSpec, TaskName, Workload
 from lanes.tasks.base import check_count, encode, load_tokenizer
 from lanes.tasks.handler import NO_HANDLER, Handler
-from lanes.tasks.session_slot import SessionSlot, unloads_when_idle
+from lanes.tasks.session_slot import SessionSlot, SlotSession, unloads_when_idle
 from lanes.tasks.wordpiece import WordPiece
 
 Vector = npt.NDArray[np.float32]
@@ -36,7 +35,7 @@ class EmbedItem:
     n_tokens: int  # for OpenAI `usage.prompt_tokens`
 
 
-class EmbedTask:
+class EmbedTask(SlotSession):
     """An encoder workload. See the module docstring for the model it expects."""
 
     kind: TaskName = "embed"
@@ -77,25 +76,6 @@ class EmbedTask:
         )
         self._pad_id = _pad_id(self.tokenizer)
         self.dimensions = _dimensions(outputs[self._output].shape) or self._measured_dimensions()
-
-    @property
-    def session(self) -> ort.InferenceSession:
-        return self.slot.session
-
-    @property
-    def placement(self) -> Placement | None:
-        return self.slot.placement  # None: runs are not IO-bound
-
-    @property
-    def loaded(self) -> bool:
-        return self.slot.loaded
-
-    def load(self) -> None:
-        """Load the session again after `unload` (see lanes/tasks/session_slot.py)."""
-        self.slot.load()
-
-    def unload(self) -> None:
-        self.slot.unload()
 
     def prepare(self, item: Any) -> EmbedItem:
         """A non-empty str (after the handler's `pre`) -> its token ids; a list of token

@@ -15,15 +15,14 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
-import onnxruntime as ort
 
-from lanes.binding import Placement, run
+from lanes.binding import run
 from lanes.errors import InvalidInput, ModelError
 from lanes.runtime import Runtime, TensorInfo, describe
 from lanes.spec import ModelSpec, TaskName, Workload
 from lanes.tasks.base import check_count
 from lanes.tasks.handler import NO_HANDLER, Handler
-from lanes.tasks.session_slot import SessionSlot, unloads_when_idle
+from lanes.tasks.session_slot import SessionSlot, SlotSession, unloads_when_idle
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +38,7 @@ class InferItem:
     rows: int
 
 
-class InferTask:
+class InferTask(SlotSession):
     """Any ONNX model behind the Open Inference Protocol."""
 
     kind: TaskName = "infer"
@@ -71,25 +70,6 @@ class InferTask:
         # What the handler's `post` made of the warm-up's output (None: no post, or it
         # failed on zeros): servers describe a handler's outputs by it.
         self.post_example: Any = None
-
-    @property
-    def session(self) -> ort.InferenceSession:
-        return self.slot.session
-
-    @property
-    def placement(self) -> Placement | None:
-        return self.slot.placement  # None: runs are not IO-bound
-
-    @property
-    def loaded(self) -> bool:
-        return self.slot.loaded
-
-    def load(self) -> None:
-        """Load the session again after `unload` (see lanes/tasks/session_slot.py)."""
-        self.slot.load()
-
-    def unload(self) -> None:
-        self.slot.unload()
 
     def prepare(self, item: Any) -> InferItem:
         """Check names, dtypes, ranks and fixed dims (after the handler's `pre`); raise

@@ -87,3 +87,28 @@ class SessionSlot:
         # The last reference: onnxruntime frees the session's memory here.
         self._session = None
         self.placement = None
+
+
+class SlotSession:
+    """What a task holding its session in `self.slot` exposes of it (embed, infer)."""
+
+    slot: SessionSlot
+
+    @property
+    def session(self) -> ort.InferenceSession:
+        return self.slot.session
+
+    @property
+    def placement(self) -> Placement | None:
+        return self.slot.placement  # None: runs are not IO-bound
+
+    @property
+    def loaded(self) -> bool:
+        return self.slot.loaded
+
+    def load(self) -> None:
+        """Load the session again after `unload` (see lanes/tasks/session_slot.py)."""
+        self.slot.load()
+
+    def unload(self) -> None:
+        self.slot.unload()
