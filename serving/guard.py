@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lanes.errors import DeadlineExceeded, ModelError, Overloaded
+from lanes.errors import DeadlineExceeded, LanesError, ModelError, Overloaded
 from lanes.generation.scheduler import Event
 from lanes.protocols.completions import OpenAIFinish
 from lanes.serving.engine import TokenStream
@@ -129,8 +129,17 @@ def _finish(stream: TokenStream, event: Event) -> OpenAIFinish | None:
 async def _plain(stream: TokenStream) -> AsyncIterator[Piece]:
     while True:
         events = await stream.next()
-        finish = _finish(stream, events[-1])
-        yield Piece("".join(e.text for e in events), finish)
+        text = "".join(e.text for e in events)
+        try:
+            finish = _finish(stream, events[-1])
+        except LanesError:
+            # Tokens made before a failure are sent before it, however fast the
+            # failure followed them: a stream's first piece is text whenever the
+            # model made any, so the answer opens with 200 and ends with the error.
+            if len(events) > 1:
+                yield Piece(text, None)
+            raise
+        yield Piece(text, finish)
         if finish is not None:
             return
 

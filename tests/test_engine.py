@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from lanes.errors import DeadlineExceeded
+from lanes.errors import DeadlineExceeded, ModelError
 from lanes.generation.batch import generate_batch
-from lanes.generation.scheduler import POLICIES, Policy
+from lanes.generation.scheduler import POLICIES, Event, Policy
 from lanes.isolation import Failed
 from lanes.runtime import Runtime
 from lanes.serving.engine import Engine, TokenStream
@@ -237,3 +237,19 @@ async def test_a_deadline_that_passes_before_the_first_token_is_deadline_exceede
         assert len(tokens) == 3 and finish == "length"
     finally:
         await engine.stop()
+
+
+async def test_tokens_that_arrive_with_their_failure_are_sent_before_it(
+    task: GenerateTask,
+) -> None:
+    """However soon a sequence fails after its first tokens (both in one `next()`),
+    the tokens are a piece of their own before the ModelError, so a stream's answer
+    always opens with 200 once the model made text."""
+    stream = TokenStream(1, 3, Engine(task, Metrics()))
+    stream._push(Event(1, (5,), "w1", first=True))
+    stream._push(Event(1, finish="error", error="position 8 is past the table"))
+    flow = pieces(stream, None, streaming=True)
+    first = await anext(flow)
+    assert (first.text, first.finish) == ("w1", None)
+    with pytest.raises(ModelError, match="position 8"):
+        await anext(flow)
