@@ -129,6 +129,13 @@ class Batching(StrictModel):
         le=1_048_576,
         description="Requests waiting beyond this are refused with 503 and Retry-After.",
     )
+    max_prefill_tokens: PositiveInt | None = Field(
+        None,
+        le=1_048_576,
+        description="generate: prompt tokens one step may prefill; a longer prompt is "
+        "prefilled in parts over several steps, so rows already decoding keep stepping "
+        "(default: whole prompts; slo.ttft_ms, when set, may lower it).",
+    )
 
 
 class Slo(StrictModel):

@@ -161,6 +161,14 @@ def _workload_problems(
     if raw.get("guard") is not None and task in ("embed", "infer"):
         message = f"`guard` scores generated text: it applies to task generate, not {task!r}"
         found.append(((*at, "guard"), message, True))
+    batching = raw.get("batching")
+    budget = batching.get("max_prefill_tokens") if isinstance(batching, dict) else None
+    if budget is not None and task in ("embed", "infer"):
+        message = (
+            "`max_prefill_tokens` bounds a generate workload's prefill per step; "
+            f"task {task!r} has none: remove it"
+        )
+        found.append(((*at, "batching", "max_prefill_tokens"), message, True))
     if raw.get("idle_unload_s") is not None and task == "generate":
         message = (
             "`idle_unload_s` unloads an embed or infer model when idle; a generate "

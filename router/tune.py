@@ -1,8 +1,9 @@
 """Search one interactive workload's batching knobs under closed-loop load (`lanes tune`).
 
 The grid is `batching.max_batch_size` x `batching.max_wait_ms` (embed, infer), or
-`max_batch_size` alone (generate: the rows in flight; continuous batching has no
-wait, and the spec no prefill budget). Every configuration of the grid is measured at
+`max_batch_size` x `batching.max_prefill_tokens` (generate: the rows in flight and
+the prompt tokens one step prefills; continuous batching has no wait). Every
+configuration of the grid is measured at
 every concurrency of `levels`, with router.calibrate's synthetic items and
 router.loadgen's closed-loop clients (a child process per configuration).
 
@@ -35,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from lanes.errors import InvalidInput, LanesError
+from lanes.generation.steer import MIN_PREFILL_TOKENS
 from lanes.router.calibrate import Endpoint, lane_spec, synthetic_items
 from lanes.router.loadgen import Level, LoadGenerator
 from lanes.router.plot import Chart, Chosen, Curve, CurvePoint
@@ -47,34 +49,41 @@ from lanes.tasks import load_task
 
 PAUSE_S = 0.03  # between slices: onnxruntime's threads spin a little after a run
 ITEMS = 256  # synthetic requests each configuration's clients cycle through
+# generate's default prefill budgets beside whole prompts (the synthetic prompts are
+# 3 to 12 words: a budget holds a few of them, or several)
+WHOLE_PROMPT_ALTERNATIVES = (64, 256)
 WARM_S = 0.25  # each slice's untimed start, at most
 
 
 @dataclass(frozen=True)
 class Config:
-    """One point of the grid: the knobs it sets (max_wait_ms None: generate)."""
+    """One point of the grid: the knobs it sets (max_wait_ms None: generate, whose
+    max_prefill_tokens None is whole prompts)."""
 
     max_batch_size: int
     max_wait_ms: float | None = None
+    max_prefill_tokens: int | None = None
 
     @property
     def label(self) -> str:
-        if self.max_wait_ms is None:
-            return f"max_batch_size {self.max_batch_size}"
-        return f"max_batch_size {self.max_batch_size}, max_wait_ms {self.max_wait_ms:g}"
+        return ", ".join(f"{key} {_plain(value)}" for key, value in self.knobs().items())
 
     @property
     def short(self) -> str:
         """The label of a chart's legend and the progress line."""
-        if self.max_wait_ms is None:
-            return f"rows {self.max_batch_size}"
-        return f"batch {self.max_batch_size}, wait {self.max_wait_ms:g} ms"
+        if self.max_wait_ms is not None:
+            return f"batch {self.max_batch_size}, wait {self.max_wait_ms:g} ms"
+        if self.max_prefill_tokens is not None:
+            return f"rows {self.max_batch_size}, prefill {self.max_prefill_tokens}"
+        return f"rows {self.max_batch_size}"
 
     def knobs(self) -> dict[str, Scalar]:
         """The `batching:` keys this configuration sets."""
         knobs: dict[str, Scalar] = {"max_batch_size": self.max_batch_size}
         if self.max_wait_ms is not None:
             knobs["max_wait_ms"] = self.max_wait_ms
+        if self.max_prefill_tokens is not None:
+            knobs["max_prefill_tokens"] = self.max_prefill_tokens
         return knobs
 
     def applied(self, batching: Batching) -> Batching:
@@ -138,6 +147,14 @@ def default_waits(declared: float) -> list[float]:
     return sorted({0.0, declared, 2 * declared or 2.0})
 
 
+def default_prefills(declared: int | None) -> list[int | None]:
+    """generate: whole prompts and two budgets (a quarter of the declared one, it and
+    twice it, when it declares one)."""
+    if declared is None:
+        return [None, *WHOLE_PROMPT_ALTERNATIVES]
+    return [*sorted({max(MIN_PREFILL_TOKENS, declared // 4), declared, 2 * declared})]
+
+
 def default_levels(largest: int) -> list[int]:
     """1, 4, 16, ... below `largest`, then `largest`: the curve up to the largest batch
     (more clients than rows only queue)."""
@@ -148,16 +165,25 @@ def default_levels(largest: int) -> list[int]:
 
 
 def grid(
-    workload: InteractiveWorkload, sizes: list[int], waits: list[float] | None
+    workload: InteractiveWorkload,
+    sizes: list[int],
+    waits: list[float] | None,
+    prefills: Sequence[int | None] | None = None,
 ) -> list[Config]:
-    """Every max_batch_size with every max_wait_ms (generate: sizes alone)."""
+    """Every max_batch_size with every max_wait_ms (generate: with every
+    max_prefill_tokens)."""
     if workload.task == "generate":
         if waits:
             raise InvalidInput(
                 "--waits: a generate workload has no max_wait_ms to tune (continuous "
                 "batching takes rows as they come); drop --waits"
             )
-        return [Config(size) for size in sizes]
+        return [Config(size, None, p) for size in sizes for p in (prefills or [None])]
+    if prefills:
+        raise InvalidInput(
+            f"--prefill: max_prefill_tokens bounds a generate workload's prefill; task "
+            f"{workload.task!r} has none: drop --prefill"
+        )
     return [Config(size, wait) for size in sizes for wait in (waits or [0.0])]
 
 
@@ -174,8 +200,9 @@ def interactive(spec: Spec, name: str) -> InteractiveWorkload:
 def current(workload: InteractiveWorkload) -> Config:
     """The configuration the workload declares."""
     batching = workload.batching
-    wait = None if workload.task == "generate" else batching.max_wait_ms
-    return Config(batching.max_batch_size, wait)
+    if workload.task == "generate":
+        return Config(batching.max_batch_size, None, batching.max_prefill_tokens)
+    return Config(batching.max_batch_size, batching.max_wait_ms)
 
 
 # ---- measuring -------------------------------------------------------------------------

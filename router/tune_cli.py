@@ -56,6 +56,16 @@ def _counts(text: str | None, option: str) -> list[int]:
     return [int(v) for v in values]
 
 
+def parse_prefills(text: str) -> list[int | None]:
+    """`whole` (None) and whole numbers of at least 1, in order, each once."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    numbers = ",".join(part for part in parts if part != "whole")
+    if not parts:
+        raise InvalidInput(f"--prefill: expected whole or token counts like 64,256, found {text!r}")
+    counts: list[int | None] = [*_counts(numbers, "--prefill")] if numbers else []
+    return [None, *counts] if "whole" in parts else counts
+
+
 def tune(
     workload: Annotated[str, typer.Argument(help="The interactive workload to tune.")],
     p99: Annotated[
@@ -100,6 +110,14 @@ def tune(
             "it or 2); not for generate.",
         ),
     ] = None,
+    prefill: Annotated[
+        str | None,
+        typer.Option(
+            "--prefill",
+            help="generate: max_prefill_tokens values, e.g. whole,64,256 (whole: each "
+            "prompt in one run; default: whole, 64, 256, or around the declared one).",
+        ),
+    ] = None,
     concurrency: Annotated[
         str | None,
         typer.Option(
@@ -119,7 +137,7 @@ def tune(
         typer.Option("--png", help="Where the chart goes (default: LANES_HOME/tune/WORKLOAD.png)."),
     ] = None,
 ) -> None:
-    """Search WORKLOAD's batching (max_batch_size x max_wait_ms; generate: max_batch_size)
+    """Search WORKLOAD's batching (max_batch_size x max_wait_ms; generate: x max_prefill_tokens)
     under closed-loop load at several concurrencies, on an endpoint of its own in this
     process; print throughput, p50 and p99 of each point, mark the fastest whose p99
     meets the target, draw latency against throughput, and print the YAML to paste
@@ -133,6 +151,7 @@ def tune(
         clients,
         current,
         default_levels,
+        default_prefills,
         default_sizes,
         default_waits,
         grid,
@@ -151,9 +170,9 @@ def tune(
     target = parse_ms(p99, "--p99") if p99 is not None else slo_p99_ms(w)
     declared = current(w)
     if endpoint is not None:
-        if sizes is not None or waits is not None or write:
+        if sizes is not None or waits is not None or prefill is not None or write:
             raise InvalidInput(
-                "--sizes, --waits and --write need tune's own endpoint: a running "
+                "--sizes, --waits, --prefill and --write need tune's own endpoint: a running "
                 "endpoint's batching cannot be changed from here (drop --endpoint to search "
                 "the grid, or restart that server with other batching and measure again)"
             )
@@ -163,7 +182,10 @@ def tune(
         if w.task != "generate" and wait_list is None:
             wait_list = default_waits(w.batching.max_wait_ms)
         size_list = _counts(sizes, "--sizes") or default_sizes(w.batching.max_batch_size)
-        configs = grid(w, size_list, wait_list)
+        prefills = parse_prefills(prefill) if prefill is not None else None
+        if w.task == "generate" and prefills is None:
+            prefills = default_prefills(w.batching.max_prefill_tokens)
+        configs = grid(w, size_list, wait_list, prefills)
     levels = _counts(concurrency, "--concurrency")
     levels = levels or default_levels(max(c.max_batch_size for c in configs))
     # Past twice the target a curve has crossed the line: more clients only queue.
@@ -230,9 +252,9 @@ def tune(
         typer.echo(f"wrote {best.config.label} into {spec_path} (workloads.{workload}.batching)")
         if best.config.applied(loaded) != loaded:
             typer.echo(
-                f"note: a LANES_WORKLOADS__ setting overrides the file: the workload still "
-                f"loads with max_batch_size {loaded.max_batch_size}, max_wait_ms "
-                f"{loaded.max_wait_ms:g}",
+                "note: a LANES_WORKLOADS__ setting overrides the file: the workload still "
+                "loads with "
+                + ", ".join(f"{key} {getattr(loaded, key)}" for key in best.config.knobs()),
                 err=True,
             )
         return
@@ -252,7 +274,13 @@ def _print_points(
 
     table = Table(title=f"{name}: closed-loop load, p99 target {target:g} ms ({source})")
     waits = any(p.config.max_wait_ms is not None for p in points)
-    headers = ["max_batch_size", *(["max_wait_ms"] if waits else []), "clients"]
+    prefills = any(p.config.max_prefill_tokens is not None for p in points)
+    headers = [
+        "max_batch_size",
+        *(["max_wait_ms"] if waits else []),
+        *(["max_prefill_tokens"] if prefills else []),
+        "clients",
+    ]
     for column in (*headers, "items/s", "p50 ms", "p99 ms", "errors", ""):
         table.add_column(column, justify="right")
     previous = None
@@ -260,6 +288,9 @@ def _print_points(
         knobs = [str(p.config.max_batch_size)]
         if waits:
             knobs.append(f"{p.config.max_wait_ms:g}" if p.config.max_wait_ms is not None else "-")
+        if prefills:
+            budget = p.config.max_prefill_tokens
+            knobs.append(str(budget) if budget is not None else "whole")
         notes = ["best"] if p is best else []
         if p.config == previous:
             knobs = [""] * len(knobs)

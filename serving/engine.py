@@ -53,6 +53,7 @@ from lanes.generation.loop import at_position, failures, log_isolated, prompt_of
 from lanes.generation.preempt import KEEP_BYTES, Preempted
 from lanes.generation.prefill import Chunked, Join, prefill_apart
 from lanes.generation.scheduler import (
+    PREFILL_TOKENS,
     Chunk,
     Event,
     Lane,
@@ -197,13 +198,16 @@ class Engine:
         self.clock = clock
         config = self.decoder.config
         tokenizer = self.decoder.tokenizer
+        declared = workload.batching.max_prefill_tokens
         self.scheduler = Scheduler(
             workload.batching.max_batch_size,
             config.eos_token_ids,
             lambda ids: str(tokenizer.decode(list(ids), skip_special_tokens=True)),
             policy=policy,
             max_position=config.max_position,
-            chunked=workload.slo.ttft_ms is not None,
+            # A declared budget or a TTFT target is hard: longer prompts go in parts.
+            max_prefill_tokens=declared or PREFILL_TOKENS,
+            chunked=declared is not None or workload.slo.ttft_ms is not None,
             clock=clock,
         )
         slo = workload.slo
@@ -213,6 +217,7 @@ class Engine:
             workload.batching.max_batch_size,
             clock,
         )
+        # The declared budget, or the scheduler's: the steered one never exceeds it.
         self._default_prefill_tokens = self.scheduler.max_prefill_tokens
         self.chunked = Chunked()  # the prompt being prefilled in parts (engine thread)
         self.cache = BatchCache(self.decoder, max_padding)
@@ -391,7 +396,8 @@ class Engine:
         """The SLOs' bounds on the next full plan's prefill and rows (lanes/generation/steer.py)."""
         scheduler, steer = self.scheduler, self.steer
         if steer.ttft_s is not None:
-            scheduler.max_prefill_tokens = steer.prefill_tokens(self._default_prefill_tokens)
+            budget = steer.prefill_tokens(self._default_prefill_tokens)
+            scheduler.max_prefill_tokens = min(budget, self._default_prefill_tokens)
         if steer.itl_s is not None:
             scheduler.max_running = steer.rows(max(self.cache.length, 1))
 

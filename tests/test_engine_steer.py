@@ -1,6 +1,7 @@
-"""`slo.ttft_ms` steers the engine's prefill on the demo tinycode decoder: a long
-prompt is prefilled in parts, on the cache of its earlier parts, while a decoding row
-makes a token at every step, and both get exactly the tokens they get alone.
+"""`slo.ttft_ms` steers the engine's prefill on the demo tinycode decoder (and a
+declared `batching.max_prefill_tokens` bounds it the same way): a long prompt is
+prefilled in parts, on the cache of its earlier parts, while a decoding row makes a
+token at every step, and both get exactly the tokens they get alone.
 
 The clock moves only inside the decoder's prefill runs, by 1 ms a prompt token (the
 session is wrapped to move it, and to log each run's shape), so the cost model learns
@@ -59,8 +60,16 @@ class _PrefillCosts:
         return getattr(self.session, name)
 
 
+# The same budget of 20 tokens a step, steered from the SLO or declared.
+BUDGETS = {
+    "ttft_ms": {"batching": {"max_batch_size": 4}, "slo": {"ttft_ms": TTFT_MS}},
+    "max_prefill_tokens": {"batching": {"max_batch_size": 4, "max_prefill_tokens": TTFT_MS}},
+}
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
 async def test_a_long_prompt_is_prefilled_in_parts_while_a_row_keeps_decoding(
-    demo_models: Path,
+    demo_models: Path, budget: str
 ) -> None:
     folder = demo_models / "tinycode"
     spec = Spec.model_validate(
@@ -73,9 +82,8 @@ async def test_a_long_prompt_is_prefilled_in_parts_while_a_row_keeps_decoding(
                     "mode": "interactive",
                     "task": "generate",
                     "model": "tiny",
-                    "batching": {"max_batch_size": 4},
                     "generation": {"temperature": 0},
-                    "slo": {"ttft_ms": TTFT_MS},
+                    **BUDGETS[budget],
                 }
             },
         }
@@ -92,7 +100,9 @@ async def test_a_long_prompt_is_prefilled_in_parts_while_a_row_keeps_decoding(
         for n in range(2, 12):
             warm = engine.submit(task.prepare({"prompt": list(range(10, 10 + n)), "max_tokens": 1}))
             await collect(warm)
-        assert engine.steer.prefill_tokens(4096) == TTFT_MS
+        if budget == "ttft_ms":
+            assert engine.steer.prefill_tokens(4096) == TTFT_MS
+        assert engine.scheduler.max_prefill_tokens == TTFT_MS
 
         short = {"prompt": PROMPTS[0][0], "max_tokens": 60}
         long = {"prompt": PROMPTS[5][0], "max_tokens": 6}

@@ -201,6 +201,13 @@ BAD_CASES = [
         "W:11:5: workloads.search-query.fields: `fields` applies to offline workloads only",
     ),
     (
+        "a prefill budget on embed",
+        "    batching: {max_batch_size: 8, max_wait_ms: 2}\n",
+        "    batching: {max_batch_size: 8, max_wait_ms: 2, max_prefill_tokens: 64}\n",
+        "W:10:51: workloads.search-query.batching.max_prefill_tokens: `max_prefill_tokens` "
+        "bounds a generate workload's prefill per step; task 'embed' has none",
+    ),
+    (
         "max_error_rate out of range",
         "    output: out/\n",
         "    output: out/\n    max_error_rate: 1.5\n",

@@ -20,13 +20,15 @@ from lanes.router.tune import (
     Point,
     best_point,
     default_levels,
+    default_prefills,
     default_sizes,
     default_waits,
     grid,
     measure,
     snippet,
+    write_knobs,
 )
-from lanes.router.tune_cli import parse_ms
+from lanes.router.tune_cli import parse_ms, parse_prefills
 from lanes.settings import Settings
 from lanes.spec import InteractiveWorkload
 from lanes.specfile import load_spec
@@ -90,8 +92,28 @@ def test_the_default_grid_is_around_the_declared_knobs() -> None:
     ]
     generate = InteractiveWorkload(mode="interactive", task="generate", model="m")
     assert grid(generate, [4, 16], None) == [Config(4), Config(16)]
+    assert grid(generate, [4, 16], None, [None, 64]) == [
+        Config(4),
+        Config(4, None, 64),
+        Config(16),
+        Config(16, None, 64),
+    ]
+    assert default_prefills(None) == [None, 64, 256]
+    assert default_prefills(512) == [128, 512, 1024]
+    assert default_prefills(32) == [16, 32, 64]
     with pytest.raises(InvalidInput, match="no max_wait_ms to tune"):
         grid(generate, [4], [1.0])
+    with pytest.raises(InvalidInput, match=r"--prefill: .* task 'embed' has none"):
+        grid(embed, [4], [0.0], [64])
+
+
+def test_prefill_budgets_are_read_as_whole_or_token_counts() -> None:
+    assert parse_prefills("whole,256,64") == [None, 64, 256]
+    assert parse_prefills("64, 64") == [64]
+    assert parse_prefills("whole") == [None]
+    for bad in ("", "0", "64,big", "1.5"):
+        with pytest.raises(InvalidInput, match="--prefill"):
+            parse_prefills(bad)
 
 
 def test_the_yaml_to_paste_holds_the_knobs_alone() -> None:
@@ -102,6 +124,11 @@ def test_the_yaml_to_paste_holds_the_knobs_alone() -> None:
     assert yaml.safe_load(snippet("complete", Config(8))) == {
         "workloads": {"complete": {"batching": {"max_batch_size": 8}}}
     }
+    assert yaml.safe_load(snippet("complete", Config(8, None, 64))) == {
+        "workloads": {"complete": {"batching": {"max_batch_size": 8, "max_prefill_tokens": 64}}}
+    }
+    assert Config(8, None, 64).label == "max_batch_size 8, max_prefill_tokens 64"
+    assert Config(16, 0.5).label == "max_batch_size 16, max_wait_ms 0.5"
 
 
 # ---- the chart ------------------------------------------------------------------------------
@@ -151,6 +178,22 @@ workloads:
     batching:
       max_batch_size: 2
 """
+
+
+def test_write_sets_a_generate_workloads_prefill_budget_beside_its_rows(tmp_path: Path) -> None:
+    dec = load_spec(write_spec(tmp_path / "fixture", {}), Settings()).models["dec"]
+    original = (
+        f"version: 1\nmodels:\n  dec: {{path: {dec.path}, tokenizer: {dec.tokenizer}}}\n"
+        "workloads:\n  complete:   # someone waits\n    mode: interactive\n"
+        "    task: generate\n    model: dec\n    batching: {max_batch_size: 4}   # rows\n"
+    )
+    spec_file = tmp_path / "workloads.yaml"
+    spec_file.write_text(original)
+    batching = write_knobs(spec_file, "complete", Config(8, None, 64), Settings())
+    assert (batching.max_batch_size, batching.max_prefill_tokens) == (8, 64)
+    assert spec_file.read_text() == original.replace(
+        "{max_batch_size: 4}", "{max_batch_size: 8, max_prefill_tokens: 64}"
+    )
 
 
 @pytest.mark.slow

@@ -19,7 +19,14 @@ from typing import TYPE_CHECKING
 from lanes.errors import ModelError
 from lanes.generation.kvcache import MAX_PADDING
 from lanes.generation.loop import StepLoop
-from lanes.generation.scheduler import Detokenize, Policy, Scheduler, Seq, SeqStatus
+from lanes.generation.scheduler import (
+    PREFILL_TOKENS,
+    Detokenize,
+    Policy,
+    Scheduler,
+    Seq,
+    SeqStatus,
+)
 from lanes.isolation import Failed
 from lanes.tasks.decoder import Completion, Decoder
 
@@ -42,7 +49,7 @@ def scheduler_for(
     rows: int,
     *,
     policy: Policy = "continuous",
-    max_prefill_tokens: int = 4096,
+    max_prefill_tokens: int = PREFILL_TOKENS,
     prefill_alone: bool = False,
     chunked: bool = False,
     clock: Callable[[], float] = time.monotonic,

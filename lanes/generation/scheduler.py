@@ -200,6 +200,9 @@ class Event:
 
 
 Detokenize = Callable[[Sequence[int]], str]
+# One step's joiners' padded prompt tokens unless told otherwise: prefill returns logits
+# for every position, so this bounds its memory.
+PREFILL_TOKENS = 4096
 
 
 class Scheduler:
@@ -231,7 +234,7 @@ class Scheduler:
         *,
         policy: Policy = "continuous",
         max_position: int | None = None,
-        max_prefill_tokens: int = 4096,
+        max_prefill_tokens: int = PREFILL_TOKENS,
         prefill_alone: bool = False,
         chunked: bool = False,
         clock: Callable[[], float] = time.monotonic,
