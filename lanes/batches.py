@@ -37,7 +37,7 @@ from pydantic import Field
 
 from lanes import layout
 from lanes.batchstore import BatchStore, new_id
-from lanes.deadline import plan_start
+from lanes.deadline import offpeak_opening, plan_start
 from lanes.errors import InvalidInput, NotFound
 from lanes.jobs import (
     BATCH_PREFIX,
@@ -195,7 +195,7 @@ class Batches:
             items,
             rates[0].items_per_second if rates else None,
             datetime.fromtimestamp(deadline, UTC),
-            self.settings.offpeak.next_run(now),
+            offpeak_opening(self.settings.offpeak, now),
             now,
         )
         log.info("batch of %s: %s", workload, plan.note)

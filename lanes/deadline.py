@@ -118,3 +118,12 @@ def window_at(opens_with: Schedule, finish_by: str, timezone: str, now: datetime
         return Window(last, deadline)
     upcoming = opens_with.next_run(now).astimezone(UTC)
     return Window(upcoming, deadline_after(upcoming, finish_by, timezone))
+
+
+def offpeak_opening(offpeak: Schedule, now: datetime) -> datetime:
+    """When the default off-peak window opens for work that arrives at `now`: the
+    opening of the window open now (with a `finish_by`: its cron fired and that time
+    has not passed), else the cron's next firing; in UTC."""
+    if offpeak.finish_by is None:  # a window without an end is only ever next
+        return offpeak.next_run(now).astimezone(UTC)
+    return window_at(offpeak, offpeak.finish_by, offpeak.timezone, now).opens

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from lanes.deadline import MARGIN, STARTUP_S, plan_start
+from lanes.deadline import MARGIN, STARTUP_S, offpeak_opening, plan_start
+from lanes.spec import Schedule
 
 NOW = datetime(2030, 1, 1, 22, 0, tzinfo=UTC)
 OPENS = datetime(2030, 1, 2, 2, 0, tzinfo=UTC)  # the off-peak window
@@ -40,3 +41,13 @@ def test_without_a_measured_rate_it_starts_when_the_window_opens() -> None:
     assert plan_start(100, None, FINISH_BY, OPENS, OPENS + timedelta(hours=1)).start == (
         OPENS + timedelta(hours=1)
     )
+
+
+def test_a_batch_arriving_in_an_open_off_peak_window_starts_in_it() -> None:
+    window = Schedule(cron="0 2 * * *", finish_by="06:00")
+    inside, after = OPENS + timedelta(hours=1), OPENS + timedelta(hours=5)
+    assert offpeak_opening(window, inside) == OPENS  # open: plan_start clamps it to now
+    assert offpeak_opening(window, after) == OPENS + timedelta(days=1)  # closed at 06:00
+    assert offpeak_opening(window, NOW) == OPENS
+    # Without a finish_by the window has no end to be inside of: always its next opening.
+    assert offpeak_opening(Schedule(cron="0 2 * * *"), inside) == OPENS + timedelta(days=1)
