@@ -161,23 +161,26 @@ async def _buffered(stream: TokenStream, guard: TextGuard) -> AsyncIterator[Piec
 
 
 async def _chunked(stream: TokenStream, guard: TextGuard, every: int) -> AsyncIterator[Piece]:
+    """Chunks of `every` tokens, however the events arrive: many steps' tokens read at
+    once (a slow reader, a fast model) are still scored chunk by chunk, so the chunks
+    before a failing one are sent whatever the timing."""
     passed: list[str] = []
     held: list[str] = []
     tokens = 0
     while True:
-        events = await stream.next()
-        held += (e.text for e in events)
-        tokens += sum(len(e.tokens) for e in events)
-        finish = _finish(stream, events[-1])
-        if tokens < every and finish is None:
-            continue
-        chunk = "".join(held)
-        if not await guard.passes("".join(passed) + chunk):
-            stream.cancel()
-            yield Piece("", "content_filter")
-            return
-        passed.append(chunk)
-        held, tokens = [], 0
-        yield Piece(chunk, finish)
-        if finish is not None:
-            return
+        for event in await stream.next():
+            held.append(event.text)
+            tokens += len(event.tokens)
+            finish = _finish(stream, event)
+            if tokens < every and finish is None:
+                continue
+            chunk = "".join(held)
+            if not await guard.passes("".join(passed) + chunk):
+                stream.cancel()
+                yield Piece("", "content_filter")
+                return
+            passed.append(chunk)
+            held, tokens = [], 0
+            yield Piece(chunk, finish)
+            if finish is not None:
+                return

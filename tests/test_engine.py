@@ -17,10 +17,10 @@ from lanes.generation.scheduler import POLICIES, Event, Policy
 from lanes.isolation import Failed
 from lanes.runtime import Runtime
 from lanes.serving.engine import Engine, TokenStream
-from lanes.serving.guard import pieces
+from lanes.serving.guard import TextGuard, pieces
 from lanes.serving.metrics import Metrics
 from lanes.settings import Settings
-from lanes.spec import Spec
+from lanes.spec import Guard, Spec
 from lanes.tasks import GenerateTask, load_task
 from lanes.tasks.decoder import Completion
 from tests.gates import Gate, GatedRuntime
@@ -253,3 +253,18 @@ async def test_tokens_that_arrive_with_their_failure_are_sent_before_it(
     assert (first.text, first.finish) == ("w1", None)
     with pytest.raises(ModelError, match="position 8"):
         await anext(flow)
+
+
+async def test_a_chunked_guard_scores_every_n_tokens_however_they_arrive(
+    task: GenerateTask,
+) -> None:
+    """Six steps' tokens read in one `next()` (a reader slower than the model) are
+    still scored two tokens at a time: the chunks before the failing one are sent."""
+    spec = Guard(handler="lanes.demo.guard:blocklist", mode="chunked", every_tokens=2)
+    guard = TextGuard(spec, lambda text: float("bad" in text))
+    stream = TokenStream(1, 3, Engine(task, Metrics()))
+    words = ["a", "b", "c", "bad", "d", "e"]
+    for i, word in enumerate(words):
+        stream._push(Event(1, (i,), word, first=i == 0, finish="length" if i == 5 else None))
+    got = [(p.text, p.finish) async for p in pieces(stream, guard, streaming=True)]
+    assert got == [("ab", None), ("", "content_filter")]
