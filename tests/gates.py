@@ -97,17 +97,21 @@ class Gate:
         with self._changed:
             return sum(self._held)
 
-    def wait_held(self, runs: int = 1) -> None:
-        """Block until `runs` runs wait at the gate and are not let through yet (from a
-        test: `asyncio.to_thread`). A run `allow()` just let through may still be in
-        `wait()`, not yet awake: it does not count, so `allow(1); wait_held()` waits for
-        the next run, never for the one just allowed."""
-
-        def blocked() -> int:
-            return len(self._held) - (0 if self._open else self._permits)
-
+    def blocked(self) -> int:
+        """Runs waiting at the gate and not let through yet. A run `allow()` just let
+        through may still be in `wait()`, not yet awake: it does not count."""
         with self._changed:
-            if not self._changed.wait_for(lambda: blocked() >= runs, WAIT_S):
+            return self._blocked()
+
+    def _blocked(self) -> int:
+        return len(self._held) - (0 if self._open else self._permits)
+
+    def wait_held(self, runs: int = 1) -> None:
+        """Block until `runs` runs are `blocked()` (from a test: `asyncio.to_thread`),
+        so `allow(1); wait_held()` waits for the next run, never for the one just
+        allowed."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._blocked() >= runs, WAIT_S):
                 raise TimeoutError(f"{runs} run(s) did not reach the gate within {WAIT_S} s")
 
 
