@@ -3,17 +3,18 @@
     loop = StepLoop(decoder, scheduler, name)
     step = loop.run(scheduler.schedule())     # one whole plan, one update
     step.events                               # tokens, text and finishes of this step
+    step.prefill, step.decode, step.chunk     # when each model run began and ended
 
-The offline batch (lanes/generation/batch.py) drives it until every sequence is
-done; the online engine (serving/engine.py) runs its own two-thread loop over the
-same scheduler, prefill and cache, to act on disconnects and deadlines while a step
-step. Each plan runs whole here: its joiners' prompts are prefilled in one
-left-padded run (lanes/generation/prefill.py), its rows decode one token each over
-the batch's KV cache (lanes/generation/kvcache.py), and the scheduler updates the
-plan once with both. The joiners' caches enter the batch's at the next run, with
-the rows that left going out, so each decode sees exactly its plan's rows.
-Preempted rows' caches are kept on their way out, and resumed sequences' caches
-come back (kept, or recomputed) beside the joiners' (lanes/generation/preempt.py).
+Both lanes drive it: the offline batch (lanes/generation/batch.py) until every
+sequence is done, the online engine (serving/engine.py) on a thread of its own, one
+plan at a time, with arrivals taken between steps. Each plan runs whole here: its
+rows decode one token each over the batch's KV cache (lanes/generation/kvcache.py),
+its joiners' prompts are prefilled in one left-padded run
+(lanes/generation/prefill.py), and the scheduler updates the plan once with both.
+The joiners' caches enter the batch's when the next plan settles it, with the rows
+the scheduler no longer holds going out, so each decode sees exactly its plan's
+rows. Preempted rows' caches are kept on their way out, and resumed sequences'
+caches come back (kept, or recomputed) beside the joiners' (lanes/generation/preempt.py).
 
 A prefill or decode run that fails is run again in halves of its rows
 (lanes/isolation.py): the sequences that fail alone finish with their own error,
