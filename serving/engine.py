@@ -7,9 +7,11 @@ while a step runs):
     take what arrived (and the aborts) since the last step
     steer: the SLOs' bounds on this plan's prefill and rows (lanes/generation/steer.py)
     plan = scheduler.schedule()     # deadlines expire here, joiners take free rows
-    step = loop.run(plan)           # the whole plan, one update (lanes/generation/loop.py)
-    observe the step (metrics, cost models, spans), then hand its events to the
-    event loop: call_soon_threadsafe(dispatch), into each request's TokenStream
+    step = loop.run(plan, flush)    # the whole plan, one update (lanes/generation/loop.py);
+                                    # as its model runs begin, flush() hands the last
+                                    # step's events to the event loop (call_soon_threadsafe),
+                                    # into each request's TokenStream
+    observe the step (metrics, cost models, spans); its events wait for the next flush
 
 What arrives during a step joins at the next one. A step that admits joiners runs
 only their prefill (the scheduler's `prefill_alone`), so a newcomer waits for at
@@ -42,16 +44,14 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from prometheus_client import Counter, Gauge, Histogram
-
 from lanes.errors import LanesError, ModelError, Overloaded
-from lanes.generation.batch import scheduler_for
+from lanes.generation.batch import scheduler_for, seq_of
 from lanes.generation.kvcache import MAX_PADDING, BatchCache
 from lanes.generation.loop import Step, StepLoop
 from lanes.generation.preempt import KEEP_BYTES, Preempted
 from lanes.generation.scheduler import Event, Lane, Policy, Seq, StepPlan
 from lanes.generation.steer import Steer
-from lanes.serving.metrics import LaneSeries, Metrics, TokenRate, Utilization
+from lanes.serving.metrics import GenerateSeries, LaneSeries, Metrics, TokenRate, Utilization
 from lanes.serving.tracing import GenerateSpans
 from lanes.spec import as_interactive
 from lanes.tasks.decoder import Completion
@@ -65,46 +65,6 @@ SWITCH_INTERVAL_S = 0.001
 # Offline sequences one engine holds (queued or in rows): any one offline window fits;
 # beyond, 503 and Retry-After, which the flow's endpoint runner waits out.
 OFFLINE_MAX_SEQUENCES = 65536
-
-
-@dataclass(frozen=True)
-class _Series:
-    """One workload's metric children, bound once: `labels()` per token adds up."""
-
-    metrics: Metrics
-    name: str
-    ttft: Histogram
-    itl: Histogram
-    generated: Counter
-    in_flight: Gauge
-    queue_depth: Gauge
-    prefill: Histogram
-    decode: Histogram
-    rows: Histogram
-    busy: Counter
-    rate: Gauge
-    utilization: Gauge
-
-    @classmethod
-    def bind(cls, m: Metrics, name: str) -> _Series:
-        return cls(
-            metrics=m,
-            name=name,
-            ttft=m.ttft.labels(name),
-            itl=m.itl.labels(name),
-            generated=m.generated_tokens.labels(name),
-            in_flight=m.in_flight.labels(name),
-            queue_depth=m.queue_depth.labels(name),
-            prefill=m.prefill_time.labels(name),
-            decode=m.decode_time.labels(name),
-            rows=m.batch_size.labels(name),
-            busy=m.busy_seconds.labels(name),
-            rate=m.tokens_per_second.labels(name),
-            utilization=m.utilization.labels(name),
-        )
-
-    def finished(self, reason: str) -> None:
-        self.metrics.finished.labels(self.name, reason).inc()
 
 
 @dataclass(eq=False)
@@ -206,7 +166,7 @@ class Engine:
         self.default_timeout_s = slo.timeout_ms / 1000 if slo.timeout_ms else None
         self.utilization = Utilization()
         self.rate = TokenRate()
-        self._series = _Series.bind(metrics, self.name)
+        self._series = GenerateSeries.of(metrics, self.name)
         self._spans = GenerateSpans(tracing, self.name, clock) if tracing is not None else None
         self._stats = threading.Lock()  # rate and utilization: engine thread and /metrics
         self._lock = threading.Condition()
@@ -217,6 +177,7 @@ class Engine:
         self._ids = itertools.count(1)
         self._streams: dict[int, TokenStream] = {}  # event-loop side only
         self._last_token_at: dict[int, float] = {}  # engine-thread side only
+        self._unsent: list[Event] = []  # engine-thread side: for the next _flush
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name=f"lanes-engine-{self.name}")
         self._thread.daemon = True
@@ -262,16 +223,9 @@ class Engine:
         """
         timeout_s = timeout_s if timeout_s is not None else self.default_timeout_s
         now = self.clock()
-        seq = Seq(
-            id=next(self._ids),
-            prompt_ids=request.prompt_ids,
-            max_new_tokens=request.max_new_tokens,
-            sampling=request.sampling,
-            stop=request.stop,
-            seed=request.seed,
-            deadline=now + timeout_s if timeout_s is not None else None,
-            ignore_eos=ignore_eos or request.ignore_eos,
-            arrived=now,
+        deadline = now + timeout_s if timeout_s is not None else None
+        seq = seq_of(
+            next(self._ids), request, deadline=deadline, arrived=now, ignore_eos=ignore_eos
         )
         stream = TokenStream(seq.id, len(seq.prompt_ids), self)
         with self._lock:
@@ -296,19 +250,7 @@ class Engine:
         `Completion` (the model's, no handler: the offline workload applies its own)
         or the error it failed with alone. Overloaded, whole, when the lane cannot
         hold them or the server stops before they are done (the flow retries)."""
-        seqs = [
-            Seq(
-                id=next(self._ids),
-                prompt_ids=r.prompt_ids,
-                max_new_tokens=r.max_new_tokens,
-                sampling=r.sampling,
-                stop=r.stop,
-                seed=r.seed,
-                ignore_eos=r.ignore_eos,
-                offline=True,
-            )
-            for r in requests
-        ]
+        seqs = [seq_of(next(self._ids), r, offline=True) for r in requests]
         streams = [TokenStream(seq.id, len(seq.prompt_ids), self) for seq in seqs]
         with self._lock:
             if self._stopping:
@@ -368,16 +310,23 @@ class Engine:
             self._planned(plan)
             if plan.empty:
                 if stopping:
+                    self._flush()
                     return
                 continue
-            step = self.loop.run(plan)
+            # The last step's events go out as this one's model runs begin: waking the
+            # event loop then costs this thread no wait for the GIL.
+            step = self.loop.run(plan, self._flush)
             self._observe(step)
-            self._hand_over(step.events)
+            self._unsent += step.events
+            if not plan.runs_model:
+                self._flush()
 
     def _take_inbox(self) -> bool:
         """Sleep until there is something to do, then move new requests and aborts
         into the scheduler. Returns whether the engine is stopping."""
         scheduler = self.scheduler
+        if not scheduler.has_work:
+            self._flush()  # no model run of a next step takes them out
         with self._lock:
             while not (self._inbox or self._aborts or self._stopping or scheduler.has_work):
                 self._lock.wait()
@@ -461,7 +410,6 @@ class Engine:
             self.utilization.record(step.start, step.end)
         m.busy.inc(busy)
         self._lane_busy(step, busy)
-        self.refresh_gauges()
         m.in_flight.set(self.scheduler.num_running)
         m.queue_depth.set(self._waiting)
         if self._spans is not None:
@@ -475,7 +423,9 @@ class Engine:
             self._lanes["offline"].busy.inc(seconds * offline / len(seqs))
             self._lanes["interactive"].busy.inc(seconds * (len(seqs) - offline) / len(seqs))
 
-    def _hand_over(self, events: list[Event]) -> None:
+    def _flush(self) -> None:
+        """Hand the events not sent yet to the event loop, into their streams."""
+        events, self._unsent = self._unsent, []
         if not events or self._loop is None:
             return
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening

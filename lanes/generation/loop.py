@@ -69,6 +69,10 @@ class Step:
     failed: bool = False  # the step failed outside any one row: every row errored
 
 
+def _nothing() -> None:
+    pass
+
+
 class StepLoop:
     """Runs a scheduler's plans on one decoder, keeping the batch's KV cache between
     them. Single-threaded: one plan at a time, from one thread."""
@@ -91,11 +95,15 @@ class StepLoop:
         self.preempted = Preempted(keep_bytes)
         self.chunked = Chunked()
 
-    def run(self, plan: StepPlan) -> Step:
+    def run(self, plan: StepPlan, before_runs: Callable[[], None] = _nothing) -> Step:
         """Run `plan` whole and update the scheduler with it; never raises for what
-        the model does (a failure becomes the rows' error events)."""
+        the model does (a failure becomes the rows' error events). `before_runs` is
+        called once as the plan's model runs begin (not at all for a plan without
+        any): what the caller does there overlaps them, as they release the GIL."""
         step = Step(plan, self.clock())
         try:
+            if plan.runs_model:
+                before_runs()
             outputs = self._model_runs(step)
             step.events = events = self.scheduler.update(plan, outputs)
             for event in events:
