@@ -10,7 +10,7 @@
 - `ManualClock` moves only when told; `JumpClock` is real time plus the jumps a test
   makes (a deadline passes at once, and nothing else changes).
 - `wait_until` and `eventually` (on an event loop) poll a condition, with a generous
-  bound.
+  bound; `stepping` lets the gated runs through one at a time meanwhile.
 
 Every wait here is bounded by WAIT_S: a test that never opens its gate fails, it
 never hangs.
@@ -265,6 +265,18 @@ def wait_until(check: Callable[[], bool], what: str, timeout: float = WAIT_S) ->
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout} s")
         time.sleep(0.01)
+
+
+def stepping(gate: Gate, check: Callable[[], bool]) -> Callable[[], bool]:
+    """`check`, letting one run blocked at `gate` through on each call: for waiting on
+    what the engine does at its next step (an abort, say), whose run the gate holds."""
+
+    def stepped() -> bool:
+        if gate.blocked():
+            gate.allow(1)
+        return check()
+
+    return stepped
 
 
 async def eventually(check: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:

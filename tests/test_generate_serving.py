@@ -18,7 +18,7 @@ from lanes.runtime import Runtime
 from lanes.settings import Settings
 from lanes.specfile import load_spec
 from lanes.tasks import GenerateTask, load_task
-from tests.gates import Gate, JumpClock, eventually, wait_until
+from tests.gates import Gate, JumpClock, eventually, stepping, wait_until
 from tests.servers import ServerThread
 
 pytestmark = pytest.mark.slow
@@ -324,17 +324,20 @@ def test_a_disconnect_frees_its_row(server: ServerThread) -> None:
             assert metric(server, "lanes_sequences_in_flight", workload="code") == 1
 
         # The client left: the engine frees its row at its next step. The held step may
-        # still run it (the abort may reach the engine after that step's plan), so each
-        # run held meanwhile is let through, one at a time.
-        def freed() -> bool:
-            if GATE.blocked():
-                GATE.allow(1)
-            return (
-                metric(server, "lanes_sequences_finished_total", workload="code", reason="abort")
-                > aborted
-            )
-
-        wait_until(freed, "the server aborting the sequence")
+        # still run it (the abort may reach the engine after that step's plan), so the
+        # runs held meanwhile are let through, one at a time.
+        wait_until(
+            stepping(
+                GATE,
+                lambda: (
+                    metric(
+                        server, "lanes_sequences_finished_total", workload="code", reason="abort"
+                    )
+                    > aborted
+                ),
+            ),
+            "the server aborting the sequence",
+        )
         assert (
             metric(server, "lanes_sequences_finished_total", workload="code", reason="abort")
             == aborted + 1
