@@ -1,16 +1,21 @@
-"""Continuous batching, the thin loop: plan -> decoder.step -> update -> streams.
+"""Continuous batching online: the core's step loop on a thread, arrivals, streams.
 
-One `Engine` per interactive generate workload. Its loop runs on a thread of its
-own (onnxruntime releases the GIL, so HTTP keeps flowing while a step runs):
+One `Engine` per interactive generate workload. One thread of its own runs the plain
+step loop of lanes/generation (onnxruntime releases the GIL, so HTTP keeps flowing
+while a step runs):
 
-    plan = scheduler.schedule()
-    prefill the joiners (one left-padded run) and hand out their first tokens
-    decode every row (on the decode thread; arrivals meanwhile are prefilled
-        at once, from a prefill-only plan: schedule(decode=False))
-    events = scheduler.update(plan, logits)
-    loop.call_soon_threadsafe(dispatch, events)   # into each request's TokenStream
-    the joiners' caches join the batch's (lanes/generation/kvcache.py) for the next step
+    take what arrived (and the aborts) since the last step
+    steer: the SLOs' bounds on this plan's prefill and rows (lanes/generation/steer.py)
+    plan = scheduler.schedule()     # deadlines expire here, joiners take free rows
+    step = loop.run(plan, flush)    # the whole plan, one update (lanes/generation/loop.py);
+                                    # as its model runs begin, flush() hands the last
+                                    # step's events to the event loop (call_soon_threadsafe),
+                                    # into each request's TokenStream
+    observe the step (metrics, cost models, spans); its events wait for the next flush
 
+What arrives during a step joins at the next one. A step that admits joiners runs
+only their prefill (the scheduler's `prefill_alone`), so a newcomer waits for at
+most the step in flight and its own prefill, never for a decode of the others.
 Each request's `TokenStream` is on the event loop; `cancel()` (its client left)
 aborts the sequence, whose row is freed at the next step.
 
@@ -21,50 +26,32 @@ memory allows (`keep_bytes`) and recomputed otherwise when they resume
 (lanes/generation/preempt.py). Their tokens never reach the interactive series
 (TTFT, ITL); each lane has its items, queue depth, busy time and preemptions.
 
-A prefill or decode run that fails is run again in halves of its rows
-(lanes/isolation.py, from lanes/generation/prefill.py and lanes/generation/kvcache.py): the sequences
-that fail alone finish with their own error, every other one goes on with its cache
-and tokens as they were. Only a failure outside the model's runs fails the step's
-every row (and resets the cache).
+The step loop isolates what the model fails on: a sequence that fails alone finishes
+with its own error, every other one goes on; only a failure outside the model's runs
+fails the step's every row (and resets the cache).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import itertools
-import logging
 import sys
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-import numpy as np
-from prometheus_client import Counter, Gauge, Histogram
+from typing import TYPE_CHECKING
 
 from lanes.errors import LanesError, ModelError, Overloaded
-from lanes.generation.kvcache import MAX_PADDING, BatchCache, Decoded
-from lanes.generation.loop import at_position, failures, log_isolated, prompt_of
+from lanes.generation.batch import scheduler_for, seq_of
+from lanes.generation.kvcache import MAX_PADDING, BatchCache
+from lanes.generation.loop import Step, StepLoop
 from lanes.generation.preempt import KEEP_BYTES, Preempted
-from lanes.generation.prefill import Chunked, Join, prefill_apart
-from lanes.generation.scheduler import (
-    PREFILL_TOKENS,
-    Chunk,
-    Event,
-    Lane,
-    Policy,
-    Scheduler,
-    Seq,
-    StepOutputs,
-    StepPlan,
-)
+from lanes.generation.scheduler import PREFILL_TOKENS, Event, Lane, Policy, Seq, StepPlan
 from lanes.generation.steer import Steer
-from lanes.serving.metrics import LaneSeries, Metrics, TokenRate, Utilization
+from lanes.serving.metrics import GenerateSeries, LaneSeries, Metrics, TokenRate, Utilization
 from lanes.serving.tracing import GenerateSpans
 from lanes.spec import as_interactive
 from lanes.tasks.decoder import Completion
@@ -74,53 +61,10 @@ from lanes.tracing import Tracing
 if TYPE_CHECKING:
     from opentelemetry.trace import SpanContext
 
-log = logging.getLogger("lanes.serving")
-
-Array = np.ndarray[Any, Any]
 SWITCH_INTERVAL_S = 0.001
 # Offline sequences one engine holds (queued or in rows): any one offline window fits;
 # beyond, 503 and Retry-After, which the flow's endpoint runner waits out.
 OFFLINE_MAX_SEQUENCES = 65536
-
-
-@dataclass(frozen=True)
-class _Series:
-    """One workload's metric children, bound once: `labels()` per token adds up."""
-
-    metrics: Metrics
-    name: str
-    ttft: Histogram
-    itl: Histogram
-    generated: Counter
-    in_flight: Gauge
-    queue_depth: Gauge
-    prefill: Histogram
-    decode: Histogram
-    rows: Histogram
-    busy: Counter
-    rate: Gauge
-    utilization: Gauge
-
-    @classmethod
-    def bind(cls, m: Metrics, name: str) -> _Series:
-        return cls(
-            metrics=m,
-            name=name,
-            ttft=m.ttft.labels(name),
-            itl=m.itl.labels(name),
-            generated=m.generated_tokens.labels(name),
-            in_flight=m.in_flight.labels(name),
-            queue_depth=m.queue_depth.labels(name),
-            prefill=m.prefill_time.labels(name),
-            decode=m.decode_time.labels(name),
-            rows=m.batch_size.labels(name),
-            busy=m.busy_seconds.labels(name),
-            rate=m.tokens_per_second.labels(name),
-            utilization=m.utilization.labels(name),
-        )
-
-    def finished(self, reason: str) -> None:
-        self.metrics.finished.labels(self.name, reason).inc()
 
 
 @dataclass(eq=False)
@@ -196,41 +140,37 @@ class Engine:
         self.name = task.name
         self.decoder = task.decoder
         self.clock = clock
-        config = self.decoder.config
-        tokenizer = self.decoder.tokenizer
+        slo, rows = workload.slo, workload.batching.max_batch_size
         declared = workload.batching.max_prefill_tokens
-        self.scheduler = Scheduler(
-            workload.batching.max_batch_size,
-            config.eos_token_ids,
-            lambda ids: str(tokenizer.decode(list(ids), skip_special_tokens=True)),
+        self.scheduler = scheduler_for(
+            self.decoder,
+            rows,
             policy=policy,
-            max_position=config.max_position,
+            prefill_alone=True,
             # A declared budget or a TTFT target is hard: longer prompts go in parts.
             max_prefill_tokens=declared or PREFILL_TOKENS,
-            chunked=declared is not None or workload.slo.ttft_ms is not None,
+            chunked=declared is not None or slo.ttft_ms is not None,
             clock=clock,
         )
-        slo = workload.slo
+        self.loop = StepLoop(
+            self.decoder, self.scheduler, self.name, max_padding, clock, keep_bytes
+        )
         self.steer = Steer(
             slo.ttft_ms / 1000 if slo.ttft_ms else None,
             slo.itl_ms / 1000 if slo.itl_ms else None,
-            workload.batching.max_batch_size,
+            rows,
             clock,
         )
         # The declared budget, or the scheduler's: the steered one never exceeds it.
         self._default_prefill_tokens = self.scheduler.max_prefill_tokens
-        self.chunked = Chunked()  # the prompt being prefilled in parts (engine thread)
-        self.cache = BatchCache(self.decoder, max_padding)
-        self.preempted = Preempted(keep_bytes)
         self._lanes = {lane: LaneSeries.of(metrics, self.name, lane) for lane in _LANES}
         self._offline: set[int] = set()  # offline sequences not finished (event-loop side)
         self._lane_of: dict[int, Lane] = {}  # engine-thread side: unfinished sequences' lanes
         self.max_queue = workload.batching.max_queue
-        default = workload.slo.timeout_ms
-        self.default_timeout_s = default / 1000 if default else None
+        self.default_timeout_s = slo.timeout_ms / 1000 if slo.timeout_ms else None
         self.utilization = Utilization()
         self.rate = TokenRate()
-        self._series = _Series.bind(metrics, self.name)
+        self._series = GenerateSeries.of(metrics, self.name)
         self._spans = GenerateSpans(tracing, self.name, clock) if tracing is not None else None
         self._stats = threading.Lock()  # rate and utilization: engine thread and /metrics
         self._lock = threading.Condition()
@@ -241,12 +181,18 @@ class Engine:
         self._ids = itertools.count(1)
         self._streams: dict[int, TokenStream] = {}  # event-loop side only
         self._last_token_at: dict[int, float] = {}  # engine-thread side only
+        self._unsent: list[Event] = []  # engine-thread side: for the next _flush
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name=f"lanes-engine-{self.name}")
-        self._decoding = ThreadPoolExecutor(1, thread_name_prefix=f"lanes-decode-{self.name}")
-        # Prefilled caches not yet in the batch (engine thread only).
-        self._joins: list[Join] = []
         self._thread.daemon = True
+
+    @property
+    def cache(self) -> BatchCache:
+        return self.loop.cache
+
+    @property
+    def preempted(self) -> Preempted:
+        return self.loop.preempted
 
     # ---- the event-loop side -------------------------------------------------
 
@@ -266,7 +212,6 @@ class Engine:
             self._lock.notify()
         if self._thread.is_alive():
             await asyncio.to_thread(self._thread.join, 30)
-        self._decoding.shutdown(wait=False)
 
     def submit(
         self,
@@ -282,16 +227,9 @@ class Engine:
         """
         timeout_s = timeout_s if timeout_s is not None else self.default_timeout_s
         now = self.clock()
-        seq = Seq(
-            id=next(self._ids),
-            prompt_ids=request.prompt_ids,
-            max_new_tokens=request.max_new_tokens,
-            sampling=request.sampling,
-            stop=request.stop,
-            seed=request.seed,
-            deadline=now + timeout_s if timeout_s is not None else None,
-            ignore_eos=ignore_eos or request.ignore_eos,
-            arrived=now,
+        deadline = now + timeout_s if timeout_s is not None else None
+        seq = seq_of(
+            next(self._ids), request, deadline=deadline, arrived=now, ignore_eos=ignore_eos
         )
         stream = TokenStream(seq.id, len(seq.prompt_ids), self)
         with self._lock:
@@ -316,19 +254,7 @@ class Engine:
         `Completion` (the model's, no handler: the offline workload applies its own)
         or the error it failed with alone. Overloaded, whole, when the lane cannot
         hold them or the server stops before they are done (the flow retries)."""
-        seqs = [
-            Seq(
-                id=next(self._ids),
-                prompt_ids=r.prompt_ids,
-                max_new_tokens=r.max_new_tokens,
-                sampling=r.sampling,
-                stop=r.stop,
-                seed=r.seed,
-                ignore_eos=r.ignore_eos,
-                offline=True,
-            )
-            for r in requests
-        ]
+        seqs = [seq_of(next(self._ids), r, offline=True) for r in requests]
         streams = [TokenStream(seq.id, len(seq.prompt_ids), self) for seq in seqs]
         with self._lock:
             if self._stopping:
@@ -382,33 +308,31 @@ class Engine:
 
     def _run(self) -> None:
         while True:
-            stopping = self._take_inbox(wait=True)
+            stopping = self._take_inbox()
             self._steer()
             plan = self.scheduler.schedule()
-            self._count_waiting()
+            self._planned(plan)
             if plan.empty:
                 if stopping:
+                    self._flush()
                     return
                 continue
-            self._step(plan)
+            # The last step's events go out as this one's model runs begin: waking the
+            # event loop then costs this thread no wait for the GIL.
+            step = self.loop.run(plan, self._flush)
+            self._observe(step)
+            self._unsent += step.events
+            if not plan.runs_model:
+                self._flush()
 
-    def _steer(self) -> None:
-        """The SLOs' bounds on the next full plan's prefill and rows (lanes/generation/steer.py)."""
-        scheduler, steer = self.scheduler, self.steer
-        if steer.ttft_s is not None:
-            budget = steer.prefill_tokens(self._default_prefill_tokens)
-            scheduler.max_prefill_tokens = min(budget, self._default_prefill_tokens)
-        if steer.itl_s is not None:
-            scheduler.max_running = steer.rows(max(self.cache.length, 1))
-
-    def _take_inbox(self, wait: bool) -> bool:
-        """Move new requests and aborts into the scheduler (with `wait`, first sleep
-        until there is something to do). Returns whether the engine is stopping."""
+    def _take_inbox(self) -> bool:
+        """Sleep until there is something to do, then move new requests and aborts
+        into the scheduler. Returns whether the engine is stopping."""
         scheduler = self.scheduler
+        if not scheduler.has_work:
+            self._flush()  # no model run of a next step takes them out
         with self._lock:
-            while wait and not (
-                self._inbox or self._aborts or self._stopping or scheduler.has_work
-            ):
+            while not (self._inbox or self._aborts or self._stopping or scheduler.has_work):
                 self._lock.wait()
             joining, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
@@ -424,174 +348,50 @@ class Engine:
             scheduler.abort(seq_id)
         return stopping
 
-    def _count_waiting(self) -> None:
+    def _steer(self) -> None:
+        """The SLOs' bounds on the next plan's prefill and rows (lanes/generation/steer.py)."""
+        scheduler, steer = self.scheduler, self.steer
+        if steer.ttft_s is not None:
+            budget = steer.prefill_tokens(self._default_prefill_tokens)
+            scheduler.max_prefill_tokens = min(budget, self._default_prefill_tokens)
+        if steer.itl_s is not None:
+            scheduler.max_running = steer.rows(max(self.cache.length, 1))
+
+    def _planned(self, plan: StepPlan) -> None:
+        """What a plan says before it runs: the queues' depths, the preemptions."""
+        if plan.preempted:
+            self._lanes["offline"].preemptions.inc(len(plan.preempted))
         with self._lock:
             self._waiting = sum(not s.offline for s in self._inbox) + self.scheduler.num_waiting
             offline = sum(s.offline for s in self._inbox) + self.scheduler.num_offline_waiting
         self._lanes["interactive"].queue_depth.set(self._waiting)
         self._lanes["offline"].queue_depth.set(offline)
 
-    def _step(self, plan: StepPlan) -> None:
-        """Prefill the joiners and hand out their first tokens at once, then decode
-        every row (prefilling whoever arrives meanwhile, so time to first token never
-        waits for a decode step). Joiners' caches enter the batch on the decode thread,
-        just before the next decode, with every other copy of the cache: this thread
-        stays free to prefill newcomers while those copies run."""
-        start = self.clock()
-        reported = False
-        # Prefilled before this plan was made: each is in plan.decode or has finished.
-        joins = self._take_joins()
-        if plan.preempted:
-            self._lanes["offline"].preemptions.inc(len(plan.preempted))
-        try:
-            if plan.prefill or plan.retired or plan.resumed or plan.chunk:
-                self._join(
-                    StepPlan(
-                        plan.prefill, retired=plan.retired, resumed=plan.resumed, chunk=plan.chunk
-                    )
-                )
-            reported = True
-            keep = {s.id for s in plan.decode}
-            if plan.decode:
-                decoding = self.clock()
-                decoded = self._decode(plan.decode, joins, keep, plan.preempted)
-                took = self.clock() - decoding
-                self._series.decode.observe(took)
-                self.steer.observe_decode(len(plan.decode), self.cache.length, took)
-                self._series.rows.observe(len(plan.decode))
-                rows = StepPlan(decode=plan.decode)
-                log_isolated(
-                    self.name, "decode step", len(plan.decode), decoded.error, decoded.failed
-                )
-                failed = failures(plan.decode, decoded.failed, at_position)
-                outputs = StepOutputs(decode=decoded.logits, failed=failed)
-                self._publish(rows, self.scheduler.update(rows, outputs))
-            elif joins or plan.preempted:  # nobody to decode: they all finished or left
-                self._settle(joins, keep, plan.preempted)
-        except Exception as error:  # not one row's fault: it answers them all, never kills the loop
-            log.exception("workload %s: a step of %d rows failed", self.name, len(plan.decode))
-            self.cache = BatchCache(self.decoder, self.cache.max_padding)
-            self._joins = []
-            failed_plan = StepPlan(decode=plan.decode) if reported else plan
-            message = (
-                f"the server failed on a step of this sequence's batch "
-                f"({type(error).__name__}: {error}); the server's log has the details"
-            )
-            self._publish(failed_plan, self.scheduler.fail(failed_plan, message))
-        finally:
-            end = self.clock()
-            with self._stats:
-                self.utilization.record(start, end)
-            self._series.busy.inc(end - start)
-            self._lane_busy(plan, end - start)
-
-    def _lane_busy(self, plan: StepPlan, seconds: float) -> None:
-        """A step's time, shared between the lanes by the rows each had in it."""
-        seqs = (*plan.decode, *plan.prefill, *plan.resumed)
-        offline = sum(s.offline for s in seqs)
-        if seqs:
-            self._lanes["offline"].busy.inc(seconds * offline / len(seqs))
-            self._lanes["interactive"].busy.inc(seconds * (len(seqs) - offline) / len(seqs))
-
-    def _join(self, plan: StepPlan) -> None:
-        """Run a prefill-only plan and hand out its first tokens; the joiners' caches
-        wait in `_joins` until the next step takes them into the batch."""
-        outputs = StepOutputs()
-        if plan.prefill:
-            start = self.clock()
-            done = prefill_apart(self.decoder, plan.prefill)
-            end = self.clock()
-            self._series.prefill.observe(end - start)
+    def _observe(self, step: Step) -> None:
+        """A step's runs into the metrics, the cost models and the spans; its events'
+        tokens into TTFT, ITL and the lanes' items."""
+        m, plan = self._series, step.plan
+        if step.prefill is not None:
+            took = step.prefill.seconds
+            m.prefill.observe(took)
             width = max(len(s.prompt_ids) for s in plan.prefill)
-            self.steer.observe_prefill(len(plan.prefill), len(plan.prefill) * width, end - start)
+            self.steer.observe_prefill(len(plan.prefill), len(plan.prefill) * width, took)
             if self._spans is not None:
-                self._spans.prefilled(plan.prefill, start, end)
-            self._joins += done.joins
-            log_isolated(self.name, "prefill", len(plan.prefill), done.error, done.failed)
-            failed = failures(plan.prefill, done.failed, prompt_of)
-            outputs = StepOutputs(prefill=done.logits, failed=failed)
-        if plan.resumed:
-            back = self.preempted.resume(self.decoder, plan.resumed)
-            self._joins += back.joins
-            log_isolated(self.name, "recompute", len(plan.resumed), back.error, back.failed)
-            failed = {**outputs.failed, **failures(plan.resumed, back.failed, prompt_of)}
-            outputs = StepOutputs(prefill=outputs.prefill, failed=failed)
-        if plan.chunk is not None:
-            outputs = self._run_chunk(plan.chunk, outputs)
-        self._publish(plan, self.scheduler.update(plan, outputs))
-
-    def _run_chunk(self, chunk: Chunk, outputs: StepOutputs) -> StepOutputs:
-        """One part of a long prompt; the final part's cache joins the batch next step."""
-        start = self.clock()
-        part = self.chunked.run(self.decoder, chunk)
-        took = self.clock() - start
-        self._series.prefill.observe(took)
-        self.steer.observe_prefill(1, chunk.stop - chunk.start, took)
-        self._joins += part.joins
-        log_isolated(self.name, "prefill chunk", 1, part.error, part.failed)
-        failed = {**outputs.failed, **failures((chunk.seq,), part.failed, prompt_of)}
-        return StepOutputs(outputs.prefill, outputs.decode, failed, part.logits)
-
-    def _take_joins(self) -> list[Join]:
-        joins, self._joins = self._joins, []
-        return joins
-
-    def _settle(self, joins: list[Join], keep: set[int], preempted: Sequence[Seq] = ()) -> None:
-        """The batch's cache for the next decode: joiners in (into holes where they
-        fit), preempted rows' caches kept, then leavers out (rows not in `keep` become
-        holes, a joiner that already finished too), holes compacted away once they
-        are worth a copy."""
-        for join in joins:
-            self.cache.place(join.ids, join.past, join.mask)
-        self.preempted.keep(self.cache, preempted)
-        self.cache.release(keep)
-        self.cache.compact()
-
-    def _publish(self, plan: StepPlan, events: list[Event]) -> None:
-        self._observe(plan, events)
-        self._hand_over(events)
-
-    def _decode(
-        self, seqs: Sequence[Seq], joins: list[Join], keep: set[int], preempted: Sequence[Seq]
-    ) -> Decoded:
-        """One token for every row, on the decode thread (which first settles the
-        cache); logits come back in `seqs`' order, with the rows the model failed on
-        alone. Requests arriving meanwhile are prefilled on this thread (onnxruntime
-        runs both at once, each releasing the GIL)."""
-
-        def settle_and_decode() -> Decoded:
-            self._settle(joins, keep, preempted)
-            return self.cache.decode(seqs)
-
-        running = self._decoding.submit(settle_and_decode)
-        running.add_done_callback(lambda _: self._notify())
-        try:
-            while True:
-                with self._lock:
-                    while not (self._inbox or self._aborts or running.done()):
-                        self._lock.wait()
-                if running.done():
-                    break
-                self._take_inbox(wait=False)
-                early = self.scheduler.schedule(decode=False)
-                self._count_waiting()
-                if not early.empty:
-                    self._join(early)
-        finally:
-            concurrent.futures.wait([running])
-        return running.result()
-
-    def _notify(self) -> None:
-        with self._lock:
-            self._lock.notify()
-
-    def _observe(self, plan: StepPlan, events: list[Event]) -> None:
-        m = self._series
+                self._spans.prefilled(plan.prefill, step.prefill.start, step.prefill.end)
+        if step.chunk is not None and plan.chunk is not None:
+            m.prefill.observe(step.chunk.seconds)
+            tokens = plan.chunk.stop - plan.chunk.start
+            self.steer.observe_prefill(1, tokens, step.chunk.seconds)
+        if step.decode is not None:
+            rows = len(plan.decode)
+            m.decode.observe(step.decode.seconds)
+            m.rows.observe(rows)
+            self.steer.observe_decode(rows, step.decoded_length, step.decode.seconds)
         now = self.clock()
         made = 0
         # First tokens come from prefills only (a prompt's final chunk among them).
         joined = {s.id: s for s in (*plan.prefill, *([plan.chunk.seq] if plan.chunk else []))}
-        for event in events:
+        for event in step.events:
             lane = self._lane_of.get(event.seq_id, "interactive")
             if event.tokens:
                 made += len(event.tokens)
@@ -606,19 +406,31 @@ class Engine:
             if event.finish is not None:
                 self._last_token_at.pop(event.seq_id, None)
                 self._lane_of.pop(event.seq_id, None)
-                self.preempted.drop(event.seq_id)
                 self._lanes[lane].items.inc()
                 m.finished(event.finish)
         m.generated.inc(made)
+        busy = step.end - step.start
         with self._stats:
             self.rate.record(time.monotonic(), made)
-        self.refresh_gauges()
+            self.utilization.record(step.start, step.end)
+        m.busy.inc(busy)
+        self._lane_busy(step, busy)
         m.in_flight.set(self.scheduler.num_running)
         m.queue_depth.set(self._waiting)
         if self._spans is not None:
-            self._spans.observed(plan, events, now)
+            self._spans.observed(plan, step.events, now)
 
-    def _hand_over(self, events: list[Event]) -> None:
+    def _lane_busy(self, step: Step, seconds: float) -> None:
+        """A step's time, shared between the lanes by the rows each had in it."""
+        seqs = (*step.plan.decode, *step.plan.prefill, *step.plan.resumed)
+        offline = sum(s.offline for s in seqs)
+        if seqs:
+            self._lanes["offline"].busy.inc(seconds * offline / len(seqs))
+            self._lanes["interactive"].busy.inc(seconds * (len(seqs) - offline) / len(seqs))
+
+    def _flush(self) -> None:
+        """Hand the events not sent yet to the event loop, into their streams."""
+        events, self._unsent = self._unsent, []
         if not events or self._loop is None:
             return
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening

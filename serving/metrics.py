@@ -340,3 +340,43 @@ class LaneSeries:
             metrics.lane_busy_seconds.labels(workload, lane),
             metrics.lane_preemptions.labels(workload, lane),
         )
+
+
+@dataclass(frozen=True)
+class GenerateSeries:
+    """One generate workload's series, looked up once: `labels()` per token adds up."""
+
+    metrics: Metrics
+    name: str
+    ttft: Histogram
+    itl: Histogram
+    generated: Counter
+    in_flight: Gauge
+    queue_depth: Gauge
+    prefill: Histogram
+    decode: Histogram
+    rows: Histogram
+    busy: Counter
+    rate: Gauge
+    utilization: Gauge
+
+    @classmethod
+    def of(cls, m: Metrics, name: str) -> GenerateSeries:
+        return cls(
+            metrics=m,
+            name=name,
+            ttft=m.ttft.labels(name),
+            itl=m.itl.labels(name),
+            generated=m.generated_tokens.labels(name),
+            in_flight=m.in_flight.labels(name),
+            queue_depth=m.queue_depth.labels(name),
+            prefill=m.prefill_time.labels(name),
+            decode=m.decode_time.labels(name),
+            rows=m.batch_size.labels(name),
+            busy=m.busy_seconds.labels(name),
+            rate=m.tokens_per_second.labels(name),
+            utilization=m.utilization.labels(name),
+        )
+
+    def finished(self, reason: str) -> None:
+        self.metrics.finished.labels(self.name, reason).inc()

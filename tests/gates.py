@@ -10,7 +10,7 @@
 - `ManualClock` moves only when told; `JumpClock` is real time plus the jumps a test
   makes (a deadline passes at once, and nothing else changes).
 - `wait_until` and `eventually` (on an event loop) poll a condition, with a generous
-  bound.
+  bound; `stepping` lets the gated runs through one at a time meanwhile.
 
 Every wait here is bounded by WAIT_S: a test that never opens its gate fails, it
 never hangs.
@@ -97,17 +97,21 @@ class Gate:
         with self._changed:
             return sum(self._held)
 
-    def wait_held(self, runs: int = 1) -> None:
-        """Block until `runs` runs wait at the gate and are not let through yet (from a
-        test: `asyncio.to_thread`). A run `allow()` just let through may still be in
-        `wait()`, not yet awake: it does not count, so `allow(1); wait_held()` waits for
-        the next run, never for the one just allowed."""
-
-        def blocked() -> int:
-            return len(self._held) - (0 if self._open else self._permits)
-
+    def blocked(self) -> int:
+        """Runs waiting at the gate and not let through yet. A run `allow()` just let
+        through may still be in `wait()`, not yet awake: it does not count."""
         with self._changed:
-            if not self._changed.wait_for(lambda: blocked() >= runs, WAIT_S):
+            return self._blocked()
+
+    def _blocked(self) -> int:
+        return len(self._held) - (0 if self._open else self._permits)
+
+    def wait_held(self, runs: int = 1) -> None:
+        """Block until `runs` runs are `blocked()` (from a test: `asyncio.to_thread`),
+        so `allow(1); wait_held()` waits for the next run, never for the one just
+        allowed."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._blocked() >= runs, WAIT_S):
                 raise TimeoutError(f"{runs} run(s) did not reach the gate within {WAIT_S} s")
 
 
@@ -261,6 +265,18 @@ def wait_until(check: Callable[[], bool], what: str, timeout: float = WAIT_S) ->
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout} s")
         time.sleep(0.01)
+
+
+def stepping(gate: Gate, check: Callable[[], bool]) -> Callable[[], bool]:
+    """`check`, letting one run blocked at `gate` through on each call: for waiting on
+    what the engine does at its next step (an abort, say), whose run the gate holds."""
+
+    def stepped() -> bool:
+        if gate.blocked():
+            gate.allow(1)
+        return check()
+
+    return stepped
 
 
 async def eventually(check: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:

@@ -25,7 +25,7 @@ import pytest
 
 import lanes
 from lanes.client import Completion
-from tests.gates import HELD, Gate, eventually, wait_until
+from tests.gates import HELD, Gate, eventually, stepping, wait_until
 from tests.servers import ServerThread, free_port, write_spec
 
 pytestmark = pytest.mark.slow
@@ -269,11 +269,17 @@ def test_closing_a_stream_early_frees_its_slot(client: lanes.Client, server: Ser
             DECODER.wait_held()
             assert metric(server, "lanes_sequences_in_flight", workload="code") == 1
             break  # the loop drops the iterator: it closes, and so does its connection
-        # The server aborts the sequence while its step is still held.
+        # The server aborts the sequence at its next step (the runs held meanwhile are
+        # let through one at a time: the abort may reach it after the held step's plan).
         wait_until(
-            lambda: (
-                metric(server, "lanes_sequences_finished_total", workload="code", reason="abort")
-                == aborted + 1
+            stepping(
+                DECODER,
+                lambda: (
+                    metric(
+                        server, "lanes_sequences_finished_total", workload="code", reason="abort"
+                    )
+                    == aborted + 1
+                ),
             ),
             "the server aborting the sequence",
         )
@@ -291,9 +297,10 @@ async def test_async_stream_aclose_frees_its_slot(
         await asyncio.to_thread(DECODER.wait_held)
         assert metric(server, "lanes_sequences_in_flight", workload="code") == 1
         await chunks.aclose()  # type: ignore[attr-defined]
-        await eventually(
-            lambda: metric(server, "lanes_sequences_in_flight", workload="code") == 0, "a free row"
+        free = stepping(
+            DECODER, lambda: metric(server, "lanes_sequences_in_flight", workload="code") == 0
         )
+        await eventually(free, "a free row")  # at the server's next step
         assert (
             metric(server, "lanes_sequences_finished_total", workload="code", reason="abort")
             == aborted + 1

@@ -18,7 +18,7 @@ from lanes.runtime import Runtime
 from lanes.settings import Settings
 from lanes.specfile import load_spec
 from lanes.tasks import GenerateTask, load_task
-from tests.gates import Gate, JumpClock, eventually, wait_until
+from tests.gates import Gate, JumpClock, eventually, stepping, wait_until
 from tests.servers import ServerThread
 
 pytestmark = pytest.mark.slow
@@ -322,11 +322,19 @@ def test_a_disconnect_frees_its_row(server: ServerThread) -> None:
             assert next(lines).startswith("data: ")
             GATE.wait_held()
             assert metric(server, "lanes_sequences_in_flight", workload="code") == 1
-        # The client left: the engine retires its row while that step is still held.
+
+        # The client left: the engine frees its row at its next step. The held step may
+        # still run it (the abort may reach the engine after that step's plan), so the
+        # runs held meanwhile are let through, one at a time.
         wait_until(
-            lambda: (
-                metric(server, "lanes_sequences_finished_total", workload="code", reason="abort")
-                > aborted
+            stepping(
+                GATE,
+                lambda: (
+                    metric(
+                        server, "lanes_sequences_finished_total", workload="code", reason="abort"
+                    )
+                    > aborted
+                ),
             ),
             "the server aborting the sequence",
         )
@@ -342,7 +350,7 @@ def test_a_disconnect_frees_its_row(server: ServerThread) -> None:
 
 async def test_full_queue_503_and_deadlines(server: ServerThread) -> None:
     """one-lane has one row and one waiting place. A gate holds the row's sequence
-    between two steps for as long as the test needs; the clock's jumps pass deadlines."""
+    in a step for as long as the test needs; the clock's jumps pass deadlines."""
     url = f"{server.url}/v1/completions"
     long = {
         "model": "one-lane",
@@ -390,7 +398,8 @@ async def test_full_queue_503_and_deadlines(server: ServerThread) -> None:
                 )
                 await eventually(queued, "a request waiting for the row")
                 CLOCK.jump(7200)
-                GATE.allow(1)  # one more step of the running one: the next plan sees the deadline
+                # The running one's step, then the next: its plan sees the deadline.
+                GATE.allow(2)
                 assert (await late).status_code == 504
                 await asyncio.to_thread(GATE.wait_held)  # and the running one holds its row still
         await eventually(free, "the row freed by the disconnect")

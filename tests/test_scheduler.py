@@ -372,24 +372,6 @@ def test_prefill_alone_runs_joiners_without_the_rows_then_decodes_them_all() -> 
     assert plan.decode == () and ids(plan.prefill) == [4]
 
 
-def test_a_prefill_only_plan_admits_joiners_while_a_decode_runs() -> None:
-    s = make(max_running=3)
-    s.add(seq(0, max_new=2))
-    s.add(seq(1, max_new=5))
-    step(s)
-    running = s.schedule()  # decode plan in flight: rows 0 and 1
-    s.add(seq(2))
-    s.add(seq(3))
-    s.abort(1)
-    mid = s.schedule(decode=False)
-    assert mid.decode == () and ids(mid.prefill) == [2] and ids(mid.retired) == [1]
-    assert by_id(s.update(mid, StepOutputs(prefill=logits(B))))[2].text == "b"
-    events = by_id(s.update(running, StepOutputs(decode=logits(A, A))))
-    assert events[0].finish == "length" and 1 not in events  # 1 left mid-step
-    plan = s.schedule()
-    assert ids(plan.decode) == [2] and ids(plan.prefill) == [3]
-
-
 # ---- two lanes: offline sequences take free rows, and leave them for interactive ones
 
 
@@ -433,7 +415,7 @@ def test_an_interactive_arrival_preempts_the_newest_offline_row_at_the_next_plan
     assert left.tokens == [B, C, A], "one token per decode, none lost or made twice"
 
 
-def test_interactive_rows_are_never_preempted_and_prefill_only_plans_admit_no_offline_one() -> None:
+def test_interactive_rows_are_never_preempted() -> None:
     s = make(max_running=2)
     s.add(seq(1))
     s.add(seq(2))
@@ -443,14 +425,6 @@ def test_interactive_rows_are_never_preempted_and_prefill_only_plans_admit_no_of
     plan = s.schedule()
     assert not plan.preempted and not plan.prefill, "rows held by interactive ones stay"
     s.update(plan, StepOutputs(decode=logits(A, A)))
-
-    s = make(max_running=3)
-    s.add(seq(1))
-    step(s)
-    s.add(seq(10, offline=True))
-    assert s.schedule(decode=False).empty, "offline work waits for a full plan"
-    s.add(seq(3))
-    assert ids(s.schedule(decode=False).prefill) == [3]
 
 
 # ---- chunked prefill: a long prompt in parts, the rows decoding meanwhile ----------------

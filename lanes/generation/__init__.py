@@ -9,6 +9,6 @@
 - `batch`: offline generation, many prompts through the loop with rows refilled.
 
 The offline shard (flows/shard.py, through `GenerateTask.run`) drives the loop until
-every prompt is done; the online engine (serving/engine.py) runs the scheduler, the
-cache and prefill on its own two threads, with arrivals and streams.
+every prompt is done; the online engine (serving/engine.py) drives it on a thread of
+its own, with arrivals and streams around it.
 """

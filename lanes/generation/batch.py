@@ -69,6 +69,30 @@ def scheduler_for(
     )
 
 
+def seq_of(
+    seq_id: int,
+    request: GenerateRequest,
+    *,
+    deadline: float | None = None,
+    arrived: float = 0.0,
+    offline: bool = False,
+    ignore_eos: bool = False,
+) -> Seq:
+    """A prepared request's sequence, for either lane (`ignore_eos` or the request's)."""
+    return Seq(
+        id=seq_id,
+        prompt_ids=request.prompt_ids,
+        max_new_tokens=request.max_new_tokens,
+        sampling=request.sampling,
+        stop=request.stop,
+        seed=request.seed,
+        deadline=deadline,
+        ignore_eos=ignore_eos or request.ignore_eos,
+        arrived=arrived,
+        offline=offline,
+    )
+
+
 def generate_batch(
     decoder: Decoder,
     requests: Sequence[GenerateRequest],
@@ -85,18 +109,7 @@ def generate_batch(
     run (no row is to blame, so the caller may retry the whole batch). With `chunked`,
     prompts over `max_prefill_tokens` are prefilled in parts (see Scheduler)."""
     scheduler = scheduler_for(decoder, rows, max_prefill_tokens=max_prefill_tokens, chunked=chunked)
-    seqs = [
-        Seq(
-            id=i,
-            prompt_ids=r.prompt_ids,
-            max_new_tokens=r.max_new_tokens,
-            sampling=r.sampling,
-            stop=r.stop,
-            seed=r.seed,
-            ignore_eos=r.ignore_eos,
-        )
-        for i, r in enumerate(requests)
-    ]
+    seqs = [seq_of(i, r) for i, r in enumerate(requests)]
     # Stable: equal lengths keep their order, so a rerun batches the same way.
     for seq in sorted(seqs, key=lambda s: len(s.prompt_ids)):
         scheduler.add(seq)

@@ -3,17 +3,18 @@
     loop = StepLoop(decoder, scheduler, name)
     step = loop.run(scheduler.schedule())     # one whole plan, one update
     step.events                               # tokens, text and finishes of this step
+    step.prefill, step.decode, step.chunk     # when each model run began and ended
 
-The offline batch (lanes/generation/batch.py) drives it until every sequence is
-done; the online engine (serving/engine.py) runs its own two-thread loop over the
-same scheduler, prefill and cache, to act on disconnects and deadlines while a step
-runs. Each plan runs whole here: its joiners' prompts are prefilled in one
-left-padded run (lanes/generation/prefill.py), its rows decode one token each over
-the batch's KV cache (lanes/generation/kvcache.py), and the scheduler updates the
-plan once with both. The joiners' caches enter the batch's at the next run, with
-the rows that left going out, so each decode sees exactly its plan's rows.
-Preempted rows' caches are kept on their way out, and resumed sequences' caches
-come back (kept, or recomputed) beside the joiners' (lanes/generation/preempt.py).
+Both lanes drive it: the offline batch (lanes/generation/batch.py) until every
+sequence is done, the online engine (serving/engine.py) on a thread of its own, one
+plan at a time, with arrivals taken between steps. Each plan runs whole here: its
+rows decode one token each over the batch's KV cache (lanes/generation/kvcache.py),
+its joiners' prompts are prefilled in one left-padded run
+(lanes/generation/prefill.py), and the scheduler updates the plan once with both.
+The joiners' caches enter the batch's when the next plan settles it, with the rows
+the scheduler no longer holds going out, so each decode sees exactly its plan's
+rows. Preempted rows' caches are kept on their way out, and resumed sequences'
+caches come back (kept, or recomputed) beside the joiners' (lanes/generation/preempt.py).
 
 A prefill or decode run that fails is run again in halves of its rows
 (lanes/isolation.py): the sequences that fail alone finish with their own error,
@@ -26,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lanes.generation.kvcache import MAX_PADDING, BatchCache
 from lanes.generation.preempt import KEEP_BYTES, Preempted
@@ -39,15 +40,37 @@ log = logging.getLogger("lanes.generation")
 
 
 @dataclass(frozen=True)
+class Timed:
+    """When one model run of a step began and ended, on the loop's clock."""
+
+    start: float
+    end: float
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
 class Step:
-    """What one run of a plan did: the plan, its events, and how long its model runs
-    took (seconds on the loop's clock; 0 where the plan had none)."""
+    """What one run of a plan did, filled in as it runs: its events, when the step
+    began and ended, and its model runs (None where the plan had none): the joiners'
+    prefill, the part of a long prompt, and the rows' decode over a cache
+    `decoded_length` positions long (its longest group, before the step)."""
 
     plan: StepPlan
-    events: list[Event]
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
+    start: float
+    end: float = 0.0
+    events: list[Event] = field(default_factory=list)
+    prefill: Timed | None = None
+    chunk: Timed | None = None
+    decode: Timed | None = None
+    decoded_length: int = 0
     failed: bool = False  # the step failed outside any one row: every row errored
+
+
+def _nothing() -> None:
+    pass
 
 
 class StepLoop:
@@ -68,50 +91,21 @@ class StepLoop:
         self.name = name
         self.clock = clock
         self.cache = BatchCache(decoder, max_padding)
-        self._joins: list[Join] = []  # prefilled, entering the cache at the next run
+        self._joins: list[Join] = []  # prefilled, entering the cache at the next settle
         self.preempted = Preempted(keep_bytes)
         self.chunked = Chunked()
 
-    def run(self, plan: StepPlan) -> Step:
+    def run(self, plan: StepPlan, before_runs: Callable[[], None] = _nothing) -> Step:
         """Run `plan` whole and update the scheduler with it; never raises for what
-        the model does (a failure becomes the rows' error events)."""
-        prefill_s = decode_s = 0.0
-        outputs = StepOutputs()
+        the model does (a failure becomes the rows' error events). `before_runs` is
+        called once as the plan's model runs begin (not at all for a plan without
+        any): what the caller does there overlaps them, as they release the GIL."""
+        step = Step(plan, self.clock())
         try:
-            failed: dict[int, str] = {}
-            decode = None
-            if plan.decode or plan.preempted:
-                self._settle({s.id for s in plan.decode}, plan.preempted)
-            if plan.decode:
-                start = self.clock()
-                decoded = self.cache.decode(plan.decode)
-                decode_s = self.clock() - start
-                self._log_isolated("decode step", len(plan.decode), decoded.error, decoded.failed)
-                failed.update(failures(plan.decode, decoded.failed, at_position))
-                decode = decoded.logits
-            prefill = None
-            if plan.prefill:
-                start = self.clock()
-                done = prefill_apart(self.decoder, plan.prefill)
-                prefill_s = self.clock() - start
-                self._joins += done.joins
-                self._log_isolated("prefill", len(plan.prefill), done.error, done.failed)
-                failed.update(failures(plan.prefill, done.failed, prompt_of))
-                prefill = done.logits
-            if plan.resumed:
-                back = self.preempted.resume(self.decoder, plan.resumed)
-                self._joins += back.joins
-                self._log_isolated("recompute", len(plan.resumed), back.error, back.failed)
-                failed.update(failures(plan.resumed, back.failed, prompt_of))
-            chunk = None
-            if plan.chunk is not None:
-                part = self.chunked.run(self.decoder, plan.chunk)
-                self._joins += part.joins
-                self._log_isolated("prefill chunk", 1, part.error, part.failed)
-                failed.update(failures((plan.chunk.seq,), part.failed, prompt_of))
-                chunk = part.logits
-            outputs = StepOutputs(prefill, decode, failed, chunk)
-            events = self.scheduler.update(plan, outputs)
+            if plan.runs_model:
+                before_runs()
+            outputs = self._model_runs(step)
+            step.events = events = self.scheduler.update(plan, outputs)
             for event in events:
                 if event.finish is not None:
                     self.preempted.drop(event.seq_id)
@@ -129,8 +123,50 @@ class StepLoop:
                 f"the server failed on a step of this sequence's batch "
                 f"({type(error).__name__}: {error}); the server's log has the details"
             )
-            return Step(plan, self.scheduler.fail(plan, message), prefill_s, decode_s, True)
-        return Step(plan, events, prefill_s, decode_s)
+            step.events, step.failed = self.scheduler.fail(plan, message), True
+        step.end = self.clock()
+        return step
+
+    def _model_runs(self, step: Step) -> StepOutputs:
+        """The plan's decode, prefill, recompute and chunk runs, each isolated (rows
+        the model fails on alone are in `failed`), timed into `step`."""
+        plan = step.plan
+        failed: dict[int, str] = {}
+        if plan.decode or plan.preempted:
+            # Every row the scheduler holds stays: a prefill-only plan's decode at the next.
+            self._settle({s.id for s in self.scheduler.rows}, plan.preempted)
+        decode = None
+        if plan.decode:
+            step.decoded_length, at = self.cache.length, self.clock()
+            decoded = self.cache.decode(plan.decode)
+            step.decode = Timed(at, self.clock())
+            self._log_isolated("decode step", len(plan.decode), decoded.error, decoded.failed)
+            failed.update(failures(plan.decode, decoded.failed, at_position))
+            decode = decoded.logits
+        prefill = None
+        if plan.prefill:
+            at = self.clock()
+            done = prefill_apart(self.decoder, plan.prefill)
+            step.prefill = Timed(at, self.clock())
+            self._joins += done.joins
+            self._log_isolated("prefill", len(plan.prefill), done.error, done.failed)
+            failed.update(failures(plan.prefill, done.failed, prompt_of))
+            prefill = done.logits
+        if plan.resumed:
+            back = self.preempted.resume(self.decoder, plan.resumed)
+            self._joins += back.joins
+            self._log_isolated("recompute", len(plan.resumed), back.error, back.failed)
+            failed.update(failures(plan.resumed, back.failed, prompt_of))
+        chunk = None
+        if plan.chunk is not None:
+            at = self.clock()
+            part = self.chunked.run(self.decoder, plan.chunk)
+            step.chunk = Timed(at, self.clock())
+            self._joins += part.joins
+            self._log_isolated("prefill chunk", 1, part.error, part.failed)
+            failed.update(failures((plan.chunk.seq,), part.failed, prompt_of))
+            chunk = part.logits
+        return StepOutputs(prefill, decode, failed, chunk)
 
     def _settle(self, keep: set[int], preempted: Sequence[Seq] = ()) -> None:
         """The batch's cache for the next decode: joiners in (into holes where they

@@ -9,14 +9,12 @@ Either way the sequence's next decode feeds its last token at its position, exac
 as if it had never left: nothing it made is lost or made twice, and with greedy
 decoding the tokens that follow are the ones it would have made.
 
-Both step loops use it: the offline one (lanes/generation/loop.py) and the online
-engine's (serving/engine.py), where `keep` runs on the decode thread and `resume`
-and `drop` on the engine's, hence the lock.
+The step loop (lanes/generation/loop.py) holds one, for both lanes: the offline
+batch and the online engine drive the same loop.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -39,7 +37,6 @@ class Preempted:
     kept_bytes: int = 0
     recomputed: int = 0  # resumes whose cache had to be recomputed
     _kept: dict[int, Join] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def keep(self, cache: BatchCache, seqs: Sequence[Seq]) -> None:
         """Copy each of `seqs`' rows out of `cache` while they fit (call before the
@@ -49,10 +46,9 @@ class Preempted:
             if join is None:
                 continue
             size = _nbytes(join)
-            with self._lock:
-                if self.kept_bytes + size <= self.max_bytes:
-                    self._kept[seq.id] = join
-                    self.kept_bytes += size
+            if self.kept_bytes + size <= self.max_bytes:
+                self._kept[seq.id] = join
+                self.kept_bytes += size
 
     def resume(self, decoder: Decoder, seqs: Sequence[Seq]) -> Prefilled:
         """The caches of resuming `seqs`: kept ones as they were, the others recomputed
@@ -60,14 +56,13 @@ class Preempted:
         logits: a resumed sequence samples nothing until its next decode."""
         joins: list[Join] = []
         again: list[Seq] = []
-        with self._lock:
-            for seq in seqs:
-                join = self._kept.pop(seq.id, None)
-                if join is None:
-                    again.append(seq)
-                else:
-                    self.kept_bytes -= _nbytes(join)
-                    joins.append(join)
+        for seq in seqs:
+            join = self._kept.pop(seq.id, None)
+            if join is None:
+                again.append(seq)
+            else:
+                self.kept_bytes -= _nbytes(join)
+                joins.append(join)
         if not again:
             return Prefilled(None, joins)
         self.recomputed += len(again)
@@ -76,14 +71,12 @@ class Preempted:
 
     def drop(self, seq_id: int) -> None:
         """Forget a sequence's kept cache (it finished, or was aborted, while preempted)."""
-        with self._lock:
-            join = self._kept.pop(seq_id, None)
-            if join is not None:
-                self.kept_bytes -= _nbytes(join)
+        join = self._kept.pop(seq_id, None)
+        if join is not None:
+            self.kept_bytes -= _nbytes(join)
 
     def __contains__(self, seq_id: int) -> bool:
-        with self._lock:
-            return seq_id in self._kept
+        return seq_id in self._kept
 
 
 def _nbytes(join: Join) -> int:

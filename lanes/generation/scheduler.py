@@ -218,11 +218,11 @@ class Scheduler:
     Two lanes share the rows. Offline sequences (`Seq.offline`) wait in a queue of
     their own and take only rows that no interactive sequence waits for; when
     interactive ones wait and every row is taken, the newest offline rows are
-    preempted (continuous policy, full plans only): back to the front of the offline
+    preempted (continuous policy): back to the front of the offline
     queue with the tokens they made, to resume when rows are free again.
 
     With `chunked`, `max_prefill_tokens` is a hard budget: a prompt longer than it is
-    prefilled in parts over several full plans (`StepPlan.chunk`, one prompt at a time,
+    prefilled in parts over several plans (`StepPlan.chunk`, one prompt at a time,
     holding a row meanwhile), so the rows decoding keep stepping while it is admitted.
     """
 
@@ -313,16 +313,9 @@ class Scheduler:
 
     # ---- the step ----------------------------------------------------------
 
-    def schedule(self, decode: bool = True) -> StepPlan:
+    def schedule(self) -> StepPlan:
         """The next step: expire what is past its deadline, drop finished rows (per
-        policy), and let waiting sequences join the free rows.
-
-        `decode=False` plans a prefill only, while the last plan's decode is still
-        running: rows stay as they are (finished ones included, until that plan's
-        update), joiners take only rows that are free now, and they decode from the
-        next full plan on; only interactive sequences join it (nobody waits for an
-        offline one's first token), and nobody is preempted from rows still running.
-        """
+        policy), and let waiting sequences join the free rows."""
         now = self.clock()
         for seq in (*self.rows, *self.waiting, *self.offline, *self._chunking()):
             if seq.deadline is not None and now >= seq.deadline and not seq.status.is_finished:
@@ -333,20 +326,20 @@ class Scheduler:
             self.waiting = deque(s for s in self.waiting if not s.status.is_finished)
         if any(s.status.is_finished for s in self.offline):
             self.offline = deque(s for s in self.offline if not s.status.is_finished)
-        if decode and (self.policy != "static" or all(s.status.is_finished for s in self.rows)):
+        if self.policy != "static" or all(s.status.is_finished for s in self.rows):
             self.rows = [s for s in self.rows if not s.status.is_finished]
-        elif decode:  # a row the model failed on would fail again: it leaves even static
+        else:  # a row the model failed on would fail again: it leaves even static
             self.rows = [s for s in self.rows if s.status != SeqStatus.FINISHED_ERROR]
         if self.chunking is not None and self.chunking.status.is_finished:
             self.chunking = None  # aborted or past its deadline: reported as retired
-        preempted = self._preempt() if decode else ()
+        preempted = self._preempt()
         running = tuple(self.rows)
-        chunk = self._chunk() if decode else None
+        chunk = self._chunk()
         budget = self.max_prefill_tokens - (0 if chunk is None else chunk.stop - chunk.start)
         prefill = self._admit(self.waiting, budget)
         self.rows.extend(prefill)
         resumed: tuple[Seq, ...] = ()
-        if decode and not self.waiting:  # offline rows only where no interactive one waits
+        if not self.waiting:  # offline rows only where no interactive one waits
             offline = self._admit(self.offline, budget - _padded(prefill))
             resumed = tuple(s for s in offline if s.tokens)
             prefill += tuple(s for s in offline if not s.tokens)
@@ -356,7 +349,7 @@ class Scheduler:
         # trickle in one per step would otherwise starve the decode.
         alone = bool(prefill) and self.prefill_alone and not self._prefilled_alone
         self._prefilled_alone = alone and bool(running)
-        rows = () if alone or not decode else running
+        rows = () if alone else running
         return StepPlan(prefill, rows, retired, preempted, resumed, chunk)
 
     def _chunk(self) -> Chunk | None:

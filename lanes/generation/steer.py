@@ -9,7 +9,7 @@ whose prefill fits in `ttft_ms` by the prefill cost model; the rows are as many 
 one decode step of the current cache length fits in `itl_ms` by the decode cost
 model. Both models (lanes/costmodel.py) learn from every run; until they have a fit,
 the prefill budget is DEFAULT_PREFILL_TOKENS and the rows `max_batch_size`. Pure: the
-engine feeds it its runs' times and reads the two bounds before each full plan.
+engine feeds it its runs' times and reads the two bounds before each plan.
 """
 
 from __future__ import annotations
