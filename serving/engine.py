@@ -389,11 +389,7 @@ class Engine:
 
     def _steer(self) -> None:
         """The SLOs' bounds on the next full plan's prefill and rows (lanes/generation/steer.py)."""
-        scheduler, steer = self.scheduler, self.steer
-        if steer.ttft_s is not None:
-            scheduler.max_prefill_tokens = steer.prefill_tokens(self._default_prefill_tokens)
-        if steer.itl_s is not None:
-            scheduler.max_running = steer.rows(max(self.cache.length, 1))
+        self.steer.apply(self.scheduler, max(self.cache.length, 1), self._default_prefill_tokens)
 
     def _take_inbox(self, wait: bool) -> bool:
         """Move new requests and aborts into the scheduler (with `wait`, first sleep

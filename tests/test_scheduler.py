@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
+from lanes.generation.reserve import Reserve
 from lanes.generation.scheduler import (
     Event,
     Policy,
@@ -394,7 +395,7 @@ def test_a_prefill_only_plan_admits_joiners_while_a_decode_runs() -> None:
 
 
 def test_offline_sequences_take_only_rows_no_interactive_one_waits_for() -> None:
-    s = make(max_running=3)
+    s = make(max_running=3, reserve=Reserve(share=0))  # no free rows kept
     for i in range(3):
         s.add(seq(10 + i, offline=True))
     s.add(seq(1))
@@ -404,7 +405,7 @@ def test_offline_sequences_take_only_rows_no_interactive_one_waits_for() -> None
 
 
 def test_an_interactive_arrival_preempts_the_newest_offline_row_at_the_next_plan() -> None:
-    s = make(max_running=3)
+    s = make(max_running=3, reserve=Reserve(share=0))  # no free rows kept
     for i in range(3):
         s.add(seq(10 + i, offline=True))
     step(s, B)  # all three prefill and make their first token
@@ -451,6 +452,60 @@ def test_interactive_rows_are_never_preempted_and_prefill_only_plans_admit_no_of
     assert s.schedule(decode=False).empty, "offline work waits for a full plan"
     s.add(seq(3))
     assert ids(s.schedule(decode=False).prefill) == [3]
+
+
+def test_offline_sequences_leave_a_reserve_of_rows_while_interactive_requests_arrive() -> None:
+    clock = Clock()
+    s = make(max_running=8, clock=clock)
+    for i in range(10):
+        s.add(seq(10 + i, offline=True, max_new=50))
+    step(s)
+    assert s.num_running == 8, "no interactive traffic: the offline job has every row"
+    for i in range(8):  # the offline rows finish; interactive requests come meanwhile
+        s.abort(10 + i)
+    s.add(seq(1, max_new=50))
+    s.add(seq(2, max_new=50))
+    s.add(seq(3, max_new=50))
+    plan, _ = step(s)
+    assert ids(plan.prefill) == [1, 2, 3, 18, 19]
+    assert s.num_running == 5, "3 interactive arrivals in the last 2 s: 8 // 4 rows stay free"
+    for i in range(3):
+        s.add(seq(20 + i, offline=True, max_new=50))
+    plan, _ = step(s)
+    assert ids(plan.prefill) == [20] and s.num_running == 6, "offline stops 2 rows short"
+    s.add(seq(4, max_new=50))
+    plan = s.schedule()
+    assert not plan.preempted, "the arrival finds a free row: nobody is preempted"
+    assert ids(plan.prefill) == [4]
+    s.update(plan, StepOutputs(prefill=logits(A), decode=logits(*[A] * len(plan.decode))))
+    clock.now += 2.5  # no interactive arrival since: the reserve goes back to the offline lane
+    plan, _ = step(s)
+    assert ids(plan.prefill) == [21] and s.num_running == 8
+
+
+def test_offline_rows_past_a_lowered_bound_are_preempted_while_interactive_rows_run() -> None:
+    clock = Clock()
+    s = make(max_running=6, clock=clock, reserve=Reserve(share=0))
+    for i in range(5):
+        s.add(seq(10 + i, offline=True, max_new=50))
+    s.add(seq(1, max_new=50))
+    step(s)
+    assert s.num_running == 6
+    s.max_running = 3  # as slo.itl_ms lowers it when the cache grows
+    plan = s.schedule()
+    assert ids(plan.preempted) == [12, 13, 14], "the newest offline rows leave"
+    assert ids(plan.decode) == [1, 10, 11]
+    s.update(plan, StepOutputs(decode=logits(A, A, A)))
+    plan, _ = step(s)
+    assert not plan.preempted and not plan.resumed, "and stay out while the bound holds"
+
+    s = make(max_running=4, clock=clock, reserve=Reserve(share=0))
+    for i in range(4):
+        s.add(seq(10 + i, offline=True, max_new=50))
+    step(s)
+    s.max_running = 2
+    plan = s.schedule()
+    assert not plan.preempted, "offline rows alone: no interactive step to keep short"
 
 
 # ---- chunked prefill: a long prompt in parts, the rows decoding meanwhile ----------------

@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from lanes.generation.reserve import Reserve
 from lanes.tasks.sampling import SamplingParams, generator, sample
 
 Array = np.ndarray[Any, Any]
@@ -213,10 +214,14 @@ class Scheduler:
     in a row while rows wait: then the joiners prefill in the rows' decode step.
 
     Two lanes share the rows. Offline sequences (`Seq.offline`) wait in a queue of
-    their own and take only rows that no interactive sequence waits for; when
-    interactive ones wait and every row is taken, the newest offline rows are
-    preempted (continuous policy, full plans only): back to the front of the offline
-    queue with the tokens they made, to resume when rows are free again.
+    their own and take only rows that no interactive sequence waits for, never the
+    last `reserve` rows (lanes/generation/reserve.py: kept free for interactive
+    arrivals while they keep coming); when interactive ones wait and every row is
+    taken, the newest offline rows are preempted (continuous policy, full plans only):
+    back to the front of the offline queue with the tokens they made, to resume when
+    rows are free again. So are offline rows past `max_running` while interactive
+    rows run (a bound lowered under them, as `slo.itl_ms` does): they would make the
+    interactive rows' steps longer than the bound allows.
 
     With `chunked`, `max_prefill_tokens` is a hard budget: a prompt longer than it is
     prefilled in parts over several full plans (`StepPlan.chunk`, one prompt at a time,
@@ -234,6 +239,7 @@ class Scheduler:
         max_prefill_tokens: int = 4096,
         prefill_alone: bool = False,
         chunked: bool = False,
+        reserve: Reserve | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if policy not in POLICIES:
@@ -244,11 +250,15 @@ class Scheduler:
         self.detokenize = detokenize
         self.max_position = max_position
         self.max_prefill_tokens = max_prefill_tokens
+        # Rows past max_running that waiting interactive sequences may take at the next
+        # full plan (lanes/generation/steer.py: when their TTFT is the nearer SLO).
+        self.past_bound = 0
         self.prefill_alone = prefill_alone
         self.chunked = chunked
         self.chunking: Seq | None = None  # the prompt being prefilled in parts
         self._prefilled_alone = False  # the last plan left waiting rows out for joiners
         self.clock = clock
+        self.reserve = Reserve() if reserve is None else reserve
         self.waiting: deque[Seq] = deque()
         self.offline: deque[Seq] = deque()  # the offline lane's, preempted ones first
         self.rows: list[Seq] = []
@@ -262,6 +272,8 @@ class Scheduler:
         if seq.id in self._live:
             raise ValueError(f"sequence {seq.id} is already scheduled")
         self._live[seq.id] = seq
+        if not seq.offline:
+            self.reserve.arrived(self.clock())
         (self.offline if seq.offline else self.waiting).append(seq)
 
     def abort(self, seq_id: int) -> None:
@@ -338,13 +350,15 @@ class Scheduler:
             self.chunking = None  # aborted or past its deadline: reported as retired
         preempted = self._preempt() if decode else ()
         running = tuple(self.rows)
-        chunk = self._chunk() if decode else None
+        offline_rows = self.max_running - self.reserve.rows(self.max_running, now)
+        chunk = self._chunk(offline_rows) if decode else None
         budget = self.max_prefill_tokens - (0 if chunk is None else chunk.stop - chunk.start)
-        prefill = self._admit(self.waiting, budget)
+        limit = self.max_running + (self.past_bound if decode else 0)
+        prefill = self._admit(self.waiting, budget, limit)
         self.rows.extend(prefill)
         resumed: tuple[Seq, ...] = ()
         if decode and not self.waiting:  # offline rows only where no interactive one waits
-            offline = self._admit(self.offline, budget - _padded(prefill))
+            offline = self._admit(self.offline, budget - _padded(prefill), offline_rows)
             resumed = tuple(s for s in offline if s.tokens)
             prefill += tuple(s for s in offline if not s.tokens)
             self.rows.extend(offline)
@@ -356,13 +370,16 @@ class Scheduler:
         rows = () if alone or not decode else running
         return StepPlan(prefill, rows, retired, preempted, resumed, chunk)
 
-    def _chunk(self) -> Chunk | None:
+    def _chunk(self, offline_rows: int) -> Chunk | None:
         """The next part of the prompt being prefilled in parts; a new one starts when
-        the first waiting prompt (interactive first) is over the budget and a row is free."""
+        the first waiting prompt (interactive first) is over the budget and a row is
+        free (an offline prompt: one of its `offline_rows`)."""
         if not self.chunked or self.policy != "continuous":
             return None
         if self.chunking is None and len(self.rows) < self.max_running:
             queue = self.waiting if self.waiting else self.offline
+            if queue is self.offline and len(self.rows) >= offline_rows:
+                queue = deque()
             head = queue[0] if queue else None
             if head is not None and not head.tokens and len(head.prompt_ids) > self._budget:
                 self.chunking = queue.popleft()
@@ -377,12 +394,15 @@ class Scheduler:
         return max(self.max_prefill_tokens, 1)
 
     def _preempt(self) -> tuple[Seq, ...]:
-        """Free a row for each interactive sequence waiting, from the newest offline
-        rows (the least work to redo if a cache must be recomputed)."""
+        """Free a row for each interactive sequence waiting, and the rows past
+        `max_running` while interactive rows run, from the newest offline rows (the
+        least work to redo if a cache must be recomputed)."""
         if self.policy != "continuous":
             return ()
-        free = self.max_running - len(self.rows) - len(self._chunking())
-        wanted = self.num_waiting - free
+        free = self.max_running + self.past_bound - len(self.rows) - len(self._chunking())
+        interactive = any(not (s.offline or s.status.is_finished) for s in self.rows)
+        waiting = self.num_waiting
+        wanted = waiting - free if waiting or interactive else 0
         victims: list[Seq] = []
         for seq in reversed(self.rows):
             if len(victims) >= wanted:
@@ -399,10 +419,10 @@ class Scheduler:
         self.offline.extendleft(victims)  # newest first in: the oldest ends up in front
         return tuple(reversed(victims))
 
-    def _admit(self, queue: deque[Seq], budget: int) -> tuple[Seq, ...]:
-        """Joiners from `queue` while rows are free and their padded prompts fit
-        `budget` (at least one, unless chunking makes the budget hard); a resumed
-        sequence costs no prefill tokens here."""
+    def _admit(self, queue: deque[Seq], budget: int, limit: int) -> tuple[Seq, ...]:
+        """Joiners from `queue` while fewer than `limit` rows are taken and their
+        padded prompts fit `budget` (at least one, unless chunking makes the budget
+        hard); a resumed sequence costs no prefill tokens here."""
         static = self.policy in ("static", "static-drop")
         if static and self.rows:
             return ()  # nobody joins a static batch once it runs
@@ -410,7 +430,7 @@ class Scheduler:
         longest = 0
         hard = self.chunked and not static
         held = len(self.rows) + len(self._chunking())
-        while queue and held + len(joining) < self.max_running:
+        while queue and held + len(joining) < limit:
             head = queue[0]
             size = max(longest, 0 if head.tokens else len(head.prompt_ids))
             over = size * (len(joining) + 1) > budget
