@@ -544,6 +544,22 @@ def test_a_prompt_over_the_budget_is_prefilled_in_parts_while_rows_keep_decoding
     assert ids(plan.prefill) == [3]
 
 
+def test_prompts_that_fit_join_before_the_parts_of_long_ones_that_wait_their_turn() -> None:
+    s = make(max_running=4, max_prefill_tokens=8, chunked=True)
+    s.add(seq(1, prompt=20))
+    s.add(seq(2, prompt=20))
+    s.add(seq(3, prompt=3))
+    plan, _ = step(s)
+    assert plan.chunk is not None and plan.chunk.seq.id == 1
+    assert ids(plan.prefill) == [3], "the short prompt passes the long one waiting for parts"
+    assert (plan.chunk.start, plan.chunk.stop) == (0, 5), "the part takes what it leaves"
+    assert ids(s.waiting) == [2], "the other long prompt keeps its place"
+    s.add(seq(4, prompt=6))
+    plan, _ = step(s)
+    assert not plan.prefill, "past half the budget, a prompt waits for the next step"
+    assert plan.chunk is not None and (plan.chunk.start, plan.chunk.stop) == (5, 13)
+
+
 def test_an_aborted_prompt_mid_chunks_frees_its_row() -> None:
     s = make(max_running=2, max_prefill_tokens=4, chunked=True)
     s.add(seq(1, prompt=10))

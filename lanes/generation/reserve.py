@@ -8,7 +8,7 @@ offline sequences never take the last `rows()` rows, so an arrival usually finds
 one and preemption stays the exception (a burst larger than the reserve still
 preempts). The reserve follows the interactive arrival rate: as many rows as
 interactive requests arrived in the last `window_s`, at most `share` of the rows
-(rounded up), and none once interactive traffic stops, so an offline job alone has
+(rounded down), and none once interactive traffic stops, so an offline job alone has
 every row. Pure: the scheduler feeds it arrival times on its own clock.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-RESERVE_SHARE = 0.25  # at most this share of the rows (rounded up) is kept free
+RESERVE_SHARE = 0.25  # at most this share of the rows (rounded down) is kept free
 RESERVE_WINDOW_S = 2.0  # arrivals this recent count
 
 
@@ -43,4 +43,4 @@ class Reserve:
     def rows(self, max_running: int, now: float) -> int:
         """Rows of `max_running` that offline sequences must leave free `now`."""
         self._expire(now)
-        return min(len(self._arrivals), math.ceil(self.share * max_running))
+        return min(len(self._arrivals), math.floor(self.share * max_running))

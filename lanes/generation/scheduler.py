@@ -351,14 +351,19 @@ class Scheduler:
         preempted = self._preempt() if decode else ()
         running = tuple(self.rows)
         offline_rows = self.max_running - self.reserve.rows(self.max_running, now)
-        chunk = self._chunk(offline_rows) if decode else None
-        budget = self.max_prefill_tokens - (0 if chunk is None else chunk.stop - chunk.start)
+        chunking = decode and self._start_chunk(offline_rows)
+        # Prompts that fit join before the next part of a long one, which takes the
+        # budget they leave, at least half of it (so it is never starved).
+        share = self._budget // 2 if chunking else 0
         limit = self.max_running + (self.past_bound if decode else 0)
-        prefill = self._admit(self.waiting, budget, limit)
+        prefill = self._admit(self.waiting, self.max_prefill_tokens - share, limit)
         self.rows.extend(prefill)
+        chunk = self._chunk(self.max_prefill_tokens - _padded(prefill)) if chunking else None
+        budget = self.max_prefill_tokens - _padded(prefill)
+        budget -= 0 if chunk is None else chunk.stop - chunk.start
         resumed: tuple[Seq, ...] = ()
         if decode and not self.waiting:  # offline rows only where no interactive one waits
-            offline = self._admit(self.offline, budget - _padded(prefill), offline_rows)
+            offline = self._admit(self.offline, budget, offline_rows)
             resumed = tuple(s for s in offline if s.tokens)
             prefill += tuple(s for s in offline if not s.tokens)
             self.rows.extend(offline)
@@ -370,12 +375,12 @@ class Scheduler:
         rows = () if alone or not decode else running
         return StepPlan(prefill, rows, retired, preempted, resumed, chunk)
 
-    def _chunk(self, offline_rows: int) -> Chunk | None:
-        """The next part of the prompt being prefilled in parts; a new one starts when
-        the first waiting prompt (interactive first) is over the budget and a row is
-        free (an offline prompt: one of its `offline_rows`)."""
+    def _start_chunk(self, offline_rows: int) -> bool:
+        """Whether a prompt is being prefilled in parts; a new one starts when the
+        first waiting prompt (interactive first) is over the budget and a row is free
+        (an offline prompt: one of its `offline_rows`)."""
         if not self.chunked or self.policy != "continuous":
-            return None
+            return False
         if self.chunking is None and len(self.rows) < self.max_running:
             queue = self.waiting if self.waiting else self.offline
             if queue is self.offline and len(self.rows) >= offline_rows:
@@ -384,10 +389,15 @@ class Scheduler:
             if head is not None and not head.tokens and len(head.prompt_ids) > self._budget:
                 self.chunking = queue.popleft()
                 self.chunking.status = SeqStatus.RUNNING
+        return self.chunking is not None
+
+    def _chunk(self, tokens: int) -> Chunk | None:
+        """The next part, at most `tokens` long, of the prompt being prefilled in parts."""
         seq = self.chunking
         if seq is None:
             return None
-        return Chunk(seq, seq.prefilled, min(seq.prefilled + self._budget, len(seq.prompt_ids)))
+        stop = min(seq.prefilled + max(tokens, 1), len(seq.prompt_ids))
+        return Chunk(seq, seq.prefilled, stop)
 
     @property
     def _budget(self) -> int:
@@ -422,7 +432,9 @@ class Scheduler:
     def _admit(self, queue: deque[Seq], budget: int, limit: int) -> tuple[Seq, ...]:
         """Joiners from `queue` while fewer than `limit` rows are taken and their
         padded prompts fit `budget` (at least one, unless chunking makes the budget
-        hard); a resumed sequence costs no prefill tokens here."""
+        hard); a resumed sequence costs no prefill tokens here. With chunking, a
+        prompt over the whole budget waits for its turn in parts (one prompt at a
+        time) without holding back the prompts behind it."""
         static = self.policy in ("static", "static-drop")
         if static and self.rows:
             return ()  # nobody joins a static batch once it runs
@@ -430,8 +442,12 @@ class Scheduler:
         longest = 0
         hard = self.chunked and not static
         held = len(self.rows) + len(self._chunking())
+        passed: list[Seq] = []  # too long for one step: the parts' turn will come
         while queue and held + len(joining) < limit:
             head = queue[0]
+            if hard and not head.tokens and len(head.prompt_ids) > self._budget:
+                passed.append(queue.popleft())
+                continue
             size = max(longest, 0 if head.tokens else len(head.prompt_ids))
             over = size * (len(joining) + 1) > budget
             if over and not static and (joining or (hard and not head.tokens)):
@@ -440,6 +456,7 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             joining.append(seq)
             longest = size
+        queue.extendleft(reversed(passed))
         return tuple(joining)
 
     def update(self, plan: StepPlan, outputs: StepOutputs) -> list[Event]:
