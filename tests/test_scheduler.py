@@ -560,6 +560,34 @@ def test_prompts_that_fit_join_before_the_parts_of_long_ones_that_wait_their_tur
     assert plan.chunk is not None and (plan.chunk.start, plan.chunk.stop) == (5, 13)
 
 
+def test_a_long_prompt_passed_by_short_ones_takes_the_next_free_row_when_its_turn_comes() -> None:
+    s = make(max_running=3, max_prefill_tokens=8, chunked=True)
+    for i, prompt in ((1, 20), (2, 20), (3, 3), (4, 3)):
+        s.add(seq(i, prompt=prompt, max_new=50))
+    for _ in range(10):  # 1 in parts; 3 and 4 pass 2, which waits for its turn
+        plan = s.schedule()
+        final = plan.chunk is not None and plan.chunk.final
+        s.update(
+            plan,
+            StepOutputs(
+                prefill=logits(*[A] * len(plan.prefill)) if plan.prefill else None,
+                decode=logits(*[A] * len(plan.decode)) if plan.decode else None,
+                chunk=logits(A) if final else None,
+            ),
+        )
+        if final:
+            break
+    assert sorted(ids(s.rows)) == [1, 3, 4] and ids(s.waiting) == [2]
+    s.add(seq(5, prompt=3))
+    s.past_bound = 1  # as the SLOs' steer lets waiting prompts past the row bound
+    plan, _ = step(s)
+    assert plan.chunk is None and not plan.prefill, "2's turn: 5 does not pass it now"
+    s.abort(3)
+    plan, _ = step(s)
+    assert plan.chunk is not None and plan.chunk.seq.id == 2, "the free row is 2's"
+    assert ids(plan.prefill) == [5], "and 5 passes it again while it is in parts"
+
+
 def test_an_aborted_prompt_mid_chunks_frees_its_row() -> None:
     s = make(max_running=2, max_prefill_tokens=4, chunked=True)
     s.add(seq(1, prompt=10))

@@ -432,9 +432,10 @@ class Scheduler:
     def _admit(self, queue: deque[Seq], budget: int, limit: int) -> tuple[Seq, ...]:
         """Joiners from `queue` while fewer than `limit` rows are taken and their
         padded prompts fit `budget` (at least one, unless chunking makes the budget
-        hard); a resumed sequence costs no prefill tokens here. With chunking, a
-        prompt over the whole budget waits for its turn in parts (one prompt at a
-        time) without holding back the prompts behind it."""
+        hard); a resumed sequence costs no prefill tokens here. While a prompt is
+        prefilled in parts, the next one over the whole budget waits for its turn
+        without holding back the prompts behind it (they pass it only then: when its
+        turn comes and no row is free, it takes the next one)."""
         static = self.policy in ("static", "static-drop")
         if static and self.rows:
             return ()  # nobody joins a static batch once it runs
@@ -445,7 +446,8 @@ class Scheduler:
         passed: list[Seq] = []  # too long for one step: the parts' turn will come
         while queue and held + len(joining) < limit:
             head = queue[0]
-            if hard and not head.tokens and len(head.prompt_ids) > self._budget:
+            long = hard and not head.tokens and len(head.prompt_ids) > self._budget
+            if long and self.chunking is not None:
                 passed.append(queue.popleft())
                 continue
             size = max(longest, 0 if head.tokens else len(head.prompt_ids))

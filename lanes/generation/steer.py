@@ -97,7 +97,8 @@ class Steer:
         if fit is None:
             return DEFAULT_PREFILL_TOKENS
         decode = self.decode_cost.estimate(rows, rows * length) if rows else None
-        budget = self.ttft_s - (0.0 if decode is None else decode.upper)
+        # The mean decode: the prefill's own spread already leaves the margin.
+        budget = self.ttft_s - (0.0 if decode is None else decode.seconds)
         room = budget / fit.spread - fit.fixed_s - fit.per_item_s
         if fit.per_token_s <= 0:
             return default if room >= 0 else MIN_PREFILL_TOKENS
