@@ -66,6 +66,9 @@ def test_the_prefill_budget_leaves_ttft_room_for_the_decode_of_the_current_rows(
     # (50 - 9 - 2) ms / 0.1 ms, not the (50 - 2) / 0.1 = 480 of a step without rows.
     assert s.max_prefill_tokens == 390
     assert steer.prefill_tokens(4096) == 480
+    # 48 rows would take 49 ms: no smaller prefill meets ttft_ms then, and it keeps
+    # the budget of half of it, (25 - 2) ms / 0.1 ms, rather than split every prompt.
+    assert steer.prefill_tokens(4096, rows=48, length=100) == 230
 
 
 def test_a_waiting_prompt_joins_past_the_itl_bound_once_its_ttft_is_nearer_to_being_missed() -> (

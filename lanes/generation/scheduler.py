@@ -226,6 +226,8 @@ class Scheduler:
     With `chunked`, `max_prefill_tokens` is a hard budget: a prompt longer than it is
     prefilled in parts over several full plans (`StepPlan.chunk`, one prompt at a time,
     holding a row meanwhile), so the rows decoding keep stepping while it is admitted.
+    Prompts that fit join before its next part (which takes the budget they leave, at
+    least half) and pass the next long prompt waiting meanwhile.
     """
 
     def __init__(

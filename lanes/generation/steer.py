@@ -6,7 +6,7 @@ prefill it is part of, and whatever a step prefills delays every row's next toke
 The prefill budget (the scheduler's `max_prefill_tokens`, a hard one: longer prompts
 are prefilled in parts over several steps) is the tokens whose prefill fits, by the
 prefill cost model, in `ttft_ms` less the decode of the step's current rows by the
-decode cost model. The rows are as many as one decode step of the current cache
+decode cost model (at most half of `ttft_ms`). The rows are as many as one decode step of the current cache
 length fits in `itl_ms` (offline rows count like any other).
 
 While interactive prompts wait for a row, their time to first token grows with every
@@ -97,8 +97,12 @@ class Steer:
         if fit is None:
             return DEFAULT_PREFILL_TOKENS
         decode = self.decode_cost.estimate(rows, rows * length) if rows else None
-        # The mean decode: the prefill's own spread already leaves the margin.
-        budget = self.ttft_s - (0.0 if decode is None else decode.seconds)
+        # The mean decode (the prefill's own spread leaves the margin), and never more
+        # than half of ttft_ms: a decode that leaves less cannot be met by a smaller
+        # prefill, which would only split every prompt over more steps, each paying
+        # another decode.
+        decode_s = 0.0 if decode is None else decode.seconds
+        budget = max(self.ttft_s - decode_s, self.ttft_s / 2)
         room = budget / fit.spread - fit.fixed_s - fit.per_item_s
         if fit.per_token_s <= 0:
             return default if room >= 0 else MIN_PREFILL_TOKENS
