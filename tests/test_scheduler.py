@@ -579,13 +579,24 @@ def test_a_long_prompt_passed_by_short_ones_takes_the_next_free_row_when_its_tur
             break
     assert sorted(ids(s.rows)) == [1, 3, 4] and ids(s.waiting) == [2]
     s.add(seq(5, prompt=3))
-    s.past_bound = 1  # as the SLOs' steer lets waiting prompts past the row bound
     plan, _ = step(s)
     assert plan.chunk is None and not plan.prefill, "2's turn: 5 does not pass it now"
     s.abort(3)
     plan, _ = step(s)
     assert plan.chunk is not None and plan.chunk.seq.id == 2, "the free row is 2's"
-    assert ids(plan.prefill) == [5], "and 5 passes it again while it is in parts"
+    assert ids(s.waiting) == [5]
+
+
+def test_a_long_prompt_starts_its_parts_in_a_row_past_the_bound_the_steer_allows() -> None:
+    s = make(max_running=4, max_prefill_tokens=16, chunked=True)
+    for i in range(3):
+        s.add(seq(i + 1, max_new=50))
+    step(s)
+    assert s.num_running == 3
+    s.max_running, s.past_bound = 2, 2  # the rows' ITL bound, and TTFT pressure past it
+    s.add(seq(9, prompt=40))
+    plan, _ = step(s)
+    assert plan.chunk is not None and plan.chunk.seq.id == 9, "rows past the bound stay"
 
 
 def test_an_aborted_prompt_mid_chunks_frees_its_row() -> None:

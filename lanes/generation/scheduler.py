@@ -353,11 +353,11 @@ class Scheduler:
         preempted = self._preempt() if decode else ()
         running = tuple(self.rows)
         offline_rows = self.max_running - self.reserve.rows(self.max_running, now)
-        chunking = decode and self._start_chunk(offline_rows)
+        limit = self.max_running + (self.past_bound if decode else 0)
+        chunking = decode and self._start_chunk(limit, offline_rows)
         # Prompts that fit join before the next part of a long one, which takes the
         # budget they leave, at least half of it (so it is never starved).
         share = self._budget // 2 if chunking else 0
-        limit = self.max_running + (self.past_bound if decode else 0)
         prefill = self._admit(self.waiting, self.max_prefill_tokens - share, limit)
         self.rows.extend(prefill)
         chunk = self._chunk(self.max_prefill_tokens - _padded(prefill)) if chunking else None
@@ -377,13 +377,13 @@ class Scheduler:
         rows = () if alone or not decode else running
         return StepPlan(prefill, rows, retired, preempted, resumed, chunk)
 
-    def _start_chunk(self, offline_rows: int) -> bool:
+    def _start_chunk(self, limit: int, offline_rows: int) -> bool:
         """Whether a prompt is being prefilled in parts; a new one starts when the
-        first waiting prompt (interactive first) is over the budget and a row is free
-        (an offline prompt: one of its `offline_rows`)."""
+        first waiting prompt (interactive first) is over the budget and fewer than
+        `limit` rows are taken (an offline prompt: `offline_rows`)."""
         if not self.chunked or self.policy != "continuous":
             return False
-        if self.chunking is None and len(self.rows) < self.max_running:
+        if self.chunking is None and len(self.rows) < limit:
             queue = self.waiting if self.waiting else self.offline
             if queue is self.offline and len(self.rows) >= offline_rows:
                 queue = deque()

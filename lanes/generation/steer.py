@@ -78,13 +78,7 @@ class Steer:
             held = sum(1 for s in scheduler.rows if not (s.offline or s.status.is_finished))
             if scheduler.chunking is not None and not scheduler.chunking.offline:
                 held += 1
-            # Prompts over the prefill budget join in parts, one at a time, not here.
-            budget = scheduler.max_prefill_tokens if scheduler.chunked else None
-            waiting = [
-                s
-                for s in scheduler.waiting
-                if not s.status.is_finished and (budget is None or len(s.prompt_ids) <= budget)
-            ]
+            waiting = [s for s in scheduler.waiting if not s.status.is_finished]
             scheduler.max_running = self.rows(length)
             scheduler.past_bound = self.past_bound(length, held, waiting)
 
