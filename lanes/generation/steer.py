@@ -6,8 +6,8 @@ prefill it is part of, and whatever a step prefills delays every row's next toke
 The prefill budget (the scheduler's `max_prefill_tokens`, a hard one: longer prompts
 are prefilled in parts over several steps) is the tokens whose prefill fits, by the
 prefill cost model, in `ttft_ms` less the decode of the step's current rows by the
-decode cost model (at most half of `ttft_ms`). The rows are as many as one decode step of the current cache
-length fits in `itl_ms` (offline rows count like any other).
+decode cost model (at most half of `ttft_ms`). The rows are as many as one decode
+step of the current cache length fits in `itl_ms` (offline rows count like any other).
 
 While interactive prompts wait for a row, their time to first token grows with every
 step they wait, and the row bound would hold them out until a row finishes. So the
@@ -15,8 +15,9 @@ bound then admits waiting prompts (oldest first) past it while the decode with t
 still fits `itl_ms` by the cost model's mean, and beyond that while the prompt's TTFT
 (waited so far, plus its step's decode and prefill) is at least as close to being
 missed, as a fraction of `ttft_ms`, as the rows' ITL with it is of `itl_ms`: whichever
-SLO is nearer to being missed decides. Offline rows are no reason to admit past the
-bound (the scheduler preempts them first).
+SLO is nearer to being missed decides (the scheduler's `past_bound`; a long prompt
+starts its parts in such a row too). Offline rows are no reason to admit past the
+bound (the scheduler preempts them first). With `itl_ms` alone the bound holds.
 
 Both models (lanes/costmodel.py) learn from every run; until they have a fit, the
 prefill budget is DEFAULT_PREFILL_TOKENS and the rows `max_batch_size`. Pure: the
