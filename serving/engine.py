@@ -325,6 +325,10 @@ class Engine:
             if not plan.runs_model:
                 self._flush()
 
+    def _steer(self) -> None:
+        """The SLOs' bounds on the next plan's prefill and rows (lanes/generation/steer.py)."""
+        self.steer.apply(self.scheduler, max(self.cache.length, 1), self._default_prefill_tokens)
+
     def _take_inbox(self) -> bool:
         """Sleep until there is something to do, then move new requests and aborts
         into the scheduler. Returns whether the engine is stopping."""
@@ -347,15 +351,6 @@ class Engine:
         for seq_id in aborts:
             scheduler.abort(seq_id)
         return stopping
-
-    def _steer(self) -> None:
-        """The SLOs' bounds on the next plan's prefill and rows (lanes/generation/steer.py)."""
-        scheduler, steer = self.scheduler, self.steer
-        if steer.ttft_s is not None:
-            budget = steer.prefill_tokens(self._default_prefill_tokens)
-            scheduler.max_prefill_tokens = min(budget, self._default_prefill_tokens)
-        if steer.itl_s is not None:
-            scheduler.max_running = steer.rows(max(self.cache.length, 1))
 
     def _planned(self, plan: StepPlan) -> None:
         """What a plan says before it runs: the queues' depths, the preemptions."""

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
+from lanes.generation.reserve import Reserve
 from lanes.generation.scheduler import (
     Event,
     Policy,
@@ -376,7 +377,7 @@ def test_prefill_alone_runs_joiners_without_the_rows_then_decodes_them_all() -> 
 
 
 def test_offline_sequences_take_only_rows_no_interactive_one_waits_for() -> None:
-    s = make(max_running=3)
+    s = make(max_running=3, reserve=Reserve(share=0))  # no free rows kept
     for i in range(3):
         s.add(seq(10 + i, offline=True))
     s.add(seq(1))
@@ -386,7 +387,7 @@ def test_offline_sequences_take_only_rows_no_interactive_one_waits_for() -> None
 
 
 def test_an_interactive_arrival_preempts_the_newest_offline_row_at_the_next_plan() -> None:
-    s = make(max_running=3)
+    s = make(max_running=3, reserve=Reserve(share=0))  # no free rows kept
     for i in range(3):
         s.add(seq(10 + i, offline=True))
     step(s, B)  # all three prefill and make their first token
@@ -427,6 +428,60 @@ def test_interactive_rows_are_never_preempted() -> None:
     s.update(plan, StepOutputs(decode=logits(A, A)))
 
 
+def test_offline_sequences_leave_a_reserve_of_rows_while_interactive_requests_arrive() -> None:
+    clock = Clock()
+    s = make(max_running=8, clock=clock)
+    for i in range(10):
+        s.add(seq(10 + i, offline=True, max_new=50))
+    step(s)
+    assert s.num_running == 8, "no interactive traffic: the offline job has every row"
+    for i in range(8):  # the offline rows finish; interactive requests come meanwhile
+        s.abort(10 + i)
+    s.add(seq(1, max_new=50))
+    s.add(seq(2, max_new=50))
+    s.add(seq(3, max_new=50))
+    plan, _ = step(s)
+    assert ids(plan.prefill) == [1, 2, 3, 18, 19]
+    assert s.num_running == 5, "3 interactive arrivals in the last 2 s: 8 // 4 rows stay free"
+    for i in range(3):
+        s.add(seq(20 + i, offline=True, max_new=50))
+    plan, _ = step(s)
+    assert ids(plan.prefill) == [20] and s.num_running == 6, "offline stops 2 rows short"
+    s.add(seq(4, max_new=50))
+    plan = s.schedule()
+    assert not plan.preempted, "the arrival finds a free row: nobody is preempted"
+    assert ids(plan.prefill) == [4]
+    s.update(plan, StepOutputs(prefill=logits(A), decode=logits(*[A] * len(plan.decode))))
+    clock.now += 2.5  # no interactive arrival since: the reserve goes back to the offline lane
+    plan, _ = step(s)
+    assert ids(plan.prefill) == [21] and s.num_running == 8
+
+
+def test_offline_rows_past_a_lowered_bound_are_preempted_while_interactive_rows_run() -> None:
+    clock = Clock()
+    s = make(max_running=6, clock=clock, reserve=Reserve(share=0))
+    for i in range(5):
+        s.add(seq(10 + i, offline=True, max_new=50))
+    s.add(seq(1, max_new=50))
+    step(s)
+    assert s.num_running == 6
+    s.max_running = 3  # as slo.itl_ms lowers it when the cache grows
+    plan = s.schedule()
+    assert ids(plan.preempted) == [12, 13, 14], "the newest offline rows leave"
+    assert ids(plan.decode) == [1, 10, 11]
+    s.update(plan, StepOutputs(decode=logits(A, A, A)))
+    plan, _ = step(s)
+    assert not plan.preempted and not plan.resumed, "and stay out while the bound holds"
+
+    s = make(max_running=4, clock=clock, reserve=Reserve(share=0))
+    for i in range(4):
+        s.add(seq(10 + i, offline=True, max_new=50))
+    step(s)
+    s.max_running = 2
+    plan = s.schedule()
+    assert not plan.preempted, "offline rows alone: no interactive step to keep short"
+
+
 # ---- chunked prefill: a long prompt in parts, the rows decoding meanwhile ----------------
 
 
@@ -461,6 +516,61 @@ def test_a_prompt_over_the_budget_is_prefilled_in_parts_while_rows_keep_decoding
     plan = s.schedule()
     assert ids(plan.decode) == [1, 2] and plan.chunk is None
     assert ids(plan.prefill) == [3]
+
+
+def test_prompts_that_fit_join_before_the_parts_of_long_ones_that_wait_their_turn() -> None:
+    s = make(max_running=4, max_prefill_tokens=8, chunked=True)
+    s.add(seq(1, prompt=20))
+    s.add(seq(2, prompt=20))
+    s.add(seq(3, prompt=3))
+    plan, _ = step(s)
+    assert plan.chunk is not None and plan.chunk.seq.id == 1
+    assert ids(plan.prefill) == [3], "the short prompt passes the long one waiting for parts"
+    assert (plan.chunk.start, plan.chunk.stop) == (0, 5), "the part takes what it leaves"
+    assert ids(s.waiting) == [2], "the other long prompt keeps its place"
+    s.add(seq(4, prompt=6))
+    plan, _ = step(s)
+    assert not plan.prefill, "past half the budget, a prompt waits for the next step"
+    assert plan.chunk is not None and (plan.chunk.start, plan.chunk.stop) == (5, 13)
+
+
+def test_a_long_prompt_passed_by_short_ones_takes_the_next_free_row_when_its_turn_comes() -> None:
+    s = make(max_running=3, max_prefill_tokens=8, chunked=True)
+    for i, prompt in ((1, 20), (2, 20), (3, 3), (4, 3)):
+        s.add(seq(i, prompt=prompt, max_new=50))
+    for _ in range(10):  # 1 in parts; 3 and 4 pass 2, which waits for its turn
+        plan = s.schedule()
+        final = plan.chunk is not None and plan.chunk.final
+        s.update(
+            plan,
+            StepOutputs(
+                prefill=logits(*[A] * len(plan.prefill)) if plan.prefill else None,
+                decode=logits(*[A] * len(plan.decode)) if plan.decode else None,
+                chunk=logits(A) if final else None,
+            ),
+        )
+        if final:
+            break
+    assert sorted(ids(s.rows)) == [1, 3, 4] and ids(s.waiting) == [2]
+    s.add(seq(5, prompt=3))
+    plan, _ = step(s)
+    assert plan.chunk is None and not plan.prefill, "2's turn: 5 does not pass it now"
+    s.abort(3)
+    plan, _ = step(s)
+    assert plan.chunk is not None and plan.chunk.seq.id == 2, "the free row is 2's"
+    assert ids(s.waiting) == [5]
+
+
+def test_a_long_prompt_starts_its_parts_in_a_row_past_the_bound_the_steer_allows() -> None:
+    s = make(max_running=4, max_prefill_tokens=16, chunked=True)
+    for i in range(3):
+        s.add(seq(i + 1, max_new=50))
+    step(s)
+    assert s.num_running == 3
+    s.max_running, s.past_bound = 2, 2  # the rows' ITL bound, and TTFT pressure past it
+    s.add(seq(9, prompt=40))
+    plan, _ = step(s)
+    assert plan.chunk is not None and plan.chunk.seq.id == 9, "rows past the bound stay"
 
 
 def test_an_aborted_prompt_mid_chunks_frees_its_row() -> None:

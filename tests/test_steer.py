@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from lanes.generation.scheduler import Scheduler, StepOutputs
 from lanes.generation.steer import DEFAULT_PREFILL_TOKENS, MIN_PREFILL_TOKENS, Steer
 from tests.gates import ManualClock
+from tests.test_scheduler import A, ids, logits, make, seq, step
 
 
 def test_ttft_bounds_the_prefill_tokens_by_the_measured_cost_per_token() -> None:
@@ -31,3 +33,80 @@ def test_itl_bounds_the_rows_by_the_decode_cost_at_the_cache_length() -> None:
         steer.observe_decode(rows, 100, 0.001 + rows * 100 * 0.00001)  # 1 ms + 1 ms a row
     assert steer.rows(100) == 9  # (10 - 1) ms / 1 ms
     assert steer.rows(1000) == 1, "a long cache leaves room for fewer rows (at least one)"
+
+
+# ---- steering a real scheduler: its rows and queue, on a manual clock ----------------
+
+
+def measured(steer: Steer) -> None:
+    """Exact costs (so the spread is 1): prefill 2 ms + 0.1 ms a token; a decode step
+    over a 100-long cache 1 ms + 1 ms a row."""
+    for tokens in (10, 20, 40, 80, 160, 10, 20, 40, 80, 160):
+        steer.observe_prefill(1, tokens, 0.002 + 0.0001 * tokens)
+    for rows in (1, 2, 4, 8, 16, 1, 2, 4, 8, 16):
+        steer.observe_decode(rows, 100, 0.001 + rows * 100 * 0.00001)
+
+
+def running(clock: ManualClock, rows: int, max_rows: int = 16) -> Scheduler:
+    s = make(max_running=max_rows, clock=clock)
+    for i in range(rows):
+        s.add(seq(100 + i, max_new=1000))
+    step(s)
+    assert s.num_running == rows
+    return s
+
+
+def test_the_prefill_budget_leaves_ttft_room_for_the_decode_of_the_current_rows() -> None:
+    clock = ManualClock()
+    steer = Steer(ttft_s=0.050, itl_s=None, max_rows=16, clock=clock)
+    measured(steer)
+    s = running(clock, 8)
+    steer.apply(s, 100, 4096)
+    # A joiner's first token comes after the 8 rows' decode (9 ms) and its prefill:
+    # (50 - 9 - 2) ms / 0.1 ms, not the (50 - 2) / 0.1 = 480 of a step without rows.
+    assert s.max_prefill_tokens == 390
+    assert steer.prefill_tokens(4096) == 480
+    # 48 rows would take 49 ms: no smaller prefill meets ttft_ms then, and it keeps
+    # the budget of half of it, (25 - 2) ms / 0.1 ms, rather than split every prompt.
+    assert steer.prefill_tokens(4096, rows=48, length=100) == 230
+
+
+def test_a_waiting_prompt_joins_past_the_itl_bound_once_its_ttft_is_nearer_to_being_missed() -> (
+    None
+):
+    clock = ManualClock()
+    steer = Steer(ttft_s=0.100, itl_s=0.005, max_rows=16, clock=clock)
+    measured(steer)
+    s = running(clock, 4)
+    s.add(seq(1, arrived=clock.now))
+    steer.apply(s, 100, 4096)
+    assert s.max_running == 4, "(5 - 1) ms / 1 ms a row"
+    plan = s.schedule()
+    # With it a step would take 6 ms, 1.2x itl_ms; its first token 8.3 ms, 0.08x ttft_ms.
+    assert plan.prefill == (), "its TTFT has room: the rows' ITL comes first"
+    s.update(plan, StepOutputs(decode=logits(*[A] * 4)))
+    clock.advance(0.115)
+    s.add(seq(2, arrived=clock.now))
+    steer.apply(s, 100, 4096)
+    plan = s.schedule()
+    # Waited 115 ms: its first token at 1.23x ttft_ms against 1.2x itl_ms for the rows;
+    # the one that just came (7 ms, 0.07x against 1.4x with a 6th row) still waits.
+    assert ids(plan.prefill) == [1] and s.num_waiting == 1
+
+    itl_only = Steer(ttft_s=None, itl_s=0.005, max_rows=16, clock=clock)
+    measured(itl_only)
+    itl_only.apply(s, 100, 4096)
+    assert s.max_running == 4 and s.past_bound == 0, "no ttft_ms: the ITL bound alone"
+
+
+def test_waiting_prompts_fill_the_rows_the_itl_bound_leaves_before_any_joins_past_it() -> None:
+    clock = ManualClock()
+    steer = Steer(ttft_s=0.100, itl_s=0.007, max_rows=16, clock=clock)
+    measured(steer)
+    s = running(clock, 4)
+    for i in range(3):
+        s.add(seq(i + 1, arrived=clock.now - 1.0))  # waited long: their TTFT is missed
+    steer.apply(s, 100, 4096)
+    assert s.max_running == 6 and s.past_bound == 1
+    plan = s.schedule()
+    assert ids(plan.prefill) == [1, 2, 3]

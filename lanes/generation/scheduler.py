@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from lanes.generation.reserve import Reserve
 from lanes.tasks.sampling import SamplingParams, generator, sample
 
 Array = np.ndarray[Any, Any]
@@ -216,14 +217,20 @@ class Scheduler:
     in a row while rows wait: then the joiners prefill in the rows' decode step.
 
     Two lanes share the rows. Offline sequences (`Seq.offline`) wait in a queue of
-    their own and take only rows that no interactive sequence waits for; when
-    interactive ones wait and every row is taken, the newest offline rows are
-    preempted (continuous policy): back to the front of the offline
-    queue with the tokens they made, to resume when rows are free again.
+    their own and take only rows that no interactive sequence waits for, never the
+    last `reserve` rows (lanes/generation/reserve.py: kept free for interactive
+    arrivals while they keep coming); when interactive ones wait and every row is
+    taken, the newest offline rows are preempted (continuous policy):
+    back to the front of the offline queue with the tokens they made, to resume when
+    rows are free again. So are offline rows past `max_running` while interactive
+    rows run (a bound lowered under them, as `slo.itl_ms` does): they would make the
+    interactive rows' steps longer than the bound allows.
 
     With `chunked`, `max_prefill_tokens` is a hard budget: a prompt longer than it is
     prefilled in parts over several plans (`StepPlan.chunk`, one prompt at a time,
     holding a row meanwhile), so the rows decoding keep stepping while it is admitted.
+    Prompts that fit join before its next part (which takes the budget they leave, at
+    least half) and pass the next long prompt waiting meanwhile.
     """
 
     def __init__(
@@ -237,6 +244,7 @@ class Scheduler:
         max_prefill_tokens: int = PREFILL_TOKENS,
         prefill_alone: bool = False,
         chunked: bool = False,
+        reserve: Reserve | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if policy not in POLICIES:
@@ -247,11 +255,15 @@ class Scheduler:
         self.detokenize = detokenize
         self.max_position = max_position
         self.max_prefill_tokens = max_prefill_tokens
+        # Rows past max_running that waiting interactive sequences may take at the next
+        # full plan (lanes/generation/steer.py: when their TTFT is the nearer SLO).
+        self.past_bound = 0
         self.prefill_alone = prefill_alone
         self.chunked = chunked
         self.chunking: Seq | None = None  # the prompt being prefilled in parts
         self._prefilled_alone = False  # the last plan left waiting rows out for joiners
         self.clock = clock
+        self.reserve = Reserve() if reserve is None else reserve
         self.waiting: deque[Seq] = deque()
         self.offline: deque[Seq] = deque()  # the offline lane's, preempted ones first
         self.rows: list[Seq] = []
@@ -265,6 +277,8 @@ class Scheduler:
         if seq.id in self._live:
             raise ValueError(f"sequence {seq.id} is already scheduled")
         self._live[seq.id] = seq
+        if not seq.offline:
+            self.reserve.arrived(self.clock())
         (self.offline if seq.offline else self.waiting).append(seq)
 
     def abort(self, seq_id: int) -> None:
@@ -334,13 +348,20 @@ class Scheduler:
             self.chunking = None  # aborted or past its deadline: reported as retired
         preempted = self._preempt()
         running = tuple(self.rows)
-        chunk = self._chunk()
-        budget = self.max_prefill_tokens - (0 if chunk is None else chunk.stop - chunk.start)
-        prefill = self._admit(self.waiting, budget)
+        offline_rows = self.max_running - self.reserve.rows(self.max_running, now)
+        limit = self.max_running + self.past_bound
+        chunking = self._start_chunk(limit, offline_rows)
+        # Prompts that fit join before the next part of a long one, which takes the
+        # budget they leave, at least half of it (so it is never starved).
+        share = self._budget // 2 if chunking else 0
+        prefill = self._admit(self.waiting, self.max_prefill_tokens - share, limit)
         self.rows.extend(prefill)
+        chunk = self._chunk(self.max_prefill_tokens - _padded(prefill)) if chunking else None
+        budget = self.max_prefill_tokens - _padded(prefill)
+        budget -= 0 if chunk is None else chunk.stop - chunk.start
         resumed: tuple[Seq, ...] = ()
         if not self.waiting:  # offline rows only where no interactive one waits
-            offline = self._admit(self.offline, budget - _padded(prefill))
+            offline = self._admit(self.offline, budget, offline_rows)
             resumed = tuple(s for s in offline if s.tokens)
             prefill += tuple(s for s in offline if not s.tokens)
             self.rows.extend(offline)
@@ -352,33 +373,44 @@ class Scheduler:
         rows = () if alone else running
         return StepPlan(prefill, rows, retired, preempted, resumed, chunk)
 
-    def _chunk(self) -> Chunk | None:
-        """The next part of the prompt being prefilled in parts; a new one starts when
-        the first waiting prompt (interactive first) is over the budget and a row is free."""
+    def _start_chunk(self, limit: int, offline_rows: int) -> bool:
+        """Whether a prompt is being prefilled in parts; a new one starts when the
+        first waiting prompt (interactive first) is over the budget and fewer than
+        `limit` rows are taken (an offline prompt: `offline_rows`)."""
         if not self.chunked or self.policy != "continuous":
-            return None
-        if self.chunking is None and len(self.rows) < self.max_running:
+            return False
+        if self.chunking is None and len(self.rows) < limit:
             queue = self.waiting if self.waiting else self.offline
+            if queue is self.offline and len(self.rows) >= offline_rows:
+                queue = deque()
             head = queue[0] if queue else None
             if head is not None and not head.tokens and len(head.prompt_ids) > self._budget:
                 self.chunking = queue.popleft()
                 self.chunking.status = SeqStatus.RUNNING
+        return self.chunking is not None
+
+    def _chunk(self, tokens: int) -> Chunk | None:
+        """The next part, at most `tokens` long, of the prompt being prefilled in parts."""
         seq = self.chunking
         if seq is None:
             return None
-        return Chunk(seq, seq.prefilled, min(seq.prefilled + self._budget, len(seq.prompt_ids)))
+        stop = min(seq.prefilled + max(tokens, 1), len(seq.prompt_ids))
+        return Chunk(seq, seq.prefilled, stop)
 
     @property
     def _budget(self) -> int:
         return max(self.max_prefill_tokens, 1)
 
     def _preempt(self) -> tuple[Seq, ...]:
-        """Free a row for each interactive sequence waiting, from the newest offline
-        rows (the least work to redo if a cache must be recomputed)."""
+        """Free a row for each interactive sequence waiting, and the rows past
+        `max_running` while interactive rows run, from the newest offline rows (the
+        least work to redo if a cache must be recomputed)."""
         if self.policy != "continuous":
             return ()
-        free = self.max_running - len(self.rows) - len(self._chunking())
-        wanted = self.num_waiting - free
+        free = self.max_running + self.past_bound - len(self.rows) - len(self._chunking())
+        interactive = any(not (s.offline or s.status.is_finished) for s in self.rows)
+        waiting = self.num_waiting
+        wanted = waiting - free if waiting or interactive else 0
         victims: list[Seq] = []
         for seq in reversed(self.rows):
             if len(victims) >= wanted:
@@ -395,10 +427,13 @@ class Scheduler:
         self.offline.extendleft(victims)  # newest first in: the oldest ends up in front
         return tuple(reversed(victims))
 
-    def _admit(self, queue: deque[Seq], budget: int) -> tuple[Seq, ...]:
-        """Joiners from `queue` while rows are free and their padded prompts fit
-        `budget` (at least one, unless chunking makes the budget hard); a resumed
-        sequence costs no prefill tokens here."""
+    def _admit(self, queue: deque[Seq], budget: int, limit: int) -> tuple[Seq, ...]:
+        """Joiners from `queue` while fewer than `limit` rows are taken and their
+        padded prompts fit `budget` (at least one, unless chunking makes the budget
+        hard); a resumed sequence costs no prefill tokens here. While a prompt is
+        prefilled in parts, the next one over the whole budget waits for its turn
+        without holding back the prompts behind it (they pass it only then: when its
+        turn comes and no row is free, it takes the next one)."""
         static = self.policy in ("static", "static-drop")
         if static and self.rows:
             return ()  # nobody joins a static batch once it runs
@@ -406,8 +441,13 @@ class Scheduler:
         longest = 0
         hard = self.chunked and not static
         held = len(self.rows) + len(self._chunking())
-        while queue and held + len(joining) < self.max_running:
+        passed: list[Seq] = []  # too long for one step: the parts' turn will come
+        while queue and held + len(joining) < limit:
             head = queue[0]
+            long = hard and not head.tokens and len(head.prompt_ids) > self._budget
+            if long and self.chunking is not None:
+                passed.append(queue.popleft())
+                continue
             size = max(longest, 0 if head.tokens else len(head.prompt_ids))
             over = size * (len(joining) + 1) > budget
             if over and not static and (joining or (hard and not head.tokens)):
@@ -416,6 +456,7 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             joining.append(seq)
             longest = size
+        queue.extendleft(reversed(passed))
         return tuple(joining)
 
     def update(self, plan: StepPlan, outputs: StepOutputs) -> list[Event]:

@@ -1,23 +1,37 @@
 """SLOs that steer a generate workload's steps: `slo.ttft_ms` bounds one step's
 prefill, `slo.itl_ms` its rows, through costs measured on the workload's own runs.
 
-A step runs the joiners' prefill before the rows' decode, so whatever it prefills
-delays every row's next token, and a newcomer's first token waits for the whole
-prefill it is part of. The prefill budget (the scheduler's `max_prefill_tokens`, a
-hard one: longer prompts are prefilled in parts over several steps) is the tokens
-whose prefill fits in `ttft_ms` by the prefill cost model; the rows are as many as
-one decode step of the current cache length fits in `itl_ms` by the decode cost
-model. Both models (lanes/costmodel.py) learn from every run; until they have a fit,
-the prefill budget is DEFAULT_PREFILL_TOKENS and the rows `max_batch_size`. Pure: the
-engine feeds it its runs' times and reads the two bounds before each plan.
+A joiner's first token waits for its step's whole run, the rows' decode and the
+prefill it is part of, and whatever a step prefills delays every row's next token.
+The prefill budget (the scheduler's `max_prefill_tokens`, a hard one: longer prompts
+are prefilled in parts over several steps) is the tokens whose prefill fits, by the
+prefill cost model, in `ttft_ms` less the decode of the step's current rows by the
+decode cost model (at most half of `ttft_ms`). The rows are as many as one decode
+step of the current cache length fits in `itl_ms` (offline rows count like any other).
+
+While interactive prompts wait for a row, their time to first token grows with every
+step they wait, and the row bound would hold them out until a row finishes. So the
+bound then admits waiting prompts (oldest first) past it while the decode with them
+still fits `itl_ms` by the cost model's mean, and beyond that while the prompt's TTFT
+(waited so far, plus its step's decode and prefill) is at least as close to being
+missed, as a fraction of `ttft_ms`, as the rows' ITL with it is of `itl_ms`: whichever
+SLO is nearer to being missed decides (the scheduler's `past_bound`; a long prompt
+starts its parts in such a row too). Offline rows are no reason to admit past the
+bound (the scheduler preempts them first). With `itl_ms` alone the bound holds.
+
+Both models (lanes/costmodel.py) learn from every run; until they have a fit, the
+prefill budget is DEFAULT_PREFILL_TOKENS and the rows `max_batch_size`. Pure: the
+engine feeds it its runs' times and, before each plan, `apply` sets the two
+bounds on the scheduler from its queue and rows, on the injected clock.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from lanes.costmodel import CostModel
+from lanes.generation.scheduler import Scheduler, Seq
 
 DEFAULT_PREFILL_TOKENS = 512  # a step's prefill budget before the cost model has a fit
 MIN_PREFILL_TOKENS = 16  # a chunk is never smaller: each run has its fixed cost too
@@ -36,6 +50,7 @@ class Steer:
         self.ttft_s = ttft_s
         self.itl_s = itl_s
         self.max_rows = max_rows
+        self.clock = clock
         self.prefill_cost = CostModel(clock=clock)
         self.decode_cost = CostModel(clock=clock)
 
@@ -52,14 +67,38 @@ class Steer:
         """A decode step of `rows` over a cache `length` long."""
         self.decode_cost.observe(rows, rows * length, seconds)
 
-    def prefill_tokens(self, default: int) -> int:
-        """One step's prefill budget in tokens: `default` without `ttft_ms`."""
+    def apply(self, scheduler: Scheduler, length: int, default_prefill_tokens: int) -> None:
+        """Set the next plan's prefill budget (never over `default_prefill_tokens`, the
+        declared or the scheduler's own) and row bound on `scheduler`, from its rows and
+        waiting prompts, over a batch cache `length` long."""
+        running = sum(1 for s in scheduler.rows if not s.status.is_finished)
+        if self.ttft_s is not None:
+            budget = self.prefill_tokens(default_prefill_tokens, running, length)
+            scheduler.max_prefill_tokens = min(budget, default_prefill_tokens)
+        if self.itl_s is not None:
+            held = sum(1 for s in scheduler.rows if not (s.offline or s.status.is_finished))
+            if scheduler.chunking is not None and not scheduler.chunking.offline:
+                held += 1
+            waiting = [s for s in scheduler.waiting if not s.status.is_finished]
+            scheduler.max_running = self.rows(length)
+            scheduler.past_bound = self.past_bound(length, held, waiting)
+
+    def prefill_tokens(self, default: int, rows: int = 0, length: int = 0) -> int:
+        """One step's prefill budget in tokens: `default` without `ttft_ms`; what fits in
+        `ttft_ms` beside the decode of `rows` over a cache `length` long otherwise."""
         if self.ttft_s is None:
             return default
         fit = self.prefill_cost.fit
         if fit is None:
             return DEFAULT_PREFILL_TOKENS
-        room = self.ttft_s / fit.spread - fit.fixed_s - fit.per_item_s
+        decode = self.decode_cost.estimate(rows, rows * length) if rows else None
+        # The mean decode (the prefill's own spread leaves the margin), and never more
+        # than half of ttft_ms: a decode that leaves less cannot be met by a smaller
+        # prefill, which would only split every prompt over more steps, each paying
+        # another decode.
+        decode_s = 0.0 if decode is None else decode.seconds
+        budget = max(self.ttft_s - decode_s, self.ttft_s / 2)
+        room = budget / fit.spread - fit.fixed_s - fit.per_item_s
         if fit.per_token_s <= 0:
             return default if room >= 0 else MIN_PREFILL_TOKENS
         # The epsilon keeps float rounding from costing a token (as in the cost model).
@@ -70,3 +109,31 @@ class Steer:
         if self.itl_s is None:
             return self.max_rows
         return self.decode_cost.largest_batch(self.itl_s, self.max_rows, length)
+
+    def past_bound(self, length: int, held: int, waiting: Sequence[Seq]) -> int:
+        """Rows past `rows(length)` that `waiting` prompts may take now (oldest first):
+        those whose TTFT is the SLO nearer to being missed (`held`: interactive rows
+        running, which stay; offline rows are preempted before any is admitted past)."""
+        if self.itl_s is None or self.ttft_s is None or self.decode_cost.fit is None:
+            return 0
+        bound = self.rows(length)
+        rows, now = max(bound, held), self.clock()
+        for seq in waiting[max(bound - held, 0) :]:  # those the bound keeps out
+            if rows >= self.max_rows:
+                break
+            width = max(length, len(seq.prompt_ids))  # the batch pads to its prompt
+            decode = self.decode_cost.estimate(rows + 1, (rows + 1) * width)
+            decode_s = 0.0 if decode is None else decode.seconds
+            itl_used = decode_s / self.itl_s
+            if itl_used > 1 and self._ttft_used(seq, now, decode_s) < itl_used:
+                break
+            rows += 1
+        return rows - bound
+
+    def _ttft_used(self, seq: Seq, now: float, decode_s: float) -> float:
+        """The fraction of `ttft_ms` that `seq`'s first token takes if it joins now:
+        what it waited so far, its step's decode and its prompt's prefill."""
+        assert self.ttft_s is not None
+        prefill = self.prefill_cost.estimate(1, len(seq.prompt_ids))
+        first = now - seq.arrived + decode_s + (0.0 if prefill is None else prefill.seconds)
+        return first / self.ttft_s
