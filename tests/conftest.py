@@ -26,6 +26,38 @@ Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
 os.environ["LANES_HOME"] = tempfile.mkdtemp(prefix="lanes-tests-home-")
 atexit.register(shutil.rmtree, os.environ["LANES_HOME"], ignore_errors=True)
 
+# The modules that take longest, longest first (from `pytest --durations`): test
+# workers (pytest-xdist, `--dist loadfile --no-loadscope-reorder`) take whole modules
+# in collection order, so these start first and the short ones fill in behind them,
+# instead of a long one starting last while the other workers sit idle. A module
+# missing here runs after these, in the usual order; a stale name costs nothing.
+LONGEST_FIRST = (
+    "test_batch_api.py",
+    "test_flows_deploy.py",
+    "test_client_jobs.py",
+    "test_user_project.py",
+    "test_cli.py",
+    "test_flows_paths.py",
+    "test_backfill.py",
+    "test_flows.py",
+    "test_dask_cluster.py",
+    "test_finish_by_deploy.py",
+    "test_offline_errors.py",
+    "test_finish_by.py",
+    "test_serving_limits.py",
+    "test_drain.py",
+    "test_spec_fuzz.py",
+    "test_serving.py",
+    "test_idle_unload.py",
+    "test_demo_models.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Longest modules first (LONGEST_FIRST); within a module, tests keep their order."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable
+
 
 @pytest.fixture(scope="session")
 def demo_models() -> Path:
