@@ -76,17 +76,46 @@ def demo_models() -> Path:
 
 
 @pytest.fixture(scope="session")
-def prefect_api() -> Iterator[str]:
-    """One Prefect API (SQLite, temporary) for every in-process flow run of the session.
+def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One Prefect API for every in-process flow run of the session (each test worker's
+    own): a real `prefect server start` on a copy of a migrated, empty database
+    (tests/prefect_server.py), so no session pays the migrations again.
 
     Its server starts in ~10 s alone, but took ~2 min on a machine shared by several
     test runs: a generous bound, never a wait."""
-    from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
+    from prefect.context import _temporary_global_settings_context, get_settings_context
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.utilities.asyncutils import run_coro_as_sync
 
-    # Generous: on a loaded machine the server has taken over a minute to answer.
-    with prefect_test_harness(server_startup_timeout=300):
-        yield str(PREFECT_API_URL.value())
+    from tests.prefect_server import PrefectServer
+
+    with PrefectServer(tmp_path_factory.mktemp("prefect-api")) as server:
+        server.wait(timeout=300)
+        with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+            # As prefect_test_harness does: contexts copied before this one (an event
+            # loop's, a thread's) see the server too.
+            with _temporary_global_settings_context(get_settings_context()):
+                yield server.api_url
+            # Logs and events still queued go out before the server stops.
+            run_coro_as_sync(_drain_to_the_api())
+
+
+async def _drain_to_the_api() -> None:
+    """What prefect_test_harness does before it stops its server."""
+    import inspect
+
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    try:
+        logs = APILogWorker.instance().drain()
+        if inspect.isawaitable(logs):
+            await logs
+    except RuntimeError:  # never started: nothing was logged to the API
+        pass
+    events = EventsWorker.drain_all()
+    if inspect.isawaitable(events):
+        await events
 
 
 @pytest.fixture
