@@ -4,6 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTHON ?= python3
 # Test files run side by side: most of their time is spent waiting on servers and workers.
+# Whole files, in collection order: tests/conftest.py puts the longest first.
 TEST_WORKERS ?= 3
 
 # Prefect must never phone home, and keeps its database inside the project.
@@ -35,4 +36,4 @@ lint: install
 
 test: lint
 	mkdir -p $(PREFECT_HOME)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder

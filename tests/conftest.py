@@ -26,6 +26,38 @@ Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
 os.environ["LANES_HOME"] = tempfile.mkdtemp(prefix="lanes-tests-home-")
 atexit.register(shutil.rmtree, os.environ["LANES_HOME"], ignore_errors=True)
 
+# The modules that take longest, longest first (from `pytest --durations`): test
+# workers (pytest-xdist, `--dist loadfile --no-loadscope-reorder`) take whole modules
+# in collection order, so these start first and the short ones fill in behind them,
+# instead of a long one starting last while the other workers sit idle. A module
+# missing here runs after these, in the usual order; a stale name costs nothing.
+LONGEST_FIRST = (
+    "test_batch_api.py",
+    "test_flows_deploy.py",
+    "test_client_jobs.py",
+    "test_user_project.py",
+    "test_cli.py",
+    "test_flows_paths.py",
+    "test_backfill.py",
+    "test_flows.py",
+    "test_dask_cluster.py",
+    "test_finish_by_deploy.py",
+    "test_offline_errors.py",
+    "test_finish_by.py",
+    "test_serving_limits.py",
+    "test_drain.py",
+    "test_spec_fuzz.py",
+    "test_serving.py",
+    "test_idle_unload.py",
+    "test_demo_models.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Longest modules first (LONGEST_FIRST); within a module, tests keep their order."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable
+
 
 @pytest.fixture(scope="session")
 def demo_models() -> Path:
@@ -44,17 +76,46 @@ def demo_models() -> Path:
 
 
 @pytest.fixture(scope="session")
-def prefect_api() -> Iterator[str]:
-    """One Prefect API (SQLite, temporary) for every in-process flow run of the session.
+def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One Prefect API for every in-process flow run of the session (each test worker's
+    own): a real `prefect server start` on a copy of a migrated, empty database
+    (tests/prefect_server.py), so no session pays the migrations again.
 
     Its server starts in ~10 s alone, but took ~2 min on a machine shared by several
     test runs: a generous bound, never a wait."""
-    from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
+    from prefect.context import _temporary_global_settings_context, get_settings_context
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.utilities.asyncutils import run_coro_as_sync
 
-    # Generous: on a loaded machine the server has taken over a minute to answer.
-    with prefect_test_harness(server_startup_timeout=300):
-        yield str(PREFECT_API_URL.value())
+    from tests.prefect_server import PrefectServer
+
+    with PrefectServer(tmp_path_factory.mktemp("prefect-api")) as server:
+        server.wait(timeout=300)
+        with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+            # As prefect_test_harness does: contexts copied before this one (an event
+            # loop's, a thread's) see the server too.
+            with _temporary_global_settings_context(get_settings_context()):
+                yield server.api_url
+            # Logs and events still queued go out before the server stops.
+            run_coro_as_sync(_drain_to_the_api())
+
+
+async def _drain_to_the_api() -> None:
+    """What prefect_test_harness does before it stops its server."""
+    import inspect
+
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    try:
+        logs = APILogWorker.instance().drain()
+        if inspect.isawaitable(logs):
+            await logs
+    except RuntimeError:  # never started: nothing was logged to the API
+        pass
+    events = EventsWorker.drain_all()
+    if inspect.isawaitable(events):
+        await events
 
 
 @pytest.fixture

@@ -258,13 +258,16 @@ class JumpClock:
         self.offset += seconds
 
 
-def wait_until(check: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
-    """Poll `check()` until it holds."""
+def wait_until(
+    check: Callable[[], bool], what: str, timeout: float = WAIT_S, interval: float = 0.01
+) -> None:
+    """Poll `check()` until it holds, every `interval` seconds: a check that costs
+    other processes work (a request that asks a Prefect server) takes a longer one."""
     deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout} s")
-        time.sleep(0.01)
+        time.sleep(interval)
 
 
 def stepping(gate: Gate, check: Callable[[], bool]) -> Callable[[], bool]:

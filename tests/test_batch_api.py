@@ -39,6 +39,9 @@ pytestmark = pytest.mark.slow
 SHARD_LINES = 3
 BUCKET = "lanes-batch-store"
 WAIT_S = 180.0  # a batch: the worker starts a flow run process and loads the model
+# Each look at a batch asks the Prefect server for its run: looking every 10 ms kept the
+# server, and this process, busy beside the flow run they wait for.
+POLL_S = 0.2
 WORKLOADS = {
     "embed-live": {
         "mode": "interactive",
@@ -147,7 +150,7 @@ def wait_until_value(check: Any, timeout: float) -> Any:
             found.append(value)
         return value is not None
 
-    wait_until(probe, "the batch", timeout)
+    wait_until(probe, "the batch", timeout, POLL_S)
     return found[-1]
 
 
@@ -297,6 +300,7 @@ def held_batch(client: openai.OpenAI, setup: Setup) -> Any:
         lambda: client.batches.retrieve(batch.id).request_counts.completed == 6,  # type: ignore[union-attr]
         "shards 1 and 3 committed",
         WAIT_S,
+        POLL_S,
     )
     return batch
 

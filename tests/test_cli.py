@@ -1,4 +1,5 @@
-"""The `lanes` CLI as a person runs it: a real subprocess, real files."""
+"""The `lanes` CLI as a person runs it: a real subprocess, real files (the settings
+matrix runs the same app in this process)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from click.testing import Result
+from typer.testing import CliRunner
 
+from lanes.router.cli import app
 from tests.servers import free_port, write_spec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -132,7 +136,7 @@ def test_predict_bad_input_names_the_field(spec_path: Path) -> None:
 # ---- one line, not a traceback ---------------------------------------------------------
 
 
-def one_line_error(done: subprocess.CompletedProcess[str]) -> str:
+def one_line_error(done: subprocess.CompletedProcess[str] | Result) -> str:
     """The error a command printed, checked to be a message without a traceback."""
     assert "Traceback" not in done.stderr, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
@@ -154,10 +158,16 @@ def one_line_error(done: subprocess.CompletedProcess[str]) -> str:
     ids=["validate", "run", "call"],
 )
 def test_a_bad_setting_is_one_line_and_exit_2(
-    command: list[str], variable: str, value: str, expected: str
+    command: list[str], variable: str, value: str, expected: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    done = lanes(*command, env={variable: value})
-    assert done.returncode == 2, done.stderr
+    """In this process (the same app `lanes` runs; a process each would only pay the
+    imports again): the other tests here run the CLI as a subprocess and read its
+    one-line errors the same way."""
+    monkeypatch.chdir(ROOT)
+    done = CliRunner().invoke(app, command, env={variable: value}, prog_name="lanes")
+    # An exception out of the command is a traceback in a real process: exit_code 1.
+    assert isinstance(done.exception, SystemExit | None), done.exception
+    assert done.exit_code == 2, done.stderr
     assert one_line_error(done).startswith(expected)
 
 

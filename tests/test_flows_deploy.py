@@ -1,7 +1,9 @@
 """End to end on a real Prefect server: compile, deploy, trigger, a process worker runs it.
 
 Starts `prefect server start` (SQLite in a temporary PREFECT_HOME) on 127.0.0.1 at a
-free port, and drives it only through command lines, as a person would.
+free port, one for the module, and drives it only through command lines, as a person
+would. Each test keeps to its own work pool and deployment names, so none sees
+another's deployments, runs or pool.
 """
 
 from __future__ import annotations
@@ -29,10 +31,10 @@ ROOT = Path(__file__).resolve().parent.parent
 LANES = [sys.executable, "-m", "lanes.router.cli"]  # the `lanes` command, from this venv
 
 
-@pytest.fixture
-def prefect_server(tmp_path: Path) -> Iterator[dict[str, str]]:
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """A real Prefect server; yields the environment that points at it."""
-    with PrefectServer(tmp_path / "prefect-home") as server:
+    with PrefectServer(tmp_path_factory.mktemp("prefect-home")) as server:
         yield server.wait()
 
 
@@ -46,7 +48,9 @@ def _run(args: list[str], env: dict[str, str], cwd: Path, timeout: float = 120) 
 def test_compile_deploy_and_a_process_worker_run_the_workload(
     prefect_server: dict[str, str], tmp_path: Path
 ) -> None:
-    env, api = prefect_server, prefect_server["PREFECT_API_URL"]
+    # A pool of its own (the README's test below makes `lanes`, the default).
+    env = {**prefect_server, "LANES_WORK_POOL": "compiled"}
+    api = prefect_server["PREFECT_API_URL"]
     project = tmp_path / "project"
     workload = {
         "mode": "offline",
@@ -68,7 +72,7 @@ def test_compile_deploy_and_a_process_worker_run_the_workload(
 
     # lanes deploy: makes the missing work pool, then `prefect deploy --all`.
     deployed = _run([*lanes, "deploy", str(spec)], env, project)
-    assert "work pool 'lanes' (created)" in deployed
+    assert "work pool 'compiled' (created)" in deployed
     assert "lanes-offline/nightly  45 3 * * * (Europe/Berlin)" in deployed
     found = httpx.get(f"{api}/deployments/name/lanes-offline/nightly", timeout=10).json()
     (schedule,) = found["schedules"]
@@ -78,7 +82,7 @@ def test_compile_deploy_and_a_process_worker_run_the_workload(
 
     prefect = PREFECT
     _run([*prefect, "deployment", "run", "lanes-offline/nightly"], env, tmp_path)
-    _run([*prefect, "worker", "start", "--pool", "lanes", "--run-once"], env, tmp_path, 240)
+    _run([*prefect, "worker", "start", "--pool", "compiled", "--run-once"], env, tmp_path, 240)
 
     runs: list[dict[str, Any]] = httpx.post(
         f"{api}/flow_runs/filter",
@@ -111,18 +115,19 @@ def _deployment(api: str, name: str) -> int:
 def test_lanes_deploy_removes_the_deployments_the_spec_no_longer_has(
     prefect_server: dict[str, str], tmp_path: Path
 ) -> None:
-    env, api = prefect_server, prefect_server["PREFECT_API_URL"]
-    first = write_spec(tmp_path / "first", {"nightly": _workload(), "weekly": _workload()})
+    env = {**prefect_server, "LANES_WORK_POOL": "removals"}
+    api = prefect_server["PREFECT_API_URL"]
+    first = write_spec(tmp_path / "first", {"daily": _workload(), "weekly": _workload()})
     other = write_spec(tmp_path / "other", {"theirs": _workload()})  # another project
     _run([*LANES, "deploy", str(first)], env, first.parent)
     _run([*LANES, "deploy", str(other)], env, other.parent)
-    assert [_deployment(api, n) for n in ("nightly", "weekly", "theirs")] == [200, 200, 200]
+    assert [_deployment(api, n) for n in ("daily", "weekly", "theirs")] == [200, 200, 200]
 
-    write_spec(tmp_path / "first", {"nightly": _workload()})  # weekly is gone from the spec
+    write_spec(tmp_path / "first", {"daily": _workload()})  # weekly is gone from the spec
     deployed = _run([*LANES, "deploy", str(first)], env, first.parent)
 
     assert f"lanes-offline/weekly  removed: no longer in {first}" in deployed
-    assert [_deployment(api, n) for n in ("nightly", "weekly", "theirs")] == [200, 404, 200]
+    assert [_deployment(api, n) for n in ("daily", "weekly", "theirs")] == [200, 404, 200]
     again = _run([*LANES, "deploy", str(first)], env, first.parent)
     assert "removed" not in again
 
@@ -134,7 +139,7 @@ def test_lanes_deploy_removes_the_deployments_the_spec_no_longer_has(
     )
     assert refused.returncode == 1 and "was not written by lanes compile" in refused.stderr
     assert (first.parent / "prefect.yaml").read_text() == "deployments: []\n"
-    assert _deployment(api, "nightly") == 200
+    assert _deployment(api, "daily") == 200
 
 
 def _readme_block(heading: str) -> list[str]:
@@ -153,7 +158,7 @@ def test_prefect_deploy_as_the_readme_says_in_a_project_that_runs_elsewhere(
     image's folder: the project is copied there and gone from where it was compiled."""
     env = prefect_server
     source, app = tmp_path / "source", tmp_path / "app"
-    spec = write_spec(source, {"nightly": _workload()})
+    spec = write_spec(source, {"relocated": _workload()})
     relocatable(spec)
     write_jsonl(source / "in" / "part-0.jsonl", [{"id": i, "x": [[i, 1, 2, 3]]} for i in range(4)])
 
@@ -166,7 +171,7 @@ def test_prefect_deploy_as_the_readme_says_in_a_project_that_runs_elsewhere(
 
     shutil.copytree(source, app)  # the image's build
     shutil.rmtree(source)  # the machine that compiled it is not where it runs
-    _run([*PREFECT, "deployment", "run", "lanes-offline/nightly"], env, tmp_path)
+    _run([*PREFECT, "deployment", "run", "lanes-offline/relocated"], env, tmp_path)
     _run([*PREFECT, "worker", "start", "--pool", "lanes", "--run-once"], env, tmp_path, 240)
 
     assert sorted(line["id"] for line in outputs_of(app / "out")) == [0, 1, 2, 3]
