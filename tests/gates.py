@@ -34,6 +34,9 @@ from lanes.settings import Settings
 from lanes.spec import ModelSpec
 
 WAIT_S = 60.0
+# A whole `lanes serve` process's start (imports, model loads): on one loaded core, over
+# a minute. A generous bound, never a wait.
+SERVER_START_S = 180.0
 # What a gated handler's item costs at least: a worker never runs a batch measured
 # above INLINE_RUN_S per item on its event loop, where waiting at a gate would stop
 # the server that should let it through.

@@ -19,7 +19,7 @@ from openai import BadRequestError, OpenAI
 
 import lanes
 from lanes.errors import InvalidInput
-from tests.gates import wait_until
+from tests.gates import SERVER_START_S, wait_until
 from tests.servers import free_port, write_spec
 
 pytestmark = pytest.mark.slow
@@ -77,7 +77,7 @@ class Served:
             except httpx.TransportError:
                 return False
 
-        wait_until(ready, "the server ready")
+        wait_until(ready, "the server ready", timeout=SERVER_START_S)
 
     def text(self) -> str:
         return self.log_path.read_text(errors="replace")

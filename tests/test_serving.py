@@ -25,7 +25,7 @@ from lanes.runtime import Runtime
 from lanes.serving.app import route_label
 from lanes.settings import Settings
 from lanes.tasks import load_task
-from tests.gates import GATE_FILE_ENV, HELD, eventually, held_marker, wait_until
+from tests.gates import GATE_FILE_ENV, HELD, SERVER_START_S, eventually, held_marker, wait_until
 from tests.servers import ServerThread, free_port, write_spec
 
 pytestmark = pytest.mark.slow
@@ -393,7 +393,7 @@ def test_sigterm_finishes_queued_work_then_exits(demo_models: Path, tmp_path: Pa
             except httpx.TransportError:
                 return False
 
-        wait_until(ready, "the server ready")
+        wait_until(ready, "the server ready", timeout=SERVER_START_S)
 
         def queued() -> float:
             body = httpx.get(f"{url}/metrics", timeout=10).text

@@ -21,7 +21,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.gates import PARSE_HELD, WAIT_S, wait_until
+from tests.gates import PARSE_HELD, SERVER_START_S, WAIT_S, wait_until
 from tests.servers import ServerThread, free_port, write_spec
 
 pytestmark = pytest.mark.slow
@@ -352,7 +352,7 @@ def test_rss_stays_bounded_over_repeated_batches_of_large_bad_bodies(spec_path: 
             return False
 
     try:
-        wait_until(ready, "the server ready")
+        wait_until(ready, "the server ready", timeout=SERVER_START_S)
         batch = bad_batch()
         before = vm_rss_mb(proc.pid)
         after = []
