@@ -19,7 +19,10 @@ ITL per SSE chunk, and a chunk may carry several tokens when the client lags),
 generated tokens/s (server counter), mean rows per decode step and decode step
 time, the engine's busy fraction, and the ratio of tokens/s to raw onnxruntime:
 `Decoder.step` at the same batch size, in-process, no HTTP, measured right after
-each slice. Ratios travel between machines; absolute times on a shared 2-core box
+each slice, twice: on a past of `--raw-past`, and on a past as long as the slice's
+decode rows had on average (`lanes_decode_positions_total` over the rows; padding
+left out, so a server's padding counts against it). A step's cost grows with the
+past, so the second is the like-for-like limit: the 0.7x target is judged by it. Ratios travel between machines; absolute times on a shared 2-core box
 do not. Requests still waiting when a slice ends count their wait so far as their
 TTFT (a lower bound; such cells are marked `>`).
 
@@ -81,6 +84,8 @@ POLICIES = ("continuous", "static", "static-drop", "serial")
 TRACED = "traced"  # continuous, tracing on
 STEERED = "steered"  # continuous, slo.ttft_ms and slo.itl_ms on the workload (--burst)
 LONG_NEW_TOKENS = 16  # what a burst's long prompt generates, within the context
+# The server's counters a slice reads (server_counters), as differences over it.
+COUNTERS = ("tokens", "rows", "steps", "decode_s", "prefill_s", "prefills", "positions")
 SPEC = """\
 version: 1
 models:
@@ -168,6 +173,9 @@ class Run:
     prefill_s: float = 0.0
     prefills: float = 0.0
     raw: list[float] = field(default_factory=list)  # raw tokens/s after each slice
+    positions: float = 0.0  # server counter: decode rows' cached positions, summed
+    # raw tokens/s after each slice on a past as long as its rows' mean (`mean_past`)
+    raw_matched: list[float] = field(default_factory=list)
     requests: int = 0  # completed
     long_ttft: list[float] = field(default_factory=list)  # the bursts' long prompts
     long_censored: int = 0
@@ -177,9 +185,10 @@ class Run:
         self.ttft += other.ttft
         self.censored += other.censored
         self.itl += other.itl
-        for name in ("tokens", "rows", "steps", "decode_s", "prefill_s", "prefills"):
+        for name in COUNTERS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.raw += other.raw
+        self.raw_matched += other.raw_matched
         self.requests += other.requests
         self.long_ttft += other.long_ttft
         self.long_censored += other.long_censored
@@ -191,6 +200,15 @@ class Run:
     @property
     def raw_tokens_per_s(self) -> float:
         return float(np.mean(self.raw))
+
+    @property
+    def raw_matched_tokens_per_s(self) -> float:
+        return float(np.mean(self.raw_matched)) if self.raw_matched else math.nan
+
+    @property
+    def mean_past(self) -> float:
+        """Cached positions a decode row attended over, on average (padding left out)."""
+        return self.positions / self.rows if self.rows else math.nan
 
     @property
     def rows_per_step(self) -> float:
@@ -365,7 +383,7 @@ async def closed_loop(
         with contextlib.suppress(asyncio.CancelledError):
             await task
     run.seconds = stopped - measure_from
-    for name in ("tokens", "rows", "steps", "decode_s", "prefill_s", "prefills"):
+    for name in COUNTERS:
         setattr(run, name, after[name] - before[name])
     return run
 
@@ -379,6 +397,7 @@ def server_counters(url: str) -> dict[str, float]:
         "decode_s": "lanes_decode_step_seconds_sum",
         "prefill_s": "lanes_prefill_seconds_sum",
         "prefills": "lanes_prefill_seconds_count",
+        "positions": "lanes_decode_positions_total",
     }
     out = {}
     for key, name in names.items():
@@ -532,16 +551,20 @@ def main() -> None:
                         closed_loop(urls[policy], policy, c, args.seconds, args.warm, burst)
                     )
                     # Right after the slice, on the same machine: the raw limit.
-                    part.raw.append(
-                        raw_tokens_per_s(task, min(c, args.max_batch), args.raw_past, 1.0)
-                    )
+                    rows = min(c, args.max_batch)
+                    part.raw.append(raw_tokens_per_s(task, rows, args.raw_past, 1.0))
+                    # And on the past the slice's rows really had: the same work per row.
+                    if part.rows:
+                        past = max(1, round(part.mean_past))
+                        part.raw_matched.append(raw_tokens_per_s(task, rows, past, 1.0))
                     runs[policy, c].add(part)
                     print(
                         f"  {policy:>11} x{c:<3} {part.tokens_per_s:8.0f} tok/s  "
                         f"TTFT p50 {part.pct(part.ttft, 50):7.1f} ms  "
                         f"rows/step {part.rows_per_step:5.1f}  step {part.decode_ms:5.1f} ms  "
                         f"prefill {part.prefill_ms:5.1f} ms  busy {part.busy:4.0%}  "
-                        f"raw {part.raw[0]:.0f} tok/s",
+                        f"raw {part.raw[0]:.0f} tok/s  mean past {part.mean_past:.0f}  "
+                        f"raw there {part.raw_matched_tokens_per_s:.0f} tok/s",
                         file=sys.stderr,
                     )
     finally:
@@ -557,7 +580,9 @@ def main() -> None:
         f"{args.repeats} x {args.seconds:.0f} s per cell (policies interleaved), "
         f"max_batch_size {args.max_batch}, {args.threads} onnxruntime thread(s); "
         f"raw = Decoder.step tokens/s at the same batch size (past {args.raw_past}), "
-        "measured after each slice, no HTTP"
+        "measured after each slice, no HTTP; raw@past = the same on a past as long as the "
+        "slices' decode rows' mean (server counter, padding left out), the ratio the "
+        "0.7x target is judged by"
     )
     rows = []
     for (policy, c), r in runs.items():
@@ -576,6 +601,9 @@ def main() -> None:
                 f"{r.busy:.0%}",
                 f"{r.raw_tokens_per_s:.0f}",
                 f"{r.tokens_per_s / r.raw_tokens_per_s:.2f}",
+                f"{r.mean_past:.0f}",
+                f"{r.raw_matched_tokens_per_s:.0f}",
+                f"{r.tokens_per_s / r.raw_matched_tokens_per_s:.2f}",
             ]
         )
     header = [
@@ -591,12 +619,15 @@ def main() -> None:
         "busy",
         "raw tok/s",
         "vs raw",
+        "past",
+        "raw@past tok/s",
+        "vs raw@past",
     ]
     table(rows, header)
     if burst is not None:
         burst_tables(runs, levels)
         return
-    checks(runs)
+    checks(runs, args.raw_past)
     tracing_costs(runs, levels)
     if args.png:
         curves = [
@@ -670,7 +701,7 @@ def burst_tables(runs: dict[tuple[str, int], Run], levels: list[int]) -> None:
         table(rows, header)
 
 
-def checks(runs: dict[tuple[str, int], Run]) -> None:
+def checks(runs: dict[tuple[str, int], Run], raw_past: int) -> None:
     def get(policy: str, c: int) -> Run | None:
         return runs.get((policy, c))
 
@@ -693,10 +724,18 @@ def checks(runs: dict[tuple[str, int], Run]) -> None:
         r = get("continuous", c)
         if r and r.raw:
             ratio = r.tokens_per_s / r.raw_tokens_per_s
-            verdict = "meets" if ratio >= 0.7 else "MISSES"
             print(
                 f"continuous tokens/s at {c} clients / raw Decoder.step at the same rows: "
-                f"{ratio:.2f}x ({verdict} >= 0.7x)"
+                f"{ratio:.2f}x (past {raw_past})"
+            )
+        if r and r.raw_matched:
+            # The fair limit: raw rows on the past the served rows had (a step's cost
+            # grows with the past), so the target is judged here.
+            ratio = r.tokens_per_s / r.raw_matched_tokens_per_s
+            verdict = "meets" if ratio >= 0.7 else "MISSES"
+            print(
+                f"continuous tokens/s at {c} clients / raw Decoder.step at the same rows "
+                f"on their mean past ({r.mean_past:.0f}): {ratio:.2f}x ({verdict} >= 0.7x)"
             )
     one = get("continuous", 1)
     if cont and one:

@@ -254,7 +254,8 @@ class Engine:
         `Completion` (the model's, no handler: the offline workload applies its own)
         or the error it failed with alone. Overloaded, whole, when the lane cannot
         hold them or the server stops before they are done (the flow retries)."""
-        seqs = [seq_of(next(self._ids), r, offline=True) for r in requests]
+        # Their text is read whole, at the finish (_completion): decoded once, then.
+        seqs = [seq_of(next(self._ids), r, offline=True, stream=False) for r in requests]
         streams = [TokenStream(seq.id, len(seq.prompt_ids), self) for seq in seqs]
         with self._lock:
             if self._stopping:
@@ -381,6 +382,7 @@ class Engine:
             rows = len(plan.decode)
             m.decode.observe(step.decode.seconds)
             m.rows.observe(rows)
+            m.positions.inc(sum(s.position for s in plan.decode))
             self.steer.observe_decode(rows, step.decoded_length, step.decode.seconds)
         now = self.clock()
         made = 0

@@ -258,6 +258,13 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.decode_positions = Counter(
+            "lanes_decode_positions",
+            "Cached positions the rows of decode steps attend over (padding left out), "
+            "summed over rows and steps: over lanes_batch_size_sum, a row's mean past.",
+            ["workload"],
+            registry=r,
+        )
         self.guard_blocked = Counter(
             "lanes_guard_blocked",
             "Responses a workload's guard stopped with finish_reason content_filter.",
@@ -356,6 +363,7 @@ class GenerateSeries:
     prefill: Histogram
     decode: Histogram
     rows: Histogram
+    positions: Counter
     busy: Counter
     rate: Gauge
     utilization: Gauge
@@ -373,6 +381,7 @@ class GenerateSeries:
             prefill=m.prefill_time.labels(name),
             decode=m.decode_time.labels(name),
             rows=m.batch_size.labels(name),
+            positions=m.decode_positions.labels(name),
             busy=m.busy_seconds.labels(name),
             rate=m.tokens_per_second.labels(name),
             utilization=m.utilization.labels(name),

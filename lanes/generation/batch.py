@@ -77,8 +77,10 @@ def seq_of(
     arrived: float = 0.0,
     offline: bool = False,
     ignore_eos: bool = False,
+    stream: bool = True,
 ) -> Seq:
-    """A prepared request's sequence, for either lane (`ignore_eos` or the request's)."""
+    """A prepared request's sequence, for either lane (`ignore_eos` or the request's);
+    `stream`: its text is read as it is made (see Seq.stream)."""
     return Seq(
         id=seq_id,
         prompt_ids=request.prompt_ids,
@@ -90,6 +92,7 @@ def seq_of(
         ignore_eos=ignore_eos or request.ignore_eos,
         arrived=arrived,
         offline=offline,
+        stream=stream,
     )
 
 
@@ -109,7 +112,8 @@ def generate_batch(
     run (no row is to blame, so the caller may retry the whole batch). With `chunked`,
     prompts over `max_prefill_tokens` are prefilled in parts (see Scheduler)."""
     scheduler = scheduler_for(decoder, rows, max_prefill_tokens=max_prefill_tokens, chunked=chunked)
-    seqs = [seq_of(i, r) for i, r in enumerate(requests)]
+    # Nobody reads a completion's text before it is done: decoded once, at its finish.
+    seqs = [seq_of(i, r, stream=False) for i, r in enumerate(requests)]
     # Stable: equal lengths keep their order, so a rerun batches the same way.
     for seq in sorted(seqs, key=lambda s: len(s.prompt_ids)):
         scheduler.add(seq)

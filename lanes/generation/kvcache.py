@@ -259,10 +259,15 @@ class BatchCache:
                 group.release({sid for sid in group.slots if sid is not None} - step.failed.keys())
             if step.logits is None:
                 continue
+            rows = [r for r, sid in enumerate(group.slots) if sid is not None]
+            index = [order[group.slots[r]] for r in rows]
+            whole = len(self.groups) == 1 and len(rows) == len(seqs) == len(group.slots)
+            if whole and index == list(range(len(seqs))):  # the step's rows, in order
+                logits = step.logits
+                continue
             if logits is None:
                 logits = np.empty((len(seqs), step.logits.shape[-1]), dtype=step.logits.dtype)
-            rows = [r for r, sid in enumerate(group.slots) if sid is not None]
-            logits[[order[group.slots[r]] for r in rows]] = step.logits[rows]
+            logits[index] = step.logits[rows]
         if failed and logits is not None:
             logits[[order[sid] for sid in failed]] = 0
         held = sum(g.live for g in self.groups)

@@ -81,6 +81,10 @@ class Seq:
     seed: int | None = None
     deadline: float | None = None  # on the scheduler's clock
     ignore_eos: bool = False  # benchmarks: run to the budget
+    # Its text is wanted as it is made (a stream). Without, and without stop strings,
+    # nobody reads it before the finish: it is decoded once then, its events till then
+    # carry no text (the offline lanes').
+    stream: bool = True
     arrived: float = 0.0  # on the scheduler's clock: for time-to-first-token
     offline: bool = False  # the offline lane's: free rows only, preempted for interactive
     preemptions: int = 0  # times it gave its row up to an interactive sequence
@@ -464,35 +468,51 @@ class Scheduler:
         `outputs.failed` finish with their error instead. Returns one event per
         sequence that made a token or finished, the plan's retired ones included."""
         events = [self._final(seq) for seq in plan.retired]
-        now = self.clock() if plan.prefill else 0.0
+        now = self.clock() if plan.prefill else None
         failed = outputs.failed
-        events += self._fail_rows(plan.resumed, failed)  # their recompute failed alone
+        if failed and plan.resumed:
+            events += self._fail_rows(plan.resumed, failed)  # their recompute failed alone
         if plan.chunk is not None:
             events += self._chunked(plan.chunk, outputs)
-        for seqs, logits in ((plan.prefill, outputs.prefill), (plan.decode, outputs.decode)):
-            if not seqs:
+        if plan.prefill:
+            events += self._sampled(plan.prefill, outputs.prefill, failed, now)
+        if plan.decode:
+            events += self._sampled(plan.decode, outputs.decode, failed, None)
+        return events
+
+    def _sampled(
+        self,
+        seqs: Sequence[Seq],
+        logits: Array | None,
+        failed: Mapping[int, str],
+        now: float | None,
+    ) -> list[Event]:
+        """The next token of each row of `seqs` from its row of `logits`; a joiner
+        whose deadline passed by `now` (the prefill's) finishes instead."""
+        events = self._fail_rows(seqs, failed) if failed else []
+        if failed and all(s.id in failed for s in seqs):
+            return events
+        if logits is None or logits.shape[0] != len(seqs):
+            found = None if logits is None else logits.shape
+            raise ValueError(f"update: expected logits for {len(seqs)} rows, found {found}")
+        # One vectorised argmax serves every greedy row (each row's own argmax, as
+        # sample() takes it); sampling rows draw alone, each from its own generator.
+        greedy: list[int] | None = None
+        advance, finished = self._advance, SeqStatus.FINISHED_STOPPED
+        for i, seq in enumerate(seqs):
+            if seq.status >= finished:
+                continue  # a static batch's finished row (or a failed one): no logits
+            if now is not None and seq.deadline is not None and now >= seq.deadline:
+                # Its deadline passed during its prefill: it made no token in time.
+                self._finish(seq, SeqStatus.FINISHED_DEADLINE)
+                events.append(self._final(seq))
                 continue
-            events += self._fail_rows(seqs, failed)
-            if all(s.id in failed for s in seqs):
-                continue
-            if logits is None or logits.shape[0] != len(seqs):
-                found = None if logits is None else logits.shape
-                raise ValueError(f"update: expected logits for {len(seqs)} rows, found {found}")
-            # One vectorised argmax serves every greedy row.
-            greedy: list[int] = logits.argmax(axis=-1).tolist()
-            for i, seq in enumerate(seqs):
-                if seq.status.is_finished:
-                    continue  # a static batch's finished row (or a failed one): no logits
-                if seqs is plan.prefill and seq.deadline is not None and now >= seq.deadline:
-                    # Its deadline passed during its prefill: it made no token in time.
-                    self._finish(seq, SeqStatus.FINISHED_DEADLINE)
-                    events.append(self._final(seq))
-                    continue
-                if seq.sampling.temperature == 0:
-                    token = greedy[i]
-                else:
-                    token = sample(logits[i], seq.sampling, seq.rng)
-                events.append(self._advance(seq, token))
+            if seq.sampling.temperature == 0:
+                if greedy is None:
+                    greedy = logits.argmax(axis=-1).tolist()
+                events.append(advance(seq, greedy[i]))
+            else:
+                events.append(advance(seq, sample(logits[i], seq.sampling, seq.rng)))
         return events
 
     def _chunked(self, chunk: Chunk, outputs: StepOutputs) -> list[Event]:
@@ -540,9 +560,16 @@ class Scheduler:
             self._flush(seq)
             return self._final(seq, (), first)
         seq.tokens.append(token)
+        stop = seq.stop
+        if not (stop or seq.stream):  # its text waits for the finish (_flush)
+            if len(seq.tokens) >= self.budget(seq):
+                self._finish(seq, SeqStatus.FINISHED_LENGTH)
+                self._flush(seq)
+                return self._final(seq, (token,), first)
+            return Event(seq.id, (token,), "", None, first)
         before = len(seq.text)
         seq.text += self._delta(seq)
-        cut = _first_stop(seq.text, seq.stop, before)
+        cut = _first_stop(seq.text, stop, before) if stop else None
         if cut is not None:
             seq.text = seq.text[:cut]
             self._finish(seq, SeqStatus.FINISHED_STOPPED)
@@ -552,10 +579,10 @@ class Scheduler:
             self._flush(seq)
             return self._final(seq, (token,), first)
         # Hold back what could be the start of a stop string.
-        hold = max((len(s) for s in seq.stop), default=1) - 1
+        hold = max(len(s) for s in stop) - 1 if stop else 0
         safe = max(seq.sent, len(seq.text) - hold)
         text, seq.sent = seq.text[seq.sent : safe], safe
-        return Event(seq.id, (token,), text, first=first)
+        return Event(seq.id, (token,), text, None, first)
 
     def budget(self, seq: Seq) -> int:
         """Most tokens `seq` may make: its max_new_tokens, within the model's context."""
@@ -582,7 +609,8 @@ class Scheduler:
     def _flush(self, seq: Seq) -> None:
         """At the end, the text of tokens held back mid-character, as decode() gives it."""
         if seq._read < len(seq.tokens):
-            prefix = self.detokenize(seq.tokens[seq._prefix : seq._read])
+            window = seq.tokens[seq._prefix : seq._read]
+            prefix = self.detokenize(window) if window else ""
             seq.text += self.detokenize(seq.tokens[seq._prefix :])[len(prefix) :]
             seq._prefix = seq._read = len(seq.tokens)
 
