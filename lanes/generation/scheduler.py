@@ -98,6 +98,7 @@ class Seq:
     # incremental detokenization: text of tokens[prefix:read] is already in `text`
     _prefix: int = field(default=0, repr=False)
     _read: int = field(default=0, repr=False)
+    _limit: int = field(default=0, repr=False)  # Scheduler.budget, once known
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -560,9 +561,10 @@ class Scheduler:
             self._flush(seq)
             return self._final(seq, (), first)
         seq.tokens.append(token)
+        limit = seq._limit or self._limit(seq)
         stop = seq.stop
         if not (stop or seq.stream):  # its text waits for the finish (_flush)
-            if len(seq.tokens) >= self.budget(seq):
+            if len(seq.tokens) >= limit:
                 self._finish(seq, SeqStatus.FINISHED_LENGTH)
                 self._flush(seq)
                 return self._final(seq, (token,), first)
@@ -574,7 +576,7 @@ class Scheduler:
             seq.text = seq.text[:cut]
             self._finish(seq, SeqStatus.FINISHED_STOPPED)
             return self._final(seq, (token,), first)
-        if len(seq.tokens) >= self.budget(seq):
+        if len(seq.tokens) >= limit:
             self._finish(seq, SeqStatus.FINISHED_LENGTH)
             self._flush(seq)
             return self._final(seq, (token,), first)
@@ -590,6 +592,10 @@ class Scheduler:
         if self.max_position is not None:
             budget = min(budget, self.max_position - len(seq.prompt_ids))
         return max(budget, 1)
+
+    def _limit(self, seq: Seq) -> int:
+        seq._limit = self.budget(seq)  # fixed: its prompt and the context do not change
+        return seq._limit
 
     def _final(self, seq: Seq, tokens: tuple[int, ...] = (), first: bool = False) -> Event:
         text = "" if seq.status == SeqStatus.FINISHED_ABORTED else seq.text[seq.sent :]
