@@ -554,7 +554,7 @@ def main() -> None:
                     rows = min(c, args.max_batch)
                     part.raw.append(raw_tokens_per_s(task, rows, args.raw_past, 1.0))
                     # And on the past the slice's rows really had: the same work per row.
-                    if part.rows:
+                    if part.positions:  # a server without the counter: none
                         past = max(1, round(part.mean_past))
                         part.raw_matched.append(raw_tokens_per_s(task, rows, past, 1.0))
                     runs[policy, c].add(part)
