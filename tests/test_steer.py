@@ -110,3 +110,76 @@ def test_waiting_prompts_fill_the_rows_the_itl_bound_leaves_before_any_joins_pas
     assert s.max_running == 6 and s.past_bound == 1
     plan = s.schedule()
     assert ids(plan.prefill) == [1, 2, 3]
+
+
+# ---- a long prompt: whole or in parts, and never in the joiners' step alone ----------
+
+
+def steered(clock: ManualClock, steer: Steer, rows: int, max_rows: int = 16) -> Scheduler:
+    """`rows` rows decoding on a scheduler run as the engine runs it."""
+    s = make(max_running=max_rows, clock=clock, prefill_alone=True, chunked=True)
+    for i in range(rows):
+        s.add(seq(100 + i, max_new=1000))
+    steer.apply(s, 100, 4096)
+    step(s)
+    assert s.num_running == rows
+    return s
+
+
+def test_a_long_prompt_whose_ttft_is_the_nearer_slo_is_prefilled_whole() -> None:
+    clock = ManualClock()
+    steer = Steer(ttft_s=0.020, itl_s=0.030, max_rows=16, clock=clock)
+    measured(steer)
+    s = steered(clock, steer, 2)
+    s.add(seq(1, prompt=300, arrived=clock.now))
+    steer.apply(s, 100, 4096)
+    # Beside the rows' 3 ms decode, (20 - 3 - 2) ms / 0.1 ms = 150 tokens fit ttft_ms.
+    assert steer.prefill_tokens(4096, rows=2, length=100) == 150
+    # Whole, its prefill takes 32 ms: 1.6x ttft_ms, against 1.17x itl_ms for the rows'
+    # next token. Parts would add a decoder run each, and a decode of the rows, to the
+    # SLO nearer to being missed.
+    assert s.max_prefill_tokens == 300
+    plan = s.schedule()
+    assert ids(plan.prefill) == [1] and plan.chunk is None
+
+
+def test_a_long_prompt_goes_in_parts_when_the_rows_itl_is_nearer_or_prompts_queue() -> None:
+    clock = ManualClock()
+    itl_nearer = Steer(ttft_s=0.200, itl_s=0.030, max_rows=16, clock=clock)
+    measured(itl_nearer)
+    s = steered(clock, itl_nearer, 2)
+    s.add(seq(1, prompt=3000, arrived=clock.now))
+    itl_nearer.apply(s, 100, 4096)
+    # Whole: 302 ms, 1.5x ttft_ms, against 10.2x itl_ms for the rows.
+    plan = s.schedule()
+    assert plan.chunk is not None and plan.chunk.seq.id == 1 and not plan.chunk.final
+
+    steer = Steer(ttft_s=0.020, itl_s=0.030, max_rows=3, clock=clock)
+    measured(steer)
+    s = steered(clock, steer, 2, max_rows=3)
+    s.add(seq(1, prompt=300, arrived=clock.now))
+    s.add(seq(2, arrived=clock.now))
+    steer.apply(s, 100, 4096)
+    assert s.max_running + s.past_bound - s.num_running == 1, "one row for two prompts"
+    # Prompts queue for rows: each long prompt's whole run would stall the rows again.
+    plan = s.schedule()
+    assert plan.chunk is not None and plan.chunk.seq.id == 1 and not plan.chunk.final
+
+
+def test_the_next_part_waits_for_the_rows_decode_never_in_the_joiners_step_alone() -> None:
+    clock = ManualClock()
+    steer = Steer(ttft_s=0.020, itl_s=None, max_rows=16, clock=clock)
+    measured(steer)
+    s = steered(clock, steer, 2)
+    s.add(seq(1, prompt=400))
+    steer.apply(s, 100, 4096)
+    plan, _ = step(s)
+    assert plan.chunk is not None and plan.chunk.seq.id == 1 and ids(plan.decode) == [100, 101]
+    s.add(seq(2))
+    steer.apply(s, 100, 4096)
+    plan, _ = step(s)
+    # The joiner's first token waits for its own prefill only; the rows, for it only.
+    assert ids(plan.prefill) == [2] and plan.decode == () and plan.chunk is None
+    steer.apply(s, 100, 4096)
+    plan, _ = step(s)
+    assert plan.chunk is not None and ids(plan.decode) == [100, 101, 2]
