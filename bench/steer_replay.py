@@ -36,6 +36,7 @@ from lanes.tasks.sampling import SamplingParams
 
 LONG, LONG_NEW, SHORT = 496, 16, 5
 ROWS = 64
+STALL_S = 0.030  # a run that lost the core to another process for a while
 WARM_S = 2.0  # figures count from here: past the cost models' warm-up
 
 
@@ -119,7 +120,7 @@ class Cache:
 
 
 class Replay:
-    def __init__(self, steered: bool, clients: int, seconds: float) -> None:
+    def __init__(self, steered: bool, clients: int, seconds: float, stalls: float = 0.0) -> None:
         self.now = 0.0
         self.end = seconds
         self.steered = steered
@@ -140,6 +141,8 @@ class Replay:
         self.made = 0
         self.errors: list[float] = []  # decode cost model: predicted / modelled
         self.rng = random.Random(7)
+        self.stalls = stalls
+        self.noise = random.Random(11)  # its own stream: the load stays the same
         self.ids = iter(range(1, 1 << 30))
         self.kind: dict[int, str] = {}
         self.arrived: dict[int, float] = {}
@@ -186,21 +189,21 @@ class Replay:
                     self.joins = {}
                 self.cache.keep({r.id for r in s.rows})
                 decoded = self.cache.length
-                d = self.cache.decode()
+                d = self.stalled(self.cache.decode())
                 self.check(len(plan.decode), decoded, d)
                 self.steer.observe_decode(len(plan.decode), decoded, d)
                 took += d
             if plan.prefill:
                 width = max(len(r.prompt_ids) for r in plan.prefill)
                 tokens = len(plan.prefill) * width
-                p = prefill_s(tokens)
+                p = self.stalled(prefill_s(tokens))
                 self.steer.observe_prefill(len(plan.prefill), tokens, p)
                 took += p
                 self.joins.update({r.id: width for r in plan.prefill})
             chunk = None
             if plan.chunk is not None:
                 tokens = plan.chunk.stop - plan.chunk.start
-                p = prefill_s(tokens)
+                p = self.stalled(prefill_s(tokens))
                 self.steer.observe_prefill(1, tokens, p)
                 took += p
                 if plan.chunk.final:
@@ -211,6 +214,10 @@ class Replay:
             outputs = StepOutputs(peaked(len(plan.prefill)), peaked(len(plan.decode)), {}, chunk)
             for event in s.update(plan, outputs):
                 self.observe(event.seq_id, len(event.tokens), event.finish is not None)
+
+    def stalled(self, seconds: float) -> float:
+        """A run's time on a shared machine: a `stalls` share of runs waits STALL_S more."""
+        return seconds + (STALL_S if self.noise.random() < self.stalls else 0.0)
 
     def check(self, rows: int, length: int, seconds: float) -> None:
         """The decode cost model's prediction against the step's modelled cost."""
@@ -262,6 +269,9 @@ def main() -> None:
     )
     parser.add_argument("--seconds", type=float, default=30.0, help="modelled seconds")
     parser.add_argument("--clients", default="16,64", help="comma-separated concurrencies")
+    parser.add_argument(
+        "--stalls", type=float, default=0.0, help=f"share of runs {STALL_S * 1000:.0f} ms late"
+    )
     args = parser.parse_args()
     step16 = decode_s(16, LONG)
     print(
@@ -271,7 +281,7 @@ def main() -> None:
     for clients in (int(c) for c in args.clients.split(",")):
         runs, fits = {}, []
         for steered in (False, True):
-            replay = Replay(steered, clients, args.seconds)
+            replay = Replay(steered, clients, args.seconds, args.stalls)
             replay.run()
             runs[steered] = replay.cells()
             fits = replay.errors

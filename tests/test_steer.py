@@ -25,6 +25,19 @@ def test_a_tight_ttft_still_admits_a_minimal_chunk() -> None:
     assert steer.prefill_tokens(4096) == MIN_PREFILL_TOKENS
 
 
+def test_stalled_runs_halve_the_prefill_budget_at_most() -> None:
+    steer = Steer(ttft_s=0.050, itl_s=None, max_rows=16, clock=ManualClock())
+    for tokens in (10, 20, 40, 80, 160) * 4:
+        steer.observe_prefill(1, tokens, 0.002 + 0.0001 * tokens)
+    steer.observe_prefill(1, 10, 0.030)  # one run lost the core for 27 ms
+    fit = steer.prefill_cost.fit
+    assert fit is not None and fit.spread > 4
+    # A budget divided by the whole spread would split long prompts into many small
+    # parts, each paying a decode of the rows; the stall is no shorter for it.
+    half = (0.050 / 2 - fit.fixed_s - fit.per_item_s) / fit.per_token_s
+    assert steer.prefill_tokens(4096) == int(half + 1e-9) > 200
+
+
 def test_itl_bounds_the_rows_by_the_decode_cost_at_the_cache_length() -> None:
     steer = Steer(ttft_s=None, itl_s=0.010, max_rows=64, clock=ManualClock())
     assert not steer.chunked and steer.prefill_tokens(4096) == 4096

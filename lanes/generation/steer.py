@@ -134,7 +134,10 @@ class Steer:
         # another decode.
         decode_s = 0.0 if decode is None else decode.seconds
         budget = max(self.ttft_s - decode_s, self.ttft_s / 2)
-        room = budget / fit.spread - fit.fixed_s - fit.per_item_s
+        # The spread's margin, but never more than half of it: a spread past 2 says some
+        # runs stalled (another process took the core), which no smaller prefill avoids,
+        # and a budget cut by it would split long prompts into parts too many to finish.
+        room = budget / min(fit.spread, 2.0) - fit.fixed_s - fit.per_item_s
         if fit.per_token_s <= 0:
             return default if room >= 0 else MIN_PREFILL_TOKENS
         # The epsilon keeps float rounding from costing a token (as in the cost model).
