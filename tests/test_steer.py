@@ -196,3 +196,22 @@ def test_the_next_part_waits_for_the_rows_decode_never_in_the_joiners_step_alone
     steer.apply(s, 100, 4096)
     plan, _ = step(s)
     assert plan.chunk is not None and ids(plan.decode) == [100, 101, 2]
+
+
+def test_the_parts_of_a_long_prompt_take_what_fits_itl_beside_the_rows_decode() -> None:
+    clock = ManualClock()
+    steer = Steer(ttft_s=0.020, itl_s=0.060, max_rows=3, clock=clock)
+    measured(steer)
+    s = steered(clock, steer, 2, max_rows=3)
+    s.add(seq(1, prompt=3000, arrived=clock.now))
+    s.add(seq(2, arrived=clock.now))  # one row for two prompts: the long one goes in parts
+    steer.apply(s, 100, 4096)
+    plan, _ = step(s)
+    # The first part as any step's prefill: (20 - 3 - 2) ms / 0.1 ms beside the decode.
+    assert plan.chunk is not None and (plan.chunk.start, plan.chunk.stop) == (0, 150)
+    steer.apply(s, 100, 4096)
+    plan, _ = step(s)
+    # Its first token is far past ttft_ms however it goes: the parts are bounded by the
+    # rows' ITL, (60 - 3 - 2) ms / 0.1 ms, so it takes fewer steps.
+    assert plan.chunk is not None and (plan.chunk.start, plan.chunk.stop) == (150, 700)
+    assert ids(plan.decode) == [100, 101]

@@ -18,6 +18,8 @@ the rows' next token with their run fits `itl_ms`, or when their TTFT (the oldes
 wait, plus the run) is at least as large a share of `ttft_ms` as the rows' ITL with
 it is of `itl_ms` (`whole_tokens`). While prompts queue for rows, each whole long run
 would stall the rows again as the rows free one by one: the long prompts go in parts.
+A prompt in parts is past `ttft_ms` however it goes, so its parts are bounded by what
+fits `itl_ms` beside the rows' decode (the SLO they keep), when that is more.
 
 While interactive prompts wait for a row, their time to first token grows with every
 step they wait, and the row bound would hold them out until a row finishes. So the
@@ -91,6 +93,9 @@ class Steer:
             scheduler.past_bound = self.past_bound(length, held, waiting)
         if self.ttft_s is not None:
             budget = self.prefill_tokens(default_prefill_tokens, running, length)
+            if scheduler.chunking is not None and self.itl_s is not None:
+                part = self.prefill_tokens(default_prefill_tokens, running, length, self.itl_s)
+                budget = max(budget, part)
             # Whole only when every waiting prompt can join now: while prompts queue for
             # rows, each whole long run would stall the rows again, and parts keep them
             # within itl_ms (one prompt at a time).
@@ -119,11 +124,15 @@ class Steer:
         ttft_used = (self.clock() - waiting[0].arrived + prefill.seconds) / self.ttft_s
         return tokens if itl_used <= 1 or ttft_used >= itl_used else 0
 
-    def prefill_tokens(self, default: int, rows: int = 0, length: int = 0) -> int:
+    def prefill_tokens(
+        self, default: int, rows: int = 0, length: int = 0, within: float | None = None
+    ) -> int:
         """One step's prefill budget in tokens: `default` without `ttft_ms`; what fits in
-        `ttft_ms` beside the decode of `rows` over a cache `length` long otherwise."""
+        `ttft_ms` (or `within` seconds) beside the decode of `rows` over a cache `length`
+        long otherwise."""
         if self.ttft_s is None:
             return default
+        target = self.ttft_s if within is None else within
         fit = self.prefill_cost.fit
         if fit is None:
             return DEFAULT_PREFILL_TOKENS
@@ -133,7 +142,7 @@ class Steer:
         # prefill, which would only split every prompt over more steps, each paying
         # another decode.
         decode_s = 0.0 if decode is None else decode.seconds
-        budget = max(self.ttft_s - decode_s, self.ttft_s / 2)
+        budget = max(target - decode_s, target / 2)
         # The spread's margin, but never more than half of it: a spread past 2 says some
         # runs stalled (another process took the core), which no smaller prefill avoids,
         # and a budget cut by it would split long prompts into parts too many to finish.
