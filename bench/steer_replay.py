@@ -120,12 +120,19 @@ class Cache:
 
 
 class Replay:
-    def __init__(self, steered: bool, clients: int, seconds: float, stalls: float = 0.0) -> None:
+    def __init__(
+        self,
+        steered: bool,
+        clients: int,
+        seconds: float,
+        stalls: float = 0.0,
+        factors: tuple[float, float] = (2.0, 3.0),
+    ) -> None:
         self.now = 0.0
         self.end = seconds
         self.steered = steered
         step16 = decode_s(16, LONG)
-        self.steer = Steer(2 * step16, 3 * step16, ROWS, self.clock)
+        self.steer = Steer(factors[0] * step16, factors[1] * step16, ROWS, self.clock)
         self.scheduler = Scheduler(
             ROWS,
             frozenset({0}),
@@ -272,16 +279,20 @@ def main() -> None:
     parser.add_argument(
         "--stalls", type=float, default=0.0, help=f"share of runs {STALL_S * 1000:.0f} ms late"
     )
+    parser.add_argument("--ttft-factor", type=float, default=2.0, help="ttft_ms / the step")
+    parser.add_argument("--itl-factor", type=float, default=3.0, help="itl_ms / the step")
     args = parser.parse_args()
     step16 = decode_s(16, LONG)
     print(
         f"modelled 16-row step over a {LONG}-long cache {1000 * step16:.1f} ms: steered "
-        f"ttft_ms {2000 * step16:.1f}, itl_ms {3000 * step16:.1f}"
+        f"ttft_ms {1000 * args.ttft_factor * step16:.1f}, "
+        f"itl_ms {1000 * args.itl_factor * step16:.1f}"
     )
     for clients in (int(c) for c in args.clients.split(",")):
         runs, fits = {}, []
         for steered in (False, True):
-            replay = Replay(steered, clients, args.seconds, args.stalls)
+            factors = (args.ttft_factor, args.itl_factor)
+            replay = Replay(steered, clients, args.seconds, args.stalls, factors)
             replay.run()
             runs[steered] = replay.cells()
             fits = replay.errors

@@ -215,3 +215,25 @@ def test_the_parts_of_a_long_prompt_take_what_fits_itl_beside_the_rows_decode() 
     # rows' ITL, (60 - 3 - 2) ms / 0.1 ms, so it takes fewer steps.
     assert plan.chunk is not None and (plan.chunk.start, plan.chunk.stop) == (150, 700)
     assert ids(plan.decode) == [100, 101]
+
+
+def test_a_prompt_within_ttft_goes_in_parts_when_its_run_would_hold_the_rows_past_itl() -> None:
+    clock = ManualClock()
+    steer = Steer(ttft_s=0.100, itl_s=0.020, max_rows=16, clock=clock)
+    measured(steer)
+    s = steered(clock, steer, 2)
+    s.add(seq(1, prompt=400, arrived=clock.now))
+    steer.apply(s, 100, 4096)
+    # Its 42 ms prefill fits ttft_ms (0.42x), but holds the rows' next token 2.25x
+    # itl_ms: the nearer SLO bounds the step to (20 - 3 - 2) ms / 0.1 ms of prompt.
+    assert steer.prefill_tokens(4096, rows=2, length=100) == 950
+    assert s.max_prefill_tokens == 150
+    parts = []
+    for _ in range(3):
+        plan = s.schedule()
+        assert plan.chunk is not None and ids(plan.decode) == [100, 101]
+        parts.append((plan.chunk.start, plan.chunk.stop))
+        last = logits(A) if plan.chunk.final else None
+        s.update(plan, StepOutputs(decode=logits(A, A), chunk=last))
+        steer.apply(s, 100, 4096)
+    assert parts == [(0, 150), (150, 300), (300, 400)]

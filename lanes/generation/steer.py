@@ -18,8 +18,10 @@ the rows' next token with their run fits `itl_ms`, or when their TTFT (the oldes
 wait, plus the run) is at least as large a share of `ttft_ms` as the rows' ITL with
 it is of `itl_ms` (`whole_tokens`). While prompts queue for rows, each whole long run
 would stall the rows again as the rows free one by one: the long prompts go in parts.
-A prompt in parts is past `ttft_ms` however it goes, so its parts are bounded by what
-fits `itl_ms` beside the rows' decode (the SLO they keep), when that is more.
+Otherwise the rows' ITL is the nearer SLO, and what a step prefills is bounded by what
+fits `itl_ms` beside their decode as well as by `ttft_ms` (a prompt that fits `ttft_ms`
+but would hold the rows past `itl_ms` goes in parts). A prompt in parts is past
+`ttft_ms` however it goes, so its parts are bounded by `itl_ms` alone.
 
 While interactive prompts wait for a row, their time to first token grows with every
 step they wait, and the row bound would hold them out until a row finishes. So the
@@ -93,16 +95,28 @@ class Steer:
             scheduler.past_bound = self.past_bound(length, held, waiting)
         if self.ttft_s is not None:
             budget = self.prefill_tokens(default_prefill_tokens, running, length)
-            if scheduler.chunking is not None and self.itl_s is not None:
-                part = self.prefill_tokens(default_prefill_tokens, running, length, self.itl_s)
-                budget = max(budget, part)
-            # Whole only when every waiting prompt can join now: while prompts queue for
-            # rows, each whole long run would stall the rows again, and parts keep them
-            # within itl_ms (one prompt at a time).
-            free = scheduler.max_running + scheduler.past_bound - running
-            if scheduler.chunking is None and len(waiting) <= free:
-                budget = max(budget, self.whole_tokens(length, running, waiting))
+            if self.itl_s is not None:
+                budget = self._with_itl(scheduler, budget, running, length, waiting)
             scheduler.max_prefill_tokens = min(budget, default_prefill_tokens)
+
+    def _with_itl(
+        self, scheduler: Scheduler, budget: int, running: int, length: int, waiting: list[Seq]
+    ) -> int:
+        """The prefill budget `budget` (from `ttft_ms`) with `itl_ms` declared too."""
+        assert self.itl_s is not None
+        # Whole only when every waiting prompt can join now: while prompts queue for rows,
+        # each whole long run would stall the rows again, and parts keep them within
+        # itl_ms (one prompt at a time).
+        free = scheduler.max_running + scheduler.past_bound - running
+        if scheduler.chunking is None and len(waiting) <= free:
+            whole = self.whole_tokens(length, running, waiting)
+            if whole:
+                return max(budget, whole)
+        # The rows' ITL is the nearer SLO: what a step prefills is bounded by what fits
+        # itl_ms beside their decode too. A prompt in parts is past ttft_ms however it
+        # goes: only that bound is left for its parts (fewer steps when it is more).
+        within = self.prefill_tokens(budget, running, length, self.itl_s)
+        return within if scheduler.chunking is not None else min(budget, within)
 
     def whole_tokens(self, length: int, rows: int, waiting: Sequence[Seq]) -> int:
         """Padded tokens of `waiting` prefilled whole in one run, rather than in parts,
