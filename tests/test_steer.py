@@ -237,3 +237,22 @@ def test_a_prompt_within_ttft_goes_in_parts_when_its_run_would_hold_the_rows_pas
         s.update(plan, StepOutputs(decode=logits(A, A), chunk=last))
         steer.apply(s, 100, 4096)
     assert parts == [(0, 150), (150, 300), (300, 400)]
+
+
+def test_the_parts_take_the_mean_cost_however_runs_stalled() -> None:
+    clock = ManualClock()
+    steer = Steer(ttft_s=0.020, itl_s=0.060, max_rows=3, clock=clock)
+    measured(steer)
+    steer.observe_prefill(1, 10, 0.030)  # one run lost the core for 27 ms
+    fit, decode = steer.prefill_cost.fit, steer.decode_cost.estimate(2, 200)
+    assert fit is not None and fit.spread > 2 and decode is not None
+    s = steered(clock, steer, 2, max_rows=3)
+    s.add(seq(1, prompt=3000, arrived=clock.now))
+    s.add(seq(2, arrived=clock.now))  # one row for two prompts: the long one goes in parts
+    steer.apply(s, 100, 4096)
+    step(s)
+    steer.apply(s, 100, 4096)
+    plan, _ = step(s)
+    # A smaller part avoids no stall: it only adds steps, each with the rows' decode.
+    mean = (0.060 - decode.seconds - fit.fixed_s - fit.per_item_s) / fit.per_token_s
+    assert plan.chunk is not None and plan.chunk.stop - plan.chunk.start == int(mean + 1e-9)

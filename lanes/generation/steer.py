@@ -142,8 +142,8 @@ class Steer:
         self, default: int, rows: int = 0, length: int = 0, within: float | None = None
     ) -> int:
         """One step's prefill budget in tokens: `default` without `ttft_ms`; what fits in
-        `ttft_ms` (or `within` seconds) beside the decode of `rows` over a cache `length`
-        long otherwise."""
+        `ttft_ms` (or, by the mean, in `within` seconds) beside the decode of `rows` over a
+        cache `length` long otherwise."""
         if self.ttft_s is None:
             return default
         target = self.ttft_s if within is None else within
@@ -160,7 +160,10 @@ class Steer:
         # The spread's margin, but never more than half of it: a spread past 2 says some
         # runs stalled (another process took the core), which no smaller prefill avoids,
         # and a budget cut by it would split long prompts into parts too many to finish.
-        room = budget / min(fit.spread, 2.0) - fit.fixed_s - fit.per_item_s
+        # Within another SLO than ttft_ms (the rows' itl_ms), the mean, as past_bound
+        # takes rows by the mean: the margin only made more parts, each a step longer.
+        margin = 1.0 if within is not None else min(fit.spread, 2.0)
+        room = budget / margin - fit.fixed_s - fit.per_item_s
         if fit.per_token_s <= 0:
             return default if room >= 0 else MIN_PREFILL_TOKENS
         # The epsilon keeps float rounding from costing a token (as in the cost model).
