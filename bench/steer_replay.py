@@ -22,21 +22,26 @@ import argparse
 import math
 import random
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from lanes.generation.kvcache import COMPACT_FRACTION, MAX_GROUPS, MAX_PADDING, TRIM_AT
 from lanes.generation.scheduler import Scheduler, Seq, StepOutputs
 from lanes.generation.steer import Steer
 from lanes.tasks.sampling import SamplingParams
 
 LONG, LONG_NEW, SHORT = 496, 16, 5
 ROWS = 64
+STALL_S = 0.030  # a run that lost the core to another process for a while
+WARM_S = 2.0  # figures count from here: past the cost models' warm-up
 
 
 def decode_s(rows: int, length: int) -> float:
+    """One decoder run of `rows` over a past `length` long (one group of the cache)."""
     return 0.001 + 0.0006 * rows * length / 500
 
 
@@ -44,28 +49,114 @@ def prefill_s(tokens: int) -> float:
     return 0.001 + 0.00008 * tokens
 
 
+@dataclass
+class Group:
+    """One group of the batch's KV cache (lanes/generation/kvcache.py): its rows,
+    left-padded to `length`; one decoder run per step."""
+
+    length: int
+    rows: dict[int, int] = field(default_factory=dict)  # sequence id -> its positions
+
+    def trim(self) -> None:
+        """Leading padding goes once it is a quarter of the length (and TRIM_AT)."""
+        longest = max(self.rows.values(), default=0)
+        if self.length - longest >= max(TRIM_AT, self.length / COMPACT_FRACTION):
+            self.length = longest
+
+
+class Cache:
+    """The engine's grouping of rows by length, on lengths alone: a joiner goes to the
+    group where its padding costs least, or a group of its own past MAX_PADDING
+    padded positions; neighbouring groups merge when that pads no more."""
+
+    def __init__(self) -> None:
+        self.groups: list[Group] = []
+
+    @property
+    def length(self) -> int:
+        return max((g.length for g in self.groups), default=0)
+
+    def place(self, joiners: dict[int, int]) -> None:
+        """One prefill's sequences (id -> prompt length), padded to their longest."""
+        width, joining = max(joiners.values()), len(joiners)
+        best: tuple[int, Group] | None = None
+        for g in self.groups:
+            pad = (
+                joining * (g.length - width)
+                if g.length >= width
+                else len(g.rows) * (width - g.length)
+            )
+            if best is None or pad < best[0]:
+                best = (pad, g)
+        if best is not None and (best[0] <= MAX_PADDING or len(self.groups) >= MAX_GROUPS):
+            best[1].rows.update(joiners)
+            best[1].length = max(best[1].length, width)
+        else:
+            self.groups.append(Group(width, dict(joiners)))
+        self.groups.sort(key=lambda g: g.length)
+        i = 0
+        while i + 1 < len(self.groups):
+            short, long = self.groups[i], self.groups[i + 1]
+            if len(short.rows) * (long.length - short.length) <= MAX_PADDING:
+                long.rows.update(short.rows)
+                del self.groups[i]
+            else:
+                i += 1
+
+    def keep(self, ids: set[int]) -> None:
+        """Rows not in `ids` leave (finished); an empty group goes."""
+        for g in self.groups:
+            g.rows = {i: n for i, n in g.rows.items() if i in ids}
+            g.trim()
+        self.groups = [g for g in self.groups if g.rows]
+
+    def decode(self) -> float:
+        """One decode step: each group's run; every row's past grows by one."""
+        took = sum(decode_s(len(g.rows), g.length) for g in self.groups)
+        for g in self.groups:
+            g.length += 1
+            g.rows = {i: n + 1 for i, n in g.rows.items()}
+        return took
+
+
 class Replay:
-    def __init__(self, steered: bool, clients: int, seconds: float) -> None:
+    def __init__(
+        self,
+        steered: bool,
+        clients: int,
+        seconds: float,
+        stalls: float = 0.0,
+        factors: tuple[float, float] = (2.0, 3.0),
+    ) -> None:
         self.now = 0.0
         self.end = seconds
         self.steered = steered
         step16 = decode_s(16, LONG)
-        self.steer = Steer(2 * step16, 3 * step16, ROWS, self.clock)
+        self.steer = Steer(factors[0] * step16, factors[1] * step16, ROWS, self.clock)
         self.scheduler = Scheduler(
             ROWS,
             frozenset({0}),
             lambda ids: "a" * len(ids),
             max_position=512,
+            prefill_alone=True,  # as serving/engine.py runs it
             chunked=steered,
             clock=self.clock,
         )
+        self.cache = Cache()
+        self.joins: dict[int, int] = {}  # prefilled, entering the cache at the next decode
+        self.busy = 0.0
+        self.made = 0
+        self.errors: list[float] = []  # decode cost model: predicted / modelled
         self.rng = random.Random(7)
+        self.stalls = stalls
+        self.noise = random.Random(11)  # its own stream: the load stays the same
         self.ids = iter(range(1, 1 << 30))
         self.kind: dict[int, str] = {}
         self.arrived: dict[int, float] = {}
         self.first: dict[int, float] = {}
         self.last: dict[int, float] = {}
         self.gaps: list[float] = []
+        self.gap_at: list[float] = []
         for _ in range(clients):
             self.submit(SHORT, self.draw(), "short")
 
@@ -89,7 +180,9 @@ class Replay:
                 for _ in range(4):
                     self.submit(LONG, LONG_NEW, "long")
                 burst += 2.0
-            length = max((len(r.prompt_ids) + len(r.tokens) for r in s.rows), default=1)
+            # As the engine: the bounds from the cache as it stands, before this plan's
+            # joiners (prefilled at the last step) enter it.
+            length = max(self.cache.length, 1)
             if self.steered:
                 self.steer.apply(s, length, 4096)
             plan = s.schedule()
@@ -97,31 +190,55 @@ class Replay:
                 self.now += 0.001
                 continue
             took = 0.0
-            if plan.decode:
-                d = decode_s(len(plan.decode), length)
-                self.steer.observe_decode(len(plan.decode), length, d)
+            if plan.decode:  # the loop settles the cache first: joiners in, leavers out
+                if self.joins:
+                    self.cache.place(self.joins)
+                    self.joins = {}
+                self.cache.keep({r.id for r in s.rows})
+                decoded = self.cache.length
+                d = self.stalled(self.cache.decode())
+                self.check(len(plan.decode), decoded, d)
+                self.steer.observe_decode(len(plan.decode), decoded, d)
                 took += d
             if plan.prefill:
-                tokens = len(plan.prefill) * max(len(r.prompt_ids) for r in plan.prefill)
-                p = prefill_s(tokens)
+                width = max(len(r.prompt_ids) for r in plan.prefill)
+                tokens = len(plan.prefill) * width
+                p = self.stalled(prefill_s(tokens))
                 self.steer.observe_prefill(len(plan.prefill), tokens, p)
                 took += p
+                self.joins.update({r.id: width for r in plan.prefill})
             chunk = None
             if plan.chunk is not None:
                 tokens = plan.chunk.stop - plan.chunk.start
-                p = prefill_s(tokens)
+                p = self.stalled(prefill_s(tokens))
                 self.steer.observe_prefill(1, tokens, p)
                 took += p
-                chunk = peaked(1) if plan.chunk.final else None
+                if plan.chunk.final:
+                    chunk = peaked(1)
+                    self.joins[plan.chunk.seq.id] = len(plan.chunk.seq.prompt_ids)
             self.now += took
+            self.busy += took
             outputs = StepOutputs(peaked(len(plan.prefill)), peaked(len(plan.decode)), {}, chunk)
             for event in s.update(plan, outputs):
-                self.observe(event.seq_id, bool(event.tokens), event.finish is not None)
+                self.observe(event.seq_id, len(event.tokens), event.finish is not None)
 
-    def observe(self, seq_id: int, token: bool, finished: bool) -> None:
-        if token:
+    def stalled(self, seconds: float) -> float:
+        """A run's time on a shared machine: a `stalls` share of runs waits STALL_S more."""
+        return seconds + (STALL_S if self.noise.random() < self.stalls else 0.0)
+
+    def check(self, rows: int, length: int, seconds: float) -> None:
+        """The decode cost model's prediction against the step's modelled cost."""
+        guess = self.steer.decode_cost.estimate(rows, rows * length)
+        if guess is not None and self.now > WARM_S:
+            self.errors.append(guess.seconds / seconds)
+
+    def observe(self, seq_id: int, tokens: int, finished: bool) -> None:
+        if self.now > WARM_S:
+            self.made += tokens
+        if tokens:
             if seq_id in self.last and self.kind[seq_id] == "short":
                 self.gaps.append(self.now - self.last[seq_id])
+                self.gap_at.append(self.now)
             self.last[seq_id] = self.now
             self.first.setdefault(seq_id, self.now)
         if finished and self.kind[seq_id] == "short" and self.now < self.end:
@@ -133,10 +250,12 @@ class Replay:
             waits = [
                 self.first.get(i, self.end) - at
                 for i, at in self.arrived.items()
-                if self.kind[i] == kind and at > 2.0  # past the cost models' warm-up
+                if self.kind[i] == kind and at > WARM_S  # past the cost models' warm-up
             ]
             out += [pct(waits, 50), pct(waits, 99)]
-        return [*out, pct(self.gaps, 50), pct(self.gaps, 99)]
+        gaps = [g for g, at in zip(self.gaps, self.gap_at, strict=True) if at > WARM_S]
+        rate = self.made / (self.end - WARM_S)
+        return [*out, pct(gaps, 50), pct(gaps, 99), pct(gaps, 100), rate]
 
 
 def peaked(rows: int) -> np.ndarray | None:
@@ -156,20 +275,37 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--seconds", type=float, default=30.0, help="modelled seconds")
-    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--clients", default="16,64", help="comma-separated concurrencies")
+    parser.add_argument(
+        "--stalls", type=float, default=0.0, help=f"share of runs {STALL_S * 1000:.0f} ms late"
+    )
+    parser.add_argument("--ttft-factor", type=float, default=2.0, help="ttft_ms / the step")
+    parser.add_argument("--itl-factor", type=float, default=3.0, help="itl_ms / the step")
     args = parser.parse_args()
-    runs = {}
-    for steered in (False, True):
-        replay = Replay(steered, args.clients, args.seconds)
-        replay.run()
-        runs[steered] = replay.cells()
     step16 = decode_s(16, LONG)
     print(
         f"modelled 16-row step over a {LONG}-long cache {1000 * step16:.1f} ms: steered "
-        f"ttft_ms {2000 * step16:.1f}, itl_ms {3000 * step16:.1f}; {args.clients} clients"
+        f"ttft_ms {1000 * args.ttft_factor * step16:.1f}, "
+        f"itl_ms {1000 * args.itl_factor * step16:.1f}"
     )
+    for clients in (int(c) for c in args.clients.split(",")):
+        runs, fits = {}, []
+        for steered in (False, True):
+            factors = (args.ttft_factor, args.itl_factor)
+            replay = Replay(steered, clients, args.seconds, args.stalls, factors)
+            replay.run()
+            runs[steered] = replay.cells()
+            fits = replay.errors
+        table(clients, runs)
+        print(
+            f"decode cost model, predicted / modelled step: p1 {np.percentile(fits, 1):.2f}, "
+            f"p50 {np.percentile(fits, 50):.2f}, p99 {np.percentile(fits, 99):.2f}\n"
+        )
+
+
+def table(clients: int, runs: dict[bool, list[float]]) -> None:
     header = ["server", "TTFT p50", "TTFT p99", "long TTFT p50", "long TTFT p99"]
-    header += ["ITL p50", "ITL p99"]
+    header += ["ITL p50", "ITL p99", "ITL max", "tokens/s"]
     rows = [
         ["unsteered", *(f"{v:.1f}" for v in runs[False])],
         ["steered", *(f"{v:.1f}" for v in runs[True])],
@@ -177,6 +313,7 @@ def main() -> None:
         + [f"{a / b:.2f}x" for a, b in zip(runs[True], runs[False], strict=True)],
     ]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    print(f"{clients} clients")
     for row in [header, ["-" * w for w in widths], *rows]:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
 

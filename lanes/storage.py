@@ -22,6 +22,7 @@ import fnmatch
 import glob
 import io
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -356,10 +357,15 @@ class Storage:
         except ClientError as err:
             raise _from_client_error(err, uri, action) from None
         except S3UploadFailedError as err:
-            # boto3's transfer manager wraps the ClientError that says what went wrong.
-            cause = err.__context__
-            if isinstance(cause, ClientError):
+            # boto3's transfer manager wraps the ClientError that says what went wrong;
+            # it is usually in the exception's chain, and its code always in the message.
+            cause = _client_error_in(err, ClientError)
+            if cause is not None:
                 raise _from_client_error(cause, uri, action) from None
+            code = _UPLOAD_CODE.search(str(err))
+            if code is not None:
+                response = {"Error": {"Code": code[1], "Message": str(err)}}
+                raise _from_client_error(ClientError(response, "PutObject"), uri, action) from None
             raise StorageError(f"{uri}: cannot {action} on S3: {err}") from None
         except NoCredentialsError:
             raise StorageError(
@@ -392,6 +398,23 @@ class _RawBody(io.RawIOBase):
 
 class _Missing(StorageError):
     """The object does not exist (read_bytes turns this into None)."""
+
+
+# botocore's ClientError message, which S3UploadFailedError repeats: "An error
+# occurred (NoSuchBucket) when calling the PutObject operation: ...".
+_UPLOAD_CODE = re.compile(r"\((\w+)\) when calling the \w+ operation")
+
+
+def _client_error_in(err: BaseException, kind: type[Exception]) -> Any:
+    """The first `kind` in `err`'s chain of causes and contexts, or None."""
+    seen: set[int] = set()
+    link: BaseException | None = err
+    while link is not None and id(link) not in seen:
+        if isinstance(link, kind):
+            return link
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
+    return None
 
 
 def _from_client_error(err: Any, uri: str, action: str) -> StorageError:

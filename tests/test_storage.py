@@ -250,6 +250,24 @@ def test_s3_missing_bucket_is_a_clear_error(s3: Any) -> None:
     assert storage.read_bytes("s3://here/missing.json") is None
 
 
+def test_an_upload_failure_without_its_client_error_still_names_the_bucket() -> None:
+    # boto3 raises S3UploadFailedError from inside its `except ClientError`; the code
+    # is read from the chain when it is there and from the message when it is not.
+    from boto3.exceptions import S3UploadFailedError
+
+    storage = Storage(Settings())
+    bare = S3UploadFailedError(
+        "Failed to upload /tmp/x to nope/out/x.json: An error occurred (NoSuchBucket) "
+        "when calling the PutObject operation: The specified bucket does not exist"
+    )
+    failed = pytest.raises(StorageError, match="bucket 'nope' does not exist; create it")
+    with failed, storage._errors("s3://nope/out/x.json", "write"):
+        raise bare
+    other = pytest.raises(StorageError, match=r"cannot write on S3: Failed to upload")
+    with other, storage._errors("s3://nope/out/x.json", "write"):
+        raise S3UploadFailedError("Failed to upload /tmp/x to nope/out/x.json: timed out")
+
+
 def test_s3_denied_access_is_a_clear_error(s3: Any, endpoint: str) -> None:
     s3.create_bucket(Bucket="locked")
     # Turn on moto's authentication: the test's made-up keys are then unknown.

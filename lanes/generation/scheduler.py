@@ -376,6 +376,10 @@ class Scheduler:
         alone = bool(prefill) and self.prefill_alone and not self._prefilled_alone
         self._prefilled_alone = alone and bool(running)
         rows = () if alone else running
+        if alone and running:
+            # The next part waits for the rows' decode (the next plan): in the joiners'
+            # step alone it would delay their first tokens, and the rows' next one.
+            chunk = None
         return StepPlan(prefill, rows, retired, preempted, resumed, chunk)
 
     def _start_chunk(self, limit: int, offline_rows: int) -> bool:

@@ -9,6 +9,20 @@ prefill cost model, in `ttft_ms` less the decode of the step's current rows by t
 decode cost model (at most half of `ttft_ms`). The rows are as many as one decode
 step of the current cache length fits in `itl_ms` (offline rows count like any other).
 
+With both SLOs, parts are no gain when the waiting prompts' TTFT is the SLO nearer to
+being missed: each part is a decoder run of its own beside a decode of the rows, so
+the prompt's first token comes later still, and a burst in parts stretches over many
+steps, each a little past the rows' usual ITL, where one whole run is one long step.
+So while every waiting prompt can take a row now, the budget covers them whole when
+the rows' next token with their run fits `itl_ms`, or when their TTFT (the oldest's
+wait, plus the run) is at least as large a share of `ttft_ms` as the rows' ITL with
+it is of `itl_ms` (`whole_tokens`). While prompts queue for rows, each whole long run
+would stall the rows again as the rows free one by one: the long prompts go in parts.
+Otherwise the rows' ITL is the nearer SLO, and what a step prefills is bounded by what
+fits `itl_ms` beside their decode as well as by `ttft_ms` (a prompt that fits `ttft_ms`
+but would hold the rows past `itl_ms` goes in parts). A prompt in parts is past
+`ttft_ms` however it goes, so its parts are bounded by `itl_ms` alone.
+
 While interactive prompts wait for a row, their time to first token grows with every
 step they wait, and the row bound would hold them out until a row finishes. So the
 bound then admits waiting prompts (oldest first) past it while the decode with them
@@ -72,22 +86,67 @@ class Steer:
         declared or the scheduler's own) and row bound on `scheduler`, from its rows and
         waiting prompts, over a batch cache `length` long."""
         running = sum(1 for s in scheduler.rows if not s.status.is_finished)
-        if self.ttft_s is not None:
-            budget = self.prefill_tokens(default_prefill_tokens, running, length)
-            scheduler.max_prefill_tokens = min(budget, default_prefill_tokens)
+        waiting = [s for s in scheduler.waiting if not s.status.is_finished]
         if self.itl_s is not None:
             held = sum(1 for s in scheduler.rows if not (s.offline or s.status.is_finished))
             if scheduler.chunking is not None and not scheduler.chunking.offline:
                 held += 1
-            waiting = [s for s in scheduler.waiting if not s.status.is_finished]
             scheduler.max_running = self.rows(length)
             scheduler.past_bound = self.past_bound(length, held, waiting)
+        if self.ttft_s is not None:
+            budget = self.prefill_tokens(default_prefill_tokens, running, length)
+            if self.itl_s is not None:
+                budget = self._with_itl(scheduler, budget, running, length, waiting)
+            scheduler.max_prefill_tokens = min(budget, default_prefill_tokens)
 
-    def prefill_tokens(self, default: int, rows: int = 0, length: int = 0) -> int:
+    def _with_itl(
+        self, scheduler: Scheduler, budget: int, running: int, length: int, waiting: list[Seq]
+    ) -> int:
+        """The prefill budget `budget` (from `ttft_ms`) with `itl_ms` declared too."""
+        assert self.itl_s is not None
+        # Whole only when every waiting prompt can join now: while prompts queue for rows,
+        # each whole long run would stall the rows again, and parts keep them within
+        # itl_ms (one prompt at a time).
+        free = scheduler.max_running + scheduler.past_bound - running
+        if scheduler.chunking is None and len(waiting) <= free:
+            whole = self.whole_tokens(length, running, waiting)
+            if whole:
+                return max(budget, whole)
+        # The rows' ITL is the nearer SLO: what a step prefills is bounded by what fits
+        # itl_ms beside their decode too. A prompt in parts is past ttft_ms however it
+        # goes: only that bound is left for its parts (fewer steps when it is more).
+        within = self.prefill_tokens(budget, running, length, self.itl_s)
+        return within if scheduler.chunking is not None else min(budget, within)
+
+    def whole_tokens(self, length: int, rows: int, waiting: Sequence[Seq]) -> int:
+        """Padded tokens of `waiting` prefilled whole in one run, rather than in parts,
+        when the rows' next token with that run still fits `itl_ms`, or its first
+        tokens' TTFT (the oldest's wait so far, plus the run) is at least as close to
+        being missed, as a fraction of `ttft_ms`, as the rows' ITL is of `itl_ms`:
+        parts would only push the nearer SLO further (each part is a decoder run of
+        its own beside a decode of the rows). 0 otherwise, and without both SLOs or
+        both cost models' fits."""
+        if not waiting or self.itl_s is None or self.ttft_s is None:
+            return 0
+        tokens = len(waiting) * max(len(s.prompt_ids) for s in waiting)
+        prefill = self.prefill_cost.estimate(len(waiting), tokens)
+        if prefill is None or self.decode_cost.fit is None:
+            return 0
+        decode = self.decode_cost.estimate(rows, rows * length) if rows else None
+        decode_s = 0.0 if decode is None else decode.seconds
+        itl_used = (prefill.seconds + decode_s) / self.itl_s
+        ttft_used = (self.clock() - waiting[0].arrived + prefill.seconds) / self.ttft_s
+        return tokens if itl_used <= 1 or ttft_used >= itl_used else 0
+
+    def prefill_tokens(
+        self, default: int, rows: int = 0, length: int = 0, within: float | None = None
+    ) -> int:
         """One step's prefill budget in tokens: `default` without `ttft_ms`; what fits in
-        `ttft_ms` beside the decode of `rows` over a cache `length` long otherwise."""
+        `ttft_ms` (or, by the mean, in `within` seconds) beside the decode of `rows` over a
+        cache `length` long otherwise."""
         if self.ttft_s is None:
             return default
+        target = self.ttft_s if within is None else within
         fit = self.prefill_cost.fit
         if fit is None:
             return DEFAULT_PREFILL_TOKENS
@@ -97,8 +156,14 @@ class Steer:
         # prefill, which would only split every prompt over more steps, each paying
         # another decode.
         decode_s = 0.0 if decode is None else decode.seconds
-        budget = max(self.ttft_s - decode_s, self.ttft_s / 2)
-        room = budget / fit.spread - fit.fixed_s - fit.per_item_s
+        budget = max(target - decode_s, target / 2)
+        # The spread's margin, but never more than half of it: a spread past 2 says some
+        # runs stalled (another process took the core), which no smaller prefill avoids,
+        # and a budget cut by it would split long prompts into parts too many to finish.
+        # Within another SLO than ttft_ms (the rows' itl_ms), the mean, as past_bound
+        # takes rows by the mean: the margin only made more parts, each a step longer.
+        margin = 1.0 if within is not None else min(fit.spread, 2.0)
+        room = budget / margin - fit.fixed_s - fit.per_item_s
         if fit.per_token_s <= 0:
             return default if room >= 0 else MIN_PREFILL_TOKENS
         # The epsilon keeps float rounding from costing a token (as in the cost model).
