@@ -221,13 +221,25 @@ def tune(
     best = best_point(points, target)
     source = "--p99" if p99 is not None else "slo.p99_ms" if w.slo.p99_ms else "default"
     _print_points(workload, points, target, source, best, declared)
+    for config in configs:
+        last = max((p for p in points if p.config == config), key=lambda p: p.concurrency)
+        if last.concurrency < levels[-1]:
+            why = (
+                f"{last.errors} errors there"
+                if last.errors
+                else f"its p99 past twice the target ({2 * target:g} ms): more clients only queue"
+            )
+            typer.echo(
+                f"{config.short}: stopped after {clients(last.concurrency)}, {why}", err=True
+            )
+    measured = sorted({p.concurrency for p in points})
     missing = plotting_missing()
     if missing is not None:
         typer.echo(missing, err=True)
     else:
         out = png or settings.home / "tune" / f"{workload}.png"
         note = (
-            f"closed loop at {', '.join(map(str, levels))} clients (xN beside each p99), "
+            f"closed loop at {', '.join(map(str, measured))} clients (xN beside each p99), "
             f"{repeats} x {seconds:g} s per point"
         )
         save_chart(chart(workload, points, target, best, note), out)

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from typer.testing import CliRunner
 
 from lanes.errors import InvalidInput
+from lanes.router.cli import app
 from lanes.router.plot import Chart, Curve, CurvePoint, plotting_missing, save_chart
 from lanes.router.tune import (
     Config,
@@ -232,6 +234,24 @@ def test_tune_measures_a_grid_draws_it_and_writes_only_the_two_knobs(tmp_path: P
     )
     batching = load_spec(spec_file, Settings()).workloads["search"].batching  # type: ignore[union-attr]
     assert (batching.max_batch_size, batching.max_wait_ms) == (int(size), float(wait))
+
+
+def test_tune_says_where_it_stopped_a_configuration_past_the_target(tmp_path: Path) -> None:
+    """In this process (the app `lanes` runs): a target no run can meet stops every
+    configuration after the first concurrency, and tune says so instead of leaving the
+    planned levels out of the table without a word."""
+    fixture = write_spec(tmp_path / "fixture", {})
+    enc = load_spec(fixture, Settings()).models["enc"]
+    spec_file = tmp_path / "workloads.yaml"
+    spec_file.write_text(COMMENTED.format(enc=enc.path, tokenizer=enc.tokenizer))
+    command = ["tune", "search", "--spec", str(spec_file), "--sizes", "1", "--waits", "1"]
+    command += ["-c", "1,2", "-s", "0.2", "-r", "1", "--p99", "0.001ms"]
+    home = {"LANES_HOME": str(tmp_path / "home")}
+    done = CliRunner().invoke(app, command, env=home, prog_name="lanes")
+    assert done.exit_code == 1, done.output
+    stopped = "batch 1, wait 1 ms: stopped after 1 client, its p99 past twice the target"
+    assert f"{stopped} (0.002 ms)" in done.stderr
+    assert "no point met the p99 target of 0.001 ms" in done.stderr
 
 
 @pytest.mark.slow
