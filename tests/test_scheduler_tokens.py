@@ -11,25 +11,9 @@ import pytest
 
 from lanes.generation.scheduler import Event, Scheduler, Seq, StepOutputs
 from lanes.tasks.sampling import SamplingParams, generator, sample
+from tests.test_scheduler import E1, E2, EOS, NEWLINE, SPACE, VOCAB, A, B, C, X, detokenize
 
-# Token ids: 0 is eos; 1-6 are one character each; 7 and 8 are the two halves of "é".
-CHARS = {1: "a", 2: "b", 3: "c", 4: " ", 5: "\n", 6: "x"}
-EOS, A, B, C, SPACE, NEWLINE, X, E1, E2 = range(9)
-VOCAB = 9
 GREEDY = SamplingParams(temperature=0)
-
-
-def detokenize(ids: Sequence[int]) -> str:
-    """Like a byte-level decoder: an unfinished multi-byte character decodes to U+FFFD."""
-    out, i = [], 0
-    while i < len(ids):
-        if ids[i] == E1 and i + 1 < len(ids) and ids[i + 1] == E2:
-            out.append("é")
-            i += 2
-            continue
-        out.append(CHARS.get(ids[i], "\ufffd") if ids[i] != EOS else "")
-        i += 1
-    return "".join(out)
 
 
 class Counted:
