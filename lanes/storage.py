@@ -364,8 +364,7 @@ class Storage:
                 raise _from_client_error(cause, uri, action) from None
             code = _UPLOAD_CODE.search(str(err))
             if code is not None:
-                response = {"Error": {"Code": code[1], "Message": str(err)}}
-                raise _from_client_error(ClientError(response, "PutObject"), uri, action) from None
+                raise _s3_error(code[1], None, str(err), uri, action) from None
             raise StorageError(f"{uri}: cannot {action} on S3: {err}") from None
         except NoCredentialsError:
             raise StorageError(
@@ -419,8 +418,13 @@ def _client_error_in(err: BaseException, kind: type[Exception]) -> Any:
 
 def _from_client_error(err: Any, uri: str, action: str) -> StorageError:
     error = err.response.get("Error", {})
-    code = str(error.get("Code", ""))
     status = err.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    message = error.get("Message") or str(err)
+    return _s3_error(str(error.get("Code", "")), status, message, uri, action)
+
+
+def _s3_error(code: str, status: int | None, message: str, uri: str, action: str) -> StorageError:
+    """What S3's error `code` (or HTTP `status`) means for `action` on `uri`."""
     bucket = urlparse(uri).netloc
     if code == "NoSuchBucket" or (code == "404" and action in ("list", "write")):
         return StorageError(
@@ -436,7 +440,6 @@ def _from_client_error(err: Any, uri: str, action: str) -> StorageError:
             f"{uri}: access denied ({code}) to {action}; check the credentials boto3 found "
             "(AWS_ACCESS_KEY_ID, AWS_PROFILE or the instance role) and the bucket's policy"
         )
-    message = error.get("Message") or str(err)
     return StorageError(f"{uri}: cannot {action} on S3: {code or status}: {message}")
 
 
