@@ -5,6 +5,7 @@ tokens it gets alone (`Decoder.complete`, the plain single-sequence loop)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -159,6 +160,20 @@ async def test_rows_in_groups_of_similar_length_give_the_same_tokens(
     )
     assert prefills is not None and steps is not None
     assert runs > prefills + steps, "the rows should have been split into groups"
+
+
+def test_offline_joiners_fill_every_free_row_at_once(task: GenerateTask) -> None:
+    """generate_batch queues its prompts a few at a time (the scheduler walks its
+    queue at every plan): still, every plan admits as many as there are free rows.
+    Seven equal budgets on 3 rows finish together: 3 prefills (3, 3, 1 joiners) and
+    3 decode steps after each, one decoder run each, and the tokens made alone."""
+    items: list[dict[str, object]] = [{"prompt": p, "max_tokens": 4} for p, _ in PROMPTS[:7]]
+    requests = [dataclasses.replace(task.prepare(item), ignore_eos=True) for item in items]
+    want = [alone(task, item).tokens for item in items]
+    runs = RUNS.passed
+    done = generate_batch(task.decoder, requests, 3, "code", max_padding=10**6)
+    assert RUNS.passed - runs == 3 * (1 + 3)
+    assert [d.tokens for d in done if isinstance(d, Completion)] == want
 
 
 @pytest.mark.parametrize("user", ["online", "offline"])

@@ -13,6 +13,7 @@ endpoint, alone or batched.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -115,17 +116,29 @@ def generate_batch(
     # Nobody reads a completion's text before it is done: decoded once, at its finish.
     seqs = [seq_of(i, r, stream=False) for i, r in enumerate(requests)]
     # Stable: equal lengths keep their order, so a rerun batches the same way.
-    for seq in sorted(seqs, key=lambda s: len(s.prompt_ids)):
-        scheduler.add(seq)
+    pending = deque(sorted(seqs, key=lambda s: len(s.prompt_ids)))
     loop = StepLoop(decoder, scheduler, name, max_padding)
     # Each step makes a token for, or finishes, every sequence it runs, and every
     # sequence has a budget: the loop ends.
-    while scheduler.has_work:
+    while True:
+        _top_up(scheduler, pending, rows)
+        if not scheduler.has_work:
+            break
         step = loop.run(scheduler.schedule())
         if step.failed:
             why = next((e.error for e in step.events if e.error), "a step failed")
             raise ModelError(why)
     return [_result(i, seq) for i, seq in enumerate(seqs)]
+
+
+def _top_up(scheduler: Scheduler, pending: deque[Seq], rows: int) -> None:
+    """Queue the next prompts until `rows` wait: no plan admits more than there are
+    rows, and each plan walks the whole queue (so a window of prompts queued at once
+    would cost every step a pass over all of them). The queue's order is `pending`'s,
+    so the plans are the same as with every prompt queued at the start."""
+    waiting = scheduler.waiting
+    while pending and len(waiting) < rows:
+        scheduler.add(pending.popleft())
 
 
 def _result(index: int, seq: Seq) -> Completion | Failed:

@@ -88,6 +88,9 @@ class KVCache:
 
     def release(self, keep: set[int]) -> None:
         """Rows whose sequence is not in `keep` become holes."""
+        # Most steps nobody leaves: one set check, not a pass over the rows.
+        if (keep | {None} if self.empty_since else keep).issuperset(self.slots):
+            return
         for r, sid in enumerate(self.slots):
             if sid is not None and sid not in keep:
                 self.slots[r] = None
@@ -103,20 +106,17 @@ class KVCache:
         values = tuple(v[r : r + 1, :, at:].copy() for v in self.values)
         return Join([sid], Past(keys, values), self.mask[r : r + 1, at:].copy())
 
-    def step_inputs(self, seqs: dict[int, Any]) -> tuple[Array, Array, Array]:
+    def step_inputs(self, rows: Sequence[Any | None]) -> tuple[Array, Array, Array]:
         """input_ids, attention_mask and position_ids of a decode step: each row's
-        last token at its own position; a hole attends only to its own dummy token
-        (finite, and nobody reads it)."""
-        rows = len(self.slots)
+        last token at its own position (`rows[r]`: row r's sequence, None for a hole);
+        a hole attends only to its own dummy token (finite, and nobody reads it)."""
+        n, pad = len(rows), self.pad
         # Built as lists and converted once: item by item into arrays costs more.
-        tokens, at = [self.pad] * rows, [0] * rows
-        for r, sid in enumerate(self.slots):
-            if sid is not None:
-                seq = seqs[sid]
-                tokens[r], at[r] = seq.last_token, seq.position
-        ids = np.array(tokens, dtype=np.int64).reshape(rows, 1)
-        positions = np.array(at, dtype=np.int64).reshape(rows, 1)
-        mask = np.concatenate([self.mask, np.ones((rows, 1), dtype=np.int64)], axis=1)
+        tokens = [pad if s is None else s.last_token for s in rows]
+        at = [0 if s is None else s.position for s in rows]
+        ids = np.array(tokens, dtype=np.int64).reshape(n, 1)
+        positions = np.array(at, dtype=np.int64).reshape(n, 1)
+        mask = np.concatenate([self.mask, np.ones((n, 1), dtype=np.int64)], axis=1)
         return ids, mask, positions
 
     def advance(self, present: Past, mask: Array) -> None:
@@ -189,11 +189,14 @@ class KVCache:
         every row has as padding once they are a quarter of the length. Copies once,
         or not at all."""
         holes = self.empty_since
-        drop = len(holes) * COMPACT_FRACTION > len(self.slots)
-        kept = [r for r, sid in enumerate(self.slots) if sid is not None or not drop]
-        lead = min((self.start[r] for r in kept), default=0)
-        if not drop and lead < max(TRIM_AT, self.length // COMPACT_FRACTION):
-            return
+        if len(holes) * COMPACT_FRACTION > len(self.slots):
+            kept = [r for r, sid in enumerate(self.slots) if sid is not None]
+            lead = min((self.start[r] for r in kept), default=0)
+        else:  # every row stays: worth a copy only for the leading padding
+            lead = min(self.start, default=0)
+            if lead < max(TRIM_AT, self.length // COMPACT_FRACTION):
+                return
+            kept = list(range(len(self.slots)))
         index = np.asarray(kept, dtype=np.int64)
         self.keys = [np.ascontiguousarray(k[index, :, lead:]) for k in self.keys]
         self.values = [np.ascontiguousarray(v[index, :, lead:]) for v in self.values]
@@ -244,13 +247,17 @@ class BatchCache:
         """One decode step of every group: next-token logits in `seqs`' order, and the
         sequences the model failed on alone (holes now; see `step_group`). `seqs` have
         `id`, `last_token` and `position`."""
-        by_id = {s.id: s for s in seqs}
-        order = {s.id: i for i, s in enumerate(seqs)}
+        # The usual step: one group, holding the step's rows in its order. Then the
+        # rows are the sequences as given and the logits are the group's as they came.
+        single = len(self.groups) == 1 and self.groups[0].slots == [s.id for s in seqs]
+        by_id = {} if single else {s.id: s for s in seqs}
+        order: dict[int, int] = {}
         logits: Array | None = None
         failed: dict[int, Exception] = {}
         error: Exception | None = None
         for group in self.groups:
-            ids, mask, positions = group.step_inputs(by_id)
+            rows_seqs = seqs if single else [None if i is None else by_id[i] for i in group.slots]
+            ids, mask, positions = group.step_inputs(rows_seqs)
             step = step_group(self.decoder, group, ids, mask, positions)
             group.advance(step.present, mask)
             error = error or step.error
@@ -259,16 +266,17 @@ class BatchCache:
                 group.release({sid for sid in group.slots if sid is not None} - step.failed.keys())
             if step.logits is None:
                 continue
-            rows = [r for r, sid in enumerate(group.slots) if sid is not None]
-            index = [order[group.slots[r]] for r in rows]
-            whole = len(self.groups) == 1 and len(rows) == len(seqs) == len(group.slots)
-            if whole and index == list(range(len(seqs))):  # the step's rows, in order
+            if single and not step.failed:
                 logits = step.logits
                 continue
+            order = order or {s.id: i for i, s in enumerate(seqs)}
+            rows = [r for r, sid in enumerate(group.slots) if sid is not None]
+            index = [order[sid] for sid in group.slots if sid is not None]
             if logits is None:
                 logits = np.empty((len(seqs), step.logits.shape[-1]), dtype=step.logits.dtype)
             logits[index] = step.logits[rows]
         if failed and logits is not None:
+            order = order or {s.id: i for i, s in enumerate(seqs)}
             logits[[order[sid] for sid in failed]] = 0
         held = sum(g.live for g in self.groups)
         if held + len(failed) != len(seqs) or (logits is None and not failed):

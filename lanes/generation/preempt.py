@@ -78,6 +78,9 @@ class Preempted:
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._kept
 
+    def __len__(self) -> int:
+        return len(self._kept)
+
 
 def _nbytes(join: Join) -> int:
     return sum(a.nbytes for a in (*join.past.keys, *join.past.values))

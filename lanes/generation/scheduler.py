@@ -192,7 +192,7 @@ class StepOutputs:
     chunk: Array | None = None  # [1, vocab]: the final chunk's next-token logits
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: one is made per row per step
 class Event:
     """What one step did for one sequence: new tokens, the text now safe to show
     (held back while it might be the start of a stop string), and the finish."""
