@@ -16,6 +16,10 @@ The same `--prompts` code prompts (greedy, `ignore_eos`, so every completion is
 - one at a time: `Decoder.complete` per prompt, the path offline generate took before
   it ran in the step loop.
 
+With `--breakdown`, raw and the offline lane run once more each, their decoder runs
+counted: prefill and decode runs, padded against real positions, and the seconds inside
+`Decoder.step` against the rest (where the offline lane's own Python shows).
+
 Each runs `--repeats` times, interleaved, after an untimed warm-up; the best of each is
 kept. Prints tokens/s and the ratios offline/raw (target >= 0.9) and
 offline/one-at-a-time. On a shared machine the wall-clock figures drift: the load
@@ -30,6 +34,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +51,10 @@ from lanes.settings import Settings  # noqa: E402
 from lanes.specfile import load_spec  # noqa: E402
 from lanes.storage import Storage  # noqa: E402
 from lanes.tasks import GenerateTask, load_task  # noqa: E402
+from lanes.tasks.decoder import Past, StepOutput  # noqa: E402
 from lanes.tasks.sampling import SamplingParams  # noqa: E402
 
+Array = np.ndarray[Any, Any]
 WORKLOAD = "gen"
 SPEC = """\
 version: 1
@@ -92,6 +99,58 @@ class Timer:
 
     def seconds(self) -> tuple[float, float]:
         return time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+
+@dataclass
+class Runs:
+    """Decoder runs of one kind (prefill or decode): their rows, attention positions
+    (padded, and real: mask 1) and CPU seconds inside `Decoder.step`."""
+
+    runs: int = 0
+    rows: int = 0
+    positions: int = 0
+    real: int = 0
+    seconds: float = 0.0
+
+
+class Counted:
+    """Counts the runs of `task.decoder.step` while it is entered (the one decoder that
+    raw and the offline lane share)."""
+
+    def __init__(self, task: GenerateTask) -> None:
+        self.decoder, self.runs = task.decoder, {"prefill": Runs(), "decode": Runs()}
+
+    def __enter__(self) -> Counted:
+        step = type(self.decoder).step
+
+        def counted(
+            input_ids: Array, attention_mask: Array, position_ids: Array, past: Past
+        ) -> StepOutput:
+            at = time.process_time()
+            out = step(self.decoder, input_ids, attention_mask, position_ids, past)
+            runs = self.runs["decode" if input_ids.shape[1] == 1 else "prefill"]
+            runs.seconds += time.process_time() - at
+            runs.runs, runs.rows = runs.runs + 1, runs.rows + input_ids.shape[0]
+            runs.positions += attention_mask.size
+            runs.real += int(attention_mask.sum())
+            return out
+
+        self.decoder.step = counted  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.decoder.step
+
+    def report(self, name: str, cpu: float) -> None:
+        inside = sum(r.seconds for r in self.runs.values())
+        print(
+            f"  {name:<8} CPU {cpu:.3f} s: {inside:.3f} in Decoder.step, {cpu - inside:.3f} outside"
+        )
+        for kind, r in self.runs.items():
+            print(
+                f"    {kind:<8} {r.runs:>4} runs, {r.rows:>5} rows, {r.positions:>7} positions "
+                f"for {r.real:>7} real ({r.positions / max(r.real, 1):.2f}x), {r.seconds:.3f} s"
+            )
 
 
 def raw(task: GenerateTask, texts: list[str], tokens: int, batch: int) -> tuple[float, float]:
@@ -159,6 +218,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads")
+    parser.add_argument(
+        "--breakdown", action="store_true", help="count decoder runs and time spent around them"
+    )
     args = parser.parse_args()
     models = ROOT / ".lanes" / "models"
     with tempfile.TemporaryDirectory(prefix="lanes-bench-") as tmp:
@@ -189,6 +251,13 @@ def main() -> None:
             }
             for name, (seconds, cpu_seconds) in timed.items():
                 wall[name], cpu[name] = min(wall[name], seconds), min(cpu[name], cpu_seconds)
+        breakdown = []
+        if args.breakdown:
+            with Counted(task) as counted_raw:
+                _, raw_cpu = raw(task, texts, args.tokens, args.batch_size)
+            with Counted(task) as counted_lane:
+                _, lane_cpu = lane(model, spec, settings, root / "counted", texts, args.tokens)
+            breakdown = [("raw", counted_raw, raw_cpu), ("offline", counted_lane, lane_cpu)]
     print(
         f"tinycode, {args.prompts} prompts x {args.tokens} tokens (greedy, ignore_eos), "
         f"batch_size {args.batch_size}, {args.threads} onnxruntime thread(s), best of "
@@ -201,6 +270,10 @@ def main() -> None:
             print(f"  {name:<14} {rate:>9.0f} tokens/s")
         print(f"  offline / raw           {rates['offline'] / rates['raw']:.2f}x (target >= 0.9)")
         print(f"  offline / one at a time {rates['offline'] / rates['one at a time']:.2f}x")
+    if breakdown:
+        print(" decoder runs, one more run of each:")
+        for name, counts, seconds in breakdown:
+            counts.report(name, seconds)
 
 
 if __name__ == "__main__":
