@@ -52,7 +52,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from lanes.costmodel import CostModel
+from lanes.costmodel import CostModel, Fit
 from lanes.generation.scheduler import Scheduler, Seq
 
 DEFAULT_PREFILL_TOKENS = 512  # a step's prefill budget before the cost model has a fit
@@ -60,6 +60,10 @@ MIN_PREFILL_TOKENS = 16  # a chunk is never smaller: each run has its fixed cost
 # Offline rows may make a step with interactive rows this much longer: the interactive
 # lane's latency is the one being protected, and this is its allowance for sharing.
 RIDE_SLACK = 0.1
+# The run cost model is refitted for that decision once every this many runs: a refit
+# is a least-squares pass over its window, dearer than a small step's Python, and
+# whether rows ride along moves slowly.
+RIDE_REFIT_RUNS = 64
 
 
 class Steer:
@@ -79,6 +83,8 @@ class Steer:
         self.prefill_cost = CostModel(clock=clock)
         self.decode_cost = CostModel(clock=clock)  # a step's decode, all its runs
         self.run_cost = CostModel(clock=clock)  # one decoder run (one KV group)
+        self._ride_fit: Fit | None = None
+        self._runs_since_fit = 0
 
     @property
     def chunked(self) -> bool:
@@ -96,6 +102,7 @@ class Steer:
     def observe_run(self, rows: int, length: int, seconds: float) -> None:
         """One decoder run of a decode step: a KV group of `rows` over `length`."""
         self.run_cost.observe(rows, rows * length, seconds)
+        self._runs_since_fit += 1
 
     def apply(self, scheduler: Scheduler, length: int, default_prefill_tokens: int) -> None:
         """Set the next plan's prefill budget (never over `default_prefill_tokens`, the
@@ -200,15 +207,16 @@ class Steer:
         model has a fit: until then they run in the gaps."""
         if interactive <= 0 or offline <= 0:
             return True
-        alone = self.run_cost.estimate(interactive, interactive * length)
-        rows = interactive + offline
-        both = self.run_cost.estimate(rows, rows * length)
-        if alone is None or both is None:
+        if self._ride_fit is None or self._runs_since_fit >= RIDE_REFIT_RUNS:
+            self._ride_fit, self._runs_since_fit = self.run_cost.fit, 0
+        fit = self._ride_fit
+        if fit is None:
             return False
-        bound = alone.seconds * (1 + RIDE_SLACK)
+        rows = interactive + offline
+        bound = fit.seconds(interactive, interactive * length) * (1 + RIDE_SLACK)
         if self.itl_s is not None:
             bound = min(bound, self.itl_s)
-        return both.seconds <= bound
+        return fit.seconds(rows, rows * length) <= bound
 
     def rows(self, length: int) -> int:
         """Rows one decode step may hold over a cache `length` long (at least 1)."""
