@@ -15,7 +15,11 @@ of that capacity), a paced interactive closed loop runs with and without the off
 job, the two taking turns in short slices (a shared VM's speed drifts within
 seconds). It prints per level: interactive p50/p99 with and without backfill and
 their ratio, the offline tokens/s beside the alone figure (whole batches, from the
-job's start until its last batch is answered), and the offline preemptions per
+job's start until its last batch is answered) and beside the capacity the
+interactive load leaves idle (the alone figure times the share of the time the engine
+was idle without backfill, from its busy-seconds counter; target >= 0.8; and times
+one less the load), the
+engine's busy share without and with backfill, and the offline preemptions per
 second.
 """
 
@@ -100,11 +104,17 @@ class CountingJob(OfflineJob):
             self.tokens += sum(len(c.tokens) for c in done if isinstance(c, Completion))
 
 
-def preemptions(url: str) -> float:
+def counters(url: str) -> tuple[float, float]:
+    """The offline lane's preemptions and the engine's busy seconds so far."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    pattern = r'lanes_lane_preemptions_total\{lane="offline",workload="code"\} (\S+)'
-    hit = re.search(pattern, text)
-    return float(hit.group(1)) if hit else 0.0
+    found = []
+    for pattern in (
+        r'lanes_lane_preemptions_total\{lane="offline",workload="code"\} (\S+)',
+        r'lanes_executor_busy_seconds_total\{workload="code"\} (\S+)',
+    ):
+        hit = re.search(pattern, text)
+        found.append(float(hit.group(1)) if hit else 0.0)
+    return found[0], found[1]
 
 
 def request() -> bytes:
@@ -114,19 +124,25 @@ def request() -> bytes:
 
 async def measured(
     url: str, job: CountingJob | None, rate: float | None, seconds: float, clients: int
-) -> tuple[Turns, float, float]:
-    """One slice: its latencies, offline tokens/s and preemptions/s."""
+) -> tuple[Turns, float, float, float]:
+    """One slice: its latencies, offline tokens/s, preemptions/s and the engine's
+    busy share."""
     if job is not None:
         job.start()
         await asyncio.sleep(0.2)
-    preempted, began = preemptions(url), time.perf_counter()
+    (preempted, busy), began = counters(url), time.perf_counter()
     latencies = await paced(url, rate, seconds, clients, request()) if rate else []
     if not rate:
         await asyncio.sleep(seconds)
     took = time.perf_counter() - began
-    preempted = preemptions(url) - preempted
+    preempted_after, busy_after = counters(url)
     tokens_s = await asyncio.to_thread(job.stop_rate) if job is not None else 0.0
-    return Turns(latencies, took), tokens_s, preempted / took
+    return (
+        Turns(latencies, took),
+        tokens_s,
+        (preempted_after - preempted) / took,
+        (busy_after - busy) / took,
+    )
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -169,18 +185,24 @@ async def run(args: argparse.Namespace) -> None:
         for level in args.levels:
             rate = level * capacity
             without, with_ = Turns(), Turns()
-            offline_rates, preempt_rates = [], []
+            offline_rates, preempt_rates, busy_alone, busy_with = [], [], [], []
             for i in range(args.rotations):
                 order: list[tuple[Turns, CountingJob | None]] = [(without, None), (with_, job)]
                 for turns, offline in order if i % 2 == 0 else order[::-1]:
-                    one, tokens_s, preempt_s = await measured(
+                    one, tokens_s, preempt_s, busy = await measured(
                         url, offline, rate, args.seconds, clients
                     )
                     merge(turns, one)
                     if offline is not None:
                         offline_rates.append(tokens_s)
                         preempt_rates.append(preempt_s)
+                        busy_with.append(busy)
+                    else:
+                        busy_alone.append(busy)
             offline_rate = statistics.mean(offline_rates)
+            # What the interactive load leaves idle: the offline lane alone, in the share
+            # of the time the engine did not run without backfill.
+            idle = alone_rate * max(1 - statistics.mean(busy_alone), 0.0)
             rows.append(
                 [
                     f"{level:.0%}",
@@ -191,6 +213,9 @@ async def run(args: argparse.Namespace) -> None:
                     f"{with_.ms(99) / max(without.ms(99), 1e-9):.2f}",
                     f"{offline_rate:.0f}",
                     f"{offline_rate / max(alone_rate, 1e-9):.2f}",
+                    f"{offline_rate / max(idle, 1e-9):.2f}",
+                    f"{offline_rate / max(alone_rate * (1 - level), 1e-9):.2f}",
+                    f"{statistics.mean(busy_alone):.2f}/{statistics.mean(busy_with):.2f}",
                     f"{statistics.mean(preempt_rates):.1f}",
                 ]
             )
@@ -203,6 +228,9 @@ async def run(args: argparse.Namespace) -> None:
             "p99 ratio",
             "offline tokens/s",
             "of alone",
+            "of idle time",
+            "of 1-load",
+            "busy alone/+backfill",
             "preemptions/s",
         ]
         table("tinycode: interactive completions with and without an offline job", rows, header)

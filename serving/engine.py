@@ -384,6 +384,8 @@ class Engine:
             m.rows.observe(rows)
             m.positions.inc(sum(s.position for s in plan.decode))
             self.steer.observe_decode(rows, step.decoded_length, step.decode.seconds)
+            for run in step.runs:
+                self.steer.observe_run(run.rows, run.length, run.seconds)
         now = self.clock()
         made = 0
         # First tokens come from prefills only (a prompt's final chunk among them).

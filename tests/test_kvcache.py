@@ -96,3 +96,31 @@ def test_when_every_row_fails_each_is_reported(decoder: Decoder) -> None:
     decoded = cache.decode(rows)
     assert decoded.logits is None and sorted(decoded.failed) == [1, 2]
     assert cache.groups[0].live == 0
+
+
+def test_rows_that_may_sit_out_are_grouped_apart_and_a_step_may_leave_them_out(
+    decoder: Decoder,
+) -> None:
+    rows = [Row(1, [A, B, C]), Row(2, [C, B, A]), Row(3, [B, C, A])]
+    cache = BatchCache(decoder, ONE_GROUP)  # one group, were they of one lane
+    for row, apart in zip(rows, (False, True, True), strict=True):
+        prompt = np.asarray([row.tokens[:-1]], dtype=np.int64)
+        out = decoder.step(
+            prompt, np.ones_like(prompt), np.arange(prompt.shape[1])[None], decoder.empty_past(1)
+        )
+        cache.place([row.id], out.present, np.ones_like(prompt), apart)
+    groups = {g.apart: g.slots for g in cache.groups}
+    assert groups == {False: [1], True: [2, 3]}, "rows that may sit out in a group apart"
+    parked = next(g for g in cache.groups if g.apart)
+    keys = parked.keys
+
+    interactive = cache.decode(rows[:1])
+    assert parked.keys is keys, "the offline group sat the step out, its cache untouched"
+    both = cache.decode(rows[1:])
+    alone = filled(decoder, rows).decode(rows)
+    assert interactive.logits is not None and both.logits is not None
+    assert alone.logits is not None
+    assert np.allclose(interactive.logits, alone.logits[:1], atol=1e-5)
+    assert np.allclose(both.logits, alone.logits[1:], atol=1e-5)
+    with pytest.raises(ValueError, match="a group holds 2 sequences, the step has 1"):
+        cache.decode(rows[1:2])

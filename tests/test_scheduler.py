@@ -378,16 +378,63 @@ def test_prefill_alone_runs_joiners_without_the_rows_then_decodes_them_all() -> 
 
 def test_offline_sequences_take_only_rows_no_interactive_one_waits_for() -> None:
     s = make(max_running=3, reserve=Reserve(share=0))  # no free rows kept
+    s.offline_rides = True  # a device where more rows cost a step little
     for i in range(3):
         s.add(seq(10 + i, offline=True))
     s.add(seq(1))
     plan, _ = step(s)
-    assert [r.id for r in plan.prefill] == [1, 10, 11], "interactive first, offline after"
+    assert ids(plan.prefill) == [1], "interactive first, and a prefill is of one lane"
+    plan, _ = step(s)
+    assert ids(plan.prefill) == [10, 11] and ids(plan.decode) == [1], "offline after"
     assert s.num_offline_waiting == 1 and s.num_waiting == 0
+
+
+def test_offline_rows_sit_out_the_interactive_rows_steps_unless_they_ride_along() -> None:
+    s = make(max_running=4, reserve=Reserve(share=0))
+    for i in range(2):
+        s.add(seq(10 + i, offline=True, max_new=50))
+    plan, _ = step(s)
+    assert ids(plan.prefill) == [10, 11], "no interactive work: the offline lane runs"
+    s.add(seq(1, max_new=50))
+    plan, _ = step(s)
+    assert ids(plan.prefill) == [1] and not plan.decode, "a joiner's step is interactive"
+    s.add(seq(12, offline=True, max_new=50))
+    plan, _ = step(s)
+    assert ids(plan.decode) == [1], "offline rows keep their rows but sit the step out"
+    assert not plan.prefill and not plan.preempted, "and no offline prompt joins"
+    before = [list(s._live[i].tokens) for i in (10, 11)]
+    plan, _ = step(s)
+    assert ids(plan.decode) == [1]
+    assert [s._live[i].tokens for i in (10, 11)] == before, "they made nothing meanwhile"
+    s.offline_rides = True  # the cost model says they cost the interactive rows little
+    plan, _ = step(s)
+    assert ids(plan.decode) == [10, 11, 1] and ids(plan.prefill) == [12]
+    assert [s._live[i].rider for i in (10, 11, 12)] == [False, False, True]
+    s.offline_rides = False
+    plan, _ = step(s)
+    assert ids(plan.decode) == [1, 12], "one that joined riding shares the interactive steps"
+    s.abort(1)  # the interactive lane is idle: the gap is the offline lane's
+    plan, _ = step(s)
+    assert ids(plan.decode) == [10, 11, 12]
+
+
+def test_offline_joiners_prefill_beside_the_rows_decode_even_where_joiners_run_alone() -> None:
+    s = make(max_running=4, reserve=Reserve(share=0), prefill_alone=True)
+    s.add(seq(1, max_new=50))
+    plan, _ = step(s)
+    assert ids(plan.prefill) == [1]
+    s.offline_rides = True
+    s.add(seq(10, offline=True, max_new=50))
+    plan, _ = step(s)
+    assert ids(plan.prefill) == [10] and ids(plan.decode) == [1], "nobody waits for its token"
+    s.add(seq(2, max_new=50))
+    plan, _ = step(s)
+    assert ids(plan.prefill) == [2] and not plan.decode, "an interactive joiner's runs alone"
 
 
 def test_an_interactive_arrival_preempts_the_newest_offline_row_at_the_next_plan() -> None:
     s = make(max_running=3, reserve=Reserve(share=0))  # no free rows kept
+    s.offline_rides = True  # a device where more rows cost a step little
     for i in range(3):
         s.add(seq(10 + i, offline=True))
     step(s, B)  # all three prefill and make their first token
@@ -431,6 +478,7 @@ def test_interactive_rows_are_never_preempted() -> None:
 def test_offline_sequences_leave_a_reserve_of_rows_while_interactive_requests_arrive() -> None:
     clock = Clock()
     s = make(max_running=8, clock=clock)
+    s.offline_rides = True  # a device where more rows cost a step little
     for i in range(10):
         s.add(seq(10 + i, offline=True, max_new=50))
     step(s)
@@ -441,7 +489,9 @@ def test_offline_sequences_leave_a_reserve_of_rows_while_interactive_requests_ar
     s.add(seq(2, max_new=50))
     s.add(seq(3, max_new=50))
     plan, _ = step(s)
-    assert ids(plan.prefill) == [1, 2, 3, 18, 19]
+    assert ids(plan.prefill) == [1, 2, 3], "a prefill is of one lane: interactive first"
+    plan, _ = step(s)
+    assert ids(plan.prefill) == [18, 19]
     assert s.num_running == 5, "3 interactive arrivals in the last 2 s: 8 // 4 rows stay free"
     for i in range(3):
         s.add(seq(20 + i, offline=True, max_new=50))
@@ -460,9 +510,11 @@ def test_offline_sequences_leave_a_reserve_of_rows_while_interactive_requests_ar
 def test_offline_rows_past_a_lowered_bound_are_preempted_while_interactive_rows_run() -> None:
     clock = Clock()
     s = make(max_running=6, clock=clock, reserve=Reserve(share=0))
+    s.offline_rides = True  # a device where more rows cost a step little
     for i in range(5):
         s.add(seq(10 + i, offline=True, max_new=50))
     s.add(seq(1, max_new=50))
+    step(s)
     step(s)
     assert s.num_running == 6
     s.max_running = 3  # as slo.itl_ms lowers it when the cache grows

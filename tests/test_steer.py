@@ -48,6 +48,44 @@ def test_itl_bounds_the_rows_by_the_decode_cost_at_the_cache_length() -> None:
     assert steer.rows(1000) == 1, "a long cache leaves room for fewer rows (at least one)"
 
 
+def test_offline_rows_ride_along_only_where_they_cost_the_interactive_step_little() -> None:
+    per_row = Steer(ttft_s=None, itl_s=None, max_rows=16, clock=ManualClock())
+    assert not per_row.offline_rides(100, 2, 6), "nothing measured: the gaps only"
+    assert per_row.offline_rides(100, 0, 6), "no interactive rows: nothing to protect"
+    for rows in (1, 2, 4, 8, 16) * 2:  # a CPU: 1 ms + 1 ms a row
+        per_row.observe_run(rows, 100, 0.001 + rows * 100 * 0.00001)
+    assert not per_row.offline_rides(100, 2, 6), "6 rows would make 3 ms steps 9 ms"
+    assert not per_row.offline_rides(100, 8, 1), "one more row is 1/9 more: past 10%"
+    assert per_row.offline_rides(100, 16, 1), "1/17 more"
+
+    flat = Steer(ttft_s=None, itl_s=0.01005, max_rows=64, clock=ManualClock())
+    for rows in (1, 2, 4, 8, 16, 32, 64) * 2:  # a GPU: 10 ms + 1 us a row
+        flat.observe_run(rows, 100, 0.010 + rows * 100 * 0.00000001)
+    assert flat.offline_rides(100, 2, 30), "30 more rows cost the step 0.3%, within itl_ms"
+    assert not flat.offline_rides(100, 2, 62), "within 10%, but past itl_ms"
+
+
+def test_the_steer_lets_a_scheduler_s_offline_rows_ride_along_by_the_cost_model() -> None:
+    clock = ManualClock()
+    steer = Steer(ttft_s=None, itl_s=None, max_rows=8, clock=clock)
+    s = make(max_running=8, clock=clock)
+    for i in range(3):
+        s.add(seq(10 + i, offline=True, max_new=50))
+    s.add(seq(1, max_new=50))
+    for _ in range(3):
+        steer.apply(s, 100, 4096)
+        step(s)
+    assert ids(s.rows) == [1], "measured nothing yet: the offline prompts wait for a gap"
+    for rows in (1, 2, 4, 8) * 2:  # a run's cost hardly grows with its rows
+        steer.observe_run(rows, 100, 0.010 + rows * 0.00001)
+    steer.apply(s, 100, 4096)
+    plan, _ = step(s)
+    assert ids(plan.prefill) == [10, 11, 12] and ids(plan.decode) == [1]
+    steer.apply(s, 100, 4096)
+    plan, _ = step(s)
+    assert ids(plan.decode) == [1, 10, 11, 12], "they decode beside the interactive row"
+
+
 # ---- steering a real scheduler: its rows and queue, on a manual clock ----------------
 
 

@@ -19,6 +19,10 @@ its real positions and made ~880 tokens/s; max_padding 256, 128, 64 and 32 gave
 ~800, ~1080, ~1250 and ~1130 tokens/s. The α/β of a linear step-cost model fitted
 on isolated steps says ~400: it misses that a smaller run also fits the caches.
 
+Offline rows that may sit a step out (`Seq.sits_out`: the scheduler leaves them out
+of steps with interactive rows) are in groups of their own (`KVCache.apart`): their
+groups then sit the step out, caches untouched.
+
 Within a group, a sequence that leaves makes a hole that a joiner may fill in
 place (a copy of the joiner's own cache only); holes and leading columns that are
 padding in every row are compacted away once they are worth a copy of the group.
@@ -31,7 +35,8 @@ exactly as the whole run would have advanced them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,8 +68,9 @@ class KVCache:
     columns before it have mask 0.
     """
 
-    def __init__(self, decoder: Decoder) -> None:
+    def __init__(self, decoder: Decoder, apart: bool = False) -> None:
         self.pad = decoder.config.pad_token_id
+        self.apart = apart  # its rows may sit steps out: no other rows join it
         self.slots: list[int | None] = []
         empty = decoder.empty_past(0)
         self.keys: list[Array] = list(empty.keys)
@@ -104,7 +110,7 @@ class KVCache:
         at = self.start[r]
         keys = tuple(k[r : r + 1, :, at:].copy() for k in self.keys)
         values = tuple(v[r : r + 1, :, at:].copy() for v in self.values)
-        return Join([sid], Past(keys, values), self.mask[r : r + 1, at:].copy())
+        return Join([sid], Past(keys, values), self.mask[r : r + 1, at:].copy(), self.apart)
 
     def step_inputs(self, rows: Sequence[Any | None]) -> tuple[Array, Array, Array]:
         """input_ids, attention_mask and position_ids of a decode step: each row's
@@ -212,9 +218,12 @@ class BatchCache:
     `max_padding` is how many padded positions a group may add to save a run.
     """
 
-    def __init__(self, decoder: Decoder, max_padding: float) -> None:
+    def __init__(
+        self, decoder: Decoder, max_padding: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.decoder = decoder
         self.max_padding = max_padding
+        self.clock = clock  # times each group's run (Decoded.runs)
         self.groups: list[KVCache] = []
 
     @property
@@ -244,9 +253,9 @@ class BatchCache:
         return None
 
     def decode(self, seqs: Sequence[Any]) -> Decoded:
-        """One decode step of every group: next-token logits in `seqs`' order, and the
-        sequences the model failed on alone (holes now; see `step_group`). `seqs` have
-        `id`, `last_token` and `position`."""
+        """One decode step of the groups holding `seqs` (the others sit it out):
+        next-token logits in `seqs`' order, and the sequences the model failed on alone
+        (holes now; see `step_group`). `seqs` have `id`, `last_token` and `position`."""
         # The usual step: one group, holding the step's rows in its order. Then the
         # rows are the sequences as given and the logits are the group's as they came.
         single = len(self.groups) == 1 and self.groups[0].slots == [s.id for s in seqs]
@@ -255,10 +264,15 @@ class BatchCache:
         logits: Array | None = None
         failed: dict[int, Exception] = {}
         error: Exception | None = None
-        for group in self.groups:
+        stepped = self.groups if single else self._stepped(by_id)
+        length = max((g.length for g in stepped), default=0)
+        runs = []
+        for group in stepped:
             rows_seqs = seqs if single else [None if i is None else by_id[i] for i in group.slots]
             ids, mask, positions = group.step_inputs(rows_seqs)
+            at = self.clock()
             step = step_group(self.decoder, group, ids, mask, positions)
+            runs.append(GroupRun(len(group.slots), group.length, self.clock() - at))
             group.advance(step.present, mask)
             error = error or step.error
             if step.failed:
@@ -278,19 +292,36 @@ class BatchCache:
         if failed and logits is not None:
             order = order or {s.id: i for i, s in enumerate(seqs)}
             logits[[order[sid] for sid in failed]] = 0
-        held = sum(g.live for g in self.groups)
+        held = sum(g.live for g in stepped)
         if held + len(failed) != len(seqs) or (logits is None and not failed):
             raise ValueError(
                 f"decode: the cache holds {held + len(failed)} sequences, the step has {len(seqs)}"
             )
-        return Decoded(logits, failed, error)
+        return Decoded(logits, failed, error, length, tuple(runs))
 
-    def place(self, ids: Sequence[int], past: Past, mask: Array) -> None:
+    def _stepped(self, ids: Mapping[int, Any]) -> list[KVCache]:
+        """The groups a step of `ids` runs: every one holding any of them, whole."""
+        stepped = []
+        for group in self.groups:
+            live = [sid for sid in group.slots if sid is not None]
+            inside = sum(1 for sid in live if sid in ids)
+            if inside and inside != len(live):
+                raise ValueError(
+                    f"decode: a group holds {len(live)} sequences, the step has {inside} of them"
+                )
+            if inside:
+                stepped.append(group)
+        return stepped
+
+    def place(self, ids: Sequence[int], past: Past, mask: Array, apart: bool = False) -> None:
         """Add one prefill's sequences to the group where their padding costs least,
-        or to a new group when it would cost more than a run."""
+        or to a new group when it would cost more than a run; with `apart` (rows that
+        may sit steps out), among the groups kept apart only, else among the others."""
         width, joining = mask.shape[1], len(ids)
         best: tuple[float, KVCache] | None = None
         for group in self.groups:
+            if group.apart != apart:
+                continue
             if group.length >= width:
                 padding = joining * (group.length - width)
             else:
@@ -300,19 +331,20 @@ class BatchCache:
         if best is not None and (best[0] <= self.max_padding or len(self.groups) >= MAX_GROUPS):
             best[1].place(ids, past, mask)
         else:
-            group = KVCache(self.decoder)
+            group = KVCache(self.decoder, apart)
             group.place(ids, past, mask)
             self.groups.append(group)
         self._merge()
 
     def _merge(self) -> None:
-        """Merge neighbouring groups (by length) while padding the shorter one's rows
-        costs no more than the run it saves."""
-        self.groups.sort(key=lambda g: g.length)
+        """Merge neighbouring groups (by length, the ones kept apart among themselves)
+        while padding the shorter one's rows costs no more than the run it saves."""
+        self.groups.sort(key=lambda g: (g.apart, g.length))
         i = 0
         while i + 1 < len(self.groups):
             short, long = self.groups[i], self.groups[i + 1]
-            if short.live * (long.length - short.length) <= self.max_padding:
+            same = short.apart == long.apart
+            if same and short.live * (long.length - short.length) <= self.max_padding:
                 long.absorb(short)
                 del self.groups[i]
             else:
@@ -324,11 +356,24 @@ class Decoded:
     """One decode step of the batch: next-token logits [len(seqs), vocab] in the step's
     order (None when every row failed; a failed row's logits are zeros), the sequences
     the model failed on alone, by id, with what each raised, and what the first group
-    run that failed raised (None: every group's run succeeded whole)."""
+    run that failed raised (None: every group's run succeeded whole), over a cache
+    `length` long (the longest group it ran, before the step), in `runs`, one per group."""
 
     logits: Array | None
     failed: dict[int, Exception]
     error: Exception | None = None
+    length: int = 0
+    runs: tuple[GroupRun, ...] = ()
+
+
+@dataclass(frozen=True)
+class GroupRun:
+    """One group's decoder run in a step: its rows (holes included), its past's
+    length, and how long the run took (isolating a failure included)."""
+
+    rows: int
+    length: int
+    seconds: float
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from lanes.generation.kvcache import MAX_PADDING, BatchCache
+from lanes.generation.kvcache import MAX_PADDING, BatchCache, GroupRun
 from lanes.generation.preempt import KEEP_BYTES, Preempted
 from lanes.generation.prefill import Chunked, Join, prefill_apart
 from lanes.generation.scheduler import Event, Scheduler, Seq, StepOutputs, StepPlan
@@ -66,6 +66,7 @@ class Step:
     chunk: Timed | None = None
     decode: Timed | None = None
     decoded_length: int = 0
+    runs: tuple[GroupRun, ...] = ()  # the decode's, one per KV group
     failed: bool = False  # the step failed outside any one row: every row errored
 
 
@@ -99,7 +100,7 @@ class StepLoop:
         self.scheduler = scheduler
         self.name = name
         self.clock = clock
-        self.cache = BatchCache(decoder, max_padding)
+        self.cache = BatchCache(decoder, max_padding, clock)
         self._joins: list[Join] = []  # prefilled, entering the cache at the next settle
         self.preempted = Preempted(keep_bytes)
         self.chunked = Chunked()
@@ -127,7 +128,7 @@ class StepLoop:
                 self.name,
                 len(plan.decode) + len(plan.prefill),
             )
-            self.cache = BatchCache(self.decoder, self.cache.max_padding)
+            self.cache = BatchCache(self.decoder, self.cache.max_padding, self.clock)
             self._joins = []
             message = (
                 f"the server failed on a step of this sequence's batch "
@@ -147,9 +148,10 @@ class StepLoop:
             self._settle({s.id for s in self.scheduler.rows}, plan.preempted)
         decode = None
         if plan.decode:
-            step.decoded_length, at = self.cache.length, self.clock()
+            at = self.clock()
             decoded = self.cache.decode(plan.decode)
             step.decode = Timed(at, self.clock())
+            step.decoded_length, step.runs = decoded.length, decoded.runs
             self._log_isolated("decode step", len(plan.decode), decoded.error, decoded.failed)
             failed.update(failures(plan.decode, decoded.failed, at_position))
             decode = decoded.logits
@@ -185,7 +187,7 @@ class StepLoop:
         worth a copy."""
         joins, self._joins = self._joins, []
         for join in joins:
-            self.cache.place(join.ids, join.past, join.mask)
+            self.cache.place(join.ids, join.past, join.mask, join.apart)
         self.preempted.keep(self.cache, preempted)
         self.cache.release(keep)
         self.cache.compact()

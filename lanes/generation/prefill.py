@@ -28,6 +28,7 @@ class Join:
     ids: list[int]
     past: Past
     mask: Array
+    apart: bool = False  # rows that may sit steps out (Seq.sits_out): grouped apart
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,8 @@ def prefill(decoder: Decoder, seqs: Sequence[Seq], recompute: bool = False) -> t
         pad = mask == 0
         for kv in (*present.keys, *present.values):
             kv[np.broadcast_to(pad[:, None, :], kv.shape[:3])] = 0
-    return out.logits[:, -1], Join([s.id for s in seqs], present, mask)
+    apart = all(s.sits_out for s in seqs)
+    return out.logits[:, -1], Join([s.id for s in seqs], present, mask, apart)
 
 
 def prefill_apart(decoder: Decoder, seqs: Sequence[Seq], recompute: bool = False) -> Prefilled:
@@ -121,4 +123,4 @@ class Chunked:
             return Prefilled(None, [])
         self.past = None
         mask = np.ones((1, chunk.stop), dtype=np.int64)
-        return Prefilled(logits, [Join([chunk.seq.id], present, mask)])
+        return Prefilled(logits, [Join([chunk.seq.id], present, mask, chunk.seq.sits_out)])

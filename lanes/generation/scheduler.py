@@ -87,6 +87,9 @@ class Seq:
     stream: bool = True
     arrived: float = 0.0  # on the scheduler's clock: for time-to-first-token
     offline: bool = False  # the offline lane's: free rows only, preempted for interactive
+    # An offline row admitted while offline rows ride along (Scheduler.offline_rides):
+    # it shares KV groups with interactive rows and decodes in every step, for good.
+    rider: bool = False
     preemptions: int = 0  # times it gave its row up to an interactive sequence
     prefilled: int = 0  # prompt tokens in its cache so far (a prompt prefilled in chunks)
     status: SeqStatus = SeqStatus.WAITING
@@ -124,6 +127,12 @@ class Seq:
     @property
     def lane(self) -> Lane:
         return "offline" if self.offline else "interactive"
+
+    @property
+    def sits_out(self) -> bool:
+        """Whether it may sit out a step with interactive rows (an offline row that
+        joined in a gap)."""
+        return self.offline and not self.rider
 
 
 @dataclass(frozen=True)
@@ -231,6 +240,17 @@ class Scheduler:
     rows run (a bound lowered under them, as `slo.itl_ms` does): they would make the
     interactive rows' steps longer than the bound allows.
 
+    Offline rows fill the gaps the interactive lane leaves: while interactive rows
+    run, the offline ones keep their rows and caches but sit the steps out (no copy,
+    nothing lost), and no offline prompt joins, unless `offline_rides` says their
+    decode costs the interactive rows little (lanes/generation/steer.py sets it from
+    the decode cost model before each plan: on a device whose step costs about the
+    same for more rows they ride along; where every row adds its cost, they wait for
+    a step without interactive rows). The batch cache keeps the rows that may sit out
+    in groups of their own (lanes/generation/kvcache.py), and a prefill's joiners are
+    of one kind. Offline rows admitted while they ride (`Seq.rider`) join the
+    interactive rows' groups instead, a run less per step, and decode in every step.
+
     With `chunked`, `max_prefill_tokens` is a hard budget: a prompt longer than it is
     prefilled in parts over several plans (`StepPlan.chunk`, one prompt at a time,
     holding a row meanwhile), so the rows decoding keep stepping while it is admitted.
@@ -263,6 +283,8 @@ class Scheduler:
         # Rows past max_running that waiting interactive sequences may take at the next
         # full plan (lanes/generation/steer.py: when their TTFT is the nearer SLO).
         self.past_bound = 0
+        # Whether offline rows decode in steps with interactive rows (see above).
+        self.offline_rides = False
         self.prefill_alone = prefill_alone
         self.chunked = chunked
         self.chunking: Seq | None = None  # the prompt being prefilled in parts
@@ -365,15 +387,28 @@ class Scheduler:
         budget = self.max_prefill_tokens - _padded(prefill)
         budget -= 0 if chunk is None else chunk.stop - chunk.start
         resumed: tuple[Seq, ...] = ()
-        if not self.waiting:  # offline rows only where no interactive one waits
+        busy = self._interactive_busy(running, prefill)
+        sits_out = busy and not self.offline_rides and self.policy == "continuous"
+        # Offline rows only where no interactive one waits, never in an interactive
+        # prefill (one lane per prefill), and only in steps they may take part in.
+        if not (self.waiting or prefill or sits_out):
             offline = self._admit(self.offline, budget, offline_rows)
+            for seq in offline:
+                if not seq.tokens:  # a resumed one keeps its kind (and its cache's group)
+                    seq.rider = self.offline_rides
             resumed = tuple(s for s in offline if s.tokens)
             prefill += tuple(s for s in offline if not s.tokens)
             self.rows.extend(offline)
+        if sits_out:
+            running = tuple(s for s in running if not s.sits_out)
+            if chunk is not None and chunk.seq.sits_out:
+                chunk = None  # its next part waits for a gap too
         retired, self._unreported = tuple(self._unreported), []
         # Joiners run alone, but never twice in a row while rows wait: arrivals that
         # trickle in one per step would otherwise starve the decode.
-        alone = bool(prefill) and self.prefill_alone and not self._prefilled_alone
+        # Offline joiners wait for no first token: they prefill beside the rows' decode.
+        interactive_joiners = any(not s.offline for s in prefill)
+        alone = interactive_joiners and self.prefill_alone and not self._prefilled_alone
         self._prefilled_alone = alone and bool(running)
         rows = () if alone else running
         if alone and running:
@@ -381,6 +416,11 @@ class Scheduler:
             # step alone it would delay their first tokens, and the rows' next one.
             chunk = None
         return StepPlan(prefill, rows, retired, preempted, resumed, chunk)
+
+    def _interactive_busy(self, running: Sequence[Seq], prefill: Sequence[Seq]) -> bool:
+        """Whether this step has interactive work: rows, joiners or a prompt in parts."""
+        chunking = self.chunking is not None and not self.chunking.offline
+        return chunking or bool(prefill) or any(not s.offline for s in running)
 
     def _start_chunk(self, limit: int, offline_rows: int) -> bool:
         """Whether a prompt is being prefilled in parts; a new one starts when the

@@ -33,7 +33,15 @@ SLO is nearer to being missed decides (the scheduler's `past_bound`; a long prom
 starts its parts in such a row too). Offline rows are no reason to admit past the
 bound (the scheduler preempts them first). With `itl_ms` alone the bound holds.
 
-Both models (lanes/costmodel.py) learn from every run; until they have a fit, the
+Offline rows decode beside interactive ones only where they cost those little: while
+a decoder run with them costs, by a third model, of single runs (a step runs once per
+KV group), at most RIDE_SLACK more than the interactive rows' run alone (and fits
+`itl_ms` when declared); otherwise they sit such steps out and run in the gaps (the
+scheduler's `offline_rides`). Where a run's cost hardly grows with its rows they ride
+along (and join the interactive rows' KV groups: no run of their own); where each row
+adds its own, an offline row would lengthen every interactive token, and waits.
+
+The models (lanes/costmodel.py) learn from every run; until they have a fit, the
 prefill budget is DEFAULT_PREFILL_TOKENS and the rows `max_batch_size`. Pure: the
 engine feeds it its runs' times and, before each plan, `apply` sets the two
 bounds on the scheduler from its queue and rows, on the injected clock.
@@ -44,11 +52,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from lanes.costmodel import CostModel
+from lanes.costmodel import CostModel, Fit
 from lanes.generation.scheduler import Scheduler, Seq
 
 DEFAULT_PREFILL_TOKENS = 512  # a step's prefill budget before the cost model has a fit
 MIN_PREFILL_TOKENS = 16  # a chunk is never smaller: each run has its fixed cost too
+# Offline rows may make a step with interactive rows this much longer: the interactive
+# lane's latency is the one being protected, and this is its allowance for sharing.
+RIDE_SLACK = 0.1
+# The run cost model is refitted for that decision once every this many runs: a refit
+# is a least-squares pass over its window, dearer than a small step's Python, and
+# whether rows ride along moves slowly.
+RIDE_REFIT_RUNS = 64
 
 
 class Steer:
@@ -66,7 +81,10 @@ class Steer:
         self.max_rows = max_rows
         self.clock = clock
         self.prefill_cost = CostModel(clock=clock)
-        self.decode_cost = CostModel(clock=clock)
+        self.decode_cost = CostModel(clock=clock)  # a step's decode, all its runs
+        self.run_cost = CostModel(clock=clock)  # one decoder run (one KV group)
+        self._ride_fit: Fit | None = None
+        self._runs_since_fit = 0
 
     @property
     def chunked(self) -> bool:
@@ -81,12 +99,24 @@ class Steer:
         """A decode step of `rows` over a cache `length` long."""
         self.decode_cost.observe(rows, rows * length, seconds)
 
+    def observe_run(self, rows: int, length: int, seconds: float) -> None:
+        """One decoder run of a decode step: a KV group of `rows` over `length`."""
+        self.run_cost.observe(rows, rows * length, seconds)
+        self._runs_since_fit += 1
+
     def apply(self, scheduler: Scheduler, length: int, default_prefill_tokens: int) -> None:
         """Set the next plan's prefill budget (never over `default_prefill_tokens`, the
         declared or the scheduler's own) and row bound on `scheduler`, from its rows and
         waiting prompts, over a batch cache `length` long."""
         running = sum(1 for s in scheduler.rows if not s.status.is_finished)
         waiting = [s for s in scheduler.waiting if not s.status.is_finished]
+        offline = sum(1 for s in scheduler.rows if s.offline and not s.status.is_finished)
+        interactive = running - offline + len(waiting)
+        if offline == 0:  # what would join: the rows left
+            offline = min(scheduler.num_offline_waiting, scheduler.max_running - interactive)
+        # At least one interactive row: offline joiners in a gap ride from then on when
+        # they would ride beside an interactive row (and join its groups).
+        scheduler.offline_rides = self.offline_rides(length, max(interactive, 1), offline)
         if self.itl_s is not None:
             held = sum(1 for s in scheduler.rows if not (s.offline or s.status.is_finished))
             if scheduler.chunking is not None and not scheduler.chunking.offline:
@@ -168,6 +198,25 @@ class Steer:
             return default if room >= 0 else MIN_PREFILL_TOKENS
         # The epsilon keeps float rounding from costing a token (as in the cost model).
         return max(int(room / fit.per_token_s + 1e-9), MIN_PREFILL_TOKENS)
+
+    def offline_rides(self, length: int, interactive: int, offline: int) -> bool:
+        """Whether `offline` rows may decode beside `interactive` rows over a cache
+        `length` long: while one run of them all costs, by the run cost model's mean
+        (riders share the interactive rows' groups), at most RIDE_SLACK more than the
+        interactive rows' run alone (and fits `itl_ms` when declared). Not before the
+        model has a fit: until then they run in the gaps."""
+        if interactive <= 0 or offline <= 0:
+            return True
+        if self._ride_fit is None or self._runs_since_fit >= RIDE_REFIT_RUNS:
+            self._ride_fit, self._runs_since_fit = self.run_cost.fit, 0
+        fit = self._ride_fit
+        if fit is None:
+            return False
+        rows = interactive + offline
+        bound = fit.seconds(interactive, interactive * length) * (1 + RIDE_SLACK)
+        if self.itl_s is not None:
+            bound = min(bound, self.itl_s)
+        return fit.seconds(rows, rows * length) <= bound
 
     def rows(self, length: int) -> int:
         """Rows one decode step may hold over a cache `length` long (at least 1)."""
