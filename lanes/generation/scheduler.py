@@ -97,7 +97,7 @@ class Seq:
     text: str = ""  # decoded so far (cut before a stop string once one is found)
     sent: int = 0  # characters of `text` already handed out in events
     error: str | None = None  # why it finished with FINISHED_ERROR
-    rng: np.random.Generator = field(init=False, repr=False)
+    _rng: np.random.Generator | None = field(default=None, init=False, repr=False)
     # incremental detokenization: text of tokens[prefix:read] is already in `text`
     _prefix: int = field(default=0, repr=False)
     _read: int = field(default=0, repr=False)
@@ -106,7 +106,14 @@ class Seq:
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError(f"sequence {self.id}: expected at least one prompt token")
-        self.rng = generator(self.seed)
+
+    @property
+    def rng(self) -> np.random.Generator:
+        """Its own generator, made when it first samples: a greedy row never does, and
+        making one costs more than such a row's whole sampling."""
+        if self._rng is None:
+            self._rng = generator(self.seed)
+        return self._rng
 
     @property
     def last_token(self) -> int:
