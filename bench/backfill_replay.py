@@ -44,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from steer_replay import Cache, pct, peaked
 
-from lanes.generation.scheduler import Scheduler, Seq, StepOutputs
+from lanes.generation.scheduler import Scheduler
+from lanes.generation.seq import Seq, StepOutputs
 from lanes.generation.steer import Steer
 from lanes.tasks.sampling import SamplingParams
 

@@ -30,7 +30,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lanes.generation.kvcache import COMPACT_FRACTION, MAX_GROUPS, MAX_PADDING, TRIM_AT
-from lanes.generation.scheduler import Scheduler, Seq, StepOutputs
+from lanes.generation.scheduler import Scheduler
+from lanes.generation.seq import Seq, StepOutputs
 from lanes.generation.steer import Steer
 from lanes.tasks.sampling import SamplingParams
 

@@ -49,7 +49,8 @@ from lanes.generation.batch import scheduler_for, seq_of
 from lanes.generation.kvcache import MAX_PADDING, BatchCache
 from lanes.generation.loop import Step, StepLoop
 from lanes.generation.preempt import KEEP_BYTES, Preempted
-from lanes.generation.scheduler import PREFILL_TOKENS, Event, Lane, Policy, Seq, StepPlan
+from lanes.generation.scheduler import PREFILL_TOKENS, Policy
+from lanes.generation.seq import Event, Lane, Seq, StepPlan
 from lanes.generation.steer import Steer
 from lanes.serving.metrics import GenerateSeries, LaneSeries, Metrics, TokenRate, Utilization
 from lanes.serving.tracing import GenerateSpans

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from lanes.errors import DeadlineExceeded, LanesError, ModelError, Overloaded
-from lanes.generation.scheduler import Event
+from lanes.generation.seq import Event
 from lanes.protocols.completions import OpenAIFinish
 from lanes.serving.engine import TokenStream
 from lanes.spec import Guard

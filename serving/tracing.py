@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from lanes.generation.scheduler import Event, Seq, StepPlan
+from lanes.generation.seq import Event, Seq, StepPlan
 from lanes.serving.access import record_of
 from lanes.serving.batching import Pending
 from lanes.tracing import Tracing, WallClock

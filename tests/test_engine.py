@@ -14,7 +14,8 @@ import pytest
 
 from lanes.errors import DeadlineExceeded, ModelError
 from lanes.generation.batch import generate_batch
-from lanes.generation.scheduler import POLICIES, Event, Policy
+from lanes.generation.scheduler import POLICIES, Policy
+from lanes.generation.seq import Event
 from lanes.isolation import Failed
 from lanes.runtime import Runtime
 from lanes.serving.engine import Engine, TokenStream

@@ -21,7 +21,7 @@ from openai import AsyncOpenAI
 
 from lanes.errors import InvalidInput
 from lanes.generation.batch import generate_batch
-from lanes.generation.scheduler import Event
+from lanes.generation.seq import Event
 from lanes.runtime import Runtime
 from lanes.serving.engine import Engine, TokenStream
 from lanes.serving.metrics import Metrics

@@ -8,15 +8,8 @@ import numpy as np
 import pytest
 
 from lanes.generation.reserve import Reserve
-from lanes.generation.scheduler import (
-    Event,
-    Policy,
-    Scheduler,
-    Seq,
-    SeqStatus,
-    StepOutputs,
-    StepPlan,
-)
+from lanes.generation.scheduler import Policy, Scheduler
+from lanes.generation.seq import Event, Seq, SeqStatus, StepOutputs, StepPlan
 from lanes.tasks.sampling import SamplingParams
 
 # Token ids: 0 is eos; 1-6 are one character each; 7 and 8 are the two halves of "é".

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from lanes.generation.scheduler import Event, Scheduler, Seq, StepOutputs
+from lanes.generation.scheduler import Scheduler
+from lanes.generation.seq import Event, Seq, StepOutputs
 from lanes.tasks.sampling import SamplingParams, generator, sample
 from tests.test_scheduler import E1, E2, EOS, NEWLINE, SPACE, VOCAB, A, B, C, X, detokenize
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from lanes.generation.scheduler import Scheduler, StepOutputs
+from lanes.generation.scheduler import Scheduler
+from lanes.generation.seq import StepOutputs
 from lanes.generation.steer import DEFAULT_PREFILL_TOKENS, MIN_PREFILL_TOKENS, Steer
 from tests.gates import ManualClock
 from tests.test_scheduler import A, ids, logits, make, seq, step

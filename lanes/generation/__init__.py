@@ -1,5 +1,7 @@
 """Generation, both lanes' one implementation: continuous batching over a decoder.
 
+- `seq`: what it works on: a sequence, one step's plan, the model's outputs for it
+  and the events it makes;
 - `scheduler`: the pure part, which sequences run each step and what came of it
   (stop strings, token budgets, the model's context, detokenising, sampling,
   `ignore_eos`);

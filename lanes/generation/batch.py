@@ -20,14 +20,8 @@ from typing import TYPE_CHECKING
 from lanes.errors import ModelError
 from lanes.generation.kvcache import MAX_PADDING
 from lanes.generation.loop import StepLoop
-from lanes.generation.scheduler import (
-    PREFILL_TOKENS,
-    Detokenize,
-    Policy,
-    Scheduler,
-    Seq,
-    SeqStatus,
-)
+from lanes.generation.scheduler import PREFILL_TOKENS, Detokenize, Policy, Scheduler
+from lanes.generation.seq import Seq, SeqStatus
 from lanes.isolation import Failed
 from lanes.tasks.decoder import Completion, Decoder
 

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from lanes.generation.kvcache import MAX_PADDING, BatchCache, GroupRun
 from lanes.generation.preempt import KEEP_BYTES, Preempted
 from lanes.generation.prefill import Chunked, Join, prefill_apart
-from lanes.generation.scheduler import Event, Scheduler, Seq, StepOutputs, StepPlan
+from lanes.generation.scheduler import Scheduler
+from lanes.generation.seq import Event, Seq, StepOutputs, StepPlan
 from lanes.isolation import failed_alone
 from lanes.tasks.decoder import Decoder
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from lanes.generation.kvcache import BatchCache
 from lanes.generation.prefill import Join, Prefilled, prefill_apart
-from lanes.generation.scheduler import Seq
+from lanes.generation.seq import Seq
 from lanes.tasks.decoder import Decoder
 
 # Bytes of preempted caches one decoder's loop holds at most by default (the server's

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from lanes.generation.scheduler import Chunk, Seq
+from lanes.generation.seq import Chunk, Seq
 from lanes.isolation import isolate
 from lanes.tasks.decoder import Decoder, Past
 

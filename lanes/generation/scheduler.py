@@ -21,204 +21,20 @@ sequence takes the free row at the next step. The bench compares against:
 
 from __future__ import annotations
 
-import enum
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
 from lanes.generation.reserve import Reserve
-from lanes.tasks.sampling import SamplingParams, generator, sample
+from lanes.generation.seq import Chunk, Event, Seq, SeqStatus, StepOutputs, StepPlan
+from lanes.tasks.sampling import sample
 
 Array = np.ndarray[Any, Any]
 Policy = Literal["continuous", "static", "static-drop", "serial"]
 POLICIES: tuple[Policy, ...] = ("continuous", "static", "static-drop", "serial")
-FinishReason = Literal["stop", "length", "abort", "deadline", "error"]
-Lane = Literal["interactive", "offline"]
-
-
-class SeqStatus(enum.IntEnum):
-    """Ordered: every status from FINISHED_STOPPED on is final."""
-
-    WAITING = 0
-    RUNNING = 1
-    FINISHED_STOPPED = 2  # eos or a stop string
-    FINISHED_LENGTH = 3  # its token budget, or the model's context
-    FINISHED_ABORTED = 4  # the client went away (or the server is stopping)
-    FINISHED_DEADLINE = 5  # its deadline passed
-    FINISHED_ERROR = 6  # the model failed on it (alone: see StepOutputs.failed)
-
-    @property
-    def is_finished(self) -> bool:
-        return self >= SeqStatus.FINISHED_STOPPED
-
-    @property
-    def finish_reason(self) -> FinishReason | None:
-        return _REASONS.get(self)
-
-
-_REASONS: dict[SeqStatus, FinishReason] = {
-    SeqStatus.FINISHED_STOPPED: "stop",
-    SeqStatus.FINISHED_LENGTH: "length",
-    SeqStatus.FINISHED_ABORTED: "abort",
-    SeqStatus.FINISHED_DEADLINE: "deadline",
-    SeqStatus.FINISHED_ERROR: "error",
-}
-
-
-@dataclass(eq=False)
-class Seq:
-    """One request's sequence: its prompt, its parameters, and what it has made so far."""
-
-    id: int
-    prompt_ids: tuple[int, ...]
-    max_new_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    deadline: float | None = None  # on the scheduler's clock
-    ignore_eos: bool = False  # benchmarks: run to the budget
-    # Its text is wanted as it is made (a stream). Without, and without stop strings,
-    # nobody reads it before the finish: it is decoded once then, its events till then
-    # carry no text (the offline lanes').
-    stream: bool = True
-    arrived: float = 0.0  # on the scheduler's clock: for time-to-first-token
-    offline: bool = False  # the offline lane's: free rows only, preempted for interactive
-    # An offline row admitted while offline rows ride along (Scheduler.offline_rides):
-    # it shares KV groups with interactive rows and decodes in every step, for good.
-    rider: bool = False
-    preemptions: int = 0  # times it gave its row up to an interactive sequence
-    prefilled: int = 0  # prompt tokens in its cache so far (a prompt prefilled in chunks)
-    status: SeqStatus = SeqStatus.WAITING
-    tokens: list[int] = field(default_factory=list)
-    text: str = ""  # decoded so far (cut before a stop string once one is found)
-    sent: int = 0  # characters of `text` already handed out in events
-    error: str | None = None  # why it finished with FINISHED_ERROR
-    _rng: np.random.Generator | None = field(default=None, init=False, repr=False)
-    # incremental detokenization: text of tokens[prefix:read] is already in `text`
-    _prefix: int = field(default=0, repr=False)
-    _read: int = field(default=0, repr=False)
-    _limit: int = field(default=0, repr=False)  # Scheduler.budget, once known
-
-    def __post_init__(self) -> None:
-        if not self.prompt_ids:
-            raise ValueError(f"sequence {self.id}: expected at least one prompt token")
-
-    @property
-    def rng(self) -> np.random.Generator:
-        """Its own generator, made when it first samples: a greedy row never does, and
-        making one costs more than such a row's whole sampling."""
-        if self._rng is None:
-            self._rng = generator(self.seed)
-        return self._rng
-
-    @property
-    def last_token(self) -> int:
-        """The token the next decode step feeds this row."""
-        return self.tokens[-1] if self.tokens else self.prompt_ids[-1]
-
-    @property
-    def position(self) -> int:
-        """Position of `last_token`: decode steps feed it at this position."""
-        return len(self.prompt_ids) + len(self.tokens) - 1
-
-    @property
-    def cached_ids(self) -> tuple[int, ...]:
-        """What its cache holds before its next decode: the prompt and every token but
-        the last (which that decode feeds). A preempted sequence's recompute prefills these."""
-        return (*self.prompt_ids, *self.tokens[:-1])
-
-    @property
-    def lane(self) -> Lane:
-        return "offline" if self.offline else "interactive"
-
-    @property
-    def sits_out(self) -> bool:
-        """Whether it may sit out a step with interactive rows (an offline row that
-        joined in a gap)."""
-        return self.offline and not self.rider
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """Part of a long prompt prefilled in one step, on the cache of its earlier parts:
-    `seq.prompt_ids[start:stop]`. The last part (`final`) samples the first token."""
-
-    seq: Seq
-    start: int
-    stop: int
-
-    @property
-    def final(self) -> bool:
-        return self.stop == len(self.seq.prompt_ids)
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """One step. `prefill` join now: their prompts run and each samples its first token.
-    `decode` are the batch's rows in order, each fed `last_token` at `position`;
-    under `static`, finished rows stay in it and their logits are ignored.
-    `retired` left without running (aborted or past their deadline): update() reports them.
-    `preempted` (offline) left their rows to interactive joiners: the loop keeps their
-    caches where memory allows (lanes/generation/preempt.py). `resumed` take rows
-    again: their cache is put back (or recomputed from `cached_ids`) and they decode
-    from the next plan on; they sample nothing now, so no token is made twice.
-    `chunk` is the next part of a prompt too long for one step's prefill budget.
-    """
-
-    prefill: tuple[Seq, ...] = ()
-    decode: tuple[Seq, ...] = ()
-    retired: tuple[Seq, ...] = ()
-    preempted: tuple[Seq, ...] = ()
-    resumed: tuple[Seq, ...] = ()
-    chunk: Chunk | None = None
-
-    @property
-    def runs_model(self) -> bool:
-        return bool(self.prefill or self.decode or self.resumed or self.chunk)
-
-    @property
-    def empty(self) -> bool:
-        return not (
-            self.prefill
-            or self.decode
-            or self.retired
-            or self.preempted
-            or self.resumed
-            or self.chunk
-        )
-
-
-@dataclass(frozen=True)
-class StepOutputs:
-    """Next-token logits of the plan's rows: [len(plan.prefill), vocab] and
-    [len(plan.decode), vocab] (None where that list is empty, or every row in it failed).
-
-    `failed` are the rows the model failed on alone (a resumed sequence's recompute
-    included), by sequence id, with what to tell their callers: they finish with an
-    error and their logits are not read; every other row goes on as usual.
-    """
-
-    prefill: Array | None = None
-    decode: Array | None = None
-    failed: Mapping[int, str] = field(default_factory=dict)
-    chunk: Array | None = None  # [1, vocab]: the final chunk's next-token logits
-
-
-@dataclass(frozen=True, slots=True)  # slots: one is made per row per step
-class Event:
-    """What one step did for one sequence: new tokens, the text now safe to show
-    (held back while it might be the start of a stop string), and the finish."""
-
-    seq_id: int
-    tokens: tuple[int, ...] = ()
-    text: str = ""
-    finish: FinishReason | None = None
-    first: bool = False  # carries the sequence's first generated token
-    error: str | None = None  # with finish "error": what failed
 
 
 Detokenize = Callable[[Sequence[int]], str]

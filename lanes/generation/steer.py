@@ -53,7 +53,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from lanes.costmodel import CostModel, Fit
-from lanes.generation.scheduler import Scheduler, Seq
+from lanes.generation.scheduler import Scheduler
+from lanes.generation.seq import Seq
 
 DEFAULT_PREFILL_TOKENS = 512  # a step's prefill budget before the cost model has a fit
 MIN_PREFILL_TOKENS = 16  # a chunk is never smaller: each run has its fixed cost too
