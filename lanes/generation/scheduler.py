@@ -67,9 +67,9 @@ class Scheduler:
     run, the offline ones keep their rows and caches but sit the steps out (no copy,
     nothing lost), and no offline prompt joins, unless `offline_rides` says their
     decode costs the interactive rows little (lanes/generation/steer.py sets it from
-    the decode cost model before each plan: on a device whose step costs about the
-    same for more rows they ride along; where every row adds its cost, they wait for
-    a step without interactive rows). The batch cache keeps the rows that may sit out
+    its cost model of single decoder runs before each plan: on a device whose run
+    costs about the same for more rows they ride along; where every row adds its
+    cost, they wait for a step without interactive rows). The batch cache keeps the rows that may sit out
     in groups of their own (lanes/generation/kvcache.py), and a prefill's joiners are
     of one kind. Offline rows admitted while they ride (`Seq.rider`) join the
     interactive rows' groups instead, a run less per step, and decode in every step.
