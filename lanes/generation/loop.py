@@ -75,15 +75,6 @@ def _nothing() -> None:
     pass
 
 
-def _running(scheduler: Scheduler) -> bool:
-    """Whether any row still runs (`num_running` > 0, but it stops at the first one:
-    the loop asks at every step)."""
-    chunking = scheduler.chunking
-    if chunking is not None and not chunking.status.is_finished:
-        return True
-    return any(not s.status.is_finished for s in scheduler.rows)
-
-
 class StepLoop:
     """Runs a scheduler's plans on one decoder, keeping the batch's KV cache between
     them. Single-threaded: one plan at a time, from one thread."""
@@ -121,7 +112,7 @@ class StepLoop:
                 for event in events:
                     if event.finish is not None:
                         self.preempted.drop(event.seq_id)
-            if (self._joins or self.cache.rows) and not _running(self.scheduler):
+            if (self._joins or self.cache.rows) and not self.scheduler.any_running:
                 self._settle(set())  # nobody is left to decode: free the whole cache
         except Exception as error:  # not one row's fault: it answers them all
             log.exception(

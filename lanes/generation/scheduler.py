@@ -172,6 +172,13 @@ class Scheduler:
         return sum(1 for s in (*self.rows, *self._chunking()) if not s.status.is_finished)
 
     @property
+    def any_running(self) -> bool:
+        """`num_running > 0`, stopping at the first row that runs (asked every step)."""
+        if self.chunking is not None and not self.chunking.status.is_finished:
+            return True
+        return any(not s.status.is_finished for s in self.rows)
+
+    @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.offline or self.rows or self._unreported or self.chunking)
 
