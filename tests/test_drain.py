@@ -152,10 +152,13 @@ def answered(url: str) -> float:
 
 
 def refused(url: str) -> bool:
+    """True once the listener refuses connections."""
     try:
         httpx.get(f"{url}/healthz", timeout=5)
     except httpx.ConnectError:
         return True
+    except (httpx.ReadError, httpx.RemoteProtocolError):
+        pass  # reset unanswered: the listener closed under this connection; ask again
     return False
 
 
