@@ -219,9 +219,27 @@ async def test_call_sends_numbers_as_the_model_s_datatype(
         client.call("flowers", {"features": np.array(ints, dtype=np.int32)})
 
 
+def held_chunks(chunks: Iterator[str]) -> list[str]:
+    """Every chunk of a stream whose first step (the prefill) ran alone: the server
+    sends whatever a client has not read yet as one chunk, so on a fast machine a
+    short answer would otherwise come whole."""
+    with DECODER.closed():
+        DECODER.allow(1)
+        first = next(chunks)
+    return [first, *chunks]
+
+
+async def held_achunks(chunks: AsyncIterator[str]) -> list[str]:
+    """`held_chunks` of an async stream."""
+    with DECODER.closed():
+        DECODER.allow(1)
+        first = await anext(chunks)
+    return [first, *[c async for c in chunks]]
+
+
 def test_stream_yields_the_same_text_in_chunks(client: lanes.Client) -> None:
     whole = client.call("code", "import os\ndef main(", max_tokens=10)
-    chunks = list(client.stream("code", "import os\ndef main(", max_tokens=10))
+    chunks = held_chunks(client.stream("code", "import os\ndef main(", max_tokens=10))
     assert len(chunks) > 1 and all(isinstance(c, str) and c for c in chunks)
     assert "".join(chunks) == whole.text
     chat = list(client.stream("code", [{"role": "user", "content": "a class"}], max_tokens=6))
@@ -240,7 +258,7 @@ async def test_async_client_calls_and_streams(
     logits = await aclient.call("flowers", {"features": ROWS})
     assert logits["logits"].shape == (2, 3)
     done = await aclient.call("code", "def fib(n):", max_tokens=8)
-    chunks = [c async for c in aclient.stream("code", "def fib(n):", max_tokens=8)]
+    chunks = await held_achunks(aclient.stream("code", "def fib(n):", max_tokens=8))
     assert len(chunks) > 1 and "".join(chunks) == done.text
 
 
