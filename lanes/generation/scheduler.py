@@ -119,6 +119,12 @@ class Scheduler:
         self.rows: list[Seq] = []
         self._live: dict[int, Seq] = {}  # unfinished sequences, by id
         self._unreported: list[Seq] = []  # finished outside update(): aborts, deadlines
+        # What spares each plan a pass over every queue and row: unfinished sequences
+        # with a deadline, unfinished offline ones, and whether a queued one finished
+        # (an abort, its deadline) since the queues were last cleared of such.
+        self._timed = 0
+        self._offline_live = 0
+        self._queued_finished = False
 
     # ---- requests in and out ------------------------------------------------
 
@@ -127,6 +133,8 @@ class Scheduler:
         if seq.id in self._live:
             raise ValueError(f"sequence {seq.id} is already scheduled")
         self._live[seq.id] = seq
+        self._timed += seq.deadline is not None
+        self._offline_live += seq.offline
         if not seq.offline:
             self.reserve.arrived(self.clock())
         (self.offline if seq.offline else self.waiting).append(seq)
@@ -188,15 +196,16 @@ class Scheduler:
         """The next step: expire what is past its deadline, drop finished rows (per
         policy), and let waiting sequences join the free rows."""
         now = self.clock()
-        for seq in (*self.rows, *self.waiting, *self.offline, *self._chunking()):
-            if seq.deadline is not None and now >= seq.deadline and not seq.status.is_finished:
-                self._finish(seq, SeqStatus.FINISHED_DEADLINE)
-                self._flush(seq)
-                self._unreported.append(seq)
-        if any(s.status.is_finished for s in self.waiting):
+        if self._timed:
+            for seq in (*self.rows, *self.waiting, *self.offline, *self._chunking()):
+                if seq.deadline is not None and now >= seq.deadline and not seq.status.is_finished:
+                    self._finish(seq, SeqStatus.FINISHED_DEADLINE)
+                    self._flush(seq)
+                    self._unreported.append(seq)
+        if self._queued_finished:
             self.waiting = deque(s for s in self.waiting if not s.status.is_finished)
-        if any(s.status.is_finished for s in self.offline):
             self.offline = deque(s for s in self.offline if not s.status.is_finished)
+            self._queued_finished = False
         if self.policy != "static" or all(s.status.is_finished for s in self.rows):
             self.rows = [s for s in self.rows if not s.status.is_finished]
         else:  # a row the model failed on would fail again: it leaves even static
@@ -217,7 +226,7 @@ class Scheduler:
         budget = self.max_prefill_tokens - _padded(prefill)
         budget -= 0 if chunk is None else chunk.stop - chunk.start
         resumed: tuple[Seq, ...] = ()
-        busy = self._interactive_busy(running, prefill)
+        busy = self._offline_live > 0 and self._interactive_busy(running, prefill)
         sits_out = busy and not self.offline_rides and self.policy == "continuous"
         # Offline rows only where no interactive one waits, never in an interactive
         # prefill (one lane per prefill), and only in steps they may take part in.
@@ -288,7 +297,7 @@ class Scheduler:
             return ()
         free = self.max_running + self.past_bound - len(self.rows) - len(self._chunking())
         interactive = any(not (s.offline or s.status.is_finished) for s in self.rows)
-        waiting = self.num_waiting
+        waiting = len(self.waiting)  # schedule() cleared it of finished ones
         wanted = waiting - free if waiting or interactive else 0
         victims: list[Seq] = []
         for seq in reversed(self.rows):
@@ -373,7 +382,7 @@ class Scheduler:
         # One vectorised argmax serves every greedy row (each row's own argmax, as
         # sample() takes it); sampling rows draw alone, each from its own generator.
         greedy: list[int] | None = None
-        advance, finished = self._advance, SeqStatus.FINISHED_STOPPED
+        advance, finished, eos = self._advance, SeqStatus.FINISHED_STOPPED, self.eos_token_ids
         for i, seq in enumerate(seqs):
             if seq.status >= finished:
                 continue  # a static batch's finished row (or a failed one): no logits
@@ -385,7 +394,19 @@ class Scheduler:
             if seq.sampling.temperature == 0:
                 if greedy is None:
                     greedy = logits.argmax(axis=-1).tolist()
-                events.append(advance(seq, greedy[i]))
+                token, tokens = greedy[i], seq.tokens
+                # An offline row's usual token (no text made until its finish, no stop
+                # string, within its budget, not its end): what _advance does for it,
+                # without the call. A row's first token goes there, and sets `_limit`.
+                if (
+                    len(tokens) + 1 < seq._limit
+                    and not (seq.stream or seq.stop)
+                    and (token not in eos or seq.ignore_eos)
+                ):
+                    tokens.append(token)
+                    events.append(Event(seq.id, (token,)))
+                    continue
+                events.append(advance(seq, token))
             else:
                 events.append(advance(seq, sample(logits[i], seq.sampling, seq.rng)))
         return events
@@ -495,8 +516,11 @@ class Scheduler:
             seq._prefix = seq._read = len(seq.tokens)
 
     def _finish(self, seq: Seq, status: SeqStatus) -> None:
+        self._queued_finished |= seq.status == SeqStatus.WAITING
         seq.status = status
-        self._live.pop(seq.id, None)
+        if self._live.pop(seq.id, None) is not None:
+            self._timed -= seq.deadline is not None
+            self._offline_live -= seq.offline
 
 
 def _padded(seqs: Sequence[Seq]) -> int:

@@ -186,7 +186,10 @@ class StepOutputs:
     chunk: Array | None = None  # [1, vocab]: the final chunk's next-token logits
 
 
-@dataclass(frozen=True, slots=True)  # slots: one is made per row per step
+# One is made per row per step: slots, and not frozen (a frozen dataclass's __init__
+# sets each field through object.__setattr__, several times the cost of the rest of
+# an offline row's update). Nothing changes an event once it is made.
+@dataclass(slots=True)
 class Event:
     """What one step did for one sequence: new tokens, the text now safe to show
     (held back while it might be the start of a stop string), and the finish."""
