@@ -26,6 +26,12 @@ past, so the second is the like-for-like limit: the 0.7x target is judged by it.
 do not. Requests still waiting when a slice ends count their wait so far as their
 TTFT (a lower bound; such cells are marked `>`).
 
+`--slots` adds the policy `slots`: continuous batching on tinycode's weights with the
+cache kept in slots (model-slots.onnx, lanes/demo/slots.py: one decoder run per step,
+no padding). Its raw columns are its own graph's step (`Decoder.step_slots`, every
+row at the same past); the checks also judge it by the Optimum graph's raw@past,
+the reference the 0.7x target was set against.
+
 `--tracing` adds the policy `traced`: continuous batching with LANES_TRACING=true,
 every span (request, queue, prefill, decode) exported over OTLP/HTTP to a sink in
 this process (bench/serve.py's), and prints what tracing costs at each concurrency
@@ -57,7 +63,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,6 +89,7 @@ MAX_TOKENS = 448  # the longest prompt below is under 64 tokens
 POLICIES = ("continuous", "static", "static-drop", "serial")
 TRACED = "traced"  # continuous, tracing on
 STEERED = "steered"  # continuous, slo.ttft_ms and slo.itl_ms on the workload (--burst)
+SLOTS = "slots"  # continuous, on the slot-layout graph (--slots)
 LONG_NEW_TOKENS = 16  # what a burst's long prompt generates, within the context
 # The server's counters a slice reads (server_counters), as differences over it.
 COUNTERS = ("tokens", "rows", "steps", "decode_s", "prefill_s", "prefills", "positions")
@@ -90,7 +97,7 @@ SPEC = """\
 version: 1
 models:
   tinycode:
-    path: {m}/tinycode/model.onnx
+    path: {m}/tinycode/{file}
     tokenizer: {m}/tinycode/tokenizer.json
     session: {{intra_op_threads: {threads}}}
 workloads:
@@ -127,7 +134,7 @@ def serve(spec_path: str, policy: str, port: int, max_padding: float) -> None:
     from lanes.tracing import Tracing
 
     traced = policy == TRACED
-    policy = "continuous" if traced or policy == STEERED else policy
+    policy = "continuous" if traced or policy in (STEERED, SLOTS) else policy
     settings = Settings(port=port, tracing=traced)
     tracing = Tracing.from_settings(settings)
     state = ServingState(load_spec(Path(spec_path), settings), settings, tracing=tracing)
@@ -176,6 +183,8 @@ class Run:
     positions: float = 0.0  # server counter: decode rows' cached positions, summed
     # raw tokens/s after each slice on a past as long as its rows' mean (`mean_past`)
     raw_matched: list[float] = field(default_factory=list)
+    # the same for the Optimum graph (for `slots`, whose own raw is its graph's)
+    concat_matched: list[float] = field(default_factory=list)
     requests: int = 0  # completed
     long_ttft: list[float] = field(default_factory=list)  # the bursts' long prompts
     long_censored: int = 0
@@ -189,6 +198,7 @@ class Run:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.raw += other.raw
         self.raw_matched += other.raw_matched
+        self.concat_matched += other.concat_matched
         self.requests += other.requests
         self.long_ttft += other.long_ttft
         self.long_censored += other.long_censored
@@ -407,11 +417,21 @@ def server_counters(url: str) -> dict[str, float]:
 
 
 def raw_tokens_per_s(task: GenerateTask, batch: int, past_len: int, seconds: float) -> float:
-    """Decoder.step alone (`step_bound` where the decoder binds): `batch` rows, one new
-    token each, on a past of `past_len`."""
+    """Decoder.step alone (`step_bound` where the decoder binds, `step_slots` on a
+    slot-layout graph): `batch` rows, one new token each, on a past of `past_len`."""
     decoder = task.decoder
     c = decoder.config
     rng = np.random.default_rng(0)
+    if decoder.slots:
+        assert c.max_position is not None
+        buffer = (batch, c.num_heads, c.max_position, c.head_dim)
+        keys = tuple(rng.standard_normal(buffer, dtype=np.float32) for _ in range(c.num_layers))
+        values = tuple(k.copy() for k in keys)
+        lengths = np.full(batch, min(past_len, c.max_position - 1), dtype=np.int32)
+        tokens = np.ones((batch, 1), dtype=np.int64)
+        return _tokens_per_s(
+            lambda: decoder.step_slots(tokens, lengths, Past(keys, values), batch), batch, seconds
+        )
     shape = (batch, c.num_heads, past_len, c.head_dim)
     keys = tuple(rng.standard_normal(shape, dtype=np.float32) for _ in range(c.num_layers))
     past = Past(keys, keys)
@@ -429,6 +449,10 @@ def raw_tokens_per_s(task: GenerateTask, batch: int, past_len: int, seconds: flo
         def step() -> None:
             decoder.step(ids, mask, positions, past)
 
+    return _tokens_per_s(step, batch, seconds)
+
+
+def _tokens_per_s(step: Callable[[], object], batch: int, seconds: float) -> float:
     step()
     steps, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds or steps < 5:
@@ -503,6 +527,9 @@ def main() -> None:
     parser.add_argument(
         "--slo-itl-factor", type=float, default=3.0, help="itl_ms over a raw 16-row step"
     )
+    parser.add_argument(
+        "--slots", action="store_true", help="also serve the slot-layout graph (policy slots)"
+    )
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -516,20 +543,31 @@ def main() -> None:
     models = Path(os.environ.get("LANES_MODELS_DIR", ROOT / ".lanes" / "models")).resolve()
     folder = Path(tempfile.mkdtemp(prefix="lanes-bench-"))
     spec_path = folder / "workloads.yaml"
-    spec_path.write_text(SPEC.format(m=models, batch=args.max_batch, threads=args.threads, slo=""))
+
+    def spec(file: str = "model.onnx", slo: str = "") -> str:
+        return SPEC.format(m=models, file=file, batch=args.max_batch, threads=args.threads, slo=slo)
+
+    spec_path.write_text(spec())
     settings = Settings()
     task = load_task(WORKLOAD, load_spec(spec_path, settings), Runtime(settings))
     assert isinstance(task, GenerateTask)
     policies = args.policies.split(",")
     specs = dict.fromkeys(policies, spec_path)
+    tasks = dict.fromkeys(policies, task)
+    if args.slots:
+        policies.append(SLOTS)
+        specs[SLOTS] = folder / "slots.yaml"
+        specs[SLOTS].write_text(spec("model-slots.onnx"))
+        slot_task = load_task(WORKLOAD, load_spec(specs[SLOTS], settings), Runtime(settings))
+        assert isinstance(slot_task, GenerateTask)
+        tasks[SLOTS] = slot_task
     burst = None
     if args.burst:
         burst, steered = burst_setup(task, args)
         policies = ["continuous", STEERED]
         specs = {"continuous": spec_path, STEERED: folder / "steered.yaml"}
-        specs[STEERED].write_text(
-            SPEC.format(m=models, batch=args.max_batch, threads=args.threads, slo=steered)
-        )
+        specs[STEERED].write_text(spec(slo=steered))
+        tasks = dict.fromkeys(policies, task)
     otlp = None
     if args.tracing:
         from serve import otlp_sink  # bench/serve.py, beside this script
@@ -552,11 +590,14 @@ def main() -> None:
                     )
                     # Right after the slice, on the same machine: the raw limit.
                     rows = min(c, args.max_batch)
-                    part.raw.append(raw_tokens_per_s(task, rows, args.raw_past, 1.0))
+                    own = tasks[policy]
+                    part.raw.append(raw_tokens_per_s(own, rows, args.raw_past, 1.0))
                     # And on the past the slice's rows really had: the same work per row.
                     if part.positions:  # a server without the counter: none
                         past = max(1, round(part.mean_past))
-                        part.raw_matched.append(raw_tokens_per_s(task, rows, past, 1.0))
+                        part.raw_matched.append(raw_tokens_per_s(own, rows, past, 1.0))
+                        if own is not task:
+                            part.concat_matched.append(raw_tokens_per_s(task, rows, past, 1.0))
                     runs[policy, c].add(part)
                     print(
                         f"  {policy:>11} x{c:<3} {part.tokens_per_s:8.0f} tok/s  "
@@ -744,6 +785,24 @@ def checks(runs: dict[tuple[str, int], Run], raw_past: int) -> None:
         print(
             f"continuous TTFT p99 at 16 clients / TTFT p50 at 1 client: {ratio:.2f}x "
             f"({verdict} <= 3x)"
+        )
+    for c in (16, 64):
+        r = get(SLOTS, c)
+        if r and r.tokens and r.raw_matched and r.concat_matched:
+            own = r.tokens_per_s / r.raw_matched_tokens_per_s
+            ratio = r.tokens_per_s / float(np.mean(r.concat_matched))
+            verdict = "meets" if ratio >= 0.7 else "MISSES"
+            print(
+                f"slots tokens/s at {c} clients / raw at the same rows on their mean past "
+                f"({r.mean_past:.0f}): {own:.2f}x its own graph's step_slots, {ratio:.2f}x "
+                f"the Optimum graph's Decoder.step ({verdict} >= 0.7x)"
+            )
+    slots16, slots1 = get(SLOTS, 16), get(SLOTS, 1)
+    if slots16 and slots1 and slots16.ttft and slots1.ttft:
+        ratio = slots16.pct(slots16.ttft, 99) / slots1.pct(slots1.ttft, 50)
+        verdict = "meets" if ratio <= 3 else "MISSES"
+        print(
+            f"slots TTFT p99 at 16 clients / TTFT p50 at 1 client: {ratio:.2f}x ({verdict} <= 3x)"
         )
 
 

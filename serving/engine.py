@@ -46,11 +46,12 @@ from typing import TYPE_CHECKING
 
 from lanes.errors import LanesError, ModelError, Overloaded
 from lanes.generation.batch import scheduler_for, seq_of
-from lanes.generation.kvcache import MAX_PADDING, BatchCache
+from lanes.generation.kvcache import MAX_PADDING
 from lanes.generation.loop import Step, StepLoop
 from lanes.generation.preempt import KEEP_BYTES, Preempted
 from lanes.generation.scheduler import PREFILL_TOKENS, Policy
 from lanes.generation.seq import Event, Lane, Seq, StepPlan
+from lanes.generation.slots import Cache
 from lanes.generation.steer import Steer
 from lanes.serving.metrics import GenerateSeries, LaneSeries, Metrics, TokenRate, Utilization
 from lanes.serving.tracing import GenerateSpans
@@ -188,7 +189,7 @@ class Engine:
         self._thread.daemon = True
 
     @property
-    def cache(self) -> BatchCache:
+    def cache(self) -> Cache:
         return self.loop.cache
 
     @property

@@ -24,7 +24,7 @@ from lanes.spec import Spec
 from lanes.tasks import GenerateTask, load_task
 from lanes.tasks.decoder import Completion
 from tests.gates import Gate, GatedRuntime, eventually
-from tests.test_engine import alone, collect
+from tests.test_engine import LAYOUTS, alone, collect
 
 pytestmark = pytest.mark.slow
 
@@ -39,13 +39,13 @@ OFFLINE = [
 INTERACTIVE = ("    return self._", 3)
 
 
-@pytest.fixture(scope="module")
-def task(demo_models: Path) -> Iterator[GenerateTask]:
+@pytest.fixture(scope="module", params=LAYOUTS)
+def task(demo_models: Path, request: pytest.FixtureRequest) -> Iterator[GenerateTask]:
     folder = demo_models / "tinycode"
     spec = Spec.model_validate(
         {
             "models": {
-                "tinycode": {"path": folder / "model.onnx", "tokenizer": folder / "tokenizer.json"}
+                "tinycode": {"path": folder / request.param, "tokenizer": folder / "tokenizer.json"}
             },
             "workloads": {
                 "code": {

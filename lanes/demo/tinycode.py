@@ -12,6 +12,8 @@ Output folder (`build(out)`):
   [batch, seq, vocab] float32 and `present.{i}.key|value`
   [batch, heads, past_seq+seq, head_dim] float32. Every axis is dynamic and
   `past_seq` may be 0.
+- `model-slots.onnx`: the same weights with a KV cache kept in place, one row of a
+  buffer per sequence, each at its own length (lanes/demo/slots.py).
 - `tokenizer.json`: byte-level BPE (decoding round-trips any text); the only
   special token is `<|endoftext|>`, both bos and eos. The tokenizer adds no
   special tokens itself: callers prepend `bos_token_id` to a prompt.
@@ -46,10 +48,12 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch import nn
 
+from lanes.demo.slots import export_slots
+
 EOT = "<|endoftext|>"
 CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
 CHAT_GENERATION_PROMPT = "<|assistant|>\n"
-FILES = ("model.onnx", "tokenizer.json", "config.json", "weights.pt")
+FILES = ("model.onnx", "model-slots.onnx", "tokenizer.json", "config.json", "weights.pt")
 # Finite, so a row with every key masked (a padding query) gives a uniform
 # softmax rather than NaN.
 MASKED = -1e9
@@ -393,6 +397,7 @@ def build(
     model = train(tokenizer, texts, cfg, tcfg, on_step)
     tokenizer.save(str(out / "tokenizer.json"))
     export(model, out / "model.onnx")
+    export_slots(model, out / "model-slots.onnx")
     write_config(tokenizer, cfg, out / "config.json")
     torch.save(model.state_dict(), out / "weights.pt")
     return out

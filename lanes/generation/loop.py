@@ -8,7 +8,8 @@
 Both lanes drive it: the offline batch (lanes/generation/batch.py) until every
 sequence is done, the online engine (serving/engine.py) on a thread of its own, one
 plan at a time, with arrivals taken between steps. Each plan runs whole here: its
-rows decode one token each over the batch's KV cache (lanes/generation/kvcache.py),
+rows decode one token each over the batch's KV cache (lanes/generation/kvcache.py;
+lanes/generation/slots.py for a decoder that keeps its cache in slots),
 its joiners' prompts are prefilled in one left-padded run
 (lanes/generation/prefill.py), and the scheduler updates the plan once with both.
 The joiners' caches enter the batch's when the next plan settles it, with the rows
@@ -29,11 +30,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from lanes.generation.kvcache import MAX_PADDING, BatchCache, GroupRun
+from lanes.generation.kvcache import MAX_PADDING, GroupRun
 from lanes.generation.preempt import KEEP_BYTES, Preempted
 from lanes.generation.prefill import Chunked, Join, prefill_apart
 from lanes.generation.scheduler import Scheduler
 from lanes.generation.seq import Event, Seq, StepOutputs, StepPlan
+from lanes.generation.slots import new_cache
 from lanes.isolation import failed_alone
 from lanes.tasks.decoder import Decoder
 
@@ -92,7 +94,7 @@ class StepLoop:
         self.scheduler = scheduler
         self.name = name
         self.clock = clock
-        self.cache = BatchCache(decoder, max_padding, clock)
+        self.cache = new_cache(decoder, max_padding, clock)
         self._joins: list[Join] = []  # prefilled, entering the cache at the next settle
         self.preempted = Preempted(keep_bytes)
         self.chunked = Chunked()
@@ -120,7 +122,7 @@ class StepLoop:
                 self.name,
                 len(plan.decode) + len(plan.prefill),
             )
-            self.cache = BatchCache(self.decoder, self.cache.max_padding, self.clock)
+            self.cache = new_cache(self.decoder, self.cache.max_padding, self.clock)
             self._joins = []
             message = (
                 f"the server failed on a step of this sequence's batch "

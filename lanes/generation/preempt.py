@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lanes.generation.kvcache import BatchCache
 from lanes.generation.prefill import Join, Prefilled, prefill_apart
 from lanes.generation.seq import Seq
+from lanes.generation.slots import Cache
 from lanes.tasks.decoder import Decoder
 
 # Bytes of preempted caches one decoder's loop holds at most by default (the server's
@@ -38,7 +38,7 @@ class Preempted:
     recomputed: int = 0  # resumes whose cache had to be recomputed
     _kept: dict[int, Join] = field(default_factory=dict)
 
-    def keep(self, cache: BatchCache, seqs: Sequence[Seq]) -> None:
+    def keep(self, cache: Cache, seqs: Sequence[Seq]) -> None:
         """Copy each of `seqs`' rows out of `cache` while they fit (call before the
         rows are released); the rest will be recomputed."""
         for seq in seqs:

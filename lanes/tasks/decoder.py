@@ -7,6 +7,14 @@ that over a batch on numpy arrays; `Decoder.step_bound` runs it with IO binding 
 `DevicePast` that stays on the session's device (lanes/tasks/device_past.py), only
 the logits coming back to the host. `Decoder.generate` is the simple
 single-sequence loop, on the bound path when the decoder `binds`.
+
+A graph with the slot layout (`DecoderConfig.kv_layout`, lanes/demo/slots.py) takes
+`seqlens_k` and `total_sequence_length` instead of `attention_mask` and keeps each
+row's past at the front of a buffer as long as the context. `Decoder.step` gives it
+the signature above all the same (each row's real columns moved to the front, run,
+and moved back), so prefills and single sequences need nothing else; the batch's
+decode runs `Decoder.step_slots` on buffers the step writes in place
+(lanes/generation/slots.py).
 """
 
 from __future__ import annotations
@@ -100,13 +108,17 @@ class Decoder:
         self.session = session
         self.tokenizer = tokenizer
         self.config = config
-        self.binds = binds
+        # The bound path feeds attention_mask and a device past; a slot-layout graph's
+        # decode binds its own host buffers (step_slots).
+        self.binds = binds and config.kv_layout == "concat"
         self.placement = Placement.of(session)
         self._rows: PastRows | None = None
         self._rows_lock = threading.Lock()
         inputs = describe(session.get_inputs())
         self._ids_dtype = inputs["input_ids"].dtype or np.dtype(np.int64)
-        self._mask_dtype = inputs["attention_mask"].dtype or np.dtype(np.int64)
+        self.slots = config.kv_layout == "slots"
+        mask = inputs.get("attention_mask")
+        self._mask_dtype = (mask.dtype if mask else None) or np.dtype(np.int64)
         positions = inputs.get("position_ids")
         self._positions_dtype = (positions.dtype if positions else None) or np.dtype(np.int64)
         self._positions = positions is not None
@@ -149,12 +161,98 @@ class Decoder:
         `attention_mask` covers past and new tokens: [B, past.length + T].
         """
         self._check_step(input_ids, attention_mask, past.length, past.batch)
+        if self.slots:
+            return self._slot_step(input_ids, attention_mask, past)
         feeds = self._feeds(input_ids, attention_mask, position_ids)
         for i in range(self.config.num_layers):
             feeds[f"past_key_values.{i}.key"] = past.keys[i]
             feeds[f"past_key_values.{i}.value"] = past.values[i]
         logits, *present = self.session.run(self._outputs, feeds)
         return StepOutput(logits, Past(tuple(present[0::2]), tuple(present[1::2])))
+
+    def _slot_step(self, input_ids: Array, attention_mask: Array, past: Past) -> StepOutput:
+        """`step` on a slot-layout graph. Each row's real columns (its mask's ones, after
+        its zeros, in the past and in the new tokens alike) move to the front, run with
+        that row's own length, and come back right-aligned. Prompts on pasts run row
+        by row: GroupQueryAttention takes one count of new tokens per batch."""
+        batch, new = input_ids.shape
+        length = past.length
+        real = attention_mask != 0
+        held, fed = real[:, :length].sum(axis=1), real[:, length:].sum(axis=1)
+        column = np.arange(length + new)[None, :]
+        suffixes = ((column >= (length - held)[:, None]) & (column < length)) | (
+            column >= (length + new - fed)[:, None]
+        )
+        if not np.array_equal(real, suffixes) or not fed.all():
+            raise ValueError(
+                "step: a slot-layout decoder takes, in each row of attention_mask, zeros "
+                "then ones over the past and zeros then at least one one over the new tokens"
+            )
+        wide, deep = int(fed.max()), int(held.max())
+        if batch > 1 and wide > 1 and deep > 0:
+            parts = [
+                self._slot_step(input_ids[r : r + 1], attention_mask[r : r + 1], _rows(past, r))
+                for r in range(batch)
+            ]
+            return StepOutput(
+                np.concatenate([o.logits for o in parts]),
+                _concatenated([o.present for o in parts]),
+            )
+        dense = bool((held == length).all() and (fed == new).all())
+        if dense:
+            ids, compact = input_ids, past
+        else:
+            ids = np.full((batch, wide), self.config.pad_token_id, dtype=np.int64)
+            compact = _empty_like(past, batch, deep)
+            for r in range(batch):
+                ids[r, : fed[r]] = input_ids[r, new - fed[r] :]
+                for ours, theirs in zip(_arrays(compact), _arrays(past), strict=True):
+                    ours[r, :, : held[r]] = theirs[r, :, length - held[r] :]
+        feeds: dict[str, Array] = {
+            "input_ids": ids.astype(self._ids_dtype, copy=False),
+            "seqlens_k": (held + fed - 1).astype(np.int32),
+            "total_sequence_length": np.asarray(int((held + fed).max()), dtype=np.int32),
+        }
+        for i in range(self.config.num_layers):
+            feeds[f"past_key_values.{i}.key"] = compact.keys[i]
+            feeds[f"past_key_values.{i}.value"] = compact.values[i]
+        logits, *arrays = self.session.run(self._outputs, feeds)
+        present = Past(tuple(arrays[0::2]), tuple(arrays[1::2]))
+        if dense:
+            return StepOutput(logits, present)
+        out_logits = np.zeros((batch, new, logits.shape[-1]), dtype=logits.dtype)
+        out = _empty_like(past, batch, length + new)
+        for r in range(batch):
+            out_logits[r, new - fed[r] :] = logits[r, : fed[r]]
+            n = held[r] + fed[r]
+            for ours, theirs in zip(_arrays(out), _arrays(present), strict=True):
+                ours[r, :, length + new - n :] = theirs[r, :, :n]
+        return StepOutput(out_logits, out)
+
+    def step_slots(self, input_ids: Array, lengths: Array, past: Past, rows: int) -> Array:
+        """One decode step of a slot-layout graph in place. `past` holds C-contiguous
+        host buffers [R >= rows, heads, max_position, head_dim]; row r of the first
+        `rows` holds `lengths[r]` positions and takes `input_ids[r]` [rows, 1] after
+        them, its new key and value written at column `lengths[r]`. Returns the logits
+        [rows, 1, vocab]."""
+        first = past.keys[0]
+        shape = [rows, *first.shape[1:]]
+        binding = self.session.io_binding()
+        binding.bind_cpu_input("input_ids", input_ids.astype(self._ids_dtype, copy=False))
+        binding.bind_cpu_input("seqlens_k", lengths.astype(np.int32, copy=False))
+        total = np.asarray(int(lengths.max()) + 1, dtype=np.int32)
+        binding.bind_cpu_input("total_sequence_length", total)
+        binding.bind_output("logits")
+        for i in range(self.config.num_layers):
+            for kind, buffer in (("key", past.keys[i]), ("value", past.values[i])):
+                if not buffer.flags.c_contiguous or buffer.dtype != self._past_dtype:
+                    raise ValueError(f"step_slots: buffers must be C-contiguous {self._past_dtype}")
+                at = buffer.ctypes.data
+                binding.bind_input(f"past_key_values.{i}.{kind}", "cpu", 0, buffer.dtype, shape, at)
+                binding.bind_output(f"present.{i}.{kind}", "cpu", 0, buffer.dtype, shape, at)
+        self.session.run_with_iobinding(binding)
+        logits: Array = binding.get_outputs()[0].numpy()
+        return logits
 
     def empty_device_past(self, batch: int) -> DevicePast:
         """A past of no positions on the session's device, for a prefill."""
@@ -341,6 +439,30 @@ class _BoundSteps:
         out = self.decoder.step_bound(ids, mask, positions, self.past)
         self.past = out.present
         return out.logits
+
+
+def _arrays(past: Past) -> tuple[Array, ...]:
+    return (*past.keys, *past.values)
+
+
+def _rows(past: Past, r: int) -> Past:
+    return Past(tuple(k[r : r + 1] for k in past.keys), tuple(v[r : r + 1] for v in past.values))
+
+
+def _concatenated(parts: Sequence[Past]) -> Past:
+    keys = zip(*(p.keys for p in parts), strict=True)
+    values = zip(*(p.values for p in parts), strict=True)
+    return Past(tuple(np.concatenate(k) for k in keys), tuple(np.concatenate(v) for v in values))
+
+
+def _empty_like(past: Past, batch: int, length: int) -> Past:
+    """Zeros shaped like `past`'s arrays, with `batch` rows and `length` positions."""
+    _, heads, _, dim = past.keys[0].shape
+
+    def zeros(a: Array) -> Array:
+        return np.zeros((batch, heads, length, dim), dtype=a.dtype)
+
+    return Past(tuple(zeros(k) for k in past.keys), tuple(zeros(v) for v in past.values))
 
 
 def _ortvalue(array: Array, where: Placement) -> ort.OrtValue:

@@ -18,6 +18,12 @@ writes all three) fill in the rest:
 
 A value in config.json that contradicts the graph is a `ModelError`, as is a graph
 input the loop cannot feed.
+
+A graph that takes `seqlens_k` and `total_sequence_length` instead of
+`attention_mask` keeps its cache in slots (`kv_layout` "slots", as onnxruntime's
+GroupQueryAttention does with a shared past/present buffer; lanes/demo/slots.py
+builds one): its past inputs are buffers as long as the context, which config.json
+must then state.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import onnxruntime as ort
 from tokenizers import Tokenizer
@@ -37,6 +43,8 @@ from lanes.runtime import TensorInfo, check_io, describe
 
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 FED = ("input_ids", "attention_mask", "position_ids")  # besides past_key_values.N.*
+SLOT_FED = ("input_ids", "seqlens_k", "total_sequence_length")
+KvLayout = Literal["concat", "slots"]
 
 # config.json's spellings, in the order they are tried.
 LAYERS = ("num_hidden_layers", "n_layer", "num_layers")
@@ -64,6 +72,10 @@ class DecoderConfig:
     max_position: int | None = None  # the context: longest prompt + completion it can see
     chat_template: str | None = None
     chat_generation_prompt: str | None = None
+    # "concat": present = past + the new columns, rows padded to one length (the
+    # Optimum signature); "slots": each row's past in place in a buffer as long as
+    # max_position, written one column per step (see the module docstring).
+    kv_layout: KvLayout = "concat"
 
 
 @dataclass(frozen=True)
@@ -112,18 +124,20 @@ def read_config(
         )
     past_in = [f"past_key_values.{i}.{p}" for i in layers for p in ("key", "value")]
     present = [f"present.{i}.{p}" for i in layers for p in ("key", "value")]
+    layout: KvLayout = "slots" if "seqlens_k" in inputs else "concat"
+    fed = SLOT_FED if layout == "slots" else FED
     check_io(
         session,
         where=where,
         task="generate",
-        inputs=["input_ids", "attention_mask", *past_in],
+        inputs=[*fed[:2], *past_in] if layout == "concat" else [*fed, *past_in],
         outputs=["logits", *present],
     )
-    unfed = [str(t) for n, t in inputs.items() if n not in FED and not _PAST.match(n)]
+    unfed = [str(t) for n, t in inputs.items() if n not in fed and not _PAST.match(n)]
     if unfed:
         raise ModelError(
-            f"model {where} cannot serve task 'generate': the loop feeds input_ids, "
-            f"attention_mask, position_ids and past_key_values.N.key|value, but the model "
+            f"model {where} cannot serve task 'generate': the loop feeds "
+            f"{', '.join(fed)} and past_key_values.N.key|value, but the model "
             f"also takes {', '.join(unfed)}. Export one decoder with its KV cache "
             "(Optimum: optimum-cli export onnx --task text-generation-with-past, which "
             "writes a single model.onnx)"
@@ -143,6 +157,12 @@ def read_config(
     vocab = _int(raw, ("vocab_size",))
     bos = files.first_int("bos_token_id")
     context = _int(raw, CONTEXT)
+    if layout == "slots" and context is None:
+        raise ModelError(
+            f"model {where} keeps its cache in slots (it takes seqlens_k), whose buffers are "
+            f"as long as the context: config.json beside it must state it "
+            f"({' or '.join(CONTEXT)})"
+        )
     return DecoderConfig(
         num_layers=len(layers),
         num_heads=heads,
@@ -155,6 +175,7 @@ def read_config(
         max_position=context[1] if context else None,
         chat_template=_str(raw, "chat_template"),
         chat_generation_prompt=_str(raw, "chat_generation_prompt"),
+        kv_layout=layout,
     )
 
 

@@ -1,0 +1,203 @@
+"""The slot cache (lanes/generation/slots.py) on the demo's slot-layout tinycode
+(lanes/demo/slots.py: its weights, its cache kept in place by GroupQueryAttention):
+one run decodes rows of any lengths as each alone; a row the model fails on leaves
+the others as if it had never been there; rows kept apart sit a step out untouched;
+and the graph reads as the Optimum one does through `Decoder.step`. The step loop's
+users on this graph are tests/test_engine.py and tests/test_engine_lanes.py (their
+`slots` cases)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lanes.errors import ModelError
+from lanes.generation.slots import FIRST_ROWS, SlotCache
+from lanes.runtime import Runtime
+from lanes.settings import Settings
+from lanes.spec import ModelSpec
+from lanes.tasks.decoder import Decoder
+
+
+@dataclass
+class Row:
+    """What the cache needs of a sequence: its id and tokens (the last one is fed next)."""
+
+    id: int
+    tokens: list[int]
+
+    @property
+    def last_token(self) -> int:
+        return self.tokens[-1]
+
+    @property
+    def position(self) -> int:
+        return len(self.tokens) - 1
+
+
+def load(folder: Path, file: str) -> Decoder:
+    spec = ModelSpec(path=folder / file, tokenizer=folder / "tokenizer.json")
+    return Decoder.load(spec, Runtime(Settings(device="cpu")))
+
+
+@pytest.fixture(scope="module")
+def slots(demo_models: Path) -> Decoder:
+    return load(demo_models / "tinycode", "model-slots.onnx")
+
+
+@pytest.fixture(scope="module")
+def concat(demo_models: Path) -> Decoder:
+    return load(demo_models / "tinycode", "model.onnx")
+
+
+def prefilled(decoder: Decoder, row: Row) -> tuple[np.ndarray, ...]:
+    prompt = np.asarray([row.tokens[:-1]], dtype=np.int64)
+    out = decoder.step(
+        prompt, np.ones_like(prompt), np.arange(prompt.shape[1])[None], decoder.empty_past(1)
+    )
+    return out.present, np.ones_like(prompt)
+
+
+def filled(decoder: Decoder, rows: list[Row], apart: bool = False) -> SlotCache:
+    """A cache holding each row's tokens but its last, so the next decode feeds it."""
+    cache = SlotCache(decoder, 0)
+    for row in rows:
+        past, mask = prefilled(decoder, row)
+        cache.place([row.id], past, mask, apart)
+    return cache
+
+
+def rows_of(lengths: list[int]) -> list[Row]:
+    rng = np.random.default_rng(0)
+    return [Row(i + 1, [int(t) for t in rng.integers(1, 1000, n)]) for i, n in enumerate(lengths)]
+
+
+def test_one_run_decodes_rows_of_any_length_as_each_alone(slots: Decoder, concat: Decoder) -> None:
+    """More rows than the buffers start with, of lengths 2 to 300: one run's logits are
+    each row's alone, and the Optimum graph's (the same weights)."""
+    rows = rows_of([2, 300, 17, 5, 120, 9, 64, 33, 3, 250])
+    assert len(rows) > FIRST_ROWS
+    cache = filled(slots, rows)
+    decoded = cache.decode(rows)
+    assert not decoded.failed and decoded.logits is not None
+    assert len(decoded.runs) == 1 and decoded.runs[0].rows == len(rows)
+    assert decoded.length == 299, "the longest row's positions before the step"
+    for i, row in enumerate(rows):
+        for decoder in (slots, concat):
+            ids = np.asarray([row.tokens], dtype=np.int64)
+            out = decoder.step(
+                ids, np.ones_like(ids), np.arange(ids.shape[1])[None], decoder.empty_past(1)
+            )
+            assert np.allclose(decoded.logits[i], out.logits[0, -1], atol=1e-4)
+
+
+def test_a_left_padded_prefill_reads_as_the_optimum_graphs(slots: Decoder, concat: Decoder) -> None:
+    """`Decoder.step` on the slot graph takes the concat layout: left padding, a past."""
+    prompts = [[5, 9, 11, 40], [7], [3, 3, 8]]
+    width = max(map(len, prompts))
+    ids = np.zeros((3, width), dtype=np.int64)
+    mask = np.zeros((3, width), dtype=np.int64)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p) :], mask[r, width - len(p) :] = p, 1
+    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+    ours = slots.step(ids, mask, positions, slots.empty_past(3))
+    theirs = concat.step(ids, mask, positions, concat.empty_past(3))
+    assert np.allclose(ours.logits[:, -1], theirs.logits[:, -1], atol=1e-4)
+    real = np.broadcast_to(mask[:, None, :, None] == 1, ours.present.keys[0].shape)
+    for a, b in zip(ours.present.keys, theirs.present.keys, strict=True):
+        assert np.allclose(a[real], b[real], atol=1e-4)
+    # And one more token on that past.
+    step_mask = np.concatenate([mask, np.ones((3, 1), dtype=np.int64)], axis=1)
+    token = np.asarray([[1], [2], [3]])
+    at = positions[:, -1:] + 1
+    assert np.allclose(
+        slots.step(token, step_mask, at, ours.present).logits,
+        concat.step(token, step_mask, at, theirs.present).logits,
+        atol=1e-4,
+    )
+    with pytest.raises(ValueError, match="zeros then ones"):
+        slots.step(ids[:1], np.asarray([[1, 0, 1, 1]]), positions[:1], slots.empty_past(1))
+
+
+def test_a_row_that_fails_alone_leaves_the_others_as_if_it_never_was(slots: Decoder) -> None:
+    good = rows_of([4, 30])
+    vocab = slots.config.vocab_size
+    assert vocab is not None
+    bad = Row(9, [5, 6, vocab])  # its next token is past the embedding table
+    with_bad = filled(slots, [good[0], bad, good[1]])
+    without = filled(slots, good)
+
+    decoded = with_bad.decode([good[0], bad, good[1]])
+    assert list(decoded.failed) == [bad.id] and decoded.error is not None
+    reference = without.decode(good)
+    assert decoded.logits is not None and reference.logits is not None
+    assert np.array_equal(decoded.logits[[0, 2]], reference.logits)
+    assert not decoded.logits[1].any()
+    assert with_bad.rows == 2 and with_bad.take(bad.id) is None, "the failed row left"
+    for row in good:
+        ours, theirs = with_bad.take(row.id), without.take(row.id)
+        assert ours is not None and theirs is not None
+        mine, reference_past = ours.past, theirs.past
+        for a, b in zip(
+            mine.keys + mine.values, reference_past.keys + reference_past.values, strict=True
+        ):
+            assert np.array_equal(a, b)
+
+    # The next step goes on without it, and still matches.
+    for i, row in enumerate(good):
+        row.tokens.append(int(np.argmax(reference.logits[i])))
+    again, clean = with_bad.decode(good), without.decode(good)
+    assert not again.failed and again.logits is not None and clean.logits is not None
+    assert np.array_equal(again.logits, clean.logits)
+
+
+def test_rows_kept_apart_sit_a_step_out_and_leavers_take_nothing_with_them(
+    slots: Decoder,
+) -> None:
+    interactive, offline = rows_of([3, 12, 7]), rows_of([20, 4])
+    for row in offline:
+        row.id += 100
+    cache = filled(slots, interactive)
+    for row in offline:
+        past, mask = prefilled(slots, row)
+        cache.place([row.id], past, mask, apart=True)
+    parked = cache.take(offline[0].id)
+
+    assert cache.decode(interactive).logits is not None
+    still = cache.take(offline[0].id)
+    assert parked is not None and still is not None
+    assert np.array_equal(parked.past.keys[0], still.past.keys[0]), "it sat the step out"
+
+    # The first interactive row leaves; the last one moves into its place.
+    cache.release({r.id for r in interactive[1:] + offline})
+    rest = interactive[1:] + offline
+    for row in interactive[1:]:
+        row.tokens.append(1)
+    decoded = cache.decode(rest)
+    assert decoded.logits is not None and len(decoded.runs) == 2, "one run per set of slots"
+    # As a cache that never held the leaver: the others' tokens, prefilled afresh.
+    fresh = filled(slots, interactive[1:])
+    for row in offline:
+        past, mask = prefilled(slots, row)
+        fresh.place([row.id], past, mask, apart=True)
+    expected = fresh.decode(rest)
+    assert expected.logits is not None
+    assert np.allclose(decoded.logits, expected.logits, atol=1e-4)
+
+
+def test_a_slot_graph_without_a_stated_context_is_refused(
+    demo_models: Path, tmp_path: Path
+) -> None:
+    folder = demo_models / "tinycode"
+    for name in ("model-slots.onnx", "tokenizer.json"):
+        shutil.copy(folder / name, tmp_path / name)
+    config = json.loads((folder / "config.json").read_text())
+    del config["max_position"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError, match="as long as the context"):
+        load(tmp_path, "model-slots.onnx")
