@@ -28,8 +28,8 @@ TTFT (a lower bound; such cells are marked `>`).
 
 `--slots` adds the policy `slots`: continuous batching on tinycode's weights with the
 cache kept in slots (model-slots.onnx, lanes/demo/slots.py: one decoder run per step,
-no padding). Its raw columns are its own graph's step (`Decoder.step_slots`, every
-row at the same past); the checks also judge it by the Optimum graph's raw@past,
+no padding). Its raw columns are its own graph's step (a `SlotRun`, every row at the
+same past); the checks also judge it by the Optimum graph's raw@past,
 the reference the 0.7x target was set against.
 
 `--tracing` adds the policy `traced`: continuous batching with LANES_TRACING=true,
@@ -417,7 +417,7 @@ def server_counters(url: str) -> dict[str, float]:
 
 
 def raw_tokens_per_s(task: GenerateTask, batch: int, past_len: int, seconds: float) -> float:
-    """Decoder.step alone (`step_bound` where the decoder binds, `step_slots` on a
+    """Decoder.step alone (`step_bound` where the decoder binds, a `SlotRun` on a
     slot-layout graph): `batch` rows, one new token each, on a past of `past_len`."""
     decoder = task.decoder
     c = decoder.config
@@ -429,9 +429,8 @@ def raw_tokens_per_s(task: GenerateTask, batch: int, past_len: int, seconds: flo
         values = tuple(k.copy() for k in keys)
         lengths = np.full(batch, min(past_len, c.max_position - 1), dtype=np.int32)
         tokens = np.ones((batch, 1), dtype=np.int64)
-        return _tokens_per_s(
-            lambda: decoder.step_slots(tokens, lengths, Past(keys, values), batch), batch, seconds
-        )
+        run = decoder.slot_run(Past(keys, values), batch)
+        return _tokens_per_s(lambda: run(tokens, lengths), batch, seconds)
     shape = (batch, c.num_heads, past_len, c.head_dim)
     keys = tuple(rng.standard_normal(shape, dtype=np.float32) for _ in range(c.num_layers))
     past = Past(keys, keys)
@@ -794,7 +793,7 @@ def checks(runs: dict[tuple[str, int], Run], raw_past: int) -> None:
             verdict = "meets" if ratio >= 0.7 else "MISSES"
             print(
                 f"slots tokens/s at {c} clients / raw at the same rows on their mean past "
-                f"({r.mean_past:.0f}): {own:.2f}x its own graph's step_slots, {ratio:.2f}x "
+                f"({r.mean_past:.0f}): {own:.2f}x its own graph's SlotRun, {ratio:.2f}x "
                 f"the Optimum graph's Decoder.step ({verdict} >= 0.7x)"
             )
     slots16, slots1 = get(SLOTS, 16), get(SLOTS, 1)

@@ -2,13 +2,16 @@
 against one sequence at a time, in one run, on the demo tinycode decoder.
 
     python bench/offline_generate.py [--prompts 96] [--tokens 48] [--batch-size 32]
+        [--model model-slots.onnx]
 
 The same `--prompts` code prompts (greedy, `ignore_eos`, so every completion is
 `--tokens` long) go through:
 
 - raw: `Decoder.step` alone, batch by batch: `--batch-size` prompts sorted by length,
   one left-padded prefill, then a token per step for every row (argmax), the present
-  fed back as the past. No scheduler, no detokenising, no files: the limit.
+  fed back as the past. No scheduler, no detokenising, no files: the limit. On the
+  slot-layout graph (`--model model-slots.onnx`, lanes/demo/slots.py) the same, the
+  prefill's cache copied into the buffers once and each step a `SlotRun` bound once.
 - offline lane: the shard path of `lanes run` in process (flows.shard.run_shard:
   read the JSONL of OpenAI /v1/completions batch lines, tokenize, the continuous step
   loop with `--batch-size` rows, detokenise, write the response bodies, commit), no
@@ -51,7 +54,7 @@ from lanes.settings import Settings  # noqa: E402
 from lanes.specfile import load_spec  # noqa: E402
 from lanes.storage import Storage  # noqa: E402
 from lanes.tasks import GenerateTask, load_task  # noqa: E402
-from lanes.tasks.decoder import Past, StepOutput  # noqa: E402
+from lanes.tasks.decoder import Past, SlotRun, StepOutput  # noqa: E402
 from lanes.tasks.sampling import SamplingParams  # noqa: E402
 
 Array = np.ndarray[Any, Any]
@@ -60,7 +63,7 @@ SPEC = """\
 version: 1
 models:
   tinycode:
-    path: {m}/tinycode/model.onnx
+    path: {m}/tinycode/{file}
     tokenizer: {m}/tinycode/tokenizer.json
     session: {{intra_op_threads: {threads}}}
 workloads:
@@ -114,8 +117,8 @@ class Runs:
 
 
 class Counted:
-    """Counts the runs of `task.decoder.step` while it is entered (the one decoder that
-    raw and the offline lane share)."""
+    """Counts the runs of `task.decoder.step` (and of `SlotRun`, a slot-layout graph's
+    decode) while it is entered (the one decoder that raw and the offline lane share)."""
 
     def __init__(self, task: GenerateTask) -> None:
         self.decoder, self.runs = task.decoder, {"prefill": Runs(), "decode": Runs()}
@@ -135,16 +138,31 @@ class Counted:
             runs.real += int(attention_mask.sum())
             return out
 
+        slot_step = self.slot_step = SlotRun.__call__
+        decode = self.runs["decode"]
+
+        def counted_slots(run: SlotRun, input_ids: Array, lengths: Array) -> Array:
+            at = time.process_time()
+            out = slot_step(run, input_ids, lengths)
+            decode.seconds += time.process_time() - at
+            decode.runs, decode.rows = decode.runs + 1, decode.rows + run.rows
+            decode.positions += int(lengths.sum()) + run.rows
+            decode.real += int(lengths.sum()) + run.rows
+            return out
+
         self.decoder.step = counted  # type: ignore[method-assign]
+        SlotRun.__call__ = counted_slots  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
         del self.decoder.step
+        SlotRun.__call__ = self.slot_step  # type: ignore[method-assign]
 
     def report(self, name: str, cpu: float) -> None:
         inside = sum(r.seconds for r in self.runs.values())
         print(
-            f"  {name:<8} CPU {cpu:.3f} s: {inside:.3f} in Decoder.step, {cpu - inside:.3f} outside"
+            f"  {name:<8} CPU {cpu:.3f} s: {inside:.3f} in the decoder's runs, "
+            f"{cpu - inside:.3f} outside"
         )
         for kind, r in self.runs.items():
             print(
@@ -169,6 +187,9 @@ def raw(task: GenerateTask, texts: list[str], tokens: int, batch: int) -> tuple[
             ids[j, width - len(p) :], mask[j, width - len(p) :] = p, 1
             positions[j, width - len(p) :] = np.arange(len(p))
         out = decoder.step(ids, mask, positions, decoder.empty_past(len(part)))
+        if decoder.slots:
+            slot_steps(task, out, mask, [len(p) for p in part], tokens)
+            continue
         step_positions = positions[:, -1:]
         for _ in range(tokens - 1):
             ids = out.logits[:, -1].argmax(axis=-1)[:, None]
@@ -176,6 +197,30 @@ def raw(task: GenerateTask, texts: list[str], tokens: int, batch: int) -> tuple[
             step_positions = step_positions + 1
             out = decoder.step(ids, mask, step_positions, out.present)
     return timer.seconds()
+
+
+def slot_steps(
+    task: GenerateTask, prefilled: StepOutput, mask: Array, lengths: list[int], tokens: int
+) -> None:
+    """The raw loop's decode on a slot-layout graph: the prefill's real columns into
+    buffers as long as the context, then `tokens - 1` steps in place."""
+    c = task.decoder.config
+    assert c.max_position is not None
+    rows = len(lengths)
+    shape = (rows, c.num_heads, c.max_position, c.head_dim)
+    present = prefilled.present
+    keys = tuple(np.zeros(shape, dtype=np.float32) for _ in range(c.num_layers))
+    values = tuple(np.zeros(shape, dtype=np.float32) for _ in range(c.num_layers))
+    for j, n in enumerate(lengths):
+        for ours, theirs in zip((*keys, *values), (*present.keys, *present.values), strict=True):
+            ours[j, :, :n] = theirs[j, :, mask.shape[1] - n :]
+    at = np.asarray(lengths, dtype=np.int32)
+    logits = prefilled.logits[:, -1]
+    run = task.decoder.slot_run(Past(keys, values), rows)
+    for _ in range(tokens - 1):
+        ids = logits.argmax(axis=-1)[:, None]
+        logits = run(ids, at)[:, -1]
+        at = at + 1
 
 
 def serial(task: GenerateTask, texts: list[str], tokens: int) -> tuple[float, float]:
@@ -221,13 +266,22 @@ def main() -> None:
     parser.add_argument(
         "--breakdown", action="store_true", help="count decoder runs and time spent around them"
     )
+    parser.add_argument(
+        "--model", default="model.onnx", help="tinycode's graph: model.onnx or model-slots.onnx"
+    )
     args = parser.parse_args()
     models = ROOT / ".lanes" / "models"
     with tempfile.TemporaryDirectory(prefix="lanes-bench-") as tmp:
         root = Path(tmp)
         spec_path = root / "workloads.yaml"
         spec_path.write_text(
-            SPEC.format(m=models, threads=args.threads, batch=args.batch_size, tokens=args.tokens)
+            SPEC.format(
+                m=models,
+                file=args.model,
+                threads=args.threads,
+                batch=args.batch_size,
+                tokens=args.tokens,
+            )
         )
         settings = Settings(device="cpu")
         spec = load_spec(spec_path, settings)
@@ -259,7 +313,8 @@ def main() -> None:
                 _, lane_cpu = lane(model, spec, settings, root / "counted", texts, args.tokens)
             breakdown = [("raw", counted_raw, raw_cpu), ("offline", counted_lane, lane_cpu)]
     print(
-        f"tinycode, {args.prompts} prompts x {args.tokens} tokens (greedy, ignore_eos), "
+        f"tinycode ({args.model}), {args.prompts} prompts x {args.tokens} tokens (greedy, "
+        "ignore_eos), "
         f"batch_size {args.batch_size}, {args.threads} onnxruntime thread(s), best of "
         f"{args.repeats}; load average {os.getloadavg()[0]:.1f}"
     )

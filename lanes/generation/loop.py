@@ -94,7 +94,7 @@ class StepLoop:
         self.scheduler = scheduler
         self.name = name
         self.clock = clock
-        self.cache = new_cache(decoder, max_padding, clock)
+        self.cache = new_cache(decoder, max_padding, clock, scheduler.max_running)
         self._joins: list[Join] = []  # prefilled, entering the cache at the next settle
         self.preempted = Preempted(keep_bytes)
         self.chunked = Chunked()
@@ -122,7 +122,8 @@ class StepLoop:
                 self.name,
                 len(plan.decode) + len(plan.prefill),
             )
-            self.cache = new_cache(self.decoder, self.cache.max_padding, self.clock)
+            rows = self.scheduler.max_running
+            self.cache = new_cache(self.decoder, self.cache.max_padding, self.clock, rows)
             self._joins = []
             message = (
                 f"the server failed on a step of this sequence's batch "

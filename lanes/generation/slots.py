@@ -9,8 +9,9 @@ its own length. So the whole batch decodes in one run, each row attending over i
 own positions only: no padding, and no copy of the past.
 
 Rows are dense: a sequence that leaves is replaced by the last row (a copy of that
-row's positions), so a step binds the buffers' first rows. Buffers grow by doubling
-their rows. Offline rows that may sit a step out (`Seq.sits_out`) live in a second
+row's positions), so a step binds the buffers' first rows. Buffers start with the
+scheduler's rows and grow by doubling; they are allocated lazily (zeroed pages that
+nothing touched cost nothing), and a step touches each row's own columns only. Offline rows that may sit a step out (`Seq.sits_out`) live in a second
 set of buffers (`apart`), run only in the steps they take part in.
 
 A step's run that fails is run again in halves of its rows on copies of their
@@ -29,7 +30,7 @@ import numpy as np
 from lanes.generation.kvcache import BatchCache, Decoded, GroupRun
 from lanes.generation.prefill import Join
 from lanes.isolation import isolate
-from lanes.tasks.decoder import Decoder, Past
+from lanes.tasks.decoder import Decoder, Past, SlotRun
 
 Array = np.ndarray[Any, Any]
 
@@ -38,20 +39,23 @@ FIRST_ROWS = 8
 
 class Slots:
     """One set of buffers: `ids[r]` is the sequence in row r, `lengths[r]` the
-    positions it holds (columns 0 .. lengths[r]-1 of its row)."""
+    positions it holds (columns 0 .. lengths[r]-1 of its row). `rows`: how many
+    rows the buffers take when the first sequence comes."""
 
-    def __init__(self, decoder: Decoder, apart: bool) -> None:
+    def __init__(self, decoder: Decoder, apart: bool, rows: int = FIRST_ROWS) -> None:
         c = decoder.config
         if c.max_position is None:  # read_config refuses such a slot-layout model
             raise ValueError("a slot-layout decoder needs config.max_position")
         self.decoder = decoder
         self.apart = apart
         self.capacity = c.max_position
+        self.first_rows = max(1, rows)
         self.ids: list[int] = []
         self.lengths: list[int] = []
         self._shape = (c.num_heads, c.max_position, c.head_dim)
         self._layers = c.num_layers
         self.buffers: list[Array] = []  # keys then values, per layer
+        self._run: SlotRun | None = None  # bound to the buffers' first len(ids) rows
 
     @property
     def length(self) -> int:
@@ -66,7 +70,7 @@ class Slots:
         """Add sequence `sid`, whose cache is `keys`/`values` [heads, positions, dim]."""
         r = len(self.ids)
         if not self.buffers or r == self.buffers[0].shape[0]:
-            self._grow(max(FIRST_ROWS, 2 * r))
+            self._grow(max(self.first_rows, 2 * r))
         n = keys[0].shape[1]
         for ours, theirs in zip(self.buffers, (*keys, *values), strict=True):
             ours[r, :, :n] = theirs
@@ -74,15 +78,16 @@ class Slots:
         self.lengths.append(n)
 
     def _grow(self, rows: int) -> None:
-        old = len(self.ids)
+        old, used = len(self.ids), self.length
         dtype = self.decoder.empty_past(0).keys[0].dtype
         grown = []
         for i in range(2 * self._layers):
             buffer = np.zeros((rows, *self._shape), dtype=dtype)
             if self.buffers:
-                buffer[:old] = self.buffers[i][:old]
+                buffer[:old, :, :used] = self.buffers[i][:old, :, :used]
             grown.append(buffer)
         self.buffers = grown
+        self._run = None
 
     def release(self, keep: set[int]) -> None:
         """Rows whose sequence is not in `keep` go; the last rows move into their places."""
@@ -114,9 +119,11 @@ class Slots:
         """One step of every row, `tokens[r]` after row r's positions, in place: the
         logits [rows, vocab]. Raises what the run raises."""
         rows = len(self.ids)
+        run = self._run
+        if run is None or run.rows != rows:
+            run = self._run = self.decoder.slot_run(self.past, rows)
         ids = np.asarray(tokens, dtype=np.int64).reshape(rows, 1)
-        lengths = np.asarray(self.lengths, dtype=np.int32)
-        logits = self.decoder.step_slots(ids, lengths, self.past, rows)
+        logits = run(ids, np.asarray(self.lengths, dtype=np.int32))
         self.lengths = [n + 1 for n in self.lengths]
         return logits[:, -1]
 
@@ -159,12 +166,16 @@ class SlotCache:
     apart take part). The same calls as kvcache.BatchCache, for StepLoop."""
 
     def __init__(
-        self, decoder: Decoder, max_padding: float, clock: Callable[[], float] = time.monotonic
+        self,
+        decoder: Decoder,
+        max_padding: float,
+        clock: Callable[[], float] = time.monotonic,
+        rows: int = FIRST_ROWS,
     ) -> None:
         self.decoder = decoder
         self.max_padding = max_padding  # unused: nothing is padded; kept for StepLoop
         self.clock = clock
-        self.sets = (Slots(decoder, apart=False), Slots(decoder, apart=True))
+        self.sets = (Slots(decoder, False, rows), Slots(decoder, True, rows))
 
     @property
     def rows(self) -> int:
@@ -250,9 +261,13 @@ Cache = BatchCache | SlotCache
 
 
 def new_cache(
-    decoder: Decoder, max_padding: float, clock: Callable[[], float] = time.monotonic
+    decoder: Decoder,
+    max_padding: float,
+    clock: Callable[[], float] = time.monotonic,
+    rows: int = FIRST_ROWS,
 ) -> Cache:
-    """The batch cache `decoder`'s KV layout needs."""
+    """The batch cache `decoder`'s KV layout needs (`rows`: the rows it will usually
+    hold)."""
     if decoder.slots:
-        return SlotCache(decoder, max_padding, clock)
+        return SlotCache(decoder, max_padding, clock, rows)
     return BatchCache(decoder, max_padding, clock)

@@ -49,6 +49,7 @@ __all__ = [
     "DevicePast",
     "Past",
     "RowRef",
+    "SlotRun",
     "StepOutput",
     "read_config",
 ]
@@ -230,29 +231,14 @@ class Decoder:
         return StepOutput(out_logits, out)
 
     def step_slots(self, input_ids: Array, lengths: Array, past: Past, rows: int) -> Array:
-        """One decode step of a slot-layout graph in place. `past` holds C-contiguous
-        host buffers [R >= rows, heads, max_position, head_dim]; row r of the first
-        `rows` holds `lengths[r]` positions and takes `input_ids[r]` [rows, 1] after
-        them, its new key and value written at column `lengths[r]`. Returns the logits
+        """One decode step of a slot-layout graph in place (see `SlotRun`): the logits
         [rows, 1, vocab]."""
-        first = past.keys[0]
-        shape = [rows, *first.shape[1:]]
-        binding = self.session.io_binding()
-        binding.bind_cpu_input("input_ids", input_ids.astype(self._ids_dtype, copy=False))
-        binding.bind_cpu_input("seqlens_k", lengths.astype(np.int32, copy=False))
-        total = np.asarray(int(lengths.max()) + 1, dtype=np.int32)
-        binding.bind_cpu_input("total_sequence_length", total)
-        binding.bind_output("logits")
-        for i in range(self.config.num_layers):
-            for kind, buffer in (("key", past.keys[i]), ("value", past.values[i])):
-                if not buffer.flags.c_contiguous or buffer.dtype != self._past_dtype:
-                    raise ValueError(f"step_slots: buffers must be C-contiguous {self._past_dtype}")
-                at = buffer.ctypes.data
-                binding.bind_input(f"past_key_values.{i}.{kind}", "cpu", 0, buffer.dtype, shape, at)
-                binding.bind_output(f"present.{i}.{kind}", "cpu", 0, buffer.dtype, shape, at)
-        self.session.run_with_iobinding(binding)
-        logits: Array = binding.get_outputs()[0].numpy()
-        return logits
+        return self.slot_run(past, rows)(input_ids, lengths)
+
+    def slot_run(self, past: Past, rows: int) -> SlotRun:
+        """The decode of a slot-layout graph bound to the first `rows` rows of `past`'s
+        buffers, to run once per step while they stay (see `SlotRun`)."""
+        return SlotRun(self, past, rows)
 
     def empty_device_past(self, batch: int) -> DevicePast:
         """A past of no positions on the session's device, for a prefill."""
@@ -413,6 +399,45 @@ class Decoder:
                 np.asarray([[token]]), np.ones((1, seen), dtype=np.int64), np.asarray([[seen - 1]])
             )
         return Completion(text, tokens, "length", n_prompt)
+
+
+class SlotRun:
+    """A slot-layout graph's decode step, bound once. `past` holds C-contiguous host
+    buffers [R >= rows, heads, max_position, head_dim], the same arrays in and out:
+    each call gives row r of the first `rows`, which holds `lengths[r]` positions,
+    `input_ids[r]` [rows, 1] after them, its new key and value written into the
+    buffers at column `lengths[r]`, and returns the logits [rows, 1, vocab]. Binding
+    the buffers costs a good part of a small model's step (bench/offline_generate.py
+    shows it), so a batch keeps one `SlotRun` while its rows and buffers stay and
+    rebinds only the three small inputs."""
+
+    def __init__(self, decoder: Decoder, past: Past, rows: int) -> None:
+        self.session = decoder.session
+        self.rows = rows
+        self._ids_dtype = decoder._ids_dtype
+        binding = self.session.io_binding()
+        binding.bind_output("logits")
+        shape = [rows, *past.keys[0].shape[1:]]
+        for i in range(decoder.config.num_layers):
+            for kind, buffer in (("key", past.keys[i]), ("value", past.values[i])):
+                if not buffer.flags.c_contiguous or buffer.dtype != decoder._past_dtype:
+                    raise ValueError(
+                        f"slot buffers must be C-contiguous {decoder._past_dtype} arrays"
+                    )
+                at = buffer.ctypes.data
+                binding.bind_input(f"past_key_values.{i}.{kind}", "cpu", 0, buffer.dtype, shape, at)
+                binding.bind_output(f"present.{i}.{kind}", "cpu", 0, buffer.dtype, shape, at)
+        self._binding = binding
+
+    def __call__(self, input_ids: Array, lengths: Array) -> Array:
+        binding = self._binding
+        binding.bind_cpu_input("input_ids", input_ids.astype(self._ids_dtype, copy=False))
+        binding.bind_cpu_input("seqlens_k", lengths.astype(np.int32, copy=False))
+        total = np.asarray(int(lengths.max()) + 1, dtype=np.int32)
+        binding.bind_cpu_input("total_sequence_length", total)
+        self.session.run_with_iobinding(binding)
+        logits: Array = binding.get_outputs()[0].numpy()
+        return logits
 
 
 class _HostSteps:
