@@ -30,7 +30,7 @@ import onnxruntime as ort
 from tokenizers import Tokenizer
 
 from lanes.binding import Placement, bind_inputs
-from lanes.errors import InvalidInput
+from lanes.errors import InvalidInput, ModelError
 from lanes.runtime import Runtime, describe
 from lanes.spec import ModelSpec
 from lanes.tasks.base import encode, load_tokenizer
@@ -113,6 +113,14 @@ class Decoder:
         # decode binds its own host buffers (step_slots).
         self.binds = binds and config.kv_layout == "concat"
         self.placement = Placement.of(session)
+        if config.kv_layout == "slots" and self.placement.on_gpu:
+            # Its buffers are host arrays: on a GPU every step would copy them whole
+            # to the device and back, far slower than the concat layout's bound path.
+            raise ModelError(
+                "a decoder that keeps its cache in slots (it takes seqlens_k) runs on the "
+                "CPU provider only for now; on a GPU serve its Optimum export "
+                "(past_key_values + attention_mask), which decodes with IO binding"
+            )
         self._rows: PastRows | None = None
         self._rows_lock = threading.Lock()
         inputs = describe(session.get_inputs())
