@@ -55,7 +55,9 @@ class Slots:
         self._shape = (c.num_heads, c.max_position, c.head_dim)
         self._layers = c.num_layers
         self.buffers: list[Array] = []  # keys then values, per layer
-        self._run: SlotRun | None = None  # bound to the buffers' first len(ids) rows
+        # Bound to the buffers' first rows, by their count: rows join and leave most
+        # steps, and the buffers stay until they grow.
+        self._runs: dict[int, SlotRun] = {}
 
     @property
     def length(self) -> int:
@@ -87,7 +89,7 @@ class Slots:
                 buffer[:old, :, :used] = self.buffers[i][:old, :, :used]
             grown.append(buffer)
         self.buffers = grown
-        self._run = None
+        self._runs = {}
 
     def release(self, keep: set[int]) -> None:
         """Rows whose sequence is not in `keep` go; the last rows move into their places."""
@@ -119,9 +121,9 @@ class Slots:
         """One step of every row, `tokens[r]` after row r's positions, in place: the
         logits [rows, vocab]. Raises what the run raises."""
         rows = len(self.ids)
-        run = self._run
-        if run is None or run.rows != rows:
-            run = self._run = self.decoder.slot_run(self.past, rows)
+        run = self._runs.get(rows)
+        if run is None:
+            run = self._runs[rows] = self.decoder.slot_run(self.past, rows)
         ids = np.asarray(tokens, dtype=np.int64).reshape(rows, 1)
         logits = run(ids, np.asarray(self.lengths, dtype=np.int32))
         self.lengths = [n + 1 for n in self.lengths]
