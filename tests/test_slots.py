@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -22,22 +21,7 @@ from lanes.runtime import Runtime
 from lanes.settings import Settings
 from lanes.spec import ModelSpec
 from lanes.tasks.decoder import Decoder
-
-
-@dataclass
-class Row:
-    """What the cache needs of a sequence: its id and tokens (the last one is fed next)."""
-
-    id: int
-    tokens: list[int]
-
-    @property
-    def last_token(self) -> int:
-        return self.tokens[-1]
-
-    @property
-    def position(self) -> int:
-        return len(self.tokens) - 1
+from tests.test_kvcache import Row
 
 
 def load(folder: Path, file: str) -> Decoder:
