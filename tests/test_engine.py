@@ -171,6 +171,18 @@ async def test_rows_in_groups_of_similar_length_give_the_same_tokens(
         assert runs > prefills + steps, "the rows should have been split into groups"
 
 
+def test_long_prompts_prefilled_in_parts_give_the_tokens_alone(task: GenerateTask) -> None:
+    """Prompts over the prefill budget go in parts, each on the cache of the parts before
+    it (on the slot graph too, through Decoder.step on a past); nothing changes."""
+    items: list[dict[str, object]] = [{"prompt": p, "max_tokens": n} for p, n in PROMPTS]
+    requests = [task.prepare(item) for item in items]
+    assert max(len(r.prompt_ids) for r in requests) > 3 * 8, "a prompt in several parts"
+    done = generate_batch(task.decoder, requests, 3, "code", max_prefill_tokens=8, chunked=True)
+    assert [d.tokens for d in done if isinstance(d, Completion)] == [
+        alone(task, item).tokens for item in items
+    ]
+
+
 def test_offline_joiners_fill_every_free_row_at_once(task: GenerateTask) -> None:
     """generate_batch queues its prompts a few at a time (the scheduler walks its
     queue at every plan): still, every plan admits as many as there are free rows.
