@@ -48,7 +48,6 @@ class Slots:
             raise ValueError("a slot-layout decoder needs config.max_position")
         self.decoder = decoder
         self.apart = apart
-        self.capacity = c.max_position
         self.first_rows = max(1, rows)
         self.ids: list[int] = []
         self.lengths: list[int] = []
