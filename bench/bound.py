@@ -33,7 +33,8 @@ from lanes.runtime import Runtime  # noqa: E402
 from lanes.settings import Settings  # noqa: E402
 from lanes.spec import Spec  # noqa: E402
 from lanes.tasks import GenerateTask, load_task  # noqa: E402
-from lanes.tasks.decoder import Decoder, DevicePast, Past  # noqa: E402
+from lanes.tasks.decoder import Decoder, DevicePast  # noqa: E402
+from lanes.tasks.past import Past  # noqa: E402
 
 Array = np.ndarray[Any, Any]
 from lanes.tasks.embed import EmbedTask  # noqa: E402

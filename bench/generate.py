@@ -81,7 +81,7 @@ from lanes.runtime import Runtime  # noqa: E402
 from lanes.settings import Settings  # noqa: E402
 from lanes.specfile import load_spec  # noqa: E402
 from lanes.tasks import GenerateTask, load_task  # noqa: E402
-from lanes.tasks.decoder import Past  # noqa: E402
+from lanes.tasks.past import Past  # noqa: E402
 from lanes.tasks.sampling import SamplingParams  # noqa: E402
 
 WORKLOAD = "gen"

@@ -54,8 +54,9 @@ from lanes.settings import Settings  # noqa: E402
 from lanes.specfile import load_spec  # noqa: E402
 from lanes.storage import Storage  # noqa: E402
 from lanes.tasks import GenerateTask, load_task  # noqa: E402
-from lanes.tasks.decoder import Past, SlotRun, StepOutput  # noqa: E402
+from lanes.tasks.past import Past, StepOutput  # noqa: E402
 from lanes.tasks.sampling import SamplingParams  # noqa: E402
+from lanes.tasks.slot_graph import SlotRun  # noqa: E402
 
 Array = np.ndarray[Any, Any]
 WORKLOAD = "gen"

@@ -19,8 +19,9 @@ from lanes.errors import ModelError
 from lanes.runtime import Runtime
 from lanes.settings import Settings
 from lanes.spec import ModelSpec
-from lanes.tasks.decoder import Decoder, DevicePast, Past, RowRef
+from lanes.tasks.decoder import Decoder, DevicePast, RowRef
 from lanes.tasks.device_past import PastRows
+from lanes.tasks.past import Past
 from lanes.tasks.sampling import SamplingParams
 from tests.conftest import ROOT
 from tests.optimum_exports import FAMILIES, PROMPTS, export, float16

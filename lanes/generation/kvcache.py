@@ -44,7 +44,8 @@ import numpy as np
 
 from lanes.generation.prefill import Join
 from lanes.isolation import Isolated, isolate
-from lanes.tasks.decoder import Decoder, Past, StepOutput
+from lanes.tasks.decoder import Decoder
+from lanes.tasks.past import Past, StepOutput
 
 Array = np.ndarray[Any, Any]
 

@@ -16,7 +16,8 @@ import numpy as np
 
 from lanes.generation.seq import Chunk, Seq
 from lanes.isolation import isolate
-from lanes.tasks.decoder import Decoder, Past
+from lanes.tasks.decoder import Decoder
+from lanes.tasks.past import Past
 
 Array = np.ndarray[Any, Any]
 

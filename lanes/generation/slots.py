@@ -30,7 +30,9 @@ import numpy as np
 from lanes.generation.kvcache import BatchCache, Decoded, GroupRun
 from lanes.generation.prefill import Join
 from lanes.isolation import isolate
-from lanes.tasks.decoder import Decoder, Past, SlotRun
+from lanes.tasks.decoder import Decoder
+from lanes.tasks.past import Past
+from lanes.tasks.slot_graph import SlotRun
 
 Array = np.ndarray[Any, Any]
 

@@ -8,13 +8,9 @@ that over a batch on numpy arrays; `Decoder.step_bound` runs it with IO binding 
 the logits coming back to the host. `Decoder.generate` is the simple
 single-sequence loop, on the bound path when the decoder `binds`.
 
-A graph with the slot layout (`DecoderConfig.kv_layout`, lanes/demo/slots.py) takes
-`seqlens_k` and `total_sequence_length` instead of `attention_mask` and keeps each
-row's past at the front of a buffer as long as the context. `Decoder.step` gives it
-the signature above all the same (each row's real columns moved to the front, run,
-and moved back), so prefills and single sequences need nothing else; the batch's
-decode runs `Decoder.step_slots` on buffers the step writes in place
-(lanes/generation/slots.py).
+A graph with the slot layout (`DecoderConfig.kv_layout`) gets the same signature
+from `SlotGraph` (lanes/tasks/slot_graph.py); its batch's decode runs a `SlotRun`
+(`Decoder.slot_run`) on buffers the step writes in place.
 """
 
 from __future__ import annotations
@@ -36,7 +32,9 @@ from lanes.spec import ModelSpec
 from lanes.tasks.base import encode, load_tokenizer
 from lanes.tasks.decoder_config import DecoderConfig, read_config
 from lanes.tasks.device_past import DevicePast, PastRows, RowRef
+from lanes.tasks.past import Past, StepOutput
 from lanes.tasks.sampling import SamplingParams, generator, sample
+from lanes.tasks.slot_graph import SlotGraph, SlotRun
 
 Array = np.ndarray[Any, Any]
 FinishReason = Literal["stop", "length"]
@@ -47,34 +45,9 @@ __all__ = [
     "Decoder",
     "DecoderConfig",
     "DevicePast",
-    "Past",
     "RowRef",
-    "SlotRun",
-    "StepOutput",
     "read_config",
 ]
-
-
-@dataclass(frozen=True)
-class Past:
-    """The KV cache: per layer, keys and values shaped [batch, heads, length, head_dim]."""
-
-    keys: tuple[Array, ...]
-    values: tuple[Array, ...]
-
-    @property
-    def length(self) -> int:
-        return int(self.keys[0].shape[2])
-
-    @property
-    def batch(self) -> int:
-        return int(self.keys[0].shape[0])
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    logits: Array  # [batch, new tokens, vocab]
-    present: Past  # the cache including the new tokens
 
 
 @dataclass(frozen=True)
@@ -125,7 +98,6 @@ class Decoder:
         self._rows_lock = threading.Lock()
         inputs = describe(session.get_inputs())
         self._ids_dtype = inputs["input_ids"].dtype or np.dtype(np.int64)
-        self.slots = config.kv_layout == "slots"
         mask = inputs.get("attention_mask")
         self._mask_dtype = (mask.dtype if mask else None) or np.dtype(np.int64)
         positions = inputs.get("position_ids")
@@ -136,6 +108,16 @@ class Decoder:
         self._outputs = ["logits"] + [
             f"present.{i}.{kv}" for i in layers for kv in ("key", "value")
         ]
+        self._slots = (
+            SlotGraph(session, config, self._ids_dtype, self._past_dtype, self._outputs)
+            if config.kv_layout == "slots"
+            else None
+        )
+
+    @property
+    def slots(self) -> bool:
+        """Whether the graph keeps its cache in slots (see lanes/tasks/slot_graph.py)."""
+        return self._slots is not None
 
     @classmethod
     def load(cls, model: ModelSpec, runtime: Runtime) -> Decoder:
@@ -170,73 +152,14 @@ class Decoder:
         `attention_mask` covers past and new tokens: [B, past.length + T].
         """
         self._check_step(input_ids, attention_mask, past.length, past.batch)
-        if self.slots:
-            return self._slot_step(input_ids, attention_mask, past)
+        if self._slots is not None:
+            return self._slots.step(input_ids, attention_mask, past)
         feeds = self._feeds(input_ids, attention_mask, position_ids)
         for i in range(self.config.num_layers):
             feeds[f"past_key_values.{i}.key"] = past.keys[i]
             feeds[f"past_key_values.{i}.value"] = past.values[i]
         logits, *present = self.session.run(self._outputs, feeds)
         return StepOutput(logits, Past(tuple(present[0::2]), tuple(present[1::2])))
-
-    def _slot_step(self, input_ids: Array, attention_mask: Array, past: Past) -> StepOutput:
-        """`step` on a slot-layout graph. Each row's real columns (its mask's ones, after
-        its zeros, in the past and in the new tokens alike) move to the front, run with
-        that row's own length, and come back right-aligned. Prompts on pasts run row
-        by row: GroupQueryAttention takes one count of new tokens per batch."""
-        batch, new = input_ids.shape
-        length = past.length
-        real = attention_mask != 0
-        held, fed = real[:, :length].sum(axis=1), real[:, length:].sum(axis=1)
-        column = np.arange(length + new)[None, :]
-        suffixes = ((column >= (length - held)[:, None]) & (column < length)) | (
-            column >= (length + new - fed)[:, None]
-        )
-        if not np.array_equal(real, suffixes) or not fed.all():
-            raise ValueError(
-                "step: a slot-layout decoder takes, in each row of attention_mask, zeros "
-                "then ones over the past and zeros then at least one one over the new tokens"
-            )
-        wide, deep = int(fed.max()), int(held.max())
-        if batch > 1 and wide > 1 and deep > 0:
-            parts = [
-                self._slot_step(input_ids[r : r + 1], attention_mask[r : r + 1], _rows(past, r))
-                for r in range(batch)
-            ]
-            return StepOutput(
-                np.concatenate([o.logits for o in parts]),
-                _concatenated([o.present for o in parts]),
-            )
-        dense = bool((held == length).all() and (fed == new).all())
-        if dense:
-            ids, compact = input_ids, past
-        else:
-            ids = np.full((batch, wide), self.config.pad_token_id, dtype=np.int64)
-            compact = _empty_like(past, batch, deep)
-            for r in range(batch):
-                ids[r, : fed[r]] = input_ids[r, new - fed[r] :]
-                for ours, theirs in zip(_arrays(compact), _arrays(past), strict=True):
-                    ours[r, :, : held[r]] = theirs[r, :, length - held[r] :]
-        feeds: dict[str, Array] = {
-            "input_ids": ids.astype(self._ids_dtype, copy=False),
-            "seqlens_k": (held + fed - 1).astype(np.int32),
-            "total_sequence_length": np.asarray(int((held + fed).max()), dtype=np.int32),
-        }
-        for i in range(self.config.num_layers):
-            feeds[f"past_key_values.{i}.key"] = compact.keys[i]
-            feeds[f"past_key_values.{i}.value"] = compact.values[i]
-        logits, *arrays = self.session.run(self._outputs, feeds)
-        present = Past(tuple(arrays[0::2]), tuple(arrays[1::2]))
-        if dense:
-            return StepOutput(logits, present)
-        out_logits = np.zeros((batch, new, logits.shape[-1]), dtype=logits.dtype)
-        out = _empty_like(past, batch, length + new)
-        for r in range(batch):
-            out_logits[r, new - fed[r] :] = logits[r, : fed[r]]
-            n = held[r] + fed[r]
-            for ours, theirs in zip(_arrays(out), _arrays(present), strict=True):
-                ours[r, :, length + new - n :] = theirs[r, :, :n]
-        return StepOutput(out_logits, out)
 
     def step_slots(self, input_ids: Array, lengths: Array, past: Past, rows: int) -> Array:
         """One decode step of a slot-layout graph in place (see `SlotRun`): the logits
@@ -246,7 +169,9 @@ class Decoder:
     def slot_run(self, past: Past, rows: int) -> SlotRun:
         """The decode of a slot-layout graph bound to the first `rows` rows of `past`'s
         buffers, to run once per step while they stay (see `SlotRun`)."""
-        return SlotRun(self, past, rows)
+        if self._slots is None:
+            raise ValueError("slot_run: this decoder keeps its cache concatenated, not in slots")
+        return self._slots.run(past, rows)
 
     def empty_device_past(self, batch: int) -> DevicePast:
         """A past of no positions on the session's device, for a prefill."""
@@ -409,45 +334,6 @@ class Decoder:
         return Completion(text, tokens, "length", n_prompt)
 
 
-class SlotRun:
-    """A slot-layout graph's decode step, bound once. `past` holds C-contiguous host
-    buffers [R >= rows, heads, max_position, head_dim], the same arrays in and out:
-    each call gives row r of the first `rows`, which holds `lengths[r]` positions,
-    `input_ids[r]` [rows, 1] after them, its new key and value written into the
-    buffers at column `lengths[r]`, and returns the logits [rows, 1, vocab]. Binding
-    the buffers costs a good part of a small model's step (bench/offline_generate.py
-    shows it), so a batch keeps one `SlotRun` while its rows and buffers stay and
-    rebinds only the three small inputs."""
-
-    def __init__(self, decoder: Decoder, past: Past, rows: int) -> None:
-        self.session = decoder.session
-        self.rows = rows
-        self._ids_dtype = decoder._ids_dtype
-        binding = self.session.io_binding()
-        binding.bind_output("logits")
-        shape = [rows, *past.keys[0].shape[1:]]
-        for i in range(decoder.config.num_layers):
-            for kind, buffer in (("key", past.keys[i]), ("value", past.values[i])):
-                if not buffer.flags.c_contiguous or buffer.dtype != decoder._past_dtype:
-                    raise ValueError(
-                        f"slot buffers must be C-contiguous {decoder._past_dtype} arrays"
-                    )
-                at = buffer.ctypes.data
-                binding.bind_input(f"past_key_values.{i}.{kind}", "cpu", 0, buffer.dtype, shape, at)
-                binding.bind_output(f"present.{i}.{kind}", "cpu", 0, buffer.dtype, shape, at)
-        self._binding = binding
-
-    def __call__(self, input_ids: Array, lengths: Array) -> Array:
-        binding = self._binding
-        binding.bind_cpu_input("input_ids", input_ids.astype(self._ids_dtype, copy=False))
-        binding.bind_cpu_input("seqlens_k", lengths.astype(np.int32, copy=False))
-        total = np.asarray(int(lengths.max()) + 1, dtype=np.int32)
-        binding.bind_cpu_input("total_sequence_length", total)
-        self.session.run_with_iobinding(binding)
-        logits: Array = binding.get_outputs()[0].numpy()
-        return logits
-
-
 class _HostSteps:
     """One sequence's steps on numpy past: `run` returns the logits, keeps the past."""
 
@@ -472,30 +358,6 @@ class _BoundSteps:
         out = self.decoder.step_bound(ids, mask, positions, self.past)
         self.past = out.present
         return out.logits
-
-
-def _arrays(past: Past) -> tuple[Array, ...]:
-    return (*past.keys, *past.values)
-
-
-def _rows(past: Past, r: int) -> Past:
-    return Past(tuple(k[r : r + 1] for k in past.keys), tuple(v[r : r + 1] for v in past.values))
-
-
-def _concatenated(parts: Sequence[Past]) -> Past:
-    keys = zip(*(p.keys for p in parts), strict=True)
-    values = zip(*(p.values for p in parts), strict=True)
-    return Past(tuple(np.concatenate(k) for k in keys), tuple(np.concatenate(v) for v in values))
-
-
-def _empty_like(past: Past, batch: int, length: int) -> Past:
-    """Zeros shaped like `past`'s arrays, with `batch` rows and `length` positions."""
-    _, heads, _, dim = past.keys[0].shape
-
-    def zeros(a: Array) -> Array:
-        return np.zeros((batch, heads, length, dim), dtype=a.dtype)
-
-    return Past(tuple(zeros(k) for k in past.keys), tuple(zeros(v) for v in past.values))
 
 
 def _ortvalue(array: Array, where: Placement) -> ort.OrtValue:

@@ -1,0 +1,144 @@
+"""A decoder graph that keeps its cache in slots, run with the Optimum signature.
+
+Such a graph (`DecoderConfig.kv_layout == "slots"`, lanes/demo/slots.py) takes
+`seqlens_k` and `total_sequence_length` instead of `attention_mask`, and keeps each
+row's past at the front of a buffer as long as the context: onnxruntime's
+`GroupQueryAttention` gets the same buffer as past and present and writes each
+step's column in place, at the row's own length.
+
+`SlotGraph.step` gives it the Optimum signature all the same (each row's real
+columns moved to the front, run, and moved back), so prefills, prompts in parts
+and single sequences need nothing else. A batch's decode runs a `SlotRun` on
+buffers the step writes in place (lanes/generation/slots.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from lanes.tasks.decoder_config import DecoderConfig
+from lanes.tasks.past import Past, StepOutput
+
+Array = np.ndarray[Any, Any]
+
+
+class SlotGraph:
+    """A slot-layout session's two ways to run: `step` (any prefill or step, on
+    numpy pasts) and `run` (the batch's decode, in place)."""
+
+    def __init__(
+        self,
+        session: ort.InferenceSession,
+        config: DecoderConfig,
+        ids_dtype: np.dtype[Any],
+        past_dtype: np.dtype[Any],
+        outputs: list[str],
+    ) -> None:
+        self.session = session
+        self.config = config
+        self.ids_dtype = ids_dtype
+        self.past_dtype = past_dtype
+        self._outputs = outputs
+
+    def step(self, input_ids: Array, attention_mask: Array, past: Past) -> StepOutput:
+        """`Decoder.step` on this graph. Each row's real columns (its mask's ones, after
+        its zeros, in the past and in the new tokens alike) move to the front, run with
+        that row's own length, and come back right-aligned. Prompts on pasts run row
+        by row: GroupQueryAttention takes one count of new tokens per batch."""
+        batch, new = input_ids.shape
+        length = past.length
+        real = attention_mask != 0
+        held, fed = real[:, :length].sum(axis=1), real[:, length:].sum(axis=1)
+        column = np.arange(length + new)[None, :]
+        suffixes = ((column >= (length - held)[:, None]) & (column < length)) | (
+            column >= (length + new - fed)[:, None]
+        )
+        if not np.array_equal(real, suffixes) or not fed.all():
+            raise ValueError(
+                "step: a slot-layout decoder takes, in each row of attention_mask, zeros "
+                "then ones over the past and zeros then at least one one over the new tokens"
+            )
+        wide, deep = int(fed.max()), int(held.max())
+        if batch > 1 and wide > 1 and deep > 0:
+            parts = [
+                self.step(input_ids[r : r + 1], attention_mask[r : r + 1], past.row(r))
+                for r in range(batch)
+            ]
+            return StepOutput(
+                np.concatenate([o.logits for o in parts]),
+                Past.concatenate([o.present for o in parts]),
+            )
+        dense = bool((held == length).all() and (fed == new).all())
+        if dense:
+            ids, compact = input_ids, past
+        else:
+            ids = np.full((batch, wide), self.config.pad_token_id, dtype=np.int64)
+            compact = past.zeros(batch, deep)
+            for r in range(batch):
+                ids[r, : fed[r]] = input_ids[r, new - fed[r] :]
+                for ours, theirs in zip(compact.arrays, past.arrays, strict=True):
+                    ours[r, :, : held[r]] = theirs[r, :, length - held[r] :]
+        feeds: dict[str, Array] = {
+            "input_ids": ids.astype(self.ids_dtype, copy=False),
+            "seqlens_k": (held + fed - 1).astype(np.int32),
+            "total_sequence_length": np.asarray(int((held + fed).max()), dtype=np.int32),
+        }
+        for i in range(self.config.num_layers):
+            feeds[f"past_key_values.{i}.key"] = compact.keys[i]
+            feeds[f"past_key_values.{i}.value"] = compact.values[i]
+        logits, *arrays = self.session.run(self._outputs, feeds)
+        present = Past(tuple(arrays[0::2]), tuple(arrays[1::2]))
+        if dense:
+            return StepOutput(logits, present)
+        out_logits = np.zeros((batch, new, logits.shape[-1]), dtype=logits.dtype)
+        out = past.zeros(batch, length + new)
+        for r in range(batch):
+            out_logits[r, new - fed[r] :] = logits[r, : fed[r]]
+            n = held[r] + fed[r]
+            for ours, theirs in zip(out.arrays, present.arrays, strict=True):
+                ours[r, :, length + new - n :] = theirs[r, :, :n]
+        return StepOutput(out_logits, out)
+
+    def run(self, past: Past, rows: int) -> SlotRun:
+        """The decode bound to the first `rows` rows of `past`'s buffers (see `SlotRun`)."""
+        return SlotRun(self, past, rows)
+
+
+class SlotRun:
+    """A slot-layout graph's decode step, bound once. `past` holds C-contiguous host
+    buffers [R >= rows, heads, max_position, head_dim], the same arrays in and out:
+    each call gives row r of the first `rows`, which holds `lengths[r]` positions,
+    `input_ids[r]` [rows, 1] after them, its new key and value written into the
+    buffers at column `lengths[r]`, and returns the logits [rows, 1, vocab]. Binding
+    the buffers costs a good part of a small model's step (bench/offline_generate.py
+    shows it), so a batch keeps one `SlotRun` while its rows and buffers stay and
+    rebinds only the three small inputs."""
+
+    def __init__(self, graph: SlotGraph, past: Past, rows: int) -> None:
+        self.session = graph.session
+        self.rows = rows
+        self._ids_dtype = graph.ids_dtype
+        binding = self.session.io_binding()
+        binding.bind_output("logits")
+        shape = [rows, *past.keys[0].shape[1:]]
+        for i in range(graph.config.num_layers):
+            for kind, buffer in (("key", past.keys[i]), ("value", past.values[i])):
+                if not buffer.flags.c_contiguous or buffer.dtype != graph.past_dtype:
+                    raise ValueError(f"slot buffers must be C-contiguous {graph.past_dtype} arrays")
+                at = buffer.ctypes.data
+                binding.bind_input(f"past_key_values.{i}.{kind}", "cpu", 0, buffer.dtype, shape, at)
+                binding.bind_output(f"present.{i}.{kind}", "cpu", 0, buffer.dtype, shape, at)
+        self._binding = binding
+
+    def __call__(self, input_ids: Array, lengths: Array) -> Array:
+        binding = self._binding
+        binding.bind_cpu_input("input_ids", input_ids.astype(self._ids_dtype, copy=False))
+        binding.bind_cpu_input("seqlens_k", lengths.astype(np.int32, copy=False))
+        total = np.asarray(int(lengths.max()) + 1, dtype=np.int32)
+        binding.bind_cpu_input("total_sequence_length", total)
+        self.session.run_with_iobinding(binding)
+        logits: Array = binding.get_outputs()[0].numpy()
+        return logits
