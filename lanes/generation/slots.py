@@ -193,8 +193,11 @@ class SlotCache:
         into = self.sets[apart]
         for j, sid in enumerate(ids):
             real = np.flatnonzero(mask[j])
-            keys = [k[j][:, real] for k in past.keys]
-            values = [v[j][:, real] for v in past.values]
+            # Left padding makes them one slice, read without a copy.
+            dense = real[-1] - real[0] + 1 == len(real)
+            cols: slice | Array = slice(real[0], real[-1] + 1) if dense else real
+            keys = [k[j][:, cols] for k in past.keys]
+            values = [v[j][:, cols] for v in past.values]
             into.place(sid, keys, values)
 
     def release(self, keep: set[int]) -> None:
