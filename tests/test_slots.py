@@ -2,9 +2,11 @@
 (lanes/demo/slots.py: its weights, its cache kept in place by GroupQueryAttention):
 one run decodes rows of any lengths as each alone; a row the model fails on leaves
 the others as if it had never been there; rows kept apart sit a step out untouched;
-and the graph reads as the Optimum one does through `Decoder.step`. The step loop's
-users on this graph are tests/test_engine.py and tests/test_engine_lanes.py (their
-`slots` cases)."""
+and the graph reads as the Optimum one does through `Decoder.step`. The same holds for
+the graph written as onnxruntime-genai's model builder writes decoders (lengths from
+a right-padded attention_mask, genai_config.json): its batches decode as the Optimum
+graph alone. The step loop's users on this graph are tests/test_engine.py and
+tests/test_engine_lanes.py (their `slots` cases)."""
 
 from __future__ import annotations
 
@@ -15,12 +17,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from lanes.demo.slots import export_slots
+from lanes.demo.tinycode import load_model
 from lanes.errors import ModelError
+from lanes.generation.batch import generate_batch
 from lanes.generation.slots import FIRST_ROWS, SlotCache
 from lanes.runtime import Runtime
 from lanes.settings import Settings
 from lanes.spec import ModelSpec
-from lanes.tasks.decoder import Decoder
+from lanes.tasks.decoder import Completion, Decoder
+from lanes.tasks.generate import GenerateRequest
+from lanes.tasks.sampling import SamplingParams
 from tests.test_kvcache import Row
 
 
@@ -37,6 +44,30 @@ def slots(demo_models: Path) -> Decoder:
 @pytest.fixture(scope="module")
 def concat(demo_models: Path) -> Decoder:
     return load(demo_models / "tinycode", "model.onnx")
+
+
+@pytest.fixture(scope="module")
+def masked(demo_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Decoder:
+    """tinycode's slot graph as onnxruntime-genai's builder writes a decoder: the rows'
+    lengths from attention_mask, genai_config.json instead of config.json."""
+    folder, out = demo_models / "tinycode", tmp_path_factory.mktemp("genai")
+    export_slots(load_model(folder), out / "model.onnx", lengths_from="mask")
+    shutil.copy(folder / "tokenizer.json", out / "tokenizer.json")
+    ours = json.loads((folder / "config.json").read_text())
+    decoder = {
+        "num_hidden_layers": ours["num_layers"],
+        "num_key_value_heads": ours["num_heads"],
+        "head_size": ours["head_dim"],
+    }
+    model = {
+        "bos_token_id": ours["bos_token_id"],
+        "eos_token_id": ours["eos_token_id"],
+        "context_length": ours["max_position"],
+        "vocab_size": ours["vocab_size"],
+        "decoder": decoder,
+    }
+    (out / "genai_config.json").write_text(json.dumps({"model": model}))
+    return load(out, "model.onnx")
 
 
 def prefilled(decoder: Decoder, row: Row) -> tuple[np.ndarray, ...]:
@@ -61,9 +92,14 @@ def rows_of(lengths: list[int]) -> list[Row]:
     return [Row(i + 1, [int(t) for t in rng.integers(1, 1000, n)]) for i, n in enumerate(lengths)]
 
 
-def test_one_run_decodes_rows_of_any_length_as_each_alone(slots: Decoder, concat: Decoder) -> None:
+@pytest.mark.parametrize("graph", ["slots", "masked"])
+def test_one_run_decodes_rows_of_any_length_as_each_alone(
+    graph: str, concat: Decoder, request: pytest.FixtureRequest
+) -> None:
     """More rows than the buffers start with, of lengths 2 to 300: one run's logits are
-    each row's alone, and the Optimum graph's (the same weights)."""
+    each row's alone, and the Optimum graph's (the same weights). On both ways a slot
+    graph takes the rows' lengths."""
+    slots: Decoder = request.getfixturevalue(graph)
     rows = rows_of([2, 300, 17, 5, 120, 9, 64, 33, 3, 250])
     assert len(rows) > FIRST_ROWS
     cache = filled(slots, rows)
@@ -185,3 +221,33 @@ def test_a_slot_graph_without_a_stated_context_is_refused(
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelError, match="as long as the context"):
         load(tmp_path, "model-slots.onnx")
+
+
+def test_a_graph_that_reads_lengths_from_its_mask_batches_as_the_optimum_graph_alone(
+    masked: Decoder, concat: Decoder, demo_models: Path
+) -> None:
+    """onnxruntime-genai's layout: GroupQueryAttention fed a right-padded mask. Read as
+    concat, a left-padded batch would attend over its pads; read as slots (context and
+    ids from genai_config.json), the offline loop's batches, refilled as rows finish,
+    give each prompt the Optimum graph's own greedy tokens."""
+    c = masked.config
+    assert c.kv_layout == "slots" and c.max_position == concat.config.max_position
+    assert (c.bos_token_id, c.eos_token_ids) == (
+        concat.config.bos_token_id,
+        concat.config.eos_token_ids,
+    )
+    greedy = SamplingParams(temperature=0)
+    texts = [
+        "def f(x",
+        "import os\nimport sys\n\n\ndef main(argv):\n    for a in",
+        "x = 1",
+        "class A:",
+    ]
+    texts += ["    return self.", "for i in range("]
+    requests = [GenerateRequest(t, tuple(masked.encode(t)), 12, greedy, (), None) for t in texts]
+    got = generate_batch(masked, requests, 4, "genai")
+    for request, completion in zip(requests, got, strict=True):
+        assert isinstance(completion, Completion)
+        alone = concat.complete(request.prompt_ids, 12, greedy)
+        assert (completion.tokens, completion.text) == (alone.tokens, alone.text), request.prompt
+    assert sum(len(c.tokens) for c in got if isinstance(c, Completion)) > 3 * len(texts)

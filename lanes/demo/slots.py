@@ -17,12 +17,17 @@ head_dim] float32, each row's past at its first columns. Outputs: `logits` [batc
 seq, vocab] and `present.{i}.key|value`, the past with the new tokens written
 after each row's own (the same buffer when bound to it). Rotary positions are the
 cache columns: a row's tokens are at positions 0, 1, ... with no padding before.
+
+With `lengths_from="mask"` the graph takes `attention_mask` [batch, total] int64
+instead of the two length inputs and derives them from it (each row's ones, minus
+one; its width), as onnxruntime-genai's model builder writes its decoders: the mask
+is then right-padded, each row's ones first.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import onnx
@@ -36,7 +41,9 @@ IR_VERSION = 10
 OPSETS = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
 
 
-def export_slots(model: TinyCode, path: Path) -> None:
+def export_slots(
+    model: TinyCode, path: Path, lengths_from: Literal["inputs", "mask"] = "inputs"
+) -> None:
     """Write `model`'s weights as the slot-cache graph described above."""
     cfg = model.cfg
     weights = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
@@ -46,6 +53,26 @@ def export_slots(model: TinyCode, path: Path) -> None:
     def const(name: str, array: np.ndarray) -> str:
         inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
         return name
+
+    lengths = [
+        helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),
+        helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
+    ]
+    if lengths_from == "mask":
+        lengths = [
+            helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "total"])
+        ]
+        axis, one = const("mask.axis", np.asarray([1])), const("mask.one", np.asarray(1))
+        nodes += [
+            helper.make_node("ReduceSum", ["attention_mask", axis], ["mask.sum"], keepdims=1),
+            helper.make_node("Sub", ["mask.sum", one], ["mask.last"]),
+            helper.make_node("Cast", ["mask.last"], ["seqlens_k"], to=TensorProto.INT32),
+            helper.make_node("Shape", ["attention_mask"], ["mask.shape"]),
+            helper.make_node("Gather", ["mask.shape", one], ["mask.width"], axis=0),
+            helper.make_node(
+                "Cast", ["mask.width"], ["total_sequence_length"], to=TensorProto.INT32
+            ),
+        ]
 
     def linear(x: str, prefix: str, out: str) -> str:
         w = const(f"{prefix}.weight_t", weights[f"{prefix}.weight"].T)
@@ -121,8 +148,7 @@ def export_slots(model: TinyCode, path: Path) -> None:
     f32 = TensorProto.FLOAT
     inputs = [
         helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"]),
-        helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),
-        helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
+        *lengths,
     ]
     outputs = [helper.make_tensor_value_info("logits", f32, ["batch", "sequence", cfg.vocab_size])]
     for i in range(cfg.num_layers):

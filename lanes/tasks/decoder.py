@@ -90,7 +90,7 @@ class Decoder:
             # Its buffers are host arrays: on a GPU every step would copy them whole
             # to the device and back, far slower than the concat layout's bound path.
             raise ModelError(
-                "a decoder that keeps its cache in slots (it takes seqlens_k) runs on the "
+                "a decoder that keeps its cache in slots (it attends with GroupQueryAttention) runs on the "
                 "CPU provider only for now; on a GPU serve its Optimum export "
                 "(past_key_values + attention_mask), which decodes with IO binding"
             )

@@ -19,11 +19,14 @@ writes all three) fill in the rest:
 A value in config.json that contradicts the graph is a `ModelError`, as is a graph
 input the loop cannot feed.
 
-A graph that takes `seqlens_k` and `total_sequence_length` instead of
-`attention_mask` keeps its cache in slots (`kv_layout` "slots", as onnxruntime's
-GroupQueryAttention does with a shared past/present buffer; lanes/demo/slots.py
-builds one): its past inputs are buffers as long as the context, which config.json
-must then state.
+A graph that attends with onnxruntime's GroupQueryAttention keeps its cache in slots
+(`kv_layout` "slots", lanes/tasks/slot_graph.py): each row's past at the front of a
+buffer as long as the context, which the config files must then state. It takes
+`seqlens_k` and `total_sequence_length` instead of `attention_mask`
+(lanes/demo/slots.py builds one), or an `attention_mask` it derives them from
+(onnxruntime-genai's model builder). Such an export has `genai_config.json` instead
+of config.json; lanes reads its `model` section the same way (`context_length`,
+the ids, `decoder.num_key_value_heads` and `head_size`).
 """
 
 from __future__ import annotations
@@ -90,11 +93,10 @@ class _Files:
     def read(cls, model: Path, tokenizer: Path | None) -> _Files:
         folder = model.parent
         tok = (tokenizer.parent if tokenizer else folder) / "tokenizer_config.json"
-        return cls(
-            _json(folder / "config.json") or {},
-            _json(folder / "generation_config.json") or {},
-            _json(tok),
-        )
+        config = _json(folder / "config.json")
+        if config is None:
+            config = _genai(_json(folder / "genai_config.json"))
+        return cls(config, _json(folder / "generation_config.json") or {}, _json(tok))
 
     def first_int(self, key: str) -> int | None:
         """generation_config.json's value, else config.json's."""
@@ -124,13 +126,14 @@ def read_config(
         )
     past_in = [f"past_key_values.{i}.{p}" for i in layers for p in ("key", "value")]
     present = [f"present.{i}.{p}" for i in layers for p in ("key", "value")]
-    layout: KvLayout = "slots" if "seqlens_k" in inputs else "concat"
-    fed = SLOT_FED if layout == "slots" else FED
+    lengths_fed = "seqlens_k" in inputs
+    layout: KvLayout = "slots" if lengths_fed or _attends_in_slots(path) else "concat"
+    fed = SLOT_FED if lengths_fed else FED
     check_io(
         session,
         where=where,
         task="generate",
-        inputs=[*fed[:2], *past_in] if layout == "concat" else [*fed, *past_in],
+        inputs=[*fed, *past_in] if lengths_fed else [*fed[:2], *past_in],
         outputs=["logits", *present],
     )
     unfed = [str(t) for n, t in inputs.items() if n not in fed and not _PAST.match(n)]
@@ -159,9 +162,9 @@ def read_config(
     context = _int(raw, CONTEXT)
     if layout == "slots" and context is None:
         raise ModelError(
-            f"model {where} keeps its cache in slots (it takes seqlens_k), whose buffers are "
-            f"as long as the context: config.json beside it must state it "
-            f"({' or '.join(CONTEXT)})"
+            f"model {where} keeps its cache in slots (it attends with GroupQueryAttention), "
+            "whose buffers are as long as the context: config.json beside it must state it "
+            f"({' or '.join(CONTEXT)}), or genai_config.json (model.context_length)"
         )
     return DecoderConfig(
         num_layers=len(layers),
@@ -189,6 +192,38 @@ def _json(file: Path) -> dict[str, Any] | None:
     if not isinstance(data, dict):
         raise ModelError(f"{file}: expected a JSON object, found {type(data).__name__}")
     return data
+
+
+def _genai(raw: dict[str, Any] | None) -> dict[str, Any]:
+    """onnxruntime-genai's genai_config.json, in config.json's keys."""
+    model = raw.get("model") if raw else None
+    if not isinstance(model, dict):
+        return {}
+    found = model.get("decoder")
+    decoder: dict[str, Any] = found if isinstance(found, dict) else {}
+    keys = {
+        "max_position_embeddings": model.get("context_length"),
+        "vocab_size": model.get("vocab_size"),
+        "bos_token_id": model.get("bos_token_id"),
+        "eos_token_id": model.get("eos_token_id"),
+        "pad_token_id": model.get("pad_token_id"),
+        "num_hidden_layers": decoder.get("num_hidden_layers"),
+        "num_key_value_heads": decoder.get("num_key_value_heads"),
+        "head_dim": decoder.get("head_size"),
+    }
+    return {k: v for k, v in keys.items() if v is not None}
+
+
+def _attends_in_slots(path: Path) -> bool:
+    """Whether the graph attends with GroupQueryAttention, which keeps each row's past
+    at the front of its buffer (a left-padded batch would attend over the pads)."""
+    import onnx  # the runtime extra's; read only the graph, not external weights
+
+    try:
+        graph = onnx.load(str(path), load_external_data=False).graph
+    except Exception as err:  # the session loaded it: an unreadable file is unlikely
+        raise ModelError(f"cannot read the graph of {path}: {err}") from err
+    return any(node.op_type == "GroupQueryAttention" for node in graph.node)
 
 
 def _is_int(value: Any) -> bool:

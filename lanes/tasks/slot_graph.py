@@ -1,10 +1,12 @@
 """A decoder graph that keeps its cache in slots, run with the Optimum signature.
 
-Such a graph (`DecoderConfig.kv_layout == "slots"`, lanes/demo/slots.py) takes
-`seqlens_k` and `total_sequence_length` instead of `attention_mask`, and keeps each
-row's past at the front of a buffer as long as the context: onnxruntime's
-`GroupQueryAttention` gets the same buffer as past and present and writes each
-step's column in place, at the row's own length.
+Such a graph (`DecoderConfig.kv_layout == "slots"`) attends with onnxruntime's
+`GroupQueryAttention` and keeps each row's past at the front of a buffer as long as
+the context: given the same buffer as past and present, it writes each step's column
+in place, at the row's own length. It learns the rows' lengths one of two ways:
+`seqlens_k` and `total_sequence_length` inputs (lanes/demo/slots.py), or an
+`attention_mask` right-padded to the longest row, from which the graph derives them
+(onnxruntime-genai's model builder). Either is fed here from the same lengths.
 
 `SlotGraph.step` gives it the Optimum signature all the same (each row's real
 columns moved to the front, run, and moved back), so prefills, prompts in parts
@@ -19,6 +21,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from lanes.runtime import describe
 from lanes.tasks.decoder_config import DecoderConfig
 from lanes.tasks.past import Past, StepOutput
 
@@ -42,6 +45,27 @@ class SlotGraph:
         self.ids_dtype = ids_dtype
         self.past_dtype = past_dtype
         self._outputs = outputs
+        inputs = describe(session.get_inputs())
+        mask, positions = inputs.get("attention_mask"), inputs.get("position_ids")
+        # Fed instead of seqlens_k and total_sequence_length, when the graph takes them.
+        self.mask_dtype = None if mask is None else mask.dtype or np.dtype(np.int64)
+        self.positions_dtype = None if positions is None else positions.dtype or np.dtype(np.int64)
+
+    def lengths(self, held: Array, fed: Array) -> dict[str, Array]:
+        """The feeds that tell the graph row r holds `held[r]` positions and gets
+        `fed[r]` tokens after them (pads after those, up to the longest `fed`)."""
+        total = held + fed
+        if self.mask_dtype is None:
+            return {
+                "seqlens_k": (total - 1).astype(np.int32),
+                "total_sequence_length": np.asarray(int(total.max()), dtype=np.int32),
+            }
+        columns = np.arange(int(total.max()))[None, :]
+        feeds = {"attention_mask": (columns < total[:, None]).astype(self.mask_dtype)}
+        if self.positions_dtype is not None:  # a pad takes its row's last position
+            at = held[:, None] + np.arange(int(fed.max()))[None, :]
+            feeds["position_ids"] = np.minimum(at, total[:, None] - 1).astype(self.positions_dtype)
+        return feeds
 
     def step(self, input_ids: Array, attention_mask: Array, past: Past) -> StepOutput:
         """`Decoder.step` on this graph. Each row's real columns (its mask's ones, after
@@ -81,11 +105,8 @@ class SlotGraph:
                 ids[r, : fed[r]] = input_ids[r, new - fed[r] :]
                 for ours, theirs in zip(compact.arrays, past.arrays, strict=True):
                     ours[r, :, : held[r]] = theirs[r, :, length - held[r] :]
-        feeds: dict[str, Array] = {
-            "input_ids": ids.astype(self.ids_dtype, copy=False),
-            "seqlens_k": (held + fed - 1).astype(np.int32),
-            "total_sequence_length": np.asarray(int((held + fed).max()), dtype=np.int32),
-        }
+        feeds = self.lengths(held, fed)
+        feeds["input_ids"] = ids.astype(self.ids_dtype, copy=False)
         for i in range(self.config.num_layers):
             feeds[f"past_key_values.{i}.key"] = compact.keys[i]
             feeds[f"past_key_values.{i}.value"] = compact.values[i]
@@ -120,7 +141,9 @@ class SlotRun:
     def __init__(self, graph: SlotGraph, past: Past, rows: int) -> None:
         self.session = graph.session
         self.rows = rows
+        self._graph = graph
         self._ids_dtype = graph.ids_dtype
+        self._ones = np.ones(rows, dtype=np.int64)
         binding = self.session.io_binding()
         binding.bind_output("logits")
         shape = [rows, *past.keys[0].shape[1:]]
@@ -136,9 +159,8 @@ class SlotRun:
     def __call__(self, input_ids: Array, lengths: Array) -> Array:
         binding = self._binding
         binding.bind_cpu_input("input_ids", input_ids.astype(self._ids_dtype, copy=False))
-        binding.bind_cpu_input("seqlens_k", lengths.astype(np.int32, copy=False))
-        total = np.asarray(int(lengths.max()) + 1, dtype=np.int32)
-        binding.bind_cpu_input("total_sequence_length", total)
+        for name, array in self._graph.lengths(lengths, self._ones).items():
+            binding.bind_cpu_input(name, array)
         self.session.run_with_iobinding(binding)
         logits: Array = binding.get_outputs()[0].numpy()
         return logits
