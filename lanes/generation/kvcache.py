@@ -358,7 +358,8 @@ class Decoded:
     order (None when every row failed; a failed row's logits are zeros), the sequences
     the model failed on alone, by id, with what each raised, and what the first group
     run that failed raised (None: every group's run succeeded whole), over a cache
-    `length` long (the longest group it ran, before the step), in `runs`, one per group."""
+    `length` long (the longest group it ran, before the step: what the step's cost
+    follows per row; a SlotCache's rows' mean), in `runs`, one per group."""
 
     logits: Array | None
     failed: dict[int, Exception]

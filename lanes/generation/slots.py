@@ -65,6 +65,11 @@ class Slots:
         return max(self.lengths, default=0)
 
     @property
+    def mean_length(self) -> int:
+        """The positions a row attends over in a step, on average (rounded up)."""
+        return -(-sum(self.lengths) // len(self.lengths)) if self.lengths else 0
+
+    @property
     def past(self) -> Past:
         n = self._layers
         return Past(tuple(self.buffers[:n]), tuple(self.buffers[n:]))
@@ -186,7 +191,11 @@ class SlotCache:
 
     @property
     def length(self) -> int:
-        return max(s.length for s in self.sets)
+        """What a decode step's cost follows per row, as BatchCache.length is: here the
+        rows' mean length (rounded up), since each row attends over its own positions
+        only where BatchCache pads a group's rows to its longest."""
+        rows = self.rows
+        return -(-sum(sum(s.lengths) for s in self.sets) // rows) if rows else 0
 
     def place(self, ids: Sequence[int], past: Past, mask: Array, apart: bool = False) -> None:
         """Add prefilled sequences: each row's real columns (mask 1) to the front of a slot."""
@@ -231,7 +240,8 @@ class SlotCache:
                 f"decode: the cache holds {sum(len(s.ids) for s in stepped)} of the step's "
                 f"{len(seqs)} sequences"
             )
-        length = max((s.length for s in stepped), default=0)
+        held = sum(len(s.ids) for s in stepped)
+        length = -(-sum(sum(s.lengths) for s in stepped) // held) if held else 0
         # The usual step: one set, holding the step's rows in its order.
         single = len(stepped) == 1 and stepped[0].ids == [s.id for s in seqs]
         logits: Array | None = None
@@ -240,7 +250,7 @@ class SlotCache:
         runs = []
         order = {s.id: i for i, s in enumerate(seqs)}
         for slots in stepped:
-            ids, before = list(slots.ids), slots.length
+            ids, before = list(slots.ids), slots.mean_length
             tokens = [by_id[sid].last_token for sid in ids]
             at = self.clock()
             try:
