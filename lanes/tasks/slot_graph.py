@@ -136,7 +136,7 @@ class SlotRun:
     buffers at column `lengths[r]`, and returns the logits [rows, 1, vocab]. Binding
     the buffers costs a good part of a small model's step (bench/offline_generate.py
     shows it), so a batch keeps one `SlotRun` while its rows and buffers stay and
-    rebinds only the three small inputs."""
+    rebinds only the small inputs (ids and the lengths)."""
 
     def __init__(self, graph: SlotGraph, past: Past, rows: int) -> None:
         self.session = graph.session
