@@ -224,10 +224,50 @@ class SlotCache:
 
     def decode(self, seqs: Sequence[Any]) -> Decoded:
         """One decode step of the sets holding `seqs`, whole (see BatchCache.decode)."""
-        by_id: Mapping[int, Any] = {s.id: s for s in seqs}
+        step_ids = [s.id for s in seqs]
+        # The usual step: one set, holding the step's rows in its order.
+        single = next((x for x in self.sets if x.ids == step_ids), None) if seqs else None
+        stepped = [single] if single is not None else self._stepped(seqs)
+        by_id: Mapping[int, Any] = {} if single is not None else {s.id: s for s in seqs}
+        order = {sid: i for i, sid in enumerate(step_ids)} if single is None else {}
+        held = sum(len(x.ids) for x in stepped)
+        length = -(-sum(sum(x.lengths) for x in stepped) // held) if held else 0
+        logits: Array | None = None
+        failed: dict[int, Exception] = {}
+        error: Exception | None = None
+        runs = []
+        for slots in stepped:
+            ids, before = list(slots.ids), slots.mean_length
+            if single is not None:
+                tokens = [s.last_token for s in seqs]
+            else:
+                tokens = [by_id[sid].last_token for sid in ids]
+            at = self.clock()
+            try:
+                got: Array | None = slots.decode(tokens)
+            except Exception as raised:
+                error = error or raised
+                got, lost = slots.decode_apart(tokens, raised)
+                failed.update(lost)
+            runs.append(GroupRun(len(ids), before, self.clock() - at))
+            if got is None:
+                continue
+            if single is not None:
+                logits = got
+                continue
+            if logits is None:
+                logits = np.zeros((len(seqs), got.shape[-1]), dtype=got.dtype)
+            logits[[order[sid] for sid in ids]] = got
+        if failed and logits is not None and single is None:  # one set's are zeros already
+            logits[[order[sid] for sid in failed]] = 0
+        return Decoded(logits, failed, error, length, tuple(runs))
+
+    def _stepped(self, seqs: Sequence[Any]) -> list[Slots]:
+        """The sets holding `seqs`; ValueError unless they hold them and nothing else."""
+        wanted = {s.id for s in seqs}
         stepped = []
         for slots in self.sets:
-            inside = sum(1 for sid in slots.ids if sid in by_id)
+            inside = sum(1 for sid in slots.ids if sid in wanted)
             if inside and inside != len(slots.ids):
                 raise ValueError(
                     f"decode: a set of slots holds {len(slots.ids)} sequences, "
@@ -240,37 +280,7 @@ class SlotCache:
                 f"decode: the cache holds {sum(len(s.ids) for s in stepped)} of the step's "
                 f"{len(seqs)} sequences"
             )
-        held = sum(len(s.ids) for s in stepped)
-        length = -(-sum(sum(s.lengths) for s in stepped) // held) if held else 0
-        # The usual step: one set, holding the step's rows in its order.
-        single = len(stepped) == 1 and stepped[0].ids == [s.id for s in seqs]
-        logits: Array | None = None
-        failed: dict[int, Exception] = {}
-        error: Exception | None = None
-        runs = []
-        order = {s.id: i for i, s in enumerate(seqs)}
-        for slots in stepped:
-            ids, before = list(slots.ids), slots.mean_length
-            tokens = [by_id[sid].last_token for sid in ids]
-            at = self.clock()
-            try:
-                got: Array | None = slots.decode(tokens)
-            except Exception as raised:
-                error = error or raised
-                got, lost = slots.decode_apart(tokens, raised)
-                failed.update(lost)
-            runs.append(GroupRun(len(ids), before, self.clock() - at))
-            if got is None:
-                continue
-            if single:
-                logits = got
-                continue
-            if logits is None:
-                logits = np.zeros((len(seqs), got.shape[-1]), dtype=got.dtype)
-            logits[[order[sid] for sid in ids]] = got
-        if failed and logits is not None:
-            logits[[order[sid] for sid in failed]] = 0
-        return Decoded(logits, failed, error, length, tuple(runs))
+        return stepped
 
 
 Cache = BatchCache | SlotCache

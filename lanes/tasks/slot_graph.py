@@ -67,6 +67,15 @@ class SlotGraph:
             feeds["position_ids"] = np.minimum(at, total[:, None] - 1).astype(self.positions_dtype)
         return feeds
 
+    def decode_lengths(self, held: Array) -> dict[str, Array]:
+        """`lengths` for one new token after each row's `held` positions: a decode step's."""
+        if self.mask_dtype is not None:
+            return self.lengths(held, np.ones_like(held))
+        return {  # each row's new position is its count so far
+            "seqlens_k": held.astype(np.int32, copy=False),
+            "total_sequence_length": np.asarray(int(held.max()) + 1, dtype=np.int32),
+        }
+
     def step(self, input_ids: Array, attention_mask: Array, past: Past) -> StepOutput:
         """`Decoder.step` on this graph. Each row's real columns (its mask's ones, after
         its zeros, in the past and in the new tokens alike) move to the front, run with
@@ -143,7 +152,6 @@ class SlotRun:
         self.rows = rows
         self._graph = graph
         self._ids_dtype = graph.ids_dtype
-        self._ones = np.ones(rows, dtype=np.int64)
         binding = self.session.io_binding()
         binding.bind_output("logits")
         shape = [rows, *past.keys[0].shape[1:]]
@@ -159,7 +167,7 @@ class SlotRun:
     def __call__(self, input_ids: Array, lengths: Array) -> Array:
         binding = self._binding
         binding.bind_cpu_input("input_ids", input_ids.astype(self._ids_dtype, copy=False))
-        for name, array in self._graph.lengths(lengths, self._ones).items():
+        for name, array in self._graph.decode_lengths(lengths).items():
             binding.bind_cpu_input(name, array)
         self.session.run_with_iobinding(binding)
         logits: Array = binding.get_outputs()[0].numpy()
