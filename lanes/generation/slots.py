@@ -65,11 +65,6 @@ class Slots:
         return max(self.lengths, default=0)
 
     @property
-    def mean_length(self) -> int:
-        """The positions a row attends over in a step, on average (rounded up)."""
-        return -(-sum(self.lengths) // len(self.lengths)) if self.lengths else 0
-
-    @property
     def past(self) -> Past:
         n = self._layers
         return Past(tuple(self.buffers[:n]), tuple(self.buffers[n:]))
@@ -194,8 +189,7 @@ class SlotCache:
         """What a decode step's cost follows per row, as BatchCache.length is: here the
         rows' mean length (rounded up), since each row attends over its own positions
         only where BatchCache pads a group's rows to its longest."""
-        rows = self.rows
-        return -(-sum(sum(s.lengths) for s in self.sets) // rows) if rows else 0
+        return _mean_length(self.sets)
 
     def place(self, ids: Sequence[int], past: Past, mask: Array, apart: bool = False) -> None:
         """Add prefilled sequences: each row's real columns (mask 1) to the front of a slot."""
@@ -230,14 +224,13 @@ class SlotCache:
         stepped = [single] if single is not None else self._stepped(seqs)
         by_id: Mapping[int, Any] = {} if single is not None else {s.id: s for s in seqs}
         order = {sid: i for i, sid in enumerate(step_ids)} if single is None else {}
-        held = sum(len(x.ids) for x in stepped)
-        length = -(-sum(sum(x.lengths) for x in stepped) // held) if held else 0
+        length = _mean_length(stepped)
         logits: Array | None = None
         failed: dict[int, Exception] = {}
         error: Exception | None = None
         runs = []
         for slots in stepped:
-            ids, before = list(slots.ids), slots.mean_length
+            ids, before = list(slots.ids), _mean_length([slots])
             if single is not None:
                 tokens = [s.last_token for s in seqs]
             else:
@@ -281,6 +274,12 @@ class SlotCache:
                 f"{len(seqs)} sequences"
             )
         return stepped
+
+
+def _mean_length(sets: Sequence[Slots]) -> int:
+    """The positions a row of `sets` attends over in a step, on average (rounded up)."""
+    rows = sum(len(s.lengths) for s in sets)
+    return -(-sum(sum(s.lengths) for s in sets) // rows) if rows else 0
 
 
 Cache = BatchCache | SlotCache
