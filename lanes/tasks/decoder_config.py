@@ -32,6 +32,7 @@ the ids, `decoder.num_key_value_heads` and `head_size`).
 from __future__ import annotations
 
 import json
+import mmap
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -217,13 +218,19 @@ def _genai(raw: dict[str, Any] | None) -> dict[str, Any]:
 def _attends_in_slots(path: Path) -> bool:
     """Whether the graph attends with GroupQueryAttention, which keeps each row's past
     at the front of its buffer (a left-padded batch would attend over the pads)."""
-    import onnx  # the runtime extra's; read only the graph, not external weights
-
+    op = "GroupQueryAttention"
     try:
+        # An op's name is plain bytes in the file: most decoders (the Optimum exports,
+        # weights often inside) are ruled out by one pass over a map of it, unparsed.
+        with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            if m.find(op.encode()) < 0:
+                return False
+        import onnx  # the runtime extra's; read only the graph, not external weights
+
         graph = onnx.load(str(path), load_external_data=False).graph
     except Exception as err:  # the session loaded it: an unreadable file is unlikely
         raise ModelError(f"cannot read the graph of {path}: {err}") from err
-    return any(node.op_type == "GroupQueryAttention" for node in graph.node)
+    return any(node.op_type == op for node in graph.node)
 
 
 def _is_int(value: Any) -> bool:
