@@ -4,7 +4,9 @@
 
 Starts `lanes serve` with an interactive embed workload on the minilm demo model
 (`slo.p99_ms` from --slo-ms) and an offline workload on the same model whose runner
-is that endpoint. The offline job is the flow's endpoint runner itself
+is that endpoint, twice: as declared (an interactive request that arrives during an
+offline run waits for it: `finish`) and with `batching.preempt_offline` (it stops
+that run, whose items run again after it: `preempt`). The offline job is the flow's endpoint runner itself
 (flows.endpoint.EndpointModel: prepared batches to the internal batch route), driven
 from two threads as two shards in flight would, without Prefect around it (whose
 start-up would dwarf a slice).
@@ -13,12 +15,14 @@ First it measures the capacity: the interactive endpoint saturated (16 clients, 
 pause: items/s) and the offline lane alone (items/s). Then, at each load level (a
 fraction of the interactive capacity), an interactive closed loop paced to that rate
 (4 clients, each waits for its answer, then for its next tick) runs with and
-without the offline job, the two taking turns in short slices (like bench/serve.py:
-a shared VM's speed drifts within seconds, so only figures from alternating slices
-compare). It prints per level: interactive p50/p99 with and without backfill, their
-ratio (target: p99 within +10%, and within the SLO), the offline items/s against the
+without the offline job (on the first endpoint) and with it on each endpoint, the
+three taking turns in short slices (like bench/serve.py: a shared VM's speed drifts
+within seconds, so only figures from alternating slices compare). It prints per
+level and endpoint: interactive p50/p99 with and without backfill, their ratio
+(target: p99 within +10%, and within the SLO), the offline items/s against the
 capacity the interactive load leaves idle (offline-alone items/s x (1 - busy fraction
-without backfill); target >= 0.8x), and the device busy fraction (from /metrics).
+without backfill); target >= 0.8x), the device busy fraction (from /metrics), and the
+offline items preempted per second.
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ workloads:
     mode: interactive
     task: embed
     model: minilm
-    batching: {{max_batch_size: 32, max_wait_ms: 0, max_queue: 4096}}
+    batching: {{max_batch_size: 32, max_wait_ms: 0, max_queue: 4096, preempt_offline: {preempt}}}
     slo: {{p99_ms: {slo}}}
   corpus:
     mode: offline
@@ -84,6 +88,7 @@ def scrape(url: str) -> dict[str, float]:
         "busy": r'lanes_executor_busy_seconds_total\{workload="search"\} (\S+)',
         "offline_items": r'lanes_lane_items_total\{lane="offline",workload="search"\} (\S+)',
         "offline_busy": r'lanes_lane_busy_seconds_total\{lane="offline",workload="search"\} (\S+)',
+        "preempted": r'lanes_lane_preemptions_total\{lane="offline",workload="search"\} (\S+)',
     }.items():
         hit = re.search(pattern, text)
         found[key] = float(hit.group(1)) if hit else 0.0
@@ -121,6 +126,7 @@ class Turns:
     seconds: float = 0.0
     busy: float = 0.0
     offline_items: float = 0.0
+    preempted: float = 0.0
 
     def ms(self, percentile: float) -> float:
         return float(np.percentile(self.latencies, percentile)) * 1000 if self.latencies else 0.0
@@ -208,6 +214,7 @@ async def measured(url: str, job: OfflineJob | None, rate: float | None, seconds
     turns = Turns(latencies, ended - began)
     turns.busy = after["busy"] - before["busy"]
     turns.offline_items = after["offline_items"] - before["offline_items"]
+    turns.preempted = after["preempted"] - before["preempted"]
     return turns
 
 
@@ -216,34 +223,54 @@ def merge(into: Turns, one: Turns) -> None:
     into.seconds += one.seconds
     into.busy += one.busy
     into.offline_items += one.offline_items
+    into.preempted += one.preempted
 
 
 async def run(args: argparse.Namespace) -> None:
     models = Path(os.environ.get("LANES_MODELS_DIR", ROOT.parent / ".lanes" / "models")).resolve()
     folder = Path(tempfile.mkdtemp(prefix="lanes-backfill-"))
-    spec_path = folder / "workloads.yaml"
-    spec_path.write_text(SPEC.format(m=models, slo=args.slo_ms, items=OFFLINE_REQUEST_ITEMS))
-    port = 8600 + os.getpid() % 300
-    url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "LANES_INTERNAL_KEY": KEY}
-    cmd = [sys.executable, "-m", "lanes.router.cli", "serve", str(spec_path), "--port", str(port)]
-    server = start(cmd, url, env)
+    urls: dict[str, str] = {}
+    servers = []
     try:
+        for i, (policy, preempt) in enumerate((("finish", "false"), ("preempt", "true"))):
+            spec_path = folder / f"{policy}.yaml"
+            spec = SPEC.format(
+                m=models, slo=args.slo_ms, items=OFFLINE_REQUEST_ITEMS, preempt=preempt
+            )
+            spec_path.write_text(spec)
+            port = 8600 + (os.getpid() + i) % 300
+            urls[policy] = f"http://127.0.0.1:{port}"
+            cmd = [
+                sys.executable,
+                "-m",
+                "lanes.router.cli",
+                "serve",
+                str(spec_path),
+                "--port",
+                str(port),
+            ]
+            servers.append(start(cmd, urls[policy], env))
         settings = Settings(device="cpu")
         task = load_task("corpus", load_spec(spec_path, settings), Runtime(settings))
         texts = [" ".join(["word"] * (8 + i % 40)) for i in range(OFFLINE_REQUEST_ITEMS)]
         items = sorted((task.prepare(t) for t in texts), key=lambda item: item.n_tokens)
-        job = OfflineJob(EndpointModel(task, url, "search", KEY), list(items))
+        jobs = {
+            p: OfflineJob(EndpointModel(task, u, "search", KEY), list(items))
+            for p, u in urls.items()
+        }
+        url = urls["finish"]
 
-        # Warm both lanes (the cost model learns from the first runs), then capacity.
-        await measured(url, job, None, 1.0)
-        await saturated(url, 1.0)
+        # Warm both lanes of both (the cost model learns from the first runs), then capacity.
+        for policy, at in urls.items():
+            await measured(at, jobs[policy], None, 1.0)
+            await saturated(at, 1.0)
         interactive_capacity = statistics.median(
             [await saturated(url, args.seconds) for _ in range(args.rotations)]
         )
         alone = Turns()
         for _ in range(args.rotations):
-            merge(alone, await measured(url, job, None, args.seconds))
+            merge(alone, await measured(url, jobs["finish"], None, args.seconds))
         print(
             f"capacity: interactive {interactive_capacity:.0f} items/s (16 clients), "
             f"offline lane alone {alone.offline_rate:.0f} items/s "
@@ -253,28 +280,33 @@ async def run(args: argparse.Namespace) -> None:
         rows = []
         for level in args.levels:
             rate = level * interactive_capacity
-            without, with_ = Turns(), Turns()
+            without = Turns()
+            with_ = {policy: Turns() for policy in urls}
+            slices = [(without, url, None)] + [(with_[p], u, jobs[p]) for p, u in urls.items()]
             for i in range(args.rotations):
-                order = [(without, None), (with_, job)]
-                for turns, offline in order if i % 2 == 0 else order[::-1]:
-                    merge(turns, await measured(url, offline, rate, args.seconds))
+                for turns, at, job in slices[i % 3 :] + slices[: i % 3]:
+                    merge(turns, await measured(at, job, rate, args.seconds))
             idle = alone.offline_rate * max(1 - without.busy_fraction, 0.0)
-            rows.append(
-                [
-                    f"{level:.0%}",
-                    f"{rate:.0f}",
-                    f"{without.ms(50):.1f}/{without.ms(99):.1f}",
-                    f"{with_.ms(50):.1f}/{with_.ms(99):.1f}",
-                    f"{with_.ms(99) / max(without.ms(99), 1e-9):.2f}",
-                    "yes" if with_.ms(99) <= args.slo_ms else "no",
-                    f"{with_.offline_rate:.0f}",
-                    f"{idle:.0f}",
-                    f"{with_.offline_rate / max(idle, 1e-9):.2f}",
-                    f"{without.busy_fraction:.2f}/{with_.busy_fraction:.2f}",
-                ]
-            )
+            for policy, turns in with_.items():
+                rows.append(
+                    [
+                        f"{level:.0%}",
+                        policy,
+                        f"{rate:.0f}",
+                        f"{without.ms(50):.1f}/{without.ms(99):.1f}",
+                        f"{turns.ms(50):.1f}/{turns.ms(99):.1f}",
+                        f"{turns.ms(99) / max(without.ms(99), 1e-9):.2f}",
+                        "yes" if turns.ms(99) <= args.slo_ms else "no",
+                        f"{turns.offline_rate:.0f}",
+                        f"{idle:.0f}",
+                        f"{turns.offline_rate / max(idle, 1e-9):.2f}",
+                        f"{without.busy_fraction:.2f}/{turns.busy_fraction:.2f}",
+                        f"{turns.preempted / max(turns.seconds, 1e-9):.0f}",
+                    ]
+                )
         header = [
             "load",
+            "offline",
             "req/s",
             "p50/p99 ms alone",
             "p50/p99 ms +backfill",
@@ -284,11 +316,13 @@ async def run(args: argparse.Namespace) -> None:
             "idle capacity",
             "ratio (>=0.8)",
             "busy alone/+backfill",
+            "preempted/s",
         ]
         table("minilm: interactive closed loop with and without an offline job", rows, header)
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        for server in servers:
+            server.terminate()
+            server.wait(timeout=30)
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import onnxruntime as ort
 import orjson
 from pydantic import ValidationError
 
@@ -169,13 +170,16 @@ def _item(task: Task, arrays: Arrays, fields: dict[str, Any]) -> Any:
     raise InvalidInput(f"workload {task.name!r} ({task.kind}) takes no offline batches")
 
 
-def run_unhandled(task: Task, items: Sequence[Any]) -> list[Any]:
+def run_unhandled(
+    task: Task, items: Sequence[Any], options: ort.RunOptions | None = None
+) -> list[Any]:
     """The model run behind `task.run`, without the workload's handler (the offline
-    workload applies its own): embed, one vector per item; infer, named tensors."""
+    workload applies its own): embed, one vector per item; infer, named tensors.
+    `options`: the runs', see lanes.binding.run."""
     if isinstance(task, EmbedTask):
-        return list(task.vectors(items))
+        return list(task.vectors(items, options))
     if isinstance(task, InferTask):
-        return list(task.tensors(items))
+        return list(task.tensors(items, options))
     raise ModelError(f"workload {task.name!r} ({task.kind}) takes no offline batches")
 
 

@@ -79,16 +79,18 @@ def run(
     names: Sequence[str],
     feeds: Mapping[str, Array],
     placement: Placement | None,
+    options: ort.RunOptions | None = None,
 ) -> list[Any]:
     """`session.run(names, feeds)`, IO-bound when `placement` is given: inputs bound
     once, outputs allocated on that device and copied to the host once, after the run
     (numeric tensors only: `Runtime.binding` gives None for other models). Each call
-    makes its own binding, so runs from many threads do not share one."""
+    makes its own binding, so runs from many threads do not share one. `options`: the
+    run's, whose `terminate` another thread may set to end it early (it raises)."""
     if placement is None:
-        return list(session.run(list(names), dict(feeds)))
+        return list(session.run(list(names), dict(feeds), options))
     binding = session.io_binding()
     bind_inputs(binding, feeds)
     for name in names:
         binding.bind_output(name, placement.device_type, placement.device_id)
-    session.run_with_iobinding(binding)
+    session.run_with_iobinding(binding, options)
     return list(binding.copy_outputs_to_cpu())

@@ -136,6 +136,13 @@ class Batching(StrictModel):
         "prefilled in parts over several steps, so rows already decoding keep stepping "
         "(default: whole prompts; slo.ttft_ms, when set, may lower it).",
     )
+    preempt_offline: bool = Field(
+        False,
+        description="embed/infer: an interactive request that arrives while an offline "
+        "batch runs on this workload's model stops that run; its items run again, whole, "
+        "after it. Interactive latency no longer waits for an offline run, at the cost of "
+        "the stopped runs' work (default: an offline run ends first).",
+    )
 
 
 class Slo(StrictModel):

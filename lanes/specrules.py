@@ -169,6 +169,13 @@ def _workload_problems(
             f"task {task!r} has none: remove it"
         )
         found.append(((*at, "batching", "max_prefill_tokens"), message, True))
+    if isinstance(batching, dict) and batching.get("preempt_offline") and task == "generate":
+        message = (
+            "`preempt_offline` stops an embed or infer workload's offline runs; a generate "
+            "workload always preempts offline sequences when interactive ones need rows: "
+            "remove it"
+        )
+        found.append(((*at, "batching", "preempt_offline"), message, True))
     if raw.get("idle_unload_s") is not None and task == "generate":
         message = (
             "`idle_unload_s` unloads an embed or infer model when idle; a generate "

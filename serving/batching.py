@@ -6,8 +6,9 @@ ran is the next batch, at once. An idle executor runs a lone request now, unless
 `max_wait_s` asks it to wait for company (never longer than that).
 
 Offline work waits in a second queue of the same workload (`LaneQueues`): a batch is
-taken from it only when no interactive request waits, so an interactive request
-waits behind at most the one offline batch that was on the model when it arrived.
+taken from it only when no interactive request waits, and an offline run that an
+interactive request arrives during is stopped and given back to the head of its
+queue (serving/worker.py), so an interactive request waits behind no offline batch.
 
 A queued request whose deadline passes is failed with DeadlineExceeded at its
 deadline, by a timer on the event loop, even while a batch is running; it never
@@ -151,6 +152,17 @@ class BatchQueue:
             pending.queued = False
             self._live -= 1
 
+    def give_back(self, batch: Sequence[Pending]) -> None:
+        """Put the live requests of a batch taken from this queue back at its head, in
+        their order (their run was stopped before its end). Their deadline timers are
+        not restarted: only offline requests, which have none, come back."""
+        for pending in reversed(batch):
+            if pending.live:
+                pending.queued = True
+                self._items.appendleft(pending)
+                self._live += 1
+        self._arrived.set()
+
     def fail_waiting(self, error: BaseException) -> None:
         """Answer every waiting request with `error` (what would run them cannot)."""
         for pending in self._items:
@@ -271,7 +283,8 @@ class LaneBatch:
 class LaneQueues:
     """One workload's two queues: interactive first, offline only when no interactive
     request waits (one model, one batch at a time: a request that arrives during an
-    offline run is in the next batch)."""
+    offline run is in the next batch, which its worker starts as soon as it has
+    stopped that run)."""
 
     def __init__(
         self,

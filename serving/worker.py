@@ -5,7 +5,14 @@ runner is this endpoint) run only when no interactive request waits, in batches
 sized so that one run fits in the workload's slack: its `slo.p99_ms` minus its
 measured service time (the cost model's upper estimate of a typical interactive
 batch), or DEFAULT_SLACK_S without a p99 SLO. An interactive request that arrives
-during an offline run waits for that one run at most.
+during an offline run waits for that one run at most; with `batching.preempt_offline`
+it stops it instead: onnxruntime ends the run at its next node
+(`RunOptions.terminate`), and the offline items go back to the head of their queue,
+to run again whole after the interactive batch (counted as preempted). Then an
+interactive request waits for one node of an offline run, not for the run, and the
+offline lane loses the part of each stopped run it had done; its runs shrink to fit
+the gaps (`_offline_cap`). Offline runs whose every caller has gone are stopped the
+same way, whatever the setting.
 
 A workload that declares `slo.p99_ms` or `slo.timeout_ms` also sizes its interactive
 batches by the cost model (serving/slo.py), and answers 504 at once a request whose
@@ -23,10 +30,12 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
+import onnxruntime as ort
+
 from lanes.batchframe import run_unhandled
 from lanes.costmodel import CostModel
 from lanes.errors import LanesError, ModelError, Overloaded
-from lanes.isolation import Failed, Isolated, failed_alone, isolate, per_item
+from lanes.isolation import Failed, Isolated, Ran, failed_alone, isolate, per_item
 from lanes.serving.access import RequestRecord
 from lanes.serving.batching import LANES, Lane, LaneQueues, Pending, never_fits
 from lanes.serving.metrics import LaneSeries, Metrics, Utilization
@@ -115,6 +124,13 @@ class BatchWorker:
         self._item_cost_s: float | None = None  # running mean of run time per item
         self._free = asyncio.Event()  # set while no batch is on the model
         self._free.set()
+        # The options of the offline run on the model thread: an arrival stops it.
+        self._offline_run: ort.RunOptions | None = None
+        self.preempts_offline = batching.preempt_offline
+        # Offline items per run at most: halved by each run an arrival stops, one more
+        # after each that ends, so that runs come to fit the gaps the interactive
+        # traffic leaves (what a stopped run had done is lost).
+        self._offline_cap = batching.max_batch_size
         default = workload.slo.timeout_ms
         self.default_timeout_s = default / 1000 if default else None
         self.residency = residency_of(task, workload.idle_unload_s, metrics, clock)
@@ -212,6 +228,7 @@ class BatchWorker:
                     # May refuse: Overloaded.
                     pendings.append(self.queue.put(item, deadline, early_s))
                     pendings[-1].request = request
+                self._stop_offline()
                 self._set_depths()
             if len(pendings) == 1:
                 outputs = [await pendings[0].future]
@@ -248,6 +265,12 @@ class BatchWorker:
                 pending.future.cancel()
             raise
         return list(outcomes)
+
+    def _stop_offline(self) -> None:
+        """Stop the offline run on the model, if one is and the workload preempts
+        offline runs: an interactive request waits."""
+        if self.preempts_offline and self._offline_run is not None:
+            self._offline_run.terminate = True
 
     def _wake(self) -> None:
         """An arrival: idleness counts from now, and an unloaded model starts loading.
@@ -369,8 +392,9 @@ class BatchWorker:
     def offline_items(self, candidates: Sequence[Any]) -> int:
         """How many of the waiting offline items one run takes: as many as fit in the
         slack by the cost model (padded to the longest of the candidates), at most
-        `max_batch_size`; LEARNING_ITEMS until the model has a fit."""
-        most = self.lanes.offline.max_batch_size
+        `max_batch_size` and what the gaps allowed lately (see `_offline_cap`);
+        LEARNING_ITEMS until the model has a fit."""
+        most = min(self.lanes.offline.max_batch_size, self._offline_cap)
         if self.cost.fit is None:
             return min(LEARNING_ITEMS, most)
         tokens = max((tokens_of(c) for c in candidates), default=0)
@@ -387,8 +411,8 @@ class BatchWorker:
         items = [p.item for p in batch]
         if self.steers:
             self.steering.started(start, items)
-        run = partial(self._timed_run, self.task.run if lane == "interactive" else self._raw)
-        if self.runs_inline(len(items)):
+        if self.runs_inline(len(items)):  # too short to be worth stopping
+            run = partial(self._timed_run, self.task.run if lane == "interactive" else self._raw)
             try:
                 result = run(items)
             except Exception as e:
@@ -396,11 +420,26 @@ class BatchWorker:
             else:
                 self._finish(batch, lane, start, result, None)
             return True
+        if lane == "offline":
+            stop = ort.RunOptions()
+            self._offline_run = stop
+            run = partial(self._timed_run, self._raw, stop=stop)
+            for pending in batch:
+                pending.future.add_done_callback(partial(self._abandoned, batch, stop))
+        else:
+            run = partial(self._timed_run, self.task.run)
         self._thread.call(run, items, partial(self._finish, batch, lane, start))
         return False
 
-    def _raw(self, items: Sequence[Any]) -> list[Any]:
-        return run_unhandled(self.task, items)
+    def _abandoned(self, batch: list[Pending], stop: ort.RunOptions, _: object) -> None:
+        """A caller of an offline batch went or was answered: once none waits, the
+        run (if still on the model) ends early, its device time saved."""
+        running = stop is self._offline_run
+        if running and not any(p.live for p in batch):
+            stop.terminate = True
+
+    def _raw(self, items: Sequence[Any], options: ort.RunOptions | None = None) -> list[Any]:
+        return run_unhandled(self.task, items, options)
 
     def _finish(
         self,
@@ -410,11 +449,21 @@ class BatchWorker:
         result: tuple[list[Any], float] | None,
         error: BaseException | None,
     ) -> None:
-        """Each caller's answer, then the run's metrics; frees the model for the next."""
+        """Each caller's answer, then the run's metrics; frees the model for the next.
+        A stopped offline run's batch goes back to its queue instead."""
         end = self.clock()
         self._free.set()
+        if lane == "offline":
+            self._offline_run = None
         if self.residency is not None:
             self.residency.touch()
+        if isinstance(error, _Stopped):
+            self.lanes.offline.give_back(batch)
+            live = sum(1 for p in batch if p.live)
+            if live:  # stopped for an interactive request, not for callers gone
+                self._offline_cap = max(len(batch) // 2, 1)
+            asyncio.get_running_loop().call_soon(self._record_stopped, live, start, end)
+            return
         outputs: list[Any] = []
         if error is not None and not isinstance(error, LanesError):
             # A model failure must answer its callers, not kill the loop.
@@ -473,8 +522,18 @@ class BatchWorker:
             self.cost.observe(len(batch), tokens, run_s)
             if lane == "interactive":
                 self._typical.observe(len(batch), tokens)
+            else:
+                self._offline_cap = min(self._offline_cap, len(batch)) + 1
         if self._tracing is not None:
             batch_spans(self._tracing, self.name, batch, start, end, run_s, self.clock)
+
+    def _record_stopped(self, given_back: int, start: float, end: float) -> None:
+        """A stopped offline run: device time spent, `given_back` items preempted."""
+        series = self._lane["offline"]
+        self.utilization.record(start, end)
+        self._busy.inc(end - start)
+        series.busy.inc(end - start)
+        series.preemptions.inc(given_back)
 
     def busy_fraction(self) -> float:
         """The model's busy share of the last 10 s, on the worker's clock."""
@@ -491,15 +550,28 @@ class BatchWorker:
         return self._item_cost_s is not None and self._item_cost_s * items < INLINE_RUN_S
 
     def _timed_run(
-        self, run: Callable[[Sequence[Any]], list[Any]], items: list[Any]
+        self,
+        run: Callable[..., list[Any]],
+        items: list[Any],
+        stop: ort.RunOptions | None = None,
     ) -> tuple[list[Any], float]:
         """The task's run and its own duration, without any thread hand-off.
 
         A run that fails is run again in halves (lanes/isolation.py): an item that
         fails alone gets a `Failed` holding its own error, the others their outputs.
-        Only a whole run's duration teaches the cost per item."""
+        Only a whole run's duration teaches the cost per item. With `stop`, the whole
+        run is `run(items, stop)`, and raises `_Stopped` if `stop.terminate` ended it;
+        the halves after a failure run to their end."""
         start = self.clock()
-        isolated = isolate(run, items)
+        if stop is None:
+            isolated = isolate(run, items)
+        else:
+            try:
+                isolated = Isolated((Ran(0, len(items), run(items, stop)),), ())
+            except Exception as error:
+                if stop.terminate:
+                    raise _Stopped from None
+                isolated = isolate(run, items, error)
         took = self.clock() - start
         if isolated.whole:
             cost = took / len(items)
@@ -517,6 +589,10 @@ class BatchWorker:
             len(isolated.failed),
             exc_info=isolated.error,
         )
+
+
+class _Stopped(Exception):
+    """An offline run ended early by its `RunOptions.terminate` (see the module's doc)."""
 
 
 def _ids(batch: list[Pending]) -> str:

@@ -22,6 +22,7 @@ import httpx
 import numpy as np
 import orjson
 import pytest
+from onnx import TensorProto, helper, numpy_helper, save_model
 
 from lanes.backfill import CONTENT_TYPE, batch_path
 from lanes.batchframe import decode_outputs, encode_items
@@ -29,6 +30,8 @@ from lanes.errors import SpecError
 from lanes.flows.batch import offline
 from lanes.runtime import Runtime
 from lanes.serving.batching import LaneQueues
+from lanes.serving.metrics import Metrics
+from lanes.serving.worker import BatchWorker
 from lanes.settings import Settings
 from lanes.specfile import load_spec
 from lanes.tasks import load_task
@@ -41,7 +44,7 @@ from tests.flows_fixtures import (
     write_jsonl,
     write_spec,
 )
-from tests.gates import GATE_FILE_ENV, PAD_S, Gate, held_marker
+from tests.gates import GATE_FILE_ENV, PAD_S, Gate, GatedRuntime, eventually, held_marker
 from tests.gates import wait_until as wait_for
 from tests.servers import ServerThread
 
@@ -185,6 +188,122 @@ def test_the_internal_route_refuses_a_missing_or_wrong_key(
         refused = send_batch(open_server, "search", items, "anything")
         assert refused.status_code == 401
         assert "LANES_INTERNAL_KEY" in refused.json()["error"]["message"]
+
+
+def spin_model(path: Path) -> Path:
+    """x float32 [batch, 4], spin int64 [batch, 1] -> y = x, after a Loop of max(spin)
+    empty iterations: a run of spin 10**15 never ends unless it is stopped."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = helper.make_graph(
+        [
+            helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+            helper.make_node("Identity", ["v_in"], ["v_out"]),
+        ],
+        "body",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("v_in", TensorProto.FLOAT, ["batch", 4]),
+        ],
+        [
+            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("v_out", TensorProto.FLOAT, ["batch", 4]),
+        ],
+    )
+    graph = helper.make_graph(
+        [
+            helper.make_node("ReduceMax", ["spin"], ["trips"], keepdims=0),
+            helper.make_node("Loop", ["trips", "go", "x"], ["y"], body=body),
+        ],
+        "spin",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4]),
+            helper.make_tensor_value_info("spin", TensorProto.INT64, ["batch", 1]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+        initializer=[numpy_helper.from_array(np.array(True), "go")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    save_model(model, str(path))
+    return path
+
+
+def spin_task(folder: Path, preempt: bool) -> tuple[Any, Gate]:
+    """An infer workload on `spin_model` behind a gate (PAD_S: every run on the model
+    thread, none on the event loop), preempting offline runs or not."""
+    model = spin_model(folder / "spin" / "model.onnx")
+    batching = {"preempt_offline": preempt}
+    spec = {
+        "version": 1,
+        "models": {"spin": {"path": str(model)}},
+        "workloads": {"live": live("infer", model="spin", batching=batching)},
+    }
+    (folder / "workloads.yaml").write_text(orjson.dumps(spec).decode())
+    gate = Gate()
+    runtime = GatedRuntime(Settings(device="cpu"), {model: gate}, pad_s=PAD_S)
+    return load_task("live", load_spec(folder / "workloads.yaml", Settings()), runtime), gate
+
+
+SPIN_X = [[1.0, 2.0, 3.0, 4.0]]
+FOREVER = {"x": SPIN_X, "spin": [[10**15]]}
+OFFLINE = {"workload": "live", "lane": "offline"}
+
+
+def test_an_interactive_request_stops_an_offline_run_midway_and_it_runs_again(
+    tmp_path: Path,
+) -> None:
+    """A real run that only a stop ends: the interactive request is answered while it
+    runs, its item goes back to the queue and runs again, and once its caller goes
+    away that run is stopped too (else the worker's stop would never return)."""
+    task, gate = spin_task(tmp_path, preempt=True)
+
+    async def scenario() -> tuple[Any, Metrics, bool]:
+        metrics = Metrics()
+        worker = BatchWorker(task, metrics)
+        worker.start()
+        with gate.closed():
+            job = asyncio.create_task(worker.submit_offline([task.prepare(FOREVER)]))
+            await asyncio.to_thread(gate.wait_held)  # on the model thread
+        quick = task.prepare({"x": SPIN_X, "spin": [[0]]})
+        [answer] = await asyncio.wait_for(worker.submit([quick]), 60)
+        preempted = "lanes_lane_preemptions_total"
+        await eventually(
+            lambda: metrics.registry.get_sample_value(preempted, OFFLINE) == 1,
+            "the stopped run's item is counted as preempted",
+        )
+        pending = not job.done()
+        job.cancel()
+        await asyncio.wait_for(worker.stop(), 60)
+        return answer, metrics, pending
+
+    answer, metrics, pending = asyncio.run(scenario())
+    np.testing.assert_array_equal(answer["y"], np.asarray(SPIN_X, dtype=np.float32))
+    assert pending, "the offline item never ends by itself"
+    assert metrics.registry.get_sample_value("lanes_lane_items_total", OFFLINE) == 0
+    busy = metrics.registry.get_sample_value("lanes_lane_busy_seconds_total", OFFLINE)
+    assert busy is not None and busy > 0
+
+
+def test_an_offline_run_whose_caller_went_away_is_stopped(tmp_path: Path) -> None:
+    """Without preempt_offline too: a run nobody waits for ends, and the model is free
+    (the worker's stop returns; the run alone would never end)."""
+    task, gate = spin_task(tmp_path, preempt=False)
+
+    async def scenario() -> Metrics:
+        metrics = Metrics()
+        worker = BatchWorker(task, metrics)
+        worker.start()
+        with gate.closed():
+            job = asyncio.create_task(worker.submit_offline([task.prepare(FOREVER)]))
+            await asyncio.to_thread(gate.wait_held)
+        job.cancel()
+        await asyncio.wait_for(worker.stop(), 60)
+        return metrics
+
+    metrics = asyncio.run(scenario())
+    sample = metrics.registry.get_sample_value
+    assert sample("lanes_lane_items_total", OFFLINE) == 0
+    assert sample("lanes_lane_preemptions_total", OFFLINE) == 0, "nothing was given back"
 
 
 def test_offline_lane_queues_take_interactive_first() -> None:

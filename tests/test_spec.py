@@ -208,6 +208,14 @@ BAD_CASES = [
         "bounds a generate workload's prefill per step; task 'embed' has none",
     ),
     (
+        "offline preemption on generate",
+        "    task: embed\n    model: enc\n    batching: {max_batch_size: 8, max_wait_ms: 2}\n",
+        "    task: generate\n    model: enc\n"
+        "    batching: {max_batch_size: 8, max_wait_ms: 2, preempt_offline: true}\n",
+        "W:10:51: workloads.search-query.batching.preempt_offline: `preempt_offline` stops an "
+        "embed or infer workload's offline runs",
+    ),
+    (
         "max_error_rate out of range",
         "    output: out/\n",
         "    output: out/\n    max_error_rate: 1.5\n",

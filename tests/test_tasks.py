@@ -69,9 +69,9 @@ class CountingSession:
     def __init__(self, session: Any) -> None:
         self.session, self.runs = session, 0
 
-    def run(self, names: Any, feeds: Any) -> Any:
+    def run(self, names: Any, feeds: Any, run_options: Any = None) -> Any:
         self.runs += 1
-        return self.session.run(names, feeds)
+        return self.session.run(names, feeds, run_options)
 
 
 # ---- infer ------------------------------------------------------------------

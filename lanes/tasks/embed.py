@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import onnxruntime as ort
 
 from lanes.binding import run
 from lanes.errors import InvalidInput, ModelError
@@ -136,8 +137,9 @@ class EmbedTask(SlotSession):
         check_count(self.name, outputs, batch)
         return outputs
 
-    def vectors(self, batch: Sequence[EmbedItem]) -> Vector:
-        """[len(batch), dim]: the model run behind `run`, without the handler."""
+    def vectors(self, batch: Sequence[EmbedItem], options: ort.RunOptions | None = None) -> Vector:
+        """[len(batch), dim]: the model run behind `run`, without the handler (`options`:
+        the run's, see lanes.binding.run)."""
         if not batch:
             return np.zeros((0, 0), dtype=np.float32)
         lengths = np.fromiter((item.n_tokens for item in batch), np.int64, len(batch))
@@ -152,7 +154,7 @@ class EmbedTask(SlotSession):
         }
         if self._token_types:
             feeds["token_type_ids"] = np.zeros_like(ids)
-        (hidden,) = run(self.session, [self._output], feeds, self.placement)
+        (hidden,) = run(self.session, [self._output], feeds, self.placement, options)
         return _pool(np.asarray(hidden, dtype=np.float32), mask, self.name)
 
     def warm_up(self) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
+import onnxruntime as ort
 
 from lanes.binding import run
 from lanes.errors import InvalidInput, ModelError
@@ -111,16 +112,25 @@ class InferTask(SlotSession):
         check_count(self.name, outputs, batch)
         return outputs
 
-    def tensors(self, batch: Sequence[InferItem]) -> list[Tensors]:
-        """The model run behind `run`, without the handler."""
+    def tensors(
+        self, batch: Sequence[InferItem], options: ort.RunOptions | None = None
+    ) -> list[Tensors]:
+        """The model run behind `run`, without the handler (`options`: its runs', see
+        lanes.binding.run)."""
         names = list(self.outputs)
         if len(batch) <= 1 or not self.stacks_rows:
             return [
-                dict(zip(names, run(self.session, names, it.inputs, self.placement), strict=True))
+                dict(
+                    zip(
+                        names,
+                        run(self.session, names, it.inputs, self.placement, options),
+                        strict=True,
+                    )
+                )
                 for it in batch
             ]
         feeds = {n: np.concatenate([it.inputs[n] for it in batch]) for n in self.inputs}
-        results = run(self.session, names, feeds, self.placement)
+        results = run(self.session, names, feeds, self.placement, options)
         total = sum(it.rows for it in batch)
         bounds = np.cumsum([it.rows for it in batch])[:-1]
         pieces: dict[str, list[Array]] = {}
