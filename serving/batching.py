@@ -6,9 +6,9 @@ ran is the next batch, at once. An idle executor runs a lone request now, unless
 `max_wait_s` asks it to wait for company (never longer than that).
 
 Offline work waits in a second queue of the same workload (`LaneQueues`): a batch is
-taken from it only when no interactive request waits, and an offline run that an
-interactive request arrives during is stopped and given back to the head of its
-queue (serving/worker.py), so an interactive request waits behind no offline batch.
+taken from it only when no interactive request waits, so an interactive request
+waits behind at most the one offline batch that was on the model when it arrived
+(none where its worker stops that run and gives its batch back: serving/worker.py).
 
 A queued request whose deadline passes is failed with DeadlineExceeded at its
 deadline, by a timer on the event loop, even while a batch is running; it never
@@ -283,8 +283,7 @@ class LaneBatch:
 class LaneQueues:
     """One workload's two queues: interactive first, offline only when no interactive
     request waits (one model, one batch at a time: a request that arrives during an
-    offline run is in the next batch, which its worker starts as soon as it has
-    stopped that run)."""
+    offline run is in the next batch)."""
 
     def __init__(
         self,
