@@ -6,7 +6,8 @@ Starts `lanes serve` with an interactive embed workload on the minilm demo model
 (`slo.p99_ms` from --slo-ms) and an offline workload on the same model whose runner
 is that endpoint, twice: as declared (an interactive request that arrives during an
 offline run waits for it: `finish`) and with `batching.preempt_offline` (it stops
-that run, whose items run again after it: `preempt`). The offline job is the flow's endpoint runner itself
+that run unless the run is past its middle, and the items run again after it:
+`preempt`). The offline job is the flow's endpoint runner itself
 (flows.endpoint.EndpointModel: prepared batches to the internal batch route), driven
 from two threads as two shards in flight would, without Prefect around it (whose
 start-up would dwarf a slice).

@@ -6,13 +6,15 @@ sized so that one run fits in the workload's slack: its `slo.p99_ms` minus its
 measured service time (the cost model's upper estimate of a typical interactive
 batch), or DEFAULT_SLACK_S without a p99 SLO. An interactive request that arrives
 during an offline run waits for that one run at most; with `batching.preempt_offline`
-it stops it instead: onnxruntime ends the run at its next node
-(`RunOptions.terminate`), and the offline items go back to the head of their queue,
-to run again whole after the interactive batch (counted as preempted). Then an
-interactive request waits for one node of an offline run, not for the run, and the
-offline lane loses the part of each stopped run it had done; its runs shrink to fit
-the gaps (`_offline_cap`). Offline runs whose every caller has gone are stopped the
-same way, whatever the setting.
+it stops it instead, unless the run is expected to end sooner than it has run
+(`stop_delay`): onnxruntime ends the run at its next node (`RunOptions.terminate`),
+and the offline items go back to the head of their queue, to run again whole after
+the interactive batch (counted as preempted). A run left to end is stopped all the
+same once the request has waited as long as the run had run when it arrived. So an
+interactive request waits at most what a stop would throw away, and the offline lane
+loses at most half of a stopped run's expected time; its runs shrink to fit the gaps
+(`_offline_cap`). Offline runs whose every caller has gone are stopped at once,
+whatever the setting.
 
 A workload that declares `slo.p99_ms` or `slo.timeout_ms` also sizes its interactive
 batches by the cost model (serving/slo.py), and answers 504 at once a request whose
@@ -27,6 +29,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -124,8 +127,8 @@ class BatchWorker:
         self._item_cost_s: float | None = None  # running mean of run time per item
         self._free = asyncio.Event()  # set while no batch is on the model
         self._free.set()
-        # The options of the offline run on the model thread: an arrival stops it.
-        self._offline_run: ort.RunOptions | None = None
+        # The offline run on the model thread: an arrival may stop it.
+        self._offline_run: _OfflineRun | None = None
         self.preempts_offline = batching.preempt_offline
         # Offline items per run at most: halved by each run an arrival stops, one more
         # after each that ends, so that runs come to fit the gaps the interactive
@@ -267,10 +270,16 @@ class BatchWorker:
         return list(outcomes)
 
     def _stop_offline(self) -> None:
-        """Stop the offline run on the model, if one is and the workload preempts
-        offline runs: an interactive request waits."""
-        if self.preempts_offline and self._offline_run is not None:
-            self._offline_run.terminate = True
+        """An interactive request waits: if the workload preempts offline runs and one
+        is on the model, stop it now or, nearly done, later (`stop_delay`)."""
+        run = self._offline_run
+        if not self.preempts_offline or run is None or run.stopping:
+            return
+        delay = stop_delay(self.clock() - run.start, run.expected_s)
+        if delay == 0:
+            run.stop.terminate = True
+        else:
+            run.timer = asyncio.get_running_loop().call_later(delay, run.end_now)
 
     def _wake(self) -> None:
         """An arrival: idleness counts from now, and an unloaded model starts loading.
@@ -421,22 +430,22 @@ class BatchWorker:
                 self._finish(batch, lane, start, result, None)
             return True
         if lane == "offline":
-            stop = ort.RunOptions()
-            self._offline_run = stop
-            run = partial(self._timed_run, self._raw, stop=stop)
+            estimate = self.cost.estimate(len(items), padded_tokens(items))
+            offline = _OfflineRun(start, estimate.seconds if estimate is not None else None)
+            self._offline_run = offline
+            run = partial(self._timed_run, self._raw, stop=offline.stop)
             for pending in batch:
-                pending.future.add_done_callback(partial(self._abandoned, batch, stop))
+                pending.future.add_done_callback(partial(self._abandoned, batch, offline))
         else:
             run = partial(self._timed_run, self.task.run)
         self._thread.call(run, items, partial(self._finish, batch, lane, start))
         return False
 
-    def _abandoned(self, batch: list[Pending], stop: ort.RunOptions, _: object) -> None:
+    def _abandoned(self, batch: list[Pending], run: _OfflineRun, _: object) -> None:
         """A caller of an offline batch went or was answered: once none waits, the
         run (if still on the model) ends early, its device time saved."""
-        running = stop is self._offline_run
-        if running and not any(p.live for p in batch):
-            stop.terminate = True
+        if run is self._offline_run and not any(p.live for p in batch):
+            run.end_now()
 
     def _raw(self, items: Sequence[Any], options: ort.RunOptions | None = None) -> list[Any]:
         return run_unhandled(self.task, items, options)
@@ -453,7 +462,8 @@ class BatchWorker:
         A stopped offline run's batch goes back to its queue instead."""
         end = self.clock()
         self._free.set()
-        if lane == "offline":
+        if lane == "offline" and self._offline_run is not None:
+            self._offline_run.ended()
             self._offline_run = None
         if self.residency is not None:
             self.residency.touch()
@@ -589,6 +599,41 @@ class BatchWorker:
             len(isolated.failed),
             exc_info=isolated.error,
         )
+
+
+def stop_delay(done_s: float, expected_s: float | None) -> float:
+    """When an interactive arrival should stop the offline run on the model, in seconds
+    from now, `done_s` into a run expected to take `expected_s` (None: not known yet).
+
+    At once when more of the run is left than it has done: finishing would keep the
+    arrival waiting longer than a stop throws away. Otherwise the run may end first,
+    but is stopped once the arrival has waited `done_s`, so a wrong estimate costs at
+    most twice the better of the two choices made knowing when the run ends."""
+    if expected_s is None or expected_s - done_s > done_s:
+        return 0.0
+    return done_s
+
+
+@dataclass(eq=False)
+class _OfflineRun:
+    """An offline run on the model thread: its stop, its start and expected length
+    (the cost model's, on the worker's clock), and a stop scheduled for later."""
+
+    start: float
+    expected_s: float | None
+    stop: ort.RunOptions = field(default_factory=ort.RunOptions)
+    timer: asyncio.TimerHandle | None = None
+
+    @property
+    def stopping(self) -> bool:
+        return self.stop.terminate or self.timer is not None
+
+    def end_now(self) -> None:
+        self.stop.terminate = True
+
+    def ended(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
 
 
 class _Stopped(Exception):

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from lanes.flows.batch import offline
 from lanes.runtime import Runtime
 from lanes.serving.batching import LaneQueues
 from lanes.serving.metrics import Metrics
-from lanes.serving.worker import BatchWorker
+from lanes.serving.worker import BatchWorker, stop_delay
 from lanes.settings import Settings
 from lanes.specfile import load_spec
 from lanes.tasks import load_task
@@ -282,6 +283,55 @@ def test_an_interactive_request_stops_an_offline_run_midway_and_it_runs_again(
     assert metrics.registry.get_sample_value("lanes_lane_items_total", OFFLINE) == 0
     busy = metrics.registry.get_sample_value("lanes_lane_busy_seconds_total", OFFLINE)
     assert busy is not None and busy > 0
+
+
+def test_an_offline_run_expected_to_end_soon_is_stopped_after_the_arrival_waited_as_long(
+    tmp_path: Path,
+) -> None:
+    """An arrival past the middle of an offline run (by the cost model) lets it end,
+    and stops it once it has waited as long as the run had run. The spin run never
+    ends, so the answer comes from that later stop: no sooner than that wait."""
+    task, gate = spin_task(tmp_path, preempt=True)
+    expected_s = 0.5
+
+    async def scenario() -> tuple[Any, float, float]:
+        metrics = Metrics()
+        worker = BatchWorker(task, metrics)
+        for _ in range(8):  # what the cost model needs for a fit: runs of one item
+            worker.cost.observe(1, 0, expected_s)
+        worker.start()
+        with gate.closed():
+            job = asyncio.create_task(worker.submit_offline([task.prepare(FOREVER)]))
+            await asyncio.to_thread(gate.wait_held)
+            held = time.monotonic()
+        await asyncio.sleep(0.6 * expected_s)  # or longer: past the middle either way
+        arrived = time.monotonic()
+        quick = task.prepare({"x": SPIN_X, "spin": [[0]]})
+        [answer] = await asyncio.wait_for(worker.submit([quick]), 60)
+        waited = time.monotonic() - arrived
+        job.cancel()
+        await asyncio.wait_for(worker.stop(), 60)
+        return answer, waited, arrived - held
+
+    answer, waited, done_s = asyncio.run(scenario())
+    np.testing.assert_array_equal(answer["y"], np.asarray(SPIN_X, dtype=np.float32))
+    # The run had run at least `done_s` when the request arrived (it started before
+    # the gate let it through); a timer may fire a clock tick early.
+    assert waited >= done_s - 0.005, (waited, done_s)
+
+
+@pytest.mark.parametrize(
+    ("done_s", "expected_s", "delay"),
+    [
+        (0.1, None, 0.0),  # nothing learned yet: stop at once
+        (0.1, 1.0, 0.0),  # most of it left
+        (0.5, 1.0, 0.5),  # half left: it may end, else stop after as long as it ran
+        (0.8, 1.0, 0.8),
+        (3.0, 1.0, 3.0),  # past its estimate
+    ],
+)
+def test_stop_delay(done_s: float, expected_s: float | None, delay: float) -> None:
+    assert stop_delay(done_s, expected_s) == delay
 
 
 def test_an_offline_run_whose_caller_went_away_is_stopped(tmp_path: Path) -> None:
