@@ -15,15 +15,15 @@ start-up would dwarf a slice).
 First it measures the capacity: the interactive endpoint saturated (16 clients, no
 pause: items/s) and the offline lane alone (items/s). Then, at each load level (a
 fraction of the interactive capacity), an interactive closed loop paced to that rate
-(4 clients, each waits for its answer, then for its next tick) runs with and
-without the offline job (on the first endpoint) and with it on each endpoint, the
-three taking turns in short slices (like bench/serve.py: a shared VM's speed drifts
-within seconds, so only figures from alternating slices compare). It prints per
-level and endpoint: interactive p50/p99 with and without backfill, their ratio
-(target: p99 within +10%, and within the SLO), the offline items/s against the
-capacity the interactive load leaves idle (offline-alone items/s x (1 - busy fraction
-without backfill); target >= 0.8x), the device busy fraction (from /metrics), and the
-offline items preempted per second.
+(4 clients, each waits for its answer, then for its next tick) runs without the
+offline job and with it on each endpoint, and the offline job runs alone on the
+first, the four taking turns in short slices (like bench/serve.py: a shared VM's
+speed drifts within seconds, so only figures from alternating slices compare). It
+prints per level and endpoint: interactive p50/p99 with and without backfill, their
+ratio (target: p99 within +10%, and within the SLO), the offline items/s against the
+capacity the interactive load leaves idle (the offline job alone's items per busy
+second of the device x (1 - busy fraction without backfill); target >= 0.8x), the
+device busy fraction (from /metrics), and the offline items preempted per second.
 """
 
 from __future__ import annotations
@@ -139,6 +139,11 @@ class Turns:
     @property
     def offline_rate(self) -> float:
         return self.offline_items / self.seconds if self.seconds else 0.0
+
+    @property
+    def offline_per_busy_s(self) -> float:
+        """Offline items per second of device time: what an idle second could hold."""
+        return self.offline_items / self.busy if self.busy else 0.0
 
 
 def embed_request() -> bytes:
@@ -281,13 +286,15 @@ async def run(args: argparse.Namespace) -> None:
         rows = []
         for level in args.levels:
             rate = level * interactive_capacity
-            without = Turns()
+            without, solo = Turns(), Turns()
             with_ = {policy: Turns() for policy in urls}
-            slices = [(without, url, None)] + [(with_[p], u, jobs[p]) for p, u in urls.items()]
+            slices = [(without, url, None, rate), (solo, url, jobs["finish"], None)]
+            slices += [(with_[p], u, jobs[p], rate) for p, u in urls.items()]
             for i in range(args.rotations):
-                for turns, at, job in slices[i % 3 :] + slices[: i % 3]:
-                    merge(turns, await measured(at, job, rate, args.seconds))
-            idle = alone.offline_rate * max(1 - without.busy_fraction, 0.0)
+                turn = i % len(slices)
+                for turns, at, job, load in slices[turn:] + slices[:turn]:
+                    merge(turns, await measured(at, job, load, args.seconds))
+            idle = solo.offline_per_busy_s * max(1 - without.busy_fraction, 0.0)
             for policy, turns in with_.items():
                 rows.append(
                     [
