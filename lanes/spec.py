@@ -139,9 +139,10 @@ class Batching(StrictModel):
     preempt_offline: bool = Field(
         False,
         description="embed/infer: an interactive request that arrives while an offline "
-        "batch runs on this workload's model stops that run; its items run again, whole, "
-        "after it. Interactive latency no longer waits for an offline run, at the cost of "
-        "the stopped runs' work (default: an offline run ends first).",
+        "batch runs on this workload's model stops that run, unless the run is expected to "
+        "end sooner than it has run (then the request waits at most that long); its items "
+        "run again, whole, after it. Interactive latency waits less for offline runs, at "
+        "the cost of the stopped runs' work (default: an offline run ends first).",
     )
 
 
