@@ -6,15 +6,11 @@ sized so that one run fits in the workload's slack: its `slo.p99_ms` minus its
 measured service time (the cost model's upper estimate of a typical interactive
 batch), or DEFAULT_SLACK_S without a p99 SLO. An interactive request that arrives
 during an offline run waits for that one run at most; with `batching.preempt_offline`
-it stops it instead, unless the run is expected to end sooner than it has run
-(`stop_delay`): onnxruntime ends the run at its next node (`RunOptions.terminate`),
-and the offline items go back to the head of their queue, to run again whole after
-the interactive batch (counted as preempted). A run left to end is stopped all the
-same once the request has waited as long as the run had run when it arrived. So an
-interactive request waits at most what a stop would throw away, and the offline lane
-loses at most half of a stopped run's expected time; its runs shrink to fit the gaps
-(`_offline_cap`). Offline runs whose every caller has gone are stopped at once,
-whatever the setting.
+it stops it instead, unless the run is nearly done (serving/offline_runs.py):
+onnxruntime ends the run at its next node (`RunOptions.terminate`), and the offline
+items go back to the head of their queue, to run again whole after the interactive
+batch (counted as preempted). Offline runs whose every caller has gone are stopped
+at once, whatever the setting.
 
 A workload that declares `slo.p99_ms` or `slo.timeout_ms` also sizes its interactive
 batches by the cost model (serving/slo.py), and answers 504 at once a request whose
@@ -29,7 +25,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -43,6 +38,7 @@ from lanes.serving.access import RequestRecord
 from lanes.serving.batching import LANES, Lane, LaneQueues, Pending, never_fits
 from lanes.serving.metrics import LaneSeries, Metrics, Utilization
 from lanes.serving.model_thread import ModelThread
+from lanes.serving.offline_runs import OfflineRun, RunCap
 from lanes.serving.residency import Presence, Residency, residency_of
 from lanes.serving.slo import Steering, padded_tokens, tokens_of
 from lanes.serving.tracing import batch_spans
@@ -128,12 +124,9 @@ class BatchWorker:
         self._free = asyncio.Event()  # set while no batch is on the model
         self._free.set()
         # The offline run on the model thread: an arrival may stop it.
-        self._offline_run: _OfflineRun | None = None
+        self._offline_run: OfflineRun | None = None
         self.preempts_offline = batching.preempt_offline
-        # Offline items per run at most: halved by each run an arrival stops, one more
-        # after each that ends, so that runs come to fit the gaps the interactive
-        # traffic leaves (what a stopped run had done is lost).
-        self._offline_cap = batching.max_batch_size
+        self._offline_cap = RunCap(batching.max_batch_size)
         default = workload.slo.timeout_ms
         self.default_timeout_s = default / 1000 if default else None
         self.residency = residency_of(task, workload.idle_unload_s, metrics, clock)
@@ -271,15 +264,10 @@ class BatchWorker:
 
     def _stop_offline(self) -> None:
         """An interactive request waits: if the workload preempts offline runs and one
-        is on the model, stop it now or, nearly done, later (`stop_delay`)."""
+        is on the model, stop it now or, nearly done, later."""
         run = self._offline_run
-        if not self.preempts_offline or run is None or run.stopping:
-            return
-        delay = stop_delay(self.clock() - run.start, run.expected_s)
-        if delay == 0:
-            run.stop.terminate = True
-        else:
-            run.timer = asyncio.get_running_loop().call_later(delay, run.end_now)
+        if self.preempts_offline and run is not None:
+            run.stop_for(self.clock() - run.start)
 
     def _wake(self) -> None:
         """An arrival: idleness counts from now, and an unloaded model starts loading.
@@ -401,9 +389,9 @@ class BatchWorker:
     def offline_items(self, candidates: Sequence[Any]) -> int:
         """How many of the waiting offline items one run takes: as many as fit in the
         slack by the cost model (padded to the longest of the candidates), at most
-        `max_batch_size` and what the gaps allowed lately (see `_offline_cap`);
+        `max_batch_size` and what the gaps allowed lately (`RunCap`);
         LEARNING_ITEMS until the model has a fit."""
-        most = min(self.lanes.offline.max_batch_size, self._offline_cap)
+        most = min(self.lanes.offline.max_batch_size, self._offline_cap.most)
         if self.cost.fit is None:
             return min(LEARNING_ITEMS, most)
         tokens = max((tokens_of(c) for c in candidates), default=0)
@@ -431,7 +419,7 @@ class BatchWorker:
             return True
         if lane == "offline":
             estimate = self.cost.estimate(len(items), padded_tokens(items))
-            offline = _OfflineRun(start, estimate.seconds if estimate is not None else None)
+            offline = OfflineRun(start, estimate.seconds if estimate is not None else None)
             self._offline_run = offline
             run = partial(self._timed_run, self._raw, stop=offline.stop)
             for pending in batch:
@@ -441,7 +429,7 @@ class BatchWorker:
         self._thread.call(run, items, partial(self._finish, batch, lane, start))
         return False
 
-    def _abandoned(self, batch: list[Pending], run: _OfflineRun, _: object) -> None:
+    def _abandoned(self, batch: list[Pending], run: OfflineRun, _: object) -> None:
         """A caller of an offline batch went or was answered: once none waits, the
         run (if still on the model) ends early, its device time saved."""
         if run is self._offline_run and not any(p.live for p in batch):
@@ -471,7 +459,7 @@ class BatchWorker:
             self.lanes.offline.give_back(batch)
             live = sum(1 for p in batch if p.live)
             if live:  # stopped for an interactive request, not for callers gone
-                self._offline_cap = max(len(batch) // 2, 1)
+                self._offline_cap.stopped(len(batch))
             asyncio.get_running_loop().call_soon(self._record_stopped, live, start, end)
             return
         outputs: list[Any] = []
@@ -533,7 +521,7 @@ class BatchWorker:
             if lane == "interactive":
                 self._typical.observe(len(batch), tokens)
             else:
-                self._offline_cap = min(self._offline_cap, len(batch)) + 1
+                self._offline_cap.ended(len(batch))
         if self._tracing is not None:
             batch_spans(self._tracing, self.name, batch, start, end, run_s, self.clock)
 
@@ -599,41 +587,6 @@ class BatchWorker:
             len(isolated.failed),
             exc_info=isolated.error,
         )
-
-
-def stop_delay(done_s: float, expected_s: float | None) -> float:
-    """When an interactive arrival should stop the offline run on the model, in seconds
-    from now, `done_s` into a run expected to take `expected_s` (None: not known yet).
-
-    At once when more of the run is left than it has done: finishing would keep the
-    arrival waiting longer than a stop throws away. Otherwise the run may end first,
-    but is stopped once the arrival has waited `done_s`, so a wrong estimate costs at
-    most twice the better of the two choices made knowing when the run ends."""
-    if expected_s is None or expected_s - done_s > done_s:
-        return 0.0
-    return done_s
-
-
-@dataclass(eq=False)
-class _OfflineRun:
-    """An offline run on the model thread: its stop, its start and expected length
-    (the cost model's, on the worker's clock), and a stop scheduled for later."""
-
-    start: float
-    expected_s: float | None
-    stop: ort.RunOptions = field(default_factory=ort.RunOptions)
-    timer: asyncio.TimerHandle | None = None
-
-    @property
-    def stopping(self) -> bool:
-        return self.stop.terminate or self.timer is not None
-
-    def end_now(self) -> None:
-        self.stop.terminate = True
-
-    def ended(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
 
 
 class _Stopped(Exception):

@@ -32,7 +32,8 @@ from lanes.flows.batch import offline
 from lanes.runtime import Runtime
 from lanes.serving.batching import LaneQueues
 from lanes.serving.metrics import Metrics
-from lanes.serving.worker import BatchWorker, stop_delay
+from lanes.serving.offline_runs import stop_delay
+from lanes.serving.worker import BatchWorker
 from lanes.settings import Settings
 from lanes.specfile import load_spec
 from lanes.tasks import load_task
