@@ -4,13 +4,16 @@ stops one, and how many items the next may take (see serving/worker.py).
 An arrival stops the run on the model at once only while more of it is left than it
 has done (`stop_delay`, by the cost model's estimate of its length); past its middle
 the run may end, but is stopped once the arrival has waited as long as the run had
-run. What a stopped run had done is lost, so runs also shrink to fit the gaps the
-traffic leaves (`RunCap`).
+run. What a stopped run had done is lost, so runs are sized to the gaps the traffic
+leaves (`gap_filling_items`, from the interactive `Arrivals`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import onnxruntime as ort
@@ -61,16 +64,43 @@ class OfflineRun:
             self.timer.cancel()
 
 
-class RunCap:
-    """Offline items per run at most: halved by each run an arrival stops, one more
-    after each that ends, so that runs come to fit the gaps the interactive traffic
-    leaves."""
+def gap_filling_items(seconds: Callable[[int], float], rate: float, most: int) -> int:
+    """The offline run size (1..`most`) that does the most offline work per idle second
+    when interactive requests arrive at `rate` per second and stop the run they find;
+    `seconds(k)` is a run of k items' expected length.
 
-    def __init__(self, most: int) -> None:
-        self.most = most
+    Taking arrivals as random (Poisson), a run of c seconds ends before the next one
+    with probability exp(-rate c), and a try costs (1 - exp(-rate c)) / rate idle
+    seconds on average, whether it ends or is stopped; so k items per run do
+    k rate / (exp(rate c(k)) - 1) items per idle second. Where a run's fixed cost is
+    small, that falls with k: in busy traffic a few items per run waste the least, and
+    as the traffic thins out the best size grows to `most`."""
+    best, best_rate = 1, 0.0
+    if rate <= 0:
+        return most
+    for k in range(1, most + 1):
+        exponent = rate * max(seconds(k), 1e-9)
+        done = k / math.expm1(exponent) if exponent < 700 else 0.0
+        if done > best_rate:
+            best, best_rate = k, done
+    return best
 
-    def stopped(self, items: int) -> None:
-        self.most = max(items // 2, 1)
 
-    def ended(self, items: int) -> None:
-        self.most = min(self.most, items) + 1
+class Arrivals:
+    """How often interactive requests arrive: per second, over the last `horizon_s`
+    (or over the last `most` arrivals, when more came)."""
+
+    def __init__(self, horizon_s: float = 10.0, most: int = 256) -> None:
+        self.horizon_s = horizon_s
+        self._times: deque[float] = deque(maxlen=most)
+
+    def arrived(self, at: float) -> None:
+        self._times.append(at)
+
+    def per_second(self, now: float) -> float:
+        times = self._times
+        while times and times[0] < now - self.horizon_s:
+            times.popleft()
+        if len(times) == times.maxlen:
+            return len(times) / max(now - times[0], 1e-9)
+        return len(times) / self.horizon_s

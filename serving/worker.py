@@ -38,7 +38,7 @@ from lanes.serving.access import RequestRecord
 from lanes.serving.batching import LANES, Lane, LaneQueues, Pending, never_fits
 from lanes.serving.metrics import LaneSeries, Metrics, Utilization
 from lanes.serving.model_thread import ModelThread
-from lanes.serving.offline_runs import OfflineRun, RunCap
+from lanes.serving.offline_runs import Arrivals, OfflineRun, gap_filling_items
 from lanes.serving.residency import Presence, Residency, residency_of
 from lanes.serving.slo import Steering, padded_tokens, tokens_of
 from lanes.serving.tracing import batch_spans
@@ -126,7 +126,7 @@ class BatchWorker:
         # The offline run on the model thread: an arrival may stop it.
         self._offline_run: OfflineRun | None = None
         self.preempts_offline = batching.preempt_offline
-        self._offline_cap = RunCap(batching.max_batch_size)
+        self._arrivals = Arrivals()  # their rate sizes preemptible offline runs
         default = workload.slo.timeout_ms
         self.default_timeout_s = default / 1000 if default else None
         self.residency = residency_of(task, workload.idle_unload_s, metrics, clock)
@@ -206,6 +206,7 @@ class BatchWorker:
         self._wake()
         timeout_s = timeout_s if timeout_s is not None else self.default_timeout_s
         arrived = self.clock()
+        self._arrivals.arrived(arrived)
         deadline = arrived + timeout_s if timeout_s is not None else None
         early_s = 0.0
         if self.steers:
@@ -389,13 +390,19 @@ class BatchWorker:
     def offline_items(self, candidates: Sequence[Any]) -> int:
         """How many of the waiting offline items one run takes: as many as fit in the
         slack by the cost model (padded to the longest of the candidates), at most
-        `max_batch_size` and what the gaps allowed lately (`RunCap`);
-        LEARNING_ITEMS until the model has a fit."""
-        most = min(self.lanes.offline.max_batch_size, self._offline_cap.most)
-        if self.cost.fit is None:
+        `max_batch_size`; LEARNING_ITEMS until the model has a fit. Where arrivals stop
+        runs (`preempt_offline`), of those the number that wastes the least in the
+        gaps the interactive arrivals leave (`gap_filling_items`)."""
+        most = self.lanes.offline.max_batch_size
+        fit = self.cost.fit
+        if fit is None:
             return min(LEARNING_ITEMS, most)
         tokens = max((tokens_of(c) for c in candidates), default=0)
-        return self.cost.largest_batch(self.slack_s(), most, tokens)
+        fits = self.cost.largest_batch(self.slack_s(), most, tokens)
+        if not self.preempts_offline:
+            return fits
+        rate = self._arrivals.per_second(self.clock())
+        return gap_filling_items(lambda k: fit.seconds(k, k * tokens), rate, fits)
 
     def _start(self, batch: list[Pending], lane: Lane = "interactive") -> bool:
         """Run one batch; returns whether it ran on the loop (then it is answered already).
@@ -458,8 +465,6 @@ class BatchWorker:
         if isinstance(error, _Stopped):
             self.lanes.offline.give_back(batch)
             live = sum(1 for p in batch if p.live)
-            if live:  # stopped for an interactive request, not for callers gone
-                self._offline_cap.stopped(len(batch))
             asyncio.get_running_loop().call_soon(self._record_stopped, live, start, end)
             return
         outputs: list[Any] = []
@@ -520,8 +525,6 @@ class BatchWorker:
             self.cost.observe(len(batch), tokens, run_s)
             if lane == "interactive":
                 self._typical.observe(len(batch), tokens)
-            else:
-                self._offline_cap.ended(len(batch))
         if self._tracing is not None:
             batch_spans(self._tracing, self.name, batch, start, end, run_s, self.clock)
 

@@ -32,7 +32,7 @@ from lanes.flows.batch import offline
 from lanes.runtime import Runtime
 from lanes.serving.batching import LaneQueues
 from lanes.serving.metrics import Metrics
-from lanes.serving.offline_runs import stop_delay
+from lanes.serving.offline_runs import Arrivals, gap_filling_items, stop_delay
 from lanes.serving.worker import BatchWorker
 from lanes.settings import Settings
 from lanes.specfile import load_spec
@@ -333,6 +333,40 @@ def test_an_offline_run_expected_to_end_soon_is_stopped_after_the_arrival_waited
 )
 def test_stop_delay(done_s: float, expected_s: float | None, delay: float) -> None:
     assert stop_delay(done_s, expected_s) == delay
+
+
+@pytest.mark.parametrize(
+    ("fixed_s", "rate", "items"),
+    [
+        (0.0005, 0.0, 32),  # no interactive traffic: the largest run that fits
+        (0.0005, 67.0, 1),  # busy traffic, little fixed cost: one item per run
+        (0.0005, 10.0, 2),
+        (0.01, 67.0, 2),  # a larger fixed cost is worth risking more items for
+        (0.01, 10.0, 8),
+        (0.01, 1.0, 27),
+    ],
+)
+def test_gap_filling_items(fixed_s: float, rate: float, items: int) -> None:
+    """Runs of fixed + 5 ms per item, at most 32: the size that does the most work per
+    idle second, k rate / (exp(rate c(k)) - 1), falls as arrivals grow frequent."""
+    assert gap_filling_items(lambda k: fixed_s + 0.005 * k, rate, 32) == items
+
+
+def test_gap_filling_items_never_exceeds_most_nor_goes_below_one() -> None:
+    assert gap_filling_items(lambda k: 0.0, 100.0, 4) == 4  # runs free of cost
+    assert gap_filling_items(lambda k: 10.0 * k, 100.0, 4) == 1  # never ends in a gap
+
+
+def test_arrivals_per_second() -> None:
+    arrivals = Arrivals(horizon_s=10.0, most=4)
+    assert arrivals.per_second(0.0) == 0.0
+    arrivals.arrived(1.0)
+    arrivals.arrived(2.0)
+    assert arrivals.per_second(5.0) == 0.2  # 2 in the last 10 s
+    assert arrivals.per_second(11.5) == 0.1  # the first aged out
+    for at in (12.0, 12.1, 12.2, 12.3):  # more than it holds: over their own span
+        arrivals.arrived(at)
+    assert arrivals.per_second(12.4) == pytest.approx(4 / 0.4)
 
 
 def test_an_offline_run_whose_caller_went_away_is_stopped(tmp_path: Path) -> None:
@@ -637,3 +671,42 @@ def test_offline_runs_are_sized_to_the_interactive_slack(
     assert slack == pytest.approx(slack_ms / 1000)
     assert after == items
     assert DEFAULT_SLACK_S == 0.020
+
+
+@pytest.mark.parametrize(
+    ("preempt", "arrivals", "items"),
+    [(False, 256, 8), (True, 0, 8), (True, 256, 1)],
+)
+def test_offline_runs_that_arrivals_stop_are_sized_to_their_gaps(
+    tmp_path: Path, preempt: bool, arrivals: int, items: int
+) -> None:
+    """Runs of 1 ms + 5 ms per item and a 50 ms p99: 8 items fit in the slack. Where
+    interactive arrivals stop offline runs and come every 10 ms, a run of one item is
+    the one that wastes least (serving/offline_runs.py: gap_filling_items); with no
+    arrivals, or without preemption, the run fills the slack."""
+    from lanes.serving.metrics import Metrics
+    from lanes.serving.worker import BatchWorker
+    from tests.gates import ManualClock
+
+    batching = {"max_batch_size": 64, "preempt_offline": preempt}
+    workloads = {"live": live("infer", slo={"p99_ms": 50}, batching=batching)}
+    spec = load_spec(write_spec(tmp_path, workloads), Settings())
+    task = load_task("live", spec, Runtime(Settings(device="cpu")))
+    clock = ManualClock()
+
+    async def sized() -> int:
+        worker = BatchWorker(task, Metrics(), clock)
+        worker.start()
+        request = task.prepare({"x": [[1, 2, 3, 4]]})
+        for _ in range(arrivals):
+            await asyncio.wait_for(worker.submit([request]), 60)
+            clock.advance(0.010)
+        # Taught last, they fill the cost model's window: the real runs took no time
+        # on this clock.
+        for n in [1, 2, 4, 8, 16] * 52:
+            worker.cost.observe(n, 0, 0.001 + 0.005 * n)
+        sized = worker.offline_items([request])
+        await asyncio.wait_for(worker.stop(), 60)
+        return sized
+
+    assert asyncio.run(sized()) == items
