@@ -321,6 +321,39 @@ def test_an_offline_run_expected_to_end_soon_is_stopped_after_the_arrival_waited
     assert waited >= done_s - 0.005, (waited, done_s)
 
 
+def test_an_offline_run_past_its_middle_ends_before_the_arrival_runs(tmp_path: Path) -> None:
+    """An arrival 150 s (on the worker's clock) into an offline run expected to take
+    200 s leaves it to end, with a stop set for 150 s later: the run ends first, and
+    nothing is given back."""
+    from tests.gates import JumpClock
+
+    task, gate = spin_task(tmp_path, preempt=True)
+    quick = task.prepare({"x": SPIN_X, "spin": [[0]]})
+
+    async def scenario() -> tuple[list[Any], Any, Metrics]:
+        metrics, clock = Metrics(), JumpClock()
+        worker = BatchWorker(task, metrics, clock)
+        for _ in range(8):  # what the cost model needs for a fit: runs of one item
+            worker.cost.observe(1, 0, 200.0)
+        worker.start()
+        with gate.closed():
+            job = asyncio.create_task(worker.submit_offline([quick]))
+            await asyncio.to_thread(gate.wait_held)
+            clock.jump(150.0)
+            request = asyncio.create_task(worker.submit([quick]))
+            await eventually(lambda: len(worker.queue) == 1, "the request waits")
+        outcomes = await asyncio.wait_for(job, 60)
+        [answer] = await asyncio.wait_for(request, 60)
+        await asyncio.wait_for(worker.stop(), 60)
+        return outcomes, answer, metrics
+
+    [outcome], answer, metrics = asyncio.run(scenario())
+    np.testing.assert_array_equal(answer["y"], np.asarray(SPIN_X, dtype=np.float32))
+    assert not isinstance(outcome, BaseException), outcome
+    assert metrics.registry.get_sample_value("lanes_lane_preemptions_total", OFFLINE) == 0
+    assert metrics.registry.get_sample_value("lanes_lane_items_total", OFFLINE) == 1
+
+
 @pytest.mark.parametrize(
     ("done_s", "expected_s", "delay"),
     [
