@@ -74,7 +74,8 @@ def gap_filling_items(seconds: Callable[[int], float], rate: float, most: int) -
     seconds on average, whether it ends or is stopped; so k items per run do
     k rate / (exp(rate c(k)) - 1) items per idle second. Where a run's fixed cost is
     small, that falls with k: in busy traffic a few items per run waste the least, and
-    as the traffic thins out the best size grows to `most`."""
+    as the traffic thins out the best size grows to `most`. A run past its middle
+    may end instead of stopping (`stop_delay`), so the size errs on the small side."""
     best, best_rate = 1, 0.0
     if rate <= 0:
         return most
