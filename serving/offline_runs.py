@@ -76,9 +76,9 @@ def gap_filling_items(seconds: Callable[[int], float], rate: float, most: int) -
     small, that falls with k: in busy traffic a few items per run waste the least, and
     as the traffic thins out the best size grows to `most`. A run past its middle
     may end instead of stopping (`stop_delay`), so the size errs on the small side."""
-    best, best_rate = 1, 0.0
     if rate <= 0:
         return most
+    best, best_rate = 1, 0.0
     for k in range(1, most + 1):
         exponent = rate * max(seconds(k), 1e-9)
         done = k / math.expm1(exponent) if exponent < 700 else 0.0
