@@ -219,6 +219,9 @@ def test_demo_labels_handler_pre_and_post(classifier: Path, runtime: Runtime) ->
     assert one[0]["score"] == pytest.approx(expected)
     with pytest.raises(InvalidInput, match="features: expected 4 numbers"):
         task.prepare({"features": [[1, 2, 3]]})
+    # A V2 request's tensor arrives as an array: the error names its shape.
+    with pytest.raises(InvalidInput, match=r"found a float32 tensor of shape \[1, 3\]$"):
+        task.prepare({"features": np.zeros((1, 3), dtype=np.float32)})
 
 
 def test_user_handler_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -51,6 +51,8 @@ class Labels:
 
 
 def _summary(value: Any) -> str:
+    if isinstance(value, np.ndarray):  # a V2 tensor: its numbers say less than its shape
+        return f"a {value.dtype} tensor of shape {list(value.shape)}"
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
