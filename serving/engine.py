@@ -53,7 +53,7 @@ from lanes.generation.scheduler import PREFILL_TOKENS, Policy
 from lanes.generation.seq import Event, Lane, Seq, StepPlan
 from lanes.generation.slots import Cache
 from lanes.generation.steer import Steer
-from lanes.serving.metrics import GenerateSeries, LaneSeries, Metrics, TokenRate, Utilization
+from lanes.serving.metrics import GenerateSeries, LaneSeries, Metrics, Rate, Utilization
 from lanes.serving.tracing import GenerateSpans
 from lanes.spec import as_interactive
 from lanes.tasks.decoder import Completion
@@ -171,7 +171,7 @@ class Engine:
         self.max_queue = workload.batching.max_queue
         self.default_timeout_s = slo.timeout_ms / 1000 if slo.timeout_ms else None
         self.utilization = Utilization()
-        self.rate = TokenRate()
+        self.rate = Rate()  # tokens
         self._series = GenerateSeries.of(metrics, self.name)
         self._spans = GenerateSpans(tracing, self.name, clock) if tracing is not None else None
         self._stats = threading.Lock()  # rate and utilization: engine thread and /metrics

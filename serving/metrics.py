@@ -51,23 +51,27 @@ class Utilization:
             self._busy -= end - start
 
 
-class TokenRate:
-    """Tokens per second over a sliding window of recent steps."""
+class Rate:
+    """Events per second (a step's tokens, requests) over a sliding window."""
 
     def __init__(self, window_s: float = 10.0) -> None:
         self.window_s = window_s
-        self._steps: deque[tuple[float, int]] = deque()
+        self._events: deque[tuple[float, int]] = deque()
         self._total = 0
 
-    def record(self, at: float, tokens: int) -> None:
-        self._steps.append((at, tokens))
-        self._total += tokens
+    def record(self, at: float, count: int = 1) -> None:
+        self._events.append((at, count))
+        self._total += count
+        self._forget_before(at - self.window_s)  # bounded even if nobody reads it
 
     def per_second(self, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now
-        while self._steps and self._steps[0][0] < now - self.window_s:
-            self._total -= self._steps.popleft()[1]
+        self._forget_before(now - self.window_s)
         return self._total / self.window_s
+
+    def _forget_before(self, since: float) -> None:
+        while self._events and self._events[0][0] < since:
+            self._total -= self._events.popleft()[1]
 
 
 class Metrics:

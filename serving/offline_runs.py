@@ -5,14 +5,13 @@ An arrival stops the run on the model at once only while more of it is left than
 has done (`stop_delay`, by the cost model's estimate of its length); past its middle
 the run may end, but is stopped once the arrival has waited as long as the run had
 run. What a stopped run had done is lost, so runs are sized to the gaps the traffic
-leaves (`gap_filling_items`, from the interactive `Arrivals`).
+leaves (`gap_filling_items`, from the interactive arrival rate).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -85,23 +84,3 @@ def gap_filling_items(seconds: Callable[[int], float], rate: float, most: int) -
         if done > best_rate:
             best, best_rate = k, done
     return best
-
-
-class Arrivals:
-    """How often interactive requests arrive: per second, over the last `horizon_s`
-    (or over the last `most` arrivals, when more came)."""
-
-    def __init__(self, horizon_s: float = 10.0, most: int = 256) -> None:
-        self.horizon_s = horizon_s
-        self._times: deque[float] = deque(maxlen=most)
-
-    def arrived(self, at: float) -> None:
-        self._times.append(at)
-
-    def per_second(self, now: float) -> float:
-        times = self._times
-        while times and times[0] < now - self.horizon_s:
-            times.popleft()
-        if len(times) == times.maxlen:
-            return len(times) / max(now - times[0], 1e-9)
-        return len(times) / self.horizon_s

@@ -36,9 +36,9 @@ from lanes.errors import LanesError, ModelError, Overloaded
 from lanes.isolation import Failed, Isolated, Ran, failed_alone, isolate, per_item
 from lanes.serving.access import RequestRecord
 from lanes.serving.batching import LANES, Lane, LaneQueues, Pending, never_fits
-from lanes.serving.metrics import LaneSeries, Metrics, Utilization
+from lanes.serving.metrics import LaneSeries, Metrics, Rate, Utilization
 from lanes.serving.model_thread import ModelThread
-from lanes.serving.offline_runs import Arrivals, OfflineRun, gap_filling_items
+from lanes.serving.offline_runs import OfflineRun, gap_filling_items
 from lanes.serving.residency import Presence, Residency, residency_of
 from lanes.serving.slo import Steering, padded_tokens, tokens_of
 from lanes.serving.tracing import batch_spans
@@ -126,7 +126,7 @@ class BatchWorker:
         # The offline run on the model thread: an arrival may stop it.
         self._offline_run: OfflineRun | None = None
         self.preempts_offline = batching.preempt_offline
-        self._arrivals = Arrivals()  # their rate sizes preemptible offline runs
+        self._arrivals = Rate()  # interactive requests: sizes the runs they may stop
         default = workload.slo.timeout_ms
         self.default_timeout_s = default / 1000 if default else None
         self.residency = residency_of(task, workload.idle_unload_s, metrics, clock)
@@ -206,7 +206,8 @@ class BatchWorker:
         self._wake()
         timeout_s = timeout_s if timeout_s is not None else self.default_timeout_s
         arrived = self.clock()
-        self._arrivals.arrived(arrived)
+        if self.preempts_offline:
+            self._arrivals.record(arrived)
         deadline = arrived + timeout_s if timeout_s is not None else None
         early_s = 0.0
         if self.steers:

@@ -32,7 +32,7 @@ from lanes.flows.batch import offline
 from lanes.runtime import Runtime
 from lanes.serving.batching import LaneQueues
 from lanes.serving.metrics import Metrics
-from lanes.serving.offline_runs import Arrivals, gap_filling_items, stop_delay
+from lanes.serving.offline_runs import gap_filling_items, stop_delay
 from lanes.serving.worker import BatchWorker
 from lanes.settings import Settings
 from lanes.specfile import load_spec
@@ -390,16 +390,19 @@ def test_gap_filling_items_never_exceeds_most_nor_goes_below_one() -> None:
     assert gap_filling_items(lambda k: 10.0 * k, 100.0, 4) == 1  # never ends in a gap
 
 
-def test_arrivals_per_second() -> None:
-    arrivals = Arrivals(horizon_s=10.0, most=4)
-    assert arrivals.per_second(0.0) == 0.0
-    arrivals.arrived(1.0)
-    arrivals.arrived(2.0)
-    assert arrivals.per_second(5.0) == 0.2  # 2 in the last 10 s
-    assert arrivals.per_second(11.5) == 0.1  # the first aged out
-    for at in (12.0, 12.1, 12.2, 12.3):  # more than it holds: over their own span
-        arrivals.arrived(at)
-    assert arrivals.per_second(12.4) == pytest.approx(4 / 0.4)
+def test_rate_per_second_and_bounded_without_readers() -> None:
+    from lanes.serving.metrics import Rate
+
+    rate = Rate(window_s=10.0)
+    assert rate.per_second(0.0) == 0.0
+    rate.record(1.0)
+    rate.record(2.0, 3)
+    assert rate.per_second(5.0) == 0.4  # 4 in the last 10 s
+    assert rate.per_second(11.5) == 0.3  # the first aged out
+    for i in range(10_000):  # an engine's steps for an hour, nobody scraping /metrics
+        rate.record(20.0 + i * 0.36)
+    assert len(rate._events) <= 28, "only the window's events are kept"
+    assert rate.per_second(20.0 + 9_999 * 0.36) == pytest.approx(2.8)
 
 
 def test_an_offline_run_whose_caller_went_away_is_stopped(tmp_path: Path) -> None:
@@ -708,13 +711,14 @@ def test_offline_runs_are_sized_to_the_interactive_slack(
 
 @pytest.mark.parametrize(
     ("preempt", "arrivals", "items"),
-    [(False, 256, 8), (True, 0, 8), (True, 256, 1)],
+    [(False, 1000, 8), (True, 0, 8), (True, 1000, 1)],
 )
 def test_offline_runs_that_arrivals_stop_are_sized_to_their_gaps(
     tmp_path: Path, preempt: bool, arrivals: int, items: int
 ) -> None:
     """Runs of 1 ms + 5 ms per item and a 50 ms p99: 8 items fit in the slack. Where
-    interactive arrivals stop offline runs and come every 10 ms, a run of one item is
+    interactive arrivals stop offline runs and came every 10 ms for the last 10 s (the
+    rate's window), a run of one item is
     the one that wastes least (serving/offline_runs.py: gap_filling_items); with no
     arrivals, or without preemption, the run fills the slack."""
     from lanes.serving.metrics import Metrics
