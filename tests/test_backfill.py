@@ -718,9 +718,9 @@ def test_offline_runs_that_arrivals_stop_are_sized_to_their_gaps(
 ) -> None:
     """Runs of 1 ms + 5 ms per item and a 50 ms p99: 8 items fit in the slack. Where
     interactive arrivals stop offline runs and came every 10 ms for the last 10 s (the
-    rate's window), a run of one item is
-    the one that wastes least (serving/offline_runs.py: gap_filling_items); with no
-    arrivals, or without preemption, the run fills the slack."""
+    rate's window), a run of one item is the one that wastes least
+    (serving/offline_runs.py: gap_filling_items); with no arrivals, or without
+    preemption, the run fills the slack."""
     from lanes.serving.metrics import Metrics
     from lanes.serving.worker import BatchWorker
     from tests.gates import ManualClock
