@@ -10,7 +10,8 @@ Every request whose first token came in the measured time is split into:
 - inbox: from `Engine.submit` until the engine thread takes it (it does so between
   steps, so an arrival waits for the step running when it came);
 - to plan: until the plan that prefills it starts;
-- step: that plan's runs (its prefill, and the rows' decode when it has one);
+- step: that plan's runs until its first token is made (its prefill: the rows'
+  decode of a step it shares runs after its first token is handed out);
 - to flush: until its first token is handed to the event loop;
 - to client: until the client's stream reads it.
 
@@ -41,7 +42,7 @@ from generate import MAX_TOKENS, PROMPTS, draw_lengths, raw_tokens_per_s  # noqa
 
 from lanes.generation.kvcache import MAX_PADDING  # noqa: E402
 from lanes.generation.loop import Step  # noqa: E402
-from lanes.generation.seq import Seq, StepPlan  # noqa: E402
+from lanes.generation.seq import Event, Seq, StepPlan  # noqa: E402
 from lanes.runtime import Runtime  # noqa: E402
 from lanes.serving.engine import Engine  # noqa: E402
 from lanes.serving.metrics import Metrics  # noqa: E402
@@ -64,9 +65,19 @@ class Marks:
             add(seq)
             self._mark([seq.id], "taken")
 
-        def ran(plan: StepPlan, before_runs: Callable[[], None] = lambda: None) -> Step:
+        def ran(
+            plan: StepPlan,
+            before_runs: Callable[[], None] = lambda: None,
+            first_tokens: Callable[[list[Event]], None] | None = None,
+        ) -> Step:
             start = time.perf_counter()
-            step = run(plan, before_runs)
+
+            def handed(events: list[Event]) -> None:  # their step's prefill is done
+                self._mark([e.seq_id for e in events], "stepped")
+                if first_tokens is not None:
+                    first_tokens(events)
+
+            step = run(plan, before_runs, handed)
             for seq in plan.prefill:
                 self._mark([seq.id], "plan", start)
                 self._mark([seq.id], "stepped")

@@ -7,15 +7,19 @@ while a step runs):
     take what arrived (and the aborts) since the last step
     steer: the SLOs' bounds on this plan's prefill and rows (lanes/generation/steer.py)
     plan = scheduler.schedule()     # deadlines expire here, joiners take free rows
-    step = loop.run(plan, flush)    # the whole plan, one update (lanes/generation/loop.py);
-                                    # as its model runs begin, flush() hands the last
-                                    # step's events to the event loop (call_soon_threadsafe),
-                                    # into each request's TokenStream
+    step = loop.run(plan, flush, first_tokens)
+                                    # the whole plan (lanes/generation/loop.py); as its
+                                    # model runs begin, flush() hands the last step's
+                                    # events to the event loop (call_soon_threadsafe),
+                                    # into each request's TokenStream; joiners' first
+                                    # tokens go as soon as their prefill is done
     observe the step (metrics, cost models, spans); its events wait for the next flush
 
 What arrives during a step joins at the next one. A step that admits joiners runs
-only their prefill (the scheduler's `prefill_alone`), so a newcomer waits for at
-most the step in flight and its own prefill, never for a decode of the others.
+only their prefill (the scheduler's `prefill_alone`), and one that shares its step
+with the rows' decode (never two such steps in a row) has its first token sent
+before that decode: a newcomer waits for at most the step in flight and its own
+prefill, never for a decode of the others.
 Each request's `TokenStream` is on the event loop; `cancel()` (its client left)
 aborts the sequence, whose row is freed at the next step.
 
@@ -322,9 +326,9 @@ class Engine:
                 continue
             # The last step's events go out as this one's model runs begin: waking the
             # event loop then costs this thread no wait for the GIL.
-            step = self.loop.run(plan, self._flush)
+            step = self.loop.run(plan, self._flush, self._first_tokens)
             self._observe(step)
-            self._unsent += step.events
+            self._unsent += step.events[step.handed :]
             if not plan.runs_model:
                 self._flush()
 
@@ -392,18 +396,19 @@ class Engine:
         made = 0
         # First tokens come from prefills only (a prompt's final chunk among them).
         joined = {s.id: s for s in (*plan.prefill, *([plan.chunk.seq] if plan.chunk else []))}
-        for event in step.events:
+        for i, event in enumerate(step.events):
             lane = self._lane_of.get(event.seq_id, "interactive")
+            at = step.handed_at if i < step.handed else now
             if event.tokens:
                 made += len(event.tokens)
                 last = self._last_token_at.get(event.seq_id)
                 if lane == "offline":
                     pass  # nobody waits on it: its latencies are no interactive figure
                 elif event.first and event.seq_id in joined:
-                    m.ttft.observe(now - joined[event.seq_id].arrived)
+                    m.ttft.observe(at - joined[event.seq_id].arrived)
                 elif last is not None:
-                    m.itl.observe(now - last)
-                self._last_token_at[event.seq_id] = now
+                    m.itl.observe(at - last)
+                self._last_token_at[event.seq_id] = at
             if event.finish is not None:
                 self._last_token_at.pop(event.seq_id, None)
                 self._lane_of.pop(event.seq_id, None)
@@ -428,6 +433,11 @@ class Engine:
         if seqs:
             self._lanes["offline"].busy.inc(seconds * offline / len(seqs))
             self._lanes["interactive"].busy.inc(seconds * (len(seqs) - offline) / len(seqs))
+
+    def _first_tokens(self, events: list[Event]) -> None:
+        """Joiners' first tokens, made before the rest of their step runs: out at once."""
+        self._unsent += events
+        self._flush()
 
     def _flush(self) -> None:
         """Hand the events not sent yet to the event loop, into their streams."""

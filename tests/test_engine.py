@@ -25,7 +25,7 @@ from lanes.settings import Settings
 from lanes.spec import Guard, Spec
 from lanes.tasks import GenerateTask, load_task
 from lanes.tasks.decoder import Completion
-from tests.gates import Gate, GatedRuntime
+from tests.gates import Gate, GatedRuntime, eventually
 
 pytestmark = pytest.mark.slow
 
@@ -224,6 +224,44 @@ async def test_cache_stays_as_long_as_its_longest_row(task: GenerateTask) -> Non
         assert engine.cache.rows <= 1
     finally:
         await engine.stop()
+
+
+async def test_a_joiner_beside_the_rows_decode_has_its_first_token_before_that_decode(
+    task: GenerateTask,
+) -> None:
+    """Joiners prefill alone, but never twice in a row while rows wait: the second of
+    two arrivals shares its step with the rows' decode. Its prefill runs first, and
+    its first token is on its stream while that decode still waits at the gate."""
+
+    async def next_run() -> int:  # the rows of the next decoder run, waiting at the gate
+        await asyncio.to_thread(RUNS.wait_held)
+        return RUNS.held_rows()
+
+    engine = Engine(task, Metrics(), "continuous", max_padding=1e9)  # rows in one group
+    engine.start()
+    items: list[dict[str, object]] = [{"prompt": p, "max_tokens": 8} for p, _ in PROMPTS[:3]]
+    try:
+        with RUNS.closed():
+            first = engine.submit(task.prepare(items[0]))
+            assert await next_run() == 1, "the first prompt's prefill"
+            RUNS.allow(1)
+            assert await next_run() == 1, "its decode"
+            second = engine.submit(task.prepare(items[1]))
+            RUNS.allow(1)
+            assert await next_run() == 1, "the second prompt's prefill, alone"
+            third = engine.submit(task.prepare(items[2]))
+            RUNS.allow(1)
+            assert await next_run() == 1, "the third prompt's prefill, ahead of the decode"
+            RUNS.allow(1)
+            assert await next_run() == 2, "the two rows' decode"
+            await eventually(lambda: third.completion_tokens == 1, "its first token")
+            assert second.completion_tokens == 1, "the second has made no token since"
+        got = [await collect(stream) for stream in (first, second, third)]
+    finally:
+        await engine.stop()
+    for item, (tokens, text, finish) in zip(items, got, strict=True):
+        want = alone(task, item)
+        assert (tokens, text, finish) == (want.tokens, want.text, want.finish_reason)
 
 
 class _PrefillTakes:

@@ -1,7 +1,7 @@
 """The step loop, plain and synchronous: plan -> prefill and decode runs -> update.
 
     loop = StepLoop(decoder, scheduler, name)
-    step = loop.run(scheduler.schedule())     # one whole plan, one update
+    step = loop.run(scheduler.schedule())     # one whole plan
     step.events                               # tokens, text and finishes of this step
     step.prefill, step.decode, step.chunk     # when each model run began and ended
 
@@ -11,7 +11,10 @@ plan at a time, with arrivals taken between steps. Each plan runs whole here: it
 rows decode one token each over the batch's KV cache (lanes/generation/kvcache.py;
 lanes/generation/slots.py for a decoder that keeps its cache in slots),
 its joiners' prompts are prefilled in one left-padded run
-(lanes/generation/prefill.py), and the scheduler updates the plan once with both.
+(lanes/generation/prefill.py), and the scheduler updates the plan with both. The
+prefill runs first: given `first_tokens`, interactive joiners' first tokens are
+sampled and handed to it as soon as their prefill is done, before the rows' decode,
+so a joiner that shares its step with the rows waits for its own prefill only.
 The joiners' caches enter the batch's when the next plan settles it, with the rows
 the scheduler no longer holds going out, so each decode sees exactly its plan's
 rows. Preempted rows' caches are kept on their way out, and resumed sequences'
@@ -28,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lanes.generation.kvcache import MAX_PADDING, GroupRun
 from lanes.generation.preempt import KEEP_BYTES, Preempted
@@ -59,7 +62,8 @@ class Step:
     """What one run of a plan did, filled in as it runs: its events, when the step
     began and ended, and its model runs (None where the plan had none): the joiners'
     prefill, the part of a long prompt, and the rows' decode over a cache
-    `decoded_length` positions long (its longest group, before the step)."""
+    `decoded_length` positions long (its longest group, before the step). The first
+    `handed` events went to `first_tokens` at `handed_at`, before the step's decode."""
 
     plan: StepPlan
     start: float
@@ -71,6 +75,8 @@ class Step:
     decoded_length: int = 0
     runs: tuple[GroupRun, ...] = ()  # the decode's, one per KV group
     failed: bool = False  # the step failed outside any one row: every row errored
+    handed: int = 0
+    handed_at: float = 0.0
 
 
 def _nothing() -> None:
@@ -99,17 +105,25 @@ class StepLoop:
         self.preempted = Preempted(keep_bytes)
         self.chunked = Chunked()
 
-    def run(self, plan: StepPlan, before_runs: Callable[[], None] = _nothing) -> Step:
+    def run(
+        self,
+        plan: StepPlan,
+        before_runs: Callable[[], None] = _nothing,
+        first_tokens: Callable[[list[Event]], None] | None = None,
+    ) -> Step:
         """Run `plan` whole and update the scheduler with it; never raises for what
         the model does (a failure becomes the rows' error events). `before_runs` is
         called once as the plan's model runs begin (not at all for a plan without
-        any): what the caller does there overlaps them, as they release the GIL."""
+        any): what the caller does there overlaps them, as they release the GIL.
+        `first_tokens` takes interactive joiners' events (`step.events[:step.handed]`)
+        when the plan has more runs after their prefill; they are not given again."""
         step = Step(plan, self.clock())
         try:
             if plan.runs_model:
                 before_runs()
-            outputs = self._model_runs(step)
-            step.events = events = self.scheduler.update(plan, outputs)
+            left, outputs = self._model_runs(step, first_tokens)
+            step.events += self.scheduler.update(left, outputs)
+            events = step.events
             if self.preempted:  # a kept cache whose sequence finished goes
                 for event in events:
                     if event.finish is not None:
@@ -130,26 +144,21 @@ class StepLoop:
                 f"({type(error).__name__}: {error}); the server's log has the details"
             )
             step.events, step.failed = self.scheduler.fail(plan, message), True
+            step.handed = 0  # those handed out already stay out; these are all new
         step.end = self.clock()
         return step
 
-    def _model_runs(self, step: Step) -> StepOutputs:
-        """The plan's decode, prefill, recompute and chunk runs, each isolated (rows
-        the model fails on alone are in `failed`), timed into `step`."""
-        plan = step.plan
+    def _model_runs(
+        self, step: Step, first_tokens: Callable[[list[Event]], None] | None
+    ) -> tuple[StepPlan, StepOutputs]:
+        """The plan's prefill, decode, recompute and chunk runs, each isolated (rows
+        the model fails on alone are in `failed`), timed into `step`; the part of the
+        plan the scheduler has yet to update with, and their outputs."""
+        plan = left = step.plan
         failed: dict[int, str] = {}
         if plan.decode or plan.preempted:
             # Every row the scheduler holds stays: a prefill-only plan's decode at the next.
             self._settle({s.id for s in self.scheduler.rows}, plan.preempted)
-        decode = None
-        if plan.decode:
-            at = self.clock()
-            decoded = self.cache.decode(plan.decode)
-            step.decode = Timed(at, self.clock())
-            step.decoded_length, step.runs = decoded.length, decoded.runs
-            self._log_isolated("decode step", len(plan.decode), decoded.error, decoded.failed)
-            failed.update(failures(plan.decode, decoded.failed, at_position))
-            decode = decoded.logits
         prefill = None
         if plan.prefill:
             at = self.clock()
@@ -159,6 +168,22 @@ class StepLoop:
             self._log_isolated("prefill", len(plan.prefill), done.error, done.failed)
             failed.update(failures(plan.prefill, done.failed, prompt_of))
             prefill = done.logits
+            more = plan.decode or plan.resumed or plan.chunk is not None
+            if first_tokens is not None and more and not all(s.offline for s in plan.prefill):
+                joined = StepPlan(prefill=plan.prefill)
+                step.events = self.scheduler.update(joined, StepOutputs(prefill, failed=failed))
+                step.handed, step.handed_at = len(step.events), self.clock()
+                first_tokens(step.events)
+                left, prefill = replace(plan, prefill=()), None
+        decode = None
+        if plan.decode:
+            at = self.clock()
+            decoded = self.cache.decode(plan.decode)
+            step.decode = Timed(at, self.clock())
+            step.decoded_length, step.runs = decoded.length, decoded.runs
+            self._log_isolated("decode step", len(plan.decode), decoded.error, decoded.failed)
+            failed.update(failures(plan.decode, decoded.failed, at_position))
+            decode = decoded.logits
         if plan.resumed:
             back = self.preempted.resume(self.decoder, plan.resumed)
             self._joins += back.joins
@@ -173,7 +198,7 @@ class StepLoop:
             self._log_isolated("prefill chunk", 1, part.error, part.failed)
             failed.update(failures((plan.chunk.seq,), part.failed, prompt_of))
             chunk = part.logits
-        return StepOutputs(prefill, decode, failed, chunk)
+        return left, StepOutputs(prefill, decode, failed, chunk)
 
     def _settle(self, keep: set[int], preempted: Sequence[Seq] = ()) -> None:
         """The batch's cache for the next decode: joiners in (into holes where they
