@@ -1,8 +1,9 @@
 """SLOs that steer a generate workload's steps: `slo.ttft_ms` bounds one step's
 prefill, `slo.itl_ms` its rows, through costs measured on the workload's own runs.
 
-A joiner's first token waits for its step's whole run, the rows' decode and the
-prefill it is part of, and whatever a step prefills delays every row's next token.
+A joiner's first token waits for the step in flight when it came (about a decode of
+the rows) and the prefill it is part of, and whatever a step prefills delays every
+row's next token.
 The prefill budget (the scheduler's `max_prefill_tokens`, a hard one: longer prompts
 are prefilled in parts over several steps) is the tokens whose prefill fits, by the
 prefill cost model, in `ttft_ms` less the decode of the step's current rows by the
