@@ -70,6 +70,7 @@ def _local_path(value: Path) -> Path:
 
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeFloat = Annotated[float, Field(ge=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 # A duration in milliseconds: up to a day.
 Milliseconds = Annotated[float, Field(gt=0, le=86_400_000)]
@@ -142,7 +143,20 @@ class Batching(StrictModel):
         "batch runs on this workload's model stops that run, unless the run is expected to "
         "end sooner than it has run (then the request waits at most that long); its items "
         "run again, whole, after it. Interactive latency waits less for offline runs, at "
-        "the cost of the stopped runs' work (default: an offline run ends first).",
+        "the cost of the stopped runs' work (default: an offline run ends first). Applies "
+        "while offline runs take turns with interactive ones (`offline_threads: 0`, and on "
+        "a GPU).",
+    )
+    offline_threads: NonNegativeInt | None = Field(
+        None,
+        le=1024,
+        description="embed/infer on the CPU: threads that run offline batches beside the "
+        "interactive ones at the operating system's idle priority, on a one-thread session "
+        "of the model of their own (loaded with the first offline batch): the OS gives an "
+        "interactive run the cores the moment it starts, and offline runs use what it "
+        "leaves. 0: offline runs take turns with interactive ones on the model's own "
+        "thread, as they always do on a GPU (default: the cores this process may use, "
+        "where the model runs on the CPU and the OS has an idle priority; else 0).",
     )
 
 

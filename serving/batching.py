@@ -306,16 +306,19 @@ class LaneQueues:
     async def next_batch(
         self,
         free: asyncio.Event,
-        offline_items: Callable[[Sequence[Any]], int],
+        offline_items: Callable[[Sequence[Any]], int] | None,
         interactive_items: Callable[[list[Pending]], int] | None = None,
     ) -> LaneBatch | None:
         """The next batch once the model is `free`: interactive requests if any wait
         (as many as `interactive_items(first ones)` says, if given: see `take`), else up
         to `offline_items(candidates)` offline ones (`candidates`: the items of the
-        first offline requests, as many as one offline batch may hold). None once both
-        queues are closed and drained; never an empty batch."""
+        first offline requests, as many as one offline batch may hold); with
+        `offline_items` None, interactive ones alone (offline batches are taken by
+        `next_offline`). None once both queues are closed and drained; never an empty
+        batch."""
         while True:
-            interactive, offline = self.interactive.waiting(), self.offline.waiting()
+            interactive = self.interactive.waiting()
+            offline = offline_items is not None and self.offline.waiting()
             if interactive or offline:
                 if not free.is_set():
                     await free.wait()
@@ -324,6 +327,7 @@ class LaneQueues:
                     taken = await self.interactive.take(size=interactive_items)
                     batch = LaneBatch("interactive", taken)
                 else:
+                    assert offline_items is not None
                     candidates = self.offline.peek(self.offline.max_batch_size)
                     most = offline_items(candidates)
                     batch = LaneBatch("offline", await self.offline.take(most))
@@ -331,6 +335,21 @@ class LaneQueues:
                     return batch
                 continue  # every one of them was answered meanwhile (deadline, gone)
             if self.interactive.closed and self.offline.closed:
+                return None
+            self._arrived.clear()
+            await self._arrived.wait()
+
+    async def next_offline(self) -> LaneBatch | None:
+        """The next offline batch (up to the lane's max_batch_size), whatever waits in
+        the interactive queue: for offline runs that go beside interactive ones. None
+        once the offline queue is closed and drained; never an empty batch."""
+        while True:
+            if self.offline.waiting():
+                taken = await self.offline.take(self.offline.max_batch_size)
+                if taken:
+                    return LaneBatch("offline", taken)
+                continue  # every one of them went away meanwhile
+            if self.offline.closed:
                 return None
             self._arrived.clear()
             await self._arrived.wait()

@@ -10,12 +10,21 @@ is one queue put (one futex wake) and one call_soon_threadsafe (one eventfd writ
 The answer is a callback run on the caller's loop, not a future: whoever awaits the
 outcome awaits futures the callback settles, one loop iteration sooner than through
 a future of the thread's own (and no caller can cancel a run through it).
+
+`IdleThreads` are the same hand-off to several threads at the operating system's idle
+priority: the offline lane's on a CPU. There the OS scheduler is the finest preemption
+there is: a thread at SCHED_IDLE (Linux) runs only on a core nothing else wants, so an
+interactive run that starts takes the cores at once, in the middle of an offline run,
+which loses nothing and goes on when they are free again. Stopping offline runs at their
+boundaries instead (serving/offline_runs.py) keeps an arrival waiting for a run or
+throws the run's work away; bench/backfill.py measures both beside this.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -26,13 +35,25 @@ Done = Callable[[Any, BaseException | None], None]
 _Job = tuple[Callable[[Any], Any], Any, Done, asyncio.AbstractEventLoop]
 
 
+def idle_priority_available() -> bool:
+    """Whether this OS lets a thread run at idle priority (Linux's SCHED_IDLE)."""
+    return hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE")
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(len(os.sched_getaffinity(0)), 1)
+    return os.cpu_count() or 1
+
+
 class ModelThread:
     """Runs `fn(arg)` calls one at a time, in order, on one thread named `name`."""
 
     def __init__(self, name: str) -> None:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._serve, name=name, daemon=True)]
+        self._threads[0].start()
 
     def call(self, fn: Callable[[Any], Any], arg: Any, done: Done) -> None:
         """`fn(arg)` on the thread, then `done(result, None)` or `done(None, error)` on
@@ -41,8 +62,10 @@ class ModelThread:
 
     def stop(self) -> None:
         """Run what was called already, then end the thread (blocks until it has)."""
-        self._jobs.put(None)
-        self._thread.join()
+        for _ in self._threads:
+            self._jobs.put(None)
+        for thread in self._threads:
+            thread.join()
 
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -54,3 +77,32 @@ class ModelThread:
                 error = e
             with contextlib.suppress(RuntimeError):  # the loop has closed: nobody to answer
                 loop.call_soon_threadsafe(done, result, error)
+
+
+class IdleThreads(ModelThread):
+    """`count` threads at the OS's idle priority, named `name`, each running one
+    `fn(arg)` call at a time (so up to `count` at once, started in order).
+
+    `native_ids`: the threads' ids in the OS, once each has lowered its priority."""
+
+    def __init__(self, name: str, count: int) -> None:
+        if not idle_priority_available():
+            raise RuntimeError("this OS has no idle priority for threads (SCHED_IDLE)")
+        self._jobs = queue.SimpleQueue()
+        self.native_ids: list[int] = []
+        self._ready = threading.Semaphore(0)
+        self._threads = [
+            threading.Thread(target=self._serve_idle, name=f"{name}-{i}", daemon=True)
+            for i in range(count)
+        ]
+        for thread in self._threads:
+            thread.start()
+        for _ in self._threads:
+            self._ready.acquire()
+
+    def _serve_idle(self) -> None:
+        # 0: the calling thread (Linux schedules threads, not processes).
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        self.native_ids.append(threading.get_native_id())
+        self._ready.release()
+        self._serve()

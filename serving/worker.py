@@ -1,8 +1,13 @@
 """The executor of one embed or infer workload: its task, its two lanes and its batch loop.
 
-Interactive requests come first. Offline items (`submit_offline`, from flows whose
-runner is this endpoint) run only when no interactive request waits, in batches
-sized so that one run fits in the workload's slack: its `slo.p99_ms` minus its
+Interactive requests come first. On the CPU, offline items (`submit_offline`, from
+flows whose runner is this endpoint) run beside them on threads at the OS's idle
+priority (`batching.offline_threads`, serving/model_thread.py), on a one-thread session
+of their own: an interactive run takes the cores the moment it starts, and offline
+batches of `max_batch_size` use whatever it leaves. Otherwise (a GPU, or
+`offline_threads: 0`) the two lanes take turns on the model's thread: offline items
+run only when no interactive request waits, in batches sized so that one run fits in
+the workload's slack: its `slo.p99_ms` minus its
 measured service time (the cost model's upper estimate of a typical interactive
 batch), or DEFAULT_SLACK_S without a p99 SLO. An interactive request that arrives
 during an offline run waits for that one run at most; with `batching.preempt_offline`
@@ -23,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -37,13 +43,19 @@ from lanes.isolation import Failed, Isolated, Ran, failed_alone, isolate, per_it
 from lanes.serving.access import RequestRecord
 from lanes.serving.batching import LANES, Lane, LaneQueues, Pending, never_fits
 from lanes.serving.metrics import LaneSeries, Metrics, Rate, Utilization
-from lanes.serving.model_thread import ModelThread
+from lanes.serving.model_thread import (
+    IdleThreads,
+    ModelThread,
+    idle_priority_available,
+    usable_cores,
+)
 from lanes.serving.offline_runs import OfflineRun, gap_filling_items
 from lanes.serving.residency import Presence, Residency, residency_of
 from lanes.serving.slo import Steering, padded_tokens, tokens_of
 from lanes.serving.tracing import batch_spans
 from lanes.spec import as_interactive
 from lanes.tasks import Task
+from lanes.tasks.session_slot import SlotSession
 from lanes.tracing import Tracing
 
 log = logging.getLogger("lanes.serving")
@@ -127,6 +139,14 @@ class BatchWorker:
         self._offline_run: OfflineRun | None = None
         self.preempts_offline = batching.preempt_offline
         self._arrivals = Rate()  # interactive requests: sizes the runs they may stop
+        # Offline runs beside the interactive ones, at idle priority (0: they take turns).
+        self.offline_threads = _offline_threads(task, batching.offline_threads)
+        self._idle: IdleThreads | None = None
+        self._beside_task: asyncio.Task[None] | None = None
+        self._beside_runs = 0
+        self._beside_room = asyncio.Event()
+        self._twin: SlotSession | None = None  # the task on its one-thread session
+        self._twin_lock = threading.Lock()
         default = workload.slo.timeout_ms
         self.default_timeout_s = default / 1000 if default else None
         self.residency = residency_of(task, workload.idle_unload_s, metrics, clock)
@@ -134,6 +154,10 @@ class BatchWorker:
 
     def start(self) -> None:
         self._loop_task = asyncio.create_task(self._run_forever(), name=f"batch-{self.name}")
+        if self.offline_threads:
+            self._idle = IdleThreads(f"lanes-{self.name}-offline", self.offline_threads)
+            beside = self._run_offline_beside()
+            self._beside_task = asyncio.create_task(beside, name=f"offline-{self.name}")
         if self.residency is not None:
             watch = self._watch_idle(self.residency)
             self._idle_task = asyncio.create_task(watch, name=f"idle-{self.name}")
@@ -147,9 +171,13 @@ class BatchWorker:
         self.lanes.close()
         if self._loop_task is not None:
             await self._loop_task
+        if self._beside_task is not None:
+            await self._beside_task
         # Off the loop: a lone request's run may still be on the thread, and the loop
         # stays free meanwhile to answer it and other workers' callers.
         await asyncio.to_thread(self._thread.stop)
+        if self._idle is not None:
+            await asyncio.to_thread(self._idle.stop)
 
     def admit(self, items: int, timeout_s: float | None = None) -> None:
         """Raise now what `submit` would refuse `items` inputs with, so that a caller
@@ -317,10 +345,12 @@ class BatchWorker:
             or not self._free.is_set()
             or len(self.queue) > 0
             or len(self.lanes.offline) > 0
+            or self._beside_runs > 0
             or not residency.idle()
         ):
             return False
         residency.begin_unload()
+        self._twin = None  # its session goes too; the next offline batch loads it again
         self._free.clear()
         self._thread.call(residency.release, None, self._unloaded)
         return True
@@ -371,13 +401,66 @@ class BatchWorker:
         while True:
             # Waits while a batch runs; interactive requests first.
             batch = await self.lanes.next_batch(
-                self._free, self.offline_items, self.steering.batch_size if self.steers else None
+                self._free,
+                None if self.offline_threads else self.offline_items,
+                self.steering.batch_size if self.steers else None,
             )
             self._set_depths()
             if batch is None:
                 return
             if self._start(batch.items, batch.lane):
                 await asyncio.sleep(0)  # an inline run: let replies go and requests arrive
+
+    async def _run_offline_beside(self) -> None:
+        """Offline batches on the idle threads, one a thread at a time."""
+        while True:
+            while self._beside_runs >= self.offline_threads:
+                self._beside_room.clear()
+                await self._beside_room.wait()
+            batch = await self.lanes.next_offline()
+            self._set_depths()
+            if batch is None:
+                return
+            self._start_beside(batch.items)
+
+    def _start_beside(self, batch: list[Pending]) -> None:
+        """One offline batch on an idle thread; its callers all gone, the run stops."""
+        assert self._idle is not None
+        self._beside_runs += 1
+        stop = ort.RunOptions()
+        for pending in batch:
+            pending.future.add_done_callback(partial(_stop_if_abandoned, batch, stop))
+        run = partial(self._timed_run, self._raw_beside, stop=stop, learns=False)
+        done = partial(self._finish_beside, batch, self.clock())
+        self._idle.call(run, [p.item for p in batch], done)
+
+    def _raw_beside(self, items: Sequence[Any], options: ort.RunOptions | None) -> list[Any]:
+        with self._twin_lock:  # the first offline batch loads it, on an idle thread
+            if self._twin is None:
+                assert isinstance(self.task, SlotSession)
+                self._twin = self.task.on_one_thread()
+            twin = self._twin
+        return run_unhandled(twin, items, options)  # type: ignore[arg-type]
+
+    def _finish_beside(
+        self,
+        batch: list[Pending],
+        start: float,
+        result: tuple[list[Any], float] | None,
+        error: BaseException | None,
+    ) -> None:
+        end = self.clock()
+        self._beside_runs -= 1
+        self._beside_room.set()
+        if self.residency is not None:
+            self.residency.touch()
+        series = self._lane["offline"]
+        series.busy.inc(end - start)
+        if isinstance(error, _Stopped):  # nobody waited for it any more
+            self.lanes.offline.give_back(batch)
+            return
+        self._answer(batch, start, result, error)
+        series.items.inc(len(batch))
 
     def slack_s(self) -> float:
         """What one offline run may take: the p99 SLO minus the interactive service
@@ -468,6 +551,26 @@ class BatchWorker:
             live = sum(1 for p in batch if p.live)
             asyncio.get_running_loop().call_soon(self._record_stopped, live, start, end)
             return
+        outputs, error = self._answer(batch, start, result, error)
+        # Accounted after the callers resume and send their answers (call_soon runs
+        # after the wake-ups set_result scheduled): a lone request does not wait on it.
+        run_s = result[1] if result is not None else None
+        whole = (
+            run_s is not None and error is None and not any(isinstance(o, Failed) for o in outputs)
+        )
+        asyncio.get_running_loop().call_soon(
+            self._record, batch, lane, start, end, run_s if whole else None
+        )
+
+    def _answer(
+        self,
+        batch: list[Pending],
+        start: float,
+        result: tuple[list[Any], float] | None,
+        error: BaseException | None,
+    ) -> tuple[list[Any], BaseException | None]:
+        """Each live caller's output or error; returns the outputs and the batch's
+        error (a model failure made a ModelError), as given to the callers."""
         outputs: list[Any] = []
         if error is not None and not isinstance(error, LanesError):
             # A model failure must answer its callers, not kill the loop.
@@ -497,15 +600,7 @@ class BatchWorker:
                 pending.future.set_exception(outputs[i].error)
             else:
                 pending.future.set_result(outputs[i])
-        # Accounted after the callers resume and send their answers (call_soon runs
-        # after the wake-ups set_result scheduled): a lone request does not wait on it.
-        run_s = result[1] if result is not None else None
-        whole = (
-            run_s is not None and error is None and not any(isinstance(o, Failed) for o in outputs)
-        )
-        asyncio.get_running_loop().call_soon(
-            self._record, batch, lane, start, end, run_s if whole else None
-        )
+        return outputs, error
 
     def _record(
         self, batch: list[Pending], lane: Lane, start: float, end: float, run_s: float | None
@@ -556,6 +651,7 @@ class BatchWorker:
         run: Callable[..., list[Any]],
         items: list[Any],
         stop: ort.RunOptions | None = None,
+        learns: bool = True,
     ) -> tuple[list[Any], float]:
         """The task's run and its own duration, without any thread hand-off.
 
@@ -563,7 +659,8 @@ class BatchWorker:
         fails alone gets a `Failed` holding its own error, the others their outputs.
         Only a whole run's duration teaches the cost per item. With `stop`, the whole
         run is `run(items, stop)`, and raises `_Stopped` if `stop.terminate` ended it;
-        the halves after a failure run to their end."""
+        the halves after a failure run to their end. Without `learns` (a run at idle
+        priority, stretched by the interactive runs), its time teaches nothing."""
         start = self.clock()
         if stop is None:
             isolated = isolate(run, items)
@@ -575,11 +672,11 @@ class BatchWorker:
                     raise _Stopped from None
                 isolated = isolate(run, items, error)
         took = self.clock() - start
-        if isolated.whole:
+        if isolated.whole and learns:
             cost = took / len(items)
             old = self._item_cost_s
             self._item_cost_s = cost if old is None else old + _COST_WEIGHT * (cost - old)
-        else:
+        elif not isolated.whole:
             self._log_failures(isolated, len(items))
         return _with_errors(isolated, len(items)), took
 
@@ -595,6 +692,31 @@ class BatchWorker:
 
 class _Stopped(Exception):
     """An offline run ended early by its `RunOptions.terminate` (see the module's doc)."""
+
+
+def _offline_threads(task: Task, declared: int | None) -> int:
+    """How many idle-priority threads run the workload's offline batches beside its
+    interactive ones (`batching.offline_threads`): only on the CPU provider, where the
+    OS can schedule threads at idle priority."""
+    if declared == 0:
+        return 0
+    possible = idle_priority_available() and isinstance(task, SlotSession) and task.slot.on_cpu
+    if declared is None:
+        return usable_cores() if possible else 0
+    if not possible:
+        log.warning(
+            "workload %s: offline_threads needs the CPU provider and an OS with an idle "
+            "priority (Linux); its offline batches take turns with interactive ones",
+            task.name,
+        )
+        return 0
+    return declared
+
+
+def _stop_if_abandoned(batch: list[Pending], stop: ort.RunOptions, _: object) -> None:
+    """Once no caller of an offline batch waits, its run (if still going) ends early."""
+    if not any(p.live for p in batch):
+        stop.terminate = True
 
 
 def _ids(batch: list[Pending]) -> str:

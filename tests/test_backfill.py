@@ -103,7 +103,9 @@ def send_batch(server: ServerThread, workload: str, items: list[Any], key: str |
 def test_an_interactive_request_waits_behind_at_most_the_one_offline_batch_running(
     serve: type[ServerThread], tmp_path: Path
 ) -> None:
-    spec = write_spec(tmp_path, {"search": live(), "corpus": batch(runner=on_endpoint())})
+    """Where the lanes take turns on the model's thread (a GPU, or offline_threads 0)."""
+    taking_turns = live(batching={"offline_threads": 0})
+    spec = write_spec(tmp_path, {"search": taking_turns, "corpus": batch(runner=on_endpoint())})
     gate = Gate()
     task = load_task("search", load_spec(spec, Settings()), Runtime(Settings(device="cpu")))
     texts = [text(i) for i in range(12)]
@@ -230,11 +232,12 @@ def spin_model(path: Path) -> Path:
     return path
 
 
-def spin_task(folder: Path, preempt: bool) -> tuple[Any, Gate]:
+def spin_task(folder: Path, preempt: bool, offline_threads: int | None = 0) -> tuple[Any, Gate]:
     """An infer workload on `spin_model` behind a gate (PAD_S: every run on the model
-    thread, none on the event loop), preempting offline runs or not."""
+    thread, none on the event loop), preempting offline runs or not; its offline runs
+    take turns with interactive ones unless `offline_threads` run them beside."""
     model = spin_model(folder / "spin" / "model.onnx")
-    batching = {"preempt_offline": preempt}
+    batching = {"preempt_offline": preempt, "offline_threads": offline_threads}
     spec = {
         "version": 1,
         "models": {"spin": {"path": str(model)}},
@@ -405,10 +408,14 @@ def test_rate_per_second_and_bounded_without_readers() -> None:
     assert rate.per_second(20.0 + 9_999 * 0.36) == pytest.approx(2.8)
 
 
-def test_an_offline_run_whose_caller_went_away_is_stopped(tmp_path: Path) -> None:
-    """Without preempt_offline too: a run nobody waits for ends, and the model is free
-    (the worker's stop returns; the run alone would never end)."""
-    task, gate = spin_task(tmp_path, preempt=False)
+@pytest.mark.parametrize("offline_threads", [0, 1])
+def test_an_offline_run_whose_caller_went_away_is_stopped(
+    tmp_path: Path, offline_threads: int
+) -> None:
+    """Without preempt_offline too, and beside the interactive lane too: a run nobody
+    waits for ends, and the model is free (the worker's stop returns; the run alone
+    would never end)."""
+    task, gate = spin_task(tmp_path, preempt=False, offline_threads=offline_threads)
 
     async def scenario() -> Metrics:
         metrics = Metrics()
@@ -425,6 +432,55 @@ def test_an_offline_run_whose_caller_went_away_is_stopped(tmp_path: Path) -> Non
     sample = metrics.registry.get_sample_value
     assert sample("lanes_lane_items_total", OFFLINE) == 0
     assert sample("lanes_lane_preemptions_total", OFFLINE) == 0, "nothing was given back"
+
+
+def test_beside_an_endless_offline_run_an_interactive_request_is_answered(
+    tmp_path: Path,
+) -> None:
+    """On the CPU, offline batches run on threads at the OS's idle priority beside the
+    model's own thread: an interactive request is answered while a real offline run
+    that only a stop ends holds such a thread, and nothing of that run is stopped or
+    given back for it."""
+    task, gate = spin_task(tmp_path, preempt=True, offline_threads=1)
+
+    async def scenario() -> tuple[Any, Metrics, list[int], bool]:
+        metrics = Metrics()
+        worker = BatchWorker(task, metrics)
+        worker.start()
+        with gate.closed():
+            job = asyncio.create_task(worker.submit_offline([task.prepare(FOREVER)]))
+            await asyncio.to_thread(gate.wait_held)  # on its idle thread; spins on once open
+        policies = [
+            os.sched_getscheduler(t.native_id)
+            for t in threading.enumerate()
+            if t.name.startswith("lanes-live-offline") and t.native_id is not None
+        ]
+        quick = task.prepare({"x": SPIN_X, "spin": [[0]]})
+        [answer] = await asyncio.wait_for(worker.submit([quick]), 60)
+        running = not job.done()
+        job.cancel()  # its caller gone, the run is stopped
+        await asyncio.wait_for(worker.stop(), 60)
+        return answer, metrics, policies, running
+
+    answer, metrics, policies, running = asyncio.run(scenario())
+    np.testing.assert_array_equal(answer["y"], np.asarray(SPIN_X, dtype=np.float32))
+    assert running, "the offline run went on meanwhile"
+    assert policies == [os.SCHED_IDLE]
+    sample = metrics.registry.get_sample_value
+    assert sample("lanes_lane_items_total", {"workload": "live", "lane": "interactive"}) == 1
+    assert sample("lanes_lane_items_total", OFFLINE) == 0
+    assert sample("lanes_lane_preemptions_total", OFFLINE) == 0
+
+
+@pytest.mark.parametrize(("declared", "threads"), [(0, 0), (3, 3), (None, "cores")])
+def test_offline_threads_default_to_the_cores_on_the_cpu(
+    tmp_path: Path, declared: int | None, threads: int | str
+) -> None:
+    task, _ = spin_task(tmp_path, preempt=False, offline_threads=declared)
+    cores = len(os.sched_getaffinity(0))
+    assert BatchWorker(task, Metrics()).offline_threads == (
+        cores if threads == "cores" else threads
+    )
 
 
 def test_offline_lane_queues_take_interactive_first() -> None:
@@ -689,7 +745,8 @@ def test_offline_runs_are_sized_to_the_interactive_slack(
     from lanes.serving.worker import DEFAULT_SLACK_S, LEARNING_ITEMS, BatchWorker
     from tests.gates import ManualClock
 
-    workloads = {"live": live("infer", slo=slo, batching={"max_batch_size": 64})}
+    batching = {"max_batch_size": 64, "offline_threads": 0}
+    workloads = {"live": live("infer", slo=slo, batching=batching)}
     spec = load_spec(write_spec(tmp_path, workloads), Settings())
     task = load_task("live", spec, Runtime(Settings(device="cpu")))
     clock = ManualClock()
@@ -725,7 +782,7 @@ def test_offline_runs_that_arrivals_stop_are_sized_to_their_gaps(
     from lanes.serving.worker import BatchWorker
     from tests.gates import ManualClock
 
-    batching = {"max_batch_size": 64, "preempt_offline": preempt}
+    batching = {"max_batch_size": 64, "preempt_offline": preempt, "offline_threads": 0}
     workloads = {"live": live("infer", slo={"p99_ms": 50}, batching=batching)}
     spec = load_spec(write_spec(tmp_path, workloads), Settings())
     task = load_task("live", spec, Runtime(Settings(device="cpu")))

@@ -1,15 +1,17 @@
-"""The model thread: calls run in order on one named thread, answers reach the loop."""
+"""The model thread: calls run in order on one named thread, answers reach the loop; the
+idle threads: side by side at the OS's idle priority."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from lanes.serving.model_thread import ModelThread
+from lanes.serving.model_thread import IdleThreads, ModelThread
 from tests.gates import WAIT_S
 
 
@@ -84,3 +86,22 @@ async def test_stop_runs_what_was_called_then_ends_the_thread() -> None:
     await asyncio.gather(*pending)
     assert ran == ["a", "b", "c"]
     assert not any(t.name == "lanes-test" for t in threading.enumerate())
+
+
+async def test_idle_threads_run_calls_side_by_side_at_idle_priority() -> None:
+    """Two calls at once on two threads, each at the OS's idle priority: both are held
+    at one barrier, which only two threads running together can pass."""
+    both = threading.Barrier(2, timeout=WAIT_S)
+
+    def meet(_: None) -> tuple[int, str]:
+        both.wait()
+        return os.sched_getscheduler(0), threading.current_thread().name
+
+    threads = IdleThreads("lanes-idle", 2)
+    try:
+        answers = await asyncio.gather(call(threads, meet, None), call(threads, meet, None))
+    finally:
+        await asyncio.to_thread(threads.stop)
+    assert sorted(answers) == [(os.SCHED_IDLE, "lanes-idle-0"), (os.SCHED_IDLE, "lanes-idle-1")]
+    assert len(threads.native_ids) == 2
+    assert not any(t.name.startswith("lanes-idle") for t in threading.enumerate())

@@ -9,10 +9,11 @@ temporary folder of this process (see `Runtime.session`), removed with the slot.
 
 from __future__ import annotations
 
+import copy
 import logging
 import tempfile
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol, Self, runtime_checkable
 
 import onnxruntime as ort
 
@@ -88,6 +89,19 @@ class SessionSlot:
         self._session = None
         self.placement = None
 
+    @property
+    def on_cpu(self) -> bool:
+        """Whether the session runs on onnxruntime's CPU provider alone."""
+        providers: list[str] = self.session.get_providers()
+        return providers == ["CPUExecutionProvider"]
+
+    def one_thread(self) -> SessionSlot:
+        """A slot of its own on the same model file, one intra-op thread, loaded now."""
+        options = self._model.session.model_copy(
+            update={"intra_op_threads": 1, "inter_op_threads": None}
+        )
+        return SessionSlot(self._runtime, self._model.model_copy(update={"session": options}))
+
 
 class SlotSession:
     """What a task holding its session in `self.slot` exposes of it (embed, infer)."""
@@ -112,3 +126,11 @@ class SlotSession:
 
     def unload(self) -> None:
         self.slot.unload()
+
+    def on_one_thread(self) -> Self:
+        """This task with its runs on a session of its own with one intra-op thread
+        (everything else shared): what runs offline batches at idle priority beside the
+        task's own runs (serving/idle_threads.py)."""
+        twin = copy.copy(self)
+        twin.slot = self.slot.one_thread()
+        return twin
