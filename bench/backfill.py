@@ -4,10 +4,12 @@
 
 Starts `lanes serve` with an interactive embed workload on the minilm demo model
 (`slo.p99_ms` from --slo-ms) and an offline workload on the same model whose runner
-is that endpoint, twice: as declared (an interactive request that arrives during an
-offline run waits for it: `finish`) and with `batching.preempt_offline` (it stops
-that run unless the run is past its middle, and the items run again after it:
-`preempt`). The offline job is the flow's endpoint runner itself
+is that endpoint, three times: as declared on the CPU (offline batches run beside the
+interactive ones on threads at the OS's idle priority: `idle`), and taking turns on
+the model's thread (`batching.offline_threads: 0`, as on a GPU), where an interactive
+request that arrives during an offline run waits for it (`finish`) or, with
+`batching.preempt_offline`, stops that run unless the run is past its middle, and the
+items run again after it (`preempt`). The offline job is the flow's endpoint runner itself
 (flows.endpoint.EndpointModel: prepared batches to the internal batch route), driven
 from two threads as two shards in flight would, without Prefect around it (whose
 start-up would dwarf a slice).
@@ -17,13 +19,15 @@ pause: items/s) and the offline lane alone (items/s). Then, at each load level (
 fraction of the interactive capacity), an interactive closed loop paced to that rate
 (4 clients, each waits for its answer, then for its next tick) runs without the
 offline job and with it on each endpoint, and the offline job runs alone on the
-first, the four taking turns in short slices (like bench/serve.py: a shared VM's
+first, all taking turns in short slices (like bench/serve.py: a shared VM's
 speed drifts within seconds, so only figures from alternating slices compare). It
 prints per level and endpoint: interactive p50/p99 with and without backfill, their
 ratio (target: p99 within +10%, and within the SLO), the offline items/s against the
 capacity the interactive load leaves idle (the offline job alone's items per busy
-second of the device x (1 - busy fraction without backfill); target >= 0.8x), the
-device busy fraction (from /metrics), and the offline items preempted per second.
+second of the device on `finish`, the lanes taking turns at their best batches, x
+(1 - busy fraction without backfill); target >= 0.8x), the busy fraction of the
+interactive lane's executor without and with backfill (from /metrics: with `idle`,
+the offline threads' time is not in it), and the offline items preempted per second.
 """
 
 from __future__ import annotations
@@ -68,7 +72,12 @@ workloads:
     mode: interactive
     task: embed
     model: minilm
-    batching: {{max_batch_size: 32, max_wait_ms: 0, max_queue: 4096, preempt_offline: {preempt}}}
+    batching:
+      max_batch_size: 32
+      max_wait_ms: 0
+      max_queue: 4096
+      preempt_offline: {preempt}
+      offline_threads: {threads}
     slo: {{p99_ms: {slo}}}
   corpus:
     mode: offline
@@ -239,10 +248,15 @@ async def run(args: argparse.Namespace) -> None:
     urls: dict[str, str] = {}
     servers = []
     try:
-        for i, (policy, preempt) in enumerate((("finish", "false"), ("preempt", "true"))):
+        endpoints = (("finish", "false", "0"), ("preempt", "true", "0"), ("idle", "false", "null"))
+        for i, (policy, preempt, threads) in enumerate(endpoints):
             spec_path = folder / f"{policy}.yaml"
             spec = SPEC.format(
-                m=models, slo=args.slo_ms, items=OFFLINE_REQUEST_ITEMS, preempt=preempt
+                m=models,
+                slo=args.slo_ms,
+                items=OFFLINE_REQUEST_ITEMS,
+                preempt=preempt,
+                threads=threads,
             )
             spec_path.write_text(spec)
             port = 8600 + (os.getpid() + i) % 300
@@ -286,29 +300,32 @@ async def run(args: argparse.Namespace) -> None:
         rows = []
         for level in args.levels:
             rate = level * interactive_capacity
-            without, solo = Turns(), Turns()
+            solo = Turns()
+            without = {policy: Turns() for policy in urls}
             with_ = {policy: Turns() for policy in urls}
-            slices = [(without, url, None, rate), (solo, url, jobs["finish"], None)]
+            slices = [(solo, url, jobs["finish"], None)]
+            slices += [(without[p], u, None, rate) for p, u in urls.items()]
             slices += [(with_[p], u, jobs[p], rate) for p, u in urls.items()]
             for i in range(args.rotations):
                 turn = i % len(slices)
                 for turns, at, job, load in slices[turn:] + slices[:turn]:
                     merge(turns, await measured(at, job, load, args.seconds))
-            idle = solo.offline_per_busy_s * max(1 - without.busy_fraction, 0.0)
             for policy, turns in with_.items():
+                alone = without[policy]
+                idle = solo.offline_per_busy_s * max(1 - alone.busy_fraction, 0.0)
                 rows.append(
                     [
                         f"{level:.0%}",
                         policy,
                         f"{rate:.0f}",
-                        f"{without.ms(50):.1f}/{without.ms(99):.1f}",
+                        f"{alone.ms(50):.1f}/{alone.ms(99):.1f}",
                         f"{turns.ms(50):.1f}/{turns.ms(99):.1f}",
-                        f"{turns.ms(99) / max(without.ms(99), 1e-9):.2f}",
+                        f"{turns.ms(99) / max(alone.ms(99), 1e-9):.2f}",
                         "yes" if turns.ms(99) <= args.slo_ms else "no",
                         f"{turns.offline_rate:.0f}",
                         f"{idle:.0f}",
                         f"{turns.offline_rate / max(idle, 1e-9):.2f}",
-                        f"{without.busy_fraction:.2f}/{turns.busy_fraction:.2f}",
+                        f"{alone.busy_fraction:.2f}/{turns.busy_fraction:.2f}",
                         f"{turns.preempted / max(turns.seconds, 1e-9):.0f}",
                     ]
                 )

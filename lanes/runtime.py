@@ -25,7 +25,7 @@ import onnxruntime as ort
 from lanes.binding import Placement, uses_io_binding
 from lanes.errors import ModelError
 from lanes.settings import Device, Settings
-from lanes.spec import ModelSpec
+from lanes.spec import InteractiveWorkload, ModelSpec, Workload
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +193,18 @@ def _listing(tensors: dict[str, TensorInfo]) -> str:
     return ", ".join(str(t) for t in tensors.values()) or "none"
 
 
+def idle_priority_available() -> bool:
+    """Whether this OS lets a thread run at idle priority (Linux's SCHED_IDLE)."""
+    return hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE")
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(len(os.sched_getaffinity(0)), 1)
+    return os.cpu_count() or 1
+
+
 class Runtime:
     """Creates every onnxruntime session lanes uses, on the providers chosen once.
 
@@ -223,8 +235,33 @@ class Runtime:
     def providers(self) -> tuple[str, ...]:
         return self.choice.providers
 
-    def session_options(self, model: ModelSpec) -> ort.SessionOptions:
-        """Threads and graph optimisation from the model's `session:`, else Settings."""
+    def offline_threads(self, workload: Workload) -> int:
+        """How many threads at idle priority run an interactive embed/infer workload's
+        offline batches beside its interactive ones (`batching.offline_threads`; see
+        serving/worker.py): only on the CPU, where the OS can give a thread idle
+        priority; 0 for an offline workload, on a GPU, and where declared so."""
+        if not isinstance(workload, InteractiveWorkload):
+            return 0
+        declared = workload.batching.offline_threads
+        possible = idle_priority_available() and self.choice.gpu_provider is None
+        if declared == 0 or (declared is None and not possible):
+            return 0
+        if not possible:
+            log.warning(
+                "offline_threads needs onnxruntime's CPU provider and an OS with an idle "
+                "priority (Linux); offline batches take turns with interactive ones"
+            )
+            return 0
+        return usable_cores() if declared is None else declared
+
+    def session_options(
+        self, model: ModelSpec, spin_between_runs: bool = True
+    ) -> ort.SessionOptions:
+        """Threads and graph optimisation from the model's `session:`, else Settings.
+
+        Without `spin_between_runs`, threads that spin-wait (`session.spinning`) stop
+        when a run ends: between runs they would burn the cores that offline runs at idle
+        priority are there to use (as much as a third of two cores at 30% load here)."""
         options = ort.SessionOptions()
         threads = model.session.intra_op_threads or self.settings.threads
         if threads is not None:
@@ -235,11 +272,16 @@ class Runtime:
         if not model.session.spinning:
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
             options.add_session_config_entry("session.inter_op.allow_spinning", "0")
+        elif not spin_between_runs:
+            options.add_session_config_entry("session.force_spinning_stop", "1")
         options.log_severity_level = _ORT_FATAL_ONLY
         return options
 
-    def session(self, model: ModelSpec, optimized: Path | None = None) -> ort.InferenceSession:
-        """Load `model.path` on the chosen providers.
+    def session(
+        self, model: ModelSpec, optimized: Path | None = None, spin_between_runs: bool = True
+    ) -> ort.InferenceSession:
+        """Load `model.path` on the chosen providers (`spin_between_runs`: see
+        `session_options`).
 
         With `optimized` (a path of this process's own), the first load also writes
         the optimized graph there, its weights in a file beside it, and every later
@@ -259,27 +301,28 @@ class Runtime:
             optimized = None  # its compiled nodes cannot be saved
         if optimized is not None and optimized.is_file():
             try:
-                return self._load(optimized, model, _OPTIMIZATION["disable"])
+                return self._load(optimized, model, spin_between_runs, _OPTIMIZATION["disable"])
             except ModelError as err:
                 log.warning("%s; loading %s instead", err, path)
                 optimized.unlink(missing_ok=True)
         if optimized is None:
-            return self._load(path, model)
+            return self._load(path, model, spin_between_runs)
         try:
-            return self._load(path, model, save_to=optimized)
+            return self._load(path, model, spin_between_runs, save_to=optimized)
         except ModelError as err:  # the copy could not be written (a full disk?)
             optimized.unlink(missing_ok=True)
             log.warning("%s; loading it without keeping an optimized copy", err)
-            return self._load(path, model)
+            return self._load(path, model, spin_between_runs)
 
     def _load(
         self,
         path: Path,
         model: ModelSpec,
+        spin_between_runs: bool,
         level: ort.GraphOptimizationLevel | None = None,
         save_to: Path | None = None,
     ) -> ort.InferenceSession:
-        options = self.session_options(model)
+        options = self.session_options(model, spin_between_runs)
         if level is not None:
             options.graph_optimization_level = level
         if save_to is not None:

@@ -30,21 +30,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from lanes.runtime import idle_priority_available
+
 # What a call hands the loop when it ends: its result, or the exception it raised.
 Done = Callable[[Any, BaseException | None], None]
 _Job = tuple[Callable[[Any], Any], Any, Done, asyncio.AbstractEventLoop]
-
-
-def idle_priority_available() -> bool:
-    """Whether this OS lets a thread run at idle priority (Linux's SCHED_IDLE)."""
-    return hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE")
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity, where the OS has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(len(os.sched_getaffinity(0)), 1)
-    return os.cpu_count() or 1
 
 
 class ModelThread:

@@ -43,12 +43,7 @@ from lanes.isolation import Failed, Isolated, Ran, failed_alone, isolate, per_it
 from lanes.serving.access import RequestRecord
 from lanes.serving.batching import LANES, Lane, LaneQueues, Pending, never_fits
 from lanes.serving.metrics import LaneSeries, Metrics, Rate, Utilization
-from lanes.serving.model_thread import (
-    IdleThreads,
-    ModelThread,
-    idle_priority_available,
-    usable_cores,
-)
+from lanes.serving.model_thread import IdleThreads, ModelThread
 from lanes.serving.offline_runs import OfflineRun, gap_filling_items
 from lanes.serving.residency import Presence, Residency, residency_of
 from lanes.serving.slo import Steering, padded_tokens, tokens_of
@@ -140,7 +135,7 @@ class BatchWorker:
         self.preempts_offline = batching.preempt_offline
         self._arrivals = Rate()  # interactive requests: sizes the runs they may stop
         # Offline runs beside the interactive ones, at idle priority (0: they take turns).
-        self.offline_threads = _offline_threads(task, batching.offline_threads)
+        self.offline_threads = task.offline_threads if isinstance(task, SlotSession) else 0
         self._idle: IdleThreads | None = None
         self._beside_task: asyncio.Task[None] | None = None
         self._beside_runs = 0
@@ -692,25 +687,6 @@ class BatchWorker:
 
 class _Stopped(Exception):
     """An offline run ended early by its `RunOptions.terminate` (see the module's doc)."""
-
-
-def _offline_threads(task: Task, declared: int | None) -> int:
-    """How many idle-priority threads run the workload's offline batches beside its
-    interactive ones (`batching.offline_threads`): only on the CPU provider, where the
-    OS can schedule threads at idle priority."""
-    if declared == 0:
-        return 0
-    possible = idle_priority_available() and isinstance(task, SlotSession) and task.slot.on_cpu
-    if declared is None:
-        return usable_cores() if possible else 0
-    if not possible:
-        log.warning(
-            "workload %s: offline_threads needs the CPU provider and an OS with an idle "
-            "priority (Linux); its offline batches take turns with interactive ones",
-            task.name,
-        )
-        return 0
-    return declared
 
 
 def _stop_if_abandoned(batch: list[Pending], stop: ort.RunOptions, _: object) -> None:

@@ -191,11 +191,13 @@ class GatedRuntime(Runtime):
         self.load_gates = dict(load_gates or {})
         self.loads: collections.Counter[Path] = collections.Counter()
 
-    def session(self, model: ModelSpec, optimized: Path | None = None) -> Any:
+    def session(
+        self, model: ModelSpec, optimized: Path | None = None, spin_between_runs: bool = True
+    ) -> Any:
         load_gate = self.load_gates.get(model.path)
         if load_gate is not None:
             load_gate.wait()
-        session = super().session(model, optimized)
+        session = super().session(model, optimized, spin_between_runs)
         self.loads[model.path] += 1
         gate = self.gates.get(model.path)
         return session if gate is None else GatedSession(session, gate, self.pad_s)

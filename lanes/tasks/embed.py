@@ -22,7 +22,7 @@ from lanes.runtime import Runtime, check_io, describe
 from lanes.spec import ModelSpec, TaskName, Workload
 from lanes.tasks.base import check_count, encode, load_tokenizer
 from lanes.tasks.handler import NO_HANDLER, Handler
-from lanes.tasks.session_slot import SessionSlot, SlotSession, unloads_when_idle
+from lanes.tasks.session_slot import SessionSlot, SlotSession
 from lanes.tasks.wordpiece import WordPiece
 
 Vector = npt.NDArray[np.float32]
@@ -64,7 +64,7 @@ class EmbedTask(SlotSession):
             self.tokenizer.no_truncation()
         self.vocab_size = self.tokenizer.get_vocab_size()
         self._wordpiece = WordPiece.of(self.tokenizer)  # the same ids, faster, where it applies
-        self.slot = SessionSlot(runtime, model, unloads_when_idle(workload))
+        self.slot = SessionSlot.of(runtime, model, workload)
         where = str(model.path)
         check_io(self.session, where=where, task="embed", inputs=("input_ids", "attention_mask"))
         inputs = describe(self.session.get_inputs())

@@ -23,7 +23,7 @@ from lanes.runtime import Runtime, TensorInfo, describe
 from lanes.spec import ModelSpec, TaskName, Workload
 from lanes.tasks.base import check_count
 from lanes.tasks.handler import NO_HANDLER, Handler
-from lanes.tasks.session_slot import SessionSlot, SlotSession, unloads_when_idle
+from lanes.tasks.session_slot import SessionSlot, SlotSession
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class InferTask(SlotSession):
         self.name = name
         self.workload = workload
         self.handler = handler
-        self.slot = SessionSlot(runtime, model, unloads_when_idle(workload))
+        self.slot = SessionSlot.of(runtime, model, workload)
         self.inputs = describe(self.session.get_inputs())
         self.outputs = describe(self.session.get_outputs())
         for info in self.inputs.values():

@@ -48,11 +48,17 @@ class Releasable(Protocol):
 
 class SessionSlot:
     """`runtime.session(model)`, loaded at construction; `unload` drops it. With
-    `reloads`, it keeps an optimized copy of the model to load again from."""
+    `reloads`, it keeps an optimized copy of the model to load again from.
+    `offline_threads`: how many threads at idle priority run offline batches beside
+    this session's runs (`Runtime.offline_threads`); with any, its threads stop
+    spinning when a run ends."""
 
-    def __init__(self, runtime: Runtime, model: ModelSpec, reloads: bool = False) -> None:
+    def __init__(
+        self, runtime: Runtime, model: ModelSpec, reloads: bool = False, offline_threads: int = 0
+    ) -> None:
         self._runtime = runtime
         self._model = model
+        self.offline_threads = offline_threads
         self._session: ort.InferenceSession | None = None
         self.placement: Placement | None = None  # None: runs are not IO-bound
         self._copies: tempfile.TemporaryDirectory[str] | None = None
@@ -65,6 +71,12 @@ class SessionSlot:
             else:
                 self._optimized = Path(self._copies.name) / model.path.name
         self.load()
+
+    @classmethod
+    def of(cls, runtime: Runtime, model: ModelSpec, workload: Workload) -> SessionSlot:
+        """The slot of `workload`'s task: reloadable if it unloads while idle."""
+        threads = runtime.offline_threads(workload)
+        return cls(runtime, model, unloads_when_idle(workload), threads)
 
     @property
     def loaded(self) -> bool:
@@ -80,7 +92,8 @@ class SessionSlot:
     def load(self) -> None:
         if self._session is not None:
             return
-        session = self._runtime.session(self._model, self._optimized)
+        spins = self.offline_threads == 0
+        session = self._runtime.session(self._model, self._optimized, spin_between_runs=spins)
         self.placement = self._runtime.binding(session)
         self._session = session
 
@@ -88,12 +101,6 @@ class SessionSlot:
         # The last reference: onnxruntime frees the session's memory here.
         self._session = None
         self.placement = None
-
-    @property
-    def on_cpu(self) -> bool:
-        """Whether the session runs on onnxruntime's CPU provider alone."""
-        providers: list[str] = self.session.get_providers()
-        return providers == ["CPUExecutionProvider"]
 
     def one_thread(self) -> SessionSlot:
         """A slot of its own on the same model file, one intra-op thread, loaded now."""
@@ -119,6 +126,11 @@ class SlotSession:
     @property
     def loaded(self) -> bool:
         return self.slot.loaded
+
+    @property
+    def offline_threads(self) -> int:
+        """Threads at idle priority for offline batches beside this task's runs."""
+        return self.slot.offline_threads
 
     def load(self) -> None:
         """Load the session again after `unload` (see lanes/tasks/session_slot.py)."""
