@@ -30,6 +30,19 @@ def batch_path(workload: str) -> str:
     return BATCH_ROUTE.format(workload=workload)
 
 
+def backfilled(workloads: Mapping[str, Workload]) -> set[str]:
+    """The interactive workloads whose sessions run some offline workload's batches
+    (those whose runner is the endpoint and whose target resolves)."""
+    found = set()
+    for name, workload in workloads.items():
+        if isinstance(workload, OfflineWorkload) and workload.runner.kind == "endpoint":
+            try:
+                found.add(served_workload(workloads, name))
+            except ValueError:
+                continue  # the spec's own check says what is wrong with it
+    return found
+
+
 def served_workload(workloads: Mapping[str, Workload], name: str) -> str:
     """The interactive workload whose sessions run offline workload `name`'s batches
     (`runner.workload`: that workload, or its model's name; none: the one interactive

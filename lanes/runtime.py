@@ -235,16 +235,18 @@ class Runtime:
     def providers(self) -> tuple[str, ...]:
         return self.choice.providers
 
-    def offline_threads(self, workload: Workload) -> int:
+    def offline_threads(self, workload: Workload, backfilled: bool) -> int:
         """How many threads at idle priority run an interactive embed/infer workload's
         offline batches beside its interactive ones (`batching.offline_threads`; see
         serving/worker.py): only on the CPU, where the OS can give a thread idle
-        priority; 0 for an offline workload, on a GPU, and where declared so."""
+        priority; by default only where the spec runs an offline workload on it
+        (`backfilled`), since its session then stops spinning between runs (a cost to
+        its latency alone); 0 for an offline workload, on a GPU, and where declared so."""
         if not isinstance(workload, InteractiveWorkload):
             return 0
         declared = workload.batching.offline_threads
         possible = idle_priority_available() and self.choice.gpu_provider is None
-        if declared == 0 or (declared is None and not possible):
+        if declared == 0 or (declared is None and not (possible and backfilled)):
             return 0
         if not possible:
             log.warning(

@@ -154,9 +154,11 @@ class Batching(StrictModel):
         "interactive ones at the operating system's idle priority, on a one-thread session "
         "of the model of their own (loaded with the first offline batch): the OS gives an "
         "interactive run the cores the moment it starts, and offline runs use what it "
-        "leaves. 0: offline runs take turns with interactive ones on the model's own "
-        "thread, as they always do on a GPU (default: the cores this process may use, "
-        "where the model runs on the CPU and the OS has an idle priority; else 0).",
+        "leaves; the workload's own session then stops spin-waiting when a run ends. 0: "
+        "offline runs take turns with interactive ones on the model's own thread, as they "
+        "always do on a GPU (default: the cores this process may use where the model runs "
+        "on the CPU, the OS has an idle priority and an offline workload of this spec runs "
+        "on this one, `runner: {kind: endpoint}`; else 0).",
     )
 
 

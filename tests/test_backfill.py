@@ -232,16 +232,22 @@ def spin_model(path: Path) -> Path:
     return path
 
 
-def spin_task(folder: Path, preempt: bool, offline_threads: int | None = 0) -> tuple[Any, Gate]:
+def spin_task(
+    folder: Path, preempt: bool, offline_threads: int | None = 0, backfilled: bool = False
+) -> tuple[Any, Gate]:
     """An infer workload on `spin_model` behind a gate (PAD_S: every run on the model
     thread, none on the event loop), preempting offline runs or not; its offline runs
-    take turns with interactive ones unless `offline_threads` run them beside."""
+    take turns with interactive ones unless `offline_threads` run them beside.
+    `backfilled`: the spec declares an offline workload that runs on it."""
     model = spin_model(folder / "spin" / "model.onnx")
     batching = {"preempt_offline": preempt, "offline_threads": offline_threads}
+    workloads = {"live": live("infer", model="spin", batching=batching)}
+    if backfilled:
+        workloads["corpus"] = batch("infer", model="spin", runner=on_endpoint())
     spec = {
         "version": 1,
         "models": {"spin": {"path": str(model)}},
-        "workloads": {"live": live("infer", model="spin", batching=batching)},
+        "workloads": workloads,
     }
     (folder / "workloads.yaml").write_text(orjson.dumps(spec).decode())
     gate = Gate()
@@ -472,11 +478,14 @@ def test_beside_an_endless_offline_run_an_interactive_request_is_answered(
     assert sample("lanes_lane_preemptions_total", OFFLINE) == 0
 
 
-@pytest.mark.parametrize(("declared", "threads"), [(0, 0), (3, 3), (None, "cores")])
-def test_offline_threads_default_to_the_cores_on_the_cpu(
-    tmp_path: Path, declared: int | None, threads: int | str
+@pytest.mark.parametrize(
+    ("declared", "backfilled", "threads"),
+    [(0, True, 0), (3, False, 3), (None, False, 0), (None, True, "cores")],
+)
+def test_offline_threads_default_to_the_cores_where_the_spec_backfills_on_the_cpu(
+    tmp_path: Path, declared: int | None, backfilled: bool, threads: int | str
 ) -> None:
-    task, _ = spin_task(tmp_path, preempt=False, offline_threads=declared)
+    task, _ = spin_task(tmp_path, False, offline_threads=declared, backfilled=backfilled)
     cores = len(os.sched_getaffinity(0))
     assert BatchWorker(task, Metrics()).offline_threads == (
         cores if threads == "cores" else threads

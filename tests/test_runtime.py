@@ -135,6 +135,21 @@ def test_session_options_prefer_the_model_over_settings(model: ModelSpec) -> Non
     assert (options.intra_op_num_threads, options.inter_op_num_threads) == (1, 1)
 
 
+def test_a_session_beside_offline_threads_stops_spinning_when_a_run_ends(
+    model: ModelSpec,
+) -> None:
+    """Spin-waiting threads would burn the cores the idle-priority offline runs use."""
+    runtime = Runtime(Settings(device="cpu"))
+    stop = "session.force_spinning_stop"
+    with pytest.raises(RuntimeError, match="does not have configuration"):
+        runtime.session_options(model).get_session_config_entry(stop)
+    options = runtime.session_options(model, spin_between_runs=False)
+    assert options.get_session_config_entry(stop) == "1"
+    quiet = model.model_copy(update={"session": SessionOptions(spinning=False)})
+    options = runtime.session_options(quiet, spin_between_runs=False)
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+
+
 def test_missing_file_and_garbage_file_name_the_path(tmp_path: Path) -> None:
     runtime = Runtime(Settings(device="cpu"))
     with pytest.raises(ModelError, match=r"no model file at .*absent\.onnx"):

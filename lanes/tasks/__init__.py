@@ -6,6 +6,7 @@ outputs = task.run([task.prepare(item) for item in items])
 
 from __future__ import annotations
 
+from lanes.backfill import backfilled
 from lanes.runtime import Runtime
 from lanes.spec import Spec
 from lanes.tasks.base import Task
@@ -40,10 +41,11 @@ def load_task(name: str, spec: Spec, runtime: Runtime) -> Task:
     workload = spec.workload(name)
     model = spec.models[workload.model]
     handler = load_handler(workload.handler, spec.root) if workload.handler else NO_HANDLER
+    backfill = name in backfilled(spec.workloads)
     match workload.task:
         case "embed":
-            return EmbedTask(name, workload, model, runtime, handler)
+            return EmbedTask(name, workload, model, runtime, handler, backfill)
         case "infer":
-            return InferTask(name, workload, model, runtime, handler)
+            return InferTask(name, workload, model, runtime, handler, backfill)
         case "generate":
             return GenerateTask(name, workload, model, runtime, handler)

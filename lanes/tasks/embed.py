@@ -48,7 +48,10 @@ class EmbedTask(SlotSession):
         model: ModelSpec,
         runtime: Runtime,
         handler: Handler = NO_HANDLER,
+        backfilled: bool = False,
     ) -> None:
+        """`backfilled`: the spec runs an offline workload's batches on this one's
+        sessions (lanes.backfill.backfilled)."""
         self.name = name
         self.workload = workload
         self.handler = handler
@@ -64,7 +67,7 @@ class EmbedTask(SlotSession):
             self.tokenizer.no_truncation()
         self.vocab_size = self.tokenizer.get_vocab_size()
         self._wordpiece = WordPiece.of(self.tokenizer)  # the same ids, faster, where it applies
-        self.slot = SessionSlot.of(runtime, model, workload)
+        self.slot = SessionSlot.of(runtime, model, workload, backfilled)
         where = str(model.path)
         check_io(self.session, where=where, task="embed", inputs=("input_ids", "attention_mask"))
         inputs = describe(self.session.get_inputs())

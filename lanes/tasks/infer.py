@@ -51,11 +51,14 @@ class InferTask(SlotSession):
         model: ModelSpec,
         runtime: Runtime,
         handler: Handler = NO_HANDLER,
+        backfilled: bool = False,
     ) -> None:
+        """`backfilled`: the spec runs an offline workload's batches on this one's
+        sessions (lanes.backfill.backfilled)."""
         self.name = name
         self.workload = workload
         self.handler = handler
-        self.slot = SessionSlot.of(runtime, model, workload)
+        self.slot = SessionSlot.of(runtime, model, workload, backfilled)
         self.inputs = describe(self.session.get_inputs())
         self.outputs = describe(self.session.get_outputs())
         for info in self.inputs.values():

@@ -73,9 +73,12 @@ class SessionSlot:
         self.load()
 
     @classmethod
-    def of(cls, runtime: Runtime, model: ModelSpec, workload: Workload) -> SessionSlot:
-        """The slot of `workload`'s task: reloadable if it unloads while idle."""
-        threads = runtime.offline_threads(workload)
+    def of(
+        cls, runtime: Runtime, model: ModelSpec, workload: Workload, backfilled: bool = False
+    ) -> SessionSlot:
+        """The slot of `workload`'s task: reloadable if it unloads while idle, with the
+        offline threads `Runtime.offline_threads` gives it."""
+        threads = runtime.offline_threads(workload, backfilled)
         return cls(runtime, model, unloads_when_idle(workload), threads)
 
     @property
