@@ -140,7 +140,7 @@ class BatchWorker:
         self._beside_task: asyncio.Task[None] | None = None
         self._beside_runs = 0
         self._beside_room = asyncio.Event()
-        self._twin: SlotSession | None = None  # the task on its one-thread session
+        self._twin: Task | None = None  # the task on its one-thread session
         self._twin_lock = threading.Lock()
         default = workload.slo.timeout_ms
         self.default_timeout_s = default / 1000 if default else None
@@ -435,7 +435,7 @@ class BatchWorker:
                 assert isinstance(self.task, SlotSession)
                 self._twin = self.task.on_one_thread()
             twin = self._twin
-        return run_unhandled(twin, items, options)  # type: ignore[arg-type]
+        return run_unhandled(twin, items, options)
 
     def _finish_beside(
         self,
