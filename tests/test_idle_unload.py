@@ -266,3 +266,43 @@ workloads:
         assert back.status_code == 200, back.text
         assert served.metric("lanes_model_loads_total", "tiny") == 2
         assert served.metric("lanes_model_loaded", "tiny") == 1
+
+
+def test_offline_threads_session_goes_with_an_unload_and_comes_back_with_the_next_batch(
+    demo_models: Path, tmp_path: Path
+) -> None:
+    """The offline threads' own session (loaded with the first offline batch) is
+    released with the model, and the next offline batch loads both again."""
+    beside = f"""\
+  beside:
+    mode: interactive
+    task: embed
+    model: minilm
+    idle_unload_s: {IDLE_S}
+    batching: {{offline_threads: 1}}
+"""
+    clock, load = JumpClock(), Gate()  # open: it only counts the loads
+    spec = write_spec(tmp_path, demo_models, beside)
+    gates = {"minilm": load}
+    with ServerThread(spec, clock=clock, load_gates=gates, internal_key=INTERNAL_KEY) as server:
+        served = Served(server, clock, load)
+        assert served.worker("beside").offline_threads == 1
+        task = served.worker("beside").task
+        items = [task.prepare(TEXT), task.prepare("another text")]
+        headers = {"content-type": CONTENT_TYPE, "authorization": f"Bearer {INTERNAL_KEY}"}
+
+        def offline_batch() -> list[np.ndarray]:
+            answer = served.http.post(
+                batch_path("beside"), content=encode_items(items), headers=headers
+            )
+            assert answer.status_code == 200, answer.text
+            return list(decode_outputs(answer.content, len(items), "embed"))
+
+        first = offline_batch()
+        assert served.loads("minilm") == 2, "the model's session and the offline threads' own"
+        served.unload("beside")
+        again = offline_batch()
+        # The model's own load runs on its thread meanwhile, the batch not waiting for it.
+        wait_until(lambda: served.loads("minilm") == 4, "both loaded again")
+        for got, want in zip(again, first, strict=True):
+            np.testing.assert_allclose(got, want, atol=1e-6)
