@@ -176,6 +176,13 @@ def _workload_problems(
             "remove it"
         )
         found.append(((*at, "batching", "preempt_offline"), message, True))
+    if isinstance(batching, dict) and batching.get("offline_threads") and task == "generate":
+        message = (
+            "`offline_threads` runs an embed or infer workload's offline batches beside its "
+            "interactive ones; a generate workload's offline sequences take its free rows: "
+            "remove it"
+        )
+        found.append(((*at, "batching", "offline_threads"), message, True))
     if raw.get("idle_unload_s") is not None and task == "generate":
         message = (
             "`idle_unload_s` unloads an embed or infer model when idle; a generate "

@@ -216,6 +216,14 @@ BAD_CASES = [
         "embed or infer workload's offline runs",
     ),
     (
+        "offline threads on generate",
+        "    task: embed\n    model: enc\n    batching: {max_batch_size: 8, max_wait_ms: 2}\n",
+        "    task: generate\n    model: enc\n"
+        "    batching: {max_batch_size: 8, max_wait_ms: 2, offline_threads: 2}\n",
+        "W:10:51: workloads.search-query.batching.offline_threads: `offline_threads` runs an "
+        "embed or infer workload's offline batches",
+    ),
+    (
         "max_error_rate out of range",
         "    output: out/\n",
         "    output: out/\n    max_error_rate: 1.5\n",
