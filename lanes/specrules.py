@@ -43,6 +43,14 @@ _PLAIN_KEY = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _ITEM_FIELDS = {"text": "embed", "prompt": "generate"}
 
 
+# The batching fields of an embed or infer workload's offline lane, and what each does.
+_OFFLINE_LANE_FIELDS = {
+    "preempt_offline": "stops an embed or infer workload's offline runs",
+    "offline_threads": "runs an embed or infer workload's offline batches beside its "
+    "interactive ones",
+}
+
+
 def parse_spec(data: Any, base: Path, check_files: bool = True) -> tuple[Spec | None, Found]:
     """Validate plain data. Returns the spec (None if anything is wrong) and every problem.
 
@@ -169,20 +177,13 @@ def _workload_problems(
             f"task {task!r} has none: remove it"
         )
         found.append(((*at, "batching", "max_prefill_tokens"), message, True))
-    if isinstance(batching, dict) and batching.get("preempt_offline") and task == "generate":
-        message = (
-            "`preempt_offline` stops an embed or infer workload's offline runs; a generate "
-            "workload always preempts offline sequences when interactive ones need rows: "
-            "remove it"
-        )
-        found.append(((*at, "batching", "preempt_offline"), message, True))
-    if isinstance(batching, dict) and batching.get("offline_threads") and task == "generate":
-        message = (
-            "`offline_threads` runs an embed or infer workload's offline batches beside its "
-            "interactive ones; a generate workload's offline sequences take its free rows: "
-            "remove it"
-        )
-        found.append(((*at, "batching", "offline_threads"), message, True))
+    for key, does in _OFFLINE_LANE_FIELDS.items():
+        if isinstance(batching, dict) and batching.get(key) and task == "generate":
+            message = (
+                f"`{key}` {does}; a generate workload's offline sequences take its free "
+                "rows, preempted when interactive ones need them: remove it"
+            )
+            found.append(((*at, "batching", key), message, True))
     if raw.get("idle_unload_s") is not None and task == "generate":
         message = (
             "`idle_unload_s` unloads an embed or infer model when idle; a generate "
