@@ -38,12 +38,15 @@ _Job = tuple[Callable[[Any], Any], Any, Done, asyncio.AbstractEventLoop]
 
 
 class ModelThread:
-    """Runs `fn(arg)` calls one at a time, in order, on one thread named `name`."""
+    """Runs `fn(arg)` calls one at a time, in order, on one thread named `name`
+    (`count` threads, `name`-0, `name`-1..., take calls side by side: IdleThreads)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, count: int = 1) -> None:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._serve, name=name, daemon=True)]
-        self._threads[0].start()
+        names = [name] if count == 1 else [f"{name}-{i}" for i in range(count)]
+        self._threads = [threading.Thread(target=self._serve, name=n, daemon=True) for n in names]
+        for thread in self._threads:
+            thread.start()
 
     def call(self, fn: Callable[[Any], Any], arg: Any, done: Done) -> None:
         """`fn(arg)` on the thread, then `done(result, None)` or `done(None, error)` on
@@ -57,7 +60,11 @@ class ModelThread:
         for thread in self._threads:
             thread.join()
 
+    def _begin(self) -> None:
+        """Runs first on each thread, before any call."""
+
     def _serve(self) -> None:
+        self._begin()
         while (job := self._jobs.get()) is not None:
             fn, arg, done, loop = job
             result, error = None, None
@@ -70,29 +77,18 @@ class ModelThread:
 
 
 class IdleThreads(ModelThread):
-    """`count` threads at the OS's idle priority, named `name`, each running one
-    `fn(arg)` call at a time (so up to `count` at once, started in order).
+    """`count` threads at the OS's idle priority, named `name`-0, `name`-1..., each
+    running one `fn(arg)` call at a time (so up to `count` at once, started in order).
 
-    `native_ids`: the threads' ids in the OS, once each has lowered its priority."""
+    `native_ids`: the OS's ids of the threads that have lowered their priority."""
 
     def __init__(self, name: str, count: int) -> None:
         if not idle_priority_available():
             raise RuntimeError("this OS has no idle priority for threads (SCHED_IDLE)")
-        self._jobs = queue.SimpleQueue()
         self.native_ids: list[int] = []
-        self._ready = threading.Semaphore(0)
-        self._threads = [
-            threading.Thread(target=self._serve_idle, name=f"{name}-{i}", daemon=True)
-            for i in range(count)
-        ]
-        for thread in self._threads:
-            thread.start()
-        for _ in self._threads:
-            self._ready.acquire()
+        super().__init__(name, count)
 
-    def _serve_idle(self) -> None:
+    def _begin(self) -> None:
         # 0: the calling thread (Linux schedules threads, not processes).
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         self.native_ids.append(threading.get_native_id())
-        self._ready.release()
-        self._serve()
