@@ -2,8 +2,8 @@
 
 Interactive requests come first. On the CPU, offline items (`submit_offline`, from
 flows whose runner is this endpoint) run beside them on threads at the OS's idle
-priority (`batching.offline_threads`, serving/model_thread.py), on a one-thread session
-of their own: an interactive run takes the cores the moment it starts, and offline
+priority (`batching.offline_threads`, serving/beside.py), on a one-thread session of
+their own: an interactive run takes the cores the moment it starts, and offline
 batches of `max_batch_size` use whatever it leaves. Otherwise (a GPU, or
 `offline_threads: 0`) the two lanes take turns on the model's thread: offline items
 run only when no interactive request waits, in batches sized so that one run fits in
@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -39,11 +38,13 @@ import onnxruntime as ort
 from lanes.batchframe import run_unhandled
 from lanes.costmodel import CostModel
 from lanes.errors import LanesError, ModelError, Overloaded
-from lanes.isolation import Failed, Isolated, Ran, failed_alone, isolate, per_item
+from lanes.isolation import Failed
 from lanes.serving.access import RequestRecord
+from lanes.serving.batch_run import Result, Stopped, answer, timed_run
 from lanes.serving.batching import LANES, Lane, LaneQueues, Pending, never_fits
+from lanes.serving.beside import Beside
 from lanes.serving.metrics import LaneSeries, Metrics, Rate, Utilization
-from lanes.serving.model_thread import IdleThreads, ModelThread
+from lanes.serving.model_thread import ModelThread
 from lanes.serving.offline_runs import OfflineRun, gap_filling_items
 from lanes.serving.residency import Presence, Residency, residency_of
 from lanes.serving.slo import Steering, padded_tokens, tokens_of
@@ -136,12 +137,13 @@ class BatchWorker:
         self._arrivals = Rate()  # interactive requests: sizes the runs they may stop
         # Offline runs beside the interactive ones, at idle priority (0: they take turns).
         self.offline_threads = task.offline_threads if isinstance(task, SlotSession) else 0
-        self._idle: IdleThreads | None = None
-        self._beside_task: asyncio.Task[None] | None = None
-        self._beside_runs = 0
-        self._beside_room = asyncio.Event()
-        self._twin: Task | None = None  # the task on its one-thread session
-        self._twin_lock = threading.Lock()
+        self._beside = (
+            Beside(
+                task, self.offline_threads, self.lanes, self._lane["offline"], clock, self._active
+            )
+            if self.offline_threads
+            else None
+        )
         default = workload.slo.timeout_ms
         self.default_timeout_s = default / 1000 if default else None
         self.residency = residency_of(task, workload.idle_unload_s, metrics, clock)
@@ -149,10 +151,8 @@ class BatchWorker:
 
     def start(self) -> None:
         self._loop_task = asyncio.create_task(self._run_forever(), name=f"batch-{self.name}")
-        if self.offline_threads:
-            self._idle = IdleThreads(f"lanes-{self.name}-offline", self.offline_threads)
-            beside = self._run_offline_beside()
-            self._beside_task = asyncio.create_task(beside, name=f"offline-{self.name}")
+        if self._beside is not None:
+            self._beside.start(self.name)
         if self.residency is not None:
             watch = self._watch_idle(self.residency)
             self._idle_task = asyncio.create_task(watch, name=f"idle-{self.name}")
@@ -166,13 +166,11 @@ class BatchWorker:
         self.lanes.close()
         if self._loop_task is not None:
             await self._loop_task
-        if self._beside_task is not None:
-            await self._beside_task
+        if self._beside is not None:
+            await self._beside.stop()
         # Off the loop: a lone request's run may still be on the thread, and the loop
         # stays free meanwhile to answer it and other workers' callers.
         await asyncio.to_thread(self._thread.stop)
-        if self._idle is not None:
-            await asyncio.to_thread(self._idle.stop)
 
     def admit(self, items: int, timeout_s: float | None = None) -> None:
         """Raise now what `submit` would refuse `items` inputs with, so that a caller
@@ -340,12 +338,13 @@ class BatchWorker:
             or not self._free.is_set()
             or len(self.queue) > 0
             or len(self.lanes.offline) > 0
-            or self._beside_runs > 0
+            or (self._beside is not None and self._beside.running > 0)
             or not residency.idle()
         ):
             return False
         residency.begin_unload()
-        self._twin = None  # its session goes too; the next offline batch loads it again
+        if self._beside is not None:
+            self._beside.release()  # its session goes too
         self._free.clear()
         self._thread.call(residency.release, None, self._unloaded)
         return True
@@ -366,6 +365,12 @@ class BatchWorker:
             await asyncio.sleep(residency.poll_s)
             self.unload_if_idle()
             residency.checks += 1
+
+    def _active(self) -> None:
+        """Offline work beside the model was taken or ended: depths, and not idle."""
+        self._set_depths()
+        if self.residency is not None:
+            self.residency.touch()
 
     def _set_depths(self) -> None:
         self._queue_depth.set(len(self.queue))
@@ -405,57 +410,6 @@ class BatchWorker:
                 return
             if self._start(batch.items, batch.lane):
                 await asyncio.sleep(0)  # an inline run: let replies go and requests arrive
-
-    async def _run_offline_beside(self) -> None:
-        """Offline batches on the idle threads, one a thread at a time."""
-        while True:
-            while self._beside_runs >= self.offline_threads:
-                self._beside_room.clear()
-                await self._beside_room.wait()
-            batch = await self.lanes.next_offline()
-            self._set_depths()
-            if batch is None:
-                return
-            self._start_beside(batch.items)
-
-    def _start_beside(self, batch: list[Pending]) -> None:
-        """One offline batch on an idle thread; its callers all gone, the run stops."""
-        assert self._idle is not None
-        self._beside_runs += 1
-        stop = ort.RunOptions()
-        for pending in batch:
-            pending.future.add_done_callback(partial(_stop_if_abandoned, batch, stop))
-        run = partial(self._timed_run, self._raw_beside, stop=stop, learns=False)
-        done = partial(self._finish_beside, batch, self.clock())
-        self._idle.call(run, [p.item for p in batch], done)
-
-    def _raw_beside(self, items: Sequence[Any], options: ort.RunOptions | None) -> list[Any]:
-        with self._twin_lock:  # the first offline batch loads it, on an idle thread
-            if self._twin is None:
-                assert isinstance(self.task, SlotSession)
-                self._twin = self.task.on_one_thread()
-            twin = self._twin
-        return run_unhandled(twin, items, options)
-
-    def _finish_beside(
-        self,
-        batch: list[Pending],
-        start: float,
-        result: tuple[list[Any], float] | None,
-        error: BaseException | None,
-    ) -> None:
-        end = self.clock()
-        self._beside_runs -= 1
-        self._beside_room.set()
-        if self.residency is not None:
-            self.residency.touch()
-        series = self._lane["offline"]
-        series.busy.inc(end - start)
-        if isinstance(error, _Stopped):  # nobody waited for it any more
-            self.lanes.offline.give_back(batch)
-            return
-        self._answer(batch, start, result, error)
-        series.items.inc(len(batch))
 
     def slack_s(self) -> float:
         """What one offline run may take: the p99 SLO minus the interactive service
@@ -529,7 +483,7 @@ class BatchWorker:
         batch: list[Pending],
         lane: Lane,
         start: float,
-        result: tuple[list[Any], float] | None,
+        result: Result | None,
         error: BaseException | None,
     ) -> None:
         """Each caller's answer, then the run's metrics; frees the model for the next.
@@ -541,12 +495,12 @@ class BatchWorker:
             self._offline_run = None
         if self.residency is not None:
             self.residency.touch()
-        if isinstance(error, _Stopped):
+        if isinstance(error, Stopped):
             self.lanes.offline.give_back(batch)
             live = sum(1 for p in batch if p.live)
             asyncio.get_running_loop().call_soon(self._record_stopped, live, start, end)
             return
-        outputs, error = self._answer(batch, start, result, error)
+        outputs, error = answer(batch, start, result, error, self.name)
         # Accounted after the callers resume and send their answers (call_soon runs
         # after the wake-ups set_result scheduled): a lone request does not wait on it.
         run_s = result[1] if result is not None else None
@@ -556,46 +510,6 @@ class BatchWorker:
         asyncio.get_running_loop().call_soon(
             self._record, batch, lane, start, end, run_s if whole else None
         )
-
-    def _answer(
-        self,
-        batch: list[Pending],
-        start: float,
-        result: tuple[list[Any], float] | None,
-        error: BaseException | None,
-    ) -> tuple[list[Any], BaseException | None]:
-        """Each live caller's output or error; returns the outputs and the batch's
-        error (a model failure made a ModelError), as given to the callers."""
-        outputs: list[Any] = []
-        if error is not None and not isinstance(error, LanesError):
-            # A model failure must answer its callers, not kill the loop.
-            log.error(
-                "workload %s: a batch of %d failed (requests %s)",
-                self.name,
-                len(batch),
-                _ids(batch),
-                exc_info=error,
-            )
-            error = ModelError(f"the model failed on this batch: {error}")
-        elif result is not None:
-            outputs = result[0]
-            if len(outputs) != len(batch):
-                error = ModelError(
-                    f"the task returned {len(outputs)} outputs for {len(batch)} inputs"
-                )
-        for i, pending in enumerate(batch):
-            if pending.request is not None:  # before its answer: the access line reads it
-                pending.request.queue_wait_s = start - pending.enqueued_at
-                pending.request.batch_size = len(batch)
-            if pending.future.done():
-                continue  # the caller went away meanwhile
-            if error is not None:
-                pending.future.set_exception(error)
-            elif isinstance(outputs[i], Failed):  # the model fails on this item alone
-                pending.future.set_exception(outputs[i].error)
-            else:
-                pending.future.set_result(outputs[i])
-        return outputs, error
 
     def _record(
         self, batch: list[Pending], lane: Lane, start: float, end: float, run_s: float | None
@@ -646,68 +560,16 @@ class BatchWorker:
         run: Callable[..., list[Any]],
         items: list[Any],
         stop: ort.RunOptions | None = None,
-        learns: bool = True,
-    ) -> tuple[list[Any], float]:
-        """The task's run and its own duration, without any thread hand-off.
-
-        A run that fails is run again in halves (lanes/isolation.py): an item that
-        fails alone gets a `Failed` holding its own error, the others their outputs.
-        Only a whole run's duration teaches the cost per item. With `stop`, the whole
-        run is `run(items, stop)`, and raises `_Stopped` if `stop.terminate` ended it;
-        the halves after a failure run to their end. Without `learns` (a run at idle
-        priority, stretched by the interactive runs), its time teaches nothing."""
-        start = self.clock()
-        if stop is None:
-            isolated = isolate(run, items)
-        else:
-            try:
-                isolated = Isolated((Ran(0, len(items), run(items, stop)),), ())
-            except Exception as error:
-                if stop.terminate:
-                    raise _Stopped from None
-                isolated = isolate(run, items, error)
-        took = self.clock() - start
-        if isolated.whole and learns:
+    ) -> Result:
+        """`timed_run` (serving/batch_run.py); a whole run's duration teaches the
+        cost per item that decides where a batch runs."""
+        result = timed_run(run, items, self.clock, self.name, stop)
+        outputs, took = result
+        if not any(isinstance(o, Failed) for o in outputs):
             cost = took / len(items)
             old = self._item_cost_s
             self._item_cost_s = cost if old is None else old + _COST_WEIGHT * (cost - old)
-        elif not isolated.whole:
-            self._log_failures(isolated, len(items))
-        return _with_errors(isolated, len(items)), took
-
-    def _log_failures(self, isolated: Isolated[Any], items: int) -> None:
-        log.error(
-            "workload %s: a batch of %d failed; %d of its items fail on their own",
-            self.name,
-            items,
-            len(isolated.failed),
-            exc_info=isolated.error,
-        )
-
-
-class _Stopped(Exception):
-    """An offline run ended early by its `RunOptions.terminate` (see the module's doc)."""
-
-
-def _stop_if_abandoned(batch: list[Pending], stop: ort.RunOptions, _: object) -> None:
-    """Once no caller of an offline batch waits, its run (if still going) ends early."""
-    if not any(p.live for p in batch):
-        stop.terminate = True
-
-
-def _ids(batch: list[Pending]) -> str:
-    """The request ids of a batch, for a line about the whole batch."""
-    return ", ".join(sorted({p.request.id for p in batch if p.request is not None})) or "none"
-
-
-def _with_errors(isolated: Isolated[Any], items: int) -> list[Any]:
-    """Each item's output; where it failed alone, a `Failed` holding the error its
-    caller gets (every item failing alone is the model's fault, and says so)."""
-    every = isolated.all_failed and items > 1
-    return [
-        Failed(o.index, failed_alone(o.error, every=every)) if isinstance(o, Failed) else o
-        for o in per_item(isolated, items)
-    ]
+        return result
 
 
 class _Typical:

@@ -145,7 +145,7 @@ class SlotSession:
     def on_one_thread(self) -> Self:
         """This task with its runs on a session of its own with one intra-op thread
         (everything else shared): what runs offline batches at idle priority beside the
-        task's own runs (serving/worker.py)."""
+        task's own runs (serving/beside.py)."""
         twin = copy.copy(self)
         twin.slot = self.slot.one_thread()
         return twin
