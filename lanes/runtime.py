@@ -238,7 +238,7 @@ class Runtime:
     def offline_threads(self, workload: Workload, backfilled: bool) -> int:
         """How many threads at idle priority run an interactive embed/infer workload's
         offline batches beside its interactive ones (`batching.offline_threads`; see
-        serving/worker.py): only on the CPU, where the OS can give a thread idle
+        serving/beside.py): only on the CPU, where the OS can give a thread idle
         priority; by default only where the spec runs an offline workload on it
         (`backfilled`), since its session then stops spinning between runs (a cost to
         its latency alone); 0 for an offline workload, on a GPU, and where declared so."""
