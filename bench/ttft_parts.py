@@ -29,7 +29,7 @@ import argparse
 import asyncio
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from generate import MAX_TOKENS, PROMPTS, draw_lengths, raw_tokens_per_s  # noqa: E402
 
 from lanes.generation.kvcache import MAX_PADDING  # noqa: E402
-from lanes.generation.loop import Step  # noqa: E402
+from lanes.generation.loop import Beside, Step  # noqa: E402
 from lanes.generation.seq import Event, Seq, StepPlan  # noqa: E402
 from lanes.runtime import Runtime  # noqa: E402
 from lanes.serving.engine import Engine  # noqa: E402
@@ -60,6 +60,7 @@ class Marks:
         self.at: dict[int, dict[str, float]] = {}
         self.joiners: dict[int, tuple[bool, int]] = {}  # id -> (prefilled alone, joiners)
         add, run, flush = engine.scheduler.add, engine.loop.run, engine._flush
+        prefill_beside = engine.loop.prefill_beside
 
         def taken(seq: Seq) -> None:  # the engine thread, out of its inbox
             add(seq)
@@ -69,6 +70,7 @@ class Marks:
             plan: StepPlan,
             before_runs: Callable[[], None] = lambda: None,
             first_tokens: Callable[[list[Event]], None] | None = None,
+            beside: Beside | None = None,
         ) -> Step:
             start = time.perf_counter()
 
@@ -77,11 +79,20 @@ class Marks:
                 if first_tokens is not None:
                     first_tokens(events)
 
-            step = run(plan, before_runs, handed)
+            step = run(plan, before_runs, handed, beside)
             for seq in plan.prefill:
                 self._mark([seq.id], "plan", start)
                 self._mark([seq.id], "stepped")
                 self.joiners[seq.id] = (not plan.decode, len(plan.prefill))
+            return step
+
+        def prefilled_beside(joiners: Sequence[Seq]) -> Step:  # during a decode
+            start = time.perf_counter()
+            step = prefill_beside(joiners)
+            for seq in joiners:
+                self._mark([seq.id], "plan", start)
+                self._mark([seq.id], "stepped")
+                self.joiners[seq.id] = (True, len(joiners))
             return step
 
         def flushed() -> None:
@@ -91,6 +102,7 @@ class Marks:
 
         engine.scheduler.add = taken  # type: ignore[method-assign]
         engine.loop.run = ran  # type: ignore[method-assign]
+        engine.loop.prefill_beside = prefilled_beside  # type: ignore[method-assign]
         engine._flush = flushed  # type: ignore[method-assign]
 
     def _mark(self, ids: list[int], point: str, at: float | None = None) -> None:

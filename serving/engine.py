@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING
 
 from lanes.errors import LanesError, ModelError, Overloaded
 from lanes.generation.batch import scheduler_for, seq_of
-from lanes.generation.kvcache import MAX_PADDING
+from lanes.generation.kvcache import MAX_PADDING, Decoded
 from lanes.generation.loop import Step, StepLoop
 from lanes.generation.preempt import KEEP_BYTES, Preempted
 from lanes.generation.scheduler import PREFILL_TOKENS, Policy
@@ -128,7 +128,8 @@ class Engine:
     padded cache positions are worth one decoder run less (see lanes/generation/kvcache.py).
     `clock` is the scheduler's (arrivals, deadlines) and times every step. With
     `tracing`, a request submitted with its span gets its prefill and decode spans.
-    `keep_bytes` bounds the preempted offline sequences' kept caches.
+    `keep_bytes` bounds the preempted offline sequences' kept caches. Without
+    `prefill_beside` (the benchmark's baseline), arrivals wait for the step in flight.
     """
 
     def __init__(
@@ -140,6 +141,7 @@ class Engine:
         clock: Callable[[], float] = time.monotonic,
         tracing: Tracing | None = None,
         keep_bytes: int = KEEP_BYTES,
+        prefill_beside: bool = True,
     ) -> None:
         workload = as_interactive(task.workload)
         self.task = task
@@ -179,7 +181,8 @@ class Engine:
         self._series = GenerateSeries.of(metrics, self.name)
         self._spans = GenerateSpans(tracing, self.name, clock) if tracing is not None else None
         self._stats = threading.Lock()  # rate and utilization: engine thread and /metrics
-        self._lock = threading.Condition()
+        lock = threading.Lock()
+        self._lock = threading.Condition(lock)
         self._inbox: list[Seq] = []
         self._aborts: list[int] = []
         self._waiting = 0  # submitted, not yet running or retired (under _lock)
@@ -191,6 +194,18 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name=f"lanes-engine-{self.name}")
         self._thread.daemon = True
+        # While the engine thread is in a decode, requests that arrive are prefilled
+        # beside it on a thread of their own (continuous batching only: the other
+        # policies are the bench's baselines). Both wait on `_lock`'s lock.
+        self._arrivals = threading.Condition(lock)
+        self._decoding = False  # the engine thread is in a decode (under _lock)
+        self._prefilling = False  # the arrivals thread is at work (under _lock)
+        self._beside_error: BaseException | None = None
+        self._arrivals_thread = threading.Thread(
+            target=self._prefill_arrivals, name=f"lanes-arrivals-{self.name}", daemon=True
+        )
+        beside = prefill_beside and policy == "continuous"
+        self._beside = self._decode_beside if beside else None
 
     @property
     def cache(self) -> Cache:
@@ -209,6 +224,8 @@ class Engine:
         # would sit that long between the engine and its stream. 1 ms is still long
         # enough that the switching itself costs nothing measurable.
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
+        if self._beside is not None:
+            self._arrivals_thread.start()
         self._thread.start()
 
     async def stop(self) -> None:
@@ -216,6 +233,7 @@ class Engine:
         with self._lock:
             self._stopping = True
             self._lock.notify()
+            self._arrivals.notify()
         if self._thread.is_alive():
             await asyncio.to_thread(self._thread.join, 30)
 
@@ -249,6 +267,8 @@ class Engine:
             self._inbox.append(seq)
             self._streams[seq.id] = stream
             self._lock.notify()
+            if self._decoding:
+                self._arrivals.notify()
         self._series.queue_depth.set(self._waiting)
         return stream
 
@@ -326,7 +346,7 @@ class Engine:
                 continue
             # The last step's events go out as this one's model runs begin: waking the
             # event loop then costs this thread no wait for the GIL.
-            step = self.loop.run(plan, self._flush, self._first_tokens)
+            step = self.loop.run(plan, self._flush, self._first_tokens, self._beside)
             self._observe(step)
             self._unsent += step.events[step.handed :]
             if not plan.runs_model:
@@ -349,8 +369,7 @@ class Engine:
             aborts, self._aborts = self._aborts, []
             stopping = self._stopping
         for seq in joining:
-            scheduler.add(seq)
-            self._lane_of[seq.id] = seq.lane
+            self._add(seq)
         if stopping:
             queued = (*scheduler.waiting, *scheduler.offline, *scheduler.rows)
             chunking = [scheduler.chunking] if scheduler.chunking is not None else []
@@ -358,6 +377,62 @@ class Engine:
         for seq_id in aborts:
             scheduler.abort(seq_id)
         return stopping
+
+    def _add(self, seq: Seq) -> None:
+        self.scheduler.add(seq)
+        self._lane_of[seq.id] = seq.lane
+
+    def _decode_beside(self, decode: Callable[[], Decoded]) -> Decoded:
+        """`decode()` (the rows' decode), while the arrivals thread may prefill beside
+        it; returns once both are done (the arrivals thread's failure raised here)."""
+        with self._lock:
+            self._decoding = True
+            if self._inbox:
+                self._arrivals.notify()
+        try:
+            return decode()
+        finally:
+            with self._lock:
+                self._decoding = False
+                while self._prefilling:
+                    self._lock.wait()
+                error, self._beside_error = self._beside_error, None
+            if error is not None:
+                raise error
+
+    def _prefill_arrivals(self) -> None:
+        """The arrivals thread: while the engine thread is in a decode, requests that
+        arrive and find a free row (`Scheduler.admit_beside`) are prefilled here and
+        their first tokens go out at once, so an arrival waits for no decode. The
+        engine thread touches only the cache then, and waits for this before it goes
+        on; aborts and requests that find no row wait for the next plan."""
+        while True:
+            with self._lock:
+                while not (self._stopping or (self._decoding and self._inbox)):
+                    self._arrivals.wait()
+                if self._stopping:
+                    return
+                arrived, self._inbox = self._inbox, []
+                self._prefilling = True
+            try:
+                for seq in arrived:
+                    self._add(seq)
+                joiners = self.scheduler.admit_beside()
+                if joiners:
+                    self._prefilled_beside(self.loop.prefill_beside(joiners))
+            except BaseException as e:  # fails the plan in flight (StepLoop.run)
+                self._beside_error = e
+            finally:
+                with self._lock:
+                    self._prefilling = False
+                    self._lock.notify_all()
+
+    def _prefilled_beside(self, step: Step) -> None:
+        """A prefill beside a decode: its first tokens out now, then into the metrics."""
+        step.handed, step.handed_at = len(step.events), self.clock()
+        self._first_tokens(step.events)
+        self._planned(step.plan)
+        self._observe(step)
 
     def _planned(self, plan: StepPlan) -> None:
         """What a plan says before it runs: the queues' depths, the preemptions."""
@@ -377,7 +452,8 @@ class Engine:
             took = step.prefill.seconds
             m.prefill.observe(took)
             width = max(len(s.prompt_ids) for s in plan.prefill)
-            self.steer.observe_prefill(len(plan.prefill), len(plan.prefill) * width, took)
+            if not step.beside:  # beside a decode, each run is stretched by the other
+                self.steer.observe_prefill(len(plan.prefill), len(plan.prefill) * width, took)
             if self._spans is not None:
                 self._spans.prefilled(plan.prefill, step.prefill.start, step.prefill.end)
         if step.chunk is not None and plan.chunk is not None:
@@ -415,12 +491,14 @@ class Engine:
                 self._lanes[lane].items.inc()
                 m.finished(event.finish)
         m.generated.inc(made)
-        busy = step.end - step.start
         with self._stats:
             self.rate.record(time.monotonic(), made)
-            self.utilization.record(step.start, step.end)
-        m.busy.inc(busy)
-        self._lane_busy(step, busy)
+        if not step.beside:  # else its time is within the step in flight's
+            busy = step.end - step.start
+            with self._stats:
+                self.utilization.record(step.start, step.end)
+            m.busy.inc(busy)
+            self._lane_busy(step, busy)
         m.in_flight.set(self.scheduler.num_running)
         m.queue_depth.set(self._waiting)
         if self._spans is not None:

@@ -358,10 +358,11 @@ def start_engine(
     task: GenerateTask,
     policy: Policy = "continuous",
     max_padding: float = MAX_PADDING,
+    prefill_beside: bool = True,
 ) -> Engine:
     """Start the engine of a loaded generate workload (and load its guard) in `state`.
-    Call on the event loop; its readiness is the caller's to mark. `policy` and
-    `max_padding` are the benchmark's knobs (see serving/engine.py)."""
+    Call on the event loop; its readiness is the caller's to mark. `policy`,
+    `max_padding` and `prefill_beside` are the benchmark's knobs (see serving/engine.py)."""
     name = task.name
     guard = task.workload.guard
     if guard is not None:
@@ -376,6 +377,7 @@ def start_engine(
         state.clock,
         tracing=state.tracing,
         keep_bytes=keep,
+        prefill_beside=prefill_beside,
     )
     engine.start()
     state.engines[name] = engine

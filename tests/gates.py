@@ -52,22 +52,28 @@ class Gate:
         self._changed = threading.Condition()
         self._open = True
         self._permits = 0
+        self._row_permits: collections.Counter[int] = collections.Counter()  # allow(rows=)
         self._held: list[int] = []  # the rows of each run waiting now
         self.passed = 0  # runs let through so far
 
     def close(self) -> None:
         with self._changed:
             self._open, self._permits = False, 0
+            self._row_permits.clear()
 
     def open(self) -> None:
         with self._changed:
             self._open = True
             self._changed.notify_all()
 
-    def allow(self, runs: int = 1) -> None:
-        """While closed, let `runs` more runs through."""
+    def allow(self, runs: int = 1, rows: int | None = None) -> None:
+        """While closed, let `runs` more runs through; with `rows`, only runs of that
+        many rows (which of two runs at the gate goes first, when they differ so)."""
         with self._changed:
-            self._permits += runs
+            if rows is None:
+                self._permits += runs
+            else:
+                self._row_permits[rows] += runs
             self._changed.notify_all()
 
     @contextmanager
@@ -87,10 +93,16 @@ class Gate:
             self._held.append(rows)
             self._changed.notify_all()
             try:
-                passable = self._changed.wait_for(lambda: self._open or self._permits, WAIT_S)
+                passable = self._changed.wait_for(
+                    lambda: self._open or self._permits or self._row_permits[rows], WAIT_S
+                )
                 if not passable:
                     raise TimeoutError(f"a run waited {WAIT_S} s at a gate that never opened")
-                if not self._open:
+                if self._open:
+                    pass
+                elif self._row_permits[rows]:
+                    self._row_permits[rows] -= 1
+                else:
                     self._permits -= 1
                 self.passed += 1
             finally:
@@ -108,7 +120,11 @@ class Gate:
             return self._blocked()
 
     def _blocked(self) -> int:
-        return len(self._held) - (0 if self._open else self._permits)
+        if self._open:
+            return len(self._held)
+        rows = self._row_permits.items()
+        allowed = self._permits + sum(min(n, self._held.count(r)) for r, n in rows)
+        return len(self._held) - allowed
 
     def wait_held(self, runs: int = 1) -> None:
         """Block until `runs` runs are `blocked()` (from a test: `asyncio.to_thread`),

@@ -226,17 +226,19 @@ async def test_cache_stays_as_long_as_its_longest_row(task: GenerateTask) -> Non
         await engine.stop()
 
 
-async def test_a_joiner_beside_the_rows_decode_has_its_first_token_before_that_decode(
+async def next_run() -> int:
+    """The rows of the next decoder run, waiting at the gate."""
+    await asyncio.to_thread(RUNS.wait_held)
+    return RUNS.held_rows()
+
+
+async def test_a_joiner_sharing_the_rows_step_has_its_first_token_before_their_decode(
     task: GenerateTask,
 ) -> None:
     """Joiners prefill alone, but never twice in a row while rows wait: the second of
-    two arrivals shares its step with the rows' decode. Its prefill runs first, and
-    its first token is on its stream while that decode still waits at the gate."""
-
-    async def next_run() -> int:  # the rows of the next decoder run, waiting at the gate
-        await asyncio.to_thread(RUNS.wait_held)
-        return RUNS.held_rows()
-
+    two arrivals between steps shares its step with the rows' decode. Its prefill runs
+    first, and its first token is on its stream while that decode still waits at the
+    gate. (Each arrives while a prefill runs, so none is prefilled beside a decode.)"""
     engine = Engine(task, Metrics(), "continuous", max_padding=1e9)  # rows in one group
     engine.start()
     items: list[dict[str, object]] = [{"prompt": p, "max_tokens": 8} for p, _ in PROMPTS[:3]]
@@ -244,8 +246,6 @@ async def test_a_joiner_beside_the_rows_decode_has_its_first_token_before_that_d
         with RUNS.closed():
             first = engine.submit(task.prepare(items[0]))
             assert await next_run() == 1, "the first prompt's prefill"
-            RUNS.allow(1)
-            assert await next_run() == 1, "its decode"
             second = engine.submit(task.prepare(items[1]))
             RUNS.allow(1)
             assert await next_run() == 1, "the second prompt's prefill, alone"
@@ -256,6 +256,40 @@ async def test_a_joiner_beside_the_rows_decode_has_its_first_token_before_that_d
             assert await next_run() == 2, "the two rows' decode"
             await eventually(lambda: third.completion_tokens == 1, "its first token")
             assert second.completion_tokens == 1, "the second has made no token since"
+        got = [await collect(stream) for stream in (first, second, third)]
+    finally:
+        await engine.stop()
+    for item, (tokens, text, finish) in zip(items, got, strict=True):
+        want = alone(task, item)
+        assert (tokens, text, finish) == (want.tokens, want.text, want.finish_reason)
+
+
+async def test_an_arrival_during_a_decode_is_prefilled_beside_it(task: GenerateTask) -> None:
+    """A request that arrives while the rows' decode runs, and finds a free row, is
+    prefilled at once beside that decode: its first token is on its stream while the
+    decode still waits at the gate, and it decodes with the rows from the next step
+    on. Every sequence makes the tokens it makes alone."""
+    engine = Engine(task, Metrics(), "continuous", max_padding=1e9)  # rows in one group
+    engine.start()
+    items: list[dict[str, object]] = [{"prompt": p, "max_tokens": 8} for p, _ in PROMPTS[:3]]
+    try:
+        with RUNS.closed():
+            first = engine.submit(task.prepare(items[0]))
+            assert await next_run() == 1, "the first prompt's prefill"
+            second = engine.submit(task.prepare(items[1]))
+            RUNS.allow(1)
+            assert await next_run() == 1, "the second prompt's prefill"
+            RUNS.allow(1)
+            assert await next_run() == 2, "the two rows' decode"
+            third = engine.submit(task.prepare(items[2]))
+            await asyncio.to_thread(RUNS.wait_held, 2)
+            assert RUNS.held_rows() == 2 + 1, "the third prompt's prefill beside the decode"
+            RUNS.allow(1, rows=1)
+            await eventually(lambda: third.completion_tokens == 1, "its first token")
+            assert RUNS.held_rows() == 2, "the decode still waits"
+            assert (first.completion_tokens, second.completion_tokens) == (1, 1)
+            RUNS.allow(1)
+            assert await next_run() == 3, "the next decode: the third among the rows"
         got = [await collect(stream) for stream in (first, second, third)]
     finally:
         await engine.stop()

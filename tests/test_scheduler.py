@@ -366,6 +366,46 @@ def test_prefill_alone_runs_joiners_without_the_rows_then_decodes_them_all() -> 
     assert plan.decode == () and ids(plan.prefill) == [4]
 
 
+def test_arrivals_during_a_decode_take_free_rows_beside_it_and_decode_from_the_next_plan() -> None:
+    s = make(max_running=3, reserve=Reserve(share=0), prefill_alone=True)
+    s.add(seq(0, max_new=5))
+    step(s)
+    plan = s.schedule()  # the decode in flight
+    assert ids(plan.decode) == [0]
+    s.add(seq(1, prompt=2))
+    s.add(seq(10, offline=True))
+    s.add(seq(2))
+    s.add(seq(3))
+    joiners = s.admit_beside()
+    assert ids(joiners) == [1, 2], "interactive ones, into the free rows; no preemption"
+    events = s.update(StepPlan(prefill=joiners), StepOutputs(logits(B, C)))
+    assert [(e.seq_id, e.text, e.first) for e in events] == [(1, "b", True), (2, "c", True)]
+    s.update(plan, StepOutputs(decode=logits(A)))  # the decode in flight ends
+    assert s.admit_beside() == (), "no row is free"
+    plan, _ = step(s)
+    assert ids(plan.decode) == [0, 1, 2] and plan.prefill == (), "the joiners decode now"
+    assert s.num_waiting == 1 and s.num_offline_waiting == 1
+
+
+@pytest.mark.parametrize("policy", ["static", "static-drop", "serial"])
+def test_only_continuous_batching_admits_beside_a_decode(policy: Policy) -> None:
+    s = make(max_running=3, policy=policy, prefill_alone=True)
+    s.add(seq(0))
+    step(s)
+    s.add(seq(1))
+    assert s.admit_beside() == ()
+
+
+def test_a_prompt_that_goes_in_parts_waits_for_the_next_plan_not_beside_a_decode() -> None:
+    s = make(max_running=3, prefill_alone=True, chunked=True, max_prefill_tokens=4)
+    s.add(seq(0))
+    step(s)
+    s.add(seq(1, prompt=9))
+    assert s.admit_beside() == () and s.num_waiting == 1
+    plan = s.schedule()
+    assert plan.chunk is not None and plan.chunk.seq.id == 1
+
+
 # ---- two lanes: offline sequences take free rows, and leave them for interactive ones
 
 

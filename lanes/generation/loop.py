@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from lanes.generation.kvcache import MAX_PADDING, GroupRun
+from lanes.generation.kvcache import MAX_PADDING, Decoded, GroupRun
 from lanes.generation.preempt import KEEP_BYTES, Preempted
 from lanes.generation.prefill import Chunked, Join, prefill_apart
 from lanes.generation.scheduler import Scheduler
@@ -77,10 +77,20 @@ class Step:
     failed: bool = False  # the step failed outside any one row: every row errored
     handed: int = 0
     handed_at: float = 0.0
+    beside: bool = False  # a prefill run beside another plan's decode (`prefill_beside`)
+
+
+# Runs a plan's decode (the callable) and returns what it returned; meanwhile the
+# caller may prefill joiners beside it (`StepLoop.prefill_beside`).
+Beside = Callable[[Callable[[], Decoded]], Decoded]
 
 
 def _nothing() -> None:
     pass
+
+
+def _now(decode: Callable[[], Decoded]) -> Decoded:
+    return decode()
 
 
 class StepLoop:
@@ -110,18 +120,21 @@ class StepLoop:
         plan: StepPlan,
         before_runs: Callable[[], None] = _nothing,
         first_tokens: Callable[[list[Event]], None] | None = None,
+        beside: Beside | None = None,
     ) -> Step:
         """Run `plan` whole and update the scheduler with it; never raises for what
         the model does (a failure becomes the rows' error events). `before_runs` is
         called once as the plan's model runs begin (not at all for a plan without
         any): what the caller does there overlaps them, as they release the GIL.
         `first_tokens` takes interactive joiners' events (`step.events[:step.handed]`)
-        when the plan has more runs after their prefill; they are not given again."""
+        when the plan has more runs after their prefill; they are not given again.
+        `beside` runs the rows' decode, while its caller may prefill arrivals beside
+        it (`prefill_beside`, from this thread)."""
         step = Step(plan, self.clock())
         try:
             if plan.runs_model:
                 before_runs()
-            left, outputs = self._model_runs(step, first_tokens)
+            left, outputs = self._model_runs(step, first_tokens, beside)
             step.events += self.scheduler.update(left, outputs)
             events = step.events
             if self.preempted:  # a kept cache whose sequence finished goes
@@ -148,8 +161,28 @@ class StepLoop:
         step.end = self.clock()
         return step
 
+    def prefill_beside(self, joiners: Sequence[Seq]) -> Step:
+        """The prefill of joiners the scheduler admitted while a plan's decode runs
+        (`Scheduler.admit_beside`), called from `run`'s `beside` on the thread that
+        called `run`: their first tokens in `events`; their caches enter the batch's
+        at the next plan, which they decode in. What fails outside the model's run
+        raises, and fails the plan in flight with them."""
+        plan = StepPlan(prefill=tuple(joiners))
+        step = Step(plan, self.clock(), beside=True)
+        done = prefill_apart(self.decoder, plan.prefill)
+        step.prefill = Timed(step.start, self.clock())
+        self._joins += done.joins
+        self._log_isolated("prefill", len(plan.prefill), done.error, done.failed)
+        failed = failures(plan.prefill, done.failed, prompt_of)
+        step.events = self.scheduler.update(plan, StepOutputs(done.logits, failed=failed))
+        step.end = self.clock()
+        return step
+
     def _model_runs(
-        self, step: Step, first_tokens: Callable[[list[Event]], None] | None
+        self,
+        step: Step,
+        first_tokens: Callable[[list[Event]], None] | None,
+        beside: Beside | None,
     ) -> tuple[StepPlan, StepOutputs]:
         """The plan's prefill, decode, recompute and chunk runs, each isolated (rows
         the model fails on alone are in `failed`), timed into `step`; the part of the
@@ -178,7 +211,9 @@ class StepLoop:
         decode = None
         if plan.decode:
             at = self.clock()
-            decoded = self.cache.decode(plan.decode)
+            cache, rows = self.cache, plan.decode
+            run = beside or _now
+            decoded = run(lambda: cache.decode(rows))
             step.decode = Timed(at, self.clock())
             step.decoded_length, step.runs = decoded.length, decoded.runs
             self._log_isolated("decode step", len(plan.decode), decoded.error, decoded.failed)

@@ -202,10 +202,7 @@ class Scheduler:
                     self._finish(seq, SeqStatus.FINISHED_DEADLINE)
                     self._flush(seq)
                     self._unreported.append(seq)
-        if self._queued_finished:
-            self.waiting = deque(s for s in self.waiting if not s.status.is_finished)
-            self.offline = deque(s for s in self.offline if not s.status.is_finished)
-            self._queued_finished = False
+        self._drop_finished_queued()
         if self.policy != "static" or all(s.status.is_finished for s in self.rows):
             self.rows = [s for s in self.rows if not s.status.is_finished]
         else:  # a row the model failed on would fail again: it leaves even static
@@ -255,6 +252,26 @@ class Scheduler:
             # step alone it would delay their first tokens, and the rows' next one.
             chunk = None
         return StepPlan(prefill, rows, retired, preempted, resumed, chunk)
+
+    def admit_beside(self) -> tuple[Seq, ...]:
+        """Interactive joiners that take free rows while the last plan's decode still
+        runs, to prefill beside it (the online engine's choice: an arrival then waits
+        for no decode at all). Update with their prefill alone
+        (`StepPlan(prefill=...)`); they decode from the next plan on. Only what needs
+        nothing of that plan joins: a row free without preempting anyone and a prompt
+        that goes whole; the rest wait for the next plan, as without this."""
+        if self.policy != "continuous" or not self.prefill_alone:
+            return ()
+        self._drop_finished_queued()
+        joiners = self._admit(self.waiting, self.max_prefill_tokens, self.max_running)
+        self.rows.extend(joiners)
+        return joiners
+
+    def _drop_finished_queued(self) -> None:
+        if self._queued_finished:
+            self.waiting = deque(s for s in self.waiting if not s.status.is_finished)
+            self.offline = deque(s for s in self.offline if not s.status.is_finished)
+            self._queued_finished = False
 
     def _interactive_busy(self, running: Sequence[Seq], prefill: Sequence[Seq]) -> bool:
         """Whether this step has interactive work: rows, joiners or a prompt in parts."""
