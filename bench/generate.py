@@ -141,7 +141,7 @@ def serve(spec_path: str, policy: str, port: int, max_padding: float) -> None:
     from lanes.tracing import Tracing
 
     traced = policy == TRACED
-    beside = policy not in BETWEEN.values()
+    beside = False if policy in BETWEEN.values() else None  # None: the engine's default
     continuous = (STEERED, SLOTS, *BETWEEN.values())
     policy = "continuous" if traced or policy in continuous else policy
     settings = Settings(port=port, tracing=traced)

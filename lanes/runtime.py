@@ -235,6 +235,17 @@ class Runtime:
     def providers(self) -> tuple[str, ...]:
         return self.choice.providers
 
+    def room_beside(self, model: ModelSpec) -> bool:
+        """Whether a second run of `model`'s session, beside one in flight, has
+        hardware of its own: on a GPU yes (the device orders the runs; the host's part
+        is small), on the CPU where the session's intra-op threads (onnxruntime's
+        default: every core) leave a core free. Else the two runs' threads take turns
+        at the cores, and neither gains."""
+        if self.choice.gpu_provider is not None:
+            return True
+        threads = model.session.intra_op_threads or self.settings.threads
+        return threads is not None and threads < usable_cores()
+
     def offline_threads(self, workload: Workload, backfilled: bool) -> int:
         """How many threads at idle priority run an interactive embed/infer workload's
         offline batches beside its interactive ones (`batching.offline_threads`; see

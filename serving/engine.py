@@ -7,19 +7,26 @@ while a step runs):
     take what arrived (and the aborts) since the last step
     steer: the SLOs' bounds on this plan's prefill and rows (lanes/generation/steer.py)
     plan = scheduler.schedule()     # deadlines expire here, joiners take free rows
-    step = loop.run(plan, flush, first_tokens)
+    step = loop.run(plan, flush, first_tokens, beside)
                                     # the whole plan (lanes/generation/loop.py); as its
                                     # model runs begin, flush() hands the last step's
                                     # events to the event loop (call_soon_threadsafe),
                                     # into each request's TokenStream; joiners' first
-                                    # tokens go as soon as their prefill is done
+                                    # tokens go as soon as their prefill is done;
+                                    # arrivals are prefilled beside its decode
     observe the step (metrics, cost models, spans); its events wait for the next flush
 
-What arrives during a step joins at the next one. A step that admits joiners runs
-only their prefill (the scheduler's `prefill_alone`), and one that shares its step
-with the rows' decode (never two such steps in a row) has its first token sent
-before that decode: a newcomer waits for at most the step in flight and its own
-prefill, never for a decode of the others.
+A request that arrives while the rows decode, and finds a free row, is prefilled
+beside that decode on a second thread (`Scheduler.admit_beside`; onnxruntime releases
+the GIL), where a second run has hardware of its own (`Runtime.room_beside`: a GPU,
+or CPU cores the session's threads leave free): its first
+token goes out at once, and it decodes with the rows from the next plan on. The
+engine thread touches only the cache meanwhile, and waits for that prefill before
+it updates the scheduler. What arrives between model runs, finds no free row or
+goes in parts joins at the next plan: a step that admits joiners runs only their
+prefill (the scheduler's `prefill_alone`), and one that shares its step with the
+rows' decode (never two such steps in a row) has its first token sent before that
+decode. So a newcomer waits for no decode of the others.
 Each request's `TokenStream` is on the event loop; `cancel()` (its client left)
 aborts the sequence, whose row is freed at the next step.
 
@@ -128,8 +135,9 @@ class Engine:
     padded cache positions are worth one decoder run less (see lanes/generation/kvcache.py).
     `clock` is the scheduler's (arrivals, deadlines) and times every step. With
     `tracing`, a request submitted with its span gets its prefill and decode spans.
-    `keep_bytes` bounds the preempted offline sequences' kept caches. Without
-    `prefill_beside` (the benchmark's baseline), arrivals wait for the step in flight.
+    `keep_bytes` bounds the preempted offline sequences' kept caches.
+    `prefill_beside`: whether arrivals are prefilled beside a decode (see above); by
+    default where a second run has hardware of its own (`Runtime.room_beside`).
     """
 
     def __init__(
@@ -141,7 +149,7 @@ class Engine:
         clock: Callable[[], float] = time.monotonic,
         tracing: Tracing | None = None,
         keep_bytes: int = KEEP_BYTES,
-        prefill_beside: bool = True,
+        prefill_beside: bool | None = None,
     ) -> None:
         workload = as_interactive(task.workload)
         self.task = task
@@ -204,6 +212,8 @@ class Engine:
         self._arrivals_thread = threading.Thread(
             target=self._prefill_arrivals, name=f"lanes-arrivals-{self.name}", daemon=True
         )
+        if prefill_beside is None:
+            prefill_beside = task.room_beside
         beside = prefill_beside and policy == "continuous"
         self._beside = self._decode_beside if beside else None
 

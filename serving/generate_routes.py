@@ -358,7 +358,7 @@ def start_engine(
     task: GenerateTask,
     policy: Policy = "continuous",
     max_padding: float = MAX_PADDING,
-    prefill_beside: bool = True,
+    prefill_beside: bool | None = None,
 ) -> Engine:
     """Start the engine of a loaded generate workload (and load its guard) in `state`.
     Call on the event loop; its readiness is the caller's to mark. `policy`,

@@ -25,7 +25,7 @@ from lanes.settings import Settings
 from lanes.spec import Guard, Spec
 from lanes.tasks import GenerateTask, load_task
 from lanes.tasks.decoder import Completion
-from tests.gates import Gate, GatedRuntime, eventually
+from tests.gates import WAIT_S, Gate, GatedRuntime, eventually
 
 pytestmark = pytest.mark.slow
 
@@ -99,7 +99,9 @@ def alone(task: GenerateTask, item: dict[str, object]) -> Completion:
 
 Got = list[tuple[list[int], str, str | None]]
 # Who drives the step loop: the online engine under each policy, or the offline batch.
-USERS = [*(("online", p) for p in POLICIES), ("offline", "continuous")]
+# `beside`: the online engine with arrivals prefilled beside a decode, each request
+# sent once the one before has its first token (so most arrive while rows decode).
+USERS = [*(("online", p) for p in POLICIES), ("offline", "continuous"), ("beside", "continuous")]
 
 
 async def run_all(
@@ -113,10 +115,17 @@ async def run_all(
     """Every item's tokens, text and finish."""
     if user == "offline":
         return run_offline(task, items, max_padding)
-    engine = Engine(task, metrics or Metrics(), policy, max_padding)
+    beside = user == "beside"
+    engine = Engine(task, metrics or Metrics(), policy, max_padding, prefill_beside=beside)
     engine.start()
     try:
-        streams = [engine.submit(task.prepare(item)) for item in items]
+        streams = []
+        for item in items:
+            stream = engine.submit(task.prepare(item))
+            streams.append(stream)
+            if beside:  # its first event (not consumed: collect reads it below)
+                async with asyncio.timeout(WAIT_S):
+                    await stream._signal.wait()
         return list(await asyncio.gather(*(collect(s) for s in streams)))
     finally:
         await engine.stop()
@@ -269,7 +278,8 @@ async def test_an_arrival_during_a_decode_is_prefilled_beside_it(task: GenerateT
     prefilled at once beside that decode: its first token is on its stream while the
     decode still waits at the gate, and it decodes with the rows from the next step
     on. Every sequence makes the tokens it makes alone."""
-    engine = Engine(task, Metrics(), "continuous", max_padding=1e9)  # rows in one group
+    # Whatever the cores: beside is the default only where a run has some of its own.
+    engine = Engine(task, Metrics(), "continuous", max_padding=1e9, prefill_beside=True)
     engine.start()
     items: list[dict[str, object]] = [{"prompt": p, "max_tokens": 8} for p, _ in PROMPTS[:3]]
     try:

@@ -19,6 +19,7 @@ from lanes.runtime import (
     check_io,
     choose_providers,
     detect_gpu,
+    usable_cores,
 )
 from lanes.settings import Settings
 from lanes.spec import ModelSpec, SessionOptions
@@ -133,6 +134,20 @@ def test_session_options_prefer_the_model_over_settings(model: ModelSpec) -> Non
     )
     options = runtime.session_options(own)
     assert (options.intra_op_num_threads, options.inter_op_num_threads) == (1, 1)
+
+
+def test_a_second_run_has_room_beside_one_in_flight_only_where_threads_leave_a_core(
+    model: ModelSpec,
+) -> None:
+    """The online engine prefills arrivals beside a decode only then (serving/engine.py)."""
+    cores = usable_cores()
+    runtime = Runtime(Settings(device="cpu"))
+    assert not runtime.room_beside(model), "onnxruntime's default: every core"
+    every = model.model_copy(update={"session": SessionOptions(intra_op_threads=cores)})
+    assert not runtime.room_beside(every)
+    one = model.model_copy(update={"session": SessionOptions(intra_op_threads=1)})
+    assert runtime.room_beside(one) == (cores > 1)
+    assert Runtime(Settings(device="cpu", threads=1)).room_beside(model) == (cores > 1)
 
 
 def test_a_session_beside_offline_threads_stops_spinning_when_a_run_ends(

@@ -80,6 +80,8 @@ class GenerateTask:
         self.workload = workload
         self.handler = handler
         self.decoder = Decoder.load(model, runtime)
+        # Whether the online engine prefills arrivals beside a decode (serving/engine.py).
+        self.room_beside = runtime.room_beside(model)
 
     def prepare(self, item: Any) -> GenerateRequest:
         """A prompt, or a dict of prompt and parameters (null means "the default"),
