@@ -7,9 +7,10 @@ clients as in bench/generate.py (asyncio tasks in this process, `max_tokens`
 log-uniform, `ignore_eos`), each submitting its next request as its last stream ends.
 Every request whose first token came in the measured time is split into:
 
-- inbox: from `Engine.submit` until the engine thread takes it (it does so between
-  steps, so an arrival waits for the step running when it came);
-- to plan: until the plan that prefills it starts;
+- inbox: from `Engine.submit` until the engine takes it: its arrivals thread during
+  a decode (the model runs on one thread here, so a second run has a core of its
+  own), else the engine thread between steps, after the step running when it came;
+- to plan: until the plan (or the prefill beside a decode) that prefills it starts;
 - step: that plan's runs until its first token is made (its prefill: the rows'
   decode of a step it shares runs after its first token is handed out);
 - to flush: until its first token is handed to the event loop;
