@@ -60,7 +60,10 @@ OFFLINE_MAX_TOKENS = 48
 SPEC = """\
 version: 1
 models:
-  tinycode: {{path: {m}/tinycode/model.onnx, tokenizer: {m}/tinycode/tokenizer.json}}
+  tinycode:
+    path: {m}/tinycode/model.onnx
+    tokenizer: {m}/tinycode/tokenizer.json
+    session: {{intra_op_threads: {threads}}}
 workloads:
   code:
     mode: interactive
@@ -153,6 +156,7 @@ async def run(args: argparse.Namespace) -> None:
         SPEC.format(
             m=models,
             rows=args.rows,
+            threads=args.threads,
             tokens=MAX_TOKENS,
             prompts=OFFLINE_PROMPTS,
             offline_tokens=OFFLINE_MAX_TOKENS,
@@ -245,6 +249,9 @@ def main() -> None:
     parser.add_argument("--rotations", type=int, default=2)
     parser.add_argument("--levels", default="0.3,0.7", help="fractions of interactive capacity")
     parser.add_argument("--rows", type=int, default=8, help="the interactive workload's rows")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="the model's intra-op threads (the demo's: 1)"
+    )
     args = parser.parse_args()
     args.levels = [float(v) for v in args.levels.split(",")]
     asyncio.run(run(args))
