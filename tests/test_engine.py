@@ -241,6 +241,26 @@ async def next_run() -> int:
     return RUNS.held_rows()
 
 
+async def two_prefilled(
+    engine: Engine, task: GenerateTask, items: list[dict[str, object]]
+) -> tuple[TokenStream, TokenStream]:
+    """With the gate closed: the first two items submitted and their prefills let
+    through, the second arriving while the first's prefill runs (none beside a decode)."""
+    first = engine.submit(task.prepare(items[0]))
+    assert await next_run() == 1, "the first prompt's prefill"
+    second = engine.submit(task.prepare(items[1]))
+    RUNS.allow(1)
+    assert await next_run() == 1, "the second prompt's prefill, alone"
+    RUNS.allow(1)
+    return first, second
+
+
+def each_as_alone(task: GenerateTask, items: list[dict[str, object]], got: Got) -> None:
+    for item, (tokens, text, finish) in zip(items, got, strict=True):
+        want = alone(task, item)
+        assert (tokens, text, finish) == (want.tokens, want.text, want.finish_reason)
+
+
 async def test_a_joiner_sharing_the_rows_step_has_its_first_token_before_their_decode(
     task: GenerateTask,
 ) -> None:
@@ -268,9 +288,7 @@ async def test_a_joiner_sharing_the_rows_step_has_its_first_token_before_their_d
         got = [await collect(stream) for stream in (first, second, third)]
     finally:
         await engine.stop()
-    for item, (tokens, text, finish) in zip(items, got, strict=True):
-        want = alone(task, item)
-        assert (tokens, text, finish) == (want.tokens, want.text, want.finish_reason)
+    each_as_alone(task, items, got)
 
 
 async def test_an_arrival_during_a_decode_is_prefilled_beside_it(task: GenerateTask) -> None:
@@ -284,12 +302,7 @@ async def test_an_arrival_during_a_decode_is_prefilled_beside_it(task: GenerateT
     items: list[dict[str, object]] = [{"prompt": p, "max_tokens": 8} for p, _ in PROMPTS[:3]]
     try:
         with RUNS.closed():
-            first = engine.submit(task.prepare(items[0]))
-            assert await next_run() == 1, "the first prompt's prefill"
-            second = engine.submit(task.prepare(items[1]))
-            RUNS.allow(1)
-            assert await next_run() == 1, "the second prompt's prefill"
-            RUNS.allow(1)
+            first, second = await two_prefilled(engine, task, items)
             assert await next_run() == 2, "the two rows' decode"
             third = engine.submit(task.prepare(items[2]))
             await asyncio.to_thread(RUNS.wait_held, 2)
@@ -303,9 +316,7 @@ async def test_an_arrival_during_a_decode_is_prefilled_beside_it(task: GenerateT
         got = [await collect(stream) for stream in (first, second, third)]
     finally:
         await engine.stop()
-    for item, (tokens, text, finish) in zip(items, got, strict=True):
-        want = alone(task, item)
-        assert (tokens, text, finish) == (want.tokens, want.text, want.finish_reason)
+    each_as_alone(task, items, got)
 
 
 class _PrefillTakes:
