@@ -19,10 +19,9 @@ while a step runs):
 A request that arrives while the rows decode, and finds a free row, is prefilled
 beside that decode on a second thread (`Scheduler.admit_beside`; onnxruntime releases
 the GIL), where a second run has hardware of its own (`Runtime.room_beside`: a GPU,
-or CPU cores the session's threads leave free): its first
-token goes out at once, and it decodes with the rows from the next plan on. The
-engine thread touches only the cache meanwhile, and waits for that prefill before
-it updates the scheduler. What arrives between model runs, finds no free row or
+or CPU cores the session's threads leave free): its first token goes out at once,
+and it decodes with the rows from the next plan on. The engine thread touches only
+the cache meanwhile, and waits for that prefill before it updates the scheduler. What arrives between model runs, finds no free row or
 goes in parts joins at the next plan: a step that admits joiners runs only their
 prefill (the scheduler's `prefill_alone`), and one that shares its step with the
 rows' decode (never two such steps in a row) has its first token sent before that

@@ -18,8 +18,9 @@ so a joiner that shares its step with the rows waits for its own prefill only.
 The joiners' caches enter the batch's when the next plan settles it, with the rows
 the scheduler no longer holds going out, so each decode sees exactly its plan's
 rows. So do those of joiners prefilled beside a decode (`prefill_beside`, which the
-online engine calls from `run`'s `beside` while the decode runs on another thread). Preempted rows' caches are kept on their way out, and resumed sequences'
-caches come back (kept, or recomputed) beside the joiners' (lanes/generation/preempt.py).
+online engine calls from `run`'s `beside` while the decode runs on another thread).
+Preempted rows' caches are kept on their way out, and resumed sequences' caches
+come back (kept, or recomputed) beside the joiners' (lanes/generation/preempt.py).
 
 A prefill or decode run that fails is run again in halves of its rows
 (lanes/isolation.py): the sequences that fail alone finish with their own error,
