@@ -21,13 +21,14 @@ beside that decode on a second thread (`Scheduler.admit_beside`; onnxruntime rel
 the GIL), where a second run has hardware of its own (`Runtime.room_beside`: a GPU,
 or CPU cores the session's threads leave free): its first token goes out at once,
 and it decodes with the rows from the next plan on. The engine thread touches only
-the cache meanwhile, and waits for that prefill before it updates the scheduler. What arrives between model runs, finds no free row or
-goes in parts joins at the next plan: a step that admits joiners runs only their
-prefill (the scheduler's `prefill_alone`), and one that shares its step with the
-rows' decode (never two such steps in a row) has its first token sent before that
-decode. So a newcomer waits for no decode of the others.
-Each request's `TokenStream` is on the event loop; `cancel()` (its client left)
-aborts the sequence, whose row is freed at the next step.
+the cache meanwhile, and waits for that prefill before it updates the scheduler.
+What arrives between model runs, finds no free row or goes in parts joins at the
+next plan: a step that admits joiners runs only their prefill (the scheduler's
+`prefill_alone`), and one that shares its step with the rows' decode (never two such
+steps in a row) has its first token sent before that decode. So a newcomer waits
+for no decode of the others.
+Each request's `TokenStream` (serving/token_stream.py) is on the event loop;
+`cancel()` (its client left) aborts the sequence, whose row is freed at the next step.
 
 Offline sequences (`submit_offline`: a flow's batch through the internal batch
 route) share the rows: they take rows no interactive request waits for, and are
@@ -49,12 +50,10 @@ import itertools
 import sys
 import threading
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from lanes.errors import LanesError, ModelError, Overloaded
+from lanes.errors import LanesError, Overloaded
 from lanes.generation.batch import scheduler_for, seq_of
 from lanes.generation.kvcache import MAX_PADDING, Decoded
 from lanes.generation.loop import Step, StepLoop
@@ -64,6 +63,7 @@ from lanes.generation.seq import Event, Lane, Seq, StepPlan
 from lanes.generation.slots import Cache
 from lanes.generation.steer import Steer
 from lanes.serving.metrics import GenerateSeries, LaneSeries, Metrics, Rate, Utilization
+from lanes.serving.token_stream import TokenStream, completion
 from lanes.serving.tracing import GenerateSpans
 from lanes.spec import as_interactive
 from lanes.tasks.decoder import Completion
@@ -77,53 +77,6 @@ SWITCH_INTERVAL_S = 0.001
 # Offline sequences one engine holds (queued or in rows): any one offline window fits;
 # beyond, 503 and Retry-After, which the flow's endpoint runner waits out.
 OFFLINE_MAX_SEQUENCES = 65536
-
-
-@dataclass(eq=False)
-class TokenStream:
-    """One request's events, in order, on the event loop; the last has `finish` set.
-
-    `cancel()` (the client went away) aborts the sequence: its row is freed at the
-    engine's next step.
-    """
-
-    id: int
-    prompt_tokens: int
-    _engine: Engine = field(repr=False)
-    completion_tokens: int = 0
-    finished: bool = False
-    _events: deque[Event] = field(default_factory=deque, repr=False)
-    _signal: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
-
-    def _push(self, event: Event) -> None:
-        self.completion_tokens += len(event.tokens)
-        self.finished = self.finished or event.finish is not None
-        self._events.append(event)
-        self._signal.set()
-
-    async def next(self) -> list[Event]:
-        """Every event that arrived since the last call (at least one); waits for one."""
-        while not self._events:
-            self._signal.clear()
-            await self._signal.wait()
-        events = list(self._events)
-        self._events.clear()
-        return events
-
-    async def __aiter__(self) -> AsyncIterator[Event]:
-        """One event at a time, up to the finish; leaving early loses none."""
-        while True:
-            while not self._events:
-                self._signal.clear()
-                await self._signal.wait()
-            event = self._events.popleft()
-            yield event
-            if event.finish is not None:
-                return
-
-    def cancel(self) -> None:
-        if not self.finished:
-            self._engine.abort(self.id)
 
 
 class Engine:
@@ -305,7 +258,7 @@ class Engine:
                 self._offline.add(stream.id)
             self._lock.notify()
         try:
-            done = await asyncio.gather(*(_completion(s) for s in streams))
+            done = await asyncio.gather(*(completion(s) for s in streams))
         except BaseException:
             for stream in streams:  # the flow went away: its sequences leave
                 stream.cancel()
@@ -536,20 +489,3 @@ class Engine:
 
 
 _LANES: tuple[Lane, ...] = ("interactive", "offline")
-
-
-async def _completion(stream: TokenStream) -> Completion | LanesError | None:
-    """An offline sequence's whole output from its events; its error when the model
-    failed on it alone; None when it was aborted (the server is stopping)."""
-    tokens: list[int] = []
-    text: list[str] = []
-    async for event in stream:
-        tokens += event.tokens
-        text.append(event.text)
-        if event.finish in ("stop", "length"):
-            return Completion("".join(text), tokens, event.finish, stream.prompt_tokens)
-        if event.finish == "error":
-            return ModelError(event.error or "the model failed on this sequence")
-        if event.finish is not None:
-            return None
-    return None

@@ -47,7 +47,7 @@ from lanes.protocols.openai import (
 )
 from lanes.serving.access import RequestRecord, named, record_of
 from lanes.serving.batching import never_fits
-from lanes.serving.engine import Engine, TokenStream
+from lanes.serving.engine import Engine
 from lanes.serving.guard import Piece, TextGuard, pieces
 from lanes.serving.http import (
     JSONResponse,
@@ -58,6 +58,7 @@ from lanes.serving.http import (
     timeout_s,
 )
 from lanes.serving.state import ServingState
+from lanes.serving.token_stream import TokenStream
 from lanes.tasks.generate import GenerateTask
 
 T = TypeVar("T")

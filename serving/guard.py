@@ -26,7 +26,7 @@ from typing import Any
 from lanes.errors import DeadlineExceeded, LanesError, ModelError, Overloaded
 from lanes.generation.seq import Event
 from lanes.protocols.completions import OpenAIFinish
-from lanes.serving.engine import TokenStream
+from lanes.serving.token_stream import TokenStream
 from lanes.spec import Guard
 from lanes.tasks.handler import load_scorer
 from lanes.tracing import Tracing

@@ -18,9 +18,10 @@ from lanes.generation.scheduler import POLICIES, Policy
 from lanes.generation.seq import Event
 from lanes.isolation import Failed
 from lanes.runtime import Runtime
-from lanes.serving.engine import Engine, TokenStream
+from lanes.serving.engine import Engine
 from lanes.serving.guard import TextGuard, pieces
 from lanes.serving.metrics import Metrics
+from lanes.serving.token_stream import TokenStream
 from lanes.settings import Settings
 from lanes.spec import Guard, Spec
 from lanes.tasks import GenerateTask, load_task

@@ -23,8 +23,9 @@ from lanes.errors import InvalidInput
 from lanes.generation.batch import generate_batch
 from lanes.generation.seq import Event
 from lanes.runtime import Runtime
-from lanes.serving.engine import Engine, TokenStream
+from lanes.serving.engine import Engine
 from lanes.serving.metrics import Metrics
+from lanes.serving.token_stream import TokenStream
 from lanes.settings import Settings
 from lanes.spec import Spec
 from lanes.tasks import Completion, GenerateTask, load_task
