@@ -1,6 +1,7 @@
 """Benchmark of a shared device: interactive traffic first, an offline job in the gaps.
 
     python bench/backfill.py [--seconds 2] [--rotations 3] [--levels 0.3,0.7] [--slo-ms 50]
+        [--policies finish,preempt,idle]
 
 Starts `lanes serve` with an interactive embed workload on the minilm demo model
 (`slo.p99_ms` from --slo-ms) and an offline workload on the same model whose runner
@@ -63,6 +64,8 @@ from lanes.tasks import load_task  # noqa: E402
 KEY = "bench-internal-key"
 TEXT = " ".join(["word"] * 30)  # 32 tokens with [CLS] and [SEP]
 OFFLINE_REQUEST_ITEMS = 64  # per batch sent: small enough to count per slice
+# Each endpoint's preempt_offline and offline_threads.
+POLICIES = {"finish": ("false", "0"), "preempt": ("true", "0"), "idle": ("false", "null")}
 SPEC = """\
 version: 1
 models:
@@ -248,8 +251,10 @@ async def run(args: argparse.Namespace) -> None:
     urls: dict[str, str] = {}
     servers = []
     try:
-        endpoints = (("finish", "false", "0"), ("preempt", "true", "0"), ("idle", "false", "null"))
-        for i, (policy, preempt, threads) in enumerate(endpoints):
+        # `finish` always runs: the offline job alone on it is the capacity's reference.
+        chosen = [p for p in POLICIES if p in args.policies or p == "finish"]
+        for i, policy in enumerate(chosen):
+            preempt, threads = POLICIES[policy]
             spec_path = folder / f"{policy}.yaml"
             spec = SPEC.format(
                 m=models,
@@ -301,11 +306,11 @@ async def run(args: argparse.Namespace) -> None:
         for level in args.levels:
             rate = level * interactive_capacity
             solo = Turns()
-            without = {policy: Turns() for policy in urls}
-            with_ = {policy: Turns() for policy in urls}
+            without = {policy: Turns() for policy in urls if policy in args.policies}
+            with_ = {policy: Turns() for policy in without}
             slices = [(solo, url, jobs["finish"], None)]
-            slices += [(without[p], u, None, rate) for p, u in urls.items()]
-            slices += [(with_[p], u, jobs[p], rate) for p, u in urls.items()]
+            slices += [(without[p], urls[p], None, rate) for p in without]
+            slices += [(with_[p], urls[p], jobs[p], rate) for p in with_]
             for i in range(args.rotations):
                 turn = i % len(slices)
                 for turns, at, job, load in slices[turn:] + slices[:turn]:
@@ -356,8 +361,18 @@ def main() -> None:
     parser.add_argument("--rotations", type=int, default=3)
     parser.add_argument("--levels", default="0.3,0.7", help="fractions of interactive capacity")
     parser.add_argument("--slo-ms", type=float, default=50.0)
+    parser.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help=f"which endpoints take the load, of {', '.join(POLICIES)}",
+    )
     args = parser.parse_args()
     args.levels = [float(v) for v in args.levels.split(",")]
+    args.policies = args.policies.split(",")
+    unknown = set(args.policies) - set(POLICIES)
+    if unknown:
+        expected = ", ".join(POLICIES)
+        parser.error(f"--policies: unknown {', '.join(sorted(unknown))}; expected of {expected}")
     asyncio.run(run(args))
 
 
