@@ -17,7 +17,10 @@ Every request whose first token came in the measured time is split into:
 - to client: until the client's stream reads it.
 
 Printed per level: p50/p99 of each part and of the whole, the share of joiners that
-prefilled alone and the mean joiners per prefill, and the ratio the bench/generate.py
+prefilled alone and the mean joiners per prefill, the tokens/s made against raw
+onnxruntime (`Decoder.step`, or a `SlotRun`) at the same rows a step on the rows'
+mean past, measured right after (the loop's own cost: no HTTP, no clients' process
+on the cores), and the ratio the bench/generate.py
 target is judged by (TTFT p99 at the highest level over TTFT p50 at the lowest), here
 without HTTP. The same ratio of a raw decode step (`Decoder.step` or a `SlotRun`, 16
 rows) to a raw lone prefill of a bench prompt is printed beside it: an arrival waits a
@@ -112,13 +115,41 @@ class Marks:
             self.at.setdefault(sid, {}).setdefault(point, now)
 
 
+# The engine's counters read at the measured time's start and end (as bench/generate.py
+# reads them from /metrics).
+COUNTERS = {
+    "tokens": "lanes_generated_tokens_total",
+    "rows": "lanes_batch_size_sum",
+    "steps": "lanes_batch_size_count",
+    "positions": "lanes_decode_positions_total",
+}
+
+
+def counters(metrics: Metrics) -> dict[str, float]:
+    sample = metrics.registry.get_sample_value
+    return {k: sample(name, {"workload": "gen"}) or 0.0 for k, name in COUNTERS.items()}
+
+
 async def closed_loop(
-    engine: Engine, task: GenerateTask, clients: int, warm: float, seconds: float
-) -> list[tuple[int, float, float]]:
-    """(id, sent, first token read) of each request sent in the measured time."""
+    engine: Engine,
+    metrics: Metrics,
+    task: GenerateTask,
+    clients: int,
+    warm: float,
+    seconds: float,
+) -> tuple[list[tuple[int, float, float]], dict[str, float]]:
+    """(id, sent, first token read) of each request sent in the measured time, and how
+    much each counter grew in it."""
     got: list[tuple[int, float, float]] = []
     start = time.perf_counter() + warm
     end = start + seconds
+
+    async def counted() -> dict[str, float]:
+        await asyncio.sleep(start - time.perf_counter())
+        before = counters(metrics)
+        await asyncio.sleep(end - time.perf_counter())
+        after = counters(metrics)
+        return {k: after[k] - before[k] for k in COUNTERS}
 
     async def client(k: int) -> None:
         lengths = iter(draw_lengths(1000 + k, 100_000))
@@ -138,8 +169,9 @@ async def closed_loop(
                     if sent >= start:
                         got.append((stream.id, sent, time.perf_counter()))
 
+    grown = asyncio.create_task(counted())
     await asyncio.gather(*(client(k) for k in range(clients)))
-    return got
+    return got, await grown
 
 
 def raw_prefill_s(task: GenerateTask, repeats: int = 50) -> float:
@@ -156,13 +188,14 @@ def raw_prefill_s(task: GenerateTask, repeats: int = 50) -> float:
 
 
 async def measure(task: GenerateTask, levels: list[int], warm: float, seconds: float) -> None:
-    engine = Engine(task, Metrics(), "continuous", MAX_PADDING)
+    metrics = Metrics()
+    engine = Engine(task, metrics, "continuous", MAX_PADDING)
     marks = Marks(engine)
     engine.start()
     totals: dict[int, np.ndarray] = {}
     try:
         for clients in levels:
-            rows = await closed_loop(engine, task, clients, warm, seconds)
+            rows, grown = await closed_loop(engine, metrics, task, clients, warm, seconds)
             parts: dict[str, list[float]] = {p: [] for p in (*PARTS, "total")}
             alone, joiners = [], []
             for sid, sent, read in rows:
@@ -185,6 +218,16 @@ async def measure(task: GenerateTask, levels: list[int], warm: float, seconds: f
                 ms = np.asarray(values) * 1000
                 p50, p99 = np.percentile(ms, 50), np.percentile(ms, 99)
                 print(f"  {name:<10} p50 {p50:6.2f} ms  p99 {p99:6.2f} ms")
+            # The loop's own cost: tokens/s against raw at the same rows and past,
+            # measured right after, with no HTTP and no clients' process on the cores.
+            per_step = grown["rows"] / max(grown["steps"], 1)
+            past = grown["positions"] / max(grown["rows"], 1)
+            raw = raw_tokens_per_s(task, max(1, round(per_step)), max(1, round(past)), 1.0)
+            tokens = grown["tokens"] / seconds
+            print(
+                f"  tokens/s {tokens:.0f}, {per_step:.1f} rows a step on a mean past of "
+                f"{past:.0f}: {tokens / raw:.2f}x raw at those rows and past ({raw:.0f})"
+            )
     finally:
         await engine.stop()
     low, high = min(levels), max(levels)
