@@ -1,12 +1,15 @@
 """Benchmark of a shared device: interactive traffic first, an offline job in the gaps.
 
     python bench/backfill.py [--seconds 2] [--rotations 3] [--levels 0.3,0.7] [--slo-ms 50]
-        [--policies finish,preempt,idle]
+        [--policies finish,preempt,idle,idle-always]
 
 Starts `lanes serve` with an interactive embed workload on the minilm demo model
 (`slo.p99_ms` from --slo-ms) and an offline workload on the same model whose runner
-is that endpoint, three times: as declared on the CPU (offline batches run beside the
-interactive ones on threads at the OS's idle priority: `idle`), and taking turns on
+is that endpoint, four times (or those `--policies` name, and `finish`): as declared
+on the CPU (offline batches run beside the interactive ones on threads at the OS's
+idle priority, until interactive runs keep the model busier than
+`batching.offline_beside_until`: `idle`), the same always beside
+(`offline_beside_until: 1`: `idle-always`), and taking turns on
 the model's thread (`batching.offline_threads: 0`, as on a GPU), where an interactive
 request that arrives during an offline run waits for it (`finish`) or, with
 `batching.preempt_offline`, stops that run unless the run is past its middle, and the
@@ -64,8 +67,13 @@ from lanes.tasks import load_task  # noqa: E402
 KEY = "bench-internal-key"
 TEXT = " ".join(["word"] * 30)  # 32 tokens with [CLS] and [SEP]
 OFFLINE_REQUEST_ITEMS = 64  # per batch sent: small enough to count per slice
-# Each endpoint's preempt_offline and offline_threads.
-POLICIES = {"finish": ("false", "0"), "preempt": ("true", "0"), "idle": ("false", "null")}
+# Each endpoint's preempt_offline, offline_threads and offline_beside_until.
+POLICIES = {
+    "finish": ("false", "0", 0.8),
+    "preempt": ("true", "0", 0.8),
+    "idle": ("false", "null", 0.8),
+    "idle-always": ("false", "null", 1),
+}
 SPEC = """\
 version: 1
 models:
@@ -81,6 +89,7 @@ workloads:
       max_queue: 4096
       preempt_offline: {preempt}
       offline_threads: {threads}
+      offline_beside_until: {until}
     slo: {{p99_ms: {slo}}}
   corpus:
     mode: offline
@@ -254,7 +263,7 @@ async def run(args: argparse.Namespace) -> None:
         # `finish` always runs: the offline job alone on it is the capacity's reference.
         chosen = [p for p in POLICIES if p in args.policies or p == "finish"]
         for i, policy in enumerate(chosen):
-            preempt, threads = POLICIES[policy]
+            preempt, threads, until = POLICIES[policy]
             spec_path = folder / f"{policy}.yaml"
             spec = SPEC.format(
                 m=models,
@@ -262,6 +271,7 @@ async def run(args: argparse.Namespace) -> None:
                 items=OFFLINE_REQUEST_ITEMS,
                 preempt=preempt,
                 threads=threads,
+                until=until,
             )
             spec_path.write_text(spec)
             port = 8600 + (os.getpid() + i) % 300

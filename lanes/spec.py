@@ -160,6 +160,17 @@ class Batching(StrictModel):
         "on the CPU, the OS has an idle priority and an offline workload of this spec runs "
         "on this one, `runner: {kind: endpoint}`; else 0).",
     )
+    offline_beside_until: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="embed/infer with `offline_threads`: while interactive runs keep the "
+        "model busier than this share of the last second, offline batches no longer start "
+        "beside them and take turns on the model's thread instead, each run stopped by an "
+        "interactive arrival as with `preempt_offline`. Beside, every interactive run is a "
+        "little slower (the threads share memory bandwidth and caches), and near "
+        "saturation that multiplies the queueing. 1: always beside.",
+    )
 
 
 class Slo(StrictModel):

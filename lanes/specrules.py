@@ -48,6 +48,8 @@ _OFFLINE_LANE_FIELDS = {
     "preempt_offline": "stops an embed or infer workload's offline runs",
     "offline_threads": "runs an embed or infer workload's offline batches beside its "
     "interactive ones",
+    "offline_beside_until": "bounds an embed or infer workload's offline batches beside "
+    "its interactive ones",
 }
 
 

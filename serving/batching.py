@@ -22,6 +22,7 @@ fire as early as their run is known to end past the deadline (`put(early_s=...)`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -33,6 +34,9 @@ from lanes.serving.access import RequestRecord
 
 # The code of a 504 answered before the deadline, because the run would end past it.
 UNREACHABLE = "deadline_unreachable"
+# How often offline items that may not run yet are looked at again: what holds them
+# (the interactive lane's recent load) falls as time passes, not on an event.
+LOOK_AGAIN_S = 0.05
 
 
 def never_fits(items: int, max_queue: int) -> RequestTooLarge | None:
@@ -314,7 +318,8 @@ class LaneQueues:
         to `offline_items(candidates)` offline ones (`candidates`: the items of the
         first offline requests, as many as one offline batch may hold); with
         `offline_items` None, interactive ones alone (offline batches are taken by
-        `next_offline`). None once both queues are closed and drained; never an empty
+        `next_offline`); while it says 0, offline ones wait (looked at again every
+        LOOK_AGAIN_S). None once both queues are closed and drained; never an empty
         batch."""
         while True:
             interactive = self.interactive.waiting()
@@ -330,6 +335,11 @@ class LaneQueues:
                     assert offline_items is not None
                     candidates = self.offline.peek(self.offline.max_batch_size)
                     most = offline_items(candidates)
+                    if most == 0:  # not now: an arrival or the time may change that
+                        self._arrived.clear()
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._arrived.wait(), LOOK_AGAIN_S)
+                        continue
                     batch = LaneBatch("offline", await self.offline.take(most))
                 if batch.items:
                     return batch

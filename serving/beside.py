@@ -7,6 +7,12 @@ as many at once as there are threads, each batch up to the offline lane's
 on the model's own thread takes the cores the moment it starts, and nothing offline
 is lost. A run's time is stretched by the interactive runs that took its cores, so it
 teaches the worker's cost model nothing.
+
+The cores are the OS's to give; the memory bandwidth and caches are not, so each
+interactive run beside an offline one is a little slower, and near saturation a
+little slower multiplies the queueing. So while `turns()` (the interactive lane is
+busier than `batching.offline_beside_until`) no batch starts here: the worker's own
+loop takes them, in turns with interactive runs.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import onnxruntime as ort
 
 from lanes.batchframe import run_unhandled
 from lanes.serving.batch_run import Result, Stopped, answer, timed_run
-from lanes.serving.batching import LaneQueues, Pending
+from lanes.serving.batching import LOOK_AGAIN_S, LaneQueues, Pending
 from lanes.serving.metrics import LaneSeries
 from lanes.serving.model_thread import IdleThreads
 from lanes.tasks import Task
@@ -30,7 +36,8 @@ from lanes.tasks.session_slot import SlotSession
 
 class Beside:
     """The offline lane of `task` on `threads` idle-priority threads. `active` is called
-    on the event loop whenever a batch is taken or ends (queue depths, idleness)."""
+    on the event loop whenever a batch is taken or ends (queue depths, idleness);
+    while `turns()` none is taken."""
 
     def __init__(
         self,
@@ -40,6 +47,7 @@ class Beside:
         series: LaneSeries,
         clock: Callable[[], float],
         active: Callable[[], None],
+        turns: Callable[[], bool],
     ) -> None:
         self.task = task
         self.threads = threads
@@ -47,6 +55,7 @@ class Beside:
         self._series = series
         self._clock = clock
         self._active = active
+        self._turns = turns
         self.running = 0  # batches on the threads now
         self._room = asyncio.Event()
         self._twin: Task | None = None  # the task on its one-thread session
@@ -75,6 +84,8 @@ class Beside:
             while self.running >= self.threads:
                 self._room.clear()
                 await self._room.wait()
+            while self._turns() and not self._lanes.offline.closed:
+                await asyncio.sleep(LOOK_AGAIN_S)
             batch = await self._lanes.next_offline()
             self._active()
             if batch is None:

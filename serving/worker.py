@@ -4,7 +4,9 @@ Interactive requests come first. On the CPU, offline items (`submit_offline`, fr
 flows whose runner is this endpoint) run beside them on threads at the OS's idle
 priority (`batching.offline_threads`, serving/beside.py), on a one-thread session of
 their own: an interactive run takes the cores the moment it starts, and offline
-batches of `max_batch_size` use whatever it leaves. Otherwise (a GPU, or
+batches of `max_batch_size` use whatever it leaves; while interactive runs keep the
+model busier than `batching.offline_beside_until`, they take turns instead, and an
+arrival stops the offline run. Otherwise (a GPU, or
 `offline_threads: 0`) the two lanes take turns on the model's thread: offline items
 run only when no interactive request waits, in batches sized so that one run fits in
 the workload's slack: its `slo.p99_ms` minus its
@@ -61,6 +63,9 @@ log = logging.getLogger("lanes.serving")
 # serving/model_thread.py), ten times a tiny model's run, and a loop blocked this
 # long holds up other requests for little more than those two wake-ups would.
 INLINE_RUN_S = 0.0005
+# How far back the interactive lane's busy share looks when it decides whether offline
+# batches go beside it: long enough to see a load, short enough to follow it.
+TURNS_WINDOW_S = 1.0
 _COST_WEIGHT = 0.5  # of the newest batch in the running per-item cost: adapts in a few runs
 # An offline run's budget without `slo.p99_ms`: what an interactive request may wait
 # behind one offline batch at most.
@@ -133,13 +138,23 @@ class BatchWorker:
         self._free.set()
         # The offline run on the model thread: an arrival may stop it.
         self._offline_run: OfflineRun | None = None
-        self.preempts_offline = batching.preempt_offline
         self._arrivals = Rate()  # interactive requests: sizes the runs they may stop
         # Offline runs beside the interactive ones, at idle priority (0: they take turns).
         self.offline_threads = task.offline_threads if isinstance(task, SlotSession) else 0
+        # Interactive runs' busy share: over `offline_beside_until` the lanes take turns
+        # (serving/beside.py), each offline run then stopped by an arrival.
+        self._interactive_busy = Utilization(window_s=TURNS_WINDOW_S)
+        self.beside_until = batching.offline_beside_until
+        self.preempts_offline = batching.preempt_offline or bool(self.offline_threads)
         self._beside = (
             Beside(
-                task, self.offline_threads, self.lanes, self._lane["offline"], clock, self._active
+                task,
+                self.offline_threads,
+                self.lanes,
+                self._lane["offline"],
+                clock,
+                self._active,
+                self._takes_turns,
             )
             if self.offline_threads
             else None
@@ -402,7 +417,7 @@ class BatchWorker:
             # Waits while a batch runs; interactive requests first.
             batch = await self.lanes.next_batch(
                 self._free,
-                None if self.offline_threads else self.offline_items,
+                self.offline_items,
                 self.steering.batch_size if self.steers else None,
             )
             self._set_depths()
@@ -425,7 +440,10 @@ class BatchWorker:
         slack by the cost model (padded to the longest of the candidates), at most
         `max_batch_size`; LEARNING_ITEMS until the model has a fit. Where arrivals stop
         runs (`preempt_offline`), of those the number that wastes the least in the
-        gaps the interactive arrivals leave (`gap_filling_items`)."""
+        gaps the interactive arrivals leave (`gap_filling_items`). 0 while offline
+        batches go beside the interactive ones instead."""
+        if not self._takes_turns():
+            return 0
         most = self.lanes.offline.max_batch_size
         fit = self.cost.fit
         if fit is None:
@@ -520,6 +538,7 @@ class BatchWorker:
             for pending in batch:
                 self._queue_wait.observe(start - pending.enqueued_at)
             self._batch_size.observe(len(batch))
+            self._interactive_busy.record(start, end)
         self.utilization.record(start, end)  # the gauge is set when /metrics is read
         self._busy.inc(end - start)
         series.busy.inc(end - start)
@@ -544,6 +563,12 @@ class BatchWorker:
     def busy_fraction(self) -> float:
         """The model's busy share of the last 10 s, on the worker's clock."""
         return self.utilization.fraction(self.clock())
+
+    def _takes_turns(self) -> bool:
+        """Whether offline batches run on the model's thread now, in turns."""
+        if not self.offline_threads:
+            return True
+        return self._interactive_busy.fraction(self.clock()) > self.beside_until
 
     def refresh_gauges(self) -> None:
         """The gauges read when /metrics is: utilization, and the cost model's fit

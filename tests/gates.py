@@ -55,6 +55,7 @@ class Gate:
         self._row_permits: collections.Counter[int] = collections.Counter()  # allow(rows=)
         self._held: list[int] = []  # the rows of each run waiting now
         self.passed = 0  # runs let through so far
+        self.threads: list[str] = []  # the thread of each run that came, in order
 
     def close(self) -> None:
         with self._changed:
@@ -91,6 +92,7 @@ class Gate:
             if not (self._open or self._permits):
                 _refuse_on_an_event_loop()
             self._held.append(rows)
+            self.threads.append(threading.current_thread().name)
             self._changed.notify_all()
             try:
                 passable = self._changed.wait_for(

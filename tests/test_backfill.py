@@ -46,7 +46,15 @@ from tests.flows_fixtures import (
     write_jsonl,
     write_spec,
 )
-from tests.gates import GATE_FILE_ENV, PAD_S, Gate, GatedRuntime, eventually, held_marker
+from tests.gates import (
+    GATE_FILE_ENV,
+    PAD_S,
+    Gate,
+    GatedRuntime,
+    ManualClock,
+    eventually,
+    held_marker,
+)
 from tests.gates import wait_until as wait_for
 from tests.servers import ServerThread
 
@@ -258,6 +266,8 @@ def spin_task(
 SPIN_X = [[1.0, 2.0, 3.0, 4.0]]
 FOREVER = {"x": SPIN_X, "spin": [[10**15]]}
 OFFLINE = {"workload": "live", "lane": "offline"}
+OFFLINE_ITEMS = ("lanes_lane_items_total", OFFLINE)
+INTERACTIVE_ITEMS = ("lanes_lane_items_total", {"workload": "live", "lane": "interactive"})
 
 
 def test_an_interactive_request_stops_an_offline_run_midway_and_it_runs_again(
@@ -476,6 +486,53 @@ def test_beside_an_endless_offline_run_an_interactive_request_is_answered(
     assert sample("lanes_lane_items_total", {"workload": "live", "lane": "interactive"}) == 1
     assert sample("lanes_lane_items_total", OFFLINE) == 0
     assert sample("lanes_lane_preemptions_total", OFFLINE) == 0
+
+
+def test_over_the_busy_bound_the_lanes_take_turns_and_an_arrival_stops_the_offline_run(
+    tmp_path: Path,
+) -> None:
+    """On a clock that moves only when told: once interactive runs kept the model busy
+    0.9 of the last second (over `offline_beside_until`, 0.8 by default), an offline run
+    goes on the model's thread, not beside, and an interactive arrival stops it (its
+    item goes back); once the load has fallen, offline runs go beside again."""
+    task, gate = spin_task(tmp_path, preempt=False, offline_threads=1)
+    clock = ManualClock()
+    quick = task.prepare({"x": SPIN_X, "spin": [[0]]})
+
+    async def scenario() -> tuple[list[str], Metrics]:
+        metrics = Metrics()
+        sample = metrics.registry.get_sample_value
+        worker = BatchWorker(task, metrics, clock)
+        worker.start()
+        on: list[str] = []
+        with gate.closed():
+            run = asyncio.create_task(worker.submit([quick]))
+            await asyncio.to_thread(gate.wait_held)
+            clock.advance(0.9)
+        await asyncio.wait_for(run, 60)
+        await eventually(lambda: sample(*INTERACTIVE_ITEMS) == 1, "the run is counted")
+        with gate.closed():
+            job = asyncio.create_task(worker.submit_offline([task.prepare(FOREVER)]))
+            await asyncio.to_thread(gate.wait_held)
+            on.append(gate.threads[-1])
+        await asyncio.wait_for(worker.submit([quick]), 60)
+        preempted = ("lanes_lane_preemptions_total", OFFLINE)
+        await eventually(lambda: sample(*preempted) == 1, "the arrival stops the run")
+        job.cancel()
+        clock.advance(10.0)  # nothing ran since: the load has fallen
+        await asyncio.wait_for(worker.submit([quick]), 60)  # the worker's loop looks again
+        with gate.closed():
+            late = asyncio.create_task(worker.submit_offline([quick]))
+            await asyncio.to_thread(gate.wait_held)
+            on.append(gate.threads[-1])
+        await asyncio.wait_for(late, 60)
+        await asyncio.wait_for(worker.stop(), 60)
+        return on, metrics
+
+    on, metrics = asyncio.run(scenario())
+    assert on[0] == "lanes-live", "over the bound, on the model's own thread"
+    assert on[1].startswith("lanes-live-offline"), "under it, beside again"
+    assert metrics.registry.get_sample_value(*OFFLINE_ITEMS) == 1
 
 
 @pytest.mark.parametrize(

@@ -224,6 +224,22 @@ BAD_CASES = [
         "embed or infer workload's offline batches",
     ),
     (
+        "offline beside bound on generate",
+        "    task: embed\n    model: enc\n    batching: {max_batch_size: 8, max_wait_ms: 2}\n",
+        "    task: generate\n    model: enc\n"
+        "    batching: {max_batch_size: 8, max_wait_ms: 2, offline_beside_until: 0.5}\n",
+        "W:10:51: workloads.search-query.batching.offline_beside_until: `offline_beside_until` "
+        "bounds an embed or infer workload's offline batches",
+    ),
+    (
+        "offline beside bound out of range",
+        "    task: embed\n    model: enc\n    batching: {max_batch_size: 8, max_wait_ms: 2}\n",
+        "    task: embed\n    model: enc\n"
+        "    batching: {max_batch_size: 8, max_wait_ms: 2, offline_beside_until: 0}\n",
+        "W:10:73: workloads.search-query.batching.offline_beside_until: input should be "
+        "greater than 0",
+    ),
+    (
         "max_error_rate out of range",
         "    output: out/\n",
         "    output: out/\n    max_error_rate: 1.5\n",
