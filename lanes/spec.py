@@ -145,7 +145,8 @@ class Batching(StrictModel):
         "run again, whole, after it. Interactive latency waits less for offline runs, at "
         "the cost of the stopped runs' work (default: an offline run ends first). Applies "
         "while offline runs take turns with interactive ones (`offline_threads: 0`, and on "
-        "a GPU).",
+        "a GPU); with `offline_threads`, the turns they take over `offline_beside_until` "
+        "are always stopped so.",
     )
     offline_threads: NonNegativeInt | None = Field(
         None,

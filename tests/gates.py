@@ -1,6 +1,7 @@
 """How tests hold a model run open and move time, so that no test races the wall clock.
 
-- `Gate`: runs wait at it while a test keeps it closed; `allow(n)` lets n through.
+- `Gate`: runs wait at it while a test keeps it closed; `allow(n)` lets n through;
+  `threads` names the thread each run came on.
   `GatedRuntime` puts a gate in front of every session of the model files it is
   given (the engine's decoder steps); `held` is a handler whose `post` waits at `HELD`
   (a batch worker's runs), `parse_held` one whose `pre` waits at `PARSE_HELD` (the
