@@ -9,6 +9,9 @@ an empty, migrated one, made once per Prefect version under .lanes/prefect-db/.
 
     with PrefectServer(tmp / "prefect") as server:   # starts it
         env = server.wait()                          # ... healthy; env points at it
+
+`call_api(method, url, ...)` calls its REST API as Prefect's own client does, a 503 tried
+again.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import httpx
 from tests.servers import free_port
 
 STARTUP_S = 120
+# As Prefect's own client: a 503 (its SQLite busy, on a loaded core) is tried again.
+API_TRIES = 8
 PREFECT = [sys.executable, "-m", "prefect"]  # the CLI of this venv's Prefect
 TEMPLATES = Path(__file__).resolve().parent.parent / ".lanes" / "prefect-db"
 
@@ -137,3 +142,15 @@ def migrated_database(env: dict[str, str]) -> Path | None:
         return None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def call_api(method: str, url: str, **kwargs: object) -> httpx.Response:
+    """A call to Prefect's REST API; a 503 is tried again (API_TRIES, backing off up to
+    2 s), as Prefect's own client does, and any other error status raised."""
+    for attempt in range(API_TRIES):
+        answer = httpx.request(method, url, timeout=30, **kwargs)  # type: ignore[arg-type]
+        if answer.status_code != 503 or attempt == API_TRIES - 1:
+            break
+        time.sleep(min(0.25 * 2**attempt, 2.0))
+    answer.raise_for_status()
+    return answer

@@ -22,7 +22,6 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 import lanes
@@ -31,7 +30,7 @@ from lanes.settings import Settings
 from lanes.spec import Schedule
 from lanes.specfile import load_spec
 from tests.flows_fixtures import moto_server, s3_env
-from tests.prefect_server import PREFECT, PrefectServer
+from tests.prefect_server import PREFECT, PrefectServer, call_api
 from tests.servers import ServerThread, write_spec
 
 pytestmark = pytest.mark.slow
@@ -141,9 +140,7 @@ def lanes_cli(*args: str) -> list[str]:
 
 def flow_run(setup: Setup, id: str) -> dict[str, Any]:
     """The flow run as Prefect's REST API has it."""
-    answer = httpx.get(f"{setup.api}/flow_runs/{id}", timeout=10)
-    answer.raise_for_status()
-    result: dict[str, Any] = answer.json()
+    result: dict[str, Any] = call_api("GET", f"{setup.api}/flow_runs/{id}").json()
     return result
 
 
@@ -157,9 +154,7 @@ def due_submissions(setup: Setup) -> int:
             "expected_start_time": {"before_": soon},
         }
     }
-    answer = httpx.post(f"{setup.api}/flow_runs/count", json=body, timeout=10)
-    answer.raise_for_status()
-    count: int = answer.json()
+    count: int = call_api("POST", f"{setup.api}/flow_runs/count", json=body).json()
     return count
 
 
@@ -237,8 +232,7 @@ def test_a_traced_submit_hands_its_trace_to_the_flow_run(setup: Setup) -> None:
 
 
 def flow_run_deployment(setup: Setup) -> str:
-    answer = httpx.get(f"{setup.api}/deployments/name/lanes-offline/embed-corpus", timeout=10)
-    answer.raise_for_status()
+    answer = call_api("GET", f"{setup.api}/deployments/name/lanes-offline/embed-corpus")
     return str(answer.json()["id"])
 
 
@@ -351,17 +345,12 @@ def create_run(setup: Setup, parameters: dict[str, str]) -> str:
         "state": {"type": "SCHEDULED", "state_details": {"scheduled_time": None}},
     }
     deployment = flow_run_deployment(setup)
-    answer = httpx.post(
-        f"{setup.api}/deployments/{deployment}/create_flow_run", json=body, timeout=10
-    )
-    answer.raise_for_status()
+    answer = call_api("POST", f"{setup.api}/deployments/{deployment}/create_flow_run", json=body)
     return str(answer.json()["id"])
 
 
 def flow_runs(setup: Setup) -> int:
-    answer = httpx.post(f"{setup.api}/flow_runs/count", json={}, timeout=10)
-    answer.raise_for_status()
-    count: int = answer.json()
+    count: int = call_api("POST", f"{setup.api}/flow_runs/count", json={}).json()
     return count
 
 

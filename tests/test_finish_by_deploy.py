@@ -12,7 +12,6 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from lanes.deadline import MARGIN, STARTUP_S
@@ -20,7 +19,7 @@ from lanes.flows.sample import SAMPLE_SOURCE
 from lanes.flows.start import DEADLINE_TAG
 from lanes.measurements import Measurements
 from tests.flows_fixtures import outputs_of, text, write_jsonl, write_spec
-from tests.prefect_server import PREFECT, PrefectServer
+from tests.prefect_server import PREFECT, PrefectServer, call_api
 
 pytestmark = pytest.mark.slow
 
@@ -66,11 +65,11 @@ def test_a_run_fired_at_the_opening_reschedules_itself_at_its_planned_start(
         _run([*PREFECT, "deployment", "run", "lanes-offline/corpus"], env, tmp_path)
         _run([*PREFECT, "worker", "start", "--pool", "lanes", "--run-once"], env, tmp_path)
 
-        deployment = httpx.get(f"{api}/deployments/name/lanes-offline/corpus", timeout=10).json()
-        runs: list[dict[str, Any]] = httpx.post(
+        deployment = call_api("GET", f"{api}/deployments/name/lanes-offline/corpus").json()
+        runs: list[dict[str, Any]] = call_api(
+            "POST",
             f"{api}/flow_runs/filter",
             json={"deployments": {"id": {"any_": [deployment["id"]]}}},
-            timeout=10,
         ).json()
     fired = [r for r in runs if r["state_type"] == "COMPLETED"]
     assert len(fired) == 1, [(r["name"], r["state_type"]) for r in runs]

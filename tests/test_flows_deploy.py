@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from tests.flows_fixtures import outputs_of, write_jsonl, write_spec
-from tests.prefect_server import PREFECT, PrefectServer
+from tests.prefect_server import PREFECT, PrefectServer, call_api
 
 pytestmark = pytest.mark.slow
 
@@ -74,7 +74,7 @@ def test_compile_deploy_and_a_process_worker_run_the_workload(
     deployed = _run([*lanes, "deploy", str(spec)], env, project)
     assert "work pool 'compiled' (created)" in deployed
     assert "lanes-offline/nightly  45 3 * * * (Europe/Berlin)" in deployed
-    found = httpx.get(f"{api}/deployments/name/lanes-offline/nightly", timeout=10).json()
+    found = call_api("GET", f"{api}/deployments/name/lanes-offline/nightly").json()
     (schedule,) = found["schedules"]
     assert schedule["schedule"]["cron"] == "45 3 * * *"
     assert schedule["schedule"]["timezone"] == "Europe/Berlin"
@@ -84,10 +84,10 @@ def test_compile_deploy_and_a_process_worker_run_the_workload(
     _run([*prefect, "deployment", "run", "lanes-offline/nightly"], env, tmp_path)
     _run([*prefect, "worker", "start", "--pool", "compiled", "--run-once"], env, tmp_path, 240)
 
-    runs: list[dict[str, Any]] = httpx.post(
+    runs: list[dict[str, Any]] = call_api(
+        "POST",
         f"{api}/flow_runs/filter",
         json={"deployments": {"id": {"any_": [found["id"]]}}, "sort": "START_TIME_DESC"},
-        timeout=10,
     ).json()
     finished = [r for r in runs if r["state_type"] == "COMPLETED"]
     assert len(finished) == 1, [(r["name"], r["state_type"]) for r in runs]

@@ -34,7 +34,7 @@ from tests.flows_fixtures import (
     write_jsonl,
     write_spec,
 )
-from tests.prefect_server import PREFECT, PrefectServer
+from tests.prefect_server import PREFECT, PrefectServer, call_api
 from tests.servers import free_port
 
 pytestmark = pytest.mark.slow
@@ -314,7 +314,7 @@ def test_prefect_deploy_and_a_worker_run_the_users_code(
     )
     assert worker.returncode == 0, worker.stdout + worker.stderr
     api = prefect_env["PREFECT_API_URL"]
-    runs = httpx.post(f"{api}/flow_runs/filter", json={}, timeout=30).json()
+    runs = call_api("POST", f"{api}/flow_runs/filter", json={}).json()
     # The run we started; the others are the off-peak schedule's, still in the future.
     states = sorted(r["state_type"] for r in runs if r["state_type"] != "SCHEDULED")
     assert states == ["COMPLETED"], worker.stdout + worker.stderr
