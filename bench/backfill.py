@@ -382,7 +382,9 @@ def main() -> None:
     unknown = set(args.policies) - set(POLICIES)
     if unknown:
         expected = ", ".join(POLICIES)
-        parser.error(f"--policies: unknown {', '.join(sorted(unknown))}; expected some of {expected}")
+        parser.error(
+            f"--policies: unknown {', '.join(sorted(unknown))}; expected some of {expected}"
+        )
     asyncio.run(run(args))
 
 
