@@ -99,7 +99,16 @@ SLOTS = "slots"  # continuous, on the slot-layout graph (--slots)
 BETWEEN = {"continuous": "between", SLOTS: "slots-between"}
 LONG_NEW_TOKENS = 16  # what a burst's long prompt generates, within the context
 # The server's counters a slice reads (server_counters), as differences over it.
-COUNTERS = ("tokens", "rows", "steps", "decode_s", "prefill_s", "prefills", "positions")
+# The engine's counters each slice reads before and after, by their series' names.
+COUNTERS = {
+    "tokens": "lanes_generated_tokens_total",
+    "rows": "lanes_batch_size_sum",
+    "steps": "lanes_batch_size_count",
+    "decode_s": "lanes_decode_step_seconds_sum",
+    "prefill_s": "lanes_prefill_seconds_sum",
+    "prefills": "lanes_prefill_seconds_count",
+    "positions": "lanes_decode_positions_total",
+}
 SPEC = """\
 version: 1
 models:
@@ -409,17 +418,8 @@ async def closed_loop(
 
 def server_counters(url: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    names = {
-        "tokens": "lanes_generated_tokens_total",
-        "rows": "lanes_batch_size_sum",
-        "steps": "lanes_batch_size_count",
-        "decode_s": "lanes_decode_step_seconds_sum",
-        "prefill_s": "lanes_prefill_seconds_sum",
-        "prefills": "lanes_prefill_seconds_count",
-        "positions": "lanes_decode_positions_total",
-    }
     out = {}
-    for key, name in names.items():
+    for key, name in COUNTERS.items():
         found = re.search(rf'^{name}{{workload="{WORKLOAD}"}} (\S+)$', text, re.MULTILINE)
         out[key] = float(found.group(1)) if found else 0.0
     return out

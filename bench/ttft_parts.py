@@ -42,7 +42,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from generate import MAX_TOKENS, PROMPTS, draw_lengths, raw_tokens_per_s  # noqa: E402
+from generate import (  # noqa: E402
+    COUNTERS,
+    MAX_TOKENS,
+    PROMPTS,
+    WORKLOAD,
+    draw_lengths,
+    raw_tokens_per_s,
+)
 
 from lanes.generation.kvcache import MAX_PADDING  # noqa: E402
 from lanes.generation.loop import Beside, Step  # noqa: E402
@@ -115,19 +122,10 @@ class Marks:
             self.at.setdefault(sid, {}).setdefault(point, now)
 
 
-# The engine's counters read at the measured time's start and end (as bench/generate.py
-# reads them from /metrics).
-COUNTERS = {
-    "tokens": "lanes_generated_tokens_total",
-    "rows": "lanes_batch_size_sum",
-    "steps": "lanes_batch_size_count",
-    "positions": "lanes_decode_positions_total",
-}
-
-
 def counters(metrics: Metrics) -> dict[str, float]:
+    """The engine's counters, read in process as bench/generate.py reads /metrics."""
     sample = metrics.registry.get_sample_value
-    return {k: sample(name, {"workload": "gen"}) or 0.0 for k, name in COUNTERS.items()}
+    return {k: sample(name, {"workload": WORKLOAD}) or 0.0 for k, name in COUNTERS.items()}
 
 
 async def closed_loop(
@@ -255,8 +253,8 @@ def main() -> None:
         "batching": {"max_batch_size": 64},
         "generation": {"temperature": 0},
     }
-    spec = Spec.model_validate({"models": {"tinycode": model}, "workloads": {"gen": workload}})
-    task = load_task("gen", spec, Runtime(Settings(device="cpu")))
+    spec = Spec.model_validate({"models": {"tinycode": model}, "workloads": {WORKLOAD: workload}})
+    task = load_task(WORKLOAD, spec, Runtime(Settings(device="cpu")))
     assert isinstance(task, GenerateTask)
     task.warm_up()
     asyncio.run(measure(task, [int(x) for x in args.levels.split(",")], args.warm, args.seconds))
