@@ -70,7 +70,7 @@ class Marks:
     def __init__(self, engine: Engine) -> None:
         self.at: dict[int, dict[str, float]] = {}
         self.joiners: dict[int, tuple[bool, int]] = {}  # id -> (prefilled alone, joiners)
-        add, run, flush = engine.scheduler.add, engine.loop.run, engine._flush
+        add, run, send = engine.scheduler.add, engine.loop.run, engine._send
         prefill_beside = engine.loop.prefill_beside
 
         def taken(seq: Seq) -> None:  # the engine thread, out of its inbox
@@ -106,15 +106,14 @@ class Marks:
                 self.joiners[seq.id] = (True, len(joiners))
             return step
 
-        def flushed() -> None:
-            ids = [e.seq_id for e in engine._unsent if e.first]
-            self._mark(ids, "flushed")
-            flush()
+        def sent(events: list[Event]) -> None:
+            self._mark([e.seq_id for e in events if e.first], "flushed")
+            send(events)
 
         engine.scheduler.add = taken  # type: ignore[method-assign]
         engine.loop.run = ran  # type: ignore[method-assign]
         engine.loop.prefill_beside = prefilled_beside  # type: ignore[method-assign]
-        engine._flush = flushed  # type: ignore[method-assign]
+        engine._send = sent  # type: ignore[method-assign]
 
     def _mark(self, ids: list[int], point: str, at: float | None = None) -> None:
         now = time.perf_counter() if at is None else at

@@ -7,17 +7,22 @@ while a step runs):
     take what arrived (and the aborts) since the last step
     steer: the SLOs' bounds on this plan's prefill and rows (lanes/generation/steer.py)
     plan = scheduler.schedule()     # deadlines expire here, joiners take free rows
-    step = loop.run(plan, flush, first_tokens, beside)
-                                    # the whole plan (lanes/generation/loop.py); as its
-                                    # model runs begin, flush() hands the last step's
-                                    # events to the event loop (call_soon_threadsafe),
-                                    # into each request's TokenStream; joiners' first
-                                    # tokens go as soon as their prefill is done;
-                                    # arrivals are prefilled beside its decode
-    observe the step (metrics, cost models, spans); its events wait for the next flush
+    step = loop.run(plan, report, first_tokens, beside)
+                                    # the whole plan (lanes/generation/loop.py); joiners'
+                                    # first tokens go to the event loop as soon as their
+                                    # prefill is done (call_soon_threadsafe), into each
+                                    # request's TokenStream; arrivals are prefilled
+                                    # beside its decode
+    report the step: its metrics, cost models and spans observed, then its events
+    handed to the event loop
+
+Reporting a step is Python work the next step does not need, so a second thread (the
+arrivals thread below) does it: it takes the GIL when the engine thread lets it go,
+which is in the next step's model runs. The bench's other policies report on the
+engine thread, as the next step's model runs begin.
 
 A request that arrives while the rows decode, and finds a free row, is prefilled
-beside that decode on a second thread (`Scheduler.admit_beside`; onnxruntime releases
+beside that decode on the second thread (`Scheduler.admit_beside`; onnxruntime releases
 the GIL), where a second run has hardware of its own (`Runtime.room_beside`: a GPU,
 or CPU cores the session's threads leave free): its first token goes out at once,
 and it decodes with the rows from the next plan on. The engine thread touches only
@@ -140,7 +145,9 @@ class Engine:
         self.rate = Rate()  # tokens
         self._series = GenerateSeries.of(metrics, self.name)
         self._spans = GenerateSpans(tracing, self.name, clock) if tracing is not None else None
-        self._stats = threading.Lock()  # rate and utilization: engine thread and /metrics
+        # Rate, utilization and the steer's cost models: written by reports, read by
+        # the engine thread and /metrics.
+        self._stats = threading.Lock()
         lock = threading.Lock()
         self._lock = threading.Condition(lock)
         self._inbox: list[Seq] = []
@@ -149,17 +156,19 @@ class Engine:
         self._stopping = False
         self._ids = itertools.count(1)
         self._streams: dict[int, TokenStream] = {}  # event-loop side only
-        self._last_token_at: dict[int, float] = {}  # engine-thread side only
-        self._unsent: list[Event] = []  # engine-thread side: for the next _flush
+        self._last_token_at: dict[int, float] = {}  # under _reporting
+        self._unreported: list[Step] = []  # run, not reported yet (under _lock)
+        self._reporting = threading.Lock()  # one report at a time, in step order
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name=f"lanes-engine-{self.name}")
         self._thread.daemon = True
         # While the engine thread is in a decode, requests that arrive are prefilled
-        # beside it on a thread of their own (continuous batching only: the other
-        # policies are the bench's baselines). Both wait on `_lock`'s lock.
+        # beside it on a thread of their own, which also reports the steps run
+        # (continuous batching only: the other policies are the bench's baselines).
+        # Both wait on `_lock`'s lock.
         self._arrivals = threading.Condition(lock)
         self._decoding = False  # the engine thread is in a decode (under _lock)
-        self._prefilling = False  # the arrivals thread is at work (under _lock)
+        self._prefilling = False  # the arrivals thread is prefilling (under _lock)
         self._beside_error: BaseException | None = None
         self._arrivals_thread = threading.Thread(
             target=self._prefill_arrivals, name=f"lanes-arrivals-{self.name}", daemon=True
@@ -168,6 +177,9 @@ class Engine:
             prefill_beside = task.room_beside
         beside = prefill_beside and policy == "continuous"
         self._beside = self._decode_beside if beside else None
+        # Without the arrivals thread, the last step is reported as the next one's
+        # model runs begin: waking the event loop then costs no wait for the GIL.
+        self._before_runs = _nothing if beside else self._report
 
     @property
     def cache(self) -> Cache:
@@ -303,27 +315,29 @@ class Engine:
             self._planned(plan)
             if plan.empty:
                 if stopping:
-                    self._flush()
+                    self._report()  # what the arrivals thread did not take
                     return
                 continue
-            # The last step's events go out as this one's model runs begin: waking the
-            # event loop then costs this thread no wait for the GIL.
-            step = self.loop.run(plan, self._flush, self._first_tokens, self._beside)
-            self._observe(step)
-            self._unsent += step.events[step.handed :]
-            if not plan.runs_model:
-                self._flush()
+            step = self.loop.run(plan, self._before_runs, self._first_tokens, self._beside)
+            with self._lock:
+                self._unreported.append(step)
+                self._arrivals.notify()
+            if not plan.runs_model and self._beside is None:
+                self._report()
 
     def _steer(self) -> None:
         """The SLOs' bounds on the next plan's prefill and rows (lanes/generation/steer.py)."""
-        self.steer.apply(self.scheduler, max(self.cache.length, 1), self._default_prefill_tokens)
+        with self._stats:  # the arrivals thread's reports feed it
+            self.steer.apply(
+                self.scheduler, max(self.cache.length, 1), self._default_prefill_tokens
+            )
 
     def _take_inbox(self) -> bool:
         """Sleep until there is something to do, then move new requests and aborts
         into the scheduler. Returns whether the engine is stopping."""
         scheduler = self.scheduler
         if not scheduler.has_work:
-            self._flush()  # no model run of a next step takes them out
+            self._report()  # no model run of a next step takes them out
         with self._lock:
             while not (self._inbox or self._aborts or self._stopping or scheduler.has_work):
                 self._lock.wait()
@@ -367,34 +381,42 @@ class Engine:
         arrive and find a free row (`Scheduler.admit_beside`) are prefilled here and
         their first tokens go out at once, so an arrival waits for no decode. The
         engine thread touches only the cache then, and waits for this before it goes
-        on; aborts and requests that find no row wait for the next plan."""
+        on; aborts and requests that find no row wait for the next plan. Then, and
+        whenever the engine thread has run a step, the steps run are reported."""
         while True:
             with self._lock:
-                while not (self._stopping or (self._decoding and self._inbox)):
+                while not (self._stopping or self._unreported or (self._decoding and self._inbox)):
                     self._arrivals.wait()
                 if self._stopping:
-                    return
-                arrived, self._inbox = self._inbox, []
-                self._prefilling = True
-            try:
-                for seq in arrived:
-                    self._add(seq)
-                joiners = self.scheduler.admit_beside()
-                if joiners:
-                    self._prefilled_beside(self.loop.prefill_beside(joiners))
-            except BaseException as e:  # fails the plan in flight (StepLoop.run)
-                self._beside_error = e
-            finally:
-                with self._lock:
-                    self._prefilling = False
-                    self._lock.notify_all()
+                    return  # the engine thread reports what is left
+                arrived: list[Seq] = []
+                if self._decoding:
+                    arrived, self._inbox = self._inbox, []
+                    self._prefilling = bool(arrived)
+            if arrived:
+                self._prefill(arrived)
+            self._report()
 
-    def _prefilled_beside(self, step: Step) -> None:
-        """A prefill beside a decode: its first tokens out now, then into the metrics."""
-        step.handed, step.handed_at = len(step.events), self.clock()
-        self._first_tokens(step.events)
-        self._planned(step.plan)
-        self._observe(step)
+    def _prefill(self, arrived: list[Seq]) -> None:
+        """Arrivals during a decode into the scheduler, and those it admits beside the
+        decode prefilled: their first tokens out now."""
+        try:
+            for seq in arrived:
+                self._add(seq)
+            joiners = self.scheduler.admit_beside()
+            if joiners:
+                step = self.loop.prefill_beside(joiners)
+                step.handed, step.handed_at = len(step.events), self.clock()
+                self._first_tokens(step.events)
+                self._planned(step.plan)
+                with self._lock:
+                    self._unreported.append(step)
+        except BaseException as e:  # fails the plan in flight (StepLoop.run)
+            self._beside_error = e
+        finally:
+            with self._lock:
+                self._prefilling = False
+                self._lock.notify_all()
 
     def _planned(self, plan: StepPlan) -> None:
         """What a plan says before it runs: the queues' depths, the preemptions."""
@@ -415,28 +437,30 @@ class Engine:
             m.prefill.observe(took)
             width = max(len(s.prompt_ids) for s in plan.prefill)
             if not step.beside:  # beside a decode, each run is stretched by the other
-                self.steer.observe_prefill(len(plan.prefill), len(plan.prefill) * width, took)
+                with self._stats:
+                    self.steer.observe_prefill(len(plan.prefill), len(plan.prefill) * width, took)
             if self._spans is not None:
                 self._spans.prefilled(plan.prefill, step.prefill.start, step.prefill.end)
         if step.chunk is not None and plan.chunk is not None:
             m.prefill.observe(step.chunk.seconds)
             tokens = plan.chunk.stop - plan.chunk.start
-            self.steer.observe_prefill(1, tokens, step.chunk.seconds)
+            with self._stats:
+                self.steer.observe_prefill(1, tokens, step.chunk.seconds)
         if step.decode is not None:
             rows = len(plan.decode)
             m.decode.observe(step.decode.seconds)
             m.rows.observe(rows)
-            m.positions.inc(sum(s.position for s in plan.decode))
-            self.steer.observe_decode(rows, step.decoded_length, step.decode.seconds)
-            for run in step.runs:
-                self.steer.observe_run(run.rows, run.length, run.seconds)
-        now = self.clock()
+            m.positions.inc(step.positions)
+            with self._stats:
+                self.steer.observe_decode(rows, step.decoded_length, step.decode.seconds)
+                for run in step.runs:
+                    self.steer.observe_run(run.rows, run.length, run.seconds)
         made = 0
         # First tokens come from prefills only (a prompt's final chunk among them).
         joined = {s.id: s for s in (*plan.prefill, *([plan.chunk.seq] if plan.chunk else []))}
         for i, event in enumerate(step.events):
             lane = self._lane_of.get(event.seq_id, "interactive")
-            at = step.handed_at if i < step.handed else now
+            at = step.handed_at if i < step.handed else step.end
             if event.tokens:
                 made += len(event.tokens)
                 last = self._last_token_at.get(event.seq_id)
@@ -464,7 +488,7 @@ class Engine:
         m.in_flight.set(self.scheduler.num_running)
         m.queue_depth.set(self._waiting)
         if self._spans is not None:
-            self._spans.observed(plan, step.events, now)
+            self._spans.observed(plan, step.events, step.end)
 
     def _lane_busy(self, step: Step, seconds: float) -> None:
         """A step's time, shared between the lanes by the rows each had in it."""
@@ -474,14 +498,24 @@ class Engine:
             self._lanes["offline"].busy.inc(seconds * offline / len(seqs))
             self._lanes["interactive"].busy.inc(seconds * (len(seqs) - offline) / len(seqs))
 
+    def _report(self) -> None:
+        """The steps run and not reported yet: into the metrics (`_observe`), then
+        their events (those not handed out already) to their streams."""
+        with self._reporting:
+            with self._lock:
+                steps, self._unreported = self._unreported, []
+            events: list[Event] = []
+            for step in steps:
+                self._observe(step)
+                events += step.events[step.handed :]
+            self._send(events)
+
     def _first_tokens(self, events: list[Event]) -> None:
         """Joiners' first tokens, made before the rest of their step runs: out at once."""
-        self._unsent += events
-        self._flush()
+        self._send(events)
 
-    def _flush(self) -> None:
-        """Hand the events not sent yet to the event loop, into their streams."""
-        events, self._unsent = self._unsent, []
+    def _send(self, events: list[Event]) -> None:
+        """Hand `events` to the event loop, into their streams."""
         if not events or self._loop is None:
             return
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
@@ -489,3 +523,7 @@ class Engine:
 
 
 _LANES: tuple[Lane, ...] = ("interactive", "offline")
+
+
+def _nothing() -> None:
+    pass

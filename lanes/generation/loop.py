@@ -64,7 +64,8 @@ class Step:
     """What one run of a plan did, filled in as it runs: its events, when the step
     began and ended, and its model runs (None where the plan had none): the joiners'
     prefill, the part of a long prompt, and the rows' decode over a cache
-    `decoded_length` positions long (its longest group, before the step). The first
+    `decoded_length` positions long (its longest group, before the step), at
+    `positions` (its rows' positions, summed). The first
     `handed` events went to `first_tokens` at `handed_at`, before the step's decode."""
 
     plan: StepPlan
@@ -75,6 +76,7 @@ class Step:
     chunk: Timed | None = None
     decode: Timed | None = None
     decoded_length: int = 0
+    positions: int = 0
     runs: tuple[GroupRun, ...] = ()  # the decode's, one per KV group
     failed: bool = False  # the step failed outside any one row: every row errored
     handed: int = 0
@@ -214,6 +216,7 @@ class StepLoop:
         if plan.decode:
             at = self.clock()
             cache, rows = self.cache, plan.decode
+            step.positions = sum(s.position for s in rows)
             run = beside or _now
             decoded = run(lambda: cache.decode(rows))
             step.decode = Timed(at, self.clock())
