@@ -9,9 +9,7 @@ model busier than `batching.offline_beside_until`, they take turns instead, and 
 arrival stops the offline run. Otherwise (a GPU, or
 `offline_threads: 0`) the two lanes take turns on the model's thread: offline items
 run only when no interactive request waits, in batches sized so that one run fits in
-the workload's slack: its `slo.p99_ms` minus its
-measured service time (the cost model's upper estimate of a typical interactive
-batch), or DEFAULT_SLACK_S without a p99 SLO. An interactive request that arrives
+the workload's slack (serving/offline_runs.py). An interactive request that arrives
 during an offline run waits for that one run at most; with `batching.preempt_offline`
 it stops it instead, unless the run is nearly done (serving/offline_runs.py):
 onnxruntime ends the run at its next node (`RunOptions.terminate`), and the offline
@@ -45,11 +43,11 @@ from lanes.serving.access import RequestRecord
 from lanes.serving.batch_run import Result, Stopped, answer, timed_run
 from lanes.serving.batching import LANES, Lane, LaneQueues, Pending, never_fits
 from lanes.serving.beside import Beside
-from lanes.serving.metrics import LaneSeries, Metrics, Rate, Utilization
+from lanes.serving.metrics import LaneSeries, Metrics, Utilization
 from lanes.serving.model_thread import ModelThread
-from lanes.serving.offline_runs import OfflineRun, gap_filling_items
+from lanes.serving.offline_runs import OfflineLane, OfflineRun
 from lanes.serving.residency import Presence, Residency, residency_of
-from lanes.serving.slo import Steering, padded_tokens, tokens_of
+from lanes.serving.slo import Steering, padded_tokens
 from lanes.serving.tracing import batch_spans
 from lanes.spec import as_interactive
 from lanes.tasks import Task
@@ -63,15 +61,7 @@ log = logging.getLogger("lanes.serving")
 # serving/model_thread.py), ten times a tiny model's run, and a loop blocked this
 # long holds up other requests for little more than those two wake-ups would.
 INLINE_RUN_S = 0.0005
-# How far back the interactive lane's busy share looks when it decides whether offline
-# batches go beside it: long enough to see a load, short enough to follow it.
-TURNS_WINDOW_S = 1.0
 _COST_WEIGHT = 0.5  # of the newest batch in the running per-item cost: adapts in a few runs
-# An offline run's budget without `slo.p99_ms`: what an interactive request may wait
-# behind one offline batch at most.
-DEFAULT_SLACK_S = 0.020
-# Offline batches until the cost model has seen enough runs to size them.
-LEARNING_ITEMS = 4
 # Offline items one workload holds queued: any one offline batch (batch_size <= 65536)
 # fits; beyond, 503 and Retry-After, which the flow's endpoint runner waits out.
 OFFLINE_MAX_QUEUE = 65536
@@ -111,14 +101,13 @@ class BatchWorker:
         )
         self.queue = self.lanes.interactive
         p99 = workload.slo.p99_ms
-        self.p99_s = p99 / 1000 if p99 is not None else None
+        p99_s = p99 / 1000 if p99 is not None else None
         # Interactive batches sized by the cost model, deadlines predicted.
         self.steers = p99 is not None or workload.slo.timeout_ms is not None
         # Learned from every whole run, of either lane: sizes offline batches, and
         # interactive ones where an SLO steers them.
         self.cost = CostModel(clock=clock)
-        self.steering = Steering(self.cost, self.p99_s, batching.max_batch_size, clock)
-        self._typical = _Typical()  # of interactive batches: their service time
+        self.steering = Steering(self.cost, p99_s, batching.max_batch_size, clock)
         self._lane = {lane: LaneSeries.of(metrics, task.name, lane) for lane in LANES}
         self._utilization = metrics.utilization.labels(task.name)
         self.utilization = Utilization()
@@ -136,27 +125,28 @@ class BatchWorker:
         self._item_cost_s: float | None = None  # running mean of run time per item
         self._free = asyncio.Event()  # set while no batch is on the model
         self._free.set()
-        # The offline run on the model thread: an arrival may stop it.
-        self._offline_run: OfflineRun | None = None
-        self._arrivals = Rate()  # interactive requests: sizes the runs they may stop
         # Offline runs beside the interactive ones, at idle priority (0: they take turns).
-        self.offline_threads = task.offline_threads if isinstance(task, SlotSession) else 0
-        # Interactive runs' busy share: over `offline_beside_until` the lanes take turns
-        # (serving/beside.py), each offline run then stopped by an arrival.
-        self._interactive_busy = Utilization(window_s=TURNS_WINDOW_S)
-        self.beside_until = batching.offline_beside_until
-        self.preempts_offline = batching.preempt_offline or bool(self.offline_threads)
+        threads = task.offline_threads if isinstance(task, SlotSession) else 0
+        self.offline = OfflineLane(
+            self.cost,
+            p99_s,
+            batching.max_batch_size,
+            threads,
+            batching.offline_beside_until,
+            batching.preempt_offline,
+            clock,
+        )
         self._beside = (
             Beside(
                 task,
-                self.offline_threads,
+                threads,
                 self.lanes,
                 self._lane["offline"],
                 clock,
                 self._active,
-                self._takes_turns,
+                self.offline.takes_turns,
             )
-            if self.offline_threads
+            if threads
             else None
         )
         default = workload.slo.timeout_ms
@@ -242,8 +232,7 @@ class BatchWorker:
         self._wake()
         timeout_s = timeout_s if timeout_s is not None else self.default_timeout_s
         arrived = self.clock()
-        if self.preempts_offline:
-            self._arrivals.record(arrived)
+        self.offline.arrived(arrived)
         deadline = arrived + timeout_s if timeout_s is not None else None
         early_s = 0.0
         if self.steers:
@@ -262,7 +251,7 @@ class BatchWorker:
                     # May refuse: Overloaded.
                     pendings.append(self.queue.put(item, deadline, early_s))
                     pendings[-1].request = request
-                self._stop_offline()
+                self.offline.interactive_waits()
                 self._set_depths()
             if len(pendings) == 1:
                 outputs = [await pendings[0].future]
@@ -299,13 +288,6 @@ class BatchWorker:
                 pending.future.cancel()
             raise
         return list(outcomes)
-
-    def _stop_offline(self) -> None:
-        """An interactive request waits: if the workload preempts offline runs and one
-        is on the model, stop it now or, nearly done, later."""
-        run = self._offline_run
-        if self.preempts_offline and run is not None:
-            run.stop_for(self.clock() - run.start)
 
     def _wake(self) -> None:
         """An arrival: idleness counts from now, and an unloaded model starts loading.
@@ -417,7 +399,7 @@ class BatchWorker:
             # Waits while a batch runs; interactive requests first.
             batch = await self.lanes.next_batch(
                 self._free,
-                self.offline_items,
+                self.offline.items,
                 self.steering.batch_size if self.steers else None,
             )
             self._set_depths()
@@ -425,35 +407,6 @@ class BatchWorker:
                 return
             if self._start(batch.items, batch.lane):
                 await asyncio.sleep(0)  # an inline run: let replies go and requests arrive
-
-    def slack_s(self) -> float:
-        """What one offline run may take: the p99 SLO minus the interactive service
-        time (DEFAULT_SLACK_S without a p99 SLO); 0 when the service time alone
-        exceeds the SLO."""
-        if self.p99_s is None:
-            return DEFAULT_SLACK_S
-        service = self.cost.estimate(self._typical.items, self._typical.tokens)
-        return max(self.p99_s - (service.upper if service is not None else 0.0), 0.0)
-
-    def offline_items(self, candidates: Sequence[Any]) -> int:
-        """How many of the waiting offline items one run takes: as many as fit in the
-        slack by the cost model (padded to the longest of the candidates), at most
-        `max_batch_size`; LEARNING_ITEMS until the model has a fit. Where arrivals stop
-        runs (`preempt_offline`), of those the number that wastes the least in the
-        gaps the interactive arrivals leave (`gap_filling_items`). 0 while offline
-        batches go beside the interactive ones instead."""
-        if not self._takes_turns():
-            return 0
-        most = self.lanes.offline.max_batch_size
-        fit = self.cost.fit
-        if fit is None:
-            return min(LEARNING_ITEMS, most)
-        tokens = max((tokens_of(c) for c in candidates), default=0)
-        fits = self.cost.largest_batch(self.slack_s(), most, tokens)
-        if not self.preempts_offline:
-            return fits
-        rate = self._arrivals.per_second(self.clock())
-        return gap_filling_items(lambda k: fit.seconds(k, k * tokens), rate, fits)
 
     def _start(self, batch: list[Pending], lane: Lane = "interactive") -> bool:
         """Run one batch; returns whether it ran on the loop (then it is answered already).
@@ -478,7 +431,7 @@ class BatchWorker:
         if lane == "offline":
             estimate = self.cost.estimate(len(items), padded_tokens(items))
             offline = OfflineRun(start, estimate.seconds if estimate is not None else None)
-            self._offline_run = offline
+            self.offline.run = offline
             run = partial(self._timed_run, self._raw, stop=offline.stop)
             for pending in batch:
                 pending.future.add_done_callback(partial(self._abandoned, batch, offline))
@@ -490,7 +443,7 @@ class BatchWorker:
     def _abandoned(self, batch: list[Pending], run: OfflineRun, _: object) -> None:
         """A caller of an offline batch went or was answered: once none waits, the
         run (if still on the model) ends early, its device time saved."""
-        if run is self._offline_run and not any(p.live for p in batch):
+        if run is self.offline.run and not any(p.live for p in batch):
             run.end_now()
 
     def _raw(self, items: Sequence[Any], options: ort.RunOptions | None = None) -> list[Any]:
@@ -508,9 +461,9 @@ class BatchWorker:
         A stopped offline run's batch goes back to its queue instead."""
         end = self.clock()
         self._free.set()
-        if lane == "offline" and self._offline_run is not None:
-            self._offline_run.ended()
-            self._offline_run = None
+        if lane == "offline" and self.offline.run is not None:
+            self.offline.run.ended()
+            self.offline.run = None
         if self.residency is not None:
             self.residency.touch()
         if isinstance(error, Stopped):
@@ -534,21 +487,19 @@ class BatchWorker:
     ) -> None:
         """`run_s`: the whole run's own time (None when it failed or was split)."""
         series = self._lane[lane]
+        tokens = padded_tokens([p.item for p in batch]) if run_s is not None else None
         if lane == "interactive":
             for pending in batch:
                 self._queue_wait.observe(start - pending.enqueued_at)
             self._batch_size.observe(len(batch))
-            self._interactive_busy.record(start, end)
+            self.offline.interactive_ran(start, end, len(batch), tokens)
         self.utilization.record(start, end)  # the gauge is set when /metrics is read
         self._busy.inc(end - start)
         series.busy.inc(end - start)
         series.items.inc(len(batch))
-        if run_s is not None:
+        if run_s is not None and tokens is not None:
             self._run_time.observe(run_s)
-            tokens = padded_tokens([p.item for p in batch])
             self.cost.observe(len(batch), tokens, run_s)
-            if lane == "interactive":
-                self._typical.observe(len(batch), tokens)
         if self._tracing is not None:
             batch_spans(self._tracing, self.name, batch, start, end, run_s, self.clock)
 
@@ -563,12 +514,6 @@ class BatchWorker:
     def busy_fraction(self) -> float:
         """The model's busy share of the last 10 s, on the worker's clock."""
         return self.utilization.fraction(self.clock())
-
-    def _takes_turns(self) -> bool:
-        """Whether offline batches run on the model's thread now, in turns."""
-        if not self.offline_threads:
-            return True
-        return self._interactive_busy.fraction(self.clock()) > self.beside_until
 
     def refresh_gauges(self) -> None:
         """The gauges read when /metrics is: utilization, and the cost model's fit
@@ -595,22 +540,3 @@ class BatchWorker:
             old = self._item_cost_s
             self._item_cost_s = cost if old is None else old + _COST_WEIGHT * (cost - old)
         return result
-
-
-class _Typical:
-    """A running mean of interactive batches' items and padded tokens."""
-
-    def __init__(self) -> None:
-        self.items = 1
-        self.tokens = 0
-        self._items = self._tokens = 0.0
-        self._seen = False
-
-    def observe(self, items: int, tokens: int) -> None:
-        if not self._seen:
-            self._items, self._tokens, self._seen = float(items), float(tokens), True
-        else:
-            self._items += _COST_WEIGHT * (items - self._items)
-            self._tokens += _COST_WEIGHT * (tokens - self._tokens)
-        self.items = max(round(self._items), 1)
-        self.tokens = round(self._tokens)

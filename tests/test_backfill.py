@@ -544,7 +544,7 @@ def test_offline_threads_default_to_the_cores_where_the_spec_backfills_on_the_cp
 ) -> None:
     task, _ = spin_task(tmp_path, False, offline_threads=declared, backfilled=backfilled)
     cores = len(os.sched_getaffinity(0))
-    assert BatchWorker(task, Metrics()).offline_threads == (
+    assert BatchWorker(task, Metrics()).offline.beside_threads == (
         cores if threads == "cores" else threads
     )
 
@@ -808,7 +808,8 @@ def test_offline_runs_are_sized_to_the_interactive_slack(
     """One run fits in p99 minus the service time (or the default slack), by the cost
     model: here 1 ms fixed + 1 ms per item, so an interactive batch of 1 takes 2 ms."""
     from lanes.serving.metrics import Metrics
-    from lanes.serving.worker import DEFAULT_SLACK_S, LEARNING_ITEMS, BatchWorker
+    from lanes.serving.offline_runs import DEFAULT_SLACK_S, LEARNING_ITEMS
+    from lanes.serving.worker import BatchWorker
     from tests.gates import ManualClock
 
     batching = {"max_batch_size": 64, "offline_threads": 0}
@@ -820,10 +821,10 @@ def test_offline_runs_are_sized_to_the_interactive_slack(
     async def sized() -> tuple[int, float, int]:
         worker = BatchWorker(task, Metrics(), clock)
         candidates = [task.prepare({"x": [[1, 2, 3, 4]]})]
-        before = worker.offline_items(candidates)  # nothing measured yet
+        before = worker.offline.items(candidates)  # nothing measured yet
         for n in (1, 2, 4, 8, 16, 1, 2, 4, 8, 16):
             worker.cost.observe(n, 0, 0.001 + 0.001 * n)
-        return before, worker.slack_s(), worker.offline_items(candidates)
+        return before, worker.offline.slack_s(), worker.offline.items(candidates)
 
     before, slack, after = asyncio.run(sized())
     assert before == LEARNING_ITEMS
@@ -865,7 +866,7 @@ def test_offline_runs_that_arrivals_stop_are_sized_to_their_gaps(
         # on this clock.
         for n in [1, 2, 4, 8, 16] * 52:
             worker.cost.observe(n, 0, 0.001 + 0.005 * n)
-        sized = worker.offline_items([request])
+        sized = worker.offline.items([request])
         await asyncio.wait_for(worker.stop(), 60)
         return sized
 

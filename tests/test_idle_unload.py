@@ -286,7 +286,7 @@ def test_offline_threads_session_goes_with_an_unload_and_comes_back_with_the_nex
     gates = {"minilm": load}
     with ServerThread(spec, clock=clock, load_gates=gates, internal_key=INTERNAL_KEY) as server:
         served = Served(server, clock, load)
-        assert served.worker("beside").offline_threads == 1
+        assert served.worker("beside").offline.beside_threads == 1
         task = served.worker("beside").task
         items = [task.prepare(TEXT), task.prepare("another text")]
         headers = {"content-type": CONTENT_TYPE, "authorization": f"Bearer {INTERNAL_KEY}"}
