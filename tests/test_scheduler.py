@@ -409,17 +409,19 @@ def test_a_prompt_that_goes_in_parts_waits_for_the_next_plan_not_beside_a_decode
 # ---- two lanes: offline sequences take free rows, and leave them for interactive ones
 
 
-def test_offline_sequences_take_only_rows_no_interactive_one_waits_for() -> None:
+def test_offline_sequences_join_only_in_steps_without_interactive_work() -> None:
     s = make(max_running=3, reserve=Reserve(share=0))  # no free rows kept
     s.offline_rides = True  # a device where more rows cost a step little
     for i in range(3):
         s.add(seq(10 + i, offline=True))
-    s.add(seq(1))
+    s.add(seq(1, max_new=2))
     plan, _ = step(s)
     assert ids(plan.prefill) == [1], "interactive first, and a prefill is of one lane"
     plan, _ = step(s)
-    assert ids(plan.prefill) == [10, 11] and ids(plan.decode) == [1], "offline after"
-    assert s.num_offline_waiting == 1 and s.num_waiting == 0
+    assert ids(plan.decode) == [1] and not plan.prefill, "free rows, yet no offline prompt"
+    assert s.num_offline_waiting == 3, "its prefill would lengthen the interactive step"
+    plan, _ = step(s)
+    assert ids(plan.prefill) == [10, 11, 12], "the interactive row is done: a gap"
 
 
 def test_offline_rows_sit_out_the_interactive_rows_steps_unless_they_ride_along() -> None:
@@ -441,25 +443,28 @@ def test_offline_rows_sit_out_the_interactive_rows_steps_unless_they_ride_along(
     assert [s._live[i].tokens for i in (10, 11)] == before, "they made nothing meanwhile"
     s.offline_rides = True  # the cost model says they cost the interactive rows little
     plan, _ = step(s)
-    assert ids(plan.decode) == [10, 11, 1] and ids(plan.prefill) == [12]
-    assert [s._live[i].rider for i in (10, 11, 12)] == [False, False, True]
-    s.offline_rides = False
-    plan, _ = step(s)
-    assert ids(plan.decode) == [1, 12], "one that joined riding shares the interactive steps"
+    assert ids(plan.decode) == [10, 11, 1], "they ride along"
+    assert not plan.prefill, "an offline prompt still joins no interactive step"
     s.abort(1)  # the interactive lane is idle: the gap is the offline lane's
     plan, _ = step(s)
-    assert ids(plan.decode) == [10, 11, 12]
-
-
-def test_offline_joiners_prefill_beside_the_rows_decode_even_where_joiners_run_alone() -> None:
-    s = make(max_running=4, reserve=Reserve(share=0), prefill_alone=True)
-    s.add(seq(1, max_new=50))
+    assert ids(plan.decode) == [10, 11] and ids(plan.prefill) == [12]
+    assert [s._live[i].rider for i in (10, 11, 12)] == [False, False, True]
+    s.offline_rides = False
+    s.add(seq(2, max_new=50))
     plan, _ = step(s)
-    assert ids(plan.prefill) == [1]
-    s.offline_rides = True
+    assert ids(plan.prefill) == [2] and ids(plan.decode) == [12]
+    plan, _ = step(s)
+    assert ids(plan.decode) == [12, 2], "one that joined riding shares the interactive steps"
+
+
+def test_offline_joiners_prefill_in_the_rows_decode_step_even_where_joiners_run_alone() -> None:
+    s = make(max_running=4, reserve=Reserve(share=0), prefill_alone=True)
     s.add(seq(10, offline=True, max_new=50))
     plan, _ = step(s)
-    assert ids(plan.prefill) == [10] and ids(plan.decode) == [1], "nobody waits for its token"
+    assert ids(plan.prefill) == [10]
+    s.add(seq(11, offline=True, max_new=50))
+    plan, _ = step(s)
+    assert ids(plan.prefill) == [11] and ids(plan.decode) == [10], "nobody waits for its token"
     s.add(seq(2, max_new=50))
     plan, _ = step(s)
     assert ids(plan.prefill) == [2] and not plan.decode, "an interactive joiner's runs alone"
@@ -486,6 +491,9 @@ def test_an_interactive_arrival_preempts_the_newest_offline_row_at_the_next_plan
     plan, _ = step(s)
     assert not plan.resumed and s.num_offline_waiting == 1
     s.abort(10)
+    plan, _ = step(s)
+    assert not plan.resumed, "a row is free, but an interactive one runs: no resume"
+    s.abort(1)  # a gap
     plan = s.schedule()
     assert [r.id for r in plan.resumed] == [12] and not plan.prefill
     events = s.update(plan, StepOutputs(decode=logits(*([A] * len(plan.decode)))))
@@ -518,26 +526,27 @@ def test_offline_sequences_leave_a_reserve_of_rows_while_interactive_requests_ar
     assert s.num_running == 8, "no interactive traffic: the offline job has every row"
     for i in range(8):  # the offline rows finish; interactive requests come meanwhile
         s.abort(10 + i)
-    s.add(seq(1, max_new=50))
-    s.add(seq(2, max_new=50))
-    s.add(seq(3, max_new=50))
+    s.add(seq(1, max_new=1))
+    s.add(seq(2, max_new=1))
+    s.add(seq(3, max_new=1))
     plan, _ = step(s)
     assert ids(plan.prefill) == [1, 2, 3], "a prefill is of one lane: interactive first"
     plan, _ = step(s)
-    assert ids(plan.prefill) == [18, 19]
-    assert s.num_running == 5, "3 interactive arrivals in the last 2 s: 8 // 4 rows stay free"
-    for i in range(3):
+    assert ids(plan.prefill) == [18, 19] and s.num_running == 2
+    for i in range(6):
         s.add(seq(20 + i, offline=True, max_new=50))
     plan, _ = step(s)
-    assert ids(plan.prefill) == [20] and s.num_running == 6, "offline stops 2 rows short"
-    s.add(seq(4, max_new=50))
+    assert ids(plan.prefill) == [20, 21, 22, 23] and s.num_running == 6, (
+        "3 interactive arrivals in the last 2 s: 8 // 4 rows stay free"
+    )
+    s.add(seq(4, max_new=1))
     plan = s.schedule()
     assert not plan.preempted, "the arrival finds a free row: nobody is preempted"
     assert ids(plan.prefill) == [4]
     s.update(plan, StepOutputs(prefill=logits(A), decode=logits(*[A] * len(plan.decode))))
     clock.now += 2.5  # no interactive arrival since: the reserve goes back to the offline lane
     plan, _ = step(s)
-    assert ids(plan.prefill) == [21] and s.num_running == 8
+    assert ids(plan.prefill) == [24, 25] and s.num_running == 8
 
 
 def test_offline_rows_past_a_lowered_bound_are_preempted_while_interactive_rows_run() -> None:
@@ -546,14 +555,14 @@ def test_offline_rows_past_a_lowered_bound_are_preempted_while_interactive_rows_
     s.offline_rides = True  # a device where more rows cost a step little
     for i in range(5):
         s.add(seq(10 + i, offline=True, max_new=50))
-    s.add(seq(1, max_new=50))
     step(s)
+    s.add(seq(1, max_new=50))
     step(s)
     assert s.num_running == 6
     s.max_running = 3  # as slo.itl_ms lowers it when the cache grows
     plan = s.schedule()
     assert ids(plan.preempted) == [12, 13, 14], "the newest offline rows leave"
-    assert ids(plan.decode) == [1, 10, 11]
+    assert ids(plan.decode) == [10, 11, 1]
     s.update(plan, StepOutputs(decode=logits(A, A, A)))
     plan, _ = step(s)
     assert not plan.preempted and not plan.resumed, "and stay out while the bound holds"

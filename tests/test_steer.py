@@ -72,19 +72,19 @@ def test_the_steer_lets_a_scheduler_s_offline_rows_ride_along_by_the_cost_model(
     s = make(max_running=8, clock=clock)
     for i in range(3):
         s.add(seq(10 + i, offline=True, max_new=50))
+    steer.apply(s, 100, 4096)
+    plan, _ = step(s)
+    assert ids(plan.prefill) == [10, 11, 12], "no interactive work: the gap is theirs"
     s.add(seq(1, max_new=50))
     for _ in range(3):
         steer.apply(s, 100, 4096)
-        step(s)
-    assert ids(s.rows) == [1], "measured nothing yet: the offline prompts wait for a gap"
+        plan, _ = step(s)
+    assert ids(plan.decode) == [1], "measured nothing yet: the offline rows sit out"
     for rows in (1, 2, 4, 8) * 2:  # a run's cost hardly grows with its rows
         steer.observe_run(rows, 100, 0.010 + rows * 0.00001)
     steer.apply(s, 100, 4096)
     plan, _ = step(s)
-    assert ids(plan.prefill) == [10, 11, 12] and ids(plan.decode) == [1]
-    steer.apply(s, 100, 4096)
-    plan, _ = step(s)
-    assert ids(plan.decode) == [1, 10, 11, 12], "they decode beside the interactive row"
+    assert ids(plan.decode) == [10, 11, 12, 1], "they decode beside the interactive row"
 
 
 # ---- steering a real scheduler: its rows and queue, on a manual clock ----------------

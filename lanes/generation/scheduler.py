@@ -63,16 +63,19 @@ class Scheduler:
     rows run (a bound lowered under them, as `slo.itl_ms` does): they would make the
     interactive rows' steps longer than the bound allows.
 
-    Offline rows fill the gaps the interactive lane leaves: while interactive rows
-    run, the offline ones keep their rows and caches but sit the steps out (no copy,
-    nothing lost), and no offline prompt joins, unless `offline_rides` says their
-    decode costs the interactive rows little (lanes/generation/steer.py sets it from
-    its cost model of single decoder runs before each plan: on a device whose run
-    costs about the same for more rows they ride along; where every row adds its
-    cost, they wait for a step without interactive rows). The batch cache keeps the rows that may sit out
-    in groups of their own (lanes/generation/kvcache.py), and a prefill's joiners are
-    of one kind. Offline rows admitted while they ride (`Seq.rider`) join the
-    interactive rows' groups instead, a run less per step, and decode in every step.
+    Offline rows fill the gaps the interactive lane leaves. They join (and preempted
+    ones resume) only in steps without interactive work, on any device: a prefill, or
+    a cache recomputed, would lengthen an interactive step by several decodes, the
+    tail the interactive lane feels. While interactive rows run, the offline ones keep
+    their rows and caches but sit the steps out (no copy, nothing lost), unless
+    `offline_rides` says their decode costs the interactive rows little
+    (lanes/generation/steer.py sets it from its cost model of single decoder runs
+    before each plan: on a device whose run costs about the same for more rows they
+    ride along; where every row adds its cost, they wait for a step without
+    interactive rows). The batch cache keeps the rows that may sit out in groups of
+    their own (lanes/generation/kvcache.py), and a prefill's joiners are of one kind.
+    Offline rows admitted while they ride (`Seq.rider`) join the interactive rows'
+    groups instead, a run less per step, and decode in every step.
 
     With `chunked`, `max_prefill_tokens` is a hard budget: a prompt longer than it is
     prefilled in parts over several plans (`StepPlan.chunk`, one prompt at a time,
@@ -225,9 +228,8 @@ class Scheduler:
         resumed: tuple[Seq, ...] = ()
         busy = self._offline_live > 0 and self._interactive_busy(running, prefill)
         sits_out = busy and not self.offline_rides and self.policy == "continuous"
-        # Offline rows only where no interactive one waits, never in an interactive
-        # prefill (one lane per prefill), and only in steps they may take part in.
-        if not (self.waiting or prefill or sits_out):
+        # Offline rows join only in steps without interactive work (see above).
+        if not (self.waiting or busy):
             offline = self._admit(self.offline, budget, offline_rows)
             for seq in offline:
                 if not seq.tokens:  # a resumed one keeps its kind (and its cache's group)
