@@ -7,7 +7,7 @@ while a step runs):
     take what arrived (and the aborts) since the last step
     steer: the SLOs' bounds on this plan's prefill and rows (lanes/generation/steer.py)
     plan = scheduler.schedule()     # deadlines expire here, joiners take free rows
-    step = loop.run(plan, report, first_tokens, beside)
+    step = loop.run(plan, before_runs, first_tokens, beside)
                                     # the whole plan (lanes/generation/loop.py); joiners'
                                     # first tokens go to the event loop as soon as their
                                     # prefill is done (call_soon_threadsafe), into each
@@ -18,8 +18,9 @@ while a step runs):
 
 Reporting a step is Python work the next step does not need, so a second thread (the
 arrivals thread below) does it: it takes the GIL when the engine thread lets it go,
-which is in the next step's model runs. The bench's other policies report on the
-engine thread, as the next step's model runs begin.
+which is in the next step's model runs. Without that thread (no room beside the
+model's runs, or the bench's other policies) the engine thread reports as the next
+step's model runs begin (`before_runs`), or before it sleeps.
 
 A request that arrives while the rows decode, and finds a free row, is prefilled
 beside that decode on the second thread (`Scheduler.admit_beside`; onnxruntime releases
