@@ -79,7 +79,7 @@ class Marks:
 
         def ran(
             plan: StepPlan,
-            before_runs: Callable[[], None] = lambda: None,
+            before_runs: Callable[[], None] | None = None,
             first_tokens: Callable[[list[Event]], None] | None = None,
             beside: Beside | None = None,
         ) -> Step:

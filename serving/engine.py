@@ -180,7 +180,7 @@ class Engine:
         self._beside = self._decode_beside if beside else None
         # Without the arrivals thread, the last step is reported as the next one's
         # model runs begin: waking the event loop then costs no wait for the GIL.
-        self._before_runs = _nothing if beside else self._report
+        self._before_runs = None if beside else self._report
 
     @property
     def cache(self) -> Cache:
@@ -524,7 +524,3 @@ class Engine:
 
 
 _LANES: tuple[Lane, ...] = ("interactive", "offline")
-
-
-def _nothing() -> None:
-    pass

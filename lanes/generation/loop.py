@@ -89,10 +89,6 @@ class Step:
 Beside = Callable[[Callable[[], Decoded]], Decoded]
 
 
-def _nothing() -> None:
-    pass
-
-
 def _now(decode: Callable[[], Decoded]) -> Decoded:
     return decode()
 
@@ -122,7 +118,7 @@ class StepLoop:
     def run(
         self,
         plan: StepPlan,
-        before_runs: Callable[[], None] = _nothing,
+        before_runs: Callable[[], None] | None = None,
         first_tokens: Callable[[list[Event]], None] | None = None,
         beside: Beside | None = None,
     ) -> Step:
@@ -136,7 +132,7 @@ class StepLoop:
         it (`prefill_beside`, from this thread)."""
         step = Step(plan, self.clock())
         try:
-            if plan.runs_model:
+            if plan.runs_model and before_runs is not None:
                 before_runs()
             left, outputs = self._model_runs(step, first_tokens, beside)
             step.events += self.scheduler.update(left, outputs)
