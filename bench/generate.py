@@ -98,8 +98,8 @@ SLOTS = "slots"  # continuous, on the slot-layout graph (--slots)
 # --between: the same, with arrivals taken only between steps (no prefill beside a decode)
 BETWEEN = {"continuous": "between", SLOTS: "slots-between"}
 LONG_NEW_TOKENS = 16  # what a burst's long prompt generates, within the context
-# The server's counters a slice reads (server_counters), as differences over it.
-# The engine's counters each slice reads before and after, by their series' names.
+# The engine's counters a slice reads before and after (server_counters), by their
+# series' names: its figures are their differences.
 COUNTERS = {
     "tokens": "lanes_generated_tokens_total",
     "rows": "lanes_batch_size_sum",
