@@ -175,8 +175,9 @@ def serve(spec_path: str, policy: str, port: int, max_padding: float) -> None:
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.lanes = state
-    # As the app's own stack wraps its routes (serving/app.py), on every policy alike.
-    inner = app if tracing is None else TracedRequests(app, tracing)
+    # The app's own stack around its routes (serving/app.py), on every policy alike.
+    edge = lanes_app.Edge(app, state.metrics, None, state.readiness, settings.discard_body_bytes)
+    inner = edge if tracing is None else TracedRequests(edge, tracing)
     served = RequestIds(inner, lanes_app.route_label)
     uvicorn.run(served, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 

@@ -161,6 +161,11 @@ class Engine:
         self._unreported: list[Step] = []  # run, not reported yet (under _lock)
         self._reporting = threading.Lock()  # one report at a time, in step order
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Events handed over, not yet taken by the event loop (under _outbox_lock):
+        # while the loop is behind, a step's events join those it has still to take,
+        # so a stream wakes and writes once for several tokens, not once per token.
+        self._outbox: list[Event] = []
+        self._outbox_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"lanes-engine-{self.name}")
         self._thread.daemon = True
         # While the engine thread is in a decode, requests that arrive are prefilled
@@ -297,7 +302,9 @@ class Engine:
         self._series.rate.set(rate)
         self._series.utilization.set(busy)
 
-    def _dispatch(self, events: list[Event]) -> None:
+    def _dispatch(self) -> None:
+        with self._outbox_lock:
+            events, self._outbox = self._outbox, []
         for event in events:
             stream = self._streams.get(event.seq_id)
             if stream is not None:
@@ -519,8 +526,12 @@ class Engine:
         """Hand `events` to the event loop, into their streams."""
         if not events or self._loop is None:
             return
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
-            self._loop.call_soon_threadsafe(self._dispatch, events)
+        with self._outbox_lock:
+            taken = not self._outbox  # else a dispatch is on its way and takes these too
+            self._outbox += events
+        if taken:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
+                self._loop.call_soon_threadsafe(self._dispatch)
 
 
 _LANES: tuple[Lane, ...] = ("interactive", "offline")

@@ -163,9 +163,7 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
                 _cancel(streams)
                 return Response(status_code=CLIENT_GONE)
             return StreamingResponse(
-                answer.events(
-                    _merged(firsts, flows), lambda: latency.observe(time.monotonic() - arrived)
-                ),
+                answer.events(firsts, flows, lambda: latency.observe(time.monotonic() - arrived)),
                 media_type="text/event-stream",
                 headers=SSE_HEADERS,
             )
@@ -215,11 +213,6 @@ async def _merged(
     """Each prompt's pieces as they come, tagged with its index, from the firsts on."""
     for i, piece in enumerate(firsts):
         yield i, piece
-    if len(flows) == 1:  # the usual request: no task per piece
-        if firsts[0].finish is None:
-            async for piece in flows[0]:
-                yield 0, piece
-        return
     waiting = {
         asyncio.ensure_future(anext(flows[i])): i for i, p in enumerate(firsts) if p.finish is None
     }
@@ -279,20 +272,37 @@ class _Answer:
         )
         return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
+    def _sse(self, index: int, piece: Piece, opened: set[int]) -> bytes:
+        """A piece's events: its text (a prompt's first, even empty: a chat's role
+        rides on it), then its finish_reason; one write for both."""
+        sse = b""
+        if piece.text or index not in opened:
+            sse = self._event(piece.text, None, index not in opened, index)
+            opened.add(index)
+        if piece.finish is not None:
+            sse += self._event(None, piece.finish, False, index)
+        return sse
+
     async def events(
-        self, flow: AsyncIterator[tuple[int, Piece]], done: Callable[[], None]
+        self,
+        firsts: Sequence[Piece],
+        flows: Sequence[AsyncIterator[Piece]],
+        done: Callable[[], None],
     ) -> AsyncIterator[bytes]:
         """The SSE body: text chunks, a chunk with each finish_reason, usage if asked,
         [DONE]. Leaving early (a disconnect cancels this) aborts every sequence."""
         opened: set[int] = set()
         try:
-            async for index, piece in flow:
-                opening = index not in opened
-                if piece.text or opening:
-                    yield self._event(piece.text, None, opening, index)
-                    opened.add(index)
-                if piece.finish is not None:
-                    yield self._event(None, piece.finish, False, index)
+            if len(flows) == 1:  # the usual request: its flow read here, no layer between
+                yield self._sse(0, firsts[0], opened)
+                if firsts[0].finish is None:
+                    async for piece in flows[0]:
+                        if sse := self._sse(0, piece, opened):
+                            yield sse
+            else:
+                async for index, piece in _merged(firsts, flows):
+                    if sse := self._sse(index, piece, opened):
+                        yield sse
             if self.body.include_usage:
                 usage = usage_chunk(
                     self.id,

@@ -98,20 +98,16 @@ class TextGuard:
         return passed
 
 
-async def pieces(
-    stream: TokenStream, guard: TextGuard | None, streaming: bool
-) -> AsyncIterator[Piece]:
+def pieces(stream: TokenStream, guard: TextGuard | None, streaming: bool) -> AsyncIterator[Piece]:
     """What may be sent of `stream`, in order; every event that arrived together is
     one piece. Raises `ModelError` when the model failed on the sequence."""
+    # The flow itself, not a generator around it: a streamed token passes through
+    # every layer between the engine and the socket.
     if guard is None:
-        async for piece in _plain(stream):
-            yield piece
-    elif guard.spec.mode == "buffer" or not streaming:
-        async for piece in _buffered(stream, guard):
-            yield piece
-    else:
-        async for piece in _chunked(stream, guard, guard.spec.every_tokens):
-            yield piece
+        return _plain(stream)
+    if guard.spec.mode == "buffer" or not streaming:
+        return _buffered(stream, guard)
+    return _chunked(stream, guard, guard.spec.every_tokens)
 
 
 def _finish(stream: TokenStream, event: Event) -> OpenAIFinish | None:
