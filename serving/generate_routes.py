@@ -14,15 +14,15 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import orjson
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Receive
+from starlette.types import Receive, Scope, Send
 
 from lanes.errors import LanesError
 from lanes.generation.kvcache import MAX_PADDING
@@ -50,6 +50,7 @@ from lanes.serving.batching import never_fits
 from lanes.serving.engine import Engine
 from lanes.serving.guard import Piece, TextGuard, pieces
 from lanes.serving.http import (
+    ClientGone,
     JSONResponse,
     check_inputs,
     decode_json,
@@ -61,11 +62,8 @@ from lanes.serving.state import ServingState
 from lanes.serving.token_stream import TokenStream
 from lanes.tasks.generate import GenerateTask
 
-T = TypeVar("T")
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-# The client went away before its answer started: nobody reads this status (nginx's).
-CLIENT_GONE = 499
 
 
 @dataclass(frozen=True)
@@ -154,26 +152,23 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
     flows = [pieces(s, guard, streaming) for s in streams]
     answer = _Answer(endpoint, body, streams, record)
     latency = state.metrics.request_latency.labels(body.model)
+    watch = _Watch(request.receive, streams)
+    sse: _EventStream | None = None  # once made, it closes the watch when written
     try:
         if streaming:
             # The answer starts once every prompt has its first text: a refusal or a
-            # deadline before that is still an HTTP status.
-            firsts = await _unless_disconnected(request.receive, _each(flows, _first))
-            if firsts is None:
-                _cancel(streams)
-                return Response(status_code=CLIENT_GONE)
-            return StreamingResponse(
-                answer.events(firsts, flows, lambda: latency.observe(time.monotonic() - arrived)),
-                media_type="text/event-stream",
-                headers=SSE_HEADERS,
-            )
-        whole = await _unless_disconnected(request.receive, _each(flows, _collect))
+            # deadline before that is still an HTTP status (a client gone: 499).
+            firsts = await _each(flows, _first)
+            done = lambda: latency.observe(time.monotonic() - arrived)  # noqa: E731
+            sse = _EventStream(answer.events(firsts, flows, done), watch)
+            return sse
+        whole = await _each(flows, _collect)
     except LanesError as e:
         _cancel(streams)
         return openai_error(e)
-    _cancel(streams)  # a no-op once finished; frees the rows of a client that left
-    if whole is None:
-        return Response(status_code=CLIENT_GONE)
+    finally:
+        if sse is None:
+            watch.close()
     latency.observe(time.monotonic() - arrived)
     answer.account()
     return JSONResponse(answer.whole(whole))
@@ -228,6 +223,51 @@ async def _merged(
     finally:
         for future in waiting:
             future.cancel()
+
+
+class _Watch:
+    """A request's client, watched from the wait for its first text to its answer's
+    end: when it disconnects, its sequences are aborted and their streams end at once
+    (ClientGone). One task per request, nothing per token."""
+
+    def __init__(self, receive: Receive, streams: Sequence[TokenStream]) -> None:
+        self._task = asyncio.ensure_future(_left(receive, streams))
+
+    def close(self) -> None:
+        self._task.cancel()
+
+
+async def _left(receive: Receive, streams: Sequence[TokenStream]) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    for stream in streams:
+        stream.leave()
+
+
+class _EventStream(Response):
+    """An SSE answer, written from its request's own task as its pieces come.
+    Starlette's StreamingResponse would start two more tasks per answer to watch for
+    a disconnect (uvicorn speaks ASGI 2.3), which `watch` does already; every task
+    between a first token and its write is a turn of a busy event loop."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, body: AsyncGenerator[bytes, None], watch: _Watch) -> None:
+        self.status_code = 200
+        self.background = None
+        self.chunks = body
+        self.watch = watch
+        self.init_headers(SSE_HEADERS)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            self.watch.close()
+            await self.chunks.aclose()  # cut short (a failed write): its sequences leave
 
 
 class _Answer:
@@ -288,9 +328,9 @@ class _Answer:
         firsts: Sequence[Piece],
         flows: Sequence[AsyncIterator[Piece]],
         done: Callable[[], None],
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         """The SSE body: text chunks, a chunk with each finish_reason, usage if asked,
-        [DONE]. Leaving early (a disconnect cancels this) aborts every sequence."""
+        [DONE]. Leaving early (closed, or its client gone) aborts every sequence."""
         opened: set[int] = set()
         try:
             if len(flows) == 1:  # the usual request: its flow read here, no layer between
@@ -314,6 +354,8 @@ class _Answer:
                 yield b"data: " + orjson.dumps(usage) + b"\n\n"
             yield DONE
             done()
+        except ClientGone:
+            pass  # nobody reads the rest
         except LanesError as e:
             # Mid-stream, the status is sent: the error travels as an event, in the
             # same shape as an HTTP error (the openai client raises it as an APIError).
@@ -335,27 +377,6 @@ async def _collect(flow: AsyncIterator[Piece]) -> Piece:
         if piece.finish is not None:
             return Piece("".join(text), piece.finish)
     raise AssertionError("a token stream ended without a finish")  # pieces() never does
-
-
-async def _unless_disconnected(receive: Receive, work: Awaitable[T]) -> T | None:
-    """`work`'s result, or None as soon as the client disconnects (work is cancelled)."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnect(receive))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for pending in (task, gone):
-            if not pending.done():
-                pending.cancel()
-    if task.done() and not task.cancelled():
-        return task.result()
-    await asyncio.gather(task, return_exceptions=True)
-    return None
-
-
-async def _disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 routes = [

@@ -26,6 +26,7 @@ from typing import Any
 from lanes.errors import DeadlineExceeded, LanesError, ModelError, Overloaded
 from lanes.generation.seq import Event
 from lanes.protocols.completions import OpenAIFinish
+from lanes.serving.http import ClientGone
 from lanes.serving.token_stream import TokenStream
 from lanes.spec import Guard
 from lanes.tasks.handler import load_scorer
@@ -118,6 +119,8 @@ def _finish(stream: TokenStream, event: Event) -> OpenAIFinish | None:
     if event.finish == "error":  # the same input fails the same way: no retry helps
         raise ModelError(event.error or "the model failed while generating this text")
     if event.finish == "abort":
+        if stream.gone:
+            raise ClientGone("the client disconnected before its answer ended")
         raise Overloaded("the server stopped this sequence (shutting down); retry", 1.0)
     return _FINISH[event.finish]
 

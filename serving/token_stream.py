@@ -33,6 +33,7 @@ class TokenStream:
     _engine: Aborts = field(repr=False)
     completion_tokens: int = 0
     finished: bool = False
+    gone: bool = False  # its client left (`leave`)
     _events: deque[Event] = field(default_factory=deque, repr=False)
     _signal: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
@@ -65,6 +66,14 @@ class TokenStream:
     def cancel(self) -> None:
         if not self.finished:
             self._engine.abort(self.id)
+
+    def leave(self) -> None:
+        """The client went away: the sequence is aborted, and its reader sees the
+        stream end now (`gone`), without waiting for the engine's next step."""
+        if not self.finished:
+            self.cancel()
+            self.gone = True
+            self._push(Event(self.id, finish="abort"))
 
 
 async def completion(stream: TokenStream) -> Completion | LanesError | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -346,6 +347,46 @@ def test_a_disconnect_frees_its_row(server: ServerThread) -> None:
     assert metric(server, "lanes_generated_tokens_total", workload="code") > 0
     assert metric(server, "lanes_time_to_first_token_seconds_count", workload="code") > 0
     assert metric(server, "lanes_inter_token_latency_seconds_count", workload="code") > 0
+
+
+def test_a_client_gone_before_its_first_token_is_a_499_and_frees_its_row(
+    server: ServerThread,
+) -> None:
+    route = {"route": "/v1/completions"}
+    gone = metric(server, "lanes_responses_total", **route, code="499")
+    before = {c: metric(server, "lanes_responses_total", **route, code=c) for c in ("500", "503")}
+    aborted = metric(server, "lanes_sequences_finished_total", workload="code", reason="abort")
+    body = json.dumps(
+        {"model": "code", "prompt": "def f(x", "max_tokens": 400, "stream": True}
+    ).encode()
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    with GATE.closed():  # its prefill waits: no first token, no answer started
+        with socket.create_connection(("127.0.0.1", server.settings.port)) as sock:
+            sock.sendall(head.encode() + body)
+            GATE.wait_held()
+        # Answered at once, the engine still held: nobody reads it, nothing failed.
+        wait_until(
+            lambda: metric(server, "lanes_responses_total", **route, code="499") > gone,
+            "the abandoned request counted as 499",
+        )
+        wait_until(
+            stepping(
+                GATE,
+                lambda: (
+                    metric(
+                        server, "lanes_sequences_finished_total", workload="code", reason="abort"
+                    )
+                    > aborted
+                ),
+            ),
+            "the server aborting the sequence",
+        )
+    assert metric(server, "lanes_sequences_in_flight", workload="code") == 0
+    for code in ("500", "503"):
+        assert metric(server, "lanes_responses_total", **route, code=code) == before[code]
 
 
 async def test_full_queue_503_and_deadlines(server: ServerThread) -> None:
