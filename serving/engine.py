@@ -68,6 +68,7 @@ from lanes.generation.scheduler import PREFILL_TOKENS, Policy
 from lanes.generation.seq import Event, Lane, Seq, StepPlan
 from lanes.generation.slots import Cache
 from lanes.generation.steer import Steer
+from lanes.generation.text import byte_pieces
 from lanes.serving.metrics import GenerateSeries, LaneSeries, Metrics, Rate, Utilization
 from lanes.serving.token_stream import TokenStream, completion
 from lanes.serving.tracing import GenerateSpans
@@ -125,6 +126,7 @@ class Engine:
             max_prefill_tokens=declared or PREFILL_TOKENS,
             chunked=declared is not None or slo.ttft_ms is not None,
             clock=clock,
+            token_bytes=byte_pieces(self.decoder.tokenizer),
         )
         self.loop = StepLoop(
             self.decoder, self.scheduler, self.name, max_padding, clock, keep_bytes

@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING
 from lanes.errors import ModelError
 from lanes.generation.kvcache import MAX_PADDING
 from lanes.generation.loop import StepLoop
-from lanes.generation.scheduler import PREFILL_TOKENS, Detokenize, Policy, Scheduler
+from lanes.generation.scheduler import PREFILL_TOKENS, Policy, Scheduler
 from lanes.generation.seq import Seq, SeqStatus
+from lanes.generation.text import Detokenize
 from lanes.isolation import Failed
 from lanes.tasks.decoder import Completion, Decoder
 
@@ -48,8 +49,11 @@ def scheduler_for(
     prefill_alone: bool = False,
     chunked: bool = False,
     clock: Callable[[], float] = time.monotonic,
+    token_bytes: Sequence[bytes] | None = None,
 ) -> Scheduler:
-    """A scheduler for `decoder`'s eos, context and tokenizer, with `rows` in flight."""
+    """A scheduler for `decoder`'s eos, context and tokenizer, with `rows` in flight.
+    `token_bytes` (lanes/generation/text.py: `byte_pieces`): text token by token
+    without decode() calls, for a stream's text; building it walks the vocabulary."""
     config = decoder.config
     return Scheduler(
         rows,
@@ -61,6 +65,7 @@ def scheduler_for(
         prefill_alone=prefill_alone,
         chunked=chunked,
         clock=clock,
+        token_bytes=token_bytes,
     )
 
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from lanes.generation.reserve import Reserve
 from lanes.generation.seq import Chunk, Event, Seq, SeqStatus, StepOutputs, StepPlan
+from lanes.generation.text import ByteText, Detokenize, WindowText
 from lanes.tasks.sampling import sample
 
 Array = np.ndarray[Any, Any]
@@ -37,7 +38,6 @@ Policy = Literal["continuous", "static", "static-drop", "serial"]
 POLICIES: tuple[Policy, ...] = ("continuous", "static", "static-drop", "serial")
 
 
-Detokenize = Callable[[Sequence[int]], str]
 # One step's joiners' padded prompt tokens unless told otherwise: prefill returns logits
 # for every position, so this bounds its memory.
 PREFILL_TOKENS = 4096
@@ -97,13 +97,15 @@ class Scheduler:
         chunked: bool = False,
         reserve: Reserve | None = None,
         clock: Callable[[], float] = time.monotonic,
+        token_bytes: Sequence[bytes] | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, found {policy!r}")
         self.policy: Policy = policy
         self.max_running = 1 if policy == "serial" else max_running
         self.eos_token_ids = eos_token_ids
-        self.detokenize = detokenize
+        # With the tokens' bytes (text.byte_pieces), text needs no decode() call.
+        self.text = WindowText(detokenize) if token_bytes is None else ByteText(token_bytes)
         self.max_position = max_position
         self.max_prefill_tokens = max_prefill_tokens
         # Rows past max_running that waiting interactive sequences may take at the next
@@ -203,7 +205,7 @@ class Scheduler:
             for seq in (*self.rows, *self.waiting, *self.offline, *self._chunking()):
                 if seq.deadline is not None and now >= seq.deadline and not seq.status.is_finished:
                     self._finish(seq, SeqStatus.FINISHED_DEADLINE)
-                    self._flush(seq)
+                    seq.text += self.text.rest(seq)
                     self._unreported.append(seq)
         self._drop_finished_queued()
         if self.policy != "static" or all(s.status.is_finished for s in self.rows):
@@ -472,19 +474,19 @@ class Scheduler:
         first = not seq.tokens
         if token in self.eos_token_ids and not seq.ignore_eos:
             self._finish(seq, SeqStatus.FINISHED_STOPPED)
-            self._flush(seq)
+            seq.text += self.text.rest(seq)
             return self._final(seq, (), first)
         seq.tokens.append(token)
         limit = seq._limit or self._limit(seq)
         stop = seq.stop
-        if not (stop or seq.stream):  # its text waits for the finish (_flush)
+        if not (stop or seq.stream):  # its text waits for the finish (text.rest)
             if len(seq.tokens) >= limit:
                 self._finish(seq, SeqStatus.FINISHED_LENGTH)
-                self._flush(seq)
+                seq.text += self.text.rest(seq)
                 return self._final(seq, (token,), first)
             return Event(seq.id, (token,), "", None, first)
         before = len(seq.text)
-        seq.text += self._delta(seq)
+        seq.text += self.text.delta(seq)
         cut = _first_stop(seq.text, stop, before) if stop else None
         if cut is not None:
             seq.text = seq.text[:cut]
@@ -492,7 +494,7 @@ class Scheduler:
             return self._final(seq, (token,), first)
         if len(seq.tokens) >= limit:
             self._finish(seq, SeqStatus.FINISHED_LENGTH)
-            self._flush(seq)
+            seq.text += self.text.rest(seq)
             return self._final(seq, (token,), first)
         # Hold back what could be the start of a stop string.
         hold = max(len(s) for s in stop) - 1 if stop else 0
@@ -515,24 +517,6 @@ class Scheduler:
         text = "" if seq.status == SeqStatus.FINISHED_ABORTED else seq.text[seq.sent :]
         seq.sent = len(seq.text)
         return Event(seq.id, tokens, text, seq.status.finish_reason, first, seq.error)
-
-    def _delta(self, seq: Seq) -> str:
-        """New text of the last token, decoding only a short window (vLLM's offsets);
-        nothing while the bytes so far end inside a multi-byte character."""
-        prefix = self.detokenize(seq.tokens[seq._prefix : seq._read])
-        full = self.detokenize(seq.tokens[seq._prefix :])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            seq._prefix, seq._read = seq._read, len(seq.tokens)
-            return full[len(prefix) :]
-        return ""
-
-    def _flush(self, seq: Seq) -> None:
-        """At the end, the text of tokens held back mid-character, as decode() gives it."""
-        if seq._read < len(seq.tokens):
-            window = seq.tokens[seq._prefix : seq._read]
-            prefix = self.detokenize(window) if window else ""
-            seq.text += self.detokenize(seq.tokens[seq._prefix :])[len(prefix) :]
-            seq._prefix = seq._read = len(seq.tokens)
 
     def _finish(self, seq: Seq, status: SeqStatus) -> None:
         self._queued_finished |= seq.status == SeqStatus.WAITING
