@@ -427,11 +427,11 @@ class Edge:
         path = scope["path"]
         if path == "/v1/embeddings":
             workers = [w for w in state.workers.values() if w.task.kind == "embed"]
-        elif path in _STRAIGHT:  # a generate route: its engine admits, once it has the body
-            return None
-        else:
+        elif "path_params" in scope:  # /v2/models/{name}/infer
             worker = state.workers.get(scope["path_params"]["name"])
             workers = [] if worker is None else [worker]
+        else:  # a generate route: its engine admits, once the body names the model
+            return None
         if not workers or any(name == _TIMEOUT_HEADER for name, _ in scope["headers"]):
             return None
         refusal = None

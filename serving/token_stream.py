@@ -24,8 +24,8 @@ class Aborts(Protocol):
 class TokenStream:
     """One request's events, in order, on the event loop; the last has `finish` set.
 
-    `cancel()` (the client went away) aborts the sequence: its row is freed at the
-    engine's next step.
+    `cancel()` aborts the sequence: its row is freed at the engine's next step.
+    `leave()` (the client went away) also ends the stream at once.
     """
 
     id: int
