@@ -2,7 +2,7 @@
 batching that drops finished sequences, and one sequence at a time.
 
     python bench/generate.py [--seconds 8] [--repeats 2] [--levels 1,4,16,64] [--tracing]
-        [--slots] [--between] [--png PATH] [--burst [--bursts 2] [--burst-size 4]]
+        [--slots] [--between] [--against DIR] [--png PATH] [--burst [--bursts 2] [--burst-size 4]]
 
 It starts one server process per policy (this script with --serve: the app's own
 /v1/completions route and engine, with the batching policy set on the engine), and
@@ -36,6 +36,12 @@ the reference the 0.7x target was set against.
 the same engine with arrivals taken only between steps, as before requests that arrive
 during a decode were prefilled beside it (serving/engine.py), and prints the ratios of
 tokens/s, TTFT and ITL p99 of each to its baseline from the same interleaved slices.
+
+`--against DIR` adds, for every policy, the same policy served by the lanes checkout in
+DIR (`continuous@before`, ...: its own bench/generate.py --serve, its own code) in the
+same interleaved slices, and prints the ratios of tokens/s, TTFT and ITL p99 of this
+tree to that one's: an A/B of two commits that the machine's drift falls on alike
+(`git worktree add ../before HEAD~3`, and link its .lanes and .venv to this one's).
 
 `--tracing` adds the policy `traced`: continuous batching with LANES_TRACING=true,
 every span (request, queue, prefill, decode) exported over OTLP/HTTP to a sink in
@@ -97,6 +103,7 @@ STEERED = "steered"  # continuous, slo.ttft_ms and slo.itl_ms on the workload (-
 SLOTS = "slots"  # continuous, on the slot-layout graph (--slots)
 # --between: the same, with arrivals taken only between steps (no prefill beside a decode)
 BETWEEN = {"continuous": "between", SLOTS: "slots-between"}
+BEFORE = "@before"  # a policy served by the checkout --against names
 LONG_NEW_TOKENS = 16  # what a burst's long prompt generates, within the context
 # The engine's counters a slice reads before and after (server_counters), by their
 # series' names: its figures are their differences.
@@ -471,11 +478,18 @@ def _tokens_per_s(step: Callable[[], object], batch: int, seconds: float) -> flo
 
 
 def start_server(
-    spec_path: Path, policy: str, port: int, max_padding: float, otlp: str | None = None
+    spec_path: Path,
+    policy: str,
+    port: int,
+    max_padding: float,
+    otlp: str | None = None,
+    root: Path = ROOT,
 ) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, __file__, "--serve", policy, "--spec", str(spec_path)]
+    """`policy`'s server, from the lanes checkout at `root` (its script, its code)."""
+    script = root / "bench" / "generate.py"
+    cmd = [sys.executable, str(script), "--serve", policy, "--spec", str(spec_path)]
     cmd += ["--port", str(port), "--max-padding", str(max_padding)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(root)}
     if otlp is not None:
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = otlp
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -544,6 +558,9 @@ def main() -> None:
         action="store_true",
         help="also serve continuous (and slots) with arrivals taken only between steps",
     )
+    parser.add_argument(
+        "--against", type=Path, help="also serve every policy from the lanes checkout here"
+    )
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -586,6 +603,10 @@ def main() -> None:
         specs = {"continuous": spec_path, STEERED: folder / "steered.yaml"}
         specs[STEERED].write_text(spec(slo=steered))
         tasks = dict.fromkeys(policies, task)
+    if args.against:
+        for policy in list(policies):
+            policies.append(policy + BEFORE)
+            specs[policy + BEFORE], tasks[policy + BEFORE] = specs[policy], tasks[policy]
     otlp = None
     if args.tracing:
         from serve import otlp_sink  # bench/serve.py, beside this script
@@ -594,7 +615,14 @@ def main() -> None:
         otlp = otlp_sink()
     urls = {p: f"http://127.0.0.1:{args.port + i}" for i, p in enumerate(policies)}
     servers = [
-        start_server(specs[p], p, args.port + i, args.max_padding, otlp if p == TRACED else None)
+        start_server(
+            specs[p],
+            p.removesuffix(BEFORE),
+            args.port + i,
+            args.max_padding,
+            otlp if p == TRACED else None,
+            args.against.resolve() if p.endswith(BEFORE) else ROOT,
+        )
         for i, p in enumerate(policies)
     ]
     runs = {(p, c): Run(p, c) for c in levels for p in policies}
@@ -824,12 +852,14 @@ def checks(runs: dict[tuple[str, int], Run], raw_past: int) -> None:
                 f"{policy} TTFT p99 at 16 clients / TTFT p50 at 1 client: {ratio:.2f}x "
                 f"({verdict} <= 3x)"
             )
-    for beside, between in BETWEEN.items():
-        for c in sorted({c for p, c in runs if p == beside}):
-            on, off = get(beside, c), get(between, c)
+    names = list(dict.fromkeys(p for p, _ in runs))
+    pairs = [*BETWEEN.items(), *((p, p + BEFORE) for p in names if p + BEFORE in names)]
+    for policy, baseline in pairs:
+        for c in sorted({c for p, c in runs if p == policy}):
+            on, off = get(policy, c), get(baseline, c)
             if on and off and on.tokens and off.tokens and on.ttft and off.ttft:
                 print(
-                    f"{beside} / {between} at {c} clients: tokens/s "
+                    f"{policy} / {baseline} at {c} clients: tokens/s "
                     f"{on.tokens_per_s / off.tokens_per_s:.2f}x, TTFT p50 "
                     f"{on.pct(on.ttft, 50) / off.pct(off.ttft, 50):.2f}x, p99 "
                     f"{on.pct(on.ttft, 99) / off.pct(off.ttft, 99):.2f}x, ITL p99 "
