@@ -307,8 +307,19 @@ def test_a_workload_that_streams_still_answers_whole_unless_asked_to_stream(
     assert events.text.endswith("data: [DONE]\n\n")
 
 
+def aborts(server: ServerThread) -> float:
+    return metric(server, "lanes_sequences_finished_total", workload="code", reason="abort")
+
+
+def wait_aborted(server: ServerThread, before: float) -> None:
+    """Until `code` has aborted one more sequence. The step the gate holds may still
+    run it (the abort may reach the engine after that step's plan), so the runs held
+    meanwhile are let through, one at a time."""
+    wait_until(stepping(GATE, lambda: aborts(server) > before), "the server aborting the sequence")
+
+
 def test_a_disconnect_frees_its_row(server: ServerThread) -> None:
-    aborted = metric(server, "lanes_sequences_finished_total", workload="code", reason="abort")
+    aborted = aborts(server)
     body = {
         "model": "code",
         "prompt": "def f(x",
@@ -324,25 +335,9 @@ def test_a_disconnect_frees_its_row(server: ServerThread) -> None:
             GATE.wait_held()
             assert metric(server, "lanes_sequences_in_flight", workload="code") == 1
 
-        # The client left: the engine frees its row at its next step. The held step may
-        # still run it (the abort may reach the engine after that step's plan), so the
-        # runs held meanwhile are let through, one at a time.
-        wait_until(
-            stepping(
-                GATE,
-                lambda: (
-                    metric(
-                        server, "lanes_sequences_finished_total", workload="code", reason="abort"
-                    )
-                    > aborted
-                ),
-            ),
-            "the server aborting the sequence",
-        )
-        assert (
-            metric(server, "lanes_sequences_finished_total", workload="code", reason="abort")
-            == aborted + 1
-        )
+        # The client left: the engine frees its row at its next step.
+        wait_aborted(server, aborted)
+        assert aborts(server) == aborted + 1
         assert metric(server, "lanes_sequences_in_flight", workload="code") == 0
     assert metric(server, "lanes_generated_tokens_total", workload="code") > 0
     assert metric(server, "lanes_time_to_first_token_seconds_count", workload="code") > 0
@@ -355,7 +350,7 @@ def test_a_client_gone_before_its_first_token_is_a_499_and_frees_its_row(
     route = {"route": "/v1/completions"}
     gone = metric(server, "lanes_responses_total", **route, code="499")
     before = {c: metric(server, "lanes_responses_total", **route, code=c) for c in ("500", "503")}
-    aborted = metric(server, "lanes_sequences_finished_total", workload="code", reason="abort")
+    aborted = aborts(server)
     body = json.dumps(
         {"model": "code", "prompt": "def f(x", "max_tokens": 400, "stream": True}
     ).encode()
@@ -372,18 +367,7 @@ def test_a_client_gone_before_its_first_token_is_a_499_and_frees_its_row(
             lambda: metric(server, "lanes_responses_total", **route, code="499") > gone,
             "the abandoned request counted as 499",
         )
-        wait_until(
-            stepping(
-                GATE,
-                lambda: (
-                    metric(
-                        server, "lanes_sequences_finished_total", workload="code", reason="abort"
-                    )
-                    > aborted
-                ),
-            ),
-            "the server aborting the sequence",
-        )
+        wait_aborted(server, aborted)
     assert metric(server, "lanes_sequences_in_flight", workload="code") == 0
     for code in ("500", "503"):
         assert metric(server, "lanes_responses_total", **route, code=code) == before[code]
