@@ -152,8 +152,8 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
     flows = [pieces(s, guard, streaming) for s in streams]
     answer = _Answer(endpoint, body, streams, record)
     latency = state.metrics.request_latency.labels(body.model)
-    watch = _Watch(request.receive, streams)
-    sse: _EventStream | None = None  # once made, it closes the watch when written
+    watch = asyncio.ensure_future(_left(request.receive, streams))
+    sse: _EventStream | None = None  # once made, it ends the watch when written
     try:
         if streaming:
             # The answer starts once every prompt has its first text: a refusal or a
@@ -168,7 +168,7 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
         return openai_error(e)
     finally:
         if sse is None:
-            watch.close()
+            watch.cancel()
     latency.observe(time.monotonic() - arrived)
     answer.account()
     return JSONResponse(answer.whole(whole))
@@ -225,19 +225,10 @@ async def _merged(
             future.cancel()
 
 
-class _Watch:
-    """A request's client, watched from the wait for its first text to its answer's
-    end: when it disconnects, its sequences are aborted and their streams end at once
-    (ClientGone). One task per request, nothing per token."""
-
-    def __init__(self, receive: Receive, streams: Sequence[TokenStream]) -> None:
-        self._task = asyncio.ensure_future(_left(receive, streams))
-
-    def close(self) -> None:
-        self._task.cancel()
-
-
 async def _left(receive: Receive, streams: Sequence[TokenStream]) -> None:
+    """A request's watch, a task from the wait for its first text to its answer's end:
+    when the client disconnects, its sequences are aborted and their streams end at
+    once (ClientGone). One task per request, nothing per token."""
     while (await receive())["type"] != "http.disconnect":
         pass
     for stream in streams:
@@ -252,7 +243,7 @@ class _EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, body: AsyncGenerator[bytes, None], watch: _Watch) -> None:
+    def __init__(self, body: AsyncGenerator[bytes, None], watch: asyncio.Task[None]) -> None:
         self.status_code = 200
         self.background = None
         self.chunks = body
@@ -266,7 +257,7 @@ class _EventStream(Response):
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            self.watch.close()
+            self.watch.cancel()
             await self.chunks.aclose()  # cut short (a failed write): its sequences leave
 
 
