@@ -484,12 +484,16 @@ def start_server(
     max_padding: float,
     otlp: str | None = None,
     root: Path = ROOT,
+    command: list[str] | None = None,
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
-    """`policy`'s server, from the lanes checkout at `root` (its script, its code)."""
+    """`policy`'s server, from the lanes checkout at `root` (its script, its code), or
+    the server that `command` starts (in `env`) and waits for likewise."""
     script = root / "bench" / "generate.py"
     cmd = [sys.executable, str(script), "--serve", policy, "--spec", str(spec_path)]
     cmd += ["--port", str(port), "--max-padding", str(max_padding)]
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    cmd = command or cmd
+    env = {**(env or os.environ), "PYTHONPATH": str(root)}
     if otlp is not None:
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = otlp
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
