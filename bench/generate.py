@@ -74,10 +74,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import httpx
 import numpy as np
@@ -94,6 +95,9 @@ from lanes.specfile import load_spec  # noqa: E402
 from lanes.tasks import GenerateTask, load_task  # noqa: E402
 from lanes.tasks.past import Past  # noqa: E402
 from lanes.tasks.sampling import SamplingParams  # noqa: E402
+
+if TYPE_CHECKING:
+    from lanes.serving.state import ServingState
 
 WORKLOAD = "gen"
 MAX_TOKENS = 448  # the longest prompt below is under 64 tokens
@@ -143,8 +147,21 @@ PROMPTS = [
 ]
 
 
-def serve(spec_path: str, policy: str, port: int, max_padding: float) -> None:
-    """The server side: the app's own routes and engine, with the policy chosen here."""
+class Stoppable(Protocol):
+    """What a server's engine is to its lifespan: stopped as the server stops."""
+
+    async def stop(self) -> None: ...
+
+
+def serve(
+    spec_path: str,
+    policy: str,
+    port: int,
+    max_padding: float,
+    engine: Callable[[ServingState, GenerateTask], Awaitable[Stoppable]] | None = None,
+) -> None:
+    """The server side: the app's own routes and engine, with the policy chosen here;
+    or, with `engine`, whatever it starts for the workload's task in the app's state."""
     import uvicorn
     from starlette.applications import Starlette
     from starlette.routing import Route
@@ -169,11 +186,15 @@ def serve(spec_path: str, policy: str, port: int, max_padding: float) -> None:
         task = await asyncio.to_thread(load_task, WORKLOAD, state.spec, Runtime(settings))
         assert isinstance(task, GenerateTask)
         await asyncio.to_thread(task.warm_up)
-        engine = generate_routes.start_engine(state, task, policy, max_padding, beside)  # type: ignore[arg-type]
+        started: Stoppable
+        if engine is None:
+            started = generate_routes.start_engine(state, task, policy, max_padding, beside)  # type: ignore[arg-type]
+        else:
+            started = await engine(state, task)
         lanes_app.freeze_heap()
         state.readiness.ready(WORKLOAD)
         yield
-        await engine.stop()
+        await started.stop()
 
     routes = [
         Route("/readyz", lanes_app.ready, methods=["GET"]),

@@ -18,7 +18,8 @@ Both processes read the same monotonic clock, so only requests the server took i
 measured time count. Printed per level: p50, p90 and p99 of each part, of the server's
 whole (app called to chunk written), and of the client's TTFT, whose excess over the
 server's whole is outside the app: uvicorn before it calls the app, the kernel, and
-the clients' process, all on the same cores. Then TTFT p99 at the highest level over
+the clients' process, all on the same cores; and the mean of each part over the
+server's slowest 5%, the requests its tail is made of. Then TTFT p99 at the highest level over
 TTFT p50 at the lowest, the ratio bench/generate.py's target judges. The hooks wrap
 the app's and the engine's own methods; nothing is replaced.
 """
@@ -141,8 +142,14 @@ def level(spec: Path, clients: int, port: int, warm: float, seconds: float) -> l
     print(f"{clients} client(s): {len(run.ttft)} requests, {len(measured)} seen by the server")
     for name, a, b in PARTS:
         print(f"  {name:<10} {percentiles([at[b] - at[a] for at in measured])}")
-    print(f"  {'server':<10} {percentiles([at['written'] - at['in'] for at in measured])}")
+    whole = np.asarray([at["written"] - at["in"] for at in measured])
+    print(f"  {'server':<10} {percentiles(list(whole))}")
     print(f"  {'client':<10} {percentiles(run.ttft)}")
+    slowest = [at for at, w in zip(measured, whole, strict=True) if w >= np.percentile(whole, 95)]
+    means = ", ".join(
+        f"{name} {np.mean([at[b] - at[a] for at in slowest]) * 1000:.2f}" for name, a, b in PARTS
+    )
+    print(f"  the server's slowest 5% ({len(slowest)}), mean ms: {means}")
     return run.ttft
 
 
