@@ -188,6 +188,12 @@ class RowsBinding:
         self.rows = self.rows or (int(array.shape[0]) if array.ndim else 1)
         self.binding.bind_cpu_input(name, array)
 
+    def bind_input(
+        self, name: str, device: str, index: int, dtype: Any, shape: Any, at: int
+    ) -> None:
+        self.rows = self.rows or (int(shape[0]) if len(shape) else 1)
+        self.binding.bind_input(name, device, index, dtype, shape, at)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.binding, name)
 

@@ -46,6 +46,12 @@ class SlotGraph:
         self.past_dtype = past_dtype
         self._outputs = outputs
         inputs = describe(session.get_inputs())
+        logits = describe(session.get_outputs())["logits"]
+        vocab = logits.shape[-1] if isinstance(logits.shape[-1], int) else config.vocab_size
+        # Where both are known, a decode's logits go straight into an array of ours.
+        self.logits: tuple[np.dtype[Any], int] | None = None
+        if logits.dtype is not None and vocab:
+            self.logits = (logits.dtype, vocab)
         mask, positions = inputs.get("attention_mask"), inputs.get("position_ids")
         # Fed instead of seqlens_k and total_sequence_length, when the graph takes them.
         self.mask_dtype = None if mask is None else mask.dtype or np.dtype(np.int64)
@@ -71,10 +77,9 @@ class SlotGraph:
         """`lengths` for one new token after each row's `held` positions: a decode step's."""
         if self.mask_dtype is not None:
             return self.lengths(held, np.ones_like(held))
-        return {  # each row's new position is its count so far
-            "seqlens_k": held.astype(np.int32, copy=False),
-            "total_sequence_length": np.asarray(int(held.max()) + 1, dtype=np.int32),
-        }
+        seqlens, total = _seqlens(len(held))
+        _count(held, seqlens, total)
+        return {"seqlens_k": seqlens, "total_sequence_length": total}
 
     def step(self, input_ids: Array, attention_mask: Array, past: Past) -> StepOutput:
         """`Decoder.step` on this graph. Each row's real columns (its mask's ones, after
@@ -144,16 +149,30 @@ class SlotRun:
     `input_ids[r]` [rows, 1] after them, its new key and value written into the
     buffers at column `lengths[r]`, and returns the logits [rows, 1, vocab]. Binding
     the buffers costs a good part of a small model's step (bench/offline_generate.py
-    shows it), so a batch keeps one `SlotRun` while its rows and buffers stay and
-    rebinds only the small inputs (ids and the lengths)."""
+    shows it), so a batch keeps one `SlotRun` while its rows and buffers stay; each
+    step writes the small inputs (ids, lengths) into arrays bound with them."""
 
     def __init__(self, graph: SlotGraph, past: Past, rows: int) -> None:
         self.session = graph.session
         self.rows = rows
         self._graph = graph
-        self._ids_dtype = graph.ids_dtype
         binding = self.session.io_binding()
-        binding.bind_output("logits")
+        # The small inputs too are bound once where their shapes stay (the ids, and the
+        # lengths as seqlens_k and total_sequence_length; an attention_mask grows with
+        # the longest row): each step writes them in place.
+        self._ids = np.zeros((rows, 1), dtype=graph.ids_dtype)
+        _bind(binding, "input_ids", self._ids)
+        self._lengths: tuple[Array, Array] | None = None
+        if graph.mask_dtype is None:
+            self._lengths = _seqlens(rows)
+            _bind(binding, "seqlens_k", self._lengths[0])
+            _bind(binding, "total_sequence_length", self._lengths[1])
+        self._logits: tuple[np.dtype[Any], tuple[int, int, int]] | None = None
+        self._out: Array | None = None  # the logits array bound last
+        if graph.logits is None:
+            binding.bind_output("logits")
+        else:
+            self._logits = (graph.logits[0], (rows, 1, graph.logits[1]))
         shape = [rows, *past.keys[0].shape[1:]]
         for i in range(graph.config.num_layers):
             for kind, buffer in (("key", past.keys[i]), ("value", past.values[i])):
@@ -165,10 +184,39 @@ class SlotRun:
         self._binding = binding
 
     def __call__(self, input_ids: Array, lengths: Array) -> Array:
-        binding = self._binding
-        binding.bind_cpu_input("input_ids", input_ids.astype(self._ids_dtype, copy=False))
-        for name, array in self._graph.decode_lengths(lengths).items():
-            binding.bind_cpu_input(name, array)
+        binding, graph = self._binding, self._graph
+        self._ids[...] = input_ids
+        if self._lengths is not None:
+            _count(lengths, *self._lengths)
+        else:
+            for name, array in graph.decode_lengths(lengths).items():
+                binding.bind_cpu_input(name, array)
+        if self._logits is None:
+            self.session.run_with_iobinding(binding)
+            found: Array = binding.get_outputs()[0].numpy()
+            return found
+        # A new array each step, bound as the output: get_outputs() would wrap every
+        # output, the cache's buffers too, in objects of its own at each step. The
+        # binding keeps its address, so this keeps the array until the next one.
+        dtype, shape = self._logits
+        logits = self._out = np.empty(shape, dtype=dtype)
+        binding.bind_output(
+            "logits", "cpu", 0, logits.dtype, list(logits.shape), logits.ctypes.data
+        )
         self.session.run_with_iobinding(binding)
-        logits: Array = binding.get_outputs()[0].numpy()
         return logits
+
+
+def _seqlens(rows: int) -> tuple[Array, Array]:
+    """GroupQueryAttention's lengths: `seqlens_k` [rows] and `total_sequence_length`."""
+    return np.zeros(rows, dtype=np.int32), np.zeros((), dtype=np.int32)
+
+
+def _count(held: Array, seqlens: Array, total: Array) -> None:
+    """One new token after each row's `held` positions: its new position is its count."""
+    seqlens[...] = held
+    total[...] = int(held.max()) + 1
+
+
+def _bind(binding: ort.IOBinding, name: str, array: Array) -> None:
+    binding.bind_input(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
