@@ -48,9 +48,10 @@ class SlotGraph:
         inputs = describe(session.get_inputs())
         logits = describe(session.get_outputs())["logits"]
         vocab = logits.shape[-1] if isinstance(logits.shape[-1], int) else config.vocab_size
-        # Where both are known, a decode's logits go straight into an array of ours.
+        # Where its type and [batch, sequence, vocab] are known, a decode's logits go
+        # straight into an array of ours.
         self.logits: tuple[np.dtype[Any], int] | None = None
-        if logits.dtype is not None and vocab:
+        if logits.dtype is not None and vocab and len(logits.shape) == 3:
             self.logits = (logits.dtype, vocab)
         mask, positions = inputs.get("attention_mask"), inputs.get("position_ids")
         # Fed instead of seqlens_k and total_sequence_length, when the graph takes them.
