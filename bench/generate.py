@@ -511,9 +511,10 @@ def start_server(
     """`policy`'s server, from the lanes checkout at `root` (its script, its code), or
     the server that `command` starts (in `env`) and waits for likewise."""
     script = root / "bench" / "generate.py"
-    cmd = [sys.executable, str(script), "--serve", policy, "--spec", str(spec_path)]
-    cmd += ["--port", str(port), "--max-padding", str(max_padding)]
-    cmd = command or cmd
+    cmd = command or [
+        *(sys.executable, str(script), "--serve", policy, "--spec", str(spec_path)),
+        *("--port", str(port), "--max-padding", str(max_padding)),
+    ]
     env = {**(env or os.environ), "PYTHONPATH": str(root)}
     if otlp is not None:
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = otlp

@@ -74,14 +74,6 @@ class SlotGraph:
             feeds["position_ids"] = np.minimum(at, total[:, None] - 1).astype(self.positions_dtype)
         return feeds
 
-    def decode_lengths(self, held: Array) -> dict[str, Array]:
-        """`lengths` for one new token after each row's `held` positions: a decode step's."""
-        if self.mask_dtype is not None:
-            return self.lengths(held, np.ones_like(held))
-        seqlens, total = _seqlens(len(held))
-        _count(held, seqlens, total)
-        return {"seqlens_k": seqlens, "total_sequence_length": total}
-
     def step(self, input_ids: Array, attention_mask: Array, past: Past) -> StepOutput:
         """`Decoder.step` on this graph. Each row's real columns (its mask's ones, after
         its zeros, in the past and in the new tokens alike) move to the front, run with
@@ -165,7 +157,7 @@ class SlotRun:
         _bind(binding, "input_ids", self._ids)
         self._lengths: tuple[Array, Array] | None = None
         if graph.mask_dtype is None:
-            self._lengths = _seqlens(rows)
+            self._lengths = (np.zeros(rows, dtype=np.int32), np.zeros((), dtype=np.int32))
             _bind(binding, "seqlens_k", self._lengths[0])
             _bind(binding, "total_sequence_length", self._lengths[1])
         self._logits: tuple[np.dtype[Any], tuple[int, int, int]] | None = None
@@ -187,10 +179,12 @@ class SlotRun:
     def __call__(self, input_ids: Array, lengths: Array) -> Array:
         binding, graph = self._binding, self._graph
         self._ids[...] = input_ids
-        if self._lengths is not None:
-            _count(lengths, *self._lengths)
+        if self._lengths is not None:  # each row's new position is its count so far
+            seqlens, total = self._lengths
+            seqlens[...] = lengths
+            total[...] = int(lengths.max()) + 1
         else:
-            for name, array in graph.decode_lengths(lengths).items():
+            for name, array in graph.lengths(lengths, np.ones_like(lengths)).items():
                 binding.bind_cpu_input(name, array)
         if self._logits is None:
             self.session.run_with_iobinding(binding)
@@ -206,17 +200,6 @@ class SlotRun:
         )
         self.session.run_with_iobinding(binding)
         return logits
-
-
-def _seqlens(rows: int) -> tuple[Array, Array]:
-    """GroupQueryAttention's lengths: `seqlens_k` [rows] and `total_sequence_length`."""
-    return np.zeros(rows, dtype=np.int32), np.zeros((), dtype=np.int32)
-
-
-def _count(held: Array, seqlens: Array, total: Array) -> None:
-    """One new token after each row's `held` positions: its new position is its count."""
-    seqlens[...] = held
-    total[...] = int(held.max()) + 1
 
 
 def _bind(binding: ort.IOBinding, name: str, array: Array) -> None:
