@@ -90,6 +90,15 @@ class Beside:
             self._active()
             if batch is None:
                 return
+            if self._twin is None:
+                # Loaded at the OS's normal priority: a load is no offline work to yield,
+                # and at idle priority it waits for every other busy thread (on a machine
+                # busy elsewhere, the first batch's load outlasted a minute).
+                self.running += 1  # an unload waits for it, as for a batch
+                try:
+                    await asyncio.to_thread(self._load_twin)
+                finally:
+                    self.running -= 1
             self._start(batch.items)
 
     def _start(self, batch: list[Pending]) -> None:
@@ -105,13 +114,17 @@ class Beside:
         done = partial(self._finish, batch, self._clock())
         self._idle.call(run, [p.item for p in batch], done)
 
-    def _run_on_twin(self, items: Sequence[Any], options: ort.RunOptions | None) -> list[Any]:
-        with self._twin_lock:  # the first offline batch loads it, on an idle thread
+    def _load_twin(self) -> Task:
+        """The task on its one-thread session, loaded now if it is not (again after a
+        release)."""
+        with self._twin_lock:
             if self._twin is None:
                 assert isinstance(self.task, SlotSession)
                 self._twin = self.task.on_one_thread()
-            twin = self._twin
-        return run_unhandled(twin, items, options)
+            return self._twin
+
+    def _run_on_twin(self, items: Sequence[Any], options: ort.RunOptions | None) -> list[Any]:
+        return run_unhandled(self._load_twin(), items, options)
 
     def _finish(
         self, batch: list[Pending], start: float, result: Result | None, error: BaseException | None
