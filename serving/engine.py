@@ -17,10 +17,11 @@ while a step runs):
     handed to the event loop
 
 Reporting a step is Python work the next step does not need, so a second thread (the
-arrivals thread below) does it: it takes the GIL when the engine thread lets it go,
-which is in the next step's model runs. Without that thread (no room beside the
-model's runs, or the bench's other policies) the engine thread reports as the next
-step's model runs begin (`before_runs`), or before it sleeps.
+arrivals thread below) reports decode steps: it takes the GIL when the engine thread
+lets it go, which is in the next step's model runs. A step without a decode (joiners'
+first tokens) the engine thread reports at once. Without that thread (no room beside
+the model's runs, or the bench's other policies) the engine thread reports as the
+next step's model runs begin (`before_runs`), or before it sleeps.
 
 A request that arrives while the rows decode, and finds a free row, is prefilled
 beside that decode on the second thread (`Scheduler.admit_beside`; onnxruntime releases
@@ -332,7 +333,9 @@ class Engine:
             with self._lock:
                 self._unreported.append(step)
                 self._arrivals.notify()
-            if not plan.runs_model and self._beside is None:
+            # A plan without a decode made first tokens or ends only. With the arrivals
+            # thread, they would wait for its wake-up, behind the next plan's Python.
+            if not plan.decode and (self._beside is not None or not plan.runs_model):
                 self._report()
 
     def _steer(self) -> None:
