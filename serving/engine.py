@@ -65,6 +65,7 @@ from lanes.generation.batch import scheduler_for, seq_of
 from lanes.generation.kvcache import MAX_PADDING, Decoded
 from lanes.generation.loop import Step, StepLoop
 from lanes.generation.preempt import KEEP_BYTES, Preempted
+from lanes.generation.prefill import prefill_groups
 from lanes.generation.scheduler import PREFILL_TOKENS, Policy
 from lanes.generation.seq import Event, Lane, Seq, StepPlan
 from lanes.generation.slots import Cache
@@ -417,8 +418,10 @@ class Engine:
             for seq in arrived:
                 self._add(seq)
             joiners = self.scheduler.admit_beside()
-            if joiners:
-                step = self.loop.prefill_beside(joiners)
+            with self._stats:
+                fit = self.steer.prefill_cost.fit
+            for group in prefill_groups(joiners, fit):  # each run's first tokens out at once
+                step = self.loop.prefill_beside(group)
                 step.handed, step.handed_at = len(step.events), self.clock()
                 self._first_tokens(step.events)
                 self._planned(step.plan)

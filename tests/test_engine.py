@@ -54,12 +54,17 @@ RUNS = Gate()
 
 @pytest.fixture(scope="module", params=LAYOUTS)
 def task(demo_models: Path, request: pytest.FixtureRequest) -> Iterator[GenerateTask]:
+    yield gated_task(demo_models, request.param, rows=3)
+
+
+def gated_task(demo_models: Path, layout: str, rows: int) -> GenerateTask:
+    """Greedy tinycode in `layout`, at most `rows` rows, its runs through RUNS."""
     folder = demo_models / "tinycode"
     spec = Spec.model_validate(
         {
             "models": {
                 "tinycode": {
-                    "path": folder / request.param,
+                    "path": folder / layout,
                     "tokenizer": folder / "tokenizer.json",
                 }
             },
@@ -68,7 +73,7 @@ def task(demo_models: Path, request: pytest.FixtureRequest) -> Iterator[Generate
                     "mode": "interactive",
                     "task": "generate",
                     "model": "tinycode",
-                    "batching": {"max_batch_size": 3},
+                    "batching": {"max_batch_size": rows},
                     "generation": {"temperature": 0},
                 }
             },
@@ -77,7 +82,7 @@ def task(demo_models: Path, request: pytest.FixtureRequest) -> Iterator[Generate
     runtime = GatedRuntime(Settings(device="cpu"), {spec.models["tinycode"].path: RUNS})
     loaded = load_task("code", spec, runtime)
     assert isinstance(loaded, GenerateTask)
-    yield loaded
+    return loaded
 
 
 async def collect(stream: TokenStream) -> tuple[list[int], str, str | None]:
@@ -315,6 +320,48 @@ async def test_an_arrival_during_a_decode_is_prefilled_beside_it(task: GenerateT
             RUNS.allow(1)
             assert await next_run() == 3, "the next decode: the third among the rows"
         got = [await collect(stream) for stream in (first, second, third)]
+    finally:
+        await engine.stop()
+    each_as_alone(task, items, got)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+async def test_arrivals_whose_padding_costs_more_than_a_run_are_prefilled_apart(
+    demo_models: Path, layout: str
+) -> None:
+    """Two arrivals of very different lengths, beside a decode, where the prefill cost
+    model says padding the short prompt to the long one costs more than a run: the
+    short one is prefilled first, alone, and its first token goes out while the long
+    one's prefill still waits. Every sequence makes the tokens it makes alone."""
+    task = gated_task(demo_models, layout, rows=5)
+    engine = Engine(task, Metrics(), "continuous", max_padding=1e9, prefill_beside=True)
+    for tokens in (1, 2, 4, 8, 16, 32, 64, 128):  # a CPU's costs, exaggerated
+        engine.steer.prefill_cost.observe(1, tokens, 1e-4 + 1e-3 * tokens)
+    engine.start()
+    items: list[dict[str, object]] = [
+        {"prompt": p, "max_tokens": 6} for p, _ in (*PROMPTS[:3], PROMPTS[5], PROMPTS[3])
+    ]
+    try:
+        with RUNS.closed():
+            first, second = await two_prefilled(engine, task, items)
+            assert await next_run() == 2, "the two rows' decode"
+            third = engine.submit(task.prepare(items[2]))
+            await asyncio.to_thread(RUNS.wait_held, 2)
+            # Both arrive while the third's prefill runs: the arrivals thread takes them
+            # together once it is done.
+            long, short = (engine.submit(task.prepare(item)) for item in items[3:])
+            RUNS.allow(1, rows=1)
+            await eventually(lambda: third.completion_tokens == 1, "the third's first token")
+            await asyncio.to_thread(RUNS.wait_held, 2)
+            assert RUNS.held_rows() == 2 + 1, "one prompt's prefill, not both in one run"
+            RUNS.allow(1, rows=1)
+            await eventually(lambda: short.completion_tokens == 1, "the short one's first token")
+            await asyncio.to_thread(RUNS.wait_held, 2)
+            assert RUNS.held_rows() == 2 + 1 and long.completion_tokens == 0, "the long one's"
+            RUNS.allow(1, rows=1)
+            await eventually(lambda: long.completion_tokens == 1, "the long one's first token")
+        streams = (first, second, third, long, short)
+        got = [await collect(stream) for stream in streams]
     finally:
         await engine.stop()
     each_as_alone(task, items, got)

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
+from lanes.costmodel import Fit
+from lanes.generation.prefill import prefill_groups
 from lanes.generation.reserve import Reserve
 from lanes.generation.scheduler import Policy, Scheduler
 from lanes.generation.seq import Event, Seq, SeqStatus, StepOutputs, StepPlan
@@ -676,3 +678,16 @@ def test_an_aborted_prompt_mid_chunks_frees_its_row() -> None:
     plan = s.schedule()
     assert plan.chunk is None and ids(plan.retired) == [1]
     assert s.chunking is None and s.num_running == 0
+
+
+def test_prefill_groups_split_where_padding_costs_more_than_a_run() -> None:
+    """Shortest prompts first; a prompt joins the run before it unless the padding it
+    adds there costs more than a run's fixed cost; one run while nothing is fitted."""
+    seqs = [seq(1, prompt=30), seq(2, prompt=3), seq(3, prompt=4), seq(4, prompt=28)]
+    cpu = Fit(fixed_s=1e-4, per_item_s=0.0, per_token_s=1e-5, spread=1.0, samples=8)
+    ids = [[s.id for s in group] for group in prefill_groups(seqs, cpu)]
+    assert ids == [[2, 3], [4, 1]], "28 would pad the run of 3 and 4 by 48 tokens, 30 its by 2"
+    gpu = Fit(fixed_s=1e-2, per_item_s=0.0, per_token_s=1e-6, spread=1.0, samples=8)
+    assert [len(g) for g in prefill_groups(seqs, gpu)] == [4]
+    assert prefill_groups(seqs, None) == [seqs]
+    assert prefill_groups([], cpu) == []

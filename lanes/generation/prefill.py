@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from lanes.costmodel import Fit
 from lanes.generation.seq import Chunk, Seq
 from lanes.isolation import isolate
 from lanes.tasks.decoder import Decoder
@@ -67,6 +68,26 @@ def prefill(decoder: Decoder, seqs: Sequence[Seq], recompute: bool = False) -> t
             kv[np.broadcast_to(pad[:, None, :], kv.shape[:3])] = 0
     apart = all(s.sits_out for s in seqs)
     return out.logits[:, -1], Join([s.id for s in seqs], present, mask, apart)
+
+
+def prefill_groups(seqs: Sequence[Seq], fit: Fit | None) -> list[list[Seq]]:
+    """Joiners in prefill runs, shortest prompts first: a prompt joins the run before
+    it unless the padding it adds there costs more, by `fit` (the workload's prefill
+    cost model), than a run of its own. Where a run's fixed cost is small (a CPU),
+    short prompts get their first tokens without waiting for a long one's prefill;
+    where it dominates (a GPU), they share one run. One run while there is no fit."""
+    if fit is None or len(seqs) < 2:
+        return [list(seqs)] if seqs else []
+    ordered = sorted(seqs, key=lambda s: len(s.prompt_ids))
+    groups = [[ordered[0]]]
+    for seq in ordered[1:]:
+        group = groups[-1]
+        padding = len(group) * (len(seq.prompt_ids) - len(group[-1].prompt_ids))
+        if fit.per_token_s * padding > fit.fixed_s:
+            groups.append([seq])
+        else:
+            group.append(seq)
+    return groups
 
 
 def prefill_apart(decoder: Decoder, seqs: Sequence[Seq], recompute: bool = False) -> Prefilled:
