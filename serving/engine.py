@@ -13,8 +13,8 @@ while a step runs):
                                     # prefill is done (call_soon_threadsafe), into each
                                     # request's TokenStream; arrivals are prefilled
                                     # beside its decode
-    report the step: its metrics, cost models and spans observed, then its events
-    handed to the event loop
+    report the step: its metrics, cost models and spans observed
+    (serving/step_observer.py), then its events handed to the event loop
 
 Reporting a step is Python work the next step does not need, so a second thread (the
 arrivals thread below) reports decode steps: it takes the GIL when the engine thread
@@ -67,11 +67,12 @@ from lanes.generation.loop import Step, StepLoop
 from lanes.generation.preempt import KEEP_BYTES, Preempted
 from lanes.generation.prefill import prefill_groups
 from lanes.generation.scheduler import PREFILL_TOKENS, Policy
-from lanes.generation.seq import Event, Lane, Seq, StepPlan
+from lanes.generation.seq import Event, Seq, StepPlan
 from lanes.generation.slots import Cache
 from lanes.generation.steer import Steer
 from lanes.generation.text import byte_pieces
-from lanes.serving.metrics import GenerateSeries, LaneSeries, Metrics, Rate, Utilization
+from lanes.serving.metrics import Metrics
+from lanes.serving.step_observer import StepObserver
 from lanes.serving.token_stream import TokenStream, completion
 from lanes.serving.tracing import GenerateSpans
 from lanes.spec import as_interactive
@@ -141,18 +142,11 @@ class Engine:
         )
         # The declared budget, or the scheduler's: the steered one never exceeds it.
         self._default_prefill_tokens = self.scheduler.max_prefill_tokens
-        self._lanes = {lane: LaneSeries.of(metrics, self.name, lane) for lane in _LANES}
         self._offline: set[int] = set()  # offline sequences not finished (event-loop side)
-        self._lane_of: dict[int, Lane] = {}  # engine-thread side: unfinished sequences' lanes
         self.max_queue = workload.batching.max_queue
         self.default_timeout_s = slo.timeout_ms / 1000 if slo.timeout_ms else None
-        self.utilization = Utilization()
-        self.rate = Rate()  # tokens
-        self._series = GenerateSeries.of(metrics, self.name)
         self._spans = GenerateSpans(tracing, self.name, clock) if tracing is not None else None
-        # Rate, utilization and the steer's cost models: written by reports, read by
-        # the engine thread and /metrics.
-        self._stats = threading.Lock()
+        self.observer = StepObserver(self.name, metrics, self.steer, self._spans)
         lock = threading.Lock()
         self._lock = threading.Condition(lock)
         self._inbox: list[Seq] = []
@@ -161,7 +155,6 @@ class Engine:
         self._stopping = False
         self._ids = itertools.count(1)
         self._streams: dict[int, TokenStream] = {}  # event-loop side only
-        self._last_token_at: dict[int, float] = {}  # under _reporting
         self._unreported: list[Step] = []  # run, not reported yet (under _lock)
         self._reporting = threading.Lock()  # one report at a time, in step order
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -253,7 +246,7 @@ class Engine:
             self._lock.notify()
             if self._decoding:
                 self._arrivals.notify()
-        self._series.queue_depth.set(self._waiting)
+        self.observer.series.queue_depth.set(self._waiting)
         return stream
 
     async def submit_offline(
@@ -300,11 +293,7 @@ class Engine:
 
     def refresh_gauges(self, now: float | None = None) -> None:
         """Tokens/s and busy fraction over the last 10 s (callable from any thread)."""
-        now = self.clock() if now is None else now
-        with self._stats:
-            rate, busy = self.rate.per_second(now), self.utilization.fraction(now)
-        self._series.rate.set(rate)
-        self._series.utilization.set(busy)
+        self.observer.refresh(self.clock() if now is None else now)
 
     def _dispatch(self) -> None:
         with self._outbox_lock:
@@ -341,10 +330,7 @@ class Engine:
 
     def _steer(self) -> None:
         """The SLOs' bounds on the next plan's prefill and rows (lanes/generation/steer.py)."""
-        with self._stats:  # the arrivals thread's reports feed it
-            self.steer.apply(
-                self.scheduler, max(self.cache.length, 1), self._default_prefill_tokens
-            )
+        self.observer.bound(self.scheduler, max(self.cache.length, 1), self._default_prefill_tokens)
 
     def _take_inbox(self) -> bool:
         """Sleep until there is something to do, then move new requests and aborts
@@ -370,7 +356,7 @@ class Engine:
 
     def _add(self, seq: Seq) -> None:
         self.scheduler.add(seq)
-        self._lane_of[seq.id] = seq.lane
+        self.observer.joined(seq)
 
     def _decode_beside(self, decode: Callable[[], Decoded]) -> Decoded:
         """`decode()` (the rows' decode), while the arrivals thread may prefill beside
@@ -418,9 +404,9 @@ class Engine:
             for seq in arrived:
                 self._add(seq)
             joiners = self.scheduler.admit_beside()
-            with self._stats:
-                fit = self.steer.prefill_cost.fit
-            for group in prefill_groups(joiners, fit):  # each run's first tokens out at once
+            for group in prefill_groups(
+                joiners, self.observer.prefill_fit()
+            ):  # each run's first tokens out at once
                 step = self.loop.prefill_beside(group)
                 step.handed, step.handed_at = len(step.events), self.clock()
                 self._first_tokens(step.events)
@@ -436,83 +422,10 @@ class Engine:
 
     def _planned(self, plan: StepPlan) -> None:
         """What a plan says before it runs: the queues' depths, the preemptions."""
-        if plan.preempted:
-            self._lanes["offline"].preemptions.inc(len(plan.preempted))
         with self._lock:
             self._waiting = sum(not s.offline for s in self._inbox) + self.scheduler.num_waiting
             offline = sum(s.offline for s in self._inbox) + self.scheduler.num_offline_waiting
-        self._lanes["interactive"].queue_depth.set(self._waiting)
-        self._lanes["offline"].queue_depth.set(offline)
-
-    def _observe(self, step: Step) -> None:
-        """A step's runs into the metrics, the cost models and the spans; its events'
-        tokens into TTFT, ITL and the lanes' items."""
-        m, plan = self._series, step.plan
-        if step.prefill is not None:
-            took = step.prefill.seconds
-            m.prefill.observe(took)
-            width = max(len(s.prompt_ids) for s in plan.prefill)
-            if not step.beside:  # beside a decode, each run is stretched by the other
-                with self._stats:
-                    self.steer.observe_prefill(len(plan.prefill), len(plan.prefill) * width, took)
-            if self._spans is not None:
-                self._spans.prefilled(plan.prefill, step.prefill.start, step.prefill.end)
-        if step.chunk is not None and plan.chunk is not None:
-            m.prefill.observe(step.chunk.seconds)
-            tokens = plan.chunk.stop - plan.chunk.start
-            with self._stats:
-                self.steer.observe_prefill(1, tokens, step.chunk.seconds)
-        if step.decode is not None:
-            rows = len(plan.decode)
-            m.decode.observe(step.decode.seconds)
-            m.rows.observe(rows)
-            m.positions.inc(step.positions)
-            with self._stats:
-                self.steer.observe_decode(rows, step.decoded_length, step.decode.seconds)
-                for run in step.runs:
-                    self.steer.observe_run(run.rows, run.length, run.seconds)
-        made = 0
-        # First tokens come from prefills only (a prompt's final chunk among them).
-        joined = {s.id: s for s in (*plan.prefill, *([plan.chunk.seq] if plan.chunk else []))}
-        for i, event in enumerate(step.events):
-            lane = self._lane_of.get(event.seq_id, "interactive")
-            at = step.handed_at if i < step.handed else step.end
-            if event.tokens:
-                made += len(event.tokens)
-                last = self._last_token_at.get(event.seq_id)
-                if lane == "offline":
-                    pass  # nobody waits on it: its latencies are no interactive figure
-                elif event.first and event.seq_id in joined:
-                    m.ttft.observe(at - joined[event.seq_id].arrived)
-                elif last is not None:
-                    m.itl.observe(at - last)
-                self._last_token_at[event.seq_id] = at
-            if event.finish is not None:
-                self._last_token_at.pop(event.seq_id, None)
-                self._lane_of.pop(event.seq_id, None)
-                self._lanes[lane].items.inc()
-                m.finished(event.finish)
-        m.generated.inc(made)
-        with self._stats:
-            self.rate.record(time.monotonic(), made)
-        if not step.beside:  # else its time is within the step in flight's
-            busy = step.end - step.start
-            with self._stats:
-                self.utilization.record(step.start, step.end)
-            m.busy.inc(busy)
-            self._lane_busy(step, busy)
-        m.in_flight.set(self.scheduler.num_running)
-        m.queue_depth.set(self._waiting)
-        if self._spans is not None:
-            self._spans.observed(plan, step.events, step.end)
-
-    def _lane_busy(self, step: Step, seconds: float) -> None:
-        """A step's time, shared between the lanes by the rows each had in it."""
-        seqs = (*step.plan.decode, *step.plan.prefill, *step.plan.resumed)
-        offline = sum(s.offline for s in seqs)
-        if seqs:
-            self._lanes["offline"].busy.inc(seconds * offline / len(seqs))
-            self._lanes["interactive"].busy.inc(seconds * (len(seqs) - offline) / len(seqs))
+        self.observer.planned(plan, self._waiting, offline)
 
     def _report(self) -> None:
         """The steps run and not reported yet: into the metrics (`_observe`), then
@@ -522,7 +435,7 @@ class Engine:
                 steps, self._unreported = self._unreported, []
             events: list[Event] = []
             for step in steps:
-                self._observe(step)
+                self.observer.observe(step, self.scheduler.num_running, self._waiting)
                 events += step.events[step.handed :]
             self._send(events)
 
@@ -540,6 +453,3 @@ class Engine:
         if taken:
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
                 self._loop.call_soon_threadsafe(self._dispatch)
-
-
-_LANES: tuple[Lane, ...] = ("interactive", "offline")

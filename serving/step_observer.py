@@ -1,0 +1,140 @@
+"""What a generate engine learns from its steps (serving/engine.py): its metrics, per
+lane too, the steer's cost models, and the spans.
+
+The engine thread and its arrivals thread both report steps here, one report at a
+time and in step order (the engine's `_reporting` lock). The steer's cost models, the
+token rate and the busy fraction are written by those reports and read by the engine
+thread (the next plan's bounds) and by /metrics, under this object's lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from lanes.costmodel import Fit
+from lanes.generation.loop import Step
+from lanes.generation.scheduler import Scheduler
+from lanes.generation.seq import Lane, Seq, StepPlan
+from lanes.generation.steer import Steer
+from lanes.serving.metrics import GenerateSeries, LaneSeries, Metrics, Rate, Utilization
+from lanes.serving.tracing import GenerateSpans
+
+LANES: tuple[Lane, ...] = ("interactive", "offline")
+
+
+class StepObserver:
+    """One generate workload's steps into its series, its lanes' series, its steer
+    and its spans (None: tracing is off)."""
+
+    def __init__(
+        self, name: str, metrics: Metrics, steer: Steer, spans: GenerateSpans | None
+    ) -> None:
+        self.series = GenerateSeries.of(metrics, name)
+        self.lanes = {lane: LaneSeries.of(metrics, name, lane) for lane in LANES}
+        self.steer = steer
+        self.spans = spans
+        self.rate = Rate()  # tokens
+        self.utilization = Utilization()
+        self._lock = threading.Lock()
+        self._lane_of: dict[int, Lane] = {}  # unfinished sequences' lanes
+        self._last_token_at: dict[int, float] = {}
+
+    def joined(self, seq: Seq) -> None:
+        """A sequence the scheduler took: its tokens count in its lane."""
+        self._lane_of[seq.id] = seq.lane
+
+    def bound(self, scheduler: Scheduler, length: int, default_prefill_tokens: int) -> None:
+        """The SLOs' bounds on the scheduler's next plan (lanes/generation/steer.py)."""
+        with self._lock:
+            self.steer.apply(scheduler, length, default_prefill_tokens)
+
+    def prefill_fit(self) -> Fit | None:
+        """The prefill cost model's fit so far."""
+        with self._lock:
+            return self.steer.prefill_cost.fit
+
+    def planned(self, plan: StepPlan, waiting: int, offline_waiting: int) -> None:
+        """What a plan says before it runs: the queues' depths, the preemptions."""
+        if plan.preempted:
+            self.lanes["offline"].preemptions.inc(len(plan.preempted))
+        self.lanes["interactive"].queue_depth.set(waiting)
+        self.lanes["offline"].queue_depth.set(offline_waiting)
+
+    def refresh(self, now: float) -> None:
+        """Tokens/s and busy fraction over the last 10 s (callable from any thread)."""
+        with self._lock:
+            rate, busy = self.rate.per_second(now), self.utilization.fraction(now)
+        self.series.rate.set(rate)
+        self.series.utilization.set(busy)
+
+    def observe(self, step: Step, running: int, waiting: int) -> None:
+        """A step's runs into the metrics, the cost models and the spans; its events'
+        tokens into TTFT, ITL and the lanes' items. `running` and `waiting`: the
+        scheduler's rows and interactive queue after it."""
+        m, plan = self.series, step.plan
+        if step.prefill is not None:
+            took = step.prefill.seconds
+            m.prefill.observe(took)
+            width = max(len(s.prompt_ids) for s in plan.prefill)
+            if not step.beside:  # beside a decode, each run is stretched by the other
+                with self._lock:
+                    self.steer.observe_prefill(len(plan.prefill), len(plan.prefill) * width, took)
+            if self.spans is not None:
+                self.spans.prefilled(plan.prefill, step.prefill.start, step.prefill.end)
+        if step.chunk is not None and plan.chunk is not None:
+            m.prefill.observe(step.chunk.seconds)
+            tokens = plan.chunk.stop - plan.chunk.start
+            with self._lock:
+                self.steer.observe_prefill(1, tokens, step.chunk.seconds)
+        if step.decode is not None:
+            rows = len(plan.decode)
+            m.decode.observe(step.decode.seconds)
+            m.rows.observe(rows)
+            m.positions.inc(step.positions)
+            with self._lock:
+                self.steer.observe_decode(rows, step.decoded_length, step.decode.seconds)
+                for run in step.runs:
+                    self.steer.observe_run(run.rows, run.length, run.seconds)
+        made = 0
+        # First tokens come from prefills only (a prompt's final chunk among them).
+        joined = {s.id: s for s in (*plan.prefill, *([plan.chunk.seq] if plan.chunk else []))}
+        for i, event in enumerate(step.events):
+            lane = self._lane_of.get(event.seq_id, "interactive")
+            at = step.handed_at if i < step.handed else step.end
+            if event.tokens:
+                made += len(event.tokens)
+                last = self._last_token_at.get(event.seq_id)
+                if lane == "offline":
+                    pass  # nobody waits on it: its latencies are no interactive figure
+                elif event.first and event.seq_id in joined:
+                    m.ttft.observe(at - joined[event.seq_id].arrived)
+                elif last is not None:
+                    m.itl.observe(at - last)
+                self._last_token_at[event.seq_id] = at
+            if event.finish is not None:
+                self._last_token_at.pop(event.seq_id, None)
+                self._lane_of.pop(event.seq_id, None)
+                self.lanes[lane].items.inc()
+                m.finished(event.finish)
+        m.generated.inc(made)
+        with self._lock:
+            self.rate.record(time.monotonic(), made)
+        if not step.beside:  # else its time is within the step in flight's
+            busy = step.end - step.start
+            with self._lock:
+                self.utilization.record(step.start, step.end)
+            m.busy.inc(busy)
+            self._lane_busy(step, busy)
+        m.in_flight.set(running)
+        m.queue_depth.set(waiting)
+        if self.spans is not None:
+            self.spans.observed(plan, step.events, step.end)
+
+    def _lane_busy(self, step: Step, seconds: float) -> None:
+        """A step's time, shared between the lanes by the rows each had in it."""
+        seqs = (*step.plan.decode, *step.plan.prefill, *step.plan.resumed)
+        offline = sum(s.offline for s in seqs)
+        if seqs:
+            self.lanes["offline"].busy.inc(seconds * offline / len(seqs))
+            self.lanes["interactive"].busy.inc(seconds * (len(seqs) - offline) / len(seqs))
