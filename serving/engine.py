@@ -404,9 +404,8 @@ class Engine:
             for seq in arrived:
                 self._add(seq)
             joiners = self.scheduler.admit_beside()
-            for group in prefill_groups(
-                joiners, self.observer.prefill_fit()
-            ):  # each run's first tokens out at once
+            fit = self.observer.prefill_fit()
+            for group in prefill_groups(joiners, fit):  # each run's first tokens out at once
                 step = self.loop.prefill_beside(group)
                 step.handed, step.handed_at = len(step.events), self.clock()
                 self._first_tokens(step.events)
