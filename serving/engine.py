@@ -27,7 +27,9 @@ A request that arrives while the rows decode, and finds a free row, is prefilled
 beside that decode on the second thread (`Scheduler.admit_beside`; onnxruntime releases
 the GIL), where a second run has hardware of its own (`Runtime.room_beside`: a GPU,
 or CPU cores the session's threads leave free): its first token goes out at once,
-and it decodes with the rows from the next plan on. The engine thread touches only
+and it decodes with the rows from the next plan on. Arrivals taken together run
+shortest first, in one run or apart as the prefill cost model says padding costs
+(`prefill_groups`, lanes/generation/prefill.py). The engine thread touches only
 the cache meanwhile, and waits for that prefill before it updates the scheduler.
 What arrives between model runs, finds no free row or goes in parts joins at the
 next plan: a step that admits joiners runs only their prefill (the scheduler's
@@ -399,7 +401,7 @@ class Engine:
 
     def _prefill(self, arrived: list[Seq]) -> None:
         """Arrivals during a decode into the scheduler, and those it admits beside the
-        decode prefilled: their first tokens out now."""
+        decode prefilled, group by group: each group's first tokens out as it ends."""
         try:
             for seq in arrived:
                 self._add(seq)
