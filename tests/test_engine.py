@@ -297,6 +297,19 @@ async def test_a_joiner_sharing_the_rows_step_has_its_first_token_before_their_d
     each_as_alone(task, items, got)
 
 
+async def third_beside(
+    engine: Engine, task: GenerateTask, items: list[dict[str, object]]
+) -> tuple[TokenStream, TokenStream, TokenStream]:
+    """With the gate closed: the first two items prefilled, their decode held at the
+    gate, and the third submitted then: its prefill held there too, beside the decode."""
+    first, second = await two_prefilled(engine, task, items)
+    assert await next_run() == 2, "the two rows' decode"
+    third = engine.submit(task.prepare(items[2]))
+    await asyncio.to_thread(RUNS.wait_held, 2)
+    assert RUNS.held_rows() == 2 + 1, "the third prompt's prefill beside the decode"
+    return first, second, third
+
+
 async def test_an_arrival_during_a_decode_is_prefilled_beside_it(task: GenerateTask) -> None:
     """A request that arrives while the rows' decode runs, and finds a free row, is
     prefilled at once beside that decode: its first token is on its stream while the
@@ -308,11 +321,7 @@ async def test_an_arrival_during_a_decode_is_prefilled_beside_it(task: GenerateT
     items: list[dict[str, object]] = [{"prompt": p, "max_tokens": 8} for p, _ in PROMPTS[:3]]
     try:
         with RUNS.closed():
-            first, second = await two_prefilled(engine, task, items)
-            assert await next_run() == 2, "the two rows' decode"
-            third = engine.submit(task.prepare(items[2]))
-            await asyncio.to_thread(RUNS.wait_held, 2)
-            assert RUNS.held_rows() == 2 + 1, "the third prompt's prefill beside the decode"
+            first, second, third = await third_beside(engine, task, items)
             RUNS.allow(1, rows=1)
             await eventually(lambda: third.completion_tokens == 1, "its first token")
             assert RUNS.held_rows() == 2, "the decode still waits"
@@ -343,10 +352,7 @@ async def test_arrivals_whose_padding_costs_more_than_a_run_are_prefilled_apart(
     ]
     try:
         with RUNS.closed():
-            first, second = await two_prefilled(engine, task, items)
-            assert await next_run() == 2, "the two rows' decode"
-            third = engine.submit(task.prepare(items[2]))
-            await asyncio.to_thread(RUNS.wait_held, 2)
+            first, second, third = await third_beside(engine, task, items)
             # Both arrive while the third's prefill runs: the arrivals thread takes them
             # together once it is done.
             long, short = (engine.submit(task.prepare(item)) for item in items[3:])
