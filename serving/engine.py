@@ -147,8 +147,8 @@ class Engine:
         self._offline: set[int] = set()  # offline sequences not finished (event-loop side)
         self.max_queue = workload.batching.max_queue
         self.default_timeout_s = slo.timeout_ms / 1000 if slo.timeout_ms else None
-        self._spans = GenerateSpans(tracing, self.name, clock) if tracing is not None else None
-        self.observer = StepObserver(self.name, metrics, self.steer, self._spans)
+        spans = GenerateSpans(tracing, self.name, clock) if tracing is not None else None
+        self.observer = StepObserver(self.name, metrics, self.steer, spans)
         lock = threading.Lock()
         self._lock = threading.Condition(lock)
         self._inbox: list[Seq] = []
@@ -241,8 +241,8 @@ class Engine:
             if self._waiting >= self.max_queue:
                 raise Overloaded(f"queue full ({self.max_queue} waiting); retry shortly", 1.0)
             self._waiting += 1
-            if self._spans is not None and trace is not None:
-                self._spans.submitted(seq, trace)
+            if self.observer.spans is not None and trace is not None:
+                self.observer.spans.submitted(seq, trace)
             self._inbox.append(seq)
             self._streams[seq.id] = stream
             self._lock.notify()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +52,8 @@ RUNS = Gate()
 
 
 @pytest.fixture(scope="module", params=LAYOUTS)
-def task(demo_models: Path, request: pytest.FixtureRequest) -> Iterator[GenerateTask]:
-    yield gated_task(demo_models, request.param, rows=3)
+def task(demo_models: Path, request: pytest.FixtureRequest) -> GenerateTask:
+    return gated_task(demo_models, request.param, rows=3)
 
 
 def gated_task(demo_models: Path, layout: str, rows: int) -> GenerateTask:
