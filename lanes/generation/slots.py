@@ -22,7 +22,7 @@ their half wrote.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -120,14 +120,16 @@ class Slots:
 
     def decode(self, tokens: Sequence[int]) -> Array:
         """One step of every row, `tokens[r]` after row r's positions, in place: the
-        logits [rows, vocab]. Raises what the run raises."""
+        logits [rows, vocab], valid until the next step (`SlotRun`). Raises what the run
+        raises."""
         rows = len(self.ids)
         run = self._runs.get(rows)
         if run is None:
             run = self._runs[rows] = self.decoder.slot_run(self.past, rows)
         ids = np.asarray(tokens, dtype=np.int64).reshape(rows, 1)
-        logits = run(ids, np.asarray(self.lengths, dtype=np.int32))
-        self.lengths = [n + 1 for n in self.lengths]
+        lengths = self.lengths
+        logits = run(ids, np.asarray(lengths, dtype=np.int32), max(lengths))
+        self.lengths = [n + 1 for n in lengths]
         return logits[:, -1]
 
     def decode_apart(
@@ -222,8 +224,7 @@ class SlotCache:
         # The usual step: one set, holding the step's rows in its order.
         single = next((x for x in self.sets if x.ids == step_ids), None) if seqs else None
         stepped = [single] if single is not None else self._stepped(seqs)
-        by_id: Mapping[int, Any] = {} if single is not None else {s.id: s for s in seqs}
-        order = {sid: i for i, sid in enumerate(step_ids)} if single is None else {}
+        at = {sid: i for i, sid in enumerate(step_ids)} if single is None else {}
         length = _mean_length(stepped)
         logits: Array | None = None
         failed: dict[int, Exception] = {}
@@ -231,28 +232,30 @@ class SlotCache:
         runs = []
         for slots in stepped:
             ids, before = list(slots.ids), _mean_length([slots])
-            if single is not None:
-                tokens = [s.last_token for s in seqs]
-            else:
-                tokens = [by_id[sid].last_token for sid in ids]
-            at = self.clock()
+            rows = None if single is not None else [at[sid] for sid in ids]  # in the step
+            tokens = (
+                [s.last_token for s in seqs] if rows is None else [seqs[i].last_token for i in rows]
+            )
+            start = self.clock()
             try:
                 got: Array | None = slots.decode(tokens)
             except Exception as raised:
                 error = error or raised
                 got, lost = slots.decode_apart(tokens, raised)
                 failed.update(lost)
-            runs.append(GroupRun(len(ids), before, self.clock() - at))
+            runs.append(GroupRun(len(ids), before, self.clock() - start))
             if got is None:
                 continue
-            if single is not None:
+            if rows is None:
                 logits = got
                 continue
-            if logits is None:
-                logits = np.zeros((len(seqs), got.shape[-1]), dtype=got.dtype)
-            logits[[order[sid] for sid in ids]] = got
+            if logits is None:  # rows no set's run gives (it failed whole) stay zeros
+                whole = len(stepped) == 1  # one set, its rows in another order
+                shape, dtype = (len(seqs), got.shape[-1]), got.dtype
+                logits = np.empty(shape, dtype) if whole else np.zeros(shape, dtype)
+            logits[rows] = got
         if failed and logits is not None and single is None:  # one set's are zeros already
-            logits[[order[sid] for sid in failed]] = 0
+            logits[[at[sid] for sid in failed]] = 0
         return Decoded(logits, failed, error, length, tuple(runs))
 
     def _stepped(self, seqs: Sequence[Any]) -> list[Slots]:

@@ -53,6 +53,9 @@ class ByteText:
 
     def __init__(self, pieces: Sequence[bytes]) -> None:
         self.pieces = pieces
+        # Each token's own text where its bytes are whole characters: what delta() gives
+        # for a token that follows text already out (most tokens), without a decode.
+        self._whole = [_whole(piece) for piece in pieces]
 
     def _text(self, tokens: Sequence[int]) -> str:
         pieces, known = self.pieces, len(self.pieces)
@@ -61,7 +64,13 @@ class ByteText:
         return joined.decode("utf-8", "replace")
 
     def delta(self, seq: Seq) -> str:
-        text = self._text(seq.tokens[seq._read :])
+        tokens, read = seq.tokens, seq._read
+        if read == len(tokens) - 1 and tokens[-1] < len(self._whole):
+            whole = self._whole[tokens[-1]]
+            if whole is not None:
+                seq._read = len(tokens)
+                return whole
+        text = self._text(tokens[read:])
         if text and not text.endswith(_REPLACEMENT):
             seq._read = len(seq.tokens)
             return text
@@ -71,6 +80,15 @@ class ByteText:
         text = self._text(seq.tokens[seq._read :])
         seq._read = len(seq.tokens)
         return text
+
+
+def _whole(piece: bytes) -> str | None:
+    """`piece` decoded, where it is whole characters (and not nothing); else None."""
+    try:
+        text = piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return text if text and not text.endswith(_REPLACEMENT) else None
 
 
 def byte_pieces(tokenizer: Tokenizer) -> list[bytes] | None:

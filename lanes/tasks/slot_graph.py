@@ -143,7 +143,9 @@ class SlotRun:
     buffers at column `lengths[r]`, and returns the logits [rows, 1, vocab]. Binding
     the buffers costs a good part of a small model's step (bench/offline_generate.py
     shows it), so a batch keeps one `SlotRun` while its rows and buffers stay; each
-    step writes the small inputs (ids, lengths) into arrays bound with them."""
+    step writes the small inputs (ids, lengths) into arrays bound with them. The
+    logits come back in an array bound once too: a step's logits are valid until the
+    next step of the same run (a caller that keeps them longer copies them)."""
 
     def __init__(self, graph: SlotGraph, past: Past, rows: int) -> None:
         self.session = graph.session
@@ -160,12 +162,13 @@ class SlotRun:
             self._lengths = (np.zeros(rows, dtype=np.int32), np.zeros((), dtype=np.int32))
             _bind(binding, "seqlens_k", self._lengths[0])
             _bind(binding, "total_sequence_length", self._lengths[1])
-        self._logits: tuple[np.dtype[Any], tuple[int, int, int]] | None = None
-        self._out: Array | None = None  # the logits array bound last
+        self._logits: Array | None = None
         if graph.logits is None:
             binding.bind_output("logits")
         else:
-            self._logits = (graph.logits[0], (rows, 1, graph.logits[1]))
+            dtype, vocab = graph.logits
+            self._logits = np.empty((rows, 1, vocab), dtype=dtype)
+            _bind_output(binding, "logits", self._logits)
         shape = [rows, *past.keys[0].shape[1:]]
         for i in range(graph.config.num_layers):
             for kind, buffer in (("key", past.keys[i]), ("value", past.values[i])):
@@ -176,31 +179,30 @@ class SlotRun:
                 binding.bind_output(f"present.{i}.{kind}", "cpu", 0, buffer.dtype, shape, at)
         self._binding = binding
 
-    def __call__(self, input_ids: Array, lengths: Array) -> Array:
+    def __call__(self, input_ids: Array, lengths: Array, longest: int | None = None) -> Array:
+        """`longest`: `lengths.max()`, where the caller knows it (numpy's max of a few
+        numbers costs more Python than the rest of this call)."""
         binding, graph = self._binding, self._graph
         self._ids[...] = input_ids
         if self._lengths is not None:  # each row's new position is its count so far
             seqlens, total = self._lengths
             seqlens[...] = lengths
-            total[...] = int(lengths.max()) + 1
+            total[...] = (int(lengths.max()) if longest is None else longest) + 1
         else:
             for name, array in graph.lengths(lengths, np.ones_like(lengths)).items():
                 binding.bind_cpu_input(name, array)
+        self.session.run_with_iobinding(binding)
         if self._logits is None:
-            self.session.run_with_iobinding(binding)
+            # get_outputs() wraps every output, the cache's buffers too, in objects of
+            # its own: only where the logits' shape is not known, to bind them once.
             found: Array = binding.get_outputs()[0].numpy()
             return found
-        # A new array each step, bound as the output: get_outputs() would wrap every
-        # output, the cache's buffers too, in objects of its own at each step. The
-        # binding keeps its address, so this keeps the array until the next one.
-        dtype, shape = self._logits
-        logits = self._out = np.empty(shape, dtype=dtype)
-        binding.bind_output(
-            "logits", "cpu", 0, logits.dtype, list(logits.shape), logits.ctypes.data
-        )
-        self.session.run_with_iobinding(binding)
-        return logits
+        return self._logits
 
 
 def _bind(binding: ort.IOBinding, name: str, array: Array) -> None:
     binding.bind_input(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+
+
+def _bind_output(binding: ort.IOBinding, name: str, array: Array) -> None:
+    binding.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
