@@ -163,7 +163,7 @@ def test_budget_is_cut_by_the_models_context() -> None:
     _, first = step(s)
     _, second = step(s)
     assert first[0].finish is None and second[0].finish == "length"
-    assert s.budget(seq(1, prompt=4, max_new=100)) == 2
+    assert s.advance.budget(seq(1, prompt=4, max_new=100)) == 2
 
 
 def test_abort_while_waiting_never_runs_and_while_running_frees_the_row() -> None:

@@ -5,7 +5,9 @@
     events = scheduler.update(plan, outputs)
 
 No onnxruntime, no threads, no I/O: logits in, events out. The clock and the
-detokenizer are injected, so the hard logic is tested with fabricated logits.
+detokenizer are injected, so the hard logic is tested with fabricated logits. What
+the logits make of each sequence (its token, its text, its end) is `Advance`'s
+(lanes/generation/advance.py); this module plans the steps.
 
 Rows are the decoder's batch, in order. A decode step feeds every row its last
 token; a sequence that finishes (eos, its token budget, a stop string, an abort,
@@ -23,11 +25,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import numpy as np
 
+from lanes.generation.advance import Advance, final
 from lanes.generation.reserve import Reserve
 from lanes.generation.seq import Chunk, Event, Seq, SeqStatus, StepOutputs, StepPlan
 from lanes.generation.text import ByteText, Detokenize, WindowText
@@ -103,10 +106,9 @@ class Scheduler:
             raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, found {policy!r}")
         self.policy: Policy = policy
         self.max_running = 1 if policy == "serial" else max_running
-        self.eos_token_ids = eos_token_ids
         # With the tokens' bytes (text.byte_pieces), text needs no decode() call.
-        self.text = WindowText(detokenize) if token_bytes is None else ByteText(token_bytes)
-        self.max_position = max_position
+        text = WindowText(detokenize) if token_bytes is None else ByteText(token_bytes)
+        self.advance = Advance(eos_token_ids, text, max_position, self._finish)
         self.max_prefill_tokens = max_prefill_tokens
         # Rows past max_running that waiting interactive sequences may take at the next
         # full plan (lanes/generation/steer.py: when their TTFT is the nearer SLO).
@@ -157,12 +159,12 @@ class Scheduler:
         loop could not tell which rows are at fault): its retired sequences are
         reported as usual, every row (joiners included) finishes with `error` and
         every row is freed."""
-        events = [self._final(seq) for seq in plan.retired]
+        events = [final(seq) for seq in plan.retired]
         for seq in (*self.rows, *self._chunking()):
             if not seq.status.is_finished:
                 seq.error = error
                 self._finish(seq, SeqStatus.FINISHED_ERROR)
-                events.append(self._final(seq))
+                events.append(final(seq))
         self.rows = []
         self.chunking = None
         return events
@@ -205,7 +207,7 @@ class Scheduler:
             for seq in (*self.rows, *self.waiting, *self.offline, *self._chunking()):
                 if seq.deadline is not None and now >= seq.deadline and not seq.status.is_finished:
                     self._finish(seq, SeqStatus.FINISHED_DEADLINE)
-                    seq.text += self.text.rest(seq)
+                    seq.text += self.advance.text.rest(seq)
                     self._unreported.append(seq)
         self._drop_finished_queued()
         if self.policy != "static" or all(s.status.is_finished for s in self.rows):
@@ -372,71 +374,24 @@ class Scheduler:
         """Sample each running row's next token from its logits; rows in
         `outputs.failed` finish with their error instead. Returns one event per
         sequence that made a token or finished, the plan's retired ones included."""
-        events = [self._final(seq) for seq in plan.retired]
+        events = [final(seq) for seq in plan.retired]
         now = self.clock() if plan.prefill else None
         failed = outputs.failed
         if failed and plan.resumed:
-            events += self._fail_rows(plan.resumed, failed)  # their recompute failed alone
+            events += self.advance.failed(plan.resumed, failed)  # their recompute failed alone
         if plan.chunk is not None:
             events += self._chunked(plan.chunk, outputs)
         if plan.prefill:
-            events += self._sampled(plan.prefill, outputs.prefill, failed, now)
+            events += self.advance.sampled(plan.prefill, outputs.prefill, failed, now)
         if plan.decode:
-            events += self._sampled(plan.decode, outputs.decode, failed, None)
-        return events
-
-    def _sampled(
-        self,
-        seqs: Sequence[Seq],
-        logits: Array | None,
-        failed: Mapping[int, str],
-        now: float | None,
-    ) -> list[Event]:
-        """The next token of each row of `seqs` from its row of `logits`; a joiner
-        whose deadline passed by `now` (the prefill's) finishes instead."""
-        events = self._fail_rows(seqs, failed) if failed else []
-        if failed and all(s.id in failed for s in seqs):
-            return events
-        if logits is None or logits.shape[0] != len(seqs):
-            found = None if logits is None else logits.shape
-            raise ValueError(f"update: expected logits for {len(seqs)} rows, found {found}")
-        # One vectorised argmax serves every greedy row (each row's own argmax, as
-        # sample() takes it); sampling rows draw alone, each from its own generator.
-        greedy: list[int] | None = None
-        advance, finished, eos = self._advance, SeqStatus.FINISHED_STOPPED, self.eos_token_ids
-        for i, seq in enumerate(seqs):
-            if seq.status >= finished:
-                continue  # a static batch's finished row (or a failed one): no logits
-            if now is not None and seq.deadline is not None and now >= seq.deadline:
-                # Its deadline passed during its prefill: it made no token in time.
-                self._finish(seq, SeqStatus.FINISHED_DEADLINE)
-                events.append(self._final(seq))
-                continue
-            if seq.sampling.temperature == 0:
-                if greedy is None:
-                    greedy = logits.argmax(axis=-1).tolist()
-                token, tokens = greedy[i], seq.tokens
-                # An offline row's usual token (no text made until its finish, no stop
-                # string, within its budget, not its end): what _advance does for it,
-                # without the call. A row's first token goes there, and sets `_limit`.
-                if (
-                    len(tokens) + 1 < seq._limit
-                    and not (seq.stream or seq.stop)
-                    and (token not in eos or seq.ignore_eos)
-                ):
-                    tokens.append(token)
-                    events.append(Event(seq.id, (token,)))
-                    continue
-                events.append(advance(seq, token))
-            else:
-                events.append(advance(seq, sample(logits[i], seq.sampling, seq.rng)))
+            events += self.advance.sampled(plan.decode, outputs.decode, failed, None)
         return events
 
     def _chunked(self, chunk: Chunk, outputs: StepOutputs) -> list[Event]:
         """A part of a long prompt ran: the last one samples its first token, and the
         sequence takes its place among the rows (decoding from the next plan on)."""
         seq = chunk.seq
-        events = self._fail_rows((seq,), outputs.failed)
+        events = self.advance.failed((seq,), outputs.failed)
         if seq.status.is_finished:  # failed, aborted or expired meanwhile
             if self.chunking is seq:
                 self.chunking = None
@@ -452,71 +407,12 @@ class Scheduler:
         logits = outputs.chunk[0]
         if seq.deadline is not None and self.clock() >= seq.deadline:
             self._finish(seq, SeqStatus.FINISHED_DEADLINE)
-            return [*events, self._final(seq)]
+            return [*events, final(seq)]
         if seq.sampling.temperature == 0:
             token = int(logits.argmax())
         else:
             token = sample(logits, seq.sampling, seq.rng)
-        return [*events, self._advance(seq, token)]
-
-    def _fail_rows(self, seqs: Sequence[Seq], failed: Mapping[int, str]) -> list[Event]:
-        """The rows of `seqs` the model failed on alone finish with their own error
-        (a row that finished otherwise meanwhile, an abort, keeps its finish)."""
-        events = []
-        for seq in seqs:
-            if seq.id in failed and not seq.status.is_finished:
-                seq.error = failed[seq.id]
-                self._finish(seq, SeqStatus.FINISHED_ERROR)
-                events.append(self._final(seq))
-        return events
-
-    def _advance(self, seq: Seq, token: int) -> Event:
-        first = not seq.tokens
-        if token in self.eos_token_ids and not seq.ignore_eos:
-            self._finish(seq, SeqStatus.FINISHED_STOPPED)
-            seq.text += self.text.rest(seq)
-            return self._final(seq, (), first)
-        seq.tokens.append(token)
-        limit = seq._limit or self._limit(seq)
-        stop = seq.stop
-        if not (stop or seq.stream):  # its text waits for the finish (text.rest)
-            if len(seq.tokens) >= limit:
-                self._finish(seq, SeqStatus.FINISHED_LENGTH)
-                seq.text += self.text.rest(seq)
-                return self._final(seq, (token,), first)
-            return Event(seq.id, (token,), "", None, first)
-        before = len(seq.text)
-        seq.text += self.text.delta(seq)
-        cut = _first_stop(seq.text, stop, before) if stop else None
-        if cut is not None:
-            seq.text = seq.text[:cut]
-            self._finish(seq, SeqStatus.FINISHED_STOPPED)
-            return self._final(seq, (token,), first)
-        if len(seq.tokens) >= limit:
-            self._finish(seq, SeqStatus.FINISHED_LENGTH)
-            seq.text += self.text.rest(seq)
-            return self._final(seq, (token,), first)
-        # Hold back what could be the start of a stop string.
-        hold = max(len(s) for s in stop) - 1 if stop else 0
-        safe = max(seq.sent, len(seq.text) - hold)
-        text, seq.sent = seq.text[seq.sent : safe], safe
-        return Event(seq.id, (token,), text, None, first)
-
-    def budget(self, seq: Seq) -> int:
-        """Most tokens `seq` may make: its max_new_tokens, within the model's context."""
-        budget = seq.max_new_tokens
-        if self.max_position is not None:
-            budget = min(budget, self.max_position - len(seq.prompt_ids))
-        return max(budget, 1)
-
-    def _limit(self, seq: Seq) -> int:
-        seq._limit = self.budget(seq)  # fixed: its prompt and the context do not change
-        return seq._limit
-
-    def _final(self, seq: Seq, tokens: tuple[int, ...] = (), first: bool = False) -> Event:
-        text = "" if seq.status == SeqStatus.FINISHED_ABORTED else seq.text[seq.sent :]
-        seq.sent = len(seq.text)
-        return Event(seq.id, tokens, text, seq.status.finish_reason, first, seq.error)
+        return [*events, self.advance.token(seq, token)]
 
     def _finish(self, seq: Seq, status: SeqStatus) -> None:
         self._queued_finished |= seq.status == SeqStatus.WAITING
@@ -529,15 +425,3 @@ class Scheduler:
 def _padded(seqs: Sequence[Seq]) -> int:
     """Prefill tokens of joiners in one left-padded run."""
     return len(seqs) * max((len(s.prompt_ids) for s in seqs if not s.tokens), default=0)
-
-
-def _first_stop(text: str, stop: Sequence[str], before: int) -> int | None:
-    """Where the earliest stop string starts, looking only where one could newly end
-    (the text before `before` was searched already)."""
-    hits = []
-    for s in stop:
-        if s:
-            i = text.find(s, max(0, before - len(s) + 1))
-            if i >= 0:
-                hits.append(i)
-    return min(hits) if hits else None
