@@ -42,5 +42,7 @@ class Reserve:
 
     def rows(self, max_running: int, now: float) -> int:
         """Rows of `max_running` that offline sequences must leave free `now`."""
+        if not self._arrivals:  # no interactive arrival in the window (an offline batch)
+            return 0
         self._expire(now)
         return min(len(self._arrivals), math.floor(self.share * max_running))

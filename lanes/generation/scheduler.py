@@ -424,4 +424,6 @@ class Scheduler:
 
 def _padded(seqs: Sequence[Seq]) -> int:
     """Prefill tokens of joiners in one left-padded run."""
+    if not seqs:  # most plans
+        return 0
     return len(seqs) * max((len(s.prompt_ids) for s in seqs if not s.tokens), default=0)

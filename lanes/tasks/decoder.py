@@ -108,6 +108,9 @@ class Decoder:
         self._outputs = ["logits"] + [
             f"present.{i}.{kv}" for i in layers for kv in ("key", "value")
         ]
+        # Named once: a step's feeds are built every step.
+        self._keys = [f"past_key_values.{i}.key" for i in layers]
+        self._values = [f"past_key_values.{i}.value" for i in layers]
         self._slots = (
             SlotGraph(session, config, self._ids_dtype, self._past_dtype, self._outputs)
             if config.kv_layout == "slots"
@@ -155,9 +158,8 @@ class Decoder:
         if self._slots is not None:
             return self._slots.step(input_ids, attention_mask, past)
         feeds = self._feeds(input_ids, attention_mask, position_ids)
-        for i in range(self.config.num_layers):
-            feeds[f"past_key_values.{i}.key"] = past.keys[i]
-            feeds[f"past_key_values.{i}.value"] = past.values[i]
+        feeds.update(zip(self._keys, past.keys, strict=True))
+        feeds.update(zip(self._values, past.values, strict=True))
         logits, *present = self.session.run(self._outputs, feeds)
         return StepOutput(logits, Past(tuple(present[0::2]), tuple(present[1::2])))
 
@@ -200,8 +202,8 @@ class Decoder:
         binding = self.session.io_binding()
         bind_inputs(binding, self._feeds(input_ids, attention_mask, position_ids))
         for i in range(self.config.num_layers):
-            binding.bind_ortvalue_input(f"past_key_values.{i}.key", past.keys[i])
-            binding.bind_ortvalue_input(f"past_key_values.{i}.value", past.values[i])
+            binding.bind_ortvalue_input(self._keys[i], past.keys[i])
+            binding.bind_ortvalue_input(self._values[i], past.values[i])
         where = self.placement
         for name in self._outputs:
             binding.bind_output(name, where.device_type, where.device_id)
