@@ -318,6 +318,7 @@ async def run(args: argparse.Namespace) -> None:
             solo = Turns()
             without = {policy: Turns() for policy in urls if policy in args.policies}
             with_ = {policy: Turns() for policy in without}
+            slices: list[tuple[Turns, str, OfflineJob | None, float | None]]
             slices = [(solo, url, jobs["finish"], None)]
             slices += [(without[p], urls[p], None, rate) for p in without]
             slices += [(with_[p], urls[p], jobs[p], rate) for p in with_]

@@ -55,7 +55,7 @@ OFFLINE_PROMPT, OFFLINE_NEW, OFFLINE_QUEUED = 8, 48, 16
 WARM_S = 2.0  # figures count from here: past the cost models' warm-up
 
 Cost = Callable[[int, int], float]
-DEVICES: dict[str, tuple[Cost, Cost]] = {
+DEVICES: dict[str, tuple[Cost, Callable[[int], float]]] = {
     # (decode run of `rows` over a past `length` long, prefill of `tokens`)
     "cpu": (
         lambda rows, length: 0.0005 + 0.0002 * rows + 0.000002 * rows * length,

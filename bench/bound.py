@@ -20,6 +20,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,7 @@ def bench_session(name: str, session: Any, feeds: dict[str, Any], size: int, s: 
     placements = (None, Placement.of(session))
     want, got = (run(session, names, feeds, p) for p in placements)
     diff = max(float(np.max(np.abs(w - g), initial=0.0)) for w, g in zip(want, got, strict=True))
-    rates = [rate(lambda p=p: run(session, names, feeds, p), size, s) for p in placements]
+    rates = [rate(partial(run, session, names, feeds, p), size, s) for p in placements]
     return row(name, size, rates[0], rates[1], diff)
 
 

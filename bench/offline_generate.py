@@ -142,9 +142,11 @@ class Counted:
         slot_step = self.slot_step = SlotRun.__call__
         decode = self.runs["decode"]
 
-        def counted_slots(run: SlotRun, input_ids: Array, lengths: Array) -> Array:
+        def counted_slots(
+            run: SlotRun, input_ids: Array, lengths: Array, longest: int | None = None
+        ) -> Array:
             at = time.process_time()
-            out = slot_step(run, input_ids, lengths)
+            out = slot_step(run, input_ids, lengths, longest)
             decode.seconds += time.process_time() - at
             decode.runs, decode.rows = decode.runs + 1, decode.rows + run.rows
             decode.positions += int(lengths.sum()) + run.rows
@@ -152,7 +154,7 @@ class Counted:
             return out
 
         self.decoder.step = counted  # type: ignore[method-assign]
-        SlotRun.__call__ = counted_slots  # type: ignore[method-assign]
+        SlotRun.__call__ = counted_slots  # type: ignore[method-assign,assignment]
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -218,10 +220,11 @@ def slot_steps(
     at = np.asarray(lengths, dtype=np.int32)
     logits = prefilled.logits[:, -1]
     run = task.decoder.slot_run(Past(keys, values), rows)
+    longest = max(lengths)
     for _ in range(tokens - 1):
         ids = logits.argmax(axis=-1)[:, None]
-        logits = run(ids, at)[:, -1]
-        at = at + 1
+        logits = run(ids, at, longest)[:, -1]
+        at, longest = at + 1, longest + 1
 
 
 def serial(task: GenerateTask, texts: list[str], tokens: int) -> tuple[float, float]:

@@ -112,7 +112,7 @@ class Turns:
 def request_for(model: str) -> tuple[str, dict[str, object]]:
     if model == "minilm":
         return "/v1/embeddings", {"model": "minilm", "input": TEXT}
-    body = {
+    body: dict[str, object] = {
         "inputs": [{"name": "features", "shape": [1, 4], "datatype": "FP32", "data": FEATURES[0]}]
     }
     return "/v2/models/tiny/infer", body
