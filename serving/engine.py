@@ -72,7 +72,6 @@ from lanes.generation.scheduler import PREFILL_TOKENS, Policy
 from lanes.generation.seq import Event, Seq, StepPlan
 from lanes.generation.slots import Cache
 from lanes.generation.steer import Steer
-from lanes.generation.text import byte_pieces
 from lanes.serving.metrics import Metrics
 from lanes.serving.step_observer import StepObserver
 from lanes.serving.token_stream import TokenStream, completion
@@ -131,7 +130,7 @@ class Engine:
             max_prefill_tokens=declared or PREFILL_TOKENS,
             chunked=declared is not None or slo.ttft_ms is not None,
             clock=clock,
-            token_bytes=byte_pieces(self.decoder.tokenizer),
+            token_bytes=task.token_bytes,
         )
         self.loop = StepLoop(
             self.decoder, self.scheduler, self.name, max_padding, clock, keep_bytes

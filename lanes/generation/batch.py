@@ -52,8 +52,9 @@ def scheduler_for(
     token_bytes: Sequence[bytes] | None = None,
 ) -> Scheduler:
     """A scheduler for `decoder`'s eos, context and tokenizer, with `rows` in flight.
-    `token_bytes` (lanes/generation/text.py: `byte_pieces`): text token by token
-    without decode() calls, for a stream's text; building it walks the vocabulary."""
+    `token_bytes` (lanes/generation/text.py: `byte_pieces`): text without decode()
+    calls, a stream's token by token and a completion's at its finish; building it
+    walks the vocabulary, so a task keeps it (`GenerateTask.token_bytes`)."""
     config = decoder.config
     return Scheduler(
         rows,
@@ -105,13 +106,21 @@ def generate_batch(
     max_prefill_tokens: int = OFFLINE_PREFILL_TOKENS,
     max_padding: float = MAX_PADDING,
     chunked: bool = False,
+    token_bytes: Sequence[bytes] | None = None,
 ) -> list[Completion | Failed]:
     """One `Completion` per request, in the requests' order; a `Failed` (a `ModelError`
     saying why) for a request the model failed on alone. Never more than `rows`
     sequences in flight. Raises `ModelError` when a step fails outside any one row's
     run (no row is to blame, so the caller may retry the whole batch). With `chunked`,
-    prompts over `max_prefill_tokens` are prefilled in parts (see Scheduler)."""
-    scheduler = scheduler_for(decoder, rows, max_prefill_tokens=max_prefill_tokens, chunked=chunked)
+    prompts over `max_prefill_tokens` are prefilled in parts (see Scheduler).
+    `token_bytes`: see `scheduler_for` (`GenerateTask.token_bytes`)."""
+    scheduler = scheduler_for(
+        decoder,
+        rows,
+        max_prefill_tokens=max_prefill_tokens,
+        chunked=chunked,
+        token_bytes=token_bytes,
+    )
     # Nobody reads a completion's text before it is done: decoded once, at its finish.
     seqs = [seq_of(i, r, stream=False) for i, r in enumerate(requests)]
     # Stable: equal lengths keep their order, so a rerun batches the same way.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from pydantic import ValidationError
@@ -54,13 +55,13 @@ class GenerateRequest:
 
 
 def _generate_batch(
-    decoder: Decoder, requests: Sequence[GenerateRequest], rows: int, name: str
+    task: GenerateTask, requests: Sequence[GenerateRequest], rows: int
 ) -> list[Completion | Failed]:
     # lanes.generation sits on lanes.tasks.decoder, which imports this package's
     # __init__ (and so this module): imported when first used, the cycle never closes.
     from lanes.generation.batch import generate_batch
 
-    return generate_batch(decoder, requests, rows, name)
+    return generate_batch(task.decoder, requests, rows, task.name, token_bytes=task.token_bytes)
 
 
 class GenerateTask:
@@ -82,6 +83,14 @@ class GenerateTask:
         self.decoder = Decoder.load(model, runtime)
         # Whether the online engine prefills arrivals beside a decode (serving/engine.py).
         self.room_beside = runtime.room_beside(model)
+
+    @cached_property
+    def token_bytes(self) -> list[bytes] | None:
+        """Each token id's bytes where the tokenizer's decoder joins them (text made
+        without decode() calls, lanes/generation/text.py); walked once per task."""
+        from lanes.generation.text import byte_pieces  # see _generate_batch
+
+        return byte_pieces(self.decoder.tokenizer)
 
     def prepare(self, item: Any) -> GenerateRequest:
         """A prompt, or a dict of prompt and parameters (null means "the default"),
@@ -170,7 +179,7 @@ class GenerateTask:
         gets a `Failed` and every other request its output. Raises only when a step
         failed outside any one request's run."""
         outputs: list[Any] = []
-        for i, done in enumerate(_generate_batch(self.decoder, batch, self.rows, self.name)):
+        for i, done in enumerate(_generate_batch(self, batch, self.rows)):
             if isinstance(done, Failed):
                 outputs.append(done)
                 continue
@@ -183,7 +192,7 @@ class GenerateTask:
 
     def complete(self, request: GenerateRequest) -> Completion:
         """One request, without the handler."""
-        (done,) = _generate_batch(self.decoder, [request], 1, self.name)
+        (done,) = _generate_batch(self, [request], 1)
         if isinstance(done, Failed):
             raise done.error
         return done
