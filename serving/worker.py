@@ -40,15 +40,15 @@ from lanes.costmodel import CostModel
 from lanes.errors import LanesError, ModelError, Overloaded
 from lanes.isolation import Failed
 from lanes.serving.access import RequestRecord
+from lanes.serving.batch_observer import BatchObserver
 from lanes.serving.batch_run import Result, Stopped, answer, timed_run
-from lanes.serving.batching import LANES, Lane, LaneQueues, Pending, never_fits
+from lanes.serving.batching import Lane, LaneQueues, Pending, never_fits
 from lanes.serving.beside import Beside
-from lanes.serving.metrics import LaneSeries, Metrics, Utilization
+from lanes.serving.metrics import Metrics
 from lanes.serving.model_thread import ModelThread
 from lanes.serving.offline_runs import OfflineLane, OfflineRun
 from lanes.serving.residency import Presence, Residency, residency_of
 from lanes.serving.slo import Steering, padded_tokens
-from lanes.serving.tracing import batch_spans
 from lanes.spec import as_interactive
 from lanes.tasks import Task
 from lanes.tasks.session_slot import SlotSession
@@ -108,18 +108,6 @@ class BatchWorker:
         # interactive ones where an SLO steers them.
         self.cost = CostModel(clock=clock)
         self.steering = Steering(self.cost, p99_s, batching.max_batch_size, clock)
-        self._lane = {lane: LaneSeries.of(metrics, task.name, lane) for lane in LANES}
-        self._utilization = metrics.utilization.labels(task.name)
-        self.utilization = Utilization()
-        self._tracing = tracing
-        self._metrics = metrics
-        # Children looked up once: labels() per observation is measurable at c=1.
-        self._queue_wait = metrics.queue_wait.labels(task.name)
-        self._queue_depth = metrics.queue_depth.labels(task.name)
-        self._latency = metrics.request_latency.labels(task.name)
-        self._run_time = metrics.run_time.labels(task.name)
-        self._busy = metrics.busy_seconds.labels(task.name)
-        self._batch_size = metrics.batch_size.labels(task.name)
         self._thread = ModelThread(f"lanes-{task.name}")
         self._loop_task: asyncio.Task[None] | None = None
         self._item_cost_s: float | None = None  # running mean of run time per item
@@ -136,12 +124,13 @@ class BatchWorker:
             batching.preempt_offline,
             clock,
         )
+        self.observer = BatchObserver(task.name, metrics, self.cost, self.offline, clock, tracing)
         self._beside = (
             Beside(
                 task,
                 threads,
                 self.lanes,
-                self._lane["offline"],
+                self.observer.lanes["offline"],
                 clock,
                 self._active,
                 self.offline.takes_turns,
@@ -263,7 +252,7 @@ class BatchWorker:
             for pending in pendings:
                 pending.future.cancel()
             raise
-        self._latency.observe(self.clock() - arrived)
+        self.observer.answered(self.clock() - arrived)
         return outputs
 
     async def submit_offline(self, items: Sequence[Any]) -> list[Any]:
@@ -370,9 +359,7 @@ class BatchWorker:
             self.residency.touch()
 
     def _set_depths(self) -> None:
-        self._queue_depth.set(len(self.queue))
-        for lane, series in self._lane.items():
-            series.queue_depth.set(len(self.lanes.of(lane)))
+        self.observer.depths(self.lanes)
 
     def _runs_now(self, items: int) -> bool:
         """Whether a request may skip the queue: the model is free, nobody waits, and
@@ -469,7 +456,7 @@ class BatchWorker:
         if isinstance(error, Stopped):
             self.lanes.offline.give_back(batch)
             live = sum(1 for p in batch if p.live)
-            asyncio.get_running_loop().call_soon(self._record_stopped, live, start, end)
+            asyncio.get_running_loop().call_soon(self.observer.stopped, live, start, end)
             return
         outputs, error = answer(batch, start, result, error, self.name)
         # Accounted after the callers resume and send their answers (call_soon runs
@@ -479,47 +466,12 @@ class BatchWorker:
             run_s is not None and error is None and not any(isinstance(o, Failed) for o in outputs)
         )
         asyncio.get_running_loop().call_soon(
-            self._record, batch, lane, start, end, run_s if whole else None
+            self.observer.ran, batch, lane, start, end, run_s if whole else None
         )
 
-    def _record(
-        self, batch: list[Pending], lane: Lane, start: float, end: float, run_s: float | None
-    ) -> None:
-        """`run_s`: the whole run's own time (None when it failed or was split)."""
-        series = self._lane[lane]
-        tokens = padded_tokens([p.item for p in batch]) if run_s is not None else None
-        if lane == "interactive":
-            for pending in batch:
-                self._queue_wait.observe(start - pending.enqueued_at)
-            self._batch_size.observe(len(batch))
-            self.offline.interactive_ran(start, end, len(batch), tokens)
-        self.utilization.record(start, end)  # the gauge is set when /metrics is read
-        self._busy.inc(end - start)
-        series.busy.inc(end - start)
-        series.items.inc(len(batch))
-        if run_s is not None and tokens is not None:
-            self._run_time.observe(run_s)
-            self.cost.observe(len(batch), tokens, run_s)
-        if self._tracing is not None:
-            batch_spans(self._tracing, self.name, batch, start, end, run_s, self.clock)
-
-    def _record_stopped(self, given_back: int, start: float, end: float) -> None:
-        """A stopped offline run: device time spent, `given_back` items preempted."""
-        series = self._lane["offline"]
-        self.utilization.record(start, end)
-        self._busy.inc(end - start)
-        series.busy.inc(end - start)
-        series.preemptions.inc(given_back)
-
-    def busy_fraction(self) -> float:
-        """The model's busy share of the last 10 s, on the worker's clock."""
-        return self.utilization.fraction(self.clock())
-
     def refresh_gauges(self) -> None:
-        """The gauges read when /metrics is: utilization, and the cost model's fit
-        (refitted first if a run came since)."""
-        self._utilization.set(self.busy_fraction())
-        self._metrics.show_cost(self.name, self.cost.fit)
+        """The gauges read when /metrics is (`BatchObserver.refresh`)."""
+        self.observer.refresh()
 
     def runs_inline(self, items: int) -> bool:
         """Whether a batch of `items` would run on the event loop (see INLINE_RUN_S)."""

@@ -1,0 +1,99 @@
+"""What an embed or infer workload's batch worker (serving/worker.py) learns from its
+runs: its metrics, per lane too, the cost model, the busy fraction, and the spans.
+
+Everything here runs on the event loop, after the run's callers have their answers
+(the worker schedules it with call_soon), so a lone request never waits on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from lanes.costmodel import CostModel
+from lanes.serving.batching import LANES, Lane, LaneQueues, Pending
+from lanes.serving.metrics import LaneSeries, Metrics, Utilization
+from lanes.serving.offline_runs import OfflineLane
+from lanes.serving.slo import padded_tokens
+from lanes.serving.tracing import batch_spans
+from lanes.tracing import Tracing
+
+
+class BatchObserver:
+    """One workload's runs into its series, its lanes' series, its cost model, the
+    offline lane's view of the interactive one, and its spans (None: tracing is off)."""
+
+    def __init__(
+        self,
+        name: str,
+        metrics: Metrics,
+        cost: CostModel,
+        offline: OfflineLane,
+        clock: Callable[[], float],
+        tracing: Tracing | None,
+    ) -> None:
+        self.name = name
+        self.cost = cost
+        self.offline = offline
+        self.clock = clock
+        self.lanes = {lane: LaneSeries.of(metrics, name, lane) for lane in LANES}
+        self.utilization = Utilization()
+        self._metrics = metrics
+        self._tracing = tracing
+        # Children looked up once: labels() per observation is measurable at c=1.
+        self._utilization = metrics.utilization.labels(name)
+        self._queue_wait = metrics.queue_wait.labels(name)
+        self._queue_depth = metrics.queue_depth.labels(name)
+        self._latency = metrics.request_latency.labels(name)
+        self._run_time = metrics.run_time.labels(name)
+        self._busy = metrics.busy_seconds.labels(name)
+        self._batch_size = metrics.batch_size.labels(name)
+
+    def answered(self, seconds: float) -> None:
+        """A request's latency, from its arrival to its answer."""
+        self._latency.observe(seconds)
+
+    def depths(self, lanes: LaneQueues) -> None:
+        """The queues' depths, both lanes'."""
+        self._queue_depth.set(len(lanes.interactive))
+        for lane, series in self.lanes.items():
+            series.queue_depth.set(len(lanes.of(lane)))
+
+    def ran(
+        self, batch: list[Pending], lane: Lane, start: float, end: float, run_s: float | None
+    ) -> None:
+        """A run from `start` to `end`; `run_s`: the whole run's own time (None when it
+        failed or was split), which teaches the cost model."""
+        series = self.lanes[lane]
+        tokens = padded_tokens([p.item for p in batch]) if run_s is not None else None
+        if lane == "interactive":
+            for pending in batch:
+                self._queue_wait.observe(start - pending.enqueued_at)
+            self._batch_size.observe(len(batch))
+            self.offline.interactive_ran(start, end, len(batch), tokens)
+        self.utilization.record(start, end)  # the gauge is set when /metrics is read
+        self._busy.inc(end - start)
+        series.busy.inc(end - start)
+        series.items.inc(len(batch))
+        if run_s is not None and tokens is not None:
+            self._run_time.observe(run_s)
+            self.cost.observe(len(batch), tokens, run_s)
+        if self._tracing is not None:
+            batch_spans(self._tracing, self.name, batch, start, end, run_s, self.clock)
+
+    def stopped(self, given_back: int, start: float, end: float) -> None:
+        """A stopped offline run: device time spent, `given_back` items preempted."""
+        series = self.lanes["offline"]
+        self.utilization.record(start, end)
+        self._busy.inc(end - start)
+        series.busy.inc(end - start)
+        series.preemptions.inc(given_back)
+
+    def busy_fraction(self) -> float:
+        """The model's busy share of the last 10 s, on the worker's clock."""
+        return self.utilization.fraction(self.clock())
+
+    def refresh(self) -> None:
+        """The gauges read when /metrics is: utilization, and the cost model's fit
+        (refitted first if a run came since)."""
+        self._utilization.set(self.busy_fraction())
+        self._metrics.show_cost(self.name, self.cost.fit)
