@@ -299,6 +299,10 @@ class Engine:
     def _dispatch(self) -> None:
         with self._outbox_lock:
             events, self._outbox = self._outbox, []
+        if len(events) > 1:
+            # First tokens first: their streams' tasks then wake first, and write ahead
+            # of the rows' tokens, which no TTFT waits on (a stream's own order stays).
+            events.sort(key=_not_first)
         for event in events:
             stream = self._streams.get(event.seq_id)
             if stream is not None:
@@ -453,3 +457,7 @@ class Engine:
         if taken:
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
                 self._loop.call_soon_threadsafe(self._dispatch)
+
+
+def _not_first(event: Event) -> bool:
+    return not event.first
