@@ -117,6 +117,37 @@ def test_one_run_decodes_rows_of_any_length_as_each_alone(
             assert np.allclose(decoded.logits[i], out.logits[0, -1], atol=1e-4)
 
 
+def test_after_a_row_leaves_the_rest_decode_as_each_alone_into_the_same_logits_array(
+    slots: Decoder,
+) -> None:
+    """The first row leaves after a step: the last one takes its place, so the step's
+    rows are in another order than the buffers'. Each row's logits are still its own
+    alone, and the run of fewer rows writes them into the array the set's runs share
+    (one step's logits at a time, whatever its rows: not one array per row count)."""
+    rows = rows_of([3, 40, 11, 7])
+    cache = filled(slots, rows)
+    first = cache.decode(rows)
+    assert first.logits is not None
+    for i, row in enumerate(rows):
+        row.tokens.append(int(np.argmax(first.logits[i])))
+    cache.release({row.id for row in rows[1:]})
+    left = rows[1:]
+    decoded = cache.decode(left)
+    assert not decoded.failed and decoded.logits is not None
+    for i, row in enumerate(left):
+        ids = np.asarray([row.tokens], dtype=np.int64)
+        alone = slots.step(
+            ids, np.ones_like(ids), np.arange(ids.shape[1])[None], slots.empty_past(1)
+        )
+        assert np.allclose(decoded.logits[i], alone.logits[0, -1], atol=1e-4)
+    (held,) = [s for s in cache.sets if s.ids]
+    assert held.ids != [row.id for row in left], "the buffers' order is not the step's"
+    assert held.logits is not None
+    runs = held._runs
+    assert set(runs) == {4, 3}
+    assert all(np.shares_memory(run._logits, held.logits) for run in runs.values())
+
+
 def test_a_left_padded_prefill_reads_as_the_optimum_graphs(slots: Decoder, concat: Decoder) -> None:
     """`Decoder.step` on the slot graph takes the concat layout: left padding, a past."""
     prompts = [[5, 9, 11, 40], [7], [3, 3, 8]]

@@ -56,6 +56,8 @@ class Slots:
         self._shape = (c.num_heads, c.max_position, c.head_dim)
         self._layers = c.num_layers
         self.buffers: list[Array] = []  # keys then values, per layer
+        # The logits of every run below, whatever its rows: one step's at a time.
+        self.logits: Array | None = None
         # Bound to the buffers' first rows, by their count: rows join and leave most
         # steps, and the buffers stay until they grow.
         self._runs: dict[int, SlotRun] = {}
@@ -90,6 +92,7 @@ class Slots:
                 buffer[:old, :, :used] = self.buffers[i][:old, :, :used]
             grown.append(buffer)
         self.buffers = grown
+        self.logits = self.decoder.slot_logits(rows)
         self._runs = {}
 
     def release(self, keep: set[int]) -> None:
@@ -125,7 +128,7 @@ class Slots:
         rows = len(self.ids)
         run = self._runs.get(rows)
         if run is None:
-            run = self._runs[rows] = self.decoder.slot_run(self.past, rows)
+            run = self._runs[rows] = self.decoder.slot_run(self.past, rows, self.logits)
         ids = np.asarray(tokens, dtype=np.int64).reshape(rows, 1)
         lengths = self.lengths
         logits = run(ids, np.asarray(lengths, dtype=np.int32), max(lengths))

@@ -168,12 +168,20 @@ class Decoder:
         [rows, 1, vocab]."""
         return self.slot_run(past, rows)(input_ids, lengths)
 
-    def slot_run(self, past: Past, rows: int) -> SlotRun:
+    def slot_run(self, past: Past, rows: int, logits: Array | None = None) -> SlotRun:
         """The decode of a slot-layout graph bound to the first `rows` rows of `past`'s
-        buffers, to run once per step while they stay (see `SlotRun`)."""
+        buffers, to run once per step while they stay, its logits into the first rows
+        of `logits` where given (`slot_logits`; see `SlotRun`)."""
         if self._slots is None:
             raise ValueError("slot_run: this decoder keeps its cache concatenated, not in slots")
-        return self._slots.run(past, rows)
+        return self._slots.run(past, rows, logits)
+
+    def slot_logits(self, rows: int) -> Array | None:
+        """An array that slot runs of up to `rows` rows may share for their logits
+        (`SlotGraph.logits_for`)."""
+        if self._slots is None:
+            raise ValueError("slot_logits: this decoder keeps its cache concatenated, not in slots")
+        return self._slots.logits_for(rows)
 
     def empty_device_past(self, batch: int) -> DevicePast:
         """A past of no positions on the session's device, for a prefill."""

@@ -130,9 +130,18 @@ class SlotGraph:
                 ours[r, :, length + new - n :] = theirs[r, :, :n]
         return StepOutput(out_logits, out)
 
-    def run(self, past: Past, rows: int) -> SlotRun:
+    def run(self, past: Past, rows: int, logits: Array | None = None) -> SlotRun:
         """The decode bound to the first `rows` rows of `past`'s buffers (see `SlotRun`)."""
-        return SlotRun(self, past, rows)
+        return SlotRun(self, past, rows, logits)
+
+    def logits_for(self, rows: int) -> Array | None:
+        """An array for the logits of runs of up to `rows` rows, [rows, 1, vocab], that
+        a batch's runs share (`SlotRun`); None where the graph does not say its
+        vocabulary."""
+        if self.logits is None:
+            return None
+        dtype, vocab = self.logits
+        return np.empty((rows, 1, vocab), dtype=dtype)
 
 
 class SlotRun:
@@ -144,10 +153,14 @@ class SlotRun:
     the buffers costs a good part of a small model's step (bench/offline_generate.py
     shows it), so a batch keeps one `SlotRun` while its rows and buffers stay; each
     step writes the small inputs (ids, lengths) into arrays bound with them. The
-    logits come back in an array bound once too: a step's logits are valid until the
-    next step of the same run (a caller that keeps them longer copies them)."""
+    logits come back in an array bound once too (the first `rows` rows of `logits`,
+    `SlotGraph.logits_for`, which runs of other row counts may share, or one of its
+    own): a step's logits are valid until the next step of a run bound to the same
+    array (a caller that keeps them longer copies them)."""
 
-    def __init__(self, graph: SlotGraph, past: Past, rows: int) -> None:
+    def __init__(
+        self, graph: SlotGraph, past: Past, rows: int, logits: Array | None = None
+    ) -> None:
         self.session = graph.session
         self.rows = rows
         self._graph = graph
@@ -166,8 +179,15 @@ class SlotRun:
         if graph.logits is None:
             binding.bind_output("logits")
         else:
+            if logits is None:
+                logits = graph.logits_for(rows)
+            assert logits is not None
             dtype, vocab = graph.logits
-            self._logits = np.empty((rows, 1, vocab), dtype=dtype)
+            if logits.dtype != dtype or logits.shape[1:] != (1, vocab) or len(logits) < rows:
+                raise ValueError(f"slot logits must be {dtype} [>= {rows}, 1, {vocab}]")
+            if not logits.flags.c_contiguous:
+                raise ValueError("slot logits must be a C-contiguous array")
+            self._logits = logits[:rows]
             _bind_output(binding, "logits", self._logits)
         shape = [rows, *past.keys[0].shape[1:]]
         for i in range(graph.config.num_layers):
