@@ -130,7 +130,7 @@ class Engine:
             max_prefill_tokens=declared or PREFILL_TOKENS,
             chunked=declared is not None or slo.ttft_ms is not None,
             clock=clock,
-            token_bytes=task.token_bytes,
+            byte_text=task.byte_text,
         )
         self.loop = StepLoop(
             self.decoder, self.scheduler, self.name, max_padding, clock, keep_bytes

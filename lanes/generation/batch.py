@@ -22,7 +22,7 @@ from lanes.generation.kvcache import MAX_PADDING
 from lanes.generation.loop import StepLoop
 from lanes.generation.scheduler import PREFILL_TOKENS, Policy, Scheduler
 from lanes.generation.seq import Seq, SeqStatus
-from lanes.generation.text import Detokenize
+from lanes.generation.text import ByteText, Detokenize
 from lanes.isolation import Failed
 from lanes.tasks.decoder import Completion, Decoder
 
@@ -49,12 +49,12 @@ def scheduler_for(
     prefill_alone: bool = False,
     chunked: bool = False,
     clock: Callable[[], float] = time.monotonic,
-    token_bytes: Sequence[bytes] | None = None,
+    byte_text: ByteText | None = None,
 ) -> Scheduler:
     """A scheduler for `decoder`'s eos, context and tokenizer, with `rows` in flight.
-    `token_bytes` (lanes/generation/text.py: `byte_pieces`): text without decode()
-    calls, a stream's token by token and a completion's at its finish; building it
-    walks the vocabulary, so a task keeps it (`GenerateTask.token_bytes`)."""
+    `byte_text` (lanes/generation/text.py): text without decode() calls, a stream's
+    token by token and a completion's at its finish; building it walks the
+    vocabulary, so a task keeps one (`GenerateTask.byte_text`)."""
     config = decoder.config
     return Scheduler(
         rows,
@@ -66,7 +66,7 @@ def scheduler_for(
         prefill_alone=prefill_alone,
         chunked=chunked,
         clock=clock,
-        token_bytes=token_bytes,
+        byte_text=byte_text,
     )
 
 
@@ -106,20 +106,20 @@ def generate_batch(
     max_prefill_tokens: int = OFFLINE_PREFILL_TOKENS,
     max_padding: float = MAX_PADDING,
     chunked: bool = False,
-    token_bytes: Sequence[bytes] | None = None,
+    byte_text: ByteText | None = None,
 ) -> list[Completion | Failed]:
     """One `Completion` per request, in the requests' order; a `Failed` (a `ModelError`
     saying why) for a request the model failed on alone. Never more than `rows`
     sequences in flight. Raises `ModelError` when a step fails outside any one row's
     run (no row is to blame, so the caller may retry the whole batch). With `chunked`,
     prompts over `max_prefill_tokens` are prefilled in parts (see Scheduler).
-    `token_bytes`: see `scheduler_for` (`GenerateTask.token_bytes`)."""
+    `byte_text`: see `scheduler_for`."""
     scheduler = scheduler_for(
         decoder,
         rows,
         max_prefill_tokens=max_prefill_tokens,
         chunked=chunked,
-        token_bytes=token_bytes,
+        byte_text=byte_text,
     )
     # Nobody reads a completion's text before it is done: decoded once, at its finish.
     seqs = [seq_of(i, r, stream=False) for i, r in enumerate(requests)]

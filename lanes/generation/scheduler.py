@@ -100,14 +100,14 @@ class Scheduler:
         chunked: bool = False,
         reserve: Reserve | None = None,
         clock: Callable[[], float] = time.monotonic,
-        token_bytes: Sequence[bytes] | None = None,
+        byte_text: ByteText | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, found {policy!r}")
         self.policy: Policy = policy
         self.max_running = 1 if policy == "serial" else max_running
-        # With the tokens' bytes (text.byte_pieces), text needs no decode() call.
-        text = WindowText(detokenize) if token_bytes is None else ByteText(token_bytes)
+        # With the tokens' bytes (text.ByteText), text needs no decode() call.
+        text = WindowText(detokenize) if byte_text is None else byte_text
         self.advance = Advance(eos_token_ids, text, max_position, self._finish)
         self.max_prefill_tokens = max_prefill_tokens
         # Rows past max_running that waiting interactive sequences may take at the next

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -28,6 +28,9 @@ from lanes.tasks.decoder import Completion, Decoder
 from lanes.tasks.handler import NO_HANDLER, Handler
 from lanes.tasks.sampling import SamplingParams
 from lanes.validation import describe, invalid_input
+
+if TYPE_CHECKING:
+    from lanes.generation.text import ByteText
 
 # Request field -> Generation field; the request uses OpenAI's spelling.
 _FIELDS = {
@@ -61,7 +64,7 @@ def _generate_batch(
     # __init__ (and so this module): imported when first used, the cycle never closes.
     from lanes.generation.batch import generate_batch
 
-    return generate_batch(task.decoder, requests, rows, task.name, token_bytes=task.token_bytes)
+    return generate_batch(task.decoder, requests, rows, task.name, byte_text=task.byte_text)
 
 
 class GenerateTask:
@@ -85,12 +88,14 @@ class GenerateTask:
         self.room_beside = runtime.room_beside(model)
 
     @cached_property
-    def token_bytes(self) -> list[bytes] | None:
-        """Each token id's bytes where the tokenizer's decoder joins them (text made
-        without decode() calls, lanes/generation/text.py); walked once per task."""
-        from lanes.generation.text import byte_pieces  # see _generate_batch
+    def byte_text(self) -> ByteText | None:
+        """Text from the tokens' bytes where the tokenizer's decoder joins them (no
+        decode() calls, lanes/generation/text.py), for the task's engine and offline
+        batches alike: it walks the vocabulary once; None for other decoders."""
+        from lanes.generation.text import ByteText, byte_pieces  # see _generate_batch
 
-        return byte_pieces(self.decoder.tokenizer)
+        pieces = byte_pieces(self.decoder.tokenizer)
+        return None if pieces is None else ByteText(pieces)
 
     def prepare(self, item: Any) -> GenerateRequest:
         """A prompt, or a dict of prompt and parameters (null means "the default"),
