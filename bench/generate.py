@@ -475,11 +475,10 @@ def raw_tokens_per_s(task: GenerateTask, batch: int, past_len: int, seconds: flo
         buffer = (batch, c.num_heads, c.max_position, c.head_dim)
         keys = tuple(rng.standard_normal(buffer, dtype=np.float32) for _ in range(c.num_layers))
         values = tuple(k.copy() for k in keys)
-        lengths = np.full(batch, min(past_len, c.max_position - 1), dtype=np.int32)
+        lengths = [min(past_len, c.max_position - 1)] * batch
         tokens = np.ones((batch, 1), dtype=np.int64)
         run = decoder.slot_run(Past(keys, values), batch)
-        longest = int(lengths.max())
-        return _tokens_per_s(lambda: run(tokens, lengths, longest), batch, seconds)
+        return _tokens_per_s(lambda: run(tokens, lengths), batch, seconds)
     shape = (batch, c.num_heads, past_len, c.head_dim)
     keys = tuple(rng.standard_normal(shape, dtype=np.float32) for _ in range(c.num_layers))
     past = Past(keys, keys)

@@ -142,15 +142,13 @@ class Counted:
         slot_step = self.slot_step = SlotRun.__call__
         decode = self.runs["decode"]
 
-        def counted_slots(
-            run: SlotRun, input_ids: Array, lengths: Array, longest: int | None = None
-        ) -> Array:
+        def counted_slots(run: SlotRun, input_ids: Array, lengths: list[int]) -> Array:
             at = time.process_time()
-            out = slot_step(run, input_ids, lengths, longest)
+            out = slot_step(run, input_ids, lengths)
             decode.seconds += time.process_time() - at
             decode.runs, decode.rows = decode.runs + 1, decode.rows + run.rows
-            decode.positions += int(lengths.sum()) + run.rows
-            decode.real += int(lengths.sum()) + run.rows
+            decode.positions += sum(lengths) + run.rows
+            decode.real += sum(lengths) + run.rows
             return out
 
         self.decoder.step = counted  # type: ignore[method-assign]
@@ -217,14 +215,13 @@ def slot_steps(
     for j, n in enumerate(lengths):
         for ours, theirs in zip((*keys, *values), (*present.keys, *present.values), strict=True):
             ours[j, :, :n] = theirs[j, :, mask.shape[1] - n :]
-    at = np.asarray(lengths, dtype=np.int32)
+    at = list(lengths)
     logits = prefilled.logits[:, -1]
     run = task.decoder.slot_run(Past(keys, values), rows)
-    longest = max(lengths)
     for _ in range(tokens - 1):
         ids = logits.argmax(axis=-1)[:, None]
-        logits = run(ids, at, longest)[:, -1]
-        at, longest = at + 1, longest + 1
+        logits = run(ids, at)[:, -1]
+        at = [n + 1 for n in at]
 
 
 def serial(task: GenerateTask, texts: list[str], tokens: int) -> tuple[float, float]:

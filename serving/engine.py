@@ -432,7 +432,7 @@ class Engine:
         self.observer.planned(plan, self._waiting, offline)
 
     def _report(self) -> None:
-        """The steps run and not reported yet: into the metrics (`_observe`), then
+        """The steps run and not reported yet: into the metrics (`StepObserver.observe`), then
         their events (those not handed out already) to their streams."""
         with self._reporting:
             with self._lock:

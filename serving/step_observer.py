@@ -10,7 +10,6 @@ thread (the next plan's bounds) and by /metrics, under this object's lock.
 from __future__ import annotations
 
 import threading
-import time
 
 from lanes.costmodel import Fit
 from lanes.generation.loop import Step
@@ -119,7 +118,7 @@ class StepObserver:
                 m.finished(event.finish)
         m.generated.inc(made)
         with self._lock:
-            self.rate.record(time.monotonic(), made)
+            self.rate.record(step.end, made)  # on the engine's clock, as `refresh` reads it
         if not step.beside:  # else its time is within the step in flight's
             busy = step.end - step.start
             with self._lock:

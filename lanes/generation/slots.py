@@ -130,9 +130,8 @@ class Slots:
         if run is None:
             run = self._runs[rows] = self.decoder.slot_run(self.past, rows, self.logits)
         ids = np.asarray(tokens, dtype=np.int64).reshape(rows, 1)
-        lengths = self.lengths
-        logits = run(ids, np.asarray(lengths, dtype=np.int32), max(lengths))
-        self.lengths = [n + 1 for n in lengths]
+        logits = run(ids, self.lengths)
+        self.lengths = [n + 1 for n in self.lengths]
         return logits[:, -1]
 
     def decode_apart(
@@ -149,7 +148,7 @@ class Slots:
             copies = [np.ascontiguousarray(b[index]) for b in self.buffers]
             n = self._layers
             ids = np.asarray([tokens[r] for r in part], dtype=np.int64).reshape(-1, 1)
-            lengths = np.asarray([self.lengths[r] for r in part], dtype=np.int32)
+            lengths = [self.lengths[r] for r in part]
             past = Past(tuple(copies[:n]), tuple(copies[n:]))
             return self.decoder.step_slots(ids, lengths, past, len(part))[:, -1], copies
 

@@ -163,7 +163,7 @@ class Decoder:
         logits, *present = self.session.run(self._outputs, feeds)
         return StepOutput(logits, Past(tuple(present[0::2]), tuple(present[1::2])))
 
-    def step_slots(self, input_ids: Array, lengths: Array, past: Past, rows: int) -> Array:
+    def step_slots(self, input_ids: Array, lengths: list[int], past: Past, rows: int) -> Array:
         """One decode step of a slot-layout graph in place (see `SlotRun`): the logits
         [rows, 1, vocab]."""
         return self.slot_run(past, rows)(input_ids, lengths)

@@ -199,17 +199,18 @@ class SlotRun:
                 binding.bind_output(f"present.{i}.{kind}", "cpu", 0, buffer.dtype, shape, at)
         self._binding = binding
 
-    def __call__(self, input_ids: Array, lengths: Array, longest: int | None = None) -> Array:
-        """`longest`: `lengths.max()`, where the caller knows it (numpy's max of a few
-        numbers costs more Python than the rest of this call)."""
+    def __call__(self, input_ids: Array, lengths: list[int]) -> Array:
+        """`lengths`: a list, whose max is a builtin's (numpy's, of a few numbers, costs
+        more Python than the rest of this call)."""
         binding, graph = self._binding, self._graph
         self._ids[...] = input_ids
         if self._lengths is not None:  # each row's new position is its count so far
             seqlens, total = self._lengths
             seqlens[...] = lengths
-            total[...] = (int(lengths.max()) if longest is None else longest) + 1
+            total[...] = max(lengths) + 1
         else:
-            for name, array in graph.lengths(lengths, np.ones_like(lengths)).items():
+            held = np.asarray(lengths)
+            for name, array in graph.lengths(held, np.ones_like(held)).items():
                 binding.bind_cpu_input(name, array)
         self.session.run_with_iobinding(binding)
         if self._logits is None:
