@@ -78,6 +78,7 @@ IdleSeconds = Annotated[float, Field(gt=0, le=30 * 86_400)]  # at most 30 days
 LocalPath = Annotated[Path, AfterValidator(_local_path)]
 Location = Annotated[str, Field(min_length=1), AfterValidator(_path_text)]
 HandlerRef = Annotated[str, Field(pattern=HANDLER_PATTERN, max_length=200)]
+StopString = Annotated[str, Field(min_length=1)]
 
 
 class StrictModel(BaseModel):
@@ -197,7 +198,12 @@ class Generation(StrictModel):
     temperature: NonNegativeFloat = Field(1.0, le=10, description="0 means greedy.")
     top_k: int = Field(0, ge=0, le=1_048_576, description="0 means no top-k cut.")
     top_p: float = Field(1.0, ge=0, le=1, description="0 keeps only the likeliest token.")
-    stop: list[str] = Field(default_factory=list, description="Strings that end a completion.")
+    # An empty string would end every completion before its first character. Each
+    # stop string is looked for at every token of its sequence, so a list without
+    # bound would slow the batch it shares (OpenAI takes 4; vLLM, any number).
+    stop: list[StopString] = Field(
+        default_factory=list, max_length=16, description="Strings that end a completion."
+    )
 
 
 class Guard(StrictModel):

@@ -101,6 +101,9 @@ def _one(param: str, errors: list[ErrorDetails]) -> InvalidInput:
     if kind == "too_long":
         detail = f"expected at most {ctx.get('max_length')} items, found {ctx.get('actual_length')}"
         return InvalidInput.field(param, detail, "array_above_max_length")
+    if kind == "string_too_short":
+        detail = f"expected at least {ctx.get('min_length')} character(s), found {found}"
+        return InvalidInput.field(param, detail, "string_below_min_length")
     if kind == "string_too_long":
         detail = f"expected at most {ctx.get('max_length')} characters"
         return InvalidInput.field(param, detail, "string_above_max_length")

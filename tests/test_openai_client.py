@@ -330,6 +330,9 @@ REJECTED: list[tuple[str, dict[str, Any], str, str | None]] = [
         "invalid_value",
     ),
     ("/v1/completions", {"model": "code-complete"}, "prompt", "missing_required_parameter"),
+    # An empty stop string would cut every text before its first character.
+    ("/v1/completions", {**PROMPT_BODY, "stop": ["\n", ""]}, "stop[1]", "string_below_min_length"),
+    ("/v1/completions", {**PROMPT_BODY, "stop": ["x"] * 17}, "stop", "array_above_max_length"),
     ("/v1/chat/completions", {**CHAT_BODY, "logprobs": True}, "logprobs", "unsupported_value"),
     ("/v1/chat/completions", {**CHAT_BODY, "top_logprobs": 2}, "top_logprobs", "unsupported_value"),
     (
@@ -362,6 +365,18 @@ REJECTED: list[tuple[str, dict[str, Any], str, str | None]] = [
         {**CHAT_BODY, "messages": [*CHAT, {"role": "user", "content": 5}]},
         "messages[1].content",
         "invalid_type",
+    ),
+    (
+        "/v1/chat/completions",
+        {**CHAT_BODY, "messages": [*CHAT, {"role": "user"}]},
+        "messages[1].content",
+        "missing_required_parameter",
+    ),
+    (
+        "/v1/chat/completions",
+        {**CHAT_BODY, "messages": [{"role": "system", "content": []}, *CHAT]},
+        "messages[0].content",
+        "empty_array",
     ),
     (
         "/v1/chat/completions",

@@ -187,6 +187,14 @@ class ChatCompletionRequest(GenerateParams):
                     name, f'with no tools, only "none" or "auto", found {describe(choice)}'
                 )
         for i, message in enumerate(self.messages):
+            # As OpenAI: only an assistant's turn may come without content (its tool
+            # calls, which lanes does not make, would be its content).
+            if message.role != "assistant" and message.content in (None, []):
+                code = "missing_required_parameter" if message.content is None else "empty_array"
+                detail = (
+                    f"a {message.role} message needs content, found {describe(message.content)}"
+                )
+                raise InvalidInput.field(f"messages[{i}].content", detail, code)
             for j, part in enumerate(message.content if isinstance(message.content, list) else []):
                 where = f"messages[{i}].content[{j}]"
                 if part.type != "text":
