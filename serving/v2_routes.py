@@ -101,6 +101,9 @@ async def _infer(
         _check_datatypes(task, body)
     worker.admit(1, timeout)
     item = await state.offload.run(size, task.prepare, call.inputs)
+    # Rows are inputs, as an embed request's texts are: one request may not make a
+    # model run of any size.
+    check_inputs(item.rows, state.settings.max_inputs_per_request, "inputs")
     [result] = await worker.submit([item], timeout, record)
     outputs = result_arrays(result)
     body.check_outputs(outputs, task.name)
@@ -130,8 +133,18 @@ async def _embed(
 ) -> dict[str, Array]:
     body = call.request
     body.check_outputs(["embedding"], worker.name)
+    (text,) = EMBED_INPUTS
     if len(body.inputs) != 1 or body.inputs[0].datatype != "BYTES":
-        raise InvalidInput("inputs: an embed workload takes one BYTES tensor of texts")
+        raise InvalidInput(
+            f"inputs: an embed workload takes one BYTES tensor of texts, {text['name']!r}"
+        )
+    if body.inputs[0].name != text["name"]:
+        # As Triton: the name its metadata gives, so a client sending another tensor
+        # by mistake hears so instead of having it embedded.
+        raise InvalidInput(
+            f"inputs[0].name: expected {text['name']!r} (the model's metadata), "
+            f"found {body.inputs[0].name!r}"
+        )
     texts = call.inputs[body.inputs[0].name].reshape(-1)
     if texts.size == 0:
         raise InvalidInput.field("inputs[0]", "expected at least one text, found none")

@@ -294,6 +294,36 @@ BAD_REQUESTS: list[tuple[str, str, object, int]] = [
         {"inputs": [{"name": "text", "shape": [1], "datatype": "FP32", "data": [1]}]},
         400,
     ),
+    (
+        "POST",
+        "/v2/models/search-query/infer",
+        {"inputs": [{"name": "texts", "shape": [1], "datatype": "BYTES", "data": ["a"]}]},
+        400,
+    ),
+    # JSON has no NaN: null, or a number beyond FP16's range, is no FP16 value.
+    *(
+        (
+            "POST",
+            "/v2/models/flower-labels/infer",  # its handler's pre takes any float type
+            {"inputs": [{"name": "features", "shape": [1, 4], "datatype": d, "data": data}]},
+            400,
+        )
+        for d, data in (
+            ("FP32", [None, 1, 2, 3]),
+            ("FP32", [1e39, 1, 2, 3]),
+            ("FP16", [7e4, 1, 2, 3]),
+        )
+    ),
+    (
+        "POST",
+        "/v2/models/flowers/infer",  # rows are inputs: over LANES_MAX_INPUTS_PER_REQUEST
+        {
+            "inputs": [
+                {"name": "features", "shape": [2049, 4], "datatype": "FP32", "data": [0.5] * 8196}
+            ]
+        },
+        413,
+    ),
     ("GET", "/v2/models/ghost", None, 404),
     ("GET", "/nowhere", None, 404),
 ]

@@ -256,11 +256,21 @@ def to_array(tensor: Tensor, binary: memoryview | None = None) -> Array:
     if binary is not None:
         return _from_binary(tensor, binary, count).reshape(tensor.shape)
     try:
-        array = np.asarray(tensor.data, dtype=dtype)
+        with np.errstate(over="ignore", invalid="ignore"):  # checked below
+            array = np.asarray(tensor.data, dtype=dtype)
     except (ValueError, TypeError, OverflowError):
         raise InvalidInput(f"{where}.data: expected {tensor.datatype} values") from None
-    if dtype is not object and array.dtype.kind in "iu" and not _ints(tensor.data or []):
-        raise InvalidInput(f"{where}.data: expected integers for {tensor.datatype}")
+    kind = array.dtype.kind
+    if kind in "iub" and not _all_of(tensor.data, bool if kind == "b" else int):
+        wanted = "true or false" if kind == "b" else "integers"
+        raise InvalidInput(f"{where}.data: expected {wanted} for {tensor.datatype}")
+    # JSON has no NaN or infinity: a float that is not finite was null, or a number
+    # beyond the datatype's range.
+    if kind == "f" and not np.isfinite(array).all():
+        raise InvalidInput(
+            f"{where}.data: expected {tensor.datatype} numbers, found null or a number "
+            f"beyond {tensor.datatype}'s range"
+        )
     if array.size != count:
         raise InvalidInput(
             f"{where}: shape {tensor.shape} needs {count} values, found {array.size}"
@@ -268,8 +278,11 @@ def to_array(tensor: Tensor, binary: memoryview | None = None) -> Array:
     return array.reshape(tensor.shape)
 
 
-def _ints(data: list[Any]) -> bool:
-    flat = np.asarray(data, dtype=object).reshape(-1)
+def _all_of(data: list[Any] | None, kind: type[int] | type[bool]) -> bool:
+    """Whether every element of `data` is an int (not a bool), or a bool."""
+    flat = np.asarray(data or [], dtype=object).reshape(-1)
+    if kind is bool:
+        return all(isinstance(v, bool | np.bool_) for v in flat)
     return all(isinstance(v, int | np.integer) and not isinstance(v, bool) for v in flat)
 
 
