@@ -79,6 +79,11 @@ def _one(param: str, errors: list[ErrorDetails]) -> InvalidInput:
     found = describe(first.get("input"))
     ctx: dict[str, Any] = dict(first.get("ctx") or {})
     expected = [_EXPECTED[e["type"]] for e in errors if e["type"] in _EXPECTED]
+    value = first.get("input")
+    if kind in ("int_type", "int_from_float") and _beyond_int64(value):
+        # JSON's parser reads an integer beyond 64 bits as a float: it was too large.
+        detail = f"expected an integer of at most 64 bits, found {found}"
+        return InvalidInput.field(param, detail, "integer_above_max_value")
     if kind in _EXPECTED:
         wanted = " or ".join(dict.fromkeys(expected))
         return InvalidInput.field(param, f"expected {wanted}, found {found}", "invalid_type")
@@ -115,6 +120,10 @@ def _one(param: str, errors: list[ErrorDetails]) -> InvalidInput:
     # A PydanticCustomError of lanes' own: its type is the code, its message the detail.
     message = first["msg"]
     return InvalidInput.field(param, message[:1].lower() + message[1:], kind)
+
+
+def _beyond_int64(value: Any) -> bool:
+    return isinstance(value, float) and value.is_integer() and abs(value) >= 2**63
 
 
 def describe(value: Any) -> str:

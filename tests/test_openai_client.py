@@ -330,6 +330,14 @@ REJECTED: list[tuple[str, dict[str, Any], str, str | None]] = [
         "invalid_value",
     ),
     ("/v1/completions", {"model": "code-complete"}, "prompt", "missing_required_parameter"),
+    # JSON's parser reads an integer beyond 64 bits as a float.
+    ("/v1/completions", {**PROMPT_BODY, "seed": 2**64}, "seed", "integer_above_max_value"),
+    (
+        "/v1/completions",
+        {**PROMPT_BODY, "max_tokens": 2**70},
+        "max_tokens",
+        "integer_above_max_value",
+    ),
     # An empty stop string would cut every text before its first character.
     ("/v1/completions", {**PROMPT_BODY, "stop": ["\n", ""]}, "stop[1]", "string_below_min_length"),
     ("/v1/completions", {**PROMPT_BODY, "stop": ["x"] * 17}, "stop", "array_above_max_length"),
