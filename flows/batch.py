@@ -41,7 +41,7 @@ from prefect.states import Completed
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 from lanes.backfill import served_workload
-from lanes.errors import JobFailed
+from lanes.errors import JobFailed, LanesError
 from lanes.flows import FLOW_NAME
 from lanes.flows.endpoint import EndpointModel, batch_key
 from lanes.flows.job import Job, Lane, plan_job, plan_shards
@@ -132,7 +132,13 @@ def _start_later(job: Job, settings: Settings) -> State[dict[str, Any]] | None:
     storage = Storage(settings)
     now = datetime.now(UTC)
     measure = calibration(job, settings, storage, lambda: _model(job, settings))
-    plan = plan_run(job, settings, storage, now, Measurements(settings.home).load(), measure)
+    try:
+        plan = plan_run(job, settings, storage, now, Measurements(settings.home).load(), measure)
+    except LanesError as err:
+        # An input that cannot be counted (a corrupt file) fails its own shard when it
+        # runs; the others are not held back for it.
+        log.warning("%s: cannot plan the start, starting now: %s", job.workload, err)
+        return None
     at = deferred_until(plan, now)
     if at is None:
         if plan.fits:
@@ -213,7 +219,8 @@ def run_job(
     )
     uri = write_manifest(storage, manifest)
     log.info("manifest %s", uri)
-    _record_throughput(measurements, job, manifest, uri)
+    if not failures:  # a failed shard's retries are in the wall time, not its items
+        _record_throughput(measurements, job, manifest, uri)
     if failures:
         listed = "; ".join(f"{f.input}: {f.error}" for f in failures)
         raise JobFailed(

@@ -92,11 +92,15 @@ def count_records(storage: Storage, shard: StoredFile) -> int:
     (a bad one counts: it is an errors-file line), a Parquet file's rows from its
     footer; other formats are read."""
     if shard.name.endswith(PARQUET):
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
         if is_s3(shard.uri):
             return sum(1 for _ in _parquet(storage, shard))
-        return int(pq.ParquetFile(shard.uri).metadata.num_rows)
+        try:
+            return int(pq.ParquetFile(shard.uri).metadata.num_rows)
+        except (pa.ArrowException, OSError) as err:
+            raise StorageError(f"{shard.uri}: not a readable Parquet file: {err}") from None
     if shard.name.endswith(CSV) or shard.name.endswith(JSON) or shard.name.endswith(".gz"):
         return sum(1 for _ in read_shard(storage, shard, max_bytes=2**62))
     count = 0

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from lanes.deadline import MARGIN, STARTUP_S, deadline_after, opening, plan_start, window_at
-from lanes.errors import SpecError
+from lanes.errors import JobFailed, SpecError, StorageError
 from lanes.flows.batch import offline
 from lanes.flows.job import Job, model_key, settle_job
 from lanes.flows.sample import SAMPLE_BATCHES, SAMPLE_SOURCE
@@ -297,6 +297,23 @@ def test_lanes_plan_shows_the_start_from_the_last_runs_rate(
 
     bad = lanes("plan", str(spec_file), "--at", "tonight", home=home)
     assert bad.returncode == 2 and "--at: expected an ISO time" in bad.stderr
+
+
+def test_a_run_with_a_failed_shard_records_no_rate_and_a_corrupt_file_plans_no_start(
+    prefect_api: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The failed shard's retries are in the run's wall time but not its items: its
+    rate would price the model many times over."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("LANES_HOME", str(home))
+    spec_file, job = project(tmp_path, 8)
+    (tmp_path / "in" / "c.parquet").write_bytes(b"not a parquet file")
+    with pytest.raises(JobFailed, match=r"c\.parquet"):
+        offline(workload="corpus", spec=str(spec_file))
+    assert Measurements(home).load() == []
+    # A file whose records cannot be counted: the plan says which, as for bad JSONL.
+    with pytest.raises(StorageError, match=r"c\.parquet: not a readable Parquet file"):
+        plan_run(job, Settings(), Storage(Settings()), OPENS, [rate(job, 1.0)])
 
 
 def test_without_history_plan_calibrates_on_a_sample_of_the_input_first(tmp_path: Path) -> None:
