@@ -4,7 +4,7 @@
     ├── SpecError                  workloads.yaml (or an override) is wrong; holds every Problem
     │   └── SettingsError          a LANES_* setting is wrong (a bad value, JSON that is not)
     ├── ModelError                 a model does not fit its task, or failed on an input alone
-    ├── HandlerError               a workload's `handler: module:attr` cannot be imported
+    ├── HandlerError               a workload's `handler: module:attr` cannot be imported, or its post failed
     ├── InvalidInput               a request or record does not fit the workload (HTTP 400)
     │   └── RequestTooLarge        the request can never fit: body or item count (HTTP 413)
     ├── UnknownWorkload            no workload of that name (HTTP 404)
@@ -106,7 +106,8 @@ class ModelError(LanesError):
 
 
 class HandlerError(LanesError):
-    """A workload's handler cannot be imported or lacks what it must have."""
+    """A workload's handler cannot be imported, lacks what it must have, or its `post`
+    failed on an output."""
 
 
 class InvalidInput(LanesError):

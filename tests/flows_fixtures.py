@@ -268,11 +268,11 @@ prompt_held_from_shard_3 = _PromptHeldFromShard3()
 
 
 class _Broken:
-    """A handler whose `post` always fails: a model that is broken, not bad data."""
+    """A handler whose `post` always fails: code that is broken, not bad data."""
 
     @staticmethod
     def post(output: Any) -> Any:
-        raise RuntimeError("the model is broken")
+        raise RuntimeError("the post is broken")
 
 
 broken = _Broken()

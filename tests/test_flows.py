@@ -321,7 +321,7 @@ def test_sigkill_mid_job_then_rerun_gives_every_id_exactly_once(
     assert errors_of(tmp_path / "out") == []
 
 
-def test_a_broken_model_fails_its_shards_but_not_the_others(
+def test_a_broken_handler_fails_its_shards_but_not_the_others(
     prefect_api: str, tmp_path: Path
 ) -> None:
     spec = write_spec(
@@ -332,12 +332,13 @@ def test_a_broken_model_fails_its_shards_but_not_the_others(
         },
     )
     write_jsonl(tmp_path / "in" / "a.jsonl", [{"id": i, "x": [[i, 0, 0, 0]]} for i in range(3)])
-    with pytest.raises(JobFailed, match=r"1 of 1 shards failed .* the model is broken"):
+    with pytest.raises(JobFailed, match=r"1 of 1 shards failed .* the post is broken"):
         offline(workload="bad", spec=str(spec))
     manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
-    assert (
-        manifest["shards_failed"] == 1 and "the model is broken" in manifest["failures"][0]["error"]
-    )
+    error = manifest["failures"][0]["error"]
+    assert manifest["shards_failed"] == 1 and "the post is broken" in error
+    # The handler is named, not the model: its output was fine.
+    assert "handler tests.flows_fixtures:broken: post failed" in error
     assert not (tmp_path / "out" / "_committed" / "a.json").exists()
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lanes.errors import HandlerError, InvalidInput
+from lanes.errors import HandlerError, InvalidInput, LanesError
 from lanes.imports import import_object
 
 # A pre that raises one of these is rejecting the input (HTTP 400), not crashing.
@@ -46,8 +46,19 @@ class Handler:
             raise InvalidInput(f"handler {self.ref} rejected the input: {err}") from err
 
     def after(self, output: Any) -> Any:
-        """`post(output)`, or the output itself."""
-        return output if self.post is None else self.post(output)
+        """`post(output)`, or the output itself. What `post` raises becomes a
+        `HandlerError` naming the handler: the model did its part."""
+        if self.post is None:
+            return output
+        try:
+            return self.post(output)
+        except LanesError:
+            raise
+        except Exception as err:
+            raise HandlerError(
+                f"handler {self.ref}: post failed on this output ({type(err).__name__}: "
+                f"{err}); the model's output is fine: fix the handler"
+            ) from err
 
 
 NO_HANDLER = Handler("", None, None)
