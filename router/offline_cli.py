@@ -8,6 +8,7 @@ traceback (router.cli's `_guarded`).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -161,6 +162,10 @@ def run(
     if retry_errors and force:
         _guarded(_both_reruns)
     rerun: Rerun = "all" if force else "errors" if retry_errors else "uncommitted"
+
+    # The embedded server would try to send Prefect telemetry from a machine that may
+    # have no way out, and log each failure as an error (the user's choice stands).
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
     def go() -> dict[str, Any]:
         _check_prefect_api()

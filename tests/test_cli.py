@@ -148,6 +148,12 @@ def one_line_error(done: subprocess.CompletedProcess[str] | Result) -> str:
     ("variable", "value", "expected"),
     [
         ("LANES_PORT", "eighty", "env LANES_PORT: input should be a valid integer"),
+        # $inf per 1k items, and --json's Infinity is no JSON.
+        (
+            "LANES_PRICE_PER_DEVICE_HOUR",
+            "inf",
+            "env LANES_PRICE_PER_DEVICE_HOUR: input should be a finite number",
+        ),
         ("LANES_OFFPEAK__CRON", "* * 31 2 *", "env LANES_OFFPEAK__CRON: '* * 31 2 *' never fires"),
         ("LANES_ALLOWED_INPUT_ROOTS", "/data/", "env LANES_ALLOWED_INPUT_ROOTS: expected JSON"),
     ],
