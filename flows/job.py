@@ -19,7 +19,7 @@ import orjson
 from lanes.errors import StorageError, WrongMode
 from lanes.flows.records import FORMATS, is_known, output_name
 from lanes.flows.shard import ShardPlan
-from lanes.inputs import check_input
+from lanes.inputs import check_input, output_inside_input
 from lanes.layout import ERRORS, MARKERS
 from lanes.settings import Settings
 from lanes.spec import Fields, OfflineWorkload, Runner, Spec, Workload, in_offline_lane
@@ -96,7 +96,7 @@ def settle_job(
         own = w.input if declared.mode == "offline" else join(settings.batch_store(), "batches")
         check_input(source, own, base, settings)
     dest = _resolve(output or w.output, base, "output")
-    if dest.rstrip("/") == source.rstrip("/") or dest.startswith(source.rstrip("/") + "/"):
+    if output_inside_input(dest, source, base):
         raise StorageError(
             f"output {dest} is inside input {source}: outputs would be read as inputs on "
             "the next run; choose an output folder outside the input"

@@ -88,6 +88,12 @@ def check_input(
     )
 
 
+def output_inside_input(output: str, input: str, base: Path) -> bool:
+    """Whether `output` lies in what `input` reads (a glob: in its fixed part), so that
+    a run's outputs would be read as inputs on the next one."""
+    return _under(absolute(output, base), _fixed(absolute(input, base)))
+
+
 def _fixed(location: str) -> str:
     """The part of a location before its first wildcard, cut at a '/'."""
     cut = min((location.index(c) for c in _GLOB_CHARS if c in location), default=None)

@@ -100,6 +100,7 @@ def parse_spec(data: Any, base: Path, check_files: bool = True) -> tuple[Spec | 
         found += _workload_problems(name, raw, top.models, models)
     for name, workload in workloads.items():
         found += _runner_problems(name, workload, workloads)
+        found += _output_problems(name, workload, base)
     if found:
         return None, found
     return Spec(version=top.version, models=models, workloads=workloads, root=base), []
@@ -226,6 +227,24 @@ def _runner_problems(
         key = "kind" if workload.task not in ENDPOINT_TASKS else "workload"
         return [((*at, key), str(err), False)]
     return []
+
+
+def _output_problems(
+    name: str, workload: InteractiveWorkload | OfflineWorkload, base: Path
+) -> Found:
+    """The job's own rule (flows/job.py), so that what validates is what runs."""
+    # lanes.inputs reads Settings, whose module reads this one's errors: imported here.
+    from lanes.inputs import output_inside_input
+
+    if not isinstance(workload, OfflineWorkload):
+        return []
+    if not output_inside_input(workload.output, workload.input, base):
+        return []
+    message = (
+        f"{workload.output} is inside the input {workload.input}: outputs would be read as "
+        "inputs on the next run; choose an output folder outside the input"
+    )
+    return [(("workloads", name, "output"), message, False)]
 
 
 def _text(value: Any) -> str | None:

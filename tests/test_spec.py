@@ -246,6 +246,13 @@ BAD_CASES = [
         "W:17:21: workloads.nightly.max_error_rate: input should be less than or equal to 1",
     ),
     (
+        # `lanes run` refuses it (flows/job.py): what validates is what runs.
+        "output inside the input",
+        "    output: out/\n",
+        "    output: in/out/\n",
+        "W:16:13: workloads.nightly.output: in/out/ is inside the input in/",
+    ),
+    (
         "top-level unknown key",
         "version: 1",
         "version: 1\nservers: []",
