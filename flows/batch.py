@@ -223,9 +223,10 @@ def run_job(
         _record_throughput(measurements, job, manifest, uri)
     if failures:
         listed = "; ".join(f"{f.input}: {f.error}" for f in failures)
+        others = "the others are committed: " if len(plans) > len(failures) else ""
         raise JobFailed(
             f"{len(failures)} of {len(plans)} shards failed ({listed}); "
-            "the others are committed: fix the cause and run again to redo only these"
+            f"{others}fix the cause and run again to redo only these"
         )
     return manifest
 

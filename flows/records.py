@@ -115,6 +115,9 @@ def count_records(storage: Storage, shard: StoredFile) -> int:
     return count + content
 
 
+_BOM = b"\xef\xbb\xbf"
+
+
 def _jsonl(stream: IO[bytes], max_bytes: int) -> Iterator[Line]:
     number = 0
     while True:
@@ -127,6 +130,8 @@ def _jsonl(stream: IO[bytes], max_bytes: int) -> Iterator[Line]:
             size = len(raw) + _skip_line(stream)
             yield Line(number, None, f"line is {size} bytes, over the limit of {max_bytes}")
             continue
+        if number == 1:
+            raw = raw.removeprefix(_BOM)  # as CSV's reader: some editors write one
         if not raw.strip():
             continue  # a blank line counts (editors number it) but holds no record
         yield _parse(number, raw)

@@ -59,6 +59,12 @@ def test_csv_records_are_numbered_by_their_first_line_and_bad_ones_are_lines(
     assert read(zipped, max_bytes=120) == lines
 
 
+def test_a_jsonl_files_byte_order_mark_is_skipped_as_csvs_is(tmp_path: Path) -> None:
+    path = tmp_path / "a.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"id": 1, "text": "a"}\n{"id": 2, "text": "b"}\n')
+    assert read(path) == [Line(1, {"id": 1, "text": "a"}), Line(2, {"id": 2, "text": "b"})]
+
+
 def test_csv_fields_longer_than_the_csv_modules_default_limit_are_read(tmp_path: Path) -> None:
     path = tmp_path / "long.csv"
     path.write_text("id,text\n" + f'a,"{"w " * 100_000}"\n')
