@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from lanes.errors import InvalidInput
 from lanes.spec import Fields, OfflineWorkload, TaskName
 from lanes.tasks.handler import Handler
@@ -71,11 +73,22 @@ class RecordShape:
         return rid, None
 
     def kept(self, record: Mapping[str, Any]) -> dict[str, Any]:
-        """The fields to carry to the output; `InvalidInput` names one that is missing."""
+        """The fields to carry to the output; `InvalidInput` names one that is missing,
+        or one that JSON cannot hold (Parquet's binary and decimal values), before the
+        model runs for it."""
         missing = [name for name in self.fields.keep if name not in record]
         if missing:
             raise InvalidInput(f'missing field "{missing[0]}" (in `fields.keep`)')
-        return {name: record[name] for name in self.fields.keep}
+        kept = {name: record[name] for name in self.fields.keep}
+        for name, value in kept.items():
+            try:
+                orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY)
+            except TypeError:
+                raise InvalidInput(
+                    f'field "{name}" (in `fields.keep`): a {type(value).__name__} cannot be '
+                    "written in a JSON output line; cast it in the input, or keep it out"
+                ) from None
+        return kept
 
     def item_of(self, record: Mapping[str, Any]) -> Any:
         """The task's item for `record`; `InvalidInput` says which field is missing."""
