@@ -49,6 +49,25 @@ def batch_key(settings: Settings) -> str:
     return key
 
 
+def check_reachable(url: str, attempts: int = 5) -> None:
+    """JobFailed unless the endpoint answers at all (its /healthz, over a few seconds
+    for a restart): a job on an endpoint that is not there fails before any shard, not
+    each shard after every batch's retries."""
+    target = url.rstrip("/") + "/healthz"
+    for attempt in range(1, attempts + 1):
+        try:
+            httpx.get(target, timeout=TIMEOUT.connect)
+            return  # any answer: the batch route says the rest
+        except httpx.TransportError as err:
+            if attempt == attempts:
+                raise JobFailed(
+                    f"the endpoint at {url} does not answer ({type(err).__name__}: {err}): "
+                    "start `lanes serve` there, or point the workload's `runner.url` (or "
+                    "LANES_ENDPOINT) at it"
+                ) from err
+            time.sleep(attempt * 0.5)
+
+
 @dataclass
 class EndpointModel:
     """Runs batches on the endpoint at `url` (its base URL), in `workload`'s offline lane."""

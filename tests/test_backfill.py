@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -27,7 +28,7 @@ from onnx import TensorProto, helper, numpy_helper, save_model
 
 from lanes.backfill import CONTENT_TYPE, batch_path
 from lanes.batchframe import decode_outputs, encode_items
-from lanes.errors import SpecError
+from lanes.errors import JobFailed, SpecError
 from lanes.flows.batch import offline
 from lanes.runtime import Runtime
 from lanes.serving.batching import LaneQueues
@@ -742,6 +743,23 @@ def test_a_flow_without_the_internal_key_fails_before_any_shard(
     monkeypatch.delenv("LANES_INTERNAL_KEY", raising=False)
     monkeypatch.delenv("LANES_API_KEY", raising=False)
     with pytest.raises(Exception, match="LANES_INTERNAL_KEY"):
+        offline(workload="corpus", spec=str(spec))
+    assert not (tmp_path / "out" / "a.jsonl").exists()
+
+
+def test_a_flow_whose_endpoint_does_not_answer_fails_before_any_shard(
+    prefect_api: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not each shard after every batch's retries (and Prefect's): the job, once."""
+    spec = write_spec(tmp_path, {"live": live(), "corpus": batch(runner=on_endpoint())})
+    for name in ("a", "b"):
+        write_jsonl(tmp_path / "in" / f"{name}.jsonl", [{"id": name, "text": "w1"}])
+    with socket.socket() as closed:  # a port nothing listens on once this closes
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    monkeypatch.setenv("LANES_ENDPOINT", url)
+    monkeypatch.setenv("LANES_INTERNAL_KEY", KEY)
+    with pytest.raises(JobFailed, match=f"the endpoint at {url} does not answer"):
         offline(workload="corpus", spec=str(spec))
     assert not (tmp_path / "out" / "a.jsonl").exists()
 
