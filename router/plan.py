@@ -14,7 +14,7 @@ from lanes.flows.compile import schedule_of
 from lanes.flows.job import Job, model_key, settle_job
 from lanes.flows.shard import Model, ShardModel
 from lanes.flows.start import calibration, plan_run
-from lanes.measurements import Throughput, newest
+from lanes.measurements import Measurements, Throughput, newest
 from lanes.settings import Settings
 from lanes.spec import Mode, Spec, Workload, as_offline
 from lanes.storage import Storage
@@ -101,6 +101,12 @@ def plan(
     for name, w in spec.workloads.items():
         key = model_key(spec, w)
         other: Mode = "offline" if w.mode == "interactive" else "interactive"
+        deadline = None
+        if w.mode == "offline":
+            deadline = _deadline(spec, name, settings, now, records, calibrate)
+            if deadline is not None and deadline.get("calibrated"):
+                # The rate it just measured and stored prices the lanes too.
+                records = Measurements(settings.home).load()
         own_cost = LaneCost.of(w.mode, newest(records, w.mode, key, name), price, name)
         other_cost = LaneCost.of(other, newest(records, other, key, name), price, name)
         if w.mode == "interactive":
@@ -136,7 +142,7 @@ def plan(
                 next_run=schedule.next_run(now).isoformat(),
                 cost=own_cost,
                 other_lane_cost=other_cost,
-                deadline=_deadline(spec, name, settings, now, records, calibrate),
+                deadline=deadline,
             )
         )
     return routes

@@ -343,6 +343,8 @@ def test_without_history_plan_calibrates_on_a_sample_of_the_input_first(tmp_path
         f"no earlier run of this model: measured {stored.items_per_second:g} items/s on "
         f"{SAMPLE_BATCHES * 4} records of the input"
     )
+    # The same plan prices the offline lane by the rate it just measured.
+    assert route.cost.items_per_second == pytest.approx(stored.items_per_second, rel=1e-3)
 
     # The next plan uses the stored rate: nothing is measured again.
     (again,) = plan(spec, settings, OPENS, Measurements(home).load(), calibrate=True)
