@@ -105,8 +105,8 @@ class Settings(BaseSettings):
     max_inputs_per_request: int = Field(
         2048,
         gt=0,
-        description="Most inputs (texts, prompts, an infer request's rows) one request may "
-        "carry; a request of more gets 413 before any text is tokenized.",
+        description="Most inputs (texts, prompts) one request may carry; a request of more "
+        "gets 413 before any of them is tokenized.",
     )
     offload_body_bytes: int = Field(
         16 * 1024,

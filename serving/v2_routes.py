@@ -101,9 +101,6 @@ async def _infer(
         _check_datatypes(task, body)
     worker.admit(1, timeout)
     item = await state.offload.run(size, task.prepare, call.inputs)
-    # Rows are inputs, as an embed request's texts are: one request may not make a
-    # model run of any size.
-    check_inputs(item.rows, state.settings.max_inputs_per_request, "inputs")
     [result] = await worker.submit([item], timeout, record)
     outputs = result_arrays(result)
     body.check_outputs(outputs, task.name)

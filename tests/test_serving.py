@@ -314,16 +314,6 @@ BAD_REQUESTS: list[tuple[str, str, object, int]] = [
             ("FP16", [7e4, 1, 2, 3]),
         )
     ),
-    (
-        "POST",
-        "/v2/models/flowers/infer",  # rows are inputs: over LANES_MAX_INPUTS_PER_REQUEST
-        {
-            "inputs": [
-                {"name": "features", "shape": [2049, 4], "datatype": "FP32", "data": [0.5] * 8196}
-            ]
-        },
-        413,
-    ),
     ("GET", "/v2/models/ghost", None, 404),
     ("GET", "/nowhere", None, 404),
 ]
