@@ -76,10 +76,10 @@ def _param(loc: Sequence[int | str], names: Mapping[str, str]) -> str:
 def _one(param: str, errors: list[ErrorDetails]) -> InvalidInput:
     first = errors[0]
     kind = first["type"]
-    found = describe(first.get("input"))
+    value = first.get("input")
+    found = describe(value)
     ctx: dict[str, Any] = dict(first.get("ctx") or {})
     expected = [_EXPECTED[e["type"]] for e in errors if e["type"] in _EXPECTED]
-    value = first.get("input")
     if kind in ("int_type", "int_from_float") and _beyond_int64(value):
         # JSON's parser reads an integer beyond 64 bits as a float: it was too large.
         detail = f"expected an integer of at most 64 bits, found {found}"
