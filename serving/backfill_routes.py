@@ -7,17 +7,23 @@ the rows no interactive request needs and give them up when one does
 (serving/engine.py). The route takes its own bearer key,
 the server's internal key (LANES_INTERNAL_KEY, else LANES_API_KEY): without either
 the server refuses every batch, so an open endpoint never opens its model to bulk
-work unasked.
+work unasked. A batch whose flow goes away (cancelled, killed, its connection lost)
+leaves at once: its items leave the queue, its sequences their rows, its run on the
+model ends early.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
-from typing import Any
+import logging
+from collections.abc import Awaitable
+from typing import TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import Receive
 
 from lanes.backfill import BATCH_ROUTE, CONTENT_TYPE, ENDPOINT_TASKS, PROVIDER_HEADER
 from lanes.batchframe import decode_items, encode_outputs
@@ -42,11 +48,50 @@ async def batch(request: Request) -> Response:
             executor = state.worker(name, ENDPOINT_TASKS)
         body = await read_body(request, state.settings.max_body_bytes)
         items = decode_items(executor.task, body)
-        outcomes: list[Any] = list(await executor.submit_offline(items))
+        outcomes = await _unless_gone(request.receive, executor.submit_offline(items))
     except LanesError as e:
         return openai_error(e)
+    if outcomes is None:
+        log.info(
+            "workload %s: an offline batch of %d items dropped: its sender went", name, len(items)
+        )
+        return Response(status_code=CLIENT_CLOSED)  # read by nobody; the access log's status
     headers = {PROVIDER_HEADER: _provider(executor.task)}
     return Response(encode_outputs(outcomes), media_type=CONTENT_TYPE, headers=headers)
+
+
+T = TypeVar("T")
+log = logging.getLogger("lanes.serving")
+CLIENT_CLOSED = 499  # nginx's status for a request whose client closed it first
+
+
+async def _unless_gone(receive: Receive, work: Awaitable[T]) -> T | None:
+    """`work`'s result; None, `work` cancelled, if the client disconnects first (nobody
+    would read its answer; uvicorn does not cancel a request's task when its client goes)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnect(receive))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()  # the executor drops what it queued and runs for this batch
+    try:
+        return await task  # it may have finished before it saw the cancel
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise  # this request's own task is cancelled (the server stops)
+        return None
+
+
+async def _disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _authorize(request: Request, key: str | None) -> None:
@@ -68,8 +113,9 @@ def _provider(task: Task) -> str:
         providers = task.decoder.session.get_providers()
     elif isinstance(task, EmbedTask | InferTask) and task.loaded:  # idle_unload_s may unload it
         providers = task.session.get_providers()
-        return str(providers[0]) if providers else "unknown"
-    return "unknown"
+    else:
+        return "unknown"
+    return str(providers[0]) if providers else "unknown"
 
 
 routes = [Route(BATCH_ROUTE, batch, methods=["POST"])]

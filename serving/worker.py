@@ -275,6 +275,8 @@ class BatchWorker:
         except BaseException:
             for pending in pendings:  # the flow went away: its items leave the queue
                 pending.future.cancel()
+            # After the futures' callbacks (call_soon, in order), which take them out.
+            asyncio.get_running_loop().call_soon(self._set_depths)
             raise
         return list(outcomes)
 

@@ -9,6 +9,8 @@ request arrives, so the order of runs is forced, never timed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import os
 import signal
 import socket
@@ -26,7 +28,7 @@ import orjson
 import pytest
 from onnx import TensorProto, helper, numpy_helper, save_model
 
-from lanes.backfill import CONTENT_TYPE, batch_path
+from lanes.backfill import CONTENT_TYPE, PROVIDER_HEADER, batch_path
 from lanes.batchframe import decode_outputs, encode_items
 from lanes.errors import JobFailed, SpecError
 from lanes.flows.batch import offline
@@ -170,6 +172,84 @@ def test_an_interactive_request_waits_behind_at_most_the_one_offline_batch_runni
             assert busy is not None and busy > 0
             depth = metric(server, "lanes_lane_queue_depth", workload="search", lane=lane)
             assert depth == 0
+
+
+def send_and_leave(server: ServerThread, workload: str, items: list[Any]) -> socket.socket:
+    """An offline batch sent on a raw connection, which the caller closes (a flow that
+    was cancelled or killed) without reading the answer."""
+    body = encode_items(items)
+    head = (
+        f"POST {batch_path(workload)} HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+        f"content-type: {CONTENT_TYPE}\r\nauthorization: Bearer {KEY}\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    )
+    sock = socket.create_connection(("127.0.0.1", server.settings.port), timeout=60)
+    sock.sendall(head.encode() + body)
+    return sock
+
+
+def test_an_offline_batch_whose_sender_went_away_leaves_the_queue(
+    serve: type[ServerThread], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="lanes.serving")
+    taking_turns = live(batching={"offline_threads": 0})
+    spec = write_spec(tmp_path, {"search": taking_turns, "corpus": batch(runner=on_endpoint())})
+    gate = Gate()
+    task = load_task("search", load_spec(spec, Settings()), Runtime(Settings(device="cpu")))
+    items = [task.prepare(text(i)) for i in range(12)]
+    with serve(spec, gates={"enc": gate}, pad_s=PAD_S, internal_key=KEY) as server:
+        with gate.closed():
+            sock = send_and_leave(server, "search", items)
+            gate.wait_held()  # its first run is on the model
+            first = gate.held_rows()
+            assert first < len(items)
+            sock.close()
+            wait_for(lambda: "dropped: its sender went" in caplog.text, "the server saw it go")
+        answer = httpx.post(
+            f"{server.url}/v1/embeddings", json={"model": "search", "input": "w1"}, timeout=60
+        )
+        assert answer.status_code == 200  # the model is free
+        depth = metric(server, "lanes_lane_queue_depth", workload="search", lane="offline")
+        assert depth == 0, "the rest of the batch left the queue"
+        ran = metric(server, "lanes_lane_items_total", workload="search", lane="offline")
+        assert ran is not None and ran <= first, "only the run on the model when it left"
+
+
+def test_an_offline_generate_batch_whose_sender_went_away_is_aborted(
+    serve: type[ServerThread], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="lanes.serving")
+    spec = write_spec(tmp_path, {"complete": live("generate")})
+    gate = Gate()
+    task = load_task("complete", load_spec(spec, Settings()), Runtime(Settings(device="cpu")))
+    prompts = [{"prompt": text(i), "max_tokens": 32} for i in range(6)]
+    items = [dataclasses.replace(task.prepare(p), ignore_eos=True) for p in prompts]
+    with serve(spec, gates={"dec": gate}, internal_key=KEY) as server:
+        with gate.closed():
+            sock = send_and_leave(server, "complete", items)
+            gate.wait_held()  # their prefill is on the model: none can finish before it opens
+            sock.close()
+            wait_for(lambda: "dropped: its sender went" in caplog.text, "the server saw it go")
+        wait_for(
+            lambda: (
+                metric(
+                    server, "lanes_sequences_finished_total", workload="complete", reason="abort"
+                )
+                == len(items)
+            ),
+            "every sequence of the batch is aborted",
+        )
+        assert metric(server, "lanes_sequences_in_flight", workload="complete") == 0
+        finished = {
+            reason: metric(
+                server, "lanes_sequences_finished_total", workload="complete", reason=reason
+            )
+            for reason in ("length", "stop")
+        }
+        assert not any(finished.values()), f"none ran to its end: {finished}"
+        answered = send_batch(server, "complete", items[:1], KEY)
+        assert answered.status_code == 200
+        assert answered.headers[PROVIDER_HEADER] == "CPUExecutionProvider"
 
 
 def test_the_internal_route_refuses_a_missing_or_wrong_key(
