@@ -139,7 +139,9 @@ def predict(
 def serve(
     file: SpecFile = None,
     host: Annotated[str | None, typer.Option(help="Address (default: LANES_HOST).")] = None,
-    port: Annotated[int | None, typer.Option(help="Port (default: LANES_PORT).")] = None,
+    port: Annotated[
+        int | None, typer.Option(min=0, max=65535, help="Port (default: LANES_PORT).")
+    ] = None,
 ) -> None:
     """Serve every interactive workload on one HTTP endpoint (OpenAI and Open Inference v2)."""
     settings = guarded(Settings)

@@ -121,6 +121,10 @@ def submit(
     chosen: Literal["offpeak", "now"] = "now" if now else _when(when)
     path = Path(records)
     source: Any = records
+    if "://" not in records and not path.exists() and not any(c in records for c in "*?["):
+        raise InvalidInput(
+            f"{records}: no such file or folder: give a .jsonl file, a folder or a URI"
+        )
     if path.is_file() and path.name.endswith(".jsonl"):
         lines = path.read_text(encoding="utf-8").splitlines()
         source = [

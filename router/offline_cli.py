@@ -155,6 +155,7 @@ def run(
     from prefect.settings import temporary_settings
 
     from lanes.flows.batch import Rerun, offline
+    from lanes.flows.job import plan_job
 
     settings = Settings()
     spec_file = file or settings.spec
@@ -168,6 +169,10 @@ def run(
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
     def go() -> dict[str, Any]:
+        # The spec, the workload and its input and output, checked here first: a typo is
+        # one line at once, not an embedded Prefect started (or a failed flow run left
+        # on the server) to say it.
+        plan_job(workload, spec_file, settings, input, output)
         _check_prefect_api()
         with temporary_settings(updates={STARTUP: startup}), _progress_bar(), untraced():
             try:

@@ -126,7 +126,17 @@ def k8s(
         if any(name.endswith(".json") for name in files):
             typer.echo("# the work pool's base job template is written with --out DIR", err=True)
         return
-    out.mkdir(parents=True, exist_ok=True)
-    for name, text in files.items():
-        (out / name).write_text(text)
-        typer.echo(str(out / name))
+
+    def write() -> None:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            for name, text in files.items():
+                (out / name).write_text(text)
+                typer.echo(str(out / name))
+        except OSError as e:
+            raise InvalidInput(
+                f"--out: cannot write into {out} ({e.strerror or e}): give a folder "
+                "(it is made if missing)"
+            ) from None
+
+    guarded(write)

@@ -12,6 +12,7 @@ from types import FrameType
 import uvicorn
 
 from lanes import logs
+from lanes.errors import InvalidInput, LanesError
 from lanes.serving.app import create_app
 from lanes.settings import Settings
 from lanes.spec import Spec
@@ -62,6 +63,17 @@ class DrainingServer(uvicorn.Server):
                 self.should_exit = True
         return await super().on_tick(counter)
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        # uvicorn says where it listens only for sockets it bound itself.
+        for server in self.servers if self.started else []:
+            for sock in server.sockets:
+                host, port = sock.getsockname()[:2]
+                shown = f"[{host}]" if ":" in host else host
+                log.info(
+                    "listening on http://%s:%d (SIGINT or SIGTERM drains, then stops)", shown, port
+                )
+
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         for server in self.servers:
             server.close()
@@ -74,11 +86,16 @@ class DrainingServer(uvicorn.Server):
 def serve(spec: Spec, settings: Settings, host: str | None = None, port: int | None = None) -> None:
     """Serve until SIGINT/SIGTERM; then drain, stop accepting, finish queued work, exit."""
     logs.configure(settings.log_format, settings.log_level, settings.access_log_level)
+    host = host or settings.host
+    port = port if port is not None else settings.port
+    # Bound before anything loads: a port in use is one line at once, not uvicorn's
+    # log line after the models loaded and an exit status that means something else.
+    sock = listen(host, port)
     app = create_app(spec, settings)
     config = uvicorn.Config(
         app,
-        host=host or settings.host,
-        port=port if port is not None else settings.port,
+        host=host,
+        port=port,
         # httptools and uvloop (uvicorn[standard]): a fraction of h11's per-request cost.
         http="auto",
         loop="auto",
@@ -87,4 +104,30 @@ def serve(spec: Spec, settings: Settings, host: str | None = None, port: int | N
         timeout_graceful_shutdown=30,
         log_level=settings.log_level.lower(),
     )
-    DrainingServer(config, settings.drain_s, app.drain).run()
+    DrainingServer(config, settings.drain_s, app.drain).run(sockets=[sock])
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host`:`port` (not listening yet; uvicorn does that)."""
+    if not 0 <= port <= 65535:
+        raise InvalidInput(f"port: expected 0 to 65535, found {port}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except (OSError, UnicodeError) as e:
+        raise InvalidInput(
+            f"host: cannot resolve {host!r} ({e}): give an address or a name this machine resolves"
+        ) from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise LanesError(
+            f"cannot listen on {host}:{port} ({e.strerror or e}): stop what listens there, "
+            "or choose another --port (LANES_PORT) or --host (LANES_HOST)"
+        ) from None
+    sock.set_inheritable(True)
+    return sock

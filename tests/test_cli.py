@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -185,6 +186,59 @@ def test_run_with_prefect_down_is_one_line(spec_path: Path) -> None:
     message = one_line_error(done)
     assert message.startswith(f"error: cannot reach the Prefect API at {url}")
     assert "unset PREFECT_API_URL" in message
+
+
+@pytest.mark.slow
+def test_serve_on_a_port_it_cannot_have_is_one_line(spec_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = lanes("serve", str(spec_path), "--port", str(port))
+    assert done.returncode == 1, done.stderr
+    assert one_line_error(done).startswith(f"error: cannot listen on 127.0.0.1:{port} (")
+    done = lanes("serve", str(spec_path), "--port", "70000")
+    assert done.returncode == 2 and "--port" in done.stderr, done.stderr
+
+
+@pytest.mark.slow
+def test_run_checks_the_workload_before_any_prefect_starts(spec_path: Path) -> None:
+    # A Prefect API nobody serves: reaching for it would be another error.
+    url = f"http://127.0.0.1:{free_port()}/api"
+    for workload, expected in (
+        ("nope", "error: no workload named 'nope'"),
+        ("search-query", "error: workload 'search-query' is interactive"),
+    ):
+        done = lanes("run", workload, "--file", str(spec_path), env={"PREFECT_API_URL": url})
+        assert done.returncode == 2, done.stderr
+        assert one_line_error(done).startswith(expected)
+
+
+@pytest.mark.parametrize(
+    ("command", "expected"),
+    [
+        (
+            ["render", "k8s", "--image", "i:1", "--worker-image", "w:1", "--out"],
+            "error: --out: cannot write into {where} (",
+        ),
+        (["submit", "nightly-embed"], "error: {where}: no such file or folder"),
+    ],
+    ids=["render --out", "submit"],
+)
+def test_a_file_where_a_folder_is_wanted_or_none_at_all_is_one_line(
+    spec_path: Path,
+    tmp_path: Path,
+    command: list[str],
+    expected: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    where = spec_path if command[0] == "render" else tmp_path / "missing.jsonl"
+    env = {"LANES_SPEC": str(spec_path)}
+    done = CliRunner().invoke(app, [*command, str(where)], env=env, prog_name="lanes")
+    assert isinstance(done.exception, SystemExit | None), done.exception
+    assert done.exit_code == 2, done.stderr
+    assert one_line_error(done).startswith(expected.format(where=where))
 
 
 @pytest.mark.slow
