@@ -157,7 +157,10 @@ class Client:
                 try:
                     response = self._http.send(
                         self._http.build_request(
-                            request.method, request.path, json=request.body, headers=request.headers
+                            request.method,
+                            request.path,
+                            content=request.content,
+                            headers=request.headers,
                         ),
                         stream=stream,
                     )
@@ -299,7 +302,10 @@ class AsyncClient:
                 try:
                     response = await self._http.send(
                         self._http.build_request(
-                            request.method, request.path, json=request.body, headers=request.headers
+                            request.method,
+                            request.path,
+                            content=request.content,
+                            headers=request.headers,
                         ),
                         stream=stream,
                     )

@@ -433,6 +433,12 @@ async def _in_chunks(lines: Iterator[T]) -> AsyncIterator[T]:
 
 
 def _jsonl(records: Iterable[Mapping[str, Any]]) -> bytes:
+    if isinstance(records, Mapping) or not isinstance(records, Iterable):
+        raise InvalidInput(
+            "records: expected a list of records (mappings like {'id': ..., 'text': ...}), "
+            "a file or an input URI, "
+            f"found {'one mapping: put it in a list' if isinstance(records, Mapping) else type(records).__name__}"
+        )
     lines = []
     for n, record in enumerate(records):
         if not isinstance(record, Mapping):

@@ -6,6 +6,7 @@ built from a workload's label, results or typed errors out, and the retry policy
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import random
 import uuid
@@ -39,6 +40,7 @@ from lanes.spec import (
 )
 from lanes.specfile import load_spec
 from lanes.tracing import Tracing
+from lanes.validation import describe
 
 BACKOFF_BASE_S = 0.2
 # The longest a client sleeps before a retry; a longer Retry-After is the caller's call.
@@ -69,6 +71,60 @@ class Request:
     headers: dict[str, str]
     streamed: bool = False  # the answer comes as Server-Sent Events
 
+    @functools.cached_property
+    def content(self) -> bytes | None:
+        """The body as JSON, encoded once for every attempt; what JSON cannot hold (a
+        set, bytes, NaN) is InvalidInput naming its field, before anything is sent."""
+        if self.body is None:
+            return None
+        try:
+            return _json(self.body)
+        except (TypeError, ValueError) as e:
+            raise _unsendable(self.body, e) from None
+
+
+def _root(endpoint: str) -> str:
+    """The server's root URL, checked now rather than at the first call."""
+    try:
+        url: httpx.URL | None = httpx.URL(endpoint)
+    except httpx.InvalidURL:
+        url = None
+    if url is None or url.scheme not in ("http", "https") or not url.host:
+        raise InvalidInput.field(
+            "endpoint", f"expected a URL like http://host:8000, found {endpoint!r}"
+        )
+    root = endpoint.rstrip("/")
+    if url.path.rstrip("/").endswith(("/v1", "/v2")):
+        # An OpenAI base_url habit: lanes adds the API's path itself.
+        root = root.rsplit("/", 1)[0]
+        raise InvalidInput.field(
+            "endpoint", f"{endpoint!r} ends in an API's path: give the server's root, {root}"
+        )
+    return root
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _unsendable(body: Mapping[str, Any], error: Exception) -> InvalidInput:
+    """The field of `body` (an infer tensor by its name) that JSON cannot hold."""
+    inputs = body.get("inputs")
+    tensors = inputs if isinstance(inputs, list) else []
+    parts = [(k, v) for k, v in body.items() if v is not inputs or not tensors]
+    parts += [(t["name"], t["data"]) for t in tensors]  # made by _tensor
+    found = "body", error
+    for name, part in parts:
+        try:
+            _json(part)
+        except (TypeError, ValueError) as e:
+            found = name, e
+            break
+    name, cause = found
+    return InvalidInput.field(
+        name, f"cannot be sent as JSON ({cause}); send strings, finite numbers, lists and mappings"
+    )
+
 
 class Core:
     """What both clients share. No I/O here: requests in, results or typed errors out."""
@@ -86,7 +142,7 @@ class Core:
         if max_retries < 0:
             raise ValueError(f"max_retries: expected 0 or more, found {max_retries}")
         self.settings = settings or Settings()
-        self.endpoint = (endpoint or self.settings.endpoint).rstrip("/")
+        self.endpoint = _root(endpoint or self.settings.endpoint)
         key = api_key or (
             self.settings.api_key.get_secret_value() if self.settings.api_key else None
         )
@@ -185,8 +241,16 @@ class Core:
 
     def _headers(self, timeout_ms: float | None) -> dict[str, str]:
         # One id per call, kept by its retries: the server's logs and errors say it.
-        headers = {**self.headers, REQUEST_ID_HEADER: uuid.uuid4().hex}
+        headers = {
+            **self.headers,
+            REQUEST_ID_HEADER: uuid.uuid4().hex,
+            "Content-Type": "application/json",  # every request with a body
+        }
         if timeout_ms is not None:
+            if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int | float):
+                raise InvalidInput.field(
+                    "timeout_ms", f"expected a number of milliseconds, found {describe(timeout_ms)}"
+                )
             headers[TIMEOUT_HEADER] = f"{timeout_ms:g}"
         return headers
 
@@ -197,8 +261,14 @@ class Core:
         body: dict[str, Any] = {**options, "model": name, "stream": stream}
         if isinstance(prompt, str):
             path, body = "/v1/completions", {**body, "prompt": prompt}
-        else:  # a list of {"role", "content"} messages is a chat
+        elif isinstance(prompt, list | tuple) and all(isinstance(m, Mapping) for m in prompt):
             path, body = "/v1/chat/completions", {**body, "messages": list(prompt)}
+        else:
+            raise InvalidInput.field(
+                "prompt",
+                "expected a string, or a list of chat messages ({'role': ..., 'content': ...}), "
+                f"found {describe(prompt)}",
+            )
         return Request("POST", path, body, headers, streamed=stream)
 
     def traced(self, request: Request) -> AbstractContextManager[object]:
@@ -290,6 +360,8 @@ class Core:
         # OpenAI's {"error": {"message", "type", "param", "code"}} or v2's {"error": "..."}.
         error = parsed.get("error") if isinstance(parsed, dict) else parsed
         fields = error if isinstance(error, dict) else {"message": error}
+        if isinstance(parsed, dict) and not isinstance(error, dict):  # v2: param, code beside
+            fields = {**fields, "param": parsed.get("param"), "code": parsed.get("code")}
         rid = fields.get("request_id") or (
             parsed.get("request_id") if isinstance(parsed, dict) else None
         )

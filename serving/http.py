@@ -51,8 +51,12 @@ def openai_error(error: LanesError) -> JSONResponse:
 
 
 def v2_error(error: LanesError) -> JSONResponse:
-    """Open Inference Protocol's {"error": "..."} shape."""
-    return JSONResponse({"error": str(error)}, error.status, headers=_headers(error))
+    """Open Inference Protocol's {"error": "..."} shape, with the error's `param` and
+    `code` beside it when it has them (tritonclient reads `error` only; the SDK reads
+    them back into the error's class)."""
+    body: dict[str, str] = {"error": str(error)}
+    body |= {k: v for k, v in (("param", error.param), ("code", error.code)) if v is not None}
+    return JSONResponse(body, error.status, headers=_headers(error))
 
 
 def is_v2(path: str) -> bool:

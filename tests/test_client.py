@@ -364,6 +364,30 @@ def test_errors_come_back_typed_with_the_server_s_param_and_code(
     assert client.call("small-queue", ["one", "two"]).shape == (2, 384)
 
 
+def test_what_json_cannot_carry_is_invalid_input_before_anything_is_sent(
+    client: lanes.Client, server: ServerThread, specs: tuple[Path, Path]
+) -> None:
+    before = metric(server, "lanes_responses_total", route="/v1/embeddings", code="200")
+    for value in ({"a", "b"}, b"hello"):
+        with pytest.raises(lanes.InvalidInput, match="input: cannot be sent as JSON") as bad:
+            client.call("search-query", value)
+        assert bad.value.param == "input"
+    with pytest.raises(lanes.InvalidInput, match="features: cannot be sent as JSON"):
+        client.call("flowers", {"features": [[float("nan"), 1.0, 2.0, 3.0]]})
+    with pytest.raises(lanes.InvalidInput, match="timeout_ms: expected a number"):
+        client.call("search-query", "x", timeout_ms="100")  # type: ignore[arg-type]
+    for prompt in (5, {"prompt": "x"}, ["a", "b"]):
+        with pytest.raises(lanes.InvalidInput, match="prompt: expected a string, or a list of"):
+            client.call("code", prompt)
+    with pytest.raises(lanes.InvalidInput, match="records: expected a list of records"):
+        client.submit("nightly", {"id": "1", "text": "x"})  # type: ignore[arg-type]
+    after = metric(server, "lanes_responses_total", route="/v1/embeddings", code="200")
+    assert after == before, "nothing reached the server"
+    for endpoint in ("http://[::1", "localhost:8000", f"{server.url}/v1"):
+        with pytest.raises(lanes.InvalidInput, match="endpoint: "):
+            lanes.Client(endpoint, spec=specs[1])
+
+
 async def test_call_travels_as_the_workload_streams_and_returns_one_completion(
     client: lanes.Client, aclient: lanes.AsyncClient
 ) -> None:

@@ -15,6 +15,7 @@ import pytest
 import yaml
 from onnx import TensorProto, helper, numpy_helper, save_model
 
+import lanes
 from tests.flows_fixtures import wait_until, write_spec
 from tests.servers import ServerThread
 
@@ -131,13 +132,18 @@ def test_model_ready_answers_for_every_task(loaded: tuple[str, list[logging.LogR
 
 
 def test_a_call_to_a_failed_workload_says_it_failed(
-    loaded: tuple[str, list[logging.LogRecord]],
+    loaded: tuple[str, list[logging.LogRecord]], spec_path: Path
 ) -> None:
     url, _ = loaded
     body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 3], "data": [1, 2, 3]}]}
     answer = httpx.post(f"{url}/v2/models/broken/infer", json=body, timeout=5)
     assert answer.status_code == 500
     assert "failed to load" in answer.json()["error"]
+    assert answer.json()["code"] == "model_error"  # beside v2's "error", for the SDK
+    with lanes.Client(url, spec=spec_path) as client:
+        with pytest.raises(lanes.ModelError, match="failed to load") as failed:
+            client.call("broken", {"x": [[1.0, 2.0, 3.0]]})
+        assert failed.value.code == "model_error"
     good = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]}
     answer = httpx.post(f"{url}/v2/models/affine/infer", json=good, timeout=5)
     assert answer.status_code == 200, answer.text
