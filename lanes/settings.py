@@ -63,8 +63,14 @@ class Settings(BaseSettings):
     A bad value raises `SettingsError`, one problem per variable.
     """
 
+    # No setting means anything at NaN or infinity; pydantic's message for one that is
+    # bounded would name the bound, not the NaN.
     model_config = SettingsConfigDict(
-        env_prefix="LANES_", env_nested_delimiter="__", extra="ignore", frozen=True
+        env_prefix="LANES_",
+        env_nested_delimiter="__",
+        extra="ignore",
+        frozen=True,
+        allow_inf_nan=False,
     )
 
     spec: Path = Field(Path("workloads.yaml"), description="The workloads.yaml to load.")
@@ -145,7 +151,6 @@ class Settings(BaseSettings):
     price_per_device_hour: float = Field(
         1.0,
         ge=0,
-        allow_inf_nan=False,
         description="Cost estimate basis for job manifests, in dollars.",
     )
     allowed_input_roots: tuple[str, ...] = Field(
@@ -205,6 +210,13 @@ class Settings(BaseSettings):
         if offpeak.cron is None:
             raise ValueError("expected a cron (LANES_OFFPEAK__CRON): the default window's opening")
         return offpeak
+
+    @field_validator("spec", "home", mode="before")
+    @classmethod
+    def _a_path(cls, value: object) -> object:
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("expected a path, found an empty value")
+        return value
 
     @field_validator("allowed_input_roots")
     @classmethod

@@ -144,7 +144,7 @@ def job(
         typer.Argument(help="A job id from `lanes submit`, or a batch id; none: list them."),
     ] = None,
     wait: Annotated[bool, typer.Option(help="Wait until the job ends.")] = False,
-    timeout: Annotated[float, typer.Option(help="Seconds to wait at most.")] = 3600,
+    timeout: Annotated[float, typer.Option(min=0, help="Seconds to wait at most.")] = 3600,
     results: Annotated[
         bool, typer.Option(help="Print its results as JSON lines (the status goes to stderr).")
     ] = False,

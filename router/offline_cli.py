@@ -26,6 +26,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from lanes.batches import BATCH_DEPLOYMENT
 from lanes.errors import InvalidInput, LanesError
 from lanes.layout import ERRORS
 from lanes.router.console import ExitCode, guarded
@@ -125,6 +126,9 @@ def deploy(
     for route in plan(spec, settings):
         if route.deployment in done.deployments:
             typer.echo(f"  {route.deployment}  {route.schedule}  next run {route.next_run}")
+    for name in done.deployments:
+        if name.endswith(f"/{BATCH_DEPLOYMENT}"):
+            typer.echo(f"  {name}  the Batch API's batches (lanes serve's /v1/batches)")
     for name in done.removed:
         typer.echo(f"  {name}  removed: no longer in {spec_file}")
     typer.echo(f"run them: prefect worker start --pool {done.pool}")

@@ -155,6 +155,8 @@ def one_line_error(done: subprocess.CompletedProcess[str] | Result) -> str:
             "inf",
             "env LANES_PRICE_PER_DEVICE_HOUR: input should be a finite number",
         ),
+        ("LANES_DRAIN_S", "nan", "env LANES_DRAIN_S: input should be a finite number"),
+        ("LANES_SPEC", "", "env LANES_SPEC: expected a path, found an empty value"),
         ("LANES_OFFPEAK__CRON", "* * 31 2 *", "env LANES_OFFPEAK__CRON: '* * 31 2 *' never fires"),
         ("LANES_ALLOWED_INPUT_ROOTS", "/data/", "env LANES_ALLOWED_INPUT_ROOTS: expected JSON"),
     ],
