@@ -37,6 +37,7 @@ from lanes.inputs import absolute, check_input, folder_of
 from lanes.settings import Settings
 from lanes.spec import OfflineWorkload
 from lanes.storage import Storage, join
+from lanes.validation import describe
 
 if TYPE_CHECKING:
     from prefect.client.orchestration import SyncPrefectClient
@@ -434,10 +435,12 @@ async def _in_chunks(lines: Iterator[T]) -> AsyncIterator[T]:
 
 def _jsonl(records: Iterable[Mapping[str, Any]]) -> bytes:
     if isinstance(records, Mapping) or not isinstance(records, Iterable):
+        found = (
+            "one record: put it in a list" if isinstance(records, Mapping) else describe(records)
+        )
         raise InvalidInput(
             "records: expected a list of records (mappings like {'id': ..., 'text': ...}), "
-            "a file or an input URI, "
-            f"found {'one mapping: put it in a list' if isinstance(records, Mapping) else type(records).__name__}"
+            f"a file or an input URI; found {found}"
         )
     lines = []
     for n, record in enumerate(records):

@@ -94,11 +94,11 @@ def _root(endpoint: str) -> str:
             "endpoint", f"expected a URL like http://host:8000, found {endpoint!r}"
         )
     root = endpoint.rstrip("/")
-    if url.path.rstrip("/").endswith(("/v1", "/v2")):
-        # An OpenAI base_url habit: lanes adds the API's path itself.
-        root = root.rsplit("/", 1)[0]
+    if url.path.rstrip("/").endswith(("/v1", "/v2")):  # an OpenAI base_url habit
         raise InvalidInput.field(
-            "endpoint", f"{endpoint!r} ends in an API's path: give the server's root, {root}"
+            "endpoint",
+            f"{endpoint!r} ends in an API's path: give the server's root, "
+            f"{root.rsplit('/', 1)[0]} (lanes adds each API's path itself)",
         )
     return root
 

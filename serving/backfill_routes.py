@@ -34,6 +34,10 @@ from lanes.serving.state import ServingState
 from lanes.serving.worker import BatchWorker
 from lanes.tasks import EmbedTask, GenerateTask, InferTask, Task
 
+T = TypeVar("T")
+log = logging.getLogger("lanes.serving")
+CLIENT_CLOSED = 499  # nginx's status for a request whose client closed it first
+
 
 async def batch(request: Request) -> Response:
     state: ServingState = request.app.state.lanes
@@ -58,11 +62,6 @@ async def batch(request: Request) -> Response:
         return Response(status_code=CLIENT_CLOSED)  # read by nobody; the access log's status
     headers = {PROVIDER_HEADER: _provider(executor.task)}
     return Response(encode_outputs(outcomes), media_type=CONTENT_TYPE, headers=headers)
-
-
-T = TypeVar("T")
-log = logging.getLogger("lanes.serving")
-CLIENT_CLOSED = 499  # nginx's status for a request whose client closed it first
 
 
 async def _unless_gone(receive: Receive, work: Awaitable[T]) -> T | None:
