@@ -172,13 +172,15 @@ class WrongMode(LanesError):
 
 
 class Overloaded(LanesError):
-    """The workload's queue is full. Retry after `retry_after` seconds."""
+    """The workload cannot take the request now (its queue is full; code
+    `model_unavailable`: its model failed to load again after idling). Retry after
+    `retry_after` seconds."""
 
     status = 503
     default_code = "overloaded"
 
-    def __init__(self, message: str, retry_after: float = 1.0) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, retry_after: float = 1.0, code: str | None = None) -> None:
+        super().__init__(message, code=code)
         self.retry_after = retry_after
 
 
@@ -247,5 +249,5 @@ def from_wire(
     elif error_type in (InvalidInput.error_type, AuthError.error_type):
         cls = InvalidInput if error_type == InvalidInput.error_type else AuthError
     if cls is Overloaded:
-        return Overloaded(message, retry_after)
+        return Overloaded(message, retry_after, code)
     return cls(message, param=param, code=code)

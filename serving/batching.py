@@ -89,9 +89,13 @@ class BatchQueue:
         max_queue: int,
         clock: Callable[[], float] = time.monotonic,
         arrived: asyncio.Event | None = None,
+        left: Callable[[], None] | None = None,
     ) -> None:
-        """`arrived` is set on every `put`: queues sharing one wake one waiter."""
+        """`arrived` is set on every `put`: queues sharing one wake one waiter. `left` is
+        called when a request leaves unrun (its deadline passed, its caller went): the
+        depth a gauge shows changed without a batch."""
         self.max_batch_size = max_batch_size
+        self._left = left
         self.max_wait_s = max_wait_s
         self.max_queue = max_queue
         self._clock = clock
@@ -155,6 +159,8 @@ class BatchQueue:
         if pending.queued:
             pending.queued = False
             self._live -= 1
+            if self._left is not None:
+                self._left()
 
     def give_back(self, batch: Sequence[Pending]) -> None:
         """Put the live requests of a batch taken from this queue back at its head, in
@@ -294,15 +300,17 @@ class LaneQueues:
         batching: tuple[int, float, int],
         offline: tuple[int, int],
         clock: Callable[[], float] = time.monotonic,
+        left: Callable[[], None] | None = None,
     ) -> None:
         """`batching`: the interactive queue's (max_batch_size, max_wait_s, max_queue);
         `offline`: the offline queue's (max_batch_size, max_queue). Offline work never
-        waits for company: nobody waits for it, and the model is free now."""
+        waits for company: nobody waits for it, and the model is free now. `left`: see
+        `BatchQueue`."""
         self._arrived = asyncio.Event()
         size, wait, bound = batching
-        self.interactive = BatchQueue(size, wait, bound, clock, self._arrived)
+        self.interactive = BatchQueue(size, wait, bound, clock, self._arrived, left)
         most, bound = offline
-        self.offline = BatchQueue(most, 0.0, bound, clock, self._arrived)
+        self.offline = BatchQueue(most, 0.0, bound, clock, self._arrived, left)
 
     def of(self, lane: Lane) -> BatchQueue:
         return self.interactive if lane == "interactive" else self.offline

@@ -37,7 +37,7 @@ import onnxruntime as ort
 
 from lanes.batchframe import run_unhandled
 from lanes.costmodel import CostModel
-from lanes.errors import LanesError, ModelError, Overloaded
+from lanes.errors import LanesError, Overloaded
 from lanes.isolation import Failed
 from lanes.serving.access import RequestRecord
 from lanes.serving.batch_observer import BatchObserver
@@ -65,6 +65,7 @@ _COST_WEIGHT = 0.5  # of the newest batch in the running per-item cost: adapts i
 # Offline items one workload holds queued: any one offline batch (batch_size <= 65536)
 # fits; beyond, 503 and Retry-After, which the flow's endpoint runner waits out.
 OFFLINE_MAX_QUEUE = 65536
+RELOAD_RETRY_S = 1.0  # Retry-After of the requests a failed reload answers
 
 
 class BatchWorker:
@@ -98,6 +99,7 @@ class BatchWorker:
             (batching.max_batch_size, batching.max_wait_ms / 1000, batching.max_queue),
             (batching.max_batch_size, OFFLINE_MAX_QUEUE),
             clock,
+            left=self._set_depths,
         )
         self.queue = self.lanes.interactive
         p99 = workload.slo.p99_ms
@@ -275,8 +277,6 @@ class BatchWorker:
         except BaseException:
             for pending in pendings:  # the flow went away: its items leave the queue
                 pending.future.cancel()
-            # After the futures' callbacks (call_soon, in order), which take them out.
-            asyncio.get_running_loop().call_soon(self._set_depths)
             raise
         return list(outcomes)
 
@@ -310,7 +310,13 @@ class BatchWorker:
                 error,
                 exc_info=None if ours else error,
             )
-            failure = error if ours else ModelError(f"the model failed to load: {error}")
+            # Not the request's fault, and maybe not for long (a file being replaced, a
+            # full device): a 503 to retry, as the next arrival tries to load again.
+            failure = Overloaded(
+                f"the model failed to load again ({error}); the next request tries again",
+                RELOAD_RETRY_S,
+                "model_unavailable",
+            )
             self.lanes.interactive.fail_waiting(failure)
             self.lanes.offline.fail_waiting(failure)
         self._free.set()

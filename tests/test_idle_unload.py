@@ -256,8 +256,11 @@ workloads:
         model.rename(tmp_path / "elsewhere.onnx")  # the file is gone when it must load
 
         lost = served.http.post(infer, json=FEATURES)
-        assert lost.status_code == 500, lost.text
+        # Retryable, as the next request loads again: no x-should-retry: false.
+        assert lost.status_code == 503, lost.text
+        assert lost.headers["retry-after"] == "1" and "x-should-retry" not in lost.headers
         assert f"no model file at {model}" in lost.json()["error"]
+        assert lost.json()["code"] == "model_unavailable"
         assert served.residency("tiny").state is Presence.UNLOADED
         assert served.http.get("/readyz").status_code == 200  # it can still wake
 

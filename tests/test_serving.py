@@ -202,6 +202,13 @@ async def test_expired_deadline_answers_504_and_never_reaches_the_model(
                 headers={"X-Timeout-Ms": "100"},
             )
             assert late.status_code == 504
+            # What scales replicas (KEDA on lanes_queue_depth) sees it gone, at once.
+            body = httpx.get(f"{server.url}/metrics").text
+            assert metric(body, "lanes_queue_depth", workload="held-lane") == 0
+            assert (
+                metric(body, "lanes_lane_queue_depth", workload="held-lane", lane="interactive")
+                == 0
+            )
         assert (await running).status_code == 200
     assert run_items(server, "held-lane") == before + 1
 
