@@ -262,7 +262,13 @@ def scrape(
         raise LanesError(f"{url} wants an API key: set LANES_API_KEY to the server's")
     if response.status_code != 200:
         raise LanesError(f"{url} answered HTTP {response.status_code}")
-    return Scrape.parse(response.text, clock())
+    try:
+        return Scrape.parse(response.text, clock())
+    except ValueError as e:  # prometheus_client's parser, on what is not its format
+        raise LanesError(
+            f"{url} is not Prometheus metrics ({e}): is this a lanes server? "
+            "Pass --endpoint or set LANES_ENDPOINT"
+        ) from None
 
 
 def run(

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import http.server
 import io
 import json
 import math
 import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -127,6 +129,28 @@ def test_lanes_top_without_a_server_says_where_it_looked() -> None:
     result = CliRunner().invoke(app, ["top", "--once", "--endpoint", "http://127.0.0.1:9"])
     assert result.exit_code == 1
     assert "cannot read http://127.0.0.1:9/metrics" in result.output
+
+
+def test_lanes_top_on_a_server_that_is_not_lanes_says_so() -> None:
+    class Page(http.server.BaseHTTPRequestHandler):  # answers 200 on every path, as SPAs do
+        def do_GET(self) -> None:
+            body = b"<html>hi</html>"
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page) as other:
+        threading.Thread(target=other.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{other.server_address[1]}"
+        result = CliRunner().invoke(app, ["top", "--once", "--endpoint", url])
+        other.shutdown()
+    assert result.exit_code == 1, result.output
+    assert f"{url}/metrics is not Prometheus metrics" in result.output
+    assert "Traceback" not in result.output
 
 
 # ---- infra/grafana/lanes.json ----------------------------------------------------------
