@@ -61,7 +61,8 @@ async def infer(request: Request) -> Response:
         raw = await read_body(request, state.settings.max_body_bytes)
         header_length = request.headers.get(HEADER_LENGTH)
         call = await state.offload.run(len(raw), parse_infer, raw, header_length)
-        timeout = call.request.timeout_s() or timeout_s(request)
+        header = timeout_s(request)  # checked whether or not parameters.timeout is given
+        timeout = call.request.timeout_s() or header
         record = record_of(request.scope)
         if worker.task.kind == "embed":
             outputs = await _embed(state, worker, call, timeout, len(raw), record)

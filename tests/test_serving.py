@@ -236,6 +236,15 @@ BAD_REQUESTS: list[tuple[str, str, object, int]] = [
     ("GET", "/v1/embeddings", None, 405),
     ("POST", "/v2/models/infer", None, 405),  # a model named "infer": GET only
     ("POST", "/v2/models/flowers/infer", {"inputs": []}, 400),
+    (  # Triton's timeout in microseconds: true is no number (bool is int in Python)
+        "POST",
+        "/v2/models/flowers/infer",
+        {
+            "inputs": [{"name": "features", "shape": [1, 4], "datatype": "FP32", "data": [1] * 4}],
+            "parameters": {"timeout": True},
+        },
+        400,
+    ),
     (
         "POST",
         "/v2/models/flowers/infer",
@@ -346,12 +355,21 @@ def test_server_survives_bad_requests(server: ServerThread) -> None:
                 error = answer.json()["error"]
                 message = error["message"] if path.startswith("/v1") else error
                 assert isinstance(message, str) and len(message) > 10
+        # A bad X-Timeout-Ms is refused whether or not parameters.timeout is given too.
+        v2 = {
+            "inputs": [{"name": "features", "shape": [1, 4], "datatype": "FP32", "data": [1] * 4}],
+            "parameters": {"timeout": 5_000_000},
+        }
+        both = client.post("/v2/models/flowers/infer", json=v2, headers={"X-Timeout-Ms": "abc"})
+        assert both.status_code == 400 and "X-Timeout-Ms" in both.json()["error"], both.text
+        counted = [("/v2/models/{name}/infer", "400")]
         good = client.post("/v1/embeddings", json={"model": "search-query", "input": "still here"})
         assert good.status_code == 200
         after = client.get("/metrics").text
     # Every answer is counted by route and status, whichever path served it.
     counts = Counter((route_label(path), str(status)) for _, path, _, status in BAD_REQUESTS)
     counts[("/v1/embeddings", "200")] += 1
+    counts.update(counted)
     for (route, code), count in counts.items():
         now = metric(after, "lanes_responses_total", route=route, code=code)
         then = metric(before, "lanes_responses_total", default=0.0, route=route, code=code)

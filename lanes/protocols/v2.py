@@ -23,6 +23,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lanes.errors import InvalidInput, ModelError
+from lanes.validation import describe
 
 # The size of the JSON part of a body that binary tensor data follows (both ways).
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -136,8 +137,10 @@ class InferRequest(BaseModel):
         value = (self.parameters or {}).get("timeout")
         if value is None:
             return None
-        if not isinstance(value, int | float) or value <= 0:
-            raise InvalidInput(f"parameters.timeout: expected microseconds > 0, found {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise InvalidInput.field(
+                "parameters.timeout", f"expected microseconds > 0, found {describe(value)}"
+            )
         return float(value) / 1e6
 
     def check_outputs(self, available: Collection[str], workload: str) -> None:
