@@ -75,6 +75,13 @@ class Tracing:
         """Write the current span's context into outgoing `headers` (traceparent)."""
         self._propagator.inject(headers)
 
+    @staticmethod
+    def failed(span: Span, description: str) -> None:
+        """Mark `span` an error (a 5xx answer: no exception passed through it)."""
+        from opentelemetry.trace import Status, StatusCode
+
+        span.set_status(Status(StatusCode.ERROR, description))
+
     def extract(self, headers: Mapping[str, str]) -> Context:
         """The caller's context from incoming `headers` (empty when there is none)."""
         return self._propagator.extract(headers)

@@ -52,6 +52,8 @@ class TracedRequests:
             async def traced(message: Message) -> None:
                 if message["type"] == "http.response.start":
                     span.set_attribute("http.response.status_code", message["status"])
+                    if message["status"] >= 500:  # OTel's HTTP convention for a SERVER span
+                        self.tracing.failed(span, f"HTTP {message['status']}")
                 await send(message)
 
             await self.app(scope, receive, traced)

@@ -12,10 +12,10 @@ import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, StatusCode
 
 import lanes
-from lanes.errors import LanesError
+from lanes.errors import DeadlineExceeded, LanesError
 from lanes.settings import Settings
 from lanes.tracing import Tracing
 from tests.gates import wait_until
@@ -117,6 +117,25 @@ def test_a_failed_call_is_an_error_span_on_both_sides(
     )
     assert server_span.attributes is not None
     assert server_span.attributes["http.response.status_code"] == 400
+    assert server_span.status.is_unset, "a 4xx is the caller's error, not the server's"
+
+
+def test_a_5xx_answer_is_an_error_server_span(
+    server: ServerThread, tracing: Tracing, exporter: InMemorySpanExporter
+) -> None:
+    with (
+        lanes.Client(server.url, spec=server.spec.root / "workloads.yaml", tracing=tracing) as c,
+        pytest.raises(DeadlineExceeded),
+    ):
+        c.call("eights", "x", timeout_ms=50)  # its batch waits for 8 (or 60 s): a 504
+    client = exporter.get_finished_spans()[-1]
+    wait_until(lambda: len(spans_of(exporter, client.context.trace_id)) >= 2, "the server span")
+    server_span = next(
+        s for s in spans_of(exporter, client.context.trace_id) if s.kind == SpanKind.SERVER
+    )
+    assert server_span.attributes is not None
+    assert server_span.attributes["http.response.status_code"] == 504
+    assert server_span.status.status_code == StatusCode.ERROR
 
 
 async def test_a_batch_of_eight_links_its_eight_requests(
