@@ -93,6 +93,7 @@ class _Checked:
     shards: int
     model: str | None
     errors: list[dict[str, Any]]
+    starts: list[int]  # each shard's first line's number in the input file
 
 
 class Batches:
@@ -143,7 +144,12 @@ class Batches:
             "cancelled_at": None,
             "request_counts": {"total": checked.lines, "completed": 0, "failed": 0},
             "metadata": request.metadata,
-            "_lanes": {"folder": folder, "shards": checked.shards, "flow_run": None},
+            "_lanes": {
+                "folder": folder,
+                "shards": checked.shards,
+                "starts": checked.starts,
+                "flow_run": None,
+            },
         }
         if checked.errors:
             record.update(
@@ -215,23 +221,24 @@ class Batches:
                 entry = {"code": "invalid_request", "message": message, "param": param}
                 errors.append({**entry, "line": number})
 
-        def shard_lines(stream: Iterator[bytes]) -> Iterator[tuple[int, bytes]]:
-            for number, raw in enumerate(stream, 1):
-                if raw.strip():
-                    yield number, raw if raw.endswith(b"\n") else raw + b"\n"
-
+        # A shard holds `per_shard` requests and the blank lines among them, so a line's
+        # number in its shard (the flow's, blank lines counted) maps back to the file's.
+        starts: list[int] = []
         with self.store.content(file_id) as stream:
-            numbered = shard_lines(iter(stream))
+            numbered = enumerate(iter(stream), 1)
             exhausted = False
             while not exhausted:
                 uri = join(folder, "in", f"part-{shards:05d}.jsonl")
-                written = 0
+                written = first = 0
                 with storage.staged(uri) as stage, stage.open("wb") as out:
                     for number, raw in numbered:
+                        first = first or number
+                        out.write(raw if raw.endswith(b"\n") else raw + b"\n")
+                        if not raw.strip():
+                            continue
                         lines += 1
                         found = self._check_line(number, raw, endpoint, seen, model, error)
                         model = model or found
-                        out.write(raw)
                         written += 1
                         if written == per_shard:
                             break
@@ -240,12 +247,14 @@ class Batches:
                     out.flush()
                     if written:
                         storage.publish(stage, uri)
-                shards += 1 if written else 0
+                if written:
+                    shards += 1
+                    starts.append(first)
         if lines == 0:
             error(1, "the input file holds no lines; expected one JSON request per line")
         if model is not None and not errors:
             self._check_model(model, endpoint, error)
-        return _Checked(lines, shards, model, errors)
+        return _Checked(lines, shards, model, errors, starts)
 
     def _check_line(
         self,
@@ -410,25 +419,39 @@ class Batches:
             else:
                 status = "completed"
             record.update(status="finalizing", finalizing_at=now)
-            counts = self._assemble(record, markers, expired=status == "expired")
-            record["request_counts"] = counts
-            record["status"] = status
-            record[f"{status}_at"] = now
+            unanswered: dict[str, Any] | None = EXPIRED if status == "expired" else None
             if status == "failed":
                 message = job.message() or f"the offline run ended {state}"
                 error = {"code": "batch_failed", "message": message, "param": None, "line": None}
                 record["errors"] = {"object": "list", "data": [error]}
+                # Nothing lost: each request its run never answered is an error line.
+                unanswered = {
+                    "code": "batch_failed",
+                    "message": f"This request was not executed: the batch's run failed ({message}).",
+                }
+            counts = self._assemble(record, markers, unanswered)
+            record["request_counts"] = counts
+            record["status"] = status
+            record[f"{status}_at"] = now
             self.store.save_batch(record)
             return record
 
     def _assemble(
-        self, record: dict[str, Any], markers: list[dict[str, Any] | None], expired: bool
+        self,
+        record: dict[str, Any],
+        markers: list[dict[str, Any] | None],
+        unanswered: dict[str, Any] | None,
     ) -> dict[str, int]:
         """Write the output file (committed shards' lines, in input order) and the error
-        file (their rejected lines, numbered as in the input file, then with `expired`
-        every line of a shard never committed); returns the counts."""
+        file (their rejected lines, numbered as in the input file, then, given the
+        `unanswered` error, every request of a shard never committed); returns the
+        counts."""
         folder = record["_lanes"]["folder"]
+        # Batches made before shards kept their blank lines: whole shards of requests.
         per_shard = self.settings.batch.shard_lines
+        starts = record["_lanes"].get("starts") or [
+            shard * per_shard + 1 for shard in range(len(markers))
+        ]
         storage = self.store.storage
         counts = {"total": record["request_counts"]["total"], "completed": 0, "failed": 0}
 
@@ -443,7 +466,7 @@ class Batches:
 
         def errors() -> Iterator[bytes]:
             for shard, marker in enumerate(markers):
-                first = shard * per_shard
+                first = starts[shard] - 1  # the input's number of the line before the shard
                 if marker is not None:
                     uri = join(folder, "out", layout.ERRORS, f"part-{shard:05d}.jsonl")
                     if marker["errors"] and storage.read_bytes(uri) is not None:
@@ -455,12 +478,14 @@ class Batches:
                                     if isinstance(entry.get("line"), int):
                                         entry["line"] += first
                                     yield orjson.dumps(entry) + b"\n"
-                elif expired:
+                elif unanswered is not None:
                     uri = join(folder, "in", f"part-{shard:05d}.jsonl")
                     with storage.open(uri) as lines:
                         for number, line in enumerate(lines, first + 1):
-                            counts["failed"] += 1
-                            yield orjson.dumps(_expired(record["id"], number, line)) + b"\n"
+                            if line.strip():
+                                counts["failed"] += 1
+                                entry = _unanswered(record["id"], number, line, unanswered)
+                                yield orjson.dumps(entry) + b"\n"
 
         batch = record["id"]
         made = self.store.put_file(f"{batch}_output.jsonl", "batch_output", outputs())
@@ -476,7 +501,7 @@ class Batches:
 _ENDED = frozenset({*FINISHED, *FAILED_STATES} - {"CANCELLING"})
 
 
-def _expired(batch: str, number: int, line: bytes) -> dict[str, Any]:
+def _unanswered(batch: str, number: int, line: bytes, error: dict[str, Any]) -> dict[str, Any]:
     try:
         custom_id = orjson.loads(line).get("custom_id")
     except (orjson.JSONDecodeError, AttributeError):
@@ -486,7 +511,7 @@ def _expired(batch: str, number: int, line: bytes) -> dict[str, Any]:
         "custom_id": custom_id,
         "line": number,
         "response": None,
-        "error": EXPIRED,
+        "error": error,
     }
 
 

@@ -51,12 +51,22 @@ def plan_start(
     finish_by, now = finish_by.astimezone(UTC), now.astimezone(UTC)
     opens = max(window_opens.astimezone(UTC), now)
     if items_per_second is None or items_per_second <= 0:
+        unmeasured = "(run `lanes calibrate WORKLOAD` or one run to plan by the deadline)"
+        if opens >= finish_by:  # waiting for the window would miss the deadline for sure
+            return StartPlan(
+                now,
+                None,
+                True,  # unknown without a rate, as below
+                f"no measured rate for this model, and the off-peak window opens at "
+                f"{opens.isoformat()}, past the deadline: starting now {unmeasured}",
+                fits=False,
+            )
         return StartPlan(
             opens,
             None,
             True,
-            "no measured rate for this model: starting when the off-peak window opens "
-            "(run `lanes calibrate WORKLOAD` or one run to plan by the deadline)",
+            f"no measured rate for this model: starting when the off-peak window opens "
+            f"{unmeasured}",
         )
     expected = items / items_per_second
     needed = timedelta(seconds=expected * (1 + MARGIN) + STARTUP_S)

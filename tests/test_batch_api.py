@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ import numpy as np
 import openai
 import pytest
 
-from lanes.jobs import Job
+from lanes.jobs import BATCH_PREFIX, Job
 from lanes.settings import Settings
 from lanes.specfile import load_spec
 from tests.batch_hooks import MARK
@@ -184,7 +185,9 @@ def vectors(lines: list[dict[str, Any]]) -> list[list[float]]:
 
 def test_a_batch_runs_in_the_offline_lane_as_lanes_run_does(setup: Setup) -> None:
     texts = [text(i) for i in range(7)] + ["w1 " * 400]  # the last is over max_length
-    body = lines_for("embed-night", texts)
+    # Blank lines count in a line's number (editors number them) and hold no request.
+    rows = lines_for("embed-night", texts).splitlines(keepends=True)
+    body = b"\n" + b"".join(rows[:3]) + b"\n\n" + b"".join(rows[3:])
     (setup.project / "in" / "mine.jsonl").write_bytes(body)
     with setup.server() as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
@@ -209,7 +212,7 @@ def test_a_batch_runs_in_the_offline_lane_as_lanes_run_does(setup: Setup) -> Non
         output = jsonl(client.files.content(done.output_file_id).read())
         errors = jsonl(client.files.content(done.error_file_id).read())
         assert sorted(line["custom_id"] for line in output) == [f"r{i}" for i in range(7)]
-        assert [(e["custom_id"], e["line"]) for e in errors] == [("r7", 8)]
+        assert [(e["custom_id"], e["line"]) for e in errors] == [("r7", 11)]
 
     # `lanes run` of the same workload over the same file writes the same lines.
     ran_it = subprocess.run(
@@ -351,6 +354,36 @@ def test_a_passed_window_expires_the_batch_with_its_finished_lines(
     assert sorted(line["custom_id"] for line in output) == [f"r{i}" for i in (0, 1, 2, 6, 7, 8)]
     assert [(e["custom_id"], e["line"]) for e in errors] == [("r3", 4), ("r4", 5), ("r5", 6)]
     assert {e["error"]["code"] for e in errors} == {"batch_expired"}
+    assert (done.request_counts.completed, done.request_counts.failed) == (6, 3)
+
+
+def test_a_failed_run_answers_each_request_it_left_in_the_error_file(
+    setup: Setup, closed_gate: None
+) -> None:
+    """Its run crashed (a pod evicted, a worker killed) with a shard uncommitted: nothing
+    is lost, each request of it is an error line."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import Crashed
+
+    with setup.server() as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        batch = held_batch(client, setup)
+        run = uuid.UUID(batch.id.removeprefix(BATCH_PREFIX))  # its flow run's id
+        with (
+            temporary_settings(updates={PREFECT_API_URL: setup.api}),
+            get_client(sync_client=True) as prefect,
+        ):
+            crashed = Crashed(message="the worker's pod was evicted")
+            prefect.set_flow_run_state(run, crashed, force=True)
+        done = finished(client, batch.id)
+        assert done.status == "failed", done
+        output = jsonl(client.files.content(done.output_file_id).read())
+        errors = jsonl(client.files.content(done.error_file_id).read())
+    assert sorted(line["custom_id"] for line in output) == [f"r{i}" for i in (0, 1, 2, 6, 7, 8)]
+    assert [(e["custom_id"], e["line"]) for e in errors] == [("r3", 4), ("r4", 5), ("r5", 6)]
+    assert {e["error"]["code"] for e in errors} == {"batch_failed"}
+    assert "pod was evicted" in errors[0]["error"]["message"]
     assert (done.request_counts.completed, done.request_counts.failed) == (6, 3)
 
 

@@ -33,6 +33,14 @@ def test_an_impossible_deadline_starts_now_and_says_so() -> None:
     assert "even if started now" in plan.note
 
 
+def test_without_a_measured_rate_a_window_past_the_deadline_is_not_waited_for() -> None:
+    """A Batch API batch of 2 h made at 22:00 with the window at 02:00: waiting would
+    expire it with nothing done."""
+    plan = plan_start(100, None, NOW + timedelta(hours=2), OPENS, NOW)
+    assert plan.start == NOW and not plan.fits
+    assert "past the deadline" in plan.note and "lanes calibrate" in plan.note
+
+
 def test_without_a_measured_rate_it_starts_when_the_window_opens() -> None:
     plan = plan_start(100, None, FINISH_BY, OPENS, NOW)
     assert plan.start == OPENS and plan.expected_finish is None
