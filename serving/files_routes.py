@@ -73,6 +73,10 @@ async def upload(request: Request) -> Response:
             check_purpose(purpose)
             if not isinstance(file, UploadFile):
                 raise InvalidInput.field("file", "expected a file part named `file`")
+            most = store.settings.batch.max_file_bytes  # the body's bound has room for framing
+            if file.size is not None and file.size > most:
+                detail = f"{file.size} bytes is over the limit of {most} bytes (LANES_BATCH__MAX_FILE_BYTES)"
+                raise RequestTooLarge.field("file", detail)
             made = await asyncio.to_thread(_save, store, file.file, file.filename or "upload.jsonl")
         finally:
             await form.close()

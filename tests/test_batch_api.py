@@ -267,6 +267,19 @@ def test_an_interactive_workloads_batch_equals_the_endpoint(setup: Setup) -> Non
         np.testing.assert_allclose(vector, answer.embedding, atol=1e-6)
 
 
+def test_an_upload_over_the_file_limit_is_413_by_the_file_not_the_body(setup: Setup) -> None:
+    most = 1000
+    batch = {"store": str(setup.store), "max_file_bytes": most}
+    with ServerThread(setup.spec, batch=batch, prefect_api_url=setup.api) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        fits = lines_for("embed-live", ["w1"])
+        assert client.files.create(file=("a.jsonl", fits), purpose="batch").bytes == len(fits)
+        over = b"x" * (most + 1)  # the body's bound leaves room for the multipart framing
+        with pytest.raises(openai.APIStatusError, match="over the limit of 1000 bytes") as refused:
+            client.files.create(file=("b.jsonl", over), purpose="batch")
+        assert refused.value.status_code == 413
+
+
 def test_a_malformed_file_fails_in_validating_naming_the_line(setup: Setup) -> None:
     good = lines_for("embed-live", ["w1 w2"]).decode()
     body = good + "{not json\n" + good.replace("r0", "r1").replace("/v1/embeddings", "/v1/x")
