@@ -189,7 +189,9 @@ async def _level(
         connection: _Connection | None = None
         i = offset
         try:
-            while window.closes is None:
+            # A failed answer fails the level: no client sends more (against a server
+            # that is down or refuses, each would fail at once, thousands a second).
+            while window.closes is None and not window.failed:
                 start = time.perf_counter()
                 try:
                     if connection is None:
@@ -250,10 +252,11 @@ class _Window:
             self.good += 1
 
     async def close_after(self, seconds: float, limit_s: float) -> None:
-        await asyncio.sleep(max(self.opens + seconds - time.perf_counter(), 0))
-        limit = self.opens + limit_s
+        ends, limit = self.opens + seconds, self.opens + limit_s
         # Checks every 10 ms: at most limit_s / 0.01 checks.
-        while self.good < self.minimum and not self.failed and time.perf_counter() < limit:
+        while not self.failed and time.perf_counter() < limit:
+            if time.perf_counter() >= ends and self.good >= self.minimum:
+                break
             await asyncio.sleep(0.01)
         self.closes = time.perf_counter()
 

@@ -9,11 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 from typer.testing import CliRunner
 
-from lanes.errors import InvalidInput
+from lanes.errors import InvalidInput, LanesError
 from lanes.router.cli import app
 from lanes.router.plot import Chart, Curve, CurvePoint, plotting_missing, save_chart
 from lanes.router.tune import (
@@ -295,6 +296,28 @@ def test_tune_measures_a_running_endpoint_as_it_serves(tmp_path: Path) -> None:
     for p in points:
         assert p.errors == 0 and p.items_per_second > 0 and p.p99_ms is not None
         assert p.p50_ms is not None and p.p50_ms <= p.p99_ms
+
+
+def test_a_level_that_fails_stops_sending_at_once(tmp_path: Path) -> None:
+    """A wrong key: each of the 4 clients' first answer is a 401, and none sends again
+    (it sent thousands a second while the level ran its time)."""
+    spec_file = write_spec(
+        tmp_path, {"search": {"mode": "interactive", "task": "embed", "model": "enc"}}
+    )
+    with ServerThread(spec_file, api_key="the-key") as server:
+        plan = Plan([Config(2)], [4], seconds=1.0, repeats=1)
+        with pytest.raises(
+            LanesError, match=r"got no good answers \(\d errors; the first: HTTP 401"
+        ):
+            measure(server.spec, "search", Settings(api_key="wrong"), plan, server.url)
+        key = {"Authorization": "Bearer the-key"}
+        text = httpx.get(f"{server.url}/metrics", headers=key).text
+    refused = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("lanes_responses_total{") and 'code="401"' in line
+    )
+    assert 1 <= refused <= 4
 
 
 def test_tune_refuses_what_a_running_endpoint_cannot_do(tmp_path: Path) -> None:
