@@ -72,6 +72,9 @@ class Pending:
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
     queued: bool = True  # still waiting in the queue (not yet handed to a batch)
     request: RequestRecord | None = None  # its HTTP request's: the run writes its part
+    # Every item of its request (itself too): once one reaches the model, the request is
+    # answered by the model, and the others' deadlines no longer stand.
+    siblings: tuple[Pending, ...] = field(default=(), repr=False)
 
     @property
     def live(self) -> bool:
@@ -249,10 +252,15 @@ class BatchQueue:
         while self._items and len(batch) < limit:
             pending = self._items.popleft()
             if pending.live:
-                # Once it reaches the model it is answered by the model, deadline or not.
+                # Once it reaches the model it is answered by the model, deadline or not:
+                # its request too (the other items, in a later batch: their model time
+                # would be lost with a 504).
                 pending.queued = False
-                if pending.timer is not None:
-                    pending.timer.cancel()
+                for started in pending.siblings or (pending,):
+                    if started.timer is not None:
+                        started.timer.cancel()
+                        started.timer = None
+                    started.deadline = None
                 batch.append(pending)
         self._live -= len(batch)
         return batch

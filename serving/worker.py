@@ -242,6 +242,9 @@ class BatchWorker:
                     # May refuse: Overloaded.
                     pendings.append(self.queue.put(item, deadline, early_s))
                     pendings[-1].request = request
+                if len(pendings) > 1:
+                    for pending in pendings:
+                        pending.siblings = tuple(pendings)
                 self.offline.interactive_waits()
                 self._set_depths()
             if len(pendings) == 1:

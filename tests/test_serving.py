@@ -58,6 +58,12 @@ WORKLOADS = """\
     model: minilm
     handler: tests.gates:held
     batching: {max_batch_size: 64, max_wait_ms: 0, max_queue: 4}
+  held-one:                        # the same, one item a batch
+    mode: interactive
+    task: embed
+    model: minilm
+    handler: tests.gates:held
+    batching: {max_batch_size: 1, max_wait_ms: 0, max_queue: 4}
   nightly:
     mode: offline
     task: embed
@@ -119,7 +125,14 @@ def test_openai_list_input_base64_and_models(server: ServerThread) -> None:
     assert np.allclose(unpacked, floats.data[0].embedding, atol=1e-6)
     assert len(floats.data[0].embedding) == 384
     ids = {m.id for m in client.models.list().data}
-    assert ids == {"search-query", "flowers", "flower-labels", "full-batches", "held-lane"}
+    assert ids == {
+        "search-query",
+        "flowers",
+        "flower-labels",
+        "full-batches",
+        "held-lane",
+        "held-one",
+    }
 
 
 def test_tritonclient_infer_and_metadata(server: ServerThread) -> None:
@@ -211,6 +224,29 @@ async def test_expired_deadline_answers_504_and_never_reaches_the_model(
             )
         assert (await running).status_code == 200
     assert run_items(server, "held-lane") == before + 1
+
+
+async def test_a_request_on_the_model_is_answered_though_its_other_items_outwait_its_deadline(
+    server: ServerThread,
+) -> None:
+    """One item a batch: the request's first input holds the model past its deadline
+    while its second waits. It is on the model, so it is answered, both inputs."""
+    url = f"{server.url}/v1/embeddings"
+    deadline = {"X-Timeout-Ms": "300"}
+    async with httpx.AsyncClient(timeout=30) as client:
+        with HELD.closed():
+            both = asyncio.create_task(
+                client.post(
+                    url, json={"model": "held-one", "input": ["one", "two"]}, headers=deadline
+                )
+            )
+            await asyncio.to_thread(HELD.wait_held)  # "one" is on the model, "two" waits
+            alone = {"model": "held-one", "input": "queued after"}
+            witness = await client.post(url, json=alone, headers=deadline)
+            assert witness.status_code == 504  # so the deadline of both has passed
+        answer = await both
+    assert answer.status_code == 200, answer.text
+    assert len(answer.json()["data"]) == 2
 
 
 BAD_REQUESTS: list[tuple[str, str, object, int]] = [
