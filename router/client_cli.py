@@ -121,17 +121,21 @@ def submit(
     chosen: Literal["offpeak", "now"] = "now" if now else _when(when)
     path = Path(records)
     source: Any = records
-    if "://" not in records and not path.exists() and not any(c in records for c in "*?["):
-        raise InvalidInput(
-            f"{records}: no such file or folder: give a .jsonl file, a folder or a URI"
-        )
     if path.is_file() and path.name.endswith(".jsonl"):
         lines = path.read_text(encoding="utf-8").splitlines()
         source = [
             _json(line, f"{records} line {n}") for n, line in enumerate(lines, 1) if line.strip()
         ]
     with Client(spec=file) as client:
-        job = client.submit(workload, source, when=chosen)
+        try:
+            job = client.submit(workload, source, when=chosen)
+        except InvalidInput as e:
+            # A path not here may be the workers' (a shared mount): said only when refused.
+            if "://" in records or path.exists():
+                raise
+            raise InvalidInput(
+                f"{records}: no such file here, nor an input the workers read ({e})"
+            ) from None
         scheduled = job.scheduled_time()
     typer.echo(job.id)
     at = scheduled.isoformat() if scheduled else "unknown"

@@ -226,7 +226,7 @@ async def _level(
         completed=len(timed),
         errors=len(failed),
         first_error=failed[0].error if failed else None,
-        items_per_second=len(timed) / (closes - opens),
+        items_per_second=len(timed) / (closes - opens) if closes > opens else 0.0,
         p50_ms=float(np.percentile(latencies, 50)) if len(timed) else None,
         p99_ms=float(np.percentile(latencies, 99)) if len(timed) else None,
         latencies_ms=latencies.tolist(),
@@ -258,7 +258,7 @@ class _Window:
             if time.perf_counter() >= ends and self.good >= self.minimum:
                 break
             await asyncio.sleep(0.01)
-        self.closes = time.perf_counter()
+        self.closes = max(time.perf_counter(), self.opens)  # failed in its warm-up: empty
 
 
 async def _serve_levels(url: str, requests_file: Path) -> None:

@@ -90,7 +90,7 @@ def serve(spec: Spec, settings: Settings, host: str | None = None, port: int | N
     port = port if port is not None else settings.port
     # Bound before anything loads: a port in use is one line at once, not uvicorn's
     # log line after the models loaded and an exit status that means something else.
-    sock = listen(host, port)
+    sockets = listen(host, port)
     app = create_app(spec, settings)
     config = uvicorn.Config(
         app,
@@ -104,30 +104,35 @@ def serve(spec: Spec, settings: Settings, host: str | None = None, port: int | N
         timeout_graceful_shutdown=30,
         log_level=settings.log_level.lower(),
     )
-    DrainingServer(config, settings.drain_s, app.drain).run(sockets=[sock])
+    DrainingServer(config, settings.drain_s, app.drain).run(sockets=sockets)
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to `host`:`port` (not listening yet; uvicorn does that)."""
+def listen(host: str, port: int) -> list[socket.socket]:
+    """TCP sockets bound to `host`:`port`, one per address the host resolves to, as
+    uvicorn binds them (not listening yet; uvicorn does that)."""
     if not 0 <= port <= 65535:
         raise InvalidInput(f"port: expected 0 to 65535, found {port}")
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (OSError, UnicodeError) as e:
         raise InvalidInput(
             f"host: cannot resolve {host!r} ({e}): give an address or a name this machine resolves"
         ) from None
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sockets: list[socket.socket] = []
     try:
-        sock.bind(address)
+        for family, kind, proto, _, address in dict.fromkeys(found):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # as asyncio does: "::" is not also IPv4's
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.set_inheritable(True)
     except OSError as e:
-        sock.close()
+        for sock in sockets:
+            sock.close()
         raise LanesError(
             f"cannot listen on {host}:{port} ({e.strerror or e}): stop what listens there, "
             "or choose another --port (LANES_PORT) or --host (LANES_HOST)"
         ) from None
-    sock.set_inheritable(True)
-    return sock
+    return sockets

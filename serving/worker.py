@@ -257,6 +257,9 @@ class BatchWorker:
             for pending in pendings:
                 pending.future.cancel()
             raise
+        finally:
+            for pending in pendings:
+                pending.siblings = ()  # a cycle through each of them: freed now, not by gc
         self.observer.answered(self.clock() - arrived)
         return outputs
 
@@ -281,6 +284,8 @@ class BatchWorker:
             for pending in pendings:  # the flow went away: its items leave the queue
                 pending.future.cancel()
             raise
+        if outcomes and all(isinstance(o, Overloaded) for o in outcomes):
+            raise outcomes[0]  # the model failed to load again: the flow retries the batch
         return list(outcomes)
 
     def _wake(self) -> None:

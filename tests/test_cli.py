@@ -223,7 +223,7 @@ def test_run_checks_the_workload_before_any_prefect_starts(spec_path: Path) -> N
             ["render", "k8s", "--image", "i:1", "--worker-image", "w:1", "--out"],
             "error: --out: cannot write into {where} (",
         ),
-        (["submit", "nightly-embed"], "error: {where}: no such file or folder"),
+        (["submit", "nightly-embed"], "error: {where}: no such file here, nor an input"),
     ],
     ids=["render --out", "submit"],
 )
