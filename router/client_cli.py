@@ -131,7 +131,7 @@ def submit(
             job = client.submit(workload, source, when=chosen)
         except InvalidInput as e:
             # A path not here may be the workers' (a shared mount): said only when refused.
-            if "://" in records or path.exists():
+            if "://" in records or path.exists() or any(c in records for c in "*?["):
                 raise
             raise InvalidInput(
                 f"{records}: no such file here, nor an input the workers read ({e})"
