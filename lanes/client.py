@@ -33,10 +33,11 @@ import httpx
 from lanes.errors import (
     LanesError,
 )
+from lanes.payloads import Request
 from lanes.settings import Settings
 from lanes.spec import Spec
 from lanes.tracing import Tracing
-from lanes.wire import Completion, Core, Request, Usage, cut_short, json_body
+from lanes.wire import Completion, Core, Usage, cut_short, json_body
 
 __all__ = ["AsyncClient", "Client", "Completion", "Records", "Usage", "When"]
 

@@ -5,8 +5,6 @@ built from a workload's label, results or typed errors out, and the retry policy
 
 from __future__ import annotations
 
-import base64
-import functools
 import json
 import random
 import uuid
@@ -27,8 +25,8 @@ from lanes.errors import (
     WrongMode,
     from_wire,
 )
+from lanes.payloads import Request, as_mapping, guessed, output_array, tensor, vector
 from lanes.protocols import REQUEST_ID_HEADER, TIMEOUT_HEADER
-from lanes.protocols.v2 import DTYPES
 from lanes.settings import Settings
 from lanes.spec import (
     InteractiveWorkload,
@@ -63,26 +61,6 @@ class Completion:
     usage: Usage
 
 
-@dataclass(frozen=True)
-class Request:
-    method: str
-    path: str
-    body: dict[str, Any] | None  # None: no body (a GET)
-    headers: dict[str, str]
-    streamed: bool = False  # the answer comes as Server-Sent Events
-
-    @functools.cached_property
-    def content(self) -> bytes | None:
-        """The body as JSON, encoded once for every attempt; what JSON cannot hold (a
-        set, bytes, NaN) is InvalidInput naming its field, before anything is sent."""
-        if self.body is None:
-            return None
-        try:
-            return _json(self.body)
-        except (TypeError, ValueError) as e:
-            raise _unsendable(self.body, e) from None
-
-
 def _root(endpoint: str) -> str:
     """The server's root URL, checked now rather than at the first call."""
     try:
@@ -101,29 +79,6 @@ def _root(endpoint: str) -> str:
             f"{root.rsplit('/', 1)[0]} (lanes adds each API's path itself)",
         )
     return root
-
-
-def _json(value: Any) -> bytes:
-    return json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(",", ":")).encode()
-
-
-def _unsendable(body: Mapping[str, Any], error: Exception) -> InvalidInput:
-    """The field of `body` (an infer tensor by its name) that JSON cannot hold."""
-    inputs = body.get("inputs")
-    tensors = inputs if isinstance(inputs, list) else []
-    parts = [(k, v) for k, v in body.items() if v is not inputs or not tensors]
-    parts += [(t["name"], t["data"]) for t in tensors]  # made by _tensor
-    found = "body", error
-    for name, part in parts:
-        try:
-            _json(part)
-        except (TypeError, ValueError) as e:
-            found = name, e
-            break
-    name, cause = found
-    return InvalidInput.field(
-        name, f"cannot be sent as JSON ({cause}); send strings, finite numbers, lists and mappings"
-    )
 
 
 class Core:
@@ -205,7 +160,7 @@ class Core:
                 options = {"stream_options": {"include_usage": True}, **options}
             return self._generate_request(name, input, options, headers, stream=w.stream)
         types = self._input_types.get(name, {})
-        tensors = [_tensor(k, v, types.get(k)) for k, v in _mapping(input).items()]
+        tensors = [tensor(k, v, types.get(k)) for k, v in as_mapping(input).items()]
         return Request("POST", f"/v2/models/{name}/infer", {**options, "inputs": tensors}, headers)
 
     def types_request(self, name: str, input: Any) -> Request | None:
@@ -216,7 +171,7 @@ class Core:
         w = self.workload(name, "interactive")
         if w.task != "infer" or name in self._input_types or not isinstance(input, Mapping):
             return None
-        if not any(_guessed(v) for v in input.values()):
+        if not any(guessed(v) for v in input.values()):
             return None
         return Request("GET", f"/v2/models/{name}", None, dict(self.headers))
 
@@ -311,14 +266,14 @@ class Core:
         task = self.spec.workload(name).task
         try:
             if task == "embed":
-                vectors = np.stack([_vector(d["embedding"]) for d in body["data"]])
+                vectors = np.stack([vector(d["embedding"]) for d in body["data"]])
                 return vectors[0] if isinstance(input, str) else vectors
             if task == "generate":
                 choice = body["choices"][0]
                 text = choice["message"]["content"] if "message" in choice else choice["text"]
                 usage = Usage(**{k: int(body["usage"][k]) for k in Usage.__dataclass_fields__})
                 return Completion(text, choice["finish_reason"], usage)
-            return {o["name"]: _array(o) for o in body["outputs"]}
+            return {o["name"]: output_array(o) for o in body["outputs"]}
         except (KeyError, IndexError, TypeError, ValueError) as e:
             raise LanesError(
                 f"{self.endpoint}: the answer for {name!r} is not the {task} shape lanes "
@@ -505,75 +460,3 @@ def _retry_after(headers: Mapping[str, str]) -> float:
         return max(0.0, float(headers.get("retry-after", "1")))
     except ValueError:
         return 1.0  # an HTTP date: lanes never sends one
-
-
-def _mapping(input: Any) -> Mapping[str, Any]:
-    if not isinstance(input, Mapping):
-        raise InvalidInput(
-            f"input: an infer workload takes a mapping of input name -> array, "
-            f"found {type(input).__name__}"
-        )
-    return input
-
-
-_V2_NAMES = {np.dtype(v): k for k, v in DTYPES.items() if k != "BYTES"}
-
-
-def _guessed(value: Any) -> bool:
-    """Whether a value's v2 datatype is a guess: Python numbers and lists, and numpy's
-    default int64 and float64 that they become. Any other numpy dtype is the caller's."""
-    if isinstance(value, np.ndarray | np.generic):
-        return value.dtype in _DEFAULT_DTYPES
-    return not isinstance(value, str | bytes)
-
-
-_DEFAULT_DTYPES = (np.dtype(np.int64), np.dtype(np.float64))
-
-
-def _tensor(name: str, value: Any, model_type: str | None = None) -> dict[str, Any]:
-    """One v2 request tensor. A guessed datatype (see `_guessed`) becomes the model's
-    when the values fit it unchanged in kind (ints into floats, float64 into FP32,
-    int64 into int32 within range), else without the model's, float64 goes as FP32,
-    the usual type; other values go as their own dtype, for the server to name a
-    mismatch."""
-    array = np.asarray(value)
-    if array.dtype.kind in "OUS":
-        datatype = "BYTES"
-    elif model_type is not None and _guessed(value) and _fits(array, model_type):
-        array = array.astype(DTYPES[model_type])
-        datatype = model_type
-    elif array.dtype == np.float64 and model_type is None and _guessed(value):
-        datatype = "FP32"
-    else:
-        found = _V2_NAMES.get(array.dtype)
-        if found is None:
-            raise InvalidInput(f"input {name!r}: dtype {array.dtype} has no v2 datatype")
-        datatype = found
-    return {
-        "name": name,
-        "shape": list(array.shape),
-        "datatype": datatype,
-        "data": array.reshape(-1).tolist(),
-    }
-
-
-def _fits(array: np.ndarray[Any, Any], datatype: str) -> bool:
-    target = DTYPES.get(datatype)
-    if target is None or target is object or array.dtype.kind not in "biuf":
-        return False
-    cast = array.astype(target)
-    same_kind = np.can_cast(array.dtype, target, casting="same_kind")
-    return bool(same_kind and (cast.dtype.kind == "f" or np.array_equal(cast, array)))
-
-
-def _array(output: Mapping[str, Any]) -> Any:
-    if output["datatype"] == "BYTES" and output["name"] == "result":
-        # A handler's JSON results, one per row.
-        return [json.loads(v) for v in output["data"]]
-    return np.asarray(output["data"], dtype=DTYPES[output["datatype"]]).reshape(output["shape"])
-
-
-def _vector(embedding: Any) -> np.ndarray[Any, Any]:
-    if isinstance(embedding, str):  # OpenAI's base64: little-endian float32
-        return np.frombuffer(base64.b64decode(embedding), dtype="<f4").astype(np.float32)
-    return np.asarray(embedding, dtype=np.float32)

@@ -1,0 +1,133 @@
+"""What a call's input becomes on the wire, and its answer back: a request's JSON body
+(encoded once, and what JSON cannot hold named by its field), v2 tensors with the
+model's datatypes, and embeddings. No I/O: `lanes.wire` builds requests with these.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from lanes.errors import InvalidInput
+from lanes.protocols.v2 import DTYPES
+
+
+@dataclass(frozen=True)
+class Request:
+    method: str
+    path: str
+    body: dict[str, Any] | None  # None: no body (a GET)
+    headers: dict[str, str]
+    streamed: bool = False  # the answer comes as Server-Sent Events
+
+    @functools.cached_property
+    def content(self) -> bytes | None:
+        """The body as JSON, encoded once for every attempt; what JSON cannot hold (a
+        set, bytes, NaN) is InvalidInput naming its field, before anything is sent."""
+        if self.body is None:
+            return None
+        try:
+            return _json(self.body)
+        except (TypeError, ValueError) as e:
+            raise _unsendable(self.body, e) from None
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _unsendable(body: Mapping[str, Any], error: Exception) -> InvalidInput:
+    """The field of `body` (an infer tensor by its name) that JSON cannot hold."""
+    inputs = body.get("inputs")
+    tensors = inputs if isinstance(inputs, list) else []
+    parts = [(k, v) for k, v in body.items() if v is not inputs or not tensors]
+    parts += [(t["name"], t["data"]) for t in tensors]  # made by _tensor
+    found = "body", error
+    for name, part in parts:
+        try:
+            _json(part)
+        except (TypeError, ValueError) as e:
+            found = name, e
+            break
+    name, cause = found
+    return InvalidInput.field(
+        name, f"cannot be sent as JSON ({cause}); send strings, finite numbers, lists and mappings"
+    )
+
+
+def as_mapping(input: Any) -> Mapping[str, Any]:
+    if not isinstance(input, Mapping):
+        raise InvalidInput(
+            f"input: an infer workload takes a mapping of input name -> array, "
+            f"found {type(input).__name__}"
+        )
+    return input
+
+
+_V2_NAMES = {np.dtype(v): k for k, v in DTYPES.items() if k != "BYTES"}
+
+
+def guessed(value: Any) -> bool:
+    """Whether a value's v2 datatype is a guess: Python numbers and lists, and numpy's
+    default int64 and float64 that they become. Any other numpy dtype is the caller's."""
+    if isinstance(value, np.ndarray | np.generic):
+        return value.dtype in _DEFAULT_DTYPES
+    return not isinstance(value, str | bytes)
+
+
+_DEFAULT_DTYPES = (np.dtype(np.int64), np.dtype(np.float64))
+
+
+def tensor(name: str, value: Any, model_type: str | None = None) -> dict[str, Any]:
+    """One v2 request tensor. A guessed datatype (see `guessed`) becomes the model's
+    when the values fit it unchanged in kind (ints into floats, float64 into FP32,
+    int64 into int32 within range), else without the model's, float64 goes as FP32,
+    the usual type; other values go as their own dtype, for the server to name a
+    mismatch."""
+    array = np.asarray(value)
+    if array.dtype.kind in "OUS":
+        datatype = "BYTES"
+    elif model_type is not None and guessed(value) and _fits(array, model_type):
+        array = array.astype(DTYPES[model_type])
+        datatype = model_type
+    elif array.dtype == np.float64 and model_type is None and guessed(value):
+        datatype = "FP32"
+    else:
+        found = _V2_NAMES.get(array.dtype)
+        if found is None:
+            raise InvalidInput(f"input {name!r}: dtype {array.dtype} has no v2 datatype")
+        datatype = found
+    return {
+        "name": name,
+        "shape": list(array.shape),
+        "datatype": datatype,
+        "data": array.reshape(-1).tolist(),
+    }
+
+
+def _fits(array: np.ndarray[Any, Any], datatype: str) -> bool:
+    target = DTYPES.get(datatype)
+    if target is None or target is object or array.dtype.kind not in "biuf":
+        return False
+    cast = array.astype(target)
+    same_kind = np.can_cast(array.dtype, target, casting="same_kind")
+    return bool(same_kind and (cast.dtype.kind == "f" or np.array_equal(cast, array)))
+
+
+def output_array(output: Mapping[str, Any]) -> Any:
+    if output["datatype"] == "BYTES" and output["name"] == "result":
+        # A handler's JSON results, one per row.
+        return [json.loads(v) for v in output["data"]]
+    return np.asarray(output["data"], dtype=DTYPES[output["datatype"]]).reshape(output["shape"])
+
+
+def vector(embedding: Any) -> np.ndarray[Any, Any]:
+    if isinstance(embedding, str):  # OpenAI's base64: little-endian float32
+        return np.frombuffer(base64.b64decode(embedding), dtype="<f4").astype(np.float32)
+    return np.asarray(embedding, dtype=np.float32)
