@@ -149,9 +149,7 @@ class Settings(BaseSettings):
         "(LANES_OFFPEAK__CRON, LANES_OFFPEAK__TIMEZONE).",
     )
     price_per_device_hour: float = Field(
-        1.0,
-        ge=0,
-        description="Cost estimate basis for job manifests, in dollars.",
+        1.0, ge=0, description="Cost estimate basis for job manifests, in dollars."
     )
     allowed_input_roots: tuple[str, ...] = Field(
         (),
