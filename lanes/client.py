@@ -94,7 +94,7 @@ class Client:
         self, workload: str, input: Any, *, timeout_ms: float | None = None, **options: Any
     ) -> Any:
         """Run one interactive request and return its result:
-        embed: a float32 vector for a text, [n, dim] for a list of texts;
+        embed: a float32 vector for a text, [n, dim] for a list (or 1-D numpy array) of texts;
         infer: a dict of output name -> array (a handler's workload: its JSON values);
         generate: a Completion (a str prompt, or a list of chat messages); it travels
         streamed when the workload says `stream: true`.

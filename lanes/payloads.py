@@ -61,6 +61,26 @@ def _unsendable(body: Mapping[str, Any], error: Exception) -> InvalidInput:
     )
 
 
+def embed_input(value: Any) -> Any:
+    """An embed call's input, numpy arrays made what JSON holds: a 1-D array of texts
+    (dtype str, or object holding only str) a list of str, a 1-D or 2-D array of ints
+    token ids; any other array is InvalidInput naming `input`. Other values pass as
+    they are (`Request.content` names what JSON cannot hold)."""
+    if not isinstance(value, np.ndarray):
+        return value
+    kind, flat = value.dtype.kind, value.ndim == 1
+    if flat and (kind == "U" or (kind == "O" and all(isinstance(v, str) for v in value))):
+        return [str(v) for v in value]
+    if kind in "iu" and value.ndim in (1, 2):
+        return value.tolist()
+    raise InvalidInput.field(
+        "input",
+        f"a numpy array of {value.dtype} with shape {value.shape} cannot be sent as an embed "
+        "input: send texts (a str, a list of str or a 1-D array of str) or token ids "
+        "(a 1-D or 2-D array of ints)",
+    )
+
+
 def as_mapping(input: Any) -> Mapping[str, Any]:
     if not isinstance(input, Mapping):
         raise InvalidInput(

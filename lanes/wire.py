@@ -25,7 +25,15 @@ from lanes.errors import (
     WrongMode,
     from_wire,
 )
-from lanes.payloads import Request, as_mapping, guessed, output_array, tensor, vector
+from lanes.payloads import (
+    Request,
+    as_mapping,
+    embed_input,
+    guessed,
+    output_array,
+    tensor,
+    vector,
+)
 from lanes.protocols import REQUEST_ID_HEADER, TIMEOUT_HEADER
 from lanes.settings import Settings
 from lanes.spec import (
@@ -151,7 +159,8 @@ class Core:
         headers = self._headers(timeout_ms)
         if w.task == "embed":
             # base64 float32 is a quarter of the JSON and decodes without parsing floats.
-            body = {**options, "model": name, "input": input, "encoding_format": "base64"}
+            sent = embed_input(input)
+            body = {**options, "model": name, "input": sent, "encoding_format": "base64"}
             return Request("POST", "/v1/embeddings", body, headers)
         if w.task == "generate":
             # The workload's `stream:` says how the answer travels; `call` returns the

@@ -219,6 +219,24 @@ async def test_call_sends_numbers_as_the_model_s_datatype(
         client.call("flowers", {"features": np.array(ints, dtype=np.int32)})
 
 
+async def test_embed_takes_numpy_arrays_of_texts_and_token_ids(
+    client: lanes.Client, aclient: lanes.AsyncClient
+) -> None:
+    texts = ["how do I reverse a list", "sort a dict"]
+    want = client.call("search-query", texts)
+    for array in (np.array(texts), np.array(texts, dtype=object)):
+        assert np.allclose(client.call("search-query", array), want, atol=1e-5)
+        assert np.allclose(await aclient.call("search-query", array), want, atol=1e-5)
+    ids = [[101, 7592, 102], [101, 2088, 102]]
+    assert np.array_equal(
+        client.call("search-query", np.array(ids)), client.call("search-query", ids)
+    )
+    for bad in (np.zeros((2, 3)), np.array([texts]), np.array(["a", 1], dtype=object)):
+        with pytest.raises(lanes.InvalidInput, match="input: a numpy array of ") as refused:
+            client.call("search-query", bad)
+        assert refused.value.param == "input"
+
+
 def held_chunks(chunks: Iterator[str]) -> list[str]:
     """Every chunk of a stream whose first step (the prefill) ran alone: the server
     sends whatever a client has not read yet as one chunk, so on a fast machine a
