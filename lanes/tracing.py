@@ -119,8 +119,10 @@ class Tracing:
         parent: SpanContext | None = None,
         links: list[Link] | None = None,
         attributes: Mapping[str, Any] | None = None,
+        error: str | None = None,
     ) -> SpanContext:
-        """Record a span that already happened (a queue wait, a batch run); its context."""
+        """Record a span that already happened (a queue wait, a batch run); its context.
+        With `error`, its status is an error that `error` describes."""
         from opentelemetry import trace
 
         context = trace.set_span_in_context(trace.NonRecordingSpan(parent)) if parent else None
@@ -131,6 +133,8 @@ class Tracing:
             start_time=start_ns,
             attributes=dict(attributes or {}),
         )
+        if error is not None:
+            self.failed(span, error)
         span.end(end_time=end_ns)
         return span.get_span_context()
 

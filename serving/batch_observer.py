@@ -10,11 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from lanes.costmodel import CostModel
+from lanes.errors import DeadlineExceeded
+from lanes.serving.access import RequestRecord
 from lanes.serving.batching import LANES, Lane, LaneQueues, Pending
 from lanes.serving.metrics import LaneSeries, Metrics, Utilization
 from lanes.serving.offline_runs import OfflineLane
 from lanes.serving.slo import padded_tokens
-from lanes.serving.tracing import batch_spans
+from lanes.serving.tracing import batch_spans, expired_span
 from lanes.tracing import Tracing
 
 
@@ -51,6 +53,15 @@ class BatchObserver:
     def answered(self, seconds: float) -> None:
         """A request's latency, from its arrival to its answer."""
         self._latency.observe(seconds)
+
+    def failed(self, request: RequestRecord | None, arrived: float, error: BaseException) -> None:
+        """A request that failed (refused, its run failed, its caller went): one whose
+        deadline passed in the queue (504) gets its queue wait's span, an error, when
+        it is traced."""
+        traced = request.trace if request is not None else None
+        if self._tracing is None or traced is None or not isinstance(error, DeadlineExceeded):
+            return
+        expired_span(self._tracing, traced, arrived, self.clock, str(error))
 
     def depths(self, lanes: LaneQueues) -> None:
         """The queues' depths, both lanes'."""

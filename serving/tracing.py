@@ -95,6 +95,20 @@ def batch_spans(
         tracing.finished("model", wall.ns(max(start, end - run_s)), wall.ns(end), run)
 
 
+def expired_span(
+    tracing: Tracing,
+    request: SpanContext,
+    arrived: float,
+    clock: Callable[[], float],
+    why: str,
+) -> None:
+    """The queue wait of a request answered 504 before it ran, from its arrival to
+    now (the executor's clock), an error that `why` describes."""
+    now = clock()
+    wall = WallClock(now)
+    tracing.finished("queue", wall.ns(arrived), wall.ns(now), request, error=why)
+
+
 @dataclass(eq=False)
 class _Traced:
     """One traced sequence's times so far (on the engine's clock)."""
@@ -186,4 +200,8 @@ class GenerateSpans:
                     {"lanes.tokens_out": t.tokens, "lanes.steps": t.steps, **finish},
                 )
             elif t.prefill is None:  # left before any prefill (a deadline, an abort)
-                self.tracing.finished("queue", ns(t.arrived), ns(now), t.request, None, finish)
+                # A deadline (504) or a failure is an error; a caller who went away is not.
+                error = event.finish if event.finish in ("deadline", "error") else None
+                self.tracing.finished(
+                    "queue", ns(t.arrived), ns(now), t.request, None, finish, error
+                )

@@ -251,11 +251,12 @@ class BatchWorker:
                 outputs = [await pendings[0].future]
             else:
                 outputs = list(await asyncio.gather(*(p.future for p in pendings)))
-        except BaseException:
+        except BaseException as e:
             # Refused, one failed, or the caller went away: free the others' places too.
             # A run already started ends on the thread regardless and is accounted for then.
             for pending in pendings:
                 pending.future.cancel()
+            self.observer.failed(request, arrived, e)
             raise
         finally:
             for pending in pendings:

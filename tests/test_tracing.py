@@ -134,6 +134,13 @@ def test_a_failed_call_is_an_error_span_where_it_failed(
     assert server_span.attributes["http.response.status_code"] == status
     expected = StatusCode.ERROR if status >= 500 else StatusCode.UNSET
     assert server_span.status.status_code == expected
+    if status == 504:  # its deadline passed in the queue: the wait is its trace's story
+        (queue,) = [s for s in spans_of(exporter, client.context.trace_id) if s.name == "queue"]
+        assert queue.parent is not None and queue.parent.span_id == server_span.context.span_id
+        assert queue.status.status_code == StatusCode.ERROR
+        assert queue.status.description and "deadline" in queue.status.description
+        assert queue.start_time is not None and queue.end_time is not None
+        assert queue.end_time - queue.start_time >= 45_000_000, "it waited out its 50 ms"
 
 
 async def test_a_batch_of_eight_links_its_eight_requests(

@@ -8,6 +8,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, StatusCode
 
 from lanes.tracing import Tracing
 from tests.gates import Gate, wait_until
@@ -163,6 +164,42 @@ async def test_requests_prefilled_together_link_to_the_one_prefill_run(
         (decode,) = [d for d in decodes if parent_of(d) == request]
         assert linked(decode) == {shared.context.span_id}
         assert decode.attributes is not None and decode.attributes["lanes.tokens_out"] == 4
+
+
+async def test_a_request_whose_deadline_passes_in_the_queue_has_an_error_queue_span(
+    server: ServerThread, exporter: InMemorySpanExporter
+) -> None:
+    engine = server.app.state.engines["code"]
+    body = {"model": "code", "max_tokens": 4, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        with GATE.closed():  # the first request's prefill waits: the late one queues
+            first = asyncio.create_task(
+                client.post("/v1/completions", json={**body, "prompt": "a"})
+            )
+            await asyncio.to_thread(GATE.wait_held)
+            sent = time.monotonic()  # the server's clock, in this process: before its arrival
+            late = asyncio.create_task(
+                client.post(
+                    "/v1/completions",
+                    json={**body, "prompt": "b"},
+                    headers={"X-Timeout-Ms": "50"},
+                )
+            )
+            await asyncio.to_thread(wait_until, lambda: engine.queue_depth == 1, "it queued")
+            # Deadlines expire as the next step is planned: once 50 ms have surely passed.
+            await asyncio.to_thread(wait_until, lambda: time.monotonic() > sent + 0.06, "50 ms")
+        answers = [await first, await late]
+    assert [a.status_code for a in answers] == [200, 504]
+    request_id = answers[1].headers["x-request-id"]
+    wait_until(lambda: request_span(exporter, request_id) is not None, "the request's span")
+    request = request_span(exporter, request_id)
+    assert request is not None
+    (queue,) = spans_of(exporter, request.context.trace_id, "queue")
+    assert parent_of(queue) == request.context.span_id
+    assert queue.status.status_code == StatusCode.ERROR
+    assert queue.attributes is not None and queue.attributes["lanes.finish_reason"] == "deadline"
+    assert queue.start_time is not None and queue.end_time is not None
+    assert queue.end_time - queue.start_time >= 50_000_000, "it waited past its deadline"
 
 
 def test_a_guarded_request_has_its_guard_span(
