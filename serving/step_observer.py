@@ -131,8 +131,11 @@ class StepObserver:
             self.spans.observed(plan, step.events, step.end)
 
     def _lane_busy(self, step: Step, seconds: float) -> None:
-        """A step's time, shared between the lanes by the rows each had in it."""
-        seqs = (*step.plan.decode, *step.plan.prefill, *step.plan.resumed)
+        """A step's time, shared between the lanes by the rows each had in it (a
+        part of a long prompt counts as its sequence's row)."""
+        plan = step.plan
+        chunk = (plan.chunk.seq,) if plan.chunk is not None else ()
+        seqs = (*plan.decode, *plan.prefill, *plan.resumed, *chunk)
         offline = sum(s.offline for s in seqs)
         if seqs:
             self.lanes["offline"].busy.inc(seconds * offline / len(seqs))

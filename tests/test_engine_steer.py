@@ -11,6 +11,7 @@ order of the runs, never time.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,10 +68,8 @@ BUDGETS = {
 }
 
 
-@pytest.mark.parametrize("budget", BUDGETS)
-async def test_a_long_prompt_is_prefilled_in_parts_while_a_row_keeps_decoding(
-    demo_models: Path, budget: str
-) -> None:
+def _costed(demo_models: Path, budget: str) -> tuple[GenerateTask, _PrefillCosts, list[float]]:
+    """The demo decoder under `budget`, its session costed (`_PrefillCosts`), the clock."""
     folder = demo_models / "tinycode"
     spec = Spec.model_validate(
         {
@@ -93,6 +92,14 @@ async def test_a_long_prompt_is_prefilled_in_parts_while_a_row_keeps_decoding(
     now = [1000.0]
     session = _PrefillCosts(task.decoder.session, now)
     task.decoder.session = session  # type: ignore[assignment]
+    return task, session, now
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+async def test_a_long_prompt_is_prefilled_in_parts_while_a_row_keeps_decoding(
+    demo_models: Path, budget: str
+) -> None:
+    task, session, now = _costed(demo_models, budget)
     engine = Engine(task, Metrics(), clock=lambda: now[0])
     engine.start()
     try:
@@ -127,3 +134,49 @@ async def test_a_long_prompt_is_prefilled_in_parts_while_a_row_keeps_decoding(
     for before, after in itertools.pairwise(chunks):
         between = runs[before + 1 : after]
         assert any(r.new == 1 for r in between), "the decoding row stepped between parts"
+
+
+def _busy(metrics: Metrics) -> dict[str, float]:
+    """The executor's busy seconds ("executor") and each lane's."""
+    found = {
+        "executor": metrics.registry.get_sample_value(
+            "lanes_executor_busy_seconds_total", {"workload": "code"}
+        )
+    }
+    for lane in ("interactive", "offline"):
+        found[lane] = metrics.registry.get_sample_value(
+            "lanes_lane_busy_seconds_total", {"workload": "code", "lane": lane}
+        )
+    return {k: v or 0.0 for k, v in found.items()}
+
+
+async def test_the_parts_of_a_long_prompt_count_in_its_lane_s_busy_time(
+    demo_models: Path,
+) -> None:
+    """A step that only prefills a part of a prompt (no decoding row beside it) is busy
+    time of that prompt's lane: the lanes' busy seconds add up to the executor's. The
+    clock moves only in prefill runs, so every busy second is a prefill's or a part's."""
+    task, session, now = _costed(demo_models, "max_prefill_tokens")
+    metrics = Metrics()
+    engine = Engine(task, metrics, clock=lambda: now[0])
+    long = {"prompt": PROMPTS[5][0], "max_tokens": 2}
+    length = len(task.prepare(long).prompt_ids)
+    parts = -(-length // TTFT_MS)
+    assert parts >= 3, "the long prompt should take several steps"
+    engine.start()
+    try:
+        await collect(engine.submit(task.prepare(long)))
+        interactive = _busy(metrics)
+        async with asyncio.timeout(60):
+            (done,) = await engine.submit_offline([task.prepare(long)])
+        assert not isinstance(done, Exception)
+    finally:
+        await engine.stop()
+    assert sum(r.new > 1 for r in session.runs) == 2 * parts, "each prompt in its parts"
+    assert interactive["executor"] == pytest.approx(PER_TOKEN_S * length)
+    assert interactive["interactive"] == pytest.approx(interactive["executor"])
+    assert interactive["offline"] == 0
+    both = _busy(metrics)
+    assert both["interactive"] == pytest.approx(interactive["interactive"])
+    assert both["offline"] == pytest.approx(both["executor"] - interactive["executor"])
+    assert both["offline"] > 0
