@@ -168,7 +168,8 @@ def top(
     ] = 1.0,
 ) -> None:
     """A live view of a running server from its /metrics: per workload req/s, p50/p99,
-    queue depth, batch size, utilization, tokens/s, errors; responses per route."""
+    queue depth, batch size, utilization, tokens/s, errors/s (its 5xx answers);
+    responses per route."""
     from lanes.router.top import run as run_top
 
     settings = guarded(Settings)

@@ -4,8 +4,13 @@ Each frame covers a window: the time since the previous scrape (the first frame:
 the server started, with no rates). Per workload (and lane, where the series have a
 `lane` label): requests/s, p50 and p99 latency interpolated from the histogram's
 buckets as Prometheus' `histogram_quantile` does, queue depth, mean batch size,
-executor utilization, tokens/s and sequences in flight (generate), errors/s; per
-route: responses/s and 4xx/5xx per second.
+executor utilization, tokens/s and sequences in flight (generate), and errors/s: its
+5xx answers (a 503 or a 504 too; a stream that fails after its 200 is counted in
+`lanes_sequences_finished_total{reason="error"}` instead); per route: responses/s and
+4xx/5xx per second.
+
+The workload column is as wide as the longest name (up to WORKLOAD_WIDTH characters);
+on a narrow terminal the cells' padding goes first.
 """
 
 from __future__ import annotations
@@ -21,12 +26,16 @@ from typing import TypeVar
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
-from rich.console import Console, Group
+from rich.console import Console, ConsoleOptions, Group, RenderResult
 from rich.live import Live
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
 from lanes.errors import LanesError
+
+# The most characters of a workload's name shown; a longer one ends in an ellipsis.
+WORKLOAD_WIDTH = 24
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,14 @@ class Scrape:
         for s in self.samples.get(name, ()):
             if "workload" in s.labels and all(s.labels.get(k) == v for k, v in match.items()):
                 found[Series(s.labels["workload"], s.labels.get("lane"))] += s.value
+        return dict(found)
+
+    def server_errors(self) -> dict[Series, float]:
+        """Each workload's 5xx answers (`lanes_workload_responses_total`)."""
+        found: dict[Series, float] = defaultdict(float)
+        for s in self.samples.get("lanes_workload_responses_total", ()):
+            if s.labels.get("code", "").startswith("5"):
+                found[Series(s.labels["workload"])] += s.value
         return dict(found)
 
     def buckets(self, name: str) -> dict[Series, dict[float, float]]:
@@ -144,14 +161,12 @@ def workload_rows(now: Scrape, before: Scrape | None = None) -> list[WorkloadRow
     counts = window("lanes_request_latency_seconds_count")
     runs = window("lanes_batch_size_count")
     run_sizes = window("lanes_batch_size_sum")
-    # Generate workloads count their failed sequences; others have no such series.
-    finished = now.by_series("lanes_sequences_finished_total")
-    errors = window("lanes_sequences_finished_total", reason="error")
+    errors = _delta(now.server_errors(), before.server_errors() if before else None)
     depth = now.by_series("lanes_queue_depth")
     utilization = now.by_series("lanes_executor_utilization")
     tokens = now.by_series("lanes_generated_tokens_per_second")
     in_flight = now.by_series("lanes_sequences_in_flight")
-    keys = {*counts, *depth, *utilization, *tokens, *in_flight}
+    keys = {*counts, *depth, *utilization, *tokens, *in_flight, *errors}
     rows = []
     for key in sorted(keys, key=lambda k: (k.workload, k.lane or "")):
         old = latency_before.get(key, {}) if before is not None else None
@@ -169,7 +184,7 @@ def workload_rows(now: Scrape, before: Scrape | None = None) -> list[WorkloadRow
                 utilization=utilization.get(key),
                 tokens_per_s=tokens.get(key),
                 in_flight=in_flight.get(key),
-                errors_per_s=rate(errors, key) if key in finished else None,
+                errors_per_s=rate(errors, key),
             )
         )
     return rows
@@ -205,29 +220,51 @@ def _num(value: float | None, digits: int = 1, scale: float = 1.0, unit: str = "
     return "-" if value is None else f"{value * scale:.{digits}f}{unit}"
 
 
+@dataclass(frozen=True)
+class Workloads:
+    """The workloads' table, fitted to the width it is drawn at: the workload column
+    keeps its width (the longest name, up to WORKLOAD_WIDTH), and where the table
+    would not fit, the cells' padding goes before any column is squeezed."""
+
+    rows: list[WorkloadRow]
+    title: str
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        table = self.table((0, 1))
+        wide = Measurement.get(console, options.update(width=10_000), table).maximum
+        yield table if wide <= options.max_width else self.table((0, 0))
+
+    def table(self, padding: tuple[int, int]) -> Table:
+        rows = self.rows
+        lanes = any(r.series.lane is not None for r in rows)
+        table = Table(title=self.title, title_justify="left", padding=padding)
+        longest = max((len(r.series.workload) for r in rows), default=0)
+        name_width = min(max(longest, len("workload")), WORKLOAD_WIDTH)
+        table.add_column("workload", min_width=name_width, max_width=WORKLOAD_WIDTH, no_wrap=True)
+        columns = [*(["lane"] if lanes else []), "req/s", "p50", "p99", "queue"]
+        columns += ["batch", "util", "tok/s", "in flight", "err/s"]
+        for column in columns:
+            table.add_column(column, justify="left" if column == "lane" else "right")
+        for r in rows:
+            cells = [r.series.workload, *([r.series.lane or "-"] if lanes else [])]
+            cells += [
+                _num(r.requests_per_s),
+                _num(r.p50_s, 1, 1000, " ms"),
+                _num(r.p99_s, 1, 1000, " ms"),
+                _num(r.queue_depth, 0),
+                _num(r.batch_size),
+                _num(r.utilization, 0, 100, "%"),
+                _num(r.tokens_per_s, 0),
+                _num(r.in_flight, 0),
+                _num(r.errors_per_s, 2),
+            ]
+            table.add_row(*cells)
+        return table
+
+
 def render(now: Scrape, before: Scrape | None, endpoint: str) -> Group:
     """The frame: a table of workloads, a table of routes, and what window they cover."""
-    rows = workload_rows(now, before)
-    lanes = any(r.series.lane is not None for r in rows)
-    table = Table(title=f"lanes top: {endpoint}", title_justify="left")
-    columns = ["workload", *(["lane"] if lanes else []), "req/s", "p50", "p99", "queue"]
-    columns += ["batch", "util", "tok/s", "in flight", "err/s"]
-    for column in columns:
-        table.add_column(column, justify="left" if column in ("workload", "lane") else "right")
-    for r in rows:
-        cells = [r.series.workload, *([r.series.lane or "-"] if lanes else [])]
-        cells += [
-            _num(r.requests_per_s),
-            _num(r.p50_s, 1, 1000, " ms"),
-            _num(r.p99_s, 1, 1000, " ms"),
-            _num(r.queue_depth, 0),
-            _num(r.batch_size),
-            _num(r.utilization, 0, 100, "%"),
-            _num(r.tokens_per_s, 0),
-            _num(r.in_flight, 0),
-            _num(r.errors_per_s, 2),
-        ]
-        table.add_row(*cells)
+    table = Workloads(workload_rows(now, before), f"lanes top: {endpoint}")
     routes = Table(title="responses by route", title_justify="left")
     for column in ("route", "resp/s", "responses", "4xx", "5xx"):
         routes.add_column(column, justify="left" if column == "route" else "right")

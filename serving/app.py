@@ -40,7 +40,7 @@ from lanes.serving import (
     openai_routes,
     v2_routes,
 )
-from lanes.serving.access import RequestIds
+from lanes.serving.access import RequestIds, named, record_of
 from lanes.serving.http import (
     JSONResponse,
     Receipt,
@@ -358,7 +358,7 @@ class Edge:
         # The internal routes check their own key (serving/backfill_routes.py).
         open_path = path in HEALTH_PATHS or path.startswith(INTERNAL_PREFIX)
         if self.token is not None and not open_path and not self._authorized(scope):
-            self.metrics.responses.labels(label, "401").inc()
+            self._counted(scope, label, 401)
             body = _V2_UNAUTHORIZED if is_v2(path) else _UNAUTHORIZED
             refusal = Response(body, 401, _UNAUTHORIZED_HEADERS, "application/json")
             await self._before_answer(scope, receipt, refusal.raw_headers)
@@ -380,7 +380,15 @@ class Edge:
                 response = _internal(path, exc)
         await self._before_answer(scope, receipt, response.raw_headers)
         await response(scope, receipt, send)
-        self.metrics.responses.labels(label, str(response.status_code)).inc()
+        self._counted(scope, label, response.status_code)
+
+    def _counted(self, scope: Scope, label: str, status: int) -> None:
+        """Count one answer by route, and by workload once the request named it."""
+        code = str(status)
+        self.metrics.responses.labels(label, code).inc()
+        record = record_of(scope)
+        if record is not None and record.workload is not None:
+            self.metrics.workload_responses.labels(record.workload, code).inc()
 
     async def _before_answer(
         self, scope: Scope, receipt: Receipt, headers: list[tuple[bytes, bytes]]
@@ -397,7 +405,7 @@ class Edge:
             nonlocal started, finished
             if message["type"] == "http.response.start":
                 started = True
-                self.metrics.responses.labels(label, str(message["status"])).inc()
+                self._counted(scope, label, message["status"])
                 await self._before_answer(scope, receipt, message.get("headers", []))
             elif message["type"] == "http.response.body" and not message.get("more_body"):
                 finished = True
@@ -430,6 +438,8 @@ class Edge:
         elif "path_params" in scope:  # /v2/models/{name}/infer
             worker = state.workers.get(scope["path_params"]["name"])
             workers = [] if worker is None else [worker]
+            if worker is not None:  # its 503 counts as the workload's
+                named(scope, worker.name)
         else:  # a generate route: its engine admits, once the body names the model
             return None
         if not workers or any(name == _TIMEOUT_HEADER for name, _ in scope["headers"]):

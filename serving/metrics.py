@@ -184,6 +184,13 @@ class Metrics:
             ["route", "code"],
             registry=r,
         )
+        self.workload_responses = Counter(
+            "lanes_workload_responses",
+            "Responses to a workload's requests by status code (those whose workload the "
+            "server knew it hosts: not a 401, nor an unknown model's 404).",
+            ["workload", "code"],
+            registry=r,
+        )
         # Scale to zero inside a replica: embed/infer workloads with `idle_unload_s`.
         self.model_loaded = Gauge(
             "lanes_model_loaded",

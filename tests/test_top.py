@@ -18,7 +18,18 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from lanes.router.cli import app
-from lanes.router.top import Scrape, Series, quantile, route_rows, run, scrape, workload_rows
+from lanes.router.top import (
+    WORKLOAD_WIDTH,
+    RouteRow,
+    Scrape,
+    Series,
+    quantile,
+    render,
+    route_rows,
+    run,
+    scrape,
+    workload_rows,
+)
 from tests.gates import wait_until
 from tests.servers import ServerThread, write_spec
 
@@ -36,7 +47,13 @@ WORKLOADS = """\
     task: generate
     model: tinycode
     generation: {max_new_tokens: 4, temperature: 0}
+  embed-in-eights-or-late:         # a batch runs once 8 wait (or after 60 s): a deadline 504s
+    mode: interactive
+    task: embed
+    model: minilm
+    batching: {max_batch_size: 8, max_wait_ms: 60000}
 """
+LATE = "embed-in-eights-or-late"
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +120,55 @@ def test_a_window_of_traffic_reads_back_as_rows(server: ServerThread) -> None:
     first = {r.series: r for r in workload_rows(after)}
     assert first[Series("search-query")].requests >= 5
     assert first[Series("search-query")].requests_per_s is None
+
+
+@pytest.mark.slow
+def test_errors_per_second_are_a_workload_s_5xx_answers(server: ServerThread) -> None:
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        before = scrape(client, server.url)
+        late = client.post(
+            "/v1/embeddings", json={"model": LATE, "input": "x"}, headers={"X-Timeout-Ms": "50"}
+        )
+        assert late.status_code == 504
+        body = {"model": "search-query", "input": "x", "dimensions": 1000}
+        assert client.post("/v1/embeddings", json=body).status_code == 400  # the caller's
+
+        def embeddings(now: Scrape) -> RouteRow:
+            (row,) = [r for r in route_rows(now, before) if r.route == "/v1/embeddings"]
+            return row
+
+        # The responses counter moves once the answer has been sent.
+        wait_until(lambda: embeddings(scrape(client, server.url)).responses >= 2, "the two counted")
+        after = scrape(client, server.url)
+    rows = {r.series: r for r in workload_rows(after, before)}
+    assert rows[Series(LATE)].errors_per_s == pytest.approx(1 / (after.at - before.at))
+    assert rows[Series("search-query")].errors_per_s == 0
+    assert rows[Series("code-complete")].errors_per_s == 0
+    assert embeddings(after).server_errors == 1
+
+
+@pytest.mark.slow
+def test_lanes_top_at_80_columns_shows_whole_workload_names(server: ServerThread) -> None:
+    result = CliRunner().invoke(
+        app,
+        ["top", "--once", "--endpoint", server.url, "--interval", "0.1"],
+        env={"COLUMNS": "80"},
+    )
+    assert result.exit_code == 0, result.output
+    for name in (LATE, "search-query", "code-complete", "req/s", "err/s"):
+        assert name in result.output
+    assert max(len(line) for line in result.output.splitlines()) <= 80
+
+
+def test_a_name_past_the_bound_ends_in_an_ellipsis_and_the_headers_stay_whole() -> None:
+    name = "w" * (WORKLOAD_WIDTH + 10)
+    text = f'# TYPE lanes_queue_depth gauge\nlanes_queue_depth{{workload="{name}"}} 0\n'
+    out = io.StringIO()
+    Console(file=out, width=80).print(render(Scrape.parse(text, 1.0), None, "http://x"))
+    assert "w" * (WORKLOAD_WIDTH - 1) + "…" in out.getvalue()
+    assert "w" * WORKLOAD_WIDTH not in out.getvalue()
+    for header in ("req/s", "p50", "p99", "queue", "batch", "util", "tok/s", "err/s"):
+        assert header in out.getvalue()
 
 
 @pytest.mark.slow
