@@ -26,8 +26,6 @@ either, batches are formed as the queue forms them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -37,7 +35,7 @@ import onnxruntime as ort
 
 from lanes.batchframe import run_unhandled
 from lanes.costmodel import CostModel
-from lanes.errors import LanesError, Overloaded
+from lanes.errors import Overloaded
 from lanes.isolation import Failed
 from lanes.serving.access import RequestRecord
 from lanes.serving.batch_observer import BatchObserver
@@ -47,14 +45,12 @@ from lanes.serving.beside import Beside
 from lanes.serving.metrics import Metrics
 from lanes.serving.model_thread import ModelThread
 from lanes.serving.offline_runs import OfflineLane, OfflineRun
-from lanes.serving.residency import Presence, Residency, residency_of
+from lanes.serving.residency import ScaleToZero, residency_of
 from lanes.serving.slo import Steering, padded_tokens
 from lanes.spec import as_interactive
 from lanes.tasks import Task
 from lanes.tasks.session_slot import SlotSession
 from lanes.tracing import Tracing
-
-log = logging.getLogger("lanes.serving")
 
 # A batch expected to run shorter than this runs on the event loop itself: waking
 # the model thread and then the loop again costs ~0.15-0.2 ms on a small VM (see
@@ -65,7 +61,6 @@ _COST_WEIGHT = 0.5  # of the newest batch in the running per-item cost: adapts i
 # Offline items one workload holds queued: any one offline batch (batch_size <= 65536)
 # fits; beyond, 503 and Retry-After, which the flow's endpoint runner waits out.
 OFFLINE_MAX_QUEUE = 65536
-RELOAD_RETRY_S = 1.0  # Retry-After of the requests a failed reload answers
 
 
 class BatchWorker:
@@ -143,22 +138,25 @@ class BatchWorker:
         default = workload.slo.timeout_ms
         self.default_timeout_s = default / 1000 if default else None
         self.residency = residency_of(task, workload.idle_unload_s, metrics, clock)
-        self._idle_task: asyncio.Task[None] | None = None
+        self.scaling = (
+            ScaleToZero(
+                self.name, self.residency, self._thread, self._free, self.lanes, self._beside
+            )
+            if self.residency is not None
+            else None
+        )
 
     def start(self) -> None:
         self._loop_task = asyncio.create_task(self._run_forever(), name=f"batch-{self.name}")
         if self._beside is not None:
             self._beside.start(self.name)
-        if self.residency is not None:
-            watch = self._watch_idle(self.residency)
-            self._idle_task = asyncio.create_task(watch, name=f"idle-{self.name}")
+        if self.scaling is not None:
+            self.scaling.start()
 
     async def stop(self) -> None:
         """Finish what is queued (both lanes), then stop."""
-        if self._idle_task is not None:
-            self._idle_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._idle_task
+        if self.scaling is not None:
+            await self.scaling.stop()
         self.lanes.close()
         if self._loop_task is not None:
             await self._loop_task
@@ -290,84 +288,8 @@ class BatchWorker:
         return list(outcomes)
 
     def _wake(self) -> None:
-        """An arrival: idleness counts from now, and an unloaded model starts loading.
-
-        A load (or an unload) holds the model as a batch would (`_free` cleared), so
-        what arrives meanwhile queues, its deadlines running, and forms the first batch
-        after the load."""
-        residency = self.residency
-        if residency is None:
-            return
-        residency.touch()
-        self._load(residency)
-
-    def _load(self, residency: Residency) -> None:
-        if residency.begin_load():
-            log.info("workload %s: loading its model again (idle_unload_s)", self.name)
-            self._free.clear()
-            self._thread.call(residency.load, None, self._loaded)
-
-    def _loaded(self, result: object, error: BaseException | None) -> None:
-        """The load's end, on the loop: a failed one fails what waits for it."""
-        assert self.residency is not None
-        self.residency.end_load(error)
-        if error is not None:
-            ours = isinstance(error, LanesError)
-            log.error(
-                "workload %s: its model failed to load again: %s",
-                self.name,
-                error,
-                exc_info=None if ours else error,
-            )
-            # Not the request's fault, and maybe not for long (a file being replaced, a
-            # full device): a 503 to retry, as the next arrival tries to load again.
-            failure = Overloaded(
-                f"the model failed to load again ({error}); the next request tries again",
-                RELOAD_RETRY_S,
-                "model_unavailable",
-            )
-            self.lanes.interactive.fail_waiting(failure)
-            self.lanes.offline.fail_waiting(failure)
-        self._free.set()
-
-    def unload_if_idle(self) -> bool:
-        """Start unloading the model if it is loaded, free, nothing waits for it in
-        either lane, and `idle_unload_s` has passed on the clock since its last arrival
-        or run; returns whether it did. On the loop, so no arrival slips in between."""
-        residency = self.residency
-        if (
-            residency is None
-            or residency.state is not Presence.LOADED
-            or not self._free.is_set()
-            or len(self.queue) > 0
-            or len(self.lanes.offline) > 0
-            or (self._beside is not None and self._beside.running > 0)
-            or not residency.idle()
-        ):
-            return False
-        residency.begin_unload()
-        if self._beside is not None:
-            self._beside.release()  # its session goes too
-        self._free.clear()
-        self._thread.call(residency.release, None, self._unloaded)
-        return True
-
-    def _unloaded(self, result: object, error: BaseException | None) -> None:
-        assert self.residency is not None
-        if error is not None:  # the session is dropped whatever failed after
-            log.error("workload %s: unloading failed: %s", self.name, error, exc_info=error)
-        self.residency.end_unload()
-        log.info("workload %s: model unloaded after %g s idle", self.name, self.residency.idle_s)
-        if len(self.queue) > 0 or len(self.lanes.offline) > 0:
-            self._load(self.residency)  # they arrived during the unload
-        else:
-            self._free.set()
-
-    async def _watch_idle(self, residency: Residency) -> None:
-        while True:
-            await asyncio.sleep(residency.poll_s)
-            self.unload_if_idle()
-            residency.checks += 1
+        if self.scaling is not None:
+            self.scaling.wake()
 
     def _active(self) -> None:
         """Offline work beside the model was taken or ended: depths, and not idle."""
