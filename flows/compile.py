@@ -36,8 +36,9 @@ from lanes.batches import BATCH_DEPLOYMENT
 from lanes.deadline import opening
 from lanes.errors import InvalidInput, LanesError, StorageError
 from lanes.flows import ENTRYPOINT, FLOW_NAME
+from lanes.schedule import Schedule
 from lanes.settings import Settings
-from lanes.spec import OfflineWorkload, Schedule, Spec
+from lanes.spec import OfflineWorkload, Spec
 
 POOL_TYPE = "process"
 MARKER = "# Written by `lanes compile`"  # the first line of every prefect.yaml lanes writes

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, time, timedelta
 from zoneinfo import ZoneInfo
 
+from lanes.schedule import Schedule
 from lanes.settings import Settings
-from lanes.spec import OfflineWorkload, Schedule
+from lanes.spec import OfflineWorkload
 
 MARGIN = 0.25  # of the expected run time: rates vary with the input's lengths
 STARTUP_S = 60.0  # a flow run's start and the model's load

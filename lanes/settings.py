@@ -12,7 +12,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from lanes.errors import Problem, SettingsError
 from lanes.logs import LogFormat, LogLevel
-from lanes.spec import Schedule
+from lanes.schedule import Schedule
 from lanes.specrules import from_pydantic
 
 Device = Literal["auto", "cpu", "cuda", "tensorrt"]

@@ -8,23 +8,19 @@ against it, with the rules that span fields; `lanes.specfile.load_spec` reads th
 from __future__ import annotations
 
 import re
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from croniter import CroniterError, croniter
 from pydantic import (
     AfterValidator,
-    BaseModel,
-    ConfigDict,
     Field,
     TypeAdapter,
     field_validator,
     model_validator,
 )
 
-from lanes.errors import shown
+from lanes.schedule import Schedule
+from lanes.strict import StrictModel
 from lanes.template import Template, is_template
 
 Mode = Literal["interactive", "offline"]
@@ -39,11 +35,6 @@ HANDLER_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
 # bad value is a spec problem, not an OSError from the first stat().
 MAX_PATH_CHARS = 4096
 MAX_NAME_BYTES = 255
-# A cron that fires less often than this is taken for one that never fires (Feb 29
-# fires at most 8 years apart).
-MAX_YEARS_BETWEEN_RUNS = 9
-# Longest is 32 characters ("America/Argentina/ComodRivadavia").
-TIMEZONE_PATTERN = re.compile(r"^[A-Za-z0-9_+-]{1,40}(/[A-Za-z0-9_+-]{1,40}){0,3}$")
 
 
 def _path_text(value: str) -> str:
@@ -79,13 +70,6 @@ LocalPath = Annotated[Path, AfterValidator(_local_path)]
 Location = Annotated[str, Field(min_length=1), AfterValidator(_path_text)]
 HandlerRef = Annotated[str, Field(pattern=HANDLER_PATTERN, max_length=200)]
 StopString = Annotated[str, Field(min_length=1)]
-
-
-class StrictModel(BaseModel):
-    """Unknown keys are errors; infinities and NaN are refused; nothing is coerced that
-    would surprise (a number is not a string, a mapping is not a name)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class SessionOptions(StrictModel):
@@ -222,116 +206,6 @@ class Guard(StrictModel):
         16, le=4096, description="chunked: tokens between scorings (and held back)."
     )
     threshold: float = Field(0.5, ge=0, le=1, description="A score at or above this fails.")
-
-
-# "07:00": hours 00-23, minutes 00-59, both two digits.
-FINISH_BY_PATTERN = re.compile(r"^([01][0-9]|2[0-3]):[0-5][0-9]$")
-
-
-class Schedule(StrictModel):
-    """An offline workload's off-peak window: it opens when `cron` fires and, with
-    `finish_by`, must be done by that time of day (the first after the opening). Either
-    may be given alone: without `finish_by` a run starts when the window opens; without
-    `cron` the window opens with the default off-peak one (`Settings.offpeak`)."""
-
-    cron: str | None = Field(
-        None,
-        max_length=200,
-        description='Five-field cron of the window\'s opening, e.g. "0 2 * * *"; default: '
-        "the LANES_OFFPEAK window's.",
-    )
-    timezone: str = Field("UTC", description="IANA time zone the cron and finish_by are read in.")
-    finish_by: str | None = Field(
-        None,
-        description='"HH:MM": the time of day the run must be done by; lanes starts it at '
-        "the latest moment that still finishes then, from the measured items/s.",
-    )
-
-    @model_validator(mode="after")
-    def _opens_or_ends(self) -> Schedule:
-        if self.cron is None and self.finish_by is None:
-            raise ValueError(
-                'expected a `cron` (when the window opens), a `finish_by` ("HH:MM"), or both'
-            )
-        return self
-
-    @field_validator("finish_by", mode="before")
-    @classmethod
-    def _valid_finish_by(cls, value: Any) -> Any:
-        if isinstance(value, int) and not isinstance(value, bool):
-            # YAML 1.1 reads an unquoted 22:30 as base 60: the number 1350.
-            raise ValueError(
-                f'expected a time of day as "HH:MM" in quotes, e.g. "07:00", found the '
-                f"number {value} (YAML reads an unquoted 22:30 as 22 * 60 + 30)"
-            )
-        if isinstance(value, str) and not FINISH_BY_PATTERN.match(value):
-            raise ValueError(
-                f'expected a time of day as "HH:MM" (00:00 to 23:59), e.g. "07:00", '
-                f"found {shown(value)}"
-            )
-        return value
-
-    @field_validator("cron")
-    @classmethod
-    def _valid_cron(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        expected = f'expected a five-field cron expression like "0 2 * * *", found {shown(value)}'
-        try:
-            valid = len(value.split()) == 5 and croniter.is_valid(value)
-        except Exception:  # croniter's parser raises more than its own errors on odd text
-            valid = False
-        if not valid:
-            raise ValueError(expected)
-        try:
-            _next_fire(value, datetime.now(UTC))
-        except CroniterError:
-            raise ValueError(
-                f"{shown(value)} never fires (no such date in {MAX_YEARS_BETWEEN_RUNS} years, "
-                'e.g. "31 2" is February 31st); check the day and month fields'
-            ) from None
-        return value
-
-    @field_validator("timezone")
-    @classmethod
-    def _valid_timezone(cls, value: str) -> str:
-        expected = f'expected an IANA time zone like "UTC" or "Europe/Paris", found {shown(value)}'
-        if not TIMEZONE_PATTERN.match(value):
-            raise ValueError(expected)
-        try:
-            ZoneInfo(value)
-        except (ZoneInfoNotFoundError, ValueError, OSError):
-            raise ValueError(expected) from None
-        return value
-
-    def next_run(self, after: datetime | None = None) -> datetime:
-        """The first time strictly after `after` (default: now) that the cron fires.
-        ValueError for a schedule without one (the default window's opens it)."""
-        zone = ZoneInfo(self.timezone)
-        return _next_fire(self._cron(), (after or datetime.now(zone)).astimezone(zone))
-
-    def last_run(self, at: datetime) -> datetime:
-        """The latest time at or before `at` that the cron fires."""
-        zone = ZoneInfo(self.timezone)
-        found = croniter(
-            self._cron(),
-            (at + timedelta(seconds=1)).astimezone(zone),
-            max_years_between_matches=MAX_YEARS_BETWEEN_RUNS,
-        )
-        result: datetime = found.get_prev(datetime)
-        return result
-
-    def _cron(self) -> str:
-        if self.cron is None:
-            raise ValueError("this schedule has no cron: its window opens with the default one")
-        return self.cron
-
-
-def _next_fire(cron: str, start: datetime) -> datetime:
-    """CroniterBadDateError when `cron` does not fire within MAX_YEARS_BETWEEN_RUNS."""
-    found = croniter(cron, start, max_years_between_matches=MAX_YEARS_BETWEEN_RUNS)
-    result: datetime = found.get_next(datetime)
-    return result
 
 
 class Runner(StrictModel):

@@ -24,8 +24,8 @@ from lanes.spec import (
     ModelSpec,
     OfflineWorkload,
     Spec,
-    StrictModel,
 )
+from lanes.strict import StrictModel
 
 
 class _Top(StrictModel):

@@ -26,8 +26,8 @@ import pytest
 
 import lanes
 from lanes.jobs import AsyncJob, Job
+from lanes.schedule import Schedule
 from lanes.settings import Settings
-from lanes.spec import Schedule
 from lanes.specfile import load_spec
 from tests.flows_fixtures import moto_server, s3_env
 from tests.prefect_server import PREFECT, PrefectServer, call_api

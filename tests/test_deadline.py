@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from lanes.deadline import MARGIN, STARTUP_S, offpeak_opening, plan_start
-from lanes.spec import Schedule
+from lanes.schedule import Schedule
 
 NOW = datetime(2030, 1, 1, 22, 0, tzinfo=UTC)
 OPENS = datetime(2030, 1, 2, 2, 0, tzinfo=UTC)  # the off-peak window

@@ -27,8 +27,9 @@ from lanes.flows.sample import SAMPLE_BATCHES, SAMPLE_SOURCE
 from lanes.flows.start import deferred_until, plan_run, should_plan
 from lanes.measurements import Measurements, Throughput
 from lanes.router.plan import plan
+from lanes.schedule import Schedule
 from lanes.settings import Settings
-from lanes.spec import OfflineWorkload, Schedule
+from lanes.spec import OfflineWorkload
 from lanes.specfile import load_spec
 from lanes.storage import Storage
 from tests.flows_fixtures import text, write_jsonl, write_spec
