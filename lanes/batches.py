@@ -36,7 +36,7 @@ import orjson
 from pydantic import Field
 
 from lanes import layout
-from lanes.batchfiles import assemble
+from lanes.batchfiles import BatchError, assemble
 from lanes.batchstore import BatchStore, new_id
 from lanes.deadline import offpeak_opening, plan_start
 from lanes.errors import InvalidInput, NotFound
@@ -61,10 +61,9 @@ log = logging.getLogger(__name__)
 BATCH_DEPLOYMENT = "openai_batch"
 FINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 MAX_ERRORS = 100  # validation errors reported per file
-EXPIRED = {
-    "code": "batch_expired",
-    "message": "This request could not be executed before the completion window expired.",
-}
+EXPIRED = BatchError(
+    "batch_expired", "This request could not be executed before the completion window expired."
+)
 _WINDOW = re.compile(r"^(\d{1,6})([smhd])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -219,8 +218,7 @@ class Batches:
 
         def error(number: int, message: str, param: str | None = None) -> None:
             if len(errors) < MAX_ERRORS:
-                entry = {"code": "invalid_request", "message": message, "param": param}
-                errors.append({**entry, "line": number})
+                errors.append(BatchError("invalid_request", message, param, number).as_json())
 
         # A shard holds `per_shard` requests and the blank lines among them, so a line's
         # number in its shard (the flow's, blank lines counted) maps back to the file's.
@@ -420,16 +418,16 @@ class Batches:
             else:
                 status = "completed"
             record.update(status="finalizing", finalizing_at=now)
-            unanswered: dict[str, Any] | None = EXPIRED if status == "expired" else None
+            unanswered = EXPIRED if status == "expired" else None
             if status == "failed":
                 message = job.message() or f"the offline run ended {state}"
-                error = {"code": "batch_failed", "message": message, "param": None, "line": None}
-                record["errors"] = {"object": "list", "data": [error]}
+                error = BatchError("batch_failed", message)
+                record["errors"] = {"object": "list", "data": [error.as_json()]}
                 # Nothing lost: each request its run never answered is an error line.
-                unanswered = {
-                    "code": "batch_failed",
-                    "message": f"This request was not executed: the batch's run failed ({message}).",
-                }
+                unanswered = BatchError(
+                    "batch_failed",
+                    f"This request was not executed: the batch's run failed ({message}).",
+                )
             counts = assemble(
                 self.store, record, markers, unanswered, self.settings.batch.shard_lines
             )

@@ -2,11 +2,18 @@
 the committed shards' lines in input order, their rejected lines numbered as in the
 input file, and, for a batch that expired or failed, an error line for every request of
 a shard never committed (lanes.batches calls it once a batch's run has ended).
+
+Every line of the error file carries OpenAI's BatchError object in `error` (`code`,
+`message`, `param`, `line`); a rejected line also its `response`, the 400 the endpoint
+would answer. (`lanes run`'s own errors files say the error in a string: they are
+converted here, not there.)
+
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import orjson
@@ -16,12 +23,27 @@ from lanes.batchstore import BatchStore
 from lanes.jobs import BATCH_PREFIX
 from lanes.storage import join
 
+REJECTED_CODE = "invalid_request"  # a rejected line's code when its answer names none
+
+
+@dataclass(frozen=True)
+class BatchError:
+    """OpenAI's BatchError: in a batch's `errors` and in each line of its error file."""
+
+    code: str
+    message: str
+    param: str | None = None
+    line: int | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
 
 def assemble(
     store: BatchStore,
     record: dict[str, Any],
     markers: list[dict[str, Any] | None],
-    unanswered: dict[str, Any] | None,
+    unanswered: BatchError | None,
     per_shard: int,
 ) -> dict[str, int]:
     """Write the output file (committed shards' lines, in input order) and the error
@@ -29,6 +51,7 @@ def assemble(
     `unanswered` error, every request of a shard never committed); returns the
     counts. `markers`: each shard's commit marker, None for one never committed."""
     folder = record["_lanes"]["folder"]
+    batch = record["id"]
     # Batches made before shards kept their blank lines: whole shards of `per_shard`.
     starts = record["_lanes"].get("starts") or [
         shard * per_shard + 1 for shard in range(len(markers))
@@ -55,20 +78,16 @@ def assemble(
                         for line in lines:
                             if line.strip():
                                 counts["failed"] += 1
-                                entry = orjson.loads(line)
-                                if isinstance(entry.get("line"), int):
-                                    entry["line"] += first
-                                yield orjson.dumps(entry) + b"\n"
+                                yield orjson.dumps(_rejected(batch, line, first)) + b"\n"
             elif unanswered is not None:
                 uri = join(folder, "in", f"part-{shard:05d}.jsonl")
                 with storage.open(uri) as lines:
                     for number, line in enumerate(lines, first + 1):
                         if line.strip():
                             counts["failed"] += 1
-                            entry = _unanswered(record["id"], number, line, unanswered)
+                            entry = _unanswered(batch, number, line, unanswered)
                             yield orjson.dumps(entry) + b"\n"
 
-    batch = record["id"]
     made = store.put_file(f"{batch}_output.jsonl", "batch_output", outputs())
     record["output_file_id"] = made.id
     failed = store.put_file(f"{batch}_error.jsonl", "batch_output", errors())
@@ -79,15 +98,40 @@ def assemble(
     return counts
 
 
-def _unanswered(batch: str, number: int, line: bytes, error: dict[str, Any]) -> dict[str, Any]:
+def _rejected(batch: str, raw: bytes, first: int) -> dict[str, Any]:
+    """A line of a shard's errors file (`{"id", "line", "error": "<message>", ...}`, as
+    `lanes run` writes it) as a line of the batch's error file."""
+    entry = orjson.loads(raw)
+    number = entry["line"] + first if isinstance(entry.get("line"), int) else None
+    response = entry.get("response")
+    answer = response["body"].get("error") if isinstance(response, dict) else None
+    answered = answer if isinstance(answer, dict) else {}
+    error = BatchError(
+        answered.get("code") or REJECTED_CODE, str(entry["error"]), answered.get("param"), number
+    )
+    request_id = response.get("request_id") if isinstance(response, dict) else None
+    return {
+        "id": f"batch_req_{request_id}" if request_id else _line_id(batch, number or 0),
+        "custom_id": entry.get("custom_id"),
+        "line": number,
+        "response": response,
+        "error": error.as_json(),
+    }
+
+
+def _unanswered(batch: str, number: int, line: bytes, error: BatchError) -> dict[str, Any]:
     try:
         custom_id = orjson.loads(line).get("custom_id")
     except (orjson.JSONDecodeError, AttributeError):
         custom_id = None
     return {
-        "id": f"batch_req_{batch.removeprefix(BATCH_PREFIX)[:12]}{number:08d}",
+        "id": _line_id(batch, number),
         "custom_id": custom_id,
         "line": number,
         "response": None,
-        "error": error,
+        "error": BatchError(error.code, error.message, error.param, number).as_json(),
     }
+
+
+def _line_id(batch: str, number: int) -> str:
+    return f"batch_req_{batch.removeprefix(BATCH_PREFIX)[:12]}{number:08d}"

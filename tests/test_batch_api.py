@@ -26,6 +26,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from openai.types import BatchError
 
 from lanes.jobs import BATCH_PREFIX, Job
 from lanes.settings import Settings
@@ -179,6 +180,11 @@ def without_ids(line: dict[str, Any], vectors: bool = True) -> dict[str, Any]:
     return line
 
 
+def typed_errors(content: bytes) -> list[BatchError]:
+    """Each line's `error` as the openai client types it (a string would not parse)."""
+    return [BatchError.model_validate(line["error"]) for line in jsonl(content)]
+
+
 def vectors(lines: list[dict[str, Any]]) -> list[list[float]]:
     return [line["response"]["body"]["data"][0]["embedding"] for line in lines]
 
@@ -210,9 +216,11 @@ def test_a_batch_runs_in_the_offline_lane_as_lanes_run_does(setup: Setup) -> Non
         assert done.metadata == {"team": "search"}
         assert (done.request_counts.completed, done.request_counts.failed) == (7, 1)
         output = jsonl(client.files.content(done.output_file_id).read())
-        errors = jsonl(client.files.content(done.error_file_id).read())
+        error_file = client.files.content(done.error_file_id).read()
+        errors = jsonl(error_file)
         assert sorted(line["custom_id"] for line in output) == [f"r{i}" for i in range(7)]
         assert [(e["custom_id"], e["line"]) for e in errors] == [("r7", 11)]
+        (typed,) = typed_errors(error_file)
 
     # `lanes run` of the same workload over the same file writes the same lines.
     ran_it = subprocess.run(
@@ -229,8 +237,17 @@ def test_a_batch_runs_in_the_offline_lane_as_lanes_run_does(setup: Setup) -> Non
         without_ids(x, vectors=False) for x in ran
     ]
     np.testing.assert_allclose(vectors(output), vectors(ran), atol=1e-6)
-    ran_errors = jsonl((setup.project / "out" / "_errors" / "mine.jsonl").read_bytes())
-    assert [without_ids(x) for x in errors] == [without_ids(x) for x in ran_errors]
+    # The same rejection, its error a BatchError object where `lanes run` says a string.
+    (ran_error,) = jsonl((setup.project / "out" / "_errors" / "mine.jsonl").read_bytes())
+    answered = ran_error["response"]["body"]["error"]
+    assert (typed.code, typed.message, typed.param, typed.line) == (
+        answered["code"] or "invalid_request",
+        ran_error["error"],
+        answered["param"],
+        11,
+    )
+    assert errors[0]["id"] == f"batch_req_{errors[0]['response']['request_id']}"
+    assert without_ids(errors[0])["response"] == without_ids(ran_error)["response"]
 
     # client.job(batch id) follows the same run as a submitted job.
     job = Job(done.id, Settings(), prefect_api_url=setup.api)
@@ -367,6 +384,7 @@ def test_a_passed_window_expires_the_batch_with_its_finished_lines(
     assert sorted(line["custom_id"] for line in output) == [f"r{i}" for i in (0, 1, 2, 6, 7, 8)]
     assert [(e["custom_id"], e["line"]) for e in errors] == [("r3", 4), ("r4", 5), ("r5", 6)]
     assert {e["error"]["code"] for e in errors} == {"batch_expired"}
+    assert [e["error"]["line"] for e in errors] == [4, 5, 6]
     assert (done.request_counts.completed, done.request_counts.failed) == (6, 3)
 
 
@@ -392,10 +410,15 @@ def test_a_failed_run_answers_each_request_it_left_in_the_error_file(
         done = finished(client, batch.id)
         assert done.status == "failed", done
         output = jsonl(client.files.content(done.output_file_id).read())
-        errors = jsonl(client.files.content(done.error_file_id).read())
+        error_file = client.files.content(done.error_file_id).read()
+        errors = jsonl(error_file)
     assert sorted(line["custom_id"] for line in output) == [f"r{i}" for i in (0, 1, 2, 6, 7, 8)]
     assert [(e["custom_id"], e["line"]) for e in errors] == [("r3", 4), ("r4", 5), ("r5", 6)]
-    assert {e["error"]["code"] for e in errors} == {"batch_failed"}
+    assert [(e.code, e.line) for e in typed_errors(error_file)] == [
+        ("batch_failed", 4),
+        ("batch_failed", 5),
+        ("batch_failed", 6),
+    ]
     assert "pod was evicted" in errors[0]["error"]["message"]
     assert (done.request_counts.completed, done.request_counts.failed) == (6, 3)
 
