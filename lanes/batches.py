@@ -17,7 +17,9 @@ shard past it), the committed shards' lines are in the output file, the rest in 
 error file with OpenAI's `batch_expired` error.
 
 Everything lives in Prefect and the store (lanes.batchstore); any server reaching both
-answers for any batch, after a restart too. Assembling the files is idempotent.
+answers for any batch, after a restart too. Assembling the files is idempotent, and
+their ids are the batch's (lanes.batchfiles): servers that finalize one batch at once
+write the same files, so no lock spans them.
 """
 
 from __future__ import annotations
@@ -399,7 +401,10 @@ class Batches:
         }
 
     def _finalize(self, record: dict[str, Any], state: str, job: Job) -> dict[str, Any]:
-        """The ended run's output and error files, and the batch's last status."""
+        """The ended run's output and error files, and the batch's last status.
+
+        The lock only spares this process doing it twice: another server may be doing
+        it too, and writes the same files under the same ids (lanes.batchfiles)."""
         with self._finalizing:
             again = self.store.batch(record["id"])
             if again["status"] in FINAL:

@@ -8,6 +8,9 @@ Every line of the error file carries OpenAI's BatchError object in `error` (`cod
 would answer. (`lanes run`'s own errors files say the error in a string: they are
 converted here, not there.)
 
+The files' ids are the batch's own (`output_file_id`): their content is made
+deterministically from the committed shards, so two servers that finalize one batch
+at once write the same file under the same id, and neither record names an orphan.
 """
 
 from __future__ import annotations
@@ -39,6 +42,14 @@ class BatchError:
         return asdict(self)
 
 
+def output_file_id(batch_id: str) -> str:
+    return f"file-{batch_id}-output"
+
+
+def error_file_id(batch_id: str) -> str:
+    return f"file-{batch_id}-error"
+
+
 def assemble(
     store: BatchStore,
     record: dict[str, Any],
@@ -49,7 +60,8 @@ def assemble(
     """Write the output file (committed shards' lines, in input order) and the error
     file (their rejected lines, numbered as in the input file, then, given the
     `unanswered` error, every request of a shard never committed); returns the
-    counts. `markers`: each shard's commit marker, None for one never committed."""
+    counts. `markers`: each shard's commit marker, None for one never committed.
+    Idempotent: a second call for the same batch writes the same files."""
     folder = record["_lanes"]["folder"]
     batch = record["id"]
     # Batches made before shards kept their blank lines: whole shards of `per_shard`.
@@ -88,13 +100,12 @@ def assemble(
                             entry = _unanswered(batch, number, line, unanswered)
                             yield orjson.dumps(entry) + b"\n"
 
-    made = store.put_file(f"{batch}_output.jsonl", "batch_output", outputs())
-    record["output_file_id"] = made.id
-    failed = store.put_file(f"{batch}_error.jsonl", "batch_output", errors())
-    if failed.bytes:
-        record["error_file_id"] = failed.id
-    else:
-        store.delete_file(failed.id)
+    made = store.put_file(output_file_id(batch), f"{batch}_output.jsonl", "batch_output", outputs())
+    record["output_file_id"] = made.id if made else None
+    failed = store.put_file(
+        error_file_id(batch), f"{batch}_error.jsonl", "batch_output", errors(), keep_empty=False
+    )
+    record["error_file_id"] = failed.id if failed else None
     return counts
 
 

@@ -86,14 +86,27 @@ class BatchStore:
         self.storage.write_bytes(self._file_meta(file_id), orjson.dumps(made.as_json()))
         return made
 
-    def put_file(self, filename: str, purpose: str, lines: Iterator[bytes]) -> FileObject:
-        """A new file of `lines` (each with its newline), written as it comes."""
-        file_id = new_id("file-")
+    def put_file(
+        self,
+        file_id: str,
+        filename: str,
+        purpose: str,
+        lines: Iterator[bytes],
+        keep_empty: bool = True,
+    ) -> FileObject | None:
+        """File `file_id` of `lines` (each with its newline), written as it comes and
+        published whole, replacing one of that id; None, and nothing stored, when there
+        are no lines and not `keep_empty`."""
+        uri = self.file_data(file_id)
         size = 0
-        with self.writing(file_id) as out:
-            for line in lines:
-                out.write(line)
-                size += len(line)
+        with self.storage.staged(uri) as stage:
+            with stage.open("wb") as out:
+                for line in lines:
+                    out.write(line)
+                    size += len(line)
+            if not size and not keep_empty:
+                return None
+            self.storage.publish(stage, uri)
         return self.add_file(file_id, filename, purpose, size)
 
     def file(self, file_id: str) -> FileObject:

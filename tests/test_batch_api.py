@@ -15,9 +15,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ import openai
 import pytest
 from openai.types import BatchError
 
+from lanes.batches import Batches
 from lanes.jobs import BATCH_PREFIX, Job
 from lanes.settings import Settings
 from lanes.specfile import load_spec
@@ -432,6 +435,62 @@ def test_a_restarted_server_still_reports_the_batch(setup: Setup, closed_gate: N
         client = openai.OpenAI(base_url=f"{again.url}/v1", api_key="none")
         done = finished(client, batch.id)
         assert done.status == "completed" and done.request_counts.completed == 9, done
+
+
+def test_two_replicas_finalizing_one_batch_write_one_set_of_files(setup: Setup) -> None:
+    """Two servers over one store see the batch's run ended at once: each assembles the
+    files, and both name the same ones (no orphan, no id that later vanishes)."""
+    texts = [text(i) for i in range(5)]
+    texts[2] = "w1 " * 400  # over max_length: an error file too
+    settings = Settings(batch={"store": str(setup.store), "shard_lines": SHARD_LINES})
+    with setup.server() as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        uploaded = client.files.create(
+            file=("race.jsonl", lines_for("embed-live", texts)), purpose="batch"
+        )
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
+        )
+        # Ended, not yet finalized: nobody has retrieved it since.
+        job = Job(batch.id, settings, prefect_api_url=setup.api)
+        ended = {"COMPLETED", "COMPLETED_WITH_ERRORS"}
+        wait_until(lambda: job.status() in ended, "the batch's run", WAIT_S, POLL_S)
+
+        # Each replica's every look at the clock waits for the other's: both read the
+        # record unfinished, then both assemble and save it.
+        together = threading.Barrier(2, timeout=WAIT_S)
+
+        def clock() -> float:
+            together.wait()
+            return setup.clock()
+
+        spec = load_spec(setup.spec, settings)
+        replicas = [Batches(spec, settings, clock, setup.api) for _ in range(2)]
+        with ThreadPoolExecutor(2) as pool:
+            running = [pool.submit(r.retrieve, batch.id) for r in replicas]
+            answers = [f.result(timeout=WAIT_S) for f in running]
+        stored = replicas[0].store.batch(batch.id)
+        for answer in answers:
+            assert answer["status"] == "completed", answer
+            assert answer["output_file_id"] == stored["output_file_id"]
+            assert answer["error_file_id"] == stored["error_file_id"] is not None
+        mine = [f for f in replicas[0].store.files() if f.filename.startswith(batch.id)]
+        assert sorted(f.id for f in mine) == sorted(
+            [stored["output_file_id"], stored["error_file_id"]]
+        )
+
+        output = client.files.content(stored["output_file_id"]).read()
+        assert sorted(line["custom_id"] for line in jsonl(output)) == ["r0", "r1", "r3", "r4"]
+        errors = client.files.content(stored["error_file_id"]).read()
+        assert [(e.code, e.line) for e in typed_errors(errors)] == [("context_length_exceeded", 3)]
+        listed = [f.id for f in client.files.list()]
+        assert stored["output_file_id"] in listed
+        retrieved = client.files.retrieve(stored["output_file_id"])
+        assert (retrieved.bytes, retrieved.purpose) == (len(output), "batch_output")
+        client.files.delete(stored["output_file_id"])
+        with pytest.raises(openai.NotFoundError):
+            client.files.retrieve(stored["output_file_id"])
+        assert client.batches.retrieve(batch.id).status == "completed"
 
 
 def test_batches_list_paginates(setup: Setup) -> None:
