@@ -113,7 +113,9 @@ class Batches:
         self.store = BatchStore(settings)
         self.now = now
         self.prefect_api_url = prefect_api_url or settings.prefect_api_url
-        self._finalizing = threading.Lock()
+        # Orders this process's writes of a record (a mark, a finalize); other servers'
+        # writes race them, as the store has no compare-and-set (see `_mark`).
+        self._writing = threading.Lock()
 
     # ---- create -------------------------------------------------------------------
 
@@ -334,8 +336,10 @@ class Batches:
         now = int(self.now())
         lanes = record["_lanes"]
         if now >= record["expires_at"] and not lanes.get("expiring") and state not in _ENDED:
-            lanes["expiring"] = True
-            self.store.save_batch(record)
+            record = self._mark(batch_id, lambda r: r["_lanes"].update(expiring=True))
+            if record["status"] in FINAL:
+                return public(record)  # another server finished it meanwhile
+            lanes = record["_lanes"]
             state = job.cancel()
         if state in _ENDED:
             return public(self._finalize(record, state, job))
@@ -369,14 +373,28 @@ class Batches:
 
     def cancel(self, batch_id: str) -> dict[str, Any]:
         record = self.store.batch(batch_id)
+        if record["status"] not in FINAL:
+            now = int(self.now())
+            record = self._mark(batch_id, lambda r: r.update(cancelling_at=now))
         if record["status"] in FINAL:
             raise InvalidInput.field(
                 "batch_id", f"batch {batch_id} is already {record['status']}", "batch_final"
             )
-        record["cancelling_at"] = int(self.now())
-        self.store.save_batch(record)
         self._job(record).cancel()
         return self.retrieve(batch_id)
+
+    def _mark(self, batch_id: str, change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        """The batch's record read afresh and, unless it is final, changed and saved.
+
+        A record read before a slow call (Prefect's) must not be saved over one that
+        another request finished meanwhile. This closes that race within a process
+        and narrows it to a read and a write across servers (no compare-and-set)."""
+        with self._writing:
+            record = self.store.batch(batch_id)
+            if record["status"] not in FINAL:
+                change(record)
+                self.store.save_batch(record)
+            return record
 
     def _job(self, record: dict[str, Any]) -> Job:
         return Job(record["id"], self.settings, prefect_api_url=self.prefect_api_url)
@@ -403,9 +421,9 @@ class Batches:
     def _finalize(self, record: dict[str, Any], state: str, job: Job) -> dict[str, Any]:
         """The ended run's output and error files, and the batch's last status.
 
-        The lock only spares this process doing it twice: another server may be doing
+        The lock spares this process doing it twice: another server may be doing
         it too, and writes the same files under the same ids (lanes.batchfiles)."""
-        with self._finalizing:
+        with self._writing:
             again = self.store.batch(record["id"])
             if again["status"] in FINAL:
                 return again  # another request finished it

@@ -31,6 +31,7 @@ import pytest
 from openai.types import BatchError
 
 from lanes.batches import Batches
+from lanes.errors import InvalidInput
 from lanes.jobs import BATCH_PREFIX, Job
 from lanes.settings import Settings
 from lanes.specfile import load_spec
@@ -491,6 +492,53 @@ def test_two_replicas_finalizing_one_batch_write_one_set_of_files(setup: Setup) 
         with pytest.raises(openai.NotFoundError):
             client.files.retrieve(stored["output_file_id"])
         assert client.batches.retrieve(batch.id).status == "completed"
+
+
+class HeldClock:
+    """A wall clock whose every reader waits until the test opens it."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+        self.opened = threading.Event()
+        self.waiting = 0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            self.waiting += 1
+        assert self.opened.wait(WAIT_S), "the test never opened the clock"
+        return self.now
+
+
+def test_a_stale_record_is_never_saved_over_a_finished_batch(
+    setup: Setup, closed_gate: None
+) -> None:
+    """One server reads a running batch, then (held at its clock) sees the window passed
+    or is asked to cancel it, while another finalizes it: the finished record stays."""
+    settings = Settings(batch={"store": str(setup.store), "shard_lines": SHARD_LINES})
+    spec = load_spec(setup.spec, settings)
+    with setup.server() as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        batch = held_batch(client, setup)
+        held = HeldClock(setup.clock() + 3601)  # past the batch's 1h window
+        late = Batches(spec, settings, held, setup.api)
+        with ThreadPoolExecutor(2) as pool:
+            expiring = pool.submit(late.retrieve, batch.id)  # holds after the run's state
+            cancelling = pool.submit(late.cancel, batch.id)  # holds after reading it
+            wait_until(lambda: held.waiting == 2, "both held at the clock", WAIT_S)
+            setup.gate.touch()
+            job = Job(batch.id, settings, prefect_api_url=setup.api)
+            ended = {"COMPLETED", "COMPLETED_WITH_ERRORS"}
+            wait_until(lambda: job.status() in ended, "the batch's run", WAIT_S, POLL_S)
+            done = Batches(spec, settings, setup.clock, setup.api).retrieve(batch.id)
+            assert done["status"] == "completed", done
+            held.opened.set()
+            assert expiring.result(timeout=WAIT_S)["status"] == "completed"
+            with pytest.raises(InvalidInput, match="already completed"):
+                cancelling.result(timeout=WAIT_S)
+        after = client.batches.retrieve(batch.id)
+    assert (after.status, after.output_file_id) == ("completed", done["output_file_id"])
+    assert after.cancelling_at is None and after.request_counts.completed == 9  # type: ignore[union-attr]
 
 
 def test_batches_list_paginates(setup: Setup) -> None:
