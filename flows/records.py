@@ -15,7 +15,8 @@ A record that cannot be read (malformed JSON, a record over the size limit, a va
 that is not an object, a CSV row with the wrong number of fields) comes back as a
 `Line` with `error` set, never as an exception: one bad record must not cost the rest
 of its shard. A file that cannot be read at all (a CSV header that is no header, a
-JSON file that is no array) is one such Line, numbered 1.
+JSON file that is no array) is one such Line, numbered 1. An empty (or blank) text file,
+JSON included, holds no records.
 """
 
 from __future__ import annotations
@@ -160,8 +161,11 @@ def _parse(number: int, raw: bytes) -> Line:
 def _json_array(stream: IO[bytes], max_bytes: int) -> Iterator[Line]:
     # JSON has no record boundaries to stream by: the array is parsed whole (keep such
     # files to what fits in memory; JSONL streams).
+    data = stream.read()
+    if not data.strip():
+        return  # an empty file holds no records, as an empty JSONL file
     try:
-        value = orjson.loads(stream.read())
+        value = orjson.loads(data)
     except orjson.JSONDecodeError as err:
         yield Line(1, None, f"malformed JSON: {err}")
         return

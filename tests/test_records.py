@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from lanes.errors import InvalidInput
-from lanes.flows.records import Line, read_shard
+from lanes.flows.records import Line, count_records, read_shard
 from lanes.flows.requests import PlainRecord, Rejection, to_request
 from lanes.flows.shape import RecordShape
 from lanes.settings import Settings
@@ -103,6 +103,26 @@ def test_json_arrays_are_read_element_by_element(tmp_path: Path) -> None:
     broken.write_bytes(gzip.compress(b'[{"id": 1'))
     ((number, value, message),) = [(x.number, x.value, x.error) for x in read(broken)]
     assert (number, value) == (1, None) and message is not None and "malformed JSON" in message
+
+
+EMPTY = {
+    "empty.json": b"",
+    "blank.json": b" \n\t\r\n",
+    "empty.json.gz": gzip.compress(b"", mtime=0),
+    "blank.json.gz": gzip.compress(b"\n\n", mtime=0),
+    "empty.jsonl": b"",
+    "empty.csv": b"",
+}
+
+
+@pytest.mark.parametrize("name", EMPTY)
+def test_an_empty_text_file_holds_no_records(tmp_path: Path, name: str) -> None:
+    path = tmp_path / name
+    path.write_bytes(EMPTY[name])
+    storage = Storage(Settings())
+    (shard,) = storage.list_files(str(path), (name,))
+    assert read(path) == []
+    assert count_records(storage, shard) == 0
 
 
 # ---- records in the user's own shape -------------------------------------------------------
