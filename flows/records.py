@@ -3,7 +3,7 @@
     JSONL       .jsonl .ndjson       one JSON object a line; streamed
     CSV         .csv                 a header line, then one record a line (RFC 4180
                                      quoting; a quoted field may hold newlines); streamed;
-                                     every value is a string
+                                     every value is a string (`Line.text`)
     JSON array  .json                one array of objects; read whole
     Parquet     .parquet .pq         one record a row; read by row groups
 
@@ -53,6 +53,7 @@ class Line:
     number: int
     value: dict[str, Any] | None
     error: str | None = None
+    text: bool = False  # every value is a string, as read (CSV): RecordShape.typed
 
 
 def is_known(name: str) -> bool:
@@ -206,7 +207,7 @@ def _csv(stream: IO[bytes], max_bytes: int) -> Iterator[Line]:
             expected = f"{len(header)} fields (the header's)"
             yield Line(record.start, None, f"expected {expected}, found {len(row)}")
         else:
-            yield Line(record.start, dict(zip(header, row, strict=True)))
+            yield Line(record.start, dict(zip(header, row, strict=True)), text=True)
 
 
 @dataclass(frozen=True)

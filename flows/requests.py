@@ -230,13 +230,14 @@ def to_request(line: Line, shape: RecordShape, shard_uri: str) -> Request | Reje
     """The request a readable record makes, or why it makes none."""
     if line.value is None:
         return Rejection({"id": None, "line": line.number, "error": line.error})
-    record = line.value
+    record: Mapping[str, Any] = line.value
     if is_batch_line(record):
         return _batch_line(line.number, record, shape.kind, shard_uri)
     rid, problem = shape.id_of(record)
     if problem is not None:
         return Rejection({"id": None, "line": line.number, "error": problem})
     try:
+        record = shape.typed(record, line.text)
         kept = shape.kept(record)
         item = None if shape.defers_item else shape.item_of(record)
     except InvalidInput as err:

@@ -21,12 +21,14 @@ from typing import Any
 
 import orjson
 
-from lanes.errors import StorageError
+from lanes.errors import InvalidInput, StorageError
 from lanes.flows.job import Job, plan_shards
 from lanes.flows.records import read_shard
+from lanes.flows.shape import RecordShape
 from lanes.flows.shard import ShardModel, ShardStats, run_shard
 from lanes.measurements import Throughput
 from lanes.settings import Settings
+from lanes.spec import as_offline
 from lanes.storage import Storage
 
 SAMPLE_BATCHES = 2  # batches of the real input a calibration before a deadline runs
@@ -53,13 +55,20 @@ def run_records(
 
 
 def first_records(job: Job, storage: Storage, count: int) -> list[dict[str, Any]]:
-    """Up to `count` readable records from the start of the job's input shards."""
+    """Up to `count` readable records from the start of the job's input shards, as a
+    JSON record holds them (they are run from a JSONL file): a CSV record's numbers
+    read as the shard reads them (RecordShape.typed)."""
+    shape = RecordShape.of(as_offline(job.spec.workload(job.workload)), None)
 
     def readable() -> Iterator[dict[str, Any]]:
         for plan in plan_shards(job, storage):
             for line in read_shard(storage, plan.input, job.max_record_bytes):
-                if line.value is not None:
-                    yield line.value
+                if line.value is None:
+                    continue
+                try:
+                    yield dict(shape.typed(line.value, line.text))
+                except InvalidInput:
+                    yield line.value  # rejected in the run, as in the shard
 
     return list(itertools.islice(readable(), count))
 

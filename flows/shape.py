@@ -2,6 +2,7 @@
 
     shape = RecordShape.of(workload, handler)
     shape.id_of(record)      # the id, from `fields.id`
+    shape.typed(record, text)  # a CSV record's numbers, as a JSON record holds them
     shape.kept(record)       # the `fields.keep` fields, for the output line
     shape.item_of(record)    # the task's item
 
@@ -24,6 +25,7 @@ import orjson
 
 from lanes.errors import InvalidInput
 from lanes.spec import Fields, OfflineWorkload, TaskName
+from lanes.tasks.generate import from_text
 from lanes.tasks.handler import Handler
 from lanes.template import Template, is_template
 
@@ -71,6 +73,16 @@ class RecordShape:
                 f"found {type(rid).__name__}"
             )
         return rid, None
+
+    def typed(self, record: Mapping[str, Any], text: bool) -> Mapping[str, Any]:
+        """The record as a JSON record holds it. With `text` (a CSV record: every value
+        a string), a generate record whose fields make the item (no `fields.prompt`)
+        has its generation fields read as numbers (lanes.tasks.generate.from_text):
+        `max_tokens`, `temperature`, `top_k`, `top_p` and `seed`, an empty one as null.
+        `InvalidInput` names a field that is no such number."""
+        if not text or self.kind != "generate" or self.source is not None:
+            return record
+        return from_text(record)
 
     def kept(self, record: Mapping[str, Any]) -> dict[str, Any]:
         """The fields to carry to the output; `InvalidInput` names one that is missing,

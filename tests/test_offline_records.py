@@ -18,9 +18,12 @@ import yaml
 
 from lanes.errors import StorageError
 from lanes.flows.batch import offline
+from lanes.flows.job import plan_job
+from lanes.flows.sample import first_records
 from lanes.runtime import Runtime
 from lanes.settings import Settings
 from lanes.specfile import load_spec
+from lanes.storage import Storage
 from lanes.tasks import load_task
 from tests.flows_fixtures import outputs_of, read_jsonl, text, write_jsonl, write_spec
 
@@ -77,6 +80,57 @@ def test_fields_read_a_users_tickets_from_csv_jsonl_and_json_arrays(
         assert list(lines[key]) == ["id", "customer", "embedding"]
         assert lines[key]["customer"] == rows[key]["customer"]
         np.testing.assert_allclose(lines[key]["embedding"], expected, rtol=1e-5, atol=1e-6)
+
+
+PROMPTS_CSV = (
+    "id,prompt,max_tokens,temperature,seed\n"
+    "short,a,1,0,\n"  # one token
+    "whole,a,,,\n"  # empty cells: the workload's defaults
+    "seeded,a,2,0.7,42\n"
+    "bad,a,abc,,\n"
+)
+
+
+def generate_csv(tmp_path: Path) -> Path:
+    generation = {"max_new_tokens": 8, "temperature": 0}
+    workload = offline_workload(task="generate", model="dec", generation=generation)
+    spec = write_spec(tmp_path, {"gen": {**workload, "max_error_rate": 0.5}})
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "prompts.csv").write_text(PROMPTS_CSV)
+    return spec
+
+
+def test_a_csv_generate_record_sets_its_own_max_tokens_and_sampling(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    spec = generate_csv(tmp_path)
+
+    summary = offline(workload="gen", spec=str(spec))
+
+    assert (summary["outputs"], summary["errors"]) == (3, 1)
+    lines = {line["id"]: line for line in outputs_of(tmp_path / "out")}
+    assert (lines["short"]["text"], lines["short"]["finish_reason"]) == ("b", "length")
+    assert (lines["whole"]["text"], lines["whole"]["finish_reason"]) == ("b c d", "stop")
+    assert len(lines["seeded"]["tokens"]) == 2 and lines["seeded"]["finish_reason"] == "length"
+    (error,) = read_jsonl(tmp_path / "out" / "_errors" / "prompts.jsonl")
+    assert error == {
+        "id": "bad",
+        "line": 5,
+        "error": "max_tokens: expected an integer, found 'abc'",
+    }
+
+
+def test_a_deadlines_sample_of_csv_records_reads_them_as_the_shard_does(tmp_path: Path) -> None:
+    spec = generate_csv(tmp_path)
+    settings = Settings()
+    sample = first_records(plan_job("gen", spec, settings), Storage(settings), 10)
+    empty = {"temperature": None, "seed": None}
+    assert sample == [
+        {"id": "short", "prompt": "a", "max_tokens": 1, "temperature": 0, "seed": None},
+        {"id": "whole", "prompt": "a", "max_tokens": None, **empty},
+        {"id": "seeded", "prompt": "a", "max_tokens": 2, "temperature": 0.7, "seed": 42},
+        {"id": "bad", "prompt": "a", "max_tokens": "abc", "temperature": "", "seed": ""},
+    ]
 
 
 HOOKS = """\

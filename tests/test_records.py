@@ -47,11 +47,15 @@ def test_csv_records_are_numbered_by_their_first_line_and_bad_ones_are_lines(
     path.write_text(CSV, encoding="utf-8", newline="")
     lines = read(path, max_bytes=120)
     assert lines == [
-        Line(2, {"ticket_id": "1", "subject": "Printer", "body": 'on fire, again\nsee "photo"'}),
-        Line(5, {"ticket_id": "2", "subject": '5" screen', "body": "cracked"}),
+        Line(
+            2,
+            {"ticket_id": "1", "subject": "Printer", "body": 'on fire, again\nsee "photo"'},
+            text=True,
+        ),
+        Line(5, {"ticket_id": "2", "subject": '5" screen', "body": "cracked"}, text=True),
         Line(6, None, "expected 3 fields (the header's), found 4"),
         Line(7, None, "record is 208 bytes, over the limit of 120"),
-        Line(8, {"ticket_id": "5", "subject": "Login", "body": "fails"}),
+        Line(8, {"ticket_id": "5", "subject": "Login", "body": "fails"}, text=True),
         Line(9, None, "a quoted field opened on line 9 or later is never closed"),
     ]
     zipped = tmp_path / "tickets.csv.gz"
@@ -189,6 +193,55 @@ def test_generate_and_infer_items_leave_out_the_id_and_the_kept_fields() -> None
     infer = request(TICKET, shape("infer", id="ticket_id", keep=["customer"]))
     assert isinstance(infer, PlainRecord)
     assert infer.item == {"subject": "Printer", "body": "on fire", "n": 2}
+
+
+def csv_request(record: dict[str, str], rshape: RecordShape) -> PlainRecord | Rejection:
+    made = to_request(Line(5, record, text=True), rshape, "in/a.csv")
+    assert isinstance(made, PlainRecord | Rejection)
+    return made
+
+
+def test_a_csv_generate_records_options_are_read_as_a_jsonl_records_numbers() -> None:
+    cells = {"id": "7", "prompt": "a b", "max_tokens": "12", "temperature": " 0.5 "}
+    cells |= {"top_k": "", "top_p": "1", "seed": "-3", "stop": "\n\n"}
+    made = csv_request(cells, shape("generate"))
+    assert isinstance(made, PlainRecord) and made.id == "7"
+    assert made.item == {
+        "prompt": "a b",
+        "max_tokens": 12,
+        "temperature": 0.5,
+        "top_k": None,  # an empty cell: the workload's default
+        "top_p": 1,
+        "seed": -3,
+        "stop": "\n\n",
+    }
+    # Read as text only from CSV: a JSON record's string stays a string (the task refuses it).
+    jsonl = request({"id": 7, "prompt": "a", "max_tokens": "12"}, shape("generate"))
+    assert isinstance(jsonl, PlainRecord) and jsonl.item == {"prompt": "a", "max_tokens": "12"}
+    # Columns that make no item stay text: an embed record, a prompt made by `fields.prompt`.
+    embedded = csv_request({"id": "1", "text": "a", "seed": "x"}, shape())
+    assert isinstance(embedded, PlainRecord) and embedded.item == "a"
+    templated = csv_request({"id": "1", "body": "a", "seed": "x"}, shape("generate", prompt="body"))
+    assert isinstance(templated, PlainRecord) and templated.item == {"prompt": "a"}
+
+
+@pytest.mark.parametrize(
+    ("field", "cell", "error"),
+    [
+        ("max_tokens", "abc", "max_tokens: expected an integer, found 'abc'"),
+        ("max_tokens", "12.5", "max_tokens: expected an integer, found '12.5'"),
+        ("seed", "true", "seed: expected an integer, found 'true'"),
+        ("top_k", "1_000", "top_k: expected an integer, found '1_000'"),
+        ("temperature", "warm", "temperature: expected a number, found 'warm'"),
+        ("top_p", "NaN", "top_p: expected a number, found 'NaN'"),
+    ],
+)
+def test_a_csv_cell_that_is_no_number_rejects_its_record_naming_field_and_line(
+    field: str, cell: str, error: str
+) -> None:
+    made = csv_request({"id": "r1", "prompt": "a", field: cell}, shape("generate"))
+    assert isinstance(made, Rejection)
+    assert made.line == {"id": "r1", "line": 5, "error": error}
 
 
 class Hooks:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+import orjson
 from pydantic import ValidationError
 
 from lanes.errors import InvalidInput
@@ -42,6 +43,8 @@ _FIELDS = {
 }
 _KNOWN = ("prompt", *_FIELDS, "seed")
 _REQUEST_NAMES = {target: field for field, target in _FIELDS.items()}
+# The numeric request fields, and whether each takes only an integer.
+_NUMBERS = {"max_tokens": True, "top_k": True, "seed": True, "temperature": False, "top_p": False}
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,38 @@ class GenerateRequest:
     stop: tuple[str, ...]
     seed: int | None
     ignore_eos: bool = False  # run to the budget (benchmarks)
+
+
+def from_text(item: Mapping[str, Any]) -> dict[str, Any]:
+    """`item` read as text (a CSV record: every value a string), its generation fields
+    as a JSON record holds them: an empty one is null (the workload's default), a
+    number is read as JSON reads it, `stop` is one stop string; the other fields are
+    left as they are. Raises `InvalidInput` naming a field whose text is no such
+    number (`max_tokens: expected an integer, found 'abc'`)."""
+    typed = dict(item)
+    for field, value in item.items():
+        if field not in (*_NUMBERS, "stop") or not isinstance(value, str):
+            continue
+        if field == "stop":
+            typed[field] = value or None  # a blank stop string ("\n\n") is one
+        elif value.strip():
+            typed[field] = _number(field, value, whole=_NUMBERS[field])
+        else:
+            typed[field] = None
+    return typed
+
+
+def _number(field: str, text: str, whole: bool) -> int | float:
+    try:
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        value = text
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and not whole:
+        return value
+    expected = "an integer" if whole else "a number"
+    raise InvalidInput.field(field, f"expected {expected}, found {describe(text)}", "invalid_type")
 
 
 def _generate_batch(
