@@ -8,9 +8,10 @@ The flow plans the job, checks a sample of the records against the record shape
 shards an earlier run committed, runs the rest as `shard` tasks on the workload's
 runner (threads here, or a Dask cluster through prefect-dask) with at most
 `runner.max_concurrent_shards` in flight, then writes the run's manifest. A shard
-that still fails after its retries (or rejects more than `max_error_rate` of its
-records, which no retry changes) fails the run, after every other shard has
-finished and the manifest is written: a rerun redoes only it.
+that still fails after its retries (or at once, where no retry changes anything:
+it rejects more than `max_error_rate` of its records, or its input is a corrupt file
+or denied to us) fails the run, after every other shard has finished and the
+manifest is written: a rerun redoes only it.
 
 `rerun` says what an earlier run's commits are worth: "uncommitted" (the default)
 runs the shards without a current commit; "errors" also reruns the rejected records
@@ -41,7 +42,7 @@ from prefect.states import Completed
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 from lanes.backfill import served_workload
-from lanes.errors import JobFailed, LanesError
+from lanes.errors import JobFailed, LanesError, PermanentStorageError
 from lanes.flows import FLOW_NAME
 from lanes.flows.endpoint import EndpointModel, batch_key, check_reachable
 from lanes.flows.job import Job, Lane, plan_job, plan_shards
@@ -305,8 +306,9 @@ def _shard(
 
 
 def _worth_retrying(task: Task[Any, Any], run: TaskRun, state: State[Any]) -> bool:
-    """Prefect's retry condition: a shard over its error rate would be so again."""
-    return not isinstance(state.data, TooManyErrors)
+    """Prefect's retry condition: a shard over its error rate would be so again, and
+    one whose input is corrupt or denied to us would fail the same way again."""
+    return not isinstance(state.data, TooManyErrors | PermanentStorageError)
 
 
 def _run_shards(

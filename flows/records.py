@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import csv
 import gzip
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
 import orjson
 
-from lanes.errors import StorageError
+from lanes.errors import PermanentStorageError, StorageError
 from lanes.storage import Storage, StoredFile, is_s3
 
 JSONL = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")
@@ -85,7 +86,12 @@ def read_shard(storage: Storage, shard: StoredFile, max_bytes: int) -> Iterator[
             records = _jsonl(source, max_bytes)
         try:
             yield from records
-        except (OSError, EOFError) as err:  # a truncated or corrupt .gz
+        except (gzip.BadGzipFile, EOFError, zlib.error) as err:  # a corrupt or truncated .gz
+            raise PermanentStorageError(
+                f"{shard.uri}: not a readable gzip file: {err}; replace it, or move it "
+                "out of the input"
+            ) from None
+        except OSError as err:
             raise StorageError(f"{shard.uri}: cannot read: {err}") from None
 
 
@@ -102,7 +108,7 @@ def count_records(storage: Storage, shard: StoredFile) -> int:
         try:
             return int(pq.ParquetFile(shard.uri).metadata.num_rows)
         except (pa.ArrowException, OSError) as err:
-            raise StorageError(f"{shard.uri}: not a readable Parquet file: {err}") from None
+            raise _not_parquet(shard, err) from None
     if shard.name.endswith(CSV) or shard.name.endswith(JSON) or shard.name.endswith(".gz"):
         return sum(1 for _ in read_shard(storage, shard, max_bytes=2**62))
     count = 0
@@ -320,7 +326,15 @@ def _parquet(storage: Storage, shard: StoredFile) -> Iterator[Line]:
                 number += 1
                 yield Line(number, row)
     except (pa.ArrowException, OSError) as err:
-        raise StorageError(f"{shard.uri}: not a readable Parquet file: {err}") from None
+        raise _not_parquet(shard, err) from None
+
+
+def _not_parquet(shard: StoredFile, err: Exception) -> PermanentStorageError:
+    # pyarrow says OSError of corrupt pages too: the file is read (S3: held in memory)
+    # as it is, and would fail the same way again.
+    return PermanentStorageError(
+        f"{shard.uri}: not a readable Parquet file: {err}; replace it, or move it out of the input"
+    )
 
 
 def output_name(input_name: str) -> str:

@@ -14,6 +14,7 @@
     ├── DeadlineExceeded           the request's deadline passed before it ran (HTTP 504)
     ├── AuthError                  missing or wrong API key (HTTP 401)
     ├── StorageError               an input/output URI cannot be read or written
+    │   └── PermanentStorageError  the same each time: a corrupt file, access denied
     └── JobFailed                  an offline job ended in a failed state
 
 Every message says what failed, where, and what to do about it.
@@ -201,6 +202,15 @@ class AuthError(LanesError):
 
 class StorageError(LanesError):
     """An input or output location cannot be read or written."""
+
+
+class PermanentStorageError(StorageError):
+    """A read or write that fails the same way every time: a corrupt .gz or Parquet
+    file, access denied (S3's 401 or 403). An offline shard that meets one fails at
+    once, without its retries; other StorageErrors (a connection reset, a 5xx,
+    throttling past boto3's own retries) keep theirs."""
+
+    repeats = True
 
 
 class JobFailed(LanesError):

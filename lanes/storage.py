@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import IO, Any
 from urllib.parse import unquote, urlparse
 
-from lanes.errors import StorageError
+from lanes.errors import PermanentStorageError, StorageError
 from lanes.settings import Settings
 from lanes.staging import SUFFIX as STAGING_SUFFIX
 from lanes.staging import remove_if_abandoned, staging_file
@@ -434,9 +434,9 @@ def _s3_error(code: str, status: int | None, message: str, uri: str, action: str
     if code in ("NoSuchKey", "404"):
         return _Missing(f"{uri}: no such object")
     if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch") or (
-        status == 403
+        status in (401, 403)
     ):
-        return StorageError(
+        return PermanentStorageError(
             f"{uri}: access denied ({code}) to {action}; check the credentials boto3 found "
             "(AWS_ACCESS_KEY_ID, AWS_PROFILE or the instance role) and the bucket's policy"
         )

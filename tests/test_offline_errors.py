@@ -1,12 +1,14 @@
 """Failures that tell the truth, end to end under Prefect's test harness: records in
 the wrong shape fail a run before any shard runs, a shard over its max_error_rate
-fails uncommitted and unretried, record errors under it end CompletedWithErrors with
-`lanes run` exiting 3, and --retry-errors / --force rerun exactly what they say,
-each id once, locally and on S3 through a moto server."""
+fails uncommitted and unretried, as does one whose input is corrupt (a cut .gz or
+Parquet file) or denied (S3's 403, a moto server's IAM policy), record errors under
+it end CompletedWithErrors with `lanes run` exiting 3, and --retry-errors / --force
+rerun exactly what they say, each id once, locally and on S3 through a moto server."""
 
 from __future__ import annotations
 
 import csv
+import gzip
 import io
 import json
 import shutil
@@ -16,12 +18,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import typer
 from typer.testing import CliRunner
 
-from lanes.errors import JobFailed
+from lanes.errors import JobFailed, PermanentStorageError, StorageError
+from lanes.flows import batch
 from lanes.flows.batch import offline
+from lanes.flows.shard import TooManyErrors
 from lanes.router.offline_cli import run as run_command
 from tests.flows_fixtures import (
     errors_of,
@@ -39,6 +47,18 @@ from tests.flows_fixtures import (
 def offline_workload(**fields: Any) -> dict[str, Any]:
     base = {"mode": "offline", "task": "embed", "model": "enc", "input": "in/", "output": "out/"}
     return {**base, "batch_size": 8, "retries": 0, **fields}
+
+
+def attempts(flow_run: str) -> dict[str, int]:
+    """How many times each shard task of the flow run ran (1: no retry)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(flow_run)]))
+        )
+    return {run.name: run.run_count for run in runs}
 
 
 @pytest.fixture
@@ -87,9 +107,6 @@ def test_records_in_the_wrong_shape_fail_the_run_before_any_shard(
 def test_a_shard_over_its_max_error_rate_fails_uncommitted_and_is_not_retried(
     prefect_api: str, tmp_path: Path
 ) -> None:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
     spec = write_spec(tmp_path, {"emb": offline_workload(retries=2)})
     write_jsonl(
         tmp_path / "in" / "good.jsonl", [{"id": f"g{i}", "text": text(i)} for i in range(20)]
@@ -110,19 +127,63 @@ def test_a_shard_over_its_max_error_rate_fails_uncommitted_and_is_not_retried(
     assert not (out / "_committed" / "bad.json").exists()
     assert not (out / "bad.jsonl").exists() and not (out / "_errors" / "bad.jsonl").exists()
     manifest = json.loads((out / "_manifest.json").read_text())
-    run_id = uuid.UUID(manifest["flow_run"])
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id]))
-        )
-    attempts = {run.name: run.run_count for run in runs}
-    assert attempts == {"shard good.jsonl": 1, "shard bad.jsonl": 1}  # retries: 2, unused
+    # retries: 2, unused
+    assert attempts(manifest["flow_run"]) == {"shard good.jsonl": 1, "shard bad.jsonl": 1}
 
     write_jsonl(
         tmp_path / "in" / "bad.jsonl", [{"id": f"b{i}", "text": text(i)} for i in range(40)]
     )
     again = offline(workload="emb", spec=str(spec))
     assert (again["shards_run"], again["shards_skipped"], again["total_outputs"]) == (1, 1, 60)
+
+
+def test_a_corrupt_gzip_or_parquet_shard_fails_at_once_and_the_others_commit(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    spec = write_spec(tmp_path, {"emb": offline_workload(retries=2)})
+    records = {name: [{"id": f"{name}{i}", "text": text(i)} for i in range(20)] for name in "gcp"}
+    write_jsonl(tmp_path / "in" / "good.jsonl", records["g"])
+    lines = b"".join(orjson.dumps(r) + b"\n" for r in records["c"])
+    whole_gz = gzip.compress(lines, mtime=0)
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.Table.from_pylist(records["p"]), sink)
+    whole_parquet = sink.getvalue().to_pybytes()
+    # Downloads cut short: the same bytes fail the same way on every attempt.
+    (tmp_path / "in" / "cut.jsonl.gz").write_bytes(whole_gz[: len(whole_gz) // 2])
+    (tmp_path / "in" / "torn.parquet").write_bytes(whole_parquet[: len(whole_parquet) // 2])
+
+    with pytest.raises(JobFailed) as caught:
+        offline(workload="emb", spec=str(spec))
+
+    message = str(caught.value)
+    assert "2 of 3 shards failed" in message and "the others are committed" in message
+    assert f"{tmp_path / 'in' / 'cut.jsonl.gz'}: not a readable gzip file" in message
+    assert f"{tmp_path / 'in' / 'torn.parquet'}: not a readable Parquet file" in message
+    out = tmp_path / "out"
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert attempts(manifest["flow_run"]) == {  # retries: 2, none taken
+        "shard good.jsonl": 1,
+        "shard cut.jsonl": 1,
+        "shard torn.jsonl": 1,
+    }
+    assert [p.name for p in (out / "_committed").iterdir()] == ["good.json"]
+
+    (tmp_path / "in" / "cut.jsonl.gz").write_bytes(whole_gz)
+    (tmp_path / "in" / "torn.parquet").write_bytes(whole_parquet)
+    again = offline(workload="emb", spec=str(spec))
+    assert (again["shards_run"], again["shards_skipped"], again["total_outputs"]) == (2, 1, 60)
+
+
+def test_only_a_failure_that_would_repeat_skips_a_shards_retries() -> None:
+    from prefect.states import Failed
+
+    def retried(error: Exception) -> bool:
+        return batch._worth_retrying(batch.shard, None, Failed(data=error))
+
+    assert not retried(PermanentStorageError("s3://b/a.jsonl: access denied (AccessDenied)"))
+    assert not retried(TooManyErrors("20 of 40 records rejected"))
+    assert retried(StorageError("s3://b/a.jsonl: cannot read on S3: SlowDown: reduce your rate"))
+    assert retried(RuntimeError("the model's device went away"))
 
 
 def test_record_errors_under_the_threshold_say_so_in_the_state_and_the_exit_code(
@@ -247,3 +308,61 @@ def test_lanes_run_retry_errors_and_force_on_s3_csv(
     forced = run("--force")
     assert forced.exit_code == 0 and "1 run, 0 already done" in forced.output
     assert output_ids() == sorted(f"t{i}" for i in range(12))
+
+
+def reader_keys(endpoint: str) -> dict[str, str]:
+    """An IAM user's keys (moto's, read once its auth is on): it may list the corpus
+    bucket and read in/open*, not in/secret*, and do anything in the results bucket."""
+    import boto3
+
+    iam = boto3.client("iam", endpoint_url=endpoint)
+    iam.create_user(UserName="reader")
+    allow = [
+        ("s3:List*", "arn:aws:s3:::corpus"),
+        ("s3:GetObject", "arn:aws:s3:::corpus/in/open*"),
+        ("s3:*", "arn:aws:s3:::results"),
+        ("s3:*", "arn:aws:s3:::results/*"),
+    ]
+    statements = [{"Effect": "Allow", "Action": a, "Resource": r} for a, r in allow]
+    policy = {"Version": "2012-10-17", "Statement": statements}
+    iam.put_user_policy(UserName="reader", PolicyName="read", PolicyDocument=json.dumps(policy))
+    key = iam.create_access_key(UserName="reader")["AccessKey"]
+    return {
+        "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
+        "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"],
+    }
+
+
+def test_a_shard_denied_its_s3_input_fails_at_once_and_the_others_commit(
+    prefect_api: str, tmp_path: Path, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s3 = s3_env(monkeypatch, s3_endpoint)
+    for bucket in ("corpus", "results"):
+        s3.create_bucket(Bucket=bucket)
+    for name in ("open", "secret"):
+        body = b"".join(
+            orjson.dumps({"id": f"{name}{i}", "text": text(i)}) + b"\n" for i in range(10)
+        )
+        s3.put_object(Bucket="corpus", Key=f"in/{name}.jsonl", Body=body)
+    workload = offline_workload(retries=2, input="s3://corpus/in/", output="s3://results/emb/")
+    spec = write_spec(tmp_path, {"emb": workload})
+    for name, value in reader_keys(s3_endpoint).items():
+        monkeypatch.setenv(name, value)
+    reset_auth = f"{s3_endpoint}/moto-api/reset-auth"
+    httpx.post(reset_auth, content=b"0", timeout=10).raise_for_status()  # the policy binds
+    try:
+        with pytest.raises(JobFailed) as caught:
+            offline(workload="emb", spec=str(spec))
+    finally:
+        httpx.post(reset_auth, content=b"inf", timeout=10).raise_for_status()
+
+    message = str(caught.value)
+    assert "1 of 2 shards failed" in message and "the others are committed" in message
+    assert "s3://corpus/in/secret.jsonl: access denied (AccessDenied) to read" in message
+    raw = s3.get_object(Bucket="results", Key="emb/_manifest.json")["Body"].read()
+    assert attempts(json.loads(raw)["flow_run"]) == {"shard open.jsonl": 1, "shard secret.jsonl": 1}
+    listed = s3.list_objects_v2(Bucket="results", Prefix="emb/_committed/")["Contents"]
+    assert [o["Key"] for o in listed] == ["emb/_committed/open.json"]
+
+    again = offline(workload="emb", spec=str(spec))  # access granted: the denied shard alone
+    assert (again["shards_run"], again["shards_skipped"], again["total_outputs"]) == (1, 1, 20)

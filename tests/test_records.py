@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from lanes.errors import InvalidInput
+from lanes.errors import InvalidInput, PermanentStorageError
 from lanes.flows.records import Line, count_records, read_shard
 from lanes.flows.requests import PlainRecord, Rejection, to_request
 from lanes.flows.shape import RecordShape
@@ -107,6 +107,34 @@ def test_json_arrays_are_read_element_by_element(tmp_path: Path) -> None:
     broken.write_bytes(gzip.compress(b'[{"id": 1'))
     ((number, value, message),) = [(x.number, x.value, x.error) for x in read(broken)]
     assert (number, value) == (1, None) and message is not None and "malformed JSON" in message
+
+
+WHOLE_GZ = gzip.compress(b'{"id": 1, "text": "a"}\n' * 50, mtime=0)
+CORRUPT_GZ = {
+    "truncated": WHOLE_GZ[: len(WHOLE_GZ) // 2],  # EOFError
+    "not gzip": b'{"id": 1, "text": "a"}\n',  # gzip.BadGzipFile
+    "bad deflate": WHOLE_GZ[:10] + b"\xff" * 20,  # zlib.error
+    "bad checksum": WHOLE_GZ[:-8] + bytes(8),  # gzip.BadGzipFile
+}
+
+
+@pytest.mark.parametrize("kind", CORRUPT_GZ)
+def test_a_corrupt_gzip_file_is_a_permanent_storage_error(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "a.jsonl.gz"
+    path.write_bytes(CORRUPT_GZ[kind])
+    with pytest.raises(PermanentStorageError, match=r"a.jsonl.gz: not a readable gzip file: "):
+        read(path)
+
+
+def test_a_corrupt_parquet_file_is_a_permanent_storage_error(tmp_path: Path) -> None:
+    path = tmp_path / "a.parquet"
+    path.write_bytes(b"PAR1 and then not Parquet at all")
+    storage = Storage(Settings())
+    (shard,) = storage.list_files(str(path), (".parquet",))
+    with pytest.raises(PermanentStorageError, match=r"a.parquet: not a readable Parquet file: "):
+        read(path)
+    with pytest.raises(PermanentStorageError, match=r"a.parquet: not a readable Parquet file: "):
+        count_records(storage, shard)
 
 
 EMPTY = {

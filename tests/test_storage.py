@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from lanes.errors import StorageError
+from lanes.errors import PermanentStorageError, StorageError
 from lanes.settings import Settings
 from lanes.staging import this_process
 from lanes.storage import MiB, Storage, join
@@ -150,7 +150,7 @@ def test_a_write_that_fails_for_want_of_room_is_a_storage_error(tmp_path: Path) 
     """A file-size limit makes writes fail as a full disk does (EFBIG, like ENOSPC)."""
     code = f"""
 import resource, signal, sys
-from lanes.errors import StorageError
+from lanes.errors import PermanentStorageError, StorageError
 from lanes.settings import Settings
 from lanes.storage import Storage
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -273,7 +273,41 @@ def test_s3_denied_access_is_a_clear_error(s3: Any, endpoint: str) -> None:
     # Turn on moto's authentication: the test's made-up keys are then unknown.
     httpx.post(f"{endpoint}/moto-api/reset-auth", content=b"0", timeout=10).raise_for_status()
     try:
-        with pytest.raises(StorageError, match=r"access denied .* check the credentials"):
+        with pytest.raises(PermanentStorageError, match=r"access denied .* check the credentials"):
             Storage(Settings()).list_files("s3://locked/in/", SUFFIXES)
     finally:
         httpx.post(f"{endpoint}/moto-api/reset-auth", content=b"inf", timeout=10)
+
+
+def client_error(code: str, status: int) -> Exception:
+    from botocore.exceptions import ClientError
+
+    response = {
+        "Error": {"Code": code, "Message": code},
+        "ResponseMetadata": {"HTTPStatusCode": status},
+    }
+    return ClientError(response, "GetObject")
+
+
+def test_s3_errors_that_would_repeat_are_permanent_and_passing_ones_are_not() -> None:
+    from botocore.exceptions import ConnectionClosedError, EndpointConnectionError
+
+    storage = Storage(Settings())
+
+    def raised(error: Exception) -> StorageError:
+        with pytest.raises(StorageError) as caught, storage._errors("s3://b/in/a.jsonl", "read"):
+            raise error
+        return caught.value
+
+    for code, status in [("AccessDenied", 403), ("InvalidAccessKeyId", 403), ("Unauthorized", 401)]:
+        denied = raised(client_error(code, status))
+        assert isinstance(denied, PermanentStorageError) and "access denied" in str(denied)
+    # What boto3's own retries gave up on may pass: the shard's retries try again.
+    for error in [
+        client_error("InternalError", 500),
+        client_error("SlowDown", 503),
+        client_error("ThrottlingException", 400),
+        EndpointConnectionError(endpoint_url="http://127.0.0.1:9"),
+        ConnectionClosedError(endpoint_url="http://127.0.0.1:9"),
+    ]:
+        assert type(raised(error)) is StorageError, error
