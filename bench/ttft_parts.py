@@ -171,13 +171,19 @@ async def closed_loop(
     return got, await grown
 
 
-def raw_prefill_s(task: GenerateTask, repeats: int = 50) -> float:
-    """The median lone prefill of the bench's first prompt."""
+IDLE_S = 0.003  # about a lone client's gap between its stream's end and its next request
+
+
+def raw_prefill_s(task: GenerateTask, repeats: int = 50, idle_s: float = 0.0) -> float:
+    """The median lone prefill of the bench's first prompt, each after `idle_s` asleep
+    (a lone client's request finds the engine idle since its last stream ended)."""
     decoder = task.decoder
     ids = np.asarray([decoder.encode(PROMPTS[0])], dtype=np.int64)
     mask, positions = np.ones_like(ids), np.arange(ids.shape[1])[None, :]
     times = []
     for _ in range(repeats):
+        if idle_s:
+            time.sleep(idle_s)
         at = time.perf_counter()
         decoder.step(ids, mask, positions, decoder.empty_past(1))
         times.append(time.perf_counter() - at)
@@ -259,9 +265,14 @@ def main() -> None:
     asyncio.run(measure(task, [int(x) for x in args.levels.split(",")], args.warm, args.seconds))
     step = 16 / raw_tokens_per_s(task, 16, 128, 1.0)
     prefill = raw_prefill_s(task)
+    idle = raw_prefill_s(task, idle_s=IDLE_S)
     print(
         f"raw: a 16-row decode step (past 128) {step * 1000:.2f} ms, a lone prefill "
         f"{prefill * 1000:.2f} ms; (step + prefill) / prefill = {(step + prefill) / prefill:.2f}x"
+    )
+    print(
+        f"raw: a lone prefill after {IDLE_S * 1000:.0f} ms asleep {idle * 1000:.2f} ms "
+        f"({idle / prefill:.2f}x back to back): what a lone client's prefill starts from"
     )
 
 
