@@ -16,14 +16,21 @@ The spread is the `quantile` of measured / predicted over the window: `upper` is
 prediction scaled by it, what a run of that size takes at worst but rarely. Until
 `min_samples` runs are seen the model knows nothing (`estimate` is None), and callers
 keep their default behaviour. Pure: no threads, no I/O; the clock is injected.
+
+Past the sizes it was fitted on a fit extrapolates, and a young one (a burst of full
+batches, or runs of a few sizes) can over-estimate a smaller or larger run several
+times over. `Fit.at_least` is what a refusal may stand on: the fit read only at the
+sizes it has seen, less than or as much as `seconds` at any size.
 """
 
 from __future__ import annotations
 
 import time
+from bisect import bisect_right
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -36,18 +43,74 @@ class Estimate:
     upper: float
 
 
+@dataclass(frozen=True, eq=False)
+class Seen:
+    """The sizes of the runs a fit was made from: each one's items, and its rows' length
+    in tokens (what it padded to, per item; 0 without tokens)."""
+
+    items: np.ndarray
+    rows: np.ndarray
+
+    @classmethod
+    def of(cls, items: Sequence[int] | np.ndarray, rows: Sequence[int] | np.ndarray) -> Seen:
+        return cls(np.asarray(items, dtype=np.float64), np.asarray(rows, dtype=np.float64))
+
+
+NOTHING_SEEN = Seen.of([], [])
+
+
+@dataclass(frozen=True)
+class Steps:
+    """A non-decreasing step function: `most[i]` from `at[i]` on (`at` ascending), 0
+    before `at[0]`."""
+
+    at: list[float]
+    most: list[float]
+
+    def __call__(self, x: float) -> float:
+        i = bisect_right(self.at, x)
+        return self.most[i - 1] if i else 0.0
+
+
 @dataclass(frozen=True)
 class Fit:
-    """The fitted coefficients (seconds) and the spread (measured / predicted)."""
+    """The fitted coefficients (seconds), the spread (measured / predicted), and the run
+    sizes they were fitted on."""
 
     fixed_s: float
     per_item_s: float
     per_token_s: float
     spread: float
     samples: int
+    seen: Seen = NOTHING_SEEN
 
     def seconds(self, items: int, tokens: int) -> float:
         return self.fixed_s + self.per_item_s * items + self.per_token_s * tokens
+
+    def at_least(self, items: int, tokens: int) -> float:
+        """What a run of `items` padded to `tokens` in all takes at least, by the sizes
+        seen: the most of `seconds` at a seen size with rows no longer, of as many items
+        or fewer; or of more items, their share for `items` (a batch's item takes no
+        longer than a smaller batch's). 0 where no seen size has rows this short: the
+        fit does not know how little a run smaller than any it saw takes."""
+        if items == 1:  # what every waiting request asks, at every batch: a lookup
+            return self._alone(tokens)
+        seen = self.seen
+        shorter = seen.rows * items <= tokens
+        if items <= 0 or not shorter.any():
+            return 0.0
+        sizes, rows = seen.items[shorter], seen.rows[shorter]
+        runs = self.fixed_s + self.per_item_s * sizes + self.per_token_s * sizes * rows
+        return float(np.max(runs * np.minimum(1.0, items / sizes)))
+
+    @cached_property
+    def _alone(self) -> Steps:
+        """`at_least(1, tokens)` by the row's length: each seen size's share for one
+        item, the most over the rows no longer."""
+        seen = self.seen
+        shares = self.fixed_s / seen.items + self.per_item_s + self.per_token_s * seen.rows
+        order = np.argsort(seen.rows, kind="stable")
+        return Steps(seen.rows[order].tolist(), np.maximum.accumulate(shares[order]).tolist())
 
 
 @dataclass(frozen=True)
@@ -135,17 +198,12 @@ class CostModel:
         if np.ptp(items) == 0:
             del columns["fixed"]
         coef = _nonnegative_fit(columns, seconds)
-        fit = Fit(
-            fixed_s=coef.get("fixed", 0.0),
-            per_item_s=coef.get("items", 0.0),
-            per_token_s=coef.get("tokens", 0.0),
-            spread=1.0,
-            samples=len(self._runs),
-        )
-        predicted = fit.fixed_s + fit.per_item_s * items + fit.per_token_s * tokens
+        fixed, per_item, per_token = (coef.get(n, 0.0) for n in ("fixed", "items", "tokens"))
+        predicted = fixed + per_item * items + per_token * tokens
         ratios = seconds / np.maximum(predicted, 1e-12)
-        spread = float(np.quantile(ratios, self.quantile))
-        return Fit(fit.fixed_s, fit.per_item_s, fit.per_token_s, max(spread, 1.0), fit.samples)
+        spread = max(float(np.quantile(ratios, self.quantile)), 1.0)
+        seen = Seen.of(items, tokens // items)
+        return Fit(fixed, per_item, per_token, spread, len(self._runs), seen)
 
 
 def _nonnegative_fit(columns: dict[str, np.ndarray], target: np.ndarray) -> dict[str, float]:

@@ -114,3 +114,36 @@ def test_coefficients_never_go_negative() -> None:
     assert fit is not None
     assert min(fit.fixed_s, fit.per_item_s, fit.per_token_s) >= 0
     assert fit.per_token_s == 0
+
+
+def test_at_least_reads_the_fit_only_at_the_sizes_it_has_seen() -> None:
+    """A burst of full batches (32 rows of 64 tokens, 100 ms): the fit puts the tokens'
+    cost on the items, 3.125 ms each, however short. `at_least` says that much only of
+    a size it saw; of one item of 64 tokens, its share of the batch; of rows shorter
+    than any seen, nothing; of a larger run, what the size seen takes."""
+    model = CostModel(min_samples=4)
+    for _ in range(4):
+        model.observe(32, 32 * 64, 0.1)
+    fit = model.fit
+    assert fit is not None
+    assert fit.at_least(32, 32 * 64) == pytest.approx(0.1)
+    assert fit.at_least(1, 64) == pytest.approx(0.1 / 32)
+    assert fit.seconds(1, 1) == pytest.approx(0.1 / 32) and fit.at_least(1, 1) == 0
+    assert fit.seconds(64, 64 * 128) == pytest.approx(0.2)
+    assert fit.at_least(64, 64 * 128) == pytest.approx(0.1)
+
+
+def test_at_least_is_never_more_than_the_estimate() -> None:
+    model = CostModel(min_samples=4)
+    rng = np.random.default_rng(2)
+    for _ in range(12):
+        items = int(rng.integers(4, 17))
+        tokens = items * int(rng.integers(16, 33))
+        model.observe(items, tokens, linear(items, tokens) * float(rng.uniform(0.8, 1.2)))
+    fit = model.fit
+    assert fit is not None
+    for items in (1, 2, 4, 8, 16, 32, 64):
+        for row in (0, 1, 16, 24, 32, 64):
+            assert 0 <= fit.at_least(items, items * row) <= fit.seconds(items, items * row)
+    assert fit.at_least(1, 1) == 0  # rows shorter than any seen
+    assert fit.at_least(1, 32) > 0  # an item's share of a batch seen
