@@ -7,9 +7,11 @@ takes the one with the most items per second of run. A request that cannot meet 
 budget even alone is served anyway (it is late, not failed) and constrains nobody.
 
 A request's deadline (`slo.timeout_ms`, or the caller's own) is hard: one whose run,
-alone and now, is expected to end past it (the `seconds` estimate: even a typical run
-is too late) is answered 504 at once instead of late; and a batch never grows so that
-its `upper` estimate ends past the deadline of a request in it.
+alone and now, is sure to end past it is answered 504 at once instead of late; and a
+batch never grows so that its `upper` estimate ends past the deadline of a request in
+it. Sure: by the fit's expected time (not `upper`: even a typical run is too late) at
+the sizes it has seen (`Fit.at_least`), never by its extrapolation past them: a young
+fit's (a few sizes seen) can say many times what a smaller or larger run takes.
 
 `plan_batch` is pure: it reads arrivals, deadlines and sizes, the time and a fit, and
 says what to do. `Steering` is one worker's use of it, on the worker's clock. Without a
@@ -63,7 +65,7 @@ def plan_batch(
     unreachable: list[int] = []
     kept: list[Waiting] = []
     for i, w in enumerate(waiting):
-        if w.deadline is not None and now + run_seconds(fit, 1, w.tokens) > w.deadline:
+        if w.deadline is not None and now + fit.at_least(1, w.tokens) > w.deadline:
             unreachable.append(i)
         elif len(kept) < most:
             kept.append(w)
@@ -101,7 +103,7 @@ class Steering:
         self._clock = clock
         self._fit: Fit | None = None
         self._fit_at = -math.inf
-        self._busy_until = 0.0  # while a batch runs: when it is expected to end
+        self._busy_until = 0.0  # while a batch runs: when it ends at the earliest
 
     def fit(self) -> Fit | None:
         """The cost model's fit, refitted at most every REFIT_S."""
@@ -114,19 +116,20 @@ class Steering:
         """A batch of `items` started at `start`."""
         fit = self.fit()
         if fit is not None:
-            self._busy_until = start + run_seconds(fit, len(items), padded_tokens(items))
+            self._busy_until = start + fit.at_least(len(items), padded_tokens(items))
 
     def check_reachable(
         self, items: Sequence[Any], now: float, deadline: float | None, busy: bool
     ) -> float:
-        """Raise DeadlineExceeded now if these items' run is expected to end past
-        `deadline` even if it starts as soon as the batch on the model (if `busy`) ends.
-        Returns how long before the deadline a queued item's timer fires: its own
-        expected run (0 without a deadline or a fit)."""
+        """Raise DeadlineExceeded now if these items' run is sure to end past `deadline`
+        even if it starts as soon as the batch on the model (if `busy`) ends (both by
+        `Fit.at_least`). Returns how long before the deadline a queued item's timer
+        fires: its own run at least (0 without a deadline or a fit, or for an item
+        smaller than any run seen)."""
         fit = self.fit() if deadline is not None else None
         if fit is None or deadline is None:
             return 0.0
-        own = run_seconds(fit, 1, max((tokens_of(i) for i in items), default=0))
+        own = fit.at_least(1, max((tokens_of(i) for i in items), default=0))
         rest = max(self._busy_until - now, 0.0) if busy else 0.0
         if now + rest + own > deadline:
             raise unreachable(deadline - now)

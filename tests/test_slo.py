@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lanes.costmodel import Fit
+from lanes.costmodel import Fit, Seen
 from lanes.errors import DeadlineExceeded
 from lanes.runtime import Runtime
 from lanes.serving.batching import UNREACHABLE, BatchQueue
@@ -34,8 +34,10 @@ from tests.servers import ServerThread, write_spec
 from tests.slo_hooks import costly
 
 MS = 0.001
-# 1 ms a run and 1 ms an item: a batch of k takes (1 + k) ms.
-LINEAR = Fit(fixed_s=MS, per_item_s=MS, per_token_s=0.0, spread=1.0, samples=64)
+# 1 ms a run and 1 ms an item: a batch of k takes (1 + k) ms; fitted on runs of every
+# size up to 32 (a refusal stands on the sizes seen: Fit.at_least).
+EVERY_SIZE = Seen.of(range(1, 33), [0] * 32)
+LINEAR = Fit(fixed_s=MS, per_item_s=MS, per_token_s=0.0, spread=1.0, samples=64, seen=EVERY_SIZE)
 
 
 def arrived(*ages_ms: float, now: float = 100.0, deadline_ms: float | None = None) -> list[Waiting]:
@@ -94,20 +96,31 @@ def test_a_deadline_bounds_the_batch_and_an_unreachable_one_is_refused() -> None
     assert plan.unreachable == (0,) and plan.size == 9
     # Alone, a request whose `upper` but not its expected run misses its deadline
     # still runs: the deadline refuses by the expected time.
-    wide = Fit(MS, MS, 0.0, 2.0, 64)
+    wide = Fit(MS, MS, 0.0, 2.0, 64, EVERY_SIZE)
     plan = plan_batch(arrived(0, deadline_ms=3), 100.0, wide, None, 32)
     assert plan.unreachable == () and plan.size == 1
+    # Nor is one refused by the fit's extrapolation below the sizes it saw (8 to 32
+    # here): 1.5 ms left, less than (1 + 1) ms, more than an item's share of a run of
+    # 8 (9 / 8 ms), which a lone run takes at least. Its deadline bounds the batch.
+    young = Fit(MS, MS, 0.0, 1.0, 8, Seen.of(range(8, 33), [0] * 25))
+    plan = plan_batch(arrived(3, deadline_ms=4.5), 100.0, young, None, 32)
+    assert plan.unreachable == () and plan.size == 1
+    plan = plan_batch(arrived(3.5, deadline_ms=4.5), 100.0, young, None, 32)
+    assert plan.unreachable == (0,)  # 1 ms left: less than that share
 
 
 # ---- the worker: its queue's batches sized by its cost model ---------------------------
 
 
-def worker_for(tmp_path: Path, clock: ManualClock, slo: dict[str, float]) -> BatchWorker:
-    """A worker (not started: the tests take its batches themselves) of an infer workload."""
+def worker_for(
+    tmp_path: Path, clock: ManualClock, slo: dict[str, float], task: str = "infer"
+) -> BatchWorker:
+    """A worker (not started: the tests take its batches themselves) of an infer workload
+    (model affine), or of an embed one (model enc)."""
     workload = {
         "mode": "interactive",
-        "task": "infer",
-        "model": "affine",
+        "task": task,
+        "model": "affine" if task == "infer" else "enc",
         "batching": {"max_batch_size": 32, "max_wait_ms": 0},
         "slo": slo,
     }
@@ -167,6 +180,53 @@ async def test_a_queued_request_past_its_deadline_by_prediction_is_answered_firs
         await doomed.future
     assert refused.value.code == UNREACHABLE
     assert not fine.future.done()
+
+
+async def test_a_young_fit_refuses_no_request_shorter_than_the_runs_it_has_seen(
+    tmp_path: Path,
+) -> None:
+    """The fit knows only full batches (a burst: 32 rows of 64 tokens, 100 ms a run), so
+    it puts the tokens' cost on the items: 3 ms an item, a 1-token one too. A 1-token
+    request with 2 ms to its deadline is served (its run takes no time on the worker's
+    clock), not refused at once: no run that small was ever seen."""
+    clock = ManualClock()
+    worker = worker_for(tmp_path, clock, {"timeout_ms": 2}, task="embed")
+    for _ in range(8):
+        worker.cost.observe(32, 32 * 64, 0.1)
+    fit = worker.cost.fit
+    assert fit is not None and fit.seconds(1, 1) > 2 * MS  # the young fit's extrapolation
+    one_token = worker.task.prepare([5])
+    assert one_token.n_tokens == 1
+    worker.start()
+    try:
+        [embedded] = await asyncio.wait_for(worker.submit([one_token]), WAIT_S)
+    finally:
+        await worker.stop()
+    assert len(embedded) == worker.task.dimensions  # type: ignore[attr-defined]
+    # A request as long as the rows seen can be refused: an item of a batch of 32 takes
+    # no longer than alone, so a lone one takes at least 100 / 32 ms.
+    with pytest.raises(DeadlineExceeded, match="cannot finish by its deadline"):
+        worker.steering.check_reachable([worker.task.prepare([5] * 64)], clock(), clock(), False)
+
+
+async def test_a_batch_past_the_sizes_seen_refuses_nobody_beside_it_on_extrapolation(
+    tmp_path: Path,
+) -> None:
+    """Runs of 1 to 4 items, each item cheaper in a larger batch (2, 3, 4 ms): the linear
+    fit, past 4 items, grows faster than what it saw. A batch of 32 starts; a request
+    beside it, with 10 ms left, is refused only if even the most that the sizes seen
+    say of that batch (4 ms, a run of 4) plus its own run (2 ms) ends past it."""
+    clock = ManualClock()
+    worker = worker_for(tmp_path, clock, {"timeout_ms": 10})
+    for items, seconds in [(1, 2 * MS), (2, 3 * MS), (4, 4 * MS)] * 3:
+        worker.cost.observe(items, 0, seconds)
+    fit = worker.cost.fit
+    assert fit is not None and fit.seconds(32, 0) > 10 * MS  # the extrapolation
+    steering = worker.steering
+    steering.started(clock(), list(range(32)))
+    assert steering.check_reachable([0], clock(), clock() + 10 * MS, busy=True) >= 2 * MS
+    with pytest.raises(DeadlineExceeded, match="cannot finish by its deadline"):
+        steering.check_reachable([0], clock(), clock() + 5 * MS, busy=True)
 
 
 # ---- through the server: 504 at once, p99 only a target, the fit on /metrics ------------
