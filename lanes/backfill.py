@@ -23,6 +23,10 @@ INTERNAL_PREFIX = "/internal/"
 BATCH_ROUTE = "/internal/v1/batch/{workload}"
 CONTENT_TYPE = "application/x-lanes-batch"
 PROVIDER_HEADER = "x-lanes-provider"  # the server's execution provider, for the manifest
+# The model time the batch's items used in the offline lane, in seconds (each run's or
+# step's time split among its items, as lanes_lane_busy_seconds_total splits it): what
+# an endpoint run is priced on. Absent from servers older than it.
+BUSY_HEADER = "x-lanes-offline-busy-seconds"
 ENDPOINT_TASKS: tuple[TaskName, ...] = ("embed", "infer", "generate")
 
 

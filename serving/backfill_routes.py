@@ -9,7 +9,9 @@ the server's internal key (LANES_INTERNAL_KEY, else LANES_API_KEY): without eith
 the server refuses every batch, so an open endpoint never opens its model to bulk
 work unasked. A batch whose flow goes away (cancelled, killed, its connection lost)
 leaves at once: its items leave the queue, its sequences their rows, its run on the
-model ends early.
+model ends early. Each answer says, in its BUSY_HEADER, the model time its items used:
+an endpoint run is priced on that, not on its wall time, which holds every wait for
+interactive traffic.
 """
 
 from __future__ import annotations
@@ -25,9 +27,16 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive
 
-from lanes.backfill import BATCH_ROUTE, CONTENT_TYPE, ENDPOINT_TASKS, PROVIDER_HEADER
+from lanes.backfill import (
+    BATCH_ROUTE,
+    BUSY_HEADER,
+    CONTENT_TYPE,
+    ENDPOINT_TASKS,
+    PROVIDER_HEADER,
+)
 from lanes.batchframe import decode_items, encode_outputs
 from lanes.errors import AuthError, LanesError
+from lanes.serving.batching import DeviceShare
 from lanes.serving.engine import Engine
 from lanes.serving.http import openai_error, read_body
 from lanes.serving.state import ServingState
@@ -52,7 +61,8 @@ async def batch(request: Request) -> Response:
             executor = state.worker(name, ENDPOINT_TASKS)
         body = await read_body(request, state.settings.max_body_bytes)
         items = decode_items(executor.task, body)
-        outcomes = await _unless_gone(request.receive, executor.submit_offline(items))
+        share = DeviceShare()
+        outcomes = await _unless_gone(request.receive, executor.submit_offline(items, share))
     except LanesError as e:
         return openai_error(e)
     if outcomes is None:
@@ -60,7 +70,7 @@ async def batch(request: Request) -> Response:
             "workload %s: an offline batch of %d items dropped: its sender went", name, len(items)
         )
         return Response(status_code=CLIENT_CLOSED)  # read by nobody; the access log's status
-    headers = {PROVIDER_HEADER: _provider(executor.task)}
+    headers = {PROVIDER_HEADER: _provider(executor.task), BUSY_HEADER: repr(share.seconds)}
     return Response(encode_outputs(outcomes), media_type=CONTENT_TYPE, headers=headers)
 
 

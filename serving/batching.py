@@ -62,6 +62,27 @@ def unreachable(left_s: float, waited_s: float = 0.0) -> DeadlineExceeded:
 
 
 @dataclass(eq=False)
+class DeviceShare:
+    """The model time one offline caller's items used, in seconds: each run's time
+    (stopped ones too) split among the items it held by count, as the lanes' busy
+    time metric splits it. Written on the event loop (worker) or under the step
+    observer's lock (engine)."""
+
+    seconds: float = 0.0
+
+
+def charge(batch: Sequence[Pending], seconds: float) -> None:
+    """A run of `batch` that took `seconds`: each item's equal part into its caller's
+    share (items without one are interactive, or a caller that keeps no account)."""
+    if not batch:
+        return
+    each = seconds / len(batch)
+    for pending in batch:
+        if pending.share is not None:
+            pending.share.seconds += each
+
+
+@dataclass(eq=False)
 class Pending:
     """One queued request: the prepared item and the future its caller awaits."""
 
@@ -72,6 +93,7 @@ class Pending:
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
     queued: bool = True  # still waiting in the queue (not yet handed to a batch)
     request: RequestRecord | None = None  # its HTTP request's: the run writes its part
+    share: DeviceShare | None = None  # an offline caller's: the runs' time it used
     # Every item of its request (itself too): once one reaches the model, the request is
     # answered by the model, and the others' deadlines no longer stand.
     siblings: tuple[Pending, ...] = field(default=(), repr=False)

@@ -27,7 +27,7 @@ import onnxruntime as ort
 
 from lanes.batchframe import run_unhandled
 from lanes.serving.batch_run import Result, Stopped, answer, timed_run
-from lanes.serving.batching import LOOK_AGAIN_S, LaneQueues, Pending
+from lanes.serving.batching import LOOK_AGAIN_S, LaneQueues, Pending, charge
 from lanes.serving.metrics import LaneSeries
 from lanes.serving.model_thread import IdleThreads
 from lanes.tasks import Task
@@ -131,7 +131,9 @@ class Beside:
     ) -> None:
         self.running -= 1
         self._room.set()
-        self._series.busy.inc(self._clock() - start)
+        took = self._clock() - start
+        self._series.busy.inc(took)
+        charge(batch, took)  # before the answers: a caller reads its share then
         if isinstance(error, Stopped):  # nobody waited for it any more
             self._lanes.offline.give_back(batch)
         else:

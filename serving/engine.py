@@ -56,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import sys
 import threading
 import time
@@ -72,6 +73,7 @@ from lanes.generation.scheduler import PREFILL_TOKENS, Policy
 from lanes.generation.seq import Event, Seq, StepPlan
 from lanes.generation.slots import Cache
 from lanes.generation.steer import Steer
+from lanes.serving.batching import DeviceShare
 from lanes.serving.metrics import Metrics
 from lanes.serving.step_observer import StepObserver
 from lanes.serving.token_stream import TokenStream, completion
@@ -84,10 +86,15 @@ from lanes.tracing import Tracing
 if TYPE_CHECKING:
     from opentelemetry.trace import SpanContext
 
+log = logging.getLogger("lanes.serving")
+
 SWITCH_INTERVAL_S = 0.001
 # Offline sequences one engine holds (queued or in rows): any one offline window fits;
 # beyond, 503 and Retry-After, which the flow's endpoint runner waits out.
 OFFLINE_MAX_SEQUENCES = 65536
+# How long an offline batch waits for its last step's report (its device time), at
+# most: a report follows its step at once unless the engine is stuck.
+SETTLE_TIMEOUT_S = 30.0
 
 
 class Engine:
@@ -251,13 +258,15 @@ class Engine:
         return stream
 
     async def submit_offline(
-        self, requests: Sequence[GenerateRequest]
+        self, requests: Sequence[GenerateRequest], share: DeviceShare | None = None
     ) -> list[Completion | LanesError]:
         """Run prepared requests in the offline lane (free rows only, preempted when
         interactive requests need them) and wait for all of them: per request its
         `Completion` (the model's, no handler: the offline workload applies its own)
         or the error it failed with alone. Overloaded, whole, when the lane cannot
-        hold them or the server stops before they are done (the flow retries)."""
+        hold them or the server stops before they are done (the flow retries). Each
+        sequence's part of the steps it was in (as the lanes' busy time splits a step)
+        is added to `share`, whole when this returns."""
         # Their text is read whole, at the finish (_completion): decoded once, then.
         seqs = [seq_of(next(self._ids), r, offline=True, stream=False) for r in requests]
         streams = [TokenStream(seq.id, len(seq.prompt_ids), self) for seq in seqs]
@@ -268,6 +277,8 @@ class Engine:
                 raise Overloaded(
                     f"the offline lane holds {len(self._offline)} sequences; retry shortly", 1.0
                 )
+            if share is not None:
+                self.observer.charge_to([seq.id for seq in seqs], share)
             self._inbox += seqs
             for stream in streams:
                 self._streams[stream.id] = stream
@@ -281,7 +292,22 @@ class Engine:
             raise
         if any(d is None for d in done):
             raise Overloaded("the server stopped before this batch was done; retry it", 1.0)
+        if share is not None:
+            await self._settled(share)
         return [d for d in done if d is not None]
+
+    async def _settled(self, share: DeviceShare) -> None:
+        """Once every step of `share`'s sequences is charged: at once but where a finish
+        went out with a first token, ahead of its step's report (then on a thread)."""
+        if self.observer.settled(share, 0.0):
+            return
+        if not await asyncio.to_thread(self.observer.settled, share, SETTLE_TIMEOUT_S):
+            log.warning(
+                "%s: an offline batch's last steps were not reported within %.0f s: its "
+                "device time may be short of them",
+                self.name,
+                SETTLE_TIMEOUT_S,
+            )
 
     def abort(self, seq_id: int) -> None:
         with self._lock:

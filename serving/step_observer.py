@@ -16,6 +16,7 @@ from lanes.generation.loop import Step
 from lanes.generation.scheduler import Scheduler
 from lanes.generation.seq import Lane, Seq, StepPlan
 from lanes.generation.steer import Steer
+from lanes.serving.batching import DeviceShare
 from lanes.serving.metrics import GenerateSeries, LaneSeries, Metrics, Rate, Utilization
 from lanes.serving.tracing import GenerateSpans
 
@@ -37,11 +38,31 @@ class StepObserver:
         self.utilization = Utilization()
         self._lock = threading.Lock()
         self._lane_of: dict[int, Lane] = {}  # unfinished sequences' lanes
+        # Offline sequences whose caller keeps an account of their steps' time, and the
+        # sequences each account still waits on (under _lock; `settled` waits on it).
+        self._shares: dict[int, DeviceShare] = {}
+        self._open: dict[DeviceShare, int] = {}
+        self._settled = threading.Condition(self._lock)
         self._last_token_at: dict[int, float] = {}
 
     def joined(self, seq: Seq) -> None:
         """A sequence the scheduler took: its tokens count in its lane."""
         self._lane_of[seq.id] = seq.lane
+
+    def charge_to(self, seq_ids: list[int], share: DeviceShare) -> None:
+        """Add offline sequences' parts of their steps' time (`_lane_busy`) to `share`,
+        from before they join until each one's finish is observed."""
+        with self._lock:
+            for seq_id in seq_ids:
+                self._shares[seq_id] = share
+            self._open[share] = self._open.get(share, 0) + len(seq_ids)
+
+    def settled(self, share: DeviceShare, timeout_s: float) -> bool:
+        """Wait (a thread's call) until every sequence charged to `share` has had its
+        finish observed, its last step charged too: a finish handed out early (a first
+        token) reaches its caller before its step is observed. False past `timeout_s`."""
+        with self._settled:
+            return self._settled.wait_for(lambda: share not in self._open, timeout_s)
 
     def bound(self, scheduler: Scheduler, length: int, default_prefill_tokens: int) -> None:
         """The SLOs' bounds on the scheduler's next plan (lanes/generation/steer.py)."""
@@ -96,6 +117,7 @@ class StepObserver:
                 for run in step.runs:
                     self.steer.observe_run(run.rows, run.length, run.seconds)
         made = 0
+        finished: list[int] = []
         # First tokens come from prefills only (a prompt's final chunk among them).
         joined = {s.id: s for s in (*plan.prefill, *([plan.chunk.seq] if plan.chunk else []))}
         for i, event in enumerate(step.events):
@@ -112,6 +134,7 @@ class StepObserver:
                     m.itl.observe(at - last)
                 self._last_token_at[event.seq_id] = at
             if event.finish is not None:
+                finished.append(event.seq_id)
                 self._last_token_at.pop(event.seq_id, None)
                 self._lane_of.pop(event.seq_id, None)
                 self.lanes[lane].items.inc()
@@ -125,6 +148,8 @@ class StepObserver:
                 self.utilization.record(step.start, step.end)
             m.busy.inc(busy)
             self._lane_busy(step, busy)
+        if finished:
+            self._settle(finished)
         m.in_flight.set(running)
         m.queue_depth.set(waiting)
         if self.spans is not None:
@@ -140,3 +165,21 @@ class StepObserver:
         if seqs:
             self.lanes["offline"].busy.inc(seconds * offline / len(seqs))
             self.lanes["interactive"].busy.inc(seconds * (len(seqs) - offline) / len(seqs))
+        if offline:
+            with self._lock:
+                for seq in seqs:
+                    share = self._shares.get(seq.id) if seq.offline else None
+                    if share is not None:
+                        share.seconds += seconds / len(seqs)
+
+    def _settle(self, seq_ids: list[int]) -> None:
+        """Finished sequences leave their accounts; an account left by all is settled."""
+        with self._settled:
+            for seq_id in seq_ids:
+                share = self._shares.pop(seq_id, None)
+                if share is None:
+                    continue
+                self._open[share] -= 1
+                if self._open[share] == 0:
+                    del self._open[share]
+                    self._settled.notify_all()

@@ -40,7 +40,7 @@ from lanes.isolation import Failed
 from lanes.serving.access import RequestRecord
 from lanes.serving.batch_observer import BatchObserver
 from lanes.serving.batch_run import Result, Stopped, answer, timed_run
-from lanes.serving.batching import Lane, LaneQueues, Pending, never_fits
+from lanes.serving.batching import DeviceShare, Lane, LaneQueues, Pending, charge, never_fits
 from lanes.serving.beside import Beside
 from lanes.serving.metrics import Metrics
 from lanes.serving.model_thread import ModelThread
@@ -262,11 +262,14 @@ class BatchWorker:
         self.observer.answered(self.clock() - arrived)
         return outputs
 
-    async def submit_offline(self, items: Sequence[Any]) -> list[Any]:
+    async def submit_offline(
+        self, items: Sequence[Any], share: DeviceShare | None = None
+    ) -> list[Any]:
         """Run prepared items in the offline lane, through the model alone (no
         handler: the offline workload applies its own); per item, its raw output or
         the exception it failed with. Refused whole (Overloaded) when the offline queue
-        cannot hold them all."""
+        cannot hold them all. The model time the items used is added to `share` (whole
+        when this returns: each run is charged before its callers are answered)."""
         too_many = never_fits(len(items), self.lanes.offline.max_queue)
         if too_many is not None:
             raise too_many
@@ -276,6 +279,8 @@ class BatchWorker:
             )
         self._wake()
         pendings = [self.lanes.offline.put(item) for item in items]
+        for pending in pendings:
+            pending.share = share
         self._set_depths()
         try:
             outcomes = await asyncio.gather(*(p.future for p in pendings), return_exceptions=True)
@@ -392,6 +397,8 @@ class BatchWorker:
             self.offline.run = None
         if self.residency is not None:
             self.residency.touch()
+        if lane == "offline":
+            charge(batch, end - start)  # before the answers: a caller reads its share then
         if isinstance(error, Stopped):
             self.lanes.offline.give_back(batch)
             live = sum(1 for p in batch if p.live)
