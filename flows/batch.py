@@ -234,11 +234,13 @@ def run_job(
 
 
 def _record_throughput(store: Measurements, job: Job, manifest: Manifest, uri: str) -> None:
-    """The run's offline items/s per device, for `lanes plan` and later manifests. A
+    """The run's offline items/s per device (and, on the endpoint, per second of the
+    model time its items used there: its price), for `lanes plan` and later manifests. A
     run that ran nothing measured nothing; a home that cannot be written costs the run
     nothing but a warning."""
     if manifest.items == 0:
         return
+    busy = manifest.busy_seconds if manifest.cost_basis == "busy_seconds" else None
     record = Throughput(
         workload=job.workload,
         model_key=job.model_key,
@@ -249,6 +251,7 @@ def _record_throughput(store: Measurements, job: Job, manifest: Manifest, uri: s
         items=manifest.items,
         provider=manifest.provider,
         batch_size=job.batch_size,
+        items_per_busy_second=manifest.items / busy if busy else None,
     )
     try:
         store.save(record)

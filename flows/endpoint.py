@@ -5,7 +5,9 @@ task, on the CPU, prepares records and applies the workload's handler); only the
 model run moves: each batch of prepared items goes to
 POST /internal/v1/batch/{workload}, where it waits in the offline lane of the
 interactive workload named by `runner.workload` and runs when no interactive request
-waits. Commits, retries, manifests and resume stay the flow's, as for every runner.
+waits. Commits, retries, manifests and resume stay the flow's, as for every runner; each
+answer's model time (BUSY_HEADER) adds up per shard (`ShardStats.busy_seconds`), on
+which the manifest prices the run.
 
 A full offline lane (503) or a lost connection is retried here, `ATTEMPTS` times
 with the server's Retry-After; anything else fails the batch, and so the shard, for
@@ -23,9 +25,10 @@ from typing import Any
 import httpx
 import orjson
 
-from lanes.backfill import CONTENT_TYPE, PROVIDER_HEADER, batch_path
+from lanes.backfill import BUSY_HEADER, CONTENT_TYPE, PROVIDER_HEADER, batch_path
 from lanes.batchframe import decode_outputs, encode_items
 from lanes.errors import JobFailed, LanesError, from_wire
+from lanes.flows.shard import DeviceTime
 from lanes.isolation import Failed
 from lanes.settings import Settings
 from lanes.tasks.base import Task
@@ -79,11 +82,14 @@ class EndpointModel:
     provider: str = "endpoint"  # the server's provider, once it has answered
     client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=TIMEOUT))
 
-    def run(self, items: Sequence[Any]) -> list[Any]:
+    def run(self, items: Sequence[Any], device: DeviceTime | None = None) -> list[Any]:
         """Per item: the workload's handler's `post` of the model's output, or a
-        `Failed`; raises when every item failed (the model's fault, for retries)."""
+        `Failed`; raises when every item failed (the model's fault, for retries). The
+        model time the endpoint says the batch used goes into `device`."""
         response = self._post(encode_items(items))
         self.provider = response.headers.get(PROVIDER_HEADER, self.provider)
+        if device is not None:
+            device.add(_busy_seconds(response))
         outputs: list[Any] = []
         for i, raw in enumerate(decode_outputs(response.content, len(items), self.task.kind)):
             if isinstance(raw, Failed):
@@ -131,6 +137,16 @@ def _error_of(response: httpx.Response) -> LanesError:
     except (orjson.JSONDecodeError, KeyError, TypeError):
         message, code = f"HTTP {response.status_code}: {response.text[:200]}", None
     return from_wire(f"the endpoint refused the batch: {message}", response.status_code, code)
+
+
+def _busy_seconds(response: httpx.Response) -> float | None:
+    """The batch's model time in the offline lane; None from a server that does not
+    say (older than BUSY_HEADER: the run is then priced on its wall time)."""
+    try:
+        seconds = float(response.headers[BUSY_HEADER])
+    except (KeyError, ValueError):
+        return None
+    return seconds if seconds >= 0 else None
 
 
 def _retry_after(response: httpx.Response) -> float:

@@ -3,7 +3,12 @@
 Written to `<output>/_manifests/<start>-<run>.json`, and to `<output>/_manifest.json`
 for the latest run. Measured items/s are kept so a later run can be planned from them.
 
-Cost: the run's `cost_estimate` is its device-hours at `price_per_device_hour`;
+Cost: the run's `cost_estimate` is its device-hours at `price_per_device_hour`, on the
+basis `cost_basis` names: "busy_seconds" for a run on the endpoint's sessions whose
+every shard's batches said the model time they used there (`busy_seconds`, per shard in
+`shard_stats`), the fair figure where the device is shared with interactive traffic
+and the wall time holds every wait for it; else "wall_seconds", wall time x devices (a
+manifest without `cost_basis` is older than it, and on wall time too);
 `interactive_cost_estimate` is what the same items would have cost on the endpoint,
 at the newest interactive measurement of the same model (lanes.measurements: `lanes
 calibrate`, or a running endpoint's metrics), null when there is none.
@@ -19,7 +24,7 @@ import orjson
 
 from lanes.flows.shard import ShardStats
 from lanes.layout import LATEST, MANIFESTS
-from lanes.measurements import Throughput, usd_for
+from lanes.measurements import CostBasis, Throughput, usd_for
 from lanes.storage import Storage, join
 
 
@@ -43,6 +48,7 @@ class Manifest:
     started_at: str
     ended_at: str
     wall_seconds: float
+    busy_seconds: float | None  # the endpoint's offline-lane model time; None: not known
     shards: int
     shards_run: int
     shards_skipped: int
@@ -63,6 +69,7 @@ class Manifest:
     price_per_device_hour: float
     cost_estimate: float
     cost_per_1k_items: float | None  # null when the run ran no items
+    cost_basis: CostBasis  # what device_hours are of: busy_seconds or wall_seconds
     interactive_items_per_second: float | None  # the measurement below, per device
     interactive_cost_estimate: float | None  # the same items on the endpoint
     interactive_cost_per_1k_items: float | None
@@ -100,7 +107,8 @@ def build_manifest(
     # A host that ran shards counts as one device for as long as the run took: an
     # estimate that is right for one GPU per worker machine, and says so.
     devices = max(1, len({s.host for s in ran}))
-    device_hours = wall / 3600 * devices
+    busy = _busy_seconds(ran)
+    device_hours = busy / 3600 if busy is not None else wall / 3600 * devices
     providers = sorted({s.provider for s in ran}) or ["none"]
     cost = device_hours * price_per_device_hour
     online = _interactive_cost(interactive, price_per_device_hour, items)
@@ -112,6 +120,7 @@ def build_manifest(
         started_at=started.isoformat(),
         ended_at=ended.isoformat(),
         wall_seconds=round(wall, 3),
+        busy_seconds=round(busy, 9) if busy is not None else None,
         shards=len(stats) + len(failures),
         shards_run=len(ran),
         shards_skipped=len(stats) - len(ran),
@@ -132,6 +141,7 @@ def build_manifest(
         price_per_device_hour=price_per_device_hour,
         cost_estimate=round(cost, 6),
         cost_per_1k_items=round(cost / items * 1000, 8) if items else None,
+        cost_basis="busy_seconds" if busy is not None else "wall_seconds",
         interactive_items_per_second=online.items_per_second,
         interactive_cost_estimate=online.cost,
         interactive_cost_per_1k_items=online.per_1k,
@@ -139,6 +149,15 @@ def build_manifest(
         failures=failures,
         shard_stats=stats,
     )
+
+
+def _busy_seconds(ran: list[ShardStats]) -> float | None:
+    """The model time the shards' batches used on the endpoint, when every shard that
+    ran says (and they ran some: a zero would price items at nothing); else None."""
+    if not ran or any(s.busy_seconds is None for s in ran):
+        return None
+    busy = sum(s.busy_seconds or 0.0 for s in ran)
+    return busy if busy > 0 else None
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,30 @@ class ShardStats:
     skipped: bool = False
     retried: int = 0  # records a --retry-errors run reran (0: the shard ran whole)
     recovered: int = 0  # of those, answered now
+    # The model time its batches used where the runner measures it (the endpoint's
+    # offline lane); None where it does not (local, Dask, an older server).
+    busy_seconds: float | None = None
+
+
+@dataclass
+class DeviceTime:
+    """A shard's batches' model time, as its runner reports it batch by batch."""
+
+    seconds: float = 0.0
+    reported: int = 0  # batches that reported theirs
+    unreported: int = 0  # batches that ran without
+
+    def add(self, seconds: float | None) -> None:
+        if seconds is None:
+            self.unreported += 1
+        else:
+            self.seconds += seconds
+            self.reported += 1
+
+    @property
+    def total(self) -> float | None:
+        """The shard's model time; None unless every batch reported its own."""
+        return round(self.seconds, 9) if self.reported and not self.unreported else None
 
 
 class TooManyErrors(JobFailed):
@@ -109,9 +133,10 @@ class ShardModel(Protocol):
         """The execution provider the batches ran on, for the shard's stats."""
         ...
 
-    def run(self, items: Sequence[Any]) -> list[Any]:
+    def run(self, items: Sequence[Any], device: DeviceTime | None = None) -> list[Any]:
         """One output per item (a `Failed` for an item that fails alone); raises when
-        the run failed for a reason a retry might fix, or failed on every item."""
+        the run failed for a reason a retry might fix, or failed on every item. A
+        runner that measures the model time the batch used adds it to `device`."""
         ...
 
 
@@ -125,11 +150,12 @@ class Model:
     provider: str
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def run(self, items: Sequence[Any]) -> list[Any]:
+    def run(self, items: Sequence[Any], device: DeviceTime | None = None) -> list[Any]:
         """One model run; if it fails, find the items it fails on by halving the batch
         (lanes/isolation.py). An item that fails alone becomes that record's error.
         When every item fails alone, the model (not the data) is at fault: the first
-        error is raised, for the shard's retries."""
+        error is raised, for the shard's retries. `device` is left as it is: a local
+        run is priced on its wall time."""
 
         if isinstance(self.task, GenerateTask):
             return self._run_continuous(self.task, items)
@@ -223,7 +249,8 @@ def run_shard(
             reader = _Reader(shape, redo, kept.ids if kept is not None else set())
             requests = reader.read(plan, storage, max_record_bytes, writer)
             progress(writer.errors)  # records rejected while reading
-            batches = _pipeline(requests, model, batch_size, writer, tracing)
+            device = DeviceTime()
+            batches = _pipeline(requests, model, batch_size, writer, tracing, device)
         earlier = kept.lines if kept is not None else 0
         outputs = earlier + writer.outputs
         records = outputs + writer.errors
@@ -246,6 +273,7 @@ def run_shard(
         committed_at=datetime.now(UTC).isoformat(),
         retried=len(redo) if redo is not None else 0,
         recovered=writer.outputs + reader.answered if redo is not None else 0,
+        busy_seconds=device.total,
     )
     marker = {"key": plan.key, **asdict(stats)}
     del marker["skipped"]
@@ -374,9 +402,11 @@ def _pipeline(
     batch_size: int,
     writer: _Writer,
     tracing: Tracing | None = None,
+    device: DeviceTime | None = None,
 ) -> int:
     """Prepare batch k+1 and write batch k-1 while batch k runs. Returns batches run.
-    With `tracing`, each model run is a span ("batch") below the current one."""
+    With `tracing`, each model run is a span ("batch") below the current one; the
+    model time the runner reports goes into `device`."""
     # A generate task's step loop refills rows as sequences finish: hand it several
     # batches at once, so rows stay full across batch edges.
     continuous = isinstance(model.task, GenerateTask)
@@ -392,13 +422,13 @@ def _pipeline(
             outputs: list[Any] = []
             if continuous:
                 with maybe_span(tracing, "batch", {"lanes.batch_size": len(items)}):
-                    outputs = model.run(items)
+                    outputs = model.run(items, device)
                 runs += 1
             else:
                 for start in range(0, len(items), batch_size):
                     part = items[start : start + batch_size]
                     with maybe_span(tracing, "batch", {"lanes.batch_size": len(part)}):
-                        outputs += model.run(part)
+                        outputs += model.run(part, device)
                     runs += 1
             if writing is not None:
                 writing.result()

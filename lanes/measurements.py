@@ -8,9 +8,11 @@
 
 A rate is *per device*: one replica of the endpoint, or one worker machine of an
 offline run, holds one device (a GPU, or the CPU) for as long as it runs, so an item
-costs `price_per_device_hour / 3600 / items_per_second`. `source` says where a rate
-came from: "calibrate" (`lanes calibrate`), "manifest URI" (an offline run), "metrics
-URL" (a running endpoint's items per busy second).
+costs `price_per_device_hour / 3600 / items_per_second`. An offline run on the
+endpoint's sessions shares that device with interactive traffic: it is priced on the
+model time its items used there (`items_per_busy_second`), not on its wall time.
+`source` says where a rate came from: "calibrate" (`lanes calibrate`), "manifest URI"
+(an offline run), "metrics URL" (a running endpoint's items per busy second).
 
 Each record is one file, `<home>/measurements/<workload>/<stamp>-<lane>-<nonce>.json`,
 written whole under a temporary name and then renamed: concurrent writers never
@@ -24,9 +26,11 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any, Literal
 
 import orjson
 from pydantic import TypeAdapter, ValidationError
@@ -36,6 +40,14 @@ from lanes.spec import Mode
 log = logging.getLogger(__name__)
 
 FOLDER = "measurements"
+# What an offline run's cost is on: the model time the endpoint's offline lane spent
+# on its items (an endpoint run whose server reports it), or its wall time x devices
+# (every other run, and manifests older than `cost_basis`).
+CostBasis = Literal["busy_seconds", "wall_seconds"]
+COST_BASES: dict[CostBasis, str] = {
+    "busy_seconds": "the endpoint's offline-lane busy seconds",
+    "wall_seconds": "wall time",
+}
 LANES: tuple[Mode, Mode] = ("offline", "interactive")
 
 
@@ -56,9 +68,23 @@ class Throughput:
     p99_ms: float | None = None  # interactive: the chosen level's p99 latency
     slo_p99_ms: float | None = None  # interactive: the target it was held to
     meets_slo: bool | None = None  # interactive: False when even one client missed it
+    # An offline run on the endpoint (`runner: {kind: endpoint}`): its items per second
+    # of the model time the endpoint's offline lane spent on them, which its price is
+    # on; None elsewhere (and in records older than it): priced on `items_per_second`.
+    items_per_busy_second: float | None = None
+
+    @property
+    def cost_basis(self) -> CostBasis:
+        return "busy_seconds" if self.items_per_busy_second is not None else "wall_seconds"
+
+    @property
+    def priced_rate(self) -> float:
+        """The rate its price is on: per busy second where known, else per second."""
+        busy = self.items_per_busy_second
+        return busy if busy is not None else self.items_per_second
 
     def usd_per_1k_items(self, price_per_device_hour: float) -> float:
-        return usd_per_1k_items(price_per_device_hour, self.items_per_second)
+        return usd_per_1k_items(price_per_device_hour, self.priced_rate)
 
 
 _ADAPTER = TypeAdapter(Throughput)
@@ -84,10 +110,12 @@ class Measurements:
 
     def save(self, record: Throughput) -> Path:
         """Write `record`; returns its file. Raises OSError when the folder is not writable."""
-        if record.items_per_second <= 0:
-            raise ValueError(
-                f"items_per_second: expected a positive rate, found {record.items_per_second}"
-            )
+        for name, rate in (
+            ("items_per_second", record.items_per_second),
+            ("items_per_busy_second", record.items_per_busy_second),
+        ):
+            if rate is not None and rate <= 0:
+                raise ValueError(f"{name}: expected a positive rate, found {rate}")
         folder = self.folder / record.workload
         folder.mkdir(parents=True, exist_ok=True)
         at = record.measured_at.astimezone(UTC).strftime("%Y%m%dT%H%M%S%fZ")
@@ -119,6 +147,17 @@ def newest(
     own = [r for r in same if r.workload == workload]
     found = own or same
     return found[0] if found else None
+
+
+def cost_basis_of(manifest: Mapping[str, Any]) -> str:
+    """What a manifest's cost is on, in words (one read back from storage may be older
+    than `cost_basis`: then on wall time, and it says so)."""
+    basis = manifest.get("cost_basis")
+    if basis == "busy_seconds":
+        return f"{COST_BASES['busy_seconds']} ({manifest.get('busy_seconds')} s)"
+    if basis is None:
+        return f"{COST_BASES['wall_seconds']} (a manifest without cost_basis)"
+    return COST_BASES["wall_seconds"]
 
 
 def _first_line(err: Exception) -> str:

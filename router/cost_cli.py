@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lanes.errors import InvalidInput
-from lanes.measurements import Measurements, Throughput
+from lanes.measurements import COST_BASES, Measurements, Throughput
 from lanes.router.console import progress_bar
 from lanes.router.plan import LaneCost, Route
 from lanes.settings import Settings
@@ -149,6 +149,13 @@ def _cost_cells(cost: LaneCost, label: str, workload: str) -> tuple[str, str, st
         measured += " " + datetime.fromisoformat(cost.measured_at).strftime("%Y-%m-%d %H:%M %Z")
     if cost.measured_for not in (None, workload):
         measured += f" (of {cost.measured_for}, the same model)"
+    if cost.cost_basis == "busy_seconds":
+        measured += (
+            f"; priced on {COST_BASES['busy_seconds']}: "
+            f"{cost.items_per_busy_second} items per busy second"
+        )
+    elif cost.cost_basis == "wall_seconds":
+        measured += f"; priced on {COST_BASES['wall_seconds']}"
     if cost.note:
         measured += f"; {cost.note}"
     return lane, f"${cost.usd_per_1k_items:.6f}", f"{cost.items_per_second:.1f}", measured

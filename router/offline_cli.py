@@ -29,6 +29,7 @@ from rich.table import Table
 from lanes.batches import BATCH_DEPLOYMENT
 from lanes.errors import InvalidInput, LanesError
 from lanes.layout import ERRORS
+from lanes.measurements import cost_basis_of
 from lanes.router.console import ExitCode, guarded
 from lanes.router.console import lanes_errors_untraced as untraced
 from lanes.settings import Settings
@@ -307,7 +308,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
         (
             "cost estimate",
             f"${summary['cost_estimate']:.4f} ({summary['device_hours']:.4f} device-hours "
-            f"at ${summary['price_per_device_hour']}/h)",
+            f"at ${summary['price_per_device_hour']}/h, on {cost_basis_of(summary)})",
         ),
         ("on the endpoint", _interactive_cost(summary)),
     ]

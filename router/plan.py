@@ -14,7 +14,7 @@ from lanes.flows.compile import schedule_of
 from lanes.flows.job import Job, model_key, settle_job
 from lanes.flows.shard import Model, ShardModel
 from lanes.flows.start import calibration, plan_run
-from lanes.measurements import Measurements, Throughput, newest
+from lanes.measurements import CostBasis, Measurements, Throughput, newest
 from lanes.settings import Settings
 from lanes.spec import Mode, Spec, Workload, as_offline
 from lanes.storage import Storage
@@ -32,6 +32,11 @@ class LaneCost:
     measured_at: str | None
     measured_for: str | None  # the workload measured: this one, or another of its model
     note: str | None  # e.g. the SLO the interactive rate missed
+    # What an offline price is on: an endpoint run's offline-lane busy seconds (then its
+    # rate per busy second), or wall time (`items_per_second`); None when not measured,
+    # and for the interactive lane (priced on its measured rate, as before).
+    cost_basis: CostBasis | None = None
+    items_per_busy_second: float | None = None
 
     @classmethod
     def of(cls, lane: Mode, record: Throughput | None, price: float, workload: str) -> LaneCost:
@@ -49,7 +54,13 @@ class LaneCost:
             measured_at=record.measured_at.isoformat(),
             measured_for=record.workload,
             note=note,
+            cost_basis=record.cost_basis if lane == "offline" else None,
+            items_per_busy_second=_rounded(record.items_per_busy_second),
         )
+
+
+def _rounded(rate: float | None) -> float | None:
+    return round(rate, 2) if rate is not None else None
 
 
 @dataclass(frozen=True)
