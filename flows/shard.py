@@ -90,8 +90,7 @@ class ShardStats:
     skipped: bool = False
     retried: int = 0  # records a --retry-errors run reran (0: the shard ran whole)
     recovered: int = 0  # of those, answered now
-    # The model time its batches used where the runner measures it (the endpoint's
-    # offline lane); None where it does not (local, Dask, an older server).
+    # Its batches' model time on the endpoint; None elsewhere (local, Dask, old servers).
     busy_seconds: float | None = None
 
 
