@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from lanes.runtime import Runtime
 from lanes.settings import Settings
 from lanes.spec import Spec
 from lanes.tasks import Completion, Decoder, SamplingParams, load_handler, load_task, sample
+from lanes.tasks.base import encode
 from lanes.tasks.embed import EmbedTask
 from lanes.tasks.generate import GenerateTask
 from lanes.tasks.infer import InferTask
@@ -562,3 +565,29 @@ def test_decoder_prepends_bos_from_config(
     assert decoder.encode("b c") == [1, 2, 3]
     assert decoder.encode("a b") == [1, 2]  # already starts with bos
     assert decoder.encode("") == [1]
+
+
+def test_tokenizing_a_long_text_lets_other_threads_run(demo_models: Path) -> None:
+    """`encode` lets go of the GIL while it tokenizes, so a server that prepares a large
+    body on a thread keeps its event loop serving. Another thread counts its turns
+    while a long non-ASCII text (seconds of work) is tokenized: with the GIL held
+    throughout it got one or two."""
+    tokenizer = Tokenizer.from_file(str(demo_models / "tinycode" / "tokenizer.json"))
+    done = threading.Event()
+    turns = 0
+
+    def count() -> None:
+        nonlocal turns
+        while not done.is_set() and turns < 1_000_000:
+            time.sleep(0.0005)
+            turns += 1
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    try:
+        ids = encode(tokenizer, "é " * 500_000)
+    finally:
+        done.set()
+        counter.join(timeout=60)
+    assert len(ids) >= 500_000
+    assert turns >= 20

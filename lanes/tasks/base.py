@@ -77,9 +77,13 @@ def load_tokenizer(model: ModelSpec, task: str) -> Tokenizer:
 
 def encode(tokenizer: Tokenizer, text: str, param: str = "input") -> list[int]:
     """`tokenizer.encode(text).ids`; text the tokenizer cannot encode (a character a
-    WordLevel vocabulary without an unknown token lacks) is an `InvalidInput`."""
+    WordLevel vocabulary without an unknown token lacks) is an `InvalidInput`.
+
+    Through `encode_batch`, which lets go of the GIL while it tokenizes (`encode` holds
+    it throughout): a megabyte of text takes seconds, and a large body's preparation
+    off the event loop (serving/offload.py) must leave the loop serving meanwhile."""
     try:
-        ids: list[int] = tokenizer.encode(text).ids
+        ids: list[int] = tokenizer.encode_batch([text])[0].ids
     except Exception as err:  # tokenizers raises a bare Exception subclass
         detail = f"this model's tokenizer cannot encode the text ({err})"
         raise InvalidInput.field(param, detail, "invalid_value") from None
