@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 
 from lanes.errors import InvalidInput
-from lanes.spec import Fields, OfflineWorkload, TaskName
+from lanes.spec import Fields, OfflineWorkload, TaskName, a_task
 from lanes.tasks.generate import from_text
 from lanes.tasks.handler import Handler
 from lanes.template import Template, is_template
@@ -128,7 +128,7 @@ class RecordShape:
         if source is None:
             if key not in record:
                 raise InvalidInput(
-                    f'missing field "{key}": an {self.kind} record is {_EXAMPLE[self.kind]}; '
+                    f'missing field "{key}": {a_task(self.kind)} record is {_EXAMPLE[self.kind]}; '
                     f"if your records name it otherwise, set the workload's `fields.{key}`"
                 )
             return record[key]

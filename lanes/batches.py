@@ -53,7 +53,7 @@ from lanes.jobs import (
 from lanes.measurements import Measurements
 from lanes.protocols.openai import BATCH_URLS, Shape, parse
 from lanes.settings import Settings
-from lanes.spec import Spec
+from lanes.spec import Spec, a_task
 from lanes.storage import join
 
 log = logging.getLogger(__name__)
@@ -320,7 +320,7 @@ class Batches:
         elif workload.task != BATCH_URLS[endpoint]:
             error(
                 1,
-                f"line 1: body.model: workload {model!r} is a {workload.task} workload; "
+                f"line 1: body.model: workload {model!r} is {a_task(workload.task)} workload; "
                 f"{endpoint} takes a {BATCH_URLS[endpoint]} one",
                 "body.model",
             )

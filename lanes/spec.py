@@ -27,6 +27,12 @@ Mode = Literal["interactive", "offline"]
 TaskName = Literal["embed", "infer", "generate"]
 TASK_NAMES: tuple[TaskName, ...] = get_args(TaskName)
 
+
+def a_task(task: TaskName) -> str:
+    """The task's name with its article, for messages: "an embed", "a generate"."""
+    return f"{'an' if task[0] in 'aeiou' else 'a'} {task}"
+
+
 # Workload names become URL paths and Prefect deployment names: DNS labels.
 NAME_PATTERN = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 HANDLER_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"

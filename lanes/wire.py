@@ -41,6 +41,7 @@ from lanes.spec import (
     OfflineWorkload,
     Spec,
     Workload,
+    a_task,
     as_interactive,
     as_offline,
 )
@@ -199,7 +200,7 @@ class Core:
         w = self.workload(name, "interactive")
         if w.task != "generate":
             raise WrongMode(
-                f"workload {name!r} is a {w.task} workload: use client.call, not stream"
+                f"workload {name!r} is {a_task(w.task)} workload: use client.call, not stream"
             )
         return self._generate_request(name, prompt, options, self._headers(timeout_ms), True)
 

@@ -15,7 +15,7 @@ from lanes.serving.offload import Offload
 from lanes.serving.readiness import Hosted, LoadState, Readiness
 from lanes.serving.worker import BatchWorker
 from lanes.settings import Settings
-from lanes.spec import Spec, TaskName
+from lanes.spec import Spec, TaskName, a_task
 from lanes.tracing import Tracing
 
 
@@ -75,7 +75,7 @@ class ServingState:
         if tasks is not None and workload.task not in tasks:
             wanted = " or ".join(tasks)
             raise WrongMode(
-                f"workload {name!r} is a {workload.task} workload; this route serves {wanted}",
+                f"workload {name!r} is {a_task(workload.task)} workload; this route serves {wanted}",
                 param="model",
             )
         return self.readiness.of(name)

@@ -368,7 +368,7 @@ def test_errors_come_back_typed_with_the_server_s_param_and_code(
     with pytest.raises(lanes.InvalidInput, match="max_tokens: ") as bad:
         client.call("code", "x", max_tokens=0)
     assert (bad.value.param, bad.value.code) == ("max_tokens", "integer_below_min_value")
-    with pytest.raises(lanes.WrongMode, match="is a infer workload") as wrong:
+    with pytest.raises(lanes.WrongMode, match="is an infer workload") as wrong:
         client.call("shifted", "hello")  # a 400 from the server, read back as WrongMode
     assert (wrong.value.param, wrong.value.code) == ("model", "wrong_mode")
     with pytest.raises(lanes.UnknownWorkload) as unknown:

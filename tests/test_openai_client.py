@@ -218,6 +218,16 @@ def test_no_op_values_of_parameters_lanes_does_not_implement_are_accepted(
         user="user-1",
     )
     assert whole.choices[0].finish_reason in ("stop", "length")
+    # vLLM's extensions, as its clients send them (extra_body), at their no-op values.
+    vllm = {"repetition_penalty": 1, "min_p": 0.0, "min_tokens": 0, "stop_token_ids": []}
+    vllm |= {"bad_words": [], "include_stop_str_in_output": False, "use_beam_search": False}
+    again = client.chat.completions.create(
+        model="code-complete",
+        messages=CHAT,  # type: ignore[arg-type]
+        max_tokens=4,
+        extra_body=vllm,
+    )
+    assert again.choices[0].message.content == plain.choices[0].message.content
     answer = post(
         server,
         "/v1/chat/completions",
@@ -318,6 +328,21 @@ REJECTED: list[tuple[str, dict[str, Any], str, str | None]] = [
     ("/v1/completions", {**PROMPT_BODY, "logit_bias": {"5": 1}}, "logit_bias", "unsupported_value"),
     ("/v1/completions", {**PROMPT_BODY, "user": 5}, "user", "invalid_type"),
     ("/v1/completions", {**PROMPT_BODY, "echo": True}, "echo", "unsupported_value"),
+    # vLLM's sampling extensions change the tokens: refused, not silently ignored.
+    *(
+        ("/v1/completions", {**PROMPT_BODY, name: value}, name, "unsupported_value")
+        for name, value in (
+            ("repetition_penalty", 1.3),
+            ("min_p", 0.1),
+            ("min_tokens", 4),
+            ("stop_token_ids", [5]),
+            ("bad_words", ["def"]),
+            ("include_stop_str_in_output", True),
+            ("use_beam_search", True),
+        )
+    ),
+    ("/v1/chat/completions", {**CHAT_BODY, "min_tokens": 2}, "min_tokens", "unsupported_value"),
+    ("/v1/completions", {**PROMPT_BODY, "min_p": 2}, "min_p", "decimal_above_max_value"),
     ("/v1/completions", {**PROMPT_BODY, "logprobs": 2}, "logprobs", "unsupported_value"),
     ("/v1/completions", {**PROMPT_BODY, "suffix": "}"}, "suffix", "unsupported_value"),
     ("/v1/completions", {**PROMPT_BODY, "best_of": 3}, "best_of", "unsupported_value"),

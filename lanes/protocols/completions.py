@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
+import orjson
 from pydantic import Field
 
 from lanes.errors import InvalidInput
@@ -27,6 +28,18 @@ from lanes.validation import describe
 T = TypeVar("T")
 
 OpenAIFinish = Literal["stop", "length", "content_filter"]
+# vLLM's sampling extensions lanes does not implement, each at the value that changes
+# nothing: accepted there, refused elsewhere. Ignored (as unknown fields are), a vLLM
+# client would get other tokens than it asked for, and not know.
+VLLM_NO_OPS: dict[str, Any] = {
+    "repetition_penalty": 1.0,
+    "min_p": 0.0,
+    "min_tokens": 0,
+    "stop_token_ids": [],
+    "bad_words": [],
+    "include_stop_str_in_output": False,
+    "use_beam_search": False,
+}
 
 
 class StreamOptions(Shape):
@@ -52,6 +65,14 @@ class GenerateParams(OpenAIRequest):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="Only 0.")
     logit_bias: dict[str, Any] | None = Field(None, description="Only empty.")
     ignore_eos: bool | None = Field(None, description="Run to max_tokens (benchmarks).")
+    # vLLM's sampling extensions that lanes does not implement (VLLM_NO_OPS).
+    repetition_penalty: float | None = Field(None, gt=0.0, description="vLLM's: only 1.")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description="vLLM's: only 0.")
+    min_tokens: int | None = Field(None, ge=0, description="vLLM's: only 0.")
+    stop_token_ids: list[int] | None = Field(None, description="vLLM's: only empty.")
+    bad_words: list[str] | None = Field(None, description="vLLM's: only empty.")
+    include_stop_str_in_output: bool | None = Field(None, description="vLLM's: only false.")
+    use_beam_search: bool | None = Field(None, description="vLLM's: only false.")
 
     @property
     def streamed(self) -> bool:
@@ -87,6 +108,15 @@ class GenerateParams(OpenAIRequest):
                     )
                     raise InvalidInput.field("logit_bias", detail, "invalid_value")
             raise unsupported("logit_bias", "lanes applies no biases; send {} or leave it out")
+        for name, no_op in VLLM_NO_OPS.items():
+            value = getattr(self, name)
+            if value is not None and value != no_op:
+                shown = orjson.dumps(value).decode()
+                raise unsupported(
+                    name,
+                    f"lanes does not implement vLLM's {name}; send {orjson.dumps(no_op).decode()} "
+                    f"or leave it out, found {shown[:80]}",
+                )
         if self.stream_options is not None and not self.streamed:
             detail = "only allowed when stream is true"
             raise InvalidInput.field("stream_options", detail, "invalid_value")
