@@ -41,7 +41,7 @@ from lanes import layout
 from lanes.batchfiles import BatchError, assemble
 from lanes.batchstore import BatchStore, new_id
 from lanes.deadline import offpeak_opening, plan_start
-from lanes.errors import InvalidInput, NotFound
+from lanes.errors import InvalidInput, LanesError, NotFound
 from lanes.jobs import (
     BATCH_PREFIX,
     BATCH_TAG,
@@ -121,6 +121,7 @@ class Batches:
 
     def create(self, body: Any) -> dict[str, Any]:
         request = parse(BatchCreate, body)
+        self._check_prefect()
         window = window_seconds(request.completion_window)
         self.store.file(request.input_file_id)
         folder_key = uuid.uuid4().hex
@@ -189,6 +190,19 @@ class Batches:
         record["_lanes"]["flow_run"] = str(run)
         self.store.save_batch(record)
         return public(record)
+
+    def _check_prefect(self) -> None:
+        """Before any work: a batch runs as a Prefect flow, so a server without a
+        Prefect API cannot take one (its operator's to set, not the caller's)."""
+        from prefect.settings import PREFECT_API_URL
+
+        if not (self.prefect_api_url or PREFECT_API_URL.value()):
+            raise LanesError(
+                "this server's Batch API runs each batch on a Prefect server, and it has "
+                "none: its operator must start `lanes serve` with PREFECT_API_URL (or "
+                "LANES_PREFECT_API_URL) set to the Prefect API `lanes deploy` registered "
+                f"the {BATCH_DEPLOYMENT!r} deployment on"
+            )
 
     def _start(self, workload: str, items: int, deadline: float) -> datetime:
         """When the batch's run starts (`Settings.batch.start`; lanes.deadline)."""

@@ -625,3 +625,30 @@ def test_start_latest_schedules_the_run_before_the_deadline(setup: Setup) -> Non
         assert now + 60 < run.timestamp() <= batch.expires_at
         assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
         assert finished(client, batch.id).status == "cancelled"
+
+
+def test_a_server_without_a_prefect_api_refuses_a_batch_before_any_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch runs as a Prefect flow: a server that has no Prefect API says so to its
+    operator, at once, and splits nothing."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from lanes.batchstore import new_id
+    from lanes.errors import LanesError
+
+    spec = write_spec(tmp_path / "project", WORKLOADS)
+    monkeypatch.setenv("LANES_BATCH__STORE", str(tmp_path / "store"))
+    monkeypatch.delenv("LANES_PREFECT_API_URL", raising=False)
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        batches = Batches(load_spec(spec), Settings())
+        line = {"custom_id": "a", "method": "POST", "url": "/v1/embeddings"}
+        line["body"] = {"model": "embed-night", "input": "x"}
+        uploaded = batches.store.put_file(
+            new_id("file"), "in.jsonl", "batch", iter([json.dumps(line).encode() + b"\n"])
+        )
+        body = {"input_file_id": uploaded.id, "endpoint": "/v1/embeddings"}
+        with pytest.raises(LanesError, match="PREFECT_API_URL") as refused:
+            batches.create({**body, "completion_window": "24h"})
+    assert refused.value.status == 500 and "lanes deploy" in str(refused.value)
+    assert batches.store.batch_ids() == []
