@@ -19,6 +19,7 @@ from pydantic import (
     model_validator,
 )
 
+from lanes.quantity import CpuQuantity
 from lanes.schedule import Schedule
 from lanes.strict import StrictModel
 from lanes.template import Template, is_template
@@ -355,7 +356,11 @@ class Deploy(StrictModel):
         1, ge=0, le=1000, description="Fewest pods (0: KEDA scales the group to zero)."
     )
     max_replicas: int = Field(4, ge=1, le=1000, description="Most pods.")
-    cpu: str = Field("1", pattern=QUANTITY_PATTERN, description="CPU per pod (requests = limits).")
+    cpu: CpuQuantity = Field(
+        "1",
+        description="CPU per pod (requests = limits): 2, 1.5 or 500m; LANES_THREADS "
+        "is its whole cores.",
+    )
     memory: str = Field(
         "2Gi", pattern=QUANTITY_PATTERN, description="Memory per pod (requests = limits)."
     )
