@@ -192,3 +192,21 @@ def test_a_command_whose_extra_is_missing_says_which_to_install(tmp_path: Path) 
     assert done.returncode == 1, done.stderr[-2000:]
     assert "needs lanes[serve]" in done.stderr and "pip install 'lanes[serve]'" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("dockerfile", "stage"), [("serve.Dockerfile", "serve"), ("worker.Dockerfile", "worker")]
+)
+def test_each_image_carries_the_project_with_its_handler_modules(
+    dockerfile: str, stage: str
+) -> None:
+    """/app is the project as it stands beside workloads.yaml (a `handler: myhooks:handler`
+    imports myhooks.py from there), less the models and lanes' own source; the build
+    context leaves out the virtualenv, local state and data."""
+    parser = _parsed(dockerfile)
+    project = _instructions(parser, "project")
+    assert project == [("WORKDIR", "/app"), ("COPY", ". ."), ("RUN", "rm -rf .lanes lanes")]
+    copies = [v for i, v in _instructions(parser, stage) if i == "COPY"]
+    assert copies[-1] == "--from=project --chown=10001:10001 /app/ ./", copies
+    ignored = (ROOT / ".dockerignore").read_text().splitlines()
+    assert {".venv", ".git", ".lanes/*", "!.lanes/models", "data"} <= set(ignored)

@@ -29,6 +29,15 @@ COPY router/ router/
 # The serve extra and nothing else: the image holds what `pip install lanes[serve]` holds.
 RUN /opt/lanes/bin/pip install --no-cache-dir ".[serve]"
 
+# The project as it stands beside workloads.yaml, the modules its `handler:` and `guard:`
+# name included (lanes imports them from the spec's folder). .dockerignore keeps out
+# .venv, data and lanes' own development folders; the models are baked in their own
+# stage or mounted, and lanes itself is installed in /opt/lanes.
+FROM ${BASE} AS project
+WORKDIR /app
+COPY . .
+RUN rm -rf .lanes lanes
+
 FROM ${BASE} AS serve
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 \
@@ -42,7 +51,7 @@ ENV PATH=/opt/lanes/bin:$PATH \
     LANES_PORT=8000 \
     LANES_HOME=/tmp/lanes
 WORKDIR /app
-COPY --chown=10001:10001 workloads.yaml ./
+COPY --from=project --chown=10001:10001 /app/ ./
 USER 10001
 EXPOSE 8000
 # /healthz answers while the process lives; /readyz (the Kubernetes readiness probe)

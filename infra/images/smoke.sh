@@ -17,7 +17,8 @@ trap cleanup EXIT
 
 test -f .lanes/models/minilm/model.onnx || { echo "build the demo models first: make models" >&2; exit 1; }
 mkdir -p "$context/.lanes"
-cp -rL pyproject.toml README.md workloads.yaml lanes serving flows router data .dockerignore "$context/"
+# The whole project (its handler modules too); .dockerignore says what the images take.
+cp -rL ./* .dockerignore "$context/"
 cp -rL .lanes/models "$context/.lanes/models"
 find "$context" -name __pycache__ -prune -exec rm -rf {} +
 # lanes/serving etc. are links into the tree: copy them back as links, as git has them.

@@ -10,7 +10,7 @@
 #   docker build -f infra/images/worker.Dockerfile -t lanes-worker .
 #   docker build -f infra/images/worker.Dockerfile --build-arg BASE=python:3.11-slim -t lanes-worker-cpu .
 #
-# The project (workloads.yaml, the user's handler modules) is at /app, the folder that
+# The project (workloads.yaml, the handler modules it names) is at /app, the folder that
 # `lanes compile --project-dir /app` names; the models are mounted (or baked: copy them
 # in a stage of your own FROM this one, as serve.Dockerfile's serve-baked does).
 # Inputs and outputs should be s3:// URIs: a Job's disk is gone when it ends.
@@ -30,6 +30,15 @@ COPY router/ router/
 # The worker extra and nothing else: the image holds what `pip install lanes[worker]` holds.
 RUN /opt/lanes/bin/pip install --no-cache-dir ".[worker]"
 
+# The project as it stands beside workloads.yaml, the modules its `handler:` and `guard:`
+# name included (lanes imports them from the spec's folder). .dockerignore keeps out
+# .venv, data and lanes' own development folders; the models are baked in their own
+# stage or mounted, and lanes itself is installed in /opt/lanes.
+FROM ${BASE} AS project
+WORKDIR /app
+COPY . .
+RUN rm -rf .lanes lanes
+
 FROM ${BASE} AS worker
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 \
@@ -44,7 +53,7 @@ ENV PATH=/opt/lanes/bin:$PATH \
     PREFECT_HOME=/tmp/prefect \
     LANES_HOME=/tmp/lanes
 WORKDIR /app
-COPY --chown=10001:10001 workloads.yaml ./
+COPY --from=project --chown=10001:10001 /app/ ./
 USER 10001
 # 8786/8787: a Dask scheduler and its dashboard, when this image runs one.
 EXPOSE 8786 8787
