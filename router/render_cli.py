@@ -47,6 +47,29 @@ def render_files(
     return files
 
 
+def handler_warnings(spec: Spec, project_dir: str) -> list[str]:
+    """A line per `handler:` or `guard: {handler:}` whose module is neither lanes' own nor
+    in the spec's folder: the images carry that folder (at project_dir) and lanes alone,
+    so such a module would not import in the pods."""
+    root = spec.root or Path.cwd()
+    found = []
+    for name, workload in spec.workloads.items():
+        refs = [("handler", workload.handler)]
+        refs.append(("guard.handler", workload.guard.handler if workload.guard else None))
+        for key, ref in refs:
+            top = (ref or "").partition(":")[0].split(".")[0]
+            if not top or top == "lanes":
+                continue
+            if (root / f"{top}.py").is_file() or (root / top).is_dir():
+                continue
+            found.append(
+                f"warning: workloads.{name}.{key} {ref}: module {top!r} is not in the "
+                f"spec's folder {root}, which the images copy to {project_dir}: put it "
+                "there, or install it in both images"
+            )
+    return found
+
+
 @render_app.command("k8s")
 def k8s(
     file: SpecFile = None,
@@ -101,9 +124,6 @@ def k8s(
             )
         if dask_workers < 1:
             raise InvalidInput(f"--dask-workers: expected at least 1, found {dask_workers}")
-        path = file or settings.spec
-        spec = load_spec(path, settings, check_files=False)
-        raw = yaml.safe_load(Path(path).read_text())
         options = K8sOptions(
             image=image,
             namespace=namespace,
@@ -116,6 +136,11 @@ def k8s(
             offline_cpu=offline_cpu,
             offline_memory=offline_memory,
         )
+        path = file or settings.spec
+        spec = load_spec(path, settings, check_files=False)
+        raw = yaml.safe_load(Path(path).read_text())
+        for line in handler_warnings(spec, project_dir):
+            typer.echo(line, err=True)
         return render_files(raw, spec, settings, options, dask_workers)
 
     files = guarded(run)

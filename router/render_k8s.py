@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -23,6 +24,7 @@ from typing import Any
 import yaml
 
 from lanes.errors import InvalidInput
+from lanes.quantity import whole_cores
 from lanes.settings import Settings
 from lanes.spec import Deploy, InteractiveWorkload, Spec
 
@@ -38,6 +40,8 @@ GRACE_MARGIN_S = 15
 # The startup probe gives the models this long to load before the pod is restarted.
 MODEL_LOAD_S = 600
 PROBE_PERIOD_S = 5
+MAX_DRAIN_S = 3600
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,19 @@ class K8sOptions:
     prefect_api_secret: str = "prefect-api"  # a Secret with key `url`
     offline_cpu: int = 2  # CPUs of a flow run's Job and of a Dask worker pod
     offline_memory: str = "4Gi"
+
+    def __post_init__(self) -> None:
+        """InvalidInput naming the option, for what the cluster (or the pods) would refuse."""
+        if not DNS_LABEL.match(self.namespace):
+            raise InvalidInput(
+                f"--namespace: expected a DNS label (lower-case letters, digits and '-', "
+                f"at most 63, starting and ending alphanumeric), found {self.namespace!r}"
+            )
+        # LANES_DRAIN_S's own bounds (lanes.settings): the server refuses the rest at start.
+        if not 0 <= self.drain_s <= MAX_DRAIN_S:  # NaN is in no range
+            raise InvalidInput(
+                f"--drain-s: expected seconds from 0 to {MAX_DRAIN_S}, found {self.drain_s:g}"
+            )
 
 
 @dataclass(frozen=True)
@@ -121,13 +138,13 @@ def labels(component: str, instance: str) -> dict[str, str]:
     }
 
 
-def models_mount(spec: Spec, names: Sequence[str], project_dir: str) -> str:
-    """Where the image holds (or a volume mounts) the models of `names`: the folder above
-    every model and tokenizer file, as the pod sees it (relative paths are under
-    project_dir)."""
+def models_mount(spec: Spec, project_dir: str) -> str:
+    """Where the models claim is mounted in every pod of the spec: the folder above every
+    model and tokenizer file the spec names, as the pod sees it (relative paths are under
+    project_dir). One folder for the whole spec, so the claim's layout mirrors the spec's
+    model folder in every group, Job and Dask worker. InvalidInput when only / is common."""
     files: list[Path] = []
-    for name in sorted(set(names)):
-        model = spec.models[name]
+    for model in spec.models.values():
         files += [model.path] + ([model.tokenizer] if model.tokenizer else [])
     root = spec.root or Path.cwd()
     seen = []
@@ -136,7 +153,44 @@ def models_mount(spec: Spec, names: Sequence[str], project_dir: str) -> str:
             seen.append(str(PurePosixPath(project_dir) / file.relative_to(root)))
         except ValueError:  # outside the project: the pod sees the same absolute path
             seen.append(str(file))
-    return os.path.commonpath([str(PurePosixPath(f).parent) for f in seen])
+    where = os.path.commonpath([str(PurePosixPath(f).parent) for f in seen])
+    if where == "/":
+        raise InvalidInput(
+            "--models-claim: the spec's model files share no folder but / ("
+            + ", ".join(sorted(seen))
+            + "): keep them under one folder (e.g. .lanes/models), the claim's root"
+        )
+    return where
+
+
+def models_volume(spec: Spec, options: K8sOptions) -> tuple[Manifest, Manifest]:
+    """The models claim's volume mount and volume (options.models_claim must be set)."""
+    assert options.models_claim
+    mount = {"name": "models", "mountPath": models_mount(spec, options.project_dir)}
+    volume = {
+        "name": "models",
+        "persistentVolumeClaim": {"claimName": options.models_claim, "readOnly": True},
+    }
+    return {**mount, "readOnly": True}, volume
+
+
+def shared_env(settings: Settings) -> dict[str, str]:
+    """What the serving pods and the offline lane's pods must agree on, from the settings
+    where the spec is rendered: the S3 endpoint and the Batch API's store (the server
+    writes a batch's input there, the flow run's Job reads it)."""
+    env = {}
+    if settings.s3_endpoint:
+        env["LANES_S3_ENDPOINT"] = settings.s3_endpoint
+    if settings.batch.store:
+        env["LANES_BATCH__STORE"] = settings.batch.store
+    return env
+
+
+def secret_env(name: str, secret: str, key: str, optional: bool = False) -> Manifest:
+    ref: dict[str, Any] = {"name": secret, "key": key}
+    if optional:
+        ref["optional"] = True
+    return {"name": name, "valueFrom": {"secretKeyRef": ref}}
 
 
 def serving_objects(
@@ -199,10 +253,11 @@ def _deployment(
         {"name": "LANES_DEVICE", "value": device},
         *_threads(group.deploy.cpu),
         {"name": "LANES_DRAIN_S", "value": f"{options.drain_s:g}"},
-        {
-            "name": "LANES_API_KEY",
-            "valueFrom": {"secretKeyRef": {"name": options.api_key_secret, "key": "api-key"}},
-        },
+        *({"name": k, "value": v} for k, v in shared_env(settings).items()),
+        secret_env("LANES_API_KEY", options.api_key_secret, "api-key"),
+        # The Batch API starts each batch as a flow run on this Prefect API; optional, so
+        # a cluster without Prefect still serves (its /v1/batches says what is missing).
+        secret_env("PREFECT_API_URL", options.prefect_api_secret, "url", optional=True),
     ]
     resources: dict[str, dict[str, Any]] = {
         "requests": {"cpu": group.deploy.cpu, "memory": group.deploy.memory},
@@ -220,15 +275,9 @@ def _deployment(
         {"name": "tmp", "emptyDir": {}},
     ]
     if options.models_claim:
-        used = [spec.workloads[n].model for n in group.workloads]
-        where = models_mount(spec, used, options.project_dir)
-        mounts.append({"name": "models", "mountPath": where, "readOnly": True})
-        volumes.append(
-            {
-                "name": "models",
-                "persistentVolumeClaim": {"claimName": options.models_claim, "readOnly": True},
-            }
-        )
+        mount, volume = models_volume(spec, options)
+        mounts.append(mount)
+        volumes.append(volume)
     container: dict[str, Any] = {
         "name": "serve",
         "image": options.image,
@@ -283,9 +332,9 @@ def _deployment(
 
 
 def _threads(cpu: str) -> list[dict[str, str]]:
-    """LANES_THREADS for a whole number of CPUs: onnxruntime would otherwise size its
-    pool by the node's cores, not the pod's share."""
-    return [{"name": "LANES_THREADS", "value": cpu}] if cpu.isdigit() and cpu != "0" else []
+    """LANES_THREADS: the whole cores of the pod's CPU quota (lanes.quantity), since
+    onnxruntime would otherwise size its pool by the node's cores."""
+    return [{"name": "LANES_THREADS", "value": str(whole_cores(cpu))}]
 
 
 def _probe(path: str, failures: int) -> dict[str, Any]:

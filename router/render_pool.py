@@ -12,15 +12,28 @@ from __future__ import annotations
 from pathlib import PurePosixPath
 from typing import Any
 
-from lanes.router.render_k8s import GPU, K8sOptions, Manifest, labels, models_mount, uses_gpu
+from lanes.router.render_k8s import (
+    GPU,
+    K8sOptions,
+    Manifest,
+    labels,
+    models_volume,
+    secret_env,
+    shared_env,
+    uses_gpu,
+)
 from lanes.settings import Settings
 from lanes.spec import OfflineWorkload, Spec
 
 JOB_CONTAINER = "prefect-job"
 
 
-def offline_models(spec: Spec) -> list[str]:
-    return [w.model for w in spec.workloads.values() if isinstance(w, OfflineWorkload)]
+def uses_endpoint(spec: Spec) -> bool:
+    """Whether an offline workload runs its shards on the serving endpoint."""
+    return any(
+        isinstance(w, OfflineWorkload) and w.runner.kind == "endpoint"
+        for w in spec.workloads.values()
+    )
 
 
 def _variable(kind: str, default: Any, description: str) -> dict[str, Any]:
@@ -43,9 +56,8 @@ def base_job_template(
         "LANES_DEVICE": settings.device,
         # onnxruntime would size its pool by the node's cores, not the pod's share.
         "LANES_THREADS": str(options.offline_cpu),
+        **shared_env(settings),
     }
-    if settings.s3_endpoint:
-        env["LANES_S3_ENDPOINT"] = settings.s3_endpoint
     resources: dict[str, Any] = {
         "requests": {"cpu": str(options.offline_cpu), "memory": options.offline_memory},
         "limits": {"memory": options.offline_memory},
@@ -61,6 +73,11 @@ def base_job_template(
         "workingDir": options.project_dir,
         "resources": resources,
     }
+    if uses_endpoint(spec):
+        # A runner of kind endpoint sends the server's internal key, which the serving
+        # pods take from this Secret (LANES_API_KEY; the internal key defaults to it). A
+        # Secret needs a list here: Prefect's worker puts the pool's `env` before it.
+        container["env"] = [secret_env("LANES_INTERNAL_KEY", options.api_key_secret, "api-key")]
     pod: dict[str, Any] = {
         "restartPolicy": "Never",
         "serviceAccountName": "{{ service_account_name }}",
@@ -69,15 +86,9 @@ def base_job_template(
     }
     if gpu:
         pod["tolerations"] = [{"key": GPU, "operator": "Exists", "effect": "NoSchedule"}]
-    if options.models_claim and offline_models(spec):
-        where = models_mount(spec, offline_models(spec), options.project_dir)
-        container["volumeMounts"] = [{"name": "models", "mountPath": where, "readOnly": True}]
-        pod["volumes"] = [
-            {
-                "name": "models",
-                "persistentVolumeClaim": {"claimName": options.models_claim, "readOnly": True},
-            }
-        ]
+    if options.models_claim:
+        mount, volume = models_volume(spec, options)
+        container["volumeMounts"], pod["volumes"] = [mount], [volume]
     job_manifest = {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -278,6 +289,7 @@ def _dask_cluster(
         {"name": "LANES_HOME", "value": "/tmp/lanes"},
         {"name": "LANES_DEVICE", "value": settings.device},
         {"name": "LANES_THREADS", "value": str(options.offline_cpu)},
+        *({"name": k, "value": v} for k, v in shared_env(settings).items()),
     ]
     resources: dict[str, Any] = {
         "requests": {"cpu": str(options.offline_cpu), "memory": options.offline_memory},
@@ -309,16 +321,8 @@ def _dask_cluster(
         resources["limits"][GPU] = 1
         worker_pod["tolerations"] = [{"key": GPU, "operator": "Exists", "effect": "NoSchedule"}]
     if options.models_claim:
-        where = models_mount(spec, offline_models(spec), options.project_dir)
-        worker_pod["containers"][0]["volumeMounts"] = [
-            {"name": "models", "mountPath": where, "readOnly": True}
-        ]
-        worker_pod["volumes"] = [
-            {
-                "name": "models",
-                "persistentVolumeClaim": {"claimName": options.models_claim, "readOnly": True},
-            }
-        ]
+        mount, volume = models_volume(spec, options)
+        worker_pod["containers"][0]["volumeMounts"], worker_pod["volumes"] = [mount], [volume]
     scheduler_meta: dict[str, Any] = {
         "name": host,
         "namespace": ns,

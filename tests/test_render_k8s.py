@@ -18,8 +18,10 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from typer.testing import CliRunner
 
 from lanes.errors import InvalidInput, SpecError
+from lanes.router.cli import app
 from lanes.router.render_cli import render_files
 from lanes.router.render_k8s import SHUTDOWN_S, K8sOptions, groups
 from lanes.serving.metrics import Metrics
@@ -144,6 +146,9 @@ def _filled(template: dict[str, Any]) -> dict[str, Any]:
         return value
 
     job: dict[str, Any] = fill(template["job_configuration"]["job_manifest"])
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    if container["env"] is not defaults["env"]:  # a list of its own: the pool's env first
+        container["env"] = [*defaults["env"], *container["env"]]
     return job
 
 
@@ -357,3 +362,184 @@ def test_the_10m_plan_in_infra_renders_valid_objects(tmp_path: Path) -> None:
     _by_kind(objects, "Service", "dask-scheduler")
     spec = load_spec(ROOT / "infra" / "plans" / "embed-10m.yaml", Settings(), check_files=False)
     assert spec.workloads["embed-corpus"].runner.max_concurrent_shards == 29
+
+
+# Two groups whose models sit in different folders under one, and an offline workload
+# run on the serving endpoint (the operator's probe).
+TWO_GROUPS = """\
+version: 1
+models:
+  minilm: {path: .lanes/models/minilm/model.onnx, tokenizer: .lanes/models/minilm/tokenizer.json}
+  classifier: {path: .lanes/models/classifier/model.onnx}
+workloads:
+  search-query:
+    mode: interactive
+    task: embed
+    model: minilm
+  flower-classify:
+    mode: interactive
+    task: infer
+    model: classifier
+    deploy: {group: small, device: cpu, cpu: CPU}
+  nightly-embed:
+    mode: offline
+    task: embed
+    model: minilm
+    input: s3://corpus/in/
+    output: s3://corpus/out/
+    runner: {kind: endpoint, url: "http://lanes-serve", workload: search-query}
+  dask-embed:
+    mode: offline
+    task: embed
+    model: minilm
+    input: s3://corpus/in/
+    output: s3://corpus/out/
+    runner: {kind: dask, address: "tcp://dask-scheduler:8786"}
+"""
+
+
+def _two_groups(tmp_path: Path, cpu: str = '"1"', **settings: Any) -> dict[str, str]:
+    path = tmp_path / "two-groups" / "workloads.yaml"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(TWO_GROUPS.replace("CPU", cpu))
+    return _render(path, **settings)
+
+
+def _env(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def test_the_models_claim_is_mounted_at_one_folder_in_every_pod(tmp_path: Path) -> None:
+    files = _two_groups(tmp_path)
+    objects = _objects(files)
+    pods = {
+        name: _by_kind(objects, "Deployment", name)["spec"]["template"]["spec"]
+        for name in ("lanes-serve", "lanes-small", "dask-scheduler-worker")
+    }
+    pods["job"] = _filled(json.loads(files["work-pool-lanes.json"]))["spec"]["template"]["spec"]
+    for name, pod in pods.items():
+        mounts = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "models"]
+        assert mounts == [
+            {"name": "models", "mountPath": "/app/.lanes/models", "readOnly": True}
+        ], name
+        claims = [v for v in pod["volumes"] if v["name"] == "models"]
+        assert claims[0]["persistentVolumeClaim"]["claimName"] == "lanes-models", name
+
+
+def test_models_with_no_common_folder_but_the_root_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "workloads.yaml"
+    path.write_text(
+        TWO_GROUPS.replace(".lanes/models/classifier", "/srv/classifier").replace("CPU", "1")
+    )
+    with pytest.raises(InvalidInput, match=r"--models-claim: .*share no folder but /"):
+        _render(path)
+
+
+@pytest.mark.parametrize(
+    ("cpu", "threads"),
+    # Whole cores, rounded down: a thread on half a core would stall the others.
+    [('"2000m"', "2"), ('"1.5"', "1"), ('"500m"', "1"), ("3", "3"), ("2.5", "2")],
+)
+def test_threads_are_the_whole_cores_of_the_cpu_quota(
+    tmp_path: Path, cpu: str, threads: str
+) -> None:
+    objects = _objects(_two_groups(tmp_path, cpu))
+    deployment = _by_kind(objects, "Deployment", "lanes-small")
+    _validate(deployment)
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert _env(container)["LANES_THREADS"] == threads
+    assert container["resources"]["limits"]["cpu"] == cpu.strip('"')
+
+
+@pytest.mark.parametrize("cpu", ['"0"', "0", "0m", '"0.0"', '"2Gi"'])
+def test_a_cpu_of_nothing_is_a_spec_error(tmp_path: Path, cpu: str) -> None:
+    path = tmp_path / "workloads.yaml"
+    path.write_text(TWO_GROUPS.replace("CPU", cpu))
+    with pytest.raises(SpecError, match=r"workloads\.flower-classify\.deploy\.cpu: expected"):
+        load_spec(path, Settings(), check_files=False)
+
+
+def test_an_endpoint_runner_gets_the_key_the_serving_pods_hold(
+    tmp_path: Path, spec_path: Path
+) -> None:
+    files = _two_groups(tmp_path)
+    job = _filled(json.loads(files["work-pool-lanes.json"]))
+    kubernetes_validate.validate(job, K8S_VERSION, strict=True)
+    env = _env(job["spec"]["template"]["spec"]["containers"][0])
+    serve = _by_kind(_objects(files), "Deployment", "lanes-serve")
+    served = _env(serve["spec"]["template"]["spec"]["containers"][0])["LANES_API_KEY"]
+    # The server's internal key is its API key (LANES_INTERNAL_KEY unset there).
+    assert env["LANES_INTERNAL_KEY"] == served
+    assert served == {"secretKeyRef": {"name": "lanes-api-key", "key": "api-key"}}
+    assert env["LANES_THREADS"] == "2"  # the pool's own env is still there
+    # Without an endpoint runner, the Jobs hold no key.
+    plain = json.loads(_render(spec_path)["work-pool-lanes.json"])
+    container = plain["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]
+    assert container["containers"][0]["env"] == "{{ env }}"
+
+
+def test_serving_pods_reach_prefect_and_share_the_batch_store(tmp_path: Path) -> None:
+    """The Batch API starts flow runs on PREFECT_API_URL and keeps files where the
+    flow run's Job reads them: the same store on both sides."""
+    files = _two_groups(
+        tmp_path, batch={"store": "s3://lanes-batches/prod/"}, s3_endpoint="http://minio:9000"
+    )
+    objects = _objects(files)
+    for name in ("lanes-serve", "lanes-small"):
+        env = _env(
+            _by_kind(objects, "Deployment", name)["spec"]["template"]["spec"]["containers"][0]
+        )
+        assert env["PREFECT_API_URL"] == {
+            "secretKeyRef": {"name": "prefect-api", "key": "url", "optional": True}
+        }
+        assert env["LANES_BATCH__STORE"] == "s3://lanes-batches/prod/"
+        assert env["LANES_S3_ENDPOINT"] == "http://minio:9000"
+    job = _filled(json.loads(files["work-pool-lanes.json"]))
+    env = _env(job["spec"]["template"]["spec"]["containers"][0])
+    assert env["LANES_BATCH__STORE"] == "s3://lanes-batches/prod/"
+    worker = _by_kind(objects, "Deployment", "prefect-worker")
+    assert _env(worker["spec"]["template"]["spec"]["containers"][0])["PREFECT_API_URL"] == {
+        "secretKeyRef": {"name": "prefect-api", "key": "url"}
+    }
+    # Unset where the spec is rendered: the pods keep the default, LANES_HOME/batches.
+    plain = _by_kind(_objects(_two_groups(tmp_path)), "Deployment", "lanes-serve")
+    assert "LANES_BATCH__STORE" not in _env(plain["spec"]["template"]["spec"]["containers"][0])
+
+
+@pytest.mark.parametrize(
+    ("option", "expected"),
+    [
+        (["--drain-s", "-5"], "error: --drain-s: expected seconds from 0 to 3600, found -5"),
+        (["--drain-s", "nan"], "error: --drain-s: expected seconds from 0 to 3600, found nan"),
+        (["--namespace", "Bad_NS"], "error: --namespace: expected a DNS label"),
+    ],
+)
+def test_a_bad_drain_or_namespace_is_one_line_and_exit_2(
+    spec_path: Path, tmp_path: Path, option: list[str], expected: str
+) -> None:
+    """In this process, as tests/test_cli.py's bad settings are."""
+    args = ["render", "k8s", str(spec_path), "--image", "i", "--worker-image", "w"]
+    done = CliRunner().invoke(app, [*args, *option, "--out", str(tmp_path / "k8s")])
+    assert isinstance(done.exception, SystemExit), done.exception
+    assert done.exit_code == 2, done.stderr
+    assert done.stderr.splitlines() == [done.stderr.strip()], done.stderr
+    assert done.stderr.startswith(expected)
+    assert not (tmp_path / "k8s").exists()
+
+
+def test_a_handler_module_outside_the_project_is_warned_of(tmp_path: Path) -> None:
+    path = tmp_path / "workloads.yaml"
+    path.write_text(
+        TWO_GROUPS.replace("CPU", '"1"').replace(
+            "    model: classifier\n", "    model: classifier\n    handler: myhooks:handler\n"
+        )
+    )
+    args = ["render", "k8s", str(path), "--image", "i", "--worker-image", "w"]
+    done = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "k8s")])
+    assert done.exit_code == 0, done.stderr
+    assert "warning: workloads.flower-classify.handler myhooks:handler: module 'myhooks'" in (
+        done.stderr
+    )
+    (tmp_path / "myhooks.py").write_text("handler = None\n")
+    done = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "k8s")])
+    assert done.exit_code == 0 and "warning" not in done.stderr, done.stderr
