@@ -194,8 +194,14 @@ class Batches:
     def _check_prefect(self) -> None:
         """Before any work: a batch runs as a Prefect flow, so a server without a
         Prefect API cannot take one (its operator's to set, not the caller's)."""
-        from prefect.settings import PREFECT_API_URL
-
+        try:
+            from prefect.settings import PREFECT_API_URL
+        except ImportError:
+            raise LanesError(
+                "this server's Batch API runs each batch on a Prefect server, and this "
+                "install has no Prefect: its operator must install lanes with the offline "
+                "extra (pip install 'lanes[serve,offline]')"
+            ) from None
         if not (self.prefect_api_url or PREFECT_API_URL.value()):
             raise LanesError(
                 "this server's Batch API runs each batch on a Prefect server, and it has "
