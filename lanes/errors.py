@@ -6,7 +6,8 @@
     ├── ModelError                 a model does not fit its task, or failed on an input alone
     ├── HandlerError               a workload's `handler: module:attr` cannot be imported, or its post failed
     ├── InvalidInput               a request or record does not fit the workload (HTTP 400)
-    │   └── RequestTooLarge        the request can never fit: body or item count (HTTP 413)
+    │   ├── RequestTooLarge        the request can never fit: body or item count (HTTP 413)
+    │   └── UnsupportedEncoding    a Content-Encoding the server cannot decode (HTTP 415)
     ├── UnknownWorkload            no workload of that name (HTTP 404)
     ├── NotFound                   no Batch API file or batch of that id (HTTP 404)
     ├── WrongMode                  call() on an offline workload, submit() on an interactive one
@@ -148,6 +149,14 @@ class RequestTooLarge(InvalidInput):
     default_code = "request_too_large"
 
 
+class UnsupportedEncoding(InvalidInput):
+    """The body is compressed with a coding the server does not decode: the message
+    names the ones it does."""
+
+    status = 415
+    default_code = "unsupported_content_encoding"
+
+
 class UnknownWorkload(LanesError):
     """No workload has that name."""
 
@@ -220,6 +229,7 @@ class JobFailed(LanesError):
 # What an answer can say. A code names its class; a status its most general one.
 _BY_CODE: tuple[type[LanesError], ...] = (
     RequestTooLarge,
+    UnsupportedEncoding,
     WrongMode,
     UnknownWorkload,
     AuthError,
@@ -230,6 +240,7 @@ _BY_CODE: tuple[type[LanesError], ...] = (
 _BY_STATUS: tuple[type[LanesError], ...] = (
     InvalidInput,
     RequestTooLarge,
+    UnsupportedEncoding,
     UnknownWorkload,
     AuthError,
     Overloaded,

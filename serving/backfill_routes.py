@@ -59,7 +59,7 @@ async def batch(request: Request) -> Response:
             executor = state.engine(name)
         else:
             executor = state.worker(name, ENDPOINT_TASKS)
-        body = await read_body(request, state.settings.max_body_bytes)
+        body = await read_body(request, state.settings.max_body_bytes, state.offload)
         items = decode_items(executor.task, body)
         share = DeviceShare()
         outcomes = await _unless_gone(request.receive, executor.submit_offline(items, share))

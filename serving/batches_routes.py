@@ -15,6 +15,7 @@ from starlette.routing import Route
 from lanes.batches import Batches
 from lanes.errors import InvalidInput, LanesError
 from lanes.serving.http import JSONResponse, openai_error, read_json
+from lanes.serving.state import ServingState
 
 
 def _batches(request: Request) -> Batches:
@@ -25,7 +26,8 @@ def _batches(request: Request) -> Batches:
 async def create(request: Request) -> Response:
     batches = _batches(request)
     try:
-        body = await read_json(request, batches.settings.max_body_bytes)
+        state: ServingState = request.app.state.lanes
+        body = await read_json(request, batches.settings.max_body_bytes, state.offload)
         made = await asyncio.to_thread(batches.create, body)
     except LanesError as err:
         return openai_error(err)

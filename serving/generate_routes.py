@@ -120,7 +120,7 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
     record = record_of(request.scope)
     try:
         # A large body is parsed and tokenized off the event loop (serving/offload.py).
-        raw = await read_body(request, settings.max_body_bytes)
+        raw = await read_body(request, settings.max_body_bytes, state.offload)
         body = await state.offload.run(len(raw), _decode, endpoint.request, raw)
         engine = state.engine(body.model)
         named(request.scope, body.model)

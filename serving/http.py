@@ -17,6 +17,9 @@ from starlette.types import Message, Receive, Scope
 from lanes.errors import InvalidInput, LanesError, Overloaded, RequestTooLarge
 from lanes.protocols import TIMEOUT_HEADER
 from lanes.protocols.openai import error_of
+from lanes.serving.encoding import HEADER as CONTENT_ENCODING
+from lanes.serving.encoding import coding_of, decode
+from lanes.serving.offload import Offload
 
 
 class ClientGone(LanesError):
@@ -69,10 +72,9 @@ def error_response(path: str, error: LanesError) -> JSONResponse:
     return v2_error(error) if is_v2(path) else openai_error(error)
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    """The request's JSON body; InvalidInput if it is not JSON, RequestTooLarge over
-    `limit`, ClientGone if the client left before sending all of it."""
-    return decode_json(await read_body(request, limit))
+async def read_json(request: Request, limit: int, offload: Offload) -> Any:
+    """The request's JSON body (see `read_body`); InvalidInput if it is not JSON."""
+    return decode_json(await read_body(request, limit, offload))
 
 
 def decode_json(body: bytes) -> Any:
@@ -95,13 +97,16 @@ def check_inputs(count: int, limit: int, param: str) -> None:
         )
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request's body; RequestTooLarge past `limit` bytes, ClientGone if the client
-    left before sending all of it.
+async def read_body(request: Request, limit: int, offload: Offload) -> bytes:
+    """The request's body, decoded when its Content-Encoding is gzip or deflate
+    (serving/encoding.py: a large one on `offload`'s thread); RequestTooLarge past
+    `limit` bytes, sent or decoded; UnsupportedEncoding (415) for another coding;
+    ClientGone if the client left before sending all of it.
 
     The body is read in chunks and abandoned past `limit`, so an oversized upload
     costs at most `limit` bytes of memory.
     """
+    coding = coding_of(request.headers.get(CONTENT_ENCODING))  # before reading any of it
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         detail = f"{declared} bytes is over the limit of {limit} bytes"
@@ -116,7 +121,8 @@ async def read_body(request: Request, limit: int) -> bytes:
             chunks.append(chunk)
     except ClientDisconnect:
         raise ClientGone(f"the client disconnected after {size} bytes of the body") from None
-    return b"".join(chunks)
+    body = b"".join(chunks)
+    return body if coding is None else await decode(body, coding, limit, offload)
 
 
 def timeout_s(request: Request) -> float | None:

@@ -37,7 +37,7 @@ async def embeddings(request: Request) -> JSONResponse:
     state: ServingState = request.app.state.lanes
     settings = state.settings
     try:
-        raw = await read_body(request, settings.max_body_bytes)
+        raw = await read_body(request, settings.max_body_bytes, state.offload)
         body = await state.offload.run(len(raw), _decode, raw)
         worker = state.worker(body.model, ("embed",))
         named(request.scope, worker.name)

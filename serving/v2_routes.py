@@ -58,7 +58,7 @@ async def infer(request: Request) -> Response:
     try:
         worker = _served(state, request)
         named(request.scope, worker.name)
-        raw = await read_body(request, state.settings.max_body_bytes)
+        raw = await read_body(request, state.settings.max_body_bytes, state.offload)
         header_length = request.headers.get(HEADER_LENGTH)
         call = await state.offload.run(len(raw), parse_infer, raw, header_length)
         header = timeout_s(request)  # checked whether or not parameters.timeout is given
