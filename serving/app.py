@@ -38,6 +38,7 @@ from lanes.serving import (
     files_routes,
     generate_routes,
     openai_routes,
+    triton_routes,
     v2_routes,
 )
 from lanes.serving.access import RequestIds, named, record_of
@@ -214,8 +215,7 @@ async def no_route(request: Request, exc: Exception) -> Response:
     what = "method for URL" if status == 405 else "URL"
     message = f"Invalid {what} ({request.method} {request.url.path})"
     if status == 404:
-        message += "; lanes serves /v1/embeddings, /v1/completions, /v1/chat/completions, "
-        message += "/v1/models and /v2/models/{name}/infer"
+        message += f"; lanes serves {_SERVED}"
     path = request.url.path
     body = {"error": message} if is_v2(path) else error_body(message, "invalid_request_error")
     return JSONResponse(body, status, headers=headers)
@@ -266,6 +266,7 @@ def _routes() -> list[Route]:
         Route("/metrics", metrics, methods=["GET"]),
         *openai_routes.routes,
         *generate_routes.routes,
+        *triton_routes.routes,  # first: /v2/models/stats is no workload's metadata
         *v2_routes.routes,
         *backfill_routes.routes,
         *files_routes.routes,
@@ -276,6 +277,11 @@ def _routes() -> list[Route]:
 # The label of each route the app serves: its template, so that names and versions
 # in the path never make a series of their own.
 _STATIC = frozenset(r.path for r in _routes() if not r.param_convertors)
+# What a 404 lists: every route but the internal one, those that only refuse
+# (serving/triton_routes.py) and the versioned twins of /v2/models/{name}/...
+_LISTED = [r.path for r in _routes() if r not in triton_routes.routes and "{version}" not in r.path]
+_SERVED = ", ".join(p for p in dict.fromkeys(_LISTED) if not p.startswith(INTERNAL_PREFIX))
+_SERVED += "; each /v2/models/{name}/... also at /v2/models/{name}/versions/1/..."
 _TEMPLATES = tuple((r.path_regex, r.path) for r in _routes() if r.param_convertors)
 
 

@@ -40,7 +40,7 @@ from lanes.serving.http import JSONResponse, check_inputs, read_body, timeout_s,
 from lanes.serving.readiness import LoadState
 from lanes.serving.state import ServingState
 from lanes.serving.worker import BatchWorker
-from lanes.spec import TaskName
+from lanes.spec import TaskName, as_interactive
 from lanes.tasks import Task
 from lanes.tasks.infer import InferTask
 
@@ -176,11 +176,7 @@ async def model_metadata(request: Request) -> Response:
     name = request.path_params["name"]
     try:
         task = _served(state, request).task
-        if isinstance(task, InferTask):
-            inputs = [_meta(i) for i in task.inputs.values()]
-        else:
-            inputs = EMBED_INPUTS
-        outputs = _outputs(task) or []
+        inputs, outputs = _inputs(task), _outputs(task) or []
     except LanesError as e:
         return v2_error(e)
     return JSONResponse(
@@ -192,6 +188,54 @@ async def model_metadata(request: Request) -> Response:
             "outputs": outputs,
         }
     )
+
+
+async def model_config(request: Request) -> Response:
+    """Triton's model configuration (`get_model_config`), from what metadata says.
+
+    Where every input and output has rows first and another dim after them (the
+    rows of requests are stacked into one run), `max_batch_size` is the workload's
+    `batching.max_batch_size` and `dims` leave the rows out, as Triton writes it;
+    lanes counts requests in a batch, not rows, and caps no request's rows. Else
+    `max_batch_size` is 0 and `dims` are the whole shapes.
+    """
+    state: ServingState = request.app.state.lanes
+    name = request.path_params["name"]
+    try:
+        task = _served(state, request).task
+        inputs, outputs = _inputs(task), _outputs(task) or []
+    except LanesError as e:
+        return v2_error(e)
+    stacks = task.stacks_rows if isinstance(task, InferTask) else True
+    tensors = [*inputs, *outputs]
+    rows = stacks and all(len(t["shape"]) >= 2 for t in tensors)
+    batching = as_interactive(task.workload).batching
+    config: dict[str, Any] = {
+        "name": name,
+        "platform": "onnxruntime_onnx",
+        "backend": "onnxruntime",
+        "max_batch_size": batching.max_batch_size if rows else 0,
+        "input": [_config_tensor(t, rows) for t in inputs],
+        "output": [_config_tensor(t, rows) for t in outputs],
+    }
+    if rows:
+        delay_us = round(batching.max_wait_ms * 1000)
+        config["dynamic_batching"] = {"max_queue_delay_microseconds": delay_us}
+    return JSONResponse(config)
+
+
+def _config_tensor(meta: dict[str, Any], rows: bool) -> dict[str, Any]:
+    """A metadata tensor as Triton's config writes it: TYPE_FP32, BYTES as TYPE_STRING."""
+    datatype = meta["datatype"]
+    return {
+        "name": meta["name"],
+        "data_type": "TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}",
+        "dims": meta["shape"][1:] if rows else meta["shape"],
+    }
+
+
+def _inputs(task: Task) -> list[dict[str, Any]]:
+    return [_meta(i) for i in task.inputs.values()] if isinstance(task, InferTask) else EMBED_INPUTS
 
 
 def _outputs(task: Task) -> list[dict[str, Any]] | None:
@@ -249,7 +293,8 @@ def _check_version(request: Request) -> None:
 
 
 async def server_metadata(request: Request) -> JSONResponse:
-    return JSONResponse({"name": "lanes", "version": "1", "extensions": ["binary_tensor_data"]})
+    extensions = ["binary_tensor_data", "model_configuration"]
+    return JSONResponse({"name": "lanes", "version": "1", "extensions": extensions})
 
 
 routes = [
@@ -257,7 +302,9 @@ routes = [
     Route("/v2/models/{name}", model_metadata, methods=["GET"]),
     Route("/v2/models/{name}/ready", model_ready, methods=["GET"]),
     Route("/v2/models/{name}/infer", infer, methods=["POST"]),
+    Route("/v2/models/{name}/config", model_config, methods=["GET"]),
     Route("/v2/models/{name}/versions/{version}", model_metadata, methods=["GET"]),
     Route("/v2/models/{name}/versions/{version}/ready", model_ready, methods=["GET"]),
     Route("/v2/models/{name}/versions/{version}/infer", infer, methods=["POST"]),
+    Route("/v2/models/{name}/versions/{version}/config", model_config, methods=["GET"]),
 ]
