@@ -5,10 +5,12 @@ header. The decoded body counts against the body limit, and decoding stops one b
 past it: a small body that would expand without end (a "zip bomb") is a 413 that never
 held more than the limit in memory.
 
-A body that decodes to no more than `offload_body_bytes` is decoded on the event loop,
-as a plain body of that size is parsed there; a larger one is decoded (again, from the
-start: the first try cost at most that many bytes) on the offload thread
-(serving/offload.py), so that a large body does not stop the loop.
+A body that is sent and decodes in no more than `offload_body_bytes` is decoded on the
+event loop, as a plain body of that size is parsed there; a larger one is decoded on
+the offload thread (serving/offload.py; again from the start when it proved large
+while decoding: the first try cost at most that many bytes), so that a large body
+does not stop the loop. The sent size counts too: thousands of empty gzip members
+decode to nothing, one by one.
 """
 
 from __future__ import annotations
@@ -83,11 +85,13 @@ def inflate(body: bytes, coding: str, most: int) -> bytes | None:
 async def decode(body: bytes, coding: str, limit: int, offload: Offload) -> bytes:
     """`body` decoded from `coding`, on the loop while small (see the module docstring);
     RequestTooLarge when it decodes to more than `limit` bytes."""
-    small = min(offload.threshold_bytes, limit)
-    decoded = inflate(body, coding, small)
-    if decoded is None and small < limit:
-        # It decodes to more than `small` bytes: that is the size the thread is told.
-        decoded = await offload.run(small + 1, inflate, body, coding, limit)
+    small = offload.threshold_bytes
+    decoded = None
+    if len(body) <= small:
+        decoded = inflate(body, coding, min(small, limit))
+    if decoded is None and (len(body) > small or small < limit):
+        # Over `small` bytes, sent or decoded: the size the thread is told.
+        decoded = await offload.run(max(len(body), small + 1), inflate, body, coding, limit)
     if decoded is None:
         detail = f"decoded from {coding}, over the limit of {limit} bytes"
         raise RequestTooLarge.field("body", detail)

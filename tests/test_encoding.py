@@ -91,7 +91,19 @@ async def test_a_large_body_decodes_on_the_thread_and_the_limit_holds() -> None:
         offload.close()
 
 
+async def test_a_large_body_that_decodes_to_little_decodes_on_the_thread() -> None:
+    offload = Offload(threshold_bytes=100)
+    try:
+        assert await decode(gzip.compress(b"") * 20, "gzip", 1000, offload) == b""
+        assert offload._pool is not None
+    finally:
+        offload.close()
+
+
 async def test_a_small_body_decodes_on_the_loop() -> None:
     offload = Offload(threshold_bytes=len(BODY))
     assert await decode(zlib.compress(BODY), "deflate", 10 * len(BODY), offload) == BODY
+    assert offload._pool is None
+    with pytest.raises(RequestTooLarge):  # the limit below the threshold: all on the loop
+        await decode(zlib.compress(BODY), "deflate", len(BODY) - 1, offload)
     assert offload._pool is None
