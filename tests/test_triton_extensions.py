@@ -71,7 +71,13 @@ def test_compressed_requests_as_tritonclient_sends_them(
     # Binary: Inference-Header-Content-Length counts the decoded body's JSON header.
     for x in (X, np.ones((3000, 4), np.float32)):  # 32 B; 48 kB, decoded on the thread
         sent = tensor("x", x, "FP32", binary)
-        result = client.infer("affine", [sent], request_compression_algorithm=coding)
+        # A compressed answer asked for comes back plain, which the client reads as well.
+        result = client.infer(
+            "affine",
+            [sent],
+            request_compression_algorithm=coding,
+            response_compression_algorithm=coding,
+        )
         assert np.array_equal(result.as_numpy("y"), 2 * x + 1)
 
 
