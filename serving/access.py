@@ -120,8 +120,10 @@ def with_request_id(body: bytes, rid: str) -> tuple[bytes, str | None]:
         error["request_id"] = rid
         found = error.get("code") or error.get("type")
         code = str(found) if found is not None else None
-    else:
+    else:  # v2: its code, when the error has one, beside the message
         parsed["request_id"] = rid
+        found = parsed.get("code")
+        code = str(found) if found is not None else None
     return orjson.dumps(parsed), code
 
 

@@ -267,3 +267,14 @@ def test_every_line_is_json_and_none_holds_a_key_or_a_body(served: Served) -> No
     assert SECRET not in text
     for key in (KEY, WRONG_KEY, KEY[8:], WRONG_KEY[8:]):
         assert key not in text
+
+
+def test_an_error_body_gives_its_code_to_the_access_line_in_either_shape() -> None:
+    from lanes.serving.access import with_request_id
+
+    openai = b'{"error": {"message": "m", "type": "invalid_request_error", "code": "c1"}}'
+    body, code = with_request_id(openai, "r1")
+    assert code == "c1" and orjson.loads(body)["error"]["request_id"] == "r1"
+    body, code = with_request_id(b'{"error": "m", "param": "inputs", "code": "c2"}', "r2")
+    assert code == "c2" and orjson.loads(body)["request_id"] == "r2"
+    assert with_request_id(b'{"error": "m"}', "r3")[1] is None

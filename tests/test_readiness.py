@@ -134,7 +134,7 @@ def test_model_ready_answers_for_every_task(loaded: tuple[str, list[logging.LogR
 def test_a_call_to_a_failed_workload_says_it_failed(
     loaded: tuple[str, list[logging.LogRecord]], spec_path: Path
 ) -> None:
-    url, _ = loaded
+    url, records = loaded
     body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 3], "data": [1, 2, 3]}]}
     answer = httpx.post(f"{url}/v2/models/broken/infer", json=body, timeout=5)
     assert answer.status_code == 500
@@ -148,3 +148,6 @@ def test_a_call_to_a_failed_workload_says_it_failed(
     answer = httpx.post(f"{url}/v2/models/affine/infer", json=good, timeout=5)
     assert answer.status_code == 200, answer.text
     assert answer.json()["outputs"][0]["data"] == [3, 5, 7, 9]
+    # The load's failure was logged once; the calls to it add no tracebacks.
+    failures = [r.getMessage() for r in records if "broken" in r.getMessage()]
+    assert len(failures) == 1, failures
