@@ -339,6 +339,10 @@ QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$"
 GROUP_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,55}[a-z0-9])?$"
 
 
+# `deploy` keys each workload of a group sets for itself; the others are the group's.
+PER_WORKLOAD_DEPLOY_KEYS = frozenset({"group", "target_queue_depth"})
+
+
 class Deploy(StrictModel):
     """How `lanes render k8s` runs an interactive workload. The workloads of one group
     share a Deployment (each pod serves them all, as one `lanes serve` does); the

@@ -18,6 +18,7 @@ from lanes.errors import shown
 from lanes.spec import (
     MODE_KEYS,
     NAME_PATTERN,
+    PER_WORKLOAD_DEPLOY_KEYS,
     TASK_NAMES,
     WORKLOAD,
     InteractiveWorkload,
@@ -101,6 +102,7 @@ def parse_spec(data: Any, base: Path, check_files: bool = True) -> tuple[Spec | 
     for name, workload in workloads.items():
         found += _runner_problems(name, workload, workloads)
         found += _output_problems(name, workload, base)
+    found += _group_problems(workloads)
     if found:
         return None, found
     return Spec(version=top.version, models=models, workloads=workloads, root=base), []
@@ -227,6 +229,31 @@ def _runner_problems(
         key = "kind" if workload.task not in ENDPOINT_TASKS else "workload"
         return [((*at, key), str(err), False)]
     return []
+
+
+def _group_problems(workloads: dict[str, InteractiveWorkload | OfflineWorkload]) -> Found:
+    """A group's pods are one Deployment: a group-wide `deploy` key set on two of its
+    workloads must agree (each disagreement at the later workload's key)."""
+    found: Found = []
+    first: dict[tuple[str, str], tuple[str, Any]] = {}  # (group, key) -> (workload, value)
+    for name, workload in workloads.items():
+        if not isinstance(workload, InteractiveWorkload):
+            continue
+        deploy = workload.deploy
+        for key in sorted(deploy.model_fields_set - PER_WORKLOAD_DEPLOY_KEYS):
+            value = getattr(deploy, key)
+            setter, before = first.setdefault((deploy.group, key), (name, value))
+            if before != value:
+                found.append(
+                    (
+                        ("workloads", name, "deploy", key),
+                        f"{value!r} disagrees with workload {setter}'s {before!r}, in the "
+                        f"same deploy.group {deploy.group!r} (one Deployment): set it the "
+                        "same on both, or give them different groups",
+                        False,
+                    )
+                )
+    return found
 
 
 def _output_problems(

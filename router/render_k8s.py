@@ -26,7 +26,7 @@ import yaml
 from lanes.errors import InvalidInput
 from lanes.quantity import whole_cores
 from lanes.settings import Settings
-from lanes.spec import Deploy, InteractiveWorkload, Spec
+from lanes.spec import PER_WORKLOAD_DEPLOY_KEYS, Deploy, InteractiveWorkload, Spec
 
 Manifest = dict[str, Any]
 APP = "lanes"
@@ -89,8 +89,8 @@ class Group:
 
 def groups(spec: Spec) -> list[Group]:
     """The spec's interactive workloads by `deploy.group`, in the order groups first
-    appear. Group-wide keys set on two of a group's workloads must agree
-    (InvalidInput names both)."""
+    appear, each with the group-wide keys its workloads set (the spec's rules made
+    sure they agree: lanes.specrules)."""
     members: dict[str, list[tuple[str, InteractiveWorkload]]] = {}
     for name, workload in spec.workloads.items():
         if isinstance(workload, InteractiveWorkload):
@@ -98,17 +98,9 @@ def groups(spec: Spec) -> list[Group]:
     found = []
     for group, named in members.items():
         values: dict[str, Any] = {}
-        setters: dict[str, str] = {}
-        for name, workload in named:
-            for key in sorted(workload.deploy.model_fields_set - {"group", "target_queue_depth"}):
-                value = getattr(workload.deploy, key)
-                if key in values and values[key] != value:
-                    raise InvalidInput(
-                        f"workloads {setters[key]} and {name} of group {group!r} disagree on "
-                        f"deploy.{key} ({values[key]!r} vs {value!r}): set it the same on "
-                        "both, or give them different deploy.group"
-                    )
-                values[key], setters[key] = value, name
+        for _, workload in named:
+            for key in workload.deploy.model_fields_set - PER_WORKLOAD_DEPLOY_KEYS:
+                values[key] = getattr(workload.deploy, key)
         deploy = Deploy(group=group, **values)
         found.append(Group(group, tuple(name for name, _ in named), deploy))
     return found

@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 from lanes.errors import InvalidInput, SpecError
 from lanes.router.cli import app
 from lanes.router.render_cli import render_files
-from lanes.router.render_k8s import SHUTDOWN_S, K8sOptions, groups
+from lanes.router.render_k8s import SHUTDOWN_S, K8sOptions
 from lanes.serving.metrics import Metrics
 from lanes.settings import Settings
 from lanes.specfile import load_spec
@@ -297,16 +297,25 @@ def test_autoscaling_reads_series_the_server_exports(spec_path: Path) -> None:
     assert (generate["minReplicaCount"], generate["maxReplicaCount"]) == (0, 8)
 
 
-def test_workloads_of_one_group_that_disagree_are_refused(tmp_path: Path) -> None:
+def test_workloads_of_one_group_that_disagree_are_a_spec_error_on_every_key(
+    tmp_path: Path,
+) -> None:
+    """`lanes validate` catches it (not only render), and names each key that differs."""
     path = tmp_path / "workloads.yaml"
     path.write_text(
-        SPEC.replace("deploy: {target_queue_depth: 8}", "deploy: {device: cuda}").replace(
+        SPEC.replace(
+            "deploy: {target_queue_depth: 8}", "deploy: {device: cuda, max_replicas: 4}"
+        ).replace(
             "batching: {max_batch_size: 32}",
-            "batching: {max_batch_size: 32}\n    deploy: {device: cpu}",
+            "batching: {max_batch_size: 32}\n    deploy: {device: cpu, max_replicas: 2}",
         )
     )
-    with pytest.raises(InvalidInput, match=r"search-query and flower-classify .*deploy\.device"):
-        groups(load_spec(path, Settings(), check_files=False))
+    with pytest.raises(SpecError) as refused:
+        load_spec(path, Settings(), check_files=False)
+    message = str(refused.value)
+    for key in ("device", "max_replicas"):
+        assert f"workloads.flower-classify.deploy.{key}" in message, message
+    assert "disagrees with workload search-query's" in message
 
 
 def test_a_bad_deploy_block_fails_at_load_with_its_field(tmp_path: Path) -> None:
