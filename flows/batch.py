@@ -148,8 +148,8 @@ def _start_later(job: Job, settings: Settings) -> State[dict[str, Any]] | None:
             log.warning("%s: not in time off-peak: %s", job.workload, plan.note)
         return None
     run = defer(deployment.name, plan, parameters, name=f"{job.workload}-{at:%Y%m%d-%H%M}")
-    message = f"starts at {at.isoformat()} as flow run {run}: {plan.note}"
-    return Completed(message=message, data={"rescheduled_as": run, **plan.as_json()})
+    message = f"starts at {run.start.isoformat()} as flow run {run.id}: {plan.note}"
+    return Completed(message=message, data={"rescheduled_as": run.id, **plan.as_json()})
 
 
 def outcome(manifest: Manifest) -> State[dict[str, Any]]:

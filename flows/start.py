@@ -8,9 +8,11 @@ manifest) or, with none, one measured now on a sample of the real input
 (flows.sample) and stored beside `lanes calibrate`'s, then lanes.deadline.plan_start
 with its margin. A start later than now is honoured by Prefect: the run creates a
 flow run of the same deployment, scheduled then, with `planned_start` among its
-parameters (so it runs, not replans), and ends Completed saying so (`defer`). A run
-that cannot finish in time off-peak starts now; with `runner: {kind: endpoint}` it
-runs on the shared endpoint, in the idle time its interactive traffic leaves.
+parameters (so it runs, not replans), and ends Completed saying so (`defer`): one such
+run per workload and window, however many runs plan it (`lanes deploy` replaces it
+with one that plans again: router.deploy). A run that cannot finish in time off-peak
+starts now; with `runner: {kind: endpoint}` it runs on the shared endpoint, in the
+idle time its interactive traffic leaves.
 
 Rates are per device: a run over several (a Dask cluster) is planned as if on one,
 so it starts early rather than late.
@@ -21,7 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from lanes.deadline import opening, plan_start, window_at
@@ -41,6 +43,8 @@ log = logging.getLogger(__name__)
 # A planned start this close to now is now: rescheduling costs a flow run's start.
 RESCHEDULE_SLACK_S = 60.0
 DEADLINE_TAG = "lanes-deadline"  # the runs a deadline rescheduled
+# A window's deferred runs that ended (cancelled, say) before another run planned it.
+MAX_DEFERRED_PER_WINDOW = 20
 
 
 @dataclass(frozen=True)
@@ -154,20 +158,45 @@ def should_plan(
     return not any(parameters.get(name) is not None for name in others)
 
 
+def deadline_key(deployment: str, finish_by: datetime) -> str:
+    """The idempotency key of the deferred run of `deployment` for the window that
+    ends at `finish_by`: one per workload and window, however many runs plan it."""
+    return f"{DEADLINE_TAG}/{deployment}/{finish_by.astimezone(UTC).isoformat()}"
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """The flow run a deadline run starts later as."""
+
+    id: str
+    start: datetime  # when it is due: as planned now, or by the run that made it
+
+
 def defer(
     deployment: str,
     plan: RunStart,
     parameters: dict[str, Any],
     name: str,
-) -> str:
-    """Create the flow run of `deployment` that starts at `plan.start`, with
-    `parameters` and `planned_start`; returns its id."""
-    run = create_run(
-        deployment,
-        {**parameters, "planned_start": plan.start.isoformat()},
-        plan.start,
-        name=name,
-        tags=[DEADLINE_TAG],
-    )
-    log.info("rescheduled to %s as flow run %s: %s", plan.start.isoformat(), run, plan.note)
-    return str(run)
+) -> Deferred:
+    """The flow run of `deployment` that starts at `plan.start`, with `parameters` and
+    `planned_start`: made once per window (`deadline_key`), so a second run that plans
+    the same window (a manual run, the cron firing after one) finds the first's. A
+    run of the window that has ended (it ran, or was cancelled) does not count: the
+    next key, after its id, is tried."""
+    key = deadline_key(deployment, plan.finish_by)
+    wanted = {**parameters, "planned_start": plan.start.isoformat()}
+    for _ in range(MAX_DEFERRED_PER_WINDOW):
+        run = create_run(
+            deployment, wanted, plan.start, name=name, tags=[DEADLINE_TAG], idempotency_key=key
+        )
+        if not run.ended:
+            break
+        key = f"{deadline_key(deployment, plan.finish_by)}/after/{run.id}"
+    else:
+        raise LanesError(
+            f"{deployment}: {MAX_DEFERRED_PER_WINDOW} deferred runs for the window ending "
+            f"{plan.finish_by.isoformat()} have ended already; run it with `lanes run`"
+        )
+    deferred = Deferred(str(run.id), run.scheduled or plan.start)
+    log.info("rescheduled to %s as flow run %s: %s", deferred.start.isoformat(), run.id, plan.note)
+    return deferred

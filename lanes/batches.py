@@ -186,8 +186,8 @@ class Batches:
             tags=[BATCH_TAG],
             prefect_api_url=self.prefect_api_url,
         )
-        record.update(id=BATCH_PREFIX + run.hex, status="in_progress", in_progress_at=created)
-        record["_lanes"]["flow_run"] = str(run)
+        record.update(id=BATCH_PREFIX + run.id.hex, status="in_progress", in_progress_at=created)
+        record["_lanes"]["flow_run"] = str(run.id)
         self.store.save_batch(record)
         return public(record)
 

@@ -114,6 +114,15 @@ def submit(
     return Job(str(run.id), settings, prefect_api_url=prefect_api_url)
 
 
+@dataclass(frozen=True)
+class ScheduledRun:
+    """A flow run `create_run` made, or found under its idempotency key."""
+
+    id: uuid.UUID
+    scheduled: datetime | None  # when it is (or was) due
+    ended: bool  # it has run (or was cancelled): it will not start again
+
+
 def create_run(
     deployment: str,
     parameters: dict[str, Any],
@@ -121,9 +130,12 @@ def create_run(
     name: str,
     tags: list[str],
     prefect_api_url: str | None = None,
-) -> uuid.UUID:
+    idempotency_key: str | None = None,
+) -> ScheduledRun:
     """A flow run of deployment `lanes-offline/<deployment>`, due at `scheduled`
-    (the Batch API's batches: lanes.batches). Returns its id."""
+    (the Batch API's batches: lanes.batches; a deadline's later start: flows.start).
+    With `idempotency_key`, a run the deployment's flow already has under that key is
+    returned as it is, and none is made."""
     from prefect.states import Scheduled
 
     prefect = _Prefect(prefect_api_url)
@@ -135,8 +147,10 @@ def create_run(
             state=Scheduled(scheduled_time=scheduled),
             name=name,
             tags=tags,
+            idempotency_key=idempotency_key,
         )
-        return run.id
+        ended = run.state is not None and run.state.is_final()
+        return ScheduledRun(run.id, run.next_scheduled_start_time or run.expected_start_time, ended)
 
 
 @dataclass(frozen=True)

@@ -9,19 +9,28 @@ Removed, not paused: a deployment whose workload is gone from the spec can only
 fail (its flow finds no such workload), so keeping it paused would leave a trap for
 `prefect deployment run` and for submitted jobs; the spec is the declaration, and
 adding the workload back and deploying makes it anew. Finished flow runs stay in
-Prefect; scheduled ones go with the deployment. Only deployments compiled from the
+Prefect; scheduled ones go with the deployment.
+
+A deadline's deferred runs (flows.start: tagged lanes-deadline, with `planned_start`)
+were planned under the schedule before the deploy and never plan again, so each is
+replaced by a run due now that plans afresh (`replan_deferred`); the deferred run it
+then makes is one per window, whoever else plans that window. Only deployments compiled from the
 same spec are touched: flow `lanes-offline`, the same work pool, the same working
 directory and spec path (`flows.compile.Source`); other projects' are left alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 from lanes.batches import BATCH_DEPLOYMENT
 from lanes.errors import LanesError
@@ -33,10 +42,18 @@ from lanes.flows.compile import (
     source_of,
     write_prefect_yaml,
 )
+from lanes.flows.start import DEADLINE_TAG
 from lanes.settings import Settings
-from lanes.spec import Spec
+from lanes.spec import OfflineWorkload, Spec
+
+if TYPE_CHECKING:
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.client.schemas.responses import DeploymentResponse as Deployment
 
 DEPLOY_TIMEOUT_S = 300
+PAGE = 200  # deployments or flow runs read from Prefect at a time
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -46,7 +63,18 @@ class Deployed:
     pool_created: bool
     deployments: list[str]  # "flow/deployment"
     removed: list[str]  # "flow/deployment": compiled from this spec, no longer in it
+    replanned: list[Replanned]  # deferred runs planned under the schedule before
     output: str  # what prefect deploy printed
+
+
+@dataclass(frozen=True)
+class Replanned:
+    """A deferred run of a deadline (flows.start) that `lanes deploy` replaced."""
+
+    deployment: str  # "flow/deployment"
+    run: str  # the deferred run's id, now deleted
+    due: datetime | None  # when it was to start
+    replacement: str | None  # the run that plans again; None: the cron fires next
 
 
 def api_url() -> str | None:
@@ -137,43 +165,127 @@ def deploy(
         raise LanesError(f"prefect deploy failed (exit {done.returncode}):\n{output.strip()}")
     source = source_of(spec_file, path, project_dir)
     removed = remove_dropped(set(names), source, settings.work_pool)
+    replanned = replan_deferred(spec, source, settings.work_pool)
     deployed = [f"{FLOW_NAME}/{n}" for n in names]
-    return Deployed(path, settings.work_pool, created, deployed, removed, output)
+    return Deployed(path, settings.work_pool, created, deployed, removed, replanned, output)
 
 
 def remove_dropped(names: set[str], source: Source, pool: str) -> list[str]:
     """Delete the deployments compiled from `source` into `pool` whose workload is not
     in `names`. Returns them, as "flow/deployment"."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
     from prefect.exceptions import ObjectNotFound
 
-    page = 200
-    flows = FlowFilter(name=FlowFilterName(any_=[FLOW_NAME]))
     removed: list[str] = []
     with get_client(sync_client=True) as client:
-        found = []
-        for offset in itertools.count(0, page):  # ends at the first short page
-            batch = client.read_deployments(flow_filter=flows, limit=page, offset=offset)
-            found += batch
-            if len(batch) < page:
-                break
-        for deployment in found:
-            parameters = deployment.parameters or {}
-            directories = [
-                step[WORKING_DIRECTORY_STEP].get("directory")
-                for step in deployment.pull_steps or []
-                if WORKING_DIRECTORY_STEP in step
-            ]
-            ours = (
-                deployment.work_pool_name == pool
-                and parameters.get("spec") == source.spec
-                and directories == [source.directory]
-            )
-            if ours and deployment.name not in names:
-                try:
-                    client.delete_deployment(deployment.id)
-                except ObjectNotFound:
-                    continue  # removed meanwhile
-                removed.append(f"{FLOW_NAME}/{deployment.name}")
+        for deployment in _ours(client, source, pool):
+            if deployment.name in names:
+                continue
+            try:
+                client.delete_deployment(deployment.id)
+            except ObjectNotFound:
+                continue  # removed meanwhile
+            removed.append(f"{FLOW_NAME}/{deployment.name}")
     return removed
+
+
+def replan_deferred(spec: Spec, source: Source, pool: str) -> list[Replanned]:
+    """Replace the deferred runs (flows.start) of the workloads deployed from `source`:
+    each was planned under the schedule before this deploy, and a run with
+    `planned_start` never plans again. A workload that still has a `finish_by` gets a
+    run due now in its place, which plans its start under the new schedule; one with
+    none has its cron's next firing. Returns what was done, run by run."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        DeploymentFilter,
+        DeploymentFilterId,
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+        FlowRunFilterTags,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.exceptions import ObjectNotFound
+    from prefect.states import Scheduled
+
+    done: list[Replanned] = []
+    with get_client(sync_client=True) as client:
+        # The Batch API's deployment is no workload: its runs plan nothing.
+        ours = {d.id: d for d in _ours(client, source, pool) if d.name in spec.workloads}
+        if not ours:
+            return done
+        deferred = FlowRunFilter(
+            tags=FlowRunFilterTags(all_=[DEADLINE_TAG]),
+            state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED])),
+        )
+        of_ours = DeploymentFilter(id=DeploymentFilterId(any_=list(ours)))
+        runs = _pages(
+            lambda limit, offset: client.read_flow_runs(
+                flow_run_filter=deferred, deployment_filter=of_ours, limit=limit, offset=offset
+            )
+        )
+        for run in runs:
+            if run.deployment_id not in ours:
+                continue
+            deployment = ours[run.deployment_id]
+            replacement: str | None = None
+            if has_deadline(spec, deployment.name):
+                parameters = {k: v for k, v in run.parameters.items() if k != "planned_start"}
+                made = client.create_flow_run_from_deployment(
+                    deployment.id,
+                    parameters=parameters,
+                    state=Scheduled(),
+                    name=f"{deployment.name}-replan",
+                )
+                replacement = str(made.id)
+            # Prefect deletes whatever the state: one that started in the moment since
+            # it was read goes too (a wart; its committed shards stay committed).
+            with contextlib.suppress(ObjectNotFound):  # removed meanwhile
+                client.delete_flow_run(run.id)
+            due = run.next_scheduled_start_time or run.expected_start_time
+            name = f"{FLOW_NAME}/{deployment.name}"
+            done.append(Replanned(name, str(run.id), due, replacement))
+    return done
+
+
+def has_deadline(spec: Spec, name: str) -> bool:
+    workload = spec.workloads.get(name)
+    schedule = workload.schedule if isinstance(workload, OfflineWorkload) else None
+    return schedule is not None and schedule.finish_by is not None
+
+
+def _ours(client: SyncPrefectClient, source: Source, pool: str) -> list[Deployment]:
+    """The deployments compiled from `source` into `pool` (flow lanes-offline, the same
+    working directory and spec path); other projects' are not."""
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    flows = FlowFilter(name=FlowFilterName(any_=[FLOW_NAME]))
+    found = _pages(
+        lambda limit, offset: client.read_deployments(flow_filter=flows, limit=limit, offset=offset)
+    )
+    ours = []
+    for deployment in found:
+        parameters = deployment.parameters or {}
+        directories = [
+            step[WORKING_DIRECTORY_STEP].get("directory")
+            for step in deployment.pull_steps or []
+            if WORKING_DIRECTORY_STEP in step
+        ]
+        if (
+            deployment.work_pool_name == pool
+            and parameters.get("spec") == source.spec
+            and directories == [source.directory]
+        ):
+            ours.append(deployment)
+    return ours
+
+
+def _pages(read: Callable[[int, int], list[T]]) -> list[T]:
+    """Every item `read(limit, offset)` pages through: it ends at the first short page."""
+    found: list[T] = []
+    for offset in itertools.count(0, PAGE):
+        page = read(PAGE, offset)
+        found += page
+        if len(page) < PAGE:
+            return found
+    raise AssertionError("unreachable")  # itertools.count never ends

@@ -132,6 +132,16 @@ def deploy(
             typer.echo(f"  {name}  the Batch API's batches (lanes serve's /v1/batches)")
     for name in done.removed:
         typer.echo(f"  {name}  removed: no longer in {spec_file}")
+    for replanned in done.replanned:
+        due = replanned.due.isoformat(timespec="seconds") if replanned.due else "unknown"
+        then = (
+            f"flow run {replanned.replacement} plans it again now"
+            if replanned.replacement
+            else "no finish_by now: its cron runs it next"
+        )
+        typer.echo(
+            f"  {replanned.deployment}  deferred run {replanned.run} (due {due}) removed: {then}"
+        )
     typer.echo(f"run them: prefect worker start --pool {done.pool}")
 
 

@@ -24,7 +24,7 @@ from lanes.errors import JobFailed, SpecError, StorageError
 from lanes.flows.batch import offline
 from lanes.flows.job import Job, model_key, settle_job
 from lanes.flows.sample import SAMPLE_BATCHES, SAMPLE_SOURCE
-from lanes.flows.start import deferred_until, plan_run, should_plan
+from lanes.flows.start import deadline_key, deferred_until, plan_run, should_plan
 from lanes.measurements import Measurements, Throughput
 from lanes.router.plan import plan
 from lanes.schedule import Schedule
@@ -223,6 +223,13 @@ def test_the_start_is_the_latest_that_finishes_by_the_deadline(tmp_path: Path) -
     # The run the deployment fired at the opening waits for it; one at the start runs.
     assert deferred_until(started, OPENS) == started.start
     assert deferred_until(started, started.start) is None
+
+
+def test_a_window_has_one_deferred_run_key_whoever_plans_it() -> None:
+    berlin = datetime(2030, 1, 2, 7, 0, tzinfo=BERLIN)  # 06:00 UTC, the same moment
+    assert deadline_key("corpus", DEADLINE) == deadline_key("corpus", berlin)
+    assert deadline_key("corpus", DEADLINE) != deadline_key("other", DEADLINE)
+    assert deadline_key("corpus", DEADLINE) != deadline_key("corpus", DEADLINE - timedelta(hours=4))
 
 
 def test_an_impossible_deadline_starts_now_and_says_so(tmp_path: Path) -> None:

@@ -90,3 +90,93 @@ def test_a_run_fired_at_the_opening_reschedules_itself_at_its_planned_start(
     assert message.startswith(f"starts at {start.isoformat()} as flow run {later['id']}")
     assert "no earlier run of this model: measured" in message and "latest moment" in message
     assert not (project / "out").exists() or outputs_of(project / "out") == []
+
+
+def _runs(api: str, deployment: str) -> list[dict[str, Any]]:
+    found = call_api("GET", f"{api}/deployments/name/lanes-offline/{deployment}").json()
+    runs: list[dict[str, Any]] = call_api(
+        "POST", f"{api}/flow_runs/filter", json={"deployments": {"id": {"any_": [found["id"]]}}}
+    ).json()
+    return runs
+
+
+def _deferred(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in runs if DEADLINE_TAG in r["tags"] and r["state_type"] == "SCHEDULED"]
+
+
+def test_one_deferred_run_per_window_and_a_deploy_replans_it(tmp_path: Path) -> None:
+    with PrefectServer(tmp_path / "prefect-home") as server:
+        # As above: the window opens in three hours, whatever the time of day. The
+        # deadline moves from eight hours from now to six, before the first plan's start.
+        now = datetime.now(UTC)
+        opens = now + timedelta(hours=3)
+        first, moved = now + timedelta(hours=8), now + timedelta(hours=6)
+
+        def spec_with(finish_by: datetime) -> Path:
+            schedule = {
+                "cron": f"{opens.minute} {opens.hour} * * *",
+                "finish_by": f"{finish_by.hour:02d}:{finish_by.minute:02d}",
+                "timezone": "UTC",
+            }
+            workload = {
+                "mode": "offline",
+                "task": "embed",
+                "model": "enc",
+                "input": "in/",
+                "output": "out/",
+                "batch_size": 4,
+                "schedule": schedule,
+            }
+            return write_spec(tmp_path / "project", {"corpus": workload})
+
+        spec_file = spec_with(first)
+        project = spec_file.parent
+        write_jsonl(project / "in" / "a.jsonl", [{"id": i, "text": text(i)} for i in range(12)])
+        env = {**server.wait(), "LANES_HOME": str(tmp_path / "home")}
+        api = env["PREFECT_API_URL"]
+        worker = [*PREFECT, "worker", "start", "--pool", "lanes", "--run-once"]
+
+        # Two runs plan the same window (a manual run and the cron's, say): one is deferred.
+        _run([*LANES, "deploy", str(spec_file)], env, project)
+        for _ in range(2):
+            _run([*PREFECT, "deployment", "run", "lanes-offline/corpus"], env, tmp_path)
+        _run(worker, env, tmp_path)
+        runs = _runs(api, "corpus")
+        fired = [r for r in runs if r["state_type"] == "COMPLETED"]
+        assert len(fired) == 2, [(r["name"], r["state_type"]) for r in runs]
+        (old,) = _deferred(runs)
+        old_start = datetime.fromisoformat(old["parameters"]["planned_start"])
+        assert moved < old_start < first.replace(second=0, microsecond=0)
+        for run in fired:
+            assert f"as flow run {old['id']}: " in run["state"]["message"]
+
+        # The deadline moves before that start: the deploy replaces the deferred run with
+        # one that plans again, under the new schedule.
+        spec_with(moved)
+        deployed = _run([*LANES, "deploy", str(spec_file)], env, project)
+        assert f"lanes-offline/corpus  deferred run {old['id']} (due " in deployed
+        runs = _runs(api, "corpus")
+        assert _deferred(runs) == [] and old["id"] not in [r["id"] for r in runs]
+        (replan,) = [r for r in runs if r["state_type"] == "SCHEDULED"]
+        assert f"removed: flow run {replan['id']} plans it again now" in deployed
+        assert "planned_start" not in replan["parameters"]
+
+        _run(worker, env, tmp_path)
+        (new,) = _deferred(_runs(api, "corpus"))
+        new_start = datetime.fromisoformat(new["parameters"]["planned_start"])
+        assert opens.replace(second=0, microsecond=0) < new_start
+        assert new_start < moved.replace(second=0, microsecond=0)
+        assert datetime.fromisoformat(new["expected_start_time"]) == new_start
+
+        # A deferred run that ended (cancelled here) holds no window: the next plan of
+        # it schedules another, once.
+        call_api(
+            "POST",
+            f"{api}/flow_runs/{new['id']}/set_state",
+            json={"state": {"type": "CANCELLED"}, "force": True},
+        )
+        _run([*PREFECT, "deployment", "run", "lanes-offline/corpus"], env, tmp_path)
+        _run(worker, env, tmp_path)
+        (again,) = _deferred(_runs(api, "corpus"))
+        assert again["id"] != new["id"]
+        assert datetime.fromisoformat(again["parameters"]["planned_start"]) < moved
