@@ -25,6 +25,7 @@ rejected, Failed when a shard failed.
 from __future__ import annotations
 
 import logging
+import shlex
 import threading
 from collections import deque
 from collections.abc import Iterator
@@ -58,7 +59,7 @@ from lanes.flows.shard import (
 )
 from lanes.flows.start import calibration, defer, deferred_until, plan_run, should_plan
 from lanes.flows.validate import check_records
-from lanes.jobs import WITH_ERRORS_STATE
+from lanes.jobs import BATCH_TAG, WITH_ERRORS_STATE
 from lanes.layout import ERRORS
 from lanes.measurements import Measurements, Throughput, newest
 from lanes.runtime import Runtime
@@ -69,6 +70,7 @@ from lanes.tasks import load_task
 from lanes.tracing import Tracing, maybe_span
 
 Rerun = Literal["uncommitted", "errors", "all"]
+DEFAULT_SPEC = "workloads.yaml"  # the flow's, and `lanes run`'s without LANES_SPEC
 
 # Staging files older than this were left by a killed run; younger ones may be live.
 STALE_STAGING_S = 24 * 3600
@@ -85,7 +87,7 @@ progress_log = logging.getLogger("lanes.flows.progress")
 )
 def offline(
     workload: str,
-    spec: str = "workloads.yaml",
+    spec: str = DEFAULT_SPEC,
     input: str | None = None,
     output: str | None = None,
     rerun: Rerun = "uncommitted",
@@ -119,7 +121,23 @@ def offline(
             tracing.flush()  # a worker process may exit next
     # A State returned by a flow becomes its run's final state, and a caller of the
     # flow gets the state's data: the summary.
-    return cast("dict[str, Any]", outcome(manifest))
+    return cast("dict[str, Any]", outcome(manifest, _retry(job, spec, input, output)))
+
+
+def _retry(job: Job, spec: str, input: str | None, output: str | None) -> str:
+    """What reruns the rejected records of this run: `lanes run --retry-errors` on the
+    same input and output (a submitted job's own, not the workload's); a Batch API
+    batch's are sent again in a new batch."""
+    from prefect.runtime import flow_run
+
+    if BATCH_TAG in flow_run.tags:
+        return "send them again in a new batch"
+    command = ["lanes", "run", job.workload]
+    if spec != DEFAULT_SPEC:
+        command += ["--file", spec]
+    if input is not None or output is not None:
+        command += ["--input", job.input, "--output", job.output]
+    return f"rerun them with `{shlex.join([*command, '--retry-errors'])}`"
 
 
 def _start_later(job: Job, settings: Settings) -> State[dict[str, Any]] | None:
@@ -152,9 +170,10 @@ def _start_later(job: Job, settings: Settings) -> State[dict[str, Any]] | None:
     return Completed(message=message, data={"rescheduled_as": run.id, **plan.as_json()})
 
 
-def outcome(manifest: Manifest) -> State[dict[str, Any]]:
+def outcome(manifest: Manifest, retry: str) -> State[dict[str, Any]]:
     """The final state of a run that ended well: Completed, or CompletedWithErrors
-    when any committed shard holds rejected records."""
+    when any committed shard holds rejected records (its message ends with `retry`:
+    what reruns them)."""
     summary = manifest.summary()
     if manifest.total_errors == 0:
         return Completed(message=f"{_records(manifest.total_outputs)} answered", data=summary)
@@ -162,7 +181,7 @@ def outcome(manifest: Manifest) -> State[dict[str, Any]]:
     message = (
         f"{_records(manifest.total_errors)} rejected, {manifest.total_outputs} answered "
         f"(each shard under its max_error_rate); the rejected ones are in {errors}: fix "
-        "them and rerun them with `lanes run --retry-errors`"
+        f"them (or the workload) and {retry}"
     )
     return Completed(name=WITH_ERRORS_STATE, message=message, data=summary)
 

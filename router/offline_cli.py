@@ -206,7 +206,7 @@ def run(
         errors = join(summary["output"], ERRORS)
         typer.echo(
             f"{summary['total_errors']} records were rejected: they are in {errors}; "
-            "fix them (or the workload) and rerun them with --retry-errors",
+            "fix them (or the workload) and rerun them: this command with --retry-errors",
             err=True,
         )
         raise typer.Exit(ExitCode.RECORD_ERRORS)

@@ -11,6 +11,7 @@ import csv
 import gzip
 import io
 import json
+import shlex
 import shutil
 import uuid
 from collections import Counter
@@ -202,6 +203,34 @@ def test_record_errors_under_the_threshold_say_so_in_the_state_and_the_exit_code
     assert done.exit_code == 3, done.output  # nothing left to run; the outputs hold an error
     assert "1 records were rejected" in done.output and "--retry-errors" in done.output
     assert "9 outputs" in done.output
+
+
+def test_a_jobs_rejected_records_are_rerun_by_the_command_its_message_names(
+    prefect_api: str, tmp_path: Path, cli: typer.Typer, strict_picky: Any
+) -> None:
+    workload = offline_workload(handler="tests.flows_fixtures:picky", max_error_rate=0.5)
+    spec = write_spec(tmp_path, {"emb": workload})
+    write_jsonl(tmp_path / "in" / "own.jsonl", [{"id": "own", "text": text(0)}])
+    staged = tmp_path / "in" / "_submitted" / "k1"  # as client.submit stages a job's records
+    records = [{"id": f"r{i}", "text": text(i), "flaky": i == 2} for i in range(4)]
+    write_jsonl(staged / "records.jsonl", records)
+    output = tmp_path / "out" / "jobs" / "k1"
+
+    state = offline(
+        workload="emb", spec=str(spec), input=f"{staged}/", output=f"{output}/", return_state=True
+    )
+
+    assert state.name == "CompletedWithErrors"
+    message = state.message or ""
+    # The job's own input and output, not the workload's (`lanes run --retry-errors`).
+    command = message.split("rerun them with `", 1)[1].removesuffix("`")
+    assert command.startswith(f"lanes run emb --file {spec} --input {staged}/ --output {output}/")
+    assert command.endswith(" --retry-errors")
+    strict_picky.allow = True  # fixed
+    done = CliRunner().invoke(cli, shlex.split(command)[1:])
+    assert done.exit_code == 0, done.output
+    assert sorted(line["id"] for line in outputs_of(output)) == ["r0", "r1", "r2", "r3"]
+    assert not (tmp_path / "out" / "own.jsonl").exists()  # the workload's input: not run
 
 
 def test_retry_errors_reruns_only_the_rejected_records_each_id_once(
