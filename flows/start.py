@@ -64,10 +64,12 @@ class RunStart:
     note: str
 
     def as_json(self) -> dict[str, Any]:
+        """Its fields, the times in ISO format to the whole second (as `lanes plan`
+        shows them)."""
         shown = asdict(self)
         for key in ("window_opens", "finish_by", "start", "expected_finish"):
             value = getattr(self, key)
-            shown[key] = value.isoformat() if value is not None else None
+            shown[key] = value.isoformat(timespec="seconds") if value is not None else None
         return shown
 
 

@@ -59,7 +59,7 @@ def plan_start(
                 None,
                 True,  # unknown without a rate, as below
                 f"no measured rate for this model, and the off-peak window opens at "
-                f"{opens.isoformat()}, past the deadline: starting now {unmeasured}",
+                f"{_shown(opens)}, past the deadline: starting now {unmeasured}",
                 fits=False,
             )
         return StartPlan(
@@ -77,7 +77,7 @@ def plan_start(
         note = (
             f"{items} items at {items_per_second:g} items/s take {needed.total_seconds():.0f} s "
             f"with a {MARGIN:.0%} margin and {STARTUP_S:.0f} s to start: starting at the "
-            f"latest moment that ends by {finish_by.isoformat()}"
+            f"latest moment that ends by {_shown(finish_by)}"
         )
         return StartPlan(latest, latest + run, True, note)
     finish = now + run
@@ -85,10 +85,15 @@ def plan_start(
     where = "inside the off-peak window" if latest >= now else "even if started now"
     note = (
         f"{items} items at {items_per_second:g} items/s need {needed.total_seconds():.0f} s, "
-        f"which does not fit by {finish_by.isoformat()} {where}: starting now, expected "
-        f"to finish at {finish.isoformat()}"
+        f"which does not fit by {_shown(finish_by)} {where}: starting now, expected "
+        f"to finish at {_shown(finish)}"
     )
     return StartPlan(now, finish, on_time, note, fits=False)
+
+
+def _shown(moment: datetime) -> str:
+    """A time in a note: ISO format, to the whole second."""
+    return moment.isoformat(timespec="seconds")
 
 
 @dataclass(frozen=True)
