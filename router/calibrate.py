@@ -40,7 +40,7 @@ import orjson
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from lanes.errors import LanesError, ModelError
+from lanes.errors import LanesError, ModelError, WrongMode
 from lanes.flows.job import folder_job, model_key
 from lanes.flows.sample import run_records
 from lanes.flows.shard import Model, ShardStats
@@ -369,6 +369,12 @@ def read_metrics(spec: Spec, name: str, settings: Settings, url: str) -> Through
     """The interactive lane's rate of `name` from the endpoint at `url`: items per busy
     second since it started."""
     workload = spec.workload(name)
+    if workload.mode == "offline":
+        raise WrongMode(
+            f"workload {name!r} is offline: the endpoint at {url} never serves it, so its "
+            f"/metrics hold no rate of it; measure both lanes of its model here with "
+            f"`lanes calibrate {name}` (without --from-metrics)"
+        )
     headers = {}
     if settings.api_key is not None:
         headers["Authorization"] = f"Bearer {settings.api_key.get_secret_value()}"

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from lanes.errors import LanesError
+from lanes.errors import LanesError, WrongMode
 from lanes.flows.batch import offline
 from lanes.flows.job import model_key
 from lanes.flows.manifest import build_manifest
@@ -329,6 +329,9 @@ def test_metrics_of_a_running_endpoint_give_items_per_busy_second(tmp_path: Path
         assert record.items_per_second == pytest.approx(10 / embedded.busy_seconds)
         with pytest.raises(LanesError, match="has run nothing there yet"):
             read_metrics(server.spec, "scale", settings, server.url)
+        # An offline workload never runs there under its name: said so, not "nothing yet".
+        with pytest.raises(WrongMode, match=r"'corpus' is offline: the endpoint at .* never"):
+            read_metrics(server.spec, "corpus", settings, server.url)
 
 
 def test_the_load_generator_counts_refused_requests_as_errors(tmp_path: Path) -> None:
