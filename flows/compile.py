@@ -34,7 +34,7 @@ import yaml
 
 from lanes.batches import BATCH_DEPLOYMENT
 from lanes.deadline import opening
-from lanes.errors import InvalidInput, LanesError, StorageError
+from lanes.errors import InvalidInput, StorageError
 from lanes.flows import ENTRYPOINT, FLOW_NAME
 from lanes.schedule import Schedule
 from lanes.settings import Settings
@@ -56,7 +56,7 @@ class Source:
 
 def source_of(spec_file: Path, dest: Path, project_dir: Path | None = None) -> Source:
     """The `Source` of deployments compiled from `spec_file` into `dest`. Raises
-    LanesError when `project_dir` is elsewhere and the spec is not inside the folder
+    InvalidInput when `project_dir` is elsewhere and the spec is not inside the folder
     of `dest` (its workers could not find it)."""
     spec_path = spec_file.resolve()
     if project_dir is None:
@@ -67,7 +67,7 @@ def source_of(spec_file: Path, dest: Path, project_dir: Path | None = None) -> S
     # The project lives elsewhere (an image): here, it is the folder of prefect.yaml.
     root = dest.resolve().parent
     if not spec_path.is_relative_to(root):
-        raise LanesError(
+        raise InvalidInput(
             f"{spec_file} is outside {root}, the folder prefect.yaml goes to, which is "
             f"taken as the project that workers find at {project}: write prefect.yaml at "
             "the project's root (--output ROOT/prefect.yaml) or move the spec into it"
@@ -117,6 +117,15 @@ def batch_deployment(settings: Settings, spec_param: str) -> dict[str, Any]:
     }
 
 
+def deployment_names(spec: Spec) -> list[str]:
+    """The deployments `render` writes, in its order: one per offline workload, and the
+    Batch API's when the spec has an interactive workload."""
+    names = [name for name, w in spec.workloads.items() if w.mode == "offline"]
+    if any(w.mode == "interactive" for w in spec.workloads.values()):
+        names.append(BATCH_DEPLOYMENT)
+    return names
+
+
 def render(spec: Spec, settings: Settings, spec_file: Path, source: Source) -> str:
     """prefect.yaml's text for every offline workload of `spec`, in the spec's order."""
     deployments = [
@@ -151,7 +160,7 @@ def write_prefect_yaml(
     force: bool = False,
 ) -> Path:
     """Write prefect.yaml (default: beside the spec); rewrite only when it changes.
-    A prefect.yaml that lanes did not write is refused (LanesError) unless `force`; a
+    A prefect.yaml that lanes did not write is refused (InvalidInput) unless `force`; a
     `dest` in no folder, or that is a folder, is InvalidInput; one that cannot be
     written, StorageError."""
     dest = dest or spec_file.resolve().parent / "prefect.yaml"
@@ -171,7 +180,7 @@ def write_prefect_yaml(
 
 def _write_if_changed(dest: Path, text: str, force: bool) -> None:
     if not force and not written_by_lanes(dest):
-        raise LanesError(
+        raise InvalidInput(
             f"{dest} was not written by lanes compile (its first line is not {MARKER!r}): "
             "lanes will not replace it; write lanes' file elsewhere with --output (e.g. "
             "--output lanes-prefect.yaml; `prefect deploy` then needs --prefect-file "

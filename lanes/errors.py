@@ -9,7 +9,7 @@
     │   ├── RequestTooLarge        the request can never fit: body or item count (HTTP 413)
     │   └── UnsupportedEncoding    a Content-Encoding the server cannot decode (HTTP 415)
     ├── UnknownWorkload            no workload of that name (HTTP 404)
-    ├── NotFound                   no Batch API file or batch of that id (HTTP 404)
+    ├── NotFound                   no job, or Batch API file or batch, of that id (HTTP 404)
     ├── WrongMode                  call() on an offline workload, submit() on an interactive one
     ├── Overloaded                 the queue is full; retry later (HTTP 503)
     ├── DeadlineExceeded           the request's deadline passed before it ran (HTTP 504)
@@ -166,7 +166,8 @@ class UnknownWorkload(LanesError):
 
 
 class NotFound(LanesError):
-    """No file or batch of the Batch API has that id."""
+    """No job (a flow run on the Prefect API), nor file or batch of the Batch API, has
+    that id."""
 
     status = 404
     error_type = "invalid_request_error"

@@ -32,7 +32,7 @@ import orjson
 
 from lanes import layout
 from lanes.deadline import opening
-from lanes.errors import InvalidInput, JobFailed, LanesError, StorageError
+from lanes.errors import InvalidInput, JobFailed, LanesError, NotFound, StorageError
 from lanes.inputs import absolute, check_input, folder_of
 from lanes.settings import Settings
 from lanes.spec import OfflineWorkload
@@ -295,7 +295,7 @@ class Job:
         try:
             return client.read_flow_run(self._uuid)
         except ObjectNotFound:
-            raise LanesError(
+            raise NotFound(
                 f"no job {self.id} on the Prefect API at {self._prefect.url()}; "
                 "is PREFECT_API_URL the server it was submitted to?"
             ) from None

@@ -16,7 +16,14 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from lanes.errors import InvalidInput, LanesError, SpecError, UnknownWorkload, WrongMode
+from lanes.errors import (
+    InvalidInput,
+    LanesError,
+    NotFound,
+    SpecError,
+    UnknownWorkload,
+    WrongMode,
+)
 
 T = TypeVar("T")
 
@@ -70,7 +77,7 @@ def guarded(fn: Callable[[], T]) -> T:
         n = len(e.problems)
         print(f"{n} problem{'s' if n != 1 else ''} found", file=sys.stderr)
         raise typer.Exit(ExitCode.BAD_INPUT) from None
-    except (InvalidInput, UnknownWorkload, WrongMode) as e:
+    except (InvalidInput, UnknownWorkload, NotFound, WrongMode) as e:
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(ExitCode.BAD_INPUT) from None
     except LanesError as e:

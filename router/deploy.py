@@ -32,13 +32,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from lanes.batches import BATCH_DEPLOYMENT
 from lanes.errors import LanesError
 from lanes.flows import FLOW_NAME
 from lanes.flows.compile import (
     POOL_TYPE,
     WORKING_DIRECTORY_STEP,
     Source,
+    deployment_names,
     source_of,
     write_prefect_yaml,
 )
@@ -126,9 +126,7 @@ def deploy(
             "http://127.0.0.1:4200/api"
         )
     path = write_prefect_yaml(spec, settings, spec_file, dest, project_dir, force)
-    names = [n for n, w in spec.workloads.items() if w.mode == "offline"]
-    if any(w.mode == "interactive" for w in spec.workloads.values()):
-        names.append(BATCH_DEPLOYMENT)  # the Batch API's runs of interactive workloads
+    names = deployment_names(spec)  # the Batch API's too, with interactive workloads
     if not names:
         raise LanesError(f"{spec_file}: no workloads to deploy")
     try:

@@ -80,7 +80,7 @@ def compile(
     force: Force = False,
 ) -> None:
     """Write prefect.yaml: one Prefect deployment per offline workload."""
-    from lanes.flows.compile import POOL_TYPE, write_prefect_yaml
+    from lanes.flows.compile import POOL_TYPE, deployment_names, write_prefect_yaml
 
     settings = Settings()
     spec_file = file or settings.spec
@@ -88,7 +88,7 @@ def compile(
     def go() -> tuple[Path, list[str]]:
         spec = load_spec(spec_file, settings)
         path = write_prefect_yaml(spec, settings, spec_file, output, project_dir, force)
-        return path, [n for n, w in spec.workloads.items() if w.mode == "offline"]
+        return path, deployment_names(spec)
 
     path, names = _guarded(go)
     listed = ", ".join(names) or "none"

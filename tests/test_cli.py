@@ -290,3 +290,26 @@ def test_run_on_dask_advances_the_bar_on_one_prefect_server(tmp_path: Path) -> N
     bar = [line for line in done.stderr.splitlines() if line.startswith("shards (")]
     assert bar and "4/4" in bar[-1] and "100 records" in bar[-1], done.stderr
     assert done.stderr.count("Starting temporary server") == 1, done.stderr
+
+
+@pytest.mark.slow
+def test_compile_names_every_deployment_it_writes_and_a_refusal_is_a_bad_argument(
+    spec_path: Path, tmp_path: Path
+) -> None:
+    output = tmp_path / "prefect.yaml"
+    command = ["compile", str(spec_path), "-o", str(output)]
+    done = CliRunner().invoke(app, command, prog_name="lanes")
+    assert done.exit_code == 0, done.output
+    # The Batch API's deployment too: the spec has interactive workloads.
+    assert f"{output}: 3 deployment(s) (nightly-embed, weekly, openai_batch)" in done.stdout
+    output.write_text("deployments: []\n")  # a prefect.yaml of the user's own
+    refused = CliRunner().invoke(app, command, prog_name="lanes")
+    assert refused.exit_code == 2, refused.output  # fix: --output elsewhere, or --force
+    assert one_line_error(refused).startswith(f"error: {output} was not written by lanes")
+
+
+def test_an_unknown_job_id_is_a_bad_argument(prefect_api: str) -> None:
+    unknown = "00000000-0000-4000-8000-000000000000"
+    done = CliRunner().invoke(app, ["job", unknown], prog_name="lanes")
+    assert done.exit_code == 2, done.output
+    assert one_line_error(done).startswith(f"error: no job {unknown} on the Prefect API at ")

@@ -420,7 +420,7 @@ def test_submit_errors(setup: Setup) -> None:
         client.submit("embed-corpus", [], when="now")
     with pytest.raises(lanes.InvalidInput, match="job id: expected a UUID"):
         client.job("12")
-    with pytest.raises(lanes.LanesError, match=r"no job .* on the Prefect API"):
+    with pytest.raises(lanes.NotFound, match=r"no job .* on the Prefect API"):
         client.job(str(uuid.uuid4())).status()
     with (
         temporary_settings(restore_defaults={PREFECT_API_URL}),

@@ -138,7 +138,7 @@ def test_lanes_compile_command(spec_file: Path) -> None:
     app.command("noop")(lambda: None)
     result = CliRunner().invoke(app, ["compile", str(spec_file)])
     assert result.exit_code == 0, result.output
-    assert "2 deployment(s) (nightly, whenever)" in result.output
+    assert "3 deployment(s) (nightly, whenever, openai_batch)" in result.output
     assert (spec_file.parent / "prefect.yaml").is_file()
     broken = spec_file.parent / "broken.yaml"
     broken.write_text("version: 1\nmodels: {}\nworkloads: {x: {mode: offline}}\n")
@@ -183,7 +183,7 @@ def test_a_spec_outside_the_project_root_is_refused_with_a_project_dir(tmp_path:
     result = compile_cli(
         str(spec_file), "-o", str(tmp_path / "p" / "prefect.yaml"), "--project-dir", "/app"
     )
-    assert result.exit_code == 1 and "--output ROOT/prefect.yaml" in result.output
+    assert result.exit_code == 2 and "--output ROOT/prefect.yaml" in result.output
     assert not (tmp_path / "p" / "prefect.yaml").exists()
 
 
@@ -192,7 +192,7 @@ def test_a_prefect_yaml_lanes_did_not_write_is_never_replaced(spec_file: Path) -
     hand_written = "# my own deployments\ndeployments:\n- name: mine\n  entrypoint: my.py:flow\n"
     mine.write_text(hand_written)
     result = compile_cli(str(spec_file))
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == 2, result.output  # a bad argument: --output or --force
     assert f"{mine} was not written by lanes compile" in result.output
     assert "--output" in result.output and "--force" in result.output
     assert mine.read_text() == hand_written

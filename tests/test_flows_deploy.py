@@ -137,7 +137,7 @@ def test_lanes_deploy_removes_the_deployments_the_spec_no_longer_has(
     refused = subprocess.run(
         [*LANES, "deploy", str(first)], env=env, cwd=first.parent, capture_output=True, text=True
     )
-    assert refused.returncode == 1 and "was not written by lanes compile" in refused.stderr
+    assert refused.returncode == 2 and "was not written by lanes compile" in refused.stderr
     assert (first.parent / "prefect.yaml").read_text() == "deployments: []\n"
     assert _deployment(api, "daily") == 200
 
