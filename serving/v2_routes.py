@@ -179,8 +179,7 @@ async def model_metadata(request: Request) -> Response:
     state: ServingState = request.app.state.lanes
     name = request.path_params["name"]
     try:
-        task = _served(state, request).task
-        inputs, outputs = _inputs(task), _outputs(task) or []
+        _, inputs, outputs = _described(state, request)
     except LanesError as e:
         return v2_error(e)
     return JSONResponse(
@@ -206,8 +205,7 @@ async def model_config(request: Request) -> Response:
     state: ServingState = request.app.state.lanes
     name = request.path_params["name"]
     try:
-        task = _served(state, request).task
-        inputs, outputs = _inputs(task), _outputs(task) or []
+        task, inputs, outputs = _described(state, request)
     except LanesError as e:
         return v2_error(e)
     stacks = task.stacks_rows if isinstance(task, InferTask) else True
@@ -277,6 +275,14 @@ async def model_ready(request: Request) -> Response:
     if hosted.state is LoadState.FAILED:
         return JSONResponse({"error": f"workload {name!r} failed to load: {hosted.error}"}, 503)
     return v2_error(Overloaded(f"workload {name!r} is still loading"))
+
+
+def _described(
+    state: ServingState, request: Request
+) -> tuple[Task, list[dict[str, Any]], list[dict[str, Any]]]:
+    """The path's workload's task, and its inputs' and outputs' metadata."""
+    task = _served(state, request).task
+    return task, _inputs(task), _outputs(task) or []
 
 
 def _served(state: ServingState, request: Request) -> BatchWorker:
