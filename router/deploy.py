@@ -227,6 +227,12 @@ def replan_deferred(spec: Spec, source: Source, pool: str) -> list[Replanned]:
                 continue
             deployment = ours[run.deployment_id]
             replacement: str | None = None
+            # Deleted first: a replan that ran before it would find this run under the
+            # window's key, keep it, and the delete would leave the window with none.
+            # Prefect deletes whatever the state: one that started in the moment since
+            # it was read goes too (a wart; its committed shards stay committed).
+            with contextlib.suppress(ObjectNotFound):  # removed meanwhile
+                client.delete_flow_run(run.id)
             if has_deadline(spec, deployment.name):
                 parameters = {k: v for k, v in run.parameters.items() if k != "planned_start"}
                 made = client.create_flow_run_from_deployment(
@@ -236,10 +242,6 @@ def replan_deferred(spec: Spec, source: Source, pool: str) -> list[Replanned]:
                     name=f"{deployment.name}-replan",
                 )
                 replacement = str(made.id)
-            # Prefect deletes whatever the state: one that started in the moment since
-            # it was read goes too (a wart; its committed shards stay committed).
-            with contextlib.suppress(ObjectNotFound):  # removed meanwhile
-                client.delete_flow_run(run.id)
             due = run.next_scheduled_start_time or run.expected_start_time
             name = f"{FLOW_NAME}/{deployment.name}"
             done.append(Replanned(name, str(run.id), due, replacement))

@@ -61,6 +61,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 from lanes.errors import LanesError, Overloaded
@@ -75,7 +76,7 @@ from lanes.generation.slots import Cache
 from lanes.generation.steer import Steer
 from lanes.serving.batching import DeviceShare
 from lanes.serving.metrics import Metrics
-from lanes.serving.step_observer import StepObserver
+from lanes.serving.step_observer import StepObserver, resolve_from_thread
 from lanes.serving.token_stream import TokenStream, completion
 from lanes.serving.tracing import GenerateSpans
 from lanes.spec import as_interactive
@@ -270,6 +271,7 @@ class Engine:
         # Their text is read whole, at the finish (_completion): decoded once, then.
         seqs = [seq_of(next(self._ids), r, offline=True, stream=False) for r in requests]
         streams = [TokenStream(seq.id, len(seq.prompt_ids), self) for seq in seqs]
+        settled = asyncio.get_running_loop().create_future()
         with self._lock:
             if self._stopping:
                 raise Overloaded("the server is shutting down; retry on another replica", 1.0)
@@ -278,30 +280,35 @@ class Engine:
                     f"the offline lane holds {len(self._offline)} sequences; retry shortly", 1.0
                 )
             if share is not None:
-                self.observer.charge_to([seq.id for seq in seqs], share)
+                ids = [seq.id for seq in seqs]
+                self.observer.charge_to(ids, share, partial(resolve_from_thread, settled))
             self._inbox += seqs
             for stream in streams:
                 self._streams[stream.id] = stream
                 self._offline.add(stream.id)
             self._lock.notify()
         try:
-            done = await asyncio.gather(*(completion(s) for s in streams))
-        except BaseException:
-            for stream in streams:  # the flow went away: its sequences leave
-                stream.cancel()
-            raise
-        if any(d is None for d in done):
-            raise Overloaded("the server stopped before this batch was done; retry it", 1.0)
-        if share is not None:
-            await self._settled(share)
+            try:
+                done = await asyncio.gather(*(completion(s) for s in streams))
+            except BaseException:
+                for stream in streams:  # the flow went away: its sequences leave
+                    stream.cancel()
+                raise
+            if any(d is None for d in done):
+                raise Overloaded("the server stopped before this batch was done; retry it", 1.0)
+            if share is not None:
+                await self._settled(settled)
+        finally:
+            if share is not None:
+                self.observer.forget(share)
         return [d for d in done if d is not None]
 
-    async def _settled(self, share: DeviceShare) -> None:
-        """Once every step of `share`'s sequences is charged: at once but where a finish
-        went out with a first token, ahead of its step's report (then on a thread)."""
-        if self.observer.settled(share, 0.0):
-            return
-        if not await asyncio.to_thread(self.observer.settled, share, SETTLE_TIMEOUT_S):
+    async def _settled(self, settled: asyncio.Future[None]) -> None:
+        """Once every step of the batch's sequences is charged to its share: at once but
+        where a finish went out with a first token, ahead of its step's report."""
+        try:
+            await asyncio.wait_for(settled, SETTLE_TIMEOUT_S)
+        except TimeoutError:
             log.warning(
                 "%s: an offline batch's last steps were not reported within %.0f s: its "
                 "device time may be short of them",

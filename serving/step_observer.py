@@ -9,7 +9,10 @@ thread (the next plan's bounds) and by /metrics, under this object's lock.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
+from collections.abc import Callable
 
 from lanes.costmodel import Fit
 from lanes.generation.loop import Step
@@ -38,31 +41,34 @@ class StepObserver:
         self.utilization = Utilization()
         self._lock = threading.Lock()
         self._lane_of: dict[int, Lane] = {}  # unfinished sequences' lanes
-        # Offline sequences whose caller keeps an account of their steps' time, and the
-        # sequences each account still waits on (under _lock; `settled` waits on it).
+        # Offline sequences whose caller keeps an account of their steps' time, and per
+        # account the sequences it still waits on and what to call once none (_lock).
         self._shares: dict[int, DeviceShare] = {}
-        self._open: dict[DeviceShare, int] = {}
-        self._settled = threading.Condition(self._lock)
+        self._open: dict[DeviceShare, tuple[int, Callable[[], None]]] = {}
         self._last_token_at: dict[int, float] = {}
 
     def joined(self, seq: Seq) -> None:
         """A sequence the scheduler took: its tokens count in its lane."""
         self._lane_of[seq.id] = seq.lane
 
-    def charge_to(self, seq_ids: list[int], share: DeviceShare) -> None:
+    def charge_to(
+        self, seq_ids: list[int], share: DeviceShare, settled: Callable[[], None]
+    ) -> None:
         """Add offline sequences' parts of their steps' time (`_lane_busy`) to `share`,
-        from before they join until each one's finish is observed."""
+        from before they join until each one's finish is observed; then call `settled`
+        (on the observing thread): a finish handed out early (with a first token)
+        reaches its caller before its step is observed."""
         with self._lock:
             for seq_id in seq_ids:
                 self._shares[seq_id] = share
-            self._open[share] = self._open.get(share, 0) + len(seq_ids)
+            self._open[share] = (len(seq_ids), settled)
 
-    def settled(self, share: DeviceShare, timeout_s: float) -> bool:
-        """Wait (a thread's call) until every sequence charged to `share` has had its
-        finish observed, its last step charged too: a finish handed out early (a first
-        token) reaches its caller before its step is observed. False past `timeout_s`."""
-        with self._settled:
-            return self._settled.wait_for(lambda: share not in self._open, timeout_s)
+    def forget(self, share: DeviceShare) -> None:
+        """Stop charging `share` (its caller has its answer, or has gone)."""
+        with self._lock:
+            self._open.pop(share, None)
+            for seq_id in [i for i, s in self._shares.items() if s is share]:
+                del self._shares[seq_id]
 
     def bound(self, scheduler: Scheduler, length: int, default_prefill_tokens: int) -> None:
         """The SLOs' bounds on the scheduler's next plan (lanes/generation/steer.py)."""
@@ -165,7 +171,7 @@ class StepObserver:
         if seqs:
             self.lanes["offline"].busy.inc(seconds * offline / len(seqs))
             self.lanes["interactive"].busy.inc(seconds * (len(seqs) - offline) / len(seqs))
-        if offline:
+        if offline and self._shares:
             with self._lock:
                 for seq in seqs:
                     share = self._shares.get(seq.id) if seq.offline else None
@@ -174,12 +180,28 @@ class StepObserver:
 
     def _settle(self, seq_ids: list[int]) -> None:
         """Finished sequences leave their accounts; an account left by all is settled."""
-        with self._settled:
+        done: list[Callable[[], None]] = []
+        with self._lock:
             for seq_id in seq_ids:
                 share = self._shares.pop(seq_id, None)
-                if share is None:
+                if share is None or share not in self._open:
                     continue
-                self._open[share] -= 1
-                if self._open[share] == 0:
+                left, settled = self._open[share]
+                if left > 1:
+                    self._open[share] = (left - 1, settled)
+                else:
                     del self._open[share]
-                    self._settled.notify_all()
+                    done.append(settled)
+        for settled in done:
+            settled()
+
+
+def resolve_from_thread(future: asyncio.Future[None]) -> None:
+    """Resolve `future` from another thread, once; not after its loop has closed."""
+    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+        future.get_loop().call_soon_threadsafe(_resolve, future)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

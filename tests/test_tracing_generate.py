@@ -177,7 +177,6 @@ async def test_a_request_whose_deadline_passes_in_the_queue_has_an_error_queue_s
                 client.post("/v1/completions", json={**body, "prompt": "a"})
             )
             await asyncio.to_thread(GATE.wait_held)
-            sent = time.monotonic()  # the server's clock, in this process: before its arrival
             late = asyncio.create_task(
                 client.post(
                     "/v1/completions",
@@ -186,8 +185,10 @@ async def test_a_request_whose_deadline_passes_in_the_queue_has_an_error_queue_s
                 )
             )
             await asyncio.to_thread(wait_until, lambda: engine.queue_depth == 1, "it queued")
-            # Deadlines expire as the next step is planned: once 50 ms have surely passed.
-            await asyncio.to_thread(wait_until, lambda: time.monotonic() > sent + 0.06, "50 ms")
+            # The server's clock, in this process: it arrived (its deadline's start) before
+            # now. Deadlines expire as the next step is planned: once 50 ms surely passed.
+            queued = time.monotonic()
+            await asyncio.to_thread(wait_until, lambda: time.monotonic() > queued + 0.06, "50 ms")
         answers = [await first, await late]
     assert [a.status_code for a in answers] == [200, 504]
     request_id = answers[1].headers["x-request-id"]
