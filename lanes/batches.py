@@ -41,7 +41,7 @@ from lanes import layout
 from lanes.batchfiles import BatchError, assemble
 from lanes.batchstore import BatchStore, new_id
 from lanes.deadline import offpeak_opening, plan_start
-from lanes.errors import InvalidInput, LanesError, NotFound
+from lanes.errors import InvalidInput, NotConfigured, NotFound
 from lanes.jobs import (
     BATCH_PREFIX,
     BATCH_TAG,
@@ -197,13 +197,13 @@ class Batches:
         try:
             from prefect.settings import PREFECT_API_URL
         except ImportError:
-            raise LanesError(
+            raise NotConfigured(
                 "this server's Batch API runs each batch on a Prefect server, and this "
                 "install has no Prefect: its operator must install lanes with the offline "
                 "extra (pip install 'lanes[serve,offline]')"
             ) from None
         if not (self.prefect_api_url or PREFECT_API_URL.value()):
-            raise LanesError(
+            raise NotConfigured(
                 "this server's Batch API runs each batch on a Prefect server, and it has "
                 "none: its operator must start `lanes serve` with PREFECT_API_URL (or "
                 "LANES_PREFECT_API_URL) set to the Prefect API `lanes deploy` registered "

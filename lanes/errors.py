@@ -12,6 +12,7 @@
     ├── NotFound                   no job, or Batch API file or batch, of that id (HTTP 404)
     ├── WrongMode                  call() on an offline workload, submit() on an interactive one
     ├── Overloaded                 the queue is full; retry later (HTTP 503)
+    ├── NotConfigured              the server lacks what the route needs (HTTP 503, no retry)
     ├── DeadlineExceeded           the request's deadline passed before it ran (HTTP 504)
     ├── AuthError                  missing or wrong API key (HTTP 401)
     ├── StorageError               an input/output URI cannot be read or written
@@ -195,6 +196,15 @@ class Overloaded(LanesError):
         self.retry_after = retry_after
 
 
+class NotConfigured(LanesError):
+    """The server lacks what the route needs (the Batch API: a Prefect API): its
+    operator must set it up; the same request fails the same way until then."""
+
+    status = 503
+    default_code = "not_configured"
+    repeats = True
+
+
 class DeadlineExceeded(LanesError):
     """The request's deadline passed before it could run."""
 
@@ -235,6 +245,7 @@ _BY_CODE: tuple[type[LanesError], ...] = (
     UnknownWorkload,
     AuthError,
     Overloaded,
+    NotConfigured,
     DeadlineExceeded,
     ModelError,
 )

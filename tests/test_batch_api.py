@@ -635,7 +635,7 @@ def test_a_server_without_a_prefect_api_refuses_a_batch_before_any_work(
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from lanes.batchstore import new_id
-    from lanes.errors import LanesError
+    from lanes.errors import NotConfigured
 
     spec = write_spec(tmp_path / "project", WORKLOADS)
     monkeypatch.setenv("LANES_BATCH__STORE", str(tmp_path / "store"))
@@ -648,7 +648,8 @@ def test_a_server_without_a_prefect_api_refuses_a_batch_before_any_work(
             new_id("file"), "in.jsonl", "batch", iter([json.dumps(line).encode() + b"\n"])
         )
         body = {"input_file_id": uploaded.id, "endpoint": "/v1/embeddings"}
-        with pytest.raises(LanesError, match="PREFECT_API_URL") as refused:
+        with pytest.raises(NotConfigured, match="PREFECT_API_URL") as refused:
             batches.create({**body, "completion_window": "24h"})
-    assert refused.value.status == 500 and "lanes deploy" in str(refused.value)
+    assert refused.value.status == 503 and refused.value.repeats  # not the caller's to retry
+    assert "lanes deploy" in str(refused.value)
     assert batches.store.batch_ids() == []
