@@ -48,7 +48,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from lanes.flows.job import folder_job, plan_shards  # noqa: E402
-from lanes.flows.shard import Model, run_shard  # noqa: E402
+from lanes.flows.runners import Model  # noqa: E402
+from lanes.flows.shard import run_shard  # noqa: E402
 from lanes.runtime import Runtime  # noqa: E402
 from lanes.settings import Settings  # noqa: E402
 from lanes.specfile import load_spec  # noqa: E402

@@ -43,17 +43,15 @@ from prefect.states import Completed
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 from lanes.backfill import served_workload
-from lanes.errors import JobFailed, LanesError, PermanentStorageError
+from lanes.errors import JobFailed, LanesError
 from lanes.flows import FLOW_NAME
 from lanes.flows.endpoint import EndpointModel, batch_key, check_reachable
 from lanes.flows.job import Job, Lane, plan_job, plan_shards
 from lanes.flows.manifest import Manifest, ShardFailure, build_manifest, write_manifest
+from lanes.flows.runners import Model, ShardModel
 from lanes.flows.shard import (
-    Model,
-    ShardModel,
     ShardPlan,
     ShardStats,
-    TooManyErrors,
     committed,
     run_shard,
 )
@@ -328,9 +326,10 @@ def _shard(
 
 
 def _worth_retrying(task: Task[Any, Any], run: TaskRun, state: State[Any]) -> bool:
-    """Prefect's retry condition: a shard over its error rate would be so again, and
-    one whose input is corrupt or denied to us would fail the same way again."""
-    return not isinstance(state.data, TooManyErrors | PermanentStorageError)
+    """Prefect's retry condition: not for an error that says it repeats (a shard over
+    its error rate, an input that is corrupt or denied to us: the same again)."""
+    error = state.data
+    return not (isinstance(error, LanesError) and error.repeats)
 
 
 def _run_shards(

@@ -28,7 +28,7 @@ import orjson
 from lanes.backfill import BUSY_HEADER, CONTENT_TYPE, PROVIDER_HEADER, batch_path
 from lanes.batchframe import decode_outputs, encode_items
 from lanes.errors import JobFailed, LanesError, from_wire
-from lanes.flows.shard import DeviceTime
+from lanes.flows.runners import DeviceTime
 from lanes.isolation import Failed
 from lanes.settings import Settings
 from lanes.tasks.base import Task

@@ -24,8 +24,9 @@ import orjson
 from lanes.errors import InvalidInput, StorageError
 from lanes.flows.job import Job, plan_shards
 from lanes.flows.records import read_shard
+from lanes.flows.runners import ShardModel
 from lanes.flows.shape import RecordShape
-from lanes.flows.shard import ShardModel, ShardStats, run_shard
+from lanes.flows.shard import ShardStats, run_shard
 from lanes.measurements import Throughput
 from lanes.settings import Settings
 from lanes.spec import as_offline

@@ -30,8 +30,8 @@ from lanes.deadline import opening, plan_start, window_at
 from lanes.errors import LanesError
 from lanes.flows.job import Job, plan_shards
 from lanes.flows.records import count_records
+from lanes.flows.runners import ShardModel
 from lanes.flows.sample import measure_sample
-from lanes.flows.shard import ShardModel
 from lanes.jobs import create_run
 from lanes.measurements import Measurements, Throughput, newest
 from lanes.settings import Settings

@@ -75,6 +75,12 @@ def _from_client_error(err: Any, uri: str, action: str) -> StorageError:
     return _s3_error(str(error.get("Code", "")), status, message, uri, action)
 
 
+# S3's codes for a request it will refuse again, however often it is sent.
+DENIED = frozenset(
+    {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "Unauthorized", "403"}
+)
+
+
 def _s3_error(code: str, status: int | None, message: str, uri: str, action: str) -> StorageError:
     """What S3's error `code` (or HTTP `status`) means for `action` on `uri`."""
     bucket = urlparse(uri).netloc
@@ -85,9 +91,10 @@ def _s3_error(code: str, status: int | None, message: str, uri: str, action: str
         )
     if code in ("NoSuchKey", "404"):
         return Missing(f"{uri}: no such object")
-    if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch") or (
-        status in (401, 403)
-    ):
+    # By the code: a 403 may also be a skewed clock (RequestTimeTooSkewed), which a retry
+    # can outlive; a bare 401/403 (a HEAD has no body to say more) is a denial.
+    bare = code in ("", "401", "403") and status in (401, 403)
+    if bare or code in DENIED:
         return PermanentStorageError(
             f"{uri}: access denied ({code}) to {action}; check the credentials boto3 found "
             "(AWS_ACCESS_KEY_ID, AWS_PROFILE or the instance role) and the bucket's policy"

@@ -42,8 +42,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lanes.errors import LanesError, ModelError, WrongMode
 from lanes.flows.job import folder_job, model_key
+from lanes.flows.runners import Model
 from lanes.flows.sample import run_records
-from lanes.flows.shard import Model, ShardStats
+from lanes.flows.shard import ShardStats
 from lanes.layout import ERRORS
 from lanes.measurements import Throughput
 from lanes.protocols.v2 import datatype_of

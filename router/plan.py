@@ -12,7 +12,7 @@ from lanes.errors import LanesError
 from lanes.flows import FLOW_NAME as OFFLINE_FLOW
 from lanes.flows.compile import schedule_of
 from lanes.flows.job import Job, model_key, settle_job
-from lanes.flows.shard import Model, ShardModel
+from lanes.flows.runners import Model, ShardModel
 from lanes.flows.start import calibration, plan_run
 from lanes.measurements import CostBasis, Measurements, Throughput, newest
 from lanes.settings import Settings

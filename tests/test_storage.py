@@ -307,6 +307,7 @@ def test_s3_errors_that_would_repeat_are_permanent_and_passing_ones_are_not() ->
         client_error("InternalError", 500),
         client_error("SlowDown", 503),
         client_error("ThrottlingException", 400),
+        client_error("RequestTimeTooSkewed", 403),  # a clock that may be set right
         EndpointConnectionError(endpoint_url="http://127.0.0.1:9"),
         ConnectionClosedError(endpoint_url="http://127.0.0.1:9"),
     ]:
