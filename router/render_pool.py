@@ -175,10 +175,7 @@ def worker_objects(settings: Settings, options: K8sOptions, image: str) -> list[
             "kubernetes",
         ],
         "env": [
-            {
-                "name": "PREFECT_API_URL",
-                "valueFrom": {"secretKeyRef": {"name": options.prefect_api_secret, "key": "url"}},
-            },
+            secret_env("PREFECT_API_URL", options.prefect_api_secret, "url"),
             {"name": "DO_NOT_TRACK", "value": "1"},
             {"name": "PREFECT_SERVER_ANALYTICS_ENABLED", "value": "false"},
             {"name": "PREFECT_HOME", "value": "/tmp/prefect"},
@@ -280,10 +277,7 @@ def _dask_cluster(
         "app.kubernetes.io/instance": worker_name,
     }
     prefect_env = [
-        {
-            "name": "PREFECT_API_URL",
-            "valueFrom": {"secretKeyRef": {"name": options.prefect_api_secret, "key": "url"}},
-        },
+        secret_env("PREFECT_API_URL", options.prefect_api_secret, "url"),
         {"name": "DO_NOT_TRACK", "value": "1"},
         {"name": "PREFECT_HOME", "value": "/tmp/prefect"},
         {"name": "LANES_HOME", "value": "/tmp/lanes"},

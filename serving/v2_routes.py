@@ -56,11 +56,10 @@ async def infer(request: Request) -> Response:
     state: ServingState = request.app.state.lanes
     name = request.path_params["name"]
     try:
-        state.hosted(name, TASKS)
-        named(request.scope, name)  # its answers count as its own, a failed load's too
         worker = _served(state, request)
     except LanesError as e:  # a failed load was logged once, when it failed
         return v2_error(e)
+    named(request.scope, worker.name)
     try:
         raw = await read_body(request, state.settings.max_body_bytes, state.offload)
         header_length = request.headers.get(HEADER_LENGTH)

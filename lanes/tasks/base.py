@@ -80,8 +80,8 @@ def encode(tokenizer: Tokenizer, text: str, param: str = "input") -> list[int]:
     WordLevel vocabulary without an unknown token lacks) is an `InvalidInput`.
 
     Through `encode_batch`, which lets go of the GIL while it tokenizes (`encode` holds
-    it throughout): a megabyte of text takes seconds, and a large body's preparation
-    off the event loop (serving/offload.py) must leave the loop serving meanwhile."""
+    it throughout): a large body is prepared off the event loop (serving/offload.py)
+    so that the loop keeps serving meanwhile, which a held GIL would undo."""
     try:
         ids: list[int] = tokenizer.encode_batch([text])[0].ids
     except Exception as err:  # tokenizers raises a bare Exception subclass
