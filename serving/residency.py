@@ -2,11 +2,11 @@
 `idle_unload_s` without requests and loaded again by the next one.
 
 `Residency` is the state and the bookkeeping; `ScaleToZero` drives it on the event
-loop for the workload's `BatchWorker` (serving/worker.py). A load holds the model the way a batch does, so a request that
-arrives while the model is unloaded or loading waits in the queue, its deadline
-running (504 when it passes, as ever), and runs once the model is back: it is
-answered, not refused. Only an arrival while unloaded starts a load, and the state
-changes on the event loop, so concurrent arrivals share one load.
+loop for the workload's `BatchWorker` (serving/worker.py). A load holds the model the
+way a batch does, so a request that arrives while the model is unloaded or loading
+waits in the queue, its deadline running (504 when it passes, as ever), and runs once
+the model is back: it is answered, not refused. Only an arrival while unloaded starts
+a load, and the state changes on the event loop, so concurrent arrivals share one load.
 
 Idleness is measured on the worker's clock (injected in tests); the check runs every
 `poll_s` of real time, a cheap comparison. An unload, like a load, runs on the

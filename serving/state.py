@@ -75,7 +75,8 @@ class ServingState:
         if tasks is not None and workload.task not in tasks:
             wanted = " or ".join(tasks)
             raise WrongMode(
-                f"workload {name!r} is {a_task(workload.task)} workload; this route serves {wanted}",
+                f"workload {name!r} is {a_task(workload.task)} workload; "
+                f"this route serves {wanted}",
                 param="model",
             )
         return self.readiness.of(name)
