@@ -54,6 +54,12 @@ _OFFLINE_LANE_FIELDS = {
 }
 
 
+# Names a route of the server's own takes at the place a workload's name goes.
+RESERVED_NAMES = {
+    "stats": "/v2/models/stats is Triton's statistics route, not a workload's; rename it",
+}
+
+
 def parse_spec(data: Any, base: Path, check_files: bool = True) -> tuple[Spec | None, Found]:
     """Validate plain data. Returns the spec (None if anything is wrong) and every problem.
 
@@ -89,6 +95,8 @@ def parse_spec(data: Any, base: Path, check_files: bool = True) -> tuple[Spec | 
                     True,
                 )
             )
+        if name in RESERVED_NAMES:
+            found.append((("workloads", name), RESERVED_NAMES[name], True))
         try:
             workloads[name] = WORKLOAD.validate_python(raw)
         except ValidationError as err:

@@ -135,6 +135,12 @@ BAD_CASES = [
         "W:6:3: workloads.Search_Query: expected a DNS-safe name",
     ),
     (
+        "name a route takes",
+        "  search-query:",
+        "  stats:",
+        "W:6:3: workloads.stats: /v2/models/stats is Triton's statistics route",
+    ),
+    (
         "unknown mode",
         "mode: interactive",
         "mode: realtime",
