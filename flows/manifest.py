@@ -108,6 +108,10 @@ def build_manifest(
     # estimate that is right for one GPU per worker machine, and says so.
     devices = max(1, len({s.host for s in ran}))
     busy = _busy_seconds(ran)
+    if busy is not None:
+        # Offline runs beside each other (idle-priority threads on a CPU's cores) each
+        # count their own time: a device is busy at most for as long as the run took.
+        busy = min(busy, wall * devices)
     device_hours = busy / 3600 if busy is not None else wall / 3600 * devices
     providers = sorted({s.provider for s in ran}) or ["none"]
     cost = device_hours * price_per_device_hour

@@ -77,16 +77,18 @@ def test_an_endpoint_run_is_priced_on_its_offline_lane_busy_seconds(
 
     busy = manifest["busy_seconds"]
     assert manifest["cost_basis"] == "busy_seconds"
-    assert 0 < busy <= manifest["wall_seconds"]
+    # At most the run's wall time: runs beside each other on the CPU's cores (both
+    # shards at once) each count their own time.
+    most = manifest["wall_seconds"] * manifest["devices"]
+    assert 0 < busy <= most + 1e-3
     shards = [s["busy_seconds"] for s in manifest["shard_stats"]]
     assert len(shards) == 2 and all(s > 0 for s in shards)
-    assert busy == pytest.approx(sum(shards), abs=1e-5)
     # Nothing else ran offline: the run's shares add up to the lane's busy time (each
-    # batch's figure rounded to a microsecond).
+    # batch's figure rounded to a microsecond), the run's wall time at most.
     assert lane_busy is not None
-    assert busy == pytest.approx(
-        lane_busy, abs=1e-6 * (sum(s["batches"] for s in manifest["shard_stats"]) + 1)
-    )
+    rounding = 1e-6 * (sum(s["batches"] for s in manifest["shard_stats"]) + 1)
+    assert sum(shards) == pytest.approx(lane_busy, abs=rounding)
+    assert busy == pytest.approx(min(sum(shards), most), abs=1e-3)
     assert manifest["device_hours"] == pytest.approx(busy / 3600, abs=1e-6)
     assert manifest["cost_estimate"] == pytest.approx(busy / 3600 * PRICE, abs=1e-6)
     assert "busy seconds" in cost_basis_of(manifest)
