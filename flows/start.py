@@ -185,7 +185,7 @@ def defer(
     the same window (a manual run, the cron firing after one) finds the first's. A
     run of the window that has ended (it ran, or was cancelled) does not count: the
     next key, after its id, is tried."""
-    key = deadline_key(deployment, plan.finish_by)
+    window = key = deadline_key(deployment, plan.finish_by)
     wanted = {**parameters, "planned_start": plan.start.isoformat()}
     for _ in range(MAX_DEFERRED_PER_WINDOW):
         run = create_run(
@@ -193,7 +193,7 @@ def defer(
         )
         if not run.ended:
             break
-        key = f"{deadline_key(deployment, plan.finish_by)}/after/{run.id}"
+        key = f"{window}/after/{run.id}"
     else:
         raise LanesError(
             f"{deployment}: {MAX_DEFERRED_PER_WINDOW} deferred runs for the window ending "

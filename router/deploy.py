@@ -14,9 +14,10 @@ Prefect; scheduled ones go with the deployment.
 A deadline's deferred runs (flows.start: tagged lanes-deadline, with `planned_start`)
 were planned under the schedule before the deploy and never plan again, so each is
 replaced by a run due now that plans afresh (`replan_deferred`); the deferred run it
-then makes is one per window, whoever else plans that window. Only deployments compiled from the
-same spec are touched: flow `lanes-offline`, the same work pool, the same working
-directory and spec path (`flows.compile.Source`); other projects' are left alone.
+then makes is one per window, whoever else plans that window. Only deployments
+compiled from the same spec are touched: flow `lanes-offline`, the same work pool, the
+same working directory and spec path (`flows.compile.Source`); other projects' are
+left alone.
 """
 
 from __future__ import annotations
