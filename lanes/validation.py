@@ -80,7 +80,8 @@ def _one(param: str, errors: list[ErrorDetails]) -> InvalidInput:
     found = describe(value)
     ctx: dict[str, Any] = dict(first.get("ctx") or {})
     expected = [_EXPECTED[e["type"]] for e in errors if e["type"] in _EXPECTED]
-    if kind in ("int_type", "int_from_float") and _beyond_int64(value):
+    too_large = kind == "int_parsing_size"  # a lax int field given an integer past 64 bits
+    if too_large or (kind in ("int_type", "int_from_float") and _beyond_int64(value)):
         # JSON's parser reads an integer beyond 64 bits as a float: it was too large.
         detail = f"expected an integer of at most 64 bits, found {found}"
         return InvalidInput.field(param, detail, "integer_above_max_value")

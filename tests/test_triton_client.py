@@ -388,6 +388,70 @@ def test_an_input_s_datatype_must_be_the_model_s(client: Any, binary: bool) -> N
 
 # ---- errors ----------------------------------------------------------------------------
 
+GOOD_X = {"name": "x", "shape": [2, 4], "datatype": "FP32", "data": X.ravel().tolist()}
+# A body that does not fit the protocol, and its whole answer: the field as the request
+# spells it, what was expected and what was found, in JSON's words.
+BAD_JSON: list[tuple[bytes, str]] = [
+    (b"[]", "body: expected an object, found an array"),
+    (b"{}", "inputs: missing required parameter"),
+    (b'{"inputs": []}', "inputs: expected at least one item, found an empty array"),
+    (b'{"inputs": {}}', "inputs: expected an array, found an object"),
+    (
+        b'{"inputs": [{"shape": [1], "datatype": "FP32"}]}',
+        "inputs[0].name: missing required parameter",
+    ),
+    (
+        orjson.dumps({"inputs": [{**GOOD_X, "shape": "2x4"}]}),
+        "inputs[0].shape: expected an array, found '2x4'",
+    ),
+    (
+        orjson.dumps({"inputs": [{**GOOD_X, "shape": [2, 1.5]}]}),
+        "inputs[0].shape[1]: expected an integer, found 1.5",
+    ),
+    (
+        b'{"inputs": [{"name": "x", "shape": [100000000000000000000000], "datatype": "FP32"}]}',
+        "inputs[0].shape[0]: expected an integer of at most 64 bits, found 1e+23",
+    ),
+    (
+        orjson.dumps({"inputs": [{**GOOD_X, "datatype": None}]}),
+        "inputs[0].datatype: expected a string, found null",
+    ),
+    (
+        orjson.dumps({"inputs": [{**GOOD_X, "data": 5}]}),
+        "inputs[0].data: expected an array, found 5",
+    ),
+    (orjson.dumps({"inputs": [GOOD_X], "id": 7}), "id: expected a string, found 7"),
+    (
+        orjson.dumps({"inputs": [GOOD_X], "parameters": []}),
+        "parameters: expected an object, found an array",
+    ),
+    (
+        orjson.dumps({"inputs": [GOOD_X], "outputs": [{}]}),
+        "outputs[0].name: missing required parameter",
+    ),
+    (
+        orjson.dumps({"inputs": [{**GOOD_X, "parameters": {"binary_data_size": "32"}}]}),
+        "inputs.x.parameters.binary_data_size: expected a byte count >= 0, found '32'",
+    ),
+    (
+        orjson.dumps({"inputs": [GOOD_X], "parameters": {"binary_data_output": None}}),
+        "parameters.binary_data_output: expected true or false, found null",
+    ),
+]
+
+
+@pytest.mark.parametrize(("body", "message"), BAD_JSON)
+def test_a_body_that_does_not_fit_the_protocol_is_a_400_in_our_words(
+    server: ServerThread, body: bytes, message: str
+) -> None:
+    answer = post(server, "/v2/models/affine/infer", body)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()
+    assert error["error"] == message
+    assert error["param"] == message.split(": ")[0] and error["code"], error
+    for leak in ("should be", "Field required", "pydantic", "None", "NoneType"):
+        assert leak not in message
+
 
 def test_every_v2_error_is_an_error_string(server: ServerThread, client: Any) -> None:
     x = tensor("x", X, "FP32", True)

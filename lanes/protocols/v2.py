@@ -23,7 +23,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lanes.errors import InvalidInput, ModelError
-from lanes.validation import describe
+from lanes.validation import describe, invalid_input
 
 # The size of the JSON part of a body that binary tensor data follows (both ways).
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -79,9 +79,10 @@ class Tensor(BaseModel):
         if size is None:
             return None
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise InvalidInput(
-                f"inputs.{self.name}.parameters.binary_data_size: expected a byte count "
-                f">= 0, found {size!r}"
+            raise InvalidInput.field(
+                f"inputs.{self.name}.parameters.binary_data_size",
+                f"expected a byte count >= 0, found {describe(size)}",
+                "integer_below_min_value" if isinstance(size, int) else "invalid_type",
             )
         return size
 
@@ -128,9 +129,7 @@ class InferRequest(BaseModel):
         try:
             return cls.model_validate(parsed)
         except ValidationError as err:
-            first = err.errors(include_url=False)[0]
-            field = ".".join(str(p) for p in first["loc"]) or "body"
-            raise InvalidInput(f"{field}: {first['msg'].lower()}") from None
+            raise invalid_input(err) from None
 
     def timeout_s(self) -> float | None:
         """Triton's `parameters.timeout`, in microseconds, as seconds."""
@@ -238,7 +237,11 @@ def _binary_output(params: Mapping[str, Any]) -> bool:
 def _flag(params: Mapping[str, Any], key: str, where: str, default: bool) -> bool:
     value = params.get(key, default)
     if not isinstance(value, bool):
-        raise InvalidInput(f"{where}parameters.{key}: expected true or false, found {value!r}")
+        raise InvalidInput.field(
+            f"{where}parameters.{key}",
+            f"expected true or false, found {describe(value)}",
+            "invalid_type",
+        )
     return value
 
 
