@@ -32,6 +32,7 @@ import orjson
 
 from lanes.errors import PermanentStorageError, StorageError
 from lanes.storage import Storage, StoredFile, is_s3
+from lanes.validation import describe
 
 JSONL = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")
 CSV = (".csv", ".csv.gz")
@@ -161,7 +162,7 @@ def _parse(number: int, raw: bytes) -> Line:
     except orjson.JSONDecodeError as err:
         return Line(number, None, f"malformed JSON: {err}")
     if not isinstance(value, dict):
-        return Line(number, None, f"expected a JSON object, found {type(value).__name__}")
+        return Line(number, None, f"expected a JSON object, found {describe(value)}")
     return Line(number, value)
 
 
@@ -177,12 +178,12 @@ def _json_array(stream: IO[bytes], max_bytes: int) -> Iterator[Line]:
         yield Line(1, None, f"malformed JSON: {err}")
         return
     if not isinstance(value, list):
-        found = type(value).__name__
+        found = describe(value)
         yield Line(1, None, f"expected a JSON array of objects, found {found}")
         return
     for number, element in enumerate(value, 1):
         if not isinstance(element, dict):
-            found = type(element).__name__
+            found = describe(element)
             yield Line(number, None, f"expected a JSON object, found {found}")
             continue
         size = len(orjson.dumps(element))

@@ -28,6 +28,7 @@ from lanes.spec import Fields, OfflineWorkload, TaskName, a_task
 from lanes.tasks.generate import from_text
 from lanes.tasks.handler import Handler
 from lanes.template import Template, is_template
+from lanes.validation import describe
 
 # What a record of each task looks like by default, for messages.
 _EXAMPLE = {
@@ -69,8 +70,7 @@ class RecordShape:
         rid = record[name]
         if not isinstance(rid, str | int) or isinstance(rid, bool):
             return None, (
-                f'field "{name}" (the id): expected a string or an integer, '
-                f"found {type(rid).__name__}"
+                f'field "{name}" (the id): expected a string or an integer, found {describe(rid)}'
             )
         return rid, None
 

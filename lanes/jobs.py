@@ -461,7 +461,7 @@ def _jsonl(records: Iterable[Mapping[str, Any]]) -> bytes:
         if not isinstance(record, Mapping):
             raise InvalidInput(
                 f"records[{n}]: expected a mapping like {{'id': ..., 'text': ...}}, "
-                f"found {type(record).__name__}"
+                f"found {describe(record)}"
             )
         try:
             lines.append(orjson.dumps(dict(record)) + b"\n")

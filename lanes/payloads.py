@@ -16,6 +16,7 @@ import numpy as np
 
 from lanes.errors import InvalidInput
 from lanes.protocols.v2 import DTYPES
+from lanes.validation import describe
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ def as_mapping(input: Any) -> Mapping[str, Any]:
     if not isinstance(input, Mapping):
         raise InvalidInput(
             f"input: an infer workload takes a mapping of input name -> array, "
-            f"found {type(input).__name__}"
+            f"found {describe(input)}"
         )
     return input
 

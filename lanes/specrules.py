@@ -27,6 +27,7 @@ from lanes.spec import (
     Spec,
 )
 from lanes.strict import StrictModel
+from lanes.validation import describe
 
 
 class _Top(StrictModel):
@@ -70,8 +71,7 @@ def parse_spec(data: Any, base: Path, check_files: bool = True) -> tuple[Spec | 
     found: Found = []
     if not isinstance(data, dict):
         message = (
-            "expected a mapping of `version`, `models` and `workloads`, "
-            f"found {type(data).__name__} {shown(data)}"
+            f"expected a mapping of `version`, `models` and `workloads`, found {describe(data)}"
         )
         return None, [((), message, False)]
     try:

@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
-from lanes.errors import InvalidInput
+from lanes.errors import InvalidInput, shown
 
 _EXPECTED = {
     "string_type": "a string",
@@ -134,7 +134,7 @@ def describe(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int | float):
-        return repr(value)
+        return shown(value)
     if isinstance(value, str):
         return repr(value if len(value) <= 40 else value[:37] + "...")
     if isinstance(value, list | tuple):

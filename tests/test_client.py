@@ -399,6 +399,8 @@ def test_what_json_cannot_carry_is_invalid_input_before_anything_is_sent(
             client.call("code", prompt)
     with pytest.raises(lanes.InvalidInput, match="records: expected a list of records"):
         client.submit("nightly", {"id": "1", "text": "x"})  # type: ignore[arg-type]
+    with pytest.raises(lanes.InvalidInput, match=r"records\[1\]: .*, found 'x'$"):
+        client.submit("nightly", [{"id": "1", "text": "x"}, "x"])  # type: ignore[list-item]
     after = metric(server, "lanes_responses_total", route="/v1/embeddings", code="200")
     assert after == before, "nothing reached the server"
     for endpoint in ("http://[::1", "localhost:8000", f"{server.url}/v1"):

@@ -84,6 +84,11 @@ def test_a_symbolic_dim_without_a_config_is_an_error(tmp_path: Path) -> None:
         decoder(tmp_path / "heads", config={"num_key_value_heads": 2})
 
 
+def test_config_json_that_is_no_object_is_an_error_in_json_s_words(tmp_path: Path) -> None:
+    with pytest.raises(ModelError, match=r"config\.json: expected a JSON object, found an array$"):
+        decoder(tmp_path, config=[1, 2])  # type: ignore[arg-type]
+
+
 def test_config_json_that_contradicts_the_graph_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(
         ModelError, match=r"num_key_value_heads=2 but input past_key_values\.0\.key"

@@ -122,7 +122,7 @@ def test_embed_job_answers_plain_and_openai_lines_like_the_task(
     assert errors[22]["id"] is None and errors[22]["error"].startswith("malformed JSON")
     assert 'missing field "id"' in errors[23]["error"]
     assert errors[24]["id"] == "d-no-text" and 'missing field "text"' in errors[24]["error"]
-    assert errors[25]["error"] == "text: expected a string, found int"
+    assert errors[25]["error"] == "text: expected a string, found 7"
     assert errors[26]["error"] == "duplicate id 'd0': first on line 1"
     assert errors[27]["response"]["status_code"] == 400
     assert "expected at least one text" in errors[27]["response"]["body"]["error"]["message"]

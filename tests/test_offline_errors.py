@@ -122,7 +122,7 @@ def test_a_shard_over_its_max_error_rate_fails_uncommitted_and_is_not_retried(
     message = str(caught.value)
     assert "1 of 2 shards failed" in message
     assert "20 of 40 records rejected, more than max_error_rate 0.1 allows" in message
-    assert "line 1: text: expected a string, found int" in message
+    assert "line 1: text: expected a string, found 0" in message
     out = tmp_path / "out"
     assert (out / "_committed" / "good.json").exists() and (out / "good.jsonl").exists()
     assert not (out / "_committed" / "bad.json").exists()

@@ -97,12 +97,12 @@ def test_json_arrays_are_read_element_by_element(tmp_path: Path) -> None:
     path.write_text(json.dumps([{"id": 1, "text": "a"}, 7, {"id": 3, "text": "y" * 300}]))
     assert read(path, max_bytes=100) == [
         Line(1, {"id": 1, "text": "a"}),
-        Line(2, None, "expected a JSON object, found int"),
+        Line(2, None, "expected a JSON object, found 7"),
         Line(3, None, "element is 318 bytes, over the limit of 100"),
     ]
     one = tmp_path / "one.json"
     one.write_text('{"id": 1, "text": "a"}')
-    assert read(one) == [Line(1, None, "expected a JSON array of objects, found dict")]
+    assert read(one) == [Line(1, None, "expected a JSON array of objects, found an object")]
     broken = tmp_path / "broken.json.gz"
     broken.write_bytes(gzip.compress(b'[{"id": 1'))
     ((number, value, message),) = [(x.number, x.value, x.error) for x in read(broken)]
@@ -201,7 +201,7 @@ def test_fields_name_the_id_a_template_of_the_text_and_the_fields_to_keep() -> N
          "missing field \"body\" (in `fields.text`: '{subject} {body}')"),
         ({"text": "body"}, {"id": 1, "text": "a"}, 'missing field "body" (the text, by `fields.text`)'),
         ({"keep": ["customer"]}, {"id": 1, "text": "a"}, 'missing field "customer" (in `fields.keep`)'),
-        ({}, {"id": [1], "text": "a"}, 'field "id" (the id): expected a string or an integer, found list'),
+        ({}, {"id": [1], "text": "a"}, 'field "id" (the id): expected a string or an integer, found an array'),
         ({"keep": ["blob"]}, {"id": 1, "text": "a", "blob": b"\x00"},  # Parquet's binary
          'field "blob" (in `fields.keep`): a bytes cannot be written in a JSON output line; '
          "cast it in the input, or keep it out"),

@@ -408,7 +408,12 @@ HOSTILE_CASES = [
     (
         "a list for a spec",
         "- version: 1\n",
-        "W:1:1: expected a mapping of `version`, `models` and `workloads`, found list",
+        "W:1:1: expected a mapping of `version`, `models` and `workloads`, found an array",
+    ),
+    (
+        "a boolean for a spec",
+        "true\n",
+        "W:1:1: expected a mapping of `version`, `models` and `workloads`, found true",
     ),
     (
         "a key of the other mode (offline)",

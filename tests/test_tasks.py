@@ -151,7 +151,8 @@ def test_infer_batches_items_of_different_rows_in_one_run(
         ({"x": [[1, 2, 3, 4]]}, "input 'x': .*dim 1 must be 3"),
         ({"x": [[1, 2, 3], [4, 5]]}, "input 'x': expected a rectangular array"),
         ({"x": np.zeros((0, 3))}, "at least one row"),
-        ([1, 2, 3], "expected a mapping of input name to array"),
+        ([1, 2, 3], r"^inputs: expected a mapping of input name to array \(x\), found an array$"),
+        (None, r"^inputs: expected a mapping of input name to array \(x\), found null$"),
     ],
 )
 def test_infer_rejects_bad_inputs_naming_the_field(
@@ -173,6 +174,21 @@ def test_infer_refuses_floats_into_integers(folder: Path, runtime: Runtime) -> N
     assert out["out"].dtype == np.int64
     with pytest.raises(InvalidInput, match=r"input 'ids': expected int64 values .* found floats"):
         task.prepare({"ids": [[1.5, 2.0]]})
+
+
+def test_infer_names_what_a_string_input_was_given(folder: Path, runtime: Runtime) -> None:
+    words = save(
+        [helper.make_node("Identity", ["w"], ["out"])],
+        [io("w", TensorProto.STRING, ["batch"])],
+        [io("out", TensorProto.STRING, ["batch"])],
+        folder / "words.onnx",
+    )
+    task = load_task("w", spec_for(words, "infer"), runtime)
+    for value, found in [([1, 2], "integers"), ([True], "true/false values")]:
+        with pytest.raises(InvalidInput, match=f"input 'w': expected .*, found {found}$"):
+            task.prepare({"w": value})
+    with pytest.raises(InvalidInput, match=r"input 'w': expected strings, found null at \(1,\)$"):
+        task.prepare({"w": ["a", None]})
 
 
 def test_infer_output_not_in_rows_is_a_model_error(folder: Path, runtime: Runtime) -> None:
@@ -361,7 +377,8 @@ def test_embed_refuses_text_over_max_length_unless_the_workload_truncates(
 @pytest.mark.parametrize(
     ("item", "message"),
     [
-        (3, "input: expected a string, found int"),
+        (3, "input: expected a string, found 3"),
+        (None, "input: expected a string, found null"),
         ("", "non-empty"),
         (["a"], "expected token ids"),
         ([4, 99], "token id 99 at .1. is outside the model's vocabulary"),
@@ -519,7 +536,8 @@ def test_generate_takes_token_ids_as_a_prompt(generate: GenerateTask) -> None:
         # A prompt that fills the context alone, without max_tokens: no room for a token.
         ({"prompt": " ".join(["a"] * 64)}, r"64 in the prompt, at least 1 for the completion"),
         ({"prompt": [1] * 64}, r"64 in the prompt, at least 1 for the completion"),
-        (7, "expected a prompt string"),
+        (7, "^input: expected a prompt string or an object with 'prompt', found 7$"),
+        ([1], "^input: expected a prompt string or an object with 'prompt', found an array$"),
     ],
 )
 def test_generate_rejects_bad_requests(generate: GenerateTask, item: Any, message: str) -> None:

@@ -279,6 +279,20 @@ def test_text_that_is_not_utf8_is_a_400(client: Any) -> None:
         assert error.status() == "400" and f"{message} UTF-8 text" in error.message(), error
 
 
+def test_a_string_input_that_holds_no_string_says_what_it_found_in_json_s_words(
+    server: ServerThread,
+) -> None:
+    inputs = [
+        {"name": n, "shape": [2, *a.shape[1:]], "datatype": d, "data": a.ravel().tolist()}
+        for n, (_, d, a) in KINDS.items()
+    ]
+    for data, found in [([None, "a"], "null at (0,)"), (["a", {"b": 1}], "an object at (1,)")]:
+        inputs[-1]["data"] = data
+        answer = post(server, "/v2/models/kinds/infer", orjson.dumps({"inputs": inputs}))
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"] == f"input 'word': expected strings, found {found}"
+
+
 def test_the_body_limit_applies_to_binary_bodies(client: Any) -> None:
     big = np.zeros((3000, 4), dtype=np.float32)  # 48 kB of tensor: fine
     assert client.infer("affine", [tensor("x", big, "FP32", True)], headers=auth()).as_numpy(

@@ -44,6 +44,7 @@ from tokenizers import Tokenizer
 
 from lanes.errors import ModelError
 from lanes.runtime import TensorInfo, check_io, describe
+from lanes.validation import describe as describe_value
 
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 FED = ("input_ids", "attention_mask", "position_ids")  # besides past_key_values.N.*
@@ -191,7 +192,7 @@ def _json(file: Path) -> dict[str, Any] | None:
     except (OSError, ValueError) as err:
         raise ModelError(f"cannot read {file}: {err}") from err
     if not isinstance(data, dict):
-        raise ModelError(f"{file}: expected a JSON object, found {type(data).__name__}")
+        raise ModelError(f"{file}: expected a JSON object, found {describe_value(data)}")
     return data
 
 

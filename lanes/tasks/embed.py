@@ -24,6 +24,7 @@ from lanes.tasks.base import check_count, encode, load_tokenizer
 from lanes.tasks.handler import NO_HANDLER, Handler
 from lanes.tasks.session_slot import SessionSlot, SlotSession
 from lanes.tasks.wordpiece import WordPiece
+from lanes.validation import describe as describe_value
 
 Vector = npt.NDArray[np.float32]
 
@@ -93,7 +94,7 @@ class EmbedTask(SlotSession):
         if isinstance(text, list):
             return self._ids(text)
         if not isinstance(text, str):
-            found = type(text).__name__
+            found = describe_value(text)
             raise InvalidInput.field("input", f"expected a string, found {found}", "invalid_type")
         if not text.strip():
             detail = "expected a non-empty string, found an empty one"

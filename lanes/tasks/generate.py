@@ -144,7 +144,7 @@ class GenerateTask:
         if not isinstance(item, Mapping):
             raise InvalidInput(
                 f"input: expected a prompt string or an object with 'prompt', "
-                f"found {type(item).__name__}"
+                f"found {describe(item)}"
             )
         unknown = [str(k) for k in item if k not in _KNOWN]
         if unknown:

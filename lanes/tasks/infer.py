@@ -24,6 +24,7 @@ from lanes.spec import ModelSpec, TaskName, Workload
 from lanes.tasks.base import check_count
 from lanes.tasks.handler import NO_HANDLER, Handler
 from lanes.tasks.session_slot import SessionSlot, SlotSession
+from lanes.validation import describe as describe_value
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class InferTask(SlotSession):
             expected = ", ".join(self.inputs)
             raise InvalidInput(
                 f"inputs: expected a mapping of input name to array ({expected}), "
-                f"found {type(item).__name__}"
+                f"found {describe_value(item)}"
             )
         missing = [n for n in self.inputs if n not in item]
         unknown = [str(n) for n in item if n not in self.inputs]
@@ -158,6 +159,18 @@ class InferTask(SlotSession):
                 log.info("workload %s: post failed on the warm-up's zeros: %s", self.name, err)
 
 
+# What a numpy dtype kind holds, as a request's JSON spelled it.
+_FOUND = {
+    "b": "true/false values",
+    "i": "integers",
+    "u": "integers",
+    "f": "floats",
+    "U": "strings",
+    "S": "bytes",
+    "O": "mixed or non-numeric values",
+}
+
+
 def _convert(info: TensorInfo, value: Any) -> Array:
     """`value` as the model's dtype, or `InvalidInput` when that would change its meaning."""
     name = info.name
@@ -173,7 +186,7 @@ def _convert(info: TensorInfo, value: Any) -> Array:
         if source == "O" or source == "S":
             array = _texts(name, array)  # onnxruntime would feed bytes as their repr
         elif source != "U":
-            raise InvalidInput(f"{wanted}, found {array.dtype.name}")
+            raise InvalidInput(f"{wanted}, found {_FOUND.get(source, array.dtype.name)}")
         array = array.astype(object)
     elif source == "b" and target.kind in "biuf":
         array = array.astype(target, copy=False)
@@ -188,8 +201,7 @@ def _convert(info: TensorInfo, value: Any) -> Array:
     elif (source in "iu" and target.kind == "f") or (source == "f" and target.kind == "f"):
         array = array.astype(target, copy=False)
     else:
-        found = {"f": "floats", "U": "strings", "S": "bytes", "O": "mixed or non-numeric values"}
-        raise InvalidInput(f"{wanted}, found {found.get(source, array.dtype.name)}")
+        raise InvalidInput(f"{wanted}, found {_FOUND.get(source, array.dtype.name)}")
     _check_shape(info, array.shape)
     return array
 
@@ -220,7 +232,7 @@ def _texts(name: str, array: Array) -> Array:
                 raise InvalidInput(f"input {name!r}: element {index} is not UTF-8 text") from None
         elif not isinstance(value, str):
             raise InvalidInput(
-                f"input {name!r}: expected strings, found {type(value).__name__} at {index}"
+                f"input {name!r}: expected strings, found {describe_value(value)} at {index}"
             )
         texts[index] = value
     return texts
