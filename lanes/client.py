@@ -95,7 +95,8 @@ class Client:
     ) -> Any:
         """Run one interactive request and return its result:
         embed: a float32 vector for a text, [n, dim] for a list (or 1-D numpy array) of texts;
-        infer: a dict of output name -> array (a handler's workload: its JSON values);
+        infer: a dict of output name -> array (a handler's workload: its JSON values), for
+        a mapping of input name -> array, or for a model of one input, its value alone;
         generate: a Completion (a str prompt, or a list of chat messages); it travels
         streamed when the workload says `stream: true`.
         `options` go into the request body (e.g. max_tokens, temperature)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import base64
 import functools
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,13 +82,23 @@ def embed_input(value: Any) -> Any:
     )
 
 
-def as_mapping(input: Any) -> Mapping[str, Any]:
-    if not isinstance(input, Mapping):
-        raise InvalidInput(
-            f"input: an infer workload takes a mapping of input name -> array, "
-            f"found {describe(input)}"
-        )
-    return input
+def infer_inputs(input: Any, names: Sequence[str], workload: str) -> Mapping[str, Any]:
+    """An infer call's input by the model's input `names`: a mapping as it is; any other
+    value (a flat row, rows, a text) is the model's only input. Shared by the SDK and
+    the task itself (`lanes predict`), so both take the same. InvalidInput naming the
+    inputs when there are several to choose from."""
+    if isinstance(input, Mapping):
+        return input
+    if len(names) == 1:
+        return {names[0]: input}
+    listed = ", ".join(map(repr, names))
+    example = ", ".join(f"{n!r}: [...]" for n in names)
+    raise InvalidInput.field(
+        "input",
+        f"workload {workload!r} takes {len(names)} inputs ({listed}): send a mapping of "
+        f"input name -> array, like {{{example}}}; found {describe(input)}",
+        "invalid_type",
+    )
 
 
 _V2_NAMES = {np.dtype(v): k for k, v in DTYPES.items() if k != "BYTES"}

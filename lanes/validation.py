@@ -13,6 +13,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
@@ -128,7 +129,8 @@ def _beyond_int64(value: Any) -> bool:
 
 
 def describe(value: Any) -> str:
-    """A found value, short: `null`, `true`, `42`, `'text'`, `an array`, `an object`."""
+    """A found value, short: `null`, `true`, `42`, `'text'`, `an array`, `an object`
+    (an SDK caller's numpy array: `a float64 array of shape [1, 2]`)."""
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -137,6 +139,8 @@ def describe(value: Any) -> str:
         return shown(value)
     if isinstance(value, str):
         return repr(value if len(value) <= 40 else value[:37] + "...")
+    if isinstance(value, np.ndarray):
+        return f"a {value.dtype} array of shape {list(value.shape)}"
     if isinstance(value, list | tuple):
         return "an array"
     if isinstance(value, Mapping):

@@ -27,9 +27,9 @@ from lanes.errors import (
 )
 from lanes.payloads import (
     Request,
-    as_mapping,
     embed_input,
     guessed,
+    infer_inputs,
     output_array,
     tensor,
     vector,
@@ -170,18 +170,19 @@ class Core:
                 options = {"stream_options": {"include_usage": True}, **options}
             return self._generate_request(name, input, options, headers, stream=w.stream)
         types = self._input_types.get(name, {})
-        tensors = [tensor(k, v, types.get(k)) for k, v in as_mapping(input).items()]
+        named = infer_inputs(input, list(types), name)
+        tensors = [tensor(k, v, types.get(k)) for k, v in named.items()]
         return Request("POST", f"/v2/models/{name}/infer", {**options, "inputs": tensors}, headers)
 
     def types_request(self, name: str, input: Any) -> Request | None:
-        """The metadata request of an infer workload, when `input` has values whose
-        datatype the client would have to guess and it has not learned the model's yet
-        (the server takes only the model's datatypes), else None. Hand its answer to
-        `learn_types`."""
+        """The metadata request of an infer workload, when the client has not learned
+        the model's inputs yet and needs them: `input` is no mapping (which input is
+        it?), or has values whose datatype it would have to guess (the server takes
+        only the model's datatypes); else None. Hand its answer to `learn_types`."""
         w = self.workload(name, "interactive")
-        if w.task != "infer" or name in self._input_types or not isinstance(input, Mapping):
+        if w.task != "infer" or name in self._input_types:
             return None
-        if not any(guessed(v) for v in input.values()):
+        if isinstance(input, Mapping) and not any(guessed(v) for v in input.values()):
             return None
         return Request("GET", f"/v2/models/{name}", None, dict(self.headers))
 

@@ -81,6 +81,21 @@ def infer_model(folder: Path) -> Path:
     return folder / "model.onnx"
 
 
+def sum_model(folder: Path) -> Path:
+    """a, b float32 [batch, 2] -> s = a + b: a model of two inputs."""
+    folder.mkdir(parents=True, exist_ok=True)
+    io = helper.make_tensor_value_info
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["a", "b"], ["s"])],
+        "sum",
+        [io("a", TensorProto.FLOAT, ["batch", 2]), io("b", TensorProto.FLOAT, ["batch", 2])],
+        [io("s", TensorProto.FLOAT, ["batch", 2])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    save_model(model, str(folder / "model.onnx"))
+    return folder / "model.onnx"
+
+
 DECODER_WORDS = ["<eos>", "a", "b", "c", "d", "[UNK]"]
 
 

@@ -27,15 +27,19 @@ def free_port() -> int:
         return port
 
 
-def write_spec(folder: Path, models: Path, workloads: str) -> Path:
-    """A workloads.yaml declaring the demo models and the given workloads block."""
+def write_spec(
+    folder: Path, models: Path, workloads: str, more: Mapping[str, Path] | None = None
+) -> Path:
+    """A workloads.yaml declaring the demo models (and `more`: name -> model path) and
+    the given workloads block."""
+    declared = "".join(f"  {name}: {{path: {path}}}\n" for name, path in (more or {}).items())
     text = f"""\
 version: 1
 models:
   minilm: {{path: {models}/minilm/model.onnx, tokenizer: {models}/minilm/tokenizer.json}}
   tinycode: {{path: {models}/tinycode/model.onnx, tokenizer: {models}/tinycode/tokenizer.json}}
   classifier: {{path: {models}/classifier/model.onnx}}
-workloads:
+{declared}workloads:
 {workloads}"""
     path = folder / "workloads.yaml"
     path.write_text(text)

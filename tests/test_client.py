@@ -25,6 +25,7 @@ import pytest
 
 import lanes
 from lanes.client import Completion
+from tests.flows_fixtures import sum_model
 from tests.gates import HELD, Gate, eventually, stepping, wait_until
 from tests.servers import ServerThread, free_port, write_spec
 
@@ -85,6 +86,10 @@ WORKLOADS = """\
     task: embed
     model: minilm
     batching: {max_queue: 2}
+  pair:                            # a model of two inputs, a and b
+    mode: interactive
+    task: infer
+    model: pair
 """
 # The server's `shifted` is an infer workload; the client's spec says embed.
 SHIFTED_SERVER = """\
@@ -110,10 +115,13 @@ ROWS = np.array([[5.1, 3.5, 1.4, 0.2], [6.7, 3.0, 5.2, 2.3]], dtype=np.float32)
 @pytest.fixture(scope="module")
 def specs(demo_models: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """The server's spec, and the client's (one workload more)."""
+    more = {"pair": sum_model(tmp_path_factory.mktemp("pair"))}
     server_spec = write_spec(
-        tmp_path_factory.mktemp("server"), demo_models, WORKLOADS + SHIFTED_SERVER
+        tmp_path_factory.mktemp("server"), demo_models, WORKLOADS + SHIFTED_SERVER, more
     )
-    client_spec = write_spec(tmp_path_factory.mktemp("client"), demo_models, WORKLOADS + RETIRED)
+    client_spec = write_spec(
+        tmp_path_factory.mktemp("client"), demo_models, WORKLOADS + RETIRED, more
+    )
     return server_spec, client_spec
 
 
@@ -217,6 +225,39 @@ async def test_call_sends_numbers_as_the_model_s_datatype(
     assert np.array_equal(got["logits"], want)
     with pytest.raises(lanes.InvalidInput, match="the model takes FP32, found INT32"):
         client.call("flowers", {"features": np.array(ints, dtype=np.int32)})
+
+
+async def test_infer_of_one_input_takes_its_value_alone(
+    client: lanes.Client, aclient: lanes.AsyncClient
+) -> None:
+    """As `lanes predict`: a model of one input takes its value without the name, a
+    handler's `pre` the flat row it takes (the row is named for v2, not changed)."""
+    named = client.call("flowers", {"features": ROWS})["logits"]
+    assert np.array_equal(client.call("flowers", ROWS)["logits"], named)
+    assert np.array_equal((await aclient.call("flowers", ROWS.tolist()))["logits"], named)
+    (label,) = client.call("flower-labels", ROWS[1].tolist())["result"]
+    assert label["label"] == "virginica"
+    sums = client.call("pair", {"a": [[1, 2]], "b": [[3, 4]]})["s"]
+    assert sums.tolist() == [[4, 6]]
+
+
+async def test_infer_of_several_inputs_needs_their_names(
+    client: lanes.Client, aclient: lanes.AsyncClient, server: ServerThread
+) -> None:
+    route = "/v2/models/{name}/infer"
+    before = metric(server, "lanes_responses_total", route=route, code="400")
+    message = (
+        "input: workload 'pair' takes 2 inputs ('a', 'b'): send a mapping of input name -> "
+        "array, like {'a': [...], 'b': [...]}; found an array"
+    )
+    with pytest.raises(lanes.InvalidInput) as refused:
+        client.call("pair", [[1, 2]])
+    assert str(refused.value) == message and refused.value.param == "input"
+    array = message.replace("an array", "a float64 array of shape [1, 2]")
+    with pytest.raises(lanes.InvalidInput, match=re.escape(array)):
+        await aclient.call("pair", np.ones((1, 2)))
+    after = metric(server, "lanes_responses_total", route=route, code="400")
+    assert after == before, "refused before the infer request was sent"
 
 
 async def test_embed_takes_numpy_arrays_of_texts_and_token_ids(
@@ -358,7 +399,8 @@ def test_input_errors_carry_the_server_s_message_and_are_never_retried(
     assert after == before + 1, "a 4xx is answered once, not retried"
     with pytest.raises(lanes.InvalidInput, match="features"):
         client.call("flowers", {"features": [[1.0, 2.0, 3.0]]})  # v2's {"error": "..."} shape
-    with pytest.raises(lanes.InvalidInput, match="input: an infer workload takes a mapping"):
+    # The model's one input, unnamed: a flat row is still no rows (without a handler's pre).
+    with pytest.raises(lanes.InvalidInput, match=r"input 'features': expected rank 2 \("):
         client.call("flowers", [1, 2, 3, 4])
 
 
@@ -577,6 +619,8 @@ def test_cli_call_and_stream(server: ServerThread, specs: tuple[Path, Path]) -> 
         "call whole": ["call", "code-streams", "-i", "def fib(n):", "--no-stream"],
         "offline": ["call", "nightly", "-i", "hello"],
         "wrong key": ["call", "search-query", "-i", "x"],
+        "row": ["call", "flower-labels", "-i", json.dumps(ROWS[0].tolist())],
+        "row in-process": ["predict", "flower-labels", "-i", json.dumps(ROWS[0].tolist())],
     }
     running = {
         what: subprocess.Popen(
@@ -609,3 +653,10 @@ def test_cli_call_and_stream(server: ServerThread, specs: tuple[Path, Path]) -> 
     assert code == 2 and "client.submit('nightly'" in err and out == ""
     code, out, err = done["wrong key"]
     assert code == 1 and "missing or wrong API key" in err
+    code, out, err = done["row"]
+    assert code == 0, err
+    code, in_process, err = done["row in-process"]
+    assert code == 0, err
+    # {"result": [one row's label]} through the server, the row's label in-process.
+    assert json.loads(out)["result"] == json.loads(in_process)
+    assert json.loads(in_process)[0]["label"] == "setosa"

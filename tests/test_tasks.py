@@ -24,6 +24,7 @@ from lanes.tasks.base import encode
 from lanes.tasks.embed import EmbedTask
 from lanes.tasks.generate import GenerateTask
 from lanes.tasks.infer import InferTask
+from tests.flows_fixtures import sum_model
 
 F, I64 = TensorProto.FLOAT, TensorProto.INT64
 
@@ -151,8 +152,8 @@ def test_infer_batches_items_of_different_rows_in_one_run(
         ({"x": [[1, 2, 3, 4]]}, "input 'x': .*dim 1 must be 3"),
         ({"x": [[1, 2, 3], [4, 5]]}, "input 'x': expected a rectangular array"),
         ({"x": np.zeros((0, 3))}, "at least one row"),
-        ([1, 2, 3], r"^inputs: expected a mapping of input name to array \(x\), found an array$"),
-        (None, r"^inputs: expected a mapping of input name to array \(x\), found null$"),
+        # The model's one input, unnamed: its value must still be rows of 3.
+        ([1, 2, 3], r"^input 'x': expected rank 2 \(shape \[batch, 3\]\), found shape \[3\]$"),
     ],
 )
 def test_infer_rejects_bad_inputs_naming_the_field(
@@ -160,6 +161,23 @@ def test_infer_rejects_bad_inputs_naming_the_field(
 ) -> None:
     with pytest.raises(InvalidInput, match=message):
         infer.prepare(item)
+
+
+def test_infer_takes_one_input_unnamed_and_several_by_name(
+    infer: InferTask, folder: Path, runtime: Runtime
+) -> None:
+    (named,) = infer.run([infer.prepare({"x": [[1, 2, 3]]})])
+    (alone,) = infer.run([infer.prepare([[1, 2, 3]])])
+    assert alone["y"].tolist() == named["y"].tolist() == [[3.0, 5.0, 7.0]]
+    pair = load_task("w", spec_for(sum_model(folder / "pair"), "infer"), runtime)
+    (out,) = pair.run([pair.prepare({"a": [[1, 2]], "b": [[3, 4]]})])
+    assert out["s"].tolist() == [[4.0, 6.0]]
+    with pytest.raises(InvalidInput) as refused:
+        pair.prepare([[1, 2]])
+    assert str(refused.value) == (
+        "input: workload 'w' takes 2 inputs ('a', 'b'): send a mapping of input name -> "
+        "array, like {'a': [...], 'b': [...]}; found an array"
+    )
 
 
 def test_infer_refuses_floats_into_integers(folder: Path, runtime: Runtime) -> None:

@@ -10,7 +10,7 @@ per item.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -19,6 +19,7 @@ import onnxruntime as ort
 
 from lanes.binding import run
 from lanes.errors import InvalidInput, ModelError
+from lanes.payloads import infer_inputs
 from lanes.runtime import Runtime, TensorInfo, describe
 from lanes.spec import ModelSpec, TaskName, Workload
 from lanes.tasks.base import check_count
@@ -83,12 +84,7 @@ class InferTask(SlotSession):
 
     def check(self, item: Any) -> InferItem:
         """`prepare` without the handler's `pre`."""
-        if not isinstance(item, Mapping):
-            expected = ", ".join(self.inputs)
-            raise InvalidInput(
-                f"inputs: expected a mapping of input name to array ({expected}), "
-                f"found {describe_value(item)}"
-            )
+        item = infer_inputs(item, list(self.inputs), self.name)
         missing = [n for n in self.inputs if n not in item]
         unknown = [str(n) for n in item if n not in self.inputs]
         if missing or unknown:
