@@ -398,7 +398,9 @@ def test_embed_refuses_text_over_max_length_unless_the_workload_truncates(
         (3, "input: expected a string, found 3"),
         (None, "input: expected a string, found null"),
         ("", "non-empty"),
-        (["a"], "expected token ids"),
+        (["a"], r"^input: expected token ids \(integers\), found 'a' at \[0\]$"),
+        ([4, None], r"^input: expected token ids \(integers\), found null at \[1\]$"),
+        ([4, True], r"^input: expected token ids \(integers\), found true at \[1\]$"),
         ([4, 99], "token id 99 at .1. is outside the model's vocabulary"),
     ],
 )

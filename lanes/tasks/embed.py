@@ -109,7 +109,7 @@ class EmbedTask(SlotSession):
     def _ids(self, ids: list[Any]) -> EmbedItem:
         for i, token in enumerate(ids):
             if not isinstance(token, int) or isinstance(token, bool):
-                detail = f"expected token ids (integers), found {token!r} at [{i}]"
+                detail = f"expected token ids (integers), found {describe_value(token)} at [{i}]"
                 raise InvalidInput.field("input", detail, "invalid_type")
             if not 0 <= token < self.vocab_size:
                 detail = (
