@@ -9,6 +9,7 @@ flows.validate  a sample of the records checked against their shape before a run
 flows.job       a job planned: URIs, resume keys, one plan per shard
 flows.manifest  the record a run leaves beside its outputs
 flows.compile   offline workloads -> prefect.yaml
+flows.embedded  `lanes run`'s embedded Prefect server, tied to `lanes run`'s life
 """
 
 # The flow every offline workload runs; its deployments are "lanes-offline/<workload>".

@@ -170,6 +170,7 @@ def run(
     from prefect.settings import temporary_settings
 
     from lanes.flows.batch import Rerun, offline
+    from lanes.flows.embedded import start_embedded_server
     from lanes.flows.job import plan_job
 
     settings = Settings()
@@ -189,6 +190,7 @@ def run(
         # on the server) to say it.
         plan_job(workload, spec_file, settings, input, output)
         _check_prefect_api()
+        start_embedded_server(startup)
         with temporary_settings(updates={STARTUP: startup}), _progress_bar(), untraced():
             try:
                 result: dict[str, Any] = offline(

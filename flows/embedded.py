@@ -1,0 +1,92 @@
+"""`lanes run`'s embedded Prefect API server, ended with `lanes run` however that ends.
+
+Without PREFECT_API_URL, Prefect starts an API server in a subprocess at its first
+client (`SubprocessASGIServer`) and stops it from an atexit handler. A SIGKILL runs no
+handler, and nothing else ties the server to its parent: it would live on, holding its
+port and its SQLite database. So `start_embedded_server` starts Prefect's own server up
+front (the one its clients then use) and a guard beside it:
+
+    python -m lanes.flows.embedded PARENT SERVER
+
+The guard waits on process descriptors (Linux's pidfd, never reused as a pid may be)
+of `lanes run` and of the server; when `lanes run` ends first, it stops the server.
+A normal exit is Prefect's as before: its atexit handler stops the server, after the
+run's logs are flushed to it, and the guard, finding it gone, just exits.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import sys
+
+GUARD = "lanes.flows.embedded"  # this module, as `python -m` runs it
+# The server's time to shut down after SIGTERM before it is killed (Prefect's stop: 5 s;
+# a loaded machine may need longer, and nobody waits for the guard).
+STOP_GRACE_S = 30.0
+
+
+def start_embedded_server(startup_s: float) -> None:
+    """Start Prefect's embedded API server now, waiting up to `startup_s` for it, tied
+    to this process; nothing to do with PREFECT_API_URL set. Where the platform has no
+    pidfd (not Linux), Prefect starts it at the first client, untied, as it always has."""
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL
+
+    if PREFECT_API_URL.value() or not hasattr(os, "pidfd_open"):
+        return
+    server = SubprocessASGIServer()  # Prefect's clients in this process find this one
+    server.start(timeout=int(startup_s))
+    if server.server_process is None:
+        return  # stopped already: nothing to guard
+    # posix_spawn, not Popen: the guard outlives this process by design, and there is
+    # no Popen object to wait on it, or to warn at exit that it still runs.
+    os.posix_spawn(
+        sys.executable,
+        [sys.executable, "-m", GUARD, str(os.getpid()), str(server.server_process.pid)],
+        os.environ,
+    )
+
+
+def guard(parent: int, server: int) -> None:
+    """Wait until `server` ends; when `parent` ends first, stop `server` (SIGTERM, then
+    SIGKILL after STOP_GRACE_S)."""
+    try:
+        server_fd = os.pidfd_open(server)
+    except ProcessLookupError:
+        return
+    try:
+        parent_fd = os.pidfd_open(parent)
+    except ProcessLookupError:
+        parent_fd = None  # ended before we looked
+    if parent_fd is not None and os.getppid() == parent:
+        ended, _, _ = select.select([parent_fd, server_fd], [], [])
+        if server_fd in ended:
+            return
+    _stop(server_fd)
+
+
+def _stop(server_fd: int) -> None:
+    try:
+        signal.pidfd_send_signal(server_fd, signal.SIGTERM)
+        ended, _, _ = select.select([server_fd], [], [], STOP_GRACE_S)
+        if not ended:
+            signal.pidfd_send_signal(server_fd, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # it ended meanwhile
+
+
+def main(argv: list[str]) -> int:
+    # A Ctrl-C in the terminal reaches every process of `lanes run`'s group: `lanes run`
+    # handles it, and this guard ends when it does.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if len(argv) != 2 or not all(arg.isdigit() for arg in argv):
+        print("usage: python -m lanes.flows.embedded PARENT_PID SERVER_PID", file=sys.stderr)
+        return 2
+    guard(int(argv[0]), int(argv[1]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,115 @@
+"""flows.embedded: `lanes run`'s embedded Prefect server ends with `lanes run`, however
+that ends, and a later `lanes run` on the same PREFECT_HOME runs as before."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from tests.flows_fixtures import write_jsonl, write_spec
+from tests.gates import GATE_FILE_ENV, SERVER_START_S, held_marker, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVER_APP = "prefect.server.api.server:create_app"  # what Prefect's server runs
+GUARD = "lanes.flows.embedded"
+# A SIGTERMed server's shutdown, then its SIGKILL after the guard's grace, on a loaded
+# machine: a generous bound, never a wait.
+GONE_S = 120.0
+RUN_S = 600
+
+
+def _processes_of(home: Path, marker: str) -> list[int]:
+    """This user's processes whose command line has `marker`, started for `home` (their
+    environment names it as PREFECT_HOME)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:  # ended meanwhile, or another user's
+            continue
+        if marker.encode() in command and f"PREFECT_HOME={home}".encode() in environ:
+            found.append(int(entry.name))
+    return found
+
+
+@contextmanager
+def _watching(pid: int) -> Iterator[int]:
+    """A process descriptor of `pid`: readable once it has ended."""
+    descriptor = os.pidfd_open(pid)
+    try:
+        yield descriptor
+    finally:
+        os.close(descriptor)
+
+
+def _ended(descriptor: int, within_s: float) -> bool:
+    ready, _, _ = select.select([descriptor], [], [], within_s)
+    return bool(ready)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="the guard needs Linux's pidfd")
+def test_a_sigkilled_lanes_run_takes_its_embedded_server_with_it(tmp_path: Path) -> None:
+    workload = {
+        "mode": "offline",
+        "task": "infer",
+        "model": "affine",
+        "input": "in/",
+        "output": "out/",
+        "retries": 0,
+        "handler": "tests.flows_fixtures:held_from_shard_3",
+        "runner": {"max_concurrent_shards": 1},
+    }
+    spec = write_spec(tmp_path, {"slow": workload})
+    for shard in range(5):
+        records = [{"id": f"s{shard}-{i}", "x": [[i, shard, 0, 0]]} for i in range(3)]
+        write_jsonl(tmp_path / "in" / f"part-{shard:02d}.jsonl", records)
+    home = tmp_path / "prefect"
+    gate = tmp_path / "gate-open"  # closed for the first run: shard 3 waits there
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env |= {"PREFECT_HOME": str(home), GATE_FILE_ENV: str(gate), "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "lanes.router.cli", "run", "slow", "--file", str(spec)]
+
+    killed = subprocess.Popen(command, cwd=ROOT, env=env)
+    try:
+        wait_until(
+            lambda: held_marker(gate).exists() or killed.poll() is not None,
+            "the run held at shard 3",
+            timeout=SERVER_START_S,
+            interval=0.1,
+        )
+        assert killed.poll() is None, f"the run ended first, with {killed.returncode}"
+        (server,) = _processes_of(home, SERVER_APP)
+        with _watching(server) as server_ended:
+            killed.send_signal(signal.SIGKILL)
+            killed.wait(timeout=60)
+            try:
+                assert _ended(server_ended, GONE_S), "the server outlived its SIGKILLed run"
+            finally:
+                if not _ended(server_ended, 0):
+                    signal.pidfd_send_signal(server_ended, signal.SIGKILL)
+    finally:
+        if killed.poll() is None:
+            killed.kill()
+            killed.wait(timeout=60)
+    wait_until(lambda: not _processes_of(home, GUARD), "the guard gone", GONE_S, 0.1)
+
+    gate.touch()
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_S)
+    assert done.returncode == 0, done.stderr
+    assert "2 run, 3 already done" in done.stdout, done.stdout
+    # A normal exit stops the server as Prefect always has (at exit), and the guard
+    # then ends on its own.
+    assert _processes_of(home, SERVER_APP) == []
+    wait_until(lambda: not _processes_of(home, GUARD), "the guard gone", GONE_S, 0.1)
