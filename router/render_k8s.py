@@ -32,6 +32,7 @@ Manifest = dict[str, Any]
 APP = "lanes"
 GPU = "nvidia.com/gpu"
 HTTP_PORT = 8000
+SERVICE_PORT = 80  # a group's Service, in front of HTTP_PORT
 # uvicorn's timeout_graceful_shutdown in lanes.serving.server: after the drain, queued
 # and running requests get this long to finish.
 SHUTDOWN_S = 30
@@ -85,6 +86,10 @@ class Group:
     @property
     def app_name(self) -> str:
         return f"{APP}-{self.name}"
+
+    def service_url(self, namespace: str) -> str:
+        """The group's Service as pods of any namespace of the cluster reach it."""
+        return f"http://{self.app_name}.{namespace}.svc:{SERVICE_PORT}"
 
 
 def groups(spec: Spec) -> list[Group]:
@@ -212,7 +217,9 @@ def serving_objects(
             "metadata": meta,
             "spec": {
                 "selector": selector,
-                "ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}],
+                "ports": [
+                    {"name": "http", "port": SERVICE_PORT, "targetPort": "http", "protocol": "TCP"}
+                ],
             },
         },
         {

@@ -1,5 +1,6 @@
 """The offline half of `lanes render k8s`: a Prefect Kubernetes work pool's base job
-template (each flow run a Job of the worker image, one GPU on cuda) and the Prefect
+template (each flow run a Job of the worker image, one GPU on cuda, the serving
+group's Service as LANES_ENDPOINT for an endpoint runner without a url) and the Prefect
 worker that polls the pool, with the service account and role it needs to make Jobs.
 
 The template has the shape of prefect-kubernetes' own (a `job_configuration` whose
@@ -12,10 +13,13 @@ from __future__ import annotations
 from pathlib import PurePosixPath
 from typing import Any
 
+from lanes.backfill import served_workload
+from lanes.errors import InvalidInput
 from lanes.router.render_k8s import (
     GPU,
     K8sOptions,
     Manifest,
+    groups,
     labels,
     models_volume,
     secret_env,
@@ -34,6 +38,33 @@ def uses_endpoint(spec: Spec) -> bool:
         isinstance(w, OfflineWorkload) and w.runner.kind == "endpoint"
         for w in spec.workloads.values()
     )
+
+
+def endpoint_env(spec: Spec, options: K8sOptions) -> dict[str, str]:
+    """LANES_ENDPOINT for the flow runs: the Service of the group that serves the
+    endpoint-runner workloads without a `runner.url` (their default is LANES_ENDPOINT,
+    whose own default, 127.0.0.1, is no endpoint inside a Job's pod). Empty when there
+    are none; InvalidInput when they run on several groups, which one variable of the
+    pool's cannot point at."""
+    group_of = {name: group for group in groups(spec) for name in group.workloads}
+    by_url: dict[str, list[str]] = {}
+    for name, w in spec.workloads.items():
+        if isinstance(w, OfflineWorkload) and w.runner.kind == "endpoint" and not w.runner.url:
+            group = group_of[served_workload(spec.workloads, name)]
+            by_url.setdefault(group.service_url(options.namespace), []).append(name)
+    if len(by_url) > 1:
+        each = "; ".join(
+            f"{name}: {url}" for url, names in sorted(by_url.items()) for name in names
+        )
+        raise InvalidInput(
+            "runner.url: the flow runs of one work pool share one LANES_ENDPOINT, but "
+            "these endpoint-runner workloads run on the endpoints of different groups; "
+            f"set each one's runner.url ({each})"
+        )
+    if not by_url:
+        return {}
+    (url,) = by_url
+    return {"LANES_ENDPOINT": url}
 
 
 def _variable(kind: str, default: Any, description: str) -> dict[str, Any]:
@@ -57,6 +88,7 @@ def base_job_template(
         # onnxruntime would size its pool by the node's cores, not the pod's share.
         "LANES_THREADS": str(options.offline_cpu),
         **shared_env(settings),
+        **endpoint_env(spec, options),
     }
     resources: dict[str, Any] = {
         "requests": {"cpu": str(options.offline_cpu), "memory": options.offline_memory},

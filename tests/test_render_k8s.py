@@ -487,6 +487,60 @@ def test_an_endpoint_runner_gets_the_key_the_serving_pods_hold(
     assert container["containers"][0]["env"] == "{{ env }}"
 
 
+# An offline workload run on the endpoint of group `small` (flower-classify's), with no
+# runner.url: its flow runs must find that group's Service.
+ON_SMALL = """\
+  nightly-classify:
+    mode: offline
+    task: infer
+    model: classifier
+    input: s3://flowers/in/
+    output: s3://flowers/out/
+    runner: {kind: endpoint}
+"""
+
+
+def _service_serving(files: dict[str, str], workload: str) -> dict[str, Any]:
+    """The Service rendered beside the ConfigMap whose spec serves `workload`."""
+    for name, text in files.items():
+        if not name.startswith("serve-"):
+            continue
+        objects = list(yaml.safe_load_all(text))
+        (config,) = [o for o in objects if o["kind"] == "ConfigMap"]
+        if workload in yaml.safe_load(config["data"]["workloads.yaml"])["workloads"]:
+            (service,) = [o for o in objects if o["kind"] == "Service"]
+            return service
+    raise AssertionError(f"no rendered group serves {workload}")
+
+
+def test_an_endpoint_runner_without_a_url_reaches_its_groups_service(tmp_path: Path) -> None:
+    path = tmp_path / "workloads.yaml"
+    path.write_text(TWO_GROUPS.replace("CPU", "1") + ON_SMALL)
+    files = _render(path)
+    job = _filled(json.loads(files["work-pool-lanes.json"]))
+    kubernetes_validate.validate(job, K8S_VERSION, strict=True)
+    env = _env(job["spec"]["template"]["spec"]["containers"][0])
+    service = _service_serving(files, "flower-classify")
+    (port,) = [p["port"] for p in service["spec"]["ports"] if p["name"] == "http"]
+    where = service["metadata"]
+    assert env["LANES_ENDPOINT"] == f"http://{where['name']}.{where['namespace']}.svc:{port}"
+    # nightly-embed's runner.url is its own: with only it, the Jobs keep the default.
+    plain = _filled(json.loads(_two_groups(tmp_path)["work-pool-lanes.json"]))
+    assert "LANES_ENDPOINT" not in _env(plain["spec"]["template"]["spec"]["containers"][0])
+
+
+def test_endpoint_runners_on_two_groups_without_urls_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "workloads.yaml"
+    url = 'url: "http://lanes-serve", '
+    path.write_text(TWO_GROUPS.replace("CPU", "1").replace(url, "") + ON_SMALL)
+    with pytest.raises(InvalidInput) as refused:
+        _render(path)
+    message = str(refused.value)
+    assert message.startswith("runner.url: the flow runs of one work pool share one")
+    assert "nightly-embed: http://lanes-serve.lanes.svc:80" in message
+    assert "nightly-classify: http://lanes-small.lanes.svc:80" in message
+
+
 def test_serving_pods_reach_prefect_and_share_the_batch_store(tmp_path: Path) -> None:
     """The Batch API starts flow runs on PREFECT_API_URL and keeps files where the
     flow run's Job reads them: the same store on both sides."""
