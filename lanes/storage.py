@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import errno
 import fnmatch
-import glob
 import io
 import os
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import IO, Any
 from urllib.parse import unquote, urlparse
 
-from lanes.errors import StorageError
+from lanes.errors import PermanentStorageError, StorageError
 from lanes.s3errors import Missing, s3_errors
 from lanes.settings import Settings
 from lanes.staging import SUFFIX as STAGING_SUFFIX
@@ -121,15 +121,30 @@ class Storage:
 
     def _list_local(self, location: str) -> list[StoredFile]:
         path = _local_path(location)
+        pattern: tuple[str, ...] | None = None
         if any(c in str(path) for c in _GLOB_CHARS):
             root = _glob_root(path)
-            matches = [Path(m) for m in glob.glob(str(path), recursive=True)]
-            return [_stat(m, m.relative_to(root).as_posix()) for m in matches if m.is_file()]
-        if path.is_file():
-            return [_stat(path, path.name)]
-        if not path.is_dir():
-            raise StorageError(f"{location}: no such folder or file; check the workload's input")
-        return [_stat(p, p.relative_to(path).as_posix()) for p in path.rglob("*") if p.is_file()]
+            pattern = path.relative_to(root).parts
+        else:
+            root = path
+            try:
+                if path.is_file():
+                    return [f for f in [_stat(path, path.name)] if f is not None]
+                if not path.is_dir():
+                    raise StorageError(
+                        f"{location}: no such folder or file; check the workload's input"
+                    )
+            except PermissionError as err:
+                raise _denied_listing(location, err) from None
+        files = []
+        for folder, names in _walk(root, location, pattern):
+            for name in names:
+                relative = (folder / name).relative_to(root)
+                if pattern is None or _glob_matches(relative.parts, pattern):
+                    stored = _stat(folder / name, relative.as_posix())
+                    if stored is not None:
+                        files.append(stored)
+        return files
 
     def _list_s3(self, location: str) -> list[StoredFile]:
         bucket, key = _split_s3(location)
@@ -154,13 +169,18 @@ class Storage:
 
     @contextmanager
     def open(self, uri: str) -> Iterator[IO[bytes]]:
-        """A binary stream of the file's content (S3: streamed, not loaded at once)."""
+        """A binary stream of the file's content (S3: streamed, not loaded at once). A
+        file that is not there is `Missing`; one this process may not read, a
+        `PermanentStorageError`."""
         if not is_s3(uri):
             try:
-                with _local_path(uri).open("rb") as stream:
-                    yield stream
+                stream = _local_path(uri).open("rb")
             except FileNotFoundError:
-                raise StorageError(f"{uri}: no such file") from None
+                raise Missing(f"{uri}: no such file") from None
+            except PermissionError:
+                raise _denied_reading(uri) from None
+            with stream:
+                yield stream
             return
         bucket, key = _split_s3(uri)
         with self._errors(uri, "read"):
@@ -173,12 +193,14 @@ class Storage:
             body.close()
 
     def read_bytes(self, uri: str) -> bytes | None:
-        """The whole file, or None when it does not exist."""
+        """The whole file, or None when it does not exist (`open` says what else fails)."""
         if not is_s3(uri):
             try:
                 return _local_path(uri).read_bytes()
             except FileNotFoundError:
                 return None
+            except PermissionError:
+                raise _denied_reading(uri) from None
         bucket, key = _split_s3(uri)
         client = self._s3()
         try:
@@ -396,9 +418,84 @@ def _glob_root(pattern: Path) -> Path:
     return Path(*parts) if parts else Path(".")
 
 
-def _stat(path: Path, name: str) -> StoredFile:
-    info = path.stat()
+def _walk(
+    root: Path, location: str, pattern: tuple[str, ...] | None
+) -> Iterator[tuple[Path, list[str]]]:
+    """Each folder under `root` and its file names; not the private folders (never
+    data), nor, for a glob `pattern`, the folders it cannot reach.
+
+    A folder this process may not list is a PermanentStorageError: pathlib's and glob's
+    own walks skip it without a word, and its shards would be missing from the job unsaid.
+    """
+
+    def refused(err: OSError) -> None:
+        if isinstance(err, FileNotFoundError | NotADirectoryError):
+            return  # gone while the walk ran, or a glob's root that is none: no files
+        if isinstance(err, PermissionError):
+            raise _denied_listing(err.filename or location, err)
+        raise StorageError(f"{err.filename or location}: cannot list it: {err.strerror or err}")
+
+    for folder, subfolders, names in os.walk(root, onerror=refused):
+        here = Path(folder)
+        subfolders[:] = [
+            s
+            for s in subfolders
+            if not s.startswith(_PRIVATE)
+            and (
+                pattern is None
+                or _glob_matches((here / s).relative_to(root).parts, pattern, partial=True)
+            )
+        ]
+        yield here, names
+
+
+def _glob_matches(parts: tuple[str, ...], pattern: tuple[str, ...], partial: bool = False) -> bool:
+    """Whether a path's `parts` match a glob's (`**`: any number of folders, as glob's
+    recursive mode); `partial`: whether a folder's parts could begin a match."""
+    if not pattern:
+        return not parts
+    if pattern[0] == "**":
+        return _glob_matches(parts, pattern[1:], partial) or (
+            bool(parts) and _glob_matches(parts[1:], pattern, partial)
+        )
+    if not parts:
+        return partial
+    return fnmatch.fnmatchcase(parts[0], pattern[0]) and _glob_matches(
+        parts[1:], pattern[1:], partial
+    )
+
+
+def _stat(path: Path, name: str) -> StoredFile | None:
+    """`path` listed as `name`; None when it is no file (a socket, a link to a folder)
+    or went while the listing ran."""
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        return None
+    except PermissionError as err:  # a folder that may be read but not searched
+        raise _denied_listing(str(path.parent), err) from None
+    if not stat.S_ISREG(info.st_mode):
+        return None
     return StoredFile(str(path), name, info.st_size, str(info.st_mtime_ns))
+
+
+_GRANT = "give the user lanes runs as"
+
+
+def _denied_reading(uri: str) -> PermanentStorageError:
+    path = _local_path(uri)
+    return PermanentStorageError(
+        f"{uri}: permission denied reading it; {_GRANT} read access (e.g. chmod a+r {path}), "
+        "or move it out of the input"
+    )
+
+
+def _denied_listing(folder: str, err: OSError) -> PermanentStorageError:
+    return PermanentStorageError(
+        f"{folder}: permission denied listing it ({err.strerror or err}); {_GRANT} read and "
+        f"search access (e.g. chmod a+rx {folder}), or narrow the workload's input to what "
+        "it may read"
+    )
 
 
 def _unwritable(folder: Path, uri: str, err: OSError, advice: str) -> StorageError:

@@ -335,6 +335,21 @@ def read_only(folder: Path) -> Iterator[None]:
             p.chmod(modes[p])
 
 
+def skip_unless_modes_bind(folder: Path) -> None:
+    """Skip the test where mode bits do not stop this process reading a file: root's
+    (os.geteuid() == 0) unless it runs without CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH."""
+    probe = folder / ".mode-probe"
+    probe.write_bytes(b"")
+    probe.chmod(0)
+    try:
+        probe.read_bytes()
+    except PermissionError:
+        return
+    finally:
+        probe.unlink()
+    pytest.skip("mode bits do not bind this process (root)")
+
+
 def _accepts_files(folder: Path) -> bool:
     probe = folder / ".write-probe"
     try:

@@ -1,9 +1,10 @@
 """Failures that tell the truth, end to end under Prefect's test harness: records in
 the wrong shape fail a run before any shard runs, a shard over its max_error_rate
 fails uncommitted and unretried, as does one whose input is corrupt (a cut .gz or
-Parquet file) or denied (S3's 403, a moto server's IAM policy), record errors under
-it end CompletedWithErrors with `lanes run` exiting 3, and --retry-errors / --force
-rerun exactly what they say, each id once, locally and on S3 through a moto server."""
+Parquet file) or denied (S3's 403, a moto server's IAM policy; a file's mode), record
+errors under it end CompletedWithErrors with `lanes run` exiting 3, and --retry-errors
+/ --force rerun exactly what they say, each id once, locally and on S3 through a moto
+server."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from tests.flows_fixtures import (
     picky,
     read_jsonl,
     s3_env,
+    skip_unless_modes_bind,
     text,
     write_jsonl,
     write_spec,
@@ -173,6 +175,36 @@ def test_a_corrupt_gzip_or_parquet_shard_fails_at_once_and_the_others_commit(
     (tmp_path / "in" / "torn.parquet").write_bytes(whole_parquet)
     again = offline(workload="emb", spec=str(spec))
     assert (again["shards_run"], again["shards_skipped"], again["total_outputs"]) == (2, 1, 60)
+
+
+def test_a_shard_it_may_not_read_fails_at_once_and_the_others_commit(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    skip_unless_modes_bind(tmp_path)
+    spec = write_spec(tmp_path, {"emb": offline_workload(retries=2)})
+    for name in ("good", "locked"):
+        write_jsonl(
+            tmp_path / "in" / f"{name}.jsonl",
+            [{"id": f"{name}{i}", "text": text(i)} for i in range(10)],
+        )
+    locked = tmp_path / "in" / "locked.jsonl"
+    locked.chmod(0)
+    try:
+        with pytest.raises(JobFailed) as caught:
+            offline(workload="emb", spec=str(spec))
+    finally:
+        locked.chmod(0o644)
+
+    message = str(caught.value)
+    assert "1 of 2 shards failed" in message and "the others are committed" in message
+    assert f"{locked}: permission denied reading it; give the user lanes runs as read" in message
+    assert f"chmod a+r {locked}" in message
+    manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
+    # retries: 2, none taken: a retry would meet the same mode bits
+    assert attempts(manifest["flow_run"]) == {"shard good.jsonl": 1, "shard locked.jsonl": 1}
+
+    again = offline(workload="emb", spec=str(spec))  # readable now: that shard alone
+    assert (again["shards_run"], again["shards_skipped"], again["total_outputs"]) == (1, 1, 20)
 
 
 def test_only_a_failure_that_would_repeat_skips_a_shards_retries() -> None:

@@ -19,7 +19,13 @@ from lanes.errors import PermanentStorageError, StorageError
 from lanes.settings import Settings
 from lanes.staging import this_process
 from lanes.storage import MiB, Storage, join
-from tests.flows_fixtures import moto_server, read_only, s3_env, staging_writer
+from tests.flows_fixtures import (
+    moto_server,
+    read_only,
+    s3_env,
+    skip_unless_modes_bind,
+    staging_writer,
+)
 
 SUFFIXES = (".jsonl", ".parquet")
 
@@ -52,6 +58,57 @@ def test_local_folder_lists_data_files_recursively_skipping_bookkeeping(tmp_path
     assert names(storage, str(tmp_path / "*.jsonl")) == ["b.jsonl"]
     assert names(storage, str(tmp_path / "**" / "*.jsonl")) == ["b.jsonl", "sub/c.jsonl"]
     assert names(storage, str(tmp_path / "b.jsonl")) == ["b.jsonl"]
+
+
+def read_all(storage: Storage, uri: str) -> bytes:
+    with storage.open(uri) as stream:
+        return stream.read()
+
+
+def test_local_globs_reach_the_files_glob_would(tmp_path: Path) -> None:
+    for name in ("a.jsonl", "sub/b.jsonl", "sub/deep/c.jsonl", "other/d.jsonl", "_x/e.jsonl"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("{}\n")
+    storage = Storage(Settings())
+    assert names(storage, str(tmp_path / "*" / "*.jsonl")) == ["other/d.jsonl", "sub/b.jsonl"]
+    assert names(storage, str(tmp_path / "sub" / "**" / "*.jsonl")) == ["b.jsonl", "deep/c.jsonl"]
+    assert names(storage, str(tmp_path / "[as]*" / "*" / "*.jsonl")) == ["sub/deep/c.jsonl"]
+    assert names(storage, str(tmp_path / "none" / "*.jsonl")) == []
+
+
+def test_a_local_file_or_folder_it_may_not_read_is_a_permanent_error_naming_it(
+    tmp_path: Path,
+) -> None:
+    skip_unless_modes_bind(tmp_path)
+    for name in ("a.jsonl", "locked.jsonl", "shut/b.jsonl", "_errors/c.jsonl"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("{}\n")
+    locked, shut = tmp_path / "locked.jsonl", tmp_path / "shut"
+    storage = Storage(Settings())
+    for path in (locked, shut, tmp_path / "_errors"):
+        path.chmod(0)
+    try:
+        for attempt in (
+            lambda: read_all(storage, str(locked)),
+            lambda: storage.read_bytes(str(locked)),
+        ):
+            with pytest.raises(PermanentStorageError) as read:
+                attempt()
+            assert str(read.value) == (
+                f"{locked}: permission denied reading it; give the user lanes runs as read "
+                f"access (e.g. chmod a+r {locked}), or move it out of the input"
+            )
+        # pathlib's and glob's own walks would skip `shut` and lose its shard unsaid.
+        for location in (str(tmp_path), str(tmp_path / "**" / "*.jsonl")):
+            with pytest.raises(PermanentStorageError) as listing:
+                storage.list_files(location, SUFFIXES)
+            assert str(listing.value).startswith(f"{shut}: permission denied listing it (")
+            assert f"(e.g. chmod a+rx {shut}), or narrow the workload's input" in str(listing.value)
+        # A glob that cannot reach it, and bookkeeping (never data), need no access.
+        assert names(storage, str(tmp_path / "*.jsonl")) == ["a.jsonl", "locked.jsonl"]
+    finally:
+        for path in (locked, shut, tmp_path / "_errors"):
+            path.chmod(0o755)
 
 
 def test_local_missing_folder_says_so(tmp_path: Path) -> None:
