@@ -9,8 +9,8 @@ shards an earlier run committed, runs the rest as `shard` tasks on the workload'
 runner (threads here, or a Dask cluster through prefect-dask) with at most
 `runner.max_concurrent_shards` in flight, then writes the run's manifest. A shard
 that still fails after its retries (or at once, where no retry changes anything:
-it rejects more than `max_error_rate` of its records, or its input is a corrupt file
-or denied to us) fails the run, after every other shard has finished and the
+it rejects more than `max_error_rate` of its records, or its input is a corrupt file,
+denied to us or gone since the listing) fails the run, after every other shard has finished and the
 manifest is written: a rerun redoes only it.
 
 `rerun` says what an earlier run's commits are worth: "uncommitted" (the default)
@@ -327,7 +327,7 @@ def _shard(
 
 def _worth_retrying(task: Task[Any, Any], run: TaskRun, state: State[Any]) -> bool:
     """Prefect's retry condition: not for an error that says it repeats (a shard over
-    its error rate, an input that is corrupt or denied to us: the same again)."""
+    its error rate, an input that is corrupt, denied to us or gone: the same again)."""
     error = state.data
     return not (isinstance(error, LanesError) and error.repeats)
 

@@ -25,12 +25,14 @@ import csv
 import gzip
 import zlib
 from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import IO, Any
 
 import orjson
 
 from lanes.errors import PermanentStorageError, StorageError
+from lanes.s3errors import Missing
 from lanes.storage import Storage, StoredFile, is_s3
 from lanes.validation import describe
 
@@ -75,7 +77,7 @@ def read_shard(storage: Storage, shard: StoredFile, max_bytes: int) -> Iterator[
     if shard.name.endswith(PARQUET):
         yield from _parquet(storage, shard)
         return
-    with storage.open(shard.uri) as stream:
+    with _opened(storage, shard) as stream:
         source: IO[bytes] = stream
         if shard.name.endswith(".gz"):
             source = gzip.GzipFile(fileobj=stream, mode="rb")  # type: ignore[assignment]
@@ -104,17 +106,16 @@ def count_records(storage: Storage, shard: StoredFile) -> int:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        if is_s3(shard.uri):
-            return sum(1 for _ in _parquet(storage, shard))
-        try:
-            return int(pq.ParquetFile(shard.uri).metadata.num_rows)
-        except (pa.ArrowException, OSError) as err:
-            raise _not_parquet(shard, err) from None
+        with _parquet_source(storage, shard) as source:
+            try:
+                return int(pq.ParquetFile(source).metadata.num_rows)
+            except (pa.ArrowException, OSError) as err:
+                raise _not_parquet(shard, err) from None
     if shard.name.endswith(CSV) or shard.name.endswith(JSON) or shard.name.endswith(".gz"):
         return sum(1 for _ in read_shard(storage, shard, max_bytes=2**62))
     count = 0
     content = False  # whether the line read so far holds more than whitespace
-    with storage.open(shard.uri) as stream:
+    with _opened(storage, shard) as stream:
         # A line longer than a chunk comes in pieces: it counts once, at its end.
         for piece in iter(lambda: stream.readline(_CHUNK), b""):
             content = content or bool(piece.strip())
@@ -307,27 +308,61 @@ def _header(row: list[str] | None, error: str | None) -> tuple[list[str] | None,
     return names, None
 
 
+@contextmanager
+def _opened(storage: Storage, shard: StoredFile) -> Iterator[IO[bytes]]:
+    """`shard`'s bytes. One no longer there is a PermanentStorageError (`_gone`)."""
+    with ExitStack() as stack:
+        try:
+            stream = stack.enter_context(storage.open(shard.uri))
+        except Missing:
+            raise _gone(shard) from None
+        yield stream
+
+
+@contextmanager
+def _parquet_source(storage: Storage, shard: StoredFile) -> Iterator[Any]:
+    """What pyarrow reads `shard` from: the local file, opened (so that one missing or
+    denied says so), or the S3 object, held in memory: Parquet's footer is at the end,
+    the reader needs random access (a shard is meant to fit in memory anyway)."""
+    import pyarrow as pa
+
+    if not is_s3(shard.uri):
+        with _opened(storage, shard) as stream:
+            yield stream
+        return
+    data = storage.read_bytes(shard.uri)
+    if data is None:
+        raise _gone(shard)
+    yield pa.BufferReader(data)
+
+
+def _gone(shard: StoredFile) -> PermanentStorageError:
+    # The job's shard plans are fixed when it lists its input, and a task's retry reads
+    # the same name again: it cannot find the file under a new one. Failing the shard
+    # at once commits nothing for it, so nothing is lost (if the file comes back, the
+    # next run runs it) and nothing is doubled (the next run skips the committed
+    # shards); skipping it instead would end the run Completed with its records
+    # unanswered and unsaid.
+    return PermanentStorageError(
+        f"{shard.uri}: no longer there: deleted or moved after the run listed its input; "
+        "run the workload again to list it anew (the shards committed now are skipped)"
+    )
+
+
 def _parquet(storage: Storage, shard: StoredFile) -> Iterator[Line]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    source: Any = shard.uri
-    if is_s3(shard.uri):
-        # Parquet's footer is at the end: the reader needs random access, so the object
-        # is held in memory (a shard is meant to fit there anyway).
-        data = storage.read_bytes(shard.uri)
-        if data is None:
-            raise StorageError(f"{shard.uri}: no such object")
-        source = pa.BufferReader(data)
-    try:
-        table = pq.ParquetFile(source)
-        number = 0
-        for batch in table.iter_batches(batch_size=4096):
-            for row in batch.to_pylist():
-                number += 1
-                yield Line(number, row)
-    except (pa.ArrowException, OSError) as err:
-        raise _not_parquet(shard, err) from None
+    with _parquet_source(storage, shard) as source:
+        try:
+            table = pq.ParquetFile(source)
+            number = 0
+            for batch in table.iter_batches(batch_size=4096):
+                for row in batch.to_pylist():
+                    number += 1
+                    yield Line(number, row)
+        except (pa.ArrowException, OSError) as err:
+            raise _not_parquet(shard, err) from None
 
 
 def _not_parquet(shard: StoredFile, err: Exception) -> PermanentStorageError:

@@ -226,8 +226,9 @@ class StorageError(LanesError):
 
 class PermanentStorageError(StorageError):
     """A read or write that fails the same way every time: a corrupt .gz or Parquet
-    file, access denied (S3's 401 or 403, a local file's or folder's mode). An offline
-    shard that meets one fails at once, without its retries; other StorageErrors (a connection reset, a 5xx,
+    file, access denied (S3's 401 or 403, a local file's or folder's mode), an input
+    deleted after the job listed it. An offline shard that meets one fails at once,
+    without its retries; other StorageErrors (a connection reset, a 5xx,
     throttling past boto3's own retries) keep theirs."""
 
     repeats = True

@@ -48,7 +48,8 @@ def s3_errors(uri: str, action: str, endpoint: str | None) -> Iterator[None]:
 
 
 class Missing(StorageError):
-    """The object does not exist (read_bytes turns this into None)."""
+    """The object (or, from lanes.storage, the local file) does not exist; read_bytes
+    turns this into None."""
 
 
 # botocore's ClientError message, which S3UploadFailedError repeats: "An error

@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -307,6 +307,24 @@ class _Picky:
 
 
 picky = _Picky()
+
+
+class _Vanishing:
+    """A handler whose `pre` calls `vanish` (a test sets it: delete another shard's input)
+    once, at the first record it sees: an input that goes between a run's listing and
+    its shard's read."""
+
+    def __init__(self) -> None:
+        self.vanish: Callable[[], Any] | None = None
+
+    def pre(self, record: Any) -> Any:
+        vanish, self.vanish = self.vanish, None
+        if vanish is not None:
+            vanish()
+        return record
+
+
+vanishing = _Vanishing()
 
 
 @contextmanager

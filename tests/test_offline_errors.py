@@ -1,10 +1,10 @@
 """Failures that tell the truth, end to end under Prefect's test harness: records in
 the wrong shape fail a run before any shard runs, a shard over its max_error_rate
 fails uncommitted and unretried, as does one whose input is corrupt (a cut .gz or
-Parquet file) or denied (S3's 403, a moto server's IAM policy; a file's mode), record
-errors under it end CompletedWithErrors with `lanes run` exiting 3, and --retry-errors
-/ --force rerun exactly what they say, each id once, locally and on S3 through a moto
-server."""
+Parquet file), denied (S3's 403, a moto server's IAM policy; a file's mode) or deleted
+after the listing, record errors under it end CompletedWithErrors with `lanes run`
+exiting 3, and --retry-errors / --force rerun exactly what they say, each id once,
+locally and on S3 through a moto server."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ from tests.flows_fixtures import (
     s3_env,
     skip_unless_modes_bind,
     text,
+    vanishing,
     write_jsonl,
     write_spec,
 )
@@ -205,6 +206,76 @@ def test_a_shard_it_may_not_read_fails_at_once_and_the_others_commit(
 
     again = offline(workload="emb", spec=str(spec))  # readable now: that shard alone
     assert (again["shards_run"], again["shards_skipped"], again["total_outputs"]) == (1, 1, 20)
+
+
+@pytest.mark.parametrize("where", ["s3", "local"])
+def test_a_shard_deleted_after_the_listing_fails_at_once_and_a_rerun_loses_nothing(
+    prefect_api: str,
+    tmp_path: Path,
+    where: str,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    records = {name: [{"id": f"{name}{i}", "text": text(i)} for i in range(10)] for name in "ab"}
+    bodies = {n: b"".join(orjson.dumps(r) + b"\n" for r in rs) for n, rs in records.items()}
+    if where == "s3":
+        s3 = s3_env(monkeypatch, request.getfixturevalue("s3_endpoint"))
+        s3.create_bucket(Bucket="corpus")
+        paths = {"input": "s3://corpus/in/", "output": "s3://corpus/out/"}
+
+        def put(name: str) -> None:
+            s3.put_object(Bucket="corpus", Key=f"in/{name}.jsonl", Body=bodies[name])
+
+        def delete_b() -> None:
+            s3.delete_object(Bucket="corpus", Key="in/b.jsonl")
+
+        def manifest() -> Any:
+            return json.loads(
+                s3.get_object(Bucket="corpus", Key="out/_manifest.json")["Body"].read()
+            )
+    else:
+        paths = {"input": "in/", "output": "out/"}
+
+        def put(name: str) -> None:
+            (tmp_path / "in").mkdir(exist_ok=True)
+            (tmp_path / "in" / f"{name}.jsonl").write_bytes(bodies[name])
+
+        def delete_b() -> None:
+            (tmp_path / "in" / "b.jsonl").unlink()
+
+        def manifest() -> Any:
+            return json.loads((tmp_path / "out" / "_manifest.json").read_text())
+
+    put("a")
+    put("b")
+    # One shard at a time, in name order: a's first record deletes b, listed already.
+    workload = offline_workload(
+        retries=2,
+        handler="tests.flows_fixtures:vanishing",
+        runner={"kind": "local", "max_concurrent_shards": 1},
+        **paths,
+    )
+    spec = write_spec(tmp_path, {"emb": workload})
+    vanishing.vanish = delete_b
+    try:
+        with pytest.raises(JobFailed) as caught:
+            offline(workload="emb", spec=str(spec))
+    finally:
+        vanishing.vanish = None
+
+    b_uri = "s3://corpus/in/b.jsonl" if where == "s3" else str(tmp_path / "in" / "b.jsonl")
+    message = str(caught.value)
+    assert "1 of 2 shards failed" in message and "the others are committed" in message
+    assert f"{b_uri}: no longer there: deleted or moved after the run listed its input" in message
+    assert "run the workload again to list it anew" in message
+    # retries: 2, none taken: a retry reads the same name its plan holds
+    assert attempts(manifest()["flow_run"]) == {"shard a.jsonl": 1, "shard b.jsonl": 1}
+
+    gone = offline(workload="emb", spec=str(spec))  # listed anew: b is not there
+    assert (gone["shards_run"], gone["shards_skipped"], gone["total_outputs"]) == (0, 1, 10)
+    put("b")  # back: its records are answered, once, and a's are not redone
+    back = offline(workload="emb", spec=str(spec))
+    assert (back["shards_run"], back["shards_skipped"], back["total_outputs"]) == (1, 1, 20)
 
 
 def test_only_a_failure_that_would_repeat_skips_a_shards_retries() -> None:
