@@ -74,7 +74,11 @@ class Settings(BaseSettings):
     )
 
     spec: Path = Field(Path("workloads.yaml"), description="The workloads.yaml to load.")
-    home: Path = Field(Path(".lanes"), description="Built models, job state and local outputs.")
+    home: Path = Field(
+        Path(".lanes"),
+        description="Job state, measurements and local outputs (models are where the spec "
+        "names them; `lanes models build` puts the demo's there).",
+    )
     host: str = Field("127.0.0.1", description="Address `lanes serve` binds.")
     port: int = Field(8000, ge=0, le=65535)
     endpoint: str = Field("http://127.0.0.1:8000", description="Where the SDK client calls.")

@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from lanes.demo.place import demo_models_folder
 from lanes.errors import InvalidInput
 from lanes.measurements import Measurements
 from lanes.router import client_cli, cost_cli, offline_cli, tune_cli
@@ -180,10 +181,16 @@ def top(
 
 @models_app.command("build")
 def models_build(
-    dest: Annotated[Path | None, typer.Option(help="Folder (default: LANES_HOME/models).")] = None,
+    dest: Annotated[
+        Path | None,
+        typer.Option(help="Folder (default: where the spec names them; see LANES_SPEC)."),
+    ] = None,
     force: Annotated[bool, typer.Option(help="Rebuild models that already exist.")] = False,
 ) -> None:
-    """Build the demo models (minilm, tinycode, classifier); skips those already built."""
+    """Build the demo models (minilm, tinycode, classifier) where the spec expects them
+    (lanes.demo.place); skips those already built."""
+    settings = guarded(Settings)
+    folder = dest or guarded(lambda: demo_models_folder(settings))
     try:
         from lanes.demo.build import build_demo_models
     except ImportError as e:
@@ -191,8 +198,7 @@ def models_build(
             f"error: building models needs torch: pip install 'lanes[build]' ({e})", err=True
         )
         raise typer.Exit(1) from None
-    settings = guarded(Settings)
-    built = build_demo_models(dest or settings.home / "models", force=force)
+    built = build_demo_models(folder, force=force)
     for path in built:
         typer.echo(str(path))
 

@@ -68,6 +68,49 @@ def spec_path(demo_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 
 @pytest.mark.slow
+def test_models_build_puts_the_demo_models_where_the_demo_spec_reads_them(
+    demo_models: Path, tmp_path: Path
+) -> None:
+    """LANES_HOME moves job state, not the models: the build follows the spec."""
+    project, home = tmp_path / "project", tmp_path / "home"
+    project.mkdir()
+    (project / "workloads.yaml").write_bytes((ROOT / "workloads.yaml").read_bytes())
+    folder = project / ".lanes" / "models"
+    folder.mkdir(parents=True)
+    for name in ("minilm", "tinycode", "classifier"):  # built already: the build skips them
+        (folder / name).symlink_to(demo_models / name, target_is_directory=True)
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "lanes.router.cli", *args],
+            capture_output=True,
+            text=True,
+            cwd=project,
+            env={**os.environ, "LANES_HOME": str(home), "PYTHONPATH": str(ROOT)},
+            timeout=120,
+        )
+
+    built = run("models", "build")
+    assert built.returncode == 0, built.stderr
+    printed = built.stdout.splitlines()[-3:]  # after the progress bar: the model folders
+    assert printed == [str(folder.resolve() / n) for n in ("minilm", "tinycode", "classifier")]
+    assert not (home / "models").exists()
+    checked = run("validate")
+    assert checked.returncode == 0, checked.stderr
+
+    from tests.flows_fixtures import write_spec as write_tiny_spec
+
+    other = write_tiny_spec(tmp_path / "other", {})  # its models are none of the demo's
+    refused = CliRunner().invoke(app, ["models", "build"], env={"LANES_SPEC": str(other)})
+    assert refused.exit_code == 2
+    assert one_line_error(refused) == (
+        f"error: {other}: names no demo model (minilm, tinycode, classifier) as "
+        "FOLDER/NAME/model.onnx, so there is nowhere it would find them; pass --dest, or "
+        "set LANES_SPEC to the spec that uses them"
+    )
+
+
+@pytest.mark.slow
 def test_plan_json_routes_every_workload(spec_path: Path) -> None:
     done = lanes("plan", str(spec_path), "--json")
     assert done.returncode == 0, done.stderr
