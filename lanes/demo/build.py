@@ -27,6 +27,7 @@ from rich.progress import (
 )
 
 from lanes.demo import classifier, minilm, tinycode
+from lanes.demo.place import MODEL_NAMES
 
 THREADS = 2  # fixed, so that float reductions (and so the weights) repeat across machines
 
@@ -43,15 +44,16 @@ class DemoModel:
         return all((dest / self.name / f).is_file() for f in self.files)
 
 
-DEMO_MODELS = (
-    DemoModel("minilm", minilm.FILES, lambda out, step: minilm.build(out)),
-    DemoModel(
-        "tinycode",
+# One builder per name the spec may use (`lanes.demo.place`, which must stay torch-free).
+_BUILDERS: dict[str, tuple[tuple[str, ...], Callable[[Path, Step], Path]]] = {
+    "minilm": (minilm.FILES, lambda out, step: minilm.build(out)),
+    "tinycode": (
         tinycode.FILES,
         lambda out, step: tinycode.build(out, on_step=lambda s, n, loss: step(s, n)),
     ),
-    DemoModel("classifier", classifier.FILES, lambda out, step: classifier.build(out)),
-)
+    "classifier": (classifier.FILES, lambda out, step: classifier.build(out)),
+}
+DEMO_MODELS = tuple(DemoModel(name, *_BUILDERS[name]) for name in MODEL_NAMES)
 
 
 def build_demo_models(dest: Path, *, force: bool = False, progress: bool = True) -> list[Path]:

@@ -15,7 +15,7 @@ from lanes.settings import Settings
 from lanes.specfile import load_spec
 
 # The folders `lanes.demo.build` writes, one per demo model, each named as the model.
-DEMO_MODELS = ("minilm", "tinycode", "classifier")
+MODEL_NAMES = ("minilm", "tinycode", "classifier")
 
 
 def demo_models_folder(settings: Settings) -> Path:
@@ -25,7 +25,7 @@ def demo_models_folder(settings: Settings) -> Path:
     when it names no demo model so, or names them in more than one folder."""
     spec = load_spec(settings.spec, settings, check_files=False)
     folders: dict[Path, list[str]] = {}
-    for name in DEMO_MODELS:
+    for name in MODEL_NAMES:
         model = spec.models.get(name)
         if model is not None and model.path.parent.name == name:
             folders.setdefault(model.path.parent.parent, []).append(name)
@@ -33,7 +33,7 @@ def demo_models_folder(settings: Settings) -> Path:
         return next(iter(folders))
     if not folders:
         raise InvalidInput(
-            f"{settings.spec}: names no demo model ({', '.join(DEMO_MODELS)}) as "
+            f"{settings.spec}: names no demo model ({', '.join(MODEL_NAMES)}) as "
             "FOLDER/NAME/model.onnx, so there is nowhere it would find them; pass --dest, "
             "or set LANES_SPEC to the spec that uses them"
         )
