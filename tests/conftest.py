@@ -7,6 +7,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -87,15 +88,21 @@ def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from prefect.utilities.asyncutils import run_coro_as_sync
 
-    from tests.prefect_server import PrefectServer
+    from tests.prefect_server import PREFECT_API_ENV, PrefectServer
 
-    with PrefectServer(tmp_path_factory.mktemp("prefect-api")) as server:
-        server.wait(timeout=300)
-        with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+    with ExitStack() as stack:
+        # A test rerun in a pytest of its own (flows_fixtures.ran_where_modes_bind) uses
+        # the API of the session that started it.
+        api_url = os.environ.get(PREFECT_API_ENV)
+        if api_url is None:
+            server = stack.enter_context(PrefectServer(tmp_path_factory.mktemp("prefect-api")))
+            server.wait(timeout=300)
+            api_url = server.api_url
+        with temporary_settings(updates={PREFECT_API_URL: api_url}):
             # As prefect_test_harness does: contexts copied before this one (an event
             # loop's, a thread's) see the server too.
             with _temporary_global_settings_context(get_settings_context()):
-                yield server.api_url
+                yield api_url
             # Logs and events still queued go out before the server stops.
             run_coro_as_sync(_drain_to_the_api())
 

@@ -30,6 +30,8 @@ import httpx
 from tests.servers import free_port
 
 STARTUP_S = 120
+# The Prefect API a pytest started by another one reuses (tests/conftest.py: prefect_api).
+PREFECT_API_ENV = "LANES_TESTS_PREFECT_API"
 # As Prefect's own client: a 503 (its SQLite busy, on a loaded core) is tried again.
 API_TRIES = 8
 PREFECT = [sys.executable, "-m", "prefect"]  # the CLI of this venv's Prefect

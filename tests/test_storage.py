@@ -21,9 +21,9 @@ from lanes.staging import this_process
 from lanes.storage import MiB, Storage, join
 from tests.flows_fixtures import (
     moto_server,
+    ran_where_modes_bind,
     read_only,
     s3_env,
-    skip_unless_modes_bind,
     staging_writer,
 )
 
@@ -77,9 +77,10 @@ def test_local_globs_reach_the_files_glob_would(tmp_path: Path) -> None:
 
 
 def test_a_local_file_or_folder_it_may_not_read_is_a_permanent_error_naming_it(
-    tmp_path: Path,
+    tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    skip_unless_modes_bind(tmp_path)
+    if not ran_where_modes_bind(request, tmp_path):
+        return
     for name in ("a.jsonl", "locked.jsonl", "shut/b.jsonl", "_errors/c.jsonl"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("{}\n")
