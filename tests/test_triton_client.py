@@ -422,6 +422,31 @@ BAD_JSON: list[tuple[bytes, str]] = [
         orjson.dumps({"inputs": [{**GOOD_X, "shape": [2, 1.5]}]}),
         "inputs[0].shape[1]: expected an integer, found 1.5",
     ),
+    # A dim is an integer: pydantic's lax mode would have read each of these as 1.
+    (
+        orjson.dumps({"inputs": [{**GOOD_X, "shape": [True, 4]}]}),
+        "inputs[0].shape[0]: expected an integer, found true",
+    ),
+    (
+        orjson.dumps({"inputs": [{**GOOD_X, "shape": [2, "4"]}]}),
+        "inputs[0].shape[1]: expected an integer, found '4'",
+    ),
+    (
+        orjson.dumps({"inputs": [{**GOOD_X, "shape": [2.0, 4]}]}),
+        "inputs[0].shape[0]: expected an integer, found 2.0",
+    ),
+    (
+        orjson.dumps({"inputs": [{**GOOD_X, "name": 1}]}),
+        "inputs[0].name: expected a string, found 1",
+    ),
+    (
+        orjson.dumps({"inputs": [{**GOOD_X, "datatype": True}]}),
+        "inputs[0].datatype: expected a string, found true",
+    ),
+    (
+        orjson.dumps({"inputs": [GOOD_X], "outputs": [{"name": 0}]}),
+        "outputs[0].name: expected a string, found 0",
+    ),
     (
         b'{"inputs": [{"name": "x", "shape": [100000000000000000000000], "datatype": "FP32"}]}',
         "inputs[0].shape[0]: expected an integer of at most 64 bits, found 1e+23",

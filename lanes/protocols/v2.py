@@ -58,9 +58,15 @@ def datatype_of(dtype: np.dtype[Any]) -> str | None:
     return _NAMES.get(dtype)
 
 
-class Tensor(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class Part(BaseModel):
+    """A v2 body's part. Its fields take JSON's own types only (a shape's dims are
+    integers: true, "1" and 1.0 are not 1); fields the protocol does not define are
+    ignored, as Triton ignores them."""
 
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class Tensor(Part):
     name: str
     shape: list[int]
     datatype: str
@@ -87,9 +93,7 @@ class Tensor(BaseModel):
         return size
 
 
-class RequestedOutput(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class RequestedOutput(Part):
     name: str
     parameters: dict[str, Any] | None = None
 
@@ -105,9 +109,7 @@ class RequestedOutput(BaseModel):
         return _flag(params, "binary_data", f"outputs.{self.name}.", default)
 
 
-class InferRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class InferRequest(Part):
     id: str | None = None
     inputs: list[Tensor] = Field(min_length=1)
     outputs: list[RequestedOutput] | None = None
