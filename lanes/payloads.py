@@ -101,6 +101,22 @@ def infer_inputs(input: Any, names: Sequence[str], workload: str) -> Mapping[str
     )
 
 
+def input_array(value: Any) -> np.ndarray[Any, Any]:
+    """`np.asarray(value)`, but where `value` (not already an array) mixes strings or
+    bytes with other values, the values as they are, in an object array: numpy would
+    make the 1 of `[1, "a"]` the string "1", and a string input would take it
+    unnoticed. Shared by the SDK and the infer task, so neither converts it.
+    ValueError for ragged lists, as numpy's."""
+    array = np.asarray(value)
+    if array.dtype.kind not in "US" or isinstance(value, np.ndarray):
+        return array
+    given = np.asarray(value, dtype=object)
+    kind = str if array.dtype.kind == "U" else bytes
+    if all(isinstance(v, kind) for v in given.reshape(-1)):
+        return array
+    return given
+
+
 _V2_NAMES = {np.dtype(v): k for k, v in DTYPES.items() if k != "BYTES"}
 
 
@@ -121,7 +137,7 @@ def tensor(name: str, value: Any, model_type: str | None = None) -> dict[str, An
     int64 into int32 within range), else without the model's, float64 goes as FP32,
     the usual type; other values go as their own dtype, for the server to name a
     mismatch."""
-    array = np.asarray(value)
+    array = input_array(value)
     if array.dtype.kind in "OUS":
         datatype = "BYTES"
     elif model_type is not None and guessed(value) and _fits(array, model_type):

@@ -205,8 +205,13 @@ def test_infer_names_what_a_string_input_was_given(folder: Path, runtime: Runtim
     for value, found in [([1, 2], "integers"), ([True], "true/false values")]:
         with pytest.raises(InvalidInput, match=f"input 'w': expected .*, found {found}$"):
             task.prepare({"w": value})
-    with pytest.raises(InvalidInput, match=r"input 'w': expected strings, found null at \(1,\)$"):
-        task.prepare({"w": ["a", None]})
+    # numpy alone would make the numbers among strings strings ("1"): they are named.
+    for value, found in [(["a", None], "null at (1,)"), ([1, "a"], "1 at (0,)")]:
+        with pytest.raises(InvalidInput) as refused:
+            task.prepare({"w": value})
+        assert str(refused.value) == f"input 'w': expected strings, found {found}"
+    with pytest.raises(InvalidInput, match=r"expected strings, found true at \(1,\)$"):
+        task.prepare({"w": ["a", True]})
 
 
 def test_infer_output_not_in_rows_is_a_model_error(folder: Path, runtime: Runtime) -> None:

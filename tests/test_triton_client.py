@@ -17,6 +17,7 @@ import yaml
 from onnx import TensorProto, helper, save_model
 from tritonclient.utils import InferenceServerException
 
+import lanes
 from lanes.runtime import Runtime
 from lanes.serving.app import route_label
 from lanes.settings import Settings
@@ -286,11 +287,28 @@ def test_a_string_input_that_holds_no_string_says_what_it_found_in_json_s_words(
         {"name": n, "shape": [2, *a.shape[1:]], "datatype": d, "data": a.ravel().tolist()}
         for n, (_, d, a) in KINDS.items()
     ]
-    for data, found in [([None, "a"], "null at (0,)"), (["a", {"b": 1}], "an object at (1,)")]:
+    for data, found in [
+        ([None, "a"], "null at (0,)"),
+        (["a", {"b": 1}], "an object at (1,)"),
+        ([1, "a"], "1 at (0,)"),
+        (["a", 2.5], "2.5 at (1,)"),
+    ]:
         inputs[-1]["data"] = data
         answer = post(server, "/v2/models/kinds/infer", orjson.dumps({"inputs": inputs}))
         assert answer.status_code == 400, answer.text
         assert answer.json()["error"] == f"input 'word': expected strings, found {found}"
+
+
+def test_the_sdk_sends_a_number_among_strings_as_the_number(
+    server: ServerThread, spec_path: Path
+) -> None:
+    """numpy would make the list's 1 the string "1" before it left the client."""
+    inputs: dict[str, Any] = {n: a.tolist() for n, (_, _, a) in KINDS.items()}
+    inputs["word"] = [1, "a"]
+    client = lanes.Client(server.url, api_key=KEY, spec=spec_path)
+    with client, pytest.raises(lanes.InvalidInput) as caught:
+        client.call("kinds", inputs)
+    assert str(caught.value) == "input 'word': expected strings, found 1 at (0,)"
 
 
 def test_the_body_limit_applies_to_binary_bodies(client: Any) -> None:

@@ -19,7 +19,7 @@ import onnxruntime as ort
 
 from lanes.binding import run
 from lanes.errors import InvalidInput, ModelError
-from lanes.payloads import infer_inputs
+from lanes.payloads import infer_inputs, input_array
 from lanes.runtime import Runtime, TensorInfo, describe
 from lanes.spec import ModelSpec, TaskName, Workload
 from lanes.tasks.base import check_count
@@ -171,7 +171,7 @@ def _convert(info: TensorInfo, value: Any) -> Array:
     """`value` as the model's dtype, or `InvalidInput` when that would change its meaning."""
     name = info.name
     try:
-        array = np.asarray(value)
+        array = input_array(value)
     except ValueError as err:  # numpy refuses ragged nested lists
         raise InvalidInput(f"input {name!r}: expected a rectangular array, found {err}") from None
     target = info.dtype
