@@ -13,7 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from lanes.errors import Problem, SettingsError
 from lanes.logs import LogFormat, LogLevel
 from lanes.schedule import Schedule
-from lanes.specrules import from_pydantic
+from lanes.specrules import dotted, from_pydantic
 
 Device = Literal["auto", "cpu", "cuda", "tensorrt"]
 IoBinding = Literal["auto", "on", "off"]
@@ -191,7 +191,7 @@ class Settings(BaseSettings):
             super().__init__(**values)
         except ValidationError as err:
             problems = [
-                Problem(_variable(loc), None, None, "", message)
+                Problem(_variable(loc), None, None, dotted(_in_value(loc)), message)
                 for loc, message, _ in from_pydantic(err, ())
             ]
             raise SettingsError(problems) from None
@@ -230,4 +230,13 @@ class Settings(BaseSettings):
 
 
 def _variable(loc: tuple[str | int, ...]) -> str:
-    return "env LANES_" + "__".join(str(part).upper() for part in loc)
+    """The variable that set `loc`: its keys up to the first index, which is inside the
+    variable's JSON value (LANES_ALLOWED_INPUT_ROOTS='[1]' is no LANES_..._ROOTS__0)."""
+    keys = loc[: len(loc) - len(_in_value(loc))]
+    return "env LANES_" + "__".join(str(part).upper() for part in keys)
+
+
+def _in_value(loc: tuple[str | int, ...]) -> tuple[str | int, ...]:
+    """The part of `loc` inside a variable's JSON value: from its first index on."""
+    index = next((n for n, part in enumerate(loc) if isinstance(part, int)), len(loc))
+    return loc[index:]

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 
 from lanes.backfill import ENDPOINT_TASKS, served_workload
 from lanes.errors import shown
@@ -27,7 +28,7 @@ from lanes.spec import (
     Spec,
 )
 from lanes.strict import StrictModel
-from lanes.validation import describe
+from lanes.validation import describe, explain
 
 
 class _Top(StrictModel):
@@ -300,7 +301,7 @@ def _workload_errors(err: ValidationError, at: Loc, raw: Any) -> Found:
             found.append(
                 (
                     (*at, "mode"),
-                    f"input should be 'interactive' or 'offline'; found {shown(raw['mode'])}",
+                    f"expected 'interactive' or 'offline', found {describe(raw['mode'])}",
                     False,
                 )
             )
@@ -329,33 +330,39 @@ def _workload_errors(err: ValidationError, at: Loc, raw: Any) -> Found:
 
 
 def from_pydantic(err: ValidationError, prefix: Loc) -> Found:
+    """Each of `err`'s problems at its key under `prefix`, in the words a request's
+    problems are in (lanes.validation.explain)."""
     found: Found = []
     for e in err.errors(include_url=False):
         found += _from_pydantic_error(e, prefix)
     return found
 
 
-def _from_pydantic_error(e: Any, prefix: Loc) -> Found:
+def _from_pydantic_error(e: ErrorDetails, prefix: Loc) -> Found:
     loc: Loc = prefix + tuple(e["loc"])
     kind = e["type"]
     if kind == "extra_forbidden":
         return [(loc, f"unknown key {shown(loc[-1])}", True)]
     if kind == "missing":
         return [(loc[:-1], f"missing required key {shown(loc[-1])}", True)]
-    # "a valid dictionary or instance of Batching": the class name means nothing here.
-    message = re.sub(r" or instance of \w+", "", e["msg"].removeprefix("Value error, "))
-    if "found" not in message:
-        message = f"{_lower_first(message)}; found {shown(e['input'])}"
+    message = explain([e]).detail
+    if "found" not in message:  # a validator's own message may not say what it was given
+        message = f"{message}; found {describe(e['input'])}"
     return [(loc, message, False)]
 
 
 def dotted(loc: Loc) -> str:
-    """A field path as a message shows it: `workloads.search-query.batching`; a key that
-    is not a plain name is quoted (it may hold a newline, or run long)."""
-    return ".".join(
-        str(part) if isinstance(part, int) or _PLAIN_KEY.match(part) else shown(part, 40)
-        for part in loc
-    )
+    """A field path as a message shows it: `workloads.search-query.batching`, a list's
+    item as `generation.stop[0]`; a key that is not a plain name is quoted (it may hold
+    a newline, or run long)."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            key = part if _PLAIN_KEY.match(part) else shown(part, 40)
+            path += f".{key}" if path else key
+    return path
 
 
 def _lower_first(text: str) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,10 +30,12 @@ _EXPECTED = {
     "bool_type": "a boolean",
     "bool_parsing": "a boolean",
     "list_type": "an array",
+    "tuple_type": "an array",
     "dict_type": "an object",
     "model_type": "an object",
     "model_attributes_type": "an object",
     "none_required": "null",
+    "path_type": "a path",
 }
 _BOUNDS = {
     "greater_than_equal": (">=", "ge", "below_min_value"),
@@ -75,6 +78,22 @@ def _param(loc: Sequence[int | str], names: Mapping[str, str]) -> str:
 
 
 def _one(param: str, errors: list[ErrorDetails]) -> InvalidInput:
+    explained = explain(errors)
+    return InvalidInput.field(param, explained.detail, explained.code)
+
+
+@dataclass(frozen=True)
+class Explained:
+    """One field's problem in lanes' words."""
+
+    detail: str  # what was expected and found: "expected an integer, found 'ten'"
+    code: str  # OpenAI's error code where it has one: "invalid_type"
+
+
+def explain(errors: Sequence[ErrorDetails]) -> Explained:
+    """What pydantic's `errors` about one field (several: a union's branches, the
+    likeliest first) say, in lanes' words. Shared by requests, workloads.yaml and the
+    LANES_* settings, so a wrong value reads the same wherever it was written."""
     first = errors[0]
     kind = first["type"]
     value = first.get("input")
@@ -85,43 +104,49 @@ def _one(param: str, errors: list[ErrorDetails]) -> InvalidInput:
     if too_large or (kind in ("int_type", "int_from_float") and _beyond_int64(value)):
         # JSON's parser reads an integer beyond 64 bits as a float: it was too large.
         detail = f"expected an integer of at most 64 bits, found {found}"
-        return InvalidInput.field(param, detail, "integer_above_max_value")
+        return Explained(detail, "integer_above_max_value")
     if kind in _EXPECTED:
         wanted = " or ".join(dict.fromkeys(expected))
-        return InvalidInput.field(param, f"expected {wanted}, found {found}", "invalid_type")
+        return Explained(f"expected {wanted}, found {found}", "invalid_type")
     if kind == "missing":
-        return InvalidInput.field(param, "missing required parameter", "missing_required_parameter")
+        return Explained("missing required parameter", "missing_required_parameter")
     if kind in _BOUNDS:
         sign, key, suffix = _BOUNDS[kind]
         limit = ctx.get(key)
         number = "decimal" if isinstance(limit, float) else "integer"
+        # A float field's bound of 0 is pydantic's 0.0: a user wrote, and reads, 0.
+        if isinstance(limit, float) and limit.is_integer():
+            limit = int(limit)
         detail = f"expected a value {sign} {limit}, found {found}"
-        return InvalidInput.field(param, detail, f"{number}_{suffix}")
+        return Explained(detail, f"{number}_{suffix}")
     if kind == "too_short":
         least = ctx.get("min_length", 1)
         if least == 1:
-            return InvalidInput.field(
-                param, "expected at least one item, found an empty array", "empty_array"
-            )
+            return Explained("expected at least one item, found an empty array", "empty_array")
         detail = f"expected at least {least} items, found {ctx.get('actual_length')}"
-        return InvalidInput.field(param, detail, "array_below_min_length")
+        return Explained(detail, "array_below_min_length")
     if kind == "too_long":
         detail = f"expected at most {ctx.get('max_length')} items, found {ctx.get('actual_length')}"
-        return InvalidInput.field(param, detail, "array_above_max_length")
+        return Explained(detail, "array_above_max_length")
     if kind == "string_too_short":
         detail = f"expected at least {ctx.get('min_length')} character(s), found {found}"
-        return InvalidInput.field(param, detail, "string_below_min_length")
+        return Explained(detail, "string_below_min_length")
     if kind == "string_too_long":
         detail = f"expected at most {ctx.get('max_length')} characters"
-        return InvalidInput.field(param, detail, "string_above_max_length")
+        return Explained(detail, "string_above_max_length")
     if kind == "literal_error":
         detail = f"expected {ctx.get('expected')}, found {found}"
-        return InvalidInput.field(param, detail, "invalid_value")
+        return Explained(detail, "invalid_value")
+    if kind == "finite_number":  # workloads.yaml's .nan and .inf, a setting's "inf"
+        return Explained(f"expected a finite number, found {found}", "invalid_value")
+    if kind == "string_pattern_mismatch":
+        detail = f"expected text matching {ctx.get('pattern')}, found {found}"
+        return Explained(detail, "invalid_value")
     if kind == "value_error":
-        return InvalidInput.field(param, str(ctx.get("error") or first["msg"]), "invalid_value")
+        return Explained(str(ctx.get("error") or first["msg"]), "invalid_value")
     # A PydanticCustomError of lanes' own: its type is the code, its message the detail.
     message = first["msg"]
-    return InvalidInput.field(param, message[:1].lower() + message[1:], kind)
+    return Explained(message[:1].lower() + message[1:], kind)
 
 
 def _beyond_int64(value: Any) -> bool:

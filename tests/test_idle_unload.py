@@ -225,7 +225,7 @@ def test_idle_unload_s_is_checked_when_the_spec_loads(demo_models: Path, tmp_pat
     with pytest.raises(SpecError) as raised:
         load_spec(write_spec(tmp_path, demo_models, bad), Settings())
     message = str(raised.value)
-    assert "workloads.zero.idle_unload_s: input should be greater than 0" in message
+    assert "workloads.zero.idle_unload_s: expected a value > 0, found 0" in message
     assert "workloads.writer.idle_unload_s: `idle_unload_s` unloads an embed or infer" in message
     assert "workloads.nightly.idle_unload_s: `idle_unload_s` applies to interactive" in message
 

@@ -84,13 +84,13 @@ BAD_CASES = [
         "wrong type",
         "max_wait_ms: 2}",
         "max_wait_ms: soon}",
-        "W:10:48: workloads.search-query.batching.max_wait_ms: input should be a valid number",
+        "W:10:48: workloads.search-query.batching.max_wait_ms: expected a number, found 'soon'",
     ),
     (
         "out of range",
         "max_batch_size: 8",
         "max_batch_size: 0",
-        "W:10:32: workloads.search-query.batching.max_batch_size: input should be greater than 0; found 0",
+        "W:10:32: workloads.search-query.batching.max_batch_size: expected a value > 0, found 0",
     ),
     (
         "bad cron",
@@ -144,13 +144,13 @@ BAD_CASES = [
         "unknown mode",
         "mode: interactive",
         "mode: realtime",
-        "W:7:11: workloads.search-query.mode: input should be 'interactive' or 'offline'; found 'realtime'",
+        "W:7:11: workloads.search-query.mode: expected 'interactive' or 'offline', found 'realtime'",
     ),
     (
         "unknown task",
         "    task: embed\n    model: enc\n    batching",
         "    task: classify\n    model: enc\n    batching",
-        "W:8:11: workloads.search-query.task: input should be 'embed', 'infer' or 'generate'",
+        "W:8:11: workloads.search-query.task: expected 'embed', 'infer' or 'generate', found 'classify'",
     ),
     (
         "generate without tokenizer",
@@ -168,7 +168,7 @@ BAD_CASES = [
         "bad handler",
         "    model: enc\n    batching",
         "    model: enc\n    handler: not a handler\n    batching",
-        "W:10:14: workloads.search-query.handler: string should match pattern",
+        "W:10:14: workloads.search-query.handler: expected text matching ^[A-Za-z_]",
     ),
     (
         "duplicate key",
@@ -180,7 +180,7 @@ BAD_CASES = [
         "wrong version",
         "version: 1",
         "version: 2",
-        "W:1:10: version: input should be 1; found 2",
+        "W:1:10: version: expected 1, found 2",
     ),
     (
         "fields: a bad template",
@@ -242,14 +242,14 @@ BAD_CASES = [
         "    task: embed\n    model: enc\n    batching: {max_batch_size: 8, max_wait_ms: 2}\n",
         "    task: embed\n    model: enc\n"
         "    batching: {max_batch_size: 8, max_wait_ms: 2, offline_beside_until: 0}\n",
-        "W:10:73: workloads.search-query.batching.offline_beside_until: input should be "
-        "greater than 0",
+        "W:10:73: workloads.search-query.batching.offline_beside_until: expected a value > 0, "
+        "found 0",
     ),
     (
         "max_error_rate out of range",
         "    output: out/\n",
         "    output: out/\n    max_error_rate: 1.5\n",
-        "W:17:21: workloads.nightly.max_error_rate: input should be less than or equal to 1",
+        "W:17:21: workloads.nightly.max_error_rate: expected a value <= 1, found 1.5",
     ),
     (
         # `lanes run` refuses it (flows/job.py): what validates is what runs.
@@ -257,6 +257,12 @@ BAD_CASES = [
         "    output: out/\n",
         "    output: in/out/\n",
         "W:16:13: workloads.nightly.output: in/out/ is inside the input in/",
+    ),
+    (
+        "a list's item",
+        "    output: out/\n",
+        "    output: out/\n    fields: {keep: [customer, 3]}\n",
+        "W:17:31: workloads.nightly.fields.keep[1]: expected a string, found 3",
     ),
     (
         "top-level unknown key",
@@ -306,7 +312,7 @@ def test_env_override_is_validated_and_named(folder: Path, monkeypatch: pytest.M
     found = problems(folder, GOOD)
     assert found[0] == (
         "env LANES_WORKLOADS__SEARCH_QUERY__BATCHING__MAX_WAIT_MS: "
-        "workloads.search-query.batching.max_wait_ms: input should be greater than or equal to 0; found -3"
+        "workloads.search-query.batching.max_wait_ms: expected a value >= 0, found -3"
     )
     assert found[1].startswith(
         "env LANES_WORKLOADS__SEARCH_QEURY: workloads.search_qeury: names no workload"
@@ -322,16 +328,34 @@ def test_next_run_honours_timezone(folder: Path) -> None:
     assert schedule.next_run(after).astimezone(UTC) == datetime(2026, 7, 1, 23, 30, tzinfo=UTC)
 
 
-def test_cli_validate_prints_problems_and_exits_2(folder: Path) -> None:
-    path = write(folder, GOOD.replace("max_wait_ms: 2}", "max_wait_ms: soon}"))
+def test_cli_validate_prints_problems_in_our_words_and_exits_2(folder: Path) -> None:
+    """The common mistakes as `lanes validate` prints them: the key's YAML path, what was
+    expected and what was found, never pydantic's wording."""
+    text = (
+        GOOD.replace("max_batch_size: 8, max_wait_ms: 2}", "max_batch_size: eight, max_wiat: 2}")
+        .replace("    output: out/\n", "")
+        .replace(
+            "  nightly:",
+            "  weekly:\n    mode: nightly\n    task: embed\n    model: enc\n  nightly:",
+        )
+    )
+    path = write(folder, text)
     done = subprocess.run(
         [sys.executable, "-m", "lanes.router.cli", "validate", str(path)],
         capture_output=True,
         text=True,
+        timeout=120,
     )
     assert done.returncode == 2
-    assert f"{path}:10:48: workloads.search-query.batching.max_wait_ms:" in done.stderr
-    assert "Traceback" not in done.stderr
+    assert done.stderr.replace(str(path), "W").splitlines() == [
+        "W:10:32: workloads.search-query.batching.max_batch_size: expected an integer, "
+        "found 'eight'",
+        "W:10:39: workloads.search-query.batching.max_wiat: unknown key 'max_wiat'",
+        "W:12:11: workloads.weekly.mode: expected 'interactive' or 'offline', found 'nightly'",
+        "W:15:3: workloads.nightly: missing required key 'output' (folder or "
+        "s3://bucket/prefix/ for outputs)",
+        "4 problems found",
+    ]
 
 
 BOMB = "".join(
@@ -344,7 +368,7 @@ HOSTILE_CASES = [
     (
         "a mapping where a name goes",
         GOOD.replace("    model: enc\n    batching", "    model: {name: enc}\n    batching"),
-        "W:9:12: workloads.search-query.model: input should be a valid string; found {'name': 'enc'}",
+        "W:9:12: workloads.search-query.model: expected a string, found an object",
     ),
     (
         "a mapping as a key",
@@ -433,7 +457,7 @@ HOSTILE_CASES = [
     (
         "an infinite deadline",
         GOOD.replace("max_wait_ms: 2}", "max_wait_ms: .inf}"),
-        "W:10:48: workloads.search-query.batching.max_wait_ms: input should be a finite number",
+        "W:10:48: workloads.search-query.batching.max_wait_ms: expected a finite number, found inf",
     ),
     (
         "a key with a newline",
