@@ -2,7 +2,8 @@
 
 Both lanes run the same synthetic items (`synthetic_items`): texts of 3-30 words for
 embed, prompts of 3-12 words for generate (the workload's `generation:` settings),
-inputs shaped like the model's for infer.
+inputs shaped like the model's for infer. Texts and prompts are cut, word by word, to
+what the model's context holds by the workload's own tokenizer (`_fitted`).
 
 - **offline**: the shard code path (flows.shard.run_shard: read, sort, prepare, run in
   `batch_size` batches, write, commit) over the items as one input file, in this
@@ -40,7 +41,7 @@ import orjson
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from lanes.errors import LanesError, ModelError, WrongMode
+from lanes.errors import InvalidInput, LanesError, ModelError, WrongMode
 from lanes.flows.job import folder_job, model_key
 from lanes.flows.runners import Model
 from lanes.flows.sample import run_records
@@ -130,14 +131,39 @@ def synthetic_items(task: Task, count: int, seed: int = 0, name: str | None = No
             assert isinstance(task, InferTask)
             items.append(_infer_item(task, name, i, np.random.default_rng([seed, i])))
             continue
-        words = " ".join(rng.choice(vocabulary) for _ in range(rng.randint(3, 30)))
+        words = [rng.choice(vocabulary) for _ in range(rng.randint(3, 30))]
         if workload.task == "embed":
-            path, body = "/v1/embeddings", {"model": name, "input": words}
+            path, body = "/v1/embeddings", {"model": name, "input": _fitted(task, words)}
         else:
-            path, body = "/v1/completions", {"model": name, "prompt": " ".join(words.split()[:12])}
+            path, body = "/v1/completions", {"model": name, "prompt": _fitted(task, words[:12])}
         record = {"custom_id": f"c{i}", "method": "POST", "url": path, "body": body}
         items.append(Item(record, HttpRequest(path, body)))
     return items
+
+
+def _fitted(task: Task, words: list[str]) -> str:
+    """The longest leading part of `words` the task takes within its model's context, as
+    its own tokenizer counts: embed within `max_length`; generate with room left for
+    the workload's `max_new_tokens`, or else for one token. Always at least one word
+    (refused even alone, the item's own error says why)."""
+    generate = task.workload.task == "generate"
+    completions = [task.workload.generation.max_new_tokens, None] if generate else [None]
+    for completion in completions:
+        for n in range(len(words), 0, -1):
+            text = " ".join(words[:n])
+            if _fits(task, text, completion):
+                return text
+    return words[0]
+
+
+def _fits(task: Task, text: str, completion: int | None) -> bool:
+    """Whether `task` takes `text` (with `completion` tokens to generate) without
+    refusing it for the context's length; any other refusal is left to the run."""
+    try:
+        task.check(text if completion is None else {"prompt": text, "max_tokens": completion})
+    except InvalidInput as error:
+        return error.code != "context_length_exceeded"
+    return True
 
 
 def _infer_item(task: InferTask, name: str, i: int, rng: np.random.Generator) -> Item:
@@ -213,11 +239,17 @@ def _run(
     if stats.errors:
         first = (folder / "out" / ERRORS / "items.jsonl").read_text().splitlines()[0]
         problem = orjson.loads(first).get("error")
+        handler = spec.workload(name).handler
+        hint = (
+            f" (handler {handler}: a `pre` that wants other input cannot be calibrated on "
+            "synthetic items)"
+            if handler
+            else ""
+        )
         raise LanesError(
             f"workload {name!r}: {stats.errors} of {stats.records} synthetic items were "
             f"rejected, so the offline rate would not be this workload's; the first: "
-            f"{problem} (a handler whose `pre` wants other input cannot be calibrated "
-            "on synthetic items)"
+            f"{problem}{hint}"
         )
     return stats
 

@@ -13,6 +13,9 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
+from tokenizers import Tokenizer, models, pre_tokenizers
+from typer.testing import CliRunner
 
 from lanes.errors import LanesError, WrongMode
 from lanes.flows.batch import offline
@@ -27,12 +30,16 @@ from lanes.router.calibrate import (
     measure_offline,
     read_metrics,
     served_from_metrics,
+    synthetic_items,
 )
+from lanes.router.cli import app
 from lanes.router.loadgen import HttpRequest, LoadGenerator
 from lanes.router.plan import plan
+from lanes.runtime import Runtime
 from lanes.settings import Settings
 from lanes.spec import as_interactive
 from lanes.specfile import load_spec
+from lanes.tasks import EmbedTask, GenerateTask, load_task
 from tests.flows_fixtures import text, write_jsonl, write_spec
 from tests.servers import ServerThread
 
@@ -303,6 +310,63 @@ def test_calibrate_runs_both_lanes_of_each_task(workload: str, tmp_path: Path) -
     assert all(lv.errors == 0 for lv in ran)
     assert online.lane == "interactive" and online.items_per_second > 0
     assert online.concurrency in [lv.concurrency for lv in ran]
+
+
+def short_context(folder: Path) -> Path:
+    """WORKLOADS' spec, where `enc` takes 8 tokens and `complete` asks for 60 of the 64
+    in `dec`'s context: most synthetic texts of 3-30 words would not fit."""
+    spec_file = write_spec(folder, WORKLOADS)
+    raw = yaml.safe_load(spec_file.read_text())
+    raw["models"]["enc"]["max_length"] = 8
+    raw["workloads"]["complete"]["generation"]["max_new_tokens"] = 60
+    spec_file.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return spec_file
+
+
+def test_synthetic_items_fit_the_models_context_by_its_own_tokenizer(tmp_path: Path) -> None:
+    settings = Settings()
+    spec = load_spec(short_context(tmp_path), settings)
+    runtime = Runtime(settings)
+    embed = load_task("search", lane_spec(spec, "search", "offline"), runtime)
+    assert isinstance(embed, EmbedTask)
+    texts = [item.record["body"]["input"] for item in synthetic_items(embed, 64)]
+    tokens = [len(embed.tokenizer.encode(t).ids) for t in texts]
+    assert max(tokens) == 8  # [CLS] 6 words [SEP]: cut to fit, not to nothing
+    generate = load_task("complete", lane_spec(spec, "complete", "offline"), runtime)
+    assert isinstance(generate, GenerateTask)
+    prompts = [item.request.body["prompt"] for item in synthetic_items(generate, 16)]
+    assert max(len(generate.decoder.encode(p)) for p in prompts) + 60 == 64
+
+
+def test_synthetic_items_a_model_refuses_say_why_without_blaming_a_handler(
+    tmp_path: Path,
+) -> None:
+    """`enc`'s tokenizer knows no word of the synthetic texts and has no unknown token
+    (and the workload lets its shards commit whatever is refused)."""
+    corpus = {**WORKLOADS["corpus"], "max_error_rate": 1.0}
+    spec_file = write_spec(tmp_path, {**WORKLOADS, "corpus": corpus})
+    tokenizer = Tokenizer.from_file(str(tmp_path / "models" / "enc" / "tokenizer.json"))
+    words = tokenizer.get_vocab()
+    strict = Tokenizer(models.WordLevel(words))
+    strict.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    strict.save(str(tmp_path / "models" / "enc" / "tokenizer.json"))
+    settings = Settings()
+    with pytest.raises(LanesError, match="items were rejected") as refused:
+        measure_offline(load_spec(spec_file, settings), "corpus", settings, 8)
+    assert "this model's tokenizer cannot encode the text" in str(refused.value)
+    assert "handler" not in str(refused.value)
+
+
+@pytest.mark.slow
+def test_calibrate_measures_a_model_of_a_short_context(tmp_path: Path) -> None:
+    """A valid workload whose model takes 8 tokens: no synthetic item is refused."""
+    spec_file = short_context(tmp_path)
+    command = ["calibrate", "search", "--file", str(spec_file), "-s", "0.2", "-n", "40"]
+    home = {"LANES_HOME": str(tmp_path / "home")}
+    done = CliRunner().invoke(app, command, env=home, prog_name="lanes")
+    assert done.exit_code == 0, done.output
+    records = {r.lane: r for r in Measurements(tmp_path / "home").load()}
+    assert set(records) == {"offline", "interactive"} and records["offline"].items == 40
 
 
 def test_metrics_of_a_running_endpoint_give_items_per_busy_second(tmp_path: Path) -> None:

@@ -255,6 +255,25 @@ def test_tune_says_where_it_stopped_a_configuration_past_the_target(tmp_path: Pa
     assert "no point met the p99 target of 0.001 ms" in done.stderr
 
 
+def test_tune_measures_a_model_of_a_short_context(tmp_path: Path) -> None:
+    """A valid workload whose model takes 8 tokens: its synthetic texts are cut to fit,
+    so no request is refused with a 400."""
+    fixture = write_spec(tmp_path / "fixture", {})
+    enc = load_spec(fixture, Settings()).models["enc"]
+    spec_file = tmp_path / "workloads.yaml"
+    spec_file.write_text(
+        COMMENTED.format(enc=enc.path, tokenizer=enc.tokenizer).replace(
+            "tokenizer: ", "max_length: 8, tokenizer: "
+        )
+    )
+    command = ["tune", "search", "--spec", str(spec_file), "--sizes", "1", "--waits", "1"]
+    command += ["-c", "1", "-s", "0.2", "-r", "1"]
+    home = {"LANES_HOME": str(tmp_path / "home")}
+    done = CliRunner().invoke(app, command, env=home, prog_name="lanes")
+    assert done.exit_code == 0, done.output
+    assert "best" in done.stdout
+
+
 @pytest.mark.slow
 def test_tune_measures_a_running_endpoint_as_it_serves(tmp_path: Path) -> None:
     workloads = {
