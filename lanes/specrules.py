@@ -123,21 +123,44 @@ def _resolve(model: ModelSpec, base: Path) -> ModelSpec:
 
 
 def _model_problems(name: str, model: ModelSpec) -> Found:
-    hint = "build the demo models with `lanes models build`, or fix the path"
     found: Found = []
     for key, path in (("path", model.path), ("tokenizer", model.tokenizer)):
         if path is None:
             continue
         try:
-            exists = path.is_file()
+            problem = _file_problem(key, path)
         except (OSError, ValueError) as err:  # the joined path may still be too long
             message = f"cannot check {shown(str(path))}: {getattr(err, 'strerror', None) or err}"
             found.append((("models", name, key), message, False))
             continue
-        if not exists:
-            what = "model" if key == "path" else "tokenizer"
-            found.append((("models", name, key), f"no {what} file at {path}; {hint}", False))
+        if problem is not None:
+            found.append((("models", name, key), problem, False))
     return found
+
+
+def _file_problem(key: str, path: Path) -> str | None:
+    """What is wrong with model file `key` (path: the .onnx; tokenizer: a tokenizer.json)
+    at `path`, or None. Only a path where the demo keeps its models (NAME/ of
+    lanes.demo.place.MODEL_NAMES under a models/ folder) is told to build them."""
+    from lanes.demo.place import MODEL_NAMES  # it reads specs: imported here, not above
+
+    if path.is_file():
+        return None
+    what, wanted = ("model", ".onnx") if key == "path" else ("tokenizer", "tokenizer.json")
+    expected = "an .onnx file" if key == "path" else "a tokenizer.json file"
+    if path.is_dir():
+        inside = sorted(p.name for p in path.iterdir() if p.is_file() and p.name.endswith(wanted))
+        if len(inside) == 1:
+            return f"{path} is a folder; expected {expected}: point at {path / inside[0]}"
+        if inside:
+            listed = ", ".join(inside)
+            return f"{path} is a folder; expected {expected}: point at one of {listed} in it"
+        return f"{path} is a folder with no {wanted} file in it; expected {expected}"
+    if path.parent.name in MODEL_NAMES and path.parent.parent.name == "models":
+        hint = "build the demo models with `lanes models build`, or fix the path"
+    else:
+        hint = f"expected the path of {expected} (relative to workloads.yaml): fix it"
+    return f"no {what} file at {path}; {hint}"
 
 
 def _code_problems(name: str, workload: InteractiveWorkload | OfflineWorkload, root: Path) -> Found:

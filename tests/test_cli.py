@@ -310,6 +310,42 @@ def test_a_file_where_a_folder_is_wanted_or_none_at_all_is_one_line(
     assert one_line_error(done).startswith(expected.format(where=where))
 
 
+def test_validate_tells_the_demo_to_build_and_a_users_files_what_they_should_be(
+    tmp_path: Path,
+) -> None:
+    """Only a path where the demo keeps its models is told to build them; a user's own
+    is told what file it should name (and, for a folder, which file in it)."""
+    (tmp_path / "models" / "emb").mkdir(parents=True)
+    (tmp_path / "models" / "emb" / "tokenizer.json").write_text("{}")
+    (tmp_path / "models" / "empty").mkdir()
+    spec = tmp_path / "workloads.yaml"
+    spec.write_text(
+        "version: 1\n"
+        "models:\n"
+        "  mine: {path: models/nothere.onnx, tokenizer: models/emb}\n"
+        "  other: {path: models/empty, tokenizer: models/empty}\n"
+        "  minilm: {path: .lanes/models/minilm/model.onnx}\n"
+        "workloads: {}\n"
+    )
+    done = CliRunner().invoke(app, ["validate", str(spec)], prog_name="lanes")
+    assert done.exit_code == 2, done.output
+    models = tmp_path / "models"
+    assert done.stderr.splitlines() == [
+        f"{spec}:3:16: models.mine.path: no model file at {models / 'nothere.onnx'}; "
+        "expected the path of an .onnx file (relative to workloads.yaml): fix it",
+        f"{spec}:3:48: models.mine.tokenizer: {models / 'emb'} is a folder; expected a "
+        f"tokenizer.json file: point at {models / 'emb' / 'tokenizer.json'}",
+        f"{spec}:4:17: models.other.path: {models / 'empty'} is a folder with no .onnx "
+        "file in it; expected an .onnx file",
+        f"{spec}:4:42: models.other.tokenizer: {models / 'empty'} is a folder with no "
+        "tokenizer.json file in it; expected a tokenizer.json file",
+        f"{spec}:5:18: models.minilm.path: no model file at "
+        f"{tmp_path / '.lanes' / 'models' / 'minilm' / 'model.onnx'}; build the demo "
+        "models with `lanes models build`, or fix the path",
+        "5 problems found",
+    ]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["missing/prefect.yaml", "."], ids=["no folder", "a folder"])
 def test_compile_into_a_missing_folder_is_one_line(
