@@ -171,7 +171,17 @@ def _code_problems(name: str, workload: InteractiveWorkload | OfflineWorkload, r
     found: Found = []
     try:
         if workload.handler is not None:
-            load_handler(workload.handler, root)
+            handler = load_handler(workload.handler, root)
+            # Its answers are OpenAI completion and chat bodies, whatever post returns.
+            online_generate = workload.mode == "interactive" and workload.task == "generate"
+            if handler.post is not None and online_generate:
+                message = (
+                    f"handler {workload.handler}: defines post, but an interactive generate "
+                    "workload answers in OpenAI's completion shapes, which post cannot "
+                    "change (post shapes offline records only); drop post and post-process "
+                    "on the client, or declare the workload `mode: offline`"
+                )
+                found.append((("workloads", name, "handler"), message, True))
     except HandlerError as err:
         found.append((("workloads", name, "handler"), str(err), True))
     try:

@@ -32,6 +32,7 @@ HOUR_MS = "3600000"  # a deadline no step can reach unless the clock jumps
 
 GUARD_EVERY = 4
 GUARD_MODULE = "lanes_test_guard"
+TRIM_MODULE = "lanes_test_trim"  # a handler with only pre: every request asks 2 tokens
 CANDIDATES = [
     "    def __repr__(self):\n        return",
     "import os\nimport sys\n\n\ndef main(argv):\n    for arg in argv[1:]:\n        if",
@@ -82,6 +83,12 @@ workloads:
     model: tinycode
     {greedy}
     guard: {{handler: "{guard}", mode: chunked, every_tokens: {GUARD_EVERY}}}
+  trimmed:
+    mode: interactive
+    task: generate
+    model: tinycode
+    handler: {TRIM_MODULE}:trim
+    {greedy}
 """
 
 
@@ -120,6 +127,12 @@ def setup(
 ) -> Iterator[tuple[ServerThread, GenerateTask, Found]]:
     folder = tmp_path_factory.mktemp("generate")
     spec_path = folder / "workloads.yaml"
+    (folder / f"{TRIM_MODULE}.py").write_text(
+        "class Trim:\n"
+        "    def pre(self, item):\n"
+        "        return {**item, 'max_tokens': 2}\n\n\n"
+        "trim = Trim()\n"
+    )
     # The blocked term comes from the model's own greedy texts, so the guard module
     # beside the spec is written after a first load with the demo's guard.
     spec_path.write_text(workloads(demo_models, "lanes.demo.guard:blocklist"))
@@ -535,3 +548,17 @@ def test_bad_generate_requests_get_openai_errors(server: ServerThread) -> None:
         ).status_code
         == 200
     )
+
+
+def test_a_handlers_pre_shapes_each_generate_request_online(server: ServerThread) -> None:
+    """An interactive generate workload takes a handler with pre alone (post is a spec
+    error there: tests/test_spec.py): pre makes every request ask for 2 tokens."""
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    whole = client.completions.create(model="trimmed", prompt="def f(x", max_tokens=12)
+    assert whole.usage is not None and whole.usage.completion_tokens == 2
+    assert whole.choices[0].finish_reason == "length"
+    untrimmed = client.completions.create(model="code", prompt="def f(x", max_tokens=2)
+    assert whole.choices[0].text == untrimmed.choices[0].text
+    messages = [{"role": "user", "content": "a class"}]
+    chat = client.chat.completions.create(model="trimmed", messages=messages, max_tokens=12)  # type: ignore[arg-type]
+    assert chat.usage is not None and chat.usage.completion_tokens == 2

@@ -542,3 +542,44 @@ def test_a_handler_that_raises_on_reading_is_a_problem_at_its_line(folder: Path)
         "W:10:5: workloads.search-query.handler: handler hooks_that_raise:handler: "
         "reading pre/post failed: RuntimeError('not today')"
     ]
+
+
+def test_post_on_an_interactive_generate_workload_is_a_problem_validate_reports(
+    folder: Path,
+) -> None:
+    """Online, a generate workload answers OpenAI's completion shapes, which a post
+    cannot change: rather than ignore it there and apply it offline, the spec refuses it."""
+    (folder / "gen_hooks.py").write_text(
+        "class Both:\n"
+        "    def pre(self, item):\n        return item\n\n"
+        "    def post(self, output):\n        return {'text': output.text}\n\n\n"
+        "class PreOnly:\n"
+        "    def pre(self, item):\n        return item\n\n\n"
+        "both = Both()\npre_only = PreOnly()\n"
+    )
+    text = GOOD + (
+        "  code:\n    mode: interactive\n    task: generate\n    model: enc\n"
+        "    handler: gen_hooks:both\n"
+        "  code-pre:\n    mode: interactive\n    task: generate\n    model: enc\n"
+        "    handler: gen_hooks:pre_only\n"
+        "  code-nightly:\n    mode: offline\n    task: generate\n    model: enc\n"
+        "    input: in/\n    output: out/\n    handler: gen_hooks:both\n"
+    )
+    message = (
+        "workloads.code.handler: handler gen_hooks:both: defines post, but an interactive "
+        "generate workload answers in OpenAI's completion shapes, which post cannot change "
+        "(post shapes offline records only); drop post and post-process on the client, or "
+        "declare the workload `mode: offline`"
+    )
+    assert problems(folder, text) == [f"W:22:5: {message}"]
+    done = subprocess.run(
+        [sys.executable, "-m", "lanes.router.cli", "validate", str(folder / "workloads.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        f"{folder / 'workloads.yaml'}:22:5: {message}",
+        "1 problem found",
+    ]

@@ -2,7 +2,9 @@
 
 The object named may have `pre(item) -> item` (runs before the task's own checks)
 and/or `post(output) -> output` (runs per item after the model). Either may be
-absent; an object with neither is an error, caught when the workload loads.
+absent; an object with neither is an error, caught when the workload loads. An
+interactive generate workload takes `pre` only (lanes/specrules.py): its answers are
+OpenAI's completion shapes, which a `post` could not change.
 
 What `pre` gets: online, the request's input (a text, a prompt or its options, the
 named tensors); in an offline OpenAI batch line, the same (each text or prompt); in
