@@ -120,6 +120,31 @@ def test_a_csv_generate_record_sets_its_own_max_tokens_and_sampling(
     }
 
 
+def test_a_generate_record_takes_the_sampling_ranges_an_openai_request_does(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    """A plain record is refused what /v1/completions refuses (temperature <= 2, not
+    the spec's <= 10), with the same message, by its line; vLLM's top_k -1 is no cut."""
+    workload = offline_workload(task="generate", model="dec", generation={"max_new_tokens": 8})
+    spec = write_spec(tmp_path, {"gen": {**workload, "max_error_rate": 0.9}})
+    records = [
+        {"id": 5, "prompt": "a", "temperature": 5},
+        {"id": 6, "prompt": "a", "top_p": 1.5},
+        {"id": 7, "prompt": "a", "temperature": 0, "top_k": -1},
+    ]
+    write_jsonl(tmp_path / "in" / "prompts.jsonl", records)
+
+    summary = offline(workload="gen", spec=str(spec))
+
+    assert (summary["outputs"], summary["errors"]) == (1, 2)
+    (line,) = outputs_of(tmp_path / "out")
+    assert (line["id"], line["text"], line["finish_reason"]) == (7, "b c d", "stop")
+    assert read_jsonl(tmp_path / "out" / "_errors" / "prompts.jsonl") == [
+        {"id": 5, "line": 1, "error": "temperature: expected a value <= 2, found 5"},
+        {"id": 6, "line": 2, "error": "top_p: expected a value <= 1, found 1.5"},
+    ]
+
+
 def test_a_deadlines_sample_of_csv_records_reads_them_as_the_shard_does(tmp_path: Path) -> None:
     spec = generate_csv(tmp_path)
     settings = Settings()

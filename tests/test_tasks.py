@@ -553,6 +553,8 @@ def test_generate_takes_token_ids_as_a_prompt(generate: GenerateTask) -> None:
         ({"prompt": "a", "temperature": -1}, "temperature: "),
         ({"prompt": "a", "max_tokens": 1.5}, "max_tokens: "),
         ({"prompt": "a", "top_p": 1.5}, "top_p: expected a value <= 1"),
+        # The request's range (the spec's generation: takes up to 10).
+        ({"prompt": "a", "temperature": 5}, "^temperature: expected a value <= 2, found 5$"),
         ({"prompt": "a", "seed": "x"}, "seed: expected an integer"),
         ({"prompt": "a", "n": 2}, "unknown field 'n'"),
         ({"max_tokens": 2}, "prompt: expected a string or token ids, found null"),

@@ -46,9 +46,12 @@ class StreamOptions(Shape):
     include_usage: bool | None = None
 
 
-class GenerateParams(OpenAIRequest):
-    """What /v1/completions and /v1/chat/completions share. Unset fields take the
-    workload's `generation:`; `top_k` and `ignore_eos` are vLLM's extensions."""
+class GenerationOptions(Shape):
+    """The generation parameters a request may set, and their ranges: one definition
+    for the OpenAI routes and batch lines (`GenerateParams`) and for a generate
+    workload's plain items (records, `lanes predict`, the SDK's call), so a value one
+    lane refuses, every lane refuses alike. Unset fields take the workload's
+    `generation:`; `top_k` is vLLM's extension."""
 
     max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 is greedy.")
@@ -58,6 +61,11 @@ class GenerateParams(OpenAIRequest):
     seed: int | None = Field(
         None, ge=-(2**63), le=2**63 - 1, description="Makes sampling reproducible."
     )
+
+
+class GenerateParams(GenerationOptions, OpenAIRequest):
+    """What /v1/completions and /v1/chat/completions share; `ignore_eos` is vLLM's."""
+
     n: int | None = Field(None, ge=1, le=128, description="Choices per prompt: lanes makes one.")
     stream: bool | None = Field(None, description="Answer as Server-Sent Events.")
     stream_options: StreamOptions | None = None
@@ -128,7 +136,7 @@ class GenerateParams(OpenAIRequest):
             "prompt": prompt,
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
-            "top_k": 0 if self.top_k == -1 else self.top_k,
+            "top_k": self.top_k,
             "top_p": self.top_p,
             "stop": self.stop,
             "seed": self.seed,

@@ -1,7 +1,8 @@
 """generate: a prompt -> a `Completion`, on a decoder with a KV cache.
 
 An item is a prompt string, or a dict {"prompt", "max_tokens"?, "temperature"?,
-"top_k"?, "top_p"?, "stop"?, "seed"?} whose missing fields come from the
+"top_k"?, "top_p"?, "stop"?, "seed"?} in an OpenAI request's ranges
+(`GenerationOptions`, whichever lane it came by) whose missing fields come from the
 workload's `generation:`; a prompt may also be a list of the model's token ids
 (taken as they are, as vLLM does). A prompt and an explicit `max_tokens` must fit
 the model's context together; without one, the completion stops where the context
@@ -22,6 +23,7 @@ from pydantic import ValidationError
 
 from lanes.errors import InvalidInput
 from lanes.isolation import Failed
+from lanes.protocols.completions import GenerationOptions
 from lanes.runtime import Runtime
 from lanes.spec import Generation, ModelSpec, OfflineWorkload, TaskName, Workload
 from lanes.tasks.base import check_count
@@ -41,7 +43,7 @@ _FIELDS = {
     "top_p": "top_p",
     "stop": "stop",
 }
-_KNOWN = ("prompt", *_FIELDS, "seed")
+_KNOWN = ("prompt", *GenerationOptions.model_fields)
 _REQUEST_NAMES = {target: field for field, target in _FIELDS.items()}
 # The numeric request fields, and whether each takes only an integer.
 _NUMBERS = {"max_tokens": True, "top_k": True, "seed": True, "temperature": False, "top_p": False}
@@ -151,22 +153,22 @@ class GenerateTask:
             raise InvalidInput(
                 f"unknown field {unknown[0]!r}; expected some of {', '.join(_KNOWN)}"
             )
-        seed = item.get("seed")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-            raise InvalidInput.field(
-                "seed", f"expected an integer, found {describe(seed)}", "invalid_type"
+        try:  # the request's ranges, as the OpenAI routes check them
+            options = GenerationOptions.model_validate(
+                {k: v for k, v in item.items() if k != "prompt"}
             )
-        params = self._generation(item)
+        except ValidationError as err:
+            raise invalid_input(err) from None
+        params = self._generation(options)
         prompt, ids = self._prompt(item.get("prompt"))
-        asked = item.get("max_tokens")
-        self.decoder.check_context(len(ids), asked if isinstance(asked, int) else None)
+        self.decoder.check_context(len(ids), options.max_tokens)
         return GenerateRequest(
             prompt=prompt,
             prompt_ids=tuple(ids),
             max_new_tokens=params.max_new_tokens,
             sampling=SamplingParams(params.temperature, params.top_k, params.top_p),
             stop=tuple(params.stop),
-            seed=seed,
+            seed=options.seed,
         )
 
     def _prompt(self, prompt: Any) -> tuple[str, list[int]]:
@@ -185,13 +187,18 @@ class GenerateTask:
                 raise InvalidInput.field("prompt", detail, "invalid_value")
         return self.decoder.tokenizer.decode(prompt), list(prompt)
 
-    def _generation(self, item: Mapping[str, Any]) -> Generation:
-        """The workload's defaults overridden by the item, checked by the spec's own rules."""
+    def _generation(self, options: GenerationOptions) -> Generation:
+        """The workload's defaults overridden by the options set, checked by the spec's
+        own rules too (e.g. at most 16 stop strings)."""
         merged = self.workload.generation.model_dump()
         for field, target in _FIELDS.items():
-            value = item.get(field)
+            value = getattr(options, field)
+            if field == "stop" and isinstance(value, str):
+                value = [value]
+            elif field == "top_k" and value == -1:  # vLLM's "no cut", as 0 is here
+                value = 0
             if value is not None:
-                merged[target] = [value] if field == "stop" and isinstance(value, str) else value
+                merged[target] = value
         try:
             return Generation.model_validate(merged, strict=True)
         except ValidationError as err:
