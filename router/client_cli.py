@@ -53,7 +53,10 @@ def call(
     input: Annotated[
         str,
         typer.Option(
-            "--input", "-i", help="The input as JSON (a plain text is taken as a string)."
+            "--input",
+            "-i",
+            help="The input as JSON (a plain text is taken as a string); generate: a "
+            'prompt, or an object of it and the options: \'{"prompt": "...", "max_tokens": 3}\'.',
         ),
     ],
     timeout_ms: TimeoutMs = None,
@@ -70,15 +73,37 @@ def call(
     """Call an interactive workload on the running endpoint; prints the result as JSON
     (a generate workload that streams, or --stream: its text as it is made)."""
     value = _input(input)
+    options: dict[str, Any] = {}
     with Client(endpoint, spec=file) as client:
         declared = load_spec(file, check_files=False).workload(workload)
+        generates = declared.task == "generate" and declared.mode == "interactive"
+        if generates and isinstance(value, dict):
+            value, options = _prompt_and_options(value)
         default = declared.stream if isinstance(declared, InteractiveWorkload) else False
         streams = default if stream is None else stream
-        if streams and declared.task == "generate" and declared.mode == "interactive":
-            _print_stream(client.stream(workload, value, timeout_ms=timeout_ms))
+        if streams and generates:
+            _print_stream(client.stream(workload, value, timeout_ms=timeout_ms, **options))
             return
-        result = client.call(workload, value, timeout_ms=timeout_ms)
+        result = client.call(workload, value, timeout_ms=timeout_ms, **options)
     typer.echo(json.dumps(to_jsonable(result)))
+
+
+def _prompt_and_options(item: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """A generate input given as an object, as `lanes predict` takes it: its `prompt`
+    (or chat `messages`) and the request's options (max_tokens, temperature, ...), for
+    `Client.call(name, prompt, **options)`."""
+    given = [key for key in ("prompt", "messages") if key in item]
+    if len(given) != 1:
+        raise InvalidInput(
+            "--input: a generate workload's object needs one of 'prompt' or 'messages', "
+            f"found {'both' if given else 'neither'}; pass a prompt text, or e.g. "
+            '\'{"prompt": "def f(x):", "max_tokens": 3}\''
+        )
+    for key, instead in (("stream", "--stream/--no-stream"), ("model", "the WORKLOAD argument")):
+        if key in item:
+            raise InvalidInput(f"--input: {key!r} is not an option here; use {instead}")
+    options = dict(item)
+    return options.pop(given[0]), options
 
 
 def _print_stream(chunks: Iterator[str]) -> None:

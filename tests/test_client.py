@@ -33,6 +33,8 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "sk-test-lanes"
+GEN_INPUT = '{"prompt": "def f(x):", "max_tokens": 3}'
+CHAT_INPUT = '{"messages": [{"role": "user", "content": "a class"}], "max_tokens": 3}'
 # The server's decoder runs wait here while a test holds it closed (tests/gates.py).
 DECODER = Gate()
 
@@ -621,6 +623,11 @@ def test_cli_call_and_stream(server: ServerThread, specs: tuple[Path, Path]) -> 
         "wrong key": ["call", "search-query", "-i", "x"],
         "row": ["call", "flower-labels", "-i", json.dumps(ROWS[0].tolist())],
         "row in-process": ["predict", "flower-labels", "-i", json.dumps(ROWS[0].tolist())],
+        # A generate input as `lanes predict` takes it: the prompt and the request's options.
+        "options": ["call", "code", "-i", GEN_INPUT],
+        "options in-process": ["predict", "code", "-i", GEN_INPUT],
+        "chat options": ["call", "code-streams", "-i", CHAT_INPUT],
+        "no prompt": ["call", "code", "-i", '{"max_tokens": 3}'],
     }
     running = {
         what: subprocess.Popen(
@@ -660,3 +667,20 @@ def test_cli_call_and_stream(server: ServerThread, specs: tuple[Path, Path]) -> 
     # {"result": [one row's label]} through the server, the row's label in-process.
     assert json.loads(out)["result"] == json.loads(in_process)
     assert json.loads(in_process)[0]["label"] == "setosa"
+    with lanes.Client(server.url, api_key=KEY, spec=specs[1]) as client:
+        three = client.call("code", "def f(x):", max_tokens=3)
+        chat = client.call("code-streams", [{"role": "user", "content": "a class"}], max_tokens=3)
+    assert three.usage.completion_tokens == 3 and chat.usage.completion_tokens == 3
+    code, out, err = done["options"]
+    assert code == 0, err
+    assert json.loads(out)["text"] == three.text
+    assert json.loads(out)["usage"]["completion_tokens"] == 3
+    code, in_process, err = done["options in-process"]
+    assert code == 0, err
+    assert json.loads(in_process)["text"] == three.text
+    code, out, err = done["chat options"]  # streams, as the workload does
+    assert code == 0, err
+    assert out == chat.text + "\n"
+    code, out, err = done["no prompt"]
+    assert code == 2 and out == "", err
+    assert "--input: a generate workload's object needs one of 'prompt' or 'messages'" in err
