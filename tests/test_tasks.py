@@ -24,7 +24,7 @@ from lanes.tasks.base import encode
 from lanes.tasks.embed import EmbedTask
 from lanes.tasks.generate import GenerateTask
 from lanes.tasks.infer import InferTask
-from tests.flows_fixtures import sum_model
+from tests.flows_fixtures import decoder_model, sum_model
 
 F, I64 = TensorProto.FLOAT, TensorProto.INT64
 
@@ -418,6 +418,37 @@ def test_embed_needs_its_inputs(affine: Path, folder: Path, runtime: Runtime) ->
     tokenizer = word_tokenizer(folder / "words.json", WORDS, None)
     with pytest.raises(ModelError, match="no input 'input_ids' and no input 'attention_mask'"):
         load_task("w", spec_for(affine, "embed", tokenizer), runtime)
+
+
+def test_embed_refuses_a_decoder_at_load_naming_the_task_that_fits(
+    folder: Path, runtime: Runtime
+) -> None:
+    model, tokenizer = decoder_model(folder / "decoder-as-embed")
+    with pytest.raises(ModelError) as refused:
+        load_task("w", spec_for(model, "embed", tokenizer), runtime)
+    message = str(refused.value)
+    assert "cannot serve task 'embed'" in message
+    assert "position_ids, past_key_values.0.key, past_key_values.0.value" in message
+    assert "declare `task: generate`" in message
+
+
+def test_embed_refuses_an_encoder_with_an_input_it_cannot_feed(
+    folder: Path, runtime: Runtime
+) -> None:
+    path = save(
+        [helper.make_node("Gather", ["E", "input_ids"], ["last_hidden_state"])],
+        [
+            io("input_ids", I64, ["b", "t"]),
+            io("attention_mask", I64, ["b", "t"]),
+            io("pixel_values", F, ["b", 3]),
+        ],
+        [io("last_hidden_state", F, ["b", "t", 2])],
+        folder / "extra-input.onnx",
+        [tensor("E", np.ones((len(WORDS), 2)))],
+    )
+    tokenizer = word_tokenizer(folder / "words.json", WORDS, None)
+    with pytest.raises(ModelError, match=r"also requires pixel_values; declare `task: infer`"):
+        load_task("w", spec_for(path, "embed", tokenizer), runtime)
 
 
 # ---- generate ---------------------------------------------------------------

@@ -8,7 +8,8 @@ taken as pooled.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +73,7 @@ class EmbedTask(SlotSession):
         where = str(model.path)
         check_io(self.session, where=where, task="embed", inputs=("input_ids", "attention_mask"))
         inputs = describe(self.session.get_inputs())
+        _check_fed(inputs, where)
         outputs = describe(self.session.get_outputs())
         self._ids_dtype = inputs["input_ids"].dtype or np.dtype(np.int64)
         self._mask_dtype = inputs["attention_mask"].dtype or np.dtype(np.int64)
@@ -176,6 +178,36 @@ class EmbedTask(SlotSession):
 
     def _measured_dimensions(self) -> int:
         return int(self.vectors([self._warm_up_item()]).shape[1])
+
+
+# What `vectors` feeds; `token_type_ids` only where the model has it.
+FED = ("input_ids", "attention_mask", "token_type_ids")
+_PAST = re.compile(r"past_key_values\.\d+\.")
+
+
+def _check_fed(inputs: Collection[str], where: str) -> None:
+    """`ModelError` when the model requires an input `vectors` does not feed: it would
+    fail on every request, so it fails at load instead, naming the task that fits.
+    (onnxruntime lists required inputs only: one with a default initializer is absent.)"""
+    unfed = [n for n in inputs if n not in FED and not _PAST.match(n)]
+    past = [n for n in inputs if _PAST.match(n)]
+    if len(past) > 2:  # a real decoder has dozens: the first, the last and the count
+        unfed.append(f"{past[0]} ... {past[-1]} ({len(past)} inputs)")
+    else:
+        unfed += past
+    if not unfed:
+        return
+    if past:
+        fits = (
+            "it takes past_key_values inputs, so it is a decoder: declare `task: generate` "
+            "on the workload (or export an encoder for embed)"
+        )
+    else:
+        fits = "declare `task: infer` on the workload to feed every input yourself"
+    raise ModelError(
+        f"model {where} cannot serve task 'embed': embed feeds {', '.join(FED)} only, "
+        f"but the model also requires {', '.join(unfed)}; {fits}"
+    )
 
 
 def _dimensions(shape: Sequence[Any]) -> int | None:
