@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lanes.demo.place import demo_models_folder
-from lanes.errors import InvalidInput
+from lanes.errors import InvalidInput, LanesError, ModelError
 from lanes.measurements import Measurements
 from lanes.router import client_cli, cost_cli, offline_cli, tune_cli
 from lanes.router.console import SpecFile, command, guarded
@@ -131,7 +131,17 @@ def predict(
         except json.JSONDecodeError as e:
             raise InvalidInput(f"--input: expected JSON, found {input!r} ({e.msg})") from None
         task = load_task(workload, spec, Runtime(settings))
-        return task.run([task.prepare(item)])[0]
+        prepared = task.prepare(item)
+        try:
+            return task.run([prepared])[0]
+        except LanesError:
+            raise
+        except Exception as err:  # onnxruntime raises its own pybind classes
+            # The serving lane answers this as a 500; here it is one line, as ours are.
+            raise ModelError(
+                f"workload {workload!r}: model {spec.workload(workload).model!r} failed on "
+                f"this input: {err}"
+            ) from err
 
     typer.echo(json.dumps(to_jsonable(guarded(run))))
 

@@ -16,6 +16,8 @@ from click.testing import Result
 from typer.testing import CliRunner
 
 from lanes.router.cli import app
+from tests.failing_models import lookup_model
+from tests.flows_fixtures import decoder_model
 from tests.servers import free_port, write_spec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -178,6 +180,39 @@ def test_predict_bad_input_names_the_field(spec_path: Path) -> None:
 
 
 # ---- one line, not a traceback ---------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_predict_a_model_that_fails_prints_one_error_line(tmp_path: Path) -> None:
+    """onnxruntime's own error (a Gather index past the table) is a message, not a trace."""
+    model = lookup_model(tmp_path / "lookup")
+    spec = {
+        "version": 1,
+        "models": {"lookup": {"path": str(model)}},
+        "workloads": {"look": {"mode": "interactive", "task": "infer", "model": "lookup"}},
+    }
+    path = tmp_path / "workloads.yaml"
+    path.write_text(json.dumps(spec))
+    done = lanes("predict", "look", "--input", '{"i": [[99]]}', "--file", str(path))
+    assert done.returncode == 1
+    line = one_line_error(done)
+    assert line.startswith("error: workload 'look': model 'lookup' failed on this input: ")
+
+
+@pytest.mark.slow
+def test_predict_refuses_a_decoder_declared_as_embed_in_one_line(tmp_path: Path) -> None:
+    model, tokenizer = decoder_model(tmp_path / "dec")
+    spec = {
+        "version": 1,
+        "models": {"dec": {"path": str(model), "tokenizer": str(tokenizer)}},
+        "workloads": {"vec": {"mode": "interactive", "task": "embed", "model": "dec"}},
+    }
+    path = tmp_path / "workloads.yaml"
+    path.write_text(json.dumps(spec))
+    done = lanes("predict", "vec", "--input", '"a b"', "--file", str(path))
+    assert done.returncode == 1
+    line = one_line_error(done)
+    assert "cannot serve task 'embed'" in line and "declare `task: generate`" in line
 
 
 def one_line_error(done: subprocess.CompletedProcess[str] | Result) -> str:
