@@ -2,7 +2,8 @@
 
     JSONL       .jsonl .ndjson       one JSON object a line; streamed
     CSV         .csv                 a header line, then one record a line (RFC 4180
-                                     quoting; a quoted field may hold newlines); streamed;
+                                     quoting; a quoted field may hold newlines; one never
+                                     closed rejects each line to the end); streamed;
                                      every value is a string (`Line.text`)
     JSON array  .json                one array of objects; read whole
     Parquet     .parquet .pq         one record a row; read by row groups
@@ -229,16 +230,20 @@ class _Record:
 
 def _csv_records(stream: IO[bytes], max_bytes: int) -> Iterator[_Record]:
     """The stream cut into CSV records: at a newline outside quotes, so a quoted field
-    may hold newlines; a record over `max_bytes` is skipped to its end."""
+    may hold newlines; a record over `max_bytes` is skipped to its end. A quoted field
+    never closed runs to the end of the file: see `_unclosed`."""
     number = 0  # physical lines started so far
     while raw := stream.readline(max_bytes + 1):
         number += 1
         start, size, parts = number, 0, []
+        filled: list[int] = []  # the record's lines that are not blank
         quoted, at_start = False, True
         while True:
             size += len(raw)
             if size <= max_bytes:
                 parts.append(raw)
+            if raw.strip() and (not filled or filled[-1] != number):
+                filled.append(number)
             quoted, at_start = _scan(raw, quoted, at_start)
             ended = raw.endswith(b"\n")
             if ended and not quoted:
@@ -248,13 +253,36 @@ def _csv_records(stream: IO[bytes], max_bytes: int) -> Iterator[_Record]:
                 break
             if ended:
                 number += 1
-        if size > max_bytes:
+        if quoted:  # the file ended inside the field, however long that made the record
+            yield from _unclosed(start, number, filled)
+        elif size > max_bytes:
             yield _Record(start, b"", f"record is {size} bytes, over the limit of {max_bytes}")
-        elif quoted:
-            message = f"a quoted field opened on line {start} or later is never closed"
-            yield _Record(start, b"", message)
         else:
             yield _Record(start, b"".join(parts), None)
+
+
+def _unclosed(start: int, last: int, filled: list[int]) -> Iterator[_Record]:
+    """A quoted field opened in the record on line `start` and never closed took in
+    every line to the end of the file (`last`). Where its records begin cannot be
+    known, so each of those lines that is not blank is one rejected record: the
+    counts show them all (none vanish into one record), the error names the lines
+    and their number, and `lanes run --retry-errors` reruns exactly them once the
+    quote is fixed. Failing the whole shard instead would cost the records before the
+    quote their answers; this way `max_error_rate` decides, as for any bad record."""
+    span = f"lines {start} to {last} ({last - start + 1} lines)" if last > start else "1 line"
+    fix = 'close the quote (a quote inside a quoted field is written "")'
+    message = (
+        f"a quoted field opened on line {start} or later is never closed: it takes in "
+        f"the rest of the file, {span}, none read as a record; {fix}"
+    )
+    yield _Record(start, b"", message)
+    for number in filled:
+        if number != start:
+            message = (
+                f"inside the quoted field opened on line {start} or later, never closed "
+                f"(see line {start}); {fix}"
+            )
+            yield _Record(number, b"", message)
 
 
 def _scan(chunk: bytes, quoted: bool, at_start: bool) -> tuple[bool, bool]:

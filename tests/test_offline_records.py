@@ -201,6 +201,41 @@ def test_pre_gets_each_whole_record_in_a_user_project(
         )
 
 
+def test_an_unclosed_quote_in_csv_rejects_every_line_it_takes_in(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    """100 records whose 6th (line 7) opens a quote it never closes: the lines from 7 to
+    the end are counted and named as rejected, and once the quote is fixed a retry of
+    the errors answers every one of them."""
+    spec = write_spec(tmp_path, {"emb": offline_workload(max_error_rate=1.0)})
+    (tmp_path / "in").mkdir()
+    rows = [f"b{i},{text(i)}" for i in range(100)]
+    broken = [*rows[:5], 'b5,"unterminated', *rows[6:]]
+    source = tmp_path / "in" / "a.csv"
+    source.write_text("id,text\n" + "\n".join(broken) + "\n")
+
+    summary = offline(workload="emb", spec=str(spec))
+
+    assert (summary["records"], summary["outputs"], summary["errors"]) == (100, 5, 95)
+    errors = read_jsonl(tmp_path / "out" / "_errors" / "a.jsonl")
+    assert [e["line"] for e in errors] == list(range(7, 102))
+    assert errors[0] == {
+        "id": None,
+        "line": 7,
+        "error": "a quoted field opened on line 7 or later is never closed: it takes in the "
+        "rest of the file, lines 7 to 101 (95 lines), none read as a record; close the "
+        'quote (a quote inside a quoted field is written "")',
+    }
+    assert errors[1]["error"].startswith("inside the quoted field opened on line 7")
+
+    source.write_text("id,text\n" + "\n".join(rows) + "\n")
+    retried = offline(workload="emb", spec=str(spec), rerun="errors")
+    assert (retried["records"], retried["outputs"], retried["errors"]) == (100, 100, 0)
+    assert sorted(line["id"] for line in outputs_of(tmp_path / "out")) == sorted(
+        f"b{i}" for i in range(100)
+    )
+
+
 def test_an_input_file_of_an_unknown_format_fails_the_run_naming_it(
     prefect_api: str, tmp_path: Path
 ) -> None:

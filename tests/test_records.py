@@ -56,11 +56,37 @@ def test_csv_records_are_numbered_by_their_first_line_and_bad_ones_are_lines(
         Line(6, None, "expected 3 fields (the header's), found 4"),
         Line(7, None, "record is 208 bytes, over the limit of 120"),
         Line(8, {"ticket_id": "5", "subject": "Login", "body": "fails"}, text=True),
-        Line(9, None, "a quoted field opened on line 9 or later is never closed"),
+        Line(
+            9,
+            None,
+            "a quoted field opened on line 9 or later is never closed: it takes in the rest "
+            "of the file, lines 9 to 10 (2 lines), none read as a record; close the quote "
+            '(a quote inside a quoted field is written "")',
+        ),
+        Line(
+            10,
+            None,
+            "inside the quoted field opened on line 9 or later, never closed (see line 9); "
+            'close the quote (a quote inside a quoted field is written "")',
+        ),
     ]
     zipped = tmp_path / "tickets.csv.gz"
     zipped.write_bytes(gzip.compress(CSV.encode()))
     assert read(zipped, max_bytes=120) == lines
+
+
+def test_an_unclosed_quote_over_the_size_limit_still_names_every_line(tmp_path: Path) -> None:
+    """The lines an unclosed quote takes in are rejected one by one (blank ones hold no
+    record), however many bytes they make."""
+    path = tmp_path / "a.csv"
+    path.write_text('id,text\na,ok\nb,"open\n' + "c,more\n\n" * 20, encoding="utf-8")
+    lines = read(path, max_bytes=64)
+    assert [line.number for line in lines] == [2, 3, *range(4, 44, 2)]
+    assert lines[1].error is not None
+    assert lines[1].error.startswith(
+        "a quoted field opened on line 3 or later is never closed: it takes in the rest "
+        "of the file, lines 3 to 43 (41 lines)"
+    )
 
 
 def test_a_jsonl_files_byte_order_mark_is_skipped_as_csvs_is(tmp_path: Path) -> None:
