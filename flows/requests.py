@@ -55,7 +55,6 @@ from lanes.protocols.openai import (
     parse,
     prepare_texts,
 )
-from lanes.spec import TaskName
 from lanes.tasks.base import Task
 from lanes.tasks.decoder import Completion
 from lanes.tasks.embed import EmbedItem, EmbedTask
@@ -232,7 +231,7 @@ def to_request(line: Line, shape: RecordShape, shard_uri: str) -> Request | Reje
         return Rejection({"id": None, "line": line.number, "error": line.error})
     record: Mapping[str, Any] = line.value
     if is_batch_line(record):
-        return _batch_line(line.number, record, shape.kind, shard_uri)
+        return _batch_line(line.number, record, shape, shard_uri)
     rid, problem = shape.id_of(record)
     if problem is not None:
         return Rejection({"id": None, "line": line.number, "error": problem})
@@ -246,7 +245,7 @@ def to_request(line: Line, shape: RecordShape, shard_uri: str) -> Request | Reje
 
 
 def _batch_line(
-    number: int, record: Mapping[str, Any], kind: TaskName, shard: str
+    number: int, record: Mapping[str, Any], shape: RecordShape, shard: str
 ) -> Request | Rejection:
     custom_id = record.get("custom_id")
     # Deterministic ids: a rerun writes the same line for the same input line.
@@ -260,22 +259,35 @@ def _batch_line(
         known = ", ".join(BATCH_URLS)
         message = f"url: expected one of {known}, found {line.url!r}"
         return Rejection(_batch_rejection(line.custom_id, number, request_id, message))
-    if wanted != kind:
-        message = f"url: {line.url} is for task {wanted!r}, but this workload's task is {kind!r}"
+    if wanted != shape.kind:
+        message = (
+            f"url: {line.url} is for task {wanted!r}, but this workload's task is {shape.kind!r}"
+        )
         return Rejection(_batch_rejection(line.custom_id, number, request_id, message))
     try:
+        request: EmbeddingsRequest | CompletionRequest | ChatCompletionRequest
         if line.url == "/v1/embeddings":
-            body = parse(EmbeddingsRequest, line.body)
-            return EmbeddingsLine(number, line.custom_id, request_id, body)
-        request: CompletionRequest | ChatCompletionRequest = (
-            parse(CompletionRequest, line.body)
-            if line.url == "/v1/completions"
-            else parse(ChatCompletionRequest, line.body)
-        )
-        return CompletionLine(number, line.custom_id, request_id, request)
+            request = parse(EmbeddingsRequest, line.body)
+        elif line.url == "/v1/completions":
+            request = parse(CompletionRequest, line.body)
+        else:
+            request = parse(ChatCompletionRequest, line.body)
     except InvalidInput as err:
         # The errors file's message says where in the line; the body is the endpoint's own.
         return Rejection(_batch_rejection(line.custom_id, number, request_id, err, "body."))
+    if request.model != shape.workload:
+        # Online, the endpoint routes by `model`: it would not run this line here.
+        wrong = InvalidInput.field(
+            "model",
+            f"this line names model {request.model!r}, but it is in the input of workload "
+            f"{shape.workload!r}; set body.model to {shape.workload!r}, or run the line "
+            "with that workload",
+            "model_not_found",
+        )
+        return Rejection(_batch_rejection(line.custom_id, number, request_id, wrong, "body."))
+    if isinstance(request, EmbeddingsRequest):
+        return EmbeddingsLine(number, line.custom_id, request_id, request)
+    return CompletionLine(number, line.custom_id, request_id, request)
 
 
 def _batch_rejection(

@@ -59,7 +59,7 @@ def first_records(job: Job, storage: Storage, count: int) -> list[dict[str, Any]
     """Up to `count` readable records from the start of the job's input shards, as a
     JSON record holds them (they are run from a JSONL file): a CSV record's numbers
     read as the shard reads them (RecordShape.typed)."""
-    shape = RecordShape.of(as_offline(job.spec.workload(job.workload)), None)
+    shape = RecordShape.of(job.workload, as_offline(job.spec.workload(job.workload)), None)
 
     def readable() -> Iterator[dict[str, Any]]:
         for plan in plan_shards(job, storage):

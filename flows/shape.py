@@ -43,6 +43,7 @@ class RecordShape:
     """`handler` None: not known here (the records check runs without loading the
     model); then the item is not made, only the id and kept fields are checked."""
 
+    workload: str  # its name: an OpenAI batch line's body.model must be it
     kind: TaskName
     fields: Fields
     handler: Handler | None
@@ -50,13 +51,13 @@ class RecordShape:
     source: str | Template | None  # fields.text (embed) or fields.prompt (generate)
 
     @classmethod
-    def of(cls, workload: OfflineWorkload, handler: Handler | None) -> RecordShape:
+    def of(cls, name: str, workload: OfflineWorkload, handler: Handler | None) -> RecordShape:
         fields = workload.fields
         pre = handler is not None and handler.pre is not None
         unknown = handler is None and workload.handler is not None
         named = {"embed": fields.text, "generate": fields.prompt}.get(workload.task)
         source = Template.parse(named) if named is not None and is_template(named) else named
-        return cls(workload.task, fields, handler, pre or unknown, source)
+        return cls(name, workload.task, fields, handler, pre or unknown, source)
 
     def id_of(self, record: Mapping[str, Any]) -> tuple[Any, str | None]:
         """The record's id, or None and why it has none."""

@@ -146,7 +146,7 @@ def run_shard(
     started = time.monotonic()
     task = model.task
     workload = as_offline(task.workload)
-    shape = RecordShape.of(workload, task.handler)
+    shape = RecordShape.of(task.name, workload, task.handler)
     redo = _errored_lines(storage, plan.errors) if retry is not None else None
     with storage.staged(plan.output) as out_path, storage.staged(plan.errors) as err_path:
         with out_path.open("wb") as out, err_path.open("wb") as err:

@@ -36,7 +36,7 @@ def check_records(job: Job, plans: list[ShardPlan], storage: Storage) -> int:
     returns how many records were checked. The handler is not imported here: with one,
     its `pre` may make the item, so only the id and kept fields are checked."""
     workload = as_offline(job.spec.workload(job.workload))
-    shape = RecordShape.of(workload, None)
+    shape = RecordShape.of(job.workload, workload, None)
     checked = 0
     rejected: list[tuple[ShardPlan, dict[str, Any]]] = []
     for plan in _spread(plans, SAMPLE_SHARDS):

@@ -671,7 +671,7 @@ def test_offline_output_through_the_endpoint_equals_the_local_runners(
                 "custom_id": "req-1",
                 "method": "POST",
                 "url": "/v1/embeddings",
-                "body": {"model": "x", "input": ["w1 w2 w3", "w4"]},
+                "body": {"model": "local", "input": ["w1 w2 w3", "w4"]},
             }
         )
         records.append({"id": "d-number", "text": 7})
@@ -687,7 +687,7 @@ def test_offline_output_through_the_endpoint_equals_the_local_runners(
                 "custom_id": "req-1",
                 "method": "POST",
                 "url": "/v1/completions",
-                "body": {"model": "x", "prompt": ["a", "b a"], "max_tokens": 5},
+                "body": {"model": "local", "prompt": ["a", "b a"], "max_tokens": 5},
             }
         )
         records.append({"id": "g-bad", "prompt": 7})
@@ -701,18 +701,24 @@ def test_offline_output_through_the_endpoint_equals_the_local_runners(
         tmp_path,
         {
             "live": live(task, **rows),
-            "local": batch(task, "out-local/", max_error_rate=0.5, **greedy),
+            "local": batch(task, "out-local/", max_error_rate=0.5, input="in-local/", **greedy),
             "remote": batch(
                 task,
                 "out-remote/",
                 max_error_rate=0.5,
+                input="in-remote/",
                 runner=on_endpoint(workload="live"),
                 **greedy,
             ),
         },
     )
-    write_jsonl(tmp_path / "in" / "a.jsonl", records[:25])
-    write_jsonl(tmp_path / "in" / "b.jsonl", records[25:])
+    # The same records for each; an OpenAI line names the workload that runs it.
+    for workload in ("local", "remote"):
+        named = [
+            {**r, "body": {**r["body"], "model": workload}} if "body" in r else r for r in records
+        ]
+        write_jsonl(tmp_path / f"in-{workload}" / "a.jsonl", named[:25])
+        write_jsonl(tmp_path / f"in-{workload}" / "b.jsonl", named[25:])
     with serve(spec, internal_key=KEY) as server:
         monkeypatch.setenv("LANES_ENDPOINT", server.url)
         monkeypatch.setenv("LANES_INTERNAL_KEY", KEY)
@@ -751,6 +757,7 @@ def _assert_same_line(got: dict[str, Any], want: dict[str, Any]) -> None:
             line["response"].pop("request_id", None)
             line["response"]["body"].pop("id", None)
             line["response"]["body"].pop("created", None)
+            line["response"]["body"].pop("model", None)  # the workload that ran it
     assert got == want
 
 

@@ -236,6 +236,37 @@ def test_an_unclosed_quote_in_csv_rejects_every_line_it_takes_in(
     )
 
 
+def test_an_openai_line_for_another_model_is_rejected_naming_both(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    """The endpoint routes a line by its body.model: another workload's line is not this
+    one's to run, nor to answer in that model's name."""
+    spec = write_spec(tmp_path, {"emb": offline_workload(max_error_rate=1.0)})
+    line = {"method": "POST", "url": "/v1/embeddings"}
+    write_jsonl(
+        tmp_path / "in" / "a.jsonl",
+        [
+            {**line, "custom_id": "mine", "body": {"model": "emb", "input": "w1"}},
+            {**line, "custom_id": "theirs", "body": {"model": "other", "input": "w1"}},
+        ],
+    )
+
+    summary = offline(workload="emb", spec=str(spec))
+
+    assert (summary["records"], summary["outputs"], summary["errors"]) == (2, 1, 1)
+    (mine,) = outputs_of(tmp_path / "out")
+    assert (mine["custom_id"], mine["response"]["body"]["model"]) == ("mine", "emb")
+    (other,) = read_jsonl(tmp_path / "out" / "_errors" / "a.jsonl")
+    message = (
+        "model: this line names model 'other', but it is in the input of workload 'emb'; "
+        "set body.model to 'emb', or run the line with that workload"
+    )
+    assert (other["line"], other["error"]) == (2, f"body.{message}")
+    assert other["response"]["status_code"] == 400
+    assert other["response"]["body"]["error"]["message"] == message
+    assert other["response"]["body"]["error"]["param"] == "model"
+
+
 def test_an_input_file_of_an_unknown_format_fails_the_run_naming_it(
     prefect_api: str, tmp_path: Path
 ) -> None:

@@ -192,7 +192,7 @@ def shape(task: str = "embed", handler: Handler | None = None, **fields: Any) ->
         | ({"fields": fields} if fields else {})
         | ({"handler": "tests.test_records:unused"} if handler else {})
     )
-    return RecordShape.of(workload, handler if handler is not None else None)
+    return RecordShape.of("w", workload, handler if handler is not None else None)
 
 
 def request(record: dict[str, Any], rshape: RecordShape) -> PlainRecord | Rejection:
