@@ -73,6 +73,8 @@ class RecordShape:
             return None, (
                 f'field "{name}" (the id): expected a string or an integer, found {describe(rid)}'
             )
+        if rid == "":  # as a CSV cell with nothing in it reads
+            return None, f'field "{name}" (the id): expected a non-empty id, found an empty string'
         return rid, None
 
     def typed(self, record: Mapping[str, Any], text: bool) -> Mapping[str, Any]:

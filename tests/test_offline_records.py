@@ -267,6 +267,24 @@ def test_an_openai_line_for_another_model_is_rejected_naming_both(
     assert other["response"]["body"]["error"]["param"] == "model"
 
 
+def test_an_empty_csv_id_is_rejected_as_other_bad_ids(prefect_api: str, tmp_path: Path) -> None:
+    """An empty id cannot tell outputs apart."""
+    spec = write_spec(tmp_path, {"emb": offline_workload(max_error_rate=1.0)})
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "b.csv").write_text("id,text\nfull,w1\n,empty id\n")
+
+    summary = offline(workload="emb", spec=str(spec))
+
+    assert (summary["records"], summary["outputs"], summary["errors"]) == (2, 1, 1)
+    assert [line["id"] for line in outputs_of(tmp_path / "out")] == ["full"]
+    (empty,) = read_jsonl(tmp_path / "out" / "_errors" / "b.jsonl")
+    assert empty == {
+        "id": None,
+        "line": 3,
+        "error": 'field "id" (the id): expected a non-empty id, found an empty string',
+    }
+
+
 def test_an_input_file_of_an_unknown_format_fails_the_run_naming_it(
     prefect_api: str, tmp_path: Path
 ) -> None:

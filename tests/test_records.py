@@ -228,6 +228,7 @@ def test_fields_name_the_id_a_template_of_the_text_and_the_fields_to_keep() -> N
         ({"text": "body"}, {"id": 1, "text": "a"}, 'missing field "body" (the text, by `fields.text`)'),
         ({"keep": ["customer"]}, {"id": 1, "text": "a"}, 'missing field "customer" (in `fields.keep`)'),
         ({}, {"id": [1], "text": "a"}, 'field "id" (the id): expected a string or an integer, found an array'),
+        ({}, {"id": "", "text": "a"}, 'field "id" (the id): expected a non-empty id, found an empty string'),
         ({"keep": ["blob"]}, {"id": 1, "text": "a", "blob": b"\x00"},  # Parquet's binary
          'field "blob" (in `fields.keep`): a bytes cannot be written in a JSON output line; '
          "cast it in the input, or keep it out"),
