@@ -19,13 +19,19 @@ from lanes.specyaml import MAX_BYTES, MAX_DEPTH, Marks, read_yaml
 
 
 def load_spec(
-    path: str | Path | None = None, settings: Settings | None = None, *, check_files: bool = True
+    path: str | Path | None = None,
+    settings: Settings | None = None,
+    *,
+    check_files: bool = True,
+    check_models: bool = False,
 ) -> Spec:
     """Load and validate a workloads.yaml, with the environment's overrides applied.
 
     Raises `SpecError` listing every problem found. The spec's folder goes on the import
     path and every `handler:` and guard is imported; `check_files=False` skips that and
-    the check that model files exist (for clients that only route calls).
+    the check that model files exist (for clients that only route calls); `check_models`
+    also reads each model's graph (not its weights) for inputs its task cannot feed, as
+    loading it would (`lanes validate`).
     """
     settings = settings or Settings()
     file = Path(path) if path is not None else settings.spec
@@ -38,17 +44,22 @@ def load_spec(
         raise SpecError(
             [Problem(name, None, None, "", f"cannot read the spec: {reason}")]
         ) from None
-    return parse_bytes(raw, name, file.resolve().parent, settings, check_files)
+    return parse_bytes(raw, name, file.resolve().parent, settings, check_files, check_models)
 
 
 def parse_bytes(
-    raw: bytes, source: str, base: Path, settings: Settings, check_files: bool = True
+    raw: bytes,
+    source: str,
+    base: Path,
+    settings: Settings,
+    check_files: bool = True,
+    check_models: bool = False,
 ) -> Spec:
     """Validate a spec's bytes; `source` names it in messages, `base` anchors relative paths."""
     document = read_yaml(raw, source)
     data = {} if document.data is None else document.data
     data, origins, unknown = _apply_overrides(data, settings)
-    spec, found = parse_spec(data, base, check_files)
+    spec, found = parse_spec(data, base, check_files, check_models)
     found = document.duplicates + found
     if spec is None or found or unknown:
         raise SpecError(_problems(found, source, document.marks, origins) + unknown)

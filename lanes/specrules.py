@@ -62,12 +62,16 @@ RESERVED_NAMES = {
 }
 
 
-def parse_spec(data: Any, base: Path, check_files: bool = True) -> tuple[Spec | None, Found]:
+def parse_spec(
+    data: Any, base: Path, check_files: bool = True, check_models: bool = False
+) -> tuple[Spec | None, Found]:
     """Validate plain data. Returns the spec (None if anything is wrong) and every problem.
 
     Model paths are made absolute against `base`, the folder of workloads.yaml, and,
     with `check_files`, must exist and every handler and guard must import (with `base`
-    on the import path); a client that only routes calls needs neither.
+    on the import path); a client that only routes calls needs neither. With
+    `check_models` too, each existing model's graph is read for inputs its workloads'
+    tasks cannot feed (`_input_problems`).
     """
     found: Found = []
     if not isinstance(data, dict):
@@ -106,6 +110,8 @@ def parse_spec(data: Any, base: Path, check_files: bool = True) -> tuple[Spec | 
         found += _model_problems(name, model)
     for name, workload in workloads.items() if check_files else ():
         found += _code_problems(name, workload, base)
+    if check_files and check_models:
+        found += _input_problems(workloads, models)
     for name, raw in top.workloads.items():
         found += _workload_problems(name, raw, top.models, models)
     for name, workload in workloads.items():
@@ -161,6 +167,50 @@ def _file_problem(key: str, path: Path) -> str | None:
     else:
         hint = f"expected the path of {expected} (relative to workloads.yaml): fix it"
     return f"no {what} file at {path}; {hint}"
+
+
+def _input_problems(
+    workloads: dict[str, InteractiveWorkload | OfflineWorkload], models: dict[str, ModelSpec]
+) -> Found:
+    """What loading an embed workload's model would refuse about its inputs, from the
+    graph's inputs alone: its weights stay on disk (not read when external; an embedded
+    initializer is parsed, not loaded into a session). generate's own check needs the
+    files beside the model as well, and infer feeds what each request brings: both are
+    left to loading."""
+    from lanes.errors import ModelError
+
+    try:
+        import onnx
+    except ImportError:  # an install without lanes[runtime] cannot serve it either
+        return []
+    from lanes.tasks.embed import check_fed
+
+    found: Found = []
+    for name, workload in workloads.items():
+        model = models.get(workload.model)
+        if workload.task != "embed" or model is None or not _is_file(model.path):
+            continue  # a missing file is _model_problems' to report
+        try:
+            graph = onnx.load(str(model.path), load_external_data=False).graph
+        except Exception as err:  # protobuf's DecodeError, OSError: serve cannot load it
+            message = f"cannot read {model.path} as an ONNX model: {err}"
+            found.append((("models", workload.model, "path"), message, False))
+            continue
+        # A graph input with an initializer has a default: onnxruntime does not require it.
+        defaults = {t.name for t in graph.initializer}
+        inputs = [i.name for i in graph.input if i.name not in defaults]
+        try:
+            check_fed(inputs, str(model.path))
+        except ModelError as err:
+            found.append((("workloads", name, "task"), str(err), False))
+    return found
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except (OSError, ValueError):
+        return False
 
 
 def _code_problems(name: str, workload: InteractiveWorkload | OfflineWorkload, root: Path) -> Found:

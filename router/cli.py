@@ -39,15 +39,17 @@ app.add_typer(models_app, name="models")
 app.add_typer(render_app, name="render")
 
 
-def _load(file: Path | None, settings: Settings) -> Spec:
-    return load_spec(file, settings)
+def _load(file: Path | None, settings: Settings, check_models: bool = False) -> Spec:
+    return load_spec(file, settings, check_models=check_models)
 
 
 @app.command()
 def validate(file: SpecFile = None) -> None:
-    """Check a workloads.yaml: every problem is printed as FILE:LINE:COL: field: message."""
+    """Check a workloads.yaml: every problem is printed as FILE:LINE:COL: field: message.
+    An embed workload's model is checked for inputs the task cannot feed, from its graph
+    (its weights are not loaded), as `lanes serve` would refuse it."""
     settings = guarded(Settings)
-    spec = guarded(lambda: _load(file, settings))
+    spec = guarded(lambda: _load(file, settings, check_models=True))
     n = len(spec.workloads)
     typer.echo(f"{file or settings.spec}: ok ({n} workload{'s' if n != 1 else ''})")
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from click.testing import Result
 from typer.testing import CliRunner
 
@@ -197,6 +198,32 @@ def test_predict_a_model_that_fails_prints_one_error_line(tmp_path: Path) -> Non
     assert done.returncode == 1
     line = one_line_error(done)
     assert line.startswith("error: workload 'look': model 'lookup' failed on this input: ")
+
+
+@pytest.mark.slow
+def test_validate_says_what_serve_would_of_a_decoder_declared_as_embed(tmp_path: Path) -> None:
+    """From the graph's inputs alone: the decoder's weights are never loaded in a session."""
+    model, tokenizer = decoder_model(tmp_path / "dec")
+    spec = {
+        "version": 1,
+        "models": {"dec": {"path": str(model), "tokenizer": str(tokenizer)}},
+        "workloads": {
+            "vec": {"mode": "interactive", "task": "embed", "model": "dec"},
+            "chat": {"mode": "interactive", "task": "generate", "model": "dec"},
+        },
+    }
+    path = tmp_path / "workloads.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    done = lanes("validate", str(path))
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        f"{path}:9:11: workloads.vec.task: model {model} cannot serve task 'embed': embed "
+        "feeds input_ids, attention_mask, token_type_ids only, but the model also requires "
+        "position_ids, past_key_values.0.key, past_key_values.0.value; it takes "
+        "past_key_values inputs, so it is a decoder: declare `task: generate` on the "
+        "workload (or export an encoder for embed)",
+        "1 problem found",
+    ]
 
 
 @pytest.mark.slow

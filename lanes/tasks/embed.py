@@ -73,7 +73,7 @@ class EmbedTask(SlotSession):
         where = str(model.path)
         check_io(self.session, where=where, task="embed", inputs=("input_ids", "attention_mask"))
         inputs = describe(self.session.get_inputs())
-        _check_fed(inputs, where)
+        check_fed(inputs, where)
         outputs = describe(self.session.get_outputs())
         self._ids_dtype = inputs["input_ids"].dtype or np.dtype(np.int64)
         self._mask_dtype = inputs["attention_mask"].dtype or np.dtype(np.int64)
@@ -185,10 +185,11 @@ FED = ("input_ids", "attention_mask", "token_type_ids")
 _PAST = re.compile(r"past_key_values\.\d+\.")
 
 
-def _check_fed(inputs: Collection[str], where: str) -> None:
+def check_fed(inputs: Collection[str], where: str) -> None:
     """`ModelError` when the model requires an input `vectors` does not feed: it would
     fail on every request, so it fails at load instead, naming the task that fits.
-    (onnxruntime lists required inputs only: one with a default initializer is absent.)"""
+    (onnxruntime lists required inputs only: one with a default initializer is absent.)
+    `lanes validate` runs it on the graph's inputs alone (lanes.specrules)."""
     unfed = [n for n in inputs if n not in FED and not _PAST.match(n)]
     past = [n for n in inputs if _PAST.match(n)]
     if len(past) > 2:  # a real decoder has dozens: the first, the last and the count
