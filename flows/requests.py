@@ -276,15 +276,10 @@ def _batch_line(
         # The errors file's message says where in the line; the body is the endpoint's own.
         return Rejection(_batch_rejection(line.custom_id, number, request_id, err, "body."))
     if request.model != shape.workload:
-        # Online, the endpoint routes by `model`: it would not run this line here.
-        wrong = InvalidInput.field(
-            "model",
-            f"this line names model {request.model!r}, but it is in the input of workload "
-            f"{shape.workload!r}; set body.model to {shape.workload!r}, or run the line "
-            "with that workload",
-            "model_not_found",
-        )
-        return Rejection(_batch_rejection(line.custom_id, number, request_id, wrong, "body."))
+        # This workload answers the line, whatever model it names (a file written for
+        # another provider, or for the interactive workload a backfill runs on): its
+        # answer says so, rather than echo a model that did not answer.
+        request = request.model_copy(update={"model": shape.workload})
     if isinstance(request, EmbeddingsRequest):
         return EmbeddingsLine(number, line.custom_id, request_id, request)
     return CompletionLine(number, line.custom_id, request_id, request)
