@@ -186,7 +186,9 @@ class Slo(StrictModel):
 
 class Generation(StrictModel):
     max_new_tokens: PositiveInt = Field(128, le=65536)
-    temperature: NonNegativeFloat = Field(1.0, le=10, description="0 means greedy.")
+    # A request's range (OpenAI's): a default no request could set would be refused by
+    # every lane the moment a record repeats it.
+    temperature: NonNegativeFloat = Field(1.0, le=2, description="0 means greedy.")
     top_k: int = Field(0, ge=0, le=1_048_576, description="0 means no top-k cut.")
     top_p: float = Field(1.0, ge=0, le=1, description="0 keeps only the likeliest token.")
     # An empty string would end every completion before its first character. Each

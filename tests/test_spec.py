@@ -583,3 +583,15 @@ def test_post_on_an_interactive_generate_workload_is_a_problem_validate_reports(
         f"{folder / 'workloads.yaml'}:22:5: {message}",
         "1 problem found",
     ]
+
+
+def test_a_default_temperature_takes_the_range_a_request_does(tmp_path: Path) -> None:
+    """A default beyond what a request may set would make every record that repeats it
+    an error line."""
+    spec = tmp_path / "workloads.yaml"
+    spec.write_text(
+        "models:\n  m: {path: m.onnx}\nworkloads:\n  g:\n    model: m\n    task: generate\n"
+        "    mode: interactive\n    generation: {temperature: 3}\n"
+    )
+    with pytest.raises(SpecError, match=r"temperature: expected a value <= 2, found 3"):
+        load_spec(spec, Settings(), check_files=False)
