@@ -46,7 +46,7 @@ from lanes.errors import ModelError
 from lanes.runtime import TensorInfo, check_io, describe
 from lanes.validation import describe as describe_value
 
-_PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
+PAST_INPUT = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 FED = ("input_ids", "attention_mask", "position_ids")  # besides past_key_values.N.*
 SLOT_FED = ("input_ids", "seqlens_k", "total_sequence_length")
 KvLayout = Literal["concat", "slots"]
@@ -119,7 +119,7 @@ def read_config(
     lacks the signature, takes inputs the loop cannot feed, or disagrees with config.json."""
     where = str(path)
     inputs = describe(session.get_inputs())
-    layers = sorted({int(m.group(1)) for n in inputs if (m := _PAST.match(n))})
+    layers = sorted({int(m.group(1)) for n in inputs if (m := PAST_INPUT.match(n))})
     if not layers or layers != list(range(len(layers))):
         raise ModelError(
             f"model {where} cannot serve task 'generate': expected inputs "
@@ -138,7 +138,7 @@ def read_config(
         inputs=[*fed, *past_in] if lengths_fed else [*fed[:2], *past_in],
         outputs=["logits", *present],
     )
-    unfed = [str(t) for n, t in inputs.items() if n not in fed and not _PAST.match(n)]
+    unfed = [str(t) for n, t in inputs.items() if n not in fed and not PAST_INPUT.match(n)]
     if unfed:
         raise ModelError(
             f"model {where} cannot serve task 'generate': the loop feeds "

@@ -8,7 +8,6 @@ taken as pooled.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +21,7 @@ from lanes.errors import InvalidInput, ModelError
 from lanes.runtime import Runtime, check_io, describe
 from lanes.spec import ModelSpec, TaskName, Workload
 from lanes.tasks.base import check_count, encode, load_tokenizer
+from lanes.tasks.decoder_config import PAST_INPUT
 from lanes.tasks.handler import NO_HANDLER, Handler
 from lanes.tasks.session_slot import SessionSlot, SlotSession
 from lanes.tasks.wordpiece import WordPiece
@@ -182,7 +182,6 @@ class EmbedTask(SlotSession):
 
 # What `vectors` feeds; `token_type_ids` only where the model has it.
 FED = ("input_ids", "attention_mask", "token_type_ids")
-_PAST = re.compile(r"past_key_values\.\d+\.")
 
 
 def check_fed(inputs: Collection[str], where: str) -> None:
@@ -190,8 +189,8 @@ def check_fed(inputs: Collection[str], where: str) -> None:
     fail on every request, so it fails at load instead, naming the task that fits.
     (onnxruntime lists required inputs only: one with a default initializer is absent.)
     `lanes validate` runs it on the graph's inputs alone (lanes.specrules)."""
-    unfed = [n for n in inputs if n not in FED and not _PAST.match(n)]
-    past = [n for n in inputs if _PAST.match(n)]
+    unfed = [n for n in inputs if n not in FED and not PAST_INPUT.match(n)]
+    past = [n for n in inputs if PAST_INPUT.match(n)]
     if len(past) > 2:  # a real decoder has dozens: the first, the last and the count
         unfed.append(f"{past[0]} ... {past[-1]} ({len(past)} inputs)")
     else:
