@@ -173,32 +173,32 @@ def _input_problems(
     workloads: dict[str, InteractiveWorkload | OfflineWorkload], models: dict[str, ModelSpec]
 ) -> Found:
     """What loading an embed workload's model would refuse about its inputs, from the
-    graph's inputs alone: its weights stay on disk (not read when external; an embedded
-    initializer is parsed, not loaded into a session). generate's own check needs the
-    files beside the model as well, and infer feeds what each request brings: both are
-    left to loading."""
+    graph's inputs alone (lanes.onnxinputs: no weight is read). generate's own check
+    needs the files beside the model as well, and infer feeds what each request brings:
+    both are left to loading."""
     from lanes.errors import ModelError
+    from lanes.onnxinputs import required_inputs
 
     try:
-        import onnx
+        from lanes.tasks.embed import check_fed
     except ImportError:  # an install without lanes[runtime] cannot serve it either
         return []
-    from lanes.tasks.embed import check_fed
 
     found: Found = []
+    read: dict[Path, list[str] | str] = {}  # a model's inputs, or why it cannot be read
     for name, workload in workloads.items():
         model = models.get(workload.model)
         if workload.task != "embed" or model is None or not _is_file(model.path):
             continue  # a missing file is _model_problems' to report
-        try:
-            graph = onnx.load(str(model.path), load_external_data=False).graph
-        except Exception as err:  # protobuf's DecodeError, OSError: serve cannot load it
-            message = f"cannot read {model.path} as an ONNX model: {err}"
-            found.append((("models", workload.model, "path"), message, False))
+        if model.path not in read:
+            try:
+                read[model.path] = required_inputs(model.path)
+            except (OSError, ValueError) as err:
+                read[model.path] = f"cannot read {model.path} as an ONNX model: {err}"
+                found.append((("models", workload.model, "path"), read[model.path], False))
+        inputs = read[model.path]
+        if isinstance(inputs, str):
             continue
-        # A graph input with an initializer has a default: onnxruntime does not require it.
-        defaults = {t.name for t in graph.initializer}
-        inputs = [i.name for i in graph.input if i.name not in defaults]
         try:
             check_fed(inputs, str(model.path))
         except ModelError as err:
