@@ -194,8 +194,9 @@ def _input_problems(
             try:
                 read[model.path] = required_inputs(model.path)
             except (OSError, ValueError) as err:
-                read[model.path] = f"cannot read {model.path} as an ONNX model: {err}"
-                found.append((("models", workload.model, "path"), read[model.path], False))
+                problem = f"cannot read {model.path} as an ONNX model: {err}"
+                read[model.path] = problem
+                found.append((("models", workload.model, "path"), problem, False))
         inputs = read[model.path]
         if isinstance(inputs, str):
             continue

@@ -13,6 +13,7 @@ import pytest
 from lanes.errors import SpecError
 from lanes.settings import Settings
 from lanes.specfile import load_spec
+from tests.flows_fixtures import embed_model
 
 GOOD = """\
 version: 1
@@ -572,6 +573,8 @@ def test_post_on_an_interactive_generate_workload_is_a_problem_validate_reports(
         "declare the workload `mode: offline`"
     )
     assert problems(folder, text) == [f"W:22:5: {message}"]
+    model, _ = embed_model(folder / "real")  # validate reads the embed model's inputs
+    (folder / "enc.onnx").write_bytes(model.read_bytes())
     done = subprocess.run(
         [sys.executable, "-m", "lanes.router.cli", "validate", str(folder / "workloads.yaml")],
         capture_output=True,
