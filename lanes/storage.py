@@ -22,7 +22,6 @@ import fnmatch
 import io
 import os
 import shutil
-import stat
 import tempfile
 import threading
 import time
@@ -33,16 +32,22 @@ from pathlib import Path
 from typing import IO, Any
 from urllib.parse import unquote, urlparse
 
-from lanes.errors import PermanentStorageError, StorageError
+from lanes.errors import StorageError
+from lanes.localfiles import (
+    GLOB_CHARS,
+    PRIVATE,
+    denied_listing,
+    denied_reading,
+    glob_matches,
+    glob_root,
+    regular_file,
+    walk,
+)
 from lanes.s3errors import Missing, s3_errors
 from lanes.settings import Settings
 from lanes.staging import SUFFIX as STAGING_SUFFIX
 from lanes.staging import remove_if_abandoned, staging_file
 
-# Files whose name starts with one of these are the job's own bookkeeping (markers,
-# errors, staging, manifests) or hidden: never listed as data (Spark's convention).
-_PRIVATE = ("_", ".")
-_GLOB_CHARS = "*?["
 MiB = 1024 * 1024
 # Staging files of S3 uploads, in the system temp folder.
 _TEMP_PREFIX = "lanes-stage-"
@@ -91,7 +96,7 @@ def _split_s3(uri: str) -> tuple[str, str]:
 
 
 def _is_private(relative: str) -> bool:
-    return any(part.startswith(_PRIVATE) for part in relative.split("/"))
+    return any(part.startswith(PRIVATE) for part in relative.split("/"))
 
 
 class Storage:
@@ -122,8 +127,8 @@ class Storage:
     def _list_local(self, location: str) -> list[StoredFile]:
         path = _local_path(location)
         pattern: tuple[str, ...] | None = None
-        if any(c in str(path) for c in _GLOB_CHARS):
-            root = _glob_root(path)
+        if any(c in str(path) for c in GLOB_CHARS):
+            root = glob_root(path)
             pattern = path.relative_to(root).parts
         else:
             root = path
@@ -135,12 +140,12 @@ class Storage:
                         f"{location}: no such folder or file; check the workload's input"
                     )
             except PermissionError as err:
-                raise _denied_listing(location, err) from None
+                raise denied_listing(location, err) from None
         files = []
-        for folder, names in _walk(root, location, pattern):
+        for folder, names in walk(root, location, pattern):
             for name in names:
                 relative = (folder / name).relative_to(root)
-                if pattern is None or _glob_matches(relative.parts, pattern):
+                if pattern is None or glob_matches(relative.parts, pattern):
                     stored = _stat(folder / name, relative.as_posix())
                     if stored is not None:
                         files.append(stored)
@@ -149,10 +154,10 @@ class Storage:
     def _list_s3(self, location: str) -> list[StoredFile]:
         bucket, key = _split_s3(location)
         pattern: str | None = None
-        if any(c in key for c in _GLOB_CHARS):
+        if any(c in key for c in GLOB_CHARS):
             # s3://b/dir/*.jsonl: list dir/, keep the keys the pattern matches.
             pattern = key
-            cut = min(key.index(c) for c in _GLOB_CHARS if c in key)
+            cut = min(key.index(c) for c in GLOB_CHARS if c in key)
             key = key[: key.rfind("/", 0, cut) + 1]
         files = []
         paginator = self._s3().get_paginator("list_objects_v2")
@@ -178,7 +183,7 @@ class Storage:
             except FileNotFoundError:
                 raise Missing(f"{uri}: no such file") from None
             except PermissionError:
-                raise _denied_reading(uri) from None
+                raise denied_reading(uri, _local_path(uri)) from None
             with stream:
                 yield stream
             return
@@ -200,7 +205,7 @@ class Storage:
             except FileNotFoundError:
                 return None
             except PermissionError:
-                raise _denied_reading(uri) from None
+                raise denied_reading(uri, _local_path(uri)) from None
         bucket, key = _split_s3(uri)
         client = self._s3()
         try:
@@ -408,94 +413,12 @@ def _s3_relative(key: str, prefix: str, pattern: str | None) -> str | None:
     return None
 
 
-def _glob_root(pattern: Path) -> Path:
-    """The folder part of a glob before its first wildcard (names are relative to it)."""
-    parts = []
-    for part in pattern.parts:
-        if any(c in part for c in _GLOB_CHARS):
-            break
-        parts.append(part)
-    return Path(*parts) if parts else Path(".")
-
-
-def _walk(
-    root: Path, location: str, pattern: tuple[str, ...] | None
-) -> Iterator[tuple[Path, list[str]]]:
-    """Each folder under `root` and its file names; not the private folders (never
-    data), nor, for a glob `pattern`, the folders it cannot reach.
-
-    A folder this process may not list is a PermanentStorageError: pathlib's and glob's
-    own walks skip it without a word, and its shards would be missing from the job unsaid.
-    """
-
-    def refused(err: OSError) -> None:
-        if isinstance(err, FileNotFoundError | NotADirectoryError):
-            return  # gone while the walk ran, or a glob's root that is none: no files
-        if isinstance(err, PermissionError):
-            raise _denied_listing(err.filename or location, err)
-        raise StorageError(f"{err.filename or location}: cannot list it: {err.strerror or err}")
-
-    for folder, subfolders, names in os.walk(root, onerror=refused):
-        here = Path(folder)
-        subfolders[:] = [
-            s
-            for s in subfolders
-            if not s.startswith(_PRIVATE)
-            and (
-                pattern is None
-                or _glob_matches((here / s).relative_to(root).parts, pattern, partial=True)
-            )
-        ]
-        yield here, names
-
-
-def _glob_matches(parts: tuple[str, ...], pattern: tuple[str, ...], partial: bool = False) -> bool:
-    """Whether a path's `parts` match a glob's (`**`: any number of folders, as glob's
-    recursive mode); `partial`: whether a folder's parts could begin a match."""
-    if not pattern:
-        return not parts
-    if pattern[0] == "**":
-        return _glob_matches(parts, pattern[1:], partial) or (
-            bool(parts) and _glob_matches(parts[1:], pattern, partial)
-        )
-    if not parts:
-        return partial
-    return fnmatch.fnmatchcase(parts[0], pattern[0]) and _glob_matches(
-        parts[1:], pattern[1:], partial
-    )
-
-
 def _stat(path: Path, name: str) -> StoredFile | None:
-    """`path` listed as `name`; None when it is no file (a socket, a link to a folder)
-    or went while the listing ran."""
-    try:
-        info = path.stat()
-    except FileNotFoundError:
-        return None
-    except PermissionError as err:  # a folder that may be read but not searched
-        raise _denied_listing(str(path.parent), err) from None
-    if not stat.S_ISREG(info.st_mode):
+    """`path` listed as `name`; None when it is no regular file (localfiles.regular_file)."""
+    info = regular_file(path)
+    if info is None:
         return None
     return StoredFile(str(path), name, info.st_size, str(info.st_mtime_ns))
-
-
-_GRANT = "give the user lanes runs as"
-
-
-def _denied_reading(uri: str) -> PermanentStorageError:
-    path = _local_path(uri)
-    return PermanentStorageError(
-        f"{uri}: permission denied reading it; {_GRANT} read access (e.g. chmod a+r {path}), "
-        "or move it out of the input"
-    )
-
-
-def _denied_listing(folder: str, err: OSError) -> PermanentStorageError:
-    return PermanentStorageError(
-        f"{folder}: permission denied listing it ({err.strerror or err}); {_GRANT} read and "
-        f"search access (e.g. chmod a+rx {folder}), or narrow the workload's input to what "
-        "it may read"
-    )
 
 
 def _unwritable(folder: Path, uri: str, err: OSError, advice: str) -> StorageError:
