@@ -2,7 +2,8 @@
 segment by segment against the glob, and the permanent errors for what this process
 may not read or list (lanes.storage builds its listing on these).
 
-A folder that may not be listed fails the listing, naming it.
+Symbolic links to folders are followed, never into a folder above them; a folder that
+may not be listed fails the listing, naming it.
 """
 
 from __future__ import annotations
@@ -38,6 +39,14 @@ def walk(
     """Each folder under `root` and its file names; not the private folders (never
     data), nor, for a glob `pattern`, the folders it cannot reach.
 
+    Links to folders are followed, for folder inputs and globs alike: glob.glob, which
+    globs used, followed them, and a folder input should list what `folder/**/*` does.
+    A link to a folder that the path already went through (same device and inode) is
+    a cycle and not walked, so the walk ends and lists each file once. A folder that
+    two paths reach without a cycle is listed under each, as glob.glob did: a set of
+    all folders visited would drop the second path's files where only it matches a
+    glob.
+
     A folder this process may not list is a PermanentStorageError: pathlib's and glob's
     own walks skip it without a word, and its shards would be missing from the job unsaid.
     """
@@ -49,7 +58,27 @@ def walk(
             raise denied_listing(err.filename or location, err)
         raise StorageError(f"{err.filename or location}: cannot list it: {err.strerror or err}")
 
-    for folder, subfolders, names in os.walk(root, onerror=refused):
+    try:
+        info = root.stat()
+    except OSError as err:
+        refused(err)
+        return
+    # Each folder not yet descended into -> the folders on its path from `root`.
+    above: dict[Path, frozenset[tuple[int, int]]] = {root: frozenset({_key(info)})}
+
+    def descend(parent: Path, folder: Path) -> bool:
+        try:
+            key = _key(folder.stat())
+        except FileNotFoundError:
+            return False  # gone while the walk ran
+        except PermissionError as err:  # a folder that may be read but not searched
+            raise denied_listing(str(parent), err) from None
+        if key in above[parent]:
+            return False
+        above[folder] = above[parent] | {key}
+        return True
+
+    for folder, subfolders, names in os.walk(root, onerror=refused, followlinks=True):
         here = Path(folder)
         subfolders[:] = [
             s
@@ -59,8 +88,14 @@ def walk(
                 pattern is None
                 or glob_matches((here / s).relative_to(root).parts, pattern, partial=True)
             )
+            and descend(here, here / s)
         ]
+        del above[here]
         yield here, names
+
+
+def _key(info: os.stat_result) -> tuple[int, int]:
+    return info.st_dev, info.st_ino
 
 
 def glob_matches(parts: tuple[str, ...], pattern: tuple[str, ...], partial: bool = False) -> bool:
@@ -80,8 +115,8 @@ def glob_matches(parts: tuple[str, ...], pattern: tuple[str, ...], partial: bool
 
 
 def regular_file(path: Path) -> os.stat_result | None:
-    """`path`'s status when it is a regular file; None when it is no file (a socket, a
-    link to a folder) or went while the listing ran."""
+    """`path`'s status when it is a regular file (through links); None when it is no
+    file (a socket, a link to a folder, a broken link) or went while the listing ran."""
     try:
         info = path.stat()
     except FileNotFoundError:

@@ -76,6 +76,25 @@ def test_local_globs_reach_the_files_glob_would(tmp_path: Path) -> None:
     assert names(storage, str(tmp_path / "none" / "*.jsonl")) == []
 
 
+def test_local_listing_follows_links_to_folders_once_round_a_cycle(tmp_path: Path) -> None:
+    for name in ("in/a.jsonl", "in/sub/b.jsonl", "ext/e.jsonl"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("{}\n")
+    (tmp_path / "in" / "link").symlink_to("../ext", target_is_directory=True)
+    # A cycle: the walk would go in/sub/up/sub/up/... until the kernel refused the path.
+    (tmp_path / "in" / "sub" / "up").symlink_to("..", target_is_directory=True)
+    storage = Storage(Settings())
+    folder = tmp_path / "in"
+    assert names(storage, str(folder)) == ["a.jsonl", "link/e.jsonl", "sub/b.jsonl"]
+    assert names(storage, str(folder / "*" / "*.jsonl")) == ["link/e.jsonl", "sub/b.jsonl"]
+    assert names(storage, str(folder / "**" / "*.jsonl")) == [
+        "a.jsonl",
+        "link/e.jsonl",
+        "sub/b.jsonl",
+    ]
+    assert names(storage, str(folder / "l*" / "*.jsonl")) == ["link/e.jsonl"]
+
+
 def test_a_local_file_or_folder_it_may_not_read_is_a_permanent_error_naming_it(
     tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
