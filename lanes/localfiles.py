@@ -2,8 +2,9 @@
 segment by segment against the glob, and the permanent errors for what this process
 may not read or list (lanes.storage builds its listing on these).
 
-Symbolic links to folders are followed, never into a folder above them; a folder that
-may not be listed fails the listing, naming it.
+Symbolic links to folders are followed, never into a folder above them; a folder named
+lost+found is skipped; any other folder that may not be listed fails the listing,
+naming it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ from lanes.errors import PermanentStorageError, StorageError
 # errors, staging, manifests) or hidden: never listed as data (Spark's convention).
 PRIVATE = ("_", ".")
 GLOB_CHARS = "*?["
+# fsck's folder at the root of every ext2/3/4 volume (a PVC's root included): never
+# data, and root's alone (mode 0700), so lanes in a non-root image could not list it
+# and would fail every input that holds a volume's root.
+_LOST_FOUND = "lost+found"
 _GRANT = "give the user lanes runs as"
 
 
@@ -37,7 +42,7 @@ def walk(
     root: Path, location: str, pattern: tuple[str, ...] | None
 ) -> Iterator[tuple[Path, list[str]]]:
     """Each folder under `root` and its file names; not the private folders (never
-    data), nor, for a glob `pattern`, the folders it cannot reach.
+    data), nor lost+found, nor, for a glob `pattern`, the folders it cannot reach.
 
     Links to folders are followed, for folder inputs and globs alike: glob.glob, which
     globs used, followed them, and a folder input should list what `folder/**/*` does.
@@ -84,6 +89,7 @@ def walk(
             s
             for s in subfolders
             if not s.startswith(PRIVATE)
+            and s != _LOST_FOUND
             and (
                 pattern is None
                 or glob_matches((here / s).relative_to(root).parts, pattern, partial=True)

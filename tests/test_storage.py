@@ -131,6 +131,28 @@ def test_a_local_file_or_folder_it_may_not_read_is_a_permanent_error_naming_it(
             path.chmod(0o755)
 
 
+def test_a_volume_roots_lost_found_is_skipped_where_it_may_not_be_listed(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    if not ran_where_modes_bind(request, tmp_path):
+        return
+    for name in ("a.jsonl", "lost+found/#12.jsonl", "vol/b.jsonl", "vol/lost+found/#13.jsonl"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("{}\n")
+    # As on an ext4 volume's root (a PVC's too): root's alone, where lanes may not look.
+    shut = (tmp_path / "lost+found", tmp_path / "vol" / "lost+found")
+    for path in shut:
+        path.chmod(0)
+    storage = Storage(Settings())
+    try:
+        assert names(storage, str(tmp_path)) == ["a.jsonl", "vol/b.jsonl"]
+        assert names(storage, str(tmp_path / "**" / "*.jsonl")) == ["a.jsonl", "vol/b.jsonl"]
+        assert names(storage, str(tmp_path / "*" / "*.jsonl")) == ["vol/b.jsonl"]
+    finally:
+        for path in shut:
+            path.chmod(0o755)
+
+
 def test_local_missing_folder_says_so(tmp_path: Path) -> None:
     with pytest.raises(StorageError, match="no such folder or file"):
         Storage(Settings()).list_files(str(tmp_path / "nope"), SUFFIXES)
