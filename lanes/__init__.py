@@ -19,6 +19,7 @@ from lanes.errors import (
     SettingsError,
     SpecError,
     StorageError,
+    Unavailable,
     UnknownWorkload,
     WrongMode,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "Spec",
     "SpecError",
     "StorageError",
+    "Unavailable",
     "UnknownWorkload",
     "Usage",
     "WrongMode",

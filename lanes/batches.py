@@ -41,7 +41,7 @@ from lanes import layout
 from lanes.batchfiles import BatchError, assemble
 from lanes.batchstore import BatchStore, new_id
 from lanes.deadline import offpeak_opening, plan_start
-from lanes.errors import InvalidInput, NotConfigured, NotFound
+from lanes.errors import InvalidInput, NotConfigured, NotFound, StorageError
 from lanes.jobs import (
     BATCH_PREFIX,
     BATCH_TAG,
@@ -126,6 +126,21 @@ class Batches:
         self.store.file(request.input_file_id)
         folder_key = uuid.uuid4().hex
         folder = self.store.batch_folder(folder_key)
+        try:
+            return self._create(request, window, folder_key, folder)
+        except Exception:
+            # No record points at the split input: a create that failed (the Prefect
+            # API down) leaves nothing behind, or each retry of it would leave a copy.
+            try:
+                self.store.storage.delete_folder(folder)
+            except StorageError as err:
+                log.warning("a failed batch create left %s: %s", folder, err)
+            raise
+
+    def _create(
+        self, request: BatchCreate, window: int, folder_key: str, folder: str
+    ) -> dict[str, Any]:
+        """The input checked and split under `folder`, and the batch's run created."""
         checked = self._check_and_split(request.input_file_id, request.endpoint, folder)
         created = int(self.now())
         record: dict[str, Any] = {

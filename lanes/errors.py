@@ -12,6 +12,7 @@
     ├── NotFound                   no job, or Batch API file or batch, of that id (HTTP 404)
     ├── WrongMode                  call() on an offline workload, submit() on an interactive one
     ├── Overloaded                 the queue is full; retry later (HTTP 503)
+    │   └── Unavailable            a service the route needs is down (Prefect's API); retry later
     ├── NotConfigured              the server lacks what the route needs (HTTP 503, no retry)
     ├── DeadlineExceeded           the request's deadline passed before it ran (HTTP 504)
     ├── AuthError                  missing or wrong API key (HTTP 401)
@@ -196,6 +197,14 @@ class Overloaded(LanesError):
         self.retry_after = retry_after
 
 
+class Unavailable(Overloaded):
+    """A service the route needs (the Prefect API behind the Batch API and jobs) does
+    not answer now: nothing was done; retry after `retry_after` seconds (its operator
+    should see to it if it stays down)."""
+
+    default_code = "service_unavailable"
+
+
 class NotConfigured(LanesError):
     """The server lacks what the route needs (the Batch API: a Prefect API): its
     operator must set it up; the same request fails the same way until then."""
@@ -246,6 +255,7 @@ _BY_CODE: tuple[type[LanesError], ...] = (
     UnknownWorkload,
     AuthError,
     Overloaded,
+    Unavailable,
     NotConfigured,
     DeadlineExceeded,
     ModelError,
@@ -282,6 +292,6 @@ def from_wire(
             cls = InvalidInput
     elif error_type in (InvalidInput.error_type, AuthError.error_type):
         cls = InvalidInput if error_type == InvalidInput.error_type else AuthError
-    if cls is Overloaded:
-        return Overloaded(message, retry_after, code)
+    if issubclass(cls, Overloaded):
+        return cls(message, retry_after, code)
     return cls(message, param=param, code=code)

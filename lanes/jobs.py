@@ -32,7 +32,14 @@ import orjson
 
 from lanes import layout
 from lanes.deadline import opening
-from lanes.errors import InvalidInput, JobFailed, LanesError, NotFound, StorageError
+from lanes.errors import (
+    InvalidInput,
+    JobFailed,
+    LanesError,
+    NotFound,
+    StorageError,
+    Unavailable,
+)
 from lanes.inputs import absolute, check_input, folder_of
 from lanes.settings import Settings
 from lanes.spec import OfflineWorkload
@@ -53,6 +60,7 @@ WITH_ERRORS_STATE = "CompletedWithErrors"
 COMPLETED_WITH_ERRORS = "COMPLETED_WITH_ERRORS"
 FINISHED = frozenset({"COMPLETED", COMPLETED_WITH_ERRORS})
 POLL_S = 0.5
+PREFECT_RETRY_AFTER_S = 5.0  # the Retry-After of a call that found the Prefect API down
 CHUNK_LINES = 1000  # lines an AsyncJob reads per trip to a thread
 SUBMIT_TAG = "lanes-submit"
 BATCH_TAG = "lanes-batch"  # runs of the Batch API's batches (lanes.batches)
@@ -397,7 +405,10 @@ class _Prefect:
             with client:
                 yield client
         except httpx.TransportError as err:
-            raise LanesError(f"cannot reach the Prefect API at {url}: {err}") from None
+            raise Unavailable(
+                f"cannot reach the Prefect API at {url}: {err}; retry once it is back",
+                retry_after=PREFECT_RETRY_AFTER_S,
+            ) from None
         except httpx.HTTPStatusError as err:
             raise LanesError(
                 f"the Prefect API at {url} refused {err.request.method} "

@@ -312,6 +312,26 @@ class Storage:
             client.delete_object(Bucket=bucket, Key=key)
         return True
 
+    def delete_folder(self, folder: str) -> None:
+        """Remove a folder (an S3 prefix) and everything under it; nothing when there is
+        none. For what a step that failed wrote, and nothing points at."""
+        if not is_s3(folder):
+            path = _local_path(folder)
+            try:
+                shutil.rmtree(path)
+            except FileNotFoundError:
+                pass
+            except OSError as err:
+                raise StorageError(f"{folder}: cannot delete: {err.strerror}") from None
+            return
+        bucket, prefix = _split_s3(folder.rstrip("/") + "/")
+        client = self._s3()
+        paginator = client.get_paginator("list_objects_v2")
+        with self._errors(folder, "delete"):
+            for page in paginator.paginate(Bucket=bucket, Prefix=prefix):
+                for obj in page.get("Contents", []):
+                    client.delete_object(Bucket=bucket, Key=obj["Key"])
+
     def clean_stale(self, folder: str, older_than_s: float) -> int:
         """Remove the staging files that killed runs left: under a local `folder`, or,
         for an S3 one, in the system temp folder. Returns how many went.

@@ -653,3 +653,36 @@ def test_a_server_without_a_prefect_api_refuses_a_batch_before_any_work(
     assert refused.value.status == 503 and refused.value.repeats  # not the caller's to retry
     assert "lanes deploy" in str(refused.value)
     assert batches.store.batch_ids() == []
+
+
+def test_a_batch_with_the_prefect_api_down_is_503_to_retry_and_leaves_no_input(
+    tmp_path: Path,
+) -> None:
+    """A Prefect API that does not answer is the server's dependency down, not a fault
+    of the request: 503 with Retry-After (the openai client waits it out), and the
+    split input goes with the failed create, or each retry would leave a copy."""
+    from tests.servers import free_port
+
+    spec = write_spec(tmp_path / "project", WORKLOADS)
+    store = tmp_path / "store"
+    down = f"http://127.0.0.1:{free_port()}/api"  # nothing listens there
+    batch = {"store": str(store), "shard_lines": SHARD_LINES}
+    with ServerThread(spec, batch=batch, prefect_api_url=down) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        body = lines_for("embed-night", [text(i) for i in range(7)])
+        uploaded = client.files.create(file=("in.jsonl", io.BytesIO(body)), purpose="batch")
+        request = {"input_file_id": uploaded.id, "endpoint": "/v1/embeddings"}
+        answer = httpx.post(
+            f"{server.url}/v1/batches", json={**request, "completion_window": "24h"}
+        )
+        assert answer.status_code == 503, answer.text
+        assert int(answer.headers["retry-after"]) >= 1
+        error = answer.json()["error"]
+        assert error["code"] == "service_unavailable"
+        assert f"cannot reach the Prefect API at {down}" in error["message"]
+        with pytest.raises(openai.InternalServerError) as refused:
+            client.batches.create(**request, completion_window="24h")  # type: ignore[arg-type]
+        assert refused.value.status_code == 503
+        assert client.batches.list().data == []
+    batches = store / "batches"
+    assert not batches.exists() or list(batches.iterdir()) == []

@@ -13,6 +13,7 @@ from lanes.errors import (
     ModelError,
     Overloaded,
     RequestTooLarge,
+    Unavailable,
     UnknownWorkload,
     WrongMode,
     from_wire,
@@ -26,6 +27,7 @@ SENT: list[LanesError] = [
     UnknownWorkload("no workload named 'ghost'", param="model"),
     AuthError("missing or wrong API key"),
     Overloaded("queue full", 3.0),
+    Unavailable("cannot reach the Prefect API", 3.0),
     DeadlineExceeded("deadline passed"),
     ModelError("the model failed on this batch"),
 ]
