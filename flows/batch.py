@@ -45,7 +45,7 @@ from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 from lanes.backfill import served_workload
 from lanes.errors import JobFailed, LanesError
 from lanes.flows import FLOW_NAME
-from lanes.flows.endpoint import EndpointModel, batch_key, check_reachable
+from lanes.flows.endpoint import EndpointModel, batch_key, check_key, check_reachable
 from lanes.flows.job import Job, Lane, plan_job, plan_shards
 from lanes.flows.manifest import Manifest, ShardFailure, build_manifest, write_manifest
 from lanes.flows.runners import Model, ShardModel
@@ -202,8 +202,11 @@ def run_job(
 
     started = datetime.now(UTC)
     if job.runner.kind == "endpoint":
-        batch_key(settings)  # no key: fail before any shard runs, saying which to set
-        check_reachable(job.runner.url or settings.endpoint)
+        # No key, no endpoint, a key it refuses: fail before any shard runs, saying why.
+        key = batch_key(settings)
+        url = job.runner.url or settings.endpoint
+        check_reachable(url)
+        check_key(url, served_workload(job.spec.workloads, job.workload), key)
     storage = Storage(settings)
     storage.ensure_folder(job.output)
     storage.clean_stale(job.output, STALE_STAGING_S)

@@ -71,6 +71,28 @@ def check_reachable(url: str, attempts: int = 5) -> None:
             time.sleep(attempt * 0.5)
 
 
+def check_key(url: str, workload: str, key: str) -> None:
+    """JobFailed when the endpoint refuses `key`: a job with a wrong key fails before
+    any shard, not each shard after every batch. It sends an empty batch, which the
+    route authorizes before anything else and then refuses as empty (no model runs):
+    only a 401 says the key is wrong, any other answer is for the batches to meet."""
+    target = url.rstrip("/") + batch_path(workload)
+    headers = {"authorization": f"Bearer {key}", "content-type": CONTENT_TYPE}
+    try:
+        response = httpx.post(target, content=b"", headers=headers, timeout=TIMEOUT.connect)
+    except httpx.TransportError as err:
+        raise JobFailed(
+            f"the endpoint at {url} does not answer ({type(err).__name__}: {err}): start "
+            "`lanes serve` there, or point the workload's `runner.url` (or LANES_ENDPOINT) at it"
+        ) from err
+    if response.status_code == 401:
+        raise JobFailed(
+            f"the endpoint at {url} refused the internal key ({_error_of(response)}): set "
+            "LANES_INTERNAL_KEY (else LANES_API_KEY) here to the server's LANES_INTERNAL_KEY "
+            "(else LANES_API_KEY)"
+        )
+
+
 @dataclass
 class EndpointModel:
     """Runs batches on the endpoint at `url` (its base URL), in `workload`'s offline lane."""

@@ -227,6 +227,7 @@ class AuthError(LanesError):
     status = 401
     error_type = "authentication_error"
     default_code = "invalid_api_key"
+    repeats = True  # the same key is refused again: an offline shard fails without retries
 
 
 class StorageError(LanesError):

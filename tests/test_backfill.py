@@ -851,6 +851,36 @@ def test_a_flow_whose_endpoint_does_not_answer_fails_before_any_shard(
     assert not (tmp_path / "out" / "a.jsonl").exists()
 
 
+def test_a_flow_with_a_key_the_endpoint_refuses_fails_before_any_shard(
+    prefect_api: str,
+    serve: type[ServerThread],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A wrong key fails the job once, naming the setting: not every shard after each
+    batch (and Prefect's retries of each shard) was refused."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    spec = write_spec(tmp_path, {"live": live(), "wrong-key": batch(runner=on_endpoint())})
+    for name in ("a", "b"):
+        write_jsonl(tmp_path / "in" / f"{name}.jsonl", [{"id": name, "text": "w1"}])
+    with serve(spec, internal_key=KEY) as server:
+        monkeypatch.setenv("LANES_ENDPOINT", server.url)
+        monkeypatch.setenv("LANES_INTERNAL_KEY", "wrong")
+        with pytest.raises(
+            JobFailed, match=f"the endpoint at {server.url} refused the internal key"
+        ) as failed:
+            offline(workload="wrong-key", spec=str(spec))
+    assert "set LANES_INTERNAL_KEY" in str(failed.value)
+    assert not (tmp_path / "out" / "a.jsonl").exists()
+    with get_client(sync_client=True) as client:
+        runs = [r for r in client.read_flow_runs() if r.parameters.get("workload") == "wrong-key"]
+        assert len(runs) == 1 and runs[0].state is not None and runs[0].state.is_failed()
+        only = FlowRunFilter(id=FlowRunFilterId(any_=[runs[0].id]))
+        assert client.read_task_runs(flow_run_filter=only) == []  # no shard task ran
+
+
 # ---- the spec --------------------------------------------------------------------------
 
 

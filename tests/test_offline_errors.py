@@ -28,7 +28,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from lanes.errors import JobFailed, PermanentStorageError, StorageError
+from lanes.errors import AuthError, JobFailed, PermanentStorageError, StorageError
 from lanes.flows import batch
 from lanes.flows.batch import offline
 from lanes.flows.shard import TooManyErrors
@@ -287,6 +287,7 @@ def test_only_a_failure_that_would_repeat_skips_a_shards_retries() -> None:
 
     assert not retried(PermanentStorageError("s3://b/a.jsonl: access denied (AccessDenied)"))
     assert not retried(TooManyErrors("20 of 40 records rejected"))
+    assert not retried(AuthError("the endpoint refused the batch: missing or wrong internal key"))
     assert retried(StorageError("s3://b/a.jsonl: cannot read on S3: SlowDown: reduce your rate"))
     assert retried(RuntimeError("the model's device went away"))
 
