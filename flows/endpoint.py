@@ -11,7 +11,10 @@ which the manifest prices the run.
 
 A full offline lane (503) or a lost connection is retried here, `ATTEMPTS` times
 with the server's Retry-After; anything else fails the batch, and so the shard, for
-Prefect's retries.
+Prefect's retries. An endpoint that refuses connections through every attempt is gone:
+its shard fails without Prefect's retries (they would repeat the same attempts), and
+so does each later batch at its first refused connection, until the endpoint answers
+again, so a job whose endpoint died fails in one round of attempts.
 """
 
 from __future__ import annotations
@@ -93,6 +96,12 @@ def check_key(url: str, workload: str, key: str) -> None:
         )
 
 
+class EndpointGone(JobFailed):
+    """The endpoint refused the connection through a batch's every attempt."""
+
+    repeats = True  # Prefect's retries of the shard would repeat the same attempts
+
+
 @dataclass
 class EndpointModel:
     """Runs batches on the endpoint at `url` (its base URL), in `workload`'s offline lane."""
@@ -103,6 +112,9 @@ class EndpointModel:
     key: str
     provider: str = "endpoint"  # the server's provider, once it has answered
     client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=TIMEOUT))
+    attempts: int = ATTEMPTS  # of each batch, over a lost connection or a full lane
+    # A batch found the endpoint gone (EndpointGone); reset by any answer.
+    gone: bool = False
 
     def run(self, items: Sequence[Any], device: DeviceTime | None = None) -> list[Any]:
         """Per item: the workload's handler's `post` of the model's output, or a
@@ -129,19 +141,28 @@ class EndpointModel:
     def _post(self, body: bytes) -> httpx.Response:
         target = self.url.rstrip("/") + batch_path(self.workload)
         headers = {"authorization": f"Bearer {self.key}", "content-type": CONTENT_TYPE}
-        for attempt in range(1, ATTEMPTS + 1):
+        for attempt in range(1, self.attempts + 1):
             try:
                 response = self.client.post(target, content=body, headers=headers)
             except httpx.TransportError as err:
-                if attempt == ATTEMPTS:
+                refused = isinstance(err, httpx.ConnectError)
+                if refused and (attempt == self.attempts or self.gone):
+                    self.gone = True
+                    raise EndpointGone(
+                        f"{target}: {type(err).__name__}: {err}: the endpoint at {self.url} "
+                        "is gone; start `lanes serve` there again and rerun the job (it "
+                        "redoes only the shards not committed)"
+                    ) from err
+                if attempt == self.attempts:
                     raise JobFailed(f"{target}: {type(err).__name__}: {err}") from err
                 log.warning("%s: %s; retrying", target, err)
                 time.sleep(min(attempt * 0.5, MAX_RETRY_AFTER_S))
                 continue
+            self.gone = False
             if response.status_code == 200:
                 return response
             error = _error_of(response)
-            if response.status_code != 503 or attempt == ATTEMPTS:
+            if response.status_code != 503 or attempt == self.attempts:
                 raise error
             wait = _retry_after(response)
             log.info("%s: %s; retrying in %.1f s", target, error, wait)

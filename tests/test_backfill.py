@@ -32,6 +32,7 @@ from lanes.backfill import CONTENT_TYPE, PROVIDER_HEADER, batch_path
 from lanes.batchframe import decode_outputs, encode_items
 from lanes.errors import JobFailed, SpecError
 from lanes.flows.batch import offline
+from lanes.flows.endpoint import EndpointGone, EndpointModel
 from lanes.runtime import Runtime
 from lanes.serving.batching import LaneQueues
 from lanes.serving.metrics import Metrics
@@ -879,6 +880,38 @@ def test_a_flow_with_a_key_the_endpoint_refuses_fails_before_any_shard(
         assert len(runs) == 1 and runs[0].state is not None and runs[0].state.is_failed()
         only = FlowRunFilter(id=FlowRunFilterId(any_=[runs[0].id]))
         assert client.read_task_runs(flow_run_filter=only) == []  # no shard task ran
+
+
+def test_an_endpoint_gone_fails_a_batch_after_one_round_of_attempts_unretried(
+    serve: type[ServerThread], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A refused connection through a batch's every attempt fails its shard without
+    Prefect's retries (they would repeat the attempts), and each later batch at its
+    first refusal; an endpoint that answers again is used again."""
+    spec = write_spec(tmp_path, {"live": live(), "corpus": batch(runner=on_endpoint())})
+    task = load_task("live", load_spec(spec, Settings()), Runtime(Settings(device="cpu")))
+    items = [task.prepare(text(0))]
+    with socket.socket() as closed:  # a port nothing listens on once this closes
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    model = EndpointModel(task, url, "live", KEY, attempts=3)
+
+    def retries() -> int:
+        return sum("retrying" in r.getMessage() for r in caplog.records)
+
+    with caplog.at_level(logging.WARNING, logger="lanes.flows.endpoint"):
+        with pytest.raises(EndpointGone, match=f"the endpoint at {url} is gone") as gone:
+            model.run(items)
+        assert retries() == 2  # the batch's own attempts, as for a restart
+        assert gone.value.repeats  # the shard's retries would only repeat them
+        with pytest.raises(EndpointGone):
+            model.run(items)
+        assert retries() == 2  # the next batch fails at its first refusal
+        with serve(spec, internal_key=KEY) as server:
+            model.url = server.url
+            (vector,) = model.run(items)
+    assert not model.gone and len(vector) > 0
+    model.close()
 
 
 # ---- the spec --------------------------------------------------------------------------
