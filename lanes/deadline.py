@@ -31,11 +31,17 @@ STARTUP_S = 60.0  # a flow run's start and the model's load
 
 @dataclass(frozen=True)
 class StartPlan:
+    """`expected_finish` is the estimate, without the margin: `items / rate` and the
+    startup after `start` (None without a measured rate); `on_time` is whether that
+    estimate is by the deadline. `fits` is whether the run with its margin fits
+    between the window's opening and the deadline: False, it starts now, and may still
+    be on time by the estimate (with less than the margin to spare)."""
+
     start: datetime
-    expected_finish: datetime | None  # None without a measured rate
-    on_time: bool  # whether the expected finish is by the deadline
+    expected_finish: datetime | None
+    on_time: bool
     note: str
-    fits: bool = True  # False: it does not fit in the window, so it starts now
+    fits: bool = True
 
 
 def plan_start(
@@ -83,10 +89,18 @@ def plan_start(
     finish = now + run
     on_time = finish <= finish_by
     where = "inside the off-peak window" if latest >= now else "even if started now"
+    spare = (finish_by - finish).total_seconds()
+    if not on_time:
+        outcome = f"{-spare:.0f} s after the deadline"
+    elif latest < now:  # on time by the estimate, but with less than the margin left
+        outcome = f"{spare:.0f} s before the deadline, less than the {MARGIN:.0%} margin"
+    else:
+        outcome = f"{spare:.0f} s before the deadline"
     note = (
-        f"{items} items at {items_per_second:g} items/s need {needed.total_seconds():.0f} s, "
-        f"which does not fit by {_shown(finish_by)} {where}: starting now, expected "
-        f"to finish at {_shown(finish)}"
+        f"{items} items at {items_per_second:g} items/s need {needed.total_seconds():.0f} s "
+        f"with a {MARGIN:.0%} margin, which does not fit by {_shown(finish_by)} {where}: "
+        f"starting now, expected to finish at {_shown(finish)} (without the margin), "
+        f"{outcome}"
     )
     return StartPlan(now, finish, on_time, note, fits=False)
 

@@ -57,7 +57,15 @@ def validate(file: SpecFile = None) -> None:
 @app.command()
 def plan(
     file: SpecFile = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="Print the plan as JSON. A deadline's expected_finish is the estimate "
+            "without the 25% margin, on_time whether it is by finish_by; fits whether "
+            "the run with the margin fits in the window (false: it starts now).",
+        ),
+    ] = False,
     at: Annotated[
         str | None,
         typer.Option(

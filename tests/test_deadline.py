@@ -59,3 +59,21 @@ def test_a_batch_arriving_in_an_open_off_peak_window_starts_in_it() -> None:
     assert offpeak_opening(window, NOW) == OPENS
     # Without a finish_by the window has no end to be inside of: always its next opening.
     assert offpeak_opening(Schedule(cron="0 2 * * *"), inside) == OPENS + timedelta(days=1)
+
+
+def test_on_time_without_the_margin_says_so_in_the_note() -> None:
+    """370 s with the margin, 343 s without, 360 s left: it does not fit with the margin,
+    yet the estimate is on time; the fields and the note say the same."""
+    finish_by = NOW + timedelta(seconds=360)
+    plan = plan_start(283, 1.0, finish_by, NOW - timedelta(hours=1), NOW)  # 283 s of work
+    assert not plan.fits and plan.on_time and plan.start == NOW
+    assert plan.expected_finish == NOW + timedelta(seconds=283 + STARTUP_S) <= finish_by
+    assert "need 414 s with a 25% margin" in plan.note
+    assert "expected to finish at 2030-01-01T22:05:43+00:00 (without the margin)" in plan.note
+    assert "17 s before the deadline, less than the 25% margin" in plan.note
+
+
+def test_a_late_estimate_says_by_how_much() -> None:
+    plan = plan_start(400, 1.0, NOW + timedelta(seconds=360), NOW - timedelta(hours=1), NOW)
+    assert not plan.fits and not plan.on_time
+    assert "100 s after the deadline" in plan.note
