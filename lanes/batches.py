@@ -375,7 +375,7 @@ class Batches:
             if record["status"] in FINAL:
                 return public(record)  # another server finished it meanwhile
             lanes = record["_lanes"]
-            state = job.cancel()
+            state = job.expire()
         if state in _ENDED:
             return public(self._finalize(record, state, job))
         record["request_counts"] = self._counts(record)

@@ -53,7 +53,11 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 FLOW_NAME = "lanes-offline"  # flows.FLOW_NAME; lanes cannot import the flows wing
-FAILED_STATES = frozenset({"FAILED", "CRASHED", "CANCELLED", "CANCELLING"})
+# A Batch API batch whose completion window passed: its run was cancelled (`expire`)
+# and tagged EXPIRED_TAG, so it reads as expired, not as cancelled by someone.
+EXPIRED = "EXPIRED"
+EXPIRED_TAG = "lanes-expired"
+FAILED_STATES = frozenset({"FAILED", "CRASHED", "CANCELLED", "CANCELLING", EXPIRED})
 # The name of the Completed state a run ends in when some records were rejected
 # (flows.batch sets it), and the status a Job reports for it.
 WITH_ERRORS_STATE = "CompletedWithErrors"
@@ -220,14 +224,40 @@ class Job:
     def status(self) -> str:
         """The flow run's state: SCHEDULED, PENDING, RUNNING, COMPLETED (every record
         answered), COMPLETED_WITH_ERRORS (it finished, and some records were rejected:
-        see `errors()`), FAILED, CANCELLED, CRASHED, ..."""
+        see `errors()`), FAILED, CANCELLED, EXPIRED (a batch whose completion window
+        passed), CRASHED, ..."""
         return _state(self._run())
 
     def message(self) -> str | None:
         """The message of the flow run's state: how it ended (the counts of answered
-        and rejected records, or why it failed), when it has one."""
-        state = self._run().state
-        return state.message if state else None
+        and rejected records, or why it failed), when it has one. For an EXPIRED batch:
+        when its window passed and how many lines were answered by then."""
+        return self._message(self._run())
+
+    def _message(self, run: FlowRun) -> str | None:
+        if _state(run) == EXPIRED:
+            return self._expiry(run)
+        return run.state.message if run.state else None
+
+    def _expiry(self, run: FlowRun) -> str:
+        """An expired batch's story: its window's end (the run's `finish_by`) and the
+        lines its committed shards answered (their commit markers, as /v1/batches
+        counts them)."""
+        markers = join(str(run.parameters["output"]), layout.MARKERS)
+        storage = Storage(self.settings)
+        try:
+            found = storage.list_files(markers, (".json",))
+        except StorageError:
+            found = []  # no shard committed
+        answered = 0
+        for marker in found:
+            data = storage.read_bytes(marker.uri)
+            answered += int(orjson.loads(data)["outputs"]) if data is not None else 0
+        ended = run.parameters.get("finish_by") or "its end"
+        return (
+            f"the batch expired: its completion window passed at {ended}, with {answered} "
+            "lines answered (the rest are in its error file, as batch_expired)"
+        )
 
     def scheduled_time(self) -> datetime | None:
         """When the run is (or was) due to start."""
@@ -259,7 +289,7 @@ class Job:
         run = self._run()
         state = _state(run)
         if state in FAILED_STATES:
-            message = (run.state.message if run.state else None) or "no message"
+            message = self._message(run) or "no message"
             raise JobFailed(f"job {self.id} ({run.name}) ended {state}: {message}")
         return state
 
@@ -292,6 +322,15 @@ class Job:
             self._read(client)
             client.set_flow_run_state(self._uuid, State(type=StateType.CANCELLING))
             return _state(self._read(client))
+
+    def expire(self) -> str:
+        """Cancel the job as expired (a batch's completion window passed): as `cancel`,
+        and its state reads EXPIRED once cancelled. Returns the state after."""
+        with self._prefect.client() as client:
+            run = self._read(client)
+            if EXPIRED_TAG not in run.tags:
+                client.update_flow_run(self._uuid, tags=[*run.tags, EXPIRED_TAG])
+        return self.cancel()
 
     def _run(self) -> FlowRun:
         with self._prefect.client() as client:
@@ -430,6 +469,8 @@ class _Prefect:
 def _state(run: FlowRun) -> str:
     if run.state is None:
         return "UNKNOWN"
+    if run.state.type.value == "CANCELLED" and EXPIRED_TAG in run.tags:
+        return EXPIRED
     if run.state.type.value == "COMPLETED" and run.state.name == WITH_ERRORS_STATE:
         return COMPLETED_WITH_ERRORS
     return run.state.type.value

@@ -18,7 +18,7 @@ import typer
 
 from lanes.client import Client
 from lanes.errors import InvalidInput
-from lanes.jobs import COMPLETED_WITH_ERRORS
+from lanes.jobs import COMPLETED_WITH_ERRORS, EXPIRED
 from lanes.router.console import ExitCode
 from lanes.router.render import to_jsonable
 from lanes.spec import InteractiveWorkload
@@ -197,7 +197,7 @@ def job(
                 raise typer.Exit(ExitCode.TIMED_OUT) from None
         status = handle.status()
         typer.echo(f"{handle.id} {status}", err=results)
-        if status == COMPLETED_WITH_ERRORS:
+        if status in (COMPLETED_WITH_ERRORS, EXPIRED):
             typer.echo(f"{handle.id}: {handle.message()}", err=True)
         if results:
             for line in handle.results():

@@ -371,6 +371,7 @@ def test_cancel_mid_run_keeps_the_committed_lines(setup: Setup, closed_gate: Non
         assert sorted(line["custom_id"] for line in output) == [f"r{i}" for i in (0, 1, 2, 6, 7, 8)]
         with pytest.raises(openai.BadRequestError, match="already cancelled"):
             client.batches.cancel(batch.id)
+    assert Job(done.id, Settings(), prefect_api_url=setup.api).status() == "CANCELLED"
 
 
 def test_a_passed_window_expires_the_batch_with_its_finished_lines(
@@ -390,6 +391,22 @@ def test_a_passed_window_expires_the_batch_with_its_finished_lines(
     assert {e["error"]["code"] for e in errors} == {"batch_expired"}
     assert [e["error"]["line"] for e in errors] == [4, 5, 6]
     assert (done.request_counts.completed, done.request_counts.failed) == (6, 3)
+
+    # `lanes job` says it expired, as /v1/batches does, not that someone cancelled it.
+    job = Job(done.id, Settings(), prefect_api_url=setup.api)
+    assert job.status() == "EXPIRED"
+    assert "completion window passed" in (job.message() or "")
+    assert "with 6 lines answered" in (job.message() or "")
+    waited = subprocess.run(
+        [sys.executable, "-m", "lanes.router.cli", "job", done.id, "--wait", "--timeout", "30"],
+        env=setup.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert waited.returncode == 1, waited.stderr
+    assert f"job {done.id}" in waited.stderr and "ended EXPIRED: the batch expired" in waited.stderr
+    assert "with 6 lines answered" in waited.stderr
 
 
 def test_a_failed_run_answers_each_request_it_left_in_the_error_file(
