@@ -55,7 +55,15 @@ from lanes.flows.shard import (
     committed,
     run_shard,
 )
-from lanes.flows.start import calibration, defer, deferred_until, plan_run, should_plan
+from lanes.flows.start import (
+    calibration,
+    defer,
+    deferred_until,
+    has_deadline,
+    plan_run,
+    should_plan,
+    window_deadline,
+)
 from lanes.flows.validate import check_records
 from lanes.jobs import BATCH_TAG, WITH_ERRORS_STATE
 from lanes.layout import ERRORS
@@ -110,10 +118,12 @@ def offline(
     try:
         with maybe_span(tracing, f"offline {workload}", {"lanes.workload": workload}, trace):
             job = plan_job(workload, Path(spec), settings, input, output, lane)
-            later = _start_later(job, settings)
+            now = datetime.now(UTC)
+            later = _start_later(job, settings, now)
             if later is not None:
                 return cast("dict[str, Any]", later)
-            manifest = run_job(job, settings, rerun, tracing, finish_by)
+            deadline = _deadline(job, settings, finish_by, planned_start, now)
+            manifest = run_job(job, settings, rerun, tracing, finish_by, deadline)
     finally:
         if tracing is not None:
             tracing.flush()  # a worker process may exit next
@@ -138,16 +148,15 @@ def _retry(job: Job, spec: str, input: str | None, output: str | None) -> str:
     return f"rerun them with `{shlex.join([*command, '--retry-errors'])}`"
 
 
-def _start_later(job: Job, settings: Settings) -> State[dict[str, Any]] | None:
-    """A Completed state when this run of a deadline workload starts later, as another
-    flow run (flows.start); None to run now."""
+def _start_later(job: Job, settings: Settings, now: datetime) -> State[dict[str, Any]] | None:
+    """A Completed state when this run of a deadline workload, planned at `now`, starts
+    later, as another flow run (flows.start); None to run now."""
     from prefect.runtime import deployment, flow_run
 
     parameters = dict(flow_run.parameters)
     if not should_plan(job, deployment.name, parameters):
         return None
     storage = Storage(settings)
-    now = datetime.now(UTC)
     measure = calibration(job, settings, storage, lambda: _model(job, settings))
     try:
         plan = plan_run(job, settings, storage, now, Measurements(settings.home).load(), measure)
@@ -168,18 +177,45 @@ def _start_later(job: Job, settings: Settings) -> State[dict[str, Any]] | None:
     return Completed(message=message, data={"rescheduled_as": run.id, **plan.as_json()})
 
 
+def _deadline(
+    job: Job,
+    settings: Settings,
+    finish_by: datetime | None,
+    planned_start: datetime | None,
+    now: datetime,
+) -> datetime | None:
+    """The deadline this run answers to, None without: a batch's `finish_by`; for a
+    workload with `schedule.finish_by`, the end of the window a deferred run was planned
+    in (`planned_start`), or of the one open at `now` for a run that planned to start
+    now (flows.start.should_plan)."""
+    from prefect.runtime import deployment, flow_run
+
+    if finish_by is not None:
+        return finish_by
+    if planned_start is not None and has_deadline(job):
+        return window_deadline(job, settings, planned_start)
+    if should_plan(job, deployment.name, dict(flow_run.parameters)):
+        return window_deadline(job, settings, now)
+    return None
+
+
 def outcome(manifest: Manifest, retry: str) -> State[dict[str, Any]]:
     """The final state of a run that ended well: Completed, or CompletedWithErrors
     when any committed shard holds rejected records (its message ends with `retry`:
-    what reruns them)."""
+    what reruns them). A run that ended past its deadline says by how much."""
     summary = manifest.summary()
+    late = manifest.late_by()
+    finished = ""
+    if late is not None:
+        finished = f"; finished late, {late:.0f} s after its deadline {manifest.finish_by}"
     if manifest.total_errors == 0:
-        return Completed(message=f"{_records(manifest.total_outputs)} answered", data=summary)
+        message = f"{_records(manifest.total_outputs)} answered{finished}"
+        return Completed(message=message, data=summary)
     errors = join(manifest.output, ERRORS)
     message = (
         f"{_records(manifest.total_errors)} rejected, {manifest.total_outputs} answered "
         f"(each shard under its max_error_rate); the rejected ones are in {errors}: fix "
-        f"them (or the workload) and {retry}"
+        f"them (or the workload) and {retry}{finished}"
     )
     return Completed(name=WITH_ERRORS_STATE, message=message, data=summary)
 
@@ -194,13 +230,20 @@ def run_job(
     rerun: Rerun = "uncommitted",
     tracing: Tracing | None = None,
     finish_by: datetime | None = None,
+    deadline: datetime | None = None,
 ) -> Manifest:
     """Inside a flow run: the shards of `job` (none started past `finish_by`), then the
     manifest. Raises JobFailed. With `tracing`, each shard's span continues the
-    current one."""
+    current one. A run with a `deadline` warns when it starts or ends past it, and
+    its manifest says whether it met it."""
     from prefect.runtime import flow_run
 
     started = datetime.now(UTC)
+    if deadline is not None and started > deadline:
+        late = (started - deadline).total_seconds()
+        log.warning(
+            "%s: started %.0f s after its deadline %s", job.workload, late, deadline.isoformat()
+        )
     if job.runner.kind == "endpoint":
         # No key, no endpoint, a key it refuses: fail before any shard runs, saying why.
         key = batch_key(settings)
@@ -238,7 +281,13 @@ def run_job(
         failures=failures,
         price_per_device_hour=settings.price_per_device_hour,
         interactive=newest(measurements.load(), "interactive", job.model_key, job.workload),
+        finish_by=deadline,
     )
+    overran = manifest.late_by()
+    if overran is not None:
+        log.warning(
+            "%s: finished %.0f s after its deadline %s", job.workload, overran, manifest.finish_by
+        )
     uri = write_manifest(storage, manifest)
     log.info("manifest %s", uri)
     if not failures:  # a failed shard's retries are in the wall time, not its items

@@ -47,6 +47,8 @@ class Manifest:
     output: str
     started_at: str
     ended_at: str
+    finish_by: str | None  # the run's deadline, if it has one
+    deadline_met: bool | None  # whether it ended by `finish_by`; None without one
     wall_seconds: float
     busy_seconds: float | None  # the endpoint's offline-lane model time; None: not known
     shards: int
@@ -77,6 +79,16 @@ class Manifest:
     failures: list[ShardFailure]
     shard_stats: list[ShardStats]
 
+    def late_by(self) -> float | None:
+        """Seconds the run ended after its deadline; None when it has none or met it."""
+        if self.finish_by is None or self.deadline_met:
+            return None
+        ended, deadline = (
+            datetime.fromisoformat(self.ended_at),
+            datetime.fromisoformat(self.finish_by),
+        )
+        return (ended - deadline).total_seconds()
+
     def summary(self) -> dict[str, Any]:
         """The manifest without its per-shard lists."""
         data = asdict(self)
@@ -97,8 +109,10 @@ def build_manifest(
     failures: list[ShardFailure],
     price_per_device_hour: float,
     interactive: Throughput | None = None,
+    finish_by: datetime | None = None,
 ) -> Manifest:
-    """`interactive`: the newest interactive measurement of the job's model, if any."""
+    """`interactive`: the newest interactive measurement of the job's model, if any;
+    `finish_by`: the run's deadline, if it has one."""
     ran = [s for s in stats if not s.skipped]
     whole = [s for s in ran if not s.retried]
     retried = [s for s in ran if s.retried]
@@ -123,6 +137,8 @@ def build_manifest(
         output=output,
         started_at=started.isoformat(),
         ended_at=ended.isoformat(),
+        finish_by=finish_by.isoformat() if finish_by is not None else None,
+        deadline_met=ended <= finish_by if finish_by is not None else None,
         wall_seconds=round(wall, 3),
         busy_seconds=round(busy, 9) if busy is not None else None,
         shards=len(stats) + len(failures),

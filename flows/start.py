@@ -125,6 +125,18 @@ def plan_run(
     )
 
 
+def window_deadline(job: Job, settings: Settings, planned: datetime) -> datetime:
+    """The deadline of a run of `job` (a workload with `schedule.finish_by`) planned to
+    start at `planned`: the end of the window open then (for a deferred run, its
+    `planned_start`: the window it was planned in, however late it starts)."""
+    workload = as_offline(job.spec.workload(job.workload))
+    schedule = workload.schedule
+    if schedule is None or schedule.finish_by is None:
+        raise LanesError(f"workload {job.workload!r} has no schedule.finish_by")
+    opens_with = opening(workload, settings)[0]
+    return window_at(opens_with, schedule.finish_by, schedule.timezone, planned).finish_by
+
+
 def calibration(
     job: Job, settings: Settings, storage: Storage, model: Callable[[], ShardModel]
 ) -> Callable[[], Throughput]:

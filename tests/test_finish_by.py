@@ -6,6 +6,7 @@ gets first."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -322,6 +323,41 @@ def test_a_run_with_a_failed_shard_records_no_rate_and_a_corrupt_file_plans_no_s
     # A file whose records cannot be counted: the plan says which, as for bad JSONL.
     with pytest.raises(StorageError, match=r"c\.parquet: not a readable Parquet file"):
         plan_run(job, Settings(), Storage(Settings()), OPENS, [rate(job, 1.0)])
+
+
+def test_a_deferred_run_that_starts_past_its_deadline_says_so(
+    prefect_api: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Planned in a window that ended long ago (its worker was down, say): it runs, and
+    its log, final state and manifest say it missed the deadline."""
+    monkeypatch.setenv("LANES_HOME", str(tmp_path / "home"))
+    spec_file, _ = project(tmp_path, 6)
+    planned = datetime(2020, 1, 1, 23, 0, tzinfo=UTC)  # in the window 22:00-07:00 Berlin
+    deadline = "2020-01-02T06:00:00+00:00"
+    with caplog.at_level(logging.WARNING, logger="lanes.flows.batch"):
+        state = offline(
+            workload="corpus", spec=str(spec_file), planned_start=planned, return_state=True
+        )
+    assert state.is_completed()
+    message = state.message or ""
+    assert message.startswith("6 records answered; finished late, "), message
+    assert message.endswith(f" s after its deadline {deadline}")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(f"s after its deadline {deadline}" in w and "started" in w for w in warnings)
+    assert any(f"s after its deadline {deadline}" in w and "finished" in w for w in warnings)
+    manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
+    assert (manifest["finish_by"], manifest["deadline_met"]) == (deadline, False)
+
+
+def test_a_run_without_a_deadline_records_none(prefect_api: str, tmp_path: Path) -> None:
+    spec_file, _ = project(tmp_path, 2)
+    state = offline(workload="corpus", spec=str(spec_file), return_state=True)
+    assert state.message == "2 records answered"
+    manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
+    assert (manifest["finish_by"], manifest["deadline_met"]) == (None, None)
 
 
 def test_without_history_plan_calibrates_on_a_sample_of_the_input_first(tmp_path: Path) -> None:
