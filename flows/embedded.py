@@ -30,11 +30,12 @@ STOP_GRACE_S = 30.0
 def start_embedded_server(startup_s: float) -> None:
     """Start Prefect's embedded API server now, waiting up to `startup_s` for it, tied
     to this process; nothing to do with PREFECT_API_URL set. Where the platform has no
-    pidfd (not Linux), Prefect starts it at the first client, untied, as it always has."""
+    working pidfd (not Linux, kernels before 5.3, a seccomp filter, gVisor), Prefect
+    starts it at the first client, untied, as it always has."""
     from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL
 
-    if PREFECT_API_URL.value() or not hasattr(os, "pidfd_open"):
+    if PREFECT_API_URL.value() or not _has_pidfd():
         return
     server = SubprocessASGIServer()  # Prefect's clients in this process find this one
     server.start(timeout=int(startup_s))
@@ -49,17 +50,33 @@ def start_embedded_server(startup_s: float) -> None:
     )
 
 
+def _has_pidfd() -> bool:
+    """Whether this process can open process descriptors: Python has os.pidfd_open on
+    any Linux, but the kernel may still refuse it."""
+    if not hasattr(os, "pidfd_open"):
+        return False
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except OSError:
+        return False
+    return True
+
+
 def guard(parent: int, server: int) -> None:
     """Wait until `server` ends; when `parent` ends first, stop `server` (SIGTERM, then
-    SIGKILL after STOP_GRACE_S)."""
+    SIGKILL after STOP_GRACE_S). Returns quietly when `server` has ended already, and
+    where it cannot watch them (a kernel that refuses pidfd, a pid that is no pid), the
+    server then left unguarded."""
     try:
         server_fd = os.pidfd_open(server)
-    except ProcessLookupError:
+    except OSError:  # ended already, or no pidfd here after all: nothing to do
         return
     try:
         parent_fd = os.pidfd_open(parent)
     except ProcessLookupError:
         parent_fd = None  # ended before we looked
+    except OSError:
+        return
     if parent_fd is not None and os.getppid() == parent:
         ended, _, _ = select.select([parent_fd, server_fd], [], [])
         if server_fd in ended:

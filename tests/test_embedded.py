@@ -113,3 +113,25 @@ def test_a_sigkilled_lanes_run_takes_its_embedded_server_with_it(tmp_path: Path)
     # then ends on its own.
     assert _processes_of(home, SERVER_APP) == []
     wait_until(lambda: not _processes_of(home, GUARD), "the guard gone", GONE_S, 0.1)
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="the guard needs Linux's pidfd")
+def test_a_guard_that_cannot_watch_its_processes_exits_quietly() -> None:
+    # A kernel without pidfd, a seccomp filter or gVisor refuses every pidfd_open with an
+    # OSError (ENOSYS, EPERM); this kernel refuses pid 0 so (EINVAL).
+    server = subprocess.Popen(["sleep", "600"])
+    try:
+        for parent, watched in [(os.getpid(), 0), (0, server.pid)]:
+            done = subprocess.run(
+                [sys.executable, "-m", GUARD, str(parent), str(watched)],
+                cwd=ROOT,
+                env=os.environ | {"PYTHONPATH": str(ROOT)},
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert (done.returncode, done.stderr) == (0, ""), done.stderr
+        assert server.poll() is None, "the guard stopped a server it could not watch"
+    finally:
+        server.kill()
+        server.wait(timeout=60)
