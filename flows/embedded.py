@@ -6,12 +6,14 @@ handler, and nothing else ties the server to its parent: it would live on, holdi
 port and its SQLite database. So `start_embedded_server` starts Prefect's own server up
 front (the one its clients then use) and a guard beside it:
 
-    python -m lanes.flows.embedded PARENT SERVER
+    python -I .../lanes/flows/embedded.py PARENT SERVER
 
-The guard waits on process descriptors (Linux's pidfd, never reused as a pid may be)
-of `lanes run` and of the server; when `lanes run` ends first, it stops the server.
-A normal exit is Prefect's as before: its atexit handler stops the server, after the
-run's logs are flushed to it, and the guard, finding it gone, just exits.
+(this file by path, isolated: the guard needs the standard library only, not the lanes
+package and all it imports, so this module imports nothing else at its top). The guard
+waits on process descriptors (Linux's pidfd, never reused as a pid may be) of `lanes
+run` and of the server; when `lanes run` ends first, it stops the server. A normal exit
+is Prefect's as before: its atexit handler stops the server, after the run's logs are
+flushed to it, and the guard, finding it gone, just exits.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import select
 import signal
 import sys
 
-GUARD = "lanes.flows.embedded"  # this module, as `python -m` runs it
 # The server's time to shut down after SIGTERM before it is killed (Prefect's stop: 5 s;
 # a loaded machine may need longer, and nobody waits for the guard).
 STOP_GRACE_S = 30.0
@@ -45,7 +46,7 @@ def start_embedded_server(startup_s: float) -> None:
     # no Popen object to wait on it, or to warn at exit that it still runs.
     os.posix_spawn(
         sys.executable,
-        [sys.executable, "-m", GUARD, str(os.getpid()), str(server.server_process.pid)],
+        [sys.executable, "-I", __file__, str(os.getpid()), str(server.server_process.pid)],
         os.environ,
     )
 
@@ -99,7 +100,7 @@ def main(argv: list[str]) -> int:
     # handles it, and this guard ends when it does.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if len(argv) != 2 or not all(arg.isdigit() for arg in argv):
-        print("usage: python -m lanes.flows.embedded PARENT_PID SERVER_PID", file=sys.stderr)
+        print(f"usage: python -I {__file__} PARENT_PID SERVER_PID", file=sys.stderr)
         return 2
     guard(int(argv[0]), int(argv[1]))
     return 0

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from lanes.flows import embedded
 from tests.flows_fixtures import write_jsonl, write_spec
 from tests.gates import GATE_FILE_ENV, SERVER_START_S, held_marker, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVER_APP = "prefect.server.api.server:create_app"  # what Prefect's server runs
-GUARD = "lanes.flows.embedded"
+GUARD = embedded.__file__  # the guard's command: python -I GUARD PARENT SERVER
 # A SIGTERMed server's shutdown, then its SIGKILL after the guard's grace, on a loaded
 # machine: a generous bound, never a wait.
 GONE_S = 120.0
@@ -91,6 +92,7 @@ def test_a_sigkilled_lanes_run_takes_its_embedded_server_with_it(tmp_path: Path)
         )
         assert killed.poll() is None, f"the run ended first, with {killed.returncode}"
         (server,) = _processes_of(home, SERVER_APP)
+        assert len(_processes_of(home, GUARD)) == 1, "no guard beside the server"
         with _watching(server) as server_ended:
             killed.send_signal(signal.SIGKILL)
             killed.wait(timeout=60)
@@ -123,9 +125,7 @@ def test_a_guard_that_cannot_watch_its_processes_exits_quietly() -> None:
     try:
         for parent, watched in [(os.getpid(), 0), (0, server.pid)]:
             done = subprocess.run(
-                [sys.executable, "-m", GUARD, str(parent), str(watched)],
-                cwd=ROOT,
-                env=os.environ | {"PYTHONPATH": str(ROOT)},
+                [sys.executable, "-I", GUARD, str(parent), str(watched)],
                 capture_output=True,
                 text=True,
                 timeout=60,
@@ -135,3 +135,18 @@ def test_a_guard_that_cannot_watch_its_processes_exits_quietly() -> None:
     finally:
         server.kill()
         server.wait(timeout=60)
+
+
+def test_the_guard_runs_on_the_standard_library_alone() -> None:
+    # Not the lanes package and all it imports (half a second, tens of MB): the guard
+    # is this file run by path, and imports only what Python itself has.
+    done = subprocess.run(
+        [sys.executable, "-I", "-X", "importtime", GUARD, str(os.getpid()), "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    # "import time: self [us] | cumulative | imported package", then one line a module
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()[1:]}
+    assert {name for name in imported if name.split(".")[0] in {"lanes", "prefect"}} == set()
