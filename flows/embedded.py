@@ -14,6 +14,11 @@ waits on process descriptors (Linux's pidfd, never reused as a pid may be) of `l
 run` and of the server; when `lanes run` ends first, it stops the server. A normal exit
 is Prefect's as before: its atexit handler stops the server, after the run's logs are
 flushed to it, and the guard, finding it gone, just exits.
+
+Prefect's server is one object per process, so a second `lanes run` in one process
+(typer's CliRunner, a notebook) finds its guard started already; and a guard that ends
+while this process lives on (the server stopped by prefect_test_harness) is reaped by a
+daemon thread, never left a zombie.
 """
 
 from __future__ import annotations
@@ -22,17 +27,24 @@ import os
 import select
 import signal
 import sys
+import threading
 
 # The server's time to shut down after SIGTERM before it is killed (Prefect's stop: 5 s;
 # a loaded machine may need longer, and nobody waits for the guard).
 STOP_GRACE_S = 30.0
 
+# The servers (by pid) with a guard that this process started and has not reaped yet:
+# as per process as Prefect's server object is.
+_GUARDED: set[int] = set()
+_GUARDED_LOCK = threading.Lock()
+
 
 def start_embedded_server(startup_s: float) -> None:
     """Start Prefect's embedded API server now, waiting up to `startup_s` for it, tied
-    to this process; nothing to do with PREFECT_API_URL set. Where the platform has no
-    working pidfd (not Linux, kernels before 5.3, a seccomp filter, gVisor), Prefect
-    starts it at the first client, untied, as it always has."""
+    to this process by one guard however often this is called; nothing to do with
+    PREFECT_API_URL set. Where the platform has no working pidfd (not Linux, kernels
+    before 5.3, a seccomp filter, gVisor), Prefect starts it at the first client,
+    untied, as it always has."""
     from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL
 
@@ -42,13 +54,29 @@ def start_embedded_server(startup_s: float) -> None:
     server.start(timeout=int(startup_s))
     if server.server_process is None:
         return  # stopped already: nothing to guard
-    # posix_spawn, not Popen: the guard outlives this process by design, and there is
-    # no Popen object to wait on it, or to warn at exit that it still runs.
-    os.posix_spawn(
-        sys.executable,
-        [sys.executable, "-I", __file__, str(os.getpid()), str(server.server_process.pid)],
-        os.environ,
-    )
+    server_pid = server.server_process.pid
+    with _GUARDED_LOCK:
+        if server_pid in _GUARDED:
+            return
+        # posix_spawn, not Popen: the guard outlives this process by design, and a
+        # Popen still running would warn at exit that it does.
+        guard_pid = os.posix_spawn(
+            sys.executable,
+            [sys.executable, "-I", __file__, str(os.getpid()), str(server_pid)],
+            os.environ,
+        )
+        _GUARDED.add(server_pid)
+    threading.Thread(
+        target=_reap, args=(guard_pid, server_pid), name="lanes-guard-reaper", daemon=True
+    ).start()
+
+
+def _reap(guard_pid: int, server_pid: int) -> None:
+    """Wait for the guard to end (with its server, or this process's end abandons the
+    wait), so that it leaves no zombie behind."""
+    os.waitpid(guard_pid, 0)
+    with _GUARDED_LOCK:
+        _GUARDED.discard(server_pid)
 
 
 def _has_pidfd() -> bool:

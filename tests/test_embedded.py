@@ -25,6 +25,21 @@ GUARD = embedded.__file__  # the guard's command: python -I GUARD PARENT SERVER
 # machine: a generous bound, never a wait.
 GONE_S = 120.0
 RUN_S = 600
+# `lanes run` twice in one process, as typer's CliRunner or a notebook does, then the
+# server stopped as prefect_test_harness stops it, while the process lives on: the test
+# says when to go on, a line on stdin at each step.
+TWO_RUNS = f"""
+from prefect.server.api.server import SubprocessASGIServer
+from lanes.flows.embedded import start_embedded_server
+
+start_embedded_server({SERVER_START_S})
+start_embedded_server({SERVER_START_S})
+print("started", flush=True)
+input()
+SubprocessASGIServer().stop()
+print("stopped", flush=True)
+input()
+"""
 
 
 def _processes_of(home: Path, marker: str) -> list[int]:
@@ -52,6 +67,39 @@ def _watching(pid: int) -> Iterator[int]:
         yield descriptor
     finally:
         os.close(descriptor)
+
+
+def _children(parent: int) -> list[int]:
+    """The processes whose parent is `parent`, zombies included."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text() if entry.name.isdigit() else ""
+        except OSError:  # ended meanwhile
+            continue
+        # "pid (command) state ppid ...", where the command may hold spaces and ")"
+        if stat and int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+            found.append(int(entry.name))
+    return found
+
+
+def _guards_of(parent: int) -> list[int]:
+    found = []
+    for child in _children(parent):
+        try:
+            command = (Path("/proc") / str(child) / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if GUARD.encode() in command:
+            found.append(child)
+    return found
+
+
+def _line(process: subprocess.Popen[str], within_s: float) -> str:
+    assert process.stdout is not None
+    ready, _, _ = select.select([process.stdout], [], [], within_s)
+    assert ready, f"no line from the process within {within_s} s"
+    return process.stdout.readline().strip()
 
 
 def _ended(descriptor: int, within_s: float) -> bool:
@@ -150,3 +198,34 @@ def test_the_guard_runs_on_the_standard_library_alone() -> None:
     # "import time: self [us] | cumulative | imported package", then one line a module
     imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()[1:]}
     assert {name for name in imported if name.split(".")[0] in {"lanes", "prefect"}} == set()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="the guard needs Linux's pidfd")
+def test_one_guard_per_server_reaped_when_the_server_stops(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env |= {"PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONPATH": str(ROOT)}
+    runs = subprocess.Popen(
+        [sys.executable, "-c", TWO_RUNS],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert runs.stdin is not None
+    try:
+        assert _line(runs, SERVER_START_S) == "started"
+        guards = _guards_of(runs.pid)
+        assert len(guards) == 1, f"{len(guards)} guards for one server"
+        runs.stdin.write("\n")
+        runs.stdin.flush()
+        assert _line(runs, GONE_S) == "stopped"
+        # Reaped, its pid is no child of the process any more; a zombie's still is.
+        wait_until(lambda: guards[0] not in _children(runs.pid), "the guard reaped", GONE_S, 0.1)
+        runs.communicate("\n", timeout=GONE_S)
+        assert runs.returncode == 0
+    finally:
+        if runs.poll() is None:
+            runs.kill()
+            runs.wait(timeout=60)
