@@ -257,7 +257,11 @@ def run_job(
     done: list[ShardStats] = []
     pending: list[_Pending] = []
     for plan in plans:
-        earlier = None if rerun == "all" else committed(storage, plan)
+        # Read whatever `rerun` says: a marker of another job's fails the run here,
+        # before any shard writes over its results.
+        earlier = committed(storage, plan)
+        if rerun == "all":
+            earlier = None
         if earlier is None:
             pending.append(_Pending(plan, None))
         elif rerun == "errors" and earlier.errors > 0:

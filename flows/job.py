@@ -211,6 +211,7 @@ def plan_shards(job: Job, storage: Storage) -> list[ShardPlan]:
                 errors=join(job.output, written[1]),
                 marker=join(job.output, written[2]),
                 key=key,
+                workload=job.workload,
             )
         )
     for path, file in writers.items():

@@ -39,7 +39,7 @@ from typing import IO, Any
 
 import orjson
 
-from lanes.errors import InvalidInput, JobFailed, StorageError
+from lanes.errors import InvalidInput, JobFailed, PermanentStorageError, StorageError
 from lanes.flows.records import read_shard, unit
 from lanes.flows.requests import Rejection, Request, to_request
 from lanes.flows.runners import DeviceTime, ShardModel
@@ -69,6 +69,7 @@ class ShardPlan:
     errors: str
     marker: str
     key: str  # input identity + model identity: a different key means redo
+    workload: str  # whose results these are: another's marker is not ours to overwrite
 
 
 @dataclass(frozen=True)
@@ -109,12 +110,15 @@ class _Batch:
 
 
 def committed(storage: Storage, plan: ShardPlan) -> ShardStats | None:
-    """The stats an earlier run committed for this shard, if its key is still current."""
+    """The stats an earlier run committed for this shard, if its key is still current.
+    Raises PermanentStorageError when the marker is another workload's or another
+    input's (`_check_owner`): redoing the shard would overwrite their results."""
     raw = storage.read_bytes(plan.marker)
     if raw is None:
         return None
     try:
         marker = orjson.loads(raw)
+        _check_owner(plan, marker)
         if marker.get("key") != plan.key:
             return None
         # Fields with a default may be absent: markers written before they existed.
@@ -127,6 +131,26 @@ def committed(storage: Storage, plan: ShardPlan) -> ShardStats | None:
     except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
         log.warning("ignoring unreadable marker %s: the shard will be redone", plan.marker)
         return None
+
+
+def _check_owner(plan: ShardPlan, marker: dict[str, Any]) -> None:
+    """A marker for the same input file (and workload) whose key differs is this
+    shard's own, gone stale (the file or the model changed): redone. One of another
+    input file or workload means two jobs share this output: refuse before writing.
+    A marker older than the `workload` field names its input only."""
+    input, workload = marker.get("input"), marker.get("workload")
+    if not isinstance(input, str):
+        return  # unreadable: committed() says so and the shard is redone
+    if input == plan.input.uri and workload in (None, plan.workload):
+        return
+    owner = f"workload {workload}'s shard of {input}" if workload else f"a shard of {input}"
+    folder = plan.output.removesuffix(plan.name)
+    raise PermanentStorageError(
+        f"{plan.output} holds the results of {owner} (commit marker {plan.marker}), not "
+        f"of {plan.input.uri} for workload {plan.workload}: two jobs write this output "
+        f"and would overwrite each other; give this one a different output, or delete "
+        f"{folder} to replace the old results"
+    )
 
 
 def run_shard(
@@ -184,7 +208,7 @@ def run_shard(
         recovered=writer.outputs + reader.answered if redo is not None else 0,
         busy_seconds=device.total,
     )
-    marker = {"key": plan.key, **asdict(stats)}
+    marker = {"key": plan.key, "workload": plan.workload, **asdict(stats)}
     del marker["skipped"]
     storage.write_bytes(plan.marker, orjson.dumps(marker, option=orjson.OPT_INDENT_2))
     _log_shard(plan, stats)

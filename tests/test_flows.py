@@ -280,6 +280,41 @@ def test_rerun_skips_committed_shards_and_redoes_changed_ones(
     ]  # fmt: skip
 
 
+def test_a_second_job_into_a_committed_output_fails_before_writing_over_it(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    for folder in ("in", "in2"):
+        for name in ("a", "b"):
+            write_jsonl(
+                tmp_path / folder / f"{name}.jsonl",
+                [{"id": f"{folder}-{name}{i}", "x": [[i, 0, 0, 0]]} for i in range(3)],
+            )
+    spec = write_spec(tmp_path, {"aff": offline_workload("infer")})
+    offline(workload="aff", spec=str(spec))
+    committed = {p.name: p.read_bytes() for p in (tmp_path / "out").rglob("*.json*")}
+
+    # Another workload, or this one on another input, into the same output (the spec
+    # rewritten after validation passed): refused, --force too, and nothing written.
+    other = offline_workload("infer", input="in2/")
+    for workload, rerun in (("other", "uncommitted"), ("aff", "uncommitted"), ("aff", "all")):
+        write_spec(tmp_path, {workload: other})
+        with pytest.raises(StorageError) as caught:
+            offline(workload=workload, spec=str(spec), rerun=rerun)
+        message = str(caught.value)
+        assert f"{tmp_path}/out/a.jsonl holds the results of workload aff's shard of " in message
+        assert f"{tmp_path}/in/a.jsonl" in message and f"for workload {workload}" in message
+        assert f"give this one a different output, or delete {tmp_path}/out/" in message
+        assert {p.name: p.read_bytes() for p in (tmp_path / "out").rglob("*.json*")} == committed
+
+    # Its own input file changed (b), or its model (written anew: a and b): redone.
+    write_spec(tmp_path, {"aff": offline_workload("infer")})
+    write_jsonl(tmp_path / "in" / "b.jsonl", [{"id": "in-b9", "x": [[9, 0, 0, 0]]}])
+    changed = offline(workload="aff", spec=str(spec))
+    assert (changed["shards_run"], changed["total_outputs"]) == (2, 4)
+    forced = offline(workload="aff", spec=str(spec), rerun="all")
+    assert (forced["shards_run"], forced["total_outputs"]) == (2, 4)
+
+
 def test_sigkill_mid_job_then_rerun_gives_every_id_exactly_once(
     prefect_api: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
