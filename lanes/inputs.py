@@ -94,6 +94,12 @@ def output_inside_input(output: str, input: str, base: Path) -> bool:
     return _under(absolute(output, base), _fixed(absolute(input, base)))
 
 
+def inside_output(output: str, other: str, base: Path) -> bool:
+    """Whether output folder `output` is `other` or inside it, however each is spelt
+    (relative or absolute, `..`, a trailing '/')."""
+    return _under(absolute(output, base), absolute(other, base))
+
+
 def _fixed(location: str) -> str:
     """The part of a location before its first wildcard, cut at a '/'."""
     cut = min((location.index(c) for c in _GLOB_CHARS if c in location), default=None)

@@ -118,6 +118,7 @@ def parse_spec(
         found += _runner_problems(name, workload, workloads)
         found += _output_problems(name, workload, base)
     found += _group_problems(workloads)
+    found += _shared_output_problems(workloads, base)
     if found:
         return None, found
     return Spec(version=top.version, models=models, workloads=workloads, root=base), []
@@ -365,6 +366,38 @@ def _output_problems(
         "inputs on the next run; choose an output folder outside the input"
     )
     return [(("workloads", name, "output"), message, False)]
+
+
+def _shared_output_problems(
+    workloads: dict[str, InteractiveWorkload | OfflineWorkload], base: Path
+) -> Found:
+    """Each offline workload's commit markers must be its own: two writing one output
+    folder (or one inside the other) redo and overwrite each other's shards. Reported
+    at the later workload's output."""
+    from lanes.inputs import inside_output  # as in _output_problems
+
+    found: Found = []
+    earlier: list[tuple[str, str]] = []  # (workload, output)
+    for name, workload in workloads.items():
+        if not isinstance(workload, OfflineWorkload):
+            continue
+        output = workload.output
+        for other, theirs in earlier:
+            if inside_output(output, theirs, base) and inside_output(theirs, output, base):
+                where = f"is also the output of workload {other} ({theirs})"
+            elif inside_output(output, theirs, base):
+                where = f"is inside the output of workload {other}, {theirs}"
+            elif inside_output(theirs, output, base):
+                where = f"holds the output of workload {other}, {theirs}"
+            else:
+                continue
+            message = (
+                f"{output} {where}: the two would overwrite each other's results; give "
+                "each offline workload an output folder of its own"
+            )
+            found.append((("workloads", name, "output"), message, False))
+        earlier.append((name, output))
+    return found
 
 
 def _text(value: Any) -> str | None:

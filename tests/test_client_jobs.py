@@ -73,7 +73,7 @@ GHOST = """\
     task: embed
     model: minilm
     input: in/
-    output: out/
+    output: out-ghost/
 """
 GOOD = [{"id": f"r{i}", "text": f"record number {i}"} for i in range(3)]
 BAD = {"id": "r-bad", "txt": "a misspelt field"}

@@ -215,7 +215,11 @@ def test_a_deadline_deploys_on_its_windows_opening(tmp_path: Path) -> None:
     deadline = {**WORKLOADS["nightly"], "description": None}
     workloads = {
         "alone": {**deadline, "schedule": {"finish_by": "07:00", "timezone": "Europe/Berlin"}},
-        "both": {**deadline, "schedule": {"cron": "0 22 * * *", "finish_by": "07:00"}},
+        "both": {
+            **deadline,
+            "output": "out-both/",
+            "schedule": {"cron": "0 22 * * *", "finish_by": "07:00"},
+        },
     }
     spec_file = write_spec(tmp_path, workloads)
     settings = Settings()

@@ -362,7 +362,7 @@ def test_a_broken_handler_fails_its_shards_but_not_the_others(
     spec = write_spec(
         tmp_path,
         {
-            "good": offline_workload("infer"),
+            "good": offline_workload("infer", output="out-good/"),
             "bad": offline_workload("infer", handler="tests.flows_fixtures:broken"),
         },
     )

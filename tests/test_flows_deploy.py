@@ -117,7 +117,9 @@ def test_lanes_deploy_removes_the_deployments_the_spec_no_longer_has(
 ) -> None:
     env = {**prefect_server, "LANES_WORK_POOL": "removals"}
     api = prefect_server["PREFECT_API_URL"]
-    first = write_spec(tmp_path / "first", {"daily": _workload(), "weekly": _workload()})
+    first = write_spec(
+        tmp_path / "first", {"daily": _workload(), "weekly": _workload(output="out-weekly/")}
+    )
     other = write_spec(tmp_path / "other", {"theirs": _workload()})  # another project
     _run([*LANES, "deploy", str(first)], env, first.parent)
     _run([*LANES, "deploy", str(other)], env, other.parent)

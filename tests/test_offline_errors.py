@@ -85,7 +85,10 @@ def test_records_in_the_wrong_shape_fail_the_run_before_any_shard(
 ) -> None:
     spec = write_spec(
         tmp_path,
-        {"tickets": offline_workload(), "fixed": offline_workload(fields={"id": "ticket_id"})},
+        {
+            "tickets": offline_workload(),
+            "fixed": offline_workload(output="fixed/", fields={"id": "ticket_id"}),
+        },
     )
     for shard in range(3):
         records = [{"ticket_id": shard * 100 + i, "text": text(i)} for i in range(100)]

@@ -402,7 +402,7 @@ workloads:
     task: embed
     model: minilm
     input: s3://corpus/in/
-    output: s3://corpus/out/
+    output: s3://corpus/out-dask/
     runner: {kind: dask, address: "tcp://dask-scheduler:8786"}
 """
 

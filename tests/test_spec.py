@@ -296,6 +296,45 @@ def test_every_problem_is_reported_at_once(folder: Path) -> None:
     assert [p.split(":")[1] for p in found] == ["10", "11", "16"]
 
 
+def test_offline_workloads_sharing_an_output_folder_are_refused(folder: Path) -> None:
+    """Each workload's commit markers must be its own: one output folder, however
+    spelt, or one inside the other, would have each redo and overwrite the other's."""
+    offline = "    mode: offline\n    task: embed\n    model: enc\n    input: in2/\n"
+    text = GOOD + "".join(
+        f"  {name}:\n{offline}    output: {output}\n"
+        for name, output in (
+            ("same", "./x/../out"),  # line 23
+            ("inner", "out/inner/"),  # line 29
+            ("s3-a", "s3://bucket/emb/"),
+            ("s3-b", "s3://bucket/emb"),  # line 41
+            ("s3-c", "s3://bucket/emb2/"),
+        )
+    )
+    (folder / "x").mkdir()
+    assert problems(folder, text) == [
+        "W:23:13: workloads.same.output: ./x/../out is also the output of workload "
+        "nightly (out/): the two would overwrite each other's results; give each offline "
+        "workload an output folder of its own",
+        "W:29:13: workloads.inner.output: out/inner/ is inside the output of workload "
+        "nightly, out/: the two would overwrite each other's results; give each offline "
+        "workload an output folder of its own",
+        "W:29:13: workloads.inner.output: out/inner/ is inside the output of workload "
+        "same, ./x/../out: the two would overwrite each other's results; give each "
+        "offline workload an output folder of its own",
+        "W:41:13: workloads.s3-b.output: s3://bucket/emb is also the output of workload "
+        "s3-a (s3://bucket/emb/): the two would overwrite each other's results; give "
+        "each offline workload an output folder of its own",
+    ]
+    holds = GOOD.replace("    output: out/\n", "    output: out/n/\n") + (
+        f"  outer:\n{offline}    output: out\n"
+    )
+    assert problems(folder, holds) == [
+        "W:23:13: workloads.outer.output: out holds the output of workload nightly, "
+        "out/n/: the two would overwrite each other's results; give each offline "
+        "workload an output folder of its own",
+    ]
+
+
 def test_env_override_changes_effective_value(
     folder: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -564,7 +603,7 @@ def test_post_on_an_interactive_generate_workload_is_a_problem_validate_reports(
         "  code-pre:\n    mode: interactive\n    task: generate\n    model: enc\n"
         "    handler: gen_hooks:pre_only\n"
         "  code-nightly:\n    mode: offline\n    task: generate\n    model: enc\n"
-        "    input: in/\n    output: out/\n    handler: gen_hooks:both\n"
+        "    input: in/\n    output: out-code/\n    handler: gen_hooks:both\n"
     )
     message = (
         "workloads.code.handler: handler gen_hooks:both: defines post, but an interactive "
