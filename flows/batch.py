@@ -19,7 +19,8 @@ of committed shards; "all" ignores the commits and runs every shard again.
 
 The final state says how it went: Completed when every record was answered,
 Completed named CompletedWithErrors (a message with the counts) when some were
-rejected, Failed when a shard failed.
+rejected, Failed when a shard failed. A manifest that cannot be written is a warning
+in the message (and the log), never the run's state: the shards decide that.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from prefect.states import Completed
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 from lanes.backfill import served_workload
-from lanes.errors import JobFailed, LanesError
+from lanes.errors import JobFailed, LanesError, StorageError
 from lanes.flows import FLOW_NAME
 from lanes.flows.endpoint import EndpointModel, batch_key, check_key, check_reachable
 from lanes.flows.job import Job, Lane, plan_job, plan_shards
@@ -123,13 +124,14 @@ def offline(
             if later is not None:
                 return cast("dict[str, Any]", later)
             deadline = _deadline(job, settings, finish_by, planned_start, now)
-            manifest = run_job(job, settings, rerun, tracing, finish_by, deadline)
+            ran = run_job(job, settings, rerun, tracing, finish_by, deadline)
     finally:
         if tracing is not None:
             tracing.flush()  # a worker process may exit next
     # A State returned by a flow becomes its run's final state, and a caller of the
     # flow gets the state's data: the summary.
-    return cast("dict[str, Any]", outcome(manifest, _retry(job, spec, input, output)))
+    state = outcome(ran.manifest, _retry(job, spec, input, output), ran.manifest_missing)
+    return cast("dict[str, Any]", state)
 
 
 def _retry(job: Job, spec: str, input: str | None, output: str | None) -> str:
@@ -199,29 +201,49 @@ def _deadline(
     return None
 
 
-def outcome(manifest: Manifest, retry: str) -> State[dict[str, Any]]:
+def outcome(
+    manifest: Manifest, retry: str, manifest_missing: str | None = None
+) -> State[dict[str, Any]]:
     """The final state of a run that ended well: Completed, or CompletedWithErrors
     when any committed shard holds rejected records (its message ends with `retry`:
-    what reruns them). A run that ended past its deadline says by how much."""
+    what reruns them). A run that ended past its deadline says by how much. With
+    `manifest_missing` (why the manifest could not be written), the message says the
+    outputs are complete without it."""
     summary = manifest.summary()
     late = manifest.late_by()
-    finished = ""
+    notes = ""
     if late is not None:
-        finished = f"; finished late, {late:.0f} s after its deadline {manifest.finish_by}"
+        notes = f"; finished late, {late:.0f} s after its deadline {manifest.finish_by}"
+    # Completed, not Failed: every shard is committed, so every record is answered and
+    # a caller may read the results; failing would have Job.wait() raise and a Batch API
+    # batch fail over a file that only counts them. A rerun writes it, skipping them all.
+    if manifest_missing is not None:
+        notes += (
+            f"; the outputs are complete, but {manifest_missing}: run again to write it "
+            "(every shard is skipped)"
+        )
     if manifest.total_errors == 0:
-        message = f"{_records(manifest.total_outputs)} answered{finished}"
+        message = f"{_records(manifest.total_outputs)} answered{notes}"
         return Completed(message=message, data=summary)
     errors = join(manifest.output, ERRORS)
     message = (
         f"{_records(manifest.total_errors)} rejected, {manifest.total_outputs} answered "
         f"(each shard under its max_error_rate); the rejected ones are in {errors}: fix "
-        f"them (or the workload) and {retry}{finished}"
+        f"them (or the workload) and {retry}{notes}"
     )
     return Completed(name=WITH_ERRORS_STATE, message=message, data=summary)
 
 
 def _records(n: int) -> str:
     return f"{n} record{'' if n == 1 else 's'}"
+
+
+@dataclass(frozen=True)
+class Ran:
+    """A run whose shards all committed, and its manifest."""
+
+    manifest: Manifest
+    manifest_missing: str | None  # why the manifest could not be written; None: it was
 
 
 def run_job(
@@ -231,11 +253,12 @@ def run_job(
     tracing: Tracing | None = None,
     finish_by: datetime | None = None,
     deadline: datetime | None = None,
-) -> Manifest:
+) -> Ran:
     """Inside a flow run: the shards of `job` (none started past `finish_by`), then the
-    manifest. Raises JobFailed. With `tracing`, each shard's span continues the
-    current one. A run with a `deadline` warns when it starts or ends past it, and
-    its manifest says whether it met it."""
+    manifest. Raises JobFailed when a shard failed, whether or not the manifest could
+    be written: the shards' outcome decides. With `tracing`, each shard's span
+    continues the current one. A run with a `deadline` warns when it starts or ends
+    past it, and its manifest says whether it met it."""
     from prefect.runtime import flow_run
 
     started = datetime.now(UTC)
@@ -292,18 +315,28 @@ def run_job(
         log.warning(
             "%s: finished %.0f s after its deadline %s", job.workload, overran, manifest.finish_by
         )
-    uri = write_manifest(storage, manifest)
-    log.info("manifest %s", uri)
-    if not failures:  # a failed shard's retries are in the wall time, not its items
+    missing: str | None = None
+    try:
+        uri = write_manifest(storage, manifest)
+        log.info("manifest %s", uri)
+    except StorageError as err:
+        # The storage that failed the manifest may have failed shards too: their
+        # failure, not this one, is the run's.
+        missing = f"the manifest could not be written under {job.output} ({err})"
+        log.warning("%s", missing)
+    # A failed shard's retries are in the wall time, not its items; a measurement's
+    # source is its manifest, so none without one.
+    if not failures and missing is None:
         _record_throughput(measurements, job, manifest, uri)
     if failures:
         listed = "; ".join(f"{f.input}: {f.error}" for f in failures)
         others = "the others are committed: " if len(plans) > len(failures) else ""
+        also = f"; {missing}" if missing is not None else ""
         raise JobFailed(
             f"{len(failures)} of {len(plans)} shards failed ({listed}); "
-            f"{others}fix the cause and run again to redo only these"
+            f"{others}fix the cause and run again to redo only these{also}"
         )
-    return manifest
+    return Ran(manifest, missing)
 
 
 def _record_throughput(store: Measurements, job: Job, manifest: Manifest, uri: str) -> None:

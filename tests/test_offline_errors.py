@@ -503,3 +503,80 @@ def test_a_shard_denied_its_s3_input_fails_at_once_and_the_others_commit(
 
     again = offline(workload="emb", spec=str(spec))  # access granted: the denied shard alone
     assert (again["shards_run"], again["shards_skipped"], again["total_outputs"]) == (1, 1, 20)
+
+
+def user_keys(endpoint: str, user: str, statements: list[dict[str, Any]]) -> dict[str, str]:
+    """Keys of a new IAM user of moto's with `statements` as its policy."""
+    import boto3
+
+    iam = boto3.client("iam", endpoint_url=endpoint)
+    iam.create_user(UserName=user)
+    policy = {"Version": "2012-10-17", "Statement": statements}
+    iam.put_user_policy(UserName=user, PolicyName="p", PolicyDocument=json.dumps(policy))
+    key = iam.create_access_key(UserName=user)["AccessKey"]
+    return {
+        "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
+        "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"],
+    }
+
+
+@pytest.mark.parametrize("shards", ["one fails", "all commit"])
+def test_a_manifest_that_cannot_be_written_leaves_the_state_to_the_shards(
+    prefect_api: str,
+    tmp_path: Path,
+    s3_endpoint: str,
+    monkeypatch: pytest.MonkeyPatch,
+    shards: str,
+) -> None:
+    s3 = s3_env(monkeypatch, s3_endpoint)
+    corpus, results = f"corpus-{len(shards)}", f"out-bucket-{len(shards)}"
+    for bucket in (corpus, results):
+        s3.create_bucket(Bucket=bucket)
+    names = ["open", "secret"] if shards == "one fails" else ["open"]
+    for name in names:
+        body = b"".join(
+            orjson.dumps({"id": f"{name}{i}", "text": text(i)}) + b"\n" for i in range(10)
+        )
+        s3.put_object(Bucket=corpus, Key=f"in/{name}.jsonl", Body=body)
+    workload = offline_workload(input=f"s3://{corpus}/in/", output=f"s3://{results}/emb/")
+    spec = write_spec(tmp_path, {"emb": workload})
+    # The shards may read in/open* and write anything but the manifests.
+    allow = [
+        ("s3:List*", f"arn:aws:s3:::{corpus}"),
+        ("s3:GetObject", f"arn:aws:s3:::{corpus}/in/open*"),
+        ("s3:*", f"arn:aws:s3:::{results}"),
+        ("s3:*", f"arn:aws:s3:::{results}/*"),
+    ]
+    statements = [{"Effect": "Allow", "Action": a, "Resource": r} for a, r in allow]
+    deny = {
+        "Effect": "Deny",
+        "Action": "s3:PutObject",
+        "Resource": f"arn:aws:s3:::{results}/emb/_manifest*",
+    }
+    for name, value in user_keys(
+        s3_endpoint, shards.replace(" ", "-"), [*statements, deny]
+    ).items():
+        monkeypatch.setenv(name, value)
+    reset_auth = f"{s3_endpoint}/moto-api/reset-auth"
+    httpx.post(reset_auth, content=b"0", timeout=10).raise_for_status()  # the policy binds
+    try:
+        state = offline(workload="emb", spec=str(spec), return_state=True)
+    finally:
+        httpx.post(reset_auth, content=b"inf", timeout=10).raise_for_status()
+
+    message = state.message or ""
+    unwritten = (
+        f"the manifest could not be written under s3://{results}/emb/ (s3://{results}/emb/_manifest"
+    )
+    assert unwritten in message and "access denied" in message, message
+    if shards == "one fails":
+        assert state.is_failed()
+        assert "1 of 2 shards failed" in message and "the others are committed" in message
+        assert f"s3://{corpus}/in/secret.jsonl: access denied (AccessDenied) to read" in message
+    else:
+        assert state.is_completed() and state.name == "Completed"
+        assert message.startswith("10 records answered; the outputs are complete, but ")
+        assert message.endswith(": run again to write it (every shard is skipped)")
+    listed = s3.list_objects_v2(Bucket=results, Prefix="emb/")["Contents"]
+    assert "emb/_committed/open.json" in [o["Key"] for o in listed]
+    assert not [o["Key"] for o in listed if "_manifest" in o["Key"]]
