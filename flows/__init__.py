@@ -8,6 +8,7 @@ flows.requests  a record -> task items, and outputs -> its output line
 flows.validate  a sample of the records checked against their shape before a run
 flows.job       a job planned: URIs, resume keys, one plan per shard
 flows.manifest  the record a run leaves beside its outputs
+flows.outcome   a run's deadline and final state
 flows.compile   offline workloads -> prefect.yaml
 flows.embedded  `lanes run`'s embedded Prefect server, tied to `lanes run`'s life
 """

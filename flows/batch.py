@@ -49,6 +49,7 @@ from lanes.flows import FLOW_NAME
 from lanes.flows.endpoint import EndpointModel, batch_key, check_key, check_reachable
 from lanes.flows.job import Job, Lane, plan_job, plan_shards
 from lanes.flows.manifest import Manifest, ShardFailure, build_manifest, write_manifest
+from lanes.flows.outcome import outcome, run_deadline
 from lanes.flows.runners import Model, ShardModel
 from lanes.flows.shard import (
     ShardPlan,
@@ -60,19 +61,16 @@ from lanes.flows.start import (
     calibration,
     defer,
     deferred_until,
-    has_deadline,
     plan_run,
     should_plan,
-    window_deadline,
 )
 from lanes.flows.validate import check_records
-from lanes.jobs import BATCH_TAG, WITH_ERRORS_STATE
-from lanes.layout import ERRORS
+from lanes.jobs import BATCH_TAG
 from lanes.measurements import Measurements, Throughput, newest
 from lanes.runtime import Runtime
 from lanes.settings import Settings
 from lanes.spec import Runner
-from lanes.storage import Storage, join
+from lanes.storage import Storage
 from lanes.tasks import load_task
 from lanes.tracing import Tracing, maybe_span
 
@@ -123,7 +121,7 @@ def offline(
             later = _start_later(job, settings, now)
             if later is not None:
                 return cast("dict[str, Any]", later)
-            deadline = _deadline(job, settings, finish_by, planned_start, now)
+            deadline = run_deadline(job, settings, finish_by, planned_start, now)
             ran = run_job(job, settings, rerun, tracing, finish_by, deadline)
     finally:
         if tracing is not None:
@@ -177,65 +175,6 @@ def _start_later(job: Job, settings: Settings, now: datetime) -> State[dict[str,
     run = defer(deployment.name, plan, parameters, name=f"{job.workload}-{at:%Y%m%d-%H%M}")
     message = f"starts at {run.start.isoformat()} as flow run {run.id}: {plan.note}"
     return Completed(message=message, data={"rescheduled_as": run.id, **plan.as_json()})
-
-
-def _deadline(
-    job: Job,
-    settings: Settings,
-    finish_by: datetime | None,
-    planned_start: datetime | None,
-    now: datetime,
-) -> datetime | None:
-    """The deadline this run answers to, None without: a batch's `finish_by`; for a
-    workload with `schedule.finish_by`, the end of the window a deferred run was planned
-    in (`planned_start`), or of the one open at `now` for a run that planned to start
-    now (flows.start.should_plan)."""
-    from prefect.runtime import deployment, flow_run
-
-    if finish_by is not None:
-        return finish_by
-    if planned_start is not None and has_deadline(job):
-        return window_deadline(job, settings, planned_start)
-    if should_plan(job, deployment.name, dict(flow_run.parameters)):
-        return window_deadline(job, settings, now)
-    return None
-
-
-def outcome(
-    manifest: Manifest, retry: str, manifest_missing: str | None = None
-) -> State[dict[str, Any]]:
-    """The final state of a run that ended well: Completed, or CompletedWithErrors
-    when any committed shard holds rejected records (its message ends with `retry`:
-    what reruns them). A run that ended past its deadline says by how much. With
-    `manifest_missing` (why the manifest could not be written), the message says the
-    outputs are complete without it."""
-    summary = manifest.summary()
-    late = manifest.late_by()
-    notes = ""
-    if late is not None:
-        notes = f"; finished late, {late:.0f} s after its deadline {manifest.finish_by}"
-    # Completed, not Failed: every shard is committed, so every record is answered and
-    # a caller may read the results; failing would have Job.wait() raise and a Batch API
-    # batch fail over a file that only counts them. A rerun writes it, skipping them all.
-    if manifest_missing is not None:
-        notes += (
-            f"; the outputs are complete, but {manifest_missing}: run again to write it "
-            "(every shard is skipped)"
-        )
-    if manifest.total_errors == 0:
-        message = f"{_records(manifest.total_outputs)} answered{notes}"
-        return Completed(message=message, data=summary)
-    errors = join(manifest.output, ERRORS)
-    message = (
-        f"{_records(manifest.total_errors)} rejected, {manifest.total_outputs} answered "
-        f"(each shard under its max_error_rate); the rejected ones are in {errors}: fix "
-        f"them (or the workload) and {retry}{notes}"
-    )
-    return Completed(name=WITH_ERRORS_STATE, message=message, data=summary)
-
-
-def _records(n: int) -> str:
-    return f"{n} record{'' if n == 1 else 's'}"
 
 
 @dataclass(frozen=True)
