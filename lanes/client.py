@@ -37,7 +37,7 @@ from lanes.payloads import Request
 from lanes.settings import Settings
 from lanes.spec import Spec
 from lanes.tracing import Tracing
-from lanes.wire import Completion, Core, Usage, cut_short, json_body
+from lanes.wire import Completion, Core, Prompt, Usage, cut_short, json_body
 
 __all__ = ["AsyncClient", "Client", "Completion", "Records", "Usage", "When"]
 
@@ -97,8 +97,8 @@ class Client:
         embed: a float32 vector for a text, [n, dim] for a list (or 1-D numpy array) of texts;
         infer: a dict of output name -> array (a handler's workload: its JSON values), for
         a mapping of input name -> array, or for a model of one input, its value alone;
-        generate: a Completion (a str prompt, or a list of chat messages); it travels
-        streamed when the workload says `stream: true`.
+        generate: a Completion (a str prompt, a list of the model's token ids, or a list
+        of chat messages); it travels streamed when the workload says `stream: true`.
         `options` go into the request body (e.g. max_tokens, temperature)."""
         types = self._core.types_request(workload, input)
         if types is not None:
@@ -116,7 +116,7 @@ class Client:
             response.close()
 
     def stream(
-        self, workload: str, prompt: Any, *, timeout_ms: float | None = None, **options: Any
+        self, workload: str, prompt: Prompt, *, timeout_ms: float | None = None, **options: Any
     ) -> Iterator[str]:
         """The text of a generate workload's answer, chunk by chunk as it is made.
         The request is sent on the first `next()`; closing the iterator early
@@ -264,7 +264,7 @@ class AsyncClient:
             await response.aclose()
 
     def stream(
-        self, workload: str, prompt: Any, *, timeout_ms: float | None = None, **options: Any
+        self, workload: str, prompt: Prompt, *, timeout_ms: float | None = None, **options: Any
     ) -> AsyncIterator[str]:
         """See `Client.stream`: `async for chunk in client.stream(...)`; `aclose()` on
         the iterator (or leaving the loop) closes the connection and frees the slot."""

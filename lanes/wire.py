@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import random
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +48,9 @@ from lanes.spec import (
 from lanes.specfile import load_spec
 from lanes.tracing import Tracing
 from lanes.validation import describe
+
+# What a generate workload takes: a text, the model's token ids, or chat messages.
+Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 
 BACKOFF_BASE_S = 0.2
 # The longest a client sleeps before a retry; a longer Retry-After is the caller's call.
@@ -225,15 +228,23 @@ class Core:
         name: str, prompt: Any, options: dict[str, Any], headers: dict[str, str], stream: bool
     ) -> Request:
         body: dict[str, Any] = {**options, "model": name, "stream": stream}
+        ids = token_ids(prompt)
         if isinstance(prompt, str):
             path, body = "/v1/completions", {**body, "prompt": prompt}
-        elif isinstance(prompt, list | tuple) and all(isinstance(m, Mapping) for m in prompt):
+        elif ids is not None:
+            path, body = "/v1/completions", {**body, "prompt": ids}
+        elif (
+            isinstance(prompt, list | tuple)
+            and prompt
+            and all(isinstance(m, Mapping) for m in prompt)
+        ):
             path, body = "/v1/chat/completions", {**body, "messages": list(prompt)}
         else:
             raise InvalidInput.field(
                 "prompt",
-                "expected a string, or a list of chat messages ({'role': ..., 'content': ...}), "
-                f"found {describe(prompt)}",
+                "expected a string, a list of token ids, or a list of chat messages "
+                f"({{'role': ..., 'content': ...}}), found {_described_prompt(prompt)}",
+                "empty_array" if isinstance(prompt, list | tuple) and not prompt else None,
             )
         return Request("POST", path, body, headers, streamed=stream)
 
@@ -471,3 +482,32 @@ def _retry_after(headers: Mapping[str, str]) -> float:
         return max(0.0, float(headers.get("retry-after", "1")))
     except ValueError:
         return 1.0  # an HTTP date: lanes never sends one
+
+
+def token_ids(prompt: Any) -> list[int] | None:
+    """A prompt given as the model's token ids, as /v1/completions takes them; None
+    when `prompt` is not a list (or tuple, or 1-d integer array) of integers.
+
+    An id below 0 is an InvalidInput here; one beyond the vocabulary only the server
+    can tell (a 400 naming the vocabulary's range)."""
+    if isinstance(prompt, np.ndarray):
+        if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
+            return None
+        prompt = prompt.tolist()
+    if not isinstance(prompt, list | tuple) or not prompt:
+        return None
+    if not all(isinstance(t, int | np.integer) and not isinstance(t, bool) for t in prompt):
+        return None
+    ids = [int(t) for t in prompt]
+    for i, token in enumerate(ids):
+        if token < 0:
+            raise InvalidInput.field(
+                f"prompt[{i}]", f"expected a token id (0 or more), found {token}", "invalid_value"
+            )
+    return ids
+
+
+def _described_prompt(prompt: Any) -> str:
+    if isinstance(prompt, list | tuple) and not prompt:
+        return "an empty array"
+    return describe(prompt)

@@ -212,6 +212,35 @@ def test_call_returns_each_task_s_result(client: lanes.Client, server: ServerThr
     assert isinstance(chat, Completion) and chat.usage.completion_tokens <= 6
 
 
+def test_a_prompt_of_token_ids_travels_as_ids(client: lanes.Client, server: ServerThread) -> None:
+    ids = [5, 17, 42, 7]
+    plain = raw(server, "/v1/completions", {"model": "code", "prompt": ids, "max_tokens": 5})
+    done = client.call("code", ids, max_tokens=5)
+    assert done.text == plain["choices"][0]["text"]  # type: ignore[index]
+    assert done.usage.prompt_tokens == len(ids)
+    assert client.call("code", tuple(ids), max_tokens=5) == done
+    assert client.call("code", np.array(ids, dtype=np.int64), max_tokens=5) == done
+    assert "".join(client.stream("code", ids, max_tokens=5)) == done.text
+    assert client.call("code-streams", ids, max_tokens=5) == done
+
+
+def test_a_bad_list_of_token_ids_is_invalid_input(
+    client: lanes.Client, server: ServerThread
+) -> None:
+    before = metric(server, "lanes_responses_total", route="/v1/completions", code="400")
+    with pytest.raises(lanes.InvalidInput, match=r"prompt\[1\]: expected a token id") as negative:
+        client.call("code", [5, -1, 7])
+    assert (negative.value.param, negative.value.code) == ("prompt[1]", "invalid_value")
+    with pytest.raises(lanes.InvalidInput, match="found an empty array") as empty:
+        client.call("code", [])  # neither ids nor messages: never a chat of no messages
+    assert (empty.value.param, empty.value.code) == ("prompt", "empty_array")
+    assert metric(server, "lanes_responses_total", route="/v1/completions", code="400") == before
+    # Beyond the vocabulary only the server knows: its 400, typed.
+    with pytest.raises(lanes.InvalidInput, match="prompt: expected token ids from 0 to") as far:
+        client.call("code", [5, 10**9])
+    assert far.value.param == "prompt"
+
+
 async def test_call_sends_numbers_as_the_model_s_datatype(
     client: lanes.Client, aclient: lanes.AsyncClient
 ) -> None:
@@ -439,7 +468,9 @@ def test_what_json_cannot_carry_is_invalid_input_before_anything_is_sent(
     with pytest.raises(lanes.InvalidInput, match="timeout_ms: expected a number"):
         client.call("search-query", "x", timeout_ms="100")  # type: ignore[arg-type]
     for prompt in (5, {"prompt": "x"}, ["a", "b"]):
-        with pytest.raises(lanes.InvalidInput, match="prompt: expected a string, or a list of"):
+        with pytest.raises(
+            lanes.InvalidInput, match="prompt: expected a string, a list of token ids, or a list of"
+        ):
             client.call("code", prompt)
     with pytest.raises(lanes.InvalidInput, match="records: expected a list of records"):
         client.submit("nightly", {"id": "1", "text": "x"})  # type: ignore[arg-type]
