@@ -66,9 +66,10 @@ def start(cmd: list[str], url: str, env: dict[str, str]) -> subprocess.Popen[byt
     raise RuntimeError(f"{cmd} did not become ready")
 
 
-def metric(client: httpx.Client, name: str) -> float:
+def metric(client: httpx.Client, name: str, labels: str = "") -> float:
+    """A sample of workload cold; `labels`: any before `workload` (written sorted)."""
     text = client.get("/metrics").text
-    found = re.search(rf'^{name}{{workload="cold"}} (\S+)$', text, re.M)
+    found = re.search(rf'^{name}{{{labels}workload="cold"}} (\S+)$', text, re.M)
     return float(found.group(1)) if found else float("nan")
 
 
@@ -149,8 +150,9 @@ def main() -> None:
                 warm.append(min(timed_request(client) for _ in range(5)))
                 rss_loaded.append(rss_mb(proc.pid))
                 raw.append(raw_cold(spec_path, args.model))  # the server idles meanwhile
-            loads = metric(client, "lanes_model_load_seconds_count")
-            load_s = metric(client, "lanes_model_load_seconds_sum") / loads
+            wake = 'reason="wake",'  # the loads after an idle unload, not the start-up one
+            loads = metric(client, "lanes_model_load_seconds_count", wake)
+            load_s = metric(client, "lanes_model_load_seconds_sum", wake) / loads
     finally:
         proc.terminate()
         proc.wait(timeout=30)

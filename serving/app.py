@@ -50,14 +50,14 @@ from lanes.serving.http import (
     error_response,
     is_v2,
 )
-from lanes.serving.metrics import Metrics
+from lanes.serving.metrics import STARTUP, Metrics
 from lanes.serving.readiness import Readiness
 from lanes.serving.state import ServingState
 from lanes.serving.tracing import TracedRequests
 from lanes.serving.worker import BatchWorker
 from lanes.settings import Settings
 from lanes.spec import Spec
-from lanes.tasks import GenerateTask, load_task
+from lanes.tasks import GenerateTask, Task, load_task
 from lanes.tracing import Tracing
 
 log = logging.getLogger("lanes.serving")
@@ -150,8 +150,7 @@ async def _load(state: ServingState, runtime: Runtime | None) -> None:
         if name not in state.readiness:
             continue
         try:
-            task = await asyncio.to_thread(load_task, name, state.spec, runtime)
-            await asyncio.to_thread(task.warm_up)
+            task = await _load_task(state, name, runtime)
             if isinstance(task, GenerateTask):
                 generate_routes.start_engine(state, task)  # continuous batching
             else:
@@ -164,6 +163,27 @@ async def _load(state: ServingState, runtime: Runtime | None) -> None:
             continue
         state.readiness.ready(name)
         log.info("workload %s ready (%s, %s)", name, workload.task, workload.model)
+
+
+async def _load_task(state: ServingState, name: str, runtime: Runtime) -> Task:
+    """Workload `name`'s task, loaded and warm, off the event loop: one start-up load
+    in the metrics, failed or not (lanes_model_loads, its time, lanes_model_loaded)."""
+    started = state.clock()
+    try:
+        task = await asyncio.to_thread(load_task, name, state.spec, runtime)
+        await asyncio.to_thread(task.warm_up)
+    except Exception:
+        _loaded(state, name, started, False)
+        raise
+    _loaded(state, name, started, True)
+    return task
+
+
+def _loaded(state: ServingState, name: str, started: float, ok: bool) -> None:
+    m = state.metrics
+    m.model_loads.labels(name, STARTUP).inc()
+    m.model_load_time.labels(name, STARTUP).observe(state.clock() - started)
+    m.model_loaded.labels(name).set(1 if ok else 0)
 
 
 def _failed(state: ServingState, name: str, err: Exception) -> None:

@@ -15,6 +15,9 @@ from lanes.costmodel import Fit
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# lanes_model_loads' reasons: the load at the server's start, and one after an idle unload.
+STARTUP = "startup"
+WAKE = "wake"
 
 
 class Utilization:
@@ -195,14 +198,18 @@ class Metrics:
         self.model_loaded = Gauge(
             "lanes_model_loaded",
             "1 while the workload's model session is in memory, 0 while it is unloaded "
-            "(idle_unload_s) or loading again.",
+            "(idle_unload_s) or loading again, or after its start-up load failed.",
             ["workload"],
             registry=r,
         )
+        # Every load counts, the start-up one too: a reader comparing loads with unloads,
+        # or looking for a workload that loaded twice, needs both kinds.
         self.model_loads = Counter(
             "lanes_model_loads",
-            "Loads of a model unloaded while idle (each wake-up from zero, failed ones too).",
-            ["workload"],
+            "Loads of a workload's model, failed ones too, by reason: startup (the server's "
+            "start, every interactive workload) or wake (again, after an idle_unload_s "
+            "unload).",
+            ["workload", "reason"],
             registry=r,
         )
         self.model_unloads = Counter(
@@ -213,8 +220,10 @@ class Metrics:
         )
         self.model_load_time = Histogram(
             "lanes_model_load_seconds",
-            "Time to load a model unloaded while idle (what the first request waits for).",
-            ["workload"],
+            "Time to load a workload's model, by reason as lanes_model_loads (startup "
+            "includes the warm-up run; wake is what the first request after an unload "
+            "waits for).",
+            ["workload", "reason"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -324,7 +333,8 @@ class _WithoutCreated:
 
 @dataclass(frozen=True)
 class ResidencySeries:
-    """One workload's load and unload series, looked up once."""
+    """One workload's series of loads after an idle unload (reason wake), and of
+    unloads, looked up once."""
 
     loaded: Gauge
     loads: Counter
@@ -335,9 +345,9 @@ class ResidencySeries:
     def of(cls, metrics: Metrics, workload: str) -> ResidencySeries:
         return cls(
             metrics.model_loaded.labels(workload),
-            metrics.model_loads.labels(workload),
+            metrics.model_loads.labels(workload, WAKE),
             metrics.model_unloads.labels(workload),
-            metrics.model_load_time.labels(workload),
+            metrics.model_load_time.labels(workload, WAKE),
         )
 
 

@@ -83,10 +83,13 @@ class Served:
         residency = self.residency(name)
         wait_until(lambda: residency.state is Presence.UNLOADED, f"{name} unloaded")
 
-    def metric(self, name: str, workload: str) -> float:
+    def metric(self, name: str, workload: str, reason: str | None = None) -> float:
+        """One sample; `reason`: the label of the model-load series."""
         text = self.http.get("/metrics").text
-        found = re.search(rf'^{name}{{workload="{workload}"}} (\S+)$', text, re.M)
-        assert found is not None, f"no {name} for {workload} in /metrics"
+        # prometheus_client writes labels sorted by name.
+        labels = (f'reason="{reason}",' if reason else "") + f'workload="{workload}"'
+        found = re.search(rf"^{name}{{{labels}}} (\S+)$", text, re.M)
+        assert found is not None, f"no {name}{{{labels}}} in /metrics"
         return float(found.group(1))
 
 
@@ -133,10 +136,22 @@ def test_requests_while_unloaded_and_loading_are_answered_after_one_load(served:
 
     assert vectors == [warm] * calls  # the same session's answers, none failed
     assert served.loads("minilm") == 3  # one load for all of them
-    assert served.metric("lanes_model_loads_total", "search") == 1
+    assert served.metric("lanes_model_loads_total", "search", "wake") == 1
+    assert served.metric("lanes_model_loads_total", "search", "startup") == 1
     assert served.metric("lanes_model_unloads_total", "search") == 1
     assert served.metric("lanes_model_loaded", "search") == 1
-    assert served.metric("lanes_model_load_seconds_count", "search") == 1
+    assert served.metric("lanes_model_load_seconds_count", "search", "wake") == 1
+
+
+def test_every_workload_s_start_up_load_counts_as_a_load(served: Served) -> None:
+    for name in ("search", "tiny", "always"):  # with idle_unload_s or without
+        assert served.metric("lanes_model_loads_total", name, "startup") == 1
+        assert served.metric("lanes_model_load_seconds_count", name, "startup") == 1
+        assert served.metric("lanes_model_loaded", name) == 1
+    for name in ("search", "tiny"):  # nothing unloaded yet, so nothing woke
+        assert served.metric("lanes_model_loads_total", name, "wake") == 0
+    help_text = served.http.get("/metrics").text
+    assert "startup (the server's start, every interactive workload)" in help_text
 
 
 def test_the_idle_timer_unloads_after_idle_unload_s_on_the_clock_and_not_before(
@@ -267,7 +282,7 @@ workloads:
         (tmp_path / "elsewhere.onnx").rename(model)
         back = served.http.post(infer, json=FEATURES)
         assert back.status_code == 200, back.text
-        assert served.metric("lanes_model_loads_total", "tiny") == 2
+        assert served.metric("lanes_model_loads_total", "tiny", "wake") == 2
         assert served.metric("lanes_model_loaded", "tiny") == 1
 
 
