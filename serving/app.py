@@ -80,10 +80,10 @@ def create_app(
     Its sessions come from `runtime` (by default one built from `settings`); `clock`
     times every queue, deadline and run. `tracing` (by default as `settings.tracing`
     says: off) traces each request, its queue wait and its batch; `now` (the wall
-    clock) times the Batch API's batches.
+    clock) times the Batch API's batches and the statistics' last inference.
     """
     tracing = tracing if tracing is not None else Tracing.from_settings(settings)
-    state = ServingState(spec, settings, clock=clock, tracing=tracing)
+    state = ServingState(spec, settings, Metrics(now), clock=clock, tracing=tracing)
     state.metrics.price.set(settings.price_per_device_hour)
 
     @asynccontextmanager
@@ -106,6 +106,7 @@ def create_app(
     edge = Edge(
         app,
         state.metrics,
+        clock=clock,
         api_key=key,
         readiness=state.readiness,
         discard_limit=settings.discard_body_bytes,
@@ -286,8 +287,8 @@ def _routes() -> list[Route]:
         Route("/metrics", metrics, methods=["GET"]),
         *openai_routes.routes,
         *generate_routes.routes,
-        *triton_routes.routes,  # first: /v2/models/stats is no workload's metadata
-        *v2_routes.routes,
+        *triton_routes.routes,
+        *v2_routes.routes,  # /v2/models/stats first: "stats" is no workload's name
         *backfill_routes.routes,
         *files_routes.routes,
         *batches_routes.routes,
@@ -358,9 +359,11 @@ class Edge:
         api_key: str | None,
         readiness: Readiness,
         discard_limit: int,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.app = app
         self.metrics = metrics
+        self.clock = clock  # times each inference call, for its workload's statistics
         self.token = api_key.encode() if api_key else None
         self.discard_limit = discard_limit
         self.readiness = readiness
@@ -395,6 +398,7 @@ class Edge:
             await self._routed(scope, receipt, send, label)
             return
         scope["app"] = self.app  # what Starlette sets, for request.app.state
+        started = self.clock()
         overloaded = self._shed(scope)
         if overloaded is not None:
             response: Response = error_response(path, overloaded)
@@ -407,6 +411,7 @@ class Edge:
         await self._before_answer(scope, receipt, response.raw_headers)
         await response(scope, receipt, send)
         self._counted(scope, label, response.status_code)
+        self._inferred(scope, response.status_code, self.clock() - started)
 
     def _counted(self, scope: Scope, label: str, status: int) -> None:
         """Count one answer by route, and by workload once the request named it."""
@@ -415,6 +420,15 @@ class Edge:
         record = record_of(scope)
         if record is not None and record.workload is not None:
             self.metrics.workload_responses.labels(record.workload, code).inc()
+
+    def _inferred(self, scope: Scope, status: int, seconds: float) -> None:
+        """An inference call's outcome in its workload's statistics, once the request
+        named a workload the server hosts (serving/model_stats.py)."""
+        record = record_of(scope)
+        if record is None or record.workload is None:
+            return
+        ok = status < 400 and record.error is None  # a stream's error event sets it
+        self.metrics.statistics.of(record.workload).answered(ok, seconds)
 
     async def _before_answer(
         self, scope: Scope, receipt: Receipt, headers: list[tuple[bytes, bytes]]

@@ -7,7 +7,7 @@ Everything here runs on the event loop, after the run's callers have their answe
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from lanes.costmodel import CostModel
 from lanes.errors import DeadlineExceeded
@@ -49,6 +49,7 @@ class BatchObserver:
         self._run_time = metrics.run_time.labels(name)
         self._busy = metrics.busy_seconds.labels(name)
         self._batch_size = metrics.batch_size.labels(name)
+        self.stats = metrics.statistics.of(name)
 
     def answered(self, seconds: float) -> None:
         """A request's latency, from its arrival to its answer."""
@@ -70,10 +71,17 @@ class BatchObserver:
             series.queue_depth.set(len(lanes.of(lane)))
 
     def ran(
-        self, batch: list[Pending], lane: Lane, start: float, end: float, run_s: float | None
+        self,
+        batch: list[Pending],
+        lane: Lane,
+        start: float,
+        end: float,
+        run_s: float | None,
+        answered: Sequence[bool],
     ) -> None:
         """A run from `start` to `end`; `run_s`: the whole run's own time (None when it
-        failed or was split), which teaches the cost model."""
+        failed or was split), which teaches the cost model; `answered`: per item,
+        whether it got its output (none: the run failed whole)."""
         series = self.lanes[lane]
         tokens = padded_tokens([p.item for p in batch]) if run_s is not None else None
         if lane == "interactive":
@@ -81,6 +89,7 @@ class BatchObserver:
                 self._queue_wait.observe(start - pending.enqueued_at)
             self._batch_size.observe(len(batch))
             self.offline.interactive_ran(start, end, len(batch), tokens)
+            self._statistics(batch, start, end, answered)
         self.utilization.record(start, end)  # the gauge is set when /metrics is read
         self._busy.inc(end - start)
         series.busy.inc(end - start)
@@ -90,6 +99,25 @@ class BatchObserver:
             self.cost.observe(len(batch), tokens, run_s)
         if self._tracing is not None:
             batch_spans(self._tracing, self.name, batch, start, end, run_s, self.clock)
+
+    def _statistics(
+        self, batch: list[Pending], start: float, end: float, answered: Sequence[bool]
+    ) -> None:
+        """An interactive run in the workload's Triton statistics: an execution when
+        the model answered, and each request with an item answered in it served once
+        (its items in it counted as inferences)."""
+        if not any(answered):
+            return
+        self.stats.ran(len(batch), end - start)
+        items: dict[int, int] = {}  # id of each request's record (or lone item) -> items
+        waited: dict[int, float] = {}
+        for pending, ok in zip(batch, answered, strict=True):
+            if ok:
+                key = id(pending.request if pending.request is not None else pending)
+                items[key] = items.get(key, 0) + 1
+                waited[key] = start - pending.enqueued_at
+        for key, count in items.items():
+            self.stats.served(waited[key], end - start, count)
 
     def stopped(self, given_back: int, start: float, end: float) -> None:
         """A stopped offline run: device time spent, `given_back` items preempted."""

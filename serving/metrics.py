@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -12,6 +12,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import Metric
 
 from lanes.costmodel import Fit
+from lanes.serving.model_stats import Statistics
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -78,9 +79,11 @@ class Rate:
 
 
 class Metrics:
-    """Every series the endpoint exports; one instance per app."""
+    """Every series the endpoint exports, and each workload's Triton statistics
+    (serving/model_stats.py, timed by `now`, the wall clock); one instance per app."""
 
-    def __init__(self) -> None:
+    def __init__(self, now: Callable[[], float] = time.time) -> None:
+        self.statistics = Statistics(now)
         self.registry = CollectorRegistry()
         r = self.registry
         self.request_latency = Histogram(

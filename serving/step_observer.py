@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from lanes.costmodel import Fit
 from lanes.generation.loop import Step
@@ -26,6 +27,14 @@ from lanes.serving.tracing import GenerateSpans
 LANES: tuple[Lane, ...] = ("interactive", "offline")
 
 
+@dataclass(frozen=True)
+class Joined:
+    """When an interactive sequence's prefill started, and how long it waited for it."""
+
+    queue_s: float
+    at: float
+
+
 class StepObserver:
     """One generate workload's steps into its series, its lanes' series, its steer
     and its spans (None: tracing is off)."""
@@ -34,6 +43,7 @@ class StepObserver:
         self, name: str, metrics: Metrics, steer: Steer, spans: GenerateSpans | None
     ) -> None:
         self.series = GenerateSeries.of(metrics, name)
+        self.stats = metrics.statistics.of(name)
         self.lanes = {lane: LaneSeries.of(metrics, name, lane) for lane in LANES}
         self.steer = steer
         self.spans = spans
@@ -46,6 +56,7 @@ class StepObserver:
         self._shares: dict[int, DeviceShare] = {}
         self._open: dict[DeviceShare, tuple[int, Callable[[], None]]] = {}
         self._last_token_at: dict[int, float] = {}
+        self._joined_at: dict[int, Joined] = {}  # interactive sequences in the batch
 
     def joined(self, seq: Seq) -> None:
         """A sequence the scheduler took: its tokens count in its lane."""
@@ -99,6 +110,7 @@ class StepObserver:
         tokens into TTFT, ITL and the lanes' items. `running` and `waiting`: the
         scheduler's rows and interactive queue after it."""
         m, plan = self.series, step.plan
+        self._ran(step)
         if step.prefill is not None:
             took = step.prefill.seconds
             m.prefill.observe(took)
@@ -142,6 +154,9 @@ class StepObserver:
             if event.finish is not None:
                 finished.append(event.seq_id)
                 self._last_token_at.pop(event.seq_id, None)
+                joined_at = self._joined_at.pop(event.seq_id, None)
+                if joined_at is not None and event.finish in ("stop", "length"):
+                    self.stats.served(joined_at.queue_s, at - joined_at.at, 1)
                 self._lane_of.pop(event.seq_id, None)
                 self.lanes[lane].items.inc()
                 m.finished(event.finish)
@@ -160,6 +175,25 @@ class StepObserver:
         m.queue_depth.set(waiting)
         if self.spans is not None:
             self.spans.observed(plan, step.events, step.end)
+
+    def _ran(self, step: Step) -> None:
+        """A step's model runs in the Triton statistics (serving/model_stats.py), and
+        when each interactive sequence whose prompt it took joined the batch."""
+        plan = step.plan
+        if step.prefill is not None:
+            self.stats.ran(len(plan.prefill), step.prefill.seconds)
+            for seq in plan.prefill:
+                self._joined(seq, step.prefill.start)
+        if step.chunk is not None and plan.chunk is not None:
+            self.stats.ran(1, step.chunk.seconds)
+            if plan.chunk.start == 0:  # its prompt's first part
+                self._joined(plan.chunk.seq, step.chunk.start)
+        if step.decode is not None:
+            self.stats.ran(len(plan.decode), step.decode.seconds)
+
+    def _joined(self, seq: Seq, at: float) -> None:
+        if not seq.offline and seq.id not in self._joined_at:  # not on a resume
+            self._joined_at[seq.id] = Joined(at - seq.arrived, at)
 
     def _lane_busy(self, step: Step, seconds: float) -> None:
         """A step's time, shared between the lanes by the rows each had in it (a

@@ -1,9 +1,10 @@
 """Triton's HTTP extensions that lanes does not serve, refused in v2's shape.
 
 tritonclient has a call for each (`register_system_shared_memory`, `load_model`,
-`get_inference_statistics`, ...). Each is answered 400 `{"error": "..."}`, saying that
+`get_trace_settings`, ...). Each is answered 400 `{"error": "..."}`, saying that
 lanes does not support the extension and what to do instead, rather than a 404 that
-reads like a wrong URL. `get_model_config` is served (serving/v2_routes.py).
+reads like a wrong URL. `get_model_config` and `get_inference_statistics` are served
+(serving/v2_routes.py).
 """
 
 from __future__ import annotations
@@ -43,10 +44,6 @@ REPOSITORY = Extension(
     "the models served are the interactive workloads of workloads.yaml, all loaded at "
     "start-up: change the file and restart `lanes serve`",
 )
-STATISTICS = Extension(
-    "statistics",
-    "read /metrics (Prometheus): each workload's requests, queue wait, batch sizes and run time",
-)
 TRACE = Extension(
     "trace",
     "lanes traces with OpenTelemetry: start `lanes serve` with LANES_TRACING=true and "
@@ -61,10 +58,6 @@ routes = [
     Route("/v2/systemsharedmemory/{rest:path}", SYSTEM_MEMORY.refuse, methods=_BOTH),
     Route("/v2/cudasharedmemory/{rest:path}", CUDA_MEMORY.refuse, methods=_BOTH),
     Route("/v2/repository/{rest:path}", REPOSITORY.refuse, methods=_BOTH),
-    # Before /v2/models/{name}, as in Triton: "stats" here is no workload's name.
-    Route("/v2/models/stats", STATISTICS.refuse, methods=_BOTH),
-    Route("/v2/models/{name}/stats", STATISTICS.refuse, methods=_BOTH),
-    Route("/v2/models/{name}/versions/{version}/stats", STATISTICS.refuse, methods=_BOTH),
     Route("/v2/trace/setting", TRACE.refuse, methods=_BOTH),
     Route("/v2/models/{name}/trace/setting", TRACE.refuse, methods=_BOTH),
     Route("/v2/logging", LOGGING.refuse, methods=_BOTH),

@@ -301,13 +301,36 @@ def _check_version(request: Request) -> None:
         )
 
 
+async def statistics(request: Request) -> Response:
+    """Triton's statistics extension (`get_inference_statistics`): every interactive
+    workload's, or the path's (serving/model_stats.py says what each figure is); an
+    unknown name or version is a 404, as for metadata."""
+    state: ServingState = request.app.state.lanes
+    name = request.path_params.get("name")
+    if name is None:
+        names = [n for n in state.spec.workloads if n in state.readiness]
+    else:
+        try:
+            _check_version(request)
+            state.hosted(name)
+        except LanesError as e:
+            return v2_error(e)
+        names = [name]
+    stats = [state.metrics.statistics.of(n).as_triton() for n in names]
+    return JSONResponse({"model_stats": stats})
+
+
 async def server_metadata(request: Request) -> JSONResponse:
-    extensions = ["binary_tensor_data", "model_configuration"]
+    extensions = ["binary_tensor_data", "model_configuration", "statistics"]
     return JSONResponse({"name": "lanes", "version": "1", "extensions": extensions})
 
 
 routes = [
     Route("/v2", server_metadata, methods=["GET"]),
+    # Before /v2/models/{name}, as in Triton: "stats" here is no workload's name.
+    Route("/v2/models/stats", statistics, methods=["GET"]),
+    Route("/v2/models/{name}/stats", statistics, methods=["GET"]),
+    Route("/v2/models/{name}/versions/{version}/stats", statistics, methods=["GET"]),
     Route("/v2/models/{name}", model_metadata, methods=["GET"]),
     Route("/v2/models/{name}/ready", model_ready, methods=["GET"]),
     Route("/v2/models/{name}/infer", infer, methods=["POST"]),

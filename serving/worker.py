@@ -408,11 +408,10 @@ class BatchWorker:
         # Accounted after the callers resume and send their answers (call_soon runs
         # after the wake-ups set_result scheduled): a lone request does not wait on it.
         run_s = result[1] if result is not None else None
-        whole = (
-            run_s is not None and error is None and not any(isinstance(o, Failed) for o in outputs)
-        )
+        answered = [error is None and not isinstance(o, Failed) for o in outputs]
+        whole = run_s is not None and error is None and all(answered)
         asyncio.get_running_loop().call_soon(
-            self.observer.ran, batch, lane, start, end, run_s if whole else None
+            self.observer.ran, batch, lane, start, end, run_s if whole else None, answered
         )
 
     def refresh_gauges(self) -> None:

@@ -1,12 +1,14 @@
 """What tritonclient sends beyond plain inference: compressed bodies (gzip, deflate;
-sync and aio clients), the model config, and the extensions lanes refuses with a 400
-that says what to do instead. A real uvicorn on 127.0.0.1, tiny real ONNX models."""
+sync and aio clients), the model config, the statistics, and the extensions lanes
+refuses with a 400 that says what to do instead. A real uvicorn on 127.0.0.1, tiny real ONNX models."""
 
 from __future__ import annotations
 
 import gzip
+import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 import httpx
 import numpy as np
@@ -15,8 +17,10 @@ import pytest
 import tritonclient.http as triton
 import tritonclient.http.aio as triton_aio
 import yaml
+from openai import BadRequestError, OpenAI
 
 from tests.flows_fixtures import embed_model, infer_model
+from tests.gates import wait_until
 from tests.servers import ServerThread
 from tests.test_triton_client import X, refused, tensor
 
@@ -27,14 +31,19 @@ CODINGS = ["gzip", "deflate"]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+def server(tmp_path_factory: pytest.TempPathFactory, demo_models: Path) -> Iterator[ServerThread]:
     folder = tmp_path_factory.mktemp("triton-ext")
     enc, tokenizer = embed_model(folder / "enc")
+    tinycode = demo_models / "tinycode"
     spec = {
         "version": 1,
         "models": {
             "affine": {"path": str(infer_model(folder / "affine"))},
             "enc": {"path": str(enc), "tokenizer": str(tokenizer)},
+            "tinycode": {
+                "path": str(tinycode / "model.onnx"),
+                "tokenizer": str(tinycode / "tokenizer.json"),
+            },
         },
         "workloads": {
             "affine": {
@@ -44,6 +53,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
                 "batching": {"max_batch_size": 8, "max_wait_ms": 1.5},
             },
             "words": {"mode": "interactive", "task": "embed", "model": "enc"},
+            "code": {
+                "mode": "interactive",
+                "task": "generate",
+                "model": "tinycode",
+                "generation": {"max_new_tokens": 4, "temperature": 0},
+            },
         },
     }
     path = folder / "workloads.yaml"
@@ -170,6 +185,112 @@ def test_model_config_describes_what_metadata_does(client: Any) -> None:
         assert refused(call).status() == "404"
 
 
+# ---- statistics ------------------------------------------------------------------------
+
+
+def stats_of(client: Any, name: str) -> dict[str, Any]:
+    [found] = client.get_inference_statistics(name)["model_stats"]
+    assert found["name"] == name and found["version"] == "1", found
+    return cast(dict[str, Any], found)
+
+
+def grew(before: dict[str, Any], after: dict[str, Any], figure: str) -> int:
+    return int(
+        after["inference_stats"][figure]["count"] - before["inference_stats"][figure]["count"]
+    )
+
+
+def rows_run(stats: dict[str, Any]) -> int:
+    """Items over all the model's runs: batch sizes times their runs."""
+    return sum(b["batch_size"] * b["compute_infer"]["count"] for b in stats["batch_stats"])
+
+
+def test_statistics_count_what_was_sent(client: Any) -> None:
+    before = stats_of(client, "affine")
+    sent_at_ms = int(time.time() * 1000)
+    for _ in range(3):
+        client.infer("affine", [tensor("x", X, "FP32", True)])
+    bad = refused(lambda: client.infer("affine", [tensor("x", X.astype(np.float64), "FP64", True)]))
+    assert bad.status() == "400", bad
+    after = stats_of(client, "affine")
+
+    assert grew(before, after, "success") == 3
+    assert grew(before, after, "fail") == 1  # the refused one: no queue, no run
+    for figure in ("queue", "compute_input", "compute_infer", "compute_output"):
+        assert grew(before, after, figure) == 3, figure
+    assert after["inference_count"] - before["inference_count"] == 3
+    # However the batcher grouped them, the runs held the three requests' items.
+    assert rows_run(after) - rows_run(before) == 3
+    runs = after["execution_count"] - before["execution_count"]
+    assert 1 <= runs <= 3
+    assert (
+        sum(b["compute_infer"]["count"] for b in after["batch_stats"]) == after["execution_count"]
+    )
+    stats = after["inference_stats"]
+    assert stats["success"]["ns"] > before["inference_stats"]["success"]["ns"]
+    assert stats["compute_infer"]["ns"] > before["inference_stats"]["compute_infer"]["ns"]
+    assert stats["fail"]["ns"] > before["inference_stats"]["fail"]["ns"]
+    assert stats["cache_hit"] == stats["cache_miss"] == {"count": 0, "ns": 0}
+    assert after["last_inference"] >= sent_at_ms
+    assert client.get_inference_statistics("affine", "1")["model_stats"][0]["name"] == "affine"
+
+
+def test_statistics_of_an_embed_workload_count_each_text(client: Any) -> None:
+    before = stats_of(client, "words")
+    texts = np.array([b"one", b"two"], dtype=np.object_)
+    result = client.infer("words", [tensor("text", texts, "BYTES", True)])
+    assert result.as_numpy("embedding").shape[0] == 2
+    after = stats_of(client, "words")
+    assert grew(before, after, "success") == 1 and grew(before, after, "queue") == 1
+    assert after["inference_count"] - before["inference_count"] == 2
+    assert rows_run(after) - rows_run(before) == 2
+
+
+def test_statistics_of_a_generate_workload_count_each_sequence(
+    server: ServerThread, client: Any
+) -> None:
+    before = stats_of(client, "code")
+    openai = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    whole = openai.completions.create(model="code", prompt="def f(x):")
+    assert whole.usage is not None and whole.usage.completion_tokens > 0
+    chunks = openai.completions.create(model="code", prompt="class A:", stream=True)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] in ("stop", "length")
+    with pytest.raises(BadRequestError, match="expected token ids from 0 to"):
+        openai.completions.create(model="code", prompt=[10**9])  # beyond the vocabulary
+
+    def settled() -> bool:  # a step is observed just after its tokens are handed out
+        now = stats_of(client, "code")
+        return grew(before, now, "success") >= 2 and grew(before, now, "queue") >= 2
+
+    wait_until(settled, "two sequences in the statistics")
+    after = stats_of(client, "code")
+    assert grew(before, after, "success") == 2
+    assert grew(before, after, "fail") == 1
+    for figure in ("queue", "compute_input", "compute_infer", "compute_output"):
+        assert grew(before, after, figure) == 2, figure
+    assert after["inference_count"] - before["inference_count"] == 2
+    # One after the other: each sequence's own prefill, and its decode steps if any.
+    assert after["execution_count"] - before["execution_count"] >= 2
+    assert (
+        sum(b["compute_infer"]["count"] for b in after["batch_stats"]) == after["execution_count"]
+    )
+    assert after["inference_stats"]["compute_infer"]["ns"] > 0
+
+
+def test_statistics_of_every_workload_and_of_unknown_ones(client: Any) -> None:
+    every = client.get_inference_statistics()["model_stats"]
+    assert [s["name"] for s in every] == ["affine", "words", "code"]
+    assert "statistics" in client.get_server_metadata()["extensions"]
+    for call in (
+        lambda: client.get_inference_statistics("ghost"),
+        lambda: client.get_inference_statistics("affine", "2"),
+    ):
+        error = refused(call)
+        assert error.status() == "404", error
+        assert error.message(), error
+
+
 # ---- extensions lanes refuses ----------------------------------------------------------
 
 REFUSED: list[tuple[str, Callable[[Any], Any], str]] = [
@@ -191,9 +312,6 @@ REFUSED: list[tuple[str, Callable[[Any], Any], str]] = [
     ("index", lambda c: c.get_model_repository_index(), "model repository"),
     ("load", lambda c: c.load_model("affine"), "model repository"),
     ("unload", lambda c: c.unload_model("affine"), "model repository"),
-    ("stats", lambda c: c.get_inference_statistics(), "statistics"),
-    ("model stats", lambda c: c.get_inference_statistics("affine"), "statistics"),
-    ("version stats", lambda c: c.get_inference_statistics("affine", "1"), "statistics"),
     ("trace", lambda c: c.get_trace_settings(), "trace"),
     ("model trace", lambda c: c.get_trace_settings("affine"), "trace"),
     ("trace update", lambda c: c.update_trace_settings(settings={"trace_rate": "1"}), "trace"),
@@ -204,7 +322,6 @@ INSTEAD = {
     "system shared memory": "send tensors in the request body",
     "CUDA shared memory": "send tensors in the request body",
     "model repository": "workloads.yaml",
-    "statistics": "/metrics",
     "trace": "LANES_TRACING",
     "logging": "LANES_LOG_LEVEL",
 }
