@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import (
     AfterValidator,
     Field,
+    Strict,
     TypeAdapter,
     field_validator,
     model_validator,
@@ -66,13 +67,18 @@ def _local_path(value: Path) -> Path:
     return value
 
 
-PositiveInt = Annotated[int, Field(gt=0)]
-NonNegativeFloat = Annotated[float, Field(ge=0)]
-NonNegativeInt = Annotated[int, Field(ge=0)]
-PositiveFloat = Annotated[float, Field(gt=0)]
+# Numbers as YAML writes them. Pydantic's lax mode would read `batch_size: true` as 1,
+# "8" as 8 and 2.0 as 2: an integer field takes an integer alone, a number field an
+# integer or a decimal, never a boolean or a string (the message says which was found).
+Integer = Annotated[int, Strict()]
+Number = Annotated[float, Strict()]
+PositiveInt = Annotated[Integer, Field(gt=0)]
+NonNegativeFloat = Annotated[Number, Field(ge=0)]
+NonNegativeInt = Annotated[Integer, Field(ge=0)]
+PositiveFloat = Annotated[Number, Field(gt=0)]
 # A duration in milliseconds: up to a day.
-Milliseconds = Annotated[float, Field(gt=0, le=86_400_000)]
-IdleSeconds = Annotated[float, Field(gt=0, le=30 * 86_400)]  # at most 30 days
+Milliseconds = Annotated[Number, Field(gt=0, le=86_400_000)]
+IdleSeconds = Annotated[Number, Field(gt=0, le=30 * 86_400)]  # at most 30 days
 LocalPath = Annotated[Path, AfterValidator(_local_path)]
 Location = Annotated[str, Field(min_length=1), AfterValidator(_path_text)]
 HandlerRef = Annotated[str, Field(pattern=HANDLER_PATTERN, max_length=200)]
@@ -153,7 +159,7 @@ class Batching(StrictModel):
         "on the CPU, the OS has an idle priority and an offline workload of this spec runs "
         "on this one, `runner: {kind: endpoint}`; else 0).",
     )
-    offline_beside_until: float = Field(
+    offline_beside_until: Number = Field(
         0.8,
         gt=0,
         le=1,
@@ -189,8 +195,8 @@ class Generation(StrictModel):
     # A request's range (OpenAI's): a default no request could set would be refused by
     # every lane the moment a record repeats it.
     temperature: NonNegativeFloat = Field(1.0, le=2, description="0 means greedy.")
-    top_k: int = Field(0, ge=0, le=1_048_576, description="0 means no top-k cut.")
-    top_p: float = Field(1.0, ge=0, le=1, description="0 keeps only the likeliest token.")
+    top_k: Integer = Field(0, ge=0, le=1_048_576, description="0 means no top-k cut.")
+    top_p: Number = Field(1.0, ge=0, le=1, description="0 keeps only the likeliest token.")
     # An empty string would end every completion before its first character. Each
     # stop string is looked for at every token of its sequence, so a list without
     # bound would slow the batch it shares (OpenAI takes 4; vLLM, any number).
@@ -214,7 +220,7 @@ class Guard(StrictModel):
     every_tokens: PositiveInt = Field(
         16, le=4096, description="chunked: tokens between scorings (and held back)."
     )
-    threshold: float = Field(0.5, ge=0, le=1, description="A score at or above this fails.")
+    threshold: Number = Field(0.5, ge=0, le=1, description="A score at or above this fails.")
 
 
 class Runner(StrictModel):
@@ -358,10 +364,10 @@ class Deploy(StrictModel):
         description="The group's pods' LANES_DEVICE; cuda and tensorrt ask for one "
         "nvidia.com/gpu per pod (default: the renderer's LANES_DEVICE).",
     )
-    min_replicas: int = Field(
+    min_replicas: Integer = Field(
         1, ge=0, le=1000, description="Fewest pods (0: KEDA scales the group to zero)."
     )
-    max_replicas: int = Field(4, ge=1, le=1000, description="Most pods.")
+    max_replicas: Integer = Field(4, ge=1, le=1000, description="Most pods.")
     cpu: CpuQuantity = Field(
         "1",
         description="CPU per pod (requests = limits): 2, 1.5 or 500m; LANES_THREADS "
@@ -417,12 +423,12 @@ class OfflineWorkload(WorkloadBase):
     output: Location = Field(description="Folder or s3://bucket/prefix/ for outputs.")
     batch_size: PositiveInt = Field(256, le=65536, description="Records per model run.")
     schedule: Schedule | None = None
-    retries: int = Field(2, ge=0, le=100, description="Retries of a failed shard.")
+    retries: Integer = Field(2, ge=0, le=100, description="Retries of a failed shard.")
     runner: Runner = Field(default_factory=Runner)
     fields: Fields = Field(
         default_factory=Fields, description="Which record fields are the id, text and output."
     )
-    max_error_rate: float = Field(
+    max_error_rate: Number = Field(
         0.1,
         ge=0,
         le=1,

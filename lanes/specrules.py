@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import ValidationError
+from pydantic import BeforeValidator, ValidationError
 from pydantic_core import ErrorDetails
 
 from lanes.backfill import ENDPOINT_TASKS, served_workload
@@ -31,8 +31,15 @@ from lanes.strict import StrictModel
 from lanes.validation import describe, explain
 
 
+def _version_number(value: Any) -> Any:
+    """`version: true` and `version: 1.0` are not 1 (Literal[1] takes both: True == 1)."""
+    if isinstance(value, bool | float):
+        raise ValueError(f"expected 1, found {describe(value)}")
+    return value
+
+
 class _Top(StrictModel):
-    version: Literal[1] = 1
+    version: Annotated[Literal[1], BeforeValidator(_version_number)] = 1
     models: dict[str, Any]
     workloads: dict[str, Any]
 

@@ -5,13 +5,19 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import types
+import typing
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Annotated, Any
 
 import pytest
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from lanes.errors import SpecError
 from lanes.settings import Settings
+from lanes.spec import Spec
 from lanes.specfile import load_spec
 from tests.flows_fixtures import embed_model
 
@@ -92,6 +98,38 @@ BAD_CASES = [
         "max_batch_size: 8",
         "max_batch_size: 0",
         "W:10:32: workloads.search-query.batching.max_batch_size: expected a value > 0, found 0",
+    ),
+    # Pydantic's lax mode read each of these as a number (`true` as 1): YAML wrote
+    # something else, and the message says what.
+    (
+        "a boolean for an integer",
+        "    output: out/\n",
+        "    output: out/\n    batch_size: true\n",
+        "W:17:17: workloads.nightly.batch_size: expected an integer, found true",
+    ),
+    (
+        "a decimal for an integer",
+        "max_batch_size: 8",
+        "max_batch_size: 8.0",
+        "W:10:32: workloads.search-query.batching.max_batch_size: expected an integer, found 8.0",
+    ),
+    (
+        "a string for an integer",
+        "max_batch_size: 8",
+        'max_batch_size: "8"',
+        "W:10:32: workloads.search-query.batching.max_batch_size: expected an integer, found '8'",
+    ),
+    (
+        "a boolean for a number",
+        "max_wait_ms: 2}",
+        "max_wait_ms: false}",
+        "W:10:48: workloads.search-query.batching.max_wait_ms: expected a number, found false",
+    ),
+    (
+        "a string for a number",
+        "max_wait_ms: 2}",
+        'max_wait_ms: "2"}',
+        "W:10:48: workloads.search-query.batching.max_wait_ms: expected a number, found '2'",
     ),
     (
         "bad cron",
@@ -182,6 +220,12 @@ BAD_CASES = [
         "version: 1",
         "version: 2",
         "W:1:10: version: expected 1, found 2",
+    ),
+    (
+        "a boolean for the version",
+        "version: 1",
+        "version: true",
+        "W:1:10: version: expected 1, found true",
     ),
     (
         "fields: a bad template",
@@ -396,6 +440,59 @@ def test_cli_validate_prints_problems_in_our_words_and_exits_2(folder: Path) -> 
         "s3://bucket/prefix/ for outputs)",
         "4 problems found",
     ]
+
+
+def test_cli_validate_refuses_a_boolean_where_a_number_goes(folder: Path) -> None:
+    text = GOOD.replace("    output: out/\n", "    output: out/\n    batch_size: true\n")
+    path = write(folder, text)
+    done = subprocess.run(
+        [sys.executable, "-m", "lanes.router.cli", "validate", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    # (The empty model files are problems of their own.)
+    lines = done.stderr.replace(str(path), "W").splitlines()
+    assert "W:17:17: workloads.nightly.batch_size: expected an integer, found true" in lines
+
+
+def numeric_fields(model: type[BaseModel], seen: set[type] | None = None) -> Iterator[Any]:
+    """(model, field name, the field's type with its constraints) for each int or float
+    field of `model` and the models under it."""
+    seen = seen if seen is not None else set()
+    if model in seen:
+        return
+    seen.add(model)
+    for name, field in model.model_fields.items():
+        leaves = list(_leaves(field.annotation))
+        for leaf in leaves:
+            if isinstance(leaf, type) and issubclass(leaf, BaseModel):
+                yield from numeric_fields(leaf, seen)
+        if any(leaf in (int, float) for leaf in leaves):
+            yield model, name, Annotated[field.annotation, field]
+
+
+def _leaves(annotation: Any) -> Iterator[Any]:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType, Annotated, list, dict):
+        for arg in typing.get_args(annotation):
+            yield from _leaves(arg)
+    else:
+        yield annotation
+
+
+def test_every_number_of_the_spec_takes_a_number_alone() -> None:
+    """Each integer and number field of workloads.yaml refuses a boolean and a numeric
+    string, as lax pydantic would not (`true` read as 1): a new field must be strict too."""
+    found = list(numeric_fields(Spec))
+    assert len(found) > 20, found  # the walk reaches every model
+    for model, name, annotation in found:
+        adapter = TypeAdapter(annotation)
+        for value in (True, False, "1"):
+            with pytest.raises(ValidationError) as refused:
+                adapter.validate_python(value)
+            kinds = {e["type"] for e in refused.value.errors()}
+            assert kinds <= {"int_type", "float_type"}, (model.__name__, name, value, kinds)
 
 
 BOMB = "".join(
