@@ -17,10 +17,15 @@ manifest is written: a rerun redoes only it.
 runs the shards without a current commit; "errors" also reruns the rejected records
 of committed shards; "all" ignores the commits and runs every shard again.
 
+No shard starts once `finish_by` passed (a batch's completion window). A rerun runs
+them, as any uncommitted shard.
+
 The final state says how it went: Completed when every record was answered,
 Completed named CompletedWithErrors (a message with the counts) when some were
-rejected, Failed when a shard failed. A manifest that cannot be written is a warning
-in the message (and the log), never the run's state: the shards decide that.
+rejected, Completed named Expired when shards did not start past `finish_by` (what it
+answered is kept, as for an expired OpenAI batch), Failed when a shard failed. A
+manifest that cannot be written is a warning in the message (and the log), never the
+run's state: the shards decide that.
 """
 
 from __future__ import annotations
@@ -107,10 +112,10 @@ def offline(
     submitted the run, continued by its spans when LANES_TRACING is on; `lane="offline"`
     runs an interactive workload in the offline lane (flows.job.plan_job); past
     `finish_by` no further shard starts (a batch's completion window: the shards left
-    are its expired requests). A deployment's run of a workload with
-    `schedule.finish_by` first plans its start (flows.start) and, when that is later,
-    schedules a run of the same deployment then (`planned_start`: that run's planned
-    time) and ends Completed saying so. Returns the manifest's summary; raises
+    are its expired requests, and the run ends Expired). A deployment's run of a
+    workload with `schedule.finish_by` first plans its start (flows.start) and, when
+    that is later, schedules a run of the same deployment then (`planned_start`: that
+    run's planned time) and ends Completed saying so. Returns the manifest's summary; raises
     JobFailed when a shard failed."""
     settings = Settings()
     tracing = Tracing.from_settings(settings)
@@ -234,7 +239,8 @@ def run_job(
     check_records(job, [p.plan for p in pending if p.retry is None], storage)
     _progress("planned", shards=len(plans), pending=len(pending))
     trace = tracing.carrier() if tracing is not None else None
-    ran, failures = _run_shards(job, pending, settings, trace, finish_by)
+    shards = _run_shards(job, pending, settings, trace, finish_by)
+    failures = shards.failures
     measurements = Measurements(settings.home)
     manifest = build_manifest(
         workload=job.workload,
@@ -243,8 +249,9 @@ def run_job(
         output=job.output,
         started=started,
         ended=datetime.now(UTC),
-        stats=done + ran,
+        stats=done + shards.stats,
         failures=failures,
+        not_started=shards.not_started,
         price_per_device_hour=settings.price_per_device_hour,
         interactive=newest(measurements.load(), "interactive", job.model_key, job.workload),
         finish_by=deadline,
@@ -268,14 +275,24 @@ def run_job(
     if not failures and missing is None:
         _record_throughput(measurements, job, manifest, uri)
     if failures:
-        listed = "; ".join(f"{f.input}: {f.error}" for f in failures)
-        others = "the others are committed: " if len(plans) > len(failures) else ""
-        also = f"; {missing}" if missing is not None else ""
-        raise JobFailed(
-            f"{len(failures)} of {len(plans)} shards failed ({listed}); "
-            f"{others}fix the cause and run again to redo only these{also}"
-        )
+        raise JobFailed(_failed(plans, shards, missing))
     return Ran(manifest, missing)
+
+
+def _failed(plans: list[ShardPlan], shards: _Shards, missing: str | None) -> str:
+    """The message of a run whose shards failed: how many of all, each one's error, the
+    ones that did not start and why, and what redoes them."""
+    failures = shards.failures
+    listed = "; ".join(f"{f.input}: {f.error}" for f in failures)
+    message = f"{len(failures)} of {len(plans)} shards failed ({listed})"
+    redo = "fix the cause and run again to redo only these"
+    if shards.not_started:
+        message += f"; {shards.not_started} did not start, {shards.stopped}"
+        redo = "fix the cause and run again to redo only these and the ones not started"
+    if len(plans) > len(failures) + shards.not_started:
+        redo = f"the others are committed: {redo}"
+    also = f"; {missing}" if missing is not None else ""
+    return f"{message}; {redo}{also}"
 
 
 def _record_throughput(store: Measurements, job: Job, manifest: Manifest, uri: str) -> None:
@@ -302,6 +319,16 @@ def _record_throughput(store: Measurements, job: Job, manifest: Manifest, uri: s
         store.save(record)
     except OSError as err:
         log.warning("could not record the run's throughput under %s: %s", store.folder, err)
+
+
+@dataclass(frozen=True)
+class _Shards:
+    """What became of a run's pending shards."""
+
+    stats: list[ShardStats]  # of those committed
+    failures: list[ShardFailure]
+    not_started: int = 0  # shards never started, for the reason `stopped` says
+    stopped: str = ""  # "past its deadline ..."
 
 
 @dataclass(frozen=True)
@@ -366,11 +393,11 @@ def _run_shards(
     settings: Settings,
     trace: dict[str, str] | None = None,
     finish_by: datetime | None = None,
-) -> tuple[list[ShardStats], list[ShardFailure]]:
+) -> _Shards:
     """Submit shard tasks, never more than `max_concurrent_shards` in flight, and none
-    once `finish_by` passed."""
+    once `finish_by` passed (the shards in flight then end as they do)."""
     if not pending:
-        return [], []
+        return _Shards([], [])
     bound = job.runner.max_concurrent_shards
     retried = shard.with_options(
         retries=job.retries, retry_delay_seconds=2, retry_condition_fn=_worth_retrying
@@ -379,11 +406,15 @@ def _run_shards(
     stats: list[ShardStats] = []
     failures: list[ShardFailure] = []
     in_flight: dict[PrefectFuture[ShardStats], _Pending] = {}
+    not_started, stopped = 0, ""
     with _api_for_workers(), task_runner(job.runner, settings) as runner:
         # Each pass waits for one shard to end: at most len(pending) passes.
         for _ in range(len(pending)):
-            if finish_by is not None and datetime.now(UTC) >= finish_by and queue:
-                log.warning("%d shards not started: past %s", len(queue), finish_by.isoformat())
+            if not stopped and finish_by is not None and datetime.now(UTC) >= finish_by:
+                stopped = f"past its deadline {finish_by.isoformat()}"
+            if stopped and queue:
+                log.warning("%s: %d shards not started: %s", job.workload, len(queue), stopped)
+                not_started += len(queue)
                 queue.clear()
             if not in_flight and not queue:
                 break
@@ -411,7 +442,7 @@ def _run_shards(
                     ShardFailure(item.plan.input.uri, f"{type(error).__name__}: {error}")
                 )
                 _progress("shard", shard=item.plan.name, records=0)
-    return stats, failures
+    return _Shards(stats, failures, not_started, stopped)
 
 
 @contextmanager

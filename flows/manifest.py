@@ -39,7 +39,9 @@ class Manifest:
     """One run. Counts of `records`/`outputs`/`errors` are of the shards this run ran
     whole, `retried`/`recovered` of the records it reran in shards committed before
     (`--retry-errors`), `items` of both; the `total_*` ones are of every committed
-    shard, including those skipped by this run."""
+    shard, including those skipped by this run. `shards` counts every shard of the
+    input: run, skipped, failed and not started (past the run's `finish_by`, or after a
+    shard found its endpoint gone)."""
 
     workload: str
     flow_run: str | None
@@ -55,6 +57,7 @@ class Manifest:
     shards_run: int
     shards_skipped: int
     shards_failed: int
+    shards_not_started: int
     shards_retried: int
     records: int
     outputs: int
@@ -110,9 +113,11 @@ def build_manifest(
     price_per_device_hour: float,
     interactive: Throughput | None = None,
     finish_by: datetime | None = None,
+    not_started: int = 0,
 ) -> Manifest:
     """`interactive`: the newest interactive measurement of the job's model, if any;
-    `finish_by`: the run's deadline, if it has one."""
+    `finish_by`: the run's deadline, if it has one; `not_started`: shards the run did
+    not start."""
     ran = [s for s in stats if not s.skipped]
     whole = [s for s in ran if not s.retried]
     retried = [s for s in ran if s.retried]
@@ -141,10 +146,11 @@ def build_manifest(
         deadline_met=ended <= finish_by if finish_by is not None else None,
         wall_seconds=round(wall, 3),
         busy_seconds=round(busy, 9) if busy is not None else None,
-        shards=len(stats) + len(failures),
+        shards=len(stats) + len(failures) + not_started,
         shards_run=len(ran),
         shards_skipped=len(stats) - len(ran),
         shards_failed=len(failures),
+        shards_not_started=not_started,
         shards_retried=len(retried),
         records=sum(s.records for s in whole),
         outputs=sum(s.outputs for s in whole),

@@ -12,7 +12,7 @@ from prefect.states import Completed
 from lanes.flows.job import Job
 from lanes.flows.manifest import Manifest
 from lanes.flows.start import has_deadline, should_plan, window_deadline
-from lanes.jobs import WITH_ERRORS_STATE
+from lanes.jobs import EXPIRED_STATE, WITH_ERRORS_STATE
 from lanes.layout import ERRORS
 from lanes.settings import Settings
 from lanes.storage import join
@@ -43,12 +43,15 @@ def run_deadline(
 def outcome(
     manifest: Manifest, retry: str, manifest_missing: str | None = None
 ) -> State[dict[str, Any]]:
-    """The final state of a run that ended well: Completed, or CompletedWithErrors
-    when any committed shard holds rejected records (its message ends with `retry`:
-    what reruns them). A run that ended past its deadline says by how much. With
-    `manifest_missing` (why the manifest could not be written), the message says the
-    outputs are complete without it."""
+    """The final state of a run whose shards did not fail: Completed, or
+    CompletedWithErrors when any committed shard holds rejected records (its message
+    ends with `retry`: what reruns them), or Expired when shards did not start past its
+    `finish_by` (lanes.jobs reads it EXPIRED). A run that ended past its deadline says
+    by how much. With `manifest_missing` (why the manifest could not be written), the
+    message says the outputs are complete without it."""
     summary = manifest.summary()
+    if manifest.shards_not_started:
+        return _expired(manifest, retry, manifest_missing)
     late = manifest.late_by()
     notes = ""
     if late is not None:
@@ -71,6 +74,22 @@ def outcome(
         f"them (or the workload) and {retry}{notes}"
     )
     return Completed(name=WITH_ERRORS_STATE, message=message, data=summary)
+
+
+def _expired(manifest: Manifest, retry: str, manifest_missing: str | None) -> State[dict[str, Any]]:
+    """Expired, not Completed: some records never ran. Not Failed either: what the
+    committed shards answered stays for a caller to read (OpenAI's expired batch keeps
+    its output file), and the records not run are no shard's fault."""
+    left, shards = manifest.shards_not_started, manifest.shards
+    message = (
+        f"expired: {left} of {shards} shards not started, past its deadline "
+        f"{manifest.finish_by}; {_records(manifest.total_outputs)} answered, "
+        f"{manifest.total_errors} rejected; the records of the shards not started never "
+        f"ran: {retry}"
+    )
+    if manifest_missing is not None:
+        message += f"; {manifest_missing}"
+    return Completed(name=EXPIRED_STATE, message=message, data=manifest.summary())
 
 
 def _records(n: int) -> str:

@@ -50,6 +50,7 @@ from lanes.jobs import (
     Job,
     create_run,
 )
+from lanes.jobs import EXPIRED as EXPIRED_STATUS
 from lanes.measurements import Measurements
 from lanes.protocols.openai import BATCH_URLS, Shape, parse
 from lanes.settings import Settings
@@ -467,7 +468,8 @@ class Batches:
             now = int(self.now())
             markers = self._markers(record)
             missing = any(m is None for m in markers)
-            if lanes.get("expiring") or (state in FINISHED and missing):
+            expired = state == EXPIRED_STATUS or (state in FINISHED and missing)
+            if lanes.get("expiring") or expired:
                 status = "expired"  # the flow starts no shard past the window
             elif state == "CANCELLED" and record["cancelling_at"] is not None:
                 status = "cancelled"

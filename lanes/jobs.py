@@ -54,13 +54,17 @@ T = TypeVar("T")
 
 FLOW_NAME = "lanes-offline"  # flows.FLOW_NAME; lanes cannot import the flows wing
 # A Batch API batch whose completion window passed: its run was cancelled (`expire`)
-# and tagged EXPIRED_TAG, so it reads as expired, not as cancelled by someone.
+# and tagged EXPIRED_TAG, so it reads as expired, not as cancelled by someone; or the
+# run itself ended with shards not started past the window (EXPIRED_STATE).
 EXPIRED = "EXPIRED"
 EXPIRED_TAG = "lanes-expired"
 FAILED_STATES = frozenset({"FAILED", "CRASHED", "CANCELLED", "CANCELLING", EXPIRED})
 # The name of the Completed state a run ends in when some records were rejected
 # (flows.batch sets it), and the status a Job reports for it.
 WITH_ERRORS_STATE = "CompletedWithErrors"
+# The name of the Completed state a run ends in when shards did not start past its
+# `finish_by` (flows.outcome): it reads EXPIRED, as a batch expired by `expire` does.
+EXPIRED_STATE = "Expired"
 COMPLETED_WITH_ERRORS = "COMPLETED_WITH_ERRORS"
 FINISHED = frozenset({"COMPLETED", COMPLETED_WITH_ERRORS})
 POLL_S = 0.5
@@ -225,7 +229,8 @@ class Job:
         """The flow run's state: SCHEDULED, PENDING, RUNNING, COMPLETED (every record
         answered), COMPLETED_WITH_ERRORS (it finished, and some records were rejected:
         see `errors()`), FAILED, CANCELLED, EXPIRED (a batch whose completion window
-        passed), CRASHED, ..."""
+        passed before all its records ran: those committed are in `results()`),
+        CRASHED, ..."""
         return _state(self._run())
 
     def message(self) -> str | None:
@@ -473,6 +478,8 @@ def _state(run: FlowRun) -> str:
         return EXPIRED
     if run.state.type.value == "COMPLETED" and run.state.name == WITH_ERRORS_STATE:
         return COMPLETED_WITH_ERRORS
+    if run.state.type.value == "COMPLETED" and run.state.name == EXPIRED_STATE:
+        return EXPIRED
     return run.state.type.value
 
 

@@ -409,6 +409,45 @@ def test_a_passed_window_expires_the_batch_with_its_finished_lines(
     assert "with 6 lines answered" in waited.stderr
 
 
+def test_a_batch_whose_window_passed_before_its_run_reads_expired_everywhere(
+    setup: Setup,
+) -> None:
+    """The server's clock an hour behind the worker's: the run starts past the batch's
+    window, starts no shard and ends on its own (no `expire`). /v1/batches, the SDK and
+    `lanes job` all say expired, none that it completed."""
+    behind = ManualClock(time.time() - 7200)
+    batch = {"store": str(setup.store), "shard_lines": SHARD_LINES}
+    with ServerThread(setup.spec, now=behind, batch=batch, prefect_api_url=setup.api) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        uploaded = client.files.create(
+            file=("late.jsonl", lines_for("embed-live", [text(i) for i in range(4)])),
+            purpose="batch",
+        )
+        created = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="1h"
+        )
+        done = finished(client, created.id)
+        assert done.status == "expired", done
+        errors = jsonl(client.files.content(done.error_file_id).read())
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [
+        (f"r{i}", "batch_expired") for i in range(4)
+    ]
+    assert (done.request_counts.completed, done.request_counts.failed) == (0, 4)
+    job = Job(done.id, Settings(), prefect_api_url=setup.api)
+    assert job.status() == "EXPIRED"
+    assert "with 0 lines answered" in (job.message() or "")
+    listed = subprocess.run(
+        [sys.executable, "-m", "lanes.router.cli", "job"],
+        env=setup.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert listed.returncode == 0, listed.stderr
+    mine = [line.split() for line in listed.stdout.splitlines() if line.startswith(done.id)]
+    assert [row[1:3] for row in mine] == [["batch", "EXPIRED"]]
+
+
 def test_a_failed_run_answers_each_request_it_left_in_the_error_file(
     setup: Setup, closed_gate: None
 ) -> None:

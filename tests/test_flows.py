@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections import Counter
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from typer.testing import CliRunner
 
 from lanes.errors import JobFailed, StorageError, WrongMode
 from lanes.flows.batch import offline
+from lanes.jobs import Job
 from lanes.protocols.completions import (
     Choice,
     completion_response,
@@ -34,6 +36,7 @@ from lanes.protocols.completions import (
 from lanes.protocols.openai import (
     embeddings_response,
 )
+from lanes.router.client_cli import job as job_command
 from lanes.router.offline_cli import run as run_command
 from lanes.runtime import Runtime
 from lanes.settings import Settings
@@ -278,6 +281,46 @@ def test_rerun_skips_committed_shards_and_redoes_changed_ones(
     assert sorted(line["id"] for line in outputs_of(tmp_path / "out")) == [
         "a0", "a1", "a2", "a3", "a4", "b9",
     ]  # fmt: skip
+
+
+def test_a_run_whose_deadline_passed_with_shards_not_started_reads_expired(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    """Past `finish_by` (a batch's completion window) no shard starts: a run that left
+    some is Expired, never Completed, in the SDK and `lanes job` alike, and what its
+    committed shards answered stays readable."""
+    spec = write_spec(tmp_path, {"aff": offline_workload("infer")})
+    folders = {"input": f"{tmp_path / 'in'}/", "output": f"{tmp_path / 'out'}/"}
+    records = {n: [{"id": f"{n}{i}", "x": [[i, 0, 0, 0]]} for i in range(5)] for n in "ab"}
+    write_jsonl(tmp_path / "in" / "a.jsonl", records["a"])
+    offline(workload="aff", spec=str(spec), **folders)  # shard a committed
+    write_jsonl(tmp_path / "in" / "b.jsonl", records["b"])
+    passed = datetime.now(UTC) - timedelta(minutes=1)
+    state = offline(workload="aff", spec=str(spec), finish_by=passed, return_state=True, **folders)
+    job = Job(str(state.state_details.flow_run_id), Settings(), prefect_api_url=prefect_api)
+    assert job.status() == "EXPIRED"
+    assert "with 5 lines answered" in (job.message() or "")
+    assert sorted(line["id"] for line in job.results()) == [f"a{i}" for i in range(5)]
+    with pytest.raises(JobFailed, match="ended EXPIRED"):
+        job.wait(timeout=60)
+    summary = state.result()
+    counts = ("shards", "shards_skipped", "shards_not_started")
+    assert [summary[key] for key in counts] == [2, 1, 1]
+    message = state.message or ""
+    assert f"1 of 2 shards not started, past its deadline {passed.isoformat()}" in message
+    assert "5 records answered, 0 rejected" in message
+    app = typer.Typer()
+    app.command("job")(job_command)
+    app.command("noop")(lambda: None)  # two commands: typer then wants the command's name
+    shown = CliRunner().invoke(app, ["job", job.id], catch_exceptions=False)
+    assert f"{job.id} EXPIRED" in shown.output, shown.output
+
+    # A rerun without a deadline runs the shard left, once.
+    again = offline(workload="aff", spec=str(spec), **folders)
+    assert (again["shards_run"], again["shards_not_started"]) == (1, 0)
+    assert sorted(line["id"] for line in outputs_of(tmp_path / "out")) == sorted(
+        r["id"] for r in records["a"] + records["b"]
+    )
 
 
 def test_a_second_job_into_a_committed_output_fails_before_writing_over_it(
