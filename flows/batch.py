@@ -17,8 +17,9 @@ manifest is written: a rerun redoes only it.
 runs the shards without a current commit; "errors" also reruns the rejected records
 of committed shards; "all" ignores the commits and runs every shard again.
 
-No shard starts once `finish_by` passed (a batch's completion window). A rerun runs
-them, as any uncommitted shard.
+No shard starts once `finish_by` passed (a batch's completion window), nor once a
+shard found the run's endpoint gone (`runner: {kind: endpoint}`, flows.endpoint): each
+would only pay the same refused attempts. A rerun runs them, as any uncommitted shard.
 
 The final state says how it went: Completed when every record was answered,
 Completed named CompletedWithErrors (a message with the counts) when some were
@@ -51,7 +52,13 @@ from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 from lanes.backfill import served_workload
 from lanes.errors import JobFailed, LanesError, StorageError
 from lanes.flows import FLOW_NAME
-from lanes.flows.endpoint import EndpointModel, batch_key, check_key, check_reachable
+from lanes.flows.endpoint import (
+    EndpointGone,
+    EndpointModel,
+    batch_key,
+    check_key,
+    check_reachable,
+)
 from lanes.flows.job import Job, Lane, plan_job, plan_shards
 from lanes.flows.manifest import Manifest, ShardFailure, build_manifest, write_manifest
 from lanes.flows.outcome import outcome, run_deadline
@@ -214,7 +221,7 @@ def run_job(
     if job.runner.kind == "endpoint":
         # No key, no endpoint, a key it refuses: fail before any shard runs, saying why.
         key = batch_key(settings)
-        url = job.runner.url or settings.endpoint
+        url = _endpoint_url(job, settings)
         check_reachable(url)
         check_key(url, served_workload(job.spec.workloads, job.workload), key)
     storage = Storage(settings)
@@ -289,6 +296,11 @@ def _failed(plans: list[ShardPlan], shards: _Shards, missing: str | None) -> str
     if shards.not_started:
         message += f"; {shards.not_started} did not start, {shards.stopped}"
         redo = "fix the cause and run again to redo only these and the ones not started"
+    if shards.gone is not None:
+        redo = (
+            f"rerun the job once the endpoint at {shards.gone} is back: it runs only the "
+            "shards not committed"
+        )
     if len(plans) > len(failures) + shards.not_started:
         redo = f"the others are committed: {redo}"
     also = f"; {missing}" if missing is not None else ""
@@ -328,7 +340,8 @@ class _Shards:
     stats: list[ShardStats]  # of those committed
     failures: list[ShardFailure]
     not_started: int = 0  # shards never started, for the reason `stopped` says
-    stopped: str = ""  # "past its deadline ..."
+    stopped: str = ""  # "past its deadline ...", "as the endpoint at ... is gone"
+    gone: str | None = None  # the endpoint a shard found gone (EndpointGone)
 
 
 @dataclass(frozen=True)
@@ -395,7 +408,8 @@ def _run_shards(
     finish_by: datetime | None = None,
 ) -> _Shards:
     """Submit shard tasks, never more than `max_concurrent_shards` in flight, and none
-    once `finish_by` passed (the shards in flight then end as they do)."""
+    once `finish_by` passed or a shard found the endpoint gone (the shards in flight
+    then end as they do)."""
     if not pending:
         return _Shards([], [])
     bound = job.runner.max_concurrent_shards
@@ -406,7 +420,7 @@ def _run_shards(
     stats: list[ShardStats] = []
     failures: list[ShardFailure] = []
     in_flight: dict[PrefectFuture[ShardStats], _Pending] = {}
-    not_started, stopped = 0, ""
+    not_started, stopped, gone = 0, "", None
     with _api_for_workers(), task_runner(job.runner, settings) as runner:
         # Each pass waits for one shard to end: at most len(pending) passes.
         for _ in range(len(pending)):
@@ -442,7 +456,17 @@ def _run_shards(
                     ShardFailure(item.plan.input.uri, f"{type(error).__name__}: {error}")
                 )
                 _progress("shard", shard=item.plan.name, records=0)
-    return _Shards(stats, failures, not_started, stopped)
+                if isinstance(error, EndpointGone) and gone is None:
+                    # Each shard left would only meet the same refusal: they all run
+                    # again in a rerun once the endpoint is back.
+                    gone = _endpoint_url(job, settings)
+                    stopped = stopped or f"as the endpoint at {gone} is gone"
+    return _Shards(stats, failures, not_started, stopped, gone)
+
+
+def _endpoint_url(job: Job, settings: Settings) -> str:
+    """The endpoint a `runner: {kind: endpoint}` job runs its batches on."""
+    return job.runner.url or settings.endpoint
 
 
 @contextmanager
@@ -520,7 +544,7 @@ def _endpoint_model(job: Job, settings: Settings) -> EndpointModel:
     endpoint's)."""
     key = batch_key(settings)
     task = load_task(job.workload, job.spec, Runtime(settings.model_copy(update={"device": "cpu"})))
-    url = job.runner.url or settings.endpoint
+    url = _endpoint_url(job, settings)
     return EndpointModel(task, url, served_workload(job.spec.workloads, job.workload), key)
 
 

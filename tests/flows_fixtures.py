@@ -329,6 +329,24 @@ class _Vanishing:
 vanishing = _Vanishing()
 
 
+class _StopsAtShard2:
+    """A handler whose `pre` calls `stop` (a test sets it: stop the endpoint) once, at
+    the first record of shard 2 (`x[0][1]` is its shard): an endpoint that goes away
+    mid-run, after shards 0 and 1 committed (with one shard at a time)."""
+
+    def __init__(self) -> None:
+        self.stop: Callable[[], Any] | None = None
+
+    def pre(self, item: Any) -> Any:
+        if item["x"][0][1] >= 2 and self.stop is not None:
+            stop, self.stop = self.stop, None
+            stop()
+        return item
+
+
+stops_at_shard_2 = _StopsAtShard2()
+
+
 @contextmanager
 def read_only(folder: Path) -> Iterator[None]:
     """`folder` and every folder under it refuse new files, even to root: by mode bits

@@ -45,6 +45,7 @@ from tests.flows_fixtures import (
     errors_of,
     outputs_of,
     read_jsonl,
+    stops_at_shard_2,
     text,
     wait_until,
     write_jsonl,
@@ -912,6 +913,57 @@ def test_an_endpoint_gone_fails_a_batch_after_one_round_of_attempts_unretried(
             (vector,) = model.run(items)
     assert not model.gone and len(vector) > 0
     model.close()
+
+
+def test_once_the_endpoint_is_gone_no_further_shard_starts_and_a_rerun_finishes(
+    prefect_api: str,
+    serve: type[ServerThread],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The endpoint stops during shard 2 of 5: that shard fails after its batch's
+    attempts, and shards 3 and 4 never start (each would only meet the same refusal).
+    The run fails at once, naming the endpoint and counting every shard; a rerun once
+    it is back runs the three left, and every id is written once."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    workload = batch(
+        "infer",
+        handler="tests.flows_fixtures:stops_at_shard_2",
+        runner=on_endpoint(max_concurrent_shards=1),
+    )
+    spec = write_spec(tmp_path, {"live": live("infer"), "corpus": workload})
+    ids = []
+    for shard in range(5):
+        records = [{"id": f"s{shard}-{i}", "x": [[i, shard, 0, 0]]} for i in range(4)]
+        ids += [r["id"] for r in records]
+        write_jsonl(tmp_path / "in" / f"part-{shard:02d}.jsonl", records)
+    monkeypatch.setenv("LANES_INTERNAL_KEY", KEY)
+    with serve(spec, internal_key=KEY) as server:
+        monkeypatch.setenv("LANES_ENDPOINT", server.url)
+        stops_at_shard_2.stop = server.stop
+        state = offline(workload="corpus", spec=str(spec), return_state=True)
+    assert state.is_failed()
+    with pytest.raises(JobFailed) as failed:
+        state.result()
+    message = str(failed.value)
+    assert message.startswith("1 of 5 shards failed (")
+    assert f"2 did not start, as the endpoint at {server.url} is gone" in message
+    assert f"rerun the job once the endpoint at {server.url} is back" in message
+    with get_client(sync_client=True) as client:
+        only = FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+        shards = client.read_task_runs(flow_run_filter=only)
+    assert sorted(r.name for r in shards) == [f"shard part-{n:02d}.jsonl" for n in range(3)]
+    manifest = orjson.loads((tmp_path / "out" / "_manifest.json").read_bytes())
+    assert [manifest[k] for k in ("shards", "shards_failed", "shards_not_started")] == [5, 1, 2]
+
+    with serve(spec, internal_key=KEY) as back:
+        monkeypatch.setenv("LANES_ENDPOINT", back.url)
+        summary = offline(workload="corpus", spec=str(spec))
+    assert (summary["shards_run"], summary["shards_skipped"]) == (3, 2)
+    seen = Counter(line["id"] for line in outputs_of(tmp_path / "out"))
+    assert sorted(seen) == sorted(ids) and set(seen.values()) == {1}
 
 
 # ---- the spec --------------------------------------------------------------------------
