@@ -14,6 +14,7 @@ Offline workloads: lanes.router.render_pool (the Prefect work pool and its worke
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from collections.abc import Sequence
@@ -174,12 +175,26 @@ def models_volume(spec: Spec, options: K8sOptions) -> tuple[Manifest, Manifest]:
 def shared_env(settings: Settings) -> dict[str, str]:
     """What the serving pods and the offline lane's pods must agree on, from the settings
     where the spec is rendered: the S3 endpoint and the Batch API's store (the server
-    writes a batch's input there, the flow run's Job reads it)."""
+    writes a batch's input there, the flow run's Job reads it), and, where set there,
+    the roots a job may read (the Job refuses what the submitter allowed otherwise), the
+    off-peak window (the flow's deadlines, the Batch API's latest starts) and the price
+    (manifests, the server's metric). Unset ones keep the pods' defaults."""
     env = {}
     if settings.s3_endpoint:
         env["LANES_S3_ENDPOINT"] = settings.s3_endpoint
     if settings.batch.store:
         env["LANES_BATCH__STORE"] = settings.batch.store
+    chosen = settings.model_fields_set
+    if "allowed_input_roots" in chosen:
+        env["LANES_ALLOWED_INPUT_ROOTS"] = json.dumps(list(settings.allowed_input_roots))
+    if "offpeak" in chosen:
+        offpeak = settings.offpeak
+        for key in sorted(offpeak.model_fields_set | {"cron", "timezone"}):
+            value = getattr(offpeak, key)
+            if value is not None:
+                env[f"LANES_OFFPEAK__{key.upper()}"] = str(value)
+    if "price_per_device_hour" in chosen:
+        env["LANES_PRICE_PER_DEVICE_HOUR"] = repr(settings.price_per_device_hour)
     return env
 
 

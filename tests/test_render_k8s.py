@@ -569,6 +569,48 @@ def test_serving_pods_reach_prefect_and_share_the_batch_store(tmp_path: Path) ->
     assert "LANES_BATCH__STORE" not in _env(plain["spec"]["template"]["spec"]["containers"][0])
 
 
+def test_settings_both_sides_read_reach_the_pods_and_the_jobs(tmp_path: Path) -> None:
+    """Set where the spec is rendered, what the server and the flow runs both read goes
+    to both: the roots a submitted job may read (the Job's worker refuses the rest), the
+    off-peak window (deadlines, Batch API starts) and the price (manifests, metrics)."""
+    roots = '["s3://shared/corpora/"]'
+    env_vars = {
+        "LANES_ALLOWED_INPUT_ROOTS": roots,
+        "LANES_OFFPEAK__CRON": "0 22 * * *",
+        "LANES_OFFPEAK__TIMEZONE": "Europe/Berlin",
+        "LANES_OFFPEAK__FINISH_BY": "06:00",
+        "LANES_PRICE_PER_DEVICE_HOUR": "2.5",
+    }
+    path = tmp_path / "workloads.yaml"
+    path.write_text(TWO_GROUPS.replace("CPU", "1"))
+    spec_settings = Settings()
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in env_vars.items():
+            env.setenv(name, value)
+        rendered = Settings()
+    spec = load_spec(path, spec_settings, check_files=False)
+    files = render_files(yaml.safe_load(path.read_text()), spec, rendered, OPTIONS)
+    serve = _by_kind(_objects(files), "Deployment", "lanes-serve")
+    job = _filled(json.loads(files["work-pool-lanes.json"]))
+    for container in (
+        serve["spec"]["template"]["spec"]["containers"][0],
+        job["spec"]["template"]["spec"]["containers"][0],
+    ):
+        env_of = _env(container)
+        assert {name: env_of.get(name) for name in env_vars} == env_vars
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in _env(job["spec"]["template"]["spec"]["containers"][0]).items():
+            if name.startswith("LANES_") and isinstance(value, str):
+                env.setenv(name, value)
+        back = Settings()  # the pod reads back what was rendered
+    assert back.allowed_input_roots == rendered.allowed_input_roots == ("s3://shared/corpora/",)
+    assert back.offpeak == rendered.offpeak and back.offpeak.finish_by == "06:00"
+    assert back.price_per_device_hour == rendered.price_per_device_hour == 2.5
+    # Unset where the spec is rendered: the pods keep their defaults.
+    plain = _filled(json.loads(_two_groups(tmp_path)["work-pool-lanes.json"]))
+    assert not set(env_vars) & set(_env(plain["spec"]["template"]["spec"]["containers"][0]))
+
+
 @pytest.mark.parametrize(
     ("option", "expected"),
     [
