@@ -47,6 +47,17 @@ def load_spec(
     return parse_bytes(raw, name, file.resolve().parent, settings, check_files, check_models)
 
 
+def read_document(path: str | Path, settings: Settings) -> Any:
+    """The spec's document as `load_spec` reads it (names as written, aliases expanded),
+    the environment's overrides merged in: what a copy of the spec must hold to load as
+    the same spec elsewhere. Call `load_spec` first; this reports no problems."""
+    file = Path(path)
+    with file.open("rb") as f:
+        document = read_yaml(f.read(MAX_BYTES + 1), str(file))
+    data, _, _ = _apply_overrides({} if document.data is None else document.data, settings)
+    return data
+
+
 def parse_bytes(
     raw: bytes,
     source: str,

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-import yaml
 
 from lanes.errors import InvalidInput
 from lanes.router.console import SpecFile, guarded
@@ -16,7 +15,7 @@ from lanes.router.render_k8s import K8sOptions, dump_all, groups, serving_object
 from lanes.router.render_pool import base_job_template, dask_objects, worker_objects
 from lanes.settings import Settings
 from lanes.spec import QUANTITY_PATTERN, OfflineWorkload, Spec
-from lanes.specfile import load_spec
+from lanes.specfile import load_spec, read_document
 
 render_app = typer.Typer(no_args_is_help=True, help="Write what runs the spec elsewhere.")
 
@@ -138,7 +137,7 @@ def k8s(
         )
         path = file or settings.spec
         spec = load_spec(path, settings, check_files=False)
-        raw = yaml.safe_load(Path(path).read_text())
+        raw = read_document(path, settings)
         for line in handler_warnings(spec, project_dir):
             typer.echo(line, err=True)
         return render_files(raw, spec, settings, options, dask_workers)

@@ -26,6 +26,7 @@ from lanes.router.render_cli import render_files
 from lanes.router.render_k8s import SHUTDOWN_S, K8sOptions
 from lanes.serving.metrics import Metrics
 from lanes.settings import Settings
+from lanes.spec import InteractiveWorkload
 from lanes.specfile import load_spec
 
 K8S_VERSION = "1.33.0"
@@ -630,6 +631,32 @@ def test_a_bad_drain_or_namespace_is_one_line_and_exit_2(
     assert done.stderr.splitlines() == [done.stderr.strip()], done.stderr
     assert done.stderr.startswith(expected)
     assert not (tmp_path / "k8s").exists()
+
+
+def test_the_pods_serve_the_spec_with_the_overrides_it_was_rendered_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An override where the spec is rendered (as for every command) is in the spec the
+    pods load, not only in what was rendered from it (the autoscaling target); and a
+    name YAML 1.1 would read otherwise (`on`) is a name, as lanes reads it."""
+    path = tmp_path / "workloads.yaml"
+    path.write_text(SPEC.replace("search-query", "on"))
+    monkeypatch.setenv("LANES_WORKLOADS__ON__BATCHING__MAX_BATCH_SIZE", "8")
+    args = ["render", "k8s", str(path), "--image", "i", "--worker-image", "w"]
+    done = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "k8s")])
+    assert done.exit_code == 0, done.output
+    objects = list(yaml.safe_load_all((tmp_path / "k8s" / "serve-serve.yaml").read_text()))
+    config = _by_kind(objects, "ConfigMap", "lanes-serve")["data"]["workloads.yaml"]
+    pod_spec = tmp_path / "pod" / "workloads.yaml"
+    pod_spec.parent.mkdir()
+    pod_spec.write_text(config)
+    monkeypatch.delenv("LANES_WORKLOADS__ON__BATCHING__MAX_BATCH_SIZE")
+    loaded = load_spec(pod_spec, Settings(), check_files=False)
+    served = loaded.workloads["on"]
+    assert isinstance(served, InteractiveWorkload)
+    assert served.batching.max_batch_size == 8
+    scaled = _by_kind(objects, "ScaledObject", "lanes-serve")["spec"]["triggers"]
+    assert {t["name"]: t["metadata"]["threshold"] for t in scaled}["on"] == "8"
 
 
 def test_a_handler_module_outside_the_project_is_warned_of(tmp_path: Path) -> None:
