@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -95,8 +96,14 @@ def compile(
     typer.echo(f"{path}: {len(names)} deployment(s) ({listed})")
     pool = settings.work_pool
     prefect_file = "" if path.name == "prefect.yaml" else f" --prefect-file {path.name}"
+    # The same options, or `lanes deploy` would compile another prefect.yaml (one whose
+    # runs start in this machine's folder, where --project-dir named an image's).
+    same = [str(file)] if file is not None else []
+    same += ["--output", str(output)] if output is not None else []
+    same += ["--project-dir", str(project_dir)] if project_dir is not None else []
     typer.echo(
-        f"register them: lanes deploy, or in {path.parent}: prefect --no-prompt deploy "
+        f"register them: {shlex.join(['lanes', 'deploy', *same])}, or in {path.parent}: "
+        f"prefect --no-prompt deploy "
         f"--all{prefect_file} (work pool {pool!r} must exist: "
         f"prefect work-pool create {pool} --type {POOL_TYPE})"
     )

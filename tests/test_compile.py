@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +175,31 @@ def test_with_a_project_dir_the_spec_is_named_from_the_project_root(
     assert source_of(spec_file, tmp_path / "x.yaml", tmp_path).spec == "config/workloads.yaml"
     # Without --project-dir, workers run in the spec's folder.
     assert source_of(spec_file, tmp_path / "x.yaml").directory == str(tmp_path / "config")
+
+
+def test_the_lanes_deploy_it_suggests_registers_what_it_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`lanes compile --project-dir /app --output F` says to register them with `lanes
+    deploy`: that command must compile the same file (a bare `lanes deploy` would
+    register runs in this machine's folder, which no image has)."""
+    write_spec(tmp_path / "config", WORKLOADS)
+    monkeypatch.chdir(tmp_path)
+    args = ["config/workloads.yaml", "--output", "lanes-prefect.yaml", "--project-dir", "/app"]
+    result = compile_cli(*args)
+    assert result.exit_code == 0, result.output
+    written = (tmp_path / "lanes-prefect.yaml").read_bytes()
+    hint = result.output.split("register them: ", 1)[1].split(", or ", 1)[0]
+    suggested = shlex.split(hint)
+    assert suggested[:2] == ["lanes", "deploy"]
+    (tmp_path / "lanes-prefect.yaml").unlink()
+    again = compile_cli(*suggested[2:])
+    assert again.exit_code == 0, again.output
+    assert (tmp_path / "lanes-prefect.yaml").read_bytes() == written
+    assert not (tmp_path / "prefect.yaml").exists()
+    # With nothing to carry, the hint is the bare command.
+    plain = compile_cli("config/workloads.yaml")
+    assert "register them: lanes deploy config/workloads.yaml, or " in plain.output
 
 
 def test_a_spec_outside_the_project_root_is_refused_with_a_project_dir(tmp_path: Path) -> None:
