@@ -271,10 +271,28 @@ class Job:
 
     @property
     def output(self) -> str:
-        """Where the job's outputs go (its flow run's `output` parameter)."""
+        """Where the job's outputs go: its flow run's `output` parameter, or for a run of
+        a deployment as declared (its cron, `prefect deployment run`), the workload's
+        own output in the spec (LANES_SPEC)."""
         if self._output is None:
-            self._output = str(self._run().parameters["output"])
+            run = self._run()
+            given = run.parameters.get("output")
+            self._output = str(given) if given else self._declared_output(run)
         return self._output
+
+    def _declared_output(self, run: FlowRun) -> str:
+        from lanes.specfile import load_spec
+
+        name = run.parameters.get("workload")
+        spec = load_spec(self.settings.spec, self.settings, check_files=False)
+        workload = spec.workloads.get(str(name))
+        if not isinstance(workload, OfflineWorkload):
+            raise InvalidInput(
+                f"job {self.id} ({run.name}) ran workload {name!r} as declared, with no "
+                f"output of its own, and {self.settings.spec} has no offline workload of "
+                "that name: point LANES_SPEC at the spec it was deployed from"
+            )
+        return absolute(workload.output, spec.root or Path.cwd())
 
     def wait(self, timeout: float = 3600.0) -> Job:
         """Block until the job ends. Returns itself once COMPLETED or
@@ -302,12 +320,12 @@ class Job:
         """`{"id", "result"}` per output line committed so far, shard by shard: the
         record's id (an OpenAI batch line's custom_id) and what it produced (embed:
         the vector; infer: the named outputs; generate: the answer body)."""
-        for line in self._lines(self._files(self.output, "outputs")):
+        for line in self._lines(self._committed("output", "outputs")):
             yield _result(line)
 
     def errors(self) -> Iterator[dict[str, Any]]:
         """Every rejected record: `{"id", "line", "error", ...}`; none if none."""
-        yield from self._lines(self._files(join(self.output, layout.ERRORS), None))
+        yield from self._lines(self._committed("errors_file", None))
 
     def manifest(self) -> dict[str, Any]:
         """The run's manifest: counts, items/s, cost estimate, per-shard stats."""
@@ -352,15 +370,25 @@ class Job:
                 "is PREFECT_API_URL the server it was submitted to?"
             ) from None
 
-    def _files(self, folder: str, missing: str | None) -> list[str]:
+    def _committed(self, key: str, missing: str | None) -> list[str]:
+        """The `key` file ("output" or "errors_file") of each committed shard, by its
+        commit marker: a workload's output also holds its submitted jobs' (jobs/), which
+        a listing of the folder would mix in."""
+        storage = Storage(self.settings)
         try:
-            return [f.uri for f in Storage(self.settings).list_files(folder, (".jsonl",))]
+            markers = storage.list_files(join(self.output, layout.MARKERS), (".json",))
         except StorageError:
-            if missing is None:
-                return []  # no errors folder: no errors
+            markers = []
+        if not markers and missing is not None:
             raise LanesError(
-                f"job {self.id} has no {missing} at {folder} yet (it is {self.status()})"
-            ) from None
+                f"job {self.id} has no {missing} at {self.output} yet (it is {self.status()})"
+            )
+        found = []
+        for marker in markers:
+            data = storage.read_bytes(marker.uri)
+            if data is not None:
+                found.append(str(orjson.loads(data)[key]))
+        return found
 
     def _lines(self, files: list[str]) -> Iterator[dict[str, Any]]:
         storage = Storage(self.settings)

@@ -337,6 +337,31 @@ async def test_jobs_run_on_a_worker_and_are_followed_by_id_from_other_processes(
                 process.communicate()
 
 
+def test_a_run_of_the_workload_as_declared_is_followed_by_id_too(
+    setup: Setup, tmp_path: Path
+) -> None:
+    """A run with no output of its own (the cron's, `prefect deployment run`, `lanes
+    run`) writes the workload's declared output: `lanes job ID --results` reads its
+    committed shards there, and not the submitted jobs' outputs beside them (jobs/)."""
+    (setup.project / "in").mkdir(exist_ok=True)
+    (setup.project / "in" / "declared.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in GOOD)
+    )
+    done = run(lanes_cli("run", "embed-corpus"), setup.env, setup.project, 240)
+    (flow_run_id,) = set(re.findall(r"/flow-run/([0-9a-f-]{36})", done))
+    assert not flow_run(setup, flow_run_id)["parameters"].get("output")
+    # A submitted job's output, inside the workload's: another job's lines.
+    other = setup.project / "out" / "jobs" / "someone-elses"
+    other.mkdir(parents=True, exist_ok=True)
+    (other / "records.jsonl").write_text(json.dumps({"id": "theirs", "result": []}) + "\n")
+    shown = run(lanes_cli("job", flow_run_id, "--results"), setup.env, tmp_path)
+    ids = [json.loads(line)["id"] for line in shown.splitlines() if line.startswith("{")]
+    assert sorted(ids) == ["r0", "r1", "r2"]
+    assert Job(flow_run_id, Settings(spec=setup.spec), prefect_api_url=setup.api).output == (
+        str(setup.project / "out") + "/"
+    )
+
+
 def create_run(setup: Setup, parameters: dict[str, str]) -> str:
     """A flow run of embed-corpus made through Prefect's REST API, due now, as a job."""
     body = {
