@@ -329,7 +329,14 @@ class Job:
 
     def manifest(self) -> dict[str, Any]:
         """The run's manifest: counts, items/s, cost estimate, per-shard stats."""
-        data = Storage(self.settings).read_bytes(join(self.output, layout.LATEST))
+        storage = Storage(self.settings)
+        try:  # its own: runs of a workload as declared share one output, and _manifest.json
+            own = storage.list_files(  # is the newest run's
+                join(self.output, layout.MANIFESTS), (f"-{str(self._uuid)[:8]}.json",)
+            )
+        except StorageError:
+            own = []
+        data = storage.read_bytes(own[-1].uri if own else join(self.output, layout.LATEST))
         if data is None:
             raise LanesError(f"job {self.id} has no manifest yet (it is {self.status()})")
         manifest: dict[str, Any] = orjson.loads(data)

@@ -357,9 +357,13 @@ def test_a_run_of_the_workload_as_declared_is_followed_by_id_too(
     shown = run(lanes_cli("job", flow_run_id, "--results"), setup.env, tmp_path)
     ids = [json.loads(line)["id"] for line in shown.splitlines() if line.startswith("{")]
     assert sorted(ids) == ["r0", "r1", "r2"]
-    assert Job(flow_run_id, Settings(spec=setup.spec), prefect_api_url=setup.api).output == (
-        str(setup.project / "out") + "/"
-    )
+    job = Job(flow_run_id, Settings(spec=setup.spec), prefect_api_url=setup.api)
+    assert job.output == str(setup.project / "out") + "/"
+    # A later run of the same output: each run's manifest is still its own.
+    later = run(lanes_cli("run", "embed-corpus"), setup.env, setup.project, 240)
+    assert flow_run_id not in later
+    assert job.manifest()["flow_run"] == flow_run_id
+    assert (job.manifest()["shards_run"], job.manifest()["outputs"]) == (1, 3)
 
 
 def create_run(setup: Setup, parameters: dict[str, str]) -> str:
