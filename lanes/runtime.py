@@ -56,6 +56,8 @@ _DTYPES: dict[str, np.dtype[np.generic]] = {
 
 # ORT severities: 0 verbose, 1 info, 2 warning, 3 error, 4 fatal.
 _ORT_FATAL_ONLY = 4
+CGROUP = Path("/sys/fs/cgroup")
+MEMBERSHIP = Path("/proc/self/cgroup")
 
 
 @dataclass(frozen=True)
@@ -198,11 +200,53 @@ def idle_priority_available() -> bool:
     return hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE")
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity, where the OS has one)."""
+def usable_cores(cgroup: Path = CGROUP, membership: Path = MEMBERSHIP) -> int:
+    """The cores this process may use: its CPU affinity (where the OS has one), or
+    fewer where its cgroup's CPU quota allows fewer (`cpu_quota`)."""
     if hasattr(os, "sched_getaffinity"):
-        return max(len(os.sched_getaffinity(0)), 1)
-    return os.cpu_count() or 1
+        cores = max(len(os.sched_getaffinity(0)), 1)
+    else:
+        cores = os.cpu_count() or 1
+    quota = cpu_quota(cgroup, membership)
+    return cores if quota is None else min(cores, quota)
+
+
+def cpu_quota(cgroup: Path = CGROUP, membership: Path = MEMBERSHIP) -> int | None:
+    """The CPUs' worth of time this process's cgroup may use (a container's CPU limit,
+    as a pod's `resources.limits.cpu` sets it), rounded up; None when unlimited or
+    unknown. A container sees every core of its node in its affinity, so without this
+    onnxruntime starts a thread per node core, and those threads share the limit's
+    time in throttled slices. cgroup v2's `cpu.max` of the process's own group and
+    the groups above it, else v1's `cpu.cfs_quota_us` (a container's namespace
+    shows its own group at the root); `membership` is /proc/self/cgroup."""
+    quotas: list[int] = []
+    for group in _v2_groups(cgroup, membership):
+        try:
+            limit, period = (group / "cpu.max").read_text().split()[:2]
+        except (OSError, ValueError):
+            continue
+        if limit != "max" and int(period) > 0:
+            quotas.append(-(-int(limit) // int(period)))
+    if not quotas:
+        try:
+            limit = (cgroup / "cpu" / "cpu.cfs_quota_us").read_text().strip()
+            period = (cgroup / "cpu" / "cpu.cfs_period_us").read_text().strip()
+            if int(limit) > 0 and int(period) > 0:
+                quotas.append(-(-int(limit) // int(period)))
+        except (OSError, ValueError):
+            pass
+    return max(min(quotas), 1) if quotas else None
+
+
+def _v2_groups(cgroup: Path, membership: Path) -> list[Path]:
+    """This process's cgroup v2 folder and those above it, up to the mount's root."""
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:
+        lines = []
+    own = next((line[3:] for line in lines if line.startswith("0::")), "/")
+    folder = cgroup / own.lstrip("/")
+    return [folder, *[p for p in folder.parents if p.is_relative_to(cgroup)]]
 
 
 class Runtime:
@@ -277,6 +321,8 @@ class Runtime:
         priority are there to use (as much as a third of two cores at 30% load here)."""
         options = ort.SessionOptions()
         threads = model.session.intra_op_threads or self.settings.threads
+        if threads is None and cpu_quota() is not None:
+            threads = usable_cores()  # onnxruntime's own count ignores a CPU limit
         if threads is not None:
             options.intra_op_num_threads = threads
         if model.session.inter_op_threads is not None:

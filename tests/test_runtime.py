@@ -18,6 +18,7 @@ from lanes.runtime import (
     Runtime,
     check_io,
     choose_providers,
+    cpu_quota,
     detect_gpu,
     usable_cores,
 )
@@ -148,6 +149,37 @@ def test_a_second_run_has_room_beside_one_in_flight_only_where_threads_leave_a_c
     one = model.model_copy(update={"session": SessionOptions(intra_op_threads=1)})
     assert runtime.room_beside(one) == (cores > 1)
     assert Runtime(Settings(device="cpu", threads=1)).room_beside(model) == (cores > 1)
+
+
+def test_a_container_s_cpu_limit_bounds_the_cores(tmp_path: Path) -> None:
+    """A pod limited to 1.5 CPUs on a bigger node sees every node core in its affinity;
+    its cgroup (v2 here, files as the kernel writes them) says what it may use."""
+    membership = tmp_path / "cgroup-of-self"
+    membership.write_text("0::/kubepods/pod1/app\n")
+    pod, app = tmp_path / "kubepods" / "pod1", tmp_path / "kubepods" / "pod1" / "app"
+    app.mkdir(parents=True)
+    assert cpu_quota(tmp_path, membership) is None, "no cpu.max: unknown"
+    (app / "cpu.max").write_text("max 100000\n")
+    assert cpu_quota(tmp_path, membership) is None, "max: unlimited"
+    (app / "cpu.max").write_text("150000 100000\n")
+    assert cpu_quota(tmp_path, membership) == 2, "rounded up"
+    (pod / "cpu.max").write_text("50000 100000\n")
+    assert cpu_quota(tmp_path, membership) == 1, "the tightest group above counts"
+    assert usable_cores(tmp_path, membership) == 1
+    (pod / "cpu.max").write_text("max 100000\n")
+    (app / "cpu.max").write_text(f"{1000 * 100000} 100000\n")
+    assert usable_cores(tmp_path, membership) == usable_cores(tmp_path / "none", membership)
+
+
+def test_a_cgroup_v1_cpu_quota_bounds_the_cores(tmp_path: Path) -> None:
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    membership = tmp_path / "cgroup-of-self"
+    membership.write_text("1:cpu:/\n0::/\n")
+    assert cpu_quota(tmp_path, membership) is None
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("200000\n")
+    assert cpu_quota(tmp_path, membership) == 2
 
 
 def test_a_session_beside_offline_threads_stops_spinning_when_a_run_ends(
