@@ -13,6 +13,7 @@ Offline workloads: lanes.router.render_pool (the Prefect work pool and its worke
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -24,10 +25,17 @@ from typing import Any
 
 import yaml
 
+from lanes.backfill import served_workload
 from lanes.errors import InvalidInput
 from lanes.quantity import whole_cores
 from lanes.settings import Settings
-from lanes.spec import PER_WORKLOAD_DEPLOY_KEYS, Deploy, InteractiveWorkload, Spec
+from lanes.spec import (
+    PER_WORKLOAD_DEPLOY_KEYS,
+    Deploy,
+    InteractiveWorkload,
+    OfflineWorkload,
+    Spec,
+)
 
 Manifest = dict[str, Any]
 APP = "lanes"
@@ -113,11 +121,26 @@ def groups(spec: Spec) -> list[Group]:
 
 
 def group_spec(raw: dict[str, Any], spec: Spec, group: Group) -> dict[str, Any]:
-    """The spec a group's pods load: its workloads and the models they name, as written."""
-    used = {spec.workloads[name].model for name in group.workloads}
+    """The spec a group's pods load: its workloads, the offline workloads whose batches
+    run on their sessions (`runner: {kind: endpoint}`: the server then runs those at
+    idle priority beside the interactive ones, as `lanes serve` does with the whole
+    spec), and the models they name, as written."""
+    names = [*group.workloads, *_runs_on(spec, group)]
+    used = {spec.workloads[name].model for name in names}
     models = {name: model for name, model in raw["models"].items() if name in used}
-    workloads = {name: raw["workloads"][name] for name in group.workloads}
+    workloads = {name: raw["workloads"][name] for name in names}
     return {"version": raw.get("version", 1), "models": models, "workloads": workloads}
+
+
+def _runs_on(spec: Spec, group: Group) -> list[str]:
+    """The offline workloads whose batches run on the group's sessions."""
+    found = []
+    for name, workload in spec.workloads.items():
+        if isinstance(workload, OfflineWorkload) and workload.runner.kind == "endpoint":
+            with contextlib.suppress(ValueError):  # the spec's own check says why
+                if served_workload(spec.workloads, name) in group.workloads:
+                    found.append(name)
+    return found
 
 
 def device_of(group: Group, settings: Settings) -> str:

@@ -20,6 +20,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from lanes.backfill import backfilled
 from lanes.errors import InvalidInput, SpecError
 from lanes.router.cli import app
 from lanes.router.render_cli import render_files
@@ -675,3 +676,23 @@ def test_a_handler_module_outside_the_project_is_warned_of(tmp_path: Path) -> No
     (tmp_path / "myhooks.py").write_text("handler = None\n")
     done = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "k8s")])
     assert done.exit_code == 0 and "warning" not in done.stderr, done.stderr
+
+
+def test_a_group_s_spec_holds_the_offline_workloads_that_run_on_its_sessions(
+    tmp_path: Path,
+) -> None:
+    """The serving pods then run those batches at idle priority beside the interactive
+    ones, as `lanes serve` does with the whole spec (lanes.backfill.backfilled)."""
+    path = tmp_path / "workloads.yaml"
+    path.write_text(TWO_GROUPS.replace("CPU", "1") + ON_SMALL)
+    served: dict[str, set[str]] = {}
+    for name, text in _render(path).items():
+        if name.startswith("serve-"):
+            (config,) = [o for o in yaml.safe_load_all(text) if o["kind"] == "ConfigMap"]
+            group = tmp_path / name / "workloads.yaml"
+            group.parent.mkdir()
+            group.write_text(config["data"]["workloads.yaml"])
+            spec = load_spec(group, Settings(), check_files=False)
+            served[name] = backfilled(spec.workloads)
+            assert "dask-embed" not in spec.workloads, name
+    assert sorted(map(sorted, served.values())) == [["flower-classify"], ["search-query"]]
