@@ -94,6 +94,13 @@ def k8s(
             help="PersistentVolumeClaim holding the models (default: baked in the image)."
         ),
     ] = None,
+    s3_secret: Annotated[
+        str | None,
+        typer.Option(
+            help="Secret whose keys `access-key-id` and `secret-access-key` are the S3 "
+            "credentials of every pod (default: the pods' own identity)."
+        ),
+    ] = None,
     project_dir: Annotated[str, typer.Option(help="The project's folder in the images.")] = "/app",
     drain_s: Annotated[float, typer.Option(help="LANES_DRAIN_S of the serving pods.")] = 5.0,
     dask_workers: Annotated[
@@ -134,6 +141,7 @@ def k8s(
             drain_s=drain_s,
             offline_cpu=offline_cpu,
             offline_memory=offline_memory,
+            s3_secret=s3_secret,
         )
         path = file or settings.spec
         spec = load_spec(path, settings, check_files=False)

@@ -69,6 +69,9 @@ class K8sOptions:
     prefect_api_secret: str = "prefect-api"  # a Secret with key `url`
     offline_cpu: int = 2  # CPUs of a flow run's Job and of a Dask worker pod
     offline_memory: str = "4Gi"
+    # A Secret with keys `access-key-id` and `secret-access-key`: static S3 credentials
+    # (MinIO's, say) for every pod that reads or writes S3; None: the pods' own (IRSA).
+    s3_secret: str | None = None
 
     def __post_init__(self) -> None:
         """InvalidInput naming the option, for what the cluster (or the pods) would refuse."""
@@ -221,6 +224,18 @@ def shared_env(settings: Settings) -> dict[str, str]:
     return env
 
 
+def s3_credentials(options: K8sOptions) -> list[Manifest]:
+    """The env of every pod that reads or writes S3 (the serving pods store the Batch
+    API's files, the Jobs and Dask workers read inputs and write outputs): boto3's own
+    variables from `--s3-secret`, or nothing, leaving boto3 to the pod's identity."""
+    if options.s3_secret is None:
+        return []
+    return [
+        secret_env("AWS_ACCESS_KEY_ID", options.s3_secret, "access-key-id"),
+        secret_env("AWS_SECRET_ACCESS_KEY", options.s3_secret, "secret-access-key"),
+    ]
+
+
 def secret_env(name: str, secret: str, key: str, optional: bool = False) -> Manifest:
     ref: dict[str, Any] = {"name": secret, "key": key}
     if optional:
@@ -295,6 +310,7 @@ def _deployment(
         # The Batch API starts each batch as a flow run on this Prefect API; optional, so
         # a cluster without Prefect still serves (its /v1/batches says what is missing).
         secret_env("PREFECT_API_URL", options.prefect_api_secret, "url", optional=True),
+        *s3_credentials(options),
     ]
     resources: dict[str, dict[str, Any]] = {
         "requests": {"cpu": group.deploy.cpu, "memory": group.deploy.memory},

@@ -22,6 +22,7 @@ from lanes.router.render_k8s import (
     groups,
     labels,
     models_volume,
+    s3_credentials,
     secret_env,
     shared_env,
     uses_gpu,
@@ -105,11 +106,14 @@ def base_job_template(
         "workingDir": options.project_dir,
         "resources": resources,
     }
+    # Secrets need a list here: Prefect's worker puts the pool's `env` before it. A runner
+    # of kind endpoint sends the server's internal key, which the serving pods take from
+    # the API key's Secret (LANES_API_KEY; the internal key defaults to it).
+    secrets = s3_credentials(options)
     if uses_endpoint(spec):
-        # A runner of kind endpoint sends the server's internal key, which the serving
-        # pods take from this Secret (LANES_API_KEY; the internal key defaults to it). A
-        # Secret needs a list here: Prefect's worker puts the pool's `env` before it.
-        container["env"] = [secret_env("LANES_INTERNAL_KEY", options.api_key_secret, "api-key")]
+        secrets.append(secret_env("LANES_INTERNAL_KEY", options.api_key_secret, "api-key"))
+    if secrets:
+        container["env"] = secrets
     pod: dict[str, Any] = {
         "restartPolicy": "Never",
         "serviceAccountName": "{{ service_account_name }}",
@@ -316,6 +320,7 @@ def _dask_cluster(
         {"name": "LANES_DEVICE", "value": settings.device},
         {"name": "LANES_THREADS", "value": str(options.offline_cpu)},
         *({"name": k, "value": v} for k, v in shared_env(settings).items()),
+        *s3_credentials(options),
     ]
     resources: dict[str, Any] = {
         "requests": {"cpu": str(options.offline_cpu), "memory": options.offline_memory},

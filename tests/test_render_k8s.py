@@ -696,3 +696,48 @@ def test_a_group_s_spec_holds_the_offline_workloads_that_run_on_its_sessions(
             served[name] = backfilled(spec.workloads)
             assert "dask-embed" not in spec.workloads, name
     assert sorted(map(sorted, served.values())) == [["flower-classify"], ["search-query"]]
+
+
+def test_s3_credentials_from_a_secret_reach_every_pod_that_touches_s3(tmp_path: Path) -> None:
+    """MinIO has no pod identity: its keys come from a Secret, into the serving pods
+    (the Batch API's store), the flow runs' Jobs and the Dask workers; the Prefect
+    worker, which touches no S3, holds none."""
+    path = tmp_path / "workloads.yaml"
+    path.write_text(TWO_GROUPS.replace("CPU", "1") + ON_SMALL)
+    args = ["render", "k8s", str(path), "--image", "i", "--worker-image", "w"]
+
+    def keys(env: list[dict[str, Any]]) -> dict[str, str]:
+        return {
+            e[
+                "name"
+            ]: f"{e['valueFrom']['secretKeyRef']['name']}/{e['valueFrom']['secretKeyRef']['key']}"
+            for e in env
+            if e["name"].startswith("AWS_")
+        }
+
+    def pods(out: Path) -> dict[str, list[dict[str, Any]]]:
+        objects = [o for f in sorted(out.glob("*.yaml")) for o in yaml.safe_load_all(f.read_text())]
+        found = {
+            o["metadata"]["name"]: o["spec"]["template"]["spec"]["containers"][0].get("env", [])
+            for o in objects
+            if o["kind"] == "Deployment"
+        }
+        pool = _filled(json.loads((out / "work-pool-lanes.json").read_text()))
+        kubernetes_validate.validate(pool, K8S_VERSION, strict=True)
+        found["job"] = pool["spec"]["template"]["spec"]["containers"][0]["env"]
+        return found
+
+    done = CliRunner().invoke(app, [*args, "--s3-secret", "minio", "--out", str(tmp_path / "a")])
+    assert done.exit_code == 0, done.output
+    expected = {
+        "AWS_ACCESS_KEY_ID": "minio/access-key-id",
+        "AWS_SECRET_ACCESS_KEY": "minio/secret-access-key",
+    }
+    with_secret = pods(tmp_path / "a")
+    touching = {"lanes-serve", "lanes-small", "dask-scheduler-worker", "job"}
+    assert touching <= set(with_secret)
+    for name, env in with_secret.items():
+        assert keys(env) == (expected if name in touching else {}), name
+    done = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "b")])
+    assert done.exit_code == 0, done.output
+    assert all(not keys(env) for env in pods(tmp_path / "b").values())
