@@ -7,6 +7,8 @@ this module only writes them.
 from __future__ import annotations
 
 import math
+from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import orjson
@@ -123,6 +125,18 @@ async def read_body(request: Request, limit: int, offload: Offload) -> bytes:
         raise ClientGone(f"the client disconnected after {size} bytes of the body") from None
     body = b"".join(chunks)
     return body if coding is None else await decode(body, coding, limit, offload)
+
+
+async def disconnected(receive: Receive) -> None:
+    """Returns once the client has disconnected. Only once the body is read: it takes
+    every message `receive` gives."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def departure(request: Request) -> Callable[[], Awaitable[None]]:
+    """`disconnected` of this request, for `BatchWorker.submit(gone=...)`."""
+    return partial(disconnected, request.receive)
 
 
 def timeout_s(request: Request) -> float | None:

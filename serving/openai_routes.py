@@ -21,6 +21,7 @@ from lanes.serving.http import (
     JSONResponse,
     check_inputs,
     decode_json,
+    departure,
     openai_error,
     read_body,
     timeout_s,
@@ -48,7 +49,7 @@ async def embeddings(request: Request) -> JSONResponse:
         timeout = timeout_s(request)
         worker.admit(count, timeout)
         items = await state.offload.run(len(raw), prepare_texts, body, worker.task.prepare)
-        vectors = await worker.submit(items, timeout, record_of(request.scope))
+        vectors = await worker.submit(items, timeout, record_of(request.scope), departure(request))
     except LanesError as e:
         return openai_error(e)
     tokens = sum(item.n_tokens for item in items)

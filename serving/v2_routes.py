@@ -14,6 +14,7 @@ the model's; with one, `pre` takes the inputs as they come.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -36,7 +37,14 @@ from lanes.protocols.v2 import (
 )
 from lanes.runtime import TensorInfo
 from lanes.serving.access import RequestRecord, named, record_of
-from lanes.serving.http import JSONResponse, check_inputs, read_body, timeout_s, v2_error
+from lanes.serving.http import (
+    JSONResponse,
+    check_inputs,
+    departure,
+    read_body,
+    timeout_s,
+    v2_error,
+)
 from lanes.serving.readiness import LoadState
 from lanes.serving.state import ServingState
 from lanes.serving.worker import BatchWorker
@@ -67,10 +75,11 @@ async def infer(request: Request) -> Response:
         header = timeout_s(request)  # checked whether or not parameters.timeout is given
         timeout = call.request.timeout_s() or header
         record = record_of(request.scope)
+        gone = departure(request)
         if worker.task.kind == "embed":
-            outputs = await _embed(state, worker, call, timeout, len(raw), record)
+            outputs = await _embed(state, worker, call, timeout, len(raw), record, gone)
         else:
-            outputs = await _infer(state, worker, call, timeout, len(raw), record)
+            outputs = await _infer(state, worker, call, timeout, len(raw), record, gone)
         answer = encode_response(call.request, name, outputs)
     except ModelError as e:  # the model or the handler's answer, not the request's fault
         log.exception("workload %s: v2 infer failed", name)
@@ -93,6 +102,7 @@ async def _infer(
     timeout: float | None,
     size: int,
     record: RequestRecord | None,
+    gone: Callable[[], Awaitable[None]],
 ) -> dict[str, Array]:
     task = worker.task
     assert isinstance(task, InferTask)
@@ -105,7 +115,7 @@ async def _infer(
         _check_datatypes(task, body)
     worker.admit(1, timeout)
     item = await state.offload.run(size, task.prepare, call.inputs)
-    [result] = await worker.submit([item], timeout, record)
+    [result] = await worker.submit([item], timeout, record, gone)
     outputs = result_arrays(result)
     body.check_outputs(outputs, task.name)
     return outputs
@@ -131,6 +141,7 @@ async def _embed(
     timeout: float | None,
     size: int,
     record: RequestRecord | None,
+    gone: Callable[[], Awaitable[None]],
 ) -> dict[str, Array]:
     body = call.request
     body.check_outputs(["embedding"], worker.name)
@@ -153,7 +164,7 @@ async def _embed(
     check_inputs(count, state.settings.max_inputs_per_request, "inputs[0]")
     worker.admit(count, timeout)
     items = await state.offload.run(size, _prepare_texts, worker.task, texts)
-    vectors = await worker.submit(items, timeout, record)
+    vectors = await worker.submit(items, timeout, record, gone)
     try:
         return {"embedding": np.stack(vectors)}
     except (ValueError, TypeError) as e:

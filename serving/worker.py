@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -42,6 +42,7 @@ from lanes.serving.batch_observer import BatchObserver
 from lanes.serving.batch_run import Result, Stopped, answer, timed_run
 from lanes.serving.batching import DeviceShare, Lane, LaneQueues, Pending, charge, never_fits
 from lanes.serving.beside import Beside
+from lanes.serving.http import ClientGone
 from lanes.serving.metrics import Metrics
 from lanes.serving.model_thread import ModelThread
 from lanes.serving.offline_runs import OfflineLane, OfflineRun
@@ -207,10 +208,14 @@ class BatchWorker:
         items: Sequence[Any],
         timeout_s: float | None = None,
         request: RequestRecord | None = None,
+        gone: Callable[[], Awaitable[None]] | None = None,
     ) -> list[Any]:
         """Run prepared items (all or none) and wait for their outputs, in order.
 
         The run writes its queue wait and batch size in `request`, the caller's record.
+        `gone()` returns once the caller's client has disconnected: while its items
+        wait in the queue, that takes them out (ClientGone), so no run is spent on an
+        answer nobody reads.
 
         They run at once if the model is free and nobody waits, else they queue.
         More items than the queue can hold are refused (`RequestTooLarge`), however
@@ -228,8 +233,11 @@ class BatchWorker:
             busy = not self._free.is_set()
             early_s = self.steering.check_reachable(items, arrived, deadline, busy)
         pendings: list[Pending] = []
+        # Items that go to the model at once end their run on the thread whoever waits:
+        # only queued ones are worth taking back when the client leaves.
+        now = self._runs_now(len(items))
         try:
-            if self._runs_now(len(items)):
+            if now:
                 loop = asyncio.get_running_loop()
                 pendings = [
                     Pending(item, loop.create_future(), arrived, request=request) for item in items
@@ -245,10 +253,7 @@ class BatchWorker:
                         pending.siblings = tuple(pendings)
                 self.offline.interactive_waits()
                 self._set_depths()
-            if len(pendings) == 1:
-                outputs = [await pendings[0].future]
-            else:
-                outputs = list(await asyncio.gather(*(p.future for p in pendings)))
+            outputs = await _outputs(pendings, None if now else gone)
         except BaseException as e:
             # Refused, one failed, or the caller went away: free the others' places too.
             # A run already started ends on the thread regardless and is accounted for then.
@@ -437,3 +442,25 @@ class BatchWorker:
             old = self._item_cost_s
             self._item_cost_s = cost if old is None else old + _COST_WEIGHT * (cost - old)
         return result
+
+
+async def _outputs(
+    pendings: Sequence[Pending], gone: Callable[[], Awaitable[None]] | None
+) -> list[Any]:
+    """The outputs of `pendings`, in order; ClientGone first if `gone()` returns before
+    they are all answered (then the caller frees their places in the queue)."""
+    waited: asyncio.Future[Any] = (
+        pendings[0].future if len(pendings) == 1 else asyncio.gather(*(p.future for p in pendings))
+    )
+    if gone is not None:
+        # One task per queued request (not per item), only while it waits.
+        watch = asyncio.ensure_future(gone())
+        try:
+            await asyncio.wait((waited, watch), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if not waited.done():
+            waited.cancel()  # a gather's cancel cancels every item's future too
+            raise ClientGone("the client disconnected while its request waited in the queue")
+    result = await waited
+    return [result] if len(pendings) == 1 else list(result)

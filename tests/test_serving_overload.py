@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,6 +127,56 @@ async def test_a_full_queue_answers_the_rest_503_at_once_and_serves_those_it_too
         assert b"queue full" in answer.body, answer.body
     assert "queue full" in orjson.loads(refused[0].body)["error"]["message"]  # OpenAI's shape
     assert isinstance(orjson.loads(refused[1].body)["error"], str)  # v2's shape
+
+
+async def sent_then_gone(port: int, path: str, payload: object, queued: Callable[[], bool]) -> None:
+    """POST `payload` to `path` whole, wait until its inputs are `queued()`, then close
+    the connection without reading the answer."""
+    body = orjson.dumps(payload)
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(head + body)
+        await eventually(queued, "its inputs are queued")
+    finally:
+        writer.close()
+        await writer.wait_closed()
+
+
+async def test_a_client_that_leaves_while_queued_takes_its_inputs_out_of_the_queue(
+    server: ServerThread,
+) -> None:
+    """With the model held on one request, a request of three inputs (v1) and one of one
+    (v2) queue, and their clients disconnect: their inputs leave the queue at once and
+    never reach the model (a model's time is not spent on answers nobody reads, as a
+    generate stream's row is freed). The held request is still answered."""
+    executor = worker(server)
+    registry = server.app.state.metrics.registry
+    gone = {"workload": "held-embed", "code": "499"}
+    before = registry.get_sample_value("lanes_workload_responses_total", gone) or 0
+    three = {"model": "held-embed", "input": ["one", "two", "three"]}
+    async with httpx.AsyncClient(base_url=server.url, timeout=WAIT_S) as client:
+        with HELD.closed():
+            passed = HELD.passed
+            running = asyncio.create_task(client.post(V1[0], json=V1[1]))
+            await asyncio.to_thread(HELD.wait_held)
+            port = server.settings.port
+            await sent_then_gone(port, V1[0], three, lambda: len(executor.queue) == 3)
+            await eventually(lambda: len(executor.queue) == 0, "the v1 inputs left")
+            await sent_then_gone(port, *V2, lambda: len(executor.queue) == 1)
+            await eventually(lambda: len(executor.queue) == 0, "the v2 input left")
+            await eventually(
+                lambda: (
+                    registry.get_sample_value("lanes_workload_responses_total", gone) == before + 2
+                ),
+                "both counted as 499",
+            )
+        answer = await running
+    assert answer.status_code == 200, answer.text
+    assert HELD.passed == passed + 1  # the held request's run alone
 
 
 async def test_a_request_the_queue_cannot_serve_by_its_deadline_gets_503_not_504(
