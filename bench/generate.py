@@ -205,7 +205,14 @@ def serve(
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.lanes = state
     # The app's own stack around its routes (serving/app.py), on every policy alike.
-    edge = lanes_app.Edge(app, state.metrics, None, state.readiness, settings.discard_body_bytes)
+    edge = lanes_app.Edge(
+        app,
+        state.metrics,
+        None,
+        state.readiness,
+        settings.discard_body_bytes,
+        settings.body_timeout_s,
+    )
     inner = edge if tracing is None else TracedRequests(edge, tracing)
     served = RequestIds(inner, lanes_app.route_label)
     uvicorn.run(served, host="127.0.0.1", port=port, log_level="warning", access_log=False)

@@ -132,6 +132,14 @@ class Settings(BaseSettings):
         "before its body was read) the server reads and drops before it closes the "
         "connection, so that the client gets the answer rather than a reset.",
     )
+    body_timeout_s: float = Field(
+        15.0,
+        gt=0,
+        le=3600,
+        description="Longest wait for the next part of a request's body: a client that "
+        "stalls mid-body longer gets 408 and its connection closes, so a slow or dead "
+        "client holds no connection, nor a stopping server, for ever.",
+    )
     drain_s: float = Field(
         5.0,
         ge=0,

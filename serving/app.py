@@ -110,6 +110,7 @@ def create_app(
         api_key=key,
         readiness=state.readiness,
         discard_limit=settings.discard_body_bytes,
+        body_timeout_s=settings.body_timeout_s,
     )
     outer: ASGIApp = edge if tracing is None else TracedRequests(edge, tracing)
     return Served(RequestIds(outer, route_label), state, edge)
@@ -359,9 +360,11 @@ class Edge:
         api_key: str | None,
         readiness: Readiness,
         discard_limit: int,
+        body_timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.app = app
+        self.body_timeout_s = body_timeout_s
         self.metrics = metrics
         self.clock = clock  # times each inference call, for its workload's statistics
         self.token = api_key.encode() if api_key else None
@@ -383,7 +386,7 @@ class Edge:
             send = _closing(send)
         path: str = scope["path"]
         label = route_label(path)
-        receipt = Receipt(receive)
+        receipt = Receipt(receive, self.body_timeout_s)
         # The internal routes check their own key (serving/backfill_routes.py).
         open_path = path in HEALTH_PATHS or path.startswith(INTERNAL_PREFIX)
         if self.token is not None and not open_path and not self._authorized(scope):

@@ -6,6 +6,7 @@ this module only writes them.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -42,7 +43,17 @@ class JSONResponse(Response):
         return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
+class BodyStalled(LanesError):
+    """The client sent part of its body, then nothing for `LANES_BODY_TIMEOUT_S`."""
+
+    status = 408
+    error_type = "invalid_request_error"
+    default_code = "request_timeout"
+
+
 def _headers(error: LanesError) -> dict[str, str] | None:
+    if isinstance(error, BodyStalled):  # the rest of its body may still come: not here
+        return {"Connection": "close"}
     if isinstance(error, Overloaded):
         return {"Retry-After": str(max(1, math.ceil(error.retry_after)))}
     if error.repeats:  # the openai client retries a 500 unless told not to
@@ -156,18 +167,31 @@ def timeout_s(request: Request) -> float | None:
 
 
 class Receipt:
-    """A request's `receive` that notes whether the body has arrived whole."""
+    """A request's `receive` that notes whether the body has arrived whole, and
+    raises BodyStalled when the next part of it takes longer than `idle_s`."""
 
-    __slots__ = ("_receive", "asked", "whole")
+    __slots__ = ("_receive", "asked", "idle_s", "stalled", "whole")
 
-    def __init__(self, receive: Receive) -> None:
+    def __init__(self, receive: Receive, idle_s: float) -> None:
         self._receive = receive
+        self.idle_s = idle_s
         self.asked = False  # whether anything read the body yet
         self.whole = False
+        self.stalled = False
 
     async def __call__(self) -> Message:
         self.asked = True
-        message = await self._receive()
+        if self.whole:  # after the body, only a disconnect comes: no bound on its wait
+            return await self._receive()
+        try:
+            async with asyncio.timeout(self.idle_s):
+                message = await self._receive()
+        except TimeoutError:
+            self.stalled = True
+            raise BodyStalled(
+                f"the client sent no more of its body for {self.idle_s:g} s "
+                "(LANES_BODY_TIMEOUT_S); send the whole body at once"
+            ) from None
         if message["type"] != "http.request" or not message.get("more_body", False):
             self.whole = True
         return message
@@ -203,7 +227,7 @@ async def discard_unread(scope: Scope, receipt: Receipt, limit: int) -> None:
     body and has not been asked for it: it sends nothing. A declared body over
     `limit` is not read: its client may see a reset.
     """
-    if receipt.whole:
+    if receipt.whole or receipt.stalled:  # a stalled client may send no more of it
         return
     length = _header(scope, b"content-length")
     chunked = _header(scope, b"transfer-encoding") is not None
@@ -216,5 +240,8 @@ async def discard_unread(scope: Scope, receipt: Receipt, limit: int) -> None:
         return
     dropped = 0
     while not receipt.whole and dropped <= limit:
-        message = await receipt()
+        try:
+            message = await receipt()
+        except BodyStalled:
+            return
         dropped += len(message.get("body", b""))

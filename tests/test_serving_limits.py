@@ -217,6 +217,22 @@ def test_a_big_body_answered_unread_gets_its_answer(
     assert (got, closes) == (status, True), body[:300]
 
 
+def test_a_body_that_stalls_gets_408_and_its_connection_closes(spec_path: Path) -> None:
+    """A client that sends part of its body and then nothing (a slowloris, or a client
+    gone without closing its connection) gets 408 in its route's protocol once
+    LANES_BODY_TIMEOUT_S passes without more of it, and the connection closes: it holds
+    neither a connection nor a stopping server (which waits for its requests) for ever."""
+    with ServerThread(spec_path, body_timeout_s=0.5) as server:
+        for path in ("/v1/embeddings", "/v1/completions", "/v2/models/flowers/infer"):
+            head = post(path, b"").replace(b"Content-Length: 0", b"Content-Length: 100")
+            status, body, closes = exchange(server.settings.port, head + b'{"model": ')
+            assert status == 408, (path, body)
+            assert closes, path
+            error = orjson.loads(body)["error"]
+            message = error if path.startswith("/v2/") else error["message"]
+            assert "LANES_BODY_TIMEOUT_S" in message, body
+
+
 def test_httpx_gets_413_and_its_connection_stays_usable(server: ServerThread) -> None:
     good = {"model": "search-query", "input": "after the refusal"}
     with httpx.Client(base_url=server.url, headers=AUTH, timeout=WAIT_S) as client:
