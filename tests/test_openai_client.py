@@ -234,6 +234,11 @@ def test_no_op_values_of_parameters_lanes_does_not_implement_are_accepted(
         {"model": "code-complete", "messages": CHAT, "max_tokens": 2, "tools": [], "n": None},
     )
     assert answer.status_code == 200, answer.text
+    text_only = {"modalities": ["text"], "audio": None, "web_search_options": None}
+    answer = post(server, "/v1/chat/completions", {**CHAT_BODY, **text_only})
+    assert answer.status_code == 200, answer.text
+    answer = post(server, "/v1/completions", {**PROMPT_BODY, "response_format": {"type": "text"}})
+    assert answer.status_code == 200, answer.text
 
 
 def test_token_ids_are_embedding_input(client: OpenAI) -> None:
@@ -378,6 +383,32 @@ REJECTED: list[tuple[str, dict[str, Any], str, str | None]] = [
         "/v1/chat/completions",
         {**CHAT_BODY, "tools": [{"type": "function", "function": {"name": "f"}}]},
         "tools",
+        "unsupported_value",
+    ),
+    # OpenAI's, and each would change the answer: audio asked for, text given, unsaid.
+    (
+        "/v1/chat/completions",
+        {**CHAT_BODY, "modalities": ["text", "audio"]},
+        "modalities",
+        "unsupported_value",
+    ),
+    (
+        "/v1/chat/completions",
+        {**CHAT_BODY, "audio": {"voice": "alloy", "format": "wav"}},
+        "audio",
+        "unsupported_value",
+    ),
+    (
+        "/v1/chat/completions",
+        {**CHAT_BODY, "web_search_options": {}},
+        "web_search_options",
+        "unsupported_value",
+    ),
+    # vLLM's on completions: JSON asked for would come back as free text.
+    (
+        "/v1/completions",
+        {**PROMPT_BODY, "response_format": {"type": "json_object"}},
+        "response_format",
         "unsupported_value",
     ),
     (

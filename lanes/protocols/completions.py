@@ -42,6 +42,10 @@ VLLM_NO_OPS: dict[str, Any] = {
 }
 
 
+class ResponseFormat(Shape):
+    type: Literal["text", "json_object", "json_schema"]
+
+
 class StreamOptions(Shape):
     include_usage: bool | None = None
 
@@ -72,6 +76,9 @@ class GenerateParams(GenerationOptions, OpenAIRequest):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="Only 0.")
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="Only 0.")
     logit_bias: dict[str, Any] | None = Field(None, description="Only empty.")
+    # OpenAI's for chat, vLLM's for completions too: ignored, JSON asked for would come
+    # back as free text.
+    response_format: ResponseFormat | None = Field(None, description="Only text.")
     ignore_eos: bool | None = Field(None, description="Run to max_tokens (benchmarks).")
     # vLLM's sampling extensions that lanes does not implement (VLLM_NO_OPS).
     repetition_penalty: float | None = Field(None, gt=0.0, description="vLLM's: only 1.")
@@ -116,6 +123,11 @@ class GenerateParams(GenerationOptions, OpenAIRequest):
                     )
                     raise InvalidInput.field("logit_bias", detail, "invalid_value")
             raise unsupported("logit_bias", "lanes applies no biases; send {} or leave it out")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise unsupported(
+                "response_format",
+                f'lanes answers plain text; send {{"type": "text"}}, found {self.response_format.type!r}',
+            )
         for name, no_op in VLLM_NO_OPS.items():
             value = getattr(self, name)
             if value is not None and value != no_op:
@@ -186,16 +198,14 @@ class ChatMessage(Shape):
         return "".join(part.text or "" for part in self.content)
 
 
-class ResponseFormat(Shape):
-    type: Literal["text", "json_object", "json_schema"]
-
-
 class ChatCompletionRequest(GenerateParams):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="Newer name of max_tokens.")
     logprobs: bool | None = Field(None, description="Only false.")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="Only null.")
-    response_format: ResponseFormat | None = Field(None, description="Only text.")
+    modalities: list[str] | None = Field(None, description='Only ["text"].')
+    audio: dict[str, Any] | None = Field(None, description="Only none.")
+    web_search_options: dict[str, Any] | None = Field(None, description="Only none.")
     tools: list[Any] | None = Field(None, description="Only none.")
     tool_choice: str | dict[str, Any] | None = Field(None, description="Only none or auto.")
     parallel_tool_calls: bool | None = None
@@ -208,11 +218,15 @@ class ChatCompletionRequest(GenerateParams):
             raise unsupported("logprobs", "lanes returns no log probabilities; send false")
         if self.top_logprobs is not None:
             raise unsupported("top_logprobs", "lanes returns no log probabilities; leave it out")
-        if self.response_format is not None and self.response_format.type != "text":
+        if self.modalities is not None and self.modalities != ["text"]:
             raise unsupported(
-                "response_format",
-                f'lanes answers plain text; send {{"type": "text"}}, found {self.response_format.type!r}',
+                "modalities",
+                f'lanes answers text only; send ["text"] or leave it out, found {describe(self.modalities)}',
             )
+        if self.audio is not None:
+            raise unsupported("audio", "lanes answers text only; leave it out")
+        if self.web_search_options is not None:
+            raise unsupported("web_search_options", "lanes does not search the web; leave it out")
         if self.tools or self.functions:
             name = "tools" if self.tools else "functions"
             raise unsupported(name, "lanes does not call tools; leave it out")
