@@ -271,8 +271,8 @@ def _datatype(info: TensorInfo) -> str:
 
 
 async def model_ready(request: Request) -> Response:
-    """200 once the workload (any task) is loaded and warm; 503 while it loads or after
-    it failed, with what failed."""
+    """200 once the workload (any task) is loaded and warm; 503 while it loads, after
+    it failed (with what failed), and while the server drains (as /readyz)."""
     state: ServingState = request.app.state.lanes
     name = request.path_params["name"]
     try:
@@ -280,6 +280,10 @@ async def model_ready(request: Request) -> Response:
         hosted = state.hosted(name)
     except LanesError as e:
         return v2_error(e)
+    if hosted.state is LoadState.READY and state.readiness.draining:
+        # A balancer that checks the model's readiness takes the replica out too.
+        stopping = f"workload {name!r} is on a server that is stopping; send to another replica"
+        return v2_error(Overloaded(stopping, code="draining"))
     if hosted.state is LoadState.READY:
         return JSONResponse({"name": name, "ready": True})
     if hosted.state is LoadState.FAILED:

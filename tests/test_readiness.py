@@ -16,6 +16,7 @@ import yaml
 from onnx import TensorProto, helper, numpy_helper, save_model
 
 import lanes
+from tests import servers
 from tests.flows_fixtures import wait_until, write_spec
 from tests.servers import ServerThread
 
@@ -151,3 +152,29 @@ def test_a_call_to_a_failed_workload_says_it_failed(
     # The load's failure was logged once; the calls to it add no tracebacks.
     failures = [r.getMessage() for r in records if "broken" in r.getMessage()]
     assert len(failures) == 1, failures
+
+
+def test_every_readiness_route_answers_503_while_draining(
+    demo_models: Path, tmp_path: Path
+) -> None:
+    """On SIGTERM the server drains: a balancer's health check on any readiness route,
+    the model's own included, takes the replica out, while requests are still served."""
+    workloads = "  flowers: {mode: interactive, task: infer, model: classifier}\n"
+    spec = servers.write_spec(tmp_path, demo_models, workloads)
+    model_ready = ("/v2/models/flowers/ready", "/v2/models/flowers/versions/1/ready")
+    with ServerThread(spec) as server:
+        for path in model_ready:
+            assert httpx.get(f"{server.url}{path}", timeout=5).status_code == 200
+        server.app.drain()  # what SIGTERM does first
+        for path in ("/readyz", "/v2/health/ready", *model_ready):
+            answer = httpx.get(f"{server.url}{path}", timeout=5)
+            assert answer.status_code == 503, (path, answer.text)
+        assert "stopping" in httpx.get(f"{server.url}{model_ready[0]}", timeout=5).json()["error"]
+        row = {
+            "name": "features",
+            "shape": [1, 4],
+            "datatype": "FP32",
+            "data": [5.1, 3.5, 1.4, 0.2],
+        }
+        served = httpx.post(f"{server.url}/v2/models/flowers/infer", json={"inputs": [row]})
+        assert served.status_code == 200, served.text
