@@ -118,7 +118,8 @@ def create_app(
 
 class Served:
     """What `create_app` returns: the ASGI app uvicorn runs, the state it serves, and
-    the switch `lanes serve` turns on SIGTERM (`drain`)."""
+    the switches `lanes serve` turns on SIGTERM (`drain`) and before its grace for the
+    requests in flight runs out (`expire`)."""
 
     def __init__(self, app: ASGIApp, state: ServingState, edge: Edge) -> None:
         self.app = app
@@ -132,6 +133,12 @@ class Served:
         """Not ready from now on, each answer closing its connection; safe in a signal
         handler."""
         self._edge.drain()
+
+    def expire(self) -> None:
+        """The server exits within seconds: every stream still generating ends now,
+        whole (serving/engine.py `expire`), before the exit would cut it off."""
+        for engine in self.state.engines.values():
+            engine.expire()
 
 
 async def _load(state: ServingState, runtime: Runtime | None) -> None:

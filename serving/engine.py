@@ -162,6 +162,7 @@ class Engine:
         self._aborts: list[int] = []
         self._waiting = 0  # submitted, not yet running or retired (under _lock)
         self._stopping = False
+        self._expiring = False  # the server's grace ends soon: streams end now (expire)
         self._ids = itertools.count(1)
         self._streams: dict[int, TokenStream] = {}  # event-loop side only
         self._unreported: list[Step] = []  # run, not reported yet (under _lock)
@@ -316,6 +317,14 @@ class Engine:
                 SETTLE_TIMEOUT_S,
             )
 
+    def expire(self) -> None:
+        """The server stops within seconds: every interactive sequence ends at the next
+        step as at its deadline, so its stream ends whole (finish_reason `length`, then
+        `[DONE]`; 504 before its first token) rather than cut off by the server's exit."""
+        with self._lock:
+            self._expiring = True
+            self._lock.notify()
+
     def abort(self, seq_id: int) -> None:
         with self._lock:
             self._aborts.append(seq_id)
@@ -382,8 +391,11 @@ class Engine:
             joining, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
             stopping = self._stopping
+            expiring, self._expiring = self._expiring, False
         for seq in joining:
             self._add(seq)
+        if expiring:
+            scheduler.expire()
         if stopping:
             queued = (*scheduler.waiting, *scheduler.offline, *scheduler.rows)
             chunking = [scheduler.chunking] if scheduler.chunking is not None else []

@@ -22,6 +22,12 @@ log = logging.getLogger("lanes.serving")
 # After the listener closes, how long requests already written on open connections
 # have to reach the server before idle connections are closed.
 LINGER_S = 0.2
+# How long before uvicorn's graceful timeout (which cancels whatever still runs) the
+# streams still generating are ended, whole: time for their last events to be written.
+EXPIRE_BEFORE_S = 3.0
+# uvicorn's grace for the requests in flight once the listener closed; past it, it
+# cancels them (infra's terminationGracePeriodSeconds counts on it: router/render_k8s.py).
+GRACEFUL_S = 30
 
 
 class DrainingServer(uvicorn.Server):
@@ -33,14 +39,22 @@ class DrainingServer(uvicorn.Server):
     the server is about to close. Then the listener closes, requests already on their
     way are read (`LINGER_S`), in-flight and queued work finishes, and the app's
     lifespan stops its workers. A second signal skips what is left of the drain.
+    Streams still generating `EXPIRE_BEFORE_S` before uvicorn's graceful timeout would
+    cancel them are ended then, whole (`on_expire`): a client sees its text so far,
+    finish_reason `length` and `[DONE]`, not a connection cut mid-answer.
     """
 
     def __init__(
-        self, config: uvicorn.Config, drain_s: float, on_drain: Callable[[], None]
+        self,
+        config: uvicorn.Config,
+        drain_s: float,
+        on_drain: Callable[[], None],
+        on_expire: Callable[[], None],
     ) -> None:
         super().__init__(config)
         self.drain_s = drain_s
         self.on_drain = on_drain
+        self.on_expire = on_expire
         self.drain_until: float | None = None
         self._drain_logged = False
 
@@ -80,7 +94,16 @@ class DrainingServer(uvicorn.Server):
         # uvicorn closes idle connections at once: first let requests that clients
         # already wrote on them arrive, so that they are answered, not cut off.
         await asyncio.sleep(LINGER_S)
-        await super().shutdown(sockets)
+        grace = self.config.timeout_graceful_shutdown
+        expiring = None
+        if grace is not None:
+            when = grace - min(EXPIRE_BEFORE_S, grace / 2)
+            expiring = asyncio.get_running_loop().call_later(when, self.on_expire)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if expiring is not None:
+                expiring.cancel()
 
 
 def serve(spec: Spec, settings: Settings, host: str | None = None, port: int | None = None) -> None:
@@ -101,10 +124,10 @@ def serve(spec: Spec, settings: Settings, host: str | None = None, port: int | N
         loop="auto",
         access_log=False,  # lanes.access writes one line per request, with its id
         log_config=None,  # uvicorn's lines go to the root handler, in the same format
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=GRACEFUL_S,
         log_level=settings.log_level.lower(),
     )
-    DrainingServer(config, settings.drain_s, app.drain).run(sockets=sockets)
+    DrainingServer(config, settings.drain_s, app.drain, app.expire).run(sockets=sockets)
 
 
 def listen(host: str, port: int) -> list[socket.socket]:

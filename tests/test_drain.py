@@ -7,6 +7,7 @@ behind a real haproxy with closed-loop load and no failed request.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -19,13 +20,16 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.gates import GATE_FILE_ENV, held_marker
-from tests.servers import free_port
+from lanes.serving.server import DrainingServer
+from tests.gates import GATE_FILE_ENV, Gate, held_marker
+from tests.servers import ServerThread, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 LANES = str(Path(sys.executable).with_name("lanes"))
@@ -351,3 +355,64 @@ def test_rolling_restart_behind_haproxy_fails_no_request(tmp_path: Path, demo_mo
     print(f"rolling restart carried {dict(outcomes)}")
     assert set(outcomes) == {"200"}, (outcomes, failures[:3])
     assert outcomes["200"] >= 800
+
+
+# ---- a stream that outlasts the server's grace ends whole -------------------------------
+
+GRACE_S = 8  # the test server's graceful timeout; its streams are ended 3 s before it
+STEP_S = 0.05  # every decoder run takes at least this: 500 tokens take 25 s or more
+
+
+class StoppingServer(ServerThread):
+    """A ServerThread run by `lanes serve`'s DrainingServer (no drain), with a graceful
+    timeout of `grace_s`."""
+
+    def __init__(self, spec_path: Path, grace_s: int, **kwargs: Any) -> None:
+        super().__init__(spec_path, **kwargs)
+        config = uvicorn.Config(
+            self.app,
+            host="127.0.0.1",
+            port=self.settings.port,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=grace_s,
+        )
+        self.server = DrainingServer(config, 0.0, self.app.drain, self.app.expire)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+
+def test_a_stream_still_running_when_the_grace_runs_out_ends_whole(
+    tmp_path: Path, demo_models: Path
+) -> None:
+    """A stream that would outlast the graceful timeout after SIGTERM (a long answer)
+    ends before uvicorn cancels it: the client gets its text so far, finish_reason
+    `length` and `[DONE]`, not a connection cut mid-answer (httpx: an incomplete
+    chunked read), and the server exits."""
+    spec = tmp_path / "workloads.yaml"
+    spec.write_text(
+        f"""\
+version: 1
+models:
+  tinycode: {{path: {demo_models}/tinycode/model.onnx, tokenizer: {demo_models}/tinycode/tokenizer.json}}
+workloads:
+  code: {{task: generate, mode: interactive, model: tinycode}}
+"""
+    )
+    body = {"model": "code", "prompt": "def f(x):", "max_tokens": 500, "stream": True}
+    body |= {"ignore_eos": True}
+    events: list[dict[str, Any]] = []
+    with StoppingServer(spec, GRACE_S, gates={"tinycode": Gate()}, pad_s=STEP_S) as server:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=WAIT_S) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    events.append(json.loads(line.removeprefix("data: ")))
+                    break
+            server.server.should_exit = True  # what SIGTERM does once the drain ends
+            rest = [line for line in lines if line.startswith("data: ")]
+        server.thread.join(timeout=WAIT_S)
+        assert not server.thread.is_alive()
+    assert rest[-1] == "data: [DONE]"
+    events += [json.loads(line.removeprefix("data: ")) for line in rest[:-1]]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert len(events) < 500  # ended early, not run to max_tokens

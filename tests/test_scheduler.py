@@ -200,6 +200,24 @@ def test_deadlines_expire_waiting_and_running_sequences() -> None:
     assert s.has_work is False
 
 
+def test_expire_ends_every_interactive_sequence_at_the_next_step_as_its_deadline() -> None:
+    """The server is about to stop: running and waiting interactive sequences leave at
+    the next step as at a deadline (with or without one of their own); offline ones
+    stay (the engine's stop aborts them, and their flow retries)."""
+    clock = Clock()
+    s = make(max_running=1, clock=clock)
+    s.add(seq(0))
+    s.add(seq(1, deadline=500.0))
+    s.add(seq(10, offline=True))
+    step(s, A)
+    s.expire()
+    plan, events = step(s)
+    assert sorted(ids(plan.retired)) == [0, 1]
+    assert by_id(events)[0] == Event(0, (), "", "deadline")  # its text went out already
+    assert by_id(events)[1].finish == "deadline"
+    assert [q.id for q in s.rows] == [10]  # it takes the freed row
+
+
 def test_a_deadline_that_passes_during_the_prefill_makes_no_token() -> None:
     clock = Clock()
     s = make(max_running=2, clock=clock)

@@ -154,6 +154,16 @@ class Scheduler:
             self._finish(seq, SeqStatus.FINISHED_ABORTED)
             self._unreported.append(seq)
 
+    def expire(self) -> None:
+        """The server is about to stop: every interactive sequence's deadline is now,
+        so each leaves at the next step as at its deadline (a running one with its text
+        so far and finish_reason `length`), instead of being cut off mid-stream."""
+        now = self.clock()
+        for seq in self._live.values():
+            if not seq.offline:
+                self._timed += seq.deadline is None
+                seq.deadline = now if seq.deadline is None else min(seq.deadline, now)
+
     def fail(self, plan: StepPlan, error: str) -> list[Event]:
         """Instead of update() when the step failed outside any one row's run (the
         loop could not tell which rows are at fault): its retired sequences are
