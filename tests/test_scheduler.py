@@ -127,8 +127,47 @@ def test_stop_string_is_held_back_then_cut_and_never_sent() -> None:
         if events[-1].finish:
             break
     assert events[-1].finish == "stop" and events[-1].tokens == (C,)
-    assert sent == ["", "a", "a", ""]  # "b" waited: it could have begun "bc"
+    assert sent == ["a", "a", "", ""]  # only "b" waited: it could have begun "bc"
     assert s.rows[0].text == "aa" and s.rows[0].tokens == [A, A, B, C]
+
+
+def test_text_that_cannot_begin_a_stop_string_goes_out_at_once() -> None:
+    """However long a stop string, only the end of the text that may still become
+    one waits; a long stop string does not hold its length of text back."""
+    s = make()
+    s.add(seq(0, max_new=12, stop=("x" + "b" * 500, "ca")))
+    sent = []
+    for token in (A, B, X, B, A, C, C, A):
+        _, events = step(s, token)
+        sent.append(events[0].text)
+    assert sent == ["a", "b", "", "", "xba", "", "c", ""]
+    assert events[0].finish == "stop" and s.rows[0].text == "abxbac"
+
+
+def held_back(text: str, stop: Sequence[str]) -> int:
+    """The length of the longest end of `text` that begins some stop string."""
+    ends = [k for k in range(1, len(text) + 1) for x in stop if x.startswith(text[-k:])]
+    return max(ends, default=0)
+
+
+@pytest.mark.parametrize("stop", [("bc",), ("aab", "ba"), ("x" + "a" * 30,), ("abab", "bx")])
+def test_what_is_sent_is_all_but_the_end_that_may_begin_a_stop_string(
+    stop: tuple[str, ...],
+) -> None:
+    rng = np.random.default_rng(7)
+    for _ in range(40):
+        s = make()
+        s.add(seq(0, max_new=20, stop=stop))
+        sent = ""
+        for token in rng.choice([A, B, C, X], size=20).tolist():
+            _, events = step(s, token)
+            sent += events[0].text
+            if events[0].finish:
+                break
+            text = s.rows[0].text
+            assert sent == text[: len(text) - held_back(text, stop)], (text, stop)
+        assert sent == s.rows[0].text
+        assert not any(x in sent for x in stop)
 
 
 def test_streamed_text_always_adds_up_to_the_whole_text() -> None:

@@ -123,9 +123,8 @@ class Advance:
             self._finish(seq, SeqStatus.FINISHED_LENGTH)
             seq.text += self.text.rest(seq)
             return final(seq, (token,), first)
-        # Hold back what could be the start of a stop string.
-        hold = max(len(s) for s in stop) - 1 if stop else 0
-        safe = max(seq.sent, len(seq.text) - hold)
+        # Hold back only what could be the start of a stop string.
+        safe = _unheld(seq.text, seq.sent, stop) if stop else len(seq.text)
         text, seq.sent = seq.text[seq.sent : safe], safe
         return Event(seq.id, (token,), text, None, first)
 
@@ -146,6 +145,25 @@ def final(seq: Seq, tokens: tuple[int, ...] = (), first: bool = False) -> Event:
     text = "" if seq.status == SeqStatus.FINISHED_ABORTED else seq.text[seq.sent :]
     seq.sent = len(seq.text)
     return Event(seq.id, tokens, text, seq.status.finish_reason, first, seq.error)
+
+
+def _unheld(text: str, sent: int, stop: Sequence[str]) -> int:
+    """Where the text that must wait starts: the longest suffix of `text[sent:]` that
+    is the start of a stop string (it may yet become one); `len(text)` when no suffix
+    is. Its work is bounded by the stop strings' lengths, not the text's."""
+    held = len(text)
+    for s in stop:
+        if not s:
+            continue
+        # A suffix shorter than `s` starts within its length of the end; one that
+        # starts at or after `held` is no longer than the one found already.
+        i = max(sent, len(text) - len(s) + 1)
+        while (i := text.find(s[0], i, held)) >= 0:
+            if s.startswith(text[i:]):
+                held = i
+                break
+            i += 1
+    return held
 
 
 def _first_stop(text: str, stop: Sequence[str], before: int) -> int | None:
