@@ -239,6 +239,10 @@ def test_no_op_values_of_parameters_lanes_does_not_implement_are_accepted(
     assert answer.status_code == 200, answer.text
     answer = post(server, "/v1/completions", {**PROMPT_BODY, "response_format": {"type": "text"}})
     assert answer.status_code == 200, answer.text
+    # An assistant's turn as some clients write it back: no tool calls, spelled empty.
+    turn = {"role": "assistant", "content": "class A:", "tool_calls": [], "function_call": None}
+    answer = post(server, "/v1/chat/completions", {**CHAT_BODY, "messages": [*CHAT, turn, *CHAT]})
+    assert answer.status_code == 200, answer.text
 
 
 def test_token_ids_are_embedding_input(client: OpenAI) -> None:
@@ -281,6 +285,14 @@ def test_a_list_of_prompts_gets_one_choice_each(client: OpenAI) -> None:
 
 CHAT_BODY: dict[str, Any] = {"model": "code-complete", "messages": CHAT}
 PROMPT_BODY: dict[str, Any] = {"model": "code-complete", "prompt": "def "}
+TOOL_CALL = {
+    "role": "assistant",
+    "content": None,
+    "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    ],
+}
+TOOL_ANSWER = {"role": "tool", "tool_call_id": "call_1", "content": "42"}
 EMBED_BODY: dict[str, Any] = {"model": "search-query", "input": "hello"}
 REJECTED: list[tuple[str, dict[str, Any], str, str | None]] = [
     ("/v1/completions", {**PROMPT_BODY, "max_tokens": 0}, "max_tokens", "integer_below_min_value"),
@@ -457,6 +469,32 @@ REJECTED: list[tuple[str, dict[str, Any], str, str | None]] = [
             ],
         },
         "messages[0].content[0].type",
+        "unsupported_value",
+    ),
+    # lanes calls no tools: a conversation that holds tool calls would reach the model
+    # without them.
+    (
+        "/v1/chat/completions",
+        {**CHAT_BODY, "messages": [*CHAT, TOOL_CALL, TOOL_ANSWER, *CHAT]},
+        "messages[1].tool_calls",
+        "unsupported_value",
+    ),
+    (
+        "/v1/chat/completions",
+        {**CHAT_BODY, "messages": [*CHAT, TOOL_ANSWER]},
+        "messages[1].role",
+        "unsupported_value",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            **CHAT_BODY,
+            "messages": [
+                *CHAT,
+                {"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}},
+            ],
+        },
+        "messages[1].function_call",
         "unsupported_value",
     ),
     ("/v1/embeddings", {**EMBED_BODY, "dimensions": 0}, "dimensions", "integer_below_min_value"),

@@ -190,6 +190,11 @@ class ChatMessage(Shape):
     role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # Typed so that they are refused (ChatCompletionRequest.check), not ignored: the
+    # prompt would lose them, and the model answer a conversation the caller did not send.
+    tool_calls: list[Any] | None = Field(None, description="Only none or empty.")
+    function_call: dict[str, Any] | None = Field(None, description="Only none.")
+    tool_call_id: str | None = Field(None, description="Only none: no tool messages.")
 
     @property
     def text(self) -> str:
@@ -239,6 +244,7 @@ class ChatCompletionRequest(GenerateParams):
                     name, f'with no tools, only "none" or "auto", found {describe(choice)}'
                 )
         for i, message in enumerate(self.messages):
+            _check_no_tools(message, f"messages[{i}]")
             # As OpenAI: only an assistant's turn may come without content (its tool
             # calls, which lanes does not make, would be its content).
             if message.role != "assistant" and message.content in (None, []):
@@ -263,6 +269,27 @@ class ChatCompletionRequest(GenerateParams):
         if self.max_completion_tokens is not None:
             item["max_tokens"] = self.max_completion_tokens
         return item
+
+
+def _check_no_tools(message: ChatMessage, where: str) -> None:
+    """Refuse a message about tool calls: lanes makes none, so it has no call such a
+    message could be about, and its template has no place for one."""
+    if message.tool_calls:
+        raise unsupported(
+            f"{where}.tool_calls",
+            "lanes does not call tools, so a conversation cannot hold tool calls; "
+            f"leave them out, found {len(message.tool_calls)}",
+        )
+    if message.function_call is not None:
+        raise unsupported(f"{where}.function_call", "lanes does not call functions; leave it out")
+    if message.role in ("tool", "function"):
+        raise unsupported(
+            f"{where}.role",
+            f"lanes does not call tools, so no {message.role} message answers one; "
+            "send its content in a user message",
+        )
+    if message.tool_call_id is not None:
+        raise unsupported(f"{where}.tool_call_id", "lanes does not call tools; leave it out")
 
 
 def render_chat(
