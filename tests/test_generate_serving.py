@@ -306,6 +306,27 @@ def test_stop_strings_cut_the_text_streamed_or_not(server: ServerThread, found: 
     assert streamed_text(sse(server, "/v1/completions", body)) == (cut, "stop")
 
 
+def test_text_that_cannot_begin_a_stop_string_is_streamed_at_once(server: ServerThread) -> None:
+    """A stop string 501 characters long holds back no text that cannot begin it."""
+    body = {"model": "code", "prompt": "def f(x", "stop": ["\u0100" + "y" * 500]}
+    url = f"{server.url}/v1/completions"
+    first = httpx.post(url, json={**body, "max_tokens": 1}, timeout=30).json()["choices"][0]
+    whole = httpx.post(url, json={**body, "max_tokens": 8}, timeout=30).json()["choices"][0]
+    assert first["text"] and whole["finish_reason"] == "length"
+    with GATE.closed():
+        GATE.allow(1)  # the prefill: the first token; the next step waits
+        stream = {**body, "max_tokens": 8, "stream": True}
+        with httpx.stream("POST", url, json=stream, timeout=30) as answer:
+            lines = (line for line in answer.iter_lines() if line)
+            event = json.loads(next(lines).removeprefix("data: "))
+            assert event["choices"][0]["text"] == first["text"]
+            GATE.open()
+            rest = list(lines)
+    assert rest.pop() == "data: [DONE]"
+    events = [event, *(json.loads(line.removeprefix("data: ")) for line in rest)]
+    assert streamed_text(events) == (whole["text"], "length")
+
+
 def test_a_workload_that_streams_still_answers_whole_unless_asked_to_stream(
     server: ServerThread,
 ) -> None:
