@@ -3,10 +3,14 @@
 With `stream: true` the answer is Server-Sent Events in OpenAI's chunk format,
 ending with `data: [DONE]`; without it (OpenAI's default, whatever the workload's
 `stream:`), one JSON body with `usage` and `finish_reason`. A list of prompts gets
-one choice per prompt, in order (`index`). Either way the response starts only
-once the first text may be sent, so a full queue (503), a deadline passed before
-the first token (504) or a bad request (400) is still an HTTP status. A client that disconnects, before or
-during its stream, aborts its sequence: the engine frees its row at the next step.
+one choice per prompt, in order (`index`). A bad request (400) or a full queue (503)
+is always an HTTP status: every prompt is checked and admitted before the answer
+starts. A single prompt's answer starts once its first text may be sent, so a deadline
+passed before its first token (504) is still a status too. A streamed list of prompts
+starts at once and streams each prompt's pieces as they come, interleaved by `index`;
+one prompt that fails (its deadline, the model) ends with an error event carrying its
+`index`, and the others go on. A client that disconnects, before or during its
+stream, aborts its sequences: the engine frees their rows at the next step.
 """
 
 from __future__ import annotations
@@ -156,11 +160,12 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
     sse: _EventStream | None = None  # once made, it ends the watch when written
     try:
         if streaming:
-            # The answer starts once every prompt has its first text: a refusal or a
-            # deadline before that is still an HTTP status (a client gone: 499).
-            firsts = await _each(flows, _first)
             done = lambda: latency.observe(time.monotonic() - arrived)  # noqa: E731
-            sse = _EventStream(answer.events(firsts, flows, done), watch)
+            # One prompt's answer starts with its first text: a deadline before that is
+            # still an HTTP status (a client gone: 499). A list's starts now: waiting for
+            # every first text would hold back the texts of prompts that have one.
+            first = await _first(flows[0]) if len(flows) == 1 else None
+            sse = _EventStream(answer.events(first, flows, done), watch)
             return sse
         whole = await _each(flows, _collect)
     except LanesError as e:
@@ -202,21 +207,31 @@ async def _each(
     return [r for r in found if isinstance(r, Piece)]
 
 
+@dataclass(frozen=True)
+class _Failed:
+    """A prompt of a list that failed alone (its deadline, the model): its last item."""
+
+    error: LanesError
+
+
 async def _merged(
-    firsts: Sequence[Piece], flows: Sequence[AsyncIterator[Piece]]
-) -> AsyncIterator[tuple[int, Piece]]:
-    """Each prompt's pieces as they come, tagged with its index, from the firsts on."""
-    for i, piece in enumerate(firsts):
-        yield i, piece
-    waiting = {
-        asyncio.ensure_future(anext(flows[i])): i for i, p in enumerate(firsts) if p.finish is None
-    }
+    flows: Sequence[AsyncIterator[Piece]],
+) -> AsyncIterator[tuple[int, Piece | _Failed]]:
+    """Each prompt's pieces as they come, tagged with its index, until each has its
+    finish or its failure. A client gone (ClientGone) ends them all: it is raised."""
+    waiting = {asyncio.ensure_future(anext(flow)): i for i, flow in enumerate(flows)}
     try:
         while waiting:
             done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             for future in done:
                 i = waiting.pop(future)
-                piece = future.result()
+                try:
+                    piece = future.result()
+                except ClientGone:
+                    raise
+                except LanesError as e:
+                    yield i, _Failed(e)
+                    continue
                 yield i, piece
                 if piece.finish is None:
                     waiting[asyncio.ensure_future(anext(flows[i]))] = i
@@ -314,25 +329,42 @@ class _Answer:
             sse += self._event(None, piece.finish, False, index)
         return sse
 
+    def _error(self, error: LanesError, index: int | None = None) -> bytes:
+        """An error event, in the same shape as an HTTP error (the openai client raises
+        it as an APIError); with `index`, the one prompt of a list it ended."""
+        body = error_of(error)
+        if index is not None:
+            body["error"]["index"] = index
+        if self.record is not None:
+            body["error"]["request_id"] = self.record.id
+            # A request's first failure names it in its access line.
+            self.record.error = self.record.error or body["error"]["code"] or body["error"]["type"]
+        return b"data: " + orjson.dumps(body) + b"\n\n"
+
     async def events(
         self,
-        firsts: Sequence[Piece],
+        first: Piece | None,
         flows: Sequence[AsyncIterator[Piece]],
         done: Callable[[], None],
     ) -> AsyncGenerator[bytes, None]:
         """The SSE body: text chunks, a chunk with each finish_reason, usage if asked,
-        [DONE]. Leaving early (closed, or its client gone) aborts every sequence."""
+        [DONE]. `first`: a single prompt's first piece, read already (None for a list).
+        A prompt of a list that fails alone gets an error event with its index, and the
+        others go on; a single prompt's failure ends the body. Leaving early (closed, or
+        its client gone) aborts every sequence."""
         opened: set[int] = set()
         try:
-            if len(flows) == 1:  # the usual request: its flow read here, no layer between
-                yield self._sse(0, firsts[0], opened)
-                if firsts[0].finish is None:
+            if first is not None:  # the usual request: its flow read here, no layer between
+                yield self._sse(0, first, opened)
+                if first.finish is None:
                     async for piece in flows[0]:
                         if sse := self._sse(0, piece, opened):
                             yield sse
             else:
-                async for index, piece in _merged(firsts, flows):
-                    if sse := self._sse(index, piece, opened):
+                async for index, item in _merged(flows):
+                    if isinstance(item, _Failed):
+                        yield self._error(item.error, index)
+                    elif sse := self._sse(index, item, opened):
                         yield sse
             if self.body.include_usage:
                 usage = usage_chunk(
@@ -348,13 +380,8 @@ class _Answer:
         except ClientGone:
             pass  # nobody reads the rest
         except LanesError as e:
-            # Mid-stream, the status is sent: the error travels as an event, in the
-            # same shape as an HTTP error (the openai client raises it as an APIError).
-            body = error_of(e)
-            if self.record is not None:
-                body["error"]["request_id"] = self.record.id
-                self.record.error = body["error"]["code"] or body["error"]["type"]
-            yield b"data: " + orjson.dumps(body) + b"\n\n"
+            # Mid-stream, the status is sent: the error travels as an event.
+            yield self._error(e)
         finally:
             self.account()
             _cancel(self.streams)

@@ -65,6 +65,12 @@ workloads:
     model: tinycode
     batching: {{max_batch_size: 1, max_queue: 1}}
     {greedy}
+  pair:                        # one row, room to wait: a list's second prompt waits
+    mode: interactive
+    task: generate
+    model: tinycode
+    batching: {{max_batch_size: 1, max_queue: 4}}
+    {greedy}
   streamer:                    # answers as Server-Sent Events unless a request says not
     mode: interactive
     task: generate
@@ -490,6 +496,58 @@ async def test_full_queue_503_and_deadlines(server: ServerThread) -> None:
         assert answer.status_code == 200
         assert answer.json()["choices"][0]["finish_reason"] == "length"
         assert answer.json()["usage"]["completion_tokens"] == 2
+
+
+def sse_events(lines: list[str]) -> list[dict[str, object]]:
+    return [json.loads(line.removeprefix("data: ")) for line in lines if line]
+
+
+async def test_a_streamed_list_starts_at_once_and_a_late_prompt_fails_alone(
+    server: ServerThread,
+) -> None:
+    """`pair` has one row: a list's second prompt waits for the first to finish. The
+    stream starts before either has a token, the first's text comes while the second
+    waits, and the second's deadline passing before its first token ends it alone."""
+    url = f"{server.url}/v1/completions"
+    prompts = ["def f(x", "class A"]
+    body = {"model": "pair", "prompt": prompts, "max_tokens": 3, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=30) as client:
+        alone = (await client.post(url, json={**body, "prompt": prompts[0]})).json()
+        with GATE.closed():  # even the first prompt's prefill waits
+            stream = {**body, "stream": True}
+            late = {"X-Timeout-Ms": HOUR_MS}
+            async with client.stream("POST", url, json=stream, headers=late) as answer:
+                # Admitted and valid: the answer has started, no token made yet.
+                assert answer.status_code == 200
+                assert answer.headers["content-type"].startswith("text/event-stream")
+                lines = answer.aiter_lines()
+                GATE.allow(3)  # the first prompt's prefill and two decode steps: its 3 tokens
+                first: list[str] = []
+                while not any('"finish_reason":"length"' in line for line in first):
+                    first.append(await anext(lines))
+                await asyncio.to_thread(GATE.wait_held)  # the second's prefill
+                CLOCK.jump(7200)
+                GATE.allow(1)  # it ends past the deadline: no token in time
+                rest = [line async for line in lines]
+    events = sse_events(first)
+    assert all(e["choices"][0]["index"] == 0 for e in events)  # type: ignore[index]
+    assert streamed_text(events) == (alone["choices"][0]["text"], "length")
+    done = [line for line in rest if line]
+    assert done[-1] == "data: [DONE]"
+    (failed,) = sse_events(done[:-1])
+    assert failed["error"]["index"] == 1  # type: ignore[index]
+    assert failed["error"]["code"] == "timeout"  # type: ignore[index]
+
+
+def test_a_streamed_list_of_prompts_streams_each_choice_by_index(server: ServerThread) -> None:
+    """17 prompts on 16 rows: each choice's chunks add up to its text answered whole."""
+    prompts = [*CANDIDATES, *CANDIDATES, "def g("]
+    body = {"model": "code", "prompt": prompts, "max_tokens": 6}
+    whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).json()
+    events = sse(server, "/v1/completions", body)
+    for i, choice in enumerate(whole["choices"]):
+        mine = [e for e in events if e["choices"][0]["index"] == i]  # type: ignore[index]
+        assert streamed_text(mine) == (choice["text"], choice["finish_reason"]), i
 
 
 def test_buffer_guard_holds_the_stream_until_the_whole_text_passed(
