@@ -10,12 +10,14 @@ the job reads with this worker's credentials.
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import orjson
 
+from lanes.digests import Digests
 from lanes.errors import StorageError, WrongMode
 from lanes.flows.records import FORMATS, is_known, output_name
 from lanes.flows.shard import ShardPlan
@@ -25,6 +27,12 @@ from lanes.settings import Settings
 from lanes.spec import Fields, OfflineWorkload, Runner, Spec, Workload, in_offline_lane
 from lanes.specfile import load_spec
 from lanes.storage import Storage, StoredFile, is_s3, join
+
+# Bumped when what a shard key covers changes: keys of another format never match.
+KEY_FORMAT = "shard/2"
+# Read beside the model (config.json, ...) and the tokenizer (lanes.tasks.decoder_config).
+MODEL_CONFIGS = ("config.json", "generation_config.json", "genai_config.json")
+TOKENIZER_CONFIG = "tokenizer_config.json"
 
 # "declared": the workload as workloads.yaml says; "offline": an interactive one too.
 Lane = Literal["declared", "offline"]
@@ -109,7 +117,7 @@ def settle_job(
         batch_size=w.batch_size,
         retries=w.retries,
         runner=w.runner,
-        model_key=model_key(spec, w),
+        model_key=model_key(spec, w, settings),
         max_record_bytes=settings.max_body_bytes,
     )
 
@@ -138,35 +146,63 @@ def folder_job(spec: Spec, name: str, folder: Path | str, settings: Settings) ->
         batch_size=workload.batch_size,
         retries=0,
         runner=workload.runner,
-        model_key=model_key(spec, workload),
+        model_key=model_key(spec, workload, settings),
         max_record_bytes=settings.max_body_bytes,
     )
 
 
-def model_key(spec: Spec, workload: Workload) -> str:
+def model_key(spec: Spec, workload: Workload, settings: Settings) -> str:
     """A digest of what decides a record's output besides the record itself (the same
-    for a workload in either lane, so that the lanes' measurements can be compared)."""
+    for a workload in either lane, so that the lanes' measurements can be compared).
+    The model's files count by their content (lanes.digests), never by where they lie
+    or when they were copied: a laptop's project and a Job's /app share their commits.
+    Besides the .onnx, its external data and tokenizer, the configs a decoder reads
+    beside them count when present."""
     model = spec.models[workload.model]
-    files = [model.path] + ([model.tokenizer] if model.tokenizer else [])
+    digests = Digests(settings.home)
+    files = {f"model/{name}": d for name, d in digests.model_files(model.path)}
+    if model.tokenizer:
+        files["tokenizer"] = digests.of(model.tokenizer)
+    tokenizer_folder = (model.tokenizer or model.path).parent
+    sides = [(f"model/{n}", model.path.parent / n) for n in MODEL_CONFIGS]
+    sides.append((f"tokenizer/{TOKENIZER_CONFIG}", tokenizer_folder / TOKENIZER_CONFIG))
+    for name, side in sides:
+        found = digests.of(side)
+        if found is not None:  # mostly absent, and then left out as before they counted
+            files[name] = found
     identity = {
-        "files": [[str(f), *_file_identity(f)] for f in files],
-        "model": model.model_dump(mode="json"),
+        "files": {name: d.blake2b if d else None for name, d in files.items()},
+        "model": model.model_dump(mode="json", exclude={"path", "tokenizer"}),
         "task": workload.task,
         "handler": workload.handler,
         "generation": workload.generation.model_dump(mode="json"),
     }
     if isinstance(workload, OfflineWorkload) and workload.fields != Fields():
-        # Only when set: keys of shards committed before `fields:` existed stay valid.
+        # Only when set, as before `fields:` existed.
         identity["fields"] = workload.fields.model_dump(mode="json")
     return hashlib.sha256(orjson.dumps(identity, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
 
-def _file_identity(path: Path) -> tuple[int, int]:
+def shard_source(file: StoredFile, root: Path | None) -> str:
+    """How a shard's input is named wherever the project lies: a local file inside the
+    spec's folder `root` by its path relative to it (e.g. data/corpus/part-0.jsonl),
+    any other file by its URI."""
+    if root is None or is_s3(file.uri) or "://" in file.uri:
+        return file.uri
     try:
-        info = path.stat()
-    except OSError:
-        return (-1, -1)  # a remote worker may hold the model where this machine does not
-    return (info.st_size, info.st_mtime_ns)
+        return Path(os.path.normpath(file.uri)).relative_to(root).as_posix()
+    except ValueError:
+        return file.uri
+
+
+def shard_key(file: StoredFile, source: str, model: str, digests: Digests) -> str:
+    """Input identity + model identity. A local file counts by its content (an S3
+    object by its ETag), so moving or copying the project keeps its commits."""
+    content: str | None = file.version
+    if not is_s3(file.uri):
+        digest = digests.of(Path(os.path.normpath(file.uri)))
+        content = digest.blake2b if digest else None
+    return hashlib.sha256(orjson.dumps([KEY_FORMAT, source, file.size, content, model])).hexdigest()
 
 
 def plan_shards(job: Job, storage: Storage) -> list[ShardPlan]:
@@ -189,6 +225,7 @@ def plan_shards(job: Job, storage: Storage) -> list[ShardPlan]:
     if not files:
         raise StorageError(f"{job.input}: no input files ({FORMATS}); check the workload's input")
     plans: list[ShardPlan] = []
+    digests = Digests(storage.settings.home)
     writers: dict[str, StoredFile] = {}  # each written name below the output -> its input
     for file in files:
         name = output_name(file.name)
@@ -200,9 +237,7 @@ def plan_shards(job: Job, storage: Storage) -> list[ShardPlan]:
                     "rename one of them"
                 )
             writers[path] = file
-        key = hashlib.sha256(
-            orjson.dumps([file.uri, file.size, file.version, job.model_key])
-        ).hexdigest()
+        source = shard_source(file, job.spec.root)
         plans.append(
             ShardPlan(
                 input=file,
@@ -210,8 +245,9 @@ def plan_shards(job: Job, storage: Storage) -> list[ShardPlan]:
                 output=join(job.output, written[0]),
                 errors=join(job.output, written[1]),
                 marker=join(job.output, written[2]),
-                key=key,
+                key=shard_key(file, source, job.model_key, digests),
                 workload=job.workload,
+                source=source,
             )
         )
     for path, file in writers.items():

@@ -70,6 +70,9 @@ class ShardPlan:
     marker: str
     key: str  # input identity + model identity: a different key means redo
     workload: str  # whose results these are: another's marker is not ours to overwrite
+    # The input as named wherever the project lies (flows.job.shard_source): a local
+    # file inside the spec's folder by its relative path, any other by its URI.
+    source: str = ""
 
 
 @dataclass(frozen=True)
@@ -137,11 +140,13 @@ def _check_owner(plan: ShardPlan, marker: dict[str, Any]) -> None:
     """A marker for the same input file (and workload) whose key differs is this
     shard's own, gone stale (the file or the model changed): redone. One of another
     input file or workload means two jobs share this output: refuse before writing.
-    A marker older than the `workload` field names its input only."""
+    The same input file is the same `source` (its path inside the project, wherever
+    the project was when the marker was written); a marker older than `source` names
+    its input by URI, and one older than the `workload` field names its input only."""
     input, workload = marker.get("input"), marker.get("workload")
     if not isinstance(input, str):
         return  # unreadable: committed() says so and the shard is redone
-    if input == plan.input.uri and workload in (None, plan.workload):
+    if workload in (None, plan.workload) and _same_input(plan, input, marker.get("source")):
         return
     owner = f"workload {workload}'s shard of {input}" if workload else f"a shard of {input}"
     folder = plan.output.removesuffix(plan.name)
@@ -151,6 +156,18 @@ def _check_owner(plan: ShardPlan, marker: dict[str, Any]) -> None:
         f"and would overwrite each other; give this one a different output, or delete "
         f"{folder} to replace the old results"
     )
+
+
+def _same_input(plan: ShardPlan, input: str, source: object) -> bool:
+    if input == plan.input.uri:
+        return True
+    if not plan.source or plan.source == plan.input.uri:
+        return False  # an input outside the project is known by its URI alone
+    if isinstance(source, str):
+        return source == plan.source
+    # A marker from before `source`, of a project since moved: its input's path ends
+    # with the same path inside the project (and its output moved along with it).
+    return input.endswith("/" + plan.source)
 
 
 def run_shard(
@@ -208,7 +225,8 @@ def run_shard(
         recovered=writer.outputs + reader.answered if redo is not None else 0,
         busy_seconds=device.total,
     )
-    marker = {"key": plan.key, "workload": plan.workload, **asdict(stats)}
+    marker: dict[str, Any] = {"key": plan.key, "workload": plan.workload, "source": plan.source}
+    marker.update(asdict(stats))
     del marker["skipped"]
     storage.write_bytes(plan.marker, orjson.dumps(marker, option=orjson.OPT_INDENT_2))
     _log_shard(plan, stats)

@@ -212,7 +212,7 @@ def measure_offline(
     rate = stats.items / max(stats.seconds, 1e-9)
     record = Throughput(
         workload=name,
-        model_key=model_key(spec, spec.workload(name)),
+        model_key=model_key(spec, spec.workload(name), settings),
         lane="offline",
         items_per_second=rate,
         measured_at=datetime.now(UTC),
@@ -349,7 +349,7 @@ def measure_interactive(
     chosen = max(meeting, key=lambda lv: lv.items_per_second) if meeting else first
     record = Throughput(
         workload=name,
-        model_key=model_key(spec, spec.workload(name)),
+        model_key=model_key(spec, spec.workload(name), settings),
         lane="interactive",
         items_per_second=chosen.items_per_second,
         measured_at=datetime.now(UTC),
@@ -425,7 +425,7 @@ def read_metrics(spec: Spec, name: str, settings: Settings, url: str) -> Through
         )
     return Throughput(
         workload=name,
-        model_key=model_key(spec, workload),
+        model_key=model_key(spec, workload, settings),
         lane="interactive",
         items_per_second=served.items / served.busy_seconds,
         measured_at=datetime.now(UTC),

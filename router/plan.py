@@ -110,7 +110,7 @@ def plan(
     price = settings.price_per_device_hour
     routes = []
     for name, w in spec.workloads.items():
-        key = model_key(spec, w)
+        key = model_key(spec, w, settings)
         other: Mode = "offline" if w.mode == "interactive" else "interactive"
         deadline = None
         if w.mode == "offline":

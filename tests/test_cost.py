@@ -96,7 +96,7 @@ def measured(
     spec = load_spec(spec_file, Settings())
     return Throughput(
         workload=workload,
-        model_key=model_key(spec, spec.workload(workload)),
+        model_key=model_key(spec, spec.workload(workload), Settings()),
         lane=lane,  # type: ignore[arg-type]
         items_per_second=rate,
         measured_at=T0 + timedelta(minutes=minutes),
@@ -265,9 +265,8 @@ def test_calibrate_measures_and_stores_both_lanes_then_plan_prices_them(tmp_path
     assert "p99 target 250 ms" in done.stdout and "chosen" in done.stdout
     records = {r.lane: r for r in Measurements(home).load()}
     assert set(records) == {"offline", "interactive"}
-    key = model_key(
-        load_spec(spec_file, Settings()), load_spec(spec_file, Settings()).workloads["search"]
-    )
+    spec = load_spec(spec_file, Settings())
+    key = model_key(spec, spec.workloads["search"], Settings())
     for r in records.values():
         assert r.workload == "search" and r.model_key == key and r.source == "calibrate"
         assert r.items_per_second > 0 and r.provider == "CPUExecutionProvider"

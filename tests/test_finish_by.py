@@ -378,7 +378,7 @@ def test_without_history_plan_calibrates_on_a_sample_of_the_input_first(tmp_path
     (stored,) = Measurements(home).load()  # where `lanes calibrate` stores its rates
     assert stored.source == SAMPLE_SOURCE and stored.lane == "offline"
     assert stored.items == SAMPLE_BATCHES * 4  # two batches of the real input
-    assert stored.model_key == model_key(spec, spec.workload("corpus"))
+    assert stored.model_key == model_key(spec, spec.workload("corpus"), settings)
     assert deadline["items_per_second"] == stored.items_per_second
     start = DEADLINE - needed(40, stored.items_per_second)
     assert datetime.fromisoformat(deadline["start"]) == start.replace(microsecond=0)

@@ -1,0 +1,122 @@
+"""A shard's commit key: the same data through the same model is never redone, wherever
+the project lies; changed data or a changed model is. Under Prefect's test harness, on
+a tiny real model, with a project whose spec names everything relative to itself."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import orjson
+import yaml
+
+from lanes.flows.batch import offline
+from lanes.flows.job import plan_job, plan_shards
+from lanes.settings import Settings
+from lanes.storage import Storage
+from tests.flows_fixtures import infer_model, read_jsonl, write_jsonl
+
+
+def project(folder: Path) -> Path:
+    infer_model(folder / "models" / "affine")
+    spec = {
+        "version": 1,
+        "models": {"affine": {"path": "models/affine/model.onnx"}},
+        "workloads": {
+            "aff": {
+                "mode": "offline",
+                "task": "infer",
+                "model": "affine",
+                "input": "data/in/",
+                "output": "data/out/",
+                "batch_size": 4,
+                "retries": 0,
+            }
+        },
+    }
+    (folder / "workloads.yaml").write_text(yaml.safe_dump(spec))
+    for name in ("a", "b"):
+        write_jsonl(folder / "data" / "in" / f"{name}.jsonl", records(name, 3))
+    return folder / "workloads.yaml"
+
+
+def records(prefix: str, n: int, shift: int = 0) -> list[dict[str, Any]]:
+    return [{"id": f"{prefix}{i}", "x": [[i + shift, 0, 0, 0]]} for i in range(n)]
+
+
+def run(folder: Path) -> dict[str, Any]:
+    return offline(workload="aff", spec=str(folder / "workloads.yaml"))
+
+
+def ids(folder: Path) -> list[str]:
+    out = folder / "data" / "out"
+    return sorted(line["id"] for name in ("a", "b") for line in read_jsonl(out / f"{name}.jsonl"))
+
+
+def test_a_moved_or_copied_project_redoes_nothing(prefect_api: str, tmp_path: Path) -> None:
+    project(tmp_path / "laptop")
+    assert run(tmp_path / "laptop")["shards_run"] == 2
+    # Moved (times kept), and copied without its times, as an image build copies to /app.
+    shutil.move(tmp_path / "laptop", tmp_path / "moved")
+    shutil.copytree(tmp_path / "moved", tmp_path / "app", copy_function=shutil.copy)
+    for folder in (tmp_path / "moved", tmp_path / "app"):
+        summary = run(folder)
+        assert (summary["shards_run"], summary["shards_skipped"]) == (0, 2), folder
+        assert ids(folder) == ["a0", "a1", "a2", "b0", "b1", "b2"]
+
+
+def test_changed_data_or_a_changed_model_is_redone(prefect_api: str, tmp_path: Path) -> None:
+    project(tmp_path)
+    run(tmp_path)
+    write_jsonl(tmp_path / "data" / "in" / "b.jsonl", records("b", 3, shift=10))
+    summary = run(tmp_path)
+    assert (summary["shards_run"], summary["shards_skipped"]) == (1, 1)
+    (first,) = [r for r in read_jsonl(tmp_path / "data" / "out" / "b.jsonl") if r["id"] == "b0"]
+    assert first["y"] == [[21.0, 1.0, 1.0, 1.0]]
+
+    model = tmp_path / "models" / "affine" / "model.onnx"
+    data = model.read_bytes()
+    assert data.count(b"\x00\x00\x00@") == 1  # the float32 2.0 of y = 2x + 1
+    model.write_bytes(data.replace(b"\x00\x00\x00@", b"\x00\x00@@"))  # now 3.0
+    summary = run(tmp_path)
+    assert (summary["shards_run"], summary["shards_skipped"]) == (2, 0)
+    (first,) = [r for r in read_jsonl(tmp_path / "data" / "out" / "b.jsonl") if r["id"] == "b0"]
+    assert first["y"] == [[31.0, 1.0, 1.0, 1.0]]
+
+
+def test_markers_of_the_previous_format_are_redone_not_refused(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    """Markers as lanes wrote them before `source` (keyed by path and mtime), of a project
+    since moved: each shard is redone once, over its own output, and nothing fails."""
+    project(tmp_path / "old")
+    run(tmp_path / "old")
+    markers = tmp_path / "old" / "data" / "out" / "_committed"
+    for marker in markers.iterdir():
+        data = orjson.loads(marker.read_bytes())
+        del data["source"]
+        data["key"] = "0" * 64  # a key of the old format never matches a new one
+        marker.write_bytes(orjson.dumps(data))
+    shutil.move(tmp_path / "old", tmp_path / "new")
+
+    summary = run(tmp_path / "new")
+    assert (summary["shards_run"], summary["shards_skipped"]) == (2, 0)
+    assert ids(tmp_path / "new") == ["a0", "a1", "a2", "b0", "b1", "b2"]
+    assert run(tmp_path / "new")["shards_skipped"] == 2
+
+
+def test_another_inputs_marker_is_still_refused(prefect_api: str, tmp_path: Path) -> None:
+    """The shard's `source` names its input inside the project: a marker of another
+    input file found in the output still means two jobs share it."""
+    spec = project(tmp_path)
+    settings = Settings()
+    storage = Storage(settings)
+    plans = plan_shards(plan_job("aff", spec, settings), storage)
+    a, b = plans
+    assert (a.source, b.source) == ("data/in/a.jsonl", "data/in/b.jsonl")
+    marker = {"key": b.key, "workload": "aff", "source": b.source, "input": "/elsewhere/b"}
+    Path(a.marker).parent.mkdir(parents=True)
+    Path(a.marker).write_bytes(orjson.dumps(marker))
+    state = offline(workload="aff", spec=str(spec), return_state=True)
+    assert state.is_failed() and "two jobs write this output" in str(state.message)
