@@ -12,7 +12,12 @@ import typer
 from lanes.errors import InvalidInput
 from lanes.router.console import SpecFile, guarded
 from lanes.router.render_k8s import K8sOptions, dump_all, groups, serving_objects
-from lanes.router.render_pool import base_job_template, dask_objects, worker_objects
+from lanes.router.render_pool import (
+    base_job_template,
+    dask_objects,
+    offline_spec,
+    worker_objects,
+)
 from lanes.settings import Settings
 from lanes.spec import QUANTITY_PATTERN, OfflineWorkload, Spec
 from lanes.specfile import load_spec, read_document
@@ -24,7 +29,8 @@ def render_files(
     raw: dict[str, Any], spec: Spec, settings: Settings, options: K8sOptions, dask_workers: int = 2
 ) -> dict[str, str]:
     """File name -> text: `serve-GROUP.yaml` per group of interactive workloads; for
-    offline workloads `prefect-worker.yaml`, `work-pool-POOL.json` and, for a Dask
+    offline workloads `prefect-worker.yaml` (with the ConfigMap of the whole spec the
+    Jobs load), `work-pool-POOL.json` and, for a Dask
     runner whose address is in the cluster, `dask.yaml`. Same inputs, same bytes."""
     files: dict[str, str] = {}
     for group in groups(spec):
@@ -37,10 +43,11 @@ def render_files(
                 "image (infra/images/worker.Dockerfile); name it"
             )
         image = options.worker_image
-        files["prefect-worker.yaml"] = dump_all(worker_objects(settings, options, image))
+        pool = [offline_spec(raw, options), *worker_objects(settings, options, image)]
+        files["prefect-worker.yaml"] = dump_all(pool)
         template = base_job_template(spec, settings, options, image)
         files[f"work-pool-{settings.work_pool}.json"] = json.dumps(template, indent=2) + "\n"
-        cluster = dask_objects(spec, settings, options, image, dask_workers)
+        cluster = dask_objects(raw, spec, settings, options, image, dask_workers)
         if cluster:
             files["dask.yaml"] = dump_all(cluster)
     return files
@@ -142,6 +149,7 @@ def k8s(
             offline_cpu=offline_cpu,
             offline_memory=offline_memory,
             s3_secret=s3_secret,
+            spec_file=Path(file or settings.spec).name,
         )
         path = file or settings.spec
         spec = load_spec(path, settings, check_files=False)

@@ -65,6 +65,9 @@ class K8sOptions:
     prometheus: str = "http://prometheus-operated.monitoring.svc:9090"
     models_claim: str | None = None  # a PersistentVolumeClaim holding the models
     project_dir: str = "/app"  # where the image holds the project (workloads.yaml)
+    # The spec's file name in project_dir: where the offline pods' ConfigMap is mounted,
+    # the path the deployments' `spec` parameter names (lanes.router.render_pool).
+    spec_file: str = "workloads.yaml"
     drain_s: float = 5.0  # LANES_DRAIN_S: readiness 503 after SIGTERM, still serving
     prefect_api_secret: str = "prefect-api"  # a Secret with key `url`
     offline_cpu: int = 2  # CPUs of a flow run's Job and of a Dask worker pod

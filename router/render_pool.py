@@ -3,6 +3,12 @@ template (each flow run a Job of the worker image, one GPU on cuda, the serving
 group's Service as LANES_ENDPOINT for an endpoint runner without a url) and the Prefect
 worker that polls the pool, with the service account and role it needs to make Jobs.
 
+The flow runs' Jobs and the Dask worker pods load the spec as it was rendered: the whole
+document, the overrides of where `lanes render k8s` ran merged in (lanes.specfile's
+`read_document`), in a ConfigMap (`offline_spec`) mounted over the image's copy, as
+each serving group's pods load theirs. Without it they would load the image's
+workloads.yaml and miss every `LANES_WORKLOADS__...` given at render time.
+
 The template has the shape of prefect-kubernetes' own (a `job_configuration` whose
 `{{ placeholders }}` Prefect fills from `variables`, a JSON schema with defaults), so
 `prefect work-pool create POOL --type kubernetes --base-job-template FILE` takes it.
@@ -10,6 +16,7 @@ The template has the shape of prefect-kubernetes' own (a `job_configuration` who
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -19,6 +26,7 @@ from lanes.router.render_k8s import (
     GPU,
     K8sOptions,
     Manifest,
+    dump,
     groups,
     labels,
     models_volume,
@@ -31,6 +39,47 @@ from lanes.settings import Settings
 from lanes.spec import OfflineWorkload, Spec
 
 JOB_CONTAINER = "prefect-job"
+# The ConfigMap of the whole spec, for the Jobs and the Dask workers. Serving groups'
+# are named lanes-GROUP: a group would need to be called offline-spec to meet it.
+OFFLINE_SPEC = "lanes-offline-spec"
+SPEC_KEY = "workloads.yaml"  # the ConfigMap's key
+
+
+def offline_spec(raw: dict[str, Any], options: K8sOptions) -> Manifest:
+    """The ConfigMap holding the spec every offline pod loads: `raw`, the whole
+    document with the render's overrides merged (an offline workload may run an
+    interactive one's model, and the Batch API's flow runs run interactive workloads
+    in the offline lane)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": OFFLINE_SPEC,
+            "namespace": options.namespace,
+            "labels": labels("offline", "spec"),
+        },
+        "data": {SPEC_KEY: dump(raw)},
+    }
+
+
+def spec_volume(options: K8sOptions) -> tuple[Manifest, Manifest]:
+    """The mount of `offline_spec` over the image's spec (options.spec_file in
+    options.project_dir, where the deployments' `spec` parameter names it), and its
+    volume."""
+    path = str(PurePosixPath(options.project_dir) / options.spec_file)
+    mount = {"name": "spec", "mountPath": path, "subPath": SPEC_KEY, "readOnly": True}
+    return mount, {"name": "spec", "configMap": {"name": OFFLINE_SPEC}}
+
+
+def _volumes(spec: Spec, options: K8sOptions) -> tuple[list[Manifest], list[Manifest]]:
+    """The volume mounts and volumes of every offline pod: the spec, the models claim."""
+    mount, volume = spec_volume(options)
+    mounts, volumes = [mount], [volume]
+    if options.models_claim:
+        mount, volume = models_volume(spec, options)
+        mounts.append(mount)
+        volumes.append(volume)
+    return mounts, volumes
 
 
 def uses_endpoint(spec: Spec) -> bool:
@@ -122,9 +171,7 @@ def base_job_template(
     }
     if gpu:
         pod["tolerations"] = [{"key": GPU, "operator": "Exists", "effect": "NoSchedule"}]
-    if options.models_claim:
-        mount, volume = models_volume(spec, options)
-        container["volumeMounts"], pod["volumes"] = [mount], [volume]
+    container["volumeMounts"], pod["volumes"] = _volumes(spec, options)
     job_manifest = {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -271,7 +318,12 @@ def worker_objects(settings: Settings, options: K8sOptions, image: str) -> list[
 
 
 def dask_objects(
-    spec: Spec, settings: Settings, options: K8sOptions, image: str, workers: int
+    raw: dict[str, Any],
+    spec: Spec,
+    settings: Settings,
+    options: K8sOptions,
+    image: str,
+    workers: int,
 ) -> list[Manifest]:
     """A Dask scheduler (Deployment and Service) and `workers` worker pods for each
     offline workload whose `runner.address` names a host in the cluster
@@ -287,7 +339,8 @@ def dask_objects(
             continue  # an address outside the cluster, or one already rendered
         done.add(host)
         port = int(port_text or 8786)
-        found += _dask_cluster(spec, settings, options, image, host, port, workers)
+        digest = hashlib.sha256(dump(raw).encode()).hexdigest()
+        found += _dask_cluster(spec, settings, options, image, host, port, workers, digest)
     return found
 
 
@@ -299,6 +352,7 @@ def _dask_cluster(
     host: str,
     port: int,
     workers: int,
+    spec_digest: str,
 ) -> list[Manifest]:
     ns = options.namespace
     scheduler_sel = {
@@ -351,9 +405,7 @@ def _dask_cluster(
     if uses_gpu(settings.device):
         resources["limits"][GPU] = 1
         worker_pod["tolerations"] = [{"key": GPU, "operator": "Exists", "effect": "NoSchedule"}]
-    if options.models_claim:
-        mount, volume = models_volume(spec, options)
-        worker_pod["containers"][0]["volumeMounts"], worker_pod["volumes"] = [mount], [volume]
+    worker_pod["containers"][0]["volumeMounts"], worker_pod["volumes"] = _volumes(spec, options)
     scheduler_meta: dict[str, Any] = {
         "name": host,
         "namespace": ns,
@@ -419,7 +471,14 @@ def _dask_cluster(
             "spec": {
                 "replicas": workers,
                 "selector": {"matchLabels": worker_sel},
-                "template": {"metadata": {"labels": {**worker_meta["labels"]}}, "spec": worker_pod},
+                "template": {
+                    # A changed spec changes the pod template: the workers roll.
+                    "metadata": {
+                        "labels": {**worker_meta["labels"]},
+                        "annotations": {"lanes.dev/spec-sha256": spec_digest},
+                    },
+                    "spec": worker_pod,
+                },
             },
         },
     ]

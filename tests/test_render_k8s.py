@@ -5,6 +5,7 @@ and autoscaling on series the server really exports."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -27,7 +28,7 @@ from lanes.router.render_cli import render_files
 from lanes.router.render_k8s import SHUTDOWN_S, K8sOptions
 from lanes.serving.metrics import Metrics
 from lanes.settings import Settings
-from lanes.spec import InteractiveWorkload
+from lanes.spec import InteractiveWorkload, OfflineWorkload
 from lanes.specfile import load_spec
 
 K8S_VERSION = "1.33.0"
@@ -658,6 +659,64 @@ def test_the_pods_serve_the_spec_with_the_overrides_it_was_rendered_with(
     assert served.batching.max_batch_size == 8
     scaled = _by_kind(objects, "ScaledObject", "lanes-serve")["spec"]["triggers"]
     assert {t["name"]: t["metadata"]["threshold"] for t in scaled}["on"] == "8"
+
+
+def test_the_jobs_and_dask_workers_load_the_spec_with_the_overrides_it_was_rendered_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An override where the spec is rendered reaches the flow runs too: their Jobs and
+    the Dask worker pods mount the whole spec, overrides merged, over the image's copy,
+    at the spec's own name in the project folder (where the deployments name it)."""
+    path = tmp_path / "lanes.yaml"
+    path.write_text(SPEC)
+    monkeypatch.setenv("LANES_WORKLOADS__EMBED_CORPUS__BATCH_SIZE", "7")
+    monkeypatch.setenv("LANES_WORKLOADS__SEARCH_QUERY__BATCHING__MAX_BATCH_SIZE", "8")
+    args = ["render", "k8s", str(path), "--image", "i", "--worker-image", "w"]
+    done = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "k8s")])
+    assert done.exit_code == 0, done.output
+    objects = [
+        o
+        for name in ("prefect-worker.yaml", "dask.yaml")
+        for o in yaml.safe_load_all((tmp_path / "k8s" / name).read_text())
+    ]
+    for obj in objects:
+        _validate(obj)
+    config = _by_kind(objects, "ConfigMap", "lanes-offline-spec")
+    job = _filled(json.loads((tmp_path / "k8s" / "work-pool-lanes.json").read_text()))
+    kubernetes_validate.validate(job, K8S_VERSION, strict=True)
+    pods = {
+        "job": job["spec"]["template"]["spec"],
+        "dask": _by_kind(objects, "Deployment", "dask-scheduler-worker")["spec"]["template"][
+            "spec"
+        ],
+    }
+    for name, pod in pods.items():
+        (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "spec"]
+        assert mount == {
+            "name": "spec",
+            "mountPath": "/app/lanes.yaml",
+            "subPath": "workloads.yaml",
+            "readOnly": True,
+        }, name
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "spec"]
+        assert volume["configMap"]["name"] == config["metadata"]["name"], name
+    text = config["data"]["workloads.yaml"]
+    digest = _by_kind(objects, "Deployment", "dask-scheduler-worker")["spec"]["template"][
+        "metadata"
+    ]["annotations"]["lanes.dev/spec-sha256"]
+    assert digest == hashlib.sha256(text.encode()).hexdigest()  # a new spec rolls them
+
+    monkeypatch.delenv("LANES_WORKLOADS__EMBED_CORPUS__BATCH_SIZE")
+    monkeypatch.delenv("LANES_WORKLOADS__SEARCH_QUERY__BATCHING__MAX_BATCH_SIZE")
+    pod_spec = tmp_path / "app" / "lanes.yaml"
+    pod_spec.parent.mkdir()
+    pod_spec.write_text(text)
+    loaded = load_spec(pod_spec, Settings(), check_files=False)
+    assert sorted(loaded.workloads) == sorted(yaml.safe_load(SPEC)["workloads"])  # all
+    offline = loaded.workloads["embed-corpus"]
+    served = loaded.workloads["search-query"]
+    assert isinstance(offline, OfflineWorkload) and offline.batch_size == 7
+    assert isinstance(served, InteractiveWorkload) and served.batching.max_batch_size == 8
 
 
 def test_a_handler_module_outside_the_project_is_warned_of(tmp_path: Path) -> None:
