@@ -7,7 +7,8 @@ Each deployment runs `lanes.flows.batch:offline` (a module path: it works wherev
 installed) with the workload's name as a parameter, on the workload's cron schedule
 or, without one, the default off-peak window (`Settings.offpeak`), in the work pool
 `Settings.work_pool`. The worker first changes to the project folder, so the spec's
-relative paths mean there what they mean here.
+relative paths mean there what they mean here, and the settings chosen here that the
+runs must agree on travel in the deployment's `job_variables.env` (`work_pool`).
 
 Where workers find the spec (`Source`): by default they run in the spec's folder. With
 `project_dir` (e.g. /app in an image) the project is elsewhere: the folder prefect.yaml
@@ -96,10 +97,23 @@ def deployment(
         "description": description,
         "entrypoint": ENTRYPOINT,
         "parameters": {"workload": name, "spec": spec_param},
-        "work_pool": {"name": settings.work_pool, "work_queue_name": None, "job_variables": {}},
+        "work_pool": work_pool(settings),
         "schedules": [{"cron": schedule.cron, "timezone": schedule.timezone, "active": True}],
         "tags": ["lanes", "offline", workload.task],
     }
+
+
+def work_pool(settings: Settings) -> dict[str, Any]:
+    """A deployment's `work_pool`: the pool, and as job variables the settings chosen
+    here that its runs must agree on (`Settings.shared_env`: the off-peak window its
+    cron was compiled from, the price, the allowed roots, the S3 endpoint and batch
+    store). A worker knows only its own environment: without them its runs would plan
+    deadlines on the default window while the deployment fires on this one. Prefect
+    merges them over the pool's `env` and a process worker's own; nothing secret goes
+    here (job variables are shown in Prefect's UI)."""
+    env = settings.shared_env()
+    variables = {"env": env} if env else {}
+    return {"name": settings.work_pool, "work_queue_name": None, "job_variables": variables}
 
 
 def batch_deployment(settings: Settings, spec_param: str) -> dict[str, Any]:
@@ -111,7 +125,7 @@ def batch_deployment(settings: Settings, spec_param: str) -> dict[str, Any]:
         "run in the offline lane.",
         "entrypoint": ENTRYPOINT,
         "parameters": {"spec": spec_param, "lane": "offline"},
-        "work_pool": {"name": settings.work_pool, "work_queue_name": None, "job_variables": {}},
+        "work_pool": work_pool(settings),
         "schedules": [],
         "tags": ["lanes", "offline", "batch"],
     }

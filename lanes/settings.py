@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -208,6 +209,34 @@ class Settings(BaseSettings):
             source = _variable((named.group(1),)) if named else "env LANES_*"
             message = "expected JSON (a list or an object), found a value that does not parse"
             raise SettingsError([Problem(source, None, None, "", message)]) from None
+
+    def shared_env(self) -> dict[str, str]:
+        """The LANES_ variables that give another process the settings chosen here that
+        lanes' processes elsewhere must agree on: the S3 endpoint and the Batch API's
+        store (the server writes a batch's input there, the flow run reads it), and,
+        where set here, the roots a job may read (a flow run refuses what the submitter
+        allowed otherwise), the off-peak window (a deployment fires on the one it was
+        compiled with; its runs plan their deadlines on it) and the price (manifests,
+        the server's metric). Unset ones are left out: the other process keeps its own.
+        `lanes render k8s` puts them in every pod's env, `lanes compile` in each
+        deployment's job variables."""
+        env = {}
+        if self.s3_endpoint:
+            env["LANES_S3_ENDPOINT"] = self.s3_endpoint
+        if self.batch.store:
+            env["LANES_BATCH__STORE"] = self.batch.store
+        chosen = self.model_fields_set
+        if "allowed_input_roots" in chosen:
+            env["LANES_ALLOWED_INPUT_ROOTS"] = json.dumps(list(self.allowed_input_roots))
+        if "offpeak" in chosen:
+            offpeak = self.offpeak
+            for key in sorted(offpeak.model_fields_set | {"cron", "timezone"}):
+                value = getattr(offpeak, key)
+                if value is not None:
+                    env[f"LANES_OFFPEAK__{key.upper()}"] = str(value)
+        if "price_per_device_hour" in chosen:
+            env["LANES_PRICE_PER_DEVICE_HOUR"] = repr(self.price_per_device_hour)
+        return env
 
     def batch_store(self) -> str:
         """Where the Batch API keeps files and batches (a folder or s3:// prefix, with '/')."""

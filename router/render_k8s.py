@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import re
 from collections.abc import Sequence
@@ -201,32 +200,6 @@ def models_volume(spec: Spec, options: K8sOptions) -> tuple[Manifest, Manifest]:
     return {**mount, "readOnly": True}, volume
 
 
-def shared_env(settings: Settings) -> dict[str, str]:
-    """What the serving pods and the offline lane's pods must agree on, from the settings
-    where the spec is rendered: the S3 endpoint and the Batch API's store (the server
-    writes a batch's input there, the flow run's Job reads it), and, where set there,
-    the roots a job may read (the Job refuses what the submitter allowed otherwise), the
-    off-peak window (the flow's deadlines, the Batch API's latest starts) and the price
-    (manifests, the server's metric). Unset ones keep the pods' defaults."""
-    env = {}
-    if settings.s3_endpoint:
-        env["LANES_S3_ENDPOINT"] = settings.s3_endpoint
-    if settings.batch.store:
-        env["LANES_BATCH__STORE"] = settings.batch.store
-    chosen = settings.model_fields_set
-    if "allowed_input_roots" in chosen:
-        env["LANES_ALLOWED_INPUT_ROOTS"] = json.dumps(list(settings.allowed_input_roots))
-    if "offpeak" in chosen:
-        offpeak = settings.offpeak
-        for key in sorted(offpeak.model_fields_set | {"cron", "timezone"}):
-            value = getattr(offpeak, key)
-            if value is not None:
-                env[f"LANES_OFFPEAK__{key.upper()}"] = str(value)
-    if "price_per_device_hour" in chosen:
-        env["LANES_PRICE_PER_DEVICE_HOUR"] = repr(settings.price_per_device_hour)
-    return env
-
-
 def s3_credentials(options: K8sOptions) -> list[Manifest]:
     """The env of every pod that reads or writes S3 (the serving pods store the Batch
     API's files, the Jobs and Dask workers read inputs and write outputs): boto3's own
@@ -308,7 +281,7 @@ def _deployment(
         {"name": "LANES_DEVICE", "value": device},
         *_threads(group.deploy.cpu),
         {"name": "LANES_DRAIN_S", "value": f"{options.drain_s:g}"},
-        *({"name": k, "value": v} for k, v in shared_env(settings).items()),
+        *({"name": k, "value": v} for k, v in settings.shared_env().items()),
         secret_env("LANES_API_KEY", options.api_key_secret, "api-key"),
         # The Batch API starts each batch as a flow run on this Prefect API; optional, so
         # a cluster without Prefect still serves (its /v1/batches says what is missing).

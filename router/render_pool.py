@@ -32,7 +32,6 @@ from lanes.router.render_k8s import (
     models_volume,
     s3_credentials,
     secret_env,
-    shared_env,
     uses_gpu,
 )
 from lanes.settings import Settings
@@ -137,7 +136,7 @@ def base_job_template(
         "LANES_DEVICE": settings.device,
         # onnxruntime would size its pool by the node's cores, not the pod's share.
         "LANES_THREADS": str(options.offline_cpu),
-        **shared_env(settings),
+        **settings.shared_env(),
         **endpoint_env(spec, options),
     }
     resources: dict[str, Any] = {
@@ -373,7 +372,7 @@ def _dask_cluster(
         {"name": "LANES_HOME", "value": "/tmp/lanes"},
         {"name": "LANES_DEVICE", "value": settings.device},
         {"name": "LANES_THREADS", "value": str(options.offline_cpu)},
-        *({"name": k, "value": v} for k, v in shared_env(settings).items()),
+        *({"name": k, "value": v} for k, v in settings.shared_env().items()),
         *s3_credentials(options),
     ]
     resources: dict[str, Any] = {

@@ -106,6 +106,10 @@ def test_settings_choose_the_pool_and_the_off_peak_window(
     # The project is at /app there and in the folder of prefect.yaml here: the spec
     # is named relative to it, never by this machine's path.
     assert whenever["parameters"]["spec"] == "workloads.yaml"
+    # Its runs plan their deadlines on the window it fires on, whatever the worker's env.
+    env = {"LANES_OFFPEAK__CRON": "15 3 * * 6", "LANES_OFFPEAK__TIMEZONE": "America/New_York"}
+    for deployment in document["deployments"]:
+        assert deployment["work_pool"]["job_variables"] == {"env": env}
 
 
 def test_the_compiler_and_lanes_plan_agree(spec_file: Path) -> None:

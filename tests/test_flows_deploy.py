@@ -8,6 +8,7 @@ another's deployments, runs or pool.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -142,6 +143,42 @@ def test_lanes_deploy_removes_the_deployments_the_spec_no_longer_has(
     assert refused.returncode == 2 and "was not written by lanes compile" in refused.stderr
     assert (first.parent / "prefect.yaml").read_text() == "deployments: []\n"
     assert _deployment(api, "daily") == 200
+
+
+def test_the_settings_a_deployment_was_compiled_with_reach_its_runs(
+    prefect_server: dict[str, str], tmp_path: Path
+) -> None:
+    """A process worker knows only its own environment: the settings chosen where
+    `lanes deploy` ran, which the deployment depends on (its cron is the off-peak
+    window's), travel in its job variables and reach its runs on a worker without them."""
+    env = {**prefect_server, "LANES_WORK_POOL": "chosen"}
+    api = prefect_server["PREFECT_API_URL"]
+    chosen = {
+        "LANES_ALLOWED_INPUT_ROOTS": json.dumps([str(tmp_path / "shared")]),
+        "LANES_OFFPEAK__CRON": "20 1 * * *",
+        "LANES_OFFPEAK__TIMEZONE": "Asia/Tokyo",
+        "LANES_PRICE_PER_DEVICE_HOUR": "3.5",
+    }
+    assert not set(chosen) & set(env)  # the worker below has none of them
+    project = tmp_path / "project"
+    workload = {k: v for k, v in _workload().items() if k != "schedule"}
+    spec = write_spec(project, {"offpeak": workload})
+    write_jsonl(project / "in" / "part-0.jsonl", [{"id": i, "x": [[i, 1, 2, 3]]} for i in range(3)])
+
+    _run([*LANES, "deploy", str(spec)], {**env, **chosen}, project)
+    found = call_api("GET", f"{api}/deployments/name/lanes-offline/offpeak").json()
+    (schedule,) = found["schedules"]
+    assert (schedule["schedule"]["cron"], schedule["schedule"]["timezone"]) == (
+        "20 1 * * *",
+        "Asia/Tokyo",
+    )
+    assert found["job_variables"] == {"env": chosen}
+
+    _run([*PREFECT, "deployment", "run", "lanes-offline/offpeak"], env, tmp_path)
+    _run([*PREFECT, "worker", "start", "--pool", "chosen", "--run-once"], env, tmp_path, 240)
+    manifest = json.loads((project / "out" / "_manifest.json").read_text())
+    assert manifest["outputs"] == 3
+    assert manifest["price_per_device_hour"] == 3.5  # the deployer's, not the default
 
 
 def _readme_block(heading: str) -> list[str]:
