@@ -4,21 +4,30 @@ a tiny real model, with a project whose spec names everything relative to itself
 
 from __future__ import annotations
 
+import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 import yaml
 
 from lanes.flows.batch import offline
 from lanes.flows.job import plan_job, plan_shards
 from lanes.settings import Settings
 from lanes.storage import Storage
-from tests.flows_fixtures import infer_model, read_jsonl, write_jsonl
+from tests.flows_fixtures import infer_model, moto_server, read_jsonl, s3_env, write_jsonl
 
 
-def project(folder: Path) -> Path:
+@pytest.fixture(scope="module")
+def s3_endpoint() -> Iterator[str]:
+    with moto_server() as url:
+        yield url
+
+
+def project(folder: Path, **fields: str) -> Path:
     infer_model(folder / "models" / "affine")
     spec = {
         "version": 1,
@@ -32,6 +41,7 @@ def project(folder: Path) -> Path:
                 "output": "data/out/",
                 "batch_size": 4,
                 "retries": 0,
+                **fields,
             }
         },
     }
@@ -120,3 +130,22 @@ def test_another_inputs_marker_is_still_refused(prefect_api: str, tmp_path: Path
     Path(a.marker).write_bytes(orjson.dumps(marker))
     state = offline(workload="aff", spec=str(spec), return_state=True)
     assert state.is_failed() and "two jobs write this output" in str(state.message)
+
+
+def test_a_job_at_another_folder_shares_the_laptops_commits_on_s3(
+    prefect_api: str, tmp_path: Path, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same S3 input and output, the same model bytes: a Job whose image holds the
+    project at /app (here: a copy elsewhere, its model files' times new) redoes nothing
+    the laptop's `lanes run` committed."""
+    s3 = s3_env(monkeypatch, s3_endpoint)
+    s3.create_bucket(Bucket="corpus")
+    for name in ("a", "b"):
+        body = "\n".join(json.dumps(r) for r in records(name, 3)).encode()
+        s3.put_object(Bucket="corpus", Key=f"in/{name}.jsonl", Body=body)
+    folders = {"input": "s3://corpus/in/", "output": "s3://corpus/out/"}
+    project(tmp_path / "laptop", **folders)
+    assert run(tmp_path / "laptop")["shards_run"] == 2
+    shutil.copytree(tmp_path / "laptop", tmp_path / "app", copy_function=shutil.copy)
+    summary = run(tmp_path / "app")
+    assert (summary["shards_run"], summary["shards_skipped"]) == (0, 2)
