@@ -5,13 +5,13 @@
 
 The flow plans the job, checks a sample of the records against the record shape
 (flows.validate: too many mismatches fail the run before any shard runs), skips
-shards an earlier run committed, runs the rest as `shard` tasks on the workload's
-runner (threads here, or a Dask cluster through prefect-dask) with at most
-`runner.max_concurrent_shards` in flight, then writes the run's manifest. A shard
-that still fails after its retries (or at once, where no retry changes anything:
-it rejects more than `max_error_rate` of its records, or its input is a corrupt file,
-denied to us or gone since the listing) fails the run, after every other shard has finished and the
-manifest is written: a rerun redoes only it.
+shards an earlier run committed, runs the rest as `shard` tasks (flows.shard_task) on
+the workload's runner (threads here, or a Dask cluster through prefect-dask) with at
+most `runner.max_concurrent_shards` in flight (flows.scheduling), then writes the run's
+manifest. A shard that still fails after its retries (or at once, where no retry
+changes anything: it rejects more than `max_error_rate` of its records, or its input
+is a corrupt file, denied to us or gone since the listing) fails the run, after every
+other shard has finished and the manifest is written: a rerun redoes only it.
 
 `rerun` says what an earlier run's commits are worth: "uncommitted" (the default)
 runs the shards without a current commit; "errors" also reruns the rejected records
@@ -33,42 +33,25 @@ from __future__ import annotations
 
 import logging
 import shlex
-import threading
-from collections import deque
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from prefect import State, Task, flow, task
-from prefect.cache_policies import NO_CACHE
-from prefect.client.schemas.objects import TaskRun
-from prefect.futures import PrefectFuture, as_completed
+from prefect import State, flow
 from prefect.states import Completed
-from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 from lanes.backfill import served_workload
 from lanes.errors import JobFailed, LanesError, StorageError
 from lanes.flows import FLOW_NAME
-from lanes.flows.endpoint import (
-    EndpointGone,
-    EndpointModel,
-    batch_key,
-    check_key,
-    check_reachable,
-)
+from lanes.flows.endpoint import batch_key, check_key, check_reachable
 from lanes.flows.job import Job, Lane, plan_job, plan_shards
-from lanes.flows.manifest import Manifest, ShardFailure, build_manifest, write_manifest
+from lanes.flows.manifest import Manifest, build_manifest, write_manifest
 from lanes.flows.outcome import outcome, run_deadline
-from lanes.flows.runners import Model, ShardModel
-from lanes.flows.shard import (
-    ShardPlan,
-    ShardStats,
-    committed,
-    run_shard,
-)
+from lanes.flows.progress import progress
+from lanes.flows.scheduling import PendingShard, ShardsOutcome, run_shards
+from lanes.flows.shard import ShardPlan, ShardStats, committed
+from lanes.flows.shard_task import endpoint_url, loaded_model
 from lanes.flows.start import (
     calibration,
     defer,
@@ -79,11 +62,8 @@ from lanes.flows.start import (
 from lanes.flows.validate import check_records
 from lanes.jobs import BATCH_TAG
 from lanes.measurements import Measurements, Throughput, newest
-from lanes.runtime import Runtime
 from lanes.settings import Settings
-from lanes.spec import Runner
 from lanes.storage import Storage
-from lanes.tasks import load_task
 from lanes.tracing import Tracing, maybe_span
 
 Rerun = Literal["uncommitted", "errors", "all"]
@@ -93,8 +73,6 @@ DEFAULT_SPEC = "workloads.yaml"  # the flow's, and `lanes run`'s without LANES_S
 STALE_STAGING_S = 24 * 3600
 
 log = logging.getLogger(__name__)
-# Progress events for whoever watches in this process (`lanes run` draws a bar).
-progress_log = logging.getLogger("lanes.flows.progress")
 
 
 @flow(
@@ -169,7 +147,7 @@ def _start_later(job: Job, settings: Settings, now: datetime) -> State[dict[str,
     if not should_plan(job, deployment.name, parameters):
         return None
     storage = Storage(settings)
-    measure = calibration(job, settings, storage, lambda: _model(job, settings))
+    measure = calibration(job, settings, storage, lambda: loaded_model(job, settings))
     try:
         plan = plan_run(job, settings, storage, now, Measurements(settings.home).load(), measure)
     except LanesError as err:
@@ -221,7 +199,7 @@ def run_job(
     if job.runner.kind == "endpoint":
         # No key, no endpoint, a key it refuses: fail before any shard runs, saying why.
         key = batch_key(settings)
-        url = _endpoint_url(job, settings)
+        url = endpoint_url(job, settings)
         check_reachable(url)
         check_key(url, served_workload(job.spec.workloads, job.workload), key)
     storage = Storage(settings)
@@ -229,7 +207,7 @@ def run_job(
     storage.clean_stale(job.output, STALE_STAGING_S)
     plans = plan_shards(job, storage)
     done: list[ShardStats] = []
-    pending: list[_Pending] = []
+    pending: list[PendingShard] = []
     for plan in plans:
         # Read whatever `rerun` says: a marker of another job's fails the run here,
         # before any shard writes over its results.
@@ -237,16 +215,16 @@ def run_job(
         if rerun == "all":
             earlier = None
         if earlier is None:
-            pending.append(_Pending(plan, None))
+            pending.append(PendingShard(plan, None))
         elif rerun == "errors" and earlier.errors > 0:
-            pending.append(_Pending(plan, earlier))
+            pending.append(PendingShard(plan, earlier))
         else:
             done.append(earlier)
     # Only shards that will be read whole: a retried one was checked when it first ran.
     check_records(job, [p.plan for p in pending if p.retry is None], storage)
-    _progress("planned", shards=len(plans), pending=len(pending))
+    progress("planned", shards=len(plans), pending=len(pending))
     trace = tracing.carrier() if tracing is not None else None
-    shards = _run_shards(job, pending, settings, trace, finish_by)
+    shards = run_shards(job, pending, settings, trace, finish_by)
     failures = shards.failures
     measurements = Measurements(settings.home)
     manifest = build_manifest(
@@ -286,7 +264,7 @@ def run_job(
     return Ran(manifest, missing)
 
 
-def _failed(plans: list[ShardPlan], shards: _Shards, missing: str | None) -> str:
+def _failed(plans: list[ShardPlan], shards: ShardsOutcome, missing: str | None) -> str:
     """The message of a run whose shards failed: how many of all, each one's error, the
     ones that did not start and why, and what redoes them."""
     failures = shards.failures
@@ -331,222 +309,3 @@ def _record_throughput(store: Measurements, job: Job, manifest: Manifest, uri: s
         store.save(record)
     except OSError as err:
         log.warning("could not record the run's throughput under %s: %s", store.folder, err)
-
-
-@dataclass(frozen=True)
-class _Shards:
-    """What became of a run's pending shards."""
-
-    stats: list[ShardStats]  # of those committed
-    failures: list[ShardFailure]
-    not_started: int = 0  # shards never started, for the reason `stopped` says
-    stopped: str = ""  # "past its deadline ...", "as the endpoint at ... is gone"
-    gone: str | None = None  # the endpoint a shard found gone (EndpointGone)
-
-
-@dataclass(frozen=True)
-class _Pending:
-    """A shard to run: whole, or (`retry`: what an earlier run committed) its errors."""
-
-    plan: ShardPlan
-    retry: ShardStats | None
-
-
-@task(name="shard", cache_policy=NO_CACHE, task_run_name="shard {plan.name}")
-def shard(
-    job: Job,
-    plan: ShardPlan,
-    settings: Settings,
-    retry: ShardStats | None = None,
-    trace: dict[str, str] | None = None,
-) -> ShardStats:
-    """One shard: read, run, write, commit (flows.shard.run_shard); with `trace` (the
-    flow run's span, as W3C headers: the shard may run in another process), a span."""
-    model = _model(job, settings)
-    tracing = Tracing.from_settings(settings) if trace is not None else None
-    with maybe_span(tracing, f"shard {plan.name}", {"lanes.shard": plan.name}, trace):
-        return _shard(job, plan, settings, model, retry, tracing)
-
-
-def _shard(
-    job: Job,
-    plan: ShardPlan,
-    settings: Settings,
-    model: ShardModel,
-    retry: ShardStats | None,
-    tracing: Tracing | None,
-) -> ShardStats:
-    stats = run_shard(
-        plan,
-        model,
-        Storage(settings),
-        job.batch_size,
-        job.max_record_bytes,
-        # Seen where the task runs: in this process with threads, nowhere with Dask
-        # (the flow reports each finished shard itself, for every runner).
-        progress=lambda n: _progress("records", shard=plan.name, records=n),
-        retry=retry,
-        tracing=tracing,
-    )
-    if tracing is not None:
-        tracing.flush()  # on a Dask worker, nobody else will
-    return stats
-
-
-def _worth_retrying(task: Task[Any, Any], run: TaskRun, state: State[Any]) -> bool:
-    """Prefect's retry condition: not for an error that says it repeats (a shard over
-    its error rate, an input that is corrupt, denied to us or gone: the same again)."""
-    error = state.data
-    return not (isinstance(error, LanesError) and error.repeats)
-
-
-def _run_shards(
-    job: Job,
-    pending: list[_Pending],
-    settings: Settings,
-    trace: dict[str, str] | None = None,
-    finish_by: datetime | None = None,
-) -> _Shards:
-    """Submit shard tasks, never more than `max_concurrent_shards` in flight, and none
-    once `finish_by` passed or a shard found the endpoint gone (the shards in flight
-    then end as they do)."""
-    if not pending:
-        return _Shards([], [])
-    bound = job.runner.max_concurrent_shards
-    retried = shard.with_options(
-        retries=job.retries, retry_delay_seconds=2, retry_condition_fn=_worth_retrying
-    )
-    queue = deque(pending)
-    stats: list[ShardStats] = []
-    failures: list[ShardFailure] = []
-    in_flight: dict[PrefectFuture[ShardStats], _Pending] = {}
-    not_started, stopped, gone = 0, "", None
-    with _api_for_workers(), task_runner(job.runner, settings) as runner:
-        # Each pass waits for one shard to end: at most len(pending) passes.
-        for _ in range(len(pending)):
-            if not stopped and finish_by is not None and datetime.now(UTC) >= finish_by:
-                stopped = f"past its deadline {finish_by.isoformat()}"
-            if stopped and queue:
-                log.warning("%s: %d shards not started: %s", job.workload, len(queue), stopped)
-                not_started += len(queue)
-                queue.clear()
-            if not in_flight and not queue:
-                break
-            while queue and len(in_flight) < bound:
-                item = queue.popleft()
-                parameters = {
-                    "job": job,
-                    "plan": item.plan,
-                    "settings": settings,
-                    "retry": item.retry,
-                    "trace": trace,
-                }
-                in_flight[runner.submit(retried, parameters)] = item
-            finished = next(as_completed(list(in_flight)))
-            item = in_flight.pop(finished)
-            finished.wait()
-            if finished.state.is_completed():
-                done: ShardStats = finished.result()
-                stats.append(done)
-                ran = done.retried if item.retry is not None and done.retried else done.records
-                _progress("shard", shard=item.plan.name, records=ran)
-            else:
-                error = finished.result(raise_on_failure=False)
-                failures.append(
-                    ShardFailure(item.plan.input.uri, f"{type(error).__name__}: {error}")
-                )
-                _progress("shard", shard=item.plan.name, records=0)
-                if isinstance(error, EndpointGone) and gone is None:
-                    # Each shard left would only meet the same refusal: they all run
-                    # again in a rerun once the endpoint is back.
-                    gone = _endpoint_url(job, settings)
-                    stopped = stopped or f"as the endpoint at {gone} is gone"
-    return _Shards(stats, failures, not_started, stopped, gone)
-
-
-def _endpoint_url(job: Job, settings: Settings) -> str:
-    """The endpoint a `runner: {kind: endpoint}` job runs its batches on."""
-    return job.runner.url or settings.endpoint
-
-
-@contextmanager
-def _api_for_workers() -> Iterator[None]:
-    """Shard tasks report to this flow run's Prefect API, wherever they run.
-
-    Prefect hands a task's settings to a Dask worker with the task, but an embedded
-    API (`lanes run` without PREFECT_API_URL) is not among them: each worker process
-    would start an embedded server of its own. Naming this run's API in the settings
-    the tasks carry keeps them on the flow's.
-    """
-    from prefect.context import FlowRunContext
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    context = FlowRunContext.get()
-    if PREFECT_API_URL.value() or context is None or context.client is None:
-        yield
-        return
-    with temporary_settings(updates={PREFECT_API_URL: str(context.client.api_url)}):
-        yield
-
-
-def task_runner(runner: Runner, settings: Settings) -> TaskRunner[Any]:
-    """Threads in this process (for the endpoint runner too: its shards wait on the
-    endpoint), or Dask (a cluster at `address`, else a local one)."""
-    if runner.kind in ("local", "endpoint"):
-        return ThreadPoolTaskRunner(max_workers=runner.max_concurrent_shards)
-    from prefect_dask.task_runners import DaskTaskRunner
-
-    if runner.address:
-        return DaskTaskRunner(address=runner.address)
-    cluster = {
-        "n_workers": runner.workers,
-        "threads_per_worker": 1,  # a worker runs one shard; onnxruntime uses the cores
-        "processes": True,
-        # The scheduler serves HTTP (health, metrics) even without a dashboard, by
-        # default on 8787: on a free port instead, so a second cluster on the machine
-        # never finds it taken (Dask then warns and moves).
-        "dashboard_address": ":0",
-        "scheduler_kwargs": {"dashboard": False},
-        "local_directory": str(settings.home / "dask"),
-    }
-    return DaskTaskRunner(cluster_kwargs=cluster)
-
-
-# One loaded model per process, reused by every shard task that runs here (a thread
-# of this flow, or a Dask worker): loading costs more than a small shard.
-_loaded: dict[str, ShardModel] = {}
-_loading = threading.Lock()
-
-
-def _model(job: Job, settings: Settings) -> ShardModel:
-    key = f"{job.workload}|{job.model_key}|{job.runner.model_dump_json()}|"
-    key += settings.model_dump_json()
-    with _loading:
-        model = _loaded.get(key)
-        if model is None:
-            model = _endpoint_model(job, settings) if job.runner.kind == "endpoint" else None
-            if model is None:
-                runtime = Runtime(settings)
-                loaded = load_task(job.workload, job.spec, runtime)
-                loaded.warm_up()
-                model = Model(loaded, runtime.providers[0])
-            for old in _loaded.values():
-                if isinstance(old, EndpointModel):
-                    old.close()
-            _loaded.clear()  # a worker serves one job at a time: keep memory flat
-            _loaded[key] = model
-        return model
-
-
-def _endpoint_model(job: Job, settings: Settings) -> EndpointModel:
-    """The endpoint runs the batches; this process only prepares and answers records,
-    with the task on the CPU, whatever the device setting (the device is the
-    endpoint's)."""
-    key = batch_key(settings)
-    task = load_task(job.workload, job.spec, Runtime(settings.model_copy(update={"device": "cpu"})))
-    url = _endpoint_url(job, settings)
-    return EndpointModel(task, url, served_workload(job.spec.workloads, job.workload), key)
-
-
-def _progress(event: str, **fields: Any) -> None:
-    progress_log.debug("%s %s", event, fields, extra={"lanes_event": event, "lanes": fields})

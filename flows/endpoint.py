@@ -14,7 +14,7 @@ with the server's Retry-After; anything else fails the batch, and so the shard, 
 Prefect's retries. An endpoint that refuses connections through every attempt is gone:
 its shard fails without Prefect's retries (they would repeat the same attempts), and
 so does each later batch at its first refused connection, until the endpoint answers
-again; the flow starts no further shard (flows.batch), so a job whose endpoint died
+again; the flow starts no further shard (flows.scheduling), so a job whose endpoint died
 fails in one round of attempts, and its rerun runs the shards left.
 """
 

@@ -253,7 +253,7 @@ def _both_reruns() -> None:
 
 @contextmanager
 def _progress_bar() -> Iterator[None]:
-    """A bar over the run's shards, fed by flows.batch's progress events."""
+    """A bar over the run's shards, fed by its progress events (flows.progress)."""
     progress = Progress(
         TextColumn("{task.description}"),
         BarColumn(),

@@ -29,7 +29,7 @@ import typer
 from typer.testing import CliRunner
 
 from lanes.errors import AuthError, JobFailed, PermanentStorageError, StorageError
-from lanes.flows import batch
+from lanes.flows import shard_task
 from lanes.flows.batch import offline
 from lanes.flows.shard import TooManyErrors
 from lanes.router.offline_cli import run as run_command
@@ -286,7 +286,7 @@ def test_only_a_failure_that_would_repeat_skips_a_shards_retries() -> None:
     from prefect.states import Failed
 
     def retried(error: Exception) -> bool:
-        return batch._worth_retrying(batch.shard, None, Failed(data=error))
+        return shard_task.worth_retrying(shard_task.shard, None, Failed(data=error))
 
     assert not retried(PermanentStorageError("s3://b/a.jsonl: access denied (AccessDenied)"))
     assert not retried(TooManyErrors("20 of 40 records rejected"))
