@@ -12,7 +12,7 @@ from prefect.states import Completed
 from lanes.flows.job import Job
 from lanes.flows.manifest import Manifest
 from lanes.flows.start import has_deadline, should_plan, window_deadline
-from lanes.jobs import EXPIRED_STATE, WITH_ERRORS_STATE
+from lanes.jobstates import EXPIRED_STATE, WITH_ERRORS_STATE
 from lanes.layout import ERRORS
 from lanes.settings import Settings
 from lanes.storage import join
@@ -46,7 +46,7 @@ def outcome(
     """The final state of a run whose shards did not fail: Completed, or
     CompletedWithErrors when any committed shard holds rejected records (its message
     ends with `retry`: what reruns them), or Expired when shards did not start past its
-    `finish_by` (lanes.jobs reads it EXPIRED). A run that ended past its deadline says
+    `finish_by` (lanes.jobstates reads it EXPIRED). A run that ended past its deadline says
     by how much. With `manifest_missing` (why the manifest could not be written), the
     message says the outputs are complete without it."""
     summary = manifest.summary()

@@ -32,8 +32,8 @@ from lanes.flows.job import Job, plan_shards
 from lanes.flows.records import count_records
 from lanes.flows.runners import ShardModel
 from lanes.flows.sample import measure_sample
-from lanes.jobs import create_run
 from lanes.measurements import Measurements, Throughput, newest
+from lanes.prefectapi import create_run
 from lanes.settings import Settings
 from lanes.spec import as_offline
 from lanes.storage import Storage

@@ -42,16 +42,11 @@ from lanes.batchfiles import BatchError, assemble
 from lanes.batchstore import BatchStore, new_id
 from lanes.deadline import offpeak_opening, plan_start
 from lanes.errors import InvalidInput, NotConfigured, NotFound, StorageError
-from lanes.jobs import (
-    BATCH_PREFIX,
-    BATCH_TAG,
-    FAILED_STATES,
-    FINISHED,
-    Job,
-    create_run,
-)
-from lanes.jobs import EXPIRED as EXPIRED_STATUS
+from lanes.jobs import BATCH_PREFIX, BATCH_TAG, Job
+from lanes.jobstates import EXPIRED as EXPIRED_STATUS
+from lanes.jobstates import FAILED_STATES, FINISHED
 from lanes.measurements import Measurements
+from lanes.prefectapi import create_run
 from lanes.protocols.openai import BATCH_URLS, Shape, parse
 from lanes.settings import Settings
 from lanes.spec import Spec, a_task

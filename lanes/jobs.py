@@ -9,9 +9,8 @@ so `Job(id)` works from any process that reaches the same Prefect API and storag
     <workload input folder>/_submitted/<key>/records.jsonl   the staged records
     <workload output folder>/jobs/<key>/                     its outputs (lanes.layout)
 
-Prefect is imported only here, and only when a job is touched. The Prefect API is
-`prefect_api_url` when given, else Prefect's own `PREFECT_API_URL` setting; without
-either a job fails at once (Prefect would otherwise start a throwaway server).
+Prefect is imported only when a job is touched, here and in lanes.prefectapi (the
+API the runs live on); lanes.jobstates reads a run's state as the job's status.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -32,15 +30,10 @@ import orjson
 
 from lanes import layout
 from lanes.deadline import opening
-from lanes.errors import (
-    InvalidInput,
-    JobFailed,
-    LanesError,
-    NotFound,
-    StorageError,
-    Unavailable,
-)
+from lanes.errors import InvalidInput, JobFailed, LanesError, NotFound, StorageError
 from lanes.inputs import absolute, check_input, folder_of
+from lanes.jobstates import EXPIRED, EXPIRED_TAG, FAILED_STATES, FINISHED, status_of
+from lanes.prefectapi import PrefectApi
 from lanes.settings import Settings
 from lanes.spec import OfflineWorkload
 from lanes.storage import Storage, join
@@ -52,23 +45,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-FLOW_NAME = "lanes-offline"  # flows.FLOW_NAME; lanes cannot import the flows wing
-# A Batch API batch whose completion window passed: its run was cancelled (`expire`)
-# and tagged EXPIRED_TAG, so it reads as expired, not as cancelled by someone; or the
-# run itself ended with shards not started past the window (EXPIRED_STATE).
-EXPIRED = "EXPIRED"
-EXPIRED_TAG = "lanes-expired"
-FAILED_STATES = frozenset({"FAILED", "CRASHED", "CANCELLED", "CANCELLING", EXPIRED})
-# The name of the Completed state a run ends in when some records were rejected
-# (flows.batch sets it), and the status a Job reports for it.
-WITH_ERRORS_STATE = "CompletedWithErrors"
-# The name of the Completed state a run ends in when shards did not start past its
-# `finish_by` (flows.outcome): it reads EXPIRED, as a batch expired by `expire` does.
-EXPIRED_STATE = "Expired"
-COMPLETED_WITH_ERRORS = "COMPLETED_WITH_ERRORS"
-FINISHED = frozenset({"COMPLETED", COMPLETED_WITH_ERRORS})
 POLL_S = 0.5
-PREFECT_RETRY_AFTER_S = 5.0  # the Retry-After of a call that found the Prefect API down
 CHUNK_LINES = 1000  # lines an AsyncJob reads per trip to a thread
 SUBMIT_TAG = "lanes-submit"
 BATCH_TAG = "lanes-batch"  # runs of the Batch API's batches (lanes.batches)
@@ -105,7 +82,7 @@ def submit(
     scheduled = datetime.now(UTC)
     if when == "offpeak":
         scheduled = opening(workload, settings)[0].next_run()
-    prefect = _Prefect(prefect_api_url)
+    prefect = PrefectApi(prefect_api_url)
     with prefect.client() as client:
         deployment = prefect.deployment(client, name)
         # Staged only once the deployment is known: a refused submit leaves no files.
@@ -131,45 +108,6 @@ def submit(
 
 
 @dataclass(frozen=True)
-class ScheduledRun:
-    """A flow run `create_run` made, or found under its idempotency key."""
-
-    id: uuid.UUID
-    scheduled: datetime | None  # when it is (or was) due
-    ended: bool  # it has run (or was cancelled): it will not start again
-
-
-def create_run(
-    deployment: str,
-    parameters: dict[str, Any],
-    scheduled: datetime,
-    name: str,
-    tags: list[str],
-    prefect_api_url: str | None = None,
-    idempotency_key: str | None = None,
-) -> ScheduledRun:
-    """A flow run of deployment `lanes-offline/<deployment>`, due at `scheduled`
-    (the Batch API's batches: lanes.batches; a deadline's later start: flows.start).
-    With `idempotency_key`, a run the deployment's flow already has under that key is
-    returned as it is, and none is made."""
-    from prefect.states import Scheduled
-
-    prefect = _Prefect(prefect_api_url)
-    with prefect.client() as client:
-        found = prefect.deployment(client, deployment)
-        run = client.create_flow_run_from_deployment(
-            found,
-            parameters=parameters,
-            state=Scheduled(scheduled_time=scheduled),
-            name=name,
-            tags=tags,
-            idempotency_key=idempotency_key,
-        )
-        ended = run.state is not None and run.state.is_final()
-        return ScheduledRun(run.id, run.next_scheduled_start_time or run.expected_start_time, ended)
-
-
-@dataclass(frozen=True)
 class JobSummary:
     """One job or batch as `lanes job` lists it."""
 
@@ -186,7 +124,7 @@ def list_jobs(limit: int = 50, prefect_api_url: str | None = None) -> list[JobSu
     from prefect.client.schemas.sorting import FlowRunSort
 
     found: list[JobSummary] = []
-    with _Prefect(prefect_api_url).client() as client:
+    with PrefectApi(prefect_api_url).client() as client:
         for tag, kind in ((SUBMIT_TAG, "job"), (BATCH_TAG, "batch")):
             runs = client.read_flow_runs(
                 flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[tag])),
@@ -196,7 +134,7 @@ def list_jobs(limit: int = 50, prefect_api_url: str | None = None) -> list[JobSu
             for run in runs:
                 id = BATCH_PREFIX + run.id.hex if kind == "batch" else str(run.id)
                 when = run.expected_start_time
-                found.append(JobSummary(id, kind, _state(run), run.name, when))
+                found.append(JobSummary(id, kind, status_of(run), run.name, when))
     oldest = datetime.min.replace(tzinfo=UTC)
     found.sort(key=lambda j: j.scheduled or oldest, reverse=True)
     return found[:limit]
@@ -219,7 +157,7 @@ class Job:
             ) from None
         self.id = id if id.startswith(BATCH_PREFIX) else str(self._uuid)
         self.settings = settings or Settings()
-        self._prefect = _Prefect(prefect_api_url)
+        self._prefect = PrefectApi(prefect_api_url)
         self._output: str | None = None
 
     def __repr__(self) -> str:
@@ -231,7 +169,7 @@ class Job:
         see `errors()`), FAILED, CANCELLED, EXPIRED (a batch whose completion window
         passed before all its records ran: those committed are in `results()`),
         CRASHED, ..."""
-        return _state(self._run())
+        return status_of(self._run())
 
     def message(self) -> str | None:
         """The message of the flow run's state: how it ended (the counts of answered
@@ -240,7 +178,7 @@ class Job:
         return self._message(self._run())
 
     def _message(self, run: FlowRun) -> str | None:
-        if _state(run) == EXPIRED:
+        if status_of(run) == EXPIRED:
             return self._expiry(run)
         return run.state.message if run.state else None
 
@@ -310,7 +248,7 @@ class Job:
     def settled(self) -> str:
         """The state, once; raises JobFailed if the job ended without completing."""
         run = self._run()
-        state = _state(run)
+        state = status_of(run)
         if state in FAILED_STATES:
             message = self._message(run) or "no message"
             raise JobFailed(f"job {self.id} ({run.name}) ended {state}: {message}")
@@ -351,7 +289,7 @@ class Job:
         with self._prefect.client() as client:
             self._read(client)
             client.set_flow_run_state(self._uuid, State(type=StateType.CANCELLING))
-            return _state(self._read(client))
+            return status_of(self._read(client))
 
     def expire(self) -> str:
         """Cancel the job as expired (a batch's completion window passed): as `cancel`,
@@ -449,73 +387,6 @@ class AsyncJob:
 
     async def cancel(self) -> str:
         return await asyncio.to_thread(self.job.cancel)
-
-
-class _Prefect:
-    """The Prefect API jobs live on, and its errors said the lanes way."""
-
-    def __init__(self, url: str | None) -> None:
-        self._url = url
-
-    def url(self) -> str:
-        if self._url:
-            return self._url
-        from prefect.settings import PREFECT_API_URL
-
-        value = PREFECT_API_URL.value()
-        if not value:
-            raise LanesError(
-                "jobs run on a Prefect server, and none is set: set PREFECT_API_URL "
-                "(e.g. http://127.0.0.1:4200/api) or pass Client(prefect_api_url=...)"
-            )
-        return str(value)
-
-    @contextmanager
-    def client(self) -> Iterator[SyncPrefectClient]:
-        import httpx
-        from prefect.client.orchestration import SyncPrefectClient
-        from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_KEY
-
-        url = self.url()
-        client = SyncPrefectClient(
-            url, api_key=PREFECT_API_KEY.value(), auth_string=PREFECT_API_AUTH_STRING.value()
-        )
-        try:
-            with client:
-                yield client
-        except httpx.TransportError as err:
-            raise Unavailable(
-                f"cannot reach the Prefect API at {url}: {err}; retry once it is back",
-                retry_after=PREFECT_RETRY_AFTER_S,
-            ) from None
-        except httpx.HTTPStatusError as err:
-            raise LanesError(
-                f"the Prefect API at {url} refused {err.request.method} "
-                f"{err.request.url.path}: HTTP {err.response.status_code} {err.response.text[:300]}"
-            ) from None
-
-    def deployment(self, client: SyncPrefectClient, workload: str) -> uuid.UUID:
-        from prefect.exceptions import ObjectNotFound
-
-        try:
-            return client.read_deployment_by_name(f"{FLOW_NAME}/{workload}").id
-        except ObjectNotFound:
-            raise LanesError(
-                f"no deployment {FLOW_NAME}/{workload} on the Prefect API at {self.url()}: "
-                "register the offline workloads there first (`lanes deploy`)"
-            ) from None
-
-
-def _state(run: FlowRun) -> str:
-    if run.state is None:
-        return "UNKNOWN"
-    if run.state.type.value == "CANCELLED" and EXPIRED_TAG in run.tags:
-        return EXPIRED
-    if run.state.type.value == "COMPLETED" and run.state.name == WITH_ERRORS_STATE:
-        return COMPLETED_WITH_ERRORS
-    if run.state.type.value == "COMPLETED" and run.state.name == EXPIRED_STATE:
-        return EXPIRED
-    return run.state.type.value
 
 
 def _result(line: dict[str, Any]) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import typer
 
 from lanes.client import Client
 from lanes.errors import InvalidInput
-from lanes.jobs import COMPLETED_WITH_ERRORS, EXPIRED
+from lanes.jobstates import COMPLETED_WITH_ERRORS, EXPIRED
 from lanes.router.console import ExitCode
 from lanes.router.render import to_jsonable
 from lanes.spec import InteractiveWorkload
