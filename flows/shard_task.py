@@ -89,8 +89,13 @@ _loading = threading.Lock()
 
 
 def loaded_model(job: Job, settings: Settings) -> ShardModel:
-    key = f"{job.workload}|{job.model_key}|{job.runner.model_dump_json()}|"
-    key += settings.model_dump_json()
+    # The task holds its workload's whole declaration (max_error_rate, fields, ...) and
+    # loads the model from its path: the content digest (model_key) alone would hand
+    # one job's task to another job of the same name and model bytes.
+    workload = job.spec.workloads[job.workload]
+    key = f"{job.workload}|{workload.model_dump_json()}|"
+    key += f"{job.spec.models[workload.model].model_dump_json()}|{job.model_key}|"
+    key += f"{job.runner.model_dump_json()}|{settings.model_dump_json()}"
     with _loading:
         model = _loaded.get(key)
         if model is None:

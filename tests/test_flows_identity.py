@@ -14,6 +14,7 @@ import orjson
 import pytest
 import yaml
 
+from lanes.errors import JobFailed
 from lanes.flows.batch import offline
 from lanes.flows.job import plan_job, plan_shards
 from lanes.settings import Settings
@@ -149,3 +150,16 @@ def test_a_job_at_another_folder_shares_the_laptops_commits_on_s3(
     shutil.copytree(tmp_path / "laptop", tmp_path / "app", copy_function=shutil.copy)
     summary = run(tmp_path / "app")
     assert (summary["shards_run"], summary["shards_skipped"]) == (0, 2)
+
+
+def test_two_projects_of_one_model_run_each_by_its_own_declaration(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    """The same model bytes under the same workload name in one process: each run takes
+    its own workload's max_error_rate, not the task loaded for the other."""
+    for name, rate in (("lenient", 0.5), ("strict", 0.0)):
+        project(tmp_path / name, max_error_rate=rate)  # type: ignore[arg-type]
+        write_jsonl(tmp_path / name / "data" / "in" / "b.jsonl", [*records("b", 3), {"id": "bad"}])
+    assert run(tmp_path / "lenient")["errors"] == 1
+    with pytest.raises(JobFailed, match="max_error_rate 0 allows"):
+        run(tmp_path / "strict")
