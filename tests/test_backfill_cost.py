@@ -99,7 +99,9 @@ def test_an_endpoint_run_is_priced_on_its_offline_lane_busy_seconds(
     cost = routes["remote"].cost
     items = manifest["items"]
     assert cost.cost_basis == "busy_seconds"
-    assert cost.items_per_busy_second == pytest.approx(items / busy, rel=1e-4)
+    # lanes plan shows rates to the hundredth (router/plan.py): at a slow run's rate that is
+    # more than a relative 1e-4.
+    assert cost.items_per_busy_second == pytest.approx(items / busy, abs=0.005 + 1e-9)
     assert cost.usd_per_1k_items == pytest.approx(PRICE / 3600 / (items / busy) * 1000, rel=1e-6)
     # Wall time would have priced each item higher (or the same, never lower).
     record = newest(stored, "offline", stored[0].model_key, "remote")
