@@ -24,6 +24,7 @@ from pathlib import Path, PurePosixPath
 
 import orjson
 
+from lanes.onnxinputs import varint
 from lanes.staging import staging_file
 
 log = logging.getLogger(__name__)
@@ -119,24 +120,15 @@ def _external_data(path: Path) -> tuple[str, ...]:
             at = m.find(_LOCATION)
             while at >= 0:
                 start = at + len(_LOCATION)
-                length, start = _varint(m, start)
+                try:
+                    length, start = varint(m, start)
+                except ValueError:  # a false match at the file's end
+                    break
                 name = _name(m[start : start + length]) if 0 < length < 4096 else None
                 if name is not None and (path.parent / name).is_file():
                     found.add(name)
                 at = m.find(_LOCATION, start)
     return tuple(sorted(found))
-
-
-def _varint(data: mmap.mmap, at: int) -> tuple[int, int]:
-    value = shift = 0
-    while at < len(data) and shift < 35:
-        byte = data[at]
-        at += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, at
-        shift += 7
-    return -1, at
 
 
 def _name(raw: bytes) -> str | None:

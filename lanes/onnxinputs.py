@@ -47,16 +47,16 @@ def _fields(data: mmap.mmap, span: Span) -> Iterator[tuple[int, Span]]:
     other fields are stepped over."""
     at, end = span
     while at < end:
-        key, at = _varint(data, at)
+        key, at = varint(data, at)
         field, wire = key >> 3, key & 7
         if wire == _BYTES:
-            length, at = _varint(data, at)
+            length, at = varint(data, at)
             if at + length > end:
                 raise ValueError("a field runs past its message")
             yield field, (at, at + length)
             at += length
         elif wire == _VARINT:
-            _, at = _varint(data, at)
+            _, at = varint(data, at)
         elif wire in _FIXED:
             at += _FIXED[wire]
         else:
@@ -65,7 +65,9 @@ def _fields(data: mmap.mmap, span: Span) -> Iterator[tuple[int, Span]]:
         raise ValueError("a field runs past its message")
 
 
-def _varint(data: mmap.mmap, at: int) -> tuple[int, int]:
+def varint(data: mmap.mmap, at: int) -> tuple[int, int]:
+    """The protobuf varint at `at`, and where the next field starts; ValueError past
+    the end."""
     value = shift = 0
     while True:
         if at >= len(data) or shift > 63:
