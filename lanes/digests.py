@@ -101,33 +101,39 @@ def _read(entry: Path, version: dict[str, object]) -> Digest | None:
 
 
 def _compute(path: Path) -> Digest:
+    """The file read once: hashed through one mapping, which an .onnx's external-data
+    names are then found in (from memory, not a second read of the disk)."""
     h = hashlib.blake2b(digest_size=32)
     with path.open("rb") as file:
-        while block := file.read(BLOCK):
-            h.update(block)
-    external = _external_data(path) if path.suffix == ".onnx" else ()
+        if os.fstat(file.fileno()).st_size == 0:
+            return Digest(h.hexdigest())
+        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            view = memoryview(m)
+            try:
+                for at in range(0, len(m), BLOCK):
+                    h.update(view[at : at + BLOCK])
+            finally:
+                view.release()
+            external = _external_data(m, path.parent) if path.suffix == ".onnx" else ()
     return Digest(h.hexdigest(), external)
 
 
-def _external_data(path: Path) -> tuple[str, ...]:
-    """The external-data files an ONNX model names that lie beside it, sorted. A false
-    match inside raw weights names no file there, so it is dropped."""
+def _external_data(m: mmap.mmap, folder: Path) -> tuple[str, ...]:
+    """The external-data files an ONNX model (mapped in `m`) names that lie in
+    `folder`, sorted. A false match inside raw weights names no file there, so it is
+    dropped."""
     found: set[str] = set()
-    with path.open("rb") as file:
-        if os.fstat(file.fileno()).st_size == 0:
-            return ()
-        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            at = m.find(_LOCATION)
-            while at >= 0:
-                start = at + len(_LOCATION)
-                try:
-                    length, start = varint(m, start)
-                except ValueError:  # a false match at the file's end
-                    break
-                name = _name(m[start : start + length]) if 0 < length < 4096 else None
-                if name is not None and (path.parent / name).is_file():
-                    found.add(name)
-                at = m.find(_LOCATION, start)
+    at = m.find(_LOCATION)
+    while at >= 0:
+        start = at + len(_LOCATION)
+        try:
+            length, start = varint(m, start)
+        except ValueError:  # a false match at the file's end
+            break
+        name = _name(m[start : start + length]) if 0 < length < 4096 else None
+        if name is not None and (folder / name).is_file():
+            found.add(name)
+        at = m.find(_LOCATION, start)
     return tuple(sorted(found))
 
 
