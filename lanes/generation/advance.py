@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from lanes.generation.logprobs import token_logprobs
 from lanes.generation.seq import Event, Seq, SeqStatus
 from lanes.generation.text import ByteText, WindowText
 from lanes.tasks.sampling import sample
@@ -57,6 +58,9 @@ class Advance:
         # sample() takes it); sampling rows draw alone, each from its own generator.
         greedy: list[int] | None = None
         advance, finished, eos = self.token, SeqStatus.FINISHED_STOPPED, self.eos_token_ids
+        # Rows that asked for logprobs, and where each one's event goes in `events`.
+        scored: list[int] = []
+        at: list[int] = []
         for i, seq in enumerate(seqs):
             if seq.status >= finished:
                 continue  # a static batch's finished row (or a failed one): no logits
@@ -65,6 +69,9 @@ class Advance:
                 self._finish(seq, SeqStatus.FINISHED_DEADLINE)
                 events.append(final(seq))
                 continue
+            if seq.top_logprobs is not None:
+                scored.append(i)
+                at.append(len(events))
             if seq.sampling.temperature == 0:
                 if greedy is None:
                     greedy = logits.argmax(axis=-1).tolist()
@@ -83,7 +90,24 @@ class Advance:
                 events.append(advance(seq, token))
             else:
                 events.append(advance(seq, sample(logits[i], seq.sampling, seq.rng)))
+        if scored:
+            rows = [i for i, j in zip(scored, at, strict=True) if events[j].tokens]
+            if rows:  # an eos that ended its sequence made no token to score
+                made = [events[j] for j in at if events[j].tokens]
+                self.score([seqs[i] for i in rows], made, logits[rows])
         return events
+
+    def score(self, seqs: Sequence[Seq], events: Sequence[Event], logits: Array) -> None:
+        """Each of `seqs`' token (its event's) scored on its row of [rows, vocab] raw
+        `logits`: the record goes on the event and the sequence. An eos that ended a
+        sequence is no generated token: an event without tokens gets none."""
+        tokens = [event.tokens[-1] for event in events]
+        counts = [seq.top_logprobs or 0 for seq in seqs]
+        for seq, event, record in zip(
+            seqs, events, token_logprobs(logits, tokens, counts), strict=True
+        ):
+            event.logprobs = (record,)
+            seq.logprobs.append(record)
 
     def failed(self, seqs: Sequence[Seq], failed: Mapping[int, str]) -> list[Event]:
         """The rows of `seqs` the model failed on alone finish with their own error

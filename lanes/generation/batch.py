@@ -94,6 +94,7 @@ def seq_of(
         arrived=arrived,
         offline=offline,
         stream=stream,
+        top_logprobs=request.top_logprobs,
     )
 
 
@@ -150,9 +151,10 @@ def _top_up(scheduler: Scheduler, pending: deque[Seq], rows: int) -> None:
 
 
 def _result(index: int, seq: Seq) -> Completion | Failed:
+    logprobs = seq.logprobs if seq.top_logprobs is not None else None
     if seq.status == SeqStatus.FINISHED_STOPPED:
-        return Completion(seq.text, list(seq.tokens), "stop", len(seq.prompt_ids))
+        return Completion(seq.text, list(seq.tokens), "stop", len(seq.prompt_ids), logprobs)
     if seq.status == SeqStatus.FINISHED_LENGTH:
-        return Completion(seq.text, list(seq.tokens), "length", len(seq.prompt_ids))
+        return Completion(seq.text, list(seq.tokens), "length", len(seq.prompt_ids), logprobs)
     why = seq.error or f"the sequence ended as {seq.status.name.lower()}"
     return Failed(index, ModelError(why))

@@ -422,7 +422,10 @@ class Scheduler:
             token = int(logits.argmax())
         else:
             token = sample(logits, seq.sampling, seq.rng)
-        return [*events, self.advance.token(seq, token)]
+        event = self.advance.token(seq, token)
+        if seq.top_logprobs is not None and event.tokens:
+            self.advance.score((seq,), (event,), outputs.chunk)
+        return [*events, event]
 
     def _finish(self, seq: Seq, status: SeqStatus) -> None:
         self._queued_finished |= seq.status == SeqStatus.WAITING

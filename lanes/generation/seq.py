@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from lanes.generation.logprobs import TokenLogprob
 from lanes.tasks.sampling import SamplingParams, generator
 
 Array = np.ndarray[Any, Any]
@@ -59,6 +60,9 @@ class Seq:
     seed: int | None = None
     deadline: float | None = None  # on the scheduler's clock
     ignore_eos: bool = False  # benchmarks: run to the budget
+    # Alternatives wanted beside each generated token's logprob (lanes/generation/
+    # logprobs.py); None: no logprobs at all, and no cost.
+    top_logprobs: int | None = None
     # Its text is wanted as it is made (a stream). Without, and without stop strings,
     # nobody reads it before the finish: it is decoded once then, its events till then
     # carry no text (the offline lanes').
@@ -75,6 +79,7 @@ class Seq:
     text: str = ""  # decoded so far (cut before a stop string once one is found)
     sent: int = 0  # characters of `text` already handed out in events
     error: str | None = None  # why it finished with FINISHED_ERROR
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, if asked
     _rng: np.random.Generator | None = field(default=None, init=False, repr=False)
     # incremental detokenization: text of tokens[prefix:read] is already in `text`
     _prefix: int = field(default=0, repr=False)
@@ -200,3 +205,4 @@ class Event:
     finish: FinishReason | None = None
     first: bool = False  # carries the sequence's first generated token
     error: str | None = None  # with finish "error": what failed
+    logprobs: tuple[TokenLogprob, ...] = ()  # of `tokens`, where its sequence asked

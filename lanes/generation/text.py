@@ -82,6 +82,28 @@ class ByteText:
         return text
 
 
+class Spelling:
+    """How logprobs name a token: its own text (decode() of that one id, special
+    tokens left out, as a completion's text) and its bytes: its byte-level piece where
+    the tokenizer has them (part of a character, maybe), else that text's UTF-8."""
+
+    def __init__(self, detokenize: Detokenize, pieces: Sequence[bytes] | None = None) -> None:
+        self.detokenize = detokenize
+        self.pieces = pieces
+        self._texts: dict[int, str] = {}  # a token's text, decoded once
+
+    def text(self, token: int) -> str:
+        text = self._texts.get(token)
+        if text is None:
+            text = self._texts[token] = self.detokenize((token,))
+        return text
+
+    def bytes(self, token: int) -> bytes:
+        if self.pieces is not None and token < len(self.pieces):
+            return self.pieces[token]
+        return self.text(token).encode()
+
+
 def _whole(piece: bytes) -> str | None:
     """`piece` decoded, where it is whole characters (and not nothing); else None."""
     try:

@@ -27,6 +27,7 @@ from tokenizers import Tokenizer
 
 from lanes.binding import Placement, bind_inputs
 from lanes.errors import InvalidInput, ModelError
+from lanes.generation.logprobs import TokenLogprob
 from lanes.runtime import Runtime, describe
 from lanes.spec import ModelSpec
 from lanes.tasks.base import encode, load_tokenizer
@@ -62,6 +63,8 @@ class Completion:
     tokens: list[int]  # generated ids (no eos); len() is usage.completion_tokens
     finish_reason: FinishReason
     prompt_tokens: int = 0
+    # One per token where the request asked (GenerateRequest.top_logprobs), else None.
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Decoder:

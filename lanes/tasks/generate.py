@@ -33,7 +33,7 @@ from lanes.tasks.sampling import SamplingParams
 from lanes.validation import describe, invalid_input
 
 if TYPE_CHECKING:
-    from lanes.generation.text import ByteText
+    from lanes.generation.text import ByteText, Spelling
 
 # Request field -> Generation field; the request uses OpenAI's spelling.
 _FIELDS = {
@@ -60,6 +60,9 @@ class GenerateRequest:
     stop: tuple[str, ...]
     seed: int | None
     ignore_eos: bool = False  # run to the budget (benchmarks)
+    # Each token's logprob and this many alternatives (an OpenAI request's logprobs);
+    # None: none at all.
+    top_logprobs: int | None = None
 
 
 def from_text(item: Mapping[str, Any]) -> dict[str, Any]:
@@ -133,6 +136,15 @@ class GenerateTask:
 
         pieces = byte_pieces(self.decoder.tokenizer)
         return None if pieces is None else ByteText(pieces)
+
+    @cached_property
+    def spelling(self) -> Spelling:
+        """How logprobs name this model's tokens (lanes/generation/text.py)."""
+        from lanes.generation.batch import detokenizer  # see _generate_batch
+        from lanes.generation.text import Spelling
+
+        byte_text = self.byte_text
+        return Spelling(detokenizer(self.decoder), byte_text.pieces if byte_text else None)
 
     def prepare(self, item: Any) -> GenerateRequest:
         """A prompt, or a dict of prompt and parameters (null means "the default"),

@@ -1,0 +1,168 @@
+"""Logprobs of generated tokens (lanes/generation/logprobs.py) and how the core makes
+them: the log-softmax of the raw logits, only for the rows that ask, in the offline
+batch loop on the demo tinycode decoder and in the pure scheduler."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lanes.generation.batch import generate_batch
+from lanes.generation.logprobs import token_logprobs
+from lanes.generation.scheduler import Scheduler
+from lanes.generation.seq import Seq, StepOutputs
+from lanes.isolation import Failed
+from lanes.runtime import Runtime
+from lanes.settings import Settings
+from lanes.specfile import load_spec
+from lanes.tasks import GenerateTask, load_task
+from lanes.tasks.decoder import Completion, Decoder
+from lanes.tasks.generate import GenerateRequest
+from lanes.tasks.sampling import SamplingParams
+from tests.servers import write_spec
+
+PROMPTS = ["def f(x", "import os\n", "class Config:\n    def __init__(self, path", "for i in "]
+
+
+def reference(logits: np.ndarray) -> np.ndarray:
+    """log-softmax in float64, written apart from the module's."""
+    x = logits.astype(np.float64)
+    return x - x.max() - np.log(np.exp(x - x.max()).sum())
+
+
+def test_token_logprobs_are_the_log_softmax_of_each_row_and_its_likeliest_in_order() -> None:
+    rng = np.random.default_rng(7)
+    logits = rng.normal(0, 3, size=(3, 50)).astype(np.float32)
+    logits[1, 4] = logits[1, 9] = 40.0  # a tie at the top: the lower id first
+    records = token_logprobs(logits, [3, 9, 0], [2, 3, 0])
+    for row, record in zip(logits, records, strict=True):
+        assert record.logprob == pytest.approx(reference(row)[record.token], abs=1e-5)
+    assert [len(r.top) for r in records] == [2, 3, 0]
+    want = np.argsort(-reference(logits[0]), kind="stable")[:2]
+    assert [a.token for a in records[0].top] == want.tolist()
+    assert [a.token for a in records[1].top][:2] == [4, 9]
+    assert records[1].top[0].logprob >= records[1].top[1].logprob >= records[1].top[2].logprob
+    # More alternatives than the vocabulary holds: the whole vocabulary, no more.
+    (whole,) = token_logprobs(logits[:1, :5], [0], [20])
+    assert sorted(a.token for a in whole.top) == [0, 1, 2, 3, 4]
+
+
+def test_float16_logits_are_widened_before_the_softmax() -> None:
+    logits = np.linspace(-30, 30, 200, dtype=np.float16)[None]
+    (record,) = token_logprobs(logits, [0], [1])
+    assert record.logprob == pytest.approx(reference(logits[0])[0], abs=1e-3)
+    assert np.isfinite(record.logprob)
+
+
+@pytest.fixture(scope="module")
+def task(demo_models: Path, tmp_path_factory: pytest.TempPathFactory) -> GenerateTask:
+    workloads = """\
+  nightly:
+    mode: offline
+    task: generate
+    model: tinycode
+    input: in/
+    output: out/
+    generation: {max_new_tokens: 10, temperature: 0}
+"""
+    spec = write_spec(tmp_path_factory.mktemp("logprobs"), demo_models, workloads)
+    loaded = load_task("nightly", load_spec(spec, Settings()), Runtime(Settings(device="cpu")))
+    assert isinstance(loaded, GenerateTask)
+    return loaded
+
+
+def run(task: GenerateTask, requests: list[GenerateRequest], rows: int) -> list[Completion]:
+    done = generate_batch(task.decoder, requests, rows, task.name, byte_text=task.byte_text)
+    assert not any(isinstance(d, Failed) for d in done)
+    return [d for d in done if isinstance(d, Completion)]
+
+
+def raw_logprobs(decoder: Decoder, ids: list[int]) -> np.ndarray:
+    """The next token's log-softmax after `ids`, from one whole prefill of them."""
+    n = len(ids)
+    step = decoder.step(
+        np.asarray([ids], dtype=np.int64),
+        np.ones((1, n), dtype=np.int64),
+        np.arange(n, dtype=np.int64)[None],
+        decoder.empty_past(1),
+    )
+    return reference(step.logits[0, -1])
+
+
+def test_rows_that_ask_for_logprobs_leave_the_others_tokens_as_they_were_alone(
+    task: GenerateTask,
+) -> None:
+    plain = [task.prepare(p) for p in PROMPTS]
+    alone = [run(task, [r], 1)[0] for r in plain]
+    # Every other row asks, with different counts; rows fewer than prompts (refilled).
+    asked = [dataclasses.replace(r, top_logprobs=[3, None][i % 2]) for i, r in enumerate(plain)]
+    batched = run(task, asked, 3)
+    for one, both, request in zip(alone, batched, asked, strict=True):
+        assert both.tokens == one.tokens and both.text == one.text
+        if request.top_logprobs is None:
+            assert both.logprobs is None
+            continue
+        assert both.logprobs is not None
+        assert [r.token for r in both.logprobs] == both.tokens
+        for record in both.logprobs:  # greedy: the token made is the likeliest
+            assert len(record.top) == 3
+            assert record.top[0].token == record.token
+            assert record.top[0].logprob == record.logprob
+
+
+def test_logprobs_are_the_raw_logits_log_softmax_whatever_the_temperature(
+    task: GenerateTask,
+) -> None:
+    request = dataclasses.replace(task.prepare("def f(x"), top_logprobs=2)
+    hot = dataclasses.replace(request, sampling=SamplingParams(1.7, 5, 0.9), seed=3)
+    for asked in (request, hot):
+        (done,) = run(task, [asked], 1)
+        assert done.logprobs is not None and len(done.logprobs) == len(done.tokens)
+        for j, record in enumerate(done.logprobs[:4]):
+            want = raw_logprobs(task.decoder, [*asked.prompt_ids, *done.tokens[:j]])
+            assert record.logprob == pytest.approx(want[record.token], abs=1e-4)
+            for alternative in record.top:
+                assert alternative.logprob == pytest.approx(want[alternative.token], abs=1e-4)
+            assert record.top[0].token == int(want.argmax())
+
+
+def test_tokens_a_stop_string_cut_keep_their_logprobs(task: GenerateTask) -> None:
+    request = task.prepare({"prompt": "def f(x", "max_tokens": 10})
+    (free,) = run(task, [request], 1)
+    stop = free.text[len(free.text) // 2 :][:2]
+    stopped = dataclasses.replace(request, stop=(stop,), top_logprobs=0)
+    (cut,) = run(task, [stopped], 1)
+    assert cut.finish_reason == "stop" and len(cut.text) < len(free.text)
+    assert cut.logprobs is not None
+    assert [r.token for r in cut.logprobs] == cut.tokens != []
+    assert all(r.top == () for r in cut.logprobs)
+
+
+def test_an_eos_that_ends_a_sequence_gets_no_logprobs_and_a_chunked_prompt_does() -> None:
+    vocab, eos = 8, 0
+    scheduler = Scheduler(2, frozenset({eos}), lambda ids: "x" * len(ids), chunked=True)
+    scheduler.max_prefill_tokens = 2
+    seq = Seq(1, (5, 6, 7), 5, SamplingParams(temperature=0), top_logprobs=1)
+    scheduler.add(seq)
+    events = []
+    chunks = 0
+    while not seq.status.is_finished:
+        logits = np.zeros((1, vocab), dtype=np.float32)
+        logits[0, eos if seq.tokens else 3] = 5.0  # its second token is eos: it ends there
+        plan = scheduler.schedule()
+        chunks += plan.chunk is not None
+        outputs = StepOutputs(
+            prefill=np.tile(logits, (len(plan.prefill), 1)) if plan.prefill else None,
+            decode=np.tile(logits, (len(plan.decode), 1)) if plan.decode else None,
+            chunk=logits if plan.chunk is not None and plan.chunk.final else None,
+        )
+        events += scheduler.update(plan, outputs)
+    assert chunks == 2  # its first token came from the final chunk's logits
+    made, end = events[-2:]
+    assert made.tokens == (3,) and [r.token for r in made.logprobs] == [3]
+    assert made.logprobs[0].top[0].token == 3
+    assert end.tokens == () and end.logprobs == () and end.finish == "stop"
+    assert [r.token for r in seq.logprobs] == seq.tokens == [3]
