@@ -242,7 +242,7 @@ class Engine:
         seq = seq_of(
             next(self._ids), request, deadline=deadline, arrived=now, ignore_eos=ignore_eos
         )
-        stream = TokenStream(seq.id, len(seq.prompt_ids), self)
+        stream = TokenStream(seq.id, len(seq.prompt_ids), self, seq.top_logprobs)
         with self._lock:
             if self._stopping:
                 raise Overloaded("the server is shutting down; retry on another replica", 1.0)
@@ -271,7 +271,7 @@ class Engine:
         is added to `share`, whole when this returns."""
         # Their text is read whole, at the finish (_completion): decoded once, then.
         seqs = [seq_of(next(self._ids), r, offline=True, stream=False) for r in requests]
-        streams = [TokenStream(seq.id, len(seq.prompt_ids), self) for seq in seqs]
+        streams = [TokenStream(seq.id, len(seq.prompt_ids), self, seq.top_logprobs) for seq in seqs]
         settled = asyncio.get_running_loop().create_future()
         with self._lock:
             if self._stopping:

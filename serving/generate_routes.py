@@ -16,6 +16,7 @@ stream, aborts its sequences: the engine frees their rows at the next step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
@@ -30,6 +31,7 @@ from starlette.types import Receive, Scope, Send
 
 from lanes.errors import LanesError
 from lanes.generation.kvcache import MAX_PADDING
+from lanes.generation.logprobs import TokenLogprob
 from lanes.generation.scheduler import Policy
 from lanes.protocols.completions import (
     ChatCompletionRequest,
@@ -37,6 +39,7 @@ from lanes.protocols.completions import (
     CompletionRequest,
     GenerateParams,
     OpenAIFinish,
+    Spelling,
     chat_chunk,
     chat_response,
     completion_chunk,
@@ -70,6 +73,10 @@ DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+Body = dict[str, Any]
+Logprobs = Body | None  # a chunk's `logprobs` (GenerateParams.logprobs_body)
+
+
 @dataclass(frozen=True)
 class Endpoint:
     """How one endpoint reads its request and spells its answers."""
@@ -78,14 +85,16 @@ class Endpoint:
     id_prefix: str
     chunk_object: str
     whole: Callable[[str, int, str, Sequence[Choice], int, int], dict[str, Any]]
-    chunk: Callable[[str, int, str, str | None, OpenAIFinish | None, bool, int], dict[str, Any]]
+    chunk: Callable[[str, int, str, str | None, OpenAIFinish | None, bool, int, Logprobs], Body]
 
 
 def _chat_whole(
     id: str, created: int, model: str, choices: Sequence[Choice], prompt: int, completion: int
 ) -> dict[str, Any]:
     (choice,) = choices  # a chat is one prompt
-    return chat_response(id, created, model, choice.text, choice.finish_reason, prompt, completion)
+    return chat_response(
+        id, created, model, choice.text, choice.finish_reason, prompt, completion, choice.logprobs
+    )
 
 
 COMPLETIONS = Endpoint(
@@ -93,8 +102,8 @@ COMPLETIONS = Endpoint(
     id_prefix="cmpl",
     chunk_object="text_completion",
     whole=completion_response,
-    chunk=lambda id, created, model, text, finish, first, index: completion_chunk(
-        id, created, model, text or "", finish, index
+    chunk=lambda id, created, model, text, finish, first, index, logprobs: completion_chunk(
+        id, created, model, text or "", finish, index, logprobs
     ),
 )
 CHAT = Endpoint(
@@ -102,8 +111,8 @@ CHAT = Endpoint(
     id_prefix="chatcmpl",
     chunk_object="chat.completion.chunk",
     whole=_chat_whole,
-    chunk=lambda id, created, model, text, finish, first, index: chat_chunk(
-        id, created, model, text, finish, first
+    chunk=lambda id, created, model, text, finish, first, index, logprobs: chat_chunk(
+        id, created, model, text, finish, first, logprobs
     ),
 )
 
@@ -142,6 +151,9 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
         too_many = never_fits(len(prepared), engine.max_queue)
         if too_many is not None:
             raise too_many
+        top = body.top_logprobs_wanted
+        if top is not None:
+            prepared = [dataclasses.replace(item, top_logprobs=top) for item in prepared]
         timeout = timeout_s(request)
         ignore_eos = body.ignore_eos is True
         trace = record.trace if record is not None else None
@@ -154,7 +166,7 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
     streaming = body.streamed
     guard = state.guards.get(body.model)
     flows = [pieces(s, guard, streaming) for s in streams]
-    answer = _Answer(endpoint, body, streams, record)
+    answer = _Answer(endpoint, body, streams, engine.task.spelling, record)
     latency = state.metrics.request_latency.labels(body.model)
     watch = asyncio.ensure_future(_left(request.receive, streams))
     sse: _EventStream | None = None  # once made, it ends the watch when written
@@ -284,12 +296,17 @@ class _Answer:
         endpoint: Endpoint,
         body: GenerateParams,
         streams: Sequence[TokenStream],
+        spelling: Spelling,
         record: RequestRecord | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.body = body
         self.streams = streams
+        self.spelling = spelling
         self.record = record
+        # Per prompt, the characters of the tokens whose logprobs went out (a streamed
+        # completion's text_offset goes on from there).
+        self._offsets: dict[int, int] = {}
         # From the request id, as vLLM does: grep either and find both.
         rid = record.id if record is not None else uuid.uuid4().hex
         self.id = f"{endpoint.id_prefix}-{rid}"
@@ -307,23 +324,45 @@ class _Answer:
         return prompt, sum(s.completion_tokens for s in self.streams)
 
     def whole(self, pieces: Sequence[Piece]) -> dict[str, Any]:
-        choices = [Choice(p.text, p.finish) for p in pieces if p.finish is not None]
+        body, spelling = self.body, self.spelling
+        choices = [
+            Choice(p.text, p.finish, body.logprobs_body(p.logprobs, spelling))
+            for p in pieces
+            if p.finish is not None
+        ]
         return self.endpoint.whole(self.id, self.created, self.body.model, choices, *self.usage)
 
     def _event(
-        self, text: str | None, finish: OpenAIFinish | None, first: bool, index: int
+        self,
+        text: str | None,
+        finish: OpenAIFinish | None,
+        first: bool,
+        index: int,
+        logprobs: Logprobs = None,
     ) -> bytes:
         chunk = self.endpoint.chunk(
-            self.id, self.created, self.body.model, text, finish, first, index
+            self.id, self.created, self.body.model, text, finish, first, index, logprobs
         )
         return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
+    def _chunk_logprobs(self, index: int, piece: Piece) -> Logprobs:
+        """The piece's tokens' logprobs, their offsets after the prompt's earlier ones."""
+        if not piece.logprobs:
+            return None
+        offset = self._offsets.get(index, 0)
+        self._offsets[index] = offset + sum(
+            len(self.spelling.text(r.token)) for r in piece.logprobs
+        )
+        return self.body.logprobs_body(piece.logprobs, self.spelling, offset)
+
     def _sse(self, index: int, piece: Piece, opened: set[int]) -> bytes:
         """A piece's events: its text (a prompt's first, even empty: a chat's role
-        rides on it), then its finish_reason; one write for both."""
+        rides on it; or empty, with the logprobs of tokens whose text is held back),
+        then its finish_reason; one write for both."""
         sse = b""
-        if piece.text or index not in opened:
-            sse = self._event(piece.text, None, index not in opened, index)
+        if piece.text or piece.logprobs or index not in opened:
+            logprobs = self._chunk_logprobs(index, piece)
+            sse = self._event(piece.text, None, index not in opened, index, logprobs)
             opened.add(index)
         if piece.finish is not None:
             sse += self._event(None, piece.finish, False, index)
@@ -390,10 +429,12 @@ class _Answer:
 async def _collect(flow: AsyncIterator[Piece]) -> Piece:
     """A prompt's whole text and its finish."""
     text: list[str] = []
+    logprobs: list[TokenLogprob] = []
     async for piece in flow:
         text.append(piece.text)
+        logprobs += piece.logprobs
         if piece.finish is not None:
-            return Piece("".join(text), piece.finish)
+            return Piece("".join(text), piece.finish, tuple(logprobs))
     raise AssertionError("a token stream ended without a finish")  # pieces() never does
 
 

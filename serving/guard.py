@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from lanes.errors import DeadlineExceeded, LanesError, ModelError, Overloaded
+from lanes.generation.logprobs import TokenLogprob
 from lanes.generation.seq import Event
 from lanes.protocols.completions import OpenAIFinish
 from lanes.serving.http import ClientGone
@@ -40,10 +41,14 @@ _FINISH: dict[str, OpenAIFinish] = {"stop": "stop", "length": "length", "deadlin
 
 @dataclass(frozen=True)
 class Piece:
-    """Text that may be sent now; the last piece has `finish` set."""
+    """Text that may be sent now; the last piece has `finish` set. `logprobs`: those of
+    the tokens made since the last piece (where the request asked), whether or not
+    their text is in this one: text held back (a stop string's start, part of a
+    character) comes later, or never when a stop string cuts it."""
 
     text: str
     finish: OpenAIFinish | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class TextGuard:
@@ -125,6 +130,12 @@ def _finish(stream: TokenStream, event: Event) -> OpenAIFinish | None:
     return _FINISH[event.finish]
 
 
+def _logprobs(stream: TokenStream, events: list[Event]) -> tuple[TokenLogprob, ...]:
+    if stream.top_logprobs is None:  # the usual request: nothing to gather
+        return ()
+    return tuple(record for event in events for record in event.logprobs)
+
+
 async def _plain(stream: TokenStream) -> AsyncIterator[Piece]:
     while True:
         events = await stream.next()
@@ -136,24 +147,26 @@ async def _plain(stream: TokenStream) -> AsyncIterator[Piece]:
             # failure followed them: a stream's first piece is text whenever the
             # model made any, so the answer opens with 200 and ends with the error.
             if len(events) > 1:
-                yield Piece(text, None)
+                yield Piece(text, None, _logprobs(stream, events))
             raise
-        yield Piece(text, finish)
+        yield Piece(text, finish, _logprobs(stream, events))
         if finish is not None:
             return
 
 
 async def _buffered(stream: TokenStream, guard: TextGuard) -> AsyncIterator[Piece]:
     text: list[str] = []
+    logprobs: list[TokenLogprob] = []
     while True:
         events = await stream.next()
         text += (e.text for e in events)
+        logprobs += _logprobs(stream, events)
         finish = _finish(stream, events[-1])
         if finish is None:
             continue
         whole = "".join(text)
         if await guard.passes(whole):
-            yield Piece(whole, finish)
+            yield Piece(whole, finish, tuple(logprobs))
         else:
             yield Piece("", "content_filter")
         return
@@ -165,10 +178,12 @@ async def _chunked(stream: TokenStream, guard: TextGuard, every: int) -> AsyncIt
     before a failing one are sent whatever the timing."""
     passed: list[str] = []
     held: list[str] = []
+    logprobs: list[TokenLogprob] = []
     tokens = 0
     while True:
         for event in await stream.next():
             held.append(event.text)
+            logprobs += event.logprobs
             tokens += len(event.tokens)
             finish = _finish(stream, event)
             if tokens < every and finish is None:
@@ -179,7 +194,7 @@ async def _chunked(stream: TokenStream, guard: TextGuard, every: int) -> AsyncIt
                 yield Piece("", "content_filter")
                 return
             passed.append(chunk)
-            held, tokens = [], 0
-            yield Piece(chunk, finish)
+            yield Piece(chunk, finish, tuple(logprobs))
+            held, logprobs, tokens = [], [], 0
             if finish is not None:
                 return

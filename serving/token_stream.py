@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from lanes.errors import LanesError, ModelError
+from lanes.generation.logprobs import TokenLogprob
 from lanes.generation.seq import Event
 from lanes.tasks.decoder import Completion
 
@@ -31,6 +32,7 @@ class TokenStream:
     id: int
     prompt_tokens: int
     _engine: Aborts = field(repr=False)
+    top_logprobs: int | None = None  # as its sequence asked: its events carry logprobs
     completion_tokens: int = 0
     finished: bool = False
     gone: bool = False  # its client left (`leave`)
@@ -81,11 +83,14 @@ async def completion(stream: TokenStream) -> Completion | LanesError | None:
     failed on it alone; None when it was aborted (the server is stopping)."""
     tokens: list[int] = []
     text: list[str] = []
+    logprobs: list[TokenLogprob] = []
     async for event in stream:
         tokens += event.tokens
         text.append(event.text)
+        logprobs += event.logprobs
         if event.finish in ("stop", "length"):
-            return Completion("".join(text), tokens, event.finish, stream.prompt_tokens)
+            scored = logprobs if stream.top_logprobs is not None else None
+            return Completion("".join(text), tokens, event.finish, stream.prompt_tokens, scored)
         if event.finish == "error":
             return ModelError(event.error or "the model failed on this sequence")
         if event.finish is not None:

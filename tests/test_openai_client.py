@@ -360,7 +360,8 @@ REJECTED: list[tuple[str, dict[str, Any], str, str | None]] = [
     ),
     ("/v1/chat/completions", {**CHAT_BODY, "min_tokens": 2}, "min_tokens", "unsupported_value"),
     ("/v1/completions", {**PROMPT_BODY, "min_p": 2}, "min_p", "decimal_above_max_value"),
-    ("/v1/completions", {**PROMPT_BODY, "logprobs": 2}, "logprobs", "unsupported_value"),
+    # Served up to 5 alternatives, as OpenAI: more is out of range, not unsupported.
+    ("/v1/completions", {**PROMPT_BODY, "logprobs": 6}, "logprobs", "integer_above_max_value"),
     ("/v1/completions", {**PROMPT_BODY, "suffix": "}"}, "suffix", "unsupported_value"),
     ("/v1/completions", {**PROMPT_BODY, "best_of": 3}, "best_of", "unsupported_value"),
     ("/v1/completions", {**PROMPT_BODY, "prompt": []}, "prompt", "empty_array"),
@@ -383,8 +384,14 @@ REJECTED: list[tuple[str, dict[str, Any], str, str | None]] = [
     # An empty stop string would cut every text before its first character.
     ("/v1/completions", {**PROMPT_BODY, "stop": ["\n", ""]}, "stop[1]", "string_below_min_length"),
     ("/v1/completions", {**PROMPT_BODY, "stop": ["x"] * 17}, "stop", "array_above_max_length"),
-    ("/v1/chat/completions", {**CHAT_BODY, "logprobs": True}, "logprobs", "unsupported_value"),
-    ("/v1/chat/completions", {**CHAT_BODY, "top_logprobs": 2}, "top_logprobs", "unsupported_value"),
+    # Served, as OpenAI: top_logprobs needs logprobs, and at most 20 alternatives.
+    ("/v1/chat/completions", {**CHAT_BODY, "top_logprobs": 2}, "top_logprobs", "invalid_value"),
+    (
+        "/v1/chat/completions",
+        {**CHAT_BODY, "logprobs": True, "top_logprobs": 21},
+        "top_logprobs",
+        "integer_above_max_value",
+    ),
     (
         "/v1/chat/completions",
         {**CHAT_BODY, "response_format": {"type": "json_object"}},

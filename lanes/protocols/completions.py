@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 import orjson
 from pydantic import Field
 
 from lanes.errors import InvalidInput
+from lanes.generation.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from lanes.protocols.openai import (
     Inputs,
     OpenAIRequest,
@@ -40,6 +41,18 @@ VLLM_NO_OPS: dict[str, Any] = {
     "include_stop_str_in_output": False,
     "use_beam_search": False,
 }
+
+
+# What OpenAI and vLLM write for a token whose probability is 0 (JSON has no -inf).
+LOGPROB_FLOOR = -9999.0
+
+
+class Spelling(Protocol):
+    """How a token's logprobs name it (lanes.generation.text.Spelling)."""
+
+    def text(self, token: int) -> str: ...
+
+    def bytes(self, token: int) -> bytes: ...
 
 
 class ResponseFormat(Shape):
@@ -97,6 +110,18 @@ class GenerateParams(GenerationOptions, OpenAIRequest):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage is True
+
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        """Alternatives wanted beside each token's logprob; None: no logprobs."""
+        return None
+
+    def logprobs_body(
+        self, records: Sequence[TokenLogprob], spelling: Spelling, offset: int = 0
+    ) -> dict[str, Any] | None:
+        """A choice's (or a chunk's) `logprobs` for its tokens' `records`; `offset`: the
+        characters of the tokens before them (completions' `text_offset`)."""
+        return None
 
     def check(self) -> None:
         if self.n not in (None, 1):
@@ -160,7 +185,9 @@ class CompletionRequest(GenerateParams):
     echo: bool | None = Field(None, description="Only false.")
     suffix: str | None = Field(None, description="Only empty.")
     best_of: int | None = Field(None, ge=1, le=20, description="Only 1.")
-    logprobs: int | None = Field(None, ge=0, le=5, description="Only null.")
+    logprobs: int | None = Field(
+        None, ge=0, le=5, description="Alternatives per token, beside the sampled one."
+    )
 
     @property
     def prompts(self) -> Inputs:
@@ -174,8 +201,17 @@ class CompletionRequest(GenerateParams):
             raise unsupported("suffix", "lanes does not insert text; leave it out")
         if self.best_of not in (None, 1):
             raise unsupported("best_of", f"lanes makes one choice per prompt, found {self.best_of}")
-        if self.logprobs is not None:
-            raise unsupported("logprobs", "lanes returns no log probabilities; leave it out")
+
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
+
+    def logprobs_body(
+        self, records: Sequence[TokenLogprob], spelling: Spelling, offset: int = 0
+    ) -> dict[str, Any] | None:
+        if self.logprobs is None:
+            return None
+        return completion_logprobs(records, spelling, self.logprobs, offset)
 
 
 class ContentPart(Shape):
@@ -206,8 +242,10 @@ class ChatMessage(Shape):
 class ChatCompletionRequest(GenerateParams):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="Newer name of max_tokens.")
-    logprobs: bool | None = Field(None, description="Only false.")
-    top_logprobs: int | None = Field(None, ge=0, le=20, description="Only null.")
+    logprobs: bool | None = Field(None, description="Each generated token's logprob.")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="Alternatives per token; needs logprobs."
+    )
     modalities: list[str] | None = Field(None, description='Only ["text"].')
     audio: dict[str, Any] | None = Field(None, description="Only none.")
     web_search_options: dict[str, Any] | None = Field(None, description="Only none.")
@@ -219,10 +257,9 @@ class ChatCompletionRequest(GenerateParams):
 
     def check(self) -> None:
         super().check()
-        if self.logprobs:
-            raise unsupported("logprobs", "lanes returns no log probabilities; send false")
-        if self.top_logprobs is not None:
-            raise unsupported("top_logprobs", "lanes returns no log probabilities; leave it out")
+        if self.top_logprobs is not None and not self.logprobs:
+            detail = f"needs logprobs: true, found logprobs: {describe(self.logprobs)}"
+            raise InvalidInput.field("top_logprobs", detail, "invalid_value")
         if self.modalities is not None and self.modalities != ["text"]:
             raise unsupported(
                 "modalities",
@@ -263,6 +300,17 @@ class ChatCompletionRequest(GenerateParams):
                     raise InvalidInput.field(
                         f"{where}.text", "missing required parameter", "missing_required_parameter"
                     )
+
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def logprobs_body(
+        self, records: Sequence[TokenLogprob], spelling: Spelling, offset: int = 0
+    ) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        return chat_logprobs(records, spelling, self.top_logprobs or 0)
 
     def generation_item(self, prompt: str | list[int]) -> dict[str, Any]:
         item = super().generation_item(prompt)
@@ -338,6 +386,58 @@ class Choice:
 
     text: str
     finish_reason: OpenAIFinish
+    logprobs: dict[str, Any] | None = None  # its request's `logprobs_body`, if it asked
+
+
+def completion_logprobs(
+    records: Sequence[TokenLogprob], spelling: Spelling, top: int, offset: int = 0
+) -> dict[str, Any]:
+    """Completions' `logprobs` (vLLM's shape): per token its text, its logprob, the
+    `top` likeliest with the token itself where it is not among them, and where its
+    text starts, counted from `offset` by the tokens' own texts."""
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float]] = []
+    text_offset: list[int] = []
+    for record in records:
+        text = spelling.text(record.token)
+        logprob = max(record.logprob, LOGPROB_FLOOR)
+        alternatives = record.top[:top]
+        likeliest = {spelling.text(a.token): max(a.logprob, LOGPROB_FLOOR) for a in alternatives}
+        if all(a.token != record.token for a in alternatives):
+            likeliest.setdefault(text, logprob)
+        tokens.append(text)
+        token_logprobs.append(logprob)
+        top_logprobs.append(likeliest)
+        text_offset.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": text_offset,
+    }
+
+
+def chat_logprobs(records: Sequence[TokenLogprob], spelling: Spelling, top: int) -> dict[str, Any]:
+    """Chat's `logprobs` (OpenAI's shape): per token its text, logprob and bytes, and
+    exactly `top` alternatives (fewer only where the vocabulary is smaller)."""
+    content = []
+    for record in records:
+        entry = _chat_token(record.token, record.logprob, spelling)
+        entry["top_logprobs"] = [
+            _chat_token(a.token, a.logprob, spelling) for a in record.top[:top]
+        ]
+        content.append(entry)
+    return {"content": content, "refusal": None}
+
+
+def _chat_token(token: int, logprob: float, spelling: Spelling) -> dict[str, Any]:
+    return {
+        "token": spelling.text(token),
+        "logprob": max(logprob, LOGPROB_FLOOR),
+        "bytes": list(spelling.bytes(token)),
+    }
 
 
 def usage_body(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -363,7 +463,7 @@ def completion_response(
         "created": created,
         "model": model,
         "choices": [
-            {"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+            {"index": i, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
             for i, c in enumerate(choices)
         ],
         "usage": usage_body(prompt_tokens, completion_tokens),
@@ -377,9 +477,11 @@ def completion_chunk(
     text: str,
     finish_reason: OpenAIFinish | None = None,
     index: int = 0,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One Server-Sent Event of a streamed /v1/completions answer (`index`: its prompt)."""
-    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    """One Server-Sent Event of a streamed /v1/completions answer (`index`: its prompt;
+    `logprobs`: its tokens', where the request asked)."""
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return {
         "id": id,
         "object": "text_completion",
@@ -397,10 +499,11 @@ def chat_response(
     finish_reason: OpenAIFinish,
     prompt_tokens: int,
     completion_tokens: int,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The body of a /v1/chat/completions answer."""
     message = {"role": "assistant", "content": text}
-    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     return {
         "id": id,
         "object": "chat.completion",
@@ -418,13 +521,14 @@ def chat_chunk(
     text: str | None,
     finish_reason: OpenAIFinish | None = None,
     first: bool = False,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One Server-Sent Event of a streamed chat answer; the first carries the role,
     the last an empty delta and the finish_reason."""
     delta: dict[str, Any] = {"role": "assistant"} if first else {}
     if text is not None:
         delta["content"] = text
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return {
         "id": id,
         "object": "chat.completion.chunk",

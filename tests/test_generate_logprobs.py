@@ -1,0 +1,280 @@
+"""`logprobs` on /v1/completions and /v1/chat/completions (serving/generate_routes.py):
+a real uvicorn on 127.0.0.1, the demo tinycode decoder, the official `openai` client,
+streamed and whole, checked against a log-softmax of the raw logits computed here
+with the model's own onnxruntime session."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from openai import OpenAI
+from openai.types.chat import ChatCompletionChunk, ChatCompletionTokenLogprob
+
+from lanes.runtime import Runtime
+from lanes.settings import Settings
+from lanes.tasks.decoder import Decoder
+from tests.servers import ServerThread, write_spec
+
+pytestmark = pytest.mark.slow
+
+WORKLOADS = """\
+  code-complete:
+    mode: interactive
+    task: generate
+    model: tinycode
+    batching: {max_batch_size: 4}
+    generation: {max_new_tokens: 8, temperature: 0}
+"""
+PROMPT = "def f(x"
+CHAT = [{"role": "user", "content": "write a loop"}]
+
+
+@pytest.fixture(scope="module")
+def server(demo_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+    spec = write_spec(tmp_path_factory.mktemp("logprobs"), demo_models, WORKLOADS)
+    with ServerThread(spec) as running:
+        yield running
+
+
+@pytest.fixture
+def client(server: ServerThread) -> OpenAI:
+    return OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def decoder(server: ServerThread) -> Decoder:
+    """The model the server serves, loaded apart: the test's own session."""
+    return Decoder.load(server.spec.models["tinycode"], Runtime(Settings(device="cpu")))
+
+
+def raw_logprobs(decoder: Decoder, ids: list[int]) -> np.ndarray:
+    """log-softmax (float64) of the next token's raw logits after `ids`, one prefill."""
+    n = len(ids)
+    step = decoder.step(
+        np.asarray([ids], dtype=np.int64),
+        np.ones((1, n), dtype=np.int64),
+        np.arange(n, dtype=np.int64)[None],
+        decoder.empty_past(1),
+    )
+    x = step.logits[0, -1].astype(np.float64)
+    row: np.ndarray = x - x.max() - np.log(np.exp(x - x.max()).sum())
+    return row
+
+
+def check_against_the_model(
+    decoder: Decoder, prompt: str, tokens: list[str], logprobs: list[float]
+) -> None:
+    """The first steps' logprobs are the raw log-softmax of the model at that point; the
+    token strings say which tokens (each is one token's own text, in this vocabulary)."""
+    ids = decoder.encode(prompt)
+    for text, logprob in list(zip(tokens, logprobs, strict=True))[:4]:
+        row = raw_logprobs(decoder, ids)
+        token = int(row.argmax())  # greedy
+        assert decoder.tokenizer.decode([token]) == text
+        assert logprob == pytest.approx(row[token], abs=1e-4)
+        ids.append(token)
+
+
+# ---- /v1/completions ---------------------------------------------------------------------
+
+
+def test_completion_logprobs_whole_and_streamed_are_the_models_raw_logprobs(
+    client: OpenAI, decoder: Decoder
+) -> None:
+    whole = client.completions.create(
+        model="code-complete", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3
+    )
+    (choice,) = whole.choices
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs
+    assert lp.text_offset is not None
+    assert len(lp.tokens) == whole.usage.completion_tokens  # type: ignore[union-attr]
+    assert "".join(lp.tokens) == choice.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        # Greedy: the token made is the likeliest, so it is among the 3.
+        assert len(top) <= 3 and top[token] == logprob == max(top.values())
+    check_against_the_model(decoder, PROMPT, lp.tokens, lp.token_logprobs)
+
+    chunks = list(
+        client.completions.create(
+            model="code-complete",
+            prompt=PROMPT,
+            max_tokens=8,
+            temperature=0,
+            logprobs=3,
+            stream=True,
+        )
+    )
+    streamed: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+    offsets: list[int] = []
+    for chunk in chunks:
+        part = chunk.choices[0].logprobs
+        if part is None:
+            assert chunk.choices[0].text == ""  # the finish's chunk
+            continue
+        for name, values in streamed.items():
+            values += getattr(part, name)
+        offsets += part.text_offset or []
+    assert streamed["tokens"] == lp.tokens
+    assert streamed["token_logprobs"] == pytest.approx(lp.token_logprobs, abs=1e-5)
+    assert [list(t) for t in streamed["top_logprobs"]] == [list(t) for t in lp.top_logprobs]
+    assert offsets == lp.text_offset
+
+
+def test_logprobs_0_gives_the_sampled_tokens_only_and_no_logprobs_gives_null(
+    server: ServerThread,
+) -> None:
+    body = {"model": "code-complete", "prompt": PROMPT, "max_tokens": 4, "temperature": 1.5}
+    sampled = httpx.post(f"{server.url}/v1/completions", json={**body, "logprobs": 0, "seed": 1})
+    (choice,) = sampled.json()["choices"]
+    lp = choice["logprobs"]
+    assert [list(top) for top in lp["top_logprobs"]] == [[t] for t in lp["tokens"]]
+    assert [top[t] for top, t in zip(lp["top_logprobs"], lp["tokens"], strict=True)] == lp[
+        "token_logprobs"
+    ]
+    plain = httpx.post(f"{server.url}/v1/completions", json=body).json()
+    assert plain["choices"][0]["logprobs"] is None
+
+
+def test_a_list_of_prompts_gets_each_prompts_logprobs(client: OpenAI) -> None:
+    prompts = [PROMPT, "import os\n", "class A:\n    def"]
+    alone = [
+        client.completions.create(model="code-complete", prompt=p, max_tokens=6, logprobs=1)
+        for p in prompts
+    ]
+    listed = client.completions.create(
+        model="code-complete", prompt=prompts, max_tokens=6, logprobs=1
+    )
+    for one, choice in zip(alone, listed.choices, strict=True):
+        assert choice.text == one.choices[0].text
+        assert choice.logprobs is not None and one.choices[0].logprobs is not None
+        assert choice.logprobs.tokens == one.choices[0].logprobs.tokens
+        assert choice.logprobs.token_logprobs == pytest.approx(
+            one.choices[0].logprobs.token_logprobs, abs=1e-4
+        )
+    chunks = client.completions.create(
+        model="code-complete", prompt=prompts, max_tokens=6, logprobs=1, stream=True
+    )
+    tokens: dict[int, list[str]] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            if choice.logprobs is not None:
+                tokens.setdefault(choice.index, []).extend(choice.logprobs.tokens or [])
+    assert [tokens[i] for i in range(3)] == [c.logprobs.tokens for c in listed.choices]  # type: ignore[union-attr]
+
+
+def test_a_stop_string_keeps_every_generated_tokens_logprobs_streamed_or_not(
+    client: OpenAI,
+) -> None:
+    free = client.completions.create(model="code-complete", prompt=PROMPT, max_tokens=8)
+    text = free.choices[0].text
+    # One stop string ends the text midway; another holds text back while it could
+    # begin there, and never ends it.
+    cut = text[len(text) // 2 :][:2]
+    never = text[1:3] + "\x00"
+    for stop in ([cut], [never]):
+        whole = client.completions.create(
+            model="code-complete", prompt=PROMPT, max_tokens=8, logprobs=2, stop=stop
+        )
+        (choice,) = whole.choices
+        assert choice.logprobs is not None and choice.logprobs.tokens is not None
+        assert len(choice.logprobs.tokens) == whole.usage.completion_tokens  # type: ignore[union-attr]
+        chunks = client.completions.create(
+            model="code-complete", prompt=PROMPT, max_tokens=8, logprobs=2, stop=stop, stream=True
+        )
+        tokens: list[str] = []
+        for chunk in chunks:
+            part = chunk.choices[0].logprobs
+            tokens += (part.tokens or []) if part is not None else []
+        assert tokens == choice.logprobs.tokens, stop
+    assert choice.text == text and choice.finish_reason == "length"  # `never` cut nothing
+
+
+# ---- /v1/chat/completions ----------------------------------------------------------------
+
+
+def test_chat_logprobs_whole_and_streamed(client: OpenAI, decoder: Decoder) -> None:
+    whole = client.chat.completions.create(
+        model="code-complete",
+        messages=CHAT,  # type: ignore[arg-type]
+        max_tokens=8,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    (choice,) = whole.choices
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    content = choice.logprobs.content
+    assert len(content) == whole.usage.completion_tokens  # type: ignore[union-attr]
+    assert "".join(t.token for t in content) == choice.message.content
+    for token in content:
+        assert len(token.top_logprobs) == 2
+        assert token.top_logprobs[0].token == token.token
+        assert token.top_logprobs[0].logprob == token.logprob
+        assert bytes(token.bytes or []) == token.token.encode()
+    prompt = "<|user|>\nwrite a loop\n<|assistant|>\n"  # the demo model's chat template
+    check_against_the_model(
+        decoder, prompt, [t.token for t in content], [t.logprob for t in content]
+    )
+
+    chunks = client.chat.completions.create(
+        model="code-complete",
+        messages=CHAT,  # type: ignore[arg-type]
+        max_tokens=8,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+    )
+    streamed: list[ChatCompletionTokenLogprob] = []
+    for chunk in chunks:
+        assert isinstance(chunk, ChatCompletionChunk)
+        part = chunk.choices[0].logprobs
+        if part is not None:
+            streamed += part.content or []
+    assert [t.token for t in streamed] == [t.token for t in content]
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=1e-5)
+    assert [[a.token for a in t.top_logprobs] for t in streamed] == [
+        [a.token for a in t.top_logprobs] for t in content
+    ]
+
+
+def test_chat_without_logprobs_answers_null(client: OpenAI) -> None:
+    plain = client.chat.completions.create(model="code-complete", messages=CHAT, max_tokens=2)  # type: ignore[arg-type]
+    assert plain.choices[0].logprobs is None
+    only = client.chat.completions.create(
+        model="code-complete",
+        messages=CHAT,  # type: ignore[arg-type]
+        max_tokens=2,
+        logprobs=True,
+    )
+    (choice,) = only.choices
+    assert choice.logprobs is not None and choice.logprobs.content
+    assert all(t.top_logprobs == [] for t in choice.logprobs.content)
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "param"),
+    [
+        ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("/v1/completions", {"logprobs": 6}, "logprobs"),
+        ("/v1/completions", {"logprobs": -1}, "logprobs"),
+        ("/v1/completions", {"logprobs": 2, "echo": True}, "echo"),
+    ],
+)
+def test_logprobs_out_of_range_are_400s_naming_the_field(
+    server: ServerThread, path: str, extra: dict[str, Any], param: str
+) -> None:
+    body: dict[str, Any] = {"model": "code-complete", "max_tokens": 2, **extra}
+    body |= {"messages": CHAT} if "chat" in path else {"prompt": PROMPT}
+    answer = httpx.post(f"{server.url}{path}", json=body)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param
+    assert param in error["message"]
