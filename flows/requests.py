@@ -75,8 +75,8 @@ class Request(Protocol):
         """Every item prepared; `InvalidInput` rejects the whole record."""
         ...
 
-    def answer(self, prepared: Sequence[Any], outputs: Sequence[Any]) -> dict[str, Any]:
-        """The output line, given one output per prepared item."""
+    def answer(self, prepared: Sequence[Any], outputs: Sequence[Any], task: Task) -> dict[str, Any]:
+        """The output line, given one output per prepared item (`task`'s)."""
         ...
 
     def reject(self, problem: str | LanesError) -> dict[str, Any]:
@@ -114,7 +114,7 @@ class PlainRecord:
             # The task names its argument `input`; in a plain record it is the text field.
             raise err.at(self.shape.item_label()) from None
 
-    def answer(self, prepared: Sequence[Any], outputs: Sequence[Any]) -> dict[str, Any]:
+    def answer(self, prepared: Sequence[Any], outputs: Sequence[Any], task: Task) -> dict[str, Any]:
         (output,) = outputs
         body: dict[str, Any]
         if self.shape.kind == "embed" and isinstance(output, np.ndarray):
@@ -151,7 +151,7 @@ class EmbeddingsLine:
             check_dimensions(self.request, task.dimensions)
         return prepare_texts(self.request, task.prepare)
 
-    def answer(self, prepared: Sequence[Any], outputs: Sequence[Any]) -> dict[str, Any]:
+    def answer(self, prepared: Sequence[Any], outputs: Sequence[Any], task: Task) -> dict[str, Any]:
         tokens = sum(item.n_tokens for item in prepared if isinstance(item, EmbedItem))
         body = embeddings_response(
             self.request.model, list(outputs), tokens, self.request.encoding_format
@@ -180,18 +180,24 @@ class CompletionLine:
         template = config.chat_template if config else None
         opening = config.chat_generation_prompt if config else None
         prepared = prepare_prompts(self.request, template, opening, task.prepare)
+        asked: dict[str, Any] = {}
         if self.request.ignore_eos:  # as online: run to max_tokens
+            asked["ignore_eos"] = True
+        if self.request.top_logprobs_wanted is not None:  # as online: each token's logprobs
+            asked["top_logprobs"] = self.request.top_logprobs_wanted
+        if asked:
             prepared = [
-                dataclasses.replace(p, ignore_eos=True) if isinstance(p, GenerateRequest) else p
+                dataclasses.replace(p, **asked) if isinstance(p, GenerateRequest) else p
                 for p in prepared
             ]
         return prepared
 
-    def answer(self, prepared: Sequence[Any], outputs: Sequence[Any]) -> dict[str, Any]:
+    def answer(self, prepared: Sequence[Any], outputs: Sequence[Any], task: Task) -> dict[str, Any]:
         done = [o for o in outputs if isinstance(o, Completion)]
         if len(done) != len(outputs):
             wrong = next(type(o).__name__ for o in outputs if not isinstance(o, Completion))
             raise TypeError(f"the handler's post returned {wrong}, not a Completion")
+        logprobs = [self._logprobs(c, task) for c in done]
         chat = isinstance(self.request, ChatCompletionRequest)
         id = f"{'chatcmpl' if chat else 'cmpl'}-{self.request_id}"
         created = int(time.time())
@@ -207,13 +213,22 @@ class CompletionLine:
                 one.finish_reason,
                 prompt_tokens,
                 completion_tokens,
+                logprobs[0],
             )
         else:
-            choices = [Choice(c.text, c.finish_reason) for c in done]
+            choices = [
+                Choice(c.text, c.finish_reason, lp) for c, lp in zip(done, logprobs, strict=True)
+            ]
             body = completion_response(
                 id, created, self.request.model, choices, prompt_tokens, completion_tokens
             )
         return batch_output(self.id, self.request_id, 200, body)
+
+    def _logprobs(self, done: Completion, task: Task) -> dict[str, Any] | None:
+        """The choice's `logprobs`, as the online route writes them."""
+        if self.request.top_logprobs_wanted is None or not isinstance(task, GenerateTask):
+            return None
+        return self.request.logprobs_body(done.logprobs or [], task.spelling)
 
     def reject(self, problem: str | LanesError) -> dict[str, Any]:
         return _batch_rejection(self.id, self.number, self.request_id, problem)

@@ -195,7 +195,7 @@ def run_shard(
             if retry is not None and kept is None:
                 redo = None
                 log.warning("%s: no output or errors file to retry: running it whole", plan.name)
-            writer = _Writer(out, err, progress)
+            writer = _Writer(out, err, progress, task)
             reader = _Reader(shape, redo, kept.ids if kept is not None else set())
             requests = reader.read(plan, storage, max_record_bytes, writer)
             progress(writer.errors)  # records rejected while reading
@@ -413,8 +413,11 @@ class _Writer:
 
     FIRST_ERRORS = 3  # kept to name in a failure's message
 
-    def __init__(self, out: IO[bytes], err: IO[bytes], progress: Callable[[int], None]) -> None:
+    def __init__(
+        self, out: IO[bytes], err: IO[bytes], progress: Callable[[int], None], task: Task
+    ) -> None:
         self.out, self.err, self.progress = out, err, progress
+        self.task = task  # its outputs' (an OpenAI line's logprobs name its tokens)
         self.outputs = self.errors = self.items = 0
         self.first_errors: list[dict[str, Any]] = []
 
@@ -437,7 +440,7 @@ class _Writer:
                 continue
             try:
                 data = orjson.dumps(
-                    request.answer(prepared, mine), option=orjson.OPT_SERIALIZE_NUMPY
+                    request.answer(prepared, mine, self.task), option=orjson.OPT_SERIALIZE_NUMPY
                 )
             except TypeError as err:  # a handler's post returned something not JSON
                 self.error(request.reject(f"the output cannot be written as JSON: {err}"))

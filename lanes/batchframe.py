@@ -24,6 +24,7 @@ from pydantic import ValidationError
 
 from lanes.backfill import CONTENT_TYPE
 from lanes.errors import InvalidInput, LanesError, ModelError, from_wire
+from lanes.generation.logprobs import MAX_TOP_LOGPROBS, Alternative, TokenLogprob
 from lanes.isolation import Failed
 from lanes.spec import Generation, TaskName
 from lanes.tasks.base import Task
@@ -192,11 +193,13 @@ def encode_outputs(outcomes: Sequence[Any]) -> bytes:
             entries.append(outcome)
         elif isinstance(outcome, Completion):
             tokens = np.asarray(outcome.tokens, dtype=np.int64)
-            fields = {
+            fields: dict[str, Any] = {
                 "text": outcome.text,
                 "finish_reason": outcome.finish_reason,
                 "prompt_tokens": outcome.prompt_tokens,
             }
+            if outcome.logprobs is not None:
+                fields["logprobs"] = [_logprob_fields(lp) for lp in outcome.logprobs]
             entries.append(Entry({"tokens": tokens}, fields))
         elif isinstance(outcome, Exception):
             entries.append(ModelError(f"the model failed on this item: {outcome}"))
@@ -243,6 +246,7 @@ def _generate_entry(request: GenerateRequest) -> Entry:
         "stop": list(request.stop),
         "seed": request.seed,
         "ignore_eos": request.ignore_eos,
+        "top_logprobs": request.top_logprobs,
     }
     return Entry({"prompt_ids": np.asarray(request.prompt_ids, dtype=np.int64)}, fields)
 
@@ -263,6 +267,11 @@ def _generate_request(task: GenerateTask, arrays: Arrays, fields: dict[str, Any]
         raise InvalidInput("`seed`: expected an integer or null")
     if not isinstance(ignore_eos, bool):
         raise InvalidInput("`ignore_eos`: expected true or false")
+    top = fields.get("top_logprobs")
+    if top is not None and (
+        not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS
+    ):
+        raise InvalidInput(f"`top_logprobs`: expected null or 0 to {MAX_TOP_LOGPROBS}")
     names = ("max_new_tokens", "temperature", "top_k", "top_p", "stop")
     try:
         params = Generation.model_validate({n: fields[n] for n in names if n in fields})
@@ -277,6 +286,7 @@ def _generate_request(task: GenerateTask, arrays: Arrays, fields: dict[str, Any]
         stop=tuple(params.stop),
         seed=seed,
         ignore_eos=ignore_eos,
+        top_logprobs=top,
     )
 
 
@@ -286,9 +296,26 @@ def _completion(entry: Entry) -> Completion:
     reason = fields.get("finish_reason")
     if tokens is None or reason not in ("stop", "length"):
         raise ModelError("the endpoint answered a generate item without tokens or finish")
+    logprobs = fields.get("logprobs")
     return Completion(
         str(fields.get("text", "")),
         [int(t) for t in tokens],
         reason,
         int(fields.get("prompt_tokens", 0)),
+        None if logprobs is None else [_logprob_of(lp) for lp in logprobs],
     )
+
+
+def _logprob_fields(record: TokenLogprob) -> dict[str, Any]:
+    top = [[a.token, a.logprob] for a in record.top]
+    return {"token": record.token, "logprob": record.logprob, "top": top}
+
+
+def _logprob_of(fields: Mapping[str, Any]) -> TokenLogprob:
+    try:
+        top = tuple(Alternative(int(t), float(lp)) for t, lp in fields["top"])
+        return TokenLogprob(int(fields["token"]), float(fields["logprob"]), top)
+    except (KeyError, TypeError, ValueError) as err:
+        raise ModelError(
+            f"the endpoint answered a token's logprobs that do not parse ({err})"
+        ) from None

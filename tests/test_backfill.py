@@ -692,6 +692,14 @@ def test_offline_output_through_the_endpoint_equals_the_local_runners(
                 "body": {"model": "local", "prompt": ["a", "b a"], "max_tokens": 5},
             }
         )
+        records.append(  # its logprobs travel back from the endpoint with its tokens
+            {
+                "custom_id": "req-2",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"model": "local", "prompt": ["b", "c a"], "max_tokens": 3, "logprobs": 2},
+            }
+        )
         records.append({"id": "g-bad", "prompt": 7})
     else:
         records = [{"id": f"r{i}", "x": [[i, 1, 2, 3]]} for i in range(40)]
@@ -729,7 +737,7 @@ def test_offline_output_through_the_endpoint_equals_the_local_runners(
     local = offline(workload="local", spec=str(spec))
 
     assert served is not None and served >= 40
-    assert remote["outputs"] == local["outputs"] == 41 - (task == "infer")
+    assert remote["outputs"] == local["outputs"] == 41 + (task == "generate") - (task == "infer")
     for name in ("a.jsonl", "b.jsonl"):
         there = read_jsonl(tmp_path / "out-remote" / name)
         here = read_jsonl(tmp_path / "out-local" / name)
@@ -737,6 +745,14 @@ def test_offline_output_through_the_endpoint_equals_the_local_runners(
         for got, want in zip(there, here, strict=True):
             _assert_same_line(got, want)
     assert errors_of(tmp_path / "out-remote") == errors_of(tmp_path / "out-local") != []
+    if task == "generate":
+        (line,) = (
+            r
+            for r in read_jsonl(tmp_path / "out-remote" / "b.jsonl")
+            if r.get("custom_id") == "req-2"
+        )
+        for choice in line["response"]["body"]["choices"]:
+            assert len(choice["logprobs"]["tokens"]) == len(choice["logprobs"]["top_logprobs"]) > 0
 
 
 def _assert_same_line(got: dict[str, Any], want: dict[str, Any]) -> None:

@@ -77,6 +77,9 @@ def test_offline_generate_equals_the_endpoints_greedy_answers(
         batch_line("c-1", "/v1/completions", completions),
         batch_line("c-2", "/v1/chat/completions", chat),
         batch_line("c-3", "/v1/completions", {**completions, "prompt": PROMPTS[4]}),
+        # Logprobs answer as online, one line's prompts among others that asked none.
+        batch_line("c-4", "/v1/completions", {**completions, "logprobs": 2, "stop": ["("]}),
+        batch_line("c-5", "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 3}),
     ]
     write_jsonl(tmp_path / "in" / "part-0.jsonl", records)
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
@@ -107,7 +110,27 @@ def test_offline_generate_equals_the_endpoints_greedy_answers(
             online = http.post(record["url"], json={**record["body"], "model": "live"}).json()
             response = offline[record["custom_id"]]["response"]
             assert response["status_code"] == 200
-            assert response["body"]["choices"] == online["choices"], record
+            assert_same(response["body"]["choices"], online["choices"], record["custom_id"])
             assert response["body"]["usage"] == online["usage"]
     finishes = {offline[r["id"]]["finish_reason"] for r in records[: len(PROMPTS)]}
     assert "length" in finishes and "stop" in finishes, "the records should end both ways"
+    asked = offline["c-4"]["response"]["body"]["choices"]
+    assert all(c["logprobs"]["tokens"] for c in asked)
+    assert offline["c-5"]["response"]["body"]["choices"][0]["logprobs"]["content"]
+
+
+def assert_same(got: Any, want: Any, where: str) -> None:
+    """Equal answers; logprobs to float32 rounding (a row batched with others may
+    round its logits' last bits otherwise)."""
+    if isinstance(want, float):
+        assert got == pytest.approx(want, abs=1e-4), where
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and list(got) == list(want), where
+        for key, value in want.items():
+            assert_same(got[key], value, f"{where}.{key}")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_same(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, where
