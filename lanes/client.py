@@ -99,7 +99,8 @@ class Client:
         a mapping of input name -> array, or for a model of one input, its value alone;
         generate: a Completion (a str prompt, a list of the model's token ids, or a list
         of chat messages); it travels streamed when the workload says `stream: true`.
-        `options` go into the request body (e.g. max_tokens, temperature)."""
+        `options` go into the request body (e.g. max_tokens, temperature; logprobs,
+        OpenAI's, and the Completion carries them)."""
         types = self._core.types_request(workload, input)
         if types is not None:
             self._core.learn_types(workload, self._json(types))

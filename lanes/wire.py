@@ -66,11 +66,15 @@ class Usage:
 
 @dataclass(frozen=True)
 class Completion:
-    """A whole generated text, why it ended ("stop", "length", "content_filter"), usage."""
+    """A whole generated text, why it ended ("stop", "length", "content_filter"), usage,
+    and its tokens' `logprobs` where the call asked (`logprobs=` options, as OpenAI's):
+    the choice's as the endpoint answers it, streamed chunks' joined (completions'
+    shape for a prompt, chat's for messages); None where not asked."""
 
     text: str
     finish_reason: str
     usage: Usage
+    logprobs: dict[str, Any] | None = None
 
 
 def _root(endpoint: str) -> str:
@@ -294,7 +298,7 @@ class Core:
                 choice = body["choices"][0]
                 text = choice["message"]["content"] if "message" in choice else choice["text"]
                 usage = Usage(**{k: int(body["usage"][k]) for k in Usage.__dataclass_fields__})
-                return Completion(text, choice["finish_reason"], usage)
+                return Completion(text, choice["finish_reason"], usage, choice.get("logprobs"))
             return {o["name"]: output_array(o) for o in body["outputs"]}
         except (KeyError, IndexError, TypeError, ValueError) as e:
             raise LanesError(
@@ -452,6 +456,7 @@ class Gathered:
         self._parts: list[str] = []
         self._finish: str | None = None
         self._usage: Usage | None = None
+        self._logprobs: dict[str, Any] | None = None
 
     def feed(self, line: str) -> bool:
         """Read one line; True at `data: [DONE]`. An error event raises its typed error."""
@@ -463,6 +468,9 @@ class Gathered:
         self._parts.append(self._core.chunk_text(event))
         for choice in event.get("choices") or []:
             self._finish = choice.get("finish_reason") or self._finish
+            part = choice.get("logprobs")
+            if isinstance(part, dict):
+                self._logprobs = _joined_logprobs(self._logprobs, part)
         usage = event.get("usage")
         if isinstance(usage, dict):
             self._usage = Usage(**{k: int(usage[k]) for k in Usage.__dataclass_fields__})
@@ -474,7 +482,20 @@ class Gathered:
                 f"{self._core.endpoint}: the streamed answer had no finish_reason or usage; "
                 "is this a lanes endpoint?"
             )
-        return Completion("".join(self._parts), self._finish, self._usage)
+        return Completion("".join(self._parts), self._finish, self._usage, self._logprobs)
+
+
+def _joined_logprobs(before: dict[str, Any] | None, part: dict[str, Any]) -> dict[str, Any]:
+    """A chunk's logprobs after the earlier chunks': each list goes on (the chunks'
+    text_offset count from the answer's start already)."""
+    if before is None:
+        return {k: list(v) if isinstance(v, list) else v for k, v in part.items()}
+    for key, value in part.items():
+        if isinstance(value, list) and isinstance(before.get(key), list):
+            before[key] += value
+        else:
+            before.setdefault(key, value)
+    return before
 
 
 def _retry_after(headers: Mapping[str, str]) -> float:

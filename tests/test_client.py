@@ -224,6 +224,27 @@ def test_a_prompt_of_token_ids_travels_as_ids(client: lanes.Client, server: Serv
     assert client.call("code-streams", ids, max_tokens=5) == done
 
 
+def test_a_calls_logprobs_come_back_whole_or_gathered_from_a_stream(
+    client: lanes.Client,
+) -> None:
+    whole = client.call("code", "def fib(n):", max_tokens=6, logprobs=2)
+    assert whole.logprobs is not None
+    assert "".join(whole.logprobs["tokens"]) == whole.text
+    assert len(whole.logprobs["token_logprobs"]) == whole.usage.completion_tokens
+    gathered = client.call("code-streams", "def fib(n):", max_tokens=6, logprobs=2)
+    assert gathered.text == whole.text
+    assert gathered.logprobs is not None
+    assert gathered.logprobs["tokens"] == whole.logprobs["tokens"]
+    assert gathered.logprobs["text_offset"] == whole.logprobs["text_offset"]
+    assert gathered.logprobs["token_logprobs"] == pytest.approx(
+        whole.logprobs["token_logprobs"], abs=1e-5
+    )
+    chat = [{"role": "user", "content": "a class"}]
+    scored = client.call("code-streams", chat, max_tokens=4, logprobs=True, top_logprobs=1)
+    assert [t["token"] for t in scored.logprobs["content"]] != []
+    assert client.call("code", "def fib(n):", max_tokens=6).logprobs is None
+
+
 def test_a_bad_list_of_token_ids_is_invalid_input(
     client: lanes.Client, server: ServerThread
 ) -> None:
