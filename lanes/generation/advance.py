@@ -38,6 +38,9 @@ class Advance:
         self.text = text
         self.max_position = max_position
         self._finish = finish
+        # Unfinished sequences that asked for logprobs (the scheduler counts them): while
+        # there are none, a step's rows are not even looked at for them.
+        self.scoring = 0
 
     def sampled(
         self,
@@ -58,9 +61,7 @@ class Advance:
         # sample() takes it); sampling rows draw alone, each from its own generator.
         greedy: list[int] | None = None
         advance, finished, eos = self.token, SeqStatus.FINISHED_STOPPED, self.eos_token_ids
-        # Rows that asked for logprobs, and where each one's event goes in `events`.
-        scored: list[int] = []
-        at: list[int] = []
+        scoring = self.scoring  # read before this step's finishes lower it
         for i, seq in enumerate(seqs):
             if seq.status >= finished:
                 continue  # a static batch's finished row (or a failed one): no logits
@@ -69,9 +70,6 @@ class Advance:
                 self._finish(seq, SeqStatus.FINISHED_DEADLINE)
                 events.append(final(seq))
                 continue
-            if seq.top_logprobs is not None:
-                scored.append(i)
-                at.append(len(events))
             if seq.sampling.temperature == 0:
                 if greedy is None:
                     greedy = logits.argmax(axis=-1).tolist()
@@ -90,12 +88,18 @@ class Advance:
                 events.append(advance(seq, token))
             else:
                 events.append(advance(seq, sample(logits[i], seq.sampling, seq.rng)))
-        if scored:
-            rows = [i for i, j in zip(scored, at, strict=True) if events[j].tokens]
-            if rows:  # an eos that ended its sequence made no token to score
-                made = [events[j] for j in at if events[j].tokens]
-                self.score([seqs[i] for i in rows], made, logits[rows])
+        if scoring:  # else no row asked: not one check per row
+            self._score_rows(seqs, events, logits)
         return events
+
+    def _score_rows(self, seqs: Sequence[Seq], events: list[Event], logits: Array) -> None:
+        """The tokens made by the rows of `seqs` that asked for logprobs, scored on
+        their rows of `logits` (an eos that ended its sequence made no token)."""
+        rows = {seq.id: i for i, seq in enumerate(seqs) if seq.top_logprobs is not None}
+        made = [event for event in events if event.tokens and event.seq_id in rows]
+        if made:
+            picked = [rows[event.seq_id] for event in made]
+            self.score([seqs[i] for i in picked], made, logits[picked])
 
     def score(self, seqs: Sequence[Seq], events: Sequence[Event], logits: Array) -> None:
         """Each of `seqs`' token (its event's) scored on its row of [rows, vocab] raw

@@ -142,6 +142,7 @@ class Scheduler:
         self._live[seq.id] = seq
         self._timed += seq.deadline is not None
         self._offline_live += seq.offline
+        self.advance.scoring += seq.top_logprobs is not None
         if not seq.offline:
             self.reserve.arrived(self.clock())
         (self.offline if seq.offline else self.waiting).append(seq)
@@ -433,6 +434,7 @@ class Scheduler:
         if self._live.pop(seq.id, None) is not None:
             self._timed -= seq.deadline is not None
             self._offline_live -= seq.offline
+            self.advance.scoring -= seq.top_logprobs is not None
 
 
 def _padded(seqs: Sequence[Seq]) -> int:
