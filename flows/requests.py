@@ -123,6 +123,8 @@ class PlainRecord:
             body = {"embedding": np.ascontiguousarray(output, dtype=np.float32)}
         else:
             value = jsonable(output)
+            if isinstance(output, Completion) and output.logprobs is None:
+                del value["logprobs"]  # a plain record asks for none: its line stays as it was
             body = value if isinstance(value, dict) and "id" not in value else {"result": value}
         clash = next((name for name in self.kept if name in body), None)
         if clash is not None:
