@@ -598,6 +598,23 @@ def test_chunked_guard_cuts_the_stream_before_the_failing_chunk(
     assert after >= before + 2
 
 
+@pytest.mark.parametrize("model", ["guarded-buffer", "guarded-chunked"])
+def test_a_guarded_stream_sends_every_tokens_logprobs_with_the_text_that_passed(
+    server: ServerThread, found: Found, model: str
+) -> None:
+    body = {"model": model, "prompt": found.clean_prompt, "max_tokens": 16, "logprobs": 1}
+    alone = httpx.post(f"{server.url}/v1/completions", json={**body, "model": "code"}).json()
+    (want,) = alone["choices"]
+    tokens: list[str] = []
+    for event in sse(server, "/v1/completions", body):
+        for choice in event["choices"]:  # type: ignore[attr-defined]
+            tokens += (choice["logprobs"] or {}).get("tokens", [])
+    assert tokens == want["logprobs"]["tokens"]
+    assert len(tokens) == alone["usage"]["completion_tokens"]
+    whole = httpx.post(f"{server.url}/v1/completions", json=body).json()
+    assert whole["choices"][0]["logprobs"]["tokens"] == tokens
+
+
 def test_bad_generate_requests_get_openai_errors(server: ServerThread) -> None:
     client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     with pytest.raises(BadRequestError, match="n"):
