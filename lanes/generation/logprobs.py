@@ -62,10 +62,12 @@ def token_logprobs(
     k = min(max(counts, default=0), lp.shape[1])
     if k == 0:
         return [TokenLogprob(t, c) for t, c in zip(tokens, chosen, strict=True)]
-    # The k likeliest of each row, unordered (argpartition), then ordered by logprob,
-    # the lower id first among equals (as argmax picks the first of a tie).
-    picked = np.argpartition(-lp, k - 1, axis=-1)[:, :k] if k < lp.shape[1] else None
-    if picked is None:
+    # The k likeliest of each row, unordered (argpartition: no full sort of a large
+    # vocabulary), then ordered by logprob, the lower id first among equals as argmax
+    # takes it (a tie across the k-th place may keep either: argpartition's choice).
+    if k < lp.shape[1]:
+        picked = np.argpartition(-lp, k - 1, axis=-1)[:, :k]
+    else:
         picked = np.broadcast_to(np.arange(lp.shape[1]), lp.shape)
     values = np.take_along_axis(lp, picked, axis=-1)
     order = np.lexsort((picked, -values), axis=-1)
