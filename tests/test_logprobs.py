@@ -30,7 +30,8 @@ PROMPTS = ["def f(x", "import os\n", "class Config:\n    def __init__(self, path
 def reference(logits: np.ndarray) -> np.ndarray:
     """log-softmax in float64, written apart from the module's."""
     x = logits.astype(np.float64)
-    return x - x.max() - np.log(np.exp(x - x.max()).sum())
+    row: np.ndarray = x - x.max() - np.log(np.exp(x - x.max()).sum())
+    return row
 
 
 def test_token_logprobs_are_the_log_softmax_of_each_row_and_its_likeliest_in_order() -> None:
