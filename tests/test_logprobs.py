@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from lanes.generation.batch import generate_batch
-from lanes.generation.logprobs import token_logprobs
+from lanes.generation.logprobs import TokenLogprob, token_logprobs
 from lanes.generation.scheduler import Scheduler
 from lanes.generation.seq import Seq, StepOutputs
 from lanes.isolation import Failed
@@ -167,3 +167,81 @@ def test_an_eos_that_ends_a_sequence_gets_no_logprobs_and_a_chunked_prompt_does(
     assert made.logprobs[0].top[0].token == 3
     assert end.tokens == () and end.logprobs == () and end.finish == "stop"
     assert [r.token for r in seq.logprobs] == seq.tokens == [3]
+
+
+# ---- prompt logprobs (an echo's) ------------------------------------------------------
+
+LONG = "import os\nimport sys\n\nclass Config:\n    def __init__(self, path):\n        self.path"
+
+
+def prompt_reference(decoder: Decoder, ids: tuple[int, ...]) -> list[float]:
+    """Each prompt token after the first: its log-softmax at the position before, from
+    one whole run of the prompt."""
+    n = len(ids)
+    step = decoder.step(
+        np.asarray([ids], dtype=np.int64),
+        np.ones((1, n), dtype=np.int64),
+        np.arange(n, dtype=np.int64)[None],
+        decoder.empty_past(1),
+    )
+    return [float(reference(step.logits[0, i - 1])[ids[i]]) for i in range(1, n)]
+
+
+def test_prompts_that_ask_are_scored_and_the_others_make_what_they_made_alone(
+    task: GenerateTask,
+) -> None:
+    plain = [task.prepare(p) for p in [*PROMPTS, LONG]]
+    alone = [run(task, [r], 1)[0] for r in plain]
+    asked = [dataclasses.replace(r, prompt_logprobs=[2, None][i % 2]) for i, r in enumerate(plain)]
+    batched = run(task, asked, 3)  # prompts of different lengths share prefills, padded
+    for one, both, request in zip(alone, batched, asked, strict=True):
+        assert both.tokens == one.tokens and both.text == one.text
+        if request.prompt_logprobs is None:
+            assert both.prompt_logprobs is None
+            continue
+        assert both.prompt_logprobs is not None
+        assert [r.token for r in both.prompt_logprobs] == list(request.prompt_ids[1:])
+        want = prompt_reference(task.decoder, request.prompt_ids)
+        assert [r.logprob for r in both.prompt_logprobs] == pytest.approx(want, abs=1e-4)
+        assert all(len(r.top) == 2 for r in both.prompt_logprobs)
+
+
+def test_a_prompt_prefilled_in_chunks_scores_as_a_whole_one(task: GenerateTask) -> None:
+    request = dataclasses.replace(task.prepare(LONG), prompt_logprobs=3)
+    assert len(request.prompt_ids) > 2 * 8  # three chunks at least
+    (whole,) = run(task, [request], 1)
+    done = generate_batch(task.decoder, [request], 1, task.name, max_prefill_tokens=8, chunked=True)
+    (chunked,) = [d for d in done if isinstance(d, Completion)]
+    assert whole.prompt_logprobs is not None and chunked.prompt_logprobs is not None
+    assert chunked.tokens == whole.tokens
+    assert len(chunked.prompt_logprobs) == len(request.prompt_ids) - 1
+    for a, b in zip(chunked.prompt_logprobs, whole.prompt_logprobs, strict=True):
+        assert a.token == b.token and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [x.token for x in a.top] == [x.token for x in b.top]
+
+
+def test_a_prompt_asked_for_no_token_is_scored_and_makes_none(task: GenerateTask) -> None:
+    requests = [
+        dataclasses.replace(task.prepare(p), prompt_logprobs=0, max_new_tokens=0) for p in PROMPTS
+    ]
+    for request, done in zip(requests, run(task, requests, 2), strict=True):
+        assert done.tokens == [] and done.text == "" and done.finish_reason == "length"
+        assert done.prompt_logprobs is not None
+        assert len(done.prompt_logprobs) == len(request.prompt_ids) - 1
+
+
+def test_a_chunked_prompt_asked_for_no_token_finishes_after_its_last_chunk() -> None:
+    scheduler = Scheduler(2, frozenset({0}), lambda ids: "x" * len(ids), chunked=True)
+    scheduler.max_prefill_tokens = 2
+    seq = Seq(1, (5, 6, 7), 0, SamplingParams(temperature=0), prompt_logprobs=0)
+    seq.prompt_scores = [TokenLogprob(6, -1.0), TokenLogprob(7, -2.0)]  # as its chunks scored
+    scheduler.add(seq)
+    events = []
+    while not seq.status.is_finished:
+        plan = scheduler.schedule()
+        assert plan.chunk is not None and not plan.decode  # it never decodes
+        chunk = np.zeros((1, 8), dtype=np.float32) if plan.chunk.final else None
+        events += scheduler.update(plan, StepOutputs(chunk=chunk))
+    (event,) = events
+    assert event.tokens == () and event.finish == "length" and event.first
+    assert event.prompt_logprobs == tuple(seq.prompt_scores)

@@ -21,7 +21,7 @@ from lanes.errors import ModelError
 from lanes.generation.kvcache import MAX_PADDING
 from lanes.generation.loop import StepLoop
 from lanes.generation.scheduler import PREFILL_TOKENS, Policy, Scheduler
-from lanes.generation.seq import Seq, SeqStatus
+from lanes.generation.seq import Seq
 from lanes.generation.text import ByteText, Detokenize
 from lanes.isolation import Failed
 from lanes.tasks.decoder import Completion, Decoder
@@ -95,6 +95,7 @@ def seq_of(
         offline=offline,
         stream=stream,
         top_logprobs=request.top_logprobs,
+        prompt_logprobs=request.prompt_logprobs,
     )
 
 
@@ -152,9 +153,9 @@ def _top_up(scheduler: Scheduler, pending: deque[Seq], rows: int) -> None:
 
 def _result(index: int, seq: Seq) -> Completion | Failed:
     logprobs = seq.logprobs if seq.top_logprobs is not None else None
-    if seq.status == SeqStatus.FINISHED_STOPPED:
-        return Completion(seq.text, list(seq.tokens), "stop", len(seq.prompt_ids), logprobs)
-    if seq.status == SeqStatus.FINISHED_LENGTH:
-        return Completion(seq.text, list(seq.tokens), "length", len(seq.prompt_ids), logprobs)
+    prompt = seq.prompt_scores if seq.prompt_logprobs is not None else None
+    reason = seq.status.finish_reason
+    if reason == "stop" or reason == "length":
+        return Completion(seq.text, list(seq.tokens), reason, len(seq.prompt_ids), logprobs, prompt)
     why = seq.error or f"the sequence ended as {seq.status.name.lower()}"
     return Failed(index, ModelError(why))

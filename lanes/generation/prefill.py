@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from lanes.costmodel import Fit
+from lanes.generation.logprobs import token_logprobs
 from lanes.generation.seq import Chunk, Seq
 from lanes.isolation import isolate
 from lanes.tasks.decoder import Decoder
@@ -66,8 +67,44 @@ def prefill(decoder: Decoder, seqs: Sequence[Seq], recompute: bool = False) -> t
         pad = mask == 0
         for kv in (*present.keys, *present.values):
             kv[np.broadcast_to(pad[:, None, :], kv.shape[:3])] = 0
+    if not recompute:  # a recompute's prompt was scored by its first prefill
+        _score_prompts(seqs, out.logits)
     apart = all(s.sits_out for s in seqs)
     return out.logits[:, -1], Join([s.id for s in seqs], present, mask, apart)
+
+
+def _score_prompts(seqs: Sequence[Seq], logits: Array) -> None:
+    """The joiners that asked (Seq.prompt_logprobs) get their prompt's tokens after
+    the first scored, each on the logits of the position before it, from the run's
+    left-padded [rows, width, vocab] `logits` (a row's real positions are its last
+    ones), in one pass. One look at each joiner per prefill; none per step."""
+    asked = [(j, s) for j, s in enumerate(seqs) if s.prompt_logprobs is not None]
+    if not asked:
+        return
+    width = logits.shape[1]
+    rows = [logits[j, width - len(s.prompt_ids) : width - 1] for j, s in asked]
+    tokens = [t for _, s in asked for t in s.prompt_ids[1:]]
+    counts = [s.prompt_logprobs or 0 for _, s in asked for _ in s.prompt_ids[1:]]
+    if not tokens:  # one-token prompts: nothing before their only token
+        return
+    records = token_logprobs(np.concatenate(rows), tokens, counts)
+    at = 0
+    for _, s in asked:
+        n = len(s.prompt_ids) - 1
+        s.prompt_scores = records[at : at + n]  # whole: a failed run scored no one
+        at += n
+
+
+def _score_chunk(seq: Seq, start: int, logits: Array) -> None:
+    """A part of a long prompt from `start`, run: its [1, part, vocab] `logits` score
+    the tokens after each of its positions (the next part's first one included). A
+    part already scored (the prompt begun again) is not scored twice."""
+    if seq.prompt_logprobs is None or len(seq.prompt_scores) != start:
+        return
+    tokens = seq.prompt_ids[start + 1 : start + 1 + logits.shape[1]]
+    if tokens:
+        counts = [seq.prompt_logprobs] * len(tokens)
+        seq.prompt_scores += token_logprobs(logits[0, : len(tokens)], tokens, counts)
 
 
 def prefill_groups(seqs: Sequence[Seq], fit: Fit | None) -> list[list[Seq]]:
@@ -121,6 +158,7 @@ def prefill_chunk(decoder: Decoder, chunk: Chunk, past: Past | None) -> tuple[Ar
             f"sequence {seq.id}: a chunk from {chunk.start} on a cache of {before.length}"
         )
     out = decoder.step(ids, mask, positions, before)
+    _score_chunk(seq, chunk.start, out.logits)
     return out.logits[:, -1], out.present
 
 

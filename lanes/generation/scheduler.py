@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -393,9 +393,35 @@ class Scheduler:
         if plan.chunk is not None:
             events += self._chunked(plan.chunk, outputs)
         if plan.prefill:
-            events += self.advance.sampled(plan.prefill, outputs.prefill, failed, now)
+            events += self._prefilled(plan.prefill, outputs.prefill, failed, now)
         if plan.decode:
             events += self.advance.sampled(plan.decode, outputs.decode, failed, None)
+        return events
+
+    def _prefilled(
+        self,
+        seqs: Sequence[Seq],
+        logits: Array | None,
+        failed: Mapping[int, str],
+        now: float | None,
+    ) -> list[Event]:
+        """The joiners' first tokens; those that asked for their prompt's logprobs get
+        them on their first event, and those that asked for no token (max_new_tokens 0)
+        finish with it instead of sampling one. A look at each joiner once."""
+        asked = [s for s in seqs if s.prompt_logprobs is not None]
+        if not asked:
+            return self.advance.sampled(seqs, logits, failed, now)
+        events = []
+        for seq in asked:
+            if seq.max_new_tokens == 0 and seq.id not in failed:
+                self._finish(seq, SeqStatus.FINISHED_LENGTH)  # sampled() skips it
+                events.append(final(seq, (), True))
+        if len(events) < len(seqs):
+            events += self.advance.sampled(seqs, logits, failed, now)
+        scores = {s.id: tuple(s.prompt_scores) for s in asked}
+        for event in events:
+            if event.seq_id in scores and event.finish != "error":
+                event.prompt_logprobs = scores[event.seq_id]
         return events
 
     def _chunked(self, chunk: Chunk, outputs: StepOutputs) -> list[Event]:
@@ -415,6 +441,8 @@ class Scheduler:
             raise ValueError(f"update: expected logits for the final chunk, found {found}")
         self.chunking = None
         self.rows.append(seq)
+        if seq.prompt_logprobs is not None:
+            return [*events, *self._prefilled((seq,), outputs.chunk, {}, self.clock())]
         logits = outputs.chunk[0]
         if seq.deadline is not None and self.clock() >= seq.deadline:
             self._finish(seq, SeqStatus.FINISHED_DEADLINE)

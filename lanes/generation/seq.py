@@ -63,6 +63,10 @@ class Seq:
     # Alternatives wanted beside each generated token's logprob (lanes/generation/
     # logprobs.py); None: no logprobs at all, and no cost.
     top_logprobs: int | None = None
+    # Alternatives wanted beside each prompt token's logprob (an echo that scores its
+    # prompt); None: its prompt is not scored, at no cost. With it, max_new_tokens may
+    # be 0: the sequence finishes after its prefill, having made nothing.
+    prompt_logprobs: int | None = None
     # Its text is wanted as it is made (a stream). Without, and without stop strings,
     # nobody reads it before the finish: it is decoded once then, its events till then
     # carry no text (the offline lanes').
@@ -80,6 +84,9 @@ class Seq:
     sent: int = 0  # characters of `text` already handed out in events
     error: str | None = None  # why it finished with FINISHED_ERROR
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, if asked
+    # Its prompt's tokens after the first, scored by its first prefill (in parts for a
+    # prompt prefilled in chunks), where `prompt_logprobs` asked.
+    prompt_scores: list[TokenLogprob] = field(default_factory=list)
     _rng: np.random.Generator | None = field(default=None, init=False, repr=False)
     # incremental detokenization: text of tokens[prefix:read] is already in `text`
     _prefix: int = field(default=0, repr=False)
@@ -206,3 +213,6 @@ class Event:
     first: bool = False  # carries the sequence's first generated token
     error: str | None = None  # with finish "error": what failed
     logprobs: tuple[TokenLogprob, ...] = ()  # of `tokens`, where its sequence asked
+    # A sequence's first event, where it asked (Seq.prompt_logprobs): its prompt's
+    # tokens after the first, scored.
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None

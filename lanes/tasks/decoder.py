@@ -65,6 +65,9 @@ class Completion:
     prompt_tokens: int = 0
     # One per token where the request asked (GenerateRequest.top_logprobs), else None.
     logprobs: list[TokenLogprob] | None = None
+    # Its prompt's tokens after the first, scored, where the request asked
+    # (GenerateRequest.prompt_logprobs), else None.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class Decoder:

@@ -63,6 +63,10 @@ class GenerateRequest:
     # Each token's logprob and this many alternatives (an OpenAI request's logprobs);
     # None: none at all.
     top_logprobs: int | None = None
+    # Each prompt token's logprob (after the first) and this many alternatives (an
+    # OpenAI completion's echo); None: the prompt is not scored. With it,
+    # max_new_tokens may be 0: the prompt is scored, and nothing generated.
+    prompt_logprobs: int | None = None
 
 
 def from_text(item: Mapping[str, Any]) -> dict[str, Any]:
