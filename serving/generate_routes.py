@@ -16,7 +16,6 @@ stream, aborts its sequences: the engine frees their rows at the next step.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
@@ -37,8 +36,10 @@ from lanes.protocols.completions import (
     ChatCompletionRequest,
     Choice,
     CompletionRequest,
+    Echoed,
     GenerateParams,
     OpenAIFinish,
+    Prompt,
     Spelling,
     chat_chunk,
     chat_response,
@@ -67,7 +68,7 @@ from lanes.serving.http import (
 )
 from lanes.serving.state import ServingState
 from lanes.serving.token_stream import TokenStream
-from lanes.tasks.generate import GenerateTask
+from lanes.tasks.generate import GenerateRequest, GenerateTask
 
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -151,9 +152,7 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
         too_many = never_fits(len(prepared), engine.max_queue)
         if too_many is not None:
             raise too_many
-        top = body.top_logprobs_wanted
-        if top is not None:
-            prepared = [dataclasses.replace(item, top_logprobs=top) for item in prepared]
+        prepared = [body.settle(item) for item in prepared]
         timeout = timeout_s(request)
         ignore_eos = body.ignore_eos is True
         trace = record.trace if record is not None else None
@@ -166,7 +165,7 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
     streaming = body.streamed
     guard = state.guards.get(body.model)
     flows = [pieces(s, guard, streaming) for s in streams]
-    answer = _Answer(endpoint, body, streams, engine.task.spelling, record)
+    answer = _Answer(endpoint, body, streams, engine.task.spelling, record, prepared)
     latency = state.metrics.request_latency.labels(body.model)
     watch = asyncio.ensure_future(_left(request.receive, streams))
     sse: _EventStream | None = None  # once made, it ends the watch when written
@@ -298,12 +297,14 @@ class _Answer:
         streams: Sequence[TokenStream],
         spelling: Spelling,
         record: RequestRecord | None = None,
+        prepared: Sequence[GenerateRequest] = (),
     ) -> None:
         self.endpoint = endpoint
         self.body = body
         self.streams = streams
         self.spelling = spelling
         self.record = record
+        self.prepared = prepared  # per prompt, what an echo shows of it
         # Per prompt, the characters of the tokens whose logprobs went out (a streamed
         # completion's text_offset goes on from there).
         self._offsets: dict[int, int] = {}
@@ -325,12 +326,28 @@ class _Answer:
 
     def whole(self, pieces: Sequence[Piece]) -> dict[str, Any]:
         body, spelling = self.body, self.spelling
-        choices = [
-            Choice(p.text, p.finish, body.logprobs_body(p.logprobs, spelling))
-            for p in pieces
-            if p.finish is not None
-        ]
+        choices = []
+        for index, p in enumerate(pieces):
+            if p.finish is None:
+                continue
+            echoed = self._echo(index)
+            if echoed is None:
+                choices.append(Choice(p.text, p.finish, body.logprobs_body(p.logprobs, spelling)))
+                continue
+            logprobs = body.logprobs_body(p.logprobs, spelling, len(echoed.text))
+            text, logprobs = echoed.before(p.text, logprobs)
+            choices.append(Choice(text, p.finish, logprobs))
         return self.endpoint.whole(self.id, self.created, self.body.model, choices, *self.usage)
+
+    def _echo(self, index: int) -> Echoed | None:
+        """What prompt `index`'s choice starts with (None: no echo asked); its scores
+        came with its first event."""
+        if not self.prepared:
+            return None
+        item = self.prepared[index]
+        scores = self.streams[index].prompt_logprobs
+        prompt = Prompt(item.prompt, item.prompt_ids, scores)
+        return self.body.echo_of(prompt, self.spelling)
 
     def _event(
         self,
@@ -360,10 +377,19 @@ class _Answer:
         rides on it; or empty, with the logprobs of tokens whose text is held back),
         then its finish_reason; one write for both."""
         sse = b""
-        if piece.text or piece.logprobs or index not in opened:
-            logprobs = self._chunk_logprobs(index, piece)
-            sse = self._event(piece.text, None, index not in opened, index, logprobs)
+        if index not in opened:
+            echoed = self._echo(index)
+            text, logprobs = piece.text, None
+            if echoed is not None:
+                self._offsets[index] = len(echoed.text)  # the completion's follow it
+                text, logprobs = echoed.before(text, self._chunk_logprobs(index, piece))
+            else:
+                logprobs = self._chunk_logprobs(index, piece)
+            sse = self._event(text, None, True, index, logprobs)
             opened.add(index)
+        elif piece.text or piece.logprobs:
+            logprobs = self._chunk_logprobs(index, piece)
+            sse = self._event(piece.text, None, False, index, logprobs)
         if piece.finish is not None:
             sse += self._event(None, piece.finish, False, index)
         return sse

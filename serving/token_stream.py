@@ -34,6 +34,9 @@ class TokenStream:
     _engine: Aborts = field(repr=False)
     top_logprobs: int | None = None  # as its sequence asked: its events carry logprobs
     completion_tokens: int = 0
+    # Its prompt's tokens after the first, scored, once its first event brought them
+    # (where it asked: Seq.prompt_logprobs).
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
     finished: bool = False
     gone: bool = False  # its client left (`leave`)
     _events: deque[Event] = field(default_factory=deque, repr=False)
@@ -41,6 +44,8 @@ class TokenStream:
 
     def _push(self, event: Event) -> None:
         self.completion_tokens += len(event.tokens)
+        if event.prompt_logprobs is not None:  # a first event's, once
+            self.prompt_logprobs = event.prompt_logprobs
         self.finished = self.finished or event.finish is not None
         self._events.append(event)
         self._signal.set()
@@ -90,7 +95,15 @@ async def completion(stream: TokenStream) -> Completion | LanesError | None:
         logprobs += event.logprobs
         if event.finish in ("stop", "length"):
             scored = logprobs if stream.top_logprobs is not None else None
-            return Completion("".join(text), tokens, event.finish, stream.prompt_tokens, scored)
+            prompt = stream.prompt_logprobs
+            return Completion(
+                "".join(text),
+                tokens,
+                event.finish,
+                stream.prompt_tokens,
+                scored,
+                None if prompt is None else list(prompt),
+            )
         if event.finish == "error":
             return ModelError(event.error or "the model failed on this sequence")
         if event.finish is not None:

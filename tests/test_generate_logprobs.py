@@ -265,7 +265,9 @@ def test_chat_without_logprobs_answers_null(client: OpenAI) -> None:
         ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("/v1/completions", {"logprobs": 6}, "logprobs"),
         ("/v1/completions", {"logprobs": -1}, "logprobs"),
-        ("/v1/completions", {"logprobs": 2, "echo": True}, "echo"),
+        # Nothing generated is a prompt scored: only with echo. Chat echoes nothing.
+        ("/v1/completions", {"logprobs": 2, "max_tokens": 0}, "max_tokens"),
+        ("/v1/chat/completions", {"logprobs": True, "echo": True}, "echo"),
     ],
 )
 def test_logprobs_out_of_range_are_400s_naming_the_field(

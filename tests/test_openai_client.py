@@ -295,6 +295,7 @@ TOOL_CALL = {
 TOOL_ANSWER = {"role": "tool", "tool_call_id": "call_1", "content": "42"}
 EMBED_BODY: dict[str, Any] = {"model": "search-query", "input": "hello"}
 REJECTED: list[tuple[str, dict[str, Any], str, str | None]] = [
+    # 0 is a prompt scored: only with echo (tests/test_echo.py).
     ("/v1/completions", {**PROMPT_BODY, "max_tokens": 0}, "max_tokens", "integer_below_min_value"),
     ("/v1/completions", {**PROMPT_BODY, "max_tokens": "5"}, "max_tokens", "invalid_type"),
     ("/v1/completions", {**PROMPT_BODY, "max_tokens": 2.5}, "max_tokens", "invalid_type"),
@@ -344,7 +345,7 @@ REJECTED: list[tuple[str, dict[str, Any], str, str | None]] = [
     ("/v1/completions", {**PROMPT_BODY, "logit_bias": [1]}, "logit_bias", "invalid_type"),
     ("/v1/completions", {**PROMPT_BODY, "logit_bias": {"5": 1}}, "logit_bias", "unsupported_value"),
     ("/v1/completions", {**PROMPT_BODY, "user": 5}, "user", "invalid_type"),
-    ("/v1/completions", {**PROMPT_BODY, "echo": True}, "echo", "unsupported_value"),
+    ("/v1/chat/completions", {**CHAT_BODY, "echo": True}, "echo", "unsupported_value"),
     # vLLM's sampling extensions change the tokens: refused, not silently ignored.
     *(
         ("/v1/completions", {**PROMPT_BODY, name: value}, name, "unsupported_value")

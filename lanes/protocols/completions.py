@@ -7,6 +7,7 @@ The online routes and the offline batch lines both prepare prompts with
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeVar
@@ -116,12 +117,39 @@ class GenerateParams(GenerationOptions, OpenAIRequest):
         """Alternatives wanted beside each token's logprob; None: no logprobs."""
         return None
 
+    @property
+    def prompt_logprobs_wanted(self) -> int | None:
+        """Alternatives wanted beside each prompt token's logprob (the engine scores
+        the prompt in its prefill); None: the prompt is not scored."""
+        return None
+
     def logprobs_body(
         self, records: Sequence[TokenLogprob], spelling: Spelling, offset: int = 0
     ) -> dict[str, Any] | None:
         """A choice's (or a chunk's) `logprobs` for its tokens' `records`; `offset`: the
         characters of the tokens before them (completions' `text_offset`)."""
         return None
+
+    def echo_of(self, prompt: Prompt, spelling: Spelling) -> Echoed | None:
+        """What a choice starts with before its completion (completions' echo): None
+        where the request did not ask."""
+        return None
+
+    def settle(self, item: T) -> T:
+        """A prepared prompt (a GenerateRequest) with what this request asks of the
+        engine beyond its generation parameters: the logprobs of its tokens and of its
+        prompt's, and no token at all (an echo with max_tokens 0). The online route and
+        the offline batch line both call this."""
+        asked: dict[str, Any] = {}
+        if self.top_logprobs_wanted is not None:
+            asked["top_logprobs"] = self.top_logprobs_wanted
+        if self.prompt_logprobs_wanted is not None:
+            asked["prompt_logprobs"] = self.prompt_logprobs_wanted
+            if self.max_tokens == 0:  # prepared with 1 (generation_item): the prefill only
+                asked["max_new_tokens"] = 0
+        if not asked or not dataclasses.is_dataclass(item) or isinstance(item, type):
+            return item
+        return dataclasses.replace(item, **asked)
 
     def check(self) -> None:
         if self.n not in (None, 1):
@@ -182,7 +210,13 @@ class GenerateParams(GenerationOptions, OpenAIRequest):
 
 class CompletionRequest(GenerateParams):
     prompt: str | list[Any] = Field(description="Prompt(s): text(s) or array(s) of token ids.")
-    echo: bool | None = Field(None, description="Only false.")
+    # 0 only with echo: the prompt scored, nothing generated (check()).
+    max_tokens: int | None = Field(
+        None, ge=0, description="Most tokens to generate; 0 only with echo."
+    )
+    echo: bool | None = Field(
+        None, description="Start the text with the prompt (and logprobs with its tokens')."
+    )
     suffix: str | None = Field(None, description="Only empty.")
     best_of: int | None = Field(None, ge=1, le=20, description="Only 1.")
     logprobs: int | None = Field(
@@ -195,8 +229,9 @@ class CompletionRequest(GenerateParams):
 
     def check(self) -> None:
         super().check()
-        if self.echo:
-            raise unsupported("echo", "lanes does not echo the prompt; send false or leave it out")
+        if self.max_tokens == 0 and not self.echo:
+            detail = "0 only with echo: true (it scores the prompt), else expected at least 1"
+            raise InvalidInput.field("max_tokens", detail, "integer_below_min_value")
         if self.suffix:
             raise unsupported("suffix", "lanes does not insert text; leave it out")
         if self.best_of not in (None, 1):
@@ -206,12 +241,33 @@ class CompletionRequest(GenerateParams):
     def top_logprobs_wanted(self) -> int | None:
         return self.logprobs
 
+    @property
+    def prompt_logprobs_wanted(self) -> int | None:
+        if not self.echo:
+            return None
+        # An echo of nothing generated is its prefill alone: the engine finishes such
+        # a sequence there where it scores its prompt (a few alternatives' cost).
+        return self.logprobs if self.logprobs is not None or self.max_tokens != 0 else 0
+
     def logprobs_body(
         self, records: Sequence[TokenLogprob], spelling: Spelling, offset: int = 0
     ) -> dict[str, Any] | None:
         if self.logprobs is None:
             return None
         return completion_logprobs(records, spelling, self.logprobs, offset)
+
+    def echo_of(self, prompt: Prompt, spelling: Spelling) -> Echoed | None:
+        if not self.echo:
+            return None
+        if self.logprobs is None:
+            return Echoed(prompt.text)
+        return Echoed(prompt.text, prompt_logprobs(prompt, spelling, self.logprobs))
+
+    def generation_item(self, prompt: str | list[int]) -> dict[str, Any]:
+        item = super().generation_item(prompt)
+        if self.max_tokens == 0:  # checked as 1; settle() asks the engine for none
+            item["max_tokens"] = 1
+        return item
 
 
 class ContentPart(Shape):
@@ -246,6 +302,9 @@ class ChatCompletionRequest(GenerateParams):
     top_logprobs: int | None = Field(
         None, ge=0, le=MAX_TOP_LOGPROBS, description="Alternatives per token; needs logprobs."
     )
+    # vLLM's (the last message before the answer): refused, not ignored, so a vLLM
+    # client does not get an answer without the text it asked for.
+    echo: bool | None = Field(None, description="vLLM's: only false.")
     modalities: list[str] | None = Field(None, description='Only ["text"].')
     audio: dict[str, Any] | None = Field(None, description="Only none.")
     web_search_options: dict[str, Any] | None = Field(None, description="Only none.")
@@ -260,6 +319,10 @@ class ChatCompletionRequest(GenerateParams):
         if self.top_logprobs is not None and not self.logprobs:
             detail = f"needs logprobs: true, found logprobs: {describe(self.logprobs)}"
             raise InvalidInput.field("top_logprobs", detail, "invalid_value")
+        if self.echo:
+            raise unsupported(
+                "echo", "a chat answer does not echo its messages; send false or leave it out"
+            )
         if self.modalities is not None and self.modalities != ["text"]:
             raise unsupported(
                 "modalities",
@@ -378,6 +441,56 @@ def prepare_prompts(
         except InvalidInput as e:
             raise (e.at(f"prompt[{i}]") if e.param == "prompt" and not one else e) from None
     return items
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt as an echo shows it: its text (token ids given: their decoding), its
+    token ids, and its tokens after the first scored (None: the engine scored none)."""
+
+    text: str
+    ids: Sequence[int]
+    scores: Sequence[TokenLogprob] | None = None
+
+
+@dataclass(frozen=True)
+class Echoed:
+    """What an echo puts before a choice's completion: the prompt's text, and where
+    the request asked for logprobs, its tokens' (completions' shape)."""
+
+    text: str
+    logprobs: dict[str, Any] | None = None
+
+    def before(
+        self, text: str, logprobs: dict[str, Any] | None
+    ) -> tuple[str, dict[str, Any] | None]:
+        """A completion's `text` and `logprobs` (its offsets counted from the end of
+        the echo already) with the echo in front."""
+        if self.logprobs is None:
+            return self.text + text, logprobs
+        if logprobs is None:
+            return self.text + text, self.logprobs
+        return self.text + text, {k: [*v, *logprobs[k]] for k, v in self.logprobs.items()}
+
+
+def prompt_logprobs(prompt: Prompt, spelling: Spelling, top: int) -> dict[str, Any]:
+    """Completions' `logprobs` of an echoed prompt: its first token has none (nothing
+    comes before it: null, as OpenAI writes it), the others theirs and the `top`
+    likeliest there, as generated tokens do; offsets from 0."""
+    if prompt.scores is None or len(prompt.scores) != len(prompt.ids) - 1:
+        found = None if prompt.scores is None else len(prompt.scores)
+        raise ValueError(
+            f"echo: expected scores of the prompt's {len(prompt.ids) - 1} tokens after "
+            f"its first, found {found}"
+        )
+    first = spelling.text(prompt.ids[0])
+    rest = completion_logprobs(prompt.scores, spelling, top, len(first))
+    return {
+        "tokens": [first, *rest["tokens"]],
+        "token_logprobs": [None, *rest["token_logprobs"]],
+        "top_logprobs": [None, *rest["top_logprobs"]],
+        "text_offset": [0, *rest["text_offset"]],
+    }
 
 
 @dataclass(frozen=True)
