@@ -39,6 +39,7 @@ from lanes.protocols.completions import (
     ChatCompletionRequest,
     Choice,
     CompletionRequest,
+    Prompt,
     chat_response,
     completion_response,
     prepare_prompts,
@@ -182,17 +183,13 @@ class CompletionLine:
         template = config.chat_template if config else None
         opening = config.chat_generation_prompt if config else None
         prepared = prepare_prompts(self.request, template, opening, task.prepare)
-        asked: dict[str, Any] = {}
         if self.request.ignore_eos:  # as online: run to max_tokens
-            asked["ignore_eos"] = True
-        if self.request.top_logprobs_wanted is not None:  # as online: each token's logprobs
-            asked["top_logprobs"] = self.request.top_logprobs_wanted
-        if asked:
             prepared = [
-                dataclasses.replace(p, **asked) if isinstance(p, GenerateRequest) else p
+                dataclasses.replace(p, ignore_eos=True) if isinstance(p, GenerateRequest) else p
                 for p in prepared
             ]
-        return prepared
+        # As online: logprobs of its tokens and its prompt's, an echo's prefill alone.
+        return [self.request.settle(p) if isinstance(p, GenerateRequest) else p for p in prepared]
 
     def answer(self, prepared: Sequence[Any], outputs: Sequence[Any], task: Task) -> dict[str, Any]:
         done = [o for o in outputs if isinstance(o, Completion)]
@@ -219,12 +216,29 @@ class CompletionLine:
             )
         else:
             choices = [
-                Choice(c.text, c.finish_reason, lp) for c, lp in zip(done, logprobs, strict=True)
+                self._choice(p, c, lp, task)
+                for p, c, lp in zip(prepared, done, logprobs, strict=True)
             ]
             body = completion_response(
                 id, created, self.request.model, choices, prompt_tokens, completion_tokens
             )
         return batch_output(self.id, self.request_id, 200, body)
+
+    def _choice(
+        self, prepared: Any, done: Completion, logprobs: dict[str, Any] | None, task: Task
+    ) -> Choice:
+        """A completion's choice, its prompt in front where it asked for an echo (as the
+        online route writes it)."""
+        if not isinstance(prepared, GenerateRequest) or not isinstance(task, GenerateTask):
+            return Choice(done.text, done.finish_reason, logprobs)
+        prompt = Prompt(prepared.prompt, prepared.prompt_ids, done.prompt_logprobs)
+        echoed = self.request.echo_of(prompt, task.spelling)
+        if echoed is None:
+            return Choice(done.text, done.finish_reason, logprobs)
+        offset = len(echoed.text)  # the completion's offsets follow the echo's text
+        after = self.request.logprobs_body(done.logprobs or [], task.spelling, offset)
+        text, logprobs = echoed.before(done.text, after)
+        return Choice(text, done.finish_reason, logprobs)
 
     def _logprobs(self, done: Completion, task: Task) -> dict[str, Any] | None:
         """The choice's `logprobs`, as the online route writes them."""

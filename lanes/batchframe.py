@@ -200,6 +200,8 @@ def encode_outputs(outcomes: Sequence[Any]) -> bytes:
             }
             if outcome.logprobs is not None:
                 fields["logprobs"] = [_logprob_fields(lp) for lp in outcome.logprobs]
+            if outcome.prompt_logprobs is not None:
+                fields["prompt_logprobs"] = [_logprob_fields(lp) for lp in outcome.prompt_logprobs]
             entries.append(Entry({"tokens": tokens}, fields))
         elif isinstance(outcome, Exception):
             entries.append(ModelError(f"the model failed on this item: {outcome}"))
@@ -247,6 +249,7 @@ def _generate_entry(request: GenerateRequest) -> Entry:
         "seed": request.seed,
         "ignore_eos": request.ignore_eos,
         "top_logprobs": request.top_logprobs,
+        "prompt_logprobs": request.prompt_logprobs,
     }
     return Entry({"prompt_ids": np.asarray(request.prompt_ids, dtype=np.int64)}, fields)
 
@@ -272,21 +275,34 @@ def _generate_request(task: GenerateTask, arrays: Arrays, fields: dict[str, Any]
         not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS
     ):
         raise InvalidInput(f"`top_logprobs`: expected null or 0 to {MAX_TOP_LOGPROBS}")
+    scored = fields.get("prompt_logprobs")
+    if scored is not None and (
+        not isinstance(scored, int)
+        or isinstance(scored, bool)
+        or not 0 <= scored <= MAX_TOP_LOGPROBS
+    ):
+        raise InvalidInput(f"`prompt_logprobs`: expected null or 0 to {MAX_TOP_LOGPROBS}")
     names = ("max_new_tokens", "temperature", "top_k", "top_p", "stop")
+    checked = {n: fields[n] for n in names if n in fields}
+    # An echo's prefill alone (Seq.prompt_logprobs): no token, so no budget to check.
+    nothing = scored is not None and checked.get("max_new_tokens") == 0
+    if nothing:
+        checked["max_new_tokens"] = 1
     try:
-        params = Generation.model_validate({n: fields[n] for n in names if n in fields})
+        params = Generation.model_validate(checked)
     except ValidationError as err:
         raise invalid_input(err) from None
     prompt_ids = tuple(int(i) for i in ids)
     return GenerateRequest(
         prompt=str(decoder.tokenizer.decode(list(prompt_ids))),
         prompt_ids=prompt_ids,
-        max_new_tokens=params.max_new_tokens,
+        max_new_tokens=0 if nothing else params.max_new_tokens,
         sampling=SamplingParams(params.temperature, params.top_k, params.top_p),
         stop=tuple(params.stop),
         seed=seed,
         ignore_eos=ignore_eos,
         top_logprobs=top,
+        prompt_logprobs=scored,
     )
 
 
@@ -297,12 +313,14 @@ def _completion(entry: Entry) -> Completion:
     if tokens is None or reason not in ("stop", "length"):
         raise ModelError("the endpoint answered a generate item without tokens or finish")
     logprobs = fields.get("logprobs")
+    prompt = fields.get("prompt_logprobs")
     return Completion(
         str(fields.get("text", "")),
         [int(t) for t in tokens],
         reason,
         int(fields.get("prompt_tokens", 0)),
         None if logprobs is None else [_logprob_of(lp) for lp in logprobs],
+        None if prompt is None else [_logprob_of(lp) for lp in prompt],
     )
 
 

@@ -700,6 +700,20 @@ def test_offline_output_through_the_endpoint_equals_the_local_runners(
                 "body": {"model": "local", "prompt": ["b", "c a"], "max_tokens": 3, "logprobs": 2},
             }
         )
+        records.append(  # a text scored: its prompt's logprobs travel back too
+            {
+                "custom_id": "req-3",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {
+                    "model": "local",
+                    "prompt": ["a b c", "b"],
+                    "max_tokens": 0,
+                    "echo": True,
+                    "logprobs": 1,
+                },
+            }
+        )
         records.append({"id": "g-bad", "prompt": 7})
     else:
         records = [{"id": f"r{i}", "x": [[i, 1, 2, 3]]} for i in range(40)]
@@ -737,7 +751,9 @@ def test_offline_output_through_the_endpoint_equals_the_local_runners(
     local = offline(workload="local", spec=str(spec))
 
     assert served is not None and served >= 40
-    assert remote["outputs"] == local["outputs"] == 41 + (task == "generate") - (task == "infer")
+    assert (
+        remote["outputs"] == local["outputs"] == 41 + 2 * (task == "generate") - (task == "infer")
+    )
     for name in ("a.jsonl", "b.jsonl"):
         there = read_jsonl(tmp_path / "out-remote" / name)
         here = read_jsonl(tmp_path / "out-local" / name)
@@ -753,6 +769,15 @@ def test_offline_output_through_the_endpoint_equals_the_local_runners(
         )
         for choice in line["response"]["body"]["choices"]:
             assert len(choice["logprobs"]["tokens"]) == len(choice["logprobs"]["top_logprobs"]) > 0
+        (scored,) = (
+            r
+            for r in read_jsonl(tmp_path / "out-remote" / "b.jsonl")
+            if r.get("custom_id") == "req-3"
+        )
+        choices = scored["response"]["body"]["choices"]
+        assert [c["text"] for c in choices] == ["a b c", "b"]
+        assert [c["logprobs"]["token_logprobs"][0] for c in choices] == [None, None]
+        assert all(lp is not None for lp in choices[0]["logprobs"]["token_logprobs"][1:])
 
 
 def _assert_same_line(got: dict[str, Any], want: dict[str, Any]) -> None:

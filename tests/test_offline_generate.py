@@ -80,6 +80,12 @@ def test_offline_generate_equals_the_endpoints_greedy_answers(
         # Logprobs answer as online, one line's prompts among others that asked none.
         batch_line("c-4", "/v1/completions", {**completions, "logprobs": 2, "stop": ["("]}),
         batch_line("c-5", "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 3}),
+        # Scoring texts: the prompts echoed with their tokens' logprobs, a completion
+        # after them or none at all.
+        batch_line("c-6", "/v1/completions", {**completions, "echo": True, "logprobs": 1}),
+        batch_line(
+            "c-7", "/v1/completions", {**completions, "echo": True, "logprobs": 2, "max_tokens": 0}
+        ),
     ]
     write_jsonl(tmp_path / "in" / "part-0.jsonl", records)
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
@@ -118,6 +124,9 @@ def test_offline_generate_equals_the_endpoints_greedy_answers(
     asked = offline["c-4"]["response"]["body"]["choices"]
     assert all(c["logprobs"]["tokens"] for c in asked)
     assert offline["c-5"]["response"]["body"]["choices"][0]["logprobs"]["content"]
+    for choice, prompt in zip(offline["c-7"]["response"]["body"]["choices"], PROMPTS, strict=False):
+        assert choice["text"] == prompt and choice["logprobs"]["token_logprobs"][0] is None
+        assert all(lp is not None for lp in choice["logprobs"]["token_logprobs"][1:])
 
 
 def assert_same(got: Any, want: Any, where: str) -> None:
