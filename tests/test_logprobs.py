@@ -12,11 +12,13 @@ import pytest
 
 from lanes.generation.batch import generate_batch
 from lanes.generation.logprobs import TokenLogprob, token_logprobs
+from lanes.generation.prefill import prefill
 from lanes.generation.scheduler import Scheduler
 from lanes.generation.seq import Seq, StepOutputs
 from lanes.isolation import Failed
 from lanes.runtime import Runtime
 from lanes.settings import Settings
+from lanes.spec import ModelSpec
 from lanes.specfile import load_spec
 from lanes.tasks import GenerateTask, load_task
 from lanes.tasks.decoder import Completion, Decoder
@@ -245,3 +247,25 @@ def test_a_chunked_prompt_asked_for_no_token_finishes_after_its_last_chunk() -> 
     (event,) = events
     assert event.tokens == () and event.finish == "length" and event.first
     assert event.prompt_logprobs == tuple(seq.prompt_scores)
+
+
+@pytest.mark.parametrize("layout", ["model.onnx", "model-slots.onnx"])
+def test_one_left_padded_prefill_scores_each_prompt_on_its_own_positions(
+    demo_models: Path, layout: str
+) -> None:
+    """Prompts of three lengths in one run, on the Optimum graph and on the slot
+    layout's (which moves each row's columns and back): each as its run alone."""
+    folder = demo_models / "tinycode"
+    model = ModelSpec.model_validate(
+        {"path": folder / layout, "tokenizer": folder / "tokenizer.json"}
+    )
+    decoder = Decoder.load(model, Runtime(Settings(device="cpu")))
+    prompts = ["for", "import os\nimport sys\nclass A:", "def f(x"]
+    seqs = [Seq(i, tuple(decoder.encode(p)), 3, prompt_logprobs=1) for i, p in enumerate(prompts)]
+    plain = Seq(9, tuple(decoder.encode("x = ")), 3)
+    prefill(decoder, [*seqs, plain])
+    assert plain.prompt_scores == []
+    for seq in seqs:
+        want = prompt_reference(decoder, seq.prompt_ids)
+        assert [r.logprob for r in seq.prompt_scores] == pytest.approx(want, abs=1e-4)
+        assert all(len(r.top) == 1 for r in seq.prompt_scores)

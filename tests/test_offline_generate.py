@@ -6,6 +6,7 @@ token counts, for plain records and for OpenAI batch lines alike."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -62,6 +63,13 @@ def batch_line(custom_id: str, url: str, body: dict[str, Any]) -> dict[str, Any]
     return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
 
 
+def readme_scoring_line() -> dict[str, Any]:
+    """The README's offline scoring example (Logprobs), as it is written there."""
+    section = (ROOT / "README.md").read_text().split("**Scoring a text: `echo`.**", 1)[1]
+    line: dict[str, Any] = json.loads(section.split("```jsonl\n", 1)[1].split("```", 1)[0])
+    return line
+
+
 def test_offline_generate_equals_the_endpoints_greedy_answers(
     demo_models: Path, tmp_path: Path
 ) -> None:
@@ -86,6 +94,7 @@ def test_offline_generate_equals_the_endpoints_greedy_answers(
         batch_line(
             "c-7", "/v1/completions", {**completions, "echo": True, "logprobs": 2, "max_tokens": 0}
         ),
+        readme_scoring_line(),
     ]
     write_jsonl(tmp_path / "in" / "part-0.jsonl", records)
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
@@ -124,6 +133,9 @@ def test_offline_generate_equals_the_endpoints_greedy_answers(
     asked = offline["c-4"]["response"]["body"]["choices"]
     assert all(c["logprobs"]["tokens"] for c in asked)
     assert offline["c-5"]["response"]["body"]["choices"][0]["logprobs"]["content"]
+    (scored,) = offline["conv-1"]["response"]["body"]["choices"]
+    assert scored["text"] == readme_scoring_line()["body"]["prompt"]
+    assert scored["logprobs"]["token_logprobs"][0] is None
     for choice, prompt in zip(offline["c-7"]["response"]["body"]["choices"], PROMPTS, strict=False):
         assert choice["text"] == prompt and choice["logprobs"]["token_logprobs"][0] is None
         assert all(lp is not None for lp in choice["logprobs"]["token_logprobs"][1:])
