@@ -269,3 +269,7 @@ def test_one_left_padded_prefill_scores_each_prompt_on_its_own_positions(
         want = prompt_reference(decoder, seq.prompt_ids)
         assert [r.logprob for r in seq.prompt_scores] == pytest.approx(want, abs=1e-4)
         assert all(len(r.top) == 1 for r in seq.prompt_scores)
+    # A preempted sequence's recompute runs its prompt again: it is not scored again.
+    scored = [seq.prompt_scores for seq in seqs]
+    prefill(decoder, seqs, recompute=True)
+    assert all(seq.prompt_scores is s for seq, s in zip(seqs, scored, strict=True))
