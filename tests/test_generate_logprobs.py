@@ -268,6 +268,9 @@ def test_chat_without_logprobs_answers_null(client: OpenAI) -> None:
         # Nothing generated is a prompt scored: only with echo. Chat echoes nothing.
         ("/v1/completions", {"logprobs": 2, "max_tokens": 0}, "max_tokens"),
         ("/v1/chat/completions", {"logprobs": True, "echo": True}, "echo"),
+        # vLLM's field for a prompt's logprobs: echo gives them, in OpenAI's shape.
+        ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+        ("/v1/chat/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
     ],
 )
 def test_logprobs_out_of_range_are_400s_naming_the_field(

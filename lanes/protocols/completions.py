@@ -102,6 +102,8 @@ class GenerateParams(GenerationOptions, OpenAIRequest):
     bad_words: list[str] | None = Field(None, description="vLLM's: only empty.")
     include_stop_str_in_output: bool | None = Field(None, description="vLLM's: only false.")
     use_beam_search: bool | None = Field(None, description="vLLM's: only false.")
+    # Refused, not ignored: a vLLM client would get no scores and not know.
+    prompt_logprobs: int | None = Field(None, description="vLLM's: none; echo with logprobs.")
 
     @property
     def streamed(self) -> bool:
@@ -190,6 +192,12 @@ class GenerateParams(GenerationOptions, OpenAIRequest):
                     f"lanes does not implement vLLM's {name}; send {orjson.dumps(no_op).decode()} "
                     f"or leave it out, found {shown[:80]}",
                 )
+        if self.prompt_logprobs is not None:
+            raise unsupported(
+                "prompt_logprobs",
+                "lanes scores a prompt as OpenAI does: send echo: true with logprobs on "
+                "/v1/completions, and leave prompt_logprobs out",
+            )
         if self.stream_options is not None and not self.streamed:
             detail = "only allowed when stream is true"
             raise InvalidInput.field("stream_options", detail, "invalid_value")
