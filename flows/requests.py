@@ -202,26 +202,11 @@ class CompletionLine:
         created = int(time.time())
         prompt_tokens = sum(c.prompt_tokens for c in done)
         completion_tokens = sum(len(c.tokens) for c in done)
-        if chat:
-            (one,) = done
-            body = chat_response(
-                id,
-                created,
-                self.request.model,
-                one.text,
-                one.finish_reason,
-                prompt_tokens,
-                completion_tokens,
-                logprobs[0],
-            )
-        else:
-            choices = [
-                self._choice(p, c, lp, task)
-                for p, c, lp in zip(prepared, done, logprobs, strict=True)
-            ]
-            body = completion_response(
-                id, created, self.request.model, choices, prompt_tokens, completion_tokens
-            )
+        choices = [
+            self._choice(p, c, lp, task) for p, c, lp in zip(prepared, done, logprobs, strict=True)
+        ]
+        respond = chat_response if chat else completion_response
+        body = respond(id, created, self.request.model, choices, prompt_tokens, completion_tokens)
         return batch_output(self.id, self.request_id, 200, body)
 
     def _choice(

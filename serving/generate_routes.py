@@ -3,13 +3,14 @@
 With `stream: true` the answer is Server-Sent Events in OpenAI's chunk format,
 ending with `data: [DONE]`; without it (OpenAI's default, whatever the workload's
 `stream:`), one JSON body with `usage` and `finish_reason`. A list of prompts gets
-one choice per prompt, in order (`index`). A bad request (400) or a full queue (503)
+`n` choices per prompt, in order (`index`: prompt i's choice j at i * n + j; a chat's
+0 to n - 1), each its own sequence; `usage` counts each prompt once. A bad request (400) or a full queue (503)
 is always an HTTP status: every prompt is checked and admitted before the answer
 starts. A single prompt's answer starts once its first text may be sent, so a deadline
 passed before its first token (504) is still a status too. A streamed list of prompts
-starts at once and streams each prompt's pieces as they come, interleaved by `index`;
-one prompt that fails (its deadline, the model) ends with an error event carrying its
-`index`, and the others go on. A client that disconnects, before or during its
+(or n > 1) starts at once and streams each choice's pieces as they come, interleaved by
+`index`; one choice that fails (its deadline, the model) ends with an error event
+carrying its `index`, and the others go on. A client that disconnects, before or during its
 stream, aborts its sequences: the engine frees their rows at the next step.
 """
 
@@ -28,7 +29,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from lanes.errors import LanesError
+from lanes.errors import InvalidInput, LanesError
 from lanes.generation.kvcache import MAX_PADDING
 from lanes.generation.logprobs import TokenLogprob
 from lanes.generation.scheduler import Policy
@@ -89,15 +90,6 @@ class Endpoint:
     chunk: Callable[[str, int, str, str | None, OpenAIFinish | None, bool, int, Logprobs], Body]
 
 
-def _chat_whole(
-    id: str, created: int, model: str, choices: Sequence[Choice], prompt: int, completion: int
-) -> dict[str, Any]:
-    (choice,) = choices  # a chat is one prompt
-    return chat_response(
-        id, created, model, choice.text, choice.finish_reason, prompt, completion, choice.logprobs
-    )
-
-
 COMPLETIONS = Endpoint(
     request=CompletionRequest,
     id_prefix="cmpl",
@@ -111,9 +103,9 @@ CHAT = Endpoint(
     request=ChatCompletionRequest,
     id_prefix="chatcmpl",
     chunk_object="chat.completion.chunk",
-    whole=_chat_whole,
+    whole=chat_response,
     chunk=lambda id, created, model, text, finish, first, index, logprobs: chat_chunk(
-        id, created, model, text, finish, first, logprobs
+        id, created, model, text, finish, first, logprobs, index
     ),
 )
 
@@ -138,8 +130,11 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
         body = await state.offload.run(len(raw), _decode, endpoint.request, raw)
         engine = state.engine(body.model)
         named(request.scope, body.model)
+        count = input_count(body.prompt) if isinstance(body, CompletionRequest) else 1
         if isinstance(body, CompletionRequest):
-            check_inputs(input_count(body.prompt), settings.max_inputs_per_request, "prompt")
+            check_inputs(count, settings.max_inputs_per_request, "prompt")
+        inputs = "the inputs a request may carry (LANES_MAX_INPUTS_PER_REQUEST)"
+        _check_choices(count, body.choices, settings.max_inputs_per_request, inputs)
         config = engine.decoder.config
         prepared = await state.offload.run(
             len(raw),
@@ -152,7 +147,10 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
         too_many = never_fits(len(prepared), engine.max_queue)
         if too_many is not None:
             raise too_many
-        prepared = [body.settle(item) for item in prepared]
+        queued = "what the workload queues (`batching.max_queue`)"
+        _check_choices(len(prepared), body.choices, engine.max_queue, queued)
+        # Prompt i's choice j at i * n + j: OpenAI's order of the choices.
+        prepared = [choice for item in prepared for choice in body.choices_of(item)]
         timeout = timeout_s(request)
         ignore_eos = body.ignore_eos is True
         trace = record.trace if record is not None else None
@@ -188,6 +186,18 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
     latency.observe(time.monotonic() - arrived)
     answer.account()
     return JSONResponse(answer.whole(whole))
+
+
+def _check_choices(prompts: int, n: int, limit: int, where: str) -> None:
+    """A 400 naming `n` when the `prompts` times `n` sequences are over `limit` (`where`
+    says which), though the prompts alone are not: fewer choices per request fit."""
+    if n == 1 or prompts * n <= limit:
+        return
+    detail = (
+        f"{prompts} prompt(s) times n = {n} is {prompts * n} sequences, over {limit}, "
+        f"{where}; expected n at most {limit // prompts}, or more requests"
+    )
+    raise InvalidInput.field("n", detail, "invalid_value")
 
 
 def _decode(
@@ -304,8 +314,8 @@ class _Answer:
         self.streams = streams
         self.spelling = spelling
         self.record = record
-        self.prepared = prepared  # per prompt, what an echo shows of it
-        # Per prompt, the characters of the tokens whose logprobs went out (a streamed
+        self.prepared = prepared  # per choice, what an echo shows of its prompt
+        # Per choice, the characters of the tokens whose logprobs went out (a streamed
         # completion's text_offset goes on from there).
         self._offsets: dict[int, int] = {}
         # From the request id, as vLLM does: grep either and find both.
@@ -320,8 +330,9 @@ class _Answer:
 
     @property
     def usage(self) -> tuple[int, int]:
-        """Prompt and completion tokens, over every prompt."""
-        prompt = sum(s.prompt_tokens for s in self.streams)
+        """Prompt tokens, each prompt's once (its first choice's: as OpenAI and vLLM
+        count them), and completion tokens over every choice."""
+        prompt = sum(s.prompt_tokens for s in self.streams[:: self.body.choices])
         return prompt, sum(s.completion_tokens for s in self.streams)
 
     def whole(self, pieces: Sequence[Piece]) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import orjson
 from pydantic import Field
@@ -25,7 +25,11 @@ from lanes.protocols.openai import (
     texts_or_ids,
     unsupported,
 )
+from lanes.tasks.sampling import choice_seed
 from lanes.validation import describe
+
+if TYPE_CHECKING:  # lanes.tasks.generate reads GenerationOptions from here
+    from lanes.tasks.generate import GenerateRequest
 
 T = TypeVar("T")
 
@@ -84,7 +88,9 @@ class GenerationOptions(Shape):
 class GenerateParams(GenerationOptions, OpenAIRequest):
     """What /v1/completions and /v1/chat/completions share; `ignore_eos` is vLLM's."""
 
-    n: int | None = Field(None, ge=1, le=128, description="Choices per prompt: lanes makes one.")
+    n: int | None = Field(
+        None, ge=1, le=128, description="Choices per prompt, each sampled on its own."
+    )
     stream: bool | None = Field(None, description="Answer as Server-Sent Events.")
     stream_options: StreamOptions | None = None
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="Only 0.")
@@ -153,11 +159,25 @@ class GenerateParams(GenerationOptions, OpenAIRequest):
             return item
         return dataclasses.replace(item, **asked)
 
+    @property
+    def choices(self) -> int:
+        """Choices per prompt (`n`; 1 when unset)."""
+        return self.n or 1
+
+    def choices_of(self, item: GenerateRequest) -> list[GenerateRequest]:
+        """A prepared prompt's `n` sequences, each settled (`settle`), choice j's seed
+        derived from the prompt's and j (`choice_seed`): with a seed, a rerun draws
+        the same choices; at temperature 0 they are equal. Each runs its own prefill
+        (sharing one across them is an optimisation not built)."""
+        settled = self.settle(item)
+        if self.choices == 1:
+            return [settled]
+        return [
+            dataclasses.replace(settled, seed=choice_seed(settled.seed, j))
+            for j in range(self.choices)
+        ]
+
     def check(self) -> None:
-        if self.n not in (None, 1):
-            raise unsupported(
-                "n", f"lanes makes one choice per prompt; send {self.n} requests, found {self.n}"
-            )
         if self.frequency_penalty:
             raise unsupported(
                 "frequency_penalty",
@@ -226,7 +246,7 @@ class CompletionRequest(GenerateParams):
         None, description="Start the text with the prompt (and logprobs with its tokens')."
     )
     suffix: str | None = Field(None, description="Only empty.")
-    best_of: int | None = Field(None, ge=1, le=20, description="Only 1.")
+    best_of: int | None = Field(None, ge=1, le=20, description="Only 1 or n.")
     logprobs: int | None = Field(
         None, ge=0, le=5, description="Alternatives per token, beside the sampled one."
     )
@@ -242,8 +262,12 @@ class CompletionRequest(GenerateParams):
             raise InvalidInput.field("max_tokens", detail, "integer_below_min_value")
         if self.suffix:
             raise unsupported("suffix", "lanes does not insert text; leave it out")
-        if self.best_of not in (None, 1):
-            raise unsupported("best_of", f"lanes makes one choice per prompt, found {self.best_of}")
+        if self.best_of not in (None, 1, self.choices):
+            raise unsupported(
+                "best_of",
+                f"lanes returns every choice it makes, none ranked out: send 1 or n "
+                f"({self.choices}), found {self.best_of}",
+            )
 
     @property
     def top_logprobs_wanted(self) -> int | None:
@@ -577,7 +601,8 @@ def completion_response(
     prompt_tokens: int,
     completion_tokens: int,
 ) -> dict[str, Any]:
-    """The body of a /v1/completions answer: one choice per prompt, in order."""
+    """The body of a /v1/completions answer: each prompt's `n` choices, in order
+    (prompt i's choice j at i * n + j, as OpenAI orders them)."""
     return {
         "id": id,
         "object": "text_completion",
@@ -600,7 +625,7 @@ def completion_chunk(
     index: int = 0,
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One Server-Sent Event of a streamed /v1/completions answer (`index`: its prompt;
+    """One Server-Sent Event of a streamed /v1/completions answer (`index`: its choice;
     `logprobs`: its tokens', where the request asked)."""
     choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return {
@@ -616,21 +641,25 @@ def chat_response(
     id: str,
     created: int,
     model: str,
-    text: str,
-    finish_reason: OpenAIFinish,
+    choices: Sequence[Choice],
     prompt_tokens: int,
     completion_tokens: int,
-    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The body of a /v1/chat/completions answer."""
-    message = {"role": "assistant", "content": text}
-    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+    """The body of a /v1/chat/completions answer: its `n` choices, in order."""
     return {
         "id": id,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [choice],
+        "choices": [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": c.logprobs,
+                "finish_reason": c.finish_reason,
+            }
+            for i, c in enumerate(choices)
+        ],
         "usage": usage_body(prompt_tokens, completion_tokens),
     }
 
@@ -643,13 +672,14 @@ def chat_chunk(
     finish_reason: OpenAIFinish | None = None,
     first: bool = False,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One Server-Sent Event of a streamed chat answer; the first carries the role,
-    the last an empty delta and the finish_reason."""
+    """One Server-Sent Event of a streamed chat answer (`index`: its choice); a
+    choice's first carries the role, its last an empty delta and the finish_reason."""
     delta: dict[str, Any] = {"role": "assistant"} if first else {}
     if text is not None:
         delta["content"] = text
-    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return {
         "id": id,
         "object": "chat.completion.chunk",

@@ -6,6 +6,7 @@ engine, so one request samples the same way whichever path serves it.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,17 @@ def generator(seed: int | None) -> np.random.Generator:
     64-bit; numpy takes only non-negative ones): a negative one is taken modulo 2**64,
     so each signed 64-bit integer still names a stream of its own."""
     return np.random.default_rng(None if seed is None else seed % 2**64)
+
+
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """The seed of a request's `choice`-th choice (OpenAI's `n`): its first keeps the
+    request's seed, so n = 1 samples as before; each other one a signed 64-bit seed
+    hashed from the seed and its place, so a rerun draws the same choices and no two
+    choices share a stream. No seed: None, each choice's generator from fresh entropy."""
+    if seed is None or choice == 0:
+        return seed
+    digest = hashlib.sha256(f"{seed}/{choice}".encode()).digest()
+    return int.from_bytes(digest[:8], "little", signed=True)
 
 
 def sample(logits: np.ndarray[Any, Any], params: SamplingParams, rng: np.random.Generator) -> int:
