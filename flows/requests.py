@@ -171,7 +171,8 @@ class EmbeddingsLine:
 
 @dataclass(frozen=True)
 class CompletionLine:
-    """A /v1/completions or /v1/chat/completions line: one completion per prompt."""
+    """A /v1/completions or /v1/chat/completions line: `n` completions per prompt, in
+    the online route's order."""
 
     number: int
     id: str
@@ -188,8 +189,16 @@ class CompletionLine:
                 dataclasses.replace(p, ignore_eos=True) if isinstance(p, GenerateRequest) else p
                 for p in prepared
             ]
-        # As online: logprobs of its tokens and its prompt's, an echo's prefill alone.
-        return [self.request.settle(p) if isinstance(p, GenerateRequest) else p for p in prepared]
+        # As online: logprobs of its tokens and its prompt's, an echo's prefill alone,
+        # and each prompt's n choices (a handler's own items: n of each).
+        n = self.request.choices
+        return [
+            choice
+            for p in prepared
+            for choice in (
+                self.request.choices_of(p) if isinstance(p, GenerateRequest) else [p] * n
+            )
+        ]
 
     def answer(self, prepared: Sequence[Any], outputs: Sequence[Any], task: Task) -> dict[str, Any]:
         done = [o for o in outputs if isinstance(o, Completion)]
@@ -200,7 +209,8 @@ class CompletionLine:
         chat = isinstance(self.request, ChatCompletionRequest)
         id = f"{'chatcmpl' if chat else 'cmpl'}-{self.request_id}"
         created = int(time.time())
-        prompt_tokens = sum(c.prompt_tokens for c in done)
+        # Each prompt counted once, as online: its first choice's.
+        prompt_tokens = sum(c.prompt_tokens for c in done[:: self.request.choices])
         completion_tokens = sum(len(c.tokens) for c in done)
         choices = [
             self._choice(p, c, lp, task) for p, c, lp in zip(prepared, done, logprobs, strict=True)

@@ -714,6 +714,22 @@ def test_offline_output_through_the_endpoint_equals_the_local_runners(
                 },
             }
         )
+        records.append(  # n sampled choices per prompt, each seeded as online
+            {
+                "custom_id": "req-4",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {
+                    "model": "local",
+                    "prompt": ["a", "b c"],
+                    "max_tokens": 3,
+                    "n": 2,
+                    "temperature": 1,
+                    "seed": 4,
+                    "logprobs": 1,
+                },
+            }
+        )
         records.append({"id": "g-bad", "prompt": 7})
     else:
         records = [{"id": f"r{i}", "x": [[i, 1, 2, 3]]} for i in range(40)]
@@ -748,11 +764,16 @@ def test_offline_output_through_the_endpoint_equals_the_local_runners(
         monkeypatch.setenv("LANES_INTERNAL_KEY", KEY)
         remote = offline(workload="remote", spec=str(spec))
         served = metric(server, "lanes_lane_items_total", workload="live", lane="offline")
+        online = None
+        if task == "generate":  # the n-choice line, asked online
+            (sampled,) = (r for r in records if r.get("custom_id") == "req-4")
+            body = {**sampled["body"], "model": "live"}
+            online = httpx.post(f"{server.url}/v1/completions", json=body)
     local = offline(workload="local", spec=str(spec))
 
     assert served is not None and served >= 40
     assert (
-        remote["outputs"] == local["outputs"] == 41 + 2 * (task == "generate") - (task == "infer")
+        remote["outputs"] == local["outputs"] == 41 + 3 * (task == "generate") - (task == "infer")
     )
     for name in ("a.jsonl", "b.jsonl"):
         there = read_jsonl(tmp_path / "out-remote" / name)
@@ -778,6 +799,16 @@ def test_offline_output_through_the_endpoint_equals_the_local_runners(
         assert [c["text"] for c in choices] == ["a b c", "b"]
         assert [c["logprobs"]["token_logprobs"][0] for c in choices] == [None, None]
         assert all(lp is not None for lp in choices[0]["logprobs"]["token_logprobs"][1:])
+        (line,) = (
+            r
+            for r in read_jsonl(tmp_path / "out-remote" / "b.jsonl")
+            if r.get("custom_id") == "req-4"
+        )
+        assert online is not None and online.status_code == 200, online
+        answer = line["response"]["body"]
+        assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
+        assert answer["choices"] == online.json()["choices"]
+        assert answer["usage"] == online.json()["usage"]
 
 
 def _assert_same_line(got: dict[str, Any], want: dict[str, Any]) -> None:

@@ -95,6 +95,13 @@ def test_offline_generate_equals_the_endpoints_greedy_answers(
             "c-7", "/v1/completions", {**completions, "echo": True, "logprobs": 2, "max_tokens": 0}
         ),
         readme_scoring_line(),
+        # n choices per prompt, sampled: each its own seed, derived as online.
+        batch_line(
+            "c-8",
+            "/v1/completions",
+            {**completions, "n": 2, "temperature": 1, "seed": 5, "logprobs": 1},
+        ),
+        batch_line("c-9", "/v1/chat/completions", {**chat, "n": 2, "temperature": 1, "seed": 9}),
     ]
     write_jsonl(tmp_path / "in" / "part-0.jsonl", records)
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
@@ -136,6 +143,9 @@ def test_offline_generate_equals_the_endpoints_greedy_answers(
     (scored,) = offline["conv-1"]["response"]["body"]["choices"]
     assert scored["text"] == readme_scoring_line()["body"]["prompt"]
     assert scored["logprobs"]["token_logprobs"][0] is None
+    sampled = offline["c-8"]["response"]["body"]["choices"]
+    assert [c["index"] for c in sampled] == list(range(6))
+    assert [c["index"] for c in offline["c-9"]["response"]["body"]["choices"]] == [0, 1]
     for choice, prompt in zip(offline["c-7"]["response"]["body"]["choices"], PROMPTS, strict=False):
         assert choice["text"] == prompt and choice["logprobs"]["token_logprobs"][0] is None
         assert all(lp is not None for lp in choice["logprobs"]["token_logprobs"][1:])
