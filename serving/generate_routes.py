@@ -157,7 +157,7 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
         for item in prepared:
             streams.append(engine.submit(item, timeout, ignore_eos=ignore_eos, trace=trace))
     except LanesError as e:
-        _cancel(streams)  # a later prompt was refused: the earlier ones leave too
+        _cancel(streams)  # a later prompt (or choice) was refused: the earlier ones leave too
         return openai_error(e)
     # OpenAI's default, whatever the workload's `stream:` (that is the SDK's default).
     streaming = body.streamed
@@ -230,7 +230,8 @@ async def _each(
 
 @dataclass(frozen=True)
 class _Failed:
-    """A prompt of a list that failed alone (its deadline, the model): its last item."""
+    """A prompt (or choice) of a list that failed alone (its deadline, the model): its
+    last item."""
 
     error: LanesError
 
@@ -351,7 +352,7 @@ class _Answer:
         return self.endpoint.whole(self.id, self.created, self.body.model, choices, *self.usage)
 
     def _echo(self, index: int) -> Echoed | None:
-        """What prompt `index`'s choice starts with (None: no echo asked); its scores
+        """What choice `index` starts with (None: no echo asked); its scores
         came with its first event."""
         if not self.prepared:
             return None
@@ -374,7 +375,7 @@ class _Answer:
         return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
     def _chunk_logprobs(self, index: int, piece: Piece) -> Logprobs:
-        """The piece's tokens' logprobs, their offsets after the prompt's earlier ones."""
+        """The piece's tokens' logprobs, their offsets after the choice's earlier ones."""
         if not piece.logprobs:
             return None
         offset = self._offsets.get(index, 0)
@@ -384,7 +385,7 @@ class _Answer:
         return self.body.logprobs_body(piece.logprobs, self.spelling, offset)
 
     def _sse(self, index: int, piece: Piece, opened: set[int]) -> bytes:
-        """A piece's events: its text (a prompt's first, even empty: a chat's role
+        """A piece's events: its text (a choice's first, even empty: a chat's role
         rides on it; or empty, with the logprobs of tokens whose text is held back),
         then its finish_reason; one write for both."""
         sse = b""
@@ -407,7 +408,7 @@ class _Answer:
 
     def _error(self, error: LanesError, index: int | None = None) -> bytes:
         """An error event, in the same shape as an HTTP error (the openai client raises
-        it as an APIError); with `index`, the one prompt of a list it ended."""
+        it as an APIError); with `index`, the one choice of a list it ended."""
         body = error_of(error)
         if index is not None:
             body["error"]["index"] = index
@@ -425,7 +426,7 @@ class _Answer:
     ) -> AsyncGenerator[bytes, None]:
         """The SSE body: text chunks, a chunk with each finish_reason, usage if asked,
         [DONE]. `first`: a single prompt's first piece, read already (None for a list).
-        A prompt of a list that fails alone gets an error event with its index, and the
+        A choice of a list that fails alone gets an error event with its index, and the
         others go on; a single prompt's failure ends the body. Leaving early (closed, or
         its client gone) aborts every sequence."""
         opened: set[int] = set()

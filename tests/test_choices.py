@@ -15,6 +15,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from lanes.tasks.sampling import choice_seed
 from tests.gates import Gate, stepping, wait_until
 from tests.servers import ServerThread, write_spec
 
@@ -197,6 +198,16 @@ def test_best_of_is_n_or_1(server: ServerThread) -> None:
         assert answer.status_code == status, answer.text
     refused = httpx.post(f"{server.url}/v1/completions", json={**body, "best_of": 2}).json()
     assert refused["error"]["param"] == "best_of" and "n (3)" in refused["error"]["message"]
+
+
+def test_each_choice_has_a_seed_of_its_own_that_a_rerun_repeats() -> None:
+    for seed in (7, -(2**63), 2**63 - 1):
+        seeds = [choice_seed(seed, j) for j in range(128)]
+        assert seeds[0] == seed  # n = 1 draws as it did
+        assert len(set(seeds)) == 128
+        assert all(s is not None and -(2**63) <= s < 2**63 for s in seeds)  # OpenAI's range
+        assert seeds == [choice_seed(seed, j) for j in range(128)]
+    assert choice_seed(None, 3) is None  # unseeded: each its own fresh entropy
 
 
 def metric(server: ServerThread, name: str, **labels: str) -> float:

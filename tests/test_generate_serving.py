@@ -502,17 +502,22 @@ def sse_events(lines: list[str]) -> list[dict[str, object]]:
     return [json.loads(line.removeprefix("data: ")) for line in lines if line]
 
 
+# A list of two prompts, or one prompt's two choices (n): two sequences either way.
+@pytest.mark.parametrize(
+    "two", [{"prompt": ["def f(x", "class A"]}, {"prompt": "def f(x", "n": 2}], ids=["list", "n"]
+)
 async def test_a_streamed_list_starts_at_once_and_a_late_prompt_fails_alone(
-    server: ServerThread,
+    server: ServerThread, two: dict[str, object]
 ) -> None:
-    """`pair` has one row: a list's second prompt waits for the first to finish. The
-    stream starts before either has a token, the first's text comes while the second
-    waits, and the second's deadline passing before its first token ends it alone."""
+    """`pair` has one row: a list's second prompt (or choice) waits for the first to
+    finish. The stream starts before either has a token, the first's text comes while
+    the second waits, and the second's deadline passing before its first token ends it
+    alone."""
     url = f"{server.url}/v1/completions"
-    prompts = ["def f(x", "class A"]
-    body = {"model": "pair", "prompt": prompts, "max_tokens": 3, "ignore_eos": True}
+    body = {"model": "pair", **two, "max_tokens": 3, "ignore_eos": True}
     async with httpx.AsyncClient(timeout=30) as client:
-        alone = (await client.post(url, json={**body, "prompt": prompts[0]})).json()
+        first_prompt = {**body, "prompt": "def f(x", "n": 1}
+        alone = (await client.post(url, json=first_prompt)).json()
         with GATE.closed():  # even the first prompt's prefill waits
             stream = {**body, "stream": True}
             late = {"X-Timeout-Ms": HOUR_MS}
