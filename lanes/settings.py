@@ -257,6 +257,14 @@ class Settings(BaseSettings):
             raise ValueError("expected a path, found an empty value")
         return value
 
+    @field_validator("s3_endpoint")
+    @classmethod
+    def _an_endpoint_url(cls, value: str | None) -> str | None:
+        # boto3 takes any string here and fails at the first S3 call with a traceback.
+        if value and not re.fullmatch(r"https?://[^\s/]+(/\S*)?", value):
+            raise ValueError(f"expected an http:// or https:// URL, found {value!r}")
+        return value
+
     @field_validator("allowed_input_roots")
     @classmethod
     def _roots_are_folders(cls, roots: tuple[str, ...]) -> tuple[str, ...]:

@@ -274,6 +274,12 @@ def one_line_error(done: subprocess.CompletedProcess[str] | Result) -> str:
         ("LANES_SPEC", "", "env LANES_SPEC: expected a path, found an empty value"),
         ("LANES_OFFPEAK__CRON", "* * 31 2 *", "env LANES_OFFPEAK__CRON: '* * 31 2 *' never fires"),
         ("LANES_ALLOWED_INPUT_ROOTS", "/data/", "env LANES_ALLOWED_INPUT_ROOTS: expected JSON"),
+        # boto3 would take it and fail at the first S3 call with a traceback.
+        (
+            "LANES_S3_ENDPOINT",
+            "127.0.0.1:9000",
+            "env LANES_S3_ENDPOINT: expected an http:// or https:// URL, found '127.0.0.1:9000'",
+        ),
         # The variable that was set, and the place in its JSON value.
         (
             "LANES_ALLOWED_INPUT_ROOTS",
