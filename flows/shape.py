@@ -114,8 +114,11 @@ class RecordShape:
             record = made
         if self.kind == "embed":
             return self._from(record, "text")
-        if self.kind == "generate" and self.source is not None:
-            return {"prompt": self._from(record, "prompt")}
+        if self.kind == "generate":
+            # Checked here, not left to the task: the validating step then catches it.
+            prompt = self._from(record, "prompt")
+            if self.source is not None:
+                return {"prompt": prompt}
         skip = {self.fields.id, *self.fields.keep}
         return {k: v for k, v in record.items() if k not in skip}
 

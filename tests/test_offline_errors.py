@@ -111,6 +111,22 @@ def test_records_in_the_wrong_shape_fail_the_run_before_any_shard(
     assert fixed.result()["outputs"] == 300
 
 
+def test_generate_records_without_a_prompt_fail_the_run_before_any_shard(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    spec = write_spec(tmp_path, {"answers": offline_workload(task="generate", model="dec")})
+    write_jsonl(tmp_path / "in" / "part-0.jsonl", [{"id": i, "question": "why"} for i in range(9)])
+
+    state = offline(workload="answers", spec=str(spec), return_state=True)
+
+    assert state.is_failed()
+    message = state.message or ""
+    assert "validating the records: 9 of the 9 checked" in message and "no shard ran" in message
+    assert 'line 1: missing field "prompt"' in message
+    assert "set the workload's `fields.prompt`" in message
+    assert not (tmp_path / "out" / "_committed").exists()
+
+
 def test_a_shard_over_its_max_error_rate_fails_uncommitted_and_is_not_retried(
     prefect_api: str, tmp_path: Path
 ) -> None:

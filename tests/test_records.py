@@ -250,6 +250,16 @@ def test_generate_and_infer_items_leave_out_the_id_and_the_kept_fields() -> None
     assert infer.item == {"subject": "Printer", "body": "on fire", "n": 2}
 
 
+def test_a_generate_record_without_a_prompt_is_rejected_saying_how_to_name_it() -> None:
+    made = request({"id": 1, "question": "why?"}, shape("generate"))
+    assert isinstance(made, Rejection)
+    assert made.line["error"] == (
+        'missing field "prompt": a generate record is {"id": ..., "prompt": "...", '
+        "<generation options>}; if your records name it otherwise, set the workload's "
+        "`fields.prompt`"
+    )
+
+
 def csv_request(record: dict[str, str], rshape: RecordShape) -> PlainRecord | Rejection:
     made = to_request(Line(5, record, text=True), rshape, "in/a.csv")
     assert isinstance(made, PlainRecord | Rejection)
