@@ -18,7 +18,7 @@ import typer
 
 from lanes.client import Client
 from lanes.errors import InvalidInput
-from lanes.jobstates import COMPLETED_WITH_ERRORS, EXPIRED
+from lanes.jobstates import COMPLETED_WITH_ERRORS, FAILED_STATES
 from lanes.router.console import ExitCode
 from lanes.router.render import to_jsonable
 from lanes.spec import InteractiveWorkload
@@ -197,8 +197,10 @@ def job(
                 raise typer.Exit(ExitCode.TIMED_OUT) from None
         status = handle.status()
         typer.echo(f"{handle.id} {status}", err=results)
-        if status in (COMPLETED_WITH_ERRORS, EXPIRED):
-            typer.echo(f"{handle.id}: {handle.message()}", err=True)
+        if status == COMPLETED_WITH_ERRORS or status in FAILED_STATES:
+            message = handle.message()  # how it ended: the counts, or why it failed
+            if message:
+                typer.echo(f"{handle.id}: {message}", err=True)
         if results:
             for line in handle.results():
                 typer.echo(json.dumps(to_jsonable(line)))

@@ -323,6 +323,24 @@ def test_a_run_whose_deadline_passed_with_shards_not_started_reads_expired(
     )
 
 
+def test_lanes_job_says_why_a_failed_job_failed(prefect_api: str, tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, {"aff": offline_workload("infer")})
+    write_jsonl(tmp_path / "in" / "a.jsonl", [{"key": i, "x": [[i, 0, 0, 0]]} for i in range(3)])
+    state = offline(workload="aff", spec=str(spec), return_state=True)
+    assert state.is_failed()
+    app = typer.Typer()
+    app.command("job")(job_command)
+    app.command("noop")(lambda: None)  # two commands: typer then wants the command's name
+    id = str(state.state_details.flow_run_id)
+
+    shown = CliRunner().invoke(app, ["job", id], catch_exceptions=False)
+
+    assert shown.exit_code == 0  # without --wait it only reports
+    assert f"{id} FAILED" in shown.output, shown.output
+    assert f"{id}: " in shown.output and "validating the records" in shown.output
+    assert 'missing field "id"' in shown.output
+
+
 def test_a_second_job_into_a_committed_output_fails_before_writing_over_it(
     prefect_api: str, tmp_path: Path
 ) -> None:
