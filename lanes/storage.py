@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import IO, Any
 from urllib.parse import unquote, urlparse
 
-from lanes.errors import StorageError
+from lanes.errors import PermanentStorageError, StorageError
 from lanes.localfiles import (
     GLOB_CHARS,
     PRIVATE,
@@ -386,11 +386,17 @@ class Storage:
 
                 # A client is thread-safe; a Session is not, so one client is made here.
                 session = boto3.session.Session()
-                self._client = session.client(
-                    "s3",
-                    endpoint_url=self.settings.s3_endpoint or None,
-                    config=Config(retries={"max_attempts": 5, "mode": "standard"}),
-                )
+                try:
+                    self._client = session.client(
+                        "s3",
+                        endpoint_url=self.settings.s3_endpoint or None,
+                        config=Config(retries={"max_attempts": 5, "mode": "standard"}),
+                    )
+                except ValueError as err:  # botocore's "Invalid endpoint: 127.0.0.1:9000"
+                    raise PermanentStorageError(
+                        f"S3 endpoint: {err}; set AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3, "
+                        "LANES_S3_ENDPOINT) to an http:// or https:// URL"
+                    ) from None
             return self._client
 
     def _errors(self, uri: str, action: str) -> AbstractContextManager[None]:

@@ -320,6 +320,19 @@ def test_s3_settings_endpoint_wins_over_the_environment(
     assert storage.list_files("s3://data/", SUFFIXES) == []
 
 
+def test_an_s3_endpoint_without_a_scheme_in_the_environment_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # boto3's own variable (LANES_S3_ENDPOINT is checked with the other settings).
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "127.0.0.1:9000")
+    storage = Storage(Settings())
+    with pytest.raises(PermanentStorageError) as caught:
+        storage.list_files("s3://data/", SUFFIXES)
+    message = str(caught.value)
+    assert message.startswith("S3 endpoint: Invalid endpoint: 127.0.0.1:9000")
+    assert "AWS_ENDPOINT_URL" in message and "an http:// or https:// URL" in message
+
+
 def test_s3_large_shard_goes_up_in_parts_and_appears_whole(s3: Any, tmp_path: Path) -> None:
     s3.create_bucket(Bucket="out")
     storage = Storage(Settings(), multipart_threshold=5 * MiB)
