@@ -45,7 +45,7 @@ from lanes.backfill import served_workload
 from lanes.errors import JobFailed, LanesError, StorageError
 from lanes.flows import FLOW_NAME
 from lanes.flows.endpoint import batch_key, check_key, check_reachable
-from lanes.flows.job import Job, Lane, plan_job, plan_shards
+from lanes.flows.job import Job, Lane, check_output_owner, plan_job, plan_shards
 from lanes.flows.manifest import Manifest, build_manifest, write_manifest
 from lanes.flows.outcome import outcome, run_deadline
 from lanes.flows.progress import progress
@@ -206,6 +206,7 @@ def run_job(
     storage.ensure_folder(job.output)
     storage.clean_stale(job.output, STALE_STAGING_S)
     plans = plan_shards(job, storage)
+    check_output_owner(job, plans, storage)
     done: list[ShardStats] = []
     pending: list[PendingShard] = []
     for plan in plans:

@@ -18,10 +18,10 @@ from typing import Literal
 import orjson
 
 from lanes.digests import Digests
-from lanes.errors import StorageError, WrongMode
+from lanes.errors import PermanentStorageError, StorageError, WrongMode
 from lanes.flows.records import FORMATS, is_known, output_name
 from lanes.flows.shard import ShardPlan
-from lanes.inputs import check_input, output_inside_input
+from lanes.inputs import check_input, folder_of, output_inside_input
 from lanes.layout import ERRORS, MARKERS
 from lanes.settings import Settings
 from lanes.spec import Fields, OfflineWorkload, Runner, Spec, Workload, in_offline_lane
@@ -260,3 +260,50 @@ def plan_shards(job: Job, storage: Storage) -> list[ShardPlan]:
                     f"the folder {folder}/; rename one of them"
                 )
     return plans
+
+
+def check_output_owner(job: Job, plans: list[ShardPlan], storage: Storage) -> None:
+    """Refuse an output holding commit markers of another job's shards before any shard
+    writes: another workload's, or of a file outside this job's input folder (by its
+    URI, or by its path inside the project: `shard_source`). `committed` reads only
+    the markers of this job's own shard names, so two jobs whose files are named apart
+    would mix their results in one folder, each manifest counting its own. A marker of
+    a file since gone from this job's input is its own."""
+    own = {plan.name.removesuffix(".jsonl") + ".json" for plan in plans}
+    try:
+        markers = storage.list_files(join(job.output, MARKERS), (".json",))
+    except StorageError:
+        return  # no marker yet (a storage outage fails the shards' own reads)
+    folder = folder_of(job.input, job.spec.root or Path.cwd()).rstrip("/") + "/"
+    relative: str | None = None  # the folder inside the project, where it is inside
+    project = job.spec.root
+    if project is not None and "://" not in folder and Path(folder).is_relative_to(project):
+        inner = Path(folder).relative_to(project).as_posix()
+        relative = "" if inner == "." else inner + "/"
+    for marker in markers:
+        if marker.name in own:
+            continue
+        try:
+            found = orjson.loads(storage.read_bytes(marker.uri) or b"null")
+        except orjson.JSONDecodeError:
+            continue  # unreadable: not known to be anyone's
+        if not isinstance(found, dict) or not isinstance(found.get("input"), str):
+            continue
+        workload, input, source = found.get("workload"), found["input"], found.get("source")
+        # Inside the project, by `source`; a marker older than it, of a project since
+        # moved: its input's path holds the folder's (as `_same_input` reads it).
+        ours = input.startswith(folder) or (
+            relative is not None
+            and (
+                source.startswith(relative) if isinstance(source, str) else f"/{relative}" in input
+            )
+        )
+        if workload in (None, job.workload) and ours:
+            continue
+        owner = f"workload {workload}'s shard of " if workload else "a shard of "
+        raise PermanentStorageError(
+            f"{job.output} holds the results of {owner}{input} (commit marker "
+            f"{marker.uri}), not of {job.input} for workload {job.workload}: two jobs "
+            f"write this output and their results would mix; give this one a different "
+            f"output, or delete {job.output} to replace the old results"
+        )

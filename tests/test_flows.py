@@ -341,6 +341,37 @@ def test_lanes_job_says_why_a_failed_job_failed(prefect_api: str, tmp_path: Path
     assert 'missing field "id"' in shown.output
 
 
+def test_a_second_job_with_other_file_names_into_a_committed_output_fails_before_writing(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    """No marker of the second job's own names is there: the others' are read too."""
+    for folder, name in (("in", "a"), ("in", "b"), ("in2", "c")):
+        records = [{"id": f"{folder}-{name}{i}", "x": [[i, 0, 0, 0]]} for i in range(3)]
+        write_jsonl(tmp_path / folder / f"{name}.jsonl", records)
+    spec = write_spec(tmp_path, {"aff": offline_workload("infer")})
+    offline(workload="aff", spec=str(spec))
+    committed = {p.name: p.read_bytes() for p in (tmp_path / "out").rglob("*.json*")}
+
+    other = offline_workload("infer", input="in2/")
+    for workload, rerun in (("other", "uncommitted"), ("aff", "uncommitted"), ("aff", "all")):
+        write_spec(tmp_path, {workload: other})
+        with pytest.raises(StorageError) as caught:
+            offline(workload=workload, spec=str(spec), rerun=rerun)
+        message = str(caught.value)
+        assert f"{tmp_path}/out/ holds the results of workload aff's shard of " in message
+        assert f"{tmp_path}/in/a.jsonl" in message and f"for workload {workload}" in message
+        assert f"give this one a different output, or delete {tmp_path}/out/" in message
+        assert {p.name: p.read_bytes() for p in (tmp_path / "out").rglob("*.json*")} == committed
+
+    # Its own input, a file gone from it, and one file of it alone: its own output.
+    write_spec(tmp_path, {"aff": offline_workload("infer")})
+    (tmp_path / "in" / "b.jsonl").unlink()
+    again = offline(workload="aff", spec=str(spec))
+    assert (again["shards_run"], again["shards_skipped"]) == (0, 1)
+    one = offline(workload="aff", spec=str(spec), input=f"{tmp_path}/in/a.jsonl")
+    assert (one["shards_run"], one["shards_skipped"]) == (0, 1)
+
+
 def test_a_second_job_into_a_committed_output_fails_before_writing_over_it(
     prefect_api: str, tmp_path: Path
 ) -> None:
