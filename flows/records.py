@@ -139,7 +139,7 @@ def _jsonl(stream: IO[bytes], max_bytes: int) -> Iterator[Line]:
         number += 1
         if len(raw) > max_bytes and not raw.endswith(b"\n"):
             size = len(raw) + _skip_line(stream)
-            yield Line(number, None, f"line is {size} bytes, over the limit of {max_bytes}")
+            yield Line(number, None, f"line is {size} bytes, {_over(max_bytes)}")
             continue
         if number == 1:
             raw = raw.removeprefix(_BOM)  # as CSV's reader: some editors write one
@@ -190,7 +190,7 @@ def _json_array(stream: IO[bytes], max_bytes: int) -> Iterator[Line]:
             continue
         size = len(orjson.dumps(element))
         if size > max_bytes:
-            yield Line(number, None, f"element is {size} bytes, over the limit of {max_bytes}")
+            yield Line(number, None, f"element is {size} bytes, {_over(max_bytes)}")
             continue
         yield Line(number, element)
 
@@ -256,7 +256,7 @@ def _csv_records(stream: IO[bytes], max_bytes: int) -> Iterator[_Record]:
         if quoted:  # the file ended inside the field, however long that made the record
             yield from _unclosed(start, number, filled)
         elif size > max_bytes:
-            yield _Record(start, b"", f"record is {size} bytes, over the limit of {max_bytes}")
+            yield _Record(start, b"", f"record is {size} bytes, {_over(max_bytes)}")
         else:
             yield _Record(start, b"".join(parts), None)
 
@@ -419,3 +419,8 @@ def output_name(input_name: str) -> str:
         if name.endswith(suffix):
             return name[: -len(suffix)] + ".jsonl"
     return name + ".jsonl"
+
+
+def _over(max_bytes: int) -> str:
+    """What a record too long to read is over, and which setting raises it."""
+    return f"over the limit of {max_bytes} (LANES_MAX_BODY_BYTES: raise it, or split the record)"

@@ -20,6 +20,8 @@ from lanes.storage import Storage
 from lanes.tasks.handler import Handler
 from lanes.template import Template
 
+RAISE_IT = "(LANES_MAX_BODY_BYTES: raise it, or split the record)"
+
 
 def read(path: Path, max_bytes: int = 1 << 20) -> list[Line]:
     storage = Storage(Settings())
@@ -54,7 +56,7 @@ def test_csv_records_are_numbered_by_their_first_line_and_bad_ones_are_lines(
         ),
         Line(5, {"ticket_id": "2", "subject": '5" screen', "body": "cracked"}, text=True),
         Line(6, None, "expected 3 fields (the header's), found 4"),
-        Line(7, None, "record is 208 bytes, over the limit of 120"),
+        Line(7, None, "record is 208 bytes, over the limit of 120 " + RAISE_IT),
         Line(8, {"ticket_id": "5", "subject": "Login", "body": "fails"}, text=True),
         Line(
             9,
@@ -87,6 +89,15 @@ def test_an_unclosed_quote_over_the_size_limit_still_names_every_line(tmp_path: 
         "a quoted field opened on line 3 or later is never closed: it takes in the rest "
         "of the file, lines 3 to 43 (41 lines)"
     )
+
+
+def test_a_jsonl_line_over_the_limit_says_which_setting_raises_it(tmp_path: Path) -> None:
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"id": 1, "text": "' + "x" * 200 + '"}\n{"id": 2, "text": "y"}\n')
+    assert read(path, max_bytes=100) == [
+        Line(1, None, "line is 222 bytes, over the limit of 100 " + RAISE_IT),
+        Line(2, {"id": 2, "text": "y"}),
+    ]
 
 
 def test_a_jsonl_files_byte_order_mark_is_skipped_as_csvs_is(tmp_path: Path) -> None:
@@ -124,7 +135,7 @@ def test_json_arrays_are_read_element_by_element(tmp_path: Path) -> None:
     assert read(path, max_bytes=100) == [
         Line(1, {"id": 1, "text": "a"}),
         Line(2, None, "expected a JSON object, found 7"),
-        Line(3, None, "element is 318 bytes, over the limit of 100"),
+        Line(3, None, "element is 318 bytes, over the limit of 100 " + RAISE_IT),
     ]
     one = tmp_path / "one.json"
     one.write_text('{"id": 1, "text": "a"}')
