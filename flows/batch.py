@@ -49,6 +49,7 @@ from lanes.flows.job import Job, Lane, check_output_owner, plan_job, plan_shards
 from lanes.flows.manifest import Manifest, build_manifest, write_manifest
 from lanes.flows.outcome import outcome, run_deadline
 from lanes.flows.progress import progress
+from lanes.flows.sample import SAMPLE_BATCHES
 from lanes.flows.scheduling import PendingShard, ShardsOutcome, run_shards
 from lanes.flows.shard import ShardPlan, ShardStats, committed
 from lanes.flows.shard_task import endpoint_url, loaded_model
@@ -289,9 +290,11 @@ def _failed(plans: list[ShardPlan], shards: ShardsOutcome, missing: str | None) 
 def _record_throughput(store: Measurements, job: Job, manifest: Manifest, uri: str) -> None:
     """The run's offline items/s per device (and, on the endpoint, per second of the
     model time its items used there: its price), for `lanes plan` and later manifests. A
-    run that ran nothing measured nothing; a home that cannot be written costs the run
-    nothing but a warning."""
-    if manifest.items == 0:
+    run that ran nothing measured nothing, and one of fewer than `SAMPLE_BATCHES` full
+    batches (a small job, a --retry-errors of a few records) measured its fixed costs
+    (loading the model, starting shards), not its rate: neither replaces the newest
+    measurement. A home that cannot be written costs the run nothing but a warning."""
+    if manifest.items < SAMPLE_BATCHES * job.batch_size:
         return
     busy = manifest.busy_seconds if manifest.cost_basis == "busy_seconds" else None
     record = Throughput(

@@ -45,8 +45,8 @@ def records_of(task: str) -> list[dict[str, Any]]:
         # token, which goes out before its step is reported.
         prompts = ["a", "b", "c", "a b", "d a", "b c a"]
         return [
-            {"id": f"g{i}", "prompt": prompts[i % 6], "max_tokens": 1 + i % 4} for i in range(24)
-        ]
+            {"id": f"g{i}", "prompt": prompts[i % 6], "max_tokens": 1 + i % 4} for i in range(32)
+        ]  # two batches of 16: a smaller run records no rate (flows.batch)
     return [{"id": f"d{i}", "text": text(i)} for i in range(40)]
 
 
@@ -165,7 +165,7 @@ def test_a_local_run_and_an_older_manifest_are_on_wall_time(
 ) -> None:
     monkeypatch.setenv("LANES_HOME", str(tmp_path / "home"))
     spec = write_spec(tmp_path, {"corpus": batch()})
-    write_jsonl(tmp_path / "in" / "a.jsonl", records_of("embed")[:8])
+    write_jsonl(tmp_path / "in" / "a.jsonl", records_of("embed")[:32])  # two batches
     offline(workload="corpus", spec=str(spec))
     manifest = orjson.loads((tmp_path / "out" / "_manifest.json").read_bytes())
     assert manifest["cost_basis"] == "wall_seconds" and manifest["busy_seconds"] is None

@@ -244,6 +244,23 @@ def test_a_run_prices_its_items_on_the_endpoint_and_records_its_own_rate(
     assert run.items_per_second == pytest.approx(30 / manifest["wall_seconds"], rel=0.01)
 
 
+def test_a_run_of_less_than_two_batches_leaves_the_measured_rate_alone(
+    prefect_api: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One record's run is mostly its model's loading: 100x the price of 1k items."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("LANES_HOME", str(home))
+    spec_file = write_spec(tmp_path, WORKLOADS)
+    earlier = measured(spec_file, "corpus", "offline", 300.0)
+    Measurements(home).save(earlier)
+    write_jsonl(tmp_path / "in" / "a.jsonl", [{"id": i, "text": text(i)} for i in range(15)])
+
+    offline(workload="corpus", spec=str(spec_file))  # batch_size 8: 15 items, not 2 batches
+
+    assert json.loads((tmp_path / "out" / "_manifest.json").read_text())["items"] == 15
+    assert Measurements(home).load() == [earlier]
+
+
 # ---- lanes calibrate --------------------------------------------------------------------------
 
 
