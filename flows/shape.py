@@ -63,6 +63,12 @@ class RecordShape:
         """The record's id, or None and why it has none."""
         name = self.fields.id
         if name not in record:
+            if name == "id" and "url" in record and "body" in record:
+                # An OpenAI batch line but for its custom_id: not a plain record without an id.
+                return None, (
+                    'missing field "custom_id": an OpenAI batch line is {"custom_id": ..., '
+                    '"method": "POST", "url": ..., "body": {...}}'
+                )
             if name == "id":
                 hint = "; if your records name it otherwise, set the workload's `fields.id`"
                 example = _EXAMPLE[self.kind]

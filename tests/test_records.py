@@ -234,6 +234,9 @@ def test_fields_name_the_id_a_template_of_the_text_and_the_fields_to_keep() -> N
         ({}, {"text": "a"}, 'missing field "id": a plain record is {"id": ..., "text": "..."}; '
          "if your records name it otherwise, set the workload's `fields.id`"),
         ({"id": "ticket_id"}, {"id": 1, "text": "a"}, 'missing field "ticket_id" (the id, by `fields.id`)'),
+        ({}, {"method": "POST", "url": "/v1/embeddings", "body": {"input": "a"}},
+         'missing field "custom_id": an OpenAI batch line is {"custom_id": ..., "method": "POST", '
+         '"url": ..., "body": {...}}'),
         ({"id": "ticket_id", "text": "{subject} {body}"}, {"ticket_id": 1, "subject": "s"},
          "missing field \"body\" (in `fields.text`: '{subject} {body}')"),
         ({"text": "body"}, {"id": 1, "text": "a"}, 'missing field "body" (the text, by `fields.text`)'),
