@@ -4,13 +4,14 @@ The scheduler (lanes/generation/scheduler.py) plans who runs; `Advance` takes th
 logits of the rows that ran and gives each sequence its event: the token appended
 with the text it completes (held back while it could be the start of a stop string
 or ends inside a character), or its finish: eos, its token budget within the
-model's context, a stop string, its deadline, or a failure of the model on it
+model's context, a stop token or string, its deadline, or a failure of the model on it
 alone. Finishing a sequence is the scheduler's bookkeeping (`finish`), called here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -41,6 +42,9 @@ class Advance:
         # Unfinished sequences that asked for logprobs (the scheduler counts them): while
         # there are none, a step's rows are not even looked at for them.
         self.scoring = 0
+        # Unfinished sequences whose logits are processed before they pick (Seq.controlled,
+        # counted by the scheduler too): while there are none, no row is asked.
+        self.controlled = 0
 
     def sampled(
         self,
@@ -62,6 +66,7 @@ class Advance:
         greedy: list[int] | None = None
         advance, finished, eos = self.token, SeqStatus.FINISHED_STOPPED, self.eos_token_ids
         scoring = self.scoring  # read before this step's finishes lower it
+        controlled = self.controlled
         for i, seq in enumerate(seqs):
             if seq.status >= finished:
                 continue  # a static batch's finished row (or a failed one): no logits
@@ -69,6 +74,9 @@ class Advance:
                 # Its deadline passed during its prefill: it made no token in time.
                 self._finish(seq, SeqStatus.FINISHED_DEADLINE)
                 events.append(final(seq))
+                continue
+            if controlled and seq.controlled:
+                events.append(advance(seq, self.pick(seq, logits[i])))
                 continue
             if seq.sampling.temperature == 0:
                 if greedy is None:
@@ -91,6 +99,17 @@ class Advance:
         if scoring:  # else no row asked: not one check per row
             self._score_rows(seqs, events, logits)
         return events
+
+    def pick(self, seq: Seq, row: Array) -> int:
+        """`seq`'s next token from its [vocab] row of logits, after what it declared:
+        before its min_tokens, eos and its stop tokens are masked (as vLLM, stop strings
+        are not). The row itself is left as it is: logprobs score the raw logits."""
+        if len(seq.tokens) < seq.min_tokens:
+            row = row.copy()
+            row[[*self.eos_token_ids, *seq.stop_token_ids]] = -np.inf
+        if seq.sampling.temperature == 0:
+            return int(row.argmax())
+        return sample(row, seq.sampling, seq.rng)
 
     def _score_rows(self, seqs: Sequence[Seq], events: list[Event], logits: Array) -> None:
         """The tokens made by the rows of `seqs` that asked for logprobs, scored on
@@ -127,7 +146,7 @@ class Advance:
     def token(self, seq: Seq, token: int) -> Event:
         """`seq` after `token`: its event, and its finish where the token ends it."""
         first = not seq.tokens
-        if token in self.eos_token_ids and not seq.ignore_eos:
+        if (token in self.eos_token_ids and not seq.ignore_eos) or token in seq.stop_token_ids:
             self._finish(seq, SeqStatus.FINISHED_STOPPED)
             seq.text += self.text.rest(seq)
             return final(seq, (), first)
@@ -144,7 +163,7 @@ class Advance:
         seq.text += self.text.delta(seq)
         cut = _first_stop(seq.text, stop, before) if stop else None
         if cut is not None:
-            seq.text = seq.text[:cut]
+            seq.text = seq.text[: cut.end if seq.include_stop else cut.start]
             self._finish(seq, SeqStatus.FINISHED_STOPPED)
             return final(seq, (token,), first)
         if len(seq.tokens) >= limit:
@@ -194,13 +213,21 @@ def _unheld(text: str, sent: int, stop: Sequence[str]) -> int:
     return held
 
 
-def _first_stop(text: str, stop: Sequence[str], before: int) -> int | None:
-    """Where the earliest stop string starts, looking only where one could newly end
-    (the text before `before` was searched already)."""
-    hits = []
+@dataclass(frozen=True)
+class StopHit:
+    """Where a stop string found in a text starts and ends."""
+
+    start: int
+    end: int
+
+
+def _first_stop(text: str, stop: Sequence[str], before: int) -> StopHit | None:
+    """The earliest stop string (the longest of those starting there), looking only
+    where one could newly end (the text before `before` was searched already)."""
+    hit: StopHit | None = None
     for s in stop:
         if s:
             i = text.find(s, max(0, before - len(s) + 1))
-            if i >= 0:
-                hits.append(i)
-    return min(hits) if hits else None
+            if i >= 0 and (hit is None or (i, -(i + len(s))) < (hit.start, -hit.end)):
+                hit = StopHit(i, i + len(s))
+    return hit

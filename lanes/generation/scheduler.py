@@ -34,7 +34,6 @@ from lanes.generation.advance import Advance, final
 from lanes.generation.reserve import Reserve
 from lanes.generation.seq import Chunk, Event, Seq, SeqStatus, StepOutputs, StepPlan
 from lanes.generation.text import ByteText, Detokenize, WindowText
-from lanes.tasks.sampling import sample
 
 Array = np.ndarray[Any, Any]
 Policy = Literal["continuous", "static", "static-drop", "serial"]
@@ -143,6 +142,7 @@ class Scheduler:
         self._timed += seq.deadline is not None
         self._offline_live += seq.offline
         self.advance.scoring += seq.top_logprobs is not None
+        self.advance.controlled += seq.controlled
         if not seq.offline:
             self.reserve.arrived(self.clock())
         (self.offline if seq.offline else self.waiting).append(seq)
@@ -447,11 +447,7 @@ class Scheduler:
         if seq.deadline is not None and self.clock() >= seq.deadline:
             self._finish(seq, SeqStatus.FINISHED_DEADLINE)
             return [*events, final(seq)]
-        if seq.sampling.temperature == 0:
-            token = int(logits.argmax())
-        else:
-            token = sample(logits, seq.sampling, seq.rng)
-        event = self.advance.token(seq, token)
+        event = self.advance.token(seq, self.advance.pick(seq, logits))
         if seq.top_logprobs is not None and event.tokens:
             self.advance.score((seq,), (event,), outputs.chunk)
         return [*events, event]
@@ -463,6 +459,7 @@ class Scheduler:
             self._timed -= seq.deadline is not None
             self._offline_live -= seq.offline
             self.advance.scoring -= seq.top_logprobs is not None
+            self.advance.controlled -= seq.controlled
 
 
 def _padded(seqs: Sequence[Seq]) -> int:

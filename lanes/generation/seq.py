@@ -67,6 +67,12 @@ class Seq:
     # prompt); None: its prompt is not scored, at no cost. With it, max_new_tokens may
     # be 0: the sequence finishes after its prefill, having made nothing.
     prompt_logprobs: int | None = None
+    # vLLM's: tokens that end it as eos does (not in its tokens or text); eos and these
+    # cannot end it before min_tokens (their logits are masked until then); a stop
+    # string that ends it stays in its text (include_stop_str_in_output).
+    stop_token_ids: frozenset[int] = frozenset()
+    min_tokens: int = 0
+    include_stop: bool = False
     # Its text is wanted as it is made (a stream). Without, and without stop strings,
     # nobody reads it before the finish: it is decoded once then, its events till then
     # carry no text (the offline lanes').
@@ -104,6 +110,12 @@ class Seq:
         if self._rng is None:
             self._rng = generator(self.seed)
         return self._rng
+
+    @property
+    def controlled(self) -> bool:
+        """Whether its logits are processed before it picks (Advance.pick): rows that
+        declared nothing pick from them as they are, in the vectorised paths."""
+        return bool(self.stop_token_ids) or self.min_tokens > 0
 
     @property
     def last_token(self) -> int:

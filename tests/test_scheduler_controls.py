@@ -1,0 +1,79 @@
+"""vLLM's stop_token_ids, min_tokens and include_stop_str_in_output in the scheduler
+(lanes/generation/advance.py), on fabricated logits: no model, milliseconds."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lanes.generation.seq import Event, StepOutputs
+from tests.test_scheduler import EOS, VOCAB, A, B, C, X, by_id, logits, make, seq, step
+
+
+def test_a_stop_token_ends_the_sequence_as_eos_does_and_is_not_in_its_text() -> None:
+    s = make()
+    s.add(seq(0, stop_token_ids=frozenset({X})))
+    s.add(seq(1))  # declared nothing: X is one more token
+    step(s)
+    _, events = step(s, X)
+    assert by_id(events)[0] == Event(0, (), "", "stop")
+    assert s.advance.controlled == 0  # the finished one no longer counts
+    assert by_id(events)[1].tokens == (X,) and by_id(events)[1].finish is None
+
+
+def test_min_tokens_masks_eos_and_stop_tokens_until_then() -> None:
+    s = make()
+    s.add(seq(0, min_tokens=3, stop_token_ids=frozenset({X})))
+    made = []
+    for token in (EOS, X, EOS, EOS):
+        _, events = step(s, token)
+        made += [t for e in events for t in e.tokens]
+        if events[-1].finish:
+            break
+    # Masked, eos and X leave the row's next likeliest (the first of its -10s: EOS
+    # masked too, so token 1, A) for the first 3 tokens; then eos ends it.
+    assert made == [A, A, A] and events[-1].finish == "stop"
+
+
+def test_min_tokens_masks_nothing_but_eos_and_stop_tokens() -> None:
+    s = make()
+    s.add(seq(0, min_tokens=2))
+    _, events = step(s, B)
+    assert events[0].tokens == (B,)
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_that_ended_the_text() -> None:
+    s = make()
+    s.add(seq(0, stop=("bc",), include_stop=True))
+    s.add(seq(1, stop=("bc",)))
+    for token in (A, B, C, A):
+        _, events = step(s, token)
+        if all(e.finish for e in events):
+            break
+    assert [r.text for r in s.rows] == ["abc", "a"]
+    assert [e.finish for e in events] == ["stop", "stop"]
+
+
+def test_rows_without_controls_pick_as_alone_beside_rows_with_them() -> None:
+    s = make()
+    s.add(seq(0, min_tokens=4))
+    s.add(seq(1))
+    plan = s.schedule()
+    row = np.full((2, VOCAB), -10.0, dtype=np.float32)
+    row[:, EOS] = 10.0
+    row[:, B] = 5.0
+    events = by_id(s.update(plan, StepOutputs(row, None)))
+    assert events[0].tokens == (B,)  # eos masked: the next likeliest
+    assert events[1] == Event(1, (), "", "stop", True)  # eos, as alone
+    assert row[0, EOS] == 10.0  # the logits themselves are left as they were
+
+
+def test_a_final_chunk_picks_with_the_controls_too() -> None:
+    s = make(max_prefill_tokens=4, chunked=True)
+    s.add(seq(0, prompt=10, min_tokens=2))
+    events: list[Event] = []
+    while not events:
+        plan = s.schedule()
+        assert plan.chunk is not None
+        chunk = logits(EOS) if plan.chunk.final else None
+        events = s.update(plan, StepOutputs(chunk=chunk))
+    assert events[-1].tokens == (A,) and events[-1].finish is None
