@@ -250,6 +250,9 @@ def _generate_entry(request: GenerateRequest) -> Entry:
         "ignore_eos": request.ignore_eos,
         "top_logprobs": request.top_logprobs,
         "prompt_logprobs": request.prompt_logprobs,
+        "stop_token_ids": sorted(request.stop_token_ids),
+        "min_tokens": request.min_tokens,
+        "include_stop": request.include_stop,
     }
     return Entry({"prompt_ids": np.asarray(request.prompt_ids, dtype=np.int64)}, fields)
 
@@ -282,6 +285,16 @@ def _generate_request(task: GenerateTask, arrays: Arrays, fields: dict[str, Any]
         or not 0 <= scored <= MAX_TOP_LOGPROBS
     ):
         raise InvalidInput(f"`prompt_logprobs`: expected null or 0 to {MAX_TOP_LOGPROBS}")
+    stop_ids = fields.get("stop_token_ids", [])
+    if not isinstance(stop_ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in stop_ids
+    ):
+        raise InvalidInput(f"`stop_token_ids`: expected token ids from 0 to {vocab - 1}")
+    least, include_stop = fields.get("min_tokens", 0), fields.get("include_stop", False)
+    if not isinstance(least, int) or isinstance(least, bool) or least < 0:
+        raise InvalidInput("`min_tokens`: expected an integer from 0")
+    if not isinstance(include_stop, bool):
+        raise InvalidInput("`include_stop`: expected true or false")
     names = ("max_new_tokens", "temperature", "top_k", "top_p", "stop")
     checked = {n: fields[n] for n in names if n in fields}
     # An echo's prefill alone (Seq.prompt_logprobs): no token, so no budget to check.
@@ -303,6 +316,9 @@ def _generate_request(task: GenerateTask, arrays: Arrays, fields: dict[str, Any]
         ignore_eos=ignore_eos,
         top_logprobs=top,
         prompt_logprobs=scored,
+        stop_token_ids=frozenset(stop_ids),
+        min_tokens=least,
+        include_stop=include_stop,
     )
 
 

@@ -56,6 +56,8 @@ def plain(i: int, prompt: str) -> dict[str, Any]:
     record: dict[str, Any] = {"id": f"p{i}", "prompt": prompt, "max_tokens": 4 + 3 * i}
     if i == 2:
         record["stop"] = [" ", "\n", "("]
+    if i == 3:  # vLLM's controls, as a plain record may carry them too
+        record |= {"stop_token_ids": [199], "min_tokens": 2, "include_stop_str_in_output": True}
     return record
 
 
@@ -102,6 +104,13 @@ def test_offline_generate_equals_the_endpoints_greedy_answers(
             {**completions, "n": 2, "temperature": 1, "seed": 5, "logprobs": 1},
         ),
         batch_line("c-9", "/v1/chat/completions", {**chat, "n": 2, "temperature": 1, "seed": 9}),
+        # vLLM's controls, one line's prompts among others that declared none.
+        batch_line(
+            "c-10",
+            "/v1/completions",
+            {**completions, "stop_token_ids": [199], "min_tokens": 3, "stop": ["("]}
+            | {"include_stop_str_in_output": True},
+        ),
     ]
     write_jsonl(tmp_path / "in" / "part-0.jsonl", records)
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}

@@ -353,14 +353,23 @@ REJECTED: list[tuple[str, dict[str, Any], str, str | None]] = [
         for name, value in (
             ("repetition_penalty", 1.3),
             ("min_p", 0.1),
-            ("min_tokens", 4),
-            ("stop_token_ids", [5]),
             ("bad_words", ["def"]),
-            ("include_stop_str_in_output", True),
             ("use_beam_search", True),
         )
     ),
-    ("/v1/chat/completions", {**CHAT_BODY, "min_tokens": 2}, "min_tokens", "unsupported_value"),
+    # Those lanes implements are refused only out of range (tests/test_sampling_controls.py).
+    (
+        "/v1/chat/completions",
+        {**CHAT_BODY, "min_tokens": -1},
+        "min_tokens",
+        "integer_below_min_value",
+    ),
+    (
+        "/v1/completions",
+        {**PROMPT_BODY, "stop_token_ids": [10**6]},
+        "stop_token_ids",
+        "invalid_value",
+    ),
     ("/v1/completions", {**PROMPT_BODY, "min_p": 2}, "min_p", "decimal_above_max_value"),
     # Served up to 5 alternatives, as OpenAI: more is out of range, not unsupported.
     ("/v1/completions", {**PROMPT_BODY, "logprobs": 6}, "logprobs", "integer_above_max_value"),

@@ -96,6 +96,9 @@ def seq_of(
         stream=stream,
         top_logprobs=request.top_logprobs,
         prompt_logprobs=request.prompt_logprobs,
+        stop_token_ids=request.stop_token_ids,
+        min_tokens=request.min_tokens,
+        include_stop=request.include_stop,
     )
 
 

@@ -40,10 +40,7 @@ OpenAIFinish = Literal["stop", "length", "content_filter"]
 VLLM_NO_OPS: dict[str, Any] = {
     "repetition_penalty": 1.0,
     "min_p": 0.0,
-    "min_tokens": 0,
-    "stop_token_ids": [],
     "bad_words": [],
-    "include_stop_str_in_output": False,
     "use_beam_search": False,
 }
 
@@ -83,6 +80,16 @@ class GenerationOptions(Shape):
     seed: int | None = Field(
         None, ge=-(2**63), le=2**63 - 1, description="Makes sampling reproducible."
     )
+    # vLLM's extensions (lanes/generation/advance.py applies them).
+    stop_token_ids: list[int] | None = Field(
+        None, max_length=64, description="vLLM's: token ids that end the text, left out of it."
+    )
+    min_tokens: int | None = Field(
+        None, ge=0, description="vLLM's: eos and stop_token_ids cannot end the text before."
+    )
+    include_stop_str_in_output: bool | None = Field(
+        None, description="vLLM's: a stop string that ends the text stays in it."
+    )
 
 
 class GenerateParams(GenerationOptions, OpenAIRequest):
@@ -103,10 +110,7 @@ class GenerateParams(GenerationOptions, OpenAIRequest):
     # vLLM's sampling extensions that lanes does not implement (VLLM_NO_OPS).
     repetition_penalty: float | None = Field(None, gt=0.0, description="vLLM's: only 1.")
     min_p: float | None = Field(None, ge=0.0, le=1.0, description="vLLM's: only 0.")
-    min_tokens: int | None = Field(None, ge=0, description="vLLM's: only 0.")
-    stop_token_ids: list[int] | None = Field(None, description="vLLM's: only empty.")
     bad_words: list[str] | None = Field(None, description="vLLM's: only empty.")
-    include_stop_str_in_output: bool | None = Field(None, description="vLLM's: only false.")
     use_beam_search: bool | None = Field(None, description="vLLM's: only false.")
     # Refused, not ignored: a vLLM client would get no scores and not know.
     prompt_logprobs: int | None = Field(None, description="vLLM's: none; echo with logprobs.")
@@ -233,6 +237,9 @@ class GenerateParams(GenerationOptions, OpenAIRequest):
             "top_p": self.top_p,
             "stop": self.stop,
             "seed": self.seed,
+            "stop_token_ids": self.stop_token_ids,
+            "min_tokens": self.min_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
         }
 
 

@@ -1,7 +1,8 @@
 """generate: a prompt -> a `Completion`, on a decoder with a KV cache.
 
 An item is a prompt string, or a dict {"prompt", "max_tokens"?, "temperature"?,
-"top_k"?, "top_p"?, "stop"?, "seed"?} in an OpenAI request's ranges
+"top_k"?, "top_p"?, "stop"?, "seed"?, and vLLM's "stop_token_ids"?, "min_tokens"?,
+"include_stop_str_in_output"?} in an OpenAI request's ranges
 (`GenerationOptions`, whichever lane it came by) whose missing fields come from the
 workload's `generation:`; a prompt may also be a list of the model's token ids
 (taken as they are, as vLLM does). A prompt and an explicit `max_tokens` must fit
@@ -46,7 +47,14 @@ _FIELDS = {
 _KNOWN = ("prompt", *GenerationOptions.model_fields)
 _REQUEST_NAMES = {target: field for field, target in _FIELDS.items()}
 # The numeric request fields, and whether each takes only an integer.
-_NUMBERS = {"max_tokens": True, "top_k": True, "seed": True, "temperature": False, "top_p": False}
+_NUMBERS = {
+    "max_tokens": True,
+    "top_k": True,
+    "seed": True,
+    "min_tokens": True,
+    "temperature": False,
+    "top_p": False,
+}
 
 
 @dataclass(frozen=True)
@@ -67,6 +75,10 @@ class GenerateRequest:
     # OpenAI completion's echo); None: the prompt is not scored. With it,
     # max_new_tokens may be 0: the prompt is scored, and nothing generated.
     prompt_logprobs: int | None = None
+    # vLLM's: see Seq (lanes/generation/seq.py).
+    stop_token_ids: frozenset[int] = frozenset()
+    min_tokens: int = 0
+    include_stop: bool = False
 
 
 def from_text(item: Mapping[str, Any]) -> dict[str, Any]:
@@ -178,6 +190,11 @@ class GenerateTask:
         params = self._generation(options)
         prompt, ids = self._prompt(item.get("prompt"))
         self.decoder.check_context(len(ids), options.max_tokens)
+        if options.min_tokens and options.min_tokens > params.max_new_tokens:
+            detail = (
+                f"expected at most max_tokens ({params.max_new_tokens}), found {options.min_tokens}"
+            )
+            raise InvalidInput.field("min_tokens", detail, "invalid_value")
         return GenerateRequest(
             prompt=prompt,
             prompt_ids=tuple(ids),
@@ -185,7 +202,23 @@ class GenerateTask:
             sampling=SamplingParams(params.temperature, params.top_k, params.top_p),
             stop=tuple(params.stop),
             seed=options.seed,
+            stop_token_ids=frozenset(self._token_ids("stop_token_ids", options.stop_token_ids)),
+            min_tokens=options.min_tokens or 0,
+            include_stop=options.include_stop_str_in_output is True,
         )
+
+    def _token_ids(self, field: str, ids: list[int] | None) -> list[int]:
+        """`ids` (a request's `field`), each checked to be in the model's vocabulary."""
+        vocab = self.vocab_size
+        for i, token in enumerate(ids or ()):
+            if not 0 <= token < vocab:
+                detail = f"expected token ids from 0 to {vocab - 1}, found {token} at [{i}]"
+                raise InvalidInput.field(field, detail, "invalid_value")
+        return ids or []
+
+    @property
+    def vocab_size(self) -> int:
+        return self.decoder.config.vocab_size or self.decoder.tokenizer.get_vocab_size()
 
     def _prompt(self, prompt: Any) -> tuple[str, list[int]]:
         """The prompt's text and token ids, from a text or from token ids."""
@@ -194,7 +227,7 @@ class GenerateTask:
         if not isinstance(prompt, list) or not prompt:
             detail = f"expected a string or token ids, found {describe(prompt)}"
             raise InvalidInput.field("prompt", detail, "invalid_type")
-        vocab = self.decoder.config.vocab_size or self.decoder.tokenizer.get_vocab_size()
+        vocab = self.vocab_size
         for i, token in enumerate(prompt):
             if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
                 detail = (
