@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from lanes.generation.seq import Event, StepOutputs
+from lanes.tasks.sampling import SamplingParams, sample
 from tests.test_scheduler import EOS, VOCAB, A, B, C, X, by_id, logits, make, seq, step
 
 
@@ -77,3 +78,27 @@ def test_a_final_chunk_picks_with_the_controls_too() -> None:
         chunk = logits(EOS) if plan.chunk.final else None
         events = s.update(plan, StepOutputs(chunk=chunk))
     assert events[-1].tokens == (A,) and events[-1].finish is None
+
+
+def test_min_p_drops_what_is_less_likely_than_min_p_times_the_likeliest() -> None:
+    row = np.log(np.array([0.5, 0.3, 0.09, 0.11]))
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=1.0, min_p=0.2)
+    drawn = {sample(row, params, rng) for _ in range(400)}
+    assert drawn == {0, 1, 3}  # 0.09 < 0.2 * 0.5; 0.11 is kept
+
+
+def test_penalties_count_each_made_token_once_however_many_steps() -> None:
+    s = make()
+    s.add(seq(0, frequency_penalty=1.0, presence_penalty=0.5))
+    made = []
+    for _ in range(4):
+        plan = s.schedule()
+        rows = np.full((1, VOCAB), -10.0)
+        rows[0, A], rows[0, B] = 2.0, 0.0
+        outputs = StepOutputs(rows, None) if plan.prefill else StepOutputs(None, rows)
+        made += [t for e in s.update(plan, outputs) for t in e.tokens]
+    # A (2.0), A (2.0 - 1 - 0.5 = 0.5 > 0.0), B (2.0 - 2 - 0.5 < 0.0), A (-0.5 > -1.5).
+    assert made == [A, A, B, A]
+    # Counted at each pick, the tokens made before it: the last one waits for the next.
+    assert s.rows[0].counts == {A: 2, B: 1} and s.rows[0].counted == 3

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from lanes.generation.logprobs import token_logprobs
+from lanes.generation.processors import processed
 from lanes.generation.seq import Event, Seq, SeqStatus
 from lanes.generation.text import ByteText, WindowText
 from lanes.tasks.sampling import sample
@@ -101,12 +102,12 @@ class Advance:
         return events
 
     def pick(self, seq: Seq, row: Array) -> int:
-        """`seq`'s next token from its [vocab] row of logits, after what it declared:
-        before its min_tokens, eos and its stop tokens are masked (as vLLM, stop strings
-        are not). The row itself is left as it is: logprobs score the raw logits."""
-        if len(seq.tokens) < seq.min_tokens:
-            row = row.copy()
-            row[[*self.eos_token_ids, *seq.stop_token_ids]] = -np.inf
+        """`seq`'s next token from its [vocab] row of logits, after what it declared
+        (lanes/generation/processors.py; before its min_tokens, eos and its stop tokens
+        are masked, as vLLM, stop strings not). The row itself is left as it is:
+        logprobs score the raw logits."""
+        if seq.controlled:
+            row = processed(seq, row, self.eos_token_ids)
         if seq.sampling.temperature == 0:
             return int(row.argmax())
         return sample(row, seq.sampling, seq.rng)

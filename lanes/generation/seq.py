@@ -73,6 +73,12 @@ class Seq:
     stop_token_ids: frozenset[int] = frozenset()
     min_tokens: int = 0
     include_stop: bool = False
+    # Added to its logits before it picks (lanes/generation/processors.py): OpenAI's
+    # logit_bias and presence and frequency penalties, vLLM's repetition penalty.
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     # Its text is wanted as it is made (a stream). Without, and without stop strings,
     # nobody reads it before the finish: it is decoded once then, its events till then
     # carry no text (the offline lanes').
@@ -93,6 +99,9 @@ class Seq:
     # Its prompt's tokens after the first, scored by its first prefill (in parts for a
     # prompt prefilled in chunks), where `prompt_logprobs` asked.
     prompt_scores: list[TokenLogprob] = field(default_factory=list)
+    # Its tokens' counts, for its penalties: `tokens[:counted]` are in them.
+    counts: dict[int, int] = field(default_factory=dict, repr=False)
+    counted: int = field(default=0, repr=False)
     _rng: np.random.Generator | None = field(default=None, init=False, repr=False)
     # incremental detokenization: text of tokens[prefix:read] is already in `text`
     _prefix: int = field(default=0, repr=False)
@@ -115,7 +124,14 @@ class Seq:
     def controlled(self) -> bool:
         """Whether its logits are processed before it picks (Advance.pick): rows that
         declared nothing pick from them as they are, in the vectorised paths."""
-        return bool(self.stop_token_ids) or self.min_tokens > 0
+        return (
+            bool(self.stop_token_ids)
+            or self.min_tokens > 0
+            or bool(self.logit_bias)
+            or self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
 
     @property
     def last_token(self) -> int:

@@ -16,17 +16,23 @@ import numpy as np
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 is greedy; top_k 0 and top_p 1 cut nothing; top_p 0 keeps only the
-    likeliest token (OpenAI accepts it)."""
+    likeliest token (OpenAI accepts it); min_p 0 (vLLM's) cuts nothing."""
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0 or self.top_k < 0 or not 0 <= self.top_p <= 1:
+        if (
+            self.temperature < 0
+            or self.top_k < 0
+            or not 0 <= self.top_p <= 1
+            or not 0 <= self.min_p <= 1
+        ):
             raise ValueError(
-                "expected temperature >= 0, top_k >= 0 and 0 <= top_p <= 1, found "
-                f"{self.temperature}, {self.top_k}, {self.top_p}"
+                "expected temperature >= 0, top_k >= 0, 0 <= top_p <= 1 and 0 <= min_p <= 1, "
+                f"found {self.temperature}, {self.top_k}, {self.top_p}, {self.min_p}"
             )
 
 
@@ -51,13 +57,17 @@ def choice_seed(seed: int | None, choice: int) -> int | None:
 def sample(logits: np.ndarray[Any, Any], params: SamplingParams, rng: np.random.Generator) -> int:
     """The next token id from a [vocab] row of logits.
 
-    Greedy (argmax) when temperature is 0. Otherwise: divide by temperature, keep
-    the top_k highest, keep the smallest most-likely set whose probability reaches
+    Greedy (argmax) when temperature is 0. Otherwise: divide by temperature, drop
+    the tokens less likely than min_p times the likeliest (as vLLM, before the other
+    cuts), keep the top_k highest, keep the smallest most-likely set whose probability reaches
     top_p, and draw from what is left with `rng`. Deterministic for a given rng state.
     """
     if params.temperature == 0:
         return int(np.argmax(logits))
     scores = np.asarray(logits, dtype=np.float64) / params.temperature
+    if params.min_p > 0:
+        # p < min_p * p_max  <=>  score < max + log(min_p): no softmax needed.
+        scores = np.where(scores < scores.max() + np.log(params.min_p), -np.inf, scores)
     candidates = np.arange(scores.shape[0])
     if 0 < params.top_k < scores.shape[0]:
         candidates = np.argpartition(scores, -params.top_k)[-params.top_k :]
