@@ -253,6 +253,12 @@ def _generate_entry(request: GenerateRequest) -> Entry:
         "stop_token_ids": sorted(request.stop_token_ids),
         "min_tokens": request.min_tokens,
         "include_stop": request.include_stop,
+        "min_p": sampling.min_p,
+        # JSON keys are strings: the bias travels as pairs.
+        "logit_bias": [[token, bias] for token, bias in request.logit_bias.items()],
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "repetition_penalty": request.repetition_penalty,
     }
     return Entry({"prompt_ids": np.asarray(request.prompt_ids, dtype=np.int64)}, fields)
 
@@ -295,6 +301,19 @@ def _generate_request(task: GenerateTask, arrays: Arrays, fields: dict[str, Any]
         raise InvalidInput("`min_tokens`: expected an integer from 0")
     if not isinstance(include_stop, bool):
         raise InvalidInput("`include_stop`: expected true or false")
+    bias = _bias(fields.get("logit_bias", []), vocab)
+    penalties = {
+        name: fields.get(name, default)
+        for name, default in (
+            ("presence_penalty", 0.0),
+            ("frequency_penalty", 0.0),
+            ("repetition_penalty", 1.0),
+            ("min_p", 0.0),
+        )
+    }
+    for name, value in penalties.items():
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise InvalidInput(f"`{name}`: expected a number")
     names = ("max_new_tokens", "temperature", "top_k", "top_p", "stop")
     checked = {n: fields[n] for n in names if n in fields}
     # An echo's prefill alone (Seq.prompt_logprobs): no token, so no budget to check.
@@ -310,7 +329,9 @@ def _generate_request(task: GenerateTask, arrays: Arrays, fields: dict[str, Any]
         prompt=str(decoder.tokenizer.decode(list(prompt_ids))),
         prompt_ids=prompt_ids,
         max_new_tokens=0 if nothing else params.max_new_tokens,
-        sampling=SamplingParams(params.temperature, params.top_k, params.top_p),
+        sampling=SamplingParams(
+            params.temperature, params.top_k, params.top_p, float(penalties["min_p"])
+        ),
         stop=tuple(params.stop),
         seed=seed,
         ignore_eos=ignore_eos,
@@ -319,7 +340,24 @@ def _generate_request(task: GenerateTask, arrays: Arrays, fields: dict[str, Any]
         stop_token_ids=frozenset(stop_ids),
         min_tokens=least,
         include_stop=include_stop,
+        logit_bias=bias,
+        presence_penalty=float(penalties["presence_penalty"]),
+        frequency_penalty=float(penalties["frequency_penalty"]),
+        repetition_penalty=float(penalties["repetition_penalty"]),
     )
+
+
+def _bias(pairs: Any, vocab: int) -> dict[int, float]:
+    """A frame's logit_bias: [token id, bias] pairs, the ids in the vocabulary."""
+    bias: dict[int, float] = {}
+    for pair in pairs if isinstance(pairs, list) else [None]:
+        token, value = pair if isinstance(pair, list) and len(pair) == 2 else (None, None)
+        if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
+            raise InvalidInput(f"`logit_bias`: expected [token id below {vocab}, bias] pairs")
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise InvalidInput("`logit_bias`: expected [token id, bias] pairs, the bias a number")
+        bias[token] = float(value)
+    return bias
 
 
 def _completion(entry: Entry) -> Completion:

@@ -58,6 +58,8 @@ def plain(i: int, prompt: str) -> dict[str, Any]:
         record["stop"] = [" ", "\n", "("]
     if i == 3:  # vLLM's controls, as a plain record may carry them too
         record |= {"stop_token_ids": [199], "min_tokens": 2, "include_stop_str_in_output": True}
+    if i == 4:
+        record |= {"logit_bias": {"199": 5}, "frequency_penalty": 1.0, "repetition_penalty": 1.2}
     return record
 
 
@@ -110,6 +112,12 @@ def test_offline_generate_equals_the_endpoints_greedy_answers(
             "/v1/completions",
             {**completions, "stop_token_ids": [199], "min_tokens": 3, "stop": ["("]}
             | {"include_stop_str_in_output": True},
+        ),
+        batch_line(
+            "c-11",
+            "/v1/completions",
+            {**completions, "logit_bias": {"9": -100, "12": 4}, "presence_penalty": 1.5}
+            | {"repetition_penalty": 1.3, "min_p": 0.1, "temperature": 1, "seed": 11},
         ),
     ]
     write_jsonl(tmp_path / "in" / "part-0.jsonl", records)

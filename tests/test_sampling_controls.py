@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from openai import BadRequestError, OpenAI
 
@@ -187,9 +188,144 @@ def test_bad_values_are_400s_naming_the_field(
 def test_the_endpoint_runners_frame_carries_the_controls(task: GenerateTask) -> None:
     """An offline batch run on an endpoint (lanes/batchframe.py) gets what was asked."""
     fields = {"stop_token_ids": [199, 9], "min_tokens": 2, "include_stop_str_in_output": True}
+    fields |= {"logit_bias": {"5": 2.5}, "presence_penalty": 0.5, "frequency_penalty": 1}
+    fields |= {"repetition_penalty": 1.2, "min_p": 0.1, "temperature": 0.5, "seed": 3}
     request = task.prepare({"prompt": PROMPT, "stop": ")", **fields})
     (back,) = decode_items(task, encode_items([request]))
     assert isinstance(back, GenerateRequest)
     assert back.stop_token_ids == frozenset({199, 9}) and back.min_tokens == 2
     assert back.include_stop and back.stop == (")",)
+    assert back.logit_bias == {5: 2.5} and back.sampling == request.sampling
+    assert (back.presence_penalty, back.frequency_penalty, back.repetition_penalty) == (
+        0.5,
+        1.0,
+        1.2,
+    )
     assert task.run([back])[0] == task.run([request])[0]
+
+
+# ---- logit_bias, penalties, min_p: checked on the model's raw logits, computed here ----
+
+
+def raw_row(task: GenerateTask, ids: list[int]) -> np.ndarray:
+    """The next token's raw logits (float64) after `ids`, one prefill of the test's own."""
+    decoder, n = task.decoder, len(ids)
+    step = decoder.step(
+        np.asarray([ids], dtype=np.int64),
+        np.ones((1, n), dtype=np.int64),
+        np.arange(n, dtype=np.int64)[None],
+        decoder.empty_past(1),
+    )
+    row: np.ndarray = step.logits[0, -1].astype(np.float64)
+    return row
+
+
+def completion(client: OpenAI, prompt: str, **extra: Any) -> tuple[str, str | None]:
+    answer = client.completions.create(
+        model="code-complete", prompt=prompt, max_tokens=6, extra_body=extra
+    )
+    return answer.choices[0].text, answer.choices[0].finish_reason
+
+
+def test_logit_bias_100_makes_greedy_emit_that_token(client: OpenAI, task: GenerateTask) -> None:
+    tokens = greedy_ids(task, PROMPT)
+    wanted = next(t for t in range(1, 1024) if t not in tokens)
+    text, _ = completion(client, PROMPT, logit_bias={str(wanted): 100})
+    made = greedy_ids(task, PROMPT, max_tokens=6, logit_bias={str(wanted): 100})
+    assert made == [wanted] * 6
+    assert text == task.decoder.tokenizer.decode(made)
+    # -100 keeps greedy off the token it would make.
+    first = tokens[0]
+    assert greedy_ids(task, PROMPT, logit_bias={str(first): -100})[0] != first
+
+
+@pytest.mark.parametrize(
+    "penalties",
+    [
+        {"frequency_penalty": 2.0},
+        {"presence_penalty": 2.0},
+        {"frequency_penalty": 1.5, "presence_penalty": -0.5},
+    ],
+)
+def test_presence_and_frequency_penalties_are_openais_formula(
+    client: OpenAI, task: GenerateTask, penalties: dict[str, float]
+) -> None:
+    """ "x" alone makes "x" again and again: the second token is the first one taken on
+    the penalised logits (the first one's are not: nothing was made yet)."""
+    ids = task.decoder.encode("x")
+    plain = greedy_ids(task, "x")
+    made = greedy_ids(task, "x", max_tokens=6, **penalties)
+    assert made[0] == plain[0]
+    row = raw_row(task, [*ids, made[0]])
+    row[made[0]] -= penalties.get("frequency_penalty", 0) + penalties.get("presence_penalty", 0)
+    assert made[1] == int(row.argmax())
+    if penalties.get("presence_penalty", 0) >= 0:
+        assert made[1] != plain[1]  # "x" again was what greedy made: now it is not
+    text, _ = completion(client, "x", **penalties)
+    assert text == task.decoder.tokenizer.decode(made)
+
+
+def test_repetition_penalty_is_vllms_over_the_prompt_too(
+    client: OpenAI, task: GenerateTask
+) -> None:
+    ids = task.decoder.encode(PROMPT)
+    row = raw_row(task, ids)
+    seen = np.unique(ids)
+    row[seen] = np.where(row[seen] > 0, row[seen] / 1.8, row[seen] * 1.8)
+    made = greedy_ids(task, PROMPT, max_tokens=6, repetition_penalty=1.8)
+    assert made[0] == int(row.argmax())
+    text, _ = completion(client, PROMPT, repetition_penalty=1.8)
+    assert text == task.decoder.tokenizer.decode(made)
+
+
+def test_min_p_never_draws_a_token_below_its_threshold(client: OpenAI, task: GenerateTask) -> None:
+    fields = {"temperature": 1.5, "min_p": 0.2, "seed": 7, "max_tokens": 6}
+    made = greedy_ids(task, PROMPT, **fields)
+    answer = client.completions.create(
+        model="code-complete",
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=1.5,
+        seed=7,
+        extra_body={"min_p": 0.2},
+    )
+    assert answer.choices[0].text == task.decoder.tokenizer.decode(made)
+    ids = task.decoder.encode(PROMPT)
+    for token in made[:4]:
+        scores = raw_row(task, ids) / 1.5
+        probs = np.exp(scores - scores.max())
+        assert probs[token] >= 0.2 * probs.max()
+        ids.append(token)
+
+
+def test_rows_with_penalties_beside_rows_without(task: GenerateTask) -> None:
+    prompts = [PROMPT, "x", "hello", "print("]
+    alone = [greedy_ids(task, p) for p in prompts]
+    controls = {"frequency_penalty": 2.0, "logit_bias": {"5": 3}, "repetition_penalty": 1.3}
+    requests = [
+        task.prepare({"prompt": p, **(controls if i % 2 else {})}) for i, p in enumerate(prompts)
+    ]
+    done = task.run(requests)
+    assert [done[i].tokens for i in (0, 2)] == [alone[0], alone[2]]
+    assert done[1].tokens == greedy_ids(task, "x", **controls) != alone[1]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"logit_bias": {"1024": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+    ],
+)
+def test_bad_logits_controls_are_400s_naming_the_field(
+    client: OpenAI, extra: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(BadRequestError) as caught:
+        client.completions.create(model="code-complete", prompt=PROMPT, extra_body=extra)
+    body = caught.value.body
+    assert isinstance(body, dict) and body["param"] == param, body

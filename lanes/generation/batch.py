@@ -99,6 +99,10 @@ def seq_of(
         stop_token_ids=request.stop_token_ids,
         min_tokens=request.min_tokens,
         include_stop=request.include_stop,
+        logit_bias=request.logit_bias,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=request.repetition_penalty,
     )
 
 

@@ -38,8 +38,6 @@ OpenAIFinish = Literal["stop", "length", "content_filter"]
 # nothing: accepted there, refused elsewhere. Ignored (as unknown fields are), a vLLM
 # client would get other tokens than it asked for, and not know.
 VLLM_NO_OPS: dict[str, Any] = {
-    "repetition_penalty": 1.0,
-    "min_p": 0.0,
     "bad_words": [],
     "use_beam_search": False,
 }
@@ -90,6 +88,22 @@ class GenerationOptions(Shape):
     include_stop_str_in_output: bool | None = Field(
         None, description="vLLM's: a stop string that ends the text stays in it."
     )
+    # Applied to the logits before sampling (lanes/generation/processors.py).
+    logit_bias: dict[str, Any] | None = Field(
+        None, description="Token id (a string) -> -100 to 100, added to its logit."
+    )
+    presence_penalty: float | None = Field(
+        None, ge=-2.0, le=2.0, description="Taken off the logit of each token made."
+    )
+    frequency_penalty: float | None = Field(
+        None, ge=-2.0, le=2.0, description="Taken off a token's logit per time it was made."
+    )
+    repetition_penalty: float | None = Field(
+        None, gt=0.0, description="vLLM's: divides the prompt's and made tokens' logits."
+    )
+    min_p: float | None = Field(
+        None, ge=0.0, le=1.0, description="vLLM's: drops tokens below min_p x the likeliest."
+    )
 
 
 class GenerateParams(GenerationOptions, OpenAIRequest):
@@ -100,16 +114,11 @@ class GenerateParams(GenerationOptions, OpenAIRequest):
     )
     stream: bool | None = Field(None, description="Answer as Server-Sent Events.")
     stream_options: StreamOptions | None = None
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="Only 0.")
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="Only 0.")
-    logit_bias: dict[str, Any] | None = Field(None, description="Only empty.")
     # OpenAI's for chat, vLLM's for completions too: ignored, JSON asked for would come
     # back as free text.
     response_format: ResponseFormat | None = Field(None, description="Only text.")
     ignore_eos: bool | None = Field(None, description="Run to max_tokens (benchmarks).")
     # vLLM's sampling extensions that lanes does not implement (VLLM_NO_OPS).
-    repetition_penalty: float | None = Field(None, gt=0.0, description="vLLM's: only 1.")
-    min_p: float | None = Field(None, ge=0.0, le=1.0, description="vLLM's: only 0.")
     bad_words: list[str] | None = Field(None, description="vLLM's: only empty.")
     use_beam_search: bool | None = Field(None, description="vLLM's: only false.")
     # Refused, not ignored: a vLLM client would get no scores and not know.
@@ -182,26 +191,6 @@ class GenerateParams(GenerationOptions, OpenAIRequest):
         ]
 
     def check(self) -> None:
-        if self.frequency_penalty:
-            raise unsupported(
-                "frequency_penalty",
-                f"lanes applies no penalties; send 0 or leave it out, found {self.frequency_penalty}",
-            )
-        if self.presence_penalty:
-            raise unsupported(
-                "presence_penalty",
-                f"lanes applies no penalties; send 0 or leave it out, found {self.presence_penalty}",
-            )
-        if self.logit_bias:
-            for key, bias in self.logit_bias.items():
-                number = isinstance(bias, int | float) and not isinstance(bias, bool)
-                if not key.isdigit() or not number or not -100 <= bias <= 100:
-                    detail = (
-                        "expected token ids (as strings) mapped to numbers from -100 to 100, "
-                        f"found {key!r}: {describe(bias)}"
-                    )
-                    raise InvalidInput.field("logit_bias", detail, "invalid_value")
-            raise unsupported("logit_bias", "lanes applies no biases; send {} or leave it out")
         if self.response_format is not None and self.response_format.type != "text":
             raise unsupported(
                 "response_format",
@@ -240,6 +229,11 @@ class GenerateParams(GenerationOptions, OpenAIRequest):
             "stop_token_ids": self.stop_token_ids,
             "min_tokens": self.min_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "logit_bias": self.logit_bias,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "min_p": self.min_p,
         }
 
 

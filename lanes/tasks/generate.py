@@ -14,6 +14,7 @@ they finish), the loop the serving engine runs too.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -54,6 +55,10 @@ _NUMBERS = {
     "min_tokens": True,
     "temperature": False,
     "top_p": False,
+    "min_p": False,
+    "presence_penalty": False,
+    "frequency_penalty": False,
+    "repetition_penalty": False,
 }
 
 
@@ -79,6 +84,11 @@ class GenerateRequest:
     stop_token_ids: frozenset[int] = frozenset()
     min_tokens: int = 0
     include_stop: bool = False
+    # OpenAI's and vLLM's: see Seq.
+    logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
 
 def from_text(item: Mapping[str, Any]) -> dict[str, Any]:
@@ -199,12 +209,18 @@ class GenerateTask:
             prompt=prompt,
             prompt_ids=tuple(ids),
             max_new_tokens=params.max_new_tokens,
-            sampling=SamplingParams(params.temperature, params.top_k, params.top_p),
+            sampling=SamplingParams(
+                params.temperature, params.top_k, params.top_p, options.min_p or 0.0
+            ),
             stop=tuple(params.stop),
             seed=options.seed,
             stop_token_ids=frozenset(self._token_ids("stop_token_ids", options.stop_token_ids)),
             min_tokens=options.min_tokens or 0,
             include_stop=options.include_stop_str_in_output is True,
+            logit_bias=self._bias(options.logit_bias),
+            presence_penalty=options.presence_penalty or 0.0,
+            frequency_penalty=options.frequency_penalty or 0.0,
+            repetition_penalty=options.repetition_penalty or 1.0,
         )
 
     def _token_ids(self, field: str, ids: list[int] | None) -> list[int]:
@@ -215,6 +231,20 @@ class GenerateTask:
                 detail = f"expected token ids from 0 to {vocab - 1}, found {token} at [{i}]"
                 raise InvalidInput.field(field, detail, "invalid_value")
         return ids or []
+
+    def _bias(self, bias: Mapping[str, Any] | None) -> dict[int, float]:
+        """A request's logit_bias, each key a token id of the model, each value -100..100."""
+        vocab, checked = self.vocab_size, {}
+        for key, value in (bias or {}).items():
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if not key.isdigit() or int(key) >= vocab or not number or not -100 <= value <= 100:
+                detail = (
+                    f"expected token ids from 0 to {vocab - 1} (as strings) mapped to numbers "
+                    f"from -100 to 100, found {key!r}: {describe(value)}"
+                )
+                raise InvalidInput.field("logit_bias", detail, "invalid_value")
+            checked[int(key)] = float(value)
+        return checked
 
     @property
     def vocab_size(self) -> int:
