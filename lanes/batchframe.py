@@ -302,19 +302,10 @@ def _generate_request(task: GenerateTask, arrays: Arrays, fields: dict[str, Any]
     if not isinstance(include_stop, bool):
         raise InvalidInput("`include_stop`: expected true or false")
     bias = _bias(fields.get("logit_bias", []), vocab)
-    penalties = {
-        name: fields.get(name, default)
-        for name, default in (
-            ("presence_penalty", 0.0),
-            ("frequency_penalty", 0.0),
-            ("repetition_penalty", 1.0),
-            ("min_p", 0.0),
-        )
-    }
-    for name, value in penalties.items():
-        if not isinstance(value, int | float) or isinstance(value, bool):
-            raise InvalidInput(f"`{name}`: expected a number")
-    names = ("max_new_tokens", "temperature", "top_k", "top_p", "stop")
+    names = (
+        *("max_new_tokens", "temperature", "top_k", "top_p", "stop", "min_p"),
+        *("presence_penalty", "frequency_penalty", "repetition_penalty"),
+    )
     checked = {n: fields[n] for n in names if n in fields}
     # An echo's prefill alone (Seq.prompt_logprobs): no token, so no budget to check.
     nothing = scored is not None and checked.get("max_new_tokens") == 0
@@ -329,9 +320,7 @@ def _generate_request(task: GenerateTask, arrays: Arrays, fields: dict[str, Any]
         prompt=str(decoder.tokenizer.decode(list(prompt_ids))),
         prompt_ids=prompt_ids,
         max_new_tokens=0 if nothing else params.max_new_tokens,
-        sampling=SamplingParams(
-            params.temperature, params.top_k, params.top_p, float(penalties["min_p"])
-        ),
+        sampling=SamplingParams(params.temperature, params.top_k, params.top_p, params.min_p),
         stop=tuple(params.stop),
         seed=seed,
         ignore_eos=ignore_eos,
@@ -341,9 +330,9 @@ def _generate_request(task: GenerateTask, arrays: Arrays, fields: dict[str, Any]
         min_tokens=least,
         include_stop=include_stop,
         logit_bias=bias,
-        presence_penalty=float(penalties["presence_penalty"]),
-        frequency_penalty=float(penalties["frequency_penalty"]),
-        repetition_penalty=float(penalties["repetition_penalty"]),
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
     )
 
 

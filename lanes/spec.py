@@ -14,9 +14,11 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import (
     AfterValidator,
     Field,
+    SerializerFunctionWrapHandler,
     Strict,
     TypeAdapter,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -203,6 +205,29 @@ class Generation(StrictModel):
     stop: list[StopString] = Field(
         default_factory=list, max_length=16, description="Strings that end a completion."
     )
+    # What changes the logits a token is picked from (lanes/generation/processors.py).
+    presence_penalty: Number = Field(
+        0.0, ge=-2, le=2, description="OpenAI's: taken off the logit of each token made."
+    )
+    frequency_penalty: Number = Field(
+        0.0, ge=-2, le=2, description="OpenAI's: taken off a token's logit per time made."
+    )
+    repetition_penalty: Number = Field(
+        1.0, gt=0, description="vLLM's: divides the prompt's and made tokens' logits; 1: none."
+    )
+    min_p: Number = Field(
+        0.0, ge=0, le=1, description="vLLM's: drops tokens below min_p x the likeliest."
+    )
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Dumped only when set: an offline job's identity hashes this dump
+        # (flows/job.py), and a workload that sets none of them stays the job it was.
+        dumped: dict[str, Any] = handler(self)
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+            if name not in self.model_fields_set:
+                dumped.pop(name, None)
+        return dumped
 
 
 class Guard(StrictModel):

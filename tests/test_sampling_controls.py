@@ -15,9 +15,11 @@ from openai import BadRequestError, OpenAI
 
 from lanes import load_spec
 from lanes.batchframe import decode_items, encode_items
+from lanes.errors import SpecError
 from lanes.protocols.completions import ChatMessage, render_chat
 from lanes.runtime import Runtime
 from lanes.settings import Settings
+from lanes.spec import Generation
 from lanes.tasks import GenerateTask, load_task
 from lanes.tasks.decoder import Completion
 from lanes.tasks.generate import GenerateRequest
@@ -32,6 +34,11 @@ WORKLOADS = """\
     model: tinycode
     batching: {max_batch_size: 4}
     generation: {max_new_tokens: 12, temperature: 0}
+  penalised:                       # defaults a request may override
+    mode: interactive
+    task: generate
+    model: tinycode
+    generation: {max_new_tokens: 12, temperature: 0, frequency_penalty: 2.0, min_p: 0.1}
   nightly:
     mode: offline
     task: generate
@@ -329,3 +336,27 @@ def test_bad_logits_controls_are_400s_naming_the_field(
         client.completions.create(model="code-complete", prompt=PROMPT, extra_body=extra)
     body = caught.value.body
     assert isinstance(body, dict) and body["param"] == param, body
+
+
+def test_the_workloads_generation_block_sets_default_penalties(
+    client: OpenAI, demo_models: Path, tmp_path: Path
+) -> None:
+    def text(model: str, **extra: Any) -> str:
+        answer = client.completions.create(model=model, prompt="x", max_tokens=6, extra_body=extra)
+        return answer.choices[0].text
+
+    assert (
+        text("penalised") == text("code-complete", frequency_penalty=2.0) != text("code-complete")
+    )
+    assert text("penalised", frequency_penalty=0) == text("code-complete")
+    bad = WORKLOADS.replace("frequency_penalty: 2.0", "repetition_penalty: 0")
+    with pytest.raises(SpecError, match="repetition_penalty"):
+        load_spec(write_spec(tmp_path, demo_models, bad), Settings())
+
+
+def test_a_generation_block_without_the_new_keys_dumps_as_before() -> None:
+    """An offline job's identity hashes the dump (flows/job.py): unchanged unless set."""
+    assert list(Generation().model_dump(mode="json")) == [
+        *("max_new_tokens", "temperature", "top_k", "top_p", "stop")
+    ]
+    assert Generation(min_p=0.1).model_dump()["min_p"] == 0.1

@@ -44,6 +44,10 @@ _FIELDS = {
     "top_k": "top_k",
     "top_p": "top_p",
     "stop": "stop",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "min_p": "min_p",
 }
 _KNOWN = ("prompt", *GenerationOptions.model_fields)
 _REQUEST_NAMES = {target: field for field, target in _FIELDS.items()}
@@ -209,18 +213,16 @@ class GenerateTask:
             prompt=prompt,
             prompt_ids=tuple(ids),
             max_new_tokens=params.max_new_tokens,
-            sampling=SamplingParams(
-                params.temperature, params.top_k, params.top_p, options.min_p or 0.0
-            ),
+            sampling=SamplingParams(params.temperature, params.top_k, params.top_p, params.min_p),
             stop=tuple(params.stop),
             seed=options.seed,
             stop_token_ids=frozenset(self._token_ids("stop_token_ids", options.stop_token_ids)),
             min_tokens=options.min_tokens or 0,
             include_stop=options.include_stop_str_in_output is True,
             logit_bias=self._bias(options.logit_bias),
-            presence_penalty=options.presence_penalty or 0.0,
-            frequency_penalty=options.frequency_penalty or 0.0,
-            repetition_penalty=options.repetition_penalty or 1.0,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty,
         )
 
     def _token_ids(self, field: str, ids: list[int] | None) -> list[int]:
