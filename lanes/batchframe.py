@@ -343,8 +343,8 @@ def _bias(pairs: Any, vocab: int) -> dict[int, float]:
         token, value = pair if isinstance(pair, list) and len(pair) == 2 else (None, None)
         if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
             raise InvalidInput(f"`logit_bias`: expected [token id below {vocab}, bias] pairs")
-        if not isinstance(value, int | float) or isinstance(value, bool):
-            raise InvalidInput("`logit_bias`: expected [token id, bias] pairs, the bias a number")
+        if not isinstance(value, int | float) or isinstance(value, bool) or abs(value) > 100:
+            raise InvalidInput("`logit_bias`: expected [token id, bias] pairs, biases -100 to 100")
         bias[token] = float(value)
     return bias
 

@@ -323,6 +323,8 @@ def test_rows_with_penalties_beside_rows_without(task: GenerateTask) -> None:
         ({"logit_bias": {"1024": 1}}, "logit_bias"),
         ({"logit_bias": {"5": 101}}, "logit_bias"),
         ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"²": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": True}}, "logit_bias"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"frequency_penalty": -3}, "frequency_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),

@@ -1,8 +1,9 @@
 """generate: a prompt -> a `Completion`, on a decoder with a KV cache.
 
 An item is a prompt string, or a dict {"prompt", "max_tokens"?, "temperature"?,
-"top_k"?, "top_p"?, "stop"?, "seed"?, and vLLM's "stop_token_ids"?, "min_tokens"?,
-"include_stop_str_in_output"?} in an OpenAI request's ranges
+"top_k"?, "top_p"?, "stop"?, "seed"?, "logit_bias"?, "presence_penalty"?,
+"frequency_penalty"?, and vLLM's "stop_token_ids"?, "min_tokens"?,
+"include_stop_str_in_output"?, "repetition_penalty"?, "min_p"?} in an OpenAI request's ranges
 (`GenerationOptions`, whichever lane it came by) whose missing fields come from the
 workload's `generation:`; a prompt may also be a list of the model's token ids
 (taken as they are, as vLLM does). A prompt and an explicit `max_tokens` must fit
@@ -239,7 +240,13 @@ class GenerateTask:
         vocab, checked = self.vocab_size, {}
         for key, value in (bias or {}).items():
             number = isinstance(value, int | float) and not isinstance(value, bool)
-            if not key.isdigit() or int(key) >= vocab or not number or not -100 <= value <= 100:
+            # isascii: "²" is a digit to isdigit(), and no number to int().
+            if (
+                not (key.isascii() and key.isdigit())
+                or int(key) >= vocab
+                or not number
+                or not -100 <= value <= 100
+            ):
                 detail = (
                     f"expected token ids from 0 to {vocab - 1} (as strings) mapped to numbers "
                     f"from -100 to 100, found {key!r}: {describe(value)}"
