@@ -35,13 +35,15 @@ import numpy as np
 from lanes.errors import InvalidInput, LanesError
 from lanes.flows.records import Line
 from lanes.flows.shape import RecordShape
-from lanes.protocols.completions import (
-    ChatCompletionRequest,
+from lanes.protocols.answers import (
     Choice,
-    CompletionRequest,
     Prompt,
     chat_response,
     completion_response,
+)
+from lanes.protocols.completions import (
+    ChatCompletionRequest,
+    CompletionRequest,
     prepare_prompts,
 )
 from lanes.protocols.openai import (

@@ -33,12 +33,9 @@ from lanes.errors import InvalidInput, LanesError
 from lanes.generation.kvcache import MAX_PADDING
 from lanes.generation.logprobs import TokenLogprob
 from lanes.generation.scheduler import Policy
-from lanes.protocols.completions import (
-    ChatCompletionRequest,
+from lanes.protocols.answers import (
     Choice,
-    CompletionRequest,
     Echoed,
-    GenerateParams,
     OpenAIFinish,
     Prompt,
     Spelling,
@@ -46,8 +43,13 @@ from lanes.protocols.completions import (
     chat_response,
     completion_chunk,
     completion_response,
-    prepare_prompts,
     usage_chunk,
+)
+from lanes.protocols.completions import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateParams,
+    prepare_prompts,
 )
 from lanes.protocols.openai import (
     error_of,

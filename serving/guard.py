@@ -26,7 +26,9 @@ from typing import Any
 from lanes.errors import DeadlineExceeded, LanesError, ModelError, Overloaded
 from lanes.generation.logprobs import TokenLogprob
 from lanes.generation.seq import Event
-from lanes.protocols.completions import OpenAIFinish
+from lanes.protocols.answers import (
+    OpenAIFinish,
+)
 from lanes.serving.http import ClientGone
 from lanes.serving.token_stream import TokenStream
 from lanes.spec import Guard

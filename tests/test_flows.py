@@ -29,7 +29,7 @@ from typer.testing import CliRunner
 from lanes.errors import JobFailed, StorageError, WrongMode
 from lanes.flows.batch import offline
 from lanes.jobs import Job
-from lanes.protocols.completions import (
+from lanes.protocols.answers import (
     Choice,
     completion_response,
 )

@@ -1,6 +1,7 @@
 """OpenAI-compatible request and response shapes (no HTTP): what every request shares
 (strict fields, `parse`, inputs as texts or token ids), embeddings, error bodies and
-batch-file lines. Completions and chat completions are in lanes.protocols.completions.
+batch-file lines. Completions and chat completions are in lanes.protocols.completions (requests)
+and lanes.protocols.answers (answers).
 
 Serving wraps these in routes; flows wraps them in batch records, so an offline
 OpenAI batch line gets exactly the body the online endpoint would have answered.
