@@ -18,6 +18,7 @@ from openai.types import Completion
 from lanes.runtime import Runtime
 from lanes.settings import Settings
 from lanes.tasks.decoder import Decoder
+from tests.model_reference import log_softmax, prefill_logits
 from tests.servers import ServerThread, write_spec
 
 pytestmark = pytest.mark.slow
@@ -52,25 +53,10 @@ def decoder(server: ServerThread) -> Decoder:
     return Decoder.load(server.spec.models["tinycode"], Runtime(Settings(device="cpu")))
 
 
-def prompt_logprobs(decoder: Decoder, ids: list[int]) -> np.ndarray:
-    """Each position's log-softmax (float64) of the raw logits of one run of `ids`."""
-    n = len(ids)
-    step = decoder.step(
-        np.asarray([ids], dtype=np.int64),
-        np.ones((1, n), dtype=np.int64),
-        np.arange(n, dtype=np.int64)[None],
-        decoder.empty_past(1),
-    )
-    x = step.logits[0].astype(np.float64)
-    shifted = x - x.max(axis=-1, keepdims=True)
-    rows: np.ndarray = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
-    return rows
-
-
 def check_prompt(decoder: Decoder, ids: list[int], logprobs: Any, top: int) -> None:
     """The choice's logprobs start with the prompt's tokens: the first with none, each
     other one's its log-softmax at the position before, with the `top` likeliest."""
-    rows = prompt_logprobs(decoder, ids)
+    rows = log_softmax(prefill_logits(decoder, ids))
     n = len(ids)
     assert logprobs.tokens[:n] == [decoder.tokenizer.decode([t]) for t in ids]
     assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None

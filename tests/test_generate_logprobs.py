@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import pytest
 from openai import OpenAI
 from openai.types.chat import ChatCompletionChunk, ChatCompletionTokenLogprob
@@ -18,6 +17,7 @@ from openai.types.chat import ChatCompletionChunk, ChatCompletionTokenLogprob
 from lanes.runtime import Runtime
 from lanes.settings import Settings
 from lanes.tasks.decoder import Decoder
+from tests.model_reference import next_logprobs
 from tests.servers import ServerThread, write_spec
 
 pytestmark = pytest.mark.slow
@@ -52,20 +52,6 @@ def decoder(server: ServerThread) -> Decoder:
     return Decoder.load(server.spec.models["tinycode"], Runtime(Settings(device="cpu")))
 
 
-def raw_logprobs(decoder: Decoder, ids: list[int]) -> np.ndarray:
-    """log-softmax (float64) of the next token's raw logits after `ids`, one prefill."""
-    n = len(ids)
-    step = decoder.step(
-        np.asarray([ids], dtype=np.int64),
-        np.ones((1, n), dtype=np.int64),
-        np.arange(n, dtype=np.int64)[None],
-        decoder.empty_past(1),
-    )
-    x = step.logits[0, -1].astype(np.float64)
-    row: np.ndarray = x - x.max() - np.log(np.exp(x - x.max()).sum())
-    return row
-
-
 def check_against_the_model(
     decoder: Decoder, prompt: str, tokens: list[str], logprobs: list[float]
 ) -> None:
@@ -73,7 +59,7 @@ def check_against_the_model(
     token strings say which tokens (each is one token's own text, in this vocabulary)."""
     ids = decoder.encode(prompt)
     for text, logprob in list(zip(tokens, logprobs, strict=True))[:4]:
-        row = raw_logprobs(decoder, ids)
+        row = next_logprobs(decoder, ids)
         token = int(row.argmax())  # greedy
         assert decoder.tokenizer.decode([token]) == text
         assert logprob == pytest.approx(row[token], abs=1e-4)

@@ -24,16 +24,10 @@ from lanes.tasks import GenerateTask, load_task
 from lanes.tasks.decoder import Completion, Decoder
 from lanes.tasks.generate import GenerateRequest
 from lanes.tasks.sampling import SamplingParams
+from tests.model_reference import log_softmax, next_logprobs, prefill_logits
 from tests.servers import write_spec
 
 PROMPTS = ["def f(x", "import os\n", "class Config:\n    def __init__(self, path", "for i in "]
-
-
-def reference(logits: np.ndarray) -> np.ndarray:
-    """log-softmax in float64, written apart from the module's."""
-    x = logits.astype(np.float64)
-    row: np.ndarray = x - x.max() - np.log(np.exp(x - x.max()).sum())
-    return row
 
 
 def test_token_logprobs_are_the_log_softmax_of_each_row_and_its_likeliest_in_order() -> None:
@@ -42,9 +36,9 @@ def test_token_logprobs_are_the_log_softmax_of_each_row_and_its_likeliest_in_ord
     logits[1, 4] = logits[1, 9] = 40.0  # a tie at the top: the lower id first
     records = token_logprobs(logits, [3, 9, 0], [2, 3, 0])
     for row, record in zip(logits, records, strict=True):
-        assert record.logprob == pytest.approx(reference(row)[record.token], abs=1e-5)
+        assert record.logprob == pytest.approx(log_softmax(row)[record.token], abs=1e-5)
     assert [len(r.top) for r in records] == [2, 3, 0]
-    want = np.argsort(-reference(logits[0]), kind="stable")[:2]
+    want = np.argsort(-log_softmax(logits[0]), kind="stable")[:2]
     assert [a.token for a in records[0].top] == want.tolist()
     assert [a.token for a in records[1].top][:2] == [4, 9]
     assert records[1].top[0].logprob >= records[1].top[1].logprob >= records[1].top[2].logprob
@@ -56,7 +50,7 @@ def test_token_logprobs_are_the_log_softmax_of_each_row_and_its_likeliest_in_ord
 def test_float16_logits_are_widened_before_the_softmax() -> None:
     logits = np.linspace(-30, 30, 200, dtype=np.float16)[None]
     (record,) = token_logprobs(logits, [0], [1])
-    assert record.logprob == pytest.approx(reference(logits[0])[0], abs=1e-3)
+    assert record.logprob == pytest.approx(log_softmax(logits[0])[0], abs=1e-3)
     assert np.isfinite(record.logprob)
 
 
@@ -81,18 +75,6 @@ def run(task: GenerateTask, requests: list[GenerateRequest], rows: int) -> list[
     done = generate_batch(task.decoder, requests, rows, task.name, byte_text=task.byte_text)
     assert not any(isinstance(d, Failed) for d in done)
     return [d for d in done if isinstance(d, Completion)]
-
-
-def raw_logprobs(decoder: Decoder, ids: list[int]) -> np.ndarray:
-    """The next token's log-softmax after `ids`, from one whole prefill of them."""
-    n = len(ids)
-    step = decoder.step(
-        np.asarray([ids], dtype=np.int64),
-        np.ones((1, n), dtype=np.int64),
-        np.arange(n, dtype=np.int64)[None],
-        decoder.empty_past(1),
-    )
-    return reference(step.logits[0, -1])
 
 
 def test_rows_that_ask_for_logprobs_leave_the_others_tokens_as_they_were_alone(
@@ -125,7 +107,7 @@ def test_logprobs_are_the_raw_logits_log_softmax_whatever_the_temperature(
         (done,) = run(task, [asked], 1)
         assert done.logprobs is not None and len(done.logprobs) == len(done.tokens)
         for j, record in enumerate(done.logprobs[:4]):
-            want = raw_logprobs(task.decoder, [*asked.prompt_ids, *done.tokens[:j]])
+            want = next_logprobs(task.decoder, [*asked.prompt_ids, *done.tokens[:j]])
             assert record.logprob == pytest.approx(want[record.token], abs=1e-4)
             for alternative in record.top:
                 assert alternative.logprob == pytest.approx(want[alternative.token], abs=1e-4)
@@ -176,17 +158,11 @@ def test_an_eos_that_ends_a_sequence_gets_no_logprobs_and_a_chunked_prompt_does(
 LONG = "import os\nimport sys\n\nclass Config:\n    def __init__(self, path):\n        self.path"
 
 
-def prompt_reference(decoder: Decoder, ids: tuple[int, ...]) -> list[float]:
+def prompt_scores(decoder: Decoder, ids: tuple[int, ...]) -> list[float]:
     """Each prompt token after the first: its log-softmax at the position before, from
     one whole run of the prompt."""
-    n = len(ids)
-    step = decoder.step(
-        np.asarray([ids], dtype=np.int64),
-        np.ones((1, n), dtype=np.int64),
-        np.arange(n, dtype=np.int64)[None],
-        decoder.empty_past(1),
-    )
-    return [float(reference(step.logits[0, i - 1])[ids[i]]) for i in range(1, n)]
+    rows = log_softmax(prefill_logits(decoder, ids))
+    return [float(rows[i - 1][ids[i]]) for i in range(1, len(ids))]
 
 
 def test_prompts_that_ask_are_scored_and_the_others_make_what_they_made_alone(
@@ -203,7 +179,7 @@ def test_prompts_that_ask_are_scored_and_the_others_make_what_they_made_alone(
             continue
         assert both.prompt_logprobs is not None
         assert [r.token for r in both.prompt_logprobs] == list(request.prompt_ids[1:])
-        want = prompt_reference(task.decoder, request.prompt_ids)
+        want = prompt_scores(task.decoder, request.prompt_ids)
         assert [r.logprob for r in both.prompt_logprobs] == pytest.approx(want, abs=1e-4)
         assert all(len(r.top) == 2 for r in both.prompt_logprobs)
 
@@ -266,7 +242,7 @@ def test_one_left_padded_prefill_scores_each_prompt_on_its_own_positions(
     prefill(decoder, [*seqs, plain])
     assert plain.prompt_scores == []
     for seq in seqs:
-        want = prompt_reference(decoder, seq.prompt_ids)
+        want = prompt_scores(decoder, seq.prompt_ids)
         assert [r.logprob for r in seq.prompt_scores] == pytest.approx(want, abs=1e-4)
         assert all(len(r.top) == 1 for r in seq.prompt_scores)
     # A preempted sequence's recompute runs its prompt again: it is not scored again.

@@ -23,6 +23,7 @@ from lanes.spec import Generation
 from lanes.tasks import GenerateTask, load_task
 from lanes.tasks.decoder import Completion
 from lanes.tasks.generate import GenerateRequest
+from tests.model_reference import prefill_logits
 from tests.servers import ServerThread, write_spec
 
 pytestmark = pytest.mark.slow
@@ -214,19 +215,6 @@ def test_the_endpoint_runners_frame_carries_the_controls(task: GenerateTask) -> 
 # ---- logit_bias, penalties, min_p: checked on the model's raw logits, computed here ----
 
 
-def raw_row(task: GenerateTask, ids: list[int]) -> np.ndarray:
-    """The next token's raw logits (float64) after `ids`, one prefill of the test's own."""
-    decoder, n = task.decoder, len(ids)
-    step = decoder.step(
-        np.asarray([ids], dtype=np.int64),
-        np.ones((1, n), dtype=np.int64),
-        np.arange(n, dtype=np.int64)[None],
-        decoder.empty_past(1),
-    )
-    row: np.ndarray = step.logits[0, -1].astype(np.float64)
-    return row
-
-
 def completion(client: OpenAI, prompt: str, **extra: Any) -> tuple[str, str | None]:
     answer = client.completions.create(
         model="code-complete", prompt=prompt, max_tokens=6, extra_body=extra
@@ -263,7 +251,7 @@ def test_presence_and_frequency_penalties_are_openais_formula(
     plain = greedy_ids(task, "x")
     made = greedy_ids(task, "x", max_tokens=6, **penalties)
     assert made[0] == plain[0]
-    row = raw_row(task, [*ids, made[0]])
+    row = prefill_logits(task.decoder, [*ids, made[0]])[-1]
     row[made[0]] -= penalties.get("frequency_penalty", 0) + penalties.get("presence_penalty", 0)
     assert made[1] == int(row.argmax())
     if penalties.get("presence_penalty", 0) >= 0:
@@ -276,7 +264,7 @@ def test_repetition_penalty_is_vllms_over_the_prompt_too(
     client: OpenAI, task: GenerateTask
 ) -> None:
     ids = task.decoder.encode(PROMPT)
-    row = raw_row(task, ids)
+    row = prefill_logits(task.decoder, ids)[-1]
     seen = np.unique(ids)
     row[seen] = np.where(row[seen] > 0, row[seen] / 1.8, row[seen] * 1.8)
     made = greedy_ids(task, PROMPT, max_tokens=6, repetition_penalty=1.8)
@@ -299,7 +287,7 @@ def test_min_p_never_draws_a_token_below_its_threshold(client: OpenAI, task: Gen
     assert answer.choices[0].text == task.decoder.tokenizer.decode(made)
     ids = task.decoder.encode(PROMPT)
     for token in made[:4]:
-        scores = raw_row(task, ids) / 1.5
+        scores = prefill_logits(task.decoder, ids)[-1] / 1.5
         probs = np.exp(scores - scores.max())
         assert probs[token] >= 0.2 * probs.max()
         ids.append(token)
