@@ -207,41 +207,27 @@ class CompletionLine:
         if len(done) != len(outputs):
             wrong = next(type(o).__name__ for o in outputs if not isinstance(o, Completion))
             raise TypeError(f"the handler's post returned {wrong}, not a Completion")
-        logprobs = [self._logprobs(c, task) for c in done]
         chat = isinstance(self.request, ChatCompletionRequest)
         id = f"{'chatcmpl' if chat else 'cmpl'}-{self.request_id}"
         created = int(time.time())
         # Each prompt counted once, as online: its first choice's.
         prompt_tokens = sum(c.prompt_tokens for c in done[:: self.request.choices])
         completion_tokens = sum(len(c.tokens) for c in done)
-        choices = [
-            self._choice(p, c, lp, task) for p, c, lp in zip(prepared, done, logprobs, strict=True)
-        ]
+        choices = [self._choice(p, c, task) for p, c in zip(prepared, done, strict=True)]
         respond = chat_response if chat else completion_response
         body = respond(id, created, self.request.model, choices, prompt_tokens, completion_tokens)
         return batch_output(self.id, self.request_id, 200, body)
 
-    def _choice(
-        self, prepared: Any, done: Completion, logprobs: dict[str, Any] | None, task: Task
-    ) -> Choice:
-        """A completion's choice, its prompt in front where it asked for an echo (as the
-        online route writes it)."""
-        if not isinstance(prepared, GenerateRequest) or not isinstance(task, GenerateTask):
-            return Choice(done.text, done.finish_reason, logprobs)
-        prompt = Prompt(prepared.prompt, prepared.prompt_ids, done.prompt_logprobs)
-        echoed = self.request.echo_of(prompt, task.spelling)
-        if echoed is None:
-            return Choice(done.text, done.finish_reason, logprobs)
-        offset = len(echoed.text)  # the completion's offsets follow the echo's text
-        after = self.request.logprobs_body(done.logprobs or [], task.spelling, offset)
-        text, logprobs = echoed.before(done.text, after)
-        return Choice(text, done.finish_reason, logprobs)
-
-    def _logprobs(self, done: Completion, task: Task) -> dict[str, Any] | None:
-        """The choice's `logprobs`, as the online route writes them."""
-        if self.request.top_logprobs_wanted is None or not isinstance(task, GenerateTask):
-            return None
-        return self.request.logprobs_body(done.logprobs or [], task.spelling)
+    def _choice(self, prepared: Any, done: Completion, task: Task) -> Choice:
+        """A completion's choice, as the online route writes it (its logprobs, its
+        prompt in front where it asked for an echo)."""
+        if not isinstance(task, GenerateTask):
+            return Choice(done.text, done.finish_reason)
+        prompt = None
+        if isinstance(prepared, GenerateRequest):
+            prompt = Prompt(prepared.prompt, prepared.prompt_ids, done.prompt_logprobs)
+        records = done.logprobs or ()
+        return self.request.choice(done.text, done.finish_reason, records, prompt, task.spelling)
 
     def reject(self, problem: str | LanesError) -> dict[str, Any]:
         return _batch_rejection(self.id, self.number, self.request_id, problem)

@@ -340,28 +340,25 @@ class _Answer:
 
     def whole(self, pieces: Sequence[Piece]) -> dict[str, Any]:
         body, spelling = self.body, self.spelling
-        choices = []
-        for index, p in enumerate(pieces):
-            if p.finish is None:
-                continue
-            echoed = self._echo(index)
-            if echoed is None:
-                choices.append(Choice(p.text, p.finish, body.logprobs_body(p.logprobs, spelling)))
-                continue
-            logprobs = body.logprobs_body(p.logprobs, spelling, len(echoed.text))
-            text, logprobs = echoed.before(p.text, logprobs)
-            choices.append(Choice(text, p.finish, logprobs))
+        choices = [
+            body.choice(p.text, p.finish, p.logprobs, self._prompt(index), spelling)
+            for index, p in enumerate(pieces)
+            if p.finish is not None
+        ]
         return self.endpoint.whole(self.id, self.created, self.body.model, choices, *self.usage)
 
-    def _echo(self, index: int) -> Echoed | None:
-        """What choice `index` starts with (None: no echo asked); its scores
-        came with its first event."""
+    def _prompt(self, index: int) -> Prompt | None:
+        """What an echo of choice `index` shows of its prompt (its scores came with its
+        first event); None where no echo was asked."""
         if not self.prepared:
             return None
         item = self.prepared[index]
-        scores = self.streams[index].prompt_logprobs
-        prompt = Prompt(item.prompt, item.prompt_ids, scores)
-        return self.body.echo_of(prompt, self.spelling)
+        return Prompt(item.prompt, item.prompt_ids, self.streams[index].prompt_logprobs)
+
+    def _echo(self, index: int) -> Echoed | None:
+        """What choice `index` starts with (None: no echo asked)."""
+        prompt = self._prompt(index)
+        return None if prompt is None else self.body.echo_of(prompt, self.spelling)
 
     def _event(
         self,

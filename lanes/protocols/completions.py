@@ -17,7 +17,9 @@ from pydantic import Field
 from lanes.errors import InvalidInput
 from lanes.generation.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from lanes.protocols.answers import (
+    Choice,
     Echoed,
+    OpenAIFinish,
     Prompt,
     Spelling,
     chat_logprobs,
@@ -149,6 +151,24 @@ class GenerateParams(GenerationOptions, OpenAIRequest):
         """What a choice starts with before its completion (completions' echo): None
         where the request did not ask."""
         return None
+
+    def choice(
+        self,
+        text: str,
+        finish: OpenAIFinish,
+        records: Sequence[TokenLogprob],
+        prompt: Prompt | None,
+        spelling: Spelling,
+    ) -> Choice:
+        """A whole answer's choice as both lanes write it: its text and `logprobs`
+        (`records`: its tokens'), its prompt's echo in front where the request asked
+        (`prompt`: what an echo shows of it; None: nothing to show)."""
+        echoed = None if prompt is None else self.echo_of(prompt, spelling)
+        if echoed is None:
+            return Choice(text, finish, self.logprobs_body(records, spelling))
+        logprobs = self.logprobs_body(records, spelling, len(echoed.text))
+        text, logprobs = echoed.before(text, logprobs)
+        return Choice(text, finish, logprobs)
 
     def settle(self, item: T) -> T:
         """A prepared prompt (a GenerateRequest) with what this request asks of the
