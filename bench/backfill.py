@@ -18,10 +18,13 @@ items run again after it (`preempt`). The offline job is the flow's endpoint run
 from two threads as two shards in flight would, without Prefect around it (whose
 start-up would dwarf a slice).
 
-First it measures the capacity: the interactive endpoint saturated (16 clients, no
-pause: items/s) and the offline lane alone (items/s). Then, at each load level (a
+First it measures the capacity: the interactive endpoint saturated by the load's own
+`--clients` (4 by default, no pause: items/s; the same at 16 clients is printed beside
+it) and the offline lane alone (items/s). Capacity is what the load's own callers can
+get: 16 callers make batches that 4 never do, and 70% of their rate saturates 4
+callers' small batches. Then, at each load level (a
 fraction of the interactive capacity), an interactive closed loop paced to that rate
-(4 clients, each waits for its answer, then for its next tick) runs without the
+(`--clients`, each waits for its answer, then for its next tick) runs without the
 offline job and with it on each endpoint, and the offline job runs alone on the
 first, all taking turns in short slices (like bench/serve.py: a shared VM's
 speed drifts within seconds, so only figures from alternating slices compare). It
@@ -224,14 +227,17 @@ async def saturated(
     return done / (time.perf_counter() - began)
 
 
-async def measured(url: str, job: OfflineJob | None, rate: float | None, seconds: float) -> Turns:
-    """One slice: the interactive load at `rate` (None: none), with `job` running or not."""
+async def measured(
+    url: str, job: OfflineJob | None, rate: float | None, seconds: float, clients: int = 4
+) -> Turns:
+    """One slice: the interactive load at `rate` (None: none) from `clients` callers, with
+    `job` running or not."""
     if job is not None:
         job.start()
         await asyncio.sleep(0.2)  # its first batches are queued
     before, began = scrape(url), time.perf_counter()
     if rate is not None:
-        latencies = await paced(url, rate, seconds)
+        latencies = await paced(url, rate, seconds, clients)
     else:
         latencies = []
         await asyncio.sleep(seconds)
@@ -301,13 +307,17 @@ async def run(args: argparse.Namespace) -> None:
             await measured(at, jobs[policy], None, 1.0)
             await saturated(at, 1.0)
         interactive_capacity = statistics.median(
+            [await saturated(url, args.seconds, args.clients) for _ in range(args.rotations)]
+        )
+        widest = statistics.median(
             [await saturated(url, args.seconds) for _ in range(args.rotations)]
         )
         alone = Turns()
         for _ in range(args.rotations):
             merge(alone, await measured(url, jobs["finish"], None, args.seconds))
         print(
-            f"capacity: interactive {interactive_capacity:.0f} items/s (16 clients), "
+            f"capacity: interactive {interactive_capacity:.0f} items/s ({args.clients} clients; "
+            f"{widest:.0f} with 16), "
             f"offline lane alone {alone.offline_rate:.0f} items/s "
             f"(busy {alone.busy_fraction:.2f}); SLO p99 {args.slo_ms:g} ms"
         )
@@ -325,7 +335,7 @@ async def run(args: argparse.Namespace) -> None:
             for i in range(args.rotations):
                 turn = i % len(slices)
                 for turns, at, job, load in slices[turn:] + slices[:turn]:
-                    merge(turns, await measured(at, job, load, args.seconds))
+                    merge(turns, await measured(at, job, load, args.seconds, args.clients))
             for policy, turns in with_.items():
                 alone = without[policy]
                 idle = solo.offline_per_busy_s * max(1 - alone.busy_fraction, 0.0)
@@ -372,6 +382,7 @@ def main() -> None:
     parser.add_argument("--rotations", type=int, default=3)
     parser.add_argument("--levels", default="0.3,0.7", help="fractions of interactive capacity")
     parser.add_argument("--slo-ms", type=float, default=50.0)
+    parser.add_argument("--clients", type=int, default=4, help="callers of the interactive load")
     parser.add_argument(
         "--policies",
         default=",".join(POLICIES),
