@@ -2,7 +2,7 @@
 against one sequence at a time, in one run, on the demo tinycode decoder.
 
     python bench/offline_generate.py [--prompts 256] [--tokens 64] [--batch-size 32]
-        [--model model-slots.onnx]
+        [--model model-slots.onnx] [--n 4] [--longer 8]
 
 The same `--prompts` code prompts (greedy, `ignore_eos`, so every completion is
 `--tokens` long) go through:
@@ -18,6 +18,11 @@ The same `--prompts` code prompts (greedy, `ignore_eos`, so every completion is
   Prefect. Timed around the shard.
 - one at a time: `Decoder.complete` per prompt, the path offline generate took before
   it ran in the step loop.
+
+With `--n N` the offline lane gets `--prompts / N` batch lines asking for N choices
+each (OpenAI's `n`), and raw and one at a time get each of those prompts N times: the
+same sequences everywhere. `--longer K` makes each prompt K times its text, for
+prompts whose prefill weighs (a summary's document, say).
 
 With `--breakdown`, raw and the offline lane run once more each, their decoder runs
 counted: prefill and decode runs, padded against real positions, and the seconds inside
@@ -92,8 +97,10 @@ PROMPTS = [
 ]
 
 
-def prompts(n: int) -> list[str]:
-    return [f"{PROMPTS[i % len(PROMPTS)]}{'    ' * (i // len(PROMPTS) % 4)}" for i in range(n)]
+def prompts(n: int, longer: int = 1) -> list[str]:
+    """`n` distinct prompts: joiners of one prompt share their prefill's row, which the
+    raw loop does not, so a repeated prompt would flatter the offline lane."""
+    return [f"# {i}\n{PROMPTS[i % len(PROMPTS)] * longer}" for i in range(n)]
 
 
 class Timer:
@@ -239,13 +246,26 @@ def serial(task: GenerateTask, texts: list[str], tokens: int) -> tuple[float, fl
 
 
 def lane(
-    model: Model, spec: Any, settings: Settings, folder: Path, texts: list[str], tokens: int
+    model: Model,
+    spec: Any,
+    settings: Settings,
+    folder: Path,
+    texts: list[str],
+    tokens: int,
+    n: int = 1,
 ) -> tuple[float, float]:
-    """Seconds (wall, CPU) of the shard path over OpenAI batch lines of `texts`."""
+    """Seconds (wall, CPU) of the shard path over OpenAI batch lines of `texts`, each
+    asking for `n` choices."""
     (folder / "in").mkdir(parents=True)
     with (folder / "in" / "part.jsonl").open("wb") as out:
         for i, text in enumerate(texts):
-            body = {"model": WORKLOAD, "prompt": text, "max_tokens": tokens, "ignore_eos": True}
+            body = {
+                "model": WORKLOAD,
+                "prompt": text,
+                "max_tokens": tokens,
+                "ignore_eos": True,
+                "n": n,
+            }
             line = {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body}
             out.write(orjson.dumps(line) + b"\n")
     job = folder_job(spec, WORKLOAD, folder, settings)
@@ -255,6 +275,7 @@ def lane(
     stats = run_shard(plan, model, storage, job.batch_size, job.max_record_bytes)
     elapsed = timer.seconds()
     assert stats.outputs == len(texts), stats
+    assert stats.errors == 0, stats
     return elapsed
 
 
@@ -273,7 +294,11 @@ def main() -> None:
     parser.add_argument(
         "--model", default="model.onnx", help="tinycode's graph: model.onnx or model-slots.onnx"
     )
+    parser.add_argument("--n", type=int, default=1, help="choices per batch line (see above)")
+    parser.add_argument("--longer", type=int, default=1, help="each prompt this many times over")
     args = parser.parse_args()
+    if args.prompts % args.n:
+        parser.error(f"--prompts ({args.prompts}) must be a multiple of --n ({args.n})")
     models = ROOT / ".lanes" / "models"
     with tempfile.TemporaryDirectory(prefix="lanes-bench-") as tmp:
         root = Path(tmp)
@@ -293,18 +318,21 @@ def main() -> None:
         task = load_task(WORKLOAD, spec, runtime)
         assert isinstance(task, GenerateTask)
         model = Model(task, runtime.providers[0])
-        texts = prompts(args.prompts)
+        lines = prompts(args.prompts // args.n, args.longer)
+        texts = [text for text in lines for _ in range(args.n)]  # every choice's sequence
         total = args.prompts * args.tokens
         # Warm-up, untimed: every path once on a few prompts.
         raw(task, texts[:4], 4, args.batch_size)
         serial(task, texts[:2], 4)
-        lane(model, spec, settings, root / "warm", texts[:4], 4)
+        lane(model, spec, settings, root / "warm", lines[:4], 4, args.n)
         names = ("raw", "offline", "one at a time")
         wall, cpu = dict.fromkeys(names, np.inf), dict.fromkeys(names, np.inf)
         for r in range(args.repeats):
             timed = {
                 "raw": raw(task, texts, args.tokens, args.batch_size),
-                "offline": lane(model, spec, settings, root / f"run{r}", texts, args.tokens),
+                "offline": lane(
+                    model, spec, settings, root / f"run{r}", lines, args.tokens, args.n
+                ),
                 "one at a time": serial(task, texts, args.tokens),
             }
             for name, (seconds, cpu_seconds) in timed.items():
@@ -314,11 +342,13 @@ def main() -> None:
             with Counted(task) as counted_raw:
                 _, raw_cpu = raw(task, texts, args.tokens, args.batch_size)
             with Counted(task) as counted_lane:
-                _, lane_cpu = lane(model, spec, settings, root / "counted", texts, args.tokens)
+                _, lane_cpu = lane(
+                    model, spec, settings, root / "counted", lines, args.tokens, args.n
+                )
             breakdown = [("raw", counted_raw, raw_cpu), ("offline", counted_lane, lane_cpu)]
     print(
         f"tinycode ({args.model}), {args.prompts} prompts x {args.tokens} tokens (greedy, "
-        "ignore_eos), "
+        f"ignore_eos; {args.prompts // args.n} lines of n={args.n}, texts x{args.longer}), "
         f"batch_size {args.batch_size}, {args.threads} onnxruntime thread(s), best of "
         f"{args.repeats}; load average {os.getloadavg()[0]:.1f}"
     )

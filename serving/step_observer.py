@@ -115,9 +115,12 @@ class StepObserver:
             took = step.prefill.seconds
             m.prefill.observe(took)
             width = max(len(s.prompt_ids) for s in plan.prefill)
-            if not step.beside:  # beside a decode, each run is stretched by the other
+            rows = step.prefill_rows
+            # Beside a decode, each run is stretched by the other; a run that failed
+            # whole (rows 0) says nothing of its cost.
+            if not step.beside and rows:
                 with self._lock:
-                    self.steer.observe_prefill(len(plan.prefill), len(plan.prefill) * width, took)
+                    self.steer.observe_prefill(rows, rows * width, took)
             if self.spans is not None:
                 self.spans.prefilled(plan.prefill, step.prefill.start, step.prefill.end)
         if step.chunk is not None and plan.chunk is not None:

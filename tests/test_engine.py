@@ -5,16 +5,19 @@ tokens it gets alone (`Decoder.complete`, the plain single-sequence loop)."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from lanes.errors import DeadlineExceeded, ModelError
 from lanes.generation.batch import generate_batch
+from lanes.generation.prefill import prefill
 from lanes.generation.scheduler import POLICIES, Policy
-from lanes.generation.seq import Event
+from lanes.generation.seq import Event, Seq
 from lanes.isolation import Failed
 from lanes.runtime import Runtime
 from lanes.serving.engine import Engine
@@ -209,6 +212,28 @@ def test_offline_joiners_fill_every_free_row_at_once(task: GenerateTask) -> None
     done = generate_batch(task.decoder, requests, 3, "code", max_padding=10**6)
     assert RUNS.passed - runs == 3 * (1 + 3)
     assert [d.tokens for d in done if isinstance(d, Completion)] == want
+
+
+def test_joiners_of_one_prompt_share_one_row_of_their_prefill(task: GenerateTask) -> None:
+    """A prompt asked for twice (a request's n choices) takes one row of the prefill's
+    run, and each of its joiners gets the logits and cache the prompt gets alone."""
+    decoder = task.decoder
+    prompts = [PROMPTS[0][0], PROMPTS[2][0], PROMPTS[0][0]]
+    seqs = [Seq(i, tuple(decoder.encode(p)), 4) for i, p in enumerate(prompts)]
+    with RUNS.closed(), concurrent.futures.ThreadPoolExecutor(1) as pool:
+        ran = pool.submit(prefill, decoder, seqs)
+        RUNS.wait_held()
+        assert RUNS.held_rows() == 2
+        RUNS.allow(1)
+        logits, join = ran.result(timeout=WAIT_S)
+    assert (join.ids, join.rows_run, len(logits), join.past.batch) == ([0, 1, 2], 2, 3, 3)
+    by_itself, its_join = prefill(decoder, seqs[:1])
+    n = len(seqs[0].prompt_ids)
+    for row in (0, 2):
+        np.testing.assert_allclose(logits[row], by_itself[0], rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(join.mask[row, -n:], its_join.mask[0])
+        for ours, its in zip(join.past.arrays, its_join.past.arrays, strict=True):
+            np.testing.assert_allclose(ours[row, :, -n:], its[0], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("user", ["online", "offline"])

@@ -73,6 +73,7 @@ class Step:
     end: float = 0.0
     events: list[Event] = field(default_factory=list)
     prefill: Timed | None = None
+    prefill_rows: int = 0  # the prefill's rows run: joiners of one prompt share one
     chunk: Timed | None = None
     decode: Timed | None = None
     decoded_length: int = 0
@@ -170,7 +171,7 @@ class StepLoop:
         plan = StepPlan(prefill=tuple(joiners))
         step = Step(plan, self.clock(), beside=True)
         done = prefill_apart(self.decoder, plan.prefill)
-        step.prefill = Timed(step.start, self.clock())
+        step.prefill, step.prefill_rows = Timed(step.start, self.clock()), done.rows_run
         self._joins += done.joins
         self._log_isolated("prefill", len(plan.prefill), done.error, done.failed)
         failed = failures(plan.prefill, done.failed, prompt_of)
@@ -196,7 +197,7 @@ class StepLoop:
         if plan.prefill:
             at = self.clock()
             done = prefill_apart(self.decoder, plan.prefill)
-            step.prefill = Timed(at, self.clock())
+            step.prefill, step.prefill_rows = Timed(at, self.clock()), done.rows_run
             self._joins += done.joins
             self._log_isolated("prefill", len(plan.prefill), done.error, done.failed)
             failed.update(failures(plan.prefill, done.failed, prompt_of))

@@ -4,6 +4,10 @@ that run fails.
 `prefill_apart` runs the joiners whole and, if that raises, in halves until the
 prompts that fail alone are found (lanes/isolation.py): every other joiner gets its
 logits and a cache (`Join`) to enter the batch's with, exactly as from the whole run.
+
+Joiners with the same context (a request's `n` choices, a batch's repeated prompts)
+share one row of the run: the model's output for a row depends on that row alone,
+so each gets a copy of the one row's cache and logits.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class Join:
     past: Past
     mask: Array
     apart: bool = False  # rows that may sit steps out (Seq.sits_out): grouped apart
+    rows_run: int = 0  # the rows its run had: joiners of one context share one
 
 
 @dataclass(frozen=True)
@@ -45,21 +50,28 @@ class Prefilled:
     failed: dict[int, Exception] = field(default_factory=dict)
     error: Exception | None = None
 
+    @property
+    def rows_run(self) -> int:
+        """The rows of the runs whose caches joined (what a prefill cost model sees)."""
+        return sum(j.rows_run for j in self.joins)
+
 
 def prefill(decoder: Decoder, seqs: Sequence[Seq], recompute: bool = False) -> tuple[Array, Join]:
-    """One run over the joiners' prompts, left-padded to the longest; with
+    """One run over the joiners' distinct prompts, left-padded to the longest; with
     `recompute`, over what a preempted sequence's cache held (`Seq.cached_ids`)."""
     contexts = [s.cached_ids if recompute else s.prompt_ids for s in seqs]
-    width = max(len(c) for c in contexts)
-    ids = np.full((len(seqs), width), decoder.config.pad_token_id, dtype=np.int64)
-    mask = np.zeros((len(seqs), width), dtype=np.int64)
-    positions = np.zeros((len(seqs), width), dtype=np.int64)
-    for j, context in enumerate(contexts):
+    distinct: dict[tuple[int, ...], int] = {}
+    row_of = [distinct.setdefault(tuple(c), len(distinct)) for c in contexts]
+    width = max(len(c) for c in distinct)
+    ids = np.full((len(distinct), width), decoder.config.pad_token_id, dtype=np.int64)
+    mask = np.zeros((len(distinct), width), dtype=np.int64)
+    positions = np.zeros((len(distinct), width), dtype=np.int64)
+    for j, context in enumerate(distinct):
         n = len(context)
         ids[j, width - n :] = context
         mask[j, width - n :] = 1
         positions[j, width - n :] = np.arange(n)
-    out = decoder.step(ids, mask, positions, decoder.empty_past(len(seqs)))
+    out = decoder.step(ids, mask, positions, decoder.empty_past(len(distinct)))
     present = out.present
     if not mask.all():
         # Padding's keys/values are never attended (mask 0), but a model may have
@@ -68,21 +80,27 @@ def prefill(decoder: Decoder, seqs: Sequence[Seq], recompute: bool = False) -> t
         for kv in (*present.keys, *present.values):
             kv[np.broadcast_to(pad[:, None, :], kv.shape[:3])] = 0
     if not recompute:  # a recompute's prompt was scored by its first prefill
-        _score_prompts(seqs, out.logits)
+        _score_prompts(seqs, out.logits, row_of)
+    logits = out.logits[:, -1]
+    if len(distinct) < len(seqs):  # each joiner its own copy: rows are written apart
+        rows = np.asarray(row_of)
+        logits, mask = logits[rows], mask[rows]
+        present = Past(tuple(k[rows] for k in present.keys), tuple(v[rows] for v in present.values))
     apart = all(s.sits_out for s in seqs)
-    return out.logits[:, -1], Join([s.id for s in seqs], present, mask, apart)
+    return logits, Join([s.id for s in seqs], present, mask, apart, len(distinct))
 
 
-def _score_prompts(seqs: Sequence[Seq], logits: Array) -> None:
+def _score_prompts(seqs: Sequence[Seq], logits: Array, row_of: Sequence[int]) -> None:
     """The joiners that asked (Seq.prompt_logprobs) get their prompt's tokens after
     the first scored, each on the logits of the position before it, from the run's
     left-padded [rows, width, vocab] `logits` (a row's real positions are its last
-    ones), in one pass. One look at each joiner per prefill; none per step."""
+    ones; joiner j's row is `row_of[j]`), in one pass. One look at each joiner per
+    prefill; none per step."""
     asked = [(j, s) for j, s in enumerate(seqs) if s.prompt_logprobs is not None]
     if not asked:
         return
     width = logits.shape[1]
-    rows = [logits[j, width - len(s.prompt_ids) : width - 1] for j, s in asked]
+    rows = [logits[row_of[j], width - len(s.prompt_ids) : width - 1] for j, s in asked]
     tokens = [t for _, s in asked for t in s.prompt_ids[1:]]
     counts = [s.prompt_logprobs or 0 for _, s in asked for _ in s.prompt_ids[1:]]
     if not tokens:  # one-token prompts: nothing before their only token
@@ -183,4 +201,4 @@ class Chunked:
             return Prefilled(None, [])
         self.past = None
         mask = np.ones((1, chunk.stop), dtype=np.int64)
-        return Prefilled(logits, [Join([chunk.seq.id], present, mask, chunk.seq.sits_out)])
+        return Prefilled(logits, [Join([chunk.seq.id], present, mask, chunk.seq.sits_out, 1)])
