@@ -318,6 +318,18 @@ def test_prefill_token_budget_splits_joiners_but_one_always_joins() -> None:
     assert ids(step(s)[0].prefill) == [2]  # alone, over the budget
 
 
+def test_joiners_of_one_prompt_take_the_budget_of_one_row() -> None:
+    """A prompt's n choices share one row of their prefill run (prefill.py), so they
+    join together where one fits the budget, and leave the rest to other prompts."""
+    s = make(max_running=8, max_prefill_tokens=10)
+    for i in range(3):
+        s.add(seq(i, prompt=5))
+    s.add(seq(3, prompt=4))
+    s.add(seq(4, prompt=3))
+    assert ids(step(s)[0].prefill) == [0, 1, 2, 3]  # 2 rows x 5 padded tokens
+    assert ids(step(s)[0].prefill) == [4]
+
+
 def test_greedy_rows_take_the_argmax_and_seeded_rows_repeat() -> None:
     rng = np.random.default_rng(0)
     rows = rng.normal(size=(3, VOCAB)).astype(np.float32)

@@ -361,6 +361,8 @@ class Scheduler:
             return ()  # nobody joins a static batch once it runs
         joining: list[Seq] = []
         longest = 0
+        prompts: set[tuple[int, ...]] = set()  # joiners of one prompt share a row (prefill.py)
+        rows = 0
         hard = self.chunked and not static
         held = len(self.rows) + len(self._chunking())
         passed: list[Seq] = []  # too long for one step: the parts' turn will come
@@ -371,12 +373,16 @@ class Scheduler:
                 passed.append(queue.popleft())
                 continue
             size = max(longest, 0 if head.tokens else len(head.prompt_ids))
-            over = size * (len(joining) + 1) > budget
+            shares = not head.tokens and head.prompt_ids in prompts
+            over = size * (rows + (not shares)) > budget
             if over and not static and (joining or (hard and not head.tokens)):
                 break
             seq = queue.popleft()
             seq.status = SeqStatus.RUNNING
             joining.append(seq)
+            rows += not shares
+            if not seq.tokens:
+                prompts.add(seq.prompt_ids)
             longest = size
         queue.extendleft(reversed(passed))
         return tuple(joining)
@@ -463,7 +469,10 @@ class Scheduler:
 
 
 def _padded(seqs: Sequence[Seq]) -> int:
-    """Prefill tokens of joiners in one left-padded run."""
+    """Prefill tokens of joiners in one left-padded run, a prompt that several join
+    with counted once (they share its row)."""
     if not seqs:  # most plans
         return 0
-    return len(seqs) * max((len(s.prompt_ids) for s in seqs if not s.tokens), default=0)
+    fresh = [s.prompt_ids for s in seqs if not s.tokens]
+    shared = len(fresh) - len(set(fresh))
+    return (len(seqs) - shared) * max(map(len, fresh), default=0)
