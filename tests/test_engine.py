@@ -220,7 +220,7 @@ def test_joiners_of_one_prompt_share_one_row_of_their_prefill(task: GenerateTask
     decoder = task.decoder
     prompts = [PROMPTS[0][0], PROMPTS[2][0], PROMPTS[0][0]]
     seqs = [Seq(i, tuple(decoder.encode(p)), 4) for i, p in enumerate(prompts)]
-    with RUNS.closed(), concurrent.futures.ThreadPoolExecutor(1) as pool:
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, RUNS.closed():
         ran = pool.submit(prefill, decoder, seqs)
         RUNS.wait_held()
         assert RUNS.held_rows() == 2
@@ -234,6 +234,23 @@ def test_joiners_of_one_prompt_share_one_row_of_their_prefill(task: GenerateTask
         np.testing.assert_array_equal(join.mask[row, -n:], its_join.mask[0])
         for ours, its in zip(join.past.arrays, its_join.past.arrays, strict=True):
             np.testing.assert_allclose(ours[row, :, -n:], its[0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_prompt_asked_again_later_in_an_offline_batch_joins_its_first_asking(
+    task: GenerateTask,
+) -> None:
+    """The offline loop orders prompts by length, then by their tokens, so equal prompts
+    far apart in a batch join together and share one row of their prefill."""
+    prompts = [[5, 6, 7], [9, 9, 9], [5, 6, 7]]
+    requests = [task.prepare({"prompt": p, "max_tokens": 2}) for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, RUNS.closed():
+        ran = pool.submit(generate_batch, task.decoder, requests, 2, "code")
+        RUNS.wait_held()
+        assert RUNS.held_rows() == 1, "the prefill of both [5, 6, 7]"
+        RUNS.open()
+        done = ran.result(timeout=WAIT_S)
+    first, _, again = (d.tokens for d in done if isinstance(d, Completion))
+    assert first == again == alone(task, {"prompt": prompts[0], "max_tokens": 2}).tokens
 
 
 @pytest.mark.parametrize("user", ["online", "offline"])

@@ -132,8 +132,9 @@ def generate_batch(
     )
     # Nobody reads a completion's text before it is done: decoded once, at its finish.
     seqs = [seq_of(i, r, stream=False) for i, r in enumerate(requests)]
-    # Stable: equal lengths keep their order, so a rerun batches the same way.
-    pending = deque(sorted(seqs, key=lambda s: len(s.prompt_ids)))
+    # By length, then by tokens: a prompt asked again anywhere in the batch joins with
+    # its first asking and shares its prefill's row; a rerun batches the same way.
+    pending = deque(sorted(seqs, key=lambda s: (len(s.prompt_ids), s.prompt_ids)))
     loop = StepLoop(decoder, scheduler, name, max_padding)
     # Each step makes a token for, or finishes, every sequence it runs, and every
     # sequence has a budget: the loop ends.
