@@ -760,3 +760,8 @@ def test_prefill_groups_split_where_padding_costs_more_than_a_run() -> None:
     assert [len(g) for g in prefill_groups(seqs, gpu)] == [4]
     assert prefill_groups(seqs, None) == [seqs]
     assert prefill_groups([], cpu) == []
+    # Four choices of the 3-token prompt are one row of the run: 4 pads it by 1 token.
+    choices = [seq(i, prompt=3) for i in (5, 6, 7, 8)]
+    edge = Fit(fixed_s=1.5e-5, per_item_s=0.0, per_token_s=1e-5, spread=1.0, samples=8)
+    grouped = prefill_groups([seq(3, prompt=4), *choices], edge)
+    assert [[s.id for s in group] for group in grouped] == [[5, 6, 7, 8, 3]]

@@ -126,18 +126,19 @@ def _score_chunk(seq: Seq, start: int, logits: Array) -> None:
 
 
 def prefill_groups(seqs: Sequence[Seq], fit: Fit | None) -> list[list[Seq]]:
-    """Joiners in prefill runs, shortest prompts first: a prompt joins the run before
-    it unless the padding it adds there costs more, by `fit` (the workload's prefill
-    cost model), than a run of its own. Where a run's fixed cost is small (a CPU),
+    """Joiners in prefill runs, shortest prompts first (equal ones together): a prompt
+    joins the run before it unless the padding it adds to that run's rows costs more,
+    by `fit` (the workload's prefill cost model), than a run of its own. Where a run's fixed cost is small (a CPU),
     short prompts get their first tokens without waiting for a long one's prefill;
     where it dominates (a GPU), they share one run. One run while there is no fit."""
     if fit is None or len(seqs) < 2:
         return [list(seqs)] if seqs else []
-    ordered = sorted(seqs, key=lambda s: len(s.prompt_ids))
+    ordered = sorted(seqs, key=lambda s: (len(s.prompt_ids), s.prompt_ids))
     groups = [[ordered[0]]]
     for seq in ordered[1:]:
         group = groups[-1]
-        padding = len(group) * (len(seq.prompt_ids) - len(group[-1].prompt_ids))
+        rows = len({s.prompt_ids for s in group})  # equal prompts share a row
+        padding = rows * (len(seq.prompt_ids) - len(group[-1].prompt_ids))
         if fit.per_token_s * padding > fit.fixed_s:
             groups.append([seq])
         else:
