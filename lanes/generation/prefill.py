@@ -128,9 +128,10 @@ def _score_chunk(seq: Seq, start: int, logits: Array) -> None:
 def prefill_groups(seqs: Sequence[Seq], fit: Fit | None) -> list[list[Seq]]:
     """Joiners in prefill runs, shortest prompts first (equal ones together): a prompt
     joins the run before it unless the padding it adds to that run's rows costs more,
-    by `fit` (the workload's prefill cost model), than a run of its own. Where a run's fixed cost is small (a CPU),
-    short prompts get their first tokens without waiting for a long one's prefill;
-    where it dominates (a GPU), they share one run. One run while there is no fit."""
+    by `fit` (the workload's prefill cost model), than a run of its own. Where a run's
+    fixed cost is small (a CPU), short prompts get their first tokens without waiting
+    for a long one's prefill; where it dominates (a GPU), they share one run. One run
+    while there is no fit."""
     if fit is None or len(seqs) < 2:
         return [list(seqs)] if seqs else []
     ordered = sorted(seqs, key=lambda s: (len(s.prompt_ids), s.prompt_ids))
