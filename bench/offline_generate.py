@@ -2,7 +2,7 @@
 against one sequence at a time, in one run, on the demo tinycode decoder.
 
     python bench/offline_generate.py [--prompts 256] [--tokens 64] [--batch-size 32]
-        [--model model-slots.onnx] [--n 4] [--longer 8]
+        [--model model-slots.onnx] [--n 4] [--longer 8] [--instruction 6]
 
 The same `--prompts` code prompts (greedy, `ignore_eos`, so every completion is
 `--tokens` long) go through:
@@ -22,7 +22,9 @@ The same `--prompts` code prompts (greedy, `ignore_eos`, so every completion is
 With `--n N` the offline lane gets `--prompts / N` batch lines asking for N choices
 each (OpenAI's `n`), and raw and one at a time get each of those prompts N times: the
 same sequences everywhere. `--longer K` makes each prompt K times its text, for
-prompts whose prefill weighs (a summary's document, say).
+prompts whose prefill weighs (a summary's document, say). `--instruction L` starts
+every prompt with the same L lines (a few-shot instruction), which the offline lane
+prefills once per step and the raw loop in every row.
 
 With `--breakdown`, raw and the offline lane run once more each, their decoder runs
 counted: prefill and decode runs, padded against real positions, and the seconds inside
@@ -97,10 +99,14 @@ PROMPTS = [
 ]
 
 
-def prompts(n: int, longer: int = 1) -> list[str]:
+INSTRUCTION_LINE = "# Complete the function below; keep to the style of the module.\n"
+
+
+def prompts(n: int, longer: int = 1, instruction: int = 0) -> list[str]:
     """`n` distinct prompts: joiners of one prompt share their prefill's row, which the
     raw loop does not, so a repeated prompt would flatter the offline lane."""
-    return [f"# {i}\n{PROMPTS[i % len(PROMPTS)] * longer}" for i in range(n)]
+    head = INSTRUCTION_LINE * instruction
+    return [f"{head}# {i}\n{PROMPTS[i % len(PROMPTS)] * longer}" for i in range(n)]
 
 
 class Timer:
@@ -296,6 +302,7 @@ def main() -> None:
     )
     parser.add_argument("--n", type=int, default=1, help="choices per batch line (see above)")
     parser.add_argument("--longer", type=int, default=1, help="each prompt this many times over")
+    parser.add_argument("--instruction", type=int, default=0, help="lines every prompt starts with")
     args = parser.parse_args()
     if args.prompts % args.n:
         parser.error(f"--prompts ({args.prompts}) must be a multiple of --n ({args.n})")
@@ -318,7 +325,7 @@ def main() -> None:
         task = load_task(WORKLOAD, spec, runtime)
         assert isinstance(task, GenerateTask)
         model = Model(task, runtime.providers[0])
-        lines = prompts(args.prompts // args.n, args.longer)
+        lines = prompts(args.prompts // args.n, args.longer, args.instruction)
         texts = [text for text in lines for _ in range(args.n)]  # every choice's sequence
         total = args.prompts * args.tokens
         # Warm-up, untimed: every path once on a few prompts.
@@ -348,7 +355,8 @@ def main() -> None:
             breakdown = [("raw", counted_raw, raw_cpu), ("offline", counted_lane, lane_cpu)]
     print(
         f"tinycode ({args.model}), {args.prompts} prompts x {args.tokens} tokens (greedy, "
-        f"ignore_eos; {args.prompts // args.n} lines of n={args.n}, texts x{args.longer}), "
+        f"ignore_eos; {args.prompts // args.n} lines of n={args.n}, texts x{args.longer}, "
+        f"{args.instruction} instruction lines), "
         f"batch_size {args.batch_size}, {args.threads} onnxruntime thread(s), best of "
         f"{args.repeats}; load average {os.getloadavg()[0]:.1f}"
     )

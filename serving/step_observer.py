@@ -114,13 +114,12 @@ class StepObserver:
         if step.prefill is not None:
             took = step.prefill.seconds
             m.prefill.observe(took)
-            width = max(len(s.prompt_ids) for s in plan.prefill)
-            rows = step.prefill_rows
+            rows, tokens = step.prefill_rows, step.prefill_tokens
             # Beside a decode, each run is stretched by the other; a run that failed
             # whole (rows 0) says nothing of its cost.
             if not step.beside and rows:
                 with self._lock:
-                    self.steer.observe_prefill(rows, rows * width, took)
+                    self.steer.observe_prefill(rows, tokens, took)
             if self.spans is not None:
                 self.spans.prefilled(plan.prefill, step.prefill.start, step.prefill.end)
         if step.chunk is not None and plan.chunk is not None:

@@ -15,7 +15,7 @@ import pytest
 
 from lanes.errors import DeadlineExceeded, ModelError
 from lanes.generation.batch import generate_batch
-from lanes.generation.prefill import prefill
+from lanes.generation.prefill import SHARED_PREFIX_MIN, prefill
 from lanes.generation.scheduler import POLICIES, Policy
 from lanes.generation.seq import Event, Seq
 from lanes.isolation import Failed
@@ -234,6 +234,39 @@ def test_joiners_of_one_prompt_share_one_row_of_their_prefill(task: GenerateTask
         np.testing.assert_array_equal(join.mask[row, -n:], its_join.mask[0])
         for ours, its in zip(join.past.arrays, its_join.past.arrays, strict=True):
             np.testing.assert_allclose(ours[row, :, -n:], its[0], rtol=1e-4, atol=1e-4)
+
+
+def test_joiners_sharing_a_long_prefix_run_it_once(task: GenerateTask) -> None:
+    """Prompts that start with one long instruction: it runs once, in one row, then
+    each prompt's rest on its cache; every joiner gets the logits and cache its
+    prompt gets alone. A slot-layout graph runs prompts on a past row by row, so
+    there they run whole, in one run."""
+    decoder = task.decoder
+    instruction = "# Copyright 2001 Python Software Foundation\n" * 2
+    prompts = [instruction + end for end in ("x", "def f(x", "import os\nimport sys\n")]
+    seqs = [Seq(i, tuple(decoder.encode(p)), 4) for i, p in enumerate(prompts)]
+    assert len({s.prompt_ids[:SHARED_PREFIX_MIN] for s in seqs}) == 1, "a prefix to share"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, RUNS.closed():
+        ran = pool.submit(prefill, decoder, seqs)
+        rows = []
+        for _ in range(1 if decoder.slots else 2):
+            RUNS.wait_held()
+            rows.append(RUNS.held_rows())
+            RUNS.allow(1)
+        logits, join = ran.result(timeout=WAIT_S)
+    assert rows == ([3] if decoder.slots else [1, 3])
+    for row, seq in enumerate(seqs):
+        by_itself, its_join = prefill(decoder, [seq])
+        n = len(seq.prompt_ids)
+        np.testing.assert_allclose(logits[row], by_itself[0], rtol=1e-4, atol=1e-4)
+        assert join.mask[row].sum() == n and (join.mask[row, -n:] == 1).all()
+        for ours, its in zip(join.past.arrays, its_join.past.arrays, strict=True):
+            np.testing.assert_allclose(ours[row, :, -n:], its[0], rtol=1e-4, atol=1e-4)
+    items: list[dict[str, object]] = [{"prompt": p, "max_tokens": 6} for p in prompts]
+    done = generate_batch(decoder, [task.prepare(item) for item in items], 3, "code")
+    assert [d.tokens for d in done if isinstance(d, Completion)] == [
+        alone(task, item).tokens for item in items
+    ]
 
 
 def test_a_prompt_asked_again_later_in_an_offline_batch_joins_its_first_asking(

@@ -214,6 +214,24 @@ def test_greedy_batched_offline_equals_transformers(
     assert [d.tokens if isinstance(d, Completion) else d for d in done] == want
 
 
+# A few-shot instruction every prompt starts with (bytes are tokens: 38 of them, over
+# the shortest prefix that prefill runs once), then items of different lengths.
+INSTRUCTED = [
+    f"Classify each line as code or prose.\n\n{item}"
+    for item in ("hello", "x = 1", "the quick brown fox")
+]
+
+
+def test_prompts_sharing_an_instruction_decode_as_transformers(
+    task: GenerateTask, reference: Reference
+) -> None:
+    """Their prefill runs the instruction once and each item on its cache (prefill.py)."""
+    want = reference.greedy(INSTRUCTED)
+    assert want == [reference.greedy([p])[0] for p in INSTRUCTED]
+    done = generate_batch(task.decoder, [task.prepare(p) for p in INSTRUCTED], 3, task.name)
+    assert [d.tokens if isinstance(d, Completion) else d for d in done] == want
+
+
 async def test_a_float16_export_decodes_like_transformers(
     exported: Export, reference: Reference
 ) -> None:

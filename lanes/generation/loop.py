@@ -73,7 +73,10 @@ class Step:
     end: float = 0.0
     events: list[Event] = field(default_factory=list)
     prefill: Timed | None = None
-    prefill_rows: int = 0  # the prefill's rows run: joiners of one prompt share one
+    # What the prefill ran: rows and padded tokens (lanes/generation/prefill.py: joiners
+    # of one prompt share a row, a long shared prefix runs once).
+    prefill_rows: int = 0
+    prefill_tokens: int = 0
     chunk: Timed | None = None
     decode: Timed | None = None
     decoded_length: int = 0
@@ -171,7 +174,8 @@ class StepLoop:
         plan = StepPlan(prefill=tuple(joiners))
         step = Step(plan, self.clock(), beside=True)
         done = prefill_apart(self.decoder, plan.prefill)
-        step.prefill, step.prefill_rows = Timed(step.start, self.clock()), done.rows_run
+        step.prefill = Timed(step.start, self.clock())
+        step.prefill_rows, step.prefill_tokens = done.rows_run, done.tokens_run
         self._joins += done.joins
         self._log_isolated("prefill", len(plan.prefill), done.error, done.failed)
         failed = failures(plan.prefill, done.failed, prompt_of)
@@ -197,7 +201,8 @@ class StepLoop:
         if plan.prefill:
             at = self.clock()
             done = prefill_apart(self.decoder, plan.prefill)
-            step.prefill, step.prefill_rows = Timed(at, self.clock()), done.rows_run
+            step.prefill = Timed(at, self.clock())
+            step.prefill_rows, step.prefill_tokens = done.rows_run, done.tokens_run
             self._joins += done.joins
             self._log_isolated("prefill", len(plan.prefill), done.error, done.failed)
             failed.update(failures(plan.prefill, done.failed, prompt_of))

@@ -7,7 +7,9 @@ logits and a cache (`Join`) to enter the batch's with, exactly as from the whole
 
 Joiners with the same context (a request's `n` choices, a batch's repeated prompts)
 share one row of the run: the model's output for a row depends on that row alone,
-so each gets a copy of the one row's cache and logits.
+so each gets a copy of the one row's cache and logits. Joiners whose contexts share
+a long prefix (SHARED_PREFIX_MIN tokens or more: a few-shot instruction, a system
+prompt) run it once, the rest of each on its cache (`_run_on_prefix`).
 """
 
 from __future__ import annotations
@@ -23,9 +25,13 @@ from lanes.generation.logprobs import token_logprobs
 from lanes.generation.seq import Chunk, Seq
 from lanes.isolation import isolate
 from lanes.tasks.decoder import Decoder
-from lanes.tasks.past import Past
+from lanes.tasks.past import Past, StepOutput
 
 Array = np.ndarray[Any, Any]
+
+# A prefix shorter than this is run in every row: a second run has a fixed cost of
+# its own, which a short prefix's rows do not repay.
+SHARED_PREFIX_MIN = 32
 
 
 @dataclass(frozen=True)
@@ -36,7 +42,10 @@ class Join:
     past: Past
     mask: Array
     apart: bool = False  # rows that may sit steps out (Seq.sits_out): grouped apart
-    rows_run: int = 0  # the rows its run had: joiners of one context share one
+    # What its prefill ran (a prefill cost model's measure): rows and padded tokens.
+    # Joiners of one context share a row; a shared prefix runs once (prefill.py).
+    rows_run: int = 0
+    tokens_run: int = 0
 
 
 @dataclass(frozen=True)
@@ -55,39 +64,97 @@ class Prefilled:
         """The rows of the runs whose caches joined (what a prefill cost model sees)."""
         return sum(j.rows_run for j in self.joins)
 
+    @property
+    def tokens_run(self) -> int:
+        """Their padded tokens."""
+        return sum(j.tokens_run for j in self.joins)
+
 
 def prefill(decoder: Decoder, seqs: Sequence[Seq], recompute: bool = False) -> tuple[Array, Join]:
-    """One run over the joiners' distinct prompts, left-padded to the longest; with
-    `recompute`, over what a preempted sequence's cache held (`Seq.cached_ids`)."""
+    """The joiners' distinct prompts in one run, left-padded to the longest (in two
+    where they share a long prefix, see `_run_on_prefix`); with `recompute`, what a
+    preempted sequence's cache held (`Seq.cached_ids`)."""
     contexts = [s.cached_ids if recompute else s.prompt_ids for s in seqs]
     distinct: dict[tuple[int, ...], int] = {}
     row_of = [distinct.setdefault(tuple(c), len(distinct)) for c in contexts]
-    width = max(len(c) for c in distinct)
-    ids = np.full((len(distinct), width), decoder.config.pad_token_id, dtype=np.int64)
-    mask = np.zeros((len(distinct), width), dtype=np.int64)
-    positions = np.zeros((len(distinct), width), dtype=np.int64)
-    for j, context in enumerate(distinct):
-        n = len(context)
-        ids[j, width - n :] = context
-        mask[j, width - n :] = 1
-        positions[j, width - n :] = np.arange(n)
-    out = decoder.step(ids, mask, positions, decoder.empty_past(len(distinct)))
-    present = out.present
+    scored = not recompute and any(s.prompt_logprobs is not None for s in seqs)
+    # A slot-layout graph runs prompts on a past row by row: no gain there. Scoring a
+    # prompt wants every position's logits, which the prefix's own run does not keep.
+    shared = 0 if scored or decoder.slots or len(distinct) < 2 else _common(list(distinct))
+    if shared >= SHARED_PREFIX_MIN:
+        logits, present, mask, tokens_run = _run_on_prefix(decoder, list(distinct), shared)
+        rows_run = 1 + len(distinct)
+    else:
+        out, mask = _run_left_padded(decoder, list(distinct))
+        if scored:  # a recompute's prompt was scored by its first prefill
+            _score_prompts(seqs, out.logits, row_of)
+        logits, present, tokens_run = out.logits[:, -1], out.present, mask.size
+        rows_run = len(distinct)
     if not mask.all():
         # Padding's keys/values are never attended (mask 0), but a model may have
         # left NaN there (a query row with every key masked): 0 * NaN is NaN.
         pad = mask == 0
         for kv in (*present.keys, *present.values):
             kv[np.broadcast_to(pad[:, None, :], kv.shape[:3])] = 0
-    if not recompute:  # a recompute's prompt was scored by its first prefill
-        _score_prompts(seqs, out.logits, row_of)
-    logits = out.logits[:, -1]
     if len(distinct) < len(seqs):  # each joiner its own copy: rows are written apart
         rows = np.asarray(row_of)
         logits, mask = logits[rows], mask[rows]
         present = Past(tuple(k[rows] for k in present.keys), tuple(v[rows] for v in present.values))
     apart = all(s.sits_out for s in seqs)
-    return logits, Join([s.id for s in seqs], present, mask, apart, len(distinct))
+    return logits, Join([s.id for s in seqs], present, mask, apart, rows_run, tokens_run)
+
+
+def _run_left_padded(decoder: Decoder, contexts: list[tuple[int, ...]]) -> tuple[StepOutput, Array]:
+    """`contexts` in one run from an empty cache, left-padded to the longest; its
+    output and attention mask."""
+    width = max(len(c) for c in contexts)
+    ids = np.full((len(contexts), width), decoder.config.pad_token_id, dtype=np.int64)
+    mask = np.zeros((len(contexts), width), dtype=np.int64)
+    positions = np.zeros((len(contexts), width), dtype=np.int64)
+    for j, context in enumerate(contexts):
+        n = len(context)
+        ids[j, width - n :] = context
+        mask[j, width - n :] = 1
+        positions[j, width - n :] = np.arange(n)
+    return decoder.step(ids, mask, positions, decoder.empty_past(len(contexts))), mask
+
+
+def _common(contexts: list[tuple[int, ...]]) -> int:
+    """The length of the prefix every context shares."""
+    first, last = min(contexts), max(contexts)  # they differ first where any two do
+    n = min(len(first), len(last))
+    return next((i for i in range(n) if first[i] != last[i]), n)
+
+
+def _run_on_prefix(
+    decoder: Decoder, contexts: list[tuple[int, ...]], shared: int
+) -> tuple[Array, Past, Array, int]:
+    """Contexts that share their first `shared` tokens (a few-shot instruction, a
+    system prompt) in two runs: that prefix once, in one row, then every row's last
+    W tokens (W: the longest context less the prefix) on the prefix's cache, each
+    row's earlier tokens (all in the prefix) right-aligned in it. So each row's mask
+    is zeros then ones, as from one left-padded run, and the work is the prefix once
+    plus rows x W instead of rows x the longest. The last logits [rows, vocab], the
+    cache [rows, ..., shared + W, ...], its mask, and the tokens run."""
+    prefix = np.asarray([contexts[0][:shared]], dtype=np.int64)
+    ones = np.ones_like(prefix)
+    head = decoder.step(prefix, ones, np.arange(shared)[None, :], decoder.empty_past(1)).present
+    rows, width = len(contexts), max(len(c) for c in contexts) - shared
+    past = head.zeros(rows, shared)
+    ids = np.full((rows, width), decoder.config.pad_token_id, dtype=np.int64)
+    mask = np.zeros((rows, shared + width), dtype=np.int64)
+    positions = np.zeros((rows, width), dtype=np.int64)
+    for r, context in enumerate(contexts):
+        held = max(len(context) - width, 0)  # in the prefix: len(context) <= shared + width
+        fed = len(context) - held
+        for ours, theirs in zip(past.arrays, head.arrays, strict=True):
+            ours[r, :, shared - held :] = theirs[0, :, :held]
+        ids[r, width - fed :] = context[held:]
+        mask[r, shared - held : shared] = 1
+        mask[r, shared + width - fed :] = 1
+        positions[r, width - fed :] = np.arange(held, len(context))
+    out = decoder.step(ids, mask, positions, past)
+    return out.logits[:, -1], out.present, mask, shared + rows * width
 
 
 def _score_prompts(seqs: Sequence[Seq], logits: Array, row_of: Sequence[int]) -> None:
@@ -203,4 +270,5 @@ class Chunked:
             return Prefilled(None, [])
         self.past = None
         mask = np.ones((1, chunk.stop), dtype=np.int64)
-        return Prefilled(logits, [Join([chunk.seq.id], present, mask, chunk.seq.sits_out, 1)])
+        join = Join([chunk.seq.id], present, mask, chunk.seq.sits_out, 1, chunk.stop - chunk.start)
+        return Prefilled(logits, [join])
