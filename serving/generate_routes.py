@@ -392,7 +392,7 @@ class _Answer:
             echoed = self._echo(index)
             text, logprobs = piece.text, None
             if echoed is not None:
-                self._offsets[index] = len(echoed.text)  # the completion's follow it
+                self._offsets[index] = echoed.end  # the completion's follow it
                 text, logprobs = echoed.before(text, self._chunk_logprobs(index, piece))
             else:
                 logprobs = self._chunk_logprobs(index, piece)

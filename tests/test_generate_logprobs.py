@@ -405,6 +405,28 @@ def test_echo_of_a_list_scores_each_prompt_and_of_token_ids_their_text(
     check_prompt(decoder, ids, choice.logprobs, 0)
 
 
+def test_echo_offsets_never_go_back_where_tokens_split_a_character(
+    client: OpenAI, decoder: Decoder
+) -> None:
+    # "π" is two byte tokens, each spelled U+FFFD: the prompt's tokens' texts are one
+    # character longer than its text, and the completion's offsets go on from theirs.
+    prompt = "def π(x"
+    ids = decoder.encode(prompt)
+    spelled = [decoder.tokenizer.decode([i]) for i in ids]
+    assert sum(len(t) for t in spelled) > len(prompt)
+    kwargs: dict[str, Any] = {"model": "code-complete", "prompt": prompt, "max_tokens": 3}
+    whole = client.completions.create(**kwargs, echo=True, logprobs=1, temperature=0)
+    streamed = client.completions.create(
+        **kwargs, echo=True, logprobs=1, temperature=0, stream=True
+    )
+    assert whole.choices[0].logprobs is not None
+    for lp in (whole.choices[0].logprobs.model_dump(), joined(list(streamed))[0][1]):
+        tokens, offsets = lp["tokens"], lp["text_offset"]
+        assert len(tokens) == len(ids) + 3
+        # Each token starts where the one before it ends, counted by their texts.
+        assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+
+
 def test_echo_without_logprobs_echoes_the_text_alone(client: OpenAI) -> None:
     plain = client.completions.create(model="code-complete", prompt=PROMPT, max_tokens=3)
     echoed = client.completions.create(

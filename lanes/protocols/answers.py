@@ -46,6 +46,16 @@ class Echoed:
     text: str
     logprobs: dict[str, Any] | None = None
 
+    @property
+    def end(self) -> int:
+        """Where the completion's `text_offset` start. With the prompt's logprobs shown,
+        past its tokens' own texts, which its offsets count: a character split over
+        tokens is one U+FFFD per token there, more than the text holds, and offsets
+        must not go back. Without them, past the text."""
+        if self.logprobs is None or not self.logprobs["tokens"]:
+            return len(self.text)
+        return self.logprobs["text_offset"][-1] + len(self.logprobs["tokens"][-1])
+
     def before(
         self, text: str, logprobs: dict[str, Any] | None
     ) -> tuple[str, dict[str, Any] | None]:

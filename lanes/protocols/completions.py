@@ -166,7 +166,7 @@ class GenerateParams(GenerationOptions, OpenAIRequest):
         echoed = None if prompt is None else self.echo_of(prompt, spelling)
         if echoed is None:
             return Choice(text, finish, self.logprobs_body(records, spelling))
-        logprobs = self.logprobs_body(records, spelling, len(echoed.text))
+        logprobs = self.logprobs_body(records, spelling, echoed.end)
         text, logprobs = echoed.before(text, logprobs)
         return Choice(text, finish, logprobs)
 
