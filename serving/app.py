@@ -28,9 +28,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lanes.backfill import INTERNAL_PREFIX
 from lanes.batches import Batches
-from lanes.errors import LanesError, Overloaded
+from lanes.errors import AuthError, LanesError, Overloaded
 from lanes.protocols import TIMEOUT_HEADER
-from lanes.protocols.openai import error_body
+from lanes.protocols.openai import error_body, error_of
 from lanes.runtime import Runtime
 from lanes.serving import (
     backfill_routes,
@@ -49,6 +49,7 @@ from lanes.serving.http import (
     discard_unread,
     error_response,
     is_v2,
+    v2_body,
 )
 from lanes.serving.metrics import STARTUP, Metrics
 from lanes.serving.readiness import Readiness
@@ -263,17 +264,11 @@ def _internal(path: str, exc: BaseException) -> JSONResponse:
     return error_response(path, error)
 
 
-_UNAUTHORIZED = orjson.dumps(
-    error_body(
-        "missing or wrong API key: send Authorization: Bearer <key>",
-        "authentication_error",
-        code="invalid_api_key",
-    )
-)
-# Every v2 error, 401 included, is {"error": "..."}: tritonclient reads no other shape.
-_V2_UNAUTHORIZED = orjson.dumps(
-    {"error": "missing or wrong API key: send Authorization: Bearer <key>"}
-)
+_REFUSED = AuthError("missing or wrong API key: send Authorization: Bearer <key>")
+_UNAUTHORIZED = orjson.dumps(error_of(_REFUSED))
+# Every v2 error, 401 included, is {"error": "..."} with its code beside it, as the
+# routes write theirs: tritonclient reads no other shape.
+_V2_UNAUTHORIZED = orjson.dumps(v2_body(_REFUSED))
 _UNAUTHORIZED_HEADERS = {"WWW-Authenticate": "Bearer"}
 _INFER_PATH = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
 # The inference routes with a fixed path, which Edge serves without Starlette.

@@ -70,9 +70,14 @@ def v2_error(error: LanesError) -> JSONResponse:
     """Open Inference Protocol's {"error": "..."} shape, with the error's `param` and
     `code` beside it when it has them (tritonclient reads `error` only; the SDK reads
     them back into the error's class)."""
+    return JSONResponse(v2_body(error), error.status, headers=_headers(error))
+
+
+def v2_body(error: LanesError) -> dict[str, str]:
+    """The body `v2_error` answers `error` with."""
     body: dict[str, str] = {"error": str(error)}
     body |= {k: v for k, v in (("param", error.param), ("code", error.code)) if v is not None}
-    return JSONResponse(body, error.status, headers=_headers(error))
+    return body
 
 
 def is_v2(path: str) -> bool:

@@ -431,6 +431,13 @@ def test_api_key_guards_everything_but_health(spec_path: Path) -> None:
             )
         ok = OpenAI(base_url=f"{guarded.url}/v1", api_key="s3cret", max_retries=0)
         assert len(ok.embeddings.create(model="search-query", input="x").data) == 1
+        # A v2 401 is a v2 error like any other: its code beside the message, the same
+        # code as the OpenAI shape's.
+        for path in ("/v2/models/search-query", "/v2/models/search-query/ready", "/v2"):
+            v2 = httpx.get(f"{guarded.url}{path}")
+            assert v2.status_code == 401
+            assert v2.json()["code"] == refused.json()["error"]["code"] == "invalid_api_key"
+            assert "API key" in v2.json()["error"]
 
 
 SIGTERM_WORKLOADS = """\
