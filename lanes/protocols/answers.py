@@ -54,7 +54,7 @@ class Echoed:
         must not go back. Without them, past the text."""
         if self.logprobs is None or not self.logprobs["tokens"]:
             return len(self.text)
-        return self.logprobs["text_offset"][-1] + len(self.logprobs["tokens"][-1])
+        return int(self.logprobs["text_offset"][-1]) + len(self.logprobs["tokens"][-1])
 
     def before(
         self, text: str, logprobs: dict[str, Any] | None
