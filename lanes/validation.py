@@ -171,3 +171,18 @@ def describe(value: Any) -> str:
     if isinstance(value, Mapping):
         return "an object"
     return type(value).__name__
+
+
+def malformed_json(body: bytes | memoryview, error: Exception) -> str:
+    """What a body that did not parse as JSON (`error`, the parser's) expected and
+    found. orjson reports any byte that is not UTF-8 as "surrogates not allowed" at
+    char 0 (Latin-1 text, UTF-16 from a Windows shell): that case names the byte."""
+    try:
+        bytes(body).decode("utf-8")
+    except UnicodeDecodeError as bad:
+        byte = bytes(body[bad.start : bad.start + 1]).hex()
+        return (
+            f"expected JSON in UTF-8, found byte 0x{byte} at offset {bad.start}, which is "
+            f"not UTF-8 there ({bad.reason}); send the body encoded as UTF-8"
+        )
+    return f"expected JSON, found malformed JSON ({error})"

@@ -23,6 +23,7 @@ from lanes.protocols.openai import error_of
 from lanes.serving.encoding import HEADER as CONTENT_ENCODING
 from lanes.serving.encoding import coding_of, decode
 from lanes.serving.offload import Offload
+from lanes.validation import malformed_json
 
 
 class ClientGone(LanesError):
@@ -102,7 +103,7 @@ def decode_json(body: bytes) -> Any:
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as e:
-        raise InvalidInput.field("body", f"expected JSON, found malformed JSON ({e})") from None
+        raise InvalidInput.field("body", malformed_json(body, e)) from None
 
 
 def check_inputs(count: int, limit: int, param: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import os
 import re
 import signal
@@ -14,6 +15,7 @@ import sys
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -410,6 +412,32 @@ def test_server_survives_bad_requests(server: ServerThread) -> None:
         now = metric(after, "lanes_responses_total", route=route, code=code)
         then = metric(before, "lanes_responses_total", default=0.0, route=route, code=code)
         assert now - then == count, (route, code)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/embeddings", {"model": "search-query", "input": "café"}),
+        (
+            "/v2/models/flowers/infer",
+            {"id": "café", "inputs": [{"name": "features", "shape": [1, 4], "datatype": "FP32"}]},
+        ),
+    ],
+)
+def test_a_body_that_is_not_utf8_is_a_400_naming_the_byte(
+    server: ServerThread, path: str, body: dict[str, Any]
+) -> None:
+    # Latin-1, as a client that does not encode its text as UTF-8 sends it: "é" is 0xe9.
+    raw = json.dumps(body, ensure_ascii=False).encode("latin-1")
+    answer = httpx.post(
+        f"{server.url}{path}", content=raw, headers={"content-type": "application/json"}
+    )
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    message = error["message"] if path.startswith("/v1") else error
+    offset = raw.index(b"\xe9")
+    assert message.startswith("body: expected JSON in UTF-8, found byte 0xe9 at offset "), message
+    assert f"offset {offset}," in message and "surrogates" not in message, message
 
 
 def test_api_key_guards_everything_but_health(spec_path: Path) -> None:

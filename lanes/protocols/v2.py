@@ -23,7 +23,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lanes.errors import InvalidInput, ModelError
-from lanes.validation import describe, invalid_input
+from lanes.validation import describe, invalid_input, malformed_json
 
 # The size of the JSON part of a body that binary tensor data follows (both ways).
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -127,7 +127,7 @@ class InferRequest(Part):
             hint = ""
             if isinstance(body, bytes) and b'"binary_data_size"' in body:
                 hint = f"; binary tensor data needs an {HEADER_LENGTH} header (the JSON's size)"
-            raise InvalidInput(f"body: expected JSON, found malformed JSON ({e}){hint}") from None
+            raise InvalidInput(f"body: {malformed_json(body, e)}{hint}") from None
         try:
             return cls.model_validate(parsed)
         except ValidationError as err:
