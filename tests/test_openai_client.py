@@ -388,6 +388,9 @@ REJECTED: list[tuple[str, dict[str, Any], str, str | None]] = [
     ),
     # An empty stop string would cut every text before its first character.
     ("/v1/completions", {**PROMPT_BODY, "stop": ["\n", ""]}, "stop[1]", "string_below_min_length"),
+    # One stop string is checked as a list of it, but named as it was sent.
+    ("/v1/completions", {**PROMPT_BODY, "stop": ""}, "stop", "string_below_min_length"),
+    ("/v1/chat/completions", {**CHAT_BODY, "stop": ""}, "stop", "string_below_min_length"),
     ("/v1/completions", {**PROMPT_BODY, "stop": ["x"] * 17}, "stop", "array_above_max_length"),
     # Served, as OpenAI: top_logprobs needs logprobs, and at most 20 alternatives.
     ("/v1/chat/completions", {**CHAT_BODY, "top_logprobs": 2}, "top_logprobs", "invalid_value"),

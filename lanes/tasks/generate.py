@@ -290,7 +290,11 @@ class GenerateTask:
         try:
             return Generation.model_validate(merged, strict=True)
         except ValidationError as err:
-            raise invalid_input(err, _REQUEST_NAMES) from None
+            error = invalid_input(err, _REQUEST_NAMES)
+            # A stop sent as one string is checked as a list of it: name what was sent.
+            if isinstance(options.stop, str) and error.param == "stop[0]":
+                error = error.at("stop")
+            raise error from None
 
     @property
     def rows(self) -> int:
