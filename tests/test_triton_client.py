@@ -510,6 +510,47 @@ def test_a_body_that_does_not_fit_the_protocol_is_a_400_in_our_words(
         assert leak not in message
 
 
+COUNT = {"name": "count", "shape": [2], "datatype": "INT32"}
+HALF = {"name": "half", "shape": [2, 2], "datatype": "FP16", "data": [0.5, 1, 2, 3]}
+FLAG = {"name": "flag", "shape": [2], "datatype": "BOOL", "data": [True, False]}
+WORD = {"name": "word", "shape": [2], "datatype": "BYTES", "data": ["a", "b"]}
+# JSON data of the wrong JSON type, which numpy would have read as numbers, and an
+# integer past its datatype's range: each a 400 naming the value, as Triton refuses them.
+WRONG_TYPES: list[tuple[str, dict[str, Any], str]] = [
+    (
+        "affine",
+        {**GOOD_X, "data": ["1.5", *X.ravel().tolist()[1:]]},
+        "inputs.x.data: expected numbers for FP32, found '1.5' at [0]",
+    ),
+    (
+        "affine",
+        {**GOOD_X, "data": [*X.ravel().tolist()[:7], True]},
+        "inputs.x.data: expected numbers for FP32, found true at [7]",
+    ),
+    (
+        "kinds",
+        {**COUNT, "data": [1, 2**31]},
+        "inputs.count.data: expected INT32 values (integers from -2147483648 to 2147483647)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("workload", "x", "message"), WRONG_TYPES)
+def test_json_data_of_the_wrong_type_is_a_400_naming_the_value(
+    server: ServerThread, workload: str, x: dict[str, Any], message: str
+) -> None:
+    others = [HALF, FLAG, {**COUNT, "data": [1, 2]}, WORD] if workload == "kinds" else []
+    inputs = [x, *[o for o in others if o["name"] != x["name"]]]
+    answer = post(server, f"/v2/models/{workload}/infer", orjson.dumps({"inputs": inputs}))
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"] == message
+    # The same numbers as numbers are served.
+    good = {**x, "data": [1.5, *X.ravel().tolist()[1:]]} if workload == "affine" else None
+    if good is not None:
+        ok = post(server, f"/v2/models/{workload}/infer", orjson.dumps({"inputs": [good]}))
+        assert ok.status_code == 200, ok.text
+
+
 def test_every_v2_error_is_an_error_string(server: ServerThread, client: Any) -> None:
     x = tensor("x", X, "FP32", True)
     error = refused(lambda: client.infer("affine", [x]))  # no key

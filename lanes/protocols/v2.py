@@ -267,11 +267,21 @@ def to_array(tensor: Tensor, binary: memoryview | None = None) -> Array:
         with np.errstate(over="ignore", invalid="ignore"):  # checked below
             array = np.asarray(tensor.data, dtype=dtype)
     except (ValueError, TypeError, OverflowError):
-        raise InvalidInput(f"{where}.data: expected {tensor.datatype} values") from None
+        within = ""
+        if np.dtype(dtype).kind in "iu":  # numpy refuses an integer past the type's range
+            info = np.iinfo(dtype)
+            within = f" (integers from {info.min} to {info.max})"
+        raise InvalidInput(f"{where}.data: expected {tensor.datatype} values{within}") from None
     kind = array.dtype.kind
-    if kind in "iub" and not _all_of(tensor.data, bool if kind == "b" else int):
-        wanted = "true or false" if kind == "b" else "integers"
-        raise InvalidInput(f"{where}.data: expected {wanted} for {tensor.datatype}")
+    # numpy reads "5.1" and true as numbers: JSON's types are checked here, as Triton
+    # checks them, so a value of the wrong type is refused, not converted.
+    stray = _stray(tensor.data, _JSON_TYPES[kind]) if kind in _JSON_TYPES else None
+    if stray is not None:
+        wanted = {"b": "true or false", "f": "numbers"}.get(kind, "integers")
+        raise InvalidInput(
+            f"{where}.data: expected {wanted} for {tensor.datatype}, found {describe(stray[1])} "
+            f"at [{stray[0]}]"
+        )
     # JSON has no NaN or infinity: a float that is not finite was null, or a number
     # beyond the datatype's range.
     if kind == "f" and not np.isfinite(array).all():
@@ -286,12 +296,24 @@ def to_array(tensor: Tensor, binary: memoryview | None = None) -> Array:
     return array.reshape(tensor.shape)
 
 
-def _all_of(data: list[Any] | None, kind: type[int] | type[bool]) -> bool:
-    """Whether every element of `data` is an int (not a bool), or a bool."""
+# The JSON values a tensor of each numpy kind takes: a number is never a bool.
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "b": (bool, np.bool_),
+    "i": (int, np.integer),
+    "u": (int, np.integer),
+    "f": (int, float, np.integer, np.floating),
+}
+
+
+def _stray(data: list[Any] | None, types: tuple[type, ...]) -> tuple[int, Any] | None:
+    """The first element of `data` (flat or nested; its index in the flat order) that
+    is none of `types`, or a bool where `types` are numbers; None when there is none."""
     flat = np.asarray(data or [], dtype=object).reshape(-1)
-    if kind is bool:
-        return all(isinstance(v, bool | np.bool_) for v in flat)
-    return all(isinstance(v, int | np.integer) and not isinstance(v, bool) for v in flat)
+    numbers = bool not in types
+    for i, v in enumerate(flat):
+        if not isinstance(v, types) or (numbers and isinstance(v, bool | np.bool_)):
+            return i, v
+    return None
 
 
 def _from_binary(tensor: Tensor, raw: memoryview, count: int) -> Array:
