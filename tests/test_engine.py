@@ -15,7 +15,7 @@ import pytest
 
 from lanes.errors import DeadlineExceeded, ModelError
 from lanes.generation.batch import generate_batch
-from lanes.generation.prefill import SHARED_PREFIX_MIN, prefill
+from lanes.generation.prefill import SHARED_PREFIX_MIN, SharedPrefix, prefill
 from lanes.generation.scheduler import POLICIES, Policy
 from lanes.generation.seq import Event, Seq
 from lanes.isolation import Failed
@@ -267,6 +267,33 @@ def test_joiners_sharing_a_long_prefix_run_it_once(task: GenerateTask) -> None:
     assert [d.tokens for d in done if isinstance(d, Completion)] == [
         alone(task, item).tokens for item in items
     ]
+
+
+def test_a_later_joiner_runs_only_its_rest_on_the_prefix_kept(task: GenerateTask) -> None:
+    """The shared prefix's cache stays (SharedPrefix): a joiner of a later step that
+    starts with it runs the rest of its prompt alone, on it, and gets what its prompt
+    gets alone. Not on a slot-layout graph, where nothing is shared."""
+    decoder = task.decoder
+    instruction = "# Copyright 2001 Python Software Foundation\n" * 2
+    first = [Seq(i, tuple(decoder.encode(instruction + end)), 4) for i, end in enumerate("xy")]
+    later = Seq(9, tuple(decoder.encode(instruction + "for i in range(")), 4)
+    shared = SharedPrefix()
+    prefill(decoder, first, shared=shared)
+    prefix = [] if decoder.slots else decoder.encode(instruction)
+    assert shared.ids == tuple(prefix)[: len(shared.ids)] and len(shared.ids) >= len(prefix) - 1
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, RUNS.closed():
+        ran = pool.submit(prefill, decoder, [later], False, shared)
+        RUNS.wait_held()
+        assert RUNS.held_rows() == 1
+        RUNS.allow(1)
+        logits, join = ran.result(timeout=WAIT_S)
+    assert join.tokens_run == len(later.prompt_ids) - len(shared.ids)
+    by_itself, its_join = prefill(decoder, [later])
+    np.testing.assert_allclose(logits, by_itself, rtol=1e-4, atol=1e-4)
+    n = len(later.prompt_ids)
+    assert join.mask.sum() == n
+    for ours, its in zip(join.past.arrays, its_join.past.arrays, strict=True):
+        np.testing.assert_allclose(ours[0, :, -n:], its[0], rtol=1e-4, atol=1e-4)
 
 
 def test_a_prompt_asked_again_later_in_an_offline_batch_joins_its_first_asking(

@@ -218,17 +218,18 @@ def test_greedy_batched_offline_equals_transformers(
 # the shortest prefix that prefill runs once), then items of different lengths.
 INSTRUCTED = [
     f"Classify each line as code or prose.\n\n{item}"
-    for item in ("hello", "x = 1", "the quick brown fox")
+    for item in ("hello", "x = 1", "the quick brown fox", "def f(): pass")
 ]
 
 
 def test_prompts_sharing_an_instruction_decode_as_transformers(
     task: GenerateTask, reference: Reference
 ) -> None:
-    """Their prefill runs the instruction once and each item on its cache (prefill.py)."""
+    """The first two prefill the instruction once and each item on its cache; the
+    others, joining as rows free up, run only their items on it (prefill.py)."""
     want = reference.greedy(INSTRUCTED)
     assert want == [reference.greedy([p])[0] for p in INSTRUCTED]
-    done = generate_batch(task.decoder, [task.prepare(p) for p in INSTRUCTED], 3, task.name)
+    done = generate_batch(task.decoder, [task.prepare(p) for p in INSTRUCTED], 2, task.name)
     assert [d.tokens if isinstance(d, Completion) else d for d in done] == want
 
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 
 from lanes.generation.kvcache import MAX_PADDING, Decoded, GroupRun
 from lanes.generation.preempt import KEEP_BYTES, Preempted
-from lanes.generation.prefill import Chunked, Join, prefill_apart
+from lanes.generation.prefill import Chunked, Join, SharedPrefix, prefill_apart
 from lanes.generation.scheduler import Scheduler
 from lanes.generation.seq import Event, Seq, StepOutputs, StepPlan
 from lanes.generation.slots import new_cache
@@ -118,6 +118,7 @@ class StepLoop:
         self._joins: list[Join] = []  # prefilled, entering the cache at the next settle
         self.preempted = Preempted(keep_bytes)
         self.chunked = Chunked()
+        self.shared = SharedPrefix()  # its joiners' last shared prefix, for later ones
 
     def run(
         self,
@@ -173,7 +174,7 @@ class StepLoop:
         raises, and fails the plan in flight with them."""
         plan = StepPlan(prefill=tuple(joiners))
         step = Step(plan, self.clock(), beside=True)
-        done = prefill_apart(self.decoder, plan.prefill)
+        done = prefill_apart(self.decoder, plan.prefill, shared=self.shared)
         step.prefill = Timed(step.start, self.clock())
         step.prefill_rows, step.prefill_tokens = done.rows_run, done.tokens_run
         self._joins += done.joins
@@ -200,7 +201,7 @@ class StepLoop:
         prefill = None
         if plan.prefill:
             at = self.clock()
-            done = prefill_apart(self.decoder, plan.prefill)
+            done = prefill_apart(self.decoder, plan.prefill, shared=self.shared)
             step.prefill = Timed(at, self.clock())
             step.prefill_rows, step.prefill_tokens = done.rows_run, done.tokens_run
             self._joins += done.joins

@@ -9,7 +9,8 @@ Joiners with the same context (a request's `n` choices, a batch's repeated promp
 share one row of the run: the model's output for a row depends on that row alone,
 so each gets a copy of the one row's cache and logits. Joiners whose contexts share
 a long prefix (SHARED_PREFIX_MIN tokens or more: a few-shot instruction, a system
-prompt) run it once, the rest of each on its cache (`_run_on_prefix`).
+prompt) run it once, the rest of each on its cache (`_run_on_prefix`), and the
+prefix's cache stays (`SharedPrefix`) for joiners of later steps that start with it.
 """
 
 from __future__ import annotations
@@ -70,33 +71,70 @@ class Prefilled:
         return sum(j.tokens_run for j in self.joins)
 
 
-def prefill(decoder: Decoder, seqs: Sequence[Seq], recompute: bool = False) -> tuple[Array, Join]:
-    """The joiners' distinct prompts in one run, left-padded to the longest (in two
-    where they share a long prefix, see `_run_on_prefix`); with `recompute`, what a
-    preempted sequence's cache held (`Seq.cached_ids`)."""
+@dataclass
+class SharedPrefix:
+    """The last prefix that joiners of one run shared: its tokens and its cache (one
+    row). Joiners that come later with the same prefix run only their rests on it:
+    an offline job's rows free up a few at a time, an endpoint's requests come one by
+    one, each with the same instruction or system prompt before it. One at a time, so
+    it holds at most one prefix's cache."""
+
+    ids: tuple[int, ...] = ()
+    past: Past | None = None
+
+    def covers(self, contexts: list[tuple[int, ...]]) -> int:
+        """Its length, where every one of `contexts` starts with it and goes on past
+        it; else 0."""
+        n = len(self.ids)
+        if self.past is None or any(len(c) <= n or c[:n] != self.ids for c in contexts):
+            return 0
+        return n
+
+
+def prefill(
+    decoder: Decoder,
+    seqs: Sequence[Seq],
+    recompute: bool = False,
+    shared: SharedPrefix | None = None,
+) -> tuple[Array, Join]:
+    """The joiners' distinct prompts in one run, left-padded to the longest; where
+    they share a long prefix (or start with `shared`'s), the prefix once and their
+    rests on its cache (`_run_on_prefix`). With `recompute`, what a preempted
+    sequence's cache held (`Seq.cached_ids`)."""
     contexts = [s.cached_ids if recompute else s.prompt_ids for s in seqs]
     distinct: dict[tuple[int, ...], int] = {}
     row_of = [distinct.setdefault(tuple(c), len(distinct)) for c in contexts]
+    unique = list(distinct)
     scored = not recompute and any(s.prompt_logprobs is not None for s in seqs)
     # A slot-layout graph runs prompts on a past row by row: no gain there. Scoring a
     # prompt wants every position's logits, which the prefix's own run does not keep.
-    shared = 0 if scored or decoder.slots or len(distinct) < 2 else _common(list(distinct))
-    if shared >= SHARED_PREFIX_MIN:
-        logits, present, mask, tokens_run = _run_on_prefix(decoder, list(distinct), shared)
-        rows_run = 1 + len(distinct)
+    plain = scored or decoder.slots
+    kept = 0 if plain or shared is None else shared.covers(unique)
+    common = 0 if plain or len(unique) < 2 else _common(unique)
+    if kept >= SHARED_PREFIX_MIN and common < kept + SHARED_PREFIX_MIN:
+        assert shared is not None and shared.past is not None
+        logits, present, mask, tokens_run = _run_on_prefix(decoder, unique, kept, shared.past)
+        rows_run = len(unique)
+    elif common >= SHARED_PREFIX_MIN:
+        head = _run_head(decoder, unique[0][:common])
+        logits, present, mask, tokens_run = _run_on_prefix(decoder, unique, common, head)
+        tokens_run += common
+        rows_run = 1 + len(unique)
+        if shared is not None:
+            shared.ids, shared.past = unique[0][:common], head
     else:
-        out, mask = _run_left_padded(decoder, list(distinct))
+        out, mask = _run_left_padded(decoder, unique)
         if scored:  # a recompute's prompt was scored by its first prefill
             _score_prompts(seqs, out.logits, row_of)
         logits, present, tokens_run = out.logits[:, -1], out.present, mask.size
-        rows_run = len(distinct)
+        rows_run = len(unique)
     if not mask.all():
         # Padding's keys/values are never attended (mask 0), but a model may have
         # left NaN there (a query row with every key masked): 0 * NaN is NaN.
         pad = mask == 0
         for kv in (*present.keys, *present.values):
             kv[np.broadcast_to(pad[:, None, :], kv.shape[:3])] = 0
-    if len(distinct) < len(seqs):  # each joiner its own copy: rows are written apart
+    if len(unique) < len(seqs):  # each joiner its own copy: rows are written apart
         rows = np.asarray(row_of)
         logits, mask = logits[rows], mask[rows]
         present = Past(tuple(k[rows] for k in present.keys), tuple(v[rows] for v in present.values))
@@ -126,19 +164,22 @@ def _common(contexts: list[tuple[int, ...]]) -> int:
     return next((i for i in range(n) if first[i] != last[i]), n)
 
 
+def _run_head(decoder: Decoder, prefix: tuple[int, ...]) -> Past:
+    """The cache of `prefix` alone, in one row."""
+    ids = np.asarray([prefix], dtype=np.int64)
+    positions = np.arange(len(prefix))[None, :]
+    return decoder.step(ids, np.ones_like(ids), positions, decoder.empty_past(1)).present
+
+
 def _run_on_prefix(
-    decoder: Decoder, contexts: list[tuple[int, ...]], shared: int
+    decoder: Decoder, contexts: list[tuple[int, ...]], shared: int, head: Past
 ) -> tuple[Array, Past, Array, int]:
-    """Contexts that share their first `shared` tokens (a few-shot instruction, a
-    system prompt) in two runs: that prefix once, in one row, then every row's last
-    W tokens (W: the longest context less the prefix) on the prefix's cache, each
-    row's earlier tokens (all in the prefix) right-aligned in it. So each row's mask
-    is zeros then ones, as from one left-padded run, and the work is the prefix once
-    plus rows x W instead of rows x the longest. The last logits [rows, vocab], the
-    cache [rows, ..., shared + W, ...], its mask, and the tokens run."""
-    prefix = np.asarray([contexts[0][:shared]], dtype=np.int64)
-    ones = np.ones_like(prefix)
-    head = decoder.step(prefix, ones, np.arange(shared)[None, :], decoder.empty_past(1)).present
+    """Contexts that start with the `shared` tokens whose cache is `head` (one row):
+    every row's last W tokens (W: the longest context less the prefix) in one run on
+    that cache, each row's earlier tokens (all in the prefix) right-aligned in it. So
+    each row's mask is zeros then ones, as from one left-padded run, and the work is
+    rows x W instead of rows x the longest. The last logits [rows, vocab], the cache
+    [rows, ..., shared + W, ...], its mask, and the tokens run."""
     rows, width = len(contexts), max(len(c) for c in contexts) - shared
     past = head.zeros(rows, shared)
     ids = np.full((rows, width), decoder.config.pad_token_id, dtype=np.int64)
@@ -154,7 +195,7 @@ def _run_on_prefix(
         mask[r, shared + width - fed :] = 1
         positions[r, width - fed :] = np.arange(held, len(context))
     out = decoder.step(ids, mask, positions, past)
-    return out.logits[:, -1], out.present, mask, shared + rows * width
+    return out.logits[:, -1], out.present, mask, rows * width
 
 
 def _score_prompts(seqs: Sequence[Seq], logits: Array, row_of: Sequence[int]) -> None:
@@ -214,9 +255,14 @@ def prefill_groups(seqs: Sequence[Seq], fit: Fit | None) -> list[list[Seq]]:
     return groups
 
 
-def prefill_apart(decoder: Decoder, seqs: Sequence[Seq], recompute: bool = False) -> Prefilled:
+def prefill_apart(
+    decoder: Decoder,
+    seqs: Sequence[Seq],
+    recompute: bool = False,
+    shared: SharedPrefix | None = None,
+) -> Prefilled:
     """`prefill`; if it fails, in halves until the prompts that fail alone are found."""
-    isolated = isolate(lambda part: prefill(decoder, part, recompute), seqs)
+    isolated = isolate(lambda part: prefill(decoder, part, recompute, shared), seqs)
     if isolated.whole:
         logits, join = isolated.ran[0].result
         return Prefilled(logits, [join])
