@@ -3,6 +3,7 @@ batching that drops finished sequences, and one sequence at a time.
 
     python bench/generate.py [--seconds 8] [--repeats 2] [--levels 1,4,16,64] [--tracing]
         [--slots] [--between] [--against DIR] [--png PATH] [--burst [--bursts 2] [--burst-size 4]]
+        [--instruction 6]
 
 It starts one server process per policy (this script with --serve: the app's own
 /v1/completions route and engine, with the batching policy set on the engine), and
@@ -42,6 +43,11 @@ DIR (`continuous@before`, ...: its own bench/generate.py --serve, its own code) 
 same interleaved slices, and prints the ratios of tokens/s, TTFT and ITL p99 of this
 tree to that one's: an A/B of two commits that the machine's drift falls on alike
 (`git worktree add ../before HEAD~3`, and link its .lanes and .venv to this one's).
+
+`--instruction L` starts every prompt with the same L lines (a system prompt, a few-shot
+instruction; `max_tokens` is cut by its length to stay in the context): the engine
+runs it once and keeps its cache for the requests after (lanes/generation/prefill.py).
+Compare TTFT `--against` a tree without that.
 
 `--tracing` adds the policy `traced`: continuous batching with LANES_TRACING=true,
 every span (request, queue, prefill, decode) exported over OTLP/HTTP to a sink in
@@ -102,6 +108,7 @@ if TYPE_CHECKING:
 
 WORKLOAD = "gen"
 MAX_TOKENS = 448  # the longest prompt below is under 64 tokens
+INSTRUCTION_LINE = "# Complete the function below; keep to the style of the module.\n"
 POLICIES = ("continuous", "static", "static-drop", "serial")
 TRACED = "traced"  # continuous, tracing on
 STEERED = "steered"  # continuous, slo.ttft_ms and slo.itl_ms on the workload (--burst)
@@ -359,8 +366,15 @@ def request_body(prompt: str | list[int], max_tokens: int) -> bytes:
 
 
 async def closed_loop(
-    url: str, policy: str, clients: int, seconds: float, warm: float, burst: Burst | None = None
+    url: str,
+    policy: str,
+    clients: int,
+    seconds: float,
+    warm: float,
+    burst: Burst | None = None,
+    instruction: tuple[str, int] = ("", 0),
 ) -> Run:
+    """`instruction`: a text every prompt starts with, and its tokens."""
     run = Run(policy, clients)
     start = time.perf_counter()
     measure_from = start + warm
@@ -375,8 +389,8 @@ async def closed_loop(
         try:
             while True:
                 # Within tinycode's 512-token context, the prompt included.
-                length = min(next(lengths), MAX_TOKENS)
-                request = request_body(PROMPTS[(k + i) % len(PROMPTS)], length)
+                length = min(next(lengths), MAX_TOKENS - instruction[1])
+                request = request_body(instruction[0] + PROMPTS[(k + i) % len(PROMPTS)], length)
                 i += 1
                 sent = time.perf_counter()
                 waiting[k] = sent
@@ -586,6 +600,7 @@ def main() -> None:
         "--burst", action="store_true", help="continuous with and without SLOs (see above)"
     )
     parser.add_argument("--bursts", type=int, default=2, help="bursts per slice (--burst)")
+    parser.add_argument("--instruction", type=int, default=0, help="lines every prompt starts with")
     parser.add_argument("--burst-size", type=int, default=4, help="long prompts per burst")
     parser.add_argument(
         "--slo-ttft-factor", type=float, default=2.0, help="ttft_ms over a raw 16-row step"
@@ -669,13 +684,17 @@ def main() -> None:
         for i, p in enumerate(policies)
     ]
     runs = {(p, c): Run(p, c) for c in levels for p in policies}
+    head = INSTRUCTION_LINE * args.instruction
+    instruction = (head, len(task.decoder.tokenizer.encode(head).ids))
     try:
         for c in levels:
             for rep in range(args.repeats):
                 # Rotate the order: slow drifts of a shared machine hit every policy alike.
                 for policy in policies[rep % len(policies) :] + policies[: rep % len(policies)]:
                     part = asyncio.run(
-                        closed_loop(urls[policy], policy, c, args.seconds, args.warm, burst)
+                        closed_loop(
+                            urls[policy], policy, c, args.seconds, args.warm, burst, instruction
+                        )
                     )
                     # Right after the slice, on the same machine: the raw limit.
                     rows = min(c, args.max_batch)

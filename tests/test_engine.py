@@ -269,28 +269,31 @@ def test_joiners_sharing_a_long_prefix_run_it_once(task: GenerateTask) -> None:
     ]
 
 
-def test_a_later_joiner_runs_only_its_rest_on_the_prefix_kept(task: GenerateTask) -> None:
-    """The shared prefix's cache stays (SharedPrefix): a joiner of a later step that
-    starts with it runs the rest of its prompt alone, on it, and gets what its prompt
+def test_a_later_joiner_runs_only_its_rest_on_the_prompt_kept(task: GenerateTask) -> None:
+    """The last prompt's cache stays (SharedPrefix): a joiner of a later step that
+    starts with a long part of it (requests one at a time, each with the same system
+    prompt) runs the rest of its prompt alone, on that part, and gets what its prompt
     gets alone. Not on a slot-layout graph, where nothing is shared."""
     decoder = task.decoder
     instruction = "# Copyright 2001 Python Software Foundation\n" * 2
-    first = [Seq(i, tuple(decoder.encode(instruction + end)), 4) for i, end in enumerate("xy")]
+    first = Seq(0, tuple(decoder.encode(instruction + "x")), 4)
     later = Seq(9, tuple(decoder.encode(instruction + "for i in range(")), 4)
+    pairs = zip(first.prompt_ids, later.prompt_ids, strict=False)
+    common = next(i for i, (a, b) in enumerate(pairs) if a != b)
+    assert common >= SHARED_PREFIX_MIN
     shared = SharedPrefix()
-    prefill(decoder, first, shared=shared)
-    prefix = [] if decoder.slots else decoder.encode(instruction)
-    assert shared.ids == tuple(prefix)[: len(shared.ids)] and len(shared.ids) >= len(prefix) - 1
+    prefill(decoder, [first], shared=shared)
+    assert shared.ids == (() if decoder.slots else first.prompt_ids)
     with concurrent.futures.ThreadPoolExecutor(1) as pool, RUNS.closed():
         ran = pool.submit(prefill, decoder, [later], False, shared)
         RUNS.wait_held()
         assert RUNS.held_rows() == 1
         RUNS.allow(1)
         logits, join = ran.result(timeout=WAIT_S)
-    assert join.tokens_run == len(later.prompt_ids) - len(shared.ids)
+    n = len(later.prompt_ids)
+    assert join.tokens_run == (n if decoder.slots else n - common)
     by_itself, its_join = prefill(decoder, [later])
     np.testing.assert_allclose(logits, by_itself, rtol=1e-4, atol=1e-4)
-    n = len(later.prompt_ids)
     assert join.mask.sum() == n
     for ours, its in zip(join.past.arrays, its_join.past.arrays, strict=True):
         np.testing.assert_allclose(ours[0, :, -n:], its[0], rtol=1e-4, atol=1e-4)

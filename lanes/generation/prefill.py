@@ -9,8 +9,9 @@ Joiners with the same context (a request's `n` choices, a batch's repeated promp
 share one row of the run: the model's output for a row depends on that row alone,
 so each gets a copy of the one row's cache and logits. Joiners whose contexts share
 a long prefix (SHARED_PREFIX_MIN tokens or more: a few-shot instruction, a system
-prompt) run it once, the rest of each on its cache (`_run_on_prefix`), and the
-prefix's cache stays (`SharedPrefix`) for joiners of later steps that start with it.
+prompt) run it once, the rest of each on its cache (`_run_on_prefix`); and the
+last prompt's cache stays (`SharedPrefix`) for joiners of later steps that start
+with a long part of it.
 """
 
 from __future__ import annotations
@@ -73,22 +74,31 @@ class Prefilled:
 
 @dataclass
 class SharedPrefix:
-    """The last prefix that joiners of one run shared: its tokens and its cache (one
-    row). Joiners that come later with the same prefix run only their rests on it:
-    an offline job's rows free up a few at a time, an endpoint's requests come one by
-    one, each with the same instruction or system prompt before it. One at a time, so
-    it holds at most one prefix's cache."""
+    """The last prefilled prompt's tokens and its cache (one row, a copy), kept for the
+    joiners after it: an endpoint's requests come one by one and an offline job's rows
+    free up a few at a time, each prompt with the same instruction or system prompt
+    before it. A joiner that starts with a long part of the kept prompt runs only its
+    rest on that part's cache. One prompt's cache at most."""
 
     ids: tuple[int, ...] = ()
     past: Past | None = None
 
     def covers(self, contexts: list[tuple[int, ...]]) -> int:
-        """Its length, where every one of `contexts` starts with it and goes on past
-        it; else 0."""
-        n = len(self.ids)
-        if self.past is None or any(len(c) <= n or c[:n] != self.ids for c in contexts):
+        """How many of the kept tokens every one of `contexts` starts with (each keeping
+        at least one token of its own to run)."""
+        if self.past is None:
             return 0
-        return n
+        shared = min(_common([self.ids, c]) for c in contexts)
+        return min(shared, min(len(c) for c in contexts) - 1)
+
+    def keep(self, context: tuple[int, ...], present: Past, row: int) -> None:
+        """`context`'s cache: row `row` of `present`, its last len(context) columns."""
+        n = len(context)
+        self.ids = context
+        self.past = Past(
+            tuple(np.ascontiguousarray(k[row : row + 1, :, -n:]) for k in present.keys),
+            tuple(np.ascontiguousarray(v[row : row + 1, :, -n:]) for v in present.values),
+        )
 
 
 def prefill(
@@ -113,15 +123,18 @@ def prefill(
     common = 0 if plain or len(unique) < 2 else _common(unique)
     if kept >= SHARED_PREFIX_MIN and common < kept + SHARED_PREFIX_MIN:
         assert shared is not None and shared.past is not None
-        logits, present, mask, tokens_run = _run_on_prefix(decoder, unique, kept, shared.past)
+        kept_past = shared.past
+        head = Past(
+            tuple(k[:, :, :kept] for k in kept_past.keys),
+            tuple(v[:, :, :kept] for v in kept_past.values),
+        )
+        logits, present, mask, tokens_run = _run_on_prefix(decoder, unique, kept, head)
         rows_run = len(unique)
     elif common >= SHARED_PREFIX_MIN:
         head = _run_head(decoder, unique[0][:common])
         logits, present, mask, tokens_run = _run_on_prefix(decoder, unique, common, head)
         tokens_run += common
         rows_run = 1 + len(unique)
-        if shared is not None:
-            shared.ids, shared.past = unique[0][:common], head
     else:
         out, mask = _run_left_padded(decoder, unique)
         if scored:  # a recompute's prompt was scored by its first prefill
@@ -134,6 +147,8 @@ def prefill(
         pad = mask == 0
         for kv in (*present.keys, *present.values):
             kv[np.broadcast_to(pad[:, None, :], kv.shape[:3])] = 0
+    if shared is not None and not plain:
+        shared.keep(unique[0], present, 0)
     if len(unique) < len(seqs):  # each joiner its own copy: rows are written apart
         rows = np.asarray(row_of)
         logits, mask = logits[rows], mask[rows]
