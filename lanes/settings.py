@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -199,14 +200,14 @@ class Settings(BaseSettings):
         try:
             super().__init__(**values)
         except ValidationError as err:
-            problems = [
-                Problem(_variable(loc), None, None, dotted(_in_value(loc)), message)
-                for loc, message, _ in from_pydantic(err, ())
-            ]
+            problems = []
+            for loc, message, _ in from_pydantic(err, ()):
+                variable, inside = _variable(loc)
+                problems.append(Problem(variable, None, None, dotted(inside), message))
             raise SettingsError(problems) from None
         except pydantic_settings.SettingsError as err:  # a complex value that is not JSON
             named = re.search(r'field "(\w+)"', str(err))
-            source = _variable((named.group(1),)) if named else "env LANES_*"
+            source = _variable((named.group(1),))[0] if named else "env LANES_*"
             message = "expected JSON (a list or an object), found a value that does not parse"
             raise SettingsError([Problem(source, None, None, "", message)]) from None
 
@@ -274,11 +275,28 @@ class Settings(BaseSettings):
         return roots
 
 
-def _variable(loc: tuple[str | int, ...]) -> str:
-    """The variable that set `loc`: its keys up to the first index, which is inside the
-    variable's JSON value (LANES_ALLOWED_INPUT_ROOTS='[1]' is no LANES_..._ROOTS__0)."""
+def _variable(loc: tuple[str | int, ...]) -> tuple[str, tuple[str | int, ...]]:
+    """The variable that set `loc` and the part of `loc` inside its JSON value
+    (LANES_ALLOWED_INPUT_ROOTS='[1]' is no LANES_..._ROOTS__0)."""
     keys = loc[: len(loc) - len(_in_value(loc))]
-    return "env LANES_" + "__".join(str(part).upper() for part in keys)
+    name, used = set_by(tuple(str(part) for part in keys))
+    return f"env {name}", loc[used:]
+
+
+def set_by(keys: tuple[str, ...]) -> tuple[str, int]:
+    """The LANES_ variable that set the setting at `keys`, and how many of the keys its
+    name holds. A nested setting may come in its own variable (LANES_BATCH__SHARD_LINES)
+    or inside a parent's JSON (LANES_BATCH='{"shard_lines": 0}'); where both are set the
+    deeper one wins, as pydantic-settings merges them, so the longest name present is the
+    one to fix. Read at error time only: the environment is what pydantic-settings read.
+    Names match without case, as pydantic-settings reads them; with none present (a
+    value given in code), the full name."""
+    present = {name.upper(): name for name in os.environ if name.upper().startswith("LANES_")}
+    for used in range(len(keys), 0, -1):
+        name = "LANES_" + "__".join(key.upper() for key in keys[:used])
+        if name in present:
+            return present[name], used
+    return "LANES_" + "__".join(key.upper() for key in keys), len(keys)
 
 
 def _in_value(loc: tuple[str | int, ...]) -> tuple[str | int, ...]:

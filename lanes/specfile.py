@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from lanes.errors import Problem, SpecError
-from lanes.settings import Settings
+from lanes.settings import Settings, set_by
 from lanes.spec import Spec
 from lanes.specrules import Found, Loc, dotted, parse_spec
 from lanes.specyaml import MAX_BYTES, MAX_DEPTH, Marks, read_yaml
@@ -97,7 +97,8 @@ def _apply_overrides(data: Any, settings: Settings) -> tuple[Any, dict[Loc, str]
             continue
         by_env_name = {str(k).replace("-", "_").lower(): k for k in table}
         for env_key, values in overrides.items():
-            var = f"LANES_{section.upper()}__{env_key.upper()}"
+            keys = (section, str(env_key))
+            var = set_by(keys)[0]
             name = by_env_name.get(env_key.lower())
             if name is None:
                 known = ", ".join(sorted(by_env_name)) or "none"
@@ -112,7 +113,7 @@ def _apply_overrides(data: Any, settings: Settings) -> tuple[Any, dict[Loc, str]
                 table[name] = values
                 origins[(section, name)] = var
                 continue
-            _merge(table[name], values, (section, name), var, origins)
+            _merge(table[name], values, (section, name), keys, origins)
     return data, origins, unknown
 
 
@@ -140,16 +141,21 @@ def _depth(value: Any) -> int:
 
 
 def _merge(
-    target: dict[str, Any], values: dict[str, Any], loc: Loc, var: str, origins: dict[Loc, str]
+    target: dict[str, Any],
+    values: dict[str, Any],
+    loc: Loc,
+    keys: tuple[str, ...],
+    origins: dict[Loc, str],
 ) -> None:
+    # `keys` are the override's keys as the environment spells them; the variable to
+    # name is the one that set them, which may be a parent holding JSON (set_by).
     for key, value in values.items():
-        child = (*loc, key)
-        name = f"{var}__{key.upper()}"
+        child, child_keys = (*loc, key), (*keys, str(key))
         if isinstance(value, dict) and isinstance(target.get(key), dict):
-            _merge(target[key], value, child, name, origins)
+            _merge(target[key], value, child, child_keys, origins)
         else:
             target[key] = value
-            origins[child] = name
+            origins[child] = set_by(child_keys)[0]
 
 
 def _problems(found: Found, source: str, marks: Marks, origins: dict[Loc, str]) -> list[Problem]:

@@ -286,6 +286,18 @@ def one_line_error(done: subprocess.CompletedProcess[str] | Result) -> str:
             '["/data/", 7]',
             "env LANES_ALLOWED_INPUT_ROOTS: [1]: expected a string, found 7",
         ),
+        # A nested setting given whole as its parent's JSON: LANES_BATCH__SHARD_LINES was
+        # never set, so naming it would send the user to fix a variable that is not there.
+        (
+            "LANES_BATCH",
+            '{"shard_lines": 0}',
+            "env LANES_BATCH: shard_lines: expected a value > 0, found 0",
+        ),
+        (
+            "LANES_OFFPEAK",
+            '{"cron": "2am"}',
+            "env LANES_OFFPEAK: cron: expected a five-field cron expression",
+        ),
     ],
 )
 @pytest.mark.parametrize(

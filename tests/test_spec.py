@@ -403,6 +403,20 @@ def test_env_override_is_validated_and_named(folder: Path, monkeypatch: pytest.M
     )
 
 
+def test_env_override_in_json_names_the_variable_set(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A parent variable holding JSON is the one to fix, not a child nobody set."""
+    monkeypatch.setenv("LANES_WORKLOADS__SEARCH_QUERY__BATCHING", '{"max_wait_ms": -3}')
+    monkeypatch.setenv("LANES_WORKLOADS", '{"nightly": {"batch_size": 0}}')
+    found = problems(folder, GOOD)
+    assert found == [
+        "env LANES_WORKLOADS__SEARCH_QUERY__BATCHING: "
+        "workloads.search-query.batching.max_wait_ms: expected a value >= 0, found -3",
+        "env LANES_WORKLOADS: workloads.nightly.batch_size: expected a value > 0, found 0",
+    ]
+
+
 def test_next_run_honours_timezone(folder: Path) -> None:
     spec = load_spec(write(folder, GOOD), Settings())
     schedule = spec.workloads["nightly"].schedule
