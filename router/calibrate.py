@@ -411,10 +411,18 @@ def read_metrics(spec: Spec, name: str, settings: Settings, url: str) -> Through
     headers = {}
     if settings.api_key is not None:
         headers["Authorization"] = f"Bearer {settings.api_key.get_secret_value()}"
-    metrics_url = url.rstrip("/") + "/metrics"
+    # The scrape URL a Prometheus config holds (.../metrics) names the same endpoint as
+    # its root does; appending /metrics to it again would read a 404.
+    root = url.rstrip("/").removesuffix("/metrics")
+    metrics_url = root + "/metrics"
     try:
         answer = httpx.get(metrics_url, headers=headers, timeout=10)
         answer.raise_for_status()
+    except httpx.HTTPStatusError as err:
+        raise LanesError(
+            f"cannot read {metrics_url}: it answered {err.response.status_code}; give "
+            f"--from-metrics the URL of a running `lanes serve`, e.g. http://127.0.0.1:8000"
+        ) from None
     except httpx.HTTPError as err:
         raise LanesError(f"cannot read {metrics_url}: {err}") from None
     served = served_from_metrics(answer.text, name, workload.task)
@@ -429,7 +437,7 @@ def read_metrics(spec: Spec, name: str, settings: Settings, url: str) -> Through
         lane="interactive",
         items_per_second=served.items / served.busy_seconds,
         measured_at=datetime.now(UTC),
-        source=f"metrics {url.rstrip('/')}",
+        source=f"metrics {root}",
         items=int(served.items),
         slo_p99_ms=slo_p99_ms(workload),
     )

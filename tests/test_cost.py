@@ -414,6 +414,22 @@ def test_metrics_of_a_running_endpoint_give_items_per_busy_second(tmp_path: Path
             read_metrics(server.spec, "corpus", settings, server.url)
 
 
+def test_metrics_may_be_named_by_their_scrape_url(tmp_path: Path) -> None:
+    """`--from-metrics http://host:8000/metrics`, as a Prometheus config holds it, reads
+    that page (not /metrics/metrics, a 404); a page that is not there is one line."""
+    spec_file = write_spec(tmp_path, WORKLOADS)
+    with ServerThread(spec_file) as server:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            body = {"model": "search", "input": [text(1), text(2)]}
+            assert client.post("/v1/embeddings", json=body).status_code == 200
+        for url in (server.url + "/metrics", server.url + "/metrics/"):
+            record = read_metrics(server.spec, "search", server.settings, url)
+            assert record.items == 2 and record.source == f"metrics {server.url}"
+        with pytest.raises(LanesError, match=r"/nope/metrics: it answered 404; give") as err:
+            read_metrics(server.spec, "search", server.settings, server.url + "/nope")
+        assert "\n" not in str(err.value)
+
+
 def test_the_load_generator_counts_refused_requests_as_errors(tmp_path: Path) -> None:
     spec_file = write_spec(tmp_path, WORKLOADS)
     with ServerThread(spec_file) as server:
