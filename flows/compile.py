@@ -110,8 +110,11 @@ def work_pool(settings: Settings) -> dict[str, Any]:
     store). A worker knows only its own environment: without them its runs would plan
     deadlines on the default window while the deployment fires on this one. Prefect
     merges them over the pool's `env` and a process worker's own; nothing secret goes
-    here (job variables are shown in Prefect's UI)."""
-    env = settings.shared_env()
+    here (job variables are shown in Prefect's UI). The spec's overrides
+    (LANES_WORKLOADS__..., LANES_MODELS__...) travel too: the deployment's schedule was
+    compiled with them, and without them its runs would read another input, write
+    another output or load another model than the one planned here."""
+    env = {**settings.shared_env(), **settings.overrides_env()}
     variables = {"env": env} if env else {}
     return {"name": settings.work_pool, "work_queue_name": None, "job_variables": variables}
 

@@ -239,6 +239,19 @@ class Settings(BaseSettings):
             env["LANES_PRICE_PER_DEVICE_HOUR"] = repr(self.price_per_device_hour)
         return env
 
+    def overrides_env(self) -> dict[str, str]:
+        """LANES_WORKLOADS and LANES_MODELS holding, as JSON, the overrides of the spec
+        chosen here (however they were given: LANES_WORKLOADS__NIGHTLY__BATCH_SIZE comes
+        back inside LANES_WORKLOADS), so that another process loading the same
+        workloads.yaml with them loads the same spec. Keys sorted: the same overrides
+        give the same text."""
+        env = {}
+        if self.workloads:
+            env["LANES_WORKLOADS"] = json.dumps(self.workloads, sort_keys=True)
+        if self.models:
+            env["LANES_MODELS"] = json.dumps(self.models, sort_keys=True)
+        return env
+
     def batch_store(self) -> str:
         """Where the Batch API keeps files and batches (a folder or s3:// prefix, with '/')."""
         store = self.batch.store or str((self.home / "batches").resolve())

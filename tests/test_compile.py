@@ -112,6 +112,39 @@ def test_settings_choose_the_pool_and_the_off_peak_window(
         assert deployment["work_pool"]["job_variables"] == {"env": env}
 
 
+def test_the_spec_overrides_compiled_with_reach_the_runs(
+    spec_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An override given where `lanes compile` ran shapes the deployment (its cron) and
+    must shape its runs too: a worker loads workloads.yaml with its own environment and
+    the deployment's job variables, never this one's."""
+    here = {
+        "LANES_WORKLOADS__NIGHTLY__SCHEDULE__CRON": "0 4 * * *",
+        "LANES_WORKLOADS__NIGHTLY__OUTPUT": "elsewhere/",
+        "LANES_MODELS__ENC__MAX_LENGTH": "16",
+    }
+    for name, value in here.items():
+        monkeypatch.setenv(name, value)
+    settings = Settings()
+    source = source_of(spec_file, spec_file.parent / "prefect.yaml", None)
+    document = yaml.safe_load(render(load_spec(spec_file, settings), settings, spec_file, source))
+    nightly = document["deployments"][0]
+    assert nightly["schedules"][0]["cron"] == "0 4 * * *"
+    env = nightly["work_pool"]["job_variables"]["env"]
+    assert document["deployments"][1]["work_pool"]["job_variables"]["env"] == env
+
+    for name in here:  # the worker: only the deployment's job variables
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    there = load_spec(spec_file, Settings())
+    workload = there.workloads["nightly"]
+    assert isinstance(workload, OfflineWorkload)
+    assert workload.output == "elsewhere/"
+    assert workload.schedule is not None and workload.schedule.cron == "0 4 * * *"
+    assert there.models["enc"].max_length == 16
+
+
 def test_the_compiler_and_lanes_plan_agree(spec_file: Path) -> None:
     settings = Settings()
     spec = load_spec(spec_file, settings)
