@@ -264,6 +264,17 @@ class Settings(BaseSettings):
             raise ValueError("expected a cron (LANES_OFFPEAK__CRON): the default window's opening")
         return offpeak
 
+    @field_validator("api_key", "internal_key")
+    @classmethod
+    def _a_key(cls, key: SecretStr | None) -> SecretStr | None:
+        # An empty key is no key to the server, which would then answer everyone without
+        # a word; a Kubernetes Secret whose value is empty gives one. Fail closed.
+        if key is not None and not key.get_secret_value().strip():
+            raise ValueError(
+                "expected a key, found an empty value; unset the variable to serve without one"
+            )
+        return key
+
     @field_validator("spec", "home", mode="before")
     @classmethod
     def _a_path(cls, value: object) -> object:

@@ -286,6 +286,9 @@ def one_line_error(done: subprocess.CompletedProcess[str] | Result) -> str:
             '["/data/", 7]',
             "env LANES_ALLOWED_INPUT_ROOTS: [1]: expected a string, found 7",
         ),
+        # An empty key would leave the server open to everyone, silently.
+        ("LANES_API_KEY", "", "env LANES_API_KEY: expected a key, found an empty value"),
+        ("LANES_INTERNAL_KEY", " ", "env LANES_INTERNAL_KEY: expected a key, found an empty"),
         # A nested setting given whole as its parent's JSON: LANES_BATCH__SHARD_LINES was
         # never set, so naming it would send the user to fix a variable that is not there.
         (
