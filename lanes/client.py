@@ -17,7 +17,8 @@ times with exponential backoff and full jitter, on connection errors and on 503
 prefect is imported only then).
 
 Configuration: arguments, else settings (`LANES_ENDPOINT`, `LANES_API_KEY`,
-`LANES_SPEC`), and for jobs `prefect_api_url`, else Prefect's `PREFECT_API_URL`.
+`LANES_SPEC`), and for jobs `prefect_api_url`, else `LANES_PREFECT_API_URL` (the API
+the endpoint's Batch API uses), else Prefect's `PREFECT_API_URL`.
 """
 
 from __future__ import annotations

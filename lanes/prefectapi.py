@@ -38,7 +38,8 @@ class PrefectApi:
         if not value:
             raise LanesError(
                 "jobs run on a Prefect server, and none is set: set PREFECT_API_URL "
-                "(e.g. http://127.0.0.1:4200/api) or pass Client(prefect_api_url=...)"
+                "(e.g. http://127.0.0.1:4200/api) or LANES_PREFECT_API_URL, or pass "
+                "Client(prefect_api_url=...)"
             )
         return str(value)
 

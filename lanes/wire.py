@@ -123,7 +123,10 @@ class Core:
         where = spec if isinstance(spec, str | Path) else self.settings.spec
         self.base = Path(where).resolve().parent
         self.max_retries = max_retries
-        self.prefect_api_url = prefect_api_url
+        # The same chain as the endpoint's Batch API: a job submitted here and a batch
+        # made there are followed on one Prefect API (LANES_PREFECT_API_URL), else
+        # Prefect's own PREFECT_API_URL (lanes.prefectapi).
+        self.prefect_api_url = prefect_api_url or self.settings.prefect_api_url
         self.tracing = tracing if tracing is not None else Tracing.from_settings(self.settings)
         # infer workload -> input name -> v2 datatype, from its metadata (see types_request).
         self._input_types: dict[str, dict[str, str]] = {}

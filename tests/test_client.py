@@ -384,6 +384,23 @@ def test_settings_come_from_the_environment(
         assert client.call("search-query", "hello").shape == (384,)
 
 
+def test_jobs_follow_the_prefect_api_url_setting(
+    specs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LANES_PREFECT_API_URL names the Prefect API the endpoint's batches run on; the
+    client follows jobs and batches there too, not "none is set"."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    api = f"http://127.0.0.1:{free_port()}/api"  # nothing listens there
+    monkeypatch.setenv("LANES_PREFECT_API_URL", api)
+    with (
+        temporary_settings(restore_defaults={PREFECT_API_URL}),
+        lanes.Client(spec=specs[1]) as client,
+        pytest.raises(lanes.Unavailable, match=f"cannot reach the Prefect API at {api}"),
+    ):
+        client.jobs()
+
+
 # ---- early close ------------------------------------------------------------------------
 
 LONG = {"max_tokens": 400, "ignore_eos": True}
