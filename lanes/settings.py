@@ -275,6 +275,17 @@ class Settings(BaseSettings):
             )
         return key
 
+    @field_validator("work_pool")
+    @classmethod
+    def _a_pool_name(cls, pool: str) -> str:
+        # Prefect refuses such a name only when `lanes deploy` creates the pool; `lanes
+        # compile` would write it into every deployment first.
+        if not pool.strip() or any(c in pool for c in "/%&<>"):
+            raise ValueError(
+                f"expected a Prefect work pool name (not blank, none of / % & < >), found {pool!r}"
+            )
+        return pool
+
     @field_validator("spec", "home", mode="before")
     @classmethod
     def _a_path(cls, value: object) -> object:

@@ -95,7 +95,9 @@ def compile(
     listed = ", ".join(names) or "none"
     typer.echo(f"{path}: {len(names)} deployment(s) ({listed})")
     pool = settings.work_pool
-    prefect_file = "" if path.name == "prefect.yaml" else f" --prefect-file {path.name}"
+    prefect_file = (
+        "" if path.name == "prefect.yaml" else f" --prefect-file {shlex.quote(path.name)}"
+    )
     # The same options, or `lanes deploy` would compile another prefect.yaml (one whose
     # runs start in this machine's folder, where --project-dir named an image's).
     same = [str(file)] if file is not None else []
@@ -105,7 +107,7 @@ def compile(
         f"register them: {shlex.join(['lanes', 'deploy', *same])}, or in {path.parent}: "
         f"prefect --no-prompt deploy "
         f"--all{prefect_file} (work pool {pool!r} must exist: "
-        f"prefect work-pool create {pool} --type {POOL_TYPE})"
+        f"prefect work-pool create {shlex.quote(pool)} --type {POOL_TYPE})"
     )
 
 

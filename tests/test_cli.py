@@ -286,6 +286,12 @@ def one_line_error(done: subprocess.CompletedProcess[str] | Result) -> str:
             '["/data/", 7]',
             "env LANES_ALLOWED_INPUT_ROOTS: [1]: expected a string, found 7",
         ),
+        # compile would write it into every deployment; Prefect refuses it only at deploy.
+        (
+            "LANES_WORK_POOL",
+            "",
+            "env LANES_WORK_POOL: expected a Prefect work pool name (not blank, none of / % & < >)",
+        ),
         # An empty key would leave the server open to everyone, silently.
         ("LANES_API_KEY", "", "env LANES_API_KEY: expected a key, found an empty value"),
         ("LANES_INTERNAL_KEY", " ", "env LANES_INTERNAL_KEY: expected a key, found an empty"),
