@@ -8,6 +8,7 @@ against it, with the rules that span fields; `lanes.specfile.load_spec` reads th
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
@@ -64,6 +65,20 @@ def _path_text(value: str) -> str:
     return value
 
 
+def _matching(pattern: str, expected: str) -> Callable[[str], str]:
+    """A check that text matches `pattern` whose failure says `expected` in words: a
+    user fixing workloads.yaml reads "module:attribute", not the regular expression."""
+    compiled = re.compile(pattern)
+
+    def check(value: str) -> str:
+        if not compiled.match(value):
+            shown = value if len(value) <= 40 else value[:37] + "..."
+            raise ValueError(f"expected {expected}, found {shown!r}")
+        return value
+
+    return check
+
+
 def _local_path(value: Path) -> Path:
     _path_text(str(value))
     return value
@@ -83,7 +98,11 @@ Milliseconds = Annotated[Number, Field(gt=0, le=86_400_000)]
 IdleSeconds = Annotated[Number, Field(gt=0, le=30 * 86_400)]  # at most 30 days
 LocalPath = Annotated[Path, AfterValidator(_local_path)]
 Location = Annotated[str, Field(min_length=1), AfterValidator(_path_text)]
-HandlerRef = Annotated[str, Field(pattern=HANDLER_PATTERN, max_length=200)]
+HandlerRef = Annotated[
+    str,
+    Field(max_length=200),
+    AfterValidator(_matching(HANDLER_PATTERN, "module:attribute, e.g. mypkg.hooks:handler")),
+]
 StopString = Annotated[str, Field(min_length=1)]
 
 
@@ -257,9 +276,16 @@ class Runner(StrictModel):
         "through prefect-dask; endpoint: the serving endpoint's own sessions, in its "
         "offline lane (batches run only while no interactive request waits).",
     )
-    address: str | None = Field(
+    address: (
+        Annotated[
+            str,
+            AfterValidator(
+                _matching(r"^[a-z][a-z0-9+.-]*://[^\s/]+$", "an address like tcp://10.0.0.5:8786")
+            ),
+        ]
+        | None
+    ) = Field(
         None,
-        pattern=r"^[a-z][a-z0-9+.-]*://[^\s/]+$",
         max_length=255,
         description="Dask scheduler address, e.g. tcp://10.0.0.5:8786 (kind: dask); "
         "none starts a local cluster.",
@@ -270,9 +296,16 @@ class Runner(StrictModel):
     max_concurrent_shards: PositiveInt = Field(
         2, le=4096, description="Shards in flight at once: reading one overlaps running another."
     )
-    url: str | None = Field(
+    url: (
+        Annotated[
+            str,
+            AfterValidator(
+                _matching(r"^https?://[^\s/]+(/[^\s]*)?$", "a URL like http://10.0.0.5:8000")
+            ),
+        ]
+        | None
+    ) = Field(
         None,
-        pattern=r"^https?://[^\s/]+(/[^\s]*)?$",
         max_length=2000,
         description="kind: endpoint: the serving endpoint, e.g. http://10.0.0.5:8000; "
         "none: the LANES_ENDPOINT setting. The flow authenticates with LANES_INTERNAL_KEY "
@@ -381,9 +414,16 @@ class Deploy(StrictModel):
     share a Deployment (each pod serves them all, as one `lanes serve` does); the
     group-wide keys must agree across its workloads where they are set."""
 
-    group: str = Field(
-        "serve", pattern=GROUP_PATTERN, description="The Deployment lanes-GROUP serves it."
-    )
+    group: Annotated[
+        str,
+        AfterValidator(
+            _matching(
+                GROUP_PATTERN,
+                "a DNS-safe name (lower-case letters, digits and '-', at most 57, starting "
+                "and ending alphanumeric)",
+            )
+        ),
+    ] = Field("serve", description="The Deployment lanes-GROUP serves it.")
     device: Literal["cpu", "cuda", "tensorrt"] | None = Field(
         None,
         description="The group's pods' LANES_DEVICE; cuda and tensorrt ask for one "
@@ -398,9 +438,9 @@ class Deploy(StrictModel):
         description="CPU per pod (requests = limits): 2, 1.5 or 500m; LANES_THREADS "
         "is its whole cores.",
     )
-    memory: str = Field(
-        "2Gi", pattern=QUANTITY_PATTERN, description="Memory per pod (requests = limits)."
-    )
+    memory: Annotated[
+        str, AfterValidator(_matching(QUANTITY_PATTERN, "a quantity like 2Gi, 512Mi or 1.5G"))
+    ] = Field("2Gi", description="Memory per pod (requests = limits).")
     target_queue_depth: PositiveInt | None = Field(
         None,
         le=1_048_576,

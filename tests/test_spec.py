@@ -207,7 +207,23 @@ BAD_CASES = [
         "bad handler",
         "    model: enc\n    batching",
         "    model: enc\n    handler: not a handler\n    batching",
-        "W:10:14: workloads.search-query.handler: expected text matching ^[A-Za-z_]",
+        "W:10:14: workloads.search-query.handler: expected module:attribute, e.g. "
+        "mypkg.hooks:handler, found 'not a handler'",
+    ),
+    # Said in words, never as the regular expression behind the check.
+    (
+        "a bad pod memory",
+        "    batching",
+        "    deploy: {memory: lots}\n    batching",
+        "W:10:22: workloads.search-query.deploy.memory: expected a quantity like 2Gi, "
+        "512Mi or 1.5G, found 'lots'",
+    ),
+    (
+        "a Dask address without its scheme",
+        "    output: out/\n",
+        "    output: out/\n    runner: {kind: dask, address: '10.0.0.5:8786'}\n",
+        "W:17:35: workloads.nightly.runner.address: expected an address like "
+        "tcp://10.0.0.5:8786, found '10.0.0.5:8786'",
     ),
     (
         "duplicate key",
