@@ -18,6 +18,7 @@ from lanes.schedule import Schedule
 from lanes.specrules import dotted, from_pydantic
 
 Device = Literal["auto", "cpu", "cuda", "tensorrt"]
+OFFPEAK_CRON = "0 2 * * *"  # the default off-peak window opens at 02:00
 IoBinding = Literal["auto", "on", "off"]
 
 
@@ -158,7 +159,7 @@ class Settings(BaseSettings):
         "Prefect's own PREFECT_API_URL.",
     )
     offpeak: Schedule = Field(
-        default_factory=lambda: Schedule(cron="0 2 * * *", timezone="UTC"),
+        default_factory=lambda: Schedule(cron=OFFPEAK_CRON, timezone="UTC"),
         description="Off-peak window for offline workloads without a schedule "
         "(LANES_OFFPEAK__CRON, LANES_OFFPEAK__TIMEZONE).",
     )
@@ -256,6 +257,16 @@ class Settings(BaseSettings):
         """Where the Batch API keeps files and batches (a folder or s3:// prefix, with '/')."""
         store = self.batch.store or str((self.home / "batches").resolve())
         return store if store.endswith("/") else store + "/"
+
+    @field_validator("offpeak", mode="before")
+    @classmethod
+    def _offpeak_keeps_its_cron(cls, value: object) -> object:
+        # LANES_OFFPEAK__TIMEZONE or __FINISH_BY alone reaches here as an object of that
+        # key only, which would replace the whole default window, cron included: the
+        # default window's opening stays unless a cron is given.
+        if isinstance(value, dict) and "cron" not in value:
+            return {"cron": OFFPEAK_CRON, **value}
+        return value
 
     @field_validator("offpeak")
     @classmethod

@@ -112,6 +112,25 @@ def test_settings_choose_the_pool_and_the_off_peak_window(
         assert deployment["work_pool"]["job_variables"] == {"env": env}
 
 
+def test_one_key_of_the_off_peak_window_keeps_the_default_opening(
+    spec_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LANES_OFFPEAK__TIMEZONE (or __FINISH_BY) alone moves the default window, whose
+    cron stays 0 2 * * *: it was refused as a window with no cron."""
+    monkeypatch.setenv("LANES_OFFPEAK__TIMEZONE", "America/New_York")
+    monkeypatch.setenv("LANES_OFFPEAK__FINISH_BY", "06:00")
+    settings = Settings()
+    source = source_of(spec_file, spec_file.parent / "prefect.yaml", None)
+    document = yaml.safe_load(render(load_spec(spec_file, settings), settings, spec_file, source))
+    whenever = document["deployments"][1]
+    assert whenever["schedules"][0] == {
+        "cron": "0 2 * * *",
+        "timezone": "America/New_York",
+        "active": True,
+    }
+    assert whenever["work_pool"]["job_variables"]["env"]["LANES_OFFPEAK__FINISH_BY"] == "06:00"
+
+
 def test_the_spec_overrides_compiled_with_reach_the_runs(
     spec_file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
