@@ -41,6 +41,10 @@ def load_spec(
             raw = f.read(MAX_BYTES + 1)
     except (OSError, ValueError) as err:  # ValueError: a NUL in the path
         reason = getattr(err, "strerror", None) or str(err)
+        if isinstance(err, FileNotFoundError):
+            # Most often a command run in another folder than the spec's (a container's
+            # workdir, a cron job's $HOME): say where it looked and how to point at it.
+            reason = f"no such file ({file.absolute()}); pass its path or set LANES_SPEC"
         raise SpecError(
             [Problem(name, None, None, "", f"cannot read the spec: {reason}")]
         ) from None

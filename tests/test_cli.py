@@ -336,6 +336,21 @@ def test_a_bad_setting_is_one_line_and_exit_2(
         assert leak not in done.stderr, done.stderr
 
 
+@pytest.mark.parametrize("command", [["validate"], ["serve"], ["run", "nightly-embed"]])
+def test_a_missing_spec_says_where_it_looked(
+    command: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run in another folder than the spec's (a container's workdir, a cron job's
+    home): the folder it looked in, and how to point at the spec."""
+    monkeypatch.chdir(tmp_path)
+    done = CliRunner().invoke(app, command, env={"LANES_SPEC": None}, prog_name="lanes")
+    assert done.exit_code == 2, done.stderr
+    assert one_line_error(done) == (
+        f"workloads.yaml: cannot read the spec: no such file ({Path.cwd() / 'workloads.yaml'}); "
+        "pass its path or set LANES_SPEC"
+    )
+
+
 @pytest.mark.slow
 def test_run_with_prefect_down_is_one_line(spec_path: Path) -> None:
     url = f"http://127.0.0.1:{free_port()}/api"  # nothing listens there
