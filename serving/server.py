@@ -13,6 +13,7 @@ import uvicorn
 
 from lanes import logs
 from lanes.errors import InvalidInput, LanesError
+from lanes.runtime import Runtime
 from lanes.serving.app import create_app
 from lanes.settings import Settings
 from lanes.spec import Spec
@@ -114,7 +115,11 @@ def serve(spec: Spec, settings: Settings, host: str | None = None, port: int | N
     # Bound before anything loads: a port in use is one line at once, not uvicorn's
     # log line after the models loaded and an exit status that means something else.
     sockets = listen(host, port)
-    app = create_app(spec, settings)
+    # The providers are the process's, not a workload's: a device this machine cannot
+    # give (LANES_DEVICE=cuda without a GPU) is one line and a non-zero exit now, not a
+    # server whose every workload failed to load and which is never ready.
+    runtime = Runtime(settings)
+    app = create_app(spec, settings, runtime)
     config = uvicorn.Config(
         app,
         host=host,

@@ -17,6 +17,7 @@ from click.testing import Result
 from typer.testing import CliRunner
 
 from lanes.router.cli import app
+from lanes.runtime import detect_gpu
 from tests.failing_models import lookup_model
 from tests.flows_fixtures import decoder_model
 from tests.servers import free_port, write_spec
@@ -372,6 +373,21 @@ def test_serve_on_a_port_it_cannot_have_is_one_line(spec_path: Path) -> None:
     assert one_line_error(done).startswith(f"error: cannot listen on 127.0.0.1:{port} (")
     done = lanes("serve", str(spec_path), "--port", "70000")
     assert done.returncode == 2 and "--port" in done.stderr, done.stderr
+
+
+def test_serve_on_a_device_this_machine_lacks_is_one_line(spec_path: Path) -> None:
+    """LANES_DEVICE=cuda without a GPU fails every workload alike: serve exits, rather
+    than listening with none of them loaded."""
+    if detect_gpu().present:
+        pytest.skip("this machine has a GPU: cuda is a device it can give")
+    done = lanes("serve", str(spec_path), "--port", "0", env={"LANES_DEVICE": "cuda"})
+    assert done.returncode == 1, done.stderr
+    assert "listening on" not in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        "error: device is cuda but no GPU is present; set LANES_DEVICE=auto (or cpu) to run "
+        "without it"
+    )
 
 
 @pytest.mark.slow
