@@ -317,7 +317,9 @@ class Settings(BaseSettings):
     def _roots_are_folders(cls, roots: tuple[str, ...]) -> tuple[str, ...]:
         for root in roots:
             if not root.strip() or any(c in root for c in "*?["):
-                raise ValueError(f"{root!r}: expected a folder or s3:// prefix, no wildcards")
+                raise ValueError(
+                    f"expected folders and s3:// prefixes without wildcards, found {root!r}"
+                )
         return roots
 
 

@@ -287,6 +287,13 @@ def one_line_error(done: subprocess.CompletedProcess[str] | Result) -> str:
             '["/data/", 7]',
             "env LANES_ALLOWED_INPUT_ROOTS: [1]: expected a string, found 7",
         ),
+        # The root at fault, not "found an array" (the whole value).
+        (
+            "LANES_ALLOWED_INPUT_ROOTS",
+            '["/data/", "/data/*.jsonl"]',
+            "env LANES_ALLOWED_INPUT_ROOTS: expected folders and s3:// prefixes without "
+            "wildcards, found '/data/*.jsonl'",
+        ),
         # compile would write it into every deployment; Prefect refuses it only at deploy.
         (
             "LANES_WORK_POOL",
