@@ -129,6 +129,13 @@ def k8s(
             raise InvalidInput(
                 "--image: name the serving image, e.g. registry.example/lanes-serve:1.0"
             )
+        for option, named in (("--image", image), ("--worker-image", worker_image)):
+            # Kubernetes takes any string here and fails each pod at its pull, much later.
+            if named is not None and (not named.strip() or re.search(r"\s", named)):
+                raise InvalidInput(
+                    f"{option}: expected an image reference without spaces, e.g. "
+                    f"registry.example/lanes-serve:1.0, found {named!r}"
+                )
         if offline_cpu < 1:
             raise InvalidInput(f"--offline-cpu: expected at least 1, found {offline_cpu}")
         if not re.match(QUANTITY_PATTERN, offline_memory):

@@ -620,6 +620,13 @@ def test_settings_both_sides_read_reach_the_pods_and_the_jobs(tmp_path: Path) ->
         (["--drain-s", "-5"], "error: --drain-s: expected seconds from 0 to 3600, found -5"),
         (["--drain-s", "nan"], "error: --drain-s: expected seconds from 0 to 3600, found nan"),
         (["--namespace", "Bad_NS"], "error: --namespace: expected a DNS label"),
+        # Kubernetes would take it, and fail every pod at its pull.
+        (
+            ["--image", "lanes serve:1"],
+            "error: --image: expected an image reference without spaces, e.g. "
+            "registry.example/lanes-serve:1.0, found 'lanes serve:1'",
+        ),
+        (["--worker-image", " "], "error: --worker-image: expected an image reference"),
     ],
 )
 def test_a_bad_drain_or_namespace_is_one_line_and_exit_2(
