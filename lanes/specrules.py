@@ -119,6 +119,7 @@ def parse_spec(
         found += _code_problems(name, workload, base)
     if check_files and check_models:
         found += _input_problems(workloads, models)
+        found += _tokenizer_problems(models)
     for name, raw in top.workloads.items():
         found += _workload_problems(name, raw, top.models, models)
     for name, workload in workloads.items():
@@ -212,6 +213,27 @@ def _input_problems(
             check_fed(inputs, str(model.path))
         except ModelError as err:
             found.append((("workloads", name, "task"), str(err), False))
+    return found
+
+
+def _tokenizer_problems(models: dict[str, ModelSpec]) -> Found:
+    """A tokenizer file that will not load, as loading the model would refuse it: the
+    file exists (a missing one is _model_problems'), but may be no tokenizer.json."""
+    try:
+        from lanes.tasks.base import load_tokenizer
+    except ImportError:  # an install without lanes[runtime] cannot serve it either
+        return []
+    from lanes.errors import ModelError
+
+    found: Found = []
+    for name, model in models.items():
+        if model.tokenizer is None or not _is_file(model.tokenizer):
+            continue
+        try:
+            load_tokenizer(model, "embed")
+        except ModelError as err:
+            message = f"{err}; expected a tokenizers tokenizer.json"
+            found.append((("models", name, "tokenizer"), message, False))
     return found
 
 

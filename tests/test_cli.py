@@ -227,6 +227,27 @@ def test_validate_says_what_serve_would_of_a_decoder_declared_as_embed(tmp_path:
     ]
 
 
+def test_validate_reads_the_tokenizer_as_serve_would(demo_models: Path, tmp_path: Path) -> None:
+    """A file that is no tokenizer.json (here, records) passed validate and failed the
+    workload's load in serve."""
+    records = tmp_path / "records.jsonl"
+    records.write_text('{"id": 1, "text": "a"}\n')
+    spec = {
+        "version": 1,
+        "models": {
+            "enc": {"path": str(demo_models / "minilm" / "model.onnx"), "tokenizer": str(records)}
+        },
+        "workloads": {"vec": {"mode": "interactive", "task": "embed", "model": "enc"}},
+    }
+    path = tmp_path / "workloads.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    done = CliRunner().invoke(app, ["validate", str(path)], prog_name="lanes")
+    assert done.exit_code == 2, done.stderr
+    line = one_line_error(done)
+    assert line.startswith(f"{path}:5:16: models.enc.tokenizer: cannot load tokenizer {records}: ")
+    assert line.endswith("; expected a tokenizers tokenizer.json")
+
+
 @pytest.mark.slow
 def test_predict_refuses_a_decoder_declared_as_embed_in_one_line(tmp_path: Path) -> None:
     model, tokenizer = decoder_model(tmp_path / "dec")

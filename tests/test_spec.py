@@ -14,6 +14,8 @@ from typing import Annotated, Any
 
 import pytest
 from pydantic import BaseModel, TypeAdapter, ValidationError
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
 
 from lanes.errors import SpecError
 from lanes.settings import Settings
@@ -44,8 +46,10 @@ workloads:
 
 @pytest.fixture
 def folder(tmp_path: Path) -> Path:
-    for name in ("enc.onnx", "tok.json", "clf.onnx"):
+    for name in ("enc.onnx", "clf.onnx"):
         (tmp_path / name).write_bytes(b"")
+    # `lanes validate` loads the tokenizer, as serving it would: a real one, if tiny.
+    (tmp_path / "tok.json").write_text(Tokenizer(WordLevel({"a": 0}, "a")).to_str())
     return tmp_path
 
 
