@@ -47,7 +47,7 @@ def _load(file: Path | None, settings: Settings, check_models: bool = False) -> 
 def validate(file: SpecFile = None) -> None:
     """Check a workloads.yaml: every problem is printed as FILE:LINE:COL: field: message.
     An embed workload's model is checked for inputs the task cannot feed, from its graph
-    (its weights are not loaded), as `lanes serve` would refuse it."""
+    (its weights are not loaded), as `lanes serve` would refuse it; each tokenizer is loaded."""
     settings = guarded(Settings)
     spec = guarded(lambda: _load(file, settings, check_models=True))
     n = len(spec.workloads)
