@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -335,10 +336,31 @@ class Core:
         try:
             parsed = json.loads(body)
         except ValueError:
-            parsed = body.decode(errors="replace")[:500] or None
-        found = self._error(status, parsed, _retry_after(headers))
+            parsed = None
+        if isinstance(parsed, dict) and "error" in parsed:
+            found = self._error(status, parsed, _retry_after(headers))
+        else:
+            found = self._foreign(status, body, _retry_after(headers))
         found.request_id = found.request_id or headers.get(REQUEST_ID_HEADER)
         return found
+
+    def _foreign(self, status: int, body: bytes, retry_after: float) -> LanesError:
+        """An error answer no lanes server wrote (every one of its errors is JSON with
+        an `error`): another service on that port, a proxy's page. Said in one line with
+        what to check, not as the page's HTML; typed by its status where the status means
+        the same from anyone (401, 413, 503: retried), but a 404 is a path the endpoint
+        lacks, not an unknown workload."""
+        text = re.sub(r"<[^>]*>", " ", body.decode(errors="replace"))
+        snippet = " ".join(text.split())
+        snippet = (snippet if len(snippet) <= 200 else snippet[:197] + "...") or "no body"
+        message = (
+            f"{self.endpoint} answered HTTP {status} with no lanes error ({snippet}); check "
+            "that LANES_ENDPOINT (or Client(endpoint=...)) is a lanes server or a proxy "
+            "in front of one"
+        )
+        if status == 404:
+            return LanesError(message)
+        return from_wire(message, status, retry_after=retry_after)
 
     def _error(self, status: int | None, parsed: Any, retry_after: float = 1.0) -> LanesError:
         # OpenAI's {"error": {"message", "type", "param", "code"}} or v2's {"error": "..."}.

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -382,6 +383,47 @@ def test_settings_come_from_the_environment(
     with lanes.Client() as client:
         assert client.endpoint == server.url
         assert client.call("search-query", "hello").shape == (384,)
+
+
+@pytest.fixture
+def not_lanes() -> Iterator[str]:
+    """Another HTTP service where LANES_ENDPOINT points: it answers POST with an HTML
+    501 page and GET of any path with an HTML 404 page, as Python's http.server does."""
+    import http.server
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # the test reads what the client raised, not the server's log
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_an_endpoint_that_is_no_lanes_server_is_said_in_one_line(
+    not_lanes: str, specs: tuple[Path, Path]
+) -> None:
+    """Its HTML error page is no message, and its 404 no unknown workload."""
+    with lanes.Client(not_lanes, spec=specs[1], max_retries=0) as client:
+        with pytest.raises(lanes.LanesError) as posted:
+            client.call("search-query", "hello")
+        with pytest.raises(lanes.LanesError) as missing:
+            client.call("flowers", [[5.1, 3.5, 1.4, 0.2]])  # reads its metadata first: GET
+    assert type(missing.value) is lanes.LanesError  # not UnknownWorkload
+    for caught, status in ((posted, 501), (missing, 404)):
+        message = str(caught.value)
+        assert message.startswith(f"{not_lanes} answered HTTP {status} with no lanes error (")
+        assert message.endswith(
+            "check that LANES_ENDPOINT (or Client(endpoint=...)) is a lanes "
+            "server or a proxy in front of one"
+        )
+        assert "\n" not in message and "<" not in message
 
 
 def test_jobs_follow_the_prefect_api_url_setting(
