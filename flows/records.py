@@ -162,10 +162,21 @@ def _parse(number: int, raw: bytes) -> Line:
     try:
         value = orjson.loads(raw)
     except orjson.JSONDecodeError as err:
-        return Line(number, None, f"malformed JSON: {err}")
+        return Line(number, None, _json_error(raw, err))
     if not isinstance(value, dict):
         return Line(number, None, f"expected a JSON object, found {describe(value)}")
     return Line(number, value)
+
+
+def _json_error(raw: bytes, err: orjson.JSONDecodeError) -> str:
+    """Why `raw` did not parse. orjson reports any byte that is not UTF-8 (Latin-1 text,
+    UTF-16 from a Windows editor) as "surrogates not allowed" at char 0, which names
+    neither the byte nor where it is: that case says both, as a CSV record's does."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        return f"not UTF-8 text: {bad}; write the file encoded as UTF-8"
+    return f"malformed JSON: {err}"
 
 
 def _json_array(stream: IO[bytes], max_bytes: int) -> Iterator[Line]:
@@ -177,7 +188,7 @@ def _json_array(stream: IO[bytes], max_bytes: int) -> Iterator[Line]:
     try:
         value = orjson.loads(data)
     except orjson.JSONDecodeError as err:
-        yield Line(1, None, f"malformed JSON: {err}")
+        yield Line(1, None, _json_error(data, err))
         return
     if not isinstance(value, list):
         found = describe(value)

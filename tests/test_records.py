@@ -146,6 +146,22 @@ def test_json_arrays_are_read_element_by_element(tmp_path: Path) -> None:
     assert (number, value) == (1, None) and message is not None and "malformed JSON" in message
 
 
+def test_a_record_that_is_not_utf8_names_the_byte_not_surrogates(tmp_path: Path) -> None:
+    # Latin-1 ("é" is 0xe9), as a tool that does not write UTF-8 leaves a line; the
+    # good lines around it are read as ever.
+    path = tmp_path / "records.jsonl"
+    path.write_bytes(b'{"id": 1, "prompt": "a"}\n{"id": 2, "prompt": "caf\xe9"}\n{"id": 3}\n')
+    first, bad, last = read(path)
+    assert (first.value, last.value) == ({"id": 1, "prompt": "a"}, {"id": 3})
+    assert bad.number == 2 and bad.value is None and bad.error is not None
+    assert "byte 0xe9 in position 24" in bad.error and "surrogates" not in bad.error, bad.error
+    array = tmp_path / "records.json"
+    array.write_bytes('[{"id": 1, "text": "café"}]'.encode("latin-1"))
+    ((number, value, message),) = [(x.number, x.value, x.error) for x in read(array)]
+    assert (number, value) == (1, None) and message is not None
+    assert "byte 0xe9 in position 23" in message and "surrogates" not in message, message
+
+
 WHOLE_GZ = gzip.compress(b'{"id": 1, "text": "a"}\n' * 50, mtime=0)
 CORRUPT_GZ = {
     "truncated": WHOLE_GZ[: len(WHOLE_GZ) // 2],  # EOFError
