@@ -31,7 +31,7 @@ import orjson
 
 from lanes.backfill import BUSY_HEADER, CONTENT_TYPE, PROVIDER_HEADER, batch_path
 from lanes.batchframe import decode_outputs, encode_items
-from lanes.errors import JobFailed, LanesError, from_wire
+from lanes.errors import JobFailed, LanesError, RequestTooLarge, from_wire
 from lanes.flows.runners import DeviceTime
 from lanes.isolation import Failed
 from lanes.settings import Settings
@@ -121,12 +121,8 @@ class EndpointModel:
         """Per item: the workload's handler's `post` of the model's output, or a
         `Failed`; raises when every item failed (the model's fault, for retries). The
         model time the endpoint says the batch used goes into `device`."""
-        response = self._post(encode_items(items))
-        self.provider = response.headers.get(PROVIDER_HEADER, self.provider)
-        if device is not None:
-            device.add(_busy_seconds(response))
         outputs: list[Any] = []
-        for i, raw in enumerate(decode_outputs(response.content, len(items), self.task.kind)):
+        for i, raw in enumerate(self._answers(items, 0, device)):
             if isinstance(raw, Failed):
                 outputs.append(raw)
                 continue
@@ -138,6 +134,25 @@ class EndpointModel:
         if failed and len(failed) == len(outputs):
             raise failed[0].error
         return outputs
+
+    def _answers(self, items: Sequence[Any], start: int, device: DeviceTime | None) -> list[Any]:
+        """The endpoint's raw output (or `Failed`) per item, `start` being the first's
+        index in the batch. A generate batch is a shard's window of batches, its `n`
+        choices each an item: its frame can pass the server's body limit
+        (LANES_MAX_BODY_BYTES, a 413) though every item fits. That is no fault of the
+        records, so the batch goes in halves, and only an item refused alone fails."""
+        try:
+            response = self._post(encode_items(items))
+        except RequestTooLarge as err:
+            if len(items) == 1:
+                return [Failed(start, err)]
+            half = len(items) // 2
+            head = self._answers(items[:half], start, device)
+            return head + self._answers(items[half:], start + half, device)
+        self.provider = response.headers.get(PROVIDER_HEADER, self.provider)
+        if device is not None:
+            device.add(_busy_seconds(response))
+        return list(decode_outputs(response.content, len(items), self.task.kind))
 
     def _post(self, body: bytes) -> httpx.Response:
         target = self.url.rstrip("/") + batch_path(self.workload)

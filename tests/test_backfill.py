@@ -30,9 +30,10 @@ from onnx import TensorProto, helper, numpy_helper, save_model
 
 from lanes.backfill import CONTENT_TYPE, PROVIDER_HEADER, batch_path
 from lanes.batchframe import decode_outputs, encode_items
-from lanes.errors import JobFailed, SpecError
+from lanes.errors import JobFailed, RequestTooLarge, SpecError
 from lanes.flows.batch import offline
 from lanes.flows.endpoint import EndpointGone, EndpointModel
+from lanes.isolation import Failed
 from lanes.runtime import Runtime
 from lanes.serving.batching import LaneQueues
 from lanes.serving.metrics import Metrics
@@ -984,6 +985,40 @@ def test_an_endpoint_gone_fails_a_batch_after_one_round_of_attempts_unretried(
             model.url = server.url
             (vector,) = model.run(items)
     assert not model.gone and len(vector) > 0
+    model.close()
+
+
+def test_a_generate_batch_over_the_endpoints_body_limit_goes_in_parts(
+    serve: type[ServerThread], tmp_path: Path
+) -> None:
+    """A shard hands the endpoint a window of batches at once, each `n` choice an
+    item: its frame may pass the server's body limit though every item fits. The
+    items go in parts and are answered as in one batch; only an item refused alone
+    fails, and alone."""
+    spec = write_spec(tmp_path, {"live": live("generate"), "nightly": batch("generate")})
+    task = load_task("live", load_spec(spec, Settings()), Runtime(Settings(device="cpu")))
+    prompts = ["a", "b", "c", "a b", "d a", "b c a", "c a", "a a"]
+    items = [task.prepare({"prompt": p, "max_tokens": 3}) for p in prompts]
+    # A limit that two items fit but not the batch, nor one item with a long prompt.
+    limit = 1200
+    big = task.prepare({"prompt": " ".join(["a"] * 60), "max_tokens": 1, "stop": ["x" * 200] * 4})
+    assert (
+        len(encode_items(items[:2]))
+        < limit
+        < min(len(encode_items(items)), len(encode_items([big])))
+    )
+    with serve(spec, internal_key=KEY) as roomy:
+        model = EndpointModel(task, roomy.url, "live", KEY)
+        want = model.run(items)
+    with serve(spec, internal_key=KEY, max_body_bytes=limit) as tight:
+        model = EndpointModel(task, tight.url, "live", KEY)
+        got = model.run(items)
+        assert [c.text for c in got] == [c.text for c in want]
+        assert [c.tokens for c in got] == [c.tokens for c in want]
+        *answered, refused = model.run([*items[:2], big])
+        assert [c.text for c in answered] == [c.text for c in want[:2]]
+        assert isinstance(refused, Failed) and refused.index == 2
+        assert isinstance(refused.error, RequestTooLarge), refused.error
     model.close()
 
 
