@@ -320,6 +320,27 @@ def test_a_csv_generate_records_options_are_read_as_a_jsonl_records_numbers() ->
     assert isinstance(templated, PlainRecord) and templated.item == {"prompt": "a"}
 
 
+def test_a_csv_generate_records_list_object_and_boolean_options_are_read_as_json() -> None:
+    # A spreadsheet's optional columns: a cell left empty is not given, as a number's;
+    # one filled is the JSON a JSONL record would hold there.
+    cells = {"id": "a", "prompt": "x", "stop_token_ids": "[199, 7]", "logit_bias": '{"199": 5}'}
+    made = csv_request({**cells, "include_stop_str_in_output": "true"}, shape("generate"))
+    assert isinstance(made, PlainRecord)
+    assert made.item == {
+        "prompt": "x",
+        "stop_token_ids": [199, 7],
+        "logit_bias": {"199": 5},
+        "include_stop_str_in_output": True,
+    }
+    empty = {"stop_token_ids": "", "logit_bias": " ", "include_stop_str_in_output": ""}
+    made = csv_request({"id": "b", "prompt": "x", **empty}, shape("generate"))
+    assert isinstance(made, PlainRecord)
+    assert made.item == {"prompt": "x"} | dict.fromkeys(empty)
+    # A cell that is no JSON stays text, for the request's own check to name.
+    made = csv_request({"id": "c", "prompt": "x", "stop_token_ids": "199;7"}, shape("generate"))
+    assert isinstance(made, PlainRecord) and made.item["stop_token_ids"] == "199;7"
+
+
 @pytest.mark.parametrize(
     ("field", "cell", "error"),
     [

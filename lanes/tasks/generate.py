@@ -96,23 +96,39 @@ class GenerateRequest:
     repetition_penalty: float = 1.0
 
 
+# A CSV record's generation fields that are no number nor text, written as JSON in
+# their cell: `[199, 200]`, `{"199": 5}`, `true`.
+_JSON_VALUES = ("stop_token_ids", "logit_bias", "include_stop_str_in_output")
+
+
 def from_text(item: Mapping[str, Any]) -> dict[str, Any]:
     """`item` read as text (a CSV record: every value a string), its generation fields
     as a JSON record holds them: an empty one is null (the workload's default), a
-    number is read as JSON reads it, `stop` is one stop string; the other fields are
-    left as they are. Raises `InvalidInput` naming a field whose text is no such
-    number (`max_tokens: expected an integer, found 'abc'`)."""
+    number is read as JSON reads it, `stop` is one stop string, `stop_token_ids`,
+    `logit_bias` and `include_stop_str_in_output` are JSON; the other fields are left
+    as they are. Raises `InvalidInput` naming a field whose text is no such number
+    (`max_tokens: expected an integer, found 'abc'`); a JSON field's text that is no
+    JSON stays text, for the request's check to name."""
     typed = dict(item)
     for field, value in item.items():
-        if field not in (*_NUMBERS, "stop") or not isinstance(value, str):
+        if field not in (*_NUMBERS, *_JSON_VALUES, "stop") or not isinstance(value, str):
             continue
         if field == "stop":
             typed[field] = value or None  # a blank stop string ("\n\n") is one
-        elif value.strip():
-            typed[field] = _number(field, value, whole=_NUMBERS[field])
-        else:
+        elif not value.strip():
             typed[field] = None
+        elif field in _JSON_VALUES:
+            typed[field] = _json_or_text(value)
+        else:
+            typed[field] = _number(field, value, whole=_NUMBERS[field])
     return typed
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return text
 
 
 def _number(field: str, text: str, whole: bool) -> int | float:
