@@ -26,6 +26,7 @@ from lanes.spec import (
     ModelSpec,
     OfflineWorkload,
     Spec,
+    a_task,
 )
 from lanes.strict import StrictModel
 from lanes.validation import describe, explain
@@ -51,6 +52,13 @@ Found = list[tuple[Loc, str, bool]]  # (path, message, points at the key itself)
 _PLAIN_KEY = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # Which `fields:` key names the item of which task.
 _ITEM_FIELDS = {"text": "embed", "prompt": "generate"}
+# The fields a plain record's output line has besides its id and kept fields, where a
+# task without a handler's `post` makes them: embed's vector, generate's Completion
+# (less `logprobs`, which a plain record never asks for). Infer's are its graph's.
+_OUTPUT_FIELDS = {
+    "embed": ("embedding",),
+    "generate": ("text", "tokens", "finish_reason", "prompt_tokens", "prompt_logprobs"),
+}
 
 
 # The batching fields of an embed or infer workload's offline lane, and what each does.
@@ -328,7 +336,25 @@ def _workload_problems(
             if isinstance(fields, dict) and key in fields and task in TASK_NAMES and task != wanted:
                 message = f"`fields.{key}` is for task {wanted}; task {task} does not read it"
                 found.append(((*at, "fields", key), message, True))
+        found += _kept_output_problems(at, raw, fields, task)
     return found
+
+
+def _kept_output_problems(at: Loc, raw: dict[str, Any], fields: Any, task: str | None) -> Found:
+    """A kept field that the output line has too would be written twice: every record
+    is rejected once the model has run for it, so it is refused here. A handler may
+    rename the output's fields, so with one the record decides."""
+    keep = fields.get("keep") if isinstance(fields, dict) else None
+    if raw.get("handler") is not None or not isinstance(keep, list) or task not in _OUTPUT_FIELDS:
+        return []
+    clash = next((name for name in keep if name in _OUTPUT_FIELDS[task]), None)
+    if clash is None:
+        return []
+    message = (
+        f"{shown(clash)} is a field of {a_task(task)} output line too, so it would be "
+        "written twice: drop it from `fields.keep`, or rename it in a handler's `post`"
+    )
+    return [((*at, "fields", "keep"), message, False)]
 
 
 def _runner_problems(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -260,6 +261,21 @@ BAD_CASES = [
         "W:17:20: workloads.nightly.fields.keep: 'id' names the output line's id",
     ),
     (
+        "fields: keeping a field of the embed output",
+        "    output: out/\n",
+        "    output: out/\n    fields: {keep: [customer, embedding]}\n",
+        "W:17:20: workloads.nightly.fields.keep: 'embedding' is a field of an embed output "
+        "line too, so it would be written twice",
+    ),
+    (
+        "fields: keeping a field of the generate output",
+        "    task: embed\n    model: enc\n    input: in/\n    output: out/\n",
+        "    task: generate\n    model: enc\n    input: in/\n    output: out/\n"
+        "    fields: {prompt: '{body}', keep: [text]}\n",
+        "W:17:38: workloads.nightly.fields.keep: 'text' is a field of a generate output line "
+        "too, so it would be written twice",
+    ),
+    (
         "fields: another task's item",
         "    output: out/\n",
         "    output: out/\n    fields: {prompt: body}\n",
@@ -336,6 +352,15 @@ BAD_CASES = [
         "W:2:1: servers: unknown key 'servers'",
     ),
 ]
+
+
+def test_the_kept_fields_refused_are_the_fields_a_plain_output_line_has() -> None:
+    # A generate line is the Completion less `logprobs` (a plain record asks for none).
+    from lanes.specrules import _OUTPUT_FIELDS
+    from lanes.tasks.decoder import Completion
+
+    made = [f.name for f in dataclasses.fields(Completion) if f.name != "logprobs"]
+    assert sorted(_OUTPUT_FIELDS["generate"]) == sorted(made)
 
 
 @pytest.mark.parametrize(
