@@ -26,6 +26,7 @@ from lanes.spec import (
     ModelSpec,
     OfflineWorkload,
     Spec,
+    TaskName,
     a_task,
 )
 from lanes.strict import StrictModel
@@ -55,7 +56,7 @@ _ITEM_FIELDS = {"text": "embed", "prompt": "generate"}
 # The fields a plain record's output line has besides its id and kept fields, where a
 # task without a handler's `post` makes them: embed's vector, generate's Completion
 # (less `logprobs`, which a plain record never asks for). Infer's are its graph's.
-_OUTPUT_FIELDS = {
+_OUTPUT_FIELDS: dict[TaskName, tuple[str, ...]] = {
     "embed": ("embedding",),
     "generate": ("text", "tokens", "finish_reason", "prompt_tokens", "prompt_logprobs"),
 }
@@ -345,13 +346,14 @@ def _kept_output_problems(at: Loc, raw: dict[str, Any], fields: Any, task: str |
     is rejected once the model has run for it, so it is refused here. A handler may
     rename the output's fields, so with one the record decides."""
     keep = fields.get("keep") if isinstance(fields, dict) else None
-    if raw.get("handler") is not None or not isinstance(keep, list) or task not in _OUTPUT_FIELDS:
+    kind = next((k for k in _OUTPUT_FIELDS if k == task), None)
+    if raw.get("handler") is not None or not isinstance(keep, list) or kind is None:
         return []
-    clash = next((name for name in keep if name in _OUTPUT_FIELDS[task]), None)
+    clash = next((name for name in keep if name in _OUTPUT_FIELDS[kind]), None)
     if clash is None:
         return []
     message = (
-        f"{shown(clash)} is a field of {a_task(task)} output line too, so it would be "
+        f"{shown(clash)} is a field of {a_task(kind)} output line too, so it would be "
         "written twice: drop it from `fields.keep`, or rename it in a handler's `post`"
     )
     return [((*at, "fields", "keep"), message, False)]
