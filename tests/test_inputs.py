@@ -116,7 +116,10 @@ def test_the_setting_takes_folders_not_patterns(monkeypatch: pytest.MonkeyPatch)
     from lanes.errors import SettingsError
 
     monkeypatch.setenv("LANES_ALLOWED_INPUT_ROOTS", '["s3://shared/*"]')
-    with pytest.raises(SettingsError, match=r"LANES_ALLOWED_INPUT_ROOTS: .* expected a folder"):
+    wanted = (
+        r"LANES_ALLOWED_INPUT_ROOTS: expected folders .* without wildcards, found 's3://shared/\*'"
+    )
+    with pytest.raises(SettingsError, match=wanted):
         Settings()
 
 
