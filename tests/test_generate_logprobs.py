@@ -329,14 +329,15 @@ def joined(chunks: list[Completion]) -> dict[int, tuple[str, dict[str, list[Any]
 def test_echo_scores_the_prompt_whole_and_streamed(
     client: OpenAI, decoder: Decoder, max_tokens: int
 ) -> None:
-    whole = client.completions.create(
-        model="code-complete",
-        prompt=PROMPT,
-        max_tokens=max_tokens,
-        echo=True,
-        logprobs=2,
-        temperature=0,
-    )
+    asked: dict[str, Any] = {
+        "model": "code-complete",
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "echo": True,
+        "logprobs": 2,
+        "temperature": 0,
+    }
+    whole = client.completions.create(**asked)
     (choice,) = whole.choices
     ids = decoder.encode(PROMPT)
     assert choice.text.startswith(PROMPT)
@@ -354,16 +355,7 @@ def test_echo_scores_the_prompt_whole_and_streamed(
     ]
     if max_tokens == 0:
         assert choice.text == PROMPT and choice.finish_reason == "length"
-    stream = client.completions.create(
-        model="code-complete",
-        prompt=PROMPT,
-        max_tokens=max_tokens,
-        echo=True,
-        logprobs=2,
-        temperature=0,
-        stream=True,
-    )
-    chunks = list(stream)
+    chunks = list(client.completions.create(**asked, stream=True))
     first = chunks[0].choices[0]
     assert first.text.startswith(PROMPT)  # the first chunk carries the echo
     assert first.logprobs is not None and first.logprobs.tokens is not None
