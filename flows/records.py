@@ -35,7 +35,7 @@ import orjson
 from lanes.errors import PermanentStorageError, StorageError
 from lanes.s3errors import Missing
 from lanes.storage import Storage, StoredFile, is_s3
-from lanes.validation import describe
+from lanes.validation import describe, not_utf8
 
 JSONL = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")
 CSV = (".csv", ".csv.gz")
@@ -169,12 +169,10 @@ def _parse(number: int, raw: bytes) -> Line:
 
 
 def _json_error(raw: bytes, err: orjson.JSONDecodeError) -> str:
-    """Why `raw` did not parse. orjson reports any byte that is not UTF-8 (Latin-1 text,
-    UTF-16 from a Windows editor) as "surrogates not allowed" at char 0, which names
-    neither the byte nor where it is: that case says both, as a CSV record's does."""
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError as bad:
+    """Why `raw` did not parse; where a byte is not UTF-8 (`not_utf8`), which and where,
+    as a CSV record's error says."""
+    bad = not_utf8(raw)
+    if bad is not None:
         return f"not UTF-8 text: {bad}; write the file encoded as UTF-8"
     return f"malformed JSON: {err}"
 

@@ -173,16 +173,25 @@ def describe(value: Any) -> str:
     return type(value).__name__
 
 
+def not_utf8(data: bytes | memoryview) -> UnicodeDecodeError | None:
+    """Where `data` stops being UTF-8, or None. orjson reports any such byte (Latin-1
+    text, UTF-16 from a Windows tool) as "surrogates not allowed" at char 0, which
+    names neither the byte nor where it is: a JSON error's message says both from it."""
+    try:
+        bytes(data).decode("utf-8")
+    except UnicodeDecodeError as bad:
+        return bad
+    return None
+
+
 def malformed_json(body: bytes | memoryview, error: Exception) -> str:
     """What a body that did not parse as JSON (`error`, the parser's) expected and
-    found. orjson reports any byte that is not UTF-8 as "surrogates not allowed" at
-    char 0 (Latin-1 text, UTF-16 from a Windows shell): that case names the byte."""
-    try:
-        bytes(body).decode("utf-8")
-    except UnicodeDecodeError as bad:
-        byte = bytes(body[bad.start : bad.start + 1]).hex()
-        return (
-            f"expected JSON in UTF-8, found byte 0x{byte} at offset {bad.start}, which is "
-            f"not UTF-8 there ({bad.reason}); send the body encoded as UTF-8"
-        )
-    return f"expected JSON, found malformed JSON ({error})"
+    found; where a byte is not UTF-8 (`not_utf8`), that byte."""
+    bad = not_utf8(body)
+    if bad is None:
+        return f"expected JSON, found malformed JSON ({error})"
+    byte = bytes(body[bad.start : bad.start + 1]).hex()
+    return (
+        f"expected JSON in UTF-8, found byte 0x{byte} at offset {bad.start}, which is "
+        f"not UTF-8 there ({bad.reason}); send the body encoded as UTF-8"
+    )
