@@ -3,7 +3,7 @@ batching that drops finished sequences, and one sequence at a time.
 
     python bench/generate.py [--seconds 8] [--repeats 2] [--levels 1,4,16,64] [--tracing]
         [--slots] [--between] [--against DIR] [--png PATH] [--burst [--bursts 2] [--burst-size 4]]
-        [--instruction 6]
+        [--instruction 6 [--templates 4]]
 
 It starts one server process per policy (this script with --serve: the app's own
 /v1/completions route and engine, with the batching policy set on the engine), and
@@ -47,7 +47,10 @@ tree to that one's: an A/B of two commits that the machine's drift falls on alik
 `--instruction L` starts every prompt with the same L lines (a system prompt, a few-shot
 instruction; `max_tokens` is cut by its length to stay in the context): the engine
 runs it once and keeps its cache for the requests after (lanes/generation/prefill.py).
-Compare TTFT `--against` a tree without that.
+Compare TTFT `--against` a tree without that. `--templates M` makes M such
+instructions, each opening with a line of its own, which the requests take in turns
+(workloads or tenants with system prompts of their own): the engine keeps the last
+prompt of each opening (lanes/generation/prefixes.py).
 
 `--tracing` adds the policy `traced`: continuous batching with LANES_TRACING=true,
 every span (request, queue, prefill, decode) exported over OTLP/HTTP to a sink in
@@ -109,6 +112,18 @@ if TYPE_CHECKING:
 WORKLOAD = "gen"
 MAX_TOKENS = 448  # the longest prompt below is under 64 tokens
 INSTRUCTION_LINE = "# Complete the function below; keep to the style of the module.\n"
+
+
+def instructions(lines: int, templates: int) -> tuple[str, ...]:
+    """`templates` instructions of `lines` lines; with more than one, each opens with a
+    line of its own."""
+    if lines == 0:
+        return ("",)
+    if templates == 1:
+        return (INSTRUCTION_LINE * lines,)
+    return tuple(f"# Template {t}.\n" + INSTRUCTION_LINE * lines for t in range(templates))
+
+
 POLICIES = ("continuous", "static", "static-drop", "serial")
 TRACED = "traced"  # continuous, tracing on
 STEERED = "steered"  # continuous, slo.ttft_ms and slo.itl_ms on the workload (--burst)
@@ -372,9 +387,10 @@ async def closed_loop(
     seconds: float,
     warm: float,
     burst: Burst | None = None,
-    instruction: tuple[str, int] = ("", 0),
+    instruction: tuple[tuple[str, ...], int] = (("",), 0),
 ) -> Run:
-    """`instruction`: a text every prompt starts with, and its tokens."""
+    """`instruction`: the texts prompts start with (request i of client k the
+    (k + i)-th), and the tokens of the longest."""
     run = Run(policy, clients)
     start = time.perf_counter()
     measure_from = start + warm
@@ -390,7 +406,8 @@ async def closed_loop(
             while True:
                 # Within tinycode's 512-token context, the prompt included.
                 length = min(next(lengths), MAX_TOKENS - instruction[1])
-                request = request_body(instruction[0] + PROMPTS[(k + i) % len(PROMPTS)], length)
+                head = instruction[0][(k + i) % len(instruction[0])]
+                request = request_body(head + PROMPTS[(k + i) % len(PROMPTS)], length)
                 i += 1
                 sent = time.perf_counter()
                 waiting[k] = sent
@@ -601,6 +618,9 @@ def main() -> None:
     )
     parser.add_argument("--bursts", type=int, default=2, help="bursts per slice (--burst)")
     parser.add_argument("--instruction", type=int, default=0, help="lines every prompt starts with")
+    parser.add_argument(
+        "--templates", type=int, default=1, help="distinct instructions, taken in turns"
+    )
     parser.add_argument("--burst-size", type=int, default=4, help="long prompts per burst")
     parser.add_argument(
         "--slo-ttft-factor", type=float, default=2.0, help="ttft_ms over a raw 16-row step"
@@ -684,8 +704,9 @@ def main() -> None:
         for i, p in enumerate(policies)
     ]
     runs = {(p, c): Run(p, c) for c in levels for p in policies}
-    head = INSTRUCTION_LINE * args.instruction
-    instruction = (head, len(task.decoder.tokenizer.encode(head).ids))
+    heads = instructions(args.instruction, args.templates)
+    longest = max(len(task.decoder.tokenizer.encode(h).ids) for h in heads)
+    instruction = (heads, longest)
     try:
         for c in levels:
             for rep in range(args.repeats):

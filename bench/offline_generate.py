@@ -2,7 +2,7 @@
 against one sequence at a time, in one run, on the demo tinycode decoder.
 
     python bench/offline_generate.py [--prompts 256] [--tokens 64] [--batch-size 32]
-        [--model model-slots.onnx] [--n 4] [--longer 8] [--instruction 6]
+        [--model model-slots.onnx] [--n 4] [--longer 8] [--instruction 6 [--templates 4]]
 
 The same `--prompts` code prompts (greedy, `ignore_eos`, so every completion is
 `--tokens` long) go through:
@@ -24,7 +24,9 @@ each (OpenAI's `n`), and raw and one at a time get each of those prompts N times
 same sequences everywhere. `--longer K` makes each prompt K times its text, for
 prompts whose prefill weighs (a summary's document, say). `--instruction L` starts
 every prompt with the same L lines (a few-shot instruction), which the offline lane
-prefills once per step and the raw loop in every row.
+prefills once per step and the raw loop in every row; `--templates M` makes M such
+instructions, each opening with a line of its own, prompt i taking the (i % M)-th
+(a job over several templates, their prompts interleaved by length).
 
 With `--breakdown`, raw and the offline lane run once more each, their decoder runs
 counted: prefill and decode runs, padded against real positions, and the seconds inside
@@ -102,11 +104,15 @@ PROMPTS = [
 INSTRUCTION_LINE = "# Complete the function below; keep to the style of the module.\n"
 
 
-def prompts(n: int, longer: int = 1, instruction: int = 0) -> list[str]:
+def prompts(n: int, longer: int = 1, instruction: int = 0, templates: int = 1) -> list[str]:
     """`n` distinct prompts: joiners of one prompt share their prefill's row, which the
-    raw loop does not, so a repeated prompt would flatter the offline lane."""
-    head = INSTRUCTION_LINE * instruction
-    return [f"{head}# {i}\n{PROMPTS[i % len(PROMPTS)] * longer}" for i in range(n)]
+    raw loop does not, so a repeated prompt would flatter the offline lane. With
+    `templates` > 1, prompt i starts with instruction i % templates, each opening with
+    a line of its own."""
+    heads = [INSTRUCTION_LINE * instruction]
+    if instruction and templates > 1:
+        heads = [f"# Template {t}.\n{heads[0]}" for t in range(templates)]
+    return [f"{heads[i % len(heads)]}# {i}\n{PROMPTS[i % len(PROMPTS)] * longer}" for i in range(n)]
 
 
 class Timer:
@@ -303,6 +309,9 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=1, help="choices per batch line (see above)")
     parser.add_argument("--longer", type=int, default=1, help="each prompt this many times over")
     parser.add_argument("--instruction", type=int, default=0, help="lines every prompt starts with")
+    parser.add_argument(
+        "--templates", type=int, default=1, help="distinct instructions, prompt i the (i %% M)-th"
+    )
     args = parser.parse_args()
     if args.prompts % args.n:
         parser.error(f"--prompts ({args.prompts}) must be a multiple of --n ({args.n})")
@@ -325,7 +334,7 @@ def main() -> None:
         task = load_task(WORKLOAD, spec, runtime)
         assert isinstance(task, GenerateTask)
         model = Model(task, runtime.providers[0])
-        lines = prompts(args.prompts // args.n, args.longer, args.instruction)
+        lines = prompts(args.prompts // args.n, args.longer, args.instruction, args.templates)
         texts = [text for text in lines for _ in range(args.n)]  # every choice's sequence
         total = args.prompts * args.tokens
         # Warm-up, untimed: every path once on a few prompts.
@@ -356,7 +365,7 @@ def main() -> None:
     print(
         f"tinycode ({args.model}), {args.prompts} prompts x {args.tokens} tokens (greedy, "
         f"ignore_eos; {args.prompts // args.n} lines of n={args.n}, texts x{args.longer}, "
-        f"{args.instruction} instruction lines), "
+        f"{args.instruction} instruction lines in {args.templates} template(s)), "
         f"batch_size {args.batch_size}, {args.threads} onnxruntime thread(s), best of "
         f"{args.repeats}; load average {os.getloadavg()[0]:.1f}"
     )

@@ -99,6 +99,13 @@ class Settings(BaseSettings):
         "sequences preempted by interactive ones; beyond, a preempted sequence's cache is "
         "recomputed when it resumes.",
     )
+    prefix_cache_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=0,
+        description="Bytes of KV cache a generate workload's engine keeps of recent "
+        "prompts, the last one of each opening (first 32 tokens), so that a later "
+        "prompt starting with a long part of one runs only its rest; 0 keeps none.",
+    )
     device: Device = Field("auto", description="auto picks TensorRT/CUDA when a GPU is there.")
     io_binding: IoBinding = Field(
         "auto",

@@ -70,6 +70,7 @@ from lanes.generation.kvcache import MAX_PADDING, Decoded
 from lanes.generation.loop import Step, StepLoop
 from lanes.generation.preempt import KEEP_BYTES, Preempted
 from lanes.generation.prefill import prefill_groups
+from lanes.generation.prefixes import PREFIX_CACHE_BYTES
 from lanes.generation.scheduler import PREFILL_TOKENS, Policy
 from lanes.generation.seq import Event, Seq, StepPlan
 from lanes.generation.slots import Cache
@@ -106,7 +107,8 @@ class Engine:
     padded cache positions are worth one decoder run less (see lanes/generation/kvcache.py).
     `clock` is the scheduler's (arrivals, deadlines) and times every step. With
     `tracing`, a request submitted with its span gets its prefill and decode spans.
-    `keep_bytes` bounds the preempted offline sequences' kept caches.
+    `keep_bytes` bounds the preempted offline sequences' kept caches, `prefix_bytes`
+    the recent prompts' (lanes/generation/prefixes.py).
     `prefill_beside`: whether arrivals are prefilled beside a decode (see above); by
     default where a second run has hardware of its own (`Runtime.room_beside`).
     """
@@ -121,6 +123,7 @@ class Engine:
         tracing: Tracing | None = None,
         keep_bytes: int = KEEP_BYTES,
         prefill_beside: bool | None = None,
+        prefix_bytes: int = PREFIX_CACHE_BYTES,
     ) -> None:
         workload = as_interactive(task.workload)
         self.task = task
@@ -141,7 +144,7 @@ class Engine:
             byte_text=task.byte_text,
         )
         self.loop = StepLoop(
-            self.decoder, self.scheduler, self.name, max_padding, clock, keep_bytes
+            self.decoder, self.scheduler, self.name, max_padding, clock, keep_bytes, prefix_bytes
         )
         self.steer = Steer(
             slo.ttft_ms / 1000 if slo.ttft_ms else None,

@@ -506,6 +506,7 @@ def start_engine(
         tracing=state.tracing,
         keep_bytes=keep,
         prefill_beside=prefill_beside,
+        prefix_bytes=state.settings.prefix_cache_bytes,
     )
     engine.start()
     state.engines[name] = engine

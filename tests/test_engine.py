@@ -15,7 +15,8 @@ import pytest
 
 from lanes.errors import DeadlineExceeded, ModelError
 from lanes.generation.batch import generate_batch
-from lanes.generation.prefill import SHARED_PREFIX_MIN, SharedPrefix, prefill
+from lanes.generation.prefill import Join, prefill
+from lanes.generation.prefixes import SHARED_PREFIX_MIN, PrefixCache, common_prefix
 from lanes.generation.scheduler import POLICIES, Policy
 from lanes.generation.seq import Event, Seq
 from lanes.isolation import Failed
@@ -27,7 +28,7 @@ from lanes.serving.token_stream import TokenStream
 from lanes.settings import Settings
 from lanes.spec import Guard, Spec
 from lanes.tasks import GenerateTask, load_task
-from lanes.tasks.decoder import Completion
+from lanes.tasks.decoder import Completion, Decoder
 from tests.gates import WAIT_S, Gate, GatedRuntime, eventually
 
 pytestmark = pytest.mark.slow
@@ -225,9 +226,9 @@ def test_joiners_of_one_prompt_share_one_row_of_their_prefill(task: GenerateTask
         RUNS.wait_held()
         assert RUNS.held_rows() == 2
         RUNS.allow(1)
-        logits, join = ran.result(timeout=WAIT_S)
+        logits, (join,) = ran.result(timeout=WAIT_S)
     assert (join.ids, join.rows_run, len(logits), join.past.batch) == ([0, 1, 2], 2, 3, 3)
-    by_itself, its_join = prefill(decoder, seqs[:1])
+    by_itself, (its_join,) = prefill(decoder, seqs[:1])
     n = len(seqs[0].prompt_ids)
     for row in (0, 2):
         np.testing.assert_allclose(logits[row], by_itself[0], rtol=1e-4, atol=1e-4)
@@ -253,10 +254,10 @@ def test_joiners_sharing_a_long_prefix_run_it_once(task: GenerateTask) -> None:
             RUNS.wait_held()
             rows.append(RUNS.held_rows())
             RUNS.allow(1)
-        logits, join = ran.result(timeout=WAIT_S)
+        logits, (join,) = ran.result(timeout=WAIT_S)
     assert rows == ([3] if decoder.slots else [1, 3])
     for row, seq in enumerate(seqs):
-        by_itself, its_join = prefill(decoder, [seq])
+        by_itself, (its_join,) = prefill(decoder, [seq])
         n = len(seq.prompt_ids)
         np.testing.assert_allclose(logits[row], by_itself[0], rtol=1e-4, atol=1e-4)
         assert join.mask[row].sum() == n and (join.mask[row, -n:] == 1).all()
@@ -270,7 +271,7 @@ def test_joiners_sharing_a_long_prefix_run_it_once(task: GenerateTask) -> None:
 
 
 def test_a_later_joiner_runs_only_its_rest_on_the_prompt_kept(task: GenerateTask) -> None:
-    """The last prompt's cache stays (SharedPrefix): a joiner of a later step that
+    """The last prompt's cache stays (PrefixCache): a joiner of a later step that
     starts with a long part of it (requests one at a time, each with the same system
     prompt) runs the rest of its prompt alone, on that part, and gets what its prompt
     gets alone. Not on a slot-layout graph, where nothing is shared."""
@@ -281,22 +282,88 @@ def test_a_later_joiner_runs_only_its_rest_on_the_prompt_kept(task: GenerateTask
     pairs = zip(first.prompt_ids, later.prompt_ids, strict=False)
     common = next(i for i, (a, b) in enumerate(pairs) if a != b)
     assert common >= SHARED_PREFIX_MIN
-    shared = SharedPrefix()
-    prefill(decoder, [first], shared=shared)
-    assert shared.ids == (() if decoder.slots else first.prompt_ids)
+    prefixes = PrefixCache()
+    prefill(decoder, [first], prefixes=prefixes)
+    assert len(prefixes) == (0 if decoder.slots else 1)
     with concurrent.futures.ThreadPoolExecutor(1) as pool, RUNS.closed():
-        ran = pool.submit(prefill, decoder, [later], False, shared)
+        ran = pool.submit(prefill, decoder, [later], False, prefixes)
         RUNS.wait_held()
         assert RUNS.held_rows() == 1
         RUNS.allow(1)
-        logits, join = ran.result(timeout=WAIT_S)
+        logits, (join,) = ran.result(timeout=WAIT_S)
     n = len(later.prompt_ids)
     assert join.tokens_run == (n if decoder.slots else n - common)
-    by_itself, its_join = prefill(decoder, [later])
+    by_itself, (its_join,) = prefill(decoder, [later])
     np.testing.assert_allclose(logits, by_itself, rtol=1e-4, atol=1e-4)
     assert join.mask.sum() == n
     for ours, its in zip(join.past.arrays, its_join.past.arrays, strict=True):
         np.testing.assert_allclose(ours[0, :, -n:], its[0], rtol=1e-4, atol=1e-4)
+
+
+INSTRUCTIONS = (
+    "# Copyright 2001 Python Software Foundation\n" * 2,
+    "# Licensed under the Apache License, Version 2.0 (the License)\n" * 2,
+)
+
+
+def assert_as_alone(
+    decoder: Decoder, seqs: list[Seq], logits: np.ndarray[Any, Any], joins: list[Join]
+) -> None:
+    """Each joiner's logits and cache are what its prompt gets in a run alone."""
+    rows = {sid: (join, r) for join in joins for r, sid in enumerate(join.ids)}
+    for j, seq in enumerate(seqs):
+        by_itself, (its_join,) = prefill(decoder, [seq])
+        join, row = rows[seq.id]
+        n = len(seq.prompt_ids)
+        np.testing.assert_allclose(logits[j], by_itself[0], rtol=1e-4, atol=1e-4)
+        assert join.mask[row].sum() == n and (join.mask[row, -n:] == 1).all()
+        for ours, its in zip(join.past.arrays, its_join.past.arrays, strict=True):
+            np.testing.assert_allclose(ours[row, :, -n:], its[0], rtol=1e-4, atol=1e-4)
+
+
+def test_joiners_of_two_openings_each_share_their_own_in_runs_apart(task: GenerateTask) -> None:
+    """Prompts of two instructions, interleaved in one prefill (an offline job of two
+    templates; rows go by length): each instruction runs once, then its prompts'
+    rests, apart from the other's, and each joiner gets what its prompt gets alone."""
+    decoder = task.decoder
+    ends = ("x", "def f(x", "import os\n", "y = 1\n")
+    prompts = [INSTRUCTIONS[i % 2] + end for i, end in enumerate(ends)]
+    seqs = [Seq(i, tuple(decoder.encode(p)), 4) for i, p in enumerate(prompts)]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, RUNS.closed():
+        ran = pool.submit(prefill, decoder, seqs, False, PrefixCache())
+        rows = []
+        for _ in range(1 if decoder.slots else 4):
+            RUNS.wait_held()
+            rows.append(RUNS.held_rows())
+            RUNS.allow(1)
+        logits, joins = ran.result(timeout=WAIT_S)
+    assert rows == ([4] if decoder.slots else [1, 2, 1, 2])
+    assert sorted(sid for join in joins for sid in join.ids) == [0, 1, 2, 3]
+    assert_as_alone(decoder, seqs, logits, joins)
+
+
+def test_prompts_of_other_openings_keep_their_own_caches(task: GenerateTask) -> None:
+    """Requests of two system prompts taking turns: each opening's last prompt stays,
+    so a later joiner of the first runs only its rest though one of the second came
+    between (the cache kept one prompt in all before)."""
+    decoder = task.decoder
+    first, other, later = (
+        Seq(i, tuple(decoder.encode(INSTRUCTIONS[k] + end)), 4)
+        for i, (k, end) in enumerate([(0, "x"), (1, "y"), (0, "for i in range(")])
+    )
+    prefixes = PrefixCache()
+    prefill(decoder, [first], prefixes=prefixes)
+    prefill(decoder, [other], prefixes=prefixes)
+    assert len(prefixes) == (0 if decoder.slots else 2)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, RUNS.closed():
+        ran = pool.submit(prefill, decoder, [later], False, prefixes)
+        RUNS.wait_held()
+        assert RUNS.held_rows() == 1
+        RUNS.allow(1)
+        logits, joins = ran.result(timeout=WAIT_S)
+    n, common = len(later.prompt_ids), common_prefix(first.prompt_ids, later.prompt_ids)
+    assert joins[0].tokens_run == (n if decoder.slots else n - common)
+    assert_as_alone(decoder, [later], logits, joins)
 
 
 def test_a_prompt_asked_again_later_in_an_offline_batch_joins_its_first_asking(

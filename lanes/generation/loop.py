@@ -37,7 +37,8 @@ from dataclasses import dataclass, field, replace
 
 from lanes.generation.kvcache import MAX_PADDING, Decoded, GroupRun
 from lanes.generation.preempt import KEEP_BYTES, Preempted
-from lanes.generation.prefill import Chunked, Join, SharedPrefix, prefill_apart
+from lanes.generation.prefill import Chunked, Join, prefill_apart
+from lanes.generation.prefixes import PREFIX_CACHE_BYTES, PrefixCache
 from lanes.generation.scheduler import Scheduler
 from lanes.generation.seq import Event, Seq, StepOutputs, StepPlan
 from lanes.generation.slots import new_cache
@@ -109,6 +110,7 @@ class StepLoop:
         max_padding: float = MAX_PADDING,
         clock: Callable[[], float] = time.monotonic,
         keep_bytes: int = KEEP_BYTES,
+        prefix_bytes: int = PREFIX_CACHE_BYTES,
     ) -> None:
         self.decoder = decoder
         self.scheduler = scheduler
@@ -118,7 +120,7 @@ class StepLoop:
         self._joins: list[Join] = []  # prefilled, entering the cache at the next settle
         self.preempted = Preempted(keep_bytes)
         self.chunked = Chunked()
-        self.shared = SharedPrefix()  # its joiners' last shared prefix, for later ones
+        self.prefixes = PrefixCache(prefix_bytes)  # prompts' caches, for later joiners
 
     def run(
         self,
@@ -174,7 +176,7 @@ class StepLoop:
         raises, and fails the plan in flight with them."""
         plan = StepPlan(prefill=tuple(joiners))
         step = Step(plan, self.clock(), beside=True)
-        done = prefill_apart(self.decoder, plan.prefill, shared=self.shared)
+        done = prefill_apart(self.decoder, plan.prefill, prefixes=self.prefixes)
         step.prefill = Timed(step.start, self.clock())
         step.prefill_rows, step.prefill_tokens = done.rows_run, done.tokens_run
         self._joins += done.joins
@@ -201,7 +203,7 @@ class StepLoop:
         prefill = None
         if plan.prefill:
             at = self.clock()
-            done = prefill_apart(self.decoder, plan.prefill, shared=self.shared)
+            done = prefill_apart(self.decoder, plan.prefill, prefixes=self.prefixes)
             step.prefill = Timed(at, self.clock())
             step.prefill_rows, step.prefill_tokens = done.rows_run, done.tokens_run
             self._joins += done.joins

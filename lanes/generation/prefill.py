@@ -9,9 +9,10 @@ Joiners with the same context (a request's `n` choices, a batch's repeated promp
 share one row of the run: the model's output for a row depends on that row alone,
 so each gets a copy of the one row's cache and logits. Joiners whose contexts share
 a long prefix (SHARED_PREFIX_MIN tokens or more: a few-shot instruction, a system
-prompt) run it once, the rest of each on its cache (`_run_on_prefix`); and the
-last prompt's cache stays (`SharedPrefix`) for joiners of later steps that start
-with a long part of it.
+prompt) run it once, the rest of each on its cache (`_run_on_prefix`), in a run
+apart from joiners of other openings; and prompts' caches stay (`PrefixCache`,
+lanes/generation/prefixes.py) for joiners of later steps that start with a long part
+of one.
 """
 
 from __future__ import annotations
@@ -24,16 +25,19 @@ import numpy as np
 
 from lanes.costmodel import Fit
 from lanes.generation.logprobs import token_logprobs
+from lanes.generation.prefixes import (
+    SHARED_PREFIX_MIN,
+    Context,
+    PrefixCache,
+    common_prefix,
+    opening,
+)
 from lanes.generation.seq import Chunk, Seq
 from lanes.isolation import isolate
 from lanes.tasks.decoder import Decoder
 from lanes.tasks.past import Past, StepOutput
 
 Array = np.ndarray[Any, Any]
-
-# A prefix shorter than this is run in every row: a second run has a fixed cost of
-# its own, which a short prefix's rows do not repay.
-SHARED_PREFIX_MIN = 32
 
 
 @dataclass(frozen=True)
@@ -72,89 +76,132 @@ class Prefilled:
         return sum(j.tokens_run for j in self.joins)
 
 
-@dataclass
-class SharedPrefix:
-    """The last prefilled prompt's tokens and its cache (one row, a copy), kept for the
-    joiners after it: an endpoint's requests come one by one and an offline job's rows
-    free up a few at a time, each prompt with the same instruction or system prompt
-    before it. A joiner that starts with a long part of the kept prompt runs only its
-    rest on that part's cache. One prompt's cache at most."""
-
-    ids: tuple[int, ...] = ()
-    past: Past | None = None
-
-    def covers(self, contexts: list[tuple[int, ...]]) -> int:
-        """How many of the kept tokens every one of `contexts` starts with (each keeping
-        at least one token of its own to run)."""
-        if self.past is None:
-            return 0
-        shared = min(_common([self.ids, c]) for c in contexts)
-        return min(shared, min(len(c) for c in contexts) - 1)
-
-    def keep(self, context: tuple[int, ...], present: Past, row: int) -> None:
-        """`context`'s cache: row `row` of `present`, its last len(context) columns."""
-        n = len(context)
-        self.ids = context
-        self.past = Past(
-            tuple(np.ascontiguousarray(k[row : row + 1, :, -n:]) for k in present.keys),
-            tuple(np.ascontiguousarray(v[row : row + 1, :, -n:]) for v in present.values),
-        )
-
-
 def prefill(
     decoder: Decoder,
     seqs: Sequence[Seq],
     recompute: bool = False,
-    shared: SharedPrefix | None = None,
-) -> tuple[Array, Join]:
-    """The joiners' distinct prompts in one run, left-padded to the longest; where
-    they share a long prefix (or start with `shared`'s), the prefix once and their
-    rests on its cache (`_run_on_prefix`). With `recompute`, what a preempted
-    sequence's cache held (`Seq.cached_ids`)."""
+    prefixes: PrefixCache | None = None,
+) -> tuple[Array, list[Join]]:
+    """The joiners' distinct prompts, left-padded to the longest of their run, and
+    their next-token logits in `seqs`' order. Prompts that share a long opening, with
+    each other or with a prompt `prefixes` keeps, run apart from the others: the
+    shared part once and each one's rest on its cache (`_run_on_prefix`); every run
+    gives its own `Join`. With `recompute`, what a preempted sequence's cache held
+    (`Seq.cached_ids`)."""
     contexts = [s.cached_ids if recompute else s.prompt_ids for s in seqs]
-    distinct: dict[tuple[int, ...], int] = {}
+    distinct: dict[Context, int] = {}
     row_of = [distinct.setdefault(tuple(c), len(distinct)) for c in contexts]
     unique = list(distinct)
     scored = not recompute and any(s.prompt_logprobs is not None for s in seqs)
     # A slot-layout graph runs prompts on a past row by row: no gain there. Scoring a
     # prompt wants every position's logits, which the prefix's own run does not keep.
-    plain = scored or decoder.slots
-    kept = 0 if plain or shared is None else shared.covers(unique)
-    common = 0 if plain or len(unique) < 2 else _common(unique)
-    if kept >= SHARED_PREFIX_MIN and common < kept + SHARED_PREFIX_MIN:
-        assert shared is not None and shared.past is not None
-        kept_past = shared.past
+    if scored or decoder.slots:
+        out, mask = _run_left_padded(decoder, unique)
+        if scored:  # a recompute's prompt was scored by its first prefill
+            _score_prompts(seqs, out.logits, row_of)
+        runs = [(list(range(len(unique))), Ran(out.logits[:, -1], out.present, mask))]
+    else:
+        runs = [
+            (part, _run_part(decoder, unique, part, prefixes)) for part in _parts(unique, prefixes)
+        ]
+    apart = all(s.sits_out for s in seqs)
+    logits = np.empty((len(seqs), runs[0][1].logits.shape[-1]), dtype=runs[0][1].logits.dtype)
+    joins = []
+    for part, ran in runs:
+        local = {u: r for r, u in enumerate(part)}
+        index = [j for j, u in enumerate(row_of) if u in local]
+        rows = [local[row_of[j]] for j in index]
+        logits[index] = ran.logits[rows]
+        joins.append(ran.join([seqs[j].id for j in index], rows, apart))
+    return logits, joins
+
+
+@dataclass(frozen=True)
+class Ran:
+    """One prefill run of distinct contexts: their last logits [rows, vocab], the cache
+    and mask (padding's keys and values zeroed), and what it ran (rows, tokens)."""
+
+    logits: Array
+    present: Past
+    mask: Array
+    rows_run: int = 0  # 0: one row per context, and the mask's size in tokens
+    tokens_run: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.mask.all():
+            # Padding's keys/values are never attended (mask 0), but a model may have
+            # left NaN there (a query row with every key masked): 0 * NaN is NaN.
+            pad = self.mask == 0
+            for kv in self.present.arrays:
+                kv[np.broadcast_to(pad[:, None, :], kv.shape[:3])] = 0
+
+    def join(self, ids: list[int], rows: list[int], apart: bool) -> Join:
+        """The `Join` of sequences `ids`, each on row `rows[j]` of the run: its own copy
+        of that row where several share one (rows are written apart)."""
+        present, mask = self.present, self.mask
+        if rows != list(range(len(mask))):
+            take = np.asarray(rows)
+            mask = mask[take]
+            present = Past(
+                tuple(k[take] for k in present.keys), tuple(v[take] for v in present.values)
+            )
+        rows_run = self.rows_run or len(self.mask)
+        return Join(ids, present, mask, apart, rows_run, self.tokens_run or self.mask.size)
+
+
+def _parts(contexts: list[Context], prefixes: PrefixCache | None) -> list[list[int]]:
+    """Indices of `contexts` by prefill run: those of one opening apart, where they
+    share it (two or more, or one with a prompt kept for it); the rest in one run."""
+    by_opening: dict[Context, list[int]] = {}
+    rest: list[int] = []
+    for i, context in enumerate(contexts):
+        key = opening(context)
+        if key is None:
+            rest.append(i)
+        else:
+            by_opening.setdefault(key, []).append(i)
+    parts = []
+    for key, members in by_opening.items():
+        if len(members) > 1 or (prefixes is not None and key in prefixes):
+            parts.append(members)
+        else:
+            rest.extend(members)
+    if rest:
+        parts.append(sorted(rest))
+    return parts
+
+
+def _run_part(
+    decoder: Decoder, unique: list[Context], part: list[int], prefixes: PrefixCache | None
+) -> Ran:
+    """One run of the contexts `part` of `unique`: on the part of a kept prompt they all
+    start with, or on their own shared prefix (run once, first), or whole, left-padded.
+    Where they have an opening, the first of each is kept in `prefixes` for later
+    joiners (the others of one opening share as much with them)."""
+    contexts = [unique[u] for u in part]
+    kept, kept_past = (0, None) if prefixes is None else prefixes.covers(contexts)
+    common = _common(contexts) if len(contexts) > 1 else 0
+    if kept_past is not None and kept >= SHARED_PREFIX_MIN and common < kept + SHARED_PREFIX_MIN:
         head = Past(
             tuple(k[:, :, :kept] for k in kept_past.keys),
             tuple(v[:, :, :kept] for v in kept_past.values),
         )
-        logits, present, mask, tokens_run = _run_on_prefix(decoder, unique, kept, head)
-        rows_run = len(unique)
+        logits, present, mask, tokens = _run_on_prefix(decoder, contexts, kept, head)
+        ran = Ran(logits, present, mask, len(contexts), tokens)
     elif common >= SHARED_PREFIX_MIN:
-        head = _run_head(decoder, unique[0][:common])
-        logits, present, mask, tokens_run = _run_on_prefix(decoder, unique, common, head)
-        tokens_run += common
-        rows_run = 1 + len(unique)
+        head = _run_head(decoder, contexts[0][:common])
+        logits, present, mask, tokens = _run_on_prefix(decoder, contexts, common, head)
+        ran = Ran(logits, present, mask, 1 + len(contexts), tokens + common)
     else:
-        out, mask = _run_left_padded(decoder, unique)
-        if scored:  # a recompute's prompt was scored by its first prefill
-            _score_prompts(seqs, out.logits, row_of)
-        logits, present, tokens_run = out.logits[:, -1], out.present, mask.size
-        rows_run = len(unique)
-    if not mask.all():
-        # Padding's keys/values are never attended (mask 0), but a model may have
-        # left NaN there (a query row with every key masked): 0 * NaN is NaN.
-        pad = mask == 0
-        for kv in (*present.keys, *present.values):
-            kv[np.broadcast_to(pad[:, None, :], kv.shape[:3])] = 0
-    if shared is not None and not plain:
-        shared.keep(unique[0], present, 0)
-    if len(unique) < len(seqs):  # each joiner its own copy: rows are written apart
-        rows = np.asarray(row_of)
-        logits, mask = logits[rows], mask[rows]
-        present = Past(tuple(k[rows] for k in present.keys), tuple(v[rows] for v in present.values))
-    apart = all(s.sits_out for s in seqs)
-    return logits, Join([s.id for s in seqs], present, mask, apart, rows_run, tokens_run)
+        out, mask = _run_left_padded(decoder, contexts)
+        ran = Ran(out.logits[:, -1], out.present, mask)
+    if prefixes is not None:
+        firsts: dict[Context | None, int] = {}
+        for r, context in enumerate(contexts):
+            firsts.setdefault(opening(context), r)
+        for r in firsts.values():
+            prefixes.keep(contexts[r], ran.present, r)
+    return ran
 
 
 def _run_left_padded(decoder: Decoder, contexts: list[tuple[int, ...]]) -> tuple[StepOutput, Array]:
@@ -172,11 +219,9 @@ def _run_left_padded(decoder: Decoder, contexts: list[tuple[int, ...]]) -> tuple
     return decoder.step(ids, mask, positions, decoder.empty_past(len(contexts))), mask
 
 
-def _common(contexts: list[tuple[int, ...]]) -> int:
+def _common(contexts: list[Context]) -> int:
     """The length of the prefix every context shares."""
-    first, last = min(contexts), max(contexts)  # they differ first where any two do
-    n = min(len(first), len(last))
-    return next((i for i in range(n) if first[i] != last[i]), n)
+    return common_prefix(min(contexts), max(contexts))  # they differ first where any two do
 
 
 def _run_head(decoder: Decoder, prefix: tuple[int, ...]) -> Past:
@@ -274,21 +319,21 @@ def prefill_apart(
     decoder: Decoder,
     seqs: Sequence[Seq],
     recompute: bool = False,
-    shared: SharedPrefix | None = None,
+    prefixes: PrefixCache | None = None,
 ) -> Prefilled:
     """`prefill`; if it fails, in halves until the prompts that fail alone are found."""
-    isolated = isolate(lambda part: prefill(decoder, part, recompute, shared), seqs)
+    isolated = isolate(lambda part: prefill(decoder, part, recompute, prefixes), seqs)
     if isolated.whole:
-        logits, join = isolated.ran[0].result
-        return Prefilled(logits, [join])
+        logits, joins = isolated.ran[0].result
+        return Prefilled(logits, joins)
     found: Array | None = None
     joins = []
     for part in isolated.ran:
-        logits, join = part.result
+        logits, its_joins = part.result
         if found is None:
             found = np.zeros((len(seqs), logits.shape[-1]), dtype=logits.dtype)
         found[part.start : part.stop] = logits
-        joins.append(join)
+        joins += its_joins
     failed = {seqs[f.index].id: f.error for f in isolated.failed}
     return Prefilled(found, joins, failed, isolated.error)
 

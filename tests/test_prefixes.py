@@ -1,0 +1,76 @@
+"""PrefixCache: which prompts' caches stay, and how much of one a prompt may use."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lanes.generation.prefixes import SHARED_PREFIX_MIN, PrefixCache, common_prefix, opening
+from lanes.tasks.past import Past
+
+LAYERS, HEADS, DIM = 2, 2, 4
+
+
+def present(contexts: list[tuple[int, ...]]) -> Past:
+    """A left-padded batch's cache whose every real column holds its token's id."""
+    width = max(len(c) for c in contexts)
+    keys = np.zeros((len(contexts), HEADS, width, DIM), dtype=np.float32)
+    for r, context in enumerate(contexts):
+        keys[r, :, width - len(context) :] = np.asarray(context, dtype=np.float32)[:, None]
+    return Past((keys,) * LAYERS, (keys,) * LAYERS)
+
+
+def prompt(
+    opening_id: int, rest: tuple[int, ...], length: int = SHARED_PREFIX_MIN
+) -> tuple[int, ...]:
+    return (opening_id,) * length + rest
+
+
+def row_bytes(context: tuple[int, ...]) -> int:
+    return 2 * LAYERS * HEADS * len(context) * DIM * 4
+
+
+def test_common_prefix() -> None:
+    assert common_prefix((1, 2, 3), (1, 2, 4)) == 2
+    assert common_prefix((1, 2), (1, 2, 3)) == 2
+    assert common_prefix((5,) * 100 + (1,), (5,) * 100 + (2,)) == 100
+    assert common_prefix((), (1,)) == 0
+    assert opening(tuple(range(SHARED_PREFIX_MIN))) is None  # nothing of its own would run
+
+
+def test_a_prompt_uses_the_kept_one_of_its_opening_up_to_where_they_differ() -> None:
+    cache = PrefixCache()
+    kept = prompt(1, (7, 8, 9))
+    cache.keep(kept, present([prompt(2, ()), kept]), 1)
+    shared, past = cache.covers([prompt(1, (7, 8, 5, 6))])
+    assert shared == SHARED_PREFIX_MIN + 2 and past is not None
+    assert past.keys[0][0, 0, :, 0].tolist() == list(kept)  # its row, its real columns
+    # Each joiner keeps at least its own last token to run.
+    assert cache.covers([kept])[0] == len(kept) - 1
+    assert cache.covers([prompt(3, (7,))]) == (0, None)
+
+
+def test_the_newest_prompt_of_an_opening_replaces_the_one_before() -> None:
+    cache = PrefixCache()
+    turn = prompt(1, (7,))
+    cache.keep(turn, present([turn]), 0)
+    longer = (*turn, 8, 9)  # a conversation's next turn holds its last
+    cache.keep(longer, present([longer]), 0)
+    assert len(cache) == 1 and cache.kept_bytes == row_bytes(longer)
+    assert cache.covers([(*longer, 10)])[0] == len(longer)
+    cache.keep(turn, present([turn]), 0)  # held by the longer one already
+    assert cache.covers([(*longer, 10)])[0] == len(longer)
+
+
+def test_the_least_recently_used_openings_go_past_the_byte_bound() -> None:
+    a, b, c = (prompt(i, (9,)) for i in (1, 2, 3))
+    cache = PrefixCache(max_bytes=2 * row_bytes(a))
+    cache.keep(a, present([a]), 0)
+    cache.keep(b, present([b]), 0)
+    assert cache.covers([(*a, 1)])[0] > 0  # a is used: b is now the oldest
+    cache.keep(c, present([c]), 0)
+    assert len(cache) == 2 and cache.kept_bytes == 2 * row_bytes(a)
+    assert cache.covers([(*b, 1)]) == (0, None)
+    assert cache.covers([(*a, 1)])[0] > 0 and cache.covers([(*c, 1)])[0] > 0
+    none = PrefixCache(max_bytes=0)
+    none.keep(a, present([a]), 0)
+    assert len(none) == 0
