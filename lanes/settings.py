@@ -102,9 +102,10 @@ class Settings(BaseSettings):
     prefix_cache_bytes: int = Field(
         64 * 1024 * 1024,
         ge=0,
-        description="Bytes of KV cache a generate workload's engine keeps of recent "
-        "prompts, the last one of each opening (first 32 tokens), so that a later "
-        "prompt starting with a long part of one runs only its rest; 0 keeps none.",
+        description="Bytes of KV cache a generate workload keeps of recent prompts (its "
+        "engine, and each offline batch), the last one of each opening (first 32 "
+        "tokens), so that a later prompt starting with a long part of one runs only its "
+        "rest; 0 keeps none.",
     )
     device: Device = Field("auto", description="auto picks TensorRT/CUDA when a GPU is there.")
     io_binding: IoBinding = Field(

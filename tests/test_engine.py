@@ -284,6 +284,8 @@ def test_a_later_joiner_runs_only_its_rest_on_the_prompt_kept(task: GenerateTask
     assert common >= SHARED_PREFIX_MIN
     prefixes = PrefixCache()
     prefill(decoder, [first], prefixes=prefixes)
+    assert len(prefixes) == 0, "an opening seen once: kept when it comes again"
+    prefill(decoder, [first], prefixes=prefixes)
     assert len(prefixes) == (0 if decoder.slots else 1)
     with concurrent.futures.ThreadPoolExecutor(1) as pool, RUNS.closed():
         ran = pool.submit(prefill, decoder, [later], False, prefixes)
@@ -352,8 +354,8 @@ def test_prompts_of_other_openings_keep_their_own_caches(task: GenerateTask) -> 
         for i, (k, end) in enumerate([(0, "x"), (1, "y"), (0, "for i in range(")])
     )
     prefixes = PrefixCache()
-    prefill(decoder, [first], prefixes=prefixes)
-    prefill(decoder, [other], prefixes=prefixes)
+    for seq in (first, other, first, other):  # each opening's second comer is kept
+        prefill(decoder, [seq], prefixes=prefixes)
     assert len(prefixes) == (0 if decoder.slots else 2)
     with concurrent.futures.ThreadPoolExecutor(1) as pool, RUNS.closed():
         ran = pool.submit(prefill, decoder, [later], False, prefixes)

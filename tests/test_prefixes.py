@@ -40,7 +40,7 @@ def test_common_prefix() -> None:
 def test_a_prompt_uses_the_kept_one_of_its_opening_up_to_where_they_differ() -> None:
     cache = PrefixCache()
     kept = prompt(1, (7, 8, 9))
-    cache.keep(kept, present([prompt(2, ()), kept]), 1)
+    cache.keep(kept, present([prompt(2, ()), kept]), 1, again=True)
     shared, past = cache.covers([prompt(1, (7, 8, 5, 6))])
     assert shared == SHARED_PREFIX_MIN + 2 and past is not None
     assert past.keys[0][0, 0, :, 0].tolist() == list(kept)  # its row, its real columns
@@ -52,7 +52,7 @@ def test_a_prompt_uses_the_kept_one_of_its_opening_up_to_where_they_differ() -> 
 def test_the_newest_prompt_of_an_opening_replaces_the_one_before() -> None:
     cache = PrefixCache()
     turn = prompt(1, (7,))
-    cache.keep(turn, present([turn]), 0)
+    cache.keep(turn, present([turn]), 0, again=True)
     longer = (*turn, 8, 9)  # a conversation's next turn holds its last
     cache.keep(longer, present([longer]), 0)
     assert len(cache) == 1 and cache.kept_bytes == row_bytes(longer)
@@ -64,13 +64,24 @@ def test_the_newest_prompt_of_an_opening_replaces_the_one_before() -> None:
 def test_the_least_recently_used_openings_go_past_the_byte_bound() -> None:
     a, b, c = (prompt(i, (9,)) for i in (1, 2, 3))
     cache = PrefixCache(max_bytes=2 * row_bytes(a))
-    cache.keep(a, present([a]), 0)
-    cache.keep(b, present([b]), 0)
+    for p in (a, b):
+        cache.keep(p, present([p]), 0, again=True)
     assert cache.covers([(*a, 1)])[0] > 0  # a is used: b is now the oldest
-    cache.keep(c, present([c]), 0)
+    cache.keep(c, present([c]), 0, again=True)
     assert len(cache) == 2 and cache.kept_bytes == 2 * row_bytes(a)
     assert cache.covers([(*b, 1)]) == (0, None)
     assert cache.covers([(*a, 1)])[0] > 0 and cache.covers([(*c, 1)])[0] > 0
     none = PrefixCache(max_bytes=0)
-    none.keep(a, present([a]), 0)
+    none.keep(a, present([a]), 0, again=True)
     assert len(none) == 0
+
+
+def test_an_opening_is_kept_from_its_second_comer_on() -> None:
+    """A prompt whose opening nobody else has is not worth its copy: a job whose
+    prompts share nothing copies none."""
+    cache = PrefixCache()
+    first, second = prompt(1, (5,)), prompt(1, (6,))
+    cache.keep(first, present([first]), 0)
+    assert len(cache) == 0 and cache.covers([(*first, 7)]) == (0, None)
+    cache.keep(second, present([second]), 0)
+    assert cache.covers([(*second, 7)])[0] == len(second)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from lanes.errors import ModelError
 from lanes.generation.kvcache import MAX_PADDING
 from lanes.generation.loop import StepLoop
+from lanes.generation.prefixes import PREFIX_CACHE_BYTES
 from lanes.generation.scheduler import PREFILL_TOKENS, Policy, Scheduler
 from lanes.generation.seq import Seq
 from lanes.generation.text import ByteText, Detokenize
@@ -116,13 +117,15 @@ def generate_batch(
     max_padding: float = MAX_PADDING,
     chunked: bool = False,
     byte_text: ByteText | None = None,
+    prefix_bytes: int = PREFIX_CACHE_BYTES,
 ) -> list[Completion | Failed]:
     """One `Completion` per request, in the requests' order; a `Failed` (a `ModelError`
     saying why) for a request the model failed on alone. Never more than `rows`
     sequences in flight. Raises `ModelError` when a step fails outside any one row's
     run (no row is to blame, so the caller may retry the whole batch). With `chunked`,
     prompts over `max_prefill_tokens` are prefilled in parts (see Scheduler).
-    `byte_text`: see `scheduler_for`."""
+    `byte_text`: see `scheduler_for`; `prefix_bytes` bounds the prompts' caches kept
+    for later joiners (lanes/generation/prefixes.py)."""
     scheduler = scheduler_for(
         decoder,
         rows,
@@ -135,7 +138,7 @@ def generate_batch(
     # By length, then by tokens: a prompt asked again anywhere in the batch joins with
     # its first asking and shares its prefill's row; a rerun batches the same way.
     pending = deque(sorted(seqs, key=lambda s: (len(s.prompt_ids), s.prompt_ids)))
-    loop = StepLoop(decoder, scheduler, name, max_padding)
+    loop = StepLoop(decoder, scheduler, name, max_padding, prefix_bytes=prefix_bytes)
     # Each step makes a token for, or finishes, every sequence it runs, and every
     # sequence has a budget: the loop ends.
     while True:

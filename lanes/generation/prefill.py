@@ -176,7 +176,7 @@ def _run_part(
 ) -> Ran:
     """One run of the contexts `part` of `unique`: on the part of a kept prompt they all
     start with, or on their own shared prefix (run once, first), or whole, left-padded.
-    Where they have an opening, the first of each is kept in `prefixes` for later
+    Where they have an opening, the first of each goes to `prefixes` for later
     joiners (the others of one opening share as much with them)."""
     contexts = [unique[u] for u in part]
     kept, kept_past = (0, None) if prefixes is None else prefixes.covers(contexts)
@@ -199,8 +199,9 @@ def _run_part(
         firsts: dict[Context | None, int] = {}
         for r, context in enumerate(contexts):
             firsts.setdefault(opening(context), r)
+        again = common >= SHARED_PREFIX_MIN  # its opening came to several joiners
         for r in firsts.values():
-            prefixes.keep(contexts[r], ran.present, r)
+            prefixes.keep(contexts[r], ran.present, r, again)
     return ran
 
 

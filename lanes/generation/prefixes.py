@@ -10,6 +10,10 @@ first once they pass `max_bytes`. A joiner that starts with a long part of a kep
 prompt then runs only its rest. Several openings stay side by side: workloads or
 tenants taking turns with their own system prompts no longer evict each other.
 
+A copy costs about what writing the prompt's cache did, so a prompt is kept only
+once its opening has come before (or comes to several joiners of one prefill): a job
+of prompts that share nothing copies none.
+
 One prompt per opening: the newest replaces the one before it, since a
 conversation's next turn holds its last one, and prompts of one template share the
 template either way. vLLM keys its cache by blocks of tokens instead, so prompts
@@ -33,6 +37,9 @@ SHARED_PREFIX_MIN = 32
 # Bytes of kept prompts' caches a loop holds by default (the server's is
 # Settings.prefix_cache_bytes).
 PREFIX_CACHE_BYTES = 64 * 1024 * 1024
+# Openings seen once, remembered so that their second comer is kept: a few tuples of
+# 32 ints each, the oldest forgotten first.
+SEEN_OPENINGS = 4096
 
 Context = tuple[int, ...]
 
@@ -73,6 +80,7 @@ class PrefixCache:
         self.max_bytes = max_bytes
         self.kept_bytes = 0
         self._kept: OrderedDict[Context, Kept] = OrderedDict()  # least recently used first
+        self._seen: OrderedDict[Context, None] = OrderedDict()  # openings not kept yet
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -93,13 +101,20 @@ class PrefixCache:
         self._kept.move_to_end(key)
         return min(shared, min(len(c) for c in contexts) - 1), kept.past
 
-    def keep(self, context: Context, present: Past, row: int) -> None:
-        """`context`'s cache: row `row` of `present`, its last len(context) columns.
-        It replaces the prompt kept for its opening; the least recently used go while
-        the kept caches pass `max_bytes`."""
+    def keep(self, context: Context, present: Past, row: int, again: bool = False) -> None:
+        """`context`'s cache: row `row` of `present`, its last len(context) columns,
+        if its opening came before or comes `again` (to other joiners of its run). It
+        replaces the prompt kept for its opening; the least recently used go while the
+        kept caches pass `max_bytes`."""
         key = opening(context)
         if key is None or self.max_bytes <= 0:
             return
+        if not again and key not in self._kept and key not in self._seen:
+            self._seen[key] = None
+            if len(self._seen) > SEEN_OPENINGS:
+                self._seen.popitem(last=False)
+            return
+        self._seen.pop(key, None)
         old = self._kept.get(key)
         if old is not None and old.ids[: len(context)] == context:
             self._kept.move_to_end(key)  # it holds this prompt already

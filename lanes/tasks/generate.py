@@ -151,7 +151,14 @@ def _generate_batch(
     # __init__ (and so this module): imported when first used, the cycle never closes.
     from lanes.generation.batch import generate_batch
 
-    return generate_batch(task.decoder, requests, rows, task.name, byte_text=task.byte_text)
+    return generate_batch(
+        task.decoder,
+        requests,
+        rows,
+        task.name,
+        byte_text=task.byte_text,
+        prefix_bytes=task.prefix_bytes,
+    )
 
 
 class GenerateTask:
@@ -173,6 +180,7 @@ class GenerateTask:
         self.decoder = Decoder.load(model, runtime)
         # Whether the online engine prefills arrivals beside a decode (serving/engine.py).
         self.room_beside = runtime.room_beside(model)
+        self.prefix_bytes = runtime.settings.prefix_cache_bytes  # offline batches' bound
 
     @cached_property
     def byte_text(self) -> ByteText | None:
