@@ -51,6 +51,7 @@ class Job:
     runner: Runner
     model_key: str  # changes when the model, its tokenizer or the task's settings do
     max_record_bytes: int
+    max_inputs: int  # an OpenAI batch line's, as a request's (LANES_MAX_INPUTS_PER_REQUEST)
 
 
 def plan_job(
@@ -119,6 +120,7 @@ def settle_job(
         runner=w.runner,
         model_key=model_key(spec, w, settings),
         max_record_bytes=settings.max_body_bytes,
+        max_inputs=settings.max_inputs_per_request,
     )
 
 
@@ -148,6 +150,7 @@ def folder_job(spec: Spec, name: str, folder: Path | str, settings: Settings) ->
         runner=workload.runner,
         model_key=model_key(spec, workload, settings),
         max_record_bytes=settings.max_body_bytes,
+        max_inputs=settings.max_inputs_per_request,
     )
 
 

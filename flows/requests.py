@@ -239,13 +239,17 @@ class CompletionLine:
         return sum(len(m.text) for m in self.request.messages)
 
 
-def to_request(line: Line, shape: RecordShape, shard_uri: str) -> Request | Rejection:
-    """The request a readable record makes, or why it makes none."""
+def to_request(
+    line: Line, shape: RecordShape, shard_uri: str, max_inputs: int
+) -> Request | Rejection:
+    """The request a readable record makes, or why it makes none. An OpenAI batch line
+    meets the endpoint's per-request limits (`max_inputs`: LANES_MAX_INPUTS_PER_REQUEST):
+    one over them is rejected alone, with the endpoint's message and status."""
     if line.value is None:
         return Rejection({"id": None, "line": line.number, "error": line.error})
     record: Mapping[str, Any] = line.value
     if is_batch_line(record):
-        return _batch_line(line.number, record, shape, shard_uri)
+        return _batch_line(line.number, record, shape, shard_uri, max_inputs)
     rid, problem = shape.id_of(record)
     if problem is not None:
         return Rejection({"id": None, "line": line.number, "error": problem})
@@ -259,7 +263,7 @@ def to_request(line: Line, shape: RecordShape, shard_uri: str) -> Request | Reje
 
 
 def _batch_line(
-    number: int, record: Mapping[str, Any], shape: RecordShape, shard: str
+    number: int, record: Mapping[str, Any], shape: RecordShape, shard: str, max_inputs: int
 ) -> Request | Rejection:
     custom_id = record.get("custom_id")
     # Deterministic ids: a rerun writes the same line for the same input line.
@@ -286,6 +290,7 @@ def _batch_line(
             request = parse(CompletionRequest, line.body)
         else:
             request = parse(ChatCompletionRequest, line.body)
+        request.check_limits(max_inputs)  # one implementation with the endpoint's
     except InvalidInput as err:
         # The errors file's message says where in the line; the body is the endpoint's own.
         return Rejection(_batch_rejection(line.custom_id, number, request_id, err, "body."))

@@ -52,7 +52,9 @@ def run_records(
             out.write(orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
     scratch = dataclasses.replace(job, input=f"{folder}/in/", output=f"{folder}/out/")
     (plan,) = plan_shards(scratch, storage)
-    return run_shard(plan, model, storage, job.batch_size, job.max_record_bytes, progress)
+    return run_shard(
+        plan, model, storage, job.batch_size, job.max_record_bytes, job.max_inputs, progress
+    )
 
 
 def first_records(job: Job, storage: Storage, count: int) -> list[dict[str, Any]]:

@@ -176,6 +176,7 @@ def run_shard(
     storage: Storage,
     batch_size: int,
     max_record_bytes: int,
+    max_inputs: int,
     progress: Callable[[int], None] = lambda n: None,
     retry: ShardStats | None = None,
     tracing: Tracing | None = None,
@@ -196,7 +197,8 @@ def run_shard(
                 redo = None
                 log.warning("%s: no output or errors file to retry: running it whole", plan.name)
             writer = _Writer(out, err, progress, task)
-            reader = _Reader(shape, redo, kept.ids if kept is not None else set())
+            answered = kept.ids if kept is not None else set()
+            reader = _Reader(shape, max_inputs, redo, answered)
             requests = reader.read(plan, storage, max_record_bytes, writer)
             progress(writer.errors)  # records rejected while reading
             device = DeviceTime()
@@ -312,8 +314,11 @@ class _Reader:
     record's id counts for "first seen" as in a full run, and one whose id is in
     `answered` (the output has it) is skipped."""
 
-    def __init__(self, shape: RecordShape, only: set[int] | None, answered: set[Any]) -> None:
-        self.shape, self.only, self.answered_ids = shape, only, answered
+    def __init__(
+        self, shape: RecordShape, max_inputs: int, only: set[int] | None, answered: set[Any]
+    ) -> None:
+        self.shape, self.max_inputs = shape, max_inputs
+        self.only, self.answered_ids = only, answered
         self.answered = 0  # records of `only` found answered already
 
     def read(
@@ -322,7 +327,7 @@ class _Reader:
         requests: list[Request] = []
         first_seen: dict[Any, int] = {}
         for line in read_shard(storage, plan.input, max_bytes):
-            request = to_request(line, self.shape, plan.input.uri)
+            request = to_request(line, self.shape, plan.input.uri, self.max_inputs)
             wanted = self.only is None or line.number in self.only
             if isinstance(request, Rejection):
                 if wanted:

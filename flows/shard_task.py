@@ -59,6 +59,7 @@ def _shard(
         Storage(settings),
         job.batch_size,
         job.max_record_bytes,
+        job.max_inputs,
         # Seen where the task runs: in this process with threads, nowhere with Dask
         # (the flow reports each finished shard itself, for every runner).
         progress=lambda n: progress("records", shard=plan.name, records=n),

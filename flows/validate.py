@@ -45,7 +45,7 @@ def check_records(job: Job, plans: list[ShardPlan], storage: Storage) -> int:
         try:
             for line in islice(records, SAMPLE_RECORDS):
                 checked += 1
-                request = to_request(line, shape, plan.input.uri)
+                request = to_request(line, shape, plan.input.uri, job.max_inputs)
                 if isinstance(request, Rejection):
                     rejected.append((plan, request.line))
                 elif request.id in first_seen:

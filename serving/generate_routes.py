@@ -29,7 +29,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from lanes.errors import InvalidInput, LanesError
+from lanes.errors import LanesError
 from lanes.generation.kvcache import MAX_PADDING
 from lanes.generation.logprobs import TokenLogprob
 from lanes.generation.scheduler import Policy
@@ -49,11 +49,11 @@ from lanes.protocols.completions import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateParams,
+    check_choices,
     prepare_prompts,
 )
 from lanes.protocols.openai import (
     error_of,
-    input_count,
     parse,
 )
 from lanes.serving.access import RequestRecord, named, record_of
@@ -63,7 +63,6 @@ from lanes.serving.guard import Piece, TextGuard, pieces
 from lanes.serving.http import (
     ClientGone,
     JSONResponse,
-    check_inputs,
     decode_json,
     openai_error,
     read_body,
@@ -132,11 +131,7 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
         body = await state.offload.run(len(raw), _decode, endpoint.request, raw)
         engine = state.engine(body.model)
         named(request.scope, body.model)
-        count = input_count(body.prompt) if isinstance(body, CompletionRequest) else 1
-        if isinstance(body, CompletionRequest):
-            check_inputs(count, settings.max_inputs_per_request, "prompt")
-        inputs = "the inputs a request may carry (LANES_MAX_INPUTS_PER_REQUEST)"
-        _check_choices(count, body.choices, settings.max_inputs_per_request, inputs)
+        body.check_limits(settings.max_inputs_per_request)  # as an offline batch line's
         config = engine.decoder.config
         prepared = await state.offload.run(
             len(raw),
@@ -150,7 +145,7 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
         if too_many is not None:
             raise too_many
         queued = "what the workload queues (`batching.max_queue`)"
-        _check_choices(len(prepared), body.choices, engine.max_queue, queued)
+        check_choices(len(prepared), body.choices, engine.max_queue, queued)
         # Prompt i's choice j at i * n + j: OpenAI's order of the choices.
         prepared = [choice for item in prepared for choice in body.choices_of(item)]
         timeout = timeout_s(request)
@@ -188,18 +183,6 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
     latency.observe(time.monotonic() - arrived)
     answer.account()
     return JSONResponse(answer.whole(whole))
-
-
-def _check_choices(prompts: int, n: int, limit: int, where: str) -> None:
-    """A 400 naming `n` when the `prompts` times `n` sequences are over `limit` (`where`
-    says which), though the prompts alone are not: fewer choices per request fit."""
-    if n == 1 or prompts * n <= limit:
-        return
-    detail = (
-        f"{prompts} prompt(s) times n = {n} is {prompts * n} sequences, over {limit}, "
-        f"{where}; expected n at most {limit // prompts}, or more requests"
-    )
-    raise InvalidInput.field("n", detail, "invalid_value")
 
 
 def _decode(

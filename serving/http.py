@@ -106,16 +106,6 @@ def decode_json(body: bytes) -> Any:
         raise InvalidInput.field("body", malformed_json(body, e)) from None
 
 
-def check_inputs(count: int, limit: int, param: str) -> None:
-    """RequestTooLarge when a request carries more than `limit` inputs (in `param`)."""
-    if count > limit:
-        raise RequestTooLarge.field(
-            param,
-            f"{count} inputs is over the limit of {limit} per request "
-            f"(LANES_MAX_INPUTS_PER_REQUEST); split them into requests of at most {limit}",
-        )
-
-
 async def read_body(request: Request, limit: int, offload: Offload) -> bytes:
     """The request's body, decoded when its Content-Encoding is gzip or deflate
     (serving/encoding.py: a large one on `offload`'s thread); RequestTooLarge past

@@ -19,7 +19,6 @@ from lanes.protocols.openai import (
 from lanes.serving.access import named, record_of
 from lanes.serving.http import (
     JSONResponse,
-    check_inputs,
     decode_json,
     departure,
     openai_error,
@@ -44,8 +43,8 @@ async def embeddings(request: Request) -> JSONResponse:
         named(request.scope, worker.name)
         if isinstance(worker.task, EmbedTask):
             check_dimensions(body, worker.task.dimensions)
+        body.check_limits(settings.max_inputs_per_request)  # as an offline batch line's
         count = input_count(body.input)
-        check_inputs(count, settings.max_inputs_per_request, "input")
         timeout = timeout_s(request)
         worker.admit(count, timeout)
         items = await state.offload.run(len(raw), prepare_texts, body, worker.task.prepare)

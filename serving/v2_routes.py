@@ -23,6 +23,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from lanes.errors import InvalidInput, LanesError, ModelError, Overloaded, UnknownWorkload
+from lanes.protocols.openai import check_inputs
 from lanes.protocols.v2 import (
     HEADER_LENGTH,
     MODEL_VERSION,
@@ -39,7 +40,6 @@ from lanes.runtime import TensorInfo
 from lanes.serving.access import RequestRecord, named, record_of
 from lanes.serving.http import (
     JSONResponse,
-    check_inputs,
     departure,
     read_body,
     timeout_s,

@@ -313,3 +313,55 @@ def test_the_readmes_fields_example_reads_a_ticket_export(prefect_api: str, tmp_
     assert (line["id"], line["customer"]) == ("T-17", "acme")
     (expected,) = reference(spec, "triage", [f"{text(1)}\n\n{text(2)}"])
     np.testing.assert_allclose(line["embedding"], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_an_openai_line_over_the_endpoints_request_limits_is_rejected_alone(
+    prefect_api: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch line meets the limits a request to the endpoint meets (one check, in
+    lanes/protocols): its prompts, and its prompts times n, at most
+    LANES_MAX_INPUTS_PER_REQUEST; a line over them is rejected alone with the
+    endpoint's status and message, the lines beside it answered."""
+    monkeypatch.setenv("LANES_MAX_INPUTS_PER_REQUEST", "4")
+    workload = offline_workload(task="generate", model="dec", generation={"max_new_tokens": 2})
+    spec = write_spec(tmp_path, {"gen": {**workload, "max_error_rate": 0.9}})
+    chat = {"model": "gen", "messages": [{"role": "user", "content": "a"}]}
+    bodies = {
+        "prompts": {"model": "gen", "prompt": ["a", "b", "c", "d", "e"]},
+        "choices": {"model": "gen", "prompt": ["a", "b"], "n": 3},
+        "chat": {**chat, "n": 5},
+        "most-n": {"model": "gen", "prompt": "a", "n": 129},
+        "fits": {"model": "gen", "prompt": ["a", "b"], "n": 2},
+        "chat-fits": {**chat, "n": 4},
+    }
+    url = {"chat": "/v1/chat/completions", "chat-fits": "/v1/chat/completions"}
+    lines = [
+        {"custom_id": k, "method": "POST", "url": url.get(k, "/v1/completions"), "body": b}
+        for k, b in bodies.items()
+    ]
+    write_jsonl(tmp_path / "in" / "a.jsonl", lines)
+
+    summary = offline(workload="gen", spec=str(spec))
+
+    assert (summary["outputs"], summary["errors"]) == (2, 4)
+    answered = {o["custom_id"]: o["response"]["body"] for o in outputs_of(tmp_path / "out")}
+    assert {k: len(a["choices"]) for k, a in answered.items()} == {"fits": 4, "chat-fits": 4}
+    errors = {e["custom_id"]: e for e in read_jsonl(tmp_path / "out" / "_errors" / "a.jsonl")}
+    assert sorted(errors) == ["chat", "choices", "most-n", "prompts"]
+    status = {k: e["response"]["status_code"] for k, e in errors.items()}
+    assert status == {"prompts": 413, "choices": 400, "chat": 400, "most-n": 400}
+    found = {k: e["response"]["body"]["error"] for k, e in errors.items()}
+    assert found["prompts"]["param"] == "prompt"
+    assert errors["prompts"]["error"] == (
+        "body.prompt: 5 inputs is over the limit of 4 per request "
+        "(LANES_MAX_INPUTS_PER_REQUEST); split them into requests of at most 4"
+    )
+    where = "the inputs a request may carry (LANES_MAX_INPUTS_PER_REQUEST)"
+    assert (found["choices"]["param"], found["choices"]["message"]) == (
+        "n",
+        f"n: 2 prompt(s) times n = 3 is 6 sequences, over 4, {where}; "
+        "expected n at most 2, or more requests",
+    )
+    assert found["chat"]["param"] == "n"
+    assert "1 prompt(s) times n = 5 is 5 sequences, over 4" in found["chat"]["message"]
+    assert found["most-n"]["param"] == "n"

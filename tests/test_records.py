@@ -21,6 +21,7 @@ from lanes.tasks.handler import Handler
 from lanes.template import Template
 
 RAISE_IT = "(LANES_MAX_BODY_BYTES: raise it, or split the record)"
+MAX_INPUTS = Settings.model_fields["max_inputs_per_request"].default
 
 
 def read(path: Path, max_bytes: int = 1 << 20) -> list[Line]:
@@ -223,7 +224,7 @@ def shape(task: str = "embed", handler: Handler | None = None, **fields: Any) ->
 
 
 def request(record: dict[str, Any], rshape: RecordShape) -> PlainRecord | Rejection:
-    made = to_request(Line(4, record), rshape, "in/a.jsonl")
+    made = to_request(Line(4, record), rshape, "in/a.jsonl", MAX_INPUTS)
     assert isinstance(made, PlainRecord | Rejection)
     return made
 
@@ -291,7 +292,7 @@ def test_a_generate_record_without_a_prompt_is_rejected_saying_how_to_name_it() 
 
 
 def csv_request(record: dict[str, str], rshape: RecordShape) -> PlainRecord | Rejection:
-    made = to_request(Line(5, record, text=True), rshape, "in/a.csv")
+    made = to_request(Line(5, record, text=True), rshape, "in/a.csv", MAX_INPUTS)
     assert isinstance(made, PlainRecord | Rejection)
     return made
 

@@ -30,6 +30,8 @@ from lanes.protocols.openai import (
     Inputs,
     OpenAIRequest,
     Shape,
+    check_inputs,
+    input_count,
     one_input,
     texts_or_ids,
     unsupported,
@@ -191,6 +193,21 @@ class GenerateParams(GenerationOptions, OpenAIRequest):
         """Choices per prompt (`n`; 1 when unset)."""
         return self.n or 1
 
+    @property
+    def prompt_count(self) -> int:
+        """How many prompts the request carries, before any is checked (a chat: one)."""
+        return 1
+
+    def check_limits(self, max_inputs: int) -> None:
+        """The endpoint's per-request limits, which an offline batch line meets too: at
+        most `max_inputs` prompts (`LANES_MAX_INPUTS_PER_REQUEST`; RequestTooLarge
+        naming `prompt`), and at most as many sequences, prompts times `n` (InvalidInput
+        naming `n`). Checked before any prompt is tokenized."""
+        count = self.prompt_count
+        check_inputs(count, max_inputs, "prompt")
+        where = "the inputs a request may carry (LANES_MAX_INPUTS_PER_REQUEST)"
+        check_choices(count, self.choices, max_inputs, where)
+
     def choices_of(self, item: GenerateRequest) -> list[GenerateRequest]:
         """A prepared prompt's `n` sequences, each settled (`settle`), choice j's seed
         derived from the prompt's and j (`choice_seed`): with a seed, a rerun draws
@@ -269,6 +286,10 @@ class CompletionRequest(GenerateParams):
     @property
     def prompts(self) -> Inputs:
         return texts_or_ids(self.prompt, "prompt", "prompt")
+
+    @property
+    def prompt_count(self) -> int:
+        return input_count(self.prompt)
 
     def check(self) -> None:
         super().check()
@@ -427,6 +448,18 @@ class ChatCompletionRequest(GenerateParams):
         if self.max_completion_tokens is not None:
             item["max_tokens"] = self.max_completion_tokens
         return item
+
+
+def check_choices(prompts: int, n: int, limit: int, where: str) -> None:
+    """A 400 naming `n` when the `prompts` times `n` sequences are over `limit` (`where`
+    says which), though the prompts alone are not: fewer choices per request fit."""
+    if n == 1 or prompts * n <= limit:
+        return
+    detail = (
+        f"{prompts} prompt(s) times n = {n} is {prompts * n} sequences, over {limit}, "
+        f"{where}; expected n at most {limit // prompts}, or more requests"
+    )
+    raise InvalidInput.field("n", detail, "invalid_value")
 
 
 def _check_no_tools(message: ChatMessage, where: str) -> None:

@@ -16,7 +16,7 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from lanes.errors import InvalidInput, LanesError
+from lanes.errors import InvalidInput, LanesError, RequestTooLarge
 from lanes.validation import describe, invalid_input
 
 T = TypeVar("T")
@@ -110,6 +110,17 @@ def input_count(value: str | list[Any]) -> int:
     return 1 if one_input(value) else len(value)
 
 
+def check_inputs(count: int, limit: int, param: str) -> None:
+    """RequestTooLarge when a request carries more than `limit` inputs (in `param`): the
+    endpoint's requests and the offline batch lines alike."""
+    if count > limit:
+        raise RequestTooLarge.field(
+            param,
+            f"{count} inputs is over the limit of {limit} per request "
+            f"(LANES_MAX_INPUTS_PER_REQUEST); split them into requests of at most {limit}",
+        )
+
+
 class EmbeddingsRequest(OpenAIRequest):
     input: str | list[Any] = Field(description="Text(s), or array(s) of token ids.")
     encoding_format: Literal["float", "base64"] = "float"
@@ -118,6 +129,11 @@ class EmbeddingsRequest(OpenAIRequest):
     @property
     def inputs(self) -> Inputs:
         return texts_or_ids(self.input, "input", "text")
+
+    def check_limits(self, max_inputs: int) -> None:
+        """The endpoint's per-request limit, which an offline batch line meets too: at
+        most `max_inputs` texts (`LANES_MAX_INPUTS_PER_REQUEST`), else RequestTooLarge."""
+        check_inputs(input_count(self.input), max_inputs, "input")
 
 
 def check_dimensions(request: EmbeddingsRequest, dimensions: int) -> None:
