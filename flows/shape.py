@@ -8,8 +8,9 @@
 
 The item comes from the record by the mapping: embed reads the text field or
 template (`fields.text`, default the field `text`); generate the prompt field or
-template (`fields.prompt`), else every field but the id and the kept ones (prompt,
-max_tokens, ...); infer every field but those. A handler's `pre` gets the whole
+template (`fields.prompt`) with the record's fields named as generation options
+(max_tokens, temperature, ...: `GenerationOptions`), else every field but the id and
+the kept ones (prompt, max_tokens, ...); infer every field but those. A handler's `pre` gets the whole
 record first, id and all, and returns a record (a mapping, then read by the mapping
 like any record) or the item itself (embed: the text; generate: the prompt). The id
 and the kept fields always come from the record as read.
@@ -24,11 +25,16 @@ from typing import Any
 import orjson
 
 from lanes.errors import InvalidInput
+from lanes.protocols.completions import GenerationOptions
 from lanes.spec import Fields, OfflineWorkload, TaskName, a_task
 from lanes.tasks.generate import from_text
 from lanes.tasks.handler import Handler
 from lanes.template import Template, is_template
 from lanes.validation import describe
+
+# A generate record's fields that are its request's options, beside a prompt that
+# `fields.prompt` makes: every other field is the template's, or the user's own.
+_OPTIONS = frozenset(GenerationOptions.model_fields)
 
 # What a record of each task looks like by default, for messages.
 _EXAMPLE = {
@@ -85,11 +91,11 @@ class RecordShape:
 
     def typed(self, record: Mapping[str, Any], text: bool) -> Mapping[str, Any]:
         """The record as a JSON record holds it. With `text` (a CSV record: every value
-        a string), a generate record whose fields make the item (no `fields.prompt`)
-        has its generation fields read as numbers (lanes.tasks.generate.from_text):
-        `max_tokens`, `temperature`, `top_k`, `top_p` and `seed`, an empty one as null.
-        `InvalidInput` names a field that is no such number."""
-        if not text or self.kind != "generate" or self.source is not None:
+        a string), a generate record has its generation fields read as numbers
+        (lanes.tasks.generate.from_text): `max_tokens`, `temperature`, `top_k`, `top_p`
+        and `seed`, an empty one as null; its other fields stay text. `InvalidInput`
+        names a field that is no such number."""
+        if not text or self.kind != "generate":
             return record
         return from_text(record)
 
@@ -120,12 +126,15 @@ class RecordShape:
             record = made
         if self.kind == "embed":
             return self._from(record, "text")
+        skip = {self.fields.id, *self.fields.keep}
         if self.kind == "generate":
             # Checked here, not left to the task: the validating step then catches it.
             prompt = self._from(record, "prompt")
             if self.source is not None:
-                return {"prompt": prompt}
-        skip = {self.fields.id, *self.fields.keep}
+                # The prompt is made, and the record's options still apply: a record's
+                # max_tokens is its own whichever field holds its prompt.
+                options = {k: v for k, v in record.items() if k in _OPTIONS and k not in skip}
+                return {"prompt": prompt, **options}
         return {k: v for k, v in record.items() if k not in skip}
 
     def item_label(self) -> str:

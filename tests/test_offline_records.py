@@ -365,3 +365,42 @@ def test_an_openai_line_over_the_endpoints_request_limits_is_rejected_alone(
     assert found["chat"]["param"] == "n"
     assert "1 prompt(s) times n = 5 is 5 sequences, over 4" in found["chat"]["message"]
     assert found["most-n"]["param"] == "n"
+
+
+def test_a_record_whose_prompt_fields_make_keeps_its_own_generation_options(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    """With `fields.prompt`, a record's fields named as generation options still set its
+    request, read and checked as a record's without it (a CSV cell as a number, the
+    endpoint's ranges): none is ignored without a word."""
+    generation = {"max_new_tokens": 8, "temperature": 0}
+    workload = offline_workload(task="generate", model="dec", generation=generation)
+    fields = {"id": "key", "prompt": "{question}", "keep": ["topic"]}
+    spec = write_spec(tmp_path, {"gen": {**workload, "fields": fields, "max_error_rate": 0.9}})
+    records = [
+        {"key": "short", "question": "a", "topic": "x", "max_tokens": 1},
+        {"key": "whole", "question": "a", "topic": "x"},
+        {"key": "hot", "question": "a", "topic": "x", "temperature": 5},
+    ]
+    write_jsonl(tmp_path / "in" / "a.jsonl", records)
+    (tmp_path / "in" / "b.csv").write_text(
+        "key,question,topic,max_tokens\ncsv-short,a,y,1\ncsv-whole,a,y,\ncsv-bad,a,y,one\n"
+    )
+
+    summary = offline(workload="gen", spec=str(spec))
+
+    assert (summary["outputs"], summary["errors"]) == (4, 2)
+    lines = {line["id"]: line for line in outputs_of(tmp_path / "out")}
+    answers = {k: (v["text"], v["finish_reason"], v["topic"]) for k, v in lines.items()}
+    assert answers == {
+        "short": ("b", "length", "x"),
+        "whole": ("b c d", "stop", "x"),
+        "csv-short": ("b", "length", "y"),
+        "csv-whole": ("b c d", "stop", "y"),
+    }
+    errors = read_jsonl(tmp_path / "out" / "_errors" / "a.jsonl")
+    errors += read_jsonl(tmp_path / "out" / "_errors" / "b.jsonl")
+    assert errors == [
+        {"id": "hot", "line": 3, "error": "temperature: expected a value <= 2, found 5"},
+        {"id": "csv-bad", "line": 4, "error": "max_tokens: expected an integer, found 'one'"},
+    ]

@@ -276,6 +276,14 @@ def test_a_record_missing_what_the_fields_name_is_rejected_saying_which(
 def test_generate_and_infer_items_leave_out_the_id_and_the_kept_fields() -> None:
     generate = request(TICKET, shape("generate", id="ticket_id", prompt="{body}", keep=["n"]))
     assert isinstance(generate, PlainRecord) and generate.item == {"prompt": "on fire"}
+    # With a prompt made by `fields.prompt`, the fields named as generation options are
+    # the request's too (a kept one is the output's only); the template's data is not.
+    options = {"max_tokens": 3, "temperature": 0.5, "stop": ["\n"], "seed": 1}
+    asked = request(
+        {**TICKET, **options}, shape("generate", id="ticket_id", prompt="{body}", keep=["seed"])
+    )
+    assert isinstance(asked, PlainRecord) and asked.kept == {"seed": 1}
+    assert asked.item == {"prompt": "on fire", "max_tokens": 3, "temperature": 0.5, "stop": ["\n"]}
     infer = request(TICKET, shape("infer", id="ticket_id", keep=["customer"]))
     assert isinstance(infer, PlainRecord)
     assert infer.item == {"subject": "Printer", "body": "on fire", "n": 2}
@@ -314,11 +322,17 @@ def test_a_csv_generate_records_options_are_read_as_a_jsonl_records_numbers() ->
     # Read as text only from CSV: a JSON record's string stays a string (the task refuses it).
     jsonl = request({"id": 7, "prompt": "a", "max_tokens": "12"}, shape("generate"))
     assert isinstance(jsonl, PlainRecord) and jsonl.item == {"prompt": "a", "max_tokens": "12"}
-    # Columns that make no item stay text: an embed record, a prompt made by `fields.prompt`.
+    # Columns that make no item stay text: an embed record's, a template's data.
     embedded = csv_request({"id": "1", "text": "a", "seed": "x"}, shape())
     assert isinstance(embedded, PlainRecord) and embedded.item == "a"
-    templated = csv_request({"id": "1", "body": "a", "seed": "x"}, shape("generate", prompt="body"))
-    assert isinstance(templated, PlainRecord) and templated.item == {"prompt": "a"}
+    # A prompt made by `fields.prompt` leaves the record's options its own: read alike.
+    by_field = shape("generate", prompt="{body} ({seed})")
+    templated = csv_request({"id": "1", "body": "a", "seed": "7", "top_k": ""}, by_field)
+    assert isinstance(templated, PlainRecord)
+    assert templated.item == {"prompt": "a (7)", "seed": 7, "top_k": None}
+    refused = csv_request({"id": "1", "body": "a", "seed": "x"}, by_field)
+    assert isinstance(refused, Rejection)
+    assert refused.line["error"] == "seed: expected an integer, found 'x'"
 
 
 def test_a_csv_generate_records_list_object_and_boolean_options_are_read_as_json() -> None:
