@@ -6,7 +6,8 @@
                                      closed rejects each line to the end); streamed;
                                      every value is a string (`Line.text`)
     JSON array  .json                one array of objects; read whole
-    Parquet     .parquet .pq         one record a row; read by row groups
+    Parquet     .parquet .pq         one record a row; read by row groups; a MAP
+                                     column keyed by text or integers is an object
 
 The text formats may be gzipped (`.jsonl.gz`, `.csv.gz`, ...). A record's number is
 its line (JSONL; CSV: the line it starts on, the header being line 1), its row
@@ -393,13 +394,44 @@ def _parquet(storage: Storage, shard: StoredFile) -> Iterator[Line]:
     with _parquet_source(storage, shard) as source:
         try:
             table = pq.ParquetFile(source)
+            maps = _object_maps(table.schema_arrow)
             number = 0
             for batch in table.iter_batches(batch_size=4096):
                 for row in batch.to_pylist():
                     number += 1
+                    for name in maps:
+                        row[name] = _as_object(row[name])
                     yield Line(number, row)
         except (pa.ArrowException, OSError) as err:
             raise _not_parquet(shard, err) from None
+
+
+def _object_maps(schema: Any) -> list[str]:
+    """The columns of `schema` that are MAPs keyed by text or integers: each value is
+    read as a JSON object (pyarrow gives a list of (key, value) pairs), so that a map
+    column is what a JSONL record's object is (a generate record's `logit_bias`). A map
+    of other keys stays a list of pairs, as no JSON object can hold its keys."""
+    import pyarrow as pa
+
+    return [
+        field.name
+        for field in schema
+        if pa.types.is_map(field.type)
+        and (
+            pa.types.is_integer(field.type.key_type)
+            or pa.types.is_string(field.type.key_type)
+            or pa.types.is_large_string(field.type.key_type)
+        )
+    ]
+
+
+def _as_object(pairs: list[tuple[Any, Any]] | None) -> dict[str, Any] | None:
+    """A map's (key, value) pairs as a JSON object: integer keys as their digits (JSON's
+    keys are text: token id 199 is "199"), a key given twice its last value (as a JSON
+    object's is read)."""
+    if pairs is None:
+        return None
+    return {str(key): value for key, value in pairs}
 
 
 def _not_parquet(shard: StoredFile, err: Exception) -> PermanentStorageError:

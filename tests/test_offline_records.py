@@ -404,3 +404,32 @@ def test_a_record_whose_prompt_fields_make_keeps_its_own_generation_options(
         {"id": "hot", "line": 3, "error": "temperature: expected a value <= 2, found 5"},
         {"id": "csv-bad", "line": 4, "error": "max_tokens: expected an integer, found 'one'"},
     ]
+
+
+def test_a_parquet_map_column_is_a_generate_records_logit_bias(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    """Parquet's way to write an object is a MAP column (token ids as integers here):
+    read as the object a JSONL record's logit_bias is, it biases the record's tokens."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    generation = {"max_new_tokens": 8, "temperature": 0}
+    workload = offline_workload(task="generate", model="dec", generation=generation)
+    spec = write_spec(tmp_path, {"gen": workload})
+    (tmp_path / "in").mkdir()
+    bias = pa.array([[(0, 100.0)], None, [(3, 100.0)]], pa.map_(pa.int64(), pa.float64()))
+    table = pa.table({"id": ["eos", "none", "c"], "prompt": ["a"] * 3, "logit_bias": bias})
+    pq.write_table(table, tmp_path / "in" / "prompts.parquet")
+
+    summary = offline(workload="gen", spec=str(spec))
+
+    assert (summary["outputs"], summary["errors"]) == (3, 0)
+    lines = {line["id"]: line for line in outputs_of(tmp_path / "out")}
+    answers = {k: (v["text"], v["finish_reason"]) for k, v in lines.items()}
+    # eos (token 0) made likeliest ends at once; c (3) likeliest repeats to the budget.
+    assert answers == {
+        "eos": ("", "stop"),
+        "none": ("b c d", "stop"),
+        "c": ("c " * 7 + "c", "length"),
+    }

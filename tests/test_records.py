@@ -191,6 +191,33 @@ def test_a_corrupt_parquet_file_is_a_permanent_storage_error(tmp_path: Path) -> 
         count_records(storage, shard)
 
 
+def test_a_parquet_map_column_is_read_as_a_json_records_object(tmp_path: Path) -> None:
+    """pyarrow gives a MAP's value as (key, value) pairs; a record holds it as JSON would:
+    an object, integer keys as their digits, a key given twice its last value. A map of
+    keys no JSON object holds (here: bytes) stays pairs."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "a.parquet"
+    table = pa.table(
+        {
+            "id": [1, 2, 3],
+            "by_text": pa.array(
+                [[("199", 5.0)], None, [("1", -1.0), ("1", 2.0)]],
+                pa.map_(pa.string(), pa.float64()),
+            ),
+            "by_id": pa.array([[(199, 5)], [], None], pa.map_(pa.int64(), pa.int64())),
+            "by_bytes": pa.array([[(b"k", 1)], None, None], pa.map_(pa.binary(), pa.int64())),
+        }
+    )
+    pq.write_table(table, path)
+    assert [line.value for line in read(path)] == [
+        {"id": 1, "by_text": {"199": 5.0}, "by_id": {"199": 5}, "by_bytes": [(b"k", 1)]},
+        {"id": 2, "by_text": None, "by_id": {}, "by_bytes": None},
+        {"id": 3, "by_text": {"1": 2.0}, "by_id": None, "by_bytes": None},
+    ]
+
+
 EMPTY = {
     "empty.json": b"",
     "blank.json": b" \n\t\r\n",
