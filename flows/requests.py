@@ -11,9 +11,10 @@ Two record shapes, told apart line by line:
   (infer's named tensors, a handler's mapping), or with `"result": ...`.
 - an OpenAI batch line `{"custom_id", "method", "url", "body"}` for /v1/embeddings,
   /v1/completions or /v1/chat/completions: the body is what the online endpoint
-  takes (a handler's `pre` gets each text or prompt, as online), the output line
-  carries the body it answers (`stream` is ignored: a batch answers whole), and a
-  rejected line the 400 body it answers.
+  takes (a handler's `pre` gets each text or prompt, as online), within the same
+  per-request limits, the output line carries the body it answers, and a rejected
+  line the 400 body it answers. A batch answers whole: `stream: true` is refused, as
+  OpenAI's Batch API refuses it.
 
 Text over the model's `max_length` tokens is rejected as online, unless the workload
 declares `truncate: true`.
@@ -291,6 +292,8 @@ def _batch_line(
         else:
             request = parse(ChatCompletionRequest, line.body)
         request.check_limits(max_inputs)  # one implementation with the endpoint's
+        if not isinstance(request, EmbeddingsRequest):
+            request.check_batch_line()
     except InvalidInput as err:
         # The errors file's message says where in the line; the body is the endpoint's own.
         return Rejection(_batch_rejection(line.custom_id, number, request_id, err, "body."))

@@ -433,3 +433,46 @@ def test_a_parquet_map_column_is_a_generate_records_logit_bias(
         "none": ("b c d", "stop"),
         "c": ("c " * 7 + "c", "length"),
     }
+
+
+STREAM_USAGE = {"stream_options": {"include_usage": True}}
+
+
+def test_an_openai_line_asking_for_a_stream_is_refused_not_answered_whole(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    """A batch answers whole, in its output file: a line with `stream: true` is that
+    line's 400 naming `stream` (OpenAI's Batch API refuses it too), `stream: false` is
+    answered, and the lines beside it are too."""
+    workload = offline_workload(task="generate", model="dec", generation={"max_new_tokens": 8})
+    spec = write_spec(tmp_path, {"gen": {**workload, "max_error_rate": 0.9}})
+    chat = {"model": "gen", "messages": [{"role": "user", "content": "a"}]}
+    completions = {"model": "gen", "prompt": "a"}
+    lines = [
+        ("streamed", "/v1/completions", {**completions, "stream": True}),
+        ("usage", "/v1/chat/completions", {**chat, "stream": True} | STREAM_USAGE),
+        ("whole", "/v1/completions", {**completions, "stream": False}),
+        ("chat", "/v1/chat/completions", chat),
+    ]
+    write_jsonl(
+        tmp_path / "in" / "a.jsonl",
+        [{"custom_id": k, "method": "POST", "url": u, "body": b} for k, u, b in lines],
+    )
+
+    summary = offline(workload="gen", spec=str(spec))
+
+    assert (summary["outputs"], summary["errors"]) == (2, 2)
+    answered = {o["custom_id"]: o["response"]["body"] for o in outputs_of(tmp_path / "out")}
+    assert answered["whole"]["choices"][0]["text"] == "b c d"
+    assert answered["chat"]["choices"][0]["message"]["content"] == "b c d"
+    errors = {e["custom_id"]: e for e in read_jsonl(tmp_path / "out" / "_errors" / "a.jsonl")}
+    assert sorted(errors) == ["streamed", "usage"]
+    detail = (
+        "a batch line is answered whole, in the output file, never streamed; "
+        "send false or leave it out"
+    )
+    for error in errors.values():
+        assert error["error"] == f"body.stream: {detail}"
+        assert error["response"]["status_code"] == 400
+        body = error["response"]["body"]["error"]
+        assert (body["param"], body["code"]) == ("stream", "unsupported_value")

@@ -246,6 +246,18 @@ class GenerateParams(GenerationOptions, OpenAIRequest):
             detail = "only allowed when stream is true"
             raise InvalidInput.field("stream_options", detail, "invalid_value")
 
+    def check_batch_line(self) -> None:
+        """What a batch line may not ask beyond what a request may not: a stream. Its
+        answer is one line of an output file, whole; OpenAI's Batch API refuses `stream:
+        true` in a line too, so the line is refused rather than answered otherwise than
+        it asked."""
+        if self.streamed:
+            raise unsupported(
+                "stream",
+                "a batch line is answered whole, in the output file, never streamed; "
+                "send false or leave it out",
+            )
+
     def generation_item(self, prompt: str | list[int]) -> dict[str, Any]:
         """The generate task's item: the prompt (text or token ids) and the parameters
         that are set."""
