@@ -25,16 +25,11 @@ from typing import Any
 import orjson
 
 from lanes.errors import InvalidInput
-from lanes.protocols.completions import GenerationOptions
 from lanes.spec import Fields, OfflineWorkload, TaskName, a_task
-from lanes.tasks.generate import from_text
+from lanes.tasks.generate import OPTIONS, from_text
 from lanes.tasks.handler import Handler
 from lanes.template import Template, is_template
 from lanes.validation import describe
-
-# A generate record's fields that are its request's options, beside a prompt that
-# `fields.prompt` makes: every other field is the template's, or the user's own.
-_OPTIONS = frozenset(GenerationOptions.model_fields)
 
 # What a record of each task looks like by default, for messages.
 _EXAMPLE = {
@@ -132,8 +127,9 @@ class RecordShape:
             prompt = self._from(record, "prompt")
             if self.source is not None:
                 # The prompt is made, and the record's options still apply: a record's
-                # max_tokens is its own whichever field holds its prompt.
-                options = {k: v for k, v in record.items() if k in _OPTIONS and k not in skip}
+                # max_tokens is its own whichever field holds its prompt. Its other
+                # fields are the template's, or the user's own.
+                options = {k: v for k, v in record.items() if k in OPTIONS and k not in skip}
                 return {"prompt": prompt, **options}
         return {k: v for k, v in record.items() if k not in skip}
 

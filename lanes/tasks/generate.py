@@ -51,6 +51,8 @@ _FIELDS = {
     "min_p": "min_p",
 }
 _KNOWN = ("prompt", *GenerationOptions.model_fields)
+# An item's fields beside its prompt: a record's generation options, by these names.
+OPTIONS = frozenset(GenerationOptions.model_fields)
 _REQUEST_NAMES = {target: field for field, target in _FIELDS.items()}
 # The numeric request fields, and whether each takes only an integer.
 _NUMBERS = {
