@@ -10,10 +10,10 @@ The item comes from the record by the mapping: embed reads the text field or
 template (`fields.text`, default the field `text`); generate the prompt field or
 template (`fields.prompt`) with the record's fields named as generation options
 (max_tokens, temperature, ...: `GenerationOptions`), else every field but the id and
-the kept ones (prompt, max_tokens, ...); infer every field but those. A handler's `pre` gets the whole
-record first, id and all, and returns a record (a mapping, then read by the mapping
-like any record) or the item itself (embed: the text; generate: the prompt). The id
-and the kept fields always come from the record as read.
+the kept ones (prompt, max_tokens, ...); infer every field but those. A handler's
+`pre` gets the whole record first, id and all, and returns a record (a mapping, then
+read by the mapping like any record) or the item itself (embed: the text; generate:
+the prompt). The id and the kept fields always come from the record as read.
 """
 
 from __future__ import annotations

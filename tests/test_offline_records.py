@@ -367,6 +367,31 @@ def test_an_openai_line_over_the_endpoints_request_limits_is_rejected_alone(
     assert found["most-n"]["param"] == "n"
 
 
+def test_an_embeddings_line_over_the_endpoints_input_limit_is_rejected_alone(
+    prefect_api: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LANES_MAX_INPUTS_PER_REQUEST", "2")
+    spec = write_spec(tmp_path, {"emb": {**offline_workload(), "max_error_rate": 0.9}})
+    line = {"method": "POST", "url": "/v1/embeddings"}
+    bodies = {"many": ["w1", "w2", "w3"], "two": ["w1", "w2"]}
+    write_jsonl(
+        tmp_path / "in" / "a.jsonl",
+        [{**line, "custom_id": k, "body": {"model": "emb", "input": v}} for k, v in bodies.items()],
+    )
+
+    summary = offline(workload="emb", spec=str(spec))
+
+    assert (summary["outputs"], summary["errors"]) == (1, 1)
+    (answer,) = outputs_of(tmp_path / "out")
+    assert (answer["custom_id"], len(answer["response"]["body"]["data"])) == ("two", 2)
+    (error,) = read_jsonl(tmp_path / "out" / "_errors" / "a.jsonl")
+    assert (error["custom_id"], error["response"]["status_code"]) == ("many", 413)
+    assert error["error"] == (
+        "body.input: 3 inputs is over the limit of 2 per request "
+        "(LANES_MAX_INPUTS_PER_REQUEST); split them into requests of at most 2"
+    )
+
+
 def test_a_record_whose_prompt_fields_make_keeps_its_own_generation_options(
     prefect_api: str, tmp_path: Path
 ) -> None:
