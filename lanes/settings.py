@@ -30,7 +30,8 @@ class BatchApi(BaseModel):
     store: str | None = Field(
         None,
         description="Folder or s3://bucket/prefix/ holding uploaded files and batches; "
-        "default: LANES_HOME/batches. The server and the workers must see the same one.",
+        "default: LANES_HOME/batches. The server and the workers must see the same one. "
+        "A relative folder is read against the working directory when the settings load.",
     )
     max_file_bytes: int = Field(
         200 * 1024 * 1024, gt=0, description="Largest file POST /v1/files takes."
@@ -56,6 +57,16 @@ class BatchApi(BaseModel):
         "(an offline workload's batches use its own batch_size).",
     )
 
+    @field_validator("store")
+    @classmethod
+    def _store_is_absolute(cls, store: str | None) -> str | None:
+        # A relative folder is read against the working directory once, here: a Prefect
+        # worker or a subprocess that starts elsewhere must still find the same store.
+        if store is None or "://" in store or not store.strip():
+            return store
+        absolute = os.path.abspath(store)
+        return absolute + "/" if store.endswith("/") else absolute
+
 
 class Settings(BaseSettings):
     """Everything lanes reads from the environment.
@@ -80,7 +91,8 @@ class Settings(BaseSettings):
     home: Path = Field(
         Path(".lanes"),
         description="Job state, measurements and local outputs (models are where the spec "
-        "names them; `lanes models build` puts the demo's there).",
+        "names them; `lanes models build` puts the demo's there). A relative folder is "
+        "read against the working directory when the settings load.",
     )
     host: str = Field("127.0.0.1", description="Address `lanes serve` binds.")
     port: int = Field(8000, ge=0, le=65535)
@@ -311,6 +323,13 @@ class Settings(BaseSettings):
         if isinstance(value, str) and not value.strip():
             raise ValueError("expected a path, found an empty value")
         return value
+
+    @field_validator("home")
+    @classmethod
+    def _home_is_absolute(cls, home: Path) -> Path:
+        # Read against the working directory once, at load: a later chdir (a Prefect
+        # worker's flow run, a subprocess started elsewhere) keeps the same folder.
+        return Path(os.path.abspath(home))
 
     @field_validator("s3_endpoint")
     @classmethod

@@ -317,3 +317,21 @@ def test_a_deadline_deploys_on_its_windows_opening(tmp_path: Path) -> None:
     assert alone["schedules"] == [{"cron": "0 2 * * *", "timezone": "UTC", "active": True}]
     assert "default off-peak window" in alone["description"]
     assert both["schedules"] == [{"cron": "0 22 * * *", "timezone": "UTC", "active": True}]
+
+
+def test_a_relative_batch_store_reaches_the_runs_as_the_folder_it_named_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LANES_BATCH__STORE is read against the working directory of `lanes compile`:
+    the runs start in the spec's folder, and must read the store the server writes."""
+    write_spec(tmp_path / "config", WORKLOADS)
+    here = tmp_path / "project"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    monkeypatch.setenv("LANES_BATCH__STORE", "store/")
+    result = compile_cli(str(tmp_path / "config" / "workloads.yaml"))
+    assert result.exit_code == 0, result.output
+    document = yaml.safe_load((tmp_path / "config" / "prefect.yaml").read_text())
+    for deployment in document["deployments"]:
+        env = deployment["work_pool"]["job_variables"]["env"]
+        assert env["LANES_BATCH__STORE"] == f"{here}/store/"

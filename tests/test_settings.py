@@ -1,0 +1,39 @@
+"""Settings read from the environment: where their relative paths point."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lanes.settings import Settings
+
+
+def test_relative_env_paths_are_read_against_the_working_directory_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Read where the settings load; a later chdir (a flow run starting in the project
+    folder, a subprocess) moves neither. Spec paths are the spec folder's, not these."""
+    start, elsewhere = tmp_path / "start", tmp_path / "elsewhere"
+    start.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.chdir(start)
+    monkeypatch.setenv("LANES_HOME", "state")
+    monkeypatch.setenv("LANES_BATCH__STORE", "batch-store")
+    settings = Settings()
+    monkeypatch.chdir(elsewhere)
+    assert settings.home == start / "state"
+    assert settings.batch_store() == f"{start / 'batch-store'}/"
+    assert settings.shared_env()["LANES_BATCH__STORE"] == str(start / "batch-store")
+
+
+def test_an_s3_or_absolute_store_is_kept_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LANES_BATCH__STORE", "s3://bucket/batches/")
+    assert Settings().batch_store() == "s3://bucket/batches/"
+    monkeypatch.setenv("LANES_BATCH__STORE", str(tmp_path / "store"))
+    assert Settings().batch_store() == f"{tmp_path / 'store'}/"
+    monkeypatch.delenv("LANES_BATCH__STORE")
+    monkeypatch.setenv("LANES_HOME", str(tmp_path / "home"))
+    assert Settings().batch_store() == f"{tmp_path / 'home' / 'batches'}/"
