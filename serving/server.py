@@ -108,7 +108,17 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(spec: Spec, settings: Settings, host: str | None = None, port: int | None = None) -> None:
-    """Serve until SIGINT/SIGTERM; then drain, stop accepting, finish queued work, exit."""
+    """Serve until SIGINT/SIGTERM; then drain, stop accepting, finish queued work, exit.
+    A spec without an interactive workload is refused (InvalidInput) before listening."""
+    if not any(w.mode == "interactive" for w in spec.workloads.values()):
+        # Nothing would ever load: a server that listens so is ready at once and
+        # answers 404 to every route, which looks like a working deployment.
+        raise InvalidInput(
+            "nothing to serve: the spec declares no interactive workload; declare one "
+            "(`mode: interactive`) to serve it (an offline workload with `runner: {kind: "
+            "endpoint}` runs on one), or run offline workloads with `lanes run` or "
+            "`lanes deploy`"
+        )
     logs.configure(settings.log_format, settings.log_level, settings.access_log_level)
     host = host or settings.host
     port = port if port is not None else settings.port

@@ -418,6 +418,36 @@ def test_serve_on_a_device_this_machine_lacks_is_one_line(spec_path: Path) -> No
     )
 
 
+def test_serve_with_nothing_to_serve_exits_2_before_listening(tmp_path: Path) -> None:
+    """Only offline workloads: a server would listen, ready at once, 404 everywhere."""
+    from tests.flows_fixtures import write_spec as write_tiny_spec
+
+    offline = {"mode": "offline", "task": "embed", "model": "enc", "input": "in/", "output": "o/"}
+    path = write_tiny_spec(tmp_path, {"nightly": offline})
+    command = [sys.executable, "-m", "lanes.router.cli", "serve", str(path), "--port", "0"]
+    with subprocess.Popen(
+        command, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
+    ) as process:
+        assert process.stderr is not None
+        printed = []
+        # Until it exits, or says it listens (then it would never exit by itself).
+        for line in process.stderr:
+            printed.append(line)
+            if "listening on" in line:
+                process.terminate()
+                break
+        returncode = process.wait(timeout=120)
+    stderr = "".join(printed)
+    assert "listening on" not in stderr, stderr
+    assert returncode == 2, stderr
+    assert "Traceback" not in stderr, stderr
+    assert [line for line in stderr.splitlines() if line.strip()] == [
+        "error: nothing to serve: the spec declares no interactive workload; declare one "
+        "(`mode: interactive`) to serve it (an offline workload with `runner: {kind: "
+        "endpoint}` runs on one), or run offline workloads with `lanes run` or `lanes deploy`"
+    ]
+
+
 @pytest.mark.slow
 def test_run_checks_the_workload_before_any_prefect_starts(spec_path: Path) -> None:
     # A Prefect API nobody serves: reaching for it would be another error.
