@@ -306,6 +306,13 @@ def _workload_problems(
     if raw.get("guard") is not None and task in ("embed", "infer"):
         message = f"`guard` scores generated text: it applies to task generate, not {task!r}"
         found.append(((*at, "guard"), message, True))
+    if raw.get("generation") is not None and task in ("embed", "infer"):
+        # Silently ignored otherwise: an embed or infer model samples no tokens.
+        message = (
+            "`generation` applies to generate workloads only (how tokens are sampled); "
+            f"task {task!r} generates none: remove it, or set `task: generate`"
+        )
+        found.append(((*at, "generation"), message, True))
     batching = raw.get("batching")
     budget = batching.get("max_prefill_tokens") if isinstance(batching, dict) else None
     if budget is not None and task in ("embed", "infer"):

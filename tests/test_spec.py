@@ -288,6 +288,21 @@ BAD_CASES = [
         "W:11:5: workloads.search-query.fields: `fields` applies to offline workloads only",
     ),
     (
+        "generation on embed",
+        "    batching: {max_batch_size: 8, max_wait_ms: 2}\n",
+        "    batching: {max_batch_size: 8, max_wait_ms: 2}\n    generation: {max_new_tokens: 8}\n",
+        "W:11:5: workloads.search-query.generation: `generation` applies to generate workloads "
+        "only (how tokens are sampled); task 'embed' generates none: remove it, or set "
+        "`task: generate`",
+    ),
+    (
+        "generation on infer",
+        "    task: embed\n    model: enc\n    input: in/\n    output: out/\n",
+        "    task: infer\n    model: clf\n    input: in/\n    output: out/\n"
+        "    generation: {temperature: 0}\n",
+        "W:17:5: workloads.nightly.generation: `generation` applies to generate workloads only",
+    ),
+    (
         "a prefill budget on embed",
         "    batching: {max_batch_size: 8, max_wait_ms: 2}\n",
         "    batching: {max_batch_size: 8, max_wait_ms: 2, max_prefill_tokens: 64}\n",
