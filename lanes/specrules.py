@@ -477,6 +477,7 @@ def _workload_errors(err: ValidationError, at: Loc, raw: Any) -> Found:
         if kind == "union_tag_not_found":
             message = "missing required key 'mode': interactive (someone is waiting) or offline"
             found.append((at, message, True))
+            found += _modeless_problems(at, raw)
             continue
         if kind == "union_tag_invalid":
             found.append(
@@ -486,6 +487,7 @@ def _workload_errors(err: ValidationError, at: Loc, raw: Any) -> Found:
                     False,
                 )
             )
+            found += _modeless_problems(at, raw)
             continue
         if not e["loc"]:  # not a mapping at all
             found += _from_pydantic_error(e, at)
@@ -502,12 +504,40 @@ def _workload_errors(err: ValidationError, at: Loc, raw: Any) -> Found:
                 continue
         if kind == "missing" and len(rest) == 1:
             model = InteractiveWorkload if mode == "interactive" else OfflineWorkload
-            about = model.model_fields[str(rest[0])].description or ""
-            message = f"missing required key {rest[0]!r} ({_lower_first(about).rstrip('.')})"
-            found.append((at, message, True))
+            found += _missing(at, model, rest[0])
             continue
         found += _from_pydantic_error({**e, "loc": tuple(rest)}, at)
     return found
+
+
+def _modeless_problems(at: Loc, raw: Any) -> Found:
+    """A workload without a valid `mode` has no model to be checked against; so that the
+    mode's problem hides no other, each other key is checked as the mode that has it
+    would check it (a key both modes have, or neither, once). A required key of one
+    mode only (an offline workload's `input`) is not asked for: the mode is unknown."""
+    if not isinstance(raw, dict):
+        return []
+    found: Found = []
+    for mode, model in (("interactive", InteractiveWorkload), ("offline", OfflineWorkload)):
+        other = MODE_KEYS["offline" if mode == "interactive" else "interactive"]
+        data = {k: v for k, v in raw.items() if k != "mode" and k not in other}
+        try:
+            model.model_validate({**data, "mode": mode})
+        except ValidationError as err:
+            for e in err.errors(include_url=False):
+                key = e["loc"][0] if len(e["loc"]) == 1 else None
+                if e["type"] != "missing" or key is None:
+                    found += _from_pydantic_error(e, at)
+                elif key not in MODE_KEYS[mode]:
+                    found += _missing(at, model, key)
+    return list(dict.fromkeys(found))  # the keys both modes have were checked twice
+
+
+def _missing(
+    at: Loc, model: type[InteractiveWorkload] | type[OfflineWorkload], key: str | int
+) -> Found:
+    about = model.model_fields[str(key)].description or ""
+    return [(at, f"missing required key {key!r} ({_lower_first(about).rstrip('.')})", True)]
 
 
 def from_pydantic(err: ValidationError, prefix: Loc) -> Found:

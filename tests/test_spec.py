@@ -400,6 +400,32 @@ def test_every_problem_is_reported_at_once(folder: Path) -> None:
     assert [p.split(":")[1] for p in found] == ["10", "11", "16"]
 
 
+def test_a_bad_or_missing_mode_hides_none_of_the_workloads_other_problems(
+    folder: Path,
+) -> None:
+    """Each other key is checked as the mode that has it would; nothing that only one
+    mode requires (an offline workload's `input`) is asked for."""
+    text = (
+        GOOD.replace("mode: interactive", "mode: realtime")
+        .replace("max_batch_size: 8", "max_batch_size: 0")
+        .replace("    mode: offline\n", "")
+        .replace(
+            "    task: embed\n    model: enc\n    input:",
+            "    task: embed\n    model: enc\n    retries: -1\n    input:",
+        )
+        + "    colour: blue\n"
+    )
+    assert problems(folder, text) == [
+        "W:7:11: workloads.search-query.mode: expected 'interactive' or 'offline', found "
+        "'realtime'",
+        "W:10:32: workloads.search-query.batching.max_batch_size: expected a value > 0, found 0",
+        "W:11:3: workloads.nightly: missing required key 'mode': interactive (someone is "
+        "waiting) or offline",
+        "W:14:14: workloads.nightly.retries: expected a value >= 0, found -1",
+        "W:18:5: workloads.nightly.colour: unknown key 'colour'",
+    ]
+
+
 def test_offline_workloads_sharing_an_output_folder_are_refused(folder: Path) -> None:
     """Each workload's commit markers must be its own: one output folder, however
     spelt, or one inside the other, would have each redo and overwrite the other's."""
