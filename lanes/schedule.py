@@ -23,6 +23,18 @@ TIMEZONE_PATTERN = re.compile(r"^[A-Za-z0-9_+-]{1,40}(/[A-Za-z0-9_+-]{1,40}){0,3
 FINISH_BY_PATTERN = re.compile(r"^([01][0-9]|2[0-3]):[0-5][0-9]$")
 
 
+def _as_yaml_read(number: int) -> str:
+    """Which unquoted times YAML 1.1 reads as `number`: ", which is how YAML reads an
+    unquoted 0700 (octal) or 7:28 (base 60)" for 448; empty when none is a time."""
+    written = []
+    octal = f"0{number:o}"
+    if re.fullmatch(r"0[0-7]{3}", octal) and int(octal[:2]) < 24 and int(octal[2:]) < 60:
+        written.append(f"{octal} (octal)")
+    if 60 <= number < 24 * 60:
+        written.append(f"{number // 60}:{number % 60:02d} (base 60)")
+    return f", which is how YAML reads an unquoted {' or '.join(written)}" if written else ""
+
+
 class Schedule(StrictModel):
     """An offline workload's off-peak window: it opens when `cron` fires and, with
     `finish_by`, must be done by that time of day (the first after the opening). Either
@@ -54,15 +66,17 @@ class Schedule(StrictModel):
     @classmethod
     def _valid_finish_by(cls, value: Any) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
-            # YAML 1.1 reads an unquoted 22:30 as base 60: the number 1350.
             raise ValueError(
-                f'expected a time of day as "HH:MM" in quotes, e.g. "07:00", found the '
-                f"number {value} (YAML reads an unquoted 22:30 as 22 * 60 + 30)"
+                f'expected a time of day as "HH:MM" in quotes, e.g. finish_by: "07:00", found '
+                f"the number {value}{_as_yaml_read(value)}: quote the time"
             )
         if isinstance(value, str) and not FINISH_BY_PATTERN.match(value):
+            hint = ""
+            if re.fullmatch(r"[0-9]{4}", value):
+                hint = f'; write it with a colon, "{value[:2]}:{value[2:]}"'
             raise ValueError(
                 f'expected a time of day as "HH:MM" (00:00 to 23:59), e.g. "07:00", '
-                f"found {shown(value)}"
+                f"found {shown(value)}{hint}"
             )
         return value
 

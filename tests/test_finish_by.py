@@ -164,6 +164,33 @@ def test_a_bad_finish_by_names_the_field_and_the_format(tmp_path: Path, value: s
         assert "found the number 1350" in problem and "in quotes" in problem
 
 
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        # YAML 1.1 reads a leading 0 as octal: 0700 is the number 448.
+        (
+            "0700",
+            'expected a time of day as "HH:MM" in quotes, e.g. finish_by: "07:00", found the '
+            "number 448, which is how YAML reads an unquoted 0700 (octal) or 7:28 (base 60): "
+            "quote the time",
+        ),
+        # 0800 is no octal number: YAML keeps it as text, which has no colon.
+        (
+            "0800",
+            'expected a time of day as "HH:MM" (00:00 to 23:59), e.g. "07:00", found '
+            "'0800'; write it with a colon, \"08:00\"",
+        ),
+    ],
+)
+def test_a_finish_by_written_as_four_digits_says_how_to_write_it(
+    tmp_path: Path, value: str, expected: str
+) -> None:
+    with pytest.raises(SpecError) as caught:
+        load(tmp_path, "{finish_by: " + value + "}")
+    (problem,) = [str(p) for p in caught.value.problems]
+    assert problem.split("workloads.nightly.schedule.finish_by: ", 1)[1] == expected
+
+
 def test_a_schedule_needs_a_cron_or_a_finish_by(tmp_path: Path) -> None:
     with pytest.raises(SpecError) as caught:
         load(tmp_path, "{timezone: Europe/Berlin}")
