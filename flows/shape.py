@@ -24,7 +24,7 @@ from typing import Any
 
 import orjson
 
-from lanes.errors import InvalidInput
+from lanes.errors import InvalidInput, with_article
 from lanes.spec import Fields, OfflineWorkload, TaskName, a_task
 from lanes.tasks.generate import OPTIONS, from_text
 from lanes.tasks.handler import Handler
@@ -107,7 +107,7 @@ class RecordShape:
                 orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY)
             except TypeError:
                 raise InvalidInput(
-                    f'field "{name}" (in `fields.keep`): a {type(value).__name__} cannot be '
+                    f'field "{name}" (in `fields.keep`): {with_article(type(value).__name__)} cannot be '
                     "written in a JSON output line; cast it in the input, or keep it out"
                 ) from None
         return kept

@@ -41,7 +41,7 @@ from lanes import layout
 from lanes.batchfiles import BatchError, assemble
 from lanes.batchstore import BatchStore, new_id
 from lanes.deadline import offpeak_opening, plan_start
-from lanes.errors import InvalidInput, NotConfigured, NotFound, StorageError
+from lanes.errors import InvalidInput, NotConfigured, NotFound, StorageError, with_article
 from lanes.jobs import BATCH_PREFIX, BATCH_TAG, Job
 from lanes.jobstates import EXPIRED as EXPIRED_STATUS
 from lanes.jobstates import FAILED_STATES, FINISHED
@@ -352,7 +352,7 @@ class Batches:
             error(
                 1,
                 f"line 1: body.model: workload {model!r} is {a_task(workload.task)} workload; "
-                f"{endpoint} takes a {BATCH_URLS[endpoint]} one",
+                f"{endpoint} takes {with_article(BATCH_URLS[endpoint])} one",
                 "body.model",
             )
 

@@ -88,6 +88,12 @@ def shown(value: Any, limit: int = 80) -> str:
     return f"{text[: limit - 20]}... ({len(text)} characters)"
 
 
+def with_article(word: str) -> str:
+    """`word` after "a" or "an", for messages: "an object array", "a float32 array",
+    "an embed workload" (a word spoken with a vowel first: "a uint8")."""
+    return f"{'an' if word[:1].lower() in 'aeio' else 'a'} {word}"
+
+
 class SpecError(LanesError):
     """The spec is invalid. `problems` lists every problem found, in file order."""
 

@@ -23,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from lanes.errors import with_article
 from lanes.quantity import CpuQuantity
 from lanes.schedule import Schedule
 from lanes.strict import StrictModel
@@ -35,7 +36,7 @@ TASK_NAMES: tuple[TaskName, ...] = get_args(TaskName)
 
 def a_task(task: TaskName) -> str:
     """The task's name with its article, for messages: "an embed", "a generate"."""
-    return f"{'an' if task[0] in 'aeiou' else 'a'} {task}"
+    return with_article(task)
 
 
 # Workload names become URL paths and Prefect deployment names: DNS labels.

@@ -18,7 +18,7 @@ import numpy as np
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
-from lanes.errors import InvalidInput, shown
+from lanes.errors import InvalidInput, shown, with_article
 
 _EXPECTED = {
     "string_type": "a string",
@@ -165,7 +165,7 @@ def describe(value: Any) -> str:
     if isinstance(value, str):
         return repr(value if len(value) <= 40 else value[:37] + "...")
     if isinstance(value, np.ndarray):
-        return f"a {value.dtype} array of shape {list(value.shape)}"
+        return f"{with_article(str(value.dtype))} array of shape {list(value.shape)}"
     if isinstance(value, list | tuple):
         return "an array"
     if isinstance(value, Mapping):

@@ -309,6 +309,11 @@ async def test_infer_of_several_inputs_needs_their_names(
     array = message.replace("an array", "a float64 array of shape [1, 2]")
     with pytest.raises(lanes.InvalidInput, match=re.escape(array)):
         await aclient.call("pair", np.ones((1, 2)))
+    # The article agrees with the dtype's name: "an int64", "an object" array.
+    for dtype in ("int64", "object"):
+        array = message.replace("an array", f"an {dtype} array of shape [1, 2]")
+        with pytest.raises(lanes.InvalidInput, match=re.escape(array)):
+            client.call("pair", np.ones((1, 2), dtype=dtype))
     after = metric(server, "lanes_responses_total", route=route, code="400")
     assert after == before, "refused before the infer request was sent"
 

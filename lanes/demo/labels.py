@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from lanes.errors import InvalidInput
+from lanes.errors import InvalidInput, with_article
 
 LABELS = ("setosa", "versicolor", "virginica")  # logit order of lanes.demo.classifier
 N_FEATURES = 4
@@ -52,7 +52,7 @@ class Labels:
 
 def _summary(value: Any) -> str:
     if isinstance(value, np.ndarray):  # a V2 tensor: its numbers say less than its shape
-        return f"a {value.dtype} tensor of shape {list(value.shape)}"
+        return f"{with_article(str(value.dtype))} tensor of shape {list(value.shape)}"
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
