@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 
 from lanes.errors import (
+    AuthError,
     DeadlineExceeded,
     InvalidInput,
     LanesError,
@@ -341,8 +342,21 @@ class Core:
             found = self._error(status, parsed, _retry_after(headers))
         else:
             found = self._foreign(status, body, _retry_after(headers))
+        if isinstance(found, AuthError):
+            found = self._refused(found)
         found.request_id = found.request_id or headers.get(REQUEST_ID_HEADER)
         return found
+
+    def _refused(self, refused: AuthError) -> AuthError:
+        """A 401 with what to set: the server's message is for any HTTP client (send
+        Authorization: Bearer), a caller of this one sets a variable or an argument."""
+        sent = "the API key sent" if "Authorization" in self.headers else "a request without a key"
+        return AuthError(
+            f"{self.endpoint} refused {sent} ({refused}): set LANES_API_KEY to the server's "
+            "key, or pass Client(api_key=...)",
+            param=refused.param,
+            code=refused.code,
+        )
 
     def _foreign(self, status: int, body: bytes, retry_after: float) -> LanesError:
         """An error answer no lanes server wrote (every one of its errors is JSON with

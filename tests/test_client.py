@@ -601,8 +601,10 @@ async def test_a_wrong_or_missing_key_is_an_auth_error(
     ):
         client.call("search-query", "hello")
     async with lanes.AsyncClient(server.url, spec=specs[1]) as aclient:
-        with pytest.raises(lanes.AuthError, match="missing or wrong API key"):
+        with pytest.raises(lanes.AuthError, match="missing or wrong API key") as refused:
             await aclient.call("flowers", {"features": ROWS})
+        assert f"{server.url} refused a request without a key" in str(refused.value)
+        assert "set LANES_API_KEY" in str(refused.value)
         with pytest.raises(lanes.AuthError):
             await anext(aclient.stream("code", "x"))
 
@@ -777,7 +779,11 @@ def test_cli_call_and_stream(server: ServerThread, specs: tuple[Path, Path]) -> 
     code, out, err = done["offline"]
     assert code == 2 and "client.submit('nightly'" in err and out == ""
     code, out, err = done["wrong key"]
-    assert code == 1 and "missing or wrong API key" in err
+    assert code == 1 and err.splitlines()[-1] == (
+        f"error: {server.url} refused the API key sent (missing or wrong API key: send "
+        "Authorization: Bearer <key>): set LANES_API_KEY to the server's key, or pass "
+        "Client(api_key=...)"
+    )
     code, out, err = done["row"]
     assert code == 0, err
     code, in_process, err = done["row in-process"]
