@@ -10,13 +10,17 @@ and each worker finishes what is queued before it exits.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import gc
 import hmac
 import logging
 import re
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
 import orjson
 from starlette.applications import Starlette
@@ -52,7 +56,7 @@ from lanes.serving.http import (
     v2_body,
 )
 from lanes.serving.metrics import STARTUP, Metrics
-from lanes.serving.readiness import Readiness
+from lanes.serving.readiness import LoadState, Readiness
 from lanes.serving.state import ServingState
 from lanes.serving.tracing import TracedRequests
 from lanes.serving.worker import BatchWorker
@@ -62,6 +66,8 @@ from lanes.tasks import GenerateTask, Task, load_task
 from lanes.tracing import Tracing
 
 log = logging.getLogger("lanes.serving")
+
+T = TypeVar("T")
 
 HEALTH_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
 
@@ -135,6 +141,11 @@ class Served:
         handler."""
         self._edge.drain()
 
+    def ready(self) -> bool:
+        """Whether /readyz says ready: every workload loaded, and not draining."""
+        readiness = self.state.readiness
+        return readiness.overall() is LoadState.READY and not readiness.draining
+
     def expire(self) -> None:
         """The server exits within seconds: every stream still generating ends now,
         whole (serving/engine.py `expire`), before the exit would cut it off."""
@@ -180,13 +191,40 @@ async def _load_task(state: ServingState, name: str, runtime: Runtime) -> Task:
     in the metrics, failed or not (lanes_model_loads, its time, lanes_model_loaded)."""
     started = state.clock()
     try:
-        task = await asyncio.to_thread(load_task, name, state.spec, runtime)
-        await asyncio.to_thread(task.warm_up)
+        task = await _on_own_thread(lambda: load_task(name, state.spec, runtime))
+        await _on_own_thread(task.warm_up)
     except Exception:
         _loaded(state, name, started, False)
         raise
     _loaded(state, name, started, True)
     return task
+
+
+async def _on_own_thread(fn: Callable[[], T]) -> T:
+    """`fn()` on a daemon thread of its own. A load that a server stopping before it was
+    ready abandons (a TensorRT engine's build takes minutes) must not hold the process's
+    exit until it ends, as a thread of asyncio's default executor would."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def deliver(settle: Callable[[], None]) -> None:
+        def on_loop() -> None:
+            if not done.cancelled():
+                settle()
+
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(on_loop)
+
+    def run() -> None:
+        try:
+            result = fn()
+        except BaseException as err:  # handed to the awaiting coroutine, whatever it is
+            deliver(functools.partial(done.set_exception, err))
+            return
+        deliver(functools.partial(done.set_result, result))
+
+    threading.Thread(target=run, name="lanes-load", daemon=True).start()
+    return await done
 
 
 def _loaded(state: ServingState, name: str, started: float, ok: bool) -> None:

@@ -37,7 +37,9 @@ class DrainingServer(uvicorn.Server):
     On the first SIGTERM or SIGINT it drains for `drain_s`: `on_drain` turns readiness
     false (a balancer's health check takes the replica out) while every request is
     still served, each answer closing its connection, so no client keeps a connection
-    the server is about to close. Then the listener closes, requests already on their
+    the server is about to close. A server that was not `ready` yet (models still
+    loading, or one failed) was never sent traffic by a balancer: it stops at once,
+    without a drain, abandoning the loads in progress. Then the listener closes, requests already on their
     way are read (`LINGER_S`), in-flight and queued work finishes, and the app's
     lifespan stops its workers. A second signal skips what is left of the drain.
     Streams still generating `EXPIRE_BEFORE_S` before uvicorn's graceful timeout would
@@ -51,19 +53,25 @@ class DrainingServer(uvicorn.Server):
         drain_s: float,
         on_drain: Callable[[], None],
         on_expire: Callable[[], None],
+        ready: Callable[[], bool],
     ) -> None:
         super().__init__(config)
         self.drain_s = drain_s
         self.on_drain = on_drain
         self.on_expire = on_expire
+        self.ready = ready
         self.drain_until: float | None = None
         self._drain_logged = False
+        self._stopped_unready = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.drain_until is None and self.drain_s > 0 and not self.should_exit:
-            self.drain_until = time.monotonic() + self.drain_s
-            self.on_drain()  # sets a flag: safe in a signal handler, unlike logging
-            return
+            # Flags and a read of readiness only: safe in a signal handler, unlike logging.
+            if self.ready():
+                self.drain_until = time.monotonic() + self.drain_s
+                self.on_drain()
+                return
+            self._stopped_unready = True
         super().handle_exit(sig, frame)
 
     async def on_tick(self, counter: int) -> bool:
@@ -90,6 +98,11 @@ class DrainingServer(uvicorn.Server):
                 )
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self._stopped_unready:
+            log.info(
+                "stopping before every workload was ready: no drain (/readyz never said "
+                "ready, so no balancer sent requests here); loads in progress are abandoned"
+            )
         for server in self.servers:
             server.close()
         # uvicorn closes idle connections at once: first let requests that clients
@@ -142,7 +155,8 @@ def serve(spec: Spec, settings: Settings, host: str | None = None, port: int | N
         timeout_graceful_shutdown=GRACEFUL_S,
         log_level=settings.log_level.lower(),
     )
-    DrainingServer(config, settings.drain_s, app.drain, app.expire).run(sockets=sockets)
+    server = DrainingServer(config, settings.drain_s, app.drain, app.expire, app.ready)
+    server.run(sockets=sockets)
 
 
 def listen(host: str, port: int) -> list[socket.socket]:

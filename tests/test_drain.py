@@ -84,6 +84,12 @@ class Replica:
         return self.spec.with_name(f"serve-{self.port}.log")
 
     def start(self) -> Replica:
+        self.launch()
+        wait_until(self._ready, f"lanes serve on {self.port} ready")
+        return self
+
+    def launch(self) -> None:
+        """Start it, not waiting for anything."""
         # Its log goes to a file: a pipe nobody reads fills up with access lines and
         # stops the server at its next write.
         with self.log.open("a") as log:
@@ -94,8 +100,6 @@ class Replica:
                 stderr=log,
                 text=True,
             )
-        wait_until(self._ready, f"lanes serve on {self.port} ready")
-        return self
 
     def _ready(self) -> bool:
         assert self.process is not None
@@ -230,6 +234,30 @@ def test_sigterm_drains_then_finishes_work_in_flight_and_queued(
     assert all(a.json()["outputs"][0]["name"] == "logits" for a in answers)
     stderr = replica.wait()
     assert "draining for 600.0 s" in stderr
+
+
+def test_sigterm_before_ready_stops_at_once_without_draining(
+    replica: Replica, tmp_path: Path
+) -> None:
+    """A load still in progress (held at the gate: the held workload's warm-up runs its
+    `post`) was never ready, so no balancer sent anything: no 600 s drain, and the
+    load is abandoned, not waited for."""
+    replica.launch()
+    wait_until(held_marker(tmp_path / "gate").exists, "the held workload's load at the gate")
+
+    def loading() -> bool:
+        try:
+            answer = httpx.get(f"{replica.url}/readyz", timeout=10)
+        except httpx.TransportError:
+            return False
+        return answer.status_code == 503 and answer.json()["status"] == "loading"
+
+    wait_until(loading, "/readyz to say loading")
+    replica.signal()
+    stderr = replica.wait()  # within WAIT_S, where a drain would take 600 s
+    assert "stopping before every workload was ready: no drain" in stderr
+    assert "draining for" not in stderr
+    assert not (tmp_path / "gate").exists()  # the load never went on
 
 
 HAPROXY = shutil.which("haproxy")
@@ -377,7 +405,7 @@ class StoppingServer(ServerThread):
             access_log=False,
             timeout_graceful_shutdown=grace_s,
         )
-        self.server = DrainingServer(config, 0.0, self.app.drain, self.app.expire)
+        self.server = DrainingServer(config, 0.0, self.app.drain, self.app.expire, self.app.ready)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
 
