@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from lanes.generation.batch import generate_batch
-from lanes.generation.logprobs import TokenLogprob, token_logprobs
+from lanes.generation.logprobs import ROWS_PER_PASS, TokenLogprob, token_logprobs
 from lanes.generation.prefill import prefill
 from lanes.generation.scheduler import Scheduler
 from lanes.generation.seq import Seq, StepOutputs
@@ -45,6 +45,21 @@ def test_token_logprobs_are_the_log_softmax_of_each_row_and_its_likeliest_in_ord
     # More alternatives than the vocabulary holds: the whole vocabulary, no more.
     (whole,) = token_logprobs(logits[:1, :5], [0], [20])
     assert sorted(a.token for a in whole.top) == [0, 1, 2, 3, 4]
+
+
+def test_rows_past_one_pass_are_scored_as_in_one() -> None:
+    """A long prompt's positions are scored ROWS_PER_PASS at a time (the temporary
+    copies of one pass stay bounded), each row as it would be in one pass."""
+    rows = ROWS_PER_PASS * 2 + 3
+    rng = np.random.default_rng(11)
+    logits = rng.normal(0, 3, size=(rows, 40)).astype(np.float32)
+    tokens = rng.integers(0, 40, size=rows).tolist()
+    counts = [r % 4 for r in range(rows)]
+    records = token_logprobs(logits, tokens, counts)
+    assert len(records) == rows
+    for r in (0, ROWS_PER_PASS - 1, ROWS_PER_PASS, rows - 1):
+        (alone,) = token_logprobs(logits[r : r + 1], tokens[r : r + 1], counts[r : r + 1])
+        assert records[r] == alone
 
 
 def test_float16_logits_are_widened_before_the_softmax() -> None:

@@ -17,6 +17,10 @@ import numpy as np
 Array = np.ndarray[Any, Any]
 # The most alternatives anyone may ask for (chat's top_logprobs; completions' is 5).
 MAX_TOP_LOGPROBS = 20
+# Rows scored in one numpy pass: each pass holds a few float32 and int64 copies of its
+# rows' logits, so a long prompt scored whole (echo) would hold them for every
+# position at once (2048 positions of a 150k vocabulary: over a GB each).
+ROWS_PER_PASS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +61,21 @@ def token_logprobs(
             f"token_logprobs: expected [{rows}, vocab] logits and {rows} counts, "
             f"found {logits.shape} and {len(counts)}"
         )
+    if rows > ROWS_PER_PASS:
+        return [
+            record
+            for at in range(0, rows, ROWS_PER_PASS)
+            for record in _pass(
+                logits[at : at + ROWS_PER_PASS],
+                tokens[at : at + ROWS_PER_PASS],
+                counts[at : at + ROWS_PER_PASS],
+            )
+        ]
+    return _pass(logits, tokens, counts)
+
+
+def _pass(logits: Array, tokens: Sequence[int], counts: Sequence[int]) -> list[TokenLogprob]:
+    rows = len(tokens)
     lp = log_softmax(logits)
     chosen = lp[np.arange(rows), np.asarray(tokens, dtype=np.int64)].tolist()
     k = min(max(counts, default=0), lp.shape[1])
