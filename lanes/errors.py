@@ -12,7 +12,7 @@
     ├── NotFound                   no job, or Batch API file or batch, of that id (HTTP 404)
     ├── WrongMode                  call() on an offline workload, submit() on an interactive one
     ├── Overloaded                 the queue is full; retry later (HTTP 503)
-    │   └── Unavailable            a service the route needs is down (Prefect's API); retry later
+    │   └── Unavailable            a service is down (the endpoint, Prefect's API); retry later
     ├── NotConfigured              the server lacks what the route needs (HTTP 503, no retry)
     ├── DeadlineExceeded           the request's deadline passed before it ran (HTTP 504)
     ├── AuthError                  missing or wrong API key (HTTP 401)
@@ -204,9 +204,10 @@ class Overloaded(LanesError):
 
 
 class Unavailable(Overloaded):
-    """A service the route needs (the Prefect API behind the Batch API and jobs) does
-    not answer now: nothing was done; retry after `retry_after` seconds (its operator
-    should see to it if it stays down)."""
+    """A service the call needs does not answer now: the lanes endpoint itself (the SDK
+    could not connect), or the Prefect API behind the Batch API and jobs. Nothing was
+    done; retry after `retry_after` seconds (its operator should see to it if it stays
+    down)."""
 
     default_code = "service_unavailable"
 

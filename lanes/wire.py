@@ -24,6 +24,7 @@ from lanes.errors import (
     InvalidInput,
     LanesError,
     Overloaded,
+    Unavailable,
     WrongMode,
     from_wire,
 )
@@ -412,13 +413,19 @@ class Core:
         return found
 
     def failure(self, error: Exception) -> LanesError:
-        """What the caller sees once retries are over: always a LanesError."""
+        """What the caller sees once retries are over: always a LanesError; the
+        endpoint unreachable (refused, or no connection within the connect timeout) is
+        an `Unavailable`."""
         if isinstance(error, LanesError):
             return error
         if isinstance(error, httpx.ConnectError | httpx.ConnectTimeout):
-            return LanesError(
-                f"cannot reach the lanes endpoint at {self.endpoint} ({error}); is `lanes serve` "
-                "running there? (LANES_ENDPOINT or Client(endpoint=...))"
+            # Nothing reached the server, so nothing ran: the caller may retry it as it
+            # retries an Overloaded (the client's own retries are spent by now).
+            tries = self.max_retries + 1
+            return Unavailable(
+                f"cannot reach the lanes endpoint at {self.endpoint} ({error or type(error).__name__}; "
+                f"{tries} attempt{'s' if tries > 1 else ''}): start `lanes serve` there, or "
+                "point LANES_ENDPOINT (or Client(endpoint=...)) at a running one"
             )
         if isinstance(error, httpx.TimeoutException):
             return DeadlineExceeded(

@@ -716,12 +716,40 @@ def test_connection_errors_are_retried_a_bounded_number_of_times(
             assert hangup.accepted == 3  # the first try and two retries
     finally:
         hangup.close()
-    nobody = f"http://127.0.0.1:{free_port()}"
+
+
+async def test_an_endpoint_that_is_down_is_unavailable(specs: tuple[Path, Path]) -> None:
+    """Refused, or no connection within the connect timeout: nothing ran, so it is an
+    Unavailable (an Overloaded: a caller's retry of a full queue catches it too), once
+    the client's own retries are spent, and it says what to start or point where."""
+    nobody = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with lanes.Client(nobody, spec=specs[1], max_retries=1) as client:
+        with pytest.raises(lanes.Overloaded) as stream_error:
+            list(client.stream("code", "x"))
+        with pytest.raises(lanes.Overloaded) as call_error:
+            client.call("flowers", {"features": ROWS})
+    async with lanes.AsyncClient(nobody, spec=specs[1], max_retries=0) as aclient:
+        with pytest.raises(lanes.Overloaded) as async_error:
+            await aclient.call("search-query", "x")
+    for error in (stream_error.value, call_error.value, async_error.value):
+        assert type(error) is lanes.Unavailable, error
+        assert f"cannot reach the lanes endpoint at {nobody}" in str(error)
+        assert "start `lanes serve` there" in str(error) and "LANES_ENDPOINT" in str(error)
+    assert "2 attempts" in str(call_error.value) and "1 attempt)" in str(async_error.value)
+
+    tries: list[httpx.Request] = []
+
+    def never_connects(request: httpx.Request) -> httpx.Response:
+        tries.append(request)
+        raise httpx.ConnectTimeout("timed out", request=request)
+
+    transport = httpx.MockTransport(never_connects)
     with (
-        lanes.Client(nobody, spec=specs[1], max_retries=1) as client,
-        pytest.raises(lanes.LanesError, match="cannot reach the lanes endpoint"),
+        lanes.Client(nobody, spec=specs[1], max_retries=2, transport=transport) as client,
+        pytest.raises(lanes.Unavailable, match="cannot reach the lanes endpoint"),
     ):
-        list(client.stream("code", "x"))
+        client.call("flowers", {"features": ROWS})
+    assert len(tries) == 3  # a connect timeout is retried as a refusal is
 
 
 # ---- CLI twins -----------------------------------------------------------------------------
