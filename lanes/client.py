@@ -101,8 +101,9 @@ class Client:
         generate: a Completion (a str prompt, a list of the model's token ids, or a list
         of chat messages); it travels streamed when the workload says `stream: true`.
         `options` go into the request body (e.g. max_tokens, temperature; logprobs,
-        OpenAI's, and the Completion carries them)."""
-        types = self._core.types_request(workload, input)
+        OpenAI's, and the Completion carries them); one the request does not define is
+        an InvalidInput naming it, raised before anything is sent."""
+        types = self._core.types_request(workload, input, options)
         if types is not None:
             self._core.learn_types(workload, self._json(types))
         request = self._core.call_request(workload, input, timeout_ms, options)
@@ -250,7 +251,7 @@ class AsyncClient:
         self, workload: str, input: Any, *, timeout_ms: float | None = None, **options: Any
     ) -> Any:
         """See `Client.call`."""
-        types = self._core.types_request(workload, input)
+        types = self._core.types_request(workload, input, options)
         if types is not None:
             self._core.learn_types(workload, await self._json(types))
         request = self._core.call_request(workload, input, timeout_ms, options)

@@ -5,6 +5,7 @@ built from a workload's label, results or typed errors out, and the retry policy
 
 from __future__ import annotations
 
+import difflib
 import json
 import random
 import re
@@ -17,6 +18,7 @@ from typing import Any, Literal
 
 import httpx
 import numpy as np
+from pydantic import BaseModel
 
 from lanes.errors import (
     AuthError,
@@ -38,6 +40,9 @@ from lanes.payloads import (
     vector,
 )
 from lanes.protocols import REQUEST_ID_HEADER, TIMEOUT_HEADER
+from lanes.protocols.completions import ChatCompletionRequest, CompletionRequest
+from lanes.protocols.openai import EmbeddingsRequest
+from lanes.protocols.v2 import InferRequest
 from lanes.settings import Settings
 from lanes.spec import (
     InteractiveWorkload,
@@ -172,6 +177,7 @@ class Core:
         w = self.interactive(name)
         headers = self._headers(timeout_ms)
         if w.task == "embed":
+            _check_options(options, EmbeddingsRequest, "call", name)
             # base64 float32 is a quarter of the JSON and decodes without parsing floats.
             sent = embed_input(input)
             body = {**options, "model": name, "input": sent, "encoding_format": "base64"}
@@ -181,19 +187,24 @@ class Core:
             # same Completion either way (a guard's chunked mode sends what passed).
             if w.stream:
                 options = {"stream_options": {"include_usage": True}, **options}
-            return self._generate_request(name, input, options, headers, stream=w.stream)
+            return self._generate_request(name, input, options, headers, w.stream, "call")
+        _check_options(options, InferRequest, "call", name)
         types = self._input_types.get(name, {})
         named = infer_inputs(input, list(types), name)
         tensors = [tensor(k, v, types.get(k)) for k, v in named.items()]
         return Request("POST", f"/v2/models/{name}/infer", {**options, "inputs": tensors}, headers)
 
-    def types_request(self, name: str, input: Any) -> Request | None:
+    def types_request(self, name: str, input: Any, options: dict[str, Any]) -> Request | None:
         """The metadata request of an infer workload, when the client has not learned
         the model's inputs yet and needs them: `input` is no mapping (which input is
         it?), or has values whose datatype it would have to guess (the server takes
-        only the model's datatypes); else None. Hand its answer to `learn_types`."""
+        only the model's datatypes); else None. Hand its answer to `learn_types`.
+        The call's `options` are checked first: a bad one sends nothing at all."""
         w = self.workload(name, "interactive")
-        if w.task != "infer" or name in self._input_types:
+        if w.task != "infer":
+            return None
+        _check_options(options, InferRequest, "call", name)
+        if name in self._input_types:
             return None
         if isinstance(input, Mapping) and not any(guessed(v) for v in input.values()):
             return None
@@ -216,7 +227,8 @@ class Core:
             raise WrongMode(
                 f"workload {name!r} is {a_task(w.task)} workload: use client.call, not stream"
             )
-        return self._generate_request(name, prompt, options, self._headers(timeout_ms), True)
+        headers = self._headers(timeout_ms)
+        return self._generate_request(name, prompt, options, headers, True, "stream")
 
     def _headers(self, timeout_ms: float | None) -> dict[str, str]:
         # One id per call, kept by its retries: the server's logs and errors say it.
@@ -235,19 +247,27 @@ class Core:
 
     @staticmethod
     def _generate_request(
-        name: str, prompt: Any, options: dict[str, Any], headers: dict[str, str], stream: bool
+        name: str,
+        prompt: Any,
+        options: dict[str, Any],
+        headers: dict[str, str],
+        stream: bool,
+        method: str,
     ) -> Request:
         body: dict[str, Any] = {**options, "model": name, "stream": stream}
         ids = token_ids(prompt)
         if isinstance(prompt, str):
+            _check_options(options, CompletionRequest, method, name)
             path, body = "/v1/completions", {**body, "prompt": prompt}
         elif ids is not None:
+            _check_options(options, CompletionRequest, method, name)
             path, body = "/v1/completions", {**body, "prompt": ids}
         elif (
             isinstance(prompt, list | tuple)
             and prompt
             and all(isinstance(m, Mapping) for m in prompt)
         ):
+            _check_options(options, ChatCompletionRequest, method, name)
             path, body = "/v1/chat/completions", {**body, "messages": list(prompt)}
         else:
             raise InvalidInput.field(
@@ -457,6 +477,35 @@ class Core:
 
 
 # ---- wire helpers ---------------------------------------------------------------------
+
+# What the client fills in itself: an option of that name would be overwritten.
+_SET_BY_CLIENT = frozenset(
+    {"model", "stream", "prompt", "messages", "input", "encoding_format", "inputs"}
+)
+
+
+def _check_options(
+    options: Mapping[str, Any], route: type[BaseModel], method: str, name: str
+) -> None:
+    """Refuse an option the request `route` does not define (or one the client sets
+    itself). The server ignores fields it does not know, as vLLM does, so a misspelt
+    `max_token` would be dropped there without a word: the SDK knows the request's
+    fields (the server's own request models) and says so before sending anything."""
+    allowed = sorted(set(route.model_fields) - _SET_BY_CLIENT)
+    for option in options:
+        if option in allowed:
+            continue
+        if option in _SET_BY_CLIENT:
+            detail = f"{method}() sets {option!r} itself; leave it out"
+        else:
+            near = difflib.get_close_matches(option, allowed, n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            detail = (
+                f"{method}() got an unknown option {option!r} for workload {name!r}"
+                f"{hint} (it takes: {', '.join(allowed)})"
+            )
+        raise InvalidInput.field(option, detail, "unknown_parameter")
+
 
 _DONE: dict[str, Any] = {}
 

@@ -558,7 +558,7 @@ def test_what_json_cannot_carry_is_invalid_input_before_anything_is_sent(
         ):
             client.call("code", prompt)
     with pytest.raises(lanes.InvalidInput, match="records: expected a list of records"):
-        client.submit("nightly", {"id": "1", "text": "x"})  # type: ignore[arg-type]
+        client.submit("nightly", {"id": "1", "text": "x"})  # type: ignore[dict-item]
     with pytest.raises(lanes.InvalidInput, match=r"records\[1\]: .*, found 'x'$"):
         client.submit("nightly", [{"id": "1", "text": "x"}, "x"])  # type: ignore[list-item]
     after = metric(server, "lanes_responses_total", route="/v1/embeddings", code="200")
@@ -566,6 +566,36 @@ def test_what_json_cannot_carry_is_invalid_input_before_anything_is_sent(
     for endpoint in ("http://[::1", "localhost:8000", f"{server.url}/v1"):
         with pytest.raises(lanes.InvalidInput, match="endpoint: "):
             lanes.Client(endpoint, spec=specs[1])
+
+
+async def test_an_option_the_request_does_not_define_is_refused_before_sending(
+    specs: tuple[Path, Path],
+) -> None:
+    """The server ignores fields it does not know (as vLLM does), so the SDK refuses
+    them: a misspelt option would otherwise be dropped without a word. Nothing listens
+    at the endpoint: an error other than InvalidInput would mean it tried to send."""
+    nobody = f"http://127.0.0.1:{free_port()}"
+    with lanes.Client(nobody, spec=specs[1], max_retries=0) as client:
+        with pytest.raises(lanes.InvalidInput) as misspelt:
+            client.call("code", "def f(x):", max_token=3)
+        with pytest.raises(lanes.InvalidInput, match="unknown option 'tempreature'"):
+            list(client.stream("code", "x", tempreature=0.5))
+        with pytest.raises(lanes.InvalidInput, match=r"unknown option 'suffix'.*\(it takes: "):
+            client.call("code", [{"role": "user", "content": "hi"}], suffix="x")  # not chat's
+        with pytest.raises(lanes.InvalidInput, match="unknown option 'max_tokens'") as embed:
+            client.call("search-query", "x", max_tokens=3)
+        with pytest.raises(lanes.InvalidInput, match="unknown option 'temperature'"):
+            client.call("flowers", {"features": ROWS}, temperature=0)
+        with pytest.raises(lanes.InvalidInput, match=r"call\(\) sets 'model' itself"):
+            client.call("code", "x", model="other")
+    async with lanes.AsyncClient(nobody, spec=specs[1], max_retries=0) as aclient:
+        with pytest.raises(lanes.InvalidInput, match="unknown option 'max_token'"):
+            await aclient.call("code", "x", max_token=3)
+    error = misspelt.value
+    assert (error.param, error.code) == ("max_token", "unknown_parameter")
+    assert "did you mean 'max_tokens'?" in str(error)
+    assert "max_tokens, min_p" in str(error) and "stop_token_ids" in str(error)
+    assert "it takes: dimensions, user)" in str(embed.value)
 
 
 async def test_call_travels_as_the_workload_streams_and_returns_one_completion(

@@ -36,7 +36,6 @@ from lanes.protocols.openai import (
     texts_or_ids,
     unsupported,
 )
-from lanes.tasks.sampling import choice_seed
 from lanes.validation import describe
 
 if TYPE_CHECKING:  # lanes.tasks.generate reads GenerationOptions from here
@@ -213,6 +212,10 @@ class GenerateParams(GenerationOptions, OpenAIRequest):
         derived from the prompt's and j (`choice_seed`): with a seed, a rerun draws
         the same choices; at temperature 0 they are equal. Each runs its own prefill
         (sharing one across them is an optimisation not built)."""
+        # Here, not at the top: lanes.tasks loads onnxruntime, and the SDK reads this
+        # module's request shapes (lanes.wire) where no model runs.
+        from lanes.tasks.sampling import choice_seed
+
         settled = self.settle(item)
         if self.choices == 1:
             return [settled]
