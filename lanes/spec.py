@@ -104,7 +104,12 @@ HandlerRef = Annotated[
     Field(max_length=200),
     AfterValidator(_matching(HANDLER_PATTERN, "module:attribute, e.g. mypkg.hooks:handler")),
 ]
-StopString = Annotated[str, Field(min_length=1)]
+# Each stop string is looked for at every token of its sequence, and the text that
+# could start one is held back; the work per token grows with each string's length
+# (at 16 strings of 256 characters, about a millisecond in the worst case, a text
+# made to match their starts; at 16384, 0.2 s). Delimiters are a few characters.
+MAX_STOP_CHARS = 256
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 class SessionOptions(StrictModel):
@@ -221,7 +226,8 @@ class Generation(StrictModel):
     top_p: Number = Field(1.0, ge=0, le=1, description="0 keeps only the likeliest token.")
     # An empty string would end every completion before its first character. Each
     # stop string is looked for at every token of its sequence, so a list without
-    # bound would slow the batch it shares (OpenAI takes 4; vLLM, any number).
+    # bound, or strings without one, would slow the batch it shares (OpenAI takes 4;
+    # vLLM, any number of any length).
     stop: list[StopString] = Field(
         default_factory=list, max_length=16, description="Strings that end a completion."
     )

@@ -133,6 +133,8 @@ def explain(errors: Sequence[ErrorDetails]) -> Explained:
         return Explained(detail, "string_below_min_length")
     if kind == "string_too_long":
         detail = f"expected at most {ctx.get('max_length')} characters"
+        if isinstance(value, str):
+            detail += f", found {len(value)}"
         return Explained(detail, "string_above_max_length")
     if kind == "literal_error":
         detail = f"expected {ctx.get('expected')}, found {found}"

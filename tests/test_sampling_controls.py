@@ -15,11 +15,11 @@ from openai import BadRequestError, OpenAI
 
 from lanes import load_spec
 from lanes.batchframe import decode_items, encode_items
-from lanes.errors import SpecError
+from lanes.errors import InvalidInput, SpecError
 from lanes.protocols.completions import ChatMessage, render_chat
 from lanes.runtime import Runtime
 from lanes.settings import Settings
-from lanes.spec import Generation
+from lanes.spec import MAX_STOP_CHARS, Generation
 from lanes.tasks import GenerateTask, load_task
 from lanes.tasks.decoder import Completion
 from lanes.tasks.generate import GenerateRequest
@@ -191,6 +191,44 @@ def test_bad_values_are_400s_naming_the_field(
         client.completions.create(model="code-complete", prompt=PROMPT, extra_body=extra)
     body = caught.value.body
     assert isinstance(body, dict) and body["param"] == param, body
+
+
+def test_stop_strings_are_capped_in_number_and_length(
+    client: OpenAI, task: GenerateTask, demo_models: Path, tmp_path: Path
+) -> None:
+    """At most MAX_STOP_CHARS characters each, at most 16 of them: each is looked for at
+    every token. The most a request may send is served; past it, a 400 naming `stop`
+    (a list too long, one string too long) or `stop[i]` (that one string)."""
+    longest = "\u00e9" * MAX_STOP_CHARS  # characters, not UTF-8 bytes
+    most = [f"{i:03d}" + longest[3:] for i in range(16)]
+    answer = client.completions.create(model="code-complete", prompt=PROMPT, stop=most)
+    assert answer.choices[0].finish_reason == "length"
+    too_long = longest + "x"
+    refused: list[tuple[str, str | list[str]]] = [
+        ("stop", [*most, "x"]),
+        ("stop", too_long),
+        ("stop[1]", ["x", too_long]),
+    ]
+    for param, value in refused:
+        with pytest.raises(BadRequestError) as completion:
+            client.completions.create(model="code-complete", prompt=PROMPT, stop=value)
+        with pytest.raises(BadRequestError) as chat:
+            client.chat.completions.create(
+                model="code-complete", messages=[{"role": "user", "content": "x"}], stop=value
+            )
+        for caught in (completion, chat):
+            body = caught.value.body
+            assert isinstance(body, dict) and body["param"] == param, body
+            assert body["message"].startswith(f"{param}: expected at most "), body
+    body = completion.value.body
+    assert isinstance(body, dict)
+    assert body["message"] == "stop[1]: expected at most 256 characters, found 257"
+    with pytest.raises(InvalidInput) as record:  # the offline lane's check is the same
+        task.prepare({"prompt": PROMPT, "stop": ["x", "y", too_long]})
+    assert record.value.param == "stop[2]"
+    bad = WORKLOADS.replace("temperature: 0}", f"temperature: 0, stop: [{too_long!r}]}}", 1)
+    with pytest.raises(SpecError, match=r"generation\.stop\[0\]: expected at most 256"):
+        load_spec(write_spec(tmp_path, demo_models, bad), Settings())
 
 
 def test_the_endpoint_runners_frame_carries_the_controls(task: GenerateTask) -> None:
