@@ -107,6 +107,9 @@ def create_app(
 
     handlers = {HTTPException: no_route, Exception: internal_error}
     app = Starlette(routes=_routes(), lifespan=lifespan, exception_handlers=handlers)
+    # `Served` serves a path with a trailing slash as without it (`unslashed`); no
+    # answer is ever Starlette's empty-bodied 307 to the other spelling.
+    app.router.redirect_slashes = False
     app.state.lanes = state
     app.state.batches = Batches(spec, settings, now)
     key = settings.api_key.get_secret_value() if settings.api_key else None
@@ -134,6 +137,9 @@ class Served:
         self._edge = edge
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            # Before anything reads the path: ids, traces, metrics and routes see one.
+            scope = unslashed(scope)
         await self.app(scope, receive, send)
 
     def drain(self) -> None:
@@ -359,6 +365,21 @@ def _closing(send: Send) -> Send:
 
 
 _CLOSE = (b"connection", b"close")
+
+
+def unslashed(scope: Scope) -> Scope:
+    """`scope` with its path's trailing slashes dropped (`/v1/models/` is
+    `/v1/models`), the root's aside. vLLM's FastAPI redirects such a path (307) to the
+    one without; a client that follows the redirect gets that route's answer, which is
+    what this serves at once: no empty-bodied 307 for a client that does not follow
+    it (httpx's default), no second upload of a POST's body, and no Location built from
+    a Host header that a proxy in front may have rewritten."""
+    path: str = scope["path"]
+    if len(path) < 2 or not path.endswith("/"):
+        return scope
+    bare = path.rstrip("/") or "/"
+    raw: bytes = scope.get("raw_path") or path.encode()
+    return {**scope, "path": bare, "raw_path": raw.rstrip(b"/") or b"/"}
 
 
 def route_label(path: str) -> str:

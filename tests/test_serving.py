@@ -123,7 +123,8 @@ def test_openai_list_input_base64_and_models(server: ServerThread) -> None:
     packed = client.embeddings.create(model="search-query", input="one", encoding_format="base64")
     assert [d.index for d in floats.data] == [0, 1]
     # Asked for explicitly, base64 comes back as the string: little-endian float32 bytes.
-    unpacked = np.frombuffer(base64.b64decode(packed.data[0].embedding), dtype="<f4")
+    packed_text: Any = packed.data[0].embedding  # typed list[float]; base64 is its str
+    unpacked = np.frombuffer(base64.b64decode(packed_text), dtype="<f4")
     assert np.allclose(unpacked, floats.data[0].embedding, atol=1e-6)
     assert len(floats.data[0].embedding) == 384
     ids = {m.id for m in client.models.list().data}
@@ -135,6 +136,38 @@ def test_openai_list_input_base64_and_models(server: ServerThread) -> None:
         "held-lane",
         "held-one",
     }
+
+
+def test_a_trailing_slash_is_served_as_without_it(server: ServerThread) -> None:
+    """vLLM's FastAPI redirects `/v1/models/` to `/v1/models`; lanes answers it as that
+    route at once, never with an empty-bodied 307 (which httpx, by default, and
+    tritonclient do not follow). A path no route serves is a 404 in its protocol."""
+    embed = {"model": "search-query", "input": "one"}
+    row = {"name": "features", "shape": [1, 4], "datatype": "FP32", "data": [5.1, 3.5, 1.4, 0.2]}
+    with httpx.Client(base_url=server.url, timeout=30, follow_redirects=False) as client:
+        before = client.get("/metrics").text
+        for path in ("/v1/models", "/v1/models/search-query", "/v2/models/flowers", "/healthz"):
+            bare, slashed = client.get(path), client.get(path + "/")
+            assert slashed.status_code == 200, (path, slashed.status_code, slashed.text)
+            assert slashed.json() == bare.json(), path
+        answers = [client.post(p, json=embed) for p in ("/v1/embeddings", "/v1/embeddings/")]
+        assert [a.status_code for a in answers] == [200, 200], answers[1].text
+        assert answers[1].json()["data"] == answers[0].json()["data"]
+        bare = client.post("/v2/models/flowers/infer", json={"inputs": [row]})
+        slashed = client.post("/v2/models/flowers/infer//", json={"inputs": [row]})
+        assert slashed.status_code == 200, slashed.text
+        assert slashed.json()["outputs"] == bare.json()["outputs"]
+        missing = client.get("/v1/nowhere/")
+        assert missing.status_code == 404
+        assert missing.json()["error"]["message"].startswith("Invalid URL (GET /v1/nowhere)")
+        ghost = client.get("/v2/models/ghost/")
+        assert ghost.status_code == 404 and isinstance(ghost.json()["error"], str)
+        after = client.get("/metrics").text
+    # Counted as the route they reached, not as `other`.
+    for route, more in (("/v1/models", 2), ("/v1/embeddings", 2)):
+        then = metric(before, "lanes_responses_total", default=0.0, route=route, code="200")
+        now = metric(after, "lanes_responses_total", route=route, code="200")
+        assert now - then == more, route
 
 
 def test_tritonclient_infer_and_metadata(server: ServerThread) -> None:
