@@ -281,6 +281,30 @@ def test_a_list_of_prompts_gets_one_choice_each(client: OpenAI) -> None:
     assert finishes == [a.choices[0].finish_reason for a in alone]
 
 
+def test_a_list_of_prompts_mixing_texts_and_token_ids_is_a_400_naming_the_item(
+    client: OpenAI,
+) -> None:
+    """OpenAI and vLLM take a text, a list of texts, token ids or a list of arrays of
+    token ids, never a mix: the first item sets the kind and another is refused."""
+    mixes: dict[str, tuple[Any, str]] = {
+        "prompt[1]": (["def f(x", [1, 2]], "expected a string, as prompt[0] is"),
+        "prompt[2]": ([[1, 2], [3], "def f(x"], "expected an array of token ids, as prompt[0] is"),
+    }
+    for param, (prompt, says) in mixes.items():
+        with pytest.raises(BadRequestError) as mixed:
+            client.completions.create(model="code-complete", prompt=prompt, stream=False)
+        assert (mixed.value.param, mixed.value.code) == (param, "invalid_type")
+        assert isinstance(mixed.value.body, dict)
+        assert mixed.value.body["message"].startswith(f"{param}: {says} (a list is all strings")
+    with pytest.raises(BadRequestError) as embedded:
+        client.embeddings.create(model="search-query", input=["hello", [101, 102]])  # type: ignore[arg-type]
+    assert embedded.value.param == "input[1]"
+    # Each kind alone is served.
+    texts = client.completions.create(model="code-complete", prompt=["a", "b"], stream=False)
+    ids = client.completions.create(model="code-complete", prompt=[[1, 2], [3]], stream=False)
+    assert len(texts.choices) == len(ids.choices) == 2
+
+
 # ---- what OpenAI rejects is rejected, with its param and code ---------------------------------
 
 CHAT_BODY: dict[str, Any] = {"model": "code-complete", "messages": CHAT}
@@ -526,6 +550,8 @@ REJECTED: list[tuple[str, dict[str, Any], str, str | None]] = [
     ("/v1/embeddings", {**EMBED_BODY, "input": []}, "input", "empty_array"),
     ("/v1/embeddings", {**EMBED_BODY, "input": ["ok", None]}, "input[1]", "invalid_type"),
     ("/v1/embeddings", {**EMBED_BODY, "input": [101, "x"]}, "input[1]", "invalid_type"),
+    ("/v1/embeddings", {**EMBED_BODY, "input": ["x", [101]]}, "input[1]", "invalid_type"),
+    ("/v1/embeddings", {**EMBED_BODY, "input": [[101], "x"]}, "input[1]", "invalid_type"),
     ("/v1/embeddings", {**EMBED_BODY, "model": 7}, "model", "invalid_type"),
 ]
 

@@ -69,7 +69,9 @@ def _is_id(value: Any) -> bool:
 
 def texts_or_ids(value: str | list[Any], param: str, what: str) -> Inputs:
     """OpenAI's four spellings of a request's inputs (each a `what`), as a list: a text,
-    a list of texts, one array of token ids, a list of arrays of token ids."""
+    a list of texts, one array of token ids, a list of arrays of token ids. A list is
+    of one kind, as its first item's (OpenAI and vLLM take no mix of texts and
+    arrays): an item of the other kind is refused, named `param[i]`."""
     if isinstance(value, str):
         return [value]
     if not value:
@@ -77,16 +79,30 @@ def texts_or_ids(value: str | list[Any], param: str, what: str) -> Inputs:
         raise InvalidInput.field(param, detail, "empty_array")
     if _is_id(value[0]):
         return [_token_ids(value, param)]
+    texts = isinstance(value[0], str)
     inputs: Inputs = []
     for i, item in enumerate(value):
-        if isinstance(item, str):
+        if isinstance(item, str) and texts:
             inputs.append(item)
-        elif isinstance(item, list):
+        elif isinstance(item, list) and not texts:
             inputs.append(_token_ids(item, f"{param}[{i}]"))
         else:
-            detail = f"expected a string or an array of token ids, found {describe(item)}"
+            detail = _not_of_kind(item, i, param, texts)
             raise InvalidInput.field(f"{param}[{i}]", detail, "invalid_type")
     return inputs
+
+
+def _not_of_kind(item: Any, i: int, param: str, texts: bool) -> str:
+    """Why item `i` of the list of inputs `param` is refused: its kind (`texts`, else
+    arrays of token ids) is set by its first item."""
+    found = describe(item)
+    if i == 0 or not isinstance(item, str | list):
+        return f"expected a string or an array of token ids, found {found}"
+    wanted = "a string" if texts else "an array of token ids"
+    return (
+        f"expected {wanted}, as {param}[0] is (a list is all strings or all arrays of "
+        f"token ids, not a mix), found {found}"
+    )
 
 
 def _token_ids(value: list[Any], param: str) -> list[int]:
