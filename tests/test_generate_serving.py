@@ -17,6 +17,7 @@ from openai import AsyncOpenAI, BadRequestError, OpenAI
 
 from lanes.runtime import Runtime
 from lanes.settings import Settings
+from lanes.spec import MAX_STOP_CHARS
 from lanes.specfile import load_spec
 from lanes.tasks import GenerateTask, load_task
 from tests.gates import Gate, JumpClock, eventually, stepping, wait_until
@@ -313,8 +314,10 @@ def test_stop_strings_cut_the_text_streamed_or_not(server: ServerThread, found: 
 
 
 def test_text_that_cannot_begin_a_stop_string_is_streamed_at_once(server: ServerThread) -> None:
-    """A stop string 501 characters long holds back no text that cannot begin it."""
-    body = {"model": "code", "prompt": "def f(x", "stop": ["\u0100" + "y" * 500]}
+    """A stop string of the most characters a request may send holds back no text
+    that cannot begin it."""
+    longest = "\u0100" + "y" * (MAX_STOP_CHARS - 1)
+    body = {"model": "code", "prompt": "def f(x", "stop": [longest]}
     url = f"{server.url}/v1/completions"
     first = httpx.post(url, json={**body, "max_tokens": 1}, timeout=30).json()["choices"][0]
     whole = httpx.post(url, json={**body, "max_tokens": 8}, timeout=30).json()["choices"][0]
