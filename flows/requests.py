@@ -213,7 +213,7 @@ class CompletionLine:
         created = int(time.time())
         # Each prompt counted once, as online: its first choice's.
         prompt_tokens = sum(c.prompt_tokens for c in done[:: self.request.choices])
-        completion_tokens = sum(len(c.tokens) for c in done)
+        completion_tokens = sum(c.completion_tokens for c in done)
         choices = [self._choice(p, c, task) for p, c in zip(prepared, done, strict=True)]
         respond = chat_response if chat else completion_response
         body = respond(id, created, self.request.model, choices, prompt_tokens, completion_tokens)

@@ -198,6 +198,8 @@ def encode_outputs(outcomes: Sequence[Any]) -> bytes:
                 "finish_reason": outcome.finish_reason,
                 "prompt_tokens": outcome.prompt_tokens,
             }
+            if outcome.stop_token is not None:
+                fields["stop_token"] = outcome.stop_token
             if outcome.logprobs is not None:
                 fields["logprobs"] = [_logprob_fields(lp) for lp in outcome.logprobs]
             if outcome.prompt_logprobs is not None:
@@ -357,6 +359,7 @@ def _completion(entry: Entry) -> Completion:
         raise ModelError("the endpoint answered a generate item without tokens or finish")
     logprobs = fields.get("logprobs")
     prompt = fields.get("prompt_logprobs")
+    stop_token = fields.get("stop_token")
     return Completion(
         str(fields.get("text", "")),
         [int(t) for t in tokens],
@@ -364,6 +367,7 @@ def _completion(entry: Entry) -> Completion:
         int(fields.get("prompt_tokens", 0)),
         None if logprobs is None else [_logprob_of(lp) for lp in logprobs],
         None if prompt is None else [_logprob_of(lp) for lp in prompt],
+        None if stop_token is None else int(stop_token),
     )
 
 

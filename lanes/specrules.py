@@ -58,7 +58,14 @@ _ITEM_FIELDS = {"text": "embed", "prompt": "generate"}
 # (less `logprobs`, which a plain record never asks for). Infer's are its graph's.
 _OUTPUT_FIELDS: dict[TaskName, tuple[str, ...]] = {
     "embed": ("embedding",),
-    "generate": ("text", "tokens", "finish_reason", "prompt_tokens", "prompt_logprobs"),
+    "generate": (
+        "text",
+        "tokens",
+        "finish_reason",
+        "prompt_tokens",
+        "prompt_logprobs",
+        "stop_token",
+    ),
 }
 
 

@@ -43,7 +43,7 @@ class TokenStream:
     _signal: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     def _push(self, event: Event) -> None:
-        self.completion_tokens += len(event.tokens)
+        self.completion_tokens += event.made
         if event.prompt_logprobs is not None:  # a first event's, once
             self.prompt_logprobs = event.prompt_logprobs
         self.finished = self.finished or event.finish is not None
@@ -103,6 +103,7 @@ async def completion(stream: TokenStream) -> Completion | LanesError | None:
                 stream.prompt_tokens,
                 scored,
                 None if prompt is None else list(prompt),
+                event.stop_token,
             )
         if event.finish == "error":
             return ModelError(event.error or "the model failed on this sequence")

@@ -182,7 +182,7 @@ class GenerateSpans:
                     continue
                 if event.tokens and t.first_at is None:
                     t.first_at = now
-                t.tokens += len(event.tokens)
+                t.tokens += event.made  # as usage counts them
                 t.steps += event.seq_id in decoded
                 if event.finish is not None:
                     ended.append((t, event))

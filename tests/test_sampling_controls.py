@@ -14,12 +14,15 @@ import pytest
 from openai import BadRequestError, OpenAI
 
 from lanes import load_spec
-from lanes.batchframe import decode_items, encode_items
+from lanes.batchframe import decode_items, decode_outputs, encode_items, encode_outputs
 from lanes.errors import InvalidInput, SpecError
+from lanes.flows.records import Line
+from lanes.flows.requests import Rejection, to_request
+from lanes.flows.shape import RecordShape
 from lanes.protocols.completions import ChatMessage, render_chat
 from lanes.runtime import Runtime
 from lanes.settings import Settings
-from lanes.spec import MAX_STOP_CHARS, Generation
+from lanes.spec import MAX_STOP_CHARS, Generation, OfflineWorkload
 from lanes.tasks import GenerateTask, load_task
 from lanes.tasks.decoder import Completion
 from lanes.tasks.generate import GenerateRequest
@@ -97,9 +100,10 @@ def test_a_stop_token_ends_greedy_output_where_greedy_makes_it(
     )
     (choice,) = answer.choices
     assert choice.finish_reason == "stop"
-    # As eos: the stop token is neither in the text nor counted.
+    # As eos: the stop token is not in the text, but the model made it and usage
+    # counts it, as vLLM does (test_a_stop_token_is_counted_alike_everywhere).
     assert choice.text == task.decoder.tokenizer.decode(tokens[:k])
-    assert answer.usage is not None and answer.usage.completion_tokens == k
+    assert answer.usage is not None and answer.usage.completion_tokens == k + 1
     config = task.decoder.config
     messages = [ChatMessage(role="user", content="write a loop")]
     rendered = render_chat(messages, config.chat_template, config.chat_generation_prompt)
@@ -112,6 +116,60 @@ def test_a_stop_token_ends_greedy_output_where_greedy_makes_it(
     )
     assert chat.choices[0].finish_reason == "stop"
     assert chat.choices[0].message.content == task.decoder.tokenizer.decode(chat_tokens[:k])
+
+
+def test_a_stop_token_is_counted_alike_everywhere(
+    client: OpenAI, task: GenerateTask, spec: Path
+) -> None:
+    """vLLM counts the eos or stop token that ended a text in completion_tokens (its
+    output token ids hold it) though the text does not show it: lanes counts it so on
+    every route and lane, streamed or not, with the same text."""
+    tokens = greedy_ids(task, PROMPT)
+    k = fresh_token(tokens)
+    fields = {"stop_token_ids": [tokens[k]]}
+    text = task.decoder.tokenizer.decode(tokens[:k])
+    asked: dict[str, Any] = {"model": "code-complete", "max_tokens": 12, "extra_body": fields}
+    whole = client.completions.create(prompt=PROMPT, stream=False, **asked)
+    streamed = list(
+        client.completions.create(
+            prompt=PROMPT, stream=True, stream_options={"include_usage": True}, **asked
+        )
+    )
+    assert streamed[-1].usage is not None and not streamed[-1].choices
+    assert "".join(c.choices[0].text for c in streamed[:-1]) == whole.choices[0].text == text
+    assert whole.usage is not None and streamed[-1].usage is not None
+    assert whole.usage.completion_tokens == streamed[-1].usage.completion_tokens == k + 1
+    config = task.decoder.config
+    messages = [ChatMessage(role="user", content="write a loop")]
+    rendered = render_chat(messages, config.chat_template, config.chat_generation_prompt)
+    chat_tokens = greedy_ids(task, rendered)
+    j = fresh_token(chat_tokens)
+    said: Any = [{"role": "user", "content": "write a loop"}]
+    asked["extra_body"] = {"stop_token_ids": [chat_tokens[j]]}
+    chat = client.chat.completions.create(messages=said, stream=False, **asked)
+    chat_streamed = list(
+        client.chat.completions.create(
+            messages=said, stream=True, stream_options={"include_usage": True}, **asked
+        )
+    )
+    final = chat_streamed[-1].usage
+    assert chat.choices[0].finish_reason == "stop"
+    assert chat.usage is not None and final is not None
+    assert chat.usage.completion_tokens == final.completion_tokens == j + 1
+    # Offline, in-process: the task's batch loop, and an OpenAI batch line answered.
+    (done,) = task.run([task.prepare({"prompt": PROMPT, **fields})])
+    assert done.tokens == tokens[:k] and done.stop_token == tokens[k]
+    assert done.completion_tokens == k + 1
+    workload = load_spec(spec, Settings()).workload("nightly")
+    assert isinstance(workload, OfflineWorkload)
+    body = {"model": "nightly", "prompt": PROMPT, "max_tokens": 12, **fields}
+    line = {"custom_id": "c-1", "method": "POST", "url": "/v1/completions", "body": body}
+    request = to_request(Line(1, line), RecordShape.of("nightly", workload, None), "in/a.jsonl")
+    assert not isinstance(request, Rejection)
+    prepared = request.prepare(task)
+    answered = request.answer(prepared, task.run(prepared), task)
+    assert answered["response"]["body"]["usage"] == whole.usage.model_dump(exclude_none=True)
+    assert answered["response"]["body"]["choices"][0]["text"] == text
 
 
 def test_min_tokens_keeps_a_stop_token_from_ending_the_text_before_it(
@@ -171,6 +229,7 @@ def test_a_plain_record_takes_the_same_fields(task: GenerateTask) -> None:
     record = {"prompt": PROMPT, "stop_token_ids": [tokens[k]], "include_stop_str_in_output": True}
     (done,) = task.run([task.prepare(record)])
     assert done.tokens == tokens[:k] and done.finish_reason == "stop"
+    assert (done.stop_token, done.completion_tokens) == (tokens[k], k + 1)
 
 
 @pytest.mark.parametrize(
@@ -248,6 +307,12 @@ def test_the_endpoint_runners_frame_carries_the_controls(task: GenerateTask) -> 
         1.2,
     )
     assert task.run([back])[0] == task.run([request])[0]
+    # And its answer back, the stop token that ended it with it (usage counts it).
+    tokens = greedy_ids(task, PROMPT)
+    k = fresh_token(tokens)
+    ended = task.run([task.prepare({"prompt": PROMPT, "stop_token_ids": [tokens[k]]})])
+    assert decode_outputs(encode_outputs(ended), 1, "generate") == ended
+    assert ended[0].stop_token == tokens[k]
 
 
 # ---- logit_bias, penalties, min_p: checked on the model's raw logits, computed here ----

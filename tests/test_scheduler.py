@@ -108,12 +108,15 @@ def test_joiners_prefill_then_decode_and_a_finished_row_is_refilled_at_once() ->
 
 
 def test_eos_stops_without_a_token_unless_ignored() -> None:
+    """An eos that ends a sequence is no token of its text, but it was made: usage
+    counts it, as vLLM does (Event.made)."""
     s = make()
     s.add(seq(0))
     s.add(seq(1, ignore_eos=True))
     step(s)
     _, events = step(s, EOS)
-    assert by_id(events)[0] == Event(0, (), "", "stop")
+    assert by_id(events)[0] == Event(0, (), "", "stop", stop_token=EOS)
+    assert by_id(events)[0].made == 1 and by_id(events)[1].made == 1
     assert by_id(events)[1].tokens == (EOS,) and by_id(events)[1].finish is None
 
 

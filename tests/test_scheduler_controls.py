@@ -16,7 +16,9 @@ def test_a_stop_token_ends_the_sequence_as_eos_does_and_is_not_in_its_text() -> 
     s.add(seq(1))  # declared nothing: X is one more token
     step(s)
     _, events = step(s, X)
-    assert by_id(events)[0] == Event(0, (), "", "stop")
+    # Not shown, but made: counted as vLLM counts it (Event.made).
+    assert by_id(events)[0] == Event(0, (), "", "stop", stop_token=X)
+    assert by_id(events)[0].made == 1
     assert s.advance.controlled == 0  # the finished one no longer counts
     assert by_id(events)[1].tokens == (X,) and by_id(events)[1].finish is None
 
@@ -64,7 +66,7 @@ def test_rows_without_controls_pick_as_alone_beside_rows_with_them() -> None:
     row[:, B] = 5.0
     events = by_id(s.update(plan, StepOutputs(row, None)))
     assert events[0].tokens == (B,)  # eos masked: the next likeliest
-    assert events[1] == Event(1, (), "", "stop", True)  # eos, as alone
+    assert events[1] == Event(1, (), "", "stop", True, stop_token=EOS)  # eos, as alone
     assert row[0, EOS] == 10.0  # the logits themselves are left as they were
 
 

@@ -550,7 +550,8 @@ def test_generate_greedy_stops_at_eos_using_one_token_steps(generate: GenerateTa
         completion = decoder.generate("a", max_new_tokens=10, temperature=0)
     finally:
         decoder.session = counting.session
-    assert completion == Completion("b c d", [2, 3, 4], "stop", prompt_tokens=1)
+    assert completion == Completion("b c d", [2, 3, 4], "stop", prompt_tokens=1, stop_token=0)
+    assert completion.completion_tokens == 4  # the eos too, as vLLM counts it
     assert seen == [(1, 1), (1, 1), (1, 1), (1, 1)]  # prefill, then one token per step
 
 

@@ -150,7 +150,10 @@ class Advance:
         if (token in self.eos_token_ids and not seq.ignore_eos) or token in seq.stop_token_ids:
             self._finish(seq, SeqStatus.FINISHED_STOPPED)
             seq.text += self.text.rest(seq)
-            return final(seq, (), first)
+            seq.stop_token = token  # made and counted, not shown (seq.completion_tokens)
+            ended = final(seq, (), first)
+            ended.stop_token = token
+            return ended
         seq.tokens.append(token)
         limit = seq._limit or self._limit(seq)
         stop = seq.stop

@@ -167,6 +167,9 @@ def _result(index: int, seq: Seq) -> Completion | Failed:
     prompt = seq.prompt_scores if seq.prompt_logprobs is not None else None
     reason = seq.status.finish_reason
     if reason == "stop" or reason == "length":
-        return Completion(seq.text, list(seq.tokens), reason, len(seq.prompt_ids), logprobs, prompt)
+        tokens = list(seq.tokens)
+        return Completion(
+            seq.text, tokens, reason, len(seq.prompt_ids), logprobs, prompt, seq.stop_token
+        )
     why = seq.error or f"the sequence ended as {seq.status.name.lower()}"
     return Failed(index, ModelError(why))

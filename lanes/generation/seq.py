@@ -92,6 +92,9 @@ class Seq:
     prefilled: int = 0  # prompt tokens in its cache so far (a prompt prefilled in chunks)
     status: SeqStatus = SeqStatus.WAITING
     tokens: list[int] = field(default_factory=list)
+    # The eos or stop_token_ids token that ended it: made, counted (`completion_tokens`),
+    # but neither in `tokens` nor in its text.
+    stop_token: int | None = None
     text: str = ""  # decoded so far (cut before a stop string once one is found)
     sent: int = 0  # characters of `text` already handed out in events
     error: str | None = None  # why it finished with FINISHED_ERROR
@@ -244,3 +247,17 @@ class Event:
     # A sequence's first event, where it asked (Seq.prompt_logprobs): its prompt's
     # tokens after the first, scored.
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    stop_token: int | None = None  # with finish "stop": the token that ended it (Seq's)
+
+    @property
+    def made(self) -> int:
+        """The tokens this step made for its sequence, as usage counts them."""
+        return completion_tokens(len(self.tokens), self.stop_token)
+
+
+def completion_tokens(shown: int, stop_token: int | None) -> int:
+    """What `usage.completion_tokens` counts, in both lanes: the `shown` tokens and, as
+    vLLM counts it (its output token ids hold it), the eos or stop_token_ids token that
+    ended the sequence though neither its text nor its tokens show it. A stop string's
+    tokens are shown tokens already."""
+    return shown + (stop_token is not None)

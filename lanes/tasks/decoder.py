@@ -28,6 +28,7 @@ from tokenizers import Tokenizer
 from lanes.binding import Placement, bind_inputs
 from lanes.errors import InvalidInput, ModelError
 from lanes.generation.logprobs import TokenLogprob
+from lanes.generation.seq import completion_tokens
 from lanes.runtime import Runtime, describe
 from lanes.spec import ModelSpec
 from lanes.tasks.base import encode, load_tokenizer
@@ -60,7 +61,7 @@ class BoundStep:
 @dataclass(frozen=True)
 class Completion:
     text: str  # decoded, without special tokens, cut before a stop string
-    tokens: list[int]  # generated ids (no eos); len() is usage.completion_tokens
+    tokens: list[int]  # generated ids shown (no eos, no stop token)
     finish_reason: FinishReason
     prompt_tokens: int = 0
     # One per token where the request asked (GenerateRequest.top_logprobs), else None.
@@ -68,6 +69,12 @@ class Completion:
     # Its prompt's tokens after the first, scored, where the request asked
     # (GenerateRequest.prompt_logprobs), else None.
     prompt_logprobs: list[TokenLogprob] | None = None
+    stop_token: int | None = None  # the eos or stop token that ended it (Seq's)
+
+    @property
+    def completion_tokens(self) -> int:
+        """usage.completion_tokens: its tokens and the stop token that ended it."""
+        return completion_tokens(len(self.tokens), self.stop_token)
 
 
 class Decoder:
@@ -335,7 +342,7 @@ class Decoder:
         while len(tokens) < budget:
             token = sample(logits[0, -1], sampling, rng)
             if token in self.config.eos_token_ids:
-                return Completion(text, tokens, "stop", n_prompt)
+                return Completion(text, tokens, "stop", n_prompt, stop_token=token)
             tokens.append(token)
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
             cut = _first_stop(text, stop)
