@@ -43,6 +43,7 @@ from lanes.protocols.answers import (
     chat_response,
     completion_chunk,
     completion_response,
+    usage_body,
     usage_chunk,
 )
 from lanes.protocols.completions import (
@@ -354,6 +355,11 @@ class _Answer:
         chunk = self.endpoint.chunk(
             self.id, self.created, self.body.model, text, finish, first, index, logprobs
         )
+        if self.body.continuous_usage:
+            # vLLM's continuous_usage_stats: each chunk carries its choice's usage, the
+            # tokens its sequence has made so far (held-back text's included).
+            stream = self.streams[index]
+            chunk["usage"] = usage_body(stream.prompt_tokens, stream.completion_tokens)
         return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
     def _chunk_logprobs(self, index: int, piece: Piece) -> Logprobs:

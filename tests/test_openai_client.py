@@ -281,6 +281,78 @@ def test_a_list_of_prompts_gets_one_choice_each(client: OpenAI) -> None:
     assert finishes == [a.choices[0].finish_reason for a in alone]
 
 
+def usages(chunks: list[Any]) -> dict[int, list[tuple[int, int, int]]]:
+    """Each choice's (prompt, completion, total) tokens, chunk by chunk, as its chunks
+    carried them."""
+    seen: dict[int, list[tuple[int, int, int]]] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            usage = chunk.usage
+            assert usage is not None, chunk
+            counts = (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens)
+            seen.setdefault(choice.index, []).append(counts)
+    return seen
+
+
+def test_continuous_usage_stats_puts_each_choice_s_usage_in_every_chunk(client: OpenAI) -> None:
+    """vLLM's stream_options.continuous_usage_stats: with include_usage, every chunk
+    carries its choice's usage so far, the last its whole; the usage chunk follows."""
+    prompts = ["def f(x", "import os\n"]
+    continuous = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chunks = list(
+        client.completions.create(
+            model="code-complete", prompt=prompts, stream=True, extra_body=continuous
+        )
+    )
+    *texts, last = chunks
+    assert last.choices == [] and last.usage is not None
+    seen = usages(texts)
+    assert sorted(seen) == [0, 1]
+    for counts in seen.values():
+        assert all(p == counts[0][0] and t == p + c for p, c, t in counts)
+        made = [c for _, c, _ in counts]
+        assert made == sorted(made) and made[0] >= 1
+    alone = [
+        client.completions.create(model="code-complete", prompt=p, stream=False) for p in prompts
+    ]
+    for index, answer in enumerate(alone):
+        assert answer.usage is not None
+        whole = answer.usage
+        assert seen[index][-1] == (whole.prompt_tokens, whole.completion_tokens, whole.total_tokens)
+    assert last.usage.completion_tokens == sum(seen[i][-1][1] for i in seen)
+    assert last.usage.prompt_tokens == sum(seen[i][-1][0] for i in seen)
+
+    messages: Any = CHAT
+    chat = list(
+        client.chat.completions.create(
+            model="code-complete", messages=messages, stream=True, extra_body=continuous
+        )
+    )
+    *deltas, total = chat
+    (counts,) = usages(deltas).values()
+    assert total.usage is not None
+    assert counts[-1] == (
+        total.usage.prompt_tokens,
+        total.usage.completion_tokens,
+        total.usage.total_tokens,
+    )
+    # Without include_usage, vLLM reads no continuous_usage_stats: no usage at all.
+    alone_option = {"stream_options": {"continuous_usage_stats": True}}
+    plain = list(
+        client.completions.create(
+            model="code-complete", prompt=prompts[0], stream=True, extra_body=alone_option
+        )
+    )
+    assert plain and all(chunk.usage is None for chunk in plain)
+    usual = {"stream_options": {"include_usage": True}}
+    counted = list(
+        client.completions.create(
+            model="code-complete", prompt=prompts[0], stream=True, extra_body=usual
+        )
+    )
+    assert all(chunk.usage is None for chunk in counted[:-1]) and counted[-1].usage is not None
+
+
 def test_a_list_of_prompts_mixing_texts_and_token_ids_is_a_400_naming_the_item(
     client: OpenAI,
 ) -> None:

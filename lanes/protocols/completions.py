@@ -57,7 +57,10 @@ class ResponseFormat(Shape):
 
 
 class StreamOptions(Shape):
-    include_usage: bool | None = None
+    include_usage: bool | None = Field(None, description="A last chunk with the usage.")
+    continuous_usage_stats: bool | None = Field(
+        None, description="vLLM's: with include_usage, each chunk its choice's usage so far."
+    )
 
 
 class GenerationOptions(Shape):
@@ -129,6 +132,12 @@ class GenerateParams(GenerationOptions, OpenAIRequest):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage is True
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's `continuous_usage_stats`, which it reads only with include_usage."""
+        options = self.stream_options
+        return self.include_usage and options is not None and options.continuous_usage_stats is True
 
     @property
     def top_logprobs_wanted(self) -> int | None:
