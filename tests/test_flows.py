@@ -171,7 +171,8 @@ def test_generate_answers_completions_and_chat_lines(prefect_api: str, tmp_path:
     body = lines["c1"]["response"]["body"]
     created = body["created"]
     id = f"cmpl-{lines['c1']['response']['request_id']}"
-    assert body == completion_response(id, created, "gen", [Choice("b c d", "stop")], 1, 3)
+    # Three tokens shown and the eos that ended them, counted as vLLM counts it.
+    assert body == completion_response(id, created, "gen", [Choice("b c d", "stop")], 1, 4)
     assert lines["c2"]["response"]["body"]["choices"][0]["finish_reason"] == "length"
     chat = lines["chat"]["response"]["body"]
     assert chat["object"] == "chat.completion"
@@ -180,7 +181,7 @@ def test_generate_answers_completions_and_chat_lines(prefect_api: str, tmp_path:
     # A list of prompts: one choice each, in order, as the endpoint answers it.
     two = lines["two"]["response"]["body"]
     assert [(c["index"], c["text"]) for c in two["choices"]] == [(0, "b c d"), (1, "c d")]
-    assert two["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
+    assert two["usage"] == {"prompt_tokens": 2, "completion_tokens": 7, "total_tokens": 9}
 
 
 def test_text_over_max_length_is_an_error_line_unless_the_workload_truncates(
