@@ -284,7 +284,7 @@ def lane(
     storage = Storage(settings)
     (plan,) = plan_shards(job, storage)
     timer = Timer()
-    stats = run_shard(plan, model, storage, job.batch_size, job.max_record_bytes)
+    stats = run_shard(plan, model, storage, job.batch_size, job.max_record_bytes, job.max_inputs)
     elapsed = timer.seconds()
     assert stats.outputs == len(texts), stats
     assert stats.errors == 0, stats
