@@ -164,7 +164,9 @@ def test_a_stop_token_is_counted_alike_everywhere(
     assert isinstance(workload, OfflineWorkload)
     body = {"model": "nightly", "prompt": PROMPT, "max_tokens": 12, **fields}
     line = {"custom_id": "c-1", "method": "POST", "url": "/v1/completions", "body": body}
-    request = to_request(Line(1, line), RecordShape.of("nightly", workload, None), "in/a.jsonl")
+    shape = RecordShape.of("nightly", workload, None)
+    limit = Settings().max_inputs_per_request
+    request = to_request(Line(1, line), shape, "in/a.jsonl", limit)
     assert not isinstance(request, Rejection)
     prepared = request.prepare(task)
     answered = request.answer(prepared, task.run(prepared), task)
