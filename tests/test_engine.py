@@ -237,71 +237,6 @@ def test_joiners_of_one_prompt_share_one_row_of_their_prefill(task: GenerateTask
             np.testing.assert_allclose(ours[row, :, -n:], its[0], rtol=1e-4, atol=1e-4)
 
 
-def test_joiners_sharing_a_long_prefix_run_it_once(task: GenerateTask) -> None:
-    """Prompts that start with one long instruction: it runs once, in one row, then
-    each prompt's rest on its cache; every joiner gets the logits and cache its
-    prompt gets alone. A slot-layout graph runs prompts on a past row by row, so
-    there they run whole, in one run."""
-    decoder = task.decoder
-    instruction = "# Copyright 2001 Python Software Foundation\n" * 2
-    prompts = [instruction + end for end in ("x", "def f(x", "import os\nimport sys\n")]
-    seqs = [Seq(i, tuple(decoder.encode(p)), 4) for i, p in enumerate(prompts)]
-    assert len({s.prompt_ids[:SHARED_PREFIX_MIN] for s in seqs}) == 1, "a prefix to share"
-    with concurrent.futures.ThreadPoolExecutor(1) as pool, RUNS.closed():
-        ran = pool.submit(prefill, decoder, seqs)
-        rows = []
-        for _ in range(1 if decoder.slots else 2):
-            RUNS.wait_held()
-            rows.append(RUNS.held_rows())
-            RUNS.allow(1)
-        logits, (join,) = ran.result(timeout=WAIT_S)
-    assert rows == ([3] if decoder.slots else [1, 3])
-    for row, seq in enumerate(seqs):
-        by_itself, (its_join,) = prefill(decoder, [seq])
-        n = len(seq.prompt_ids)
-        np.testing.assert_allclose(logits[row], by_itself[0], rtol=1e-4, atol=1e-4)
-        assert join.mask[row].sum() == n and (join.mask[row, -n:] == 1).all()
-        for ours, its in zip(join.past.arrays, its_join.past.arrays, strict=True):
-            np.testing.assert_allclose(ours[row, :, -n:], its[0], rtol=1e-4, atol=1e-4)
-    items: list[dict[str, object]] = [{"prompt": p, "max_tokens": 6} for p in prompts]
-    done = generate_batch(decoder, [task.prepare(item) for item in items], 3, "code")
-    assert [d.tokens for d in done if isinstance(d, Completion)] == [
-        alone(task, item).tokens for item in items
-    ]
-
-
-def test_a_later_joiner_runs_only_its_rest_on_the_prompt_kept(task: GenerateTask) -> None:
-    """The last prompt's cache stays (PrefixCache): a joiner of a later step that
-    starts with a long part of it (requests one at a time, each with the same system
-    prompt) runs the rest of its prompt alone, on that part, and gets what its prompt
-    gets alone. Not on a slot-layout graph, where nothing is shared."""
-    decoder = task.decoder
-    instruction = "# Copyright 2001 Python Software Foundation\n" * 2
-    first = Seq(0, tuple(decoder.encode(instruction + "x")), 4)
-    later = Seq(9, tuple(decoder.encode(instruction + "for i in range(")), 4)
-    pairs = zip(first.prompt_ids, later.prompt_ids, strict=False)
-    common = next(i for i, (a, b) in enumerate(pairs) if a != b)
-    assert common >= SHARED_PREFIX_MIN
-    prefixes = PrefixCache()
-    prefill(decoder, [first], prefixes=prefixes)
-    assert len(prefixes) == 0, "an opening seen once: kept when it comes again"
-    prefill(decoder, [first], prefixes=prefixes)
-    assert len(prefixes) == (0 if decoder.slots else 1)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool, RUNS.closed():
-        ran = pool.submit(prefill, decoder, [later], False, prefixes)
-        RUNS.wait_held()
-        assert RUNS.held_rows() == 1
-        RUNS.allow(1)
-        logits, (join,) = ran.result(timeout=WAIT_S)
-    n = len(later.prompt_ids)
-    assert join.tokens_run == (n if decoder.slots else n - common)
-    by_itself, (its_join,) = prefill(decoder, [later])
-    np.testing.assert_allclose(logits, by_itself, rtol=1e-4, atol=1e-4)
-    assert join.mask.sum() == n
-    for ours, its in zip(join.past.arrays, its_join.past.arrays, strict=True):
-        np.testing.assert_allclose(ours[0, :, -n:], its[0], rtol=1e-4, atol=1e-4)
-
-
 INSTRUCTIONS = (
     "# Copyright 2001 Python Software Foundation\n" * 2,
     "# Licensed under the Apache License, Version 2.0 (the License)\n" * 2,
@@ -323,6 +258,63 @@ def assert_as_alone(
             np.testing.assert_allclose(ours[row, :, -n:], its[0], rtol=1e-4, atol=1e-4)
 
 
+def gated_prefill(
+    decoder: Decoder, seqs: list[Seq], prefixes: PrefixCache | None, runs: int
+) -> tuple[list[int], np.ndarray[Any, Any], list[Join]]:
+    """`prefill` of `seqs`, its `runs` model runs let through RUNS one at a time: the
+    rows of each run, and what the prefill returned."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, RUNS.closed():
+        ran = pool.submit(prefill, decoder, seqs, False, prefixes)
+        rows = []
+        for _ in range(runs):
+            RUNS.wait_held()
+            rows.append(RUNS.held_rows())
+            RUNS.allow(1)
+        logits, joins = ran.result(timeout=WAIT_S)
+    return rows, logits, joins
+
+
+def test_joiners_sharing_a_long_prefix_run_it_once(task: GenerateTask) -> None:
+    """Prompts that start with one long instruction: it runs once, in one row, then
+    each prompt's rest on its cache; every joiner gets the logits and cache its
+    prompt gets alone. A slot-layout graph runs prompts on a past row by row, so
+    there they run whole, in one run."""
+    decoder = task.decoder
+    prompts = [INSTRUCTIONS[0] + end for end in ("x", "def f(x", "import os\nimport sys\n")]
+    seqs = [Seq(i, tuple(decoder.encode(p)), 4) for i, p in enumerate(prompts)]
+    assert len({s.prompt_ids[:SHARED_PREFIX_MIN] for s in seqs}) == 1, "a prefix to share"
+    rows, logits, joins = gated_prefill(decoder, seqs, None, 1 if decoder.slots else 2)
+    assert rows == ([3] if decoder.slots else [1, 3])
+    assert_as_alone(decoder, seqs, logits, joins)
+    items: list[dict[str, object]] = [{"prompt": p, "max_tokens": 6} for p in prompts]
+    done = generate_batch(decoder, [task.prepare(item) for item in items], 3, "code")
+    assert [d.tokens for d in done if isinstance(d, Completion)] == [
+        alone(task, item).tokens for item in items
+    ]
+
+
+def test_a_later_joiner_runs_only_its_rest_on_the_prompt_kept(task: GenerateTask) -> None:
+    """The last prompt's cache stays (PrefixCache): a joiner of a later step that
+    starts with a long part of it (requests one at a time, each with the same system
+    prompt) runs the rest of its prompt alone, on that part, and gets what its prompt
+    gets alone. Not on a slot-layout graph, where nothing is shared."""
+    decoder = task.decoder
+    first = Seq(0, tuple(decoder.encode(INSTRUCTIONS[0] + "x")), 4)
+    later = Seq(9, tuple(decoder.encode(INSTRUCTIONS[0] + "for i in range(")), 4)
+    common = common_prefix(first.prompt_ids, later.prompt_ids)
+    assert common >= SHARED_PREFIX_MIN
+    prefixes = PrefixCache()
+    prefill(decoder, [first], prefixes=prefixes)
+    assert len(prefixes) == 0, "an opening seen once: kept when it comes again"
+    prefill(decoder, [first], prefixes=prefixes)
+    assert len(prefixes) == (0 if decoder.slots else 1)
+    rows, logits, (join,) = gated_prefill(decoder, [later], prefixes, 1)
+    assert rows == [1]
+    n = len(later.prompt_ids)
+    assert join.tokens_run == (n if decoder.slots else n - common)
+    assert_as_alone(decoder, [later], logits, [join])
+
+
 def test_joiners_of_two_openings_each_share_their_own_in_runs_apart(task: GenerateTask) -> None:
     """Prompts of two instructions, interleaved in one prefill (an offline job of two
     templates; rows go by length): each instruction runs once, then its prompts'
@@ -331,14 +323,7 @@ def test_joiners_of_two_openings_each_share_their_own_in_runs_apart(task: Genera
     ends = ("x", "def f(x", "import os\n", "y = 1\n")
     prompts = [INSTRUCTIONS[i % 2] + end for i, end in enumerate(ends)]
     seqs = [Seq(i, tuple(decoder.encode(p)), 4) for i, p in enumerate(prompts)]
-    with concurrent.futures.ThreadPoolExecutor(1) as pool, RUNS.closed():
-        ran = pool.submit(prefill, decoder, seqs, False, PrefixCache())
-        rows = []
-        for _ in range(1 if decoder.slots else 4):
-            RUNS.wait_held()
-            rows.append(RUNS.held_rows())
-            RUNS.allow(1)
-        logits, joins = ran.result(timeout=WAIT_S)
+    rows, logits, joins = gated_prefill(decoder, seqs, PrefixCache(), 1 if decoder.slots else 4)
     assert rows == ([4] if decoder.slots else [1, 2, 1, 2])
     assert sorted(sid for join in joins for sid in join.ids) == [0, 1, 2, 3]
     assert_as_alone(decoder, seqs, logits, joins)
@@ -357,12 +342,8 @@ def test_prompts_of_other_openings_keep_their_own_caches(task: GenerateTask) -> 
     for seq in (first, other, first, other):  # each opening's second comer is kept
         prefill(decoder, [seq], prefixes=prefixes)
     assert len(prefixes) == (0 if decoder.slots else 2)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool, RUNS.closed():
-        ran = pool.submit(prefill, decoder, [later], False, prefixes)
-        RUNS.wait_held()
-        assert RUNS.held_rows() == 1
-        RUNS.allow(1)
-        logits, joins = ran.result(timeout=WAIT_S)
+    rows, logits, joins = gated_prefill(decoder, [later], prefixes, 1)
+    assert rows == [1]
     n, common = len(later.prompt_ids), common_prefix(first.prompt_ids, later.prompt_ids)
     assert joins[0].tokens_run == (n if decoder.slots else n - common)
     assert_as_alone(decoder, [later], logits, joins)
