@@ -10,6 +10,10 @@ S3 shows an object only once its whole upload completes, so a reader never sees 
 of one. Files written aside are staging files (lanes.staging): a killed run's are
 recognised, and removed, by the next run.
 
+Small records that several processes change (the Batch API's batch records) are
+read with a version tag and written back only if the tag still holds (`read_versioned`,
+`write_if`): S3's conditional PutObject, or locally a lock beside the file.
+
 boto3 is imported on first S3 use; credentials come from boto3's usual chain
 (environment, profile, instance role); the endpoint from `Settings.s3_endpoint`,
 else boto3's own `AWS_ENDPOINT_URL`.
@@ -18,7 +22,9 @@ else boto3's own `AWS_ENDPOINT_URL`.
 from __future__ import annotations
 
 import errno
+import fcntl
 import fnmatch
+import hashlib
 import io
 import os
 import shutil
@@ -26,7 +32,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -65,6 +71,16 @@ class StoredFile:
     name: str
     size: int
     version: str
+
+
+@dataclass(frozen=True)
+class Versioned:
+    """A small file's content and its version tag, for `Storage.write_if`; both None
+    when there is no such file. The tag is the content's (S3's ETag, a local file's
+    hash): a write that restores the same content keeps it."""
+
+    data: bytes | None
+    tag: str | None
 
 
 def is_s3(uri: str) -> bool:
@@ -291,6 +307,70 @@ class Storage:
             stage.write_bytes(data)
             self.publish(stage, uri)
 
+    def read_versioned(self, uri: str) -> Versioned:
+        """A small file's content with its version tag, for `write_if`."""
+        if not is_s3(uri):
+            data = self.read_bytes(uri)
+            return Versioned(data, _content_tag(data))
+        bucket, key = _split_s3(uri)
+        client = self._s3()
+        try:
+            with self._errors(uri, "read"):
+                got = client.get_object(Bucket=bucket, Key=key)
+                return Versioned(got["Body"].read(), str(got["ETag"]))
+        except Missing:
+            return Versioned(None, None)
+
+    def write_if(self, uri: str, data: bytes, tag: str | None) -> bool:
+        """Write a small file only if it still has version `tag` (`read_versioned`'s),
+        or, for a `tag` of None, only if there is none yet; False, and nothing written,
+        when another writer came first (read it again and decide afresh).
+
+        On S3 this is a conditional PutObject (If-Match, If-None-Match), which S3
+        decides alone. Locally the check and the replace happen under an exclusive
+        `flock` on a hidden lock file beside the file, so they are atomic among
+        the processes of one host that write through this method. Hosts that share a
+        folder over NFS or another network filesystem get no such promise: their
+        locks may be emulated, or not reach across hosts; share an S3 store instead.
+        A filesystem that refuses locks leaves the check and the replace unguarded.
+        """
+        if is_s3(uri):
+            return self._write_if_s3(uri, data, tag)
+        final = _local_path(uri)
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            lock = os.open(final.with_name(f".{final.name}.lock"), os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as err:
+            raise StorageError(
+                f"{uri}: cannot lock it in {final.parent}: {err.strerror}; {_WHAT_TO_DO}"
+            ) from None
+        try:
+            with suppress(OSError):  # a filesystem without locks (see above)
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            if _content_tag(self.read_bytes(uri)) != tag:
+                return False
+            self.write_bytes(uri, data)
+            return True
+        finally:
+            os.close(lock)  # and with it the lock
+
+    def _write_if_s3(self, uri: str, data: bytes, tag: str | None) -> bool:
+        from botocore.exceptions import ClientError
+
+        bucket, key = _split_s3(uri)
+        condition = {"IfNoneMatch": "*"} if tag is None else {"IfMatch": tag}
+        with self._errors(uri, "write"):
+            try:
+                self._s3().put_object(Bucket=bucket, Key=key, Body=data, **condition)
+            except ClientError as err:
+                # 412: the tag no longer holds (or the object now exists); 409: a
+                # conditional write raced this one; 404: the object went meanwhile.
+                code = err.response.get("Error", {}).get("Code")
+                if code in ("PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey"):
+                    return False
+                raise
+        return True
+
     def delete(self, uri: str) -> bool:
         """Remove one file; False when there was none."""
         if not is_s3(uri):
@@ -445,6 +525,10 @@ def _stat(path: Path, name: str) -> StoredFile | None:
     if info is None:
         return None
     return StoredFile(str(path), name, info.st_size, str(info.st_mtime_ns))
+
+
+def _content_tag(data: bytes | None) -> str | None:
+    return None if data is None else hashlib.sha256(data).hexdigest()
 
 
 def _unwritable(folder: Path, uri: str, err: OSError, advice: str) -> StorageError:

@@ -18,7 +18,7 @@ import pytest
 from lanes.errors import PermanentStorageError, StorageError
 from lanes.settings import Settings
 from lanes.staging import this_process
-from lanes.storage import MiB, Storage, join
+from lanes.storage import MiB, Storage, Versioned, join
 from tests.flows_fixtures import (
     moto_server,
     ran_where_modes_bind,
@@ -223,6 +223,57 @@ def test_the_next_run_removes_a_killed_writers_staging_files_never_a_live_ones(
         live.stdin.flush()
         assert live.wait(timeout=60) == 0
     assert sorted(p.name for p in staged_in.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_conditional_write_holds_only_while_the_version_does(
+    where: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    if where == "s3":
+        request.getfixturevalue("s3").create_bucket(Bucket="records")
+    folder = str(tmp_path / "records") if where == "local" else "s3://records/r"
+    storage = Storage(Settings())
+    uri = join(folder, "b.json")
+    assert storage.read_versioned(uri) == Versioned(None, None)
+    assert storage.write_if(uri, b"1", None)  # a create: only where there is none
+    assert not storage.write_if(uri, b"other", None)
+    first = storage.read_versioned(uri)
+    assert first.data == b"1" and first.tag
+    assert storage.write_if(uri, b"2", first.tag)
+    assert not storage.write_if(uri, b"3", first.tag)  # another wrote since that read
+    second = storage.read_versioned(uri)
+    assert second.data == b"2" and second.tag != first.tag
+    assert not storage.write_if(join(folder, "gone.json"), b"x", first.tag)
+    assert storage.read_bytes(join(folder, "gone.json")) is None
+    listed = [f.name for f in storage.list_files(folder, (".json", ".lock"))]
+    assert listed == ["b.json"]  # a local lock file is hidden
+
+
+# Each process adds 1 to a counter file `ROUNDS` times: read, then a conditional write,
+# again on a conflict, as lanes.batchstore's update_batch does.
+_COUNTING = """
+import sys
+from lanes.settings import Settings
+from lanes.storage import Storage
+
+storage, uri = Storage(Settings()), sys.argv[1]
+for _ in range(int(sys.argv[2])):
+    while True:
+        read = storage.read_versioned(uri)
+        if storage.write_if(uri, str(int(read.data or b"0") + 1).encode(), read.tag):
+            break
+"""
+
+
+def test_local_conditional_writes_from_several_processes_lose_no_update(tmp_path: Path) -> None:
+    uri, rounds, processes = str(tmp_path / "counter"), 30, 4
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    counting = [
+        subprocess.Popen([sys.executable, "-c", _COUNTING, uri, str(rounds)], env=env)
+        for _ in range(processes)
+    ]
+    assert [p.wait(timeout=120) for p in counting] == [0] * processes
+    assert Path(uri).read_bytes() == str(rounds * processes).encode()
 
 
 def test_a_read_only_folder_is_one_storage_error_that_says_what_to_do(tmp_path: Path) -> None:
