@@ -17,9 +17,11 @@ shard past it), the committed shards' lines are in the output file, the rest in 
 error file with OpenAI's `batch_expired` error.
 
 Everything lives in Prefect and the store (lanes.batchstore); any server reaching both
-answers for any batch, after a restart too. Assembling the files is idempotent, and
-their ids are the batch's (lanes.batchfiles): servers that finalize one batch at once
-write the same files, so no lock spans them.
+answers for any batch, after a restart too. Servers change a record only by the store's
+conditional write (`BatchStore.update_batch`), so a cancel and a finalize that race
+each keep their change. Finalizing is claimed that way first: only the claim's winner
+assembles the files (their ids are the batch's, lanes.batchfiles); the others answer
+`finalizing` meanwhile.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -64,6 +66,9 @@ EXPIRED = BatchError(
 )
 _WINDOW = re.compile(r"^(\d{1,6})([smhd])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+# A claim to finalize a batch older than this is taken to be a server's that died while
+# assembling; another server claims it afresh and assembles the same files again.
+CLAIM_S = 900
 
 
 class BatchCreate(Shape):
@@ -109,8 +114,9 @@ class Batches:
         self.store = BatchStore(settings)
         self.now = now
         self.prefect_api_url = prefect_api_url or settings.prefect_api_url
-        # Orders this process's writes of a record (a mark, a finalize); other servers'
-        # writes race them, as the store has no compare-and-set (see `_mark`).
+        # Orders this process's changes of a record (a mark, a finalize): its threads
+        # wait for each other instead of losing conditional writes to each other, and
+        # a second finalize finds the first's result rather than its claim.
         self._writing = threading.Lock()
 
     # ---- create -------------------------------------------------------------------
@@ -174,7 +180,7 @@ class Batches:
                 failed_at=created,
                 errors={"object": "list", "data": checked.errors},
             )
-            self.store.save_batch(record)
+            self.store.create_batch(record)
             return public(record)
         assert checked.model is not None
         workload = self.spec.workloads[checked.model]
@@ -199,7 +205,7 @@ class Batches:
         )
         record.update(id=BATCH_PREFIX + run.id.hex, status="in_progress", in_progress_at=created)
         record["_lanes"]["flow_run"] = str(run.id)
-        self.store.save_batch(record)
+        self.store.create_batch(record)
         return public(record)
 
     def _check_prefect(self) -> None:
@@ -418,14 +424,19 @@ class Batches:
         """The batch's record read afresh and, unless it is final, changed and saved.
 
         A record read before a slow call (Prefect's) must not be saved over one that
-        another request finished meanwhile. This closes that race within a process
-        and narrows it to a read and a write across servers (no compare-and-set)."""
+        another request finished meanwhile. The save is conditional (lanes.batchstore
+        `update_batch`): had another server written the record since this read, it is
+        read again and `change` applied to that, or, now final, left as it is. So
+        neither server's change is lost; `change` may run more than once."""
+
+        def unless_final(record: dict[str, Any]) -> bool:
+            if record["status"] in FINAL:
+                return False
+            change(record)
+            return True
+
         with self._writing:
-            record = self.store.batch(batch_id)
-            if record["status"] not in FINAL:
-                change(record)
-                self.store.save_batch(record)
-            return record
+            return self.store.update_batch(batch_id, unless_final)
 
     def _job(self, record: dict[str, Any]) -> Job:
         return Job(record["id"], self.settings, prefect_api_url=self.prefect_api_url)
@@ -452,45 +463,113 @@ class Batches:
     def _finalize(self, record: dict[str, Any], state: str, job: Job) -> dict[str, Any]:
         """The ended run's output and error files, and the batch's last status.
 
-        The lock spares this process doing it twice: another server may be doing
-        it too, and writes the same files under the same ids (lanes.batchfiles)."""
+        First a claim, one conditional write: status `finalizing`, and in the record
+        the status the batch will end in, decided from the record claimed (a cancel or
+        an expiry that reached it counts). Only the claim's winner assembles the files;
+        another server, or this one again, answers with the claimed record meanwhile.
+        The winner then saves the last status, again conditionally, so a change that
+        came meanwhile (a late cancel) stays. A claim older than CLAIM_S is a dead
+        server's: claimed afresh, with the status it decided, it makes the same files
+        (the run has ended, its shards are committed) under the same ids."""
         with self._writing:
-            again = self.store.batch(record["id"])
-            if again["status"] in FINAL:
-                return again  # another request finished it
-            record = again
-            lanes = record["_lanes"]
-            now = int(self.now())
-            markers = self._markers(record)
-            missing = any(m is None for m in markers)
-            expired = state == EXPIRED_STATUS or (state in FINISHED and missing)
-            if lanes.get("expiring") or expired:
-                status = "expired"  # the flow starts no shard past the window
-            elif state == "CANCELLED" and record["cancelling_at"] is not None:
-                status = "cancelled"
-            elif state in FAILED_STATES:
-                status = "failed"
-            else:
-                status = "completed"
-            record.update(status="finalizing", finalizing_at=now)
-            unanswered = EXPIRED if status == "expired" else None
-            if status == "failed":
-                message = job.message() or f"the offline run ended {state}"
-                error = BatchError("batch_failed", message)
-                record["errors"] = {"object": "list", "data": [error.as_json()]}
+            claiming = _Claiming(uuid.uuid4().hex)
+
+            def claim(current: dict[str, Any]) -> bool:
+                if current["status"] in FINAL:
+                    return False  # another request finished it
+                if claiming.now is None:  # the claim's time, once the record is read
+                    claiming.now = int(self.now())
+                held = current["_lanes"].get("finalizing")
+                if held is not None and claiming.now - current["finalizing_at"] < CLAIM_S:
+                    return False  # another server's, still assembling
+                markers = claiming.markers_of(current, self._markers)
+                if held is not None:  # a dead server's: its decision stands
+                    ending = replace(Claim(**held), by=claiming.token)
+                else:
+                    ending = self._decide(current, state, markers, job, claiming.token)
+                current["_lanes"]["finalizing"] = ending.as_json()
+                current.update(status="finalizing", finalizing_at=claiming.now)
+                if ending.status == "failed":
+                    error = BatchError("batch_failed", ending.message or "")
+                    current["errors"] = {"object": "list", "data": [error.as_json()]}
+                return True
+
+            claimed = self.store.update_batch(record["id"], claim)
+            if claimed["status"] in FINAL:
+                return claimed
+            ending = Claim(**claimed["_lanes"]["finalizing"])
+            if ending.by != claiming.token:
+                claimed["request_counts"] = self._counts(claimed)  # as in_progress shows
+                return claimed
+            unanswered = EXPIRED if ending.status == "expired" else None
+            if ending.status == "failed":
                 # Nothing lost: each request its run never answered is an error line.
                 unanswered = BatchError(
                     "batch_failed",
-                    f"This request was not executed: the batch's run failed ({message}).",
+                    f"This request was not executed: the batch's run failed ({ending.message}).",
                 )
+            markers = claiming.markers_of(claimed, self._markers)
             counts = assemble(
-                self.store, record, markers, unanswered, self.settings.batch.shard_lines
+                self.store, claimed, markers, unanswered, self.settings.batch.shard_lines
             )
-            record["request_counts"] = counts
-            record["status"] = status
-            record[f"{status}_at"] = now
-            self.store.save_batch(record)
-            return record
+            files = {k: claimed[k] for k in ("output_file_id", "error_file_id")}
+
+            def finish(current: dict[str, Any]) -> bool:
+                if current["status"] in FINAL:
+                    return False  # one that took a stale claim over: the same files
+                current.update(files, request_counts=counts, status=ending.status)
+                current[f"{ending.status}_at"] = claiming.now
+                return True
+
+            return self.store.update_batch(record["id"], finish)
+
+    def _decide(
+        self,
+        record: dict[str, Any],
+        state: str,
+        markers: list[dict[str, Any] | None],
+        job: Job,
+        token: str,
+    ) -> Claim:
+        """The status an ended run leaves the batch in, and for a failed one, why."""
+        expired = state == EXPIRED_STATUS or (state in FINISHED and any(m is None for m in markers))
+        if record["_lanes"].get("expiring") or expired:
+            return Claim("expired", None, token)  # the flow starts no shard past the window
+        if state == "CANCELLED" and record["cancelling_at"] is not None:
+            return Claim("cancelled", None, token)
+        if state in FAILED_STATES:
+            return Claim("failed", job.message() or f"the offline run ended {state}", token)
+        return Claim("completed", None, token)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A server's claim to finalize a batch, kept in its record while it assembles."""
+
+    status: str  # the final status it decided
+    message: str | None  # for "failed", why the run failed
+    by: str  # the claiming call's token
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class _Claiming:
+    """What one finalize reads once, however often its claim is made again."""
+
+    token: str
+    now: int | None = None
+    markers: list[dict[str, Any] | None] | None = None
+
+    def markers_of(
+        self,
+        record: dict[str, Any],
+        read: Callable[[dict[str, Any]], list[dict[str, Any] | None]],
+    ) -> list[dict[str, Any] | None]:
+        if self.markers is None:
+            self.markers = read(record)  # the run has ended: they change no more
+        return self.markers
 
 
 _ENDED = frozenset({*FINISHED, *FAILED_STATES} - {"CANCELLING"})

@@ -10,6 +10,13 @@ The store is `Settings.batch_store()`: the server writes it, the offline lane's 
 read the inputs and write the outputs there, so both must see the same one. Nothing
 about a file or a batch lives in the server's memory.
 
+Several servers may share one store. A batch record is changed only by a conditional
+write (`update_batch`: read it with its version tag, change it, write it only if the
+tag still holds, else read again), so no server's change is lost to another's, and a
+new record never replaces one of its id (`create_batch`). Locally that holds among the
+processes of one host (lanes.storage `write_if`); servers on several hosts share an
+S3 store.
+
 One API key is one tenant: whoever holds the server's key sees every file and batch.
 """
 
@@ -17,7 +24,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,6 +38,10 @@ from lanes.storage import Storage, join
 
 FILE_PURPOSES = ("batch", "batch_output")  # what an upload may say, what a batch writes
 CHUNK = 1024 * 1024
+# Conditional writes of one record that `update_batch` tries before it gives up: each
+# lost one means another server wrote the record in between, which takes far longer
+# than a read and a write.
+UPDATE_TRIES = 10
 
 
 @dataclass(frozen=True)
@@ -150,8 +161,42 @@ class BatchStore:
     def _batch_uri(self, batch_id: str) -> str:
         return join(self.root, "batches", f"{_safe(batch_id, 'batch_id')}.json")
 
-    def save_batch(self, record: dict[str, Any]) -> None:
-        self.storage.write_bytes(self._batch_uri(record["id"]), orjson.dumps(record))
+    def create_batch(self, record: dict[str, Any]) -> None:
+        """Store a new batch's record; never over a record of its id (a StorageError)."""
+        uri = self._batch_uri(record["id"])
+        if not self.storage.write_if(uri, orjson.dumps(record), None):
+            raise StorageError(
+                f"{uri}: a batch {record['id']} exists already, and was kept; a new batch "
+                "needs a new id"
+            )
+
+    def update_batch(
+        self, batch_id: str, change: Callable[[dict[str, Any]], bool]
+    ) -> dict[str, Any]:
+        """The batch's record, read afresh and handed to `change`, which changes it in
+        place and returns True to save it, or False to leave it as it is (a record that
+        is final, say). Returns the record as saved, or as read when `change` declined.
+
+        The save is conditional: if another server wrote the record after this read,
+        nothing is written, and the record is read again and handed to `change` afresh,
+        up to UPDATE_TRIES times (then a StorageError). So `change` may run more than
+        once, and must decide from the record it is given; it may also meet a record
+        that already holds its own change (a write whose answer was lost, then retried).
+        """
+        uri = self._batch_uri(batch_id)
+        for _ in range(UPDATE_TRIES):
+            read = self.storage.read_versioned(uri)
+            if read.data is None:
+                raise NotFound(f"no batch with id {batch_id!r}", param="batch_id")
+            record: dict[str, Any] = orjson.loads(read.data)
+            if not change(record):
+                return record
+            if self.storage.write_if(uri, orjson.dumps(record), read.tag):
+                return record
+        raise StorageError(
+            f"{uri}: another server changed batch {batch_id}'s record each of the "
+            f"{UPDATE_TRIES} times this one tried to update it; retry the request"
+        )
 
     def batch(self, batch_id: str) -> dict[str, Any]:
         raw = self.storage.read_bytes(self._batch_uri(batch_id))
