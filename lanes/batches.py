@@ -114,10 +114,10 @@ class Batches:
         self.store = BatchStore(settings)
         self.now = now
         self.prefect_api_url = prefect_api_url or settings.prefect_api_url
-        # Orders this process's changes of a record (a mark, a finalize): its threads
-        # wait for each other instead of losing conditional writes to each other, and
-        # a second finalize finds the first's result rather than its claim.
-        self._writing = threading.Lock()
+        # Orders this process's finalizes: a second one waits and finds the first's
+        # result, rather than its claim (`finalizing`). Marks need no lock (the store's
+        # write is conditional), so a cancel never waits for another batch's files.
+        self._finalizing = threading.Lock()
 
     # ---- create -------------------------------------------------------------------
 
@@ -435,8 +435,7 @@ class Batches:
             change(record)
             return True
 
-        with self._writing:
-            return self.store.update_batch(batch_id, unless_final)
+        return self.store.update_batch(batch_id, unless_final)
 
     def _job(self, record: dict[str, Any]) -> Job:
         return Job(record["id"], self.settings, prefect_api_url=self.prefect_api_url)
@@ -466,12 +465,13 @@ class Batches:
         First a claim, one conditional write: status `finalizing`, and in the record
         the status the batch will end in, decided from the record claimed (a cancel or
         an expiry that reached it counts). Only the claim's winner assembles the files;
-        another server, or this one again, answers with the claimed record meanwhile.
+        another server answers with the claimed record meanwhile (this one's threads
+        wait for the winner, and answer with its result).
         The winner then saves the last status, again conditionally, so a change that
         came meanwhile (a late cancel) stays. A claim older than CLAIM_S is a dead
         server's: claimed afresh, with the status it decided, it makes the same files
         (the run has ended, its shards are committed) under the same ids."""
-        with self._writing:
+        with self._finalizing:
             claiming = _Claiming(uuid.uuid4().hex)
 
             def claim(current: dict[str, Any]) -> bool:
