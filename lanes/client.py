@@ -37,8 +37,9 @@ from lanes.errors import (
 from lanes.payloads import Request
 from lanes.settings import Settings
 from lanes.spec import Spec
+from lanes.streamed import Completion, Usage
 from lanes.tracing import Tracing
-from lanes.wire import Completion, Core, Prompt, Usage, cut_short, json_body
+from lanes.wire import Core, Prompt, cut_short, json_body
 
 __all__ = ["AsyncClient", "Client", "Completion", "Records", "Usage", "When"]
 

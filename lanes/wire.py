@@ -6,13 +6,13 @@ built from a workload's label, results or typed errors out, and the retry policy
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import random
 import re
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -54,6 +54,7 @@ from lanes.spec import (
     as_offline,
 )
 from lanes.specfile import load_spec
+from lanes.streamed import DONE, Completion, Gathered, Usage, sse_data
 from lanes.tracing import Tracing
 from lanes.validation import describe
 
@@ -63,26 +64,6 @@ Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 BACKOFF_BASE_S = 0.2
 # The longest a client sleeps before a retry; a longer Retry-After is the caller's call.
 MAX_BACKOFF_S = 8.0
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-@dataclass(frozen=True)
-class Completion:
-    """A whole generated text, why it ended ("stop", "length", "content_filter"), usage,
-    and its tokens' `logprobs` where the call asked (`logprobs=` options, as OpenAI's):
-    the choice's as the endpoint answers it, streamed chunks' joined (completions'
-    shape for a prompt, chat's for messages); None where not asked."""
-
-    text: str
-    finish_reason: str
-    usage: Usage
-    logprobs: dict[str, Any] | None = None
 
 
 def _root(endpoint: str) -> str:
@@ -310,7 +291,7 @@ class Core:
 
     def gathering(self) -> Gathered:
         """What reads a `call`'s streamed answer back into its Completion."""
-        return Gathered(self)
+        return Gathered(self.chunk_text, self.endpoint)
 
     # ---- responses ----------------------------------------------------------------
 
@@ -334,8 +315,8 @@ class Core:
 
     def line_text(self, line: str) -> str | None:
         """The text one SSE line of a stream carries ("" when none); None at `data: [DONE]`."""
-        event = _sse_data(line)
-        if event is _DONE:
+        event = sse_data(line)
+        if event is DONE:
             return None
         return self.chunk_text(event) if event is not None else ""
 
@@ -491,7 +472,9 @@ def _check_options(
     itself). The server ignores fields it does not know, as vLLM does, so a misspelt
     `max_token` would be dropped there without a word: the SDK knows the request's
     fields (the server's own request models) and says so before sending anything."""
-    allowed = sorted(set(route.model_fields) - _SET_BY_CLIENT)
+    if not options:  # most calls: nothing to look up
+        return
+    allowed = _allowed(route)
     for option in options:
         if option in allowed:
             continue
@@ -507,21 +490,11 @@ def _check_options(
         raise InvalidInput.field(option, detail, "unknown_parameter")
 
 
-_DONE: dict[str, Any] = {}
-
-
-def _sse_data(line: str) -> dict[str, Any] | None:
-    """One SSE line: an event's JSON, _DONE for `data: [DONE]`, None for anything else."""
-    if not line.startswith("data:"):
-        return None
-    data = line[5:].strip()
-    if data == "[DONE]":
-        return _DONE
-    try:
-        event = json.loads(data)
-    except ValueError:
-        raise LanesError(f"the stream sent an event that is not JSON: {data[:200]!r}") from None
-    return event if isinstance(event, dict) else None
+@functools.cache
+def _allowed(route: type[BaseModel]) -> tuple[str, ...]:
+    """The options a request model takes from a caller, sorted (said in errors); its
+    fields are fixed, so one look per model."""
+    return tuple(sorted(set(route.model_fields) - _SET_BY_CLIENT))
 
 
 def cut_short(endpoint: str) -> LanesError:
@@ -540,57 +513,6 @@ def json_body(response: httpx.Response, endpoint: str) -> Any:
 
 def _str_or_none(value: Any) -> str | None:
     return None if value is None else str(value)
-
-
-class Gathered:
-    """A streamed generate answer read back, line by line, into the Completion that
-    `call` returns: its text, its finish_reason, and usage (asked for in the request)."""
-
-    def __init__(self, core: Core) -> None:
-        self._core = core
-        self._parts: list[str] = []
-        self._finish: str | None = None
-        self._usage: Usage | None = None
-        self._logprobs: dict[str, Any] | None = None
-
-    def feed(self, line: str) -> bool:
-        """Read one line; True at `data: [DONE]`. An error event raises its typed error."""
-        event = _sse_data(line)
-        if event is _DONE:
-            return True
-        if event is None:
-            return False
-        self._parts.append(self._core.chunk_text(event))
-        for choice in event.get("choices") or []:
-            self._finish = choice.get("finish_reason") or self._finish
-            part = choice.get("logprobs")
-            if isinstance(part, dict):
-                self._logprobs = _joined_logprobs(self._logprobs, part)
-        usage = event.get("usage")
-        if isinstance(usage, dict):
-            self._usage = Usage(**{k: int(usage[k]) for k in Usage.__dataclass_fields__})
-        return False
-
-    def result(self) -> Completion:
-        if self._finish is None or self._usage is None:
-            raise LanesError(
-                f"{self._core.endpoint}: the streamed answer had no finish_reason or usage; "
-                "is this a lanes endpoint?"
-            )
-        return Completion("".join(self._parts), self._finish, self._usage, self._logprobs)
-
-
-def _joined_logprobs(before: dict[str, Any] | None, part: dict[str, Any]) -> dict[str, Any]:
-    """A chunk's logprobs after the earlier chunks': each list goes on (the chunks'
-    text_offset count from the answer's start already)."""
-    if before is None:
-        return {k: list(v) if isinstance(v, list) else v for k, v in part.items()}
-    for key, value in part.items():
-        if isinstance(value, list) and isinstance(before.get(key), list):
-            before[key] += value
-        else:
-            before.setdefault(key, value)
-    return before
 
 
 def _retry_after(headers: Mapping[str, str]) -> float:
