@@ -3,7 +3,7 @@ batching that drops finished sequences, and one sequence at a time.
 
     python bench/generate.py [--seconds 8] [--repeats 2] [--levels 1,4,16,64] [--tracing]
         [--slots] [--between] [--against DIR] [--png PATH] [--burst [--bursts 2] [--burst-size 4]]
-        [--instruction 6 [--templates 4]]
+        [--instruction 6 [--templates 4] [--conversations 4]]
 
 It starts one server process per policy (this script with --serve: the app's own
 /v1/completions route and engine, with the batching policy set on the engine), and
@@ -50,7 +50,10 @@ runs it once and keeps its cache for the requests after (lanes/generation/prefil
 Compare TTFT `--against` a tree without that. `--templates M` makes M such
 instructions, each opening with a line of its own, which the requests take in turns
 (workloads or tenants with system prompts of their own): the engine keeps the last
-prompt of each opening (lanes/generation/prefixes.py).
+prompt of each opening (lanes/generation/prefixes.py). `--conversations T` makes each
+client hold conversations of T turns after the instruction: a turn's prompt is the one
+before and a line more (a stand-in for the answer and the next message), so it starts
+with the client's last turn, while the other clients' turns came between.
 
 `--tracing` adds the policy `traced`: continuous batching with LANES_TRACING=true,
 every span (request, queue, prefill, decode) exported over OTLP/HTTP to a sink in
@@ -110,7 +113,8 @@ if TYPE_CHECKING:
     from lanes.serving.state import ServingState
 
 WORKLOAD = "gen"
-MAX_TOKENS = 448  # the longest prompt below is under 64 tokens
+MAX_TOKENS = 448  # within tinycode's 512-token context, with a prompt under 64 tokens
+PROMPT_TOKENS = 512 - MAX_TOKENS
 INSTRUCTION_LINE = "# Complete the function below; keep to the style of the module.\n"
 
 
@@ -168,6 +172,30 @@ PROMPTS = [
     'def parse(text, *, strict=False):\n    """Parse text into a list of tokens.\n\n',
     "try:\n    from _collections import deque\nexcept ImportError:\n",
 ]
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """What request i of client k asks: an instruction (`heads`, taken in turns) and a
+    line; or with `turns`, turn i % turns of the client's conversation i // turns."""
+
+    heads: tuple[str, ...] = ("",)
+    turns: int = 0
+
+    def text(self, k: int, i: int) -> str:
+        if not self.turns:
+            return self.heads[(k + i) % len(self.heads)] + PROMPTS[(k + i) % len(PROMPTS)]
+        conversation, turn = divmod(i, self.turns)
+        head = self.heads[(k + conversation) % len(self.heads)]
+        said = [PROMPTS[(k + conversation + t) % len(PROMPTS)] for t in range(turn + 1)]
+        return f"{head}# Conversation {k}.{conversation}.\n" + "\n".join(said)
+
+    def longest(self, tokens: Callable[[str], int], clients: int) -> int:
+        """The tokens of the longest prompt `clients` clients ask (and a few more, for
+        the conversations' growing numbers)."""
+        asked = max(self.turns, 1) * len(PROMPTS) * len(self.heads)
+        longest = max(tokens(self.text(k, i)) for k in range(clients) for i in range(asked))
+        return longest + (8 if self.turns else 0)
 
 
 class Stoppable(Protocol):
@@ -387,10 +415,10 @@ async def closed_loop(
     seconds: float,
     warm: float,
     burst: Burst | None = None,
-    instruction: tuple[tuple[str, ...], int] = (("",), 0),
+    prompts: Prompts = Prompts(),
+    longest: int = PROMPT_TOKENS,
 ) -> Run:
-    """`instruction`: the texts prompts start with (request i of client k the
-    (k + i)-th), and the tokens of the longest."""
+    """`prompts`: what the clients ask, the longest of it `longest` tokens."""
     run = Run(policy, clients)
     start = time.perf_counter()
     measure_from = start + warm
@@ -405,9 +433,8 @@ async def closed_loop(
         try:
             while True:
                 # Within tinycode's 512-token context, the prompt included.
-                length = min(next(lengths), MAX_TOKENS - instruction[1])
-                head = instruction[0][(k + i) % len(instruction[0])]
-                request = request_body(head + PROMPTS[(k + i) % len(PROMPTS)], length)
+                length = min(next(lengths), MAX_TOKENS - max(0, longest - PROMPT_TOKENS))
+                request = request_body(prompts.text(k, i), length)
                 i += 1
                 sent = time.perf_counter()
                 waiting[k] = sent
@@ -621,6 +648,9 @@ def main() -> None:
     parser.add_argument(
         "--templates", type=int, default=1, help="distinct instructions, taken in turns"
     )
+    parser.add_argument(
+        "--conversations", type=int, default=0, help="turns of each client's conversations"
+    )
     parser.add_argument("--burst-size", type=int, default=4, help="long prompts per burst")
     parser.add_argument(
         "--slo-ttft-factor", type=float, default=2.0, help="ttft_ms over a raw 16-row step"
@@ -704,9 +734,8 @@ def main() -> None:
         for i, p in enumerate(policies)
     ]
     runs = {(p, c): Run(p, c) for c in levels for p in policies}
-    heads = instructions(args.instruction, args.templates)
-    longest = max(len(task.decoder.tokenizer.encode(h).ids) for h in heads)
-    instruction = (heads, longest)
+    prompts = Prompts(instructions(args.instruction, args.templates), args.conversations)
+    longest = prompts.longest(lambda text: len(task.decoder.encode(text)), max(levels))
     try:
         for c in levels:
             for rep in range(args.repeats):
@@ -714,7 +743,14 @@ def main() -> None:
                 for policy in policies[rep % len(policies) :] + policies[: rep % len(policies)]:
                     part = asyncio.run(
                         closed_loop(
-                            urls[policy], policy, c, args.seconds, args.warm, burst, instruction
+                            urls[policy],
+                            policy,
+                            c,
+                            args.seconds,
+                            args.warm,
+                            burst,
+                            prompts,
+                            longest,
                         )
                     )
                     # Right after the slice, on the same machine: the raw limit.

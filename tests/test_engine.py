@@ -349,6 +349,31 @@ def test_prompts_of_other_openings_keep_their_own_caches(task: GenerateTask) -> 
     assert_as_alone(decoder, [later], logits, joins)
 
 
+def test_conversations_of_one_system_prompt_each_run_on_their_own_last_turn(
+    task: GenerateTask,
+) -> None:
+    """Two users with one system prompt take turns: a next turn runs only what
+    follows its own last turn, though the other user's came between (it shared only
+    the system prompt before), and gets what its prompt gets alone."""
+    decoder = task.decoder
+    mine, theirs, next_turn = (
+        Seq(i, tuple(decoder.encode(INSTRUCTIONS[0] + text)), 4)
+        for i, text in enumerate(
+            ["def area(r):\n    return", "import sys\n", "def area(r):\n    return r * r\n"]
+        )
+    )
+    prefixes = PrefixCache()
+    for seq in (theirs, mine, theirs):  # the opening's second comer on is kept
+        prefill(decoder, [seq], prefixes=prefixes)
+    assert len(prefixes) == (0 if decoder.slots else 2)
+    rows, logits, joins = gated_prefill(decoder, [next_turn], prefixes, 1)
+    assert rows == [1]
+    n, common = len(next_turn.prompt_ids), common_prefix(mine.prompt_ids, next_turn.prompt_ids)
+    assert common > common_prefix(theirs.prompt_ids, next_turn.prompt_ids)
+    assert joins[0].tokens_run == (n if decoder.slots else n - common)
+    assert_as_alone(decoder, [next_turn], logits, joins)
+
+
 def test_a_prompt_asked_again_later_in_an_offline_batch_joins_its_first_asking(
     task: GenerateTask,
 ) -> None:

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from lanes.generation.prefixes import SHARED_PREFIX_MIN, PrefixCache, common_prefix, opening
+from lanes.generation.prefixes import (
+    PROMPTS_PER_OPENING,
+    SHARED_PREFIX_MIN,
+    PrefixCache,
+    common_prefix,
+    opening,
+)
 from lanes.tasks.past import Past
 
 LAYERS, HEADS, DIM = 2, 2, 4
@@ -85,3 +91,36 @@ def test_an_opening_is_kept_from_its_second_comer_on() -> None:
     assert len(cache) == 0 and cache.covers([(*first, 7)]) == (0, None)
     cache.keep(second, present([second]), 0)
     assert cache.covers([(*second, 7)])[0] == len(second)
+
+
+def test_conversations_of_one_opening_each_find_their_own_last_turn() -> None:
+    """Two users with one system prompt take turns: each next turn runs on its own
+    last turn, not on the other user's (one prompt per opening shared only the system
+    prompt)."""
+    cache = PrefixCache()
+    a, b = prompt(1, (5, 6)), prompt(1, (7, 8))
+    for turn in (a, b):
+        cache.keep(turn, present([turn]), 0, again=True)
+    assert len(cache) == 2
+    assert cache.covers([(*a, 9)])[0] == len(a)
+    assert cache.covers([(*b, 9)])[0] == len(b)
+    # A part of joiners takes the kept prompt that all of them share most with.
+    assert cache.covers([(*a, 9), (*a, 3)])[0] == len(a)
+    assert cache.covers([(*a, 9), (*b, 3)])[0] == SHARED_PREFIX_MIN
+    # A next turn replaces the turn it holds; the other conversation's stays.
+    a2 = (*a, 9, 10)
+    cache.keep(a2, present([a2]), 0)
+    assert len(cache) == 2 and cache.kept_bytes == row_bytes(a2) + row_bytes(b)
+    assert cache.covers([(*a2, 1)])[0] == len(a2)
+    assert cache.covers([(*b, 1)])[0] == len(b)
+
+
+def test_an_opening_keeps_at_most_its_share_of_prompts() -> None:
+    cache = PrefixCache()
+    turns = [prompt(1, (i,)) for i in range(PROMPTS_PER_OPENING + 1)]
+    for turn in turns:
+        cache.keep(turn, present([turn]), 0, again=True)
+    assert len(cache) == PROMPTS_PER_OPENING
+    assert cache.covers([(*turns[0], 5)])[0] == SHARED_PREFIX_MIN  # the oldest went
+    assert cache.covers([(*turns[-1], 5)])[0] == len(turns[-1])
+    assert cache.kept_bytes == PROMPTS_PER_OPENING * row_bytes(turns[0])

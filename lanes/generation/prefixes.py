@@ -3,22 +3,23 @@
 Requests that share an opening (a system prompt, a few-shot instruction, the turns
 of a conversation so far) come one by one to an endpoint, and an offline job's rows
 free up a few at a time, so the prompts that share one rarely meet in one prefill.
-`PrefixCache` keeps the cache of the last prompt prefilled with each opening (its
-first SHARED_PREFIX_MIN tokens: prompts sharing fewer are not worth a run of their
-own, lanes/generation/prefill.py), one row, a copy, the least recently used going
-first once they pass `max_bytes`. A joiner that starts with a long part of a kept
-prompt then runs only its rest. Several openings stay side by side: workloads or
-tenants taking turns with their own system prompts no longer evict each other.
+`PrefixCache` keeps the caches of prompts prefilled before, by opening (their first
+SHARED_PREFIX_MIN tokens: prompts sharing fewer are not worth a run of their own,
+lanes/generation/prefill.py), one row each, a copy, the least recently used going
+first once they pass `max_bytes`. A joiner then runs only what follows the longest
+start it shares with a kept prompt of its opening.
+
+Several prompts of one opening stay side by side: conversations that share a system
+prompt each find their own last turn, though other users' turns came between. A
+prompt that holds a kept one whole (a conversation's next turn) replaces it, and an
+opening keeps at most PROMPTS_PER_OPENING (its least recently used go), which bounds
+a lookup. vLLM keys its cache by blocks of tokens, so diverging prompts share the
+blocks of their common start in memory too; here each kept prompt is a row of its
+own, since a batch's cache is rows of a batched array, not blocks.
 
 A copy costs about what writing the prompt's cache did, so a prompt is kept only
 once its opening has come before (or comes to several joiners of one prefill): a job
 of prompts that share nothing copies none.
-
-One prompt per opening: the newest replaces the one before it, since a
-conversation's next turn holds its last one, and prompts of one template share the
-template either way. vLLM keys its cache by blocks of tokens instead, so prompts
-that diverge after a shared opening each keep theirs; lanes' caches are rows of a
-batched array, not blocks, so a whole row is what there is to keep.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ PREFIX_CACHE_BYTES = 64 * 1024 * 1024
 # Openings seen once, remembered so that their second comer is kept: a few tuples of
 # 32 ints each, the oldest forgotten first.
 SEEN_OPENINGS = 4096
+# Prompts kept per opening: a lookup compares a joiner with each (a few microseconds
+# apiece), and one template's prompts all share the template alike.
+PROMPTS_PER_OPENING = 32
 
 Context = tuple[int, ...]
 
@@ -74,12 +78,13 @@ class Kept:
 
 
 class PrefixCache:
-    """The last prompt of each opening, with its cache, within `max_bytes` (0: none)."""
+    """Prompts' caches by opening, within `max_bytes` (0: none)."""
 
     def __init__(self, max_bytes: int = PREFIX_CACHE_BYTES) -> None:
         self.max_bytes = max_bytes
         self.kept_bytes = 0
-        self._kept: OrderedDict[Context, Kept] = OrderedDict()  # least recently used first
+        self._kept: OrderedDict[Context, Kept] = OrderedDict()  # by prompt, least recent first
+        self._openings: dict[Context, list[Context]] = {}  # its prompts, least recent first
         self._seen: OrderedDict[Context, None] = OrderedDict()  # openings not kept yet
 
     def __len__(self) -> int:
@@ -87,39 +92,50 @@ class PrefixCache:
 
     def __contains__(self, key: Context) -> bool:
         """Whether a prompt is kept for the opening `key`."""
-        return key in self._kept
+        return key in self._openings
 
     def covers(self, contexts: list[Context]) -> tuple[int, Past | None]:
-        """How many tokens of the prompt kept for `contexts`' opening every one of them
+        """How many tokens of a prompt kept for `contexts`' opening every one of them
         starts with (each keeping at least one token of its own to run), and that
-        prompt's cache; (0, None) when none is kept."""
+        prompt's cache: the kept prompt they share most with, the most recent of
+        equals; (0, None) when none is kept."""
         key = opening(contexts[0])
-        kept = None if key is None else self._kept.get(key)
-        if key is None or kept is None:
+        prompts = None if key is None else self._openings.get(key)
+        if key is None or not prompts:
             return 0, None
-        shared = min(common_prefix(kept.ids, c) for c in contexts)
-        self._kept.move_to_end(key)
-        return min(shared, min(len(c) for c in contexts) - 1), kept.past
+        first = contexts[0]
+        best = prompts[-1]
+        shared = min(common_prefix(best, c) for c in contexts)
+        for ids in reversed(prompts[:-1]):
+            # Sharing more than `shared` needs the token at `shared` alike: one lookup
+            # turns away nearly every other prompt, unrelated conversations included.
+            if shared < len(ids) and shared < len(first) and ids[shared] == first[shared]:
+                common = min(common_prefix(ids, c) for c in contexts)
+                if common > shared:
+                    best, shared = ids, common
+        self._touch(key, best)
+        return min(shared, min(len(c) for c in contexts) - 1), self._kept[best].past
 
     def keep(self, context: Context, present: Past, row: int, again: bool = False) -> None:
         """`context`'s cache: row `row` of `present`, its last len(context) columns,
         if its opening came before or comes `again` (to other joiners of its run). It
-        replaces the prompt kept for its opening; the least recently used go while the
-        kept caches pass `max_bytes`."""
+        replaces the kept prompts it holds whole; the least recently used go while its
+        opening keeps more than PROMPTS_PER_OPENING or the caches pass `max_bytes`."""
         key = opening(context)
         if key is None or self.max_bytes <= 0:
             return
-        if not again and key not in self._kept and key not in self._seen:
+        prompts = self._openings.get(key)
+        if not again and prompts is None and key not in self._seen:
             self._seen[key] = None
             if len(self._seen) > SEEN_OPENINGS:
                 self._seen.popitem(last=False)
             return
         self._seen.pop(key, None)
-        old = self._kept.get(key)
-        if old is not None and old.ids[: len(context)] == context:
-            self._kept.move_to_end(key)  # it holds this prompt already
-            return
         n = len(context)
+        for ids in prompts or ():
+            if ids[:n] == context:
+                self._touch(key, ids)  # it holds this prompt already
+                return
         past = Past(
             tuple(np.ascontiguousarray(k[row : row + 1, :, -n:]) for k in present.keys),
             tuple(np.ascontiguousarray(v[row : row + 1, :, -n:]) for v in present.values),
@@ -127,11 +143,26 @@ class PrefixCache:
         nbytes = sum(a.nbytes for a in past.arrays)
         if nbytes > self.max_bytes:
             return
-        if old is not None:
-            self.kept_bytes -= old.nbytes
-        self._kept[key] = Kept(context, past, nbytes)
-        self._kept.move_to_end(key)
+        for ids in [ids for ids in prompts or () if context[: len(ids)] == ids]:
+            self._drop(ids)  # an earlier turn of this conversation
+        self._kept[context] = Kept(context, past, nbytes)
+        self._openings.setdefault(key, []).append(context)
         self.kept_bytes += nbytes
+        while len(self._openings[key]) > PROMPTS_PER_OPENING:
+            self._drop(self._openings[key][0])
         while self.kept_bytes > self.max_bytes:
-            _, gone = self._kept.popitem(last=False)
-            self.kept_bytes -= gone.nbytes
+            self._drop(next(iter(self._kept)))
+
+    def _touch(self, key: Context, ids: Context) -> None:
+        self._kept.move_to_end(ids)
+        prompts = self._openings[key]
+        prompts.remove(ids)
+        prompts.append(ids)
+
+    def _drop(self, ids: Context) -> None:
+        gone = self._kept.pop(ids)
+        self.kept_bytes -= gone.nbytes
+        key = ids[:SHARED_PREFIX_MIN]
+        self._openings[key].remove(ids)
+        if not self._openings[key]:
+            del self._openings[key]
