@@ -124,3 +124,12 @@ def test_an_opening_keeps_at_most_its_share_of_prompts() -> None:
     assert cache.covers([(*turns[0], 5)])[0] == SHARED_PREFIX_MIN  # the oldest went
     assert cache.covers([(*turns[-1], 5)])[0] == len(turns[-1])
     assert cache.kept_bytes == PROMPTS_PER_OPENING * row_bytes(turns[0])
+
+
+def test_a_shorter_prompt_of_a_conversation_keeps_the_longer_ones() -> None:
+    cache = PrefixCache()
+    long, short = prompt(1, (5, 6, 7, 8)), prompt(1, (9,))
+    for p in (long, short):
+        cache.keep(p, present([p]), 0, again=True)
+    assert len(cache) == 2
+    assert cache.covers([(*long, 1)])[0] == len(long)
