@@ -19,9 +19,9 @@ error file with OpenAI's `batch_expired` error.
 Everything lives in Prefect and the store (lanes.batchstore); any server reaching both
 answers for any batch, after a restart too. Servers change a record only by the store's
 conditional write (`BatchStore.update_batch`), so a cancel and a finalize that race
-each keep their change. Finalizing is claimed that way first: only the claim's winner
-assembles the files (their ids are the batch's, lanes.batchfiles); the others answer
-`finalizing` meanwhile.
+each keep their change. Finalizing is claimed that way first (lanes.batch_claim): only
+the claim's winner assembles the files (their ids are the batch's, lanes.batchfiles);
+the others answer `finalizing` meanwhile.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -40,12 +40,12 @@ import orjson
 from pydantic import Field
 
 from lanes import layout
+from lanes.batch_claim import FINAL, Claim, Claiming, claim, finish
 from lanes.batchfiles import BatchError, assemble
 from lanes.batchstore import BatchStore, new_id
 from lanes.deadline import offpeak_opening, plan_start
 from lanes.errors import InvalidInput, NotConfigured, NotFound, StorageError, with_article
 from lanes.jobs import BATCH_PREFIX, BATCH_TAG, Job
-from lanes.jobstates import EXPIRED as EXPIRED_STATUS
 from lanes.jobstates import FAILED_STATES, FINISHED
 from lanes.measurements import Measurements
 from lanes.prefectapi import create_run
@@ -59,16 +59,12 @@ log = logging.getLogger(__name__)
 # The deployment that runs batches of interactive workloads (compiled when the spec has
 # any): not a DNS label, so it never clashes with a workload's own.
 BATCH_DEPLOYMENT = "openai_batch"
-FINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 MAX_ERRORS = 100  # validation errors reported per file
 EXPIRED = BatchError(
     "batch_expired", "This request could not be executed before the completion window expired."
 )
 _WINDOW = re.compile(r"^(\d{1,6})([smhd])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-# A claim to finalize a batch older than this is taken to be a server's that died while
-# assembling; another server claims it afresh and assembles the same files again.
-CLAIM_S = 900
 
 
 class BatchCreate(Shape):
@@ -462,39 +458,12 @@ class Batches:
     def _finalize(self, record: dict[str, Any], state: str, job: Job) -> dict[str, Any]:
         """The ended run's output and error files, and the batch's last status.
 
-        First a claim, one conditional write: status `finalizing`, and in the record
-        the status the batch will end in, decided from the record claimed (a cancel or
-        an expiry that reached it counts). Only the claim's winner assembles the files;
+        Claimed first (lanes.batch_claim): only the claim's winner assembles the files;
         another server answers with the claimed record meanwhile (this one's threads
-        wait for the winner, and answer with its result).
-        The winner then saves the last status, again conditionally, so a change that
-        came meanwhile (a late cancel) stays. A claim older than CLAIM_S is a dead
-        server's: claimed afresh, with the status it decided, it makes the same files
-        (the run has ended, its shards are committed) under the same ids."""
+        wait for the winner, and answer with its result)."""
         with self._finalizing:
-            claiming = _Claiming(uuid.uuid4().hex)
-
-            def claim(current: dict[str, Any]) -> bool:
-                if current["status"] in FINAL:
-                    return False  # another request finished it
-                if claiming.now is None:  # the claim's time, once the record is read
-                    claiming.now = int(self.now())
-                held = current["_lanes"].get("finalizing")
-                if held is not None and claiming.now - current["finalizing_at"] < CLAIM_S:
-                    return False  # another server's, still assembling
-                markers = claiming.markers_of(current, self._markers)
-                if held is not None:  # a dead server's: its decision stands
-                    ending = replace(Claim(**held), by=claiming.token)
-                else:
-                    ending = self._decide(current, state, markers, job, claiming.token)
-                current["_lanes"]["finalizing"] = ending.as_json()
-                current.update(status="finalizing", finalizing_at=claiming.now)
-                if ending.status == "failed":
-                    error = BatchError("batch_failed", ending.message or "")
-                    current["errors"] = {"object": "list", "data": [error.as_json()]}
-                return True
-
-            claimed = self.store.update_batch(record["id"], claim)
+            claiming = Claiming(uuid.uuid4().hex)
+            claimed = claim(self.store, record["id"], claiming, self.now, self._markers, state, job)
             if claimed["status"] in FINAL:
                 return claimed
             ending = Claim(**claimed["_lanes"]["finalizing"])
@@ -513,63 +482,7 @@ class Batches:
                 self.store, claimed, markers, unanswered, self.settings.batch.shard_lines
             )
             files = {k: claimed[k] for k in ("output_file_id", "error_file_id")}
-
-            def finish(current: dict[str, Any]) -> bool:
-                if current["status"] in FINAL:
-                    return False  # one that took a stale claim over: the same files
-                current.update(files, request_counts=counts, status=ending.status)
-                current[f"{ending.status}_at"] = claiming.now
-                return True
-
-            return self.store.update_batch(record["id"], finish)
-
-    def _decide(
-        self,
-        record: dict[str, Any],
-        state: str,
-        markers: list[dict[str, Any] | None],
-        job: Job,
-        token: str,
-    ) -> Claim:
-        """The status an ended run leaves the batch in, and for a failed one, why."""
-        expired = state == EXPIRED_STATUS or (state in FINISHED and any(m is None for m in markers))
-        if record["_lanes"].get("expiring") or expired:
-            return Claim("expired", None, token)  # the flow starts no shard past the window
-        if state == "CANCELLED" and record["cancelling_at"] is not None:
-            return Claim("cancelled", None, token)
-        if state in FAILED_STATES:
-            return Claim("failed", job.message() or f"the offline run ended {state}", token)
-        return Claim("completed", None, token)
-
-
-@dataclass(frozen=True)
-class Claim:
-    """A server's claim to finalize a batch, kept in its record while it assembles."""
-
-    status: str  # the final status it decided
-    message: str | None  # for "failed", why the run failed
-    by: str  # the claiming call's token
-
-    def as_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass
-class _Claiming:
-    """What one finalize reads once, however often its claim is made again."""
-
-    token: str
-    now: int | None = None
-    markers: list[dict[str, Any] | None] | None = None
-
-    def markers_of(
-        self,
-        record: dict[str, Any],
-        read: Callable[[dict[str, Any]], list[dict[str, Any] | None]],
-    ) -> list[dict[str, Any] | None]:
-        if self.markers is None:
-            self.markers = read(record)  # the run has ended: they change no more
-        return self.markers
+            return finish(self.store, record["id"], ending, claiming.now, files, counts)
 
 
 _ENDED = frozenset({*FINISHED, *FAILED_STATES} - {"CANCELLING"})

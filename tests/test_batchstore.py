@@ -17,7 +17,8 @@ import orjson
 import pytest
 
 from lanes import layout
-from lanes.batches import CLAIM_S, Batches
+from lanes.batch_claim import CLAIM_S
+from lanes.batches import Batches
 from lanes.batchfiles import output_file_id
 from lanes.batchstore import UPDATE_TRIES, BatchStore
 from lanes.errors import StorageError
