@@ -220,6 +220,7 @@ def serve(
     from lanes.serving import app as lanes_app
     from lanes.serving import generate_routes
     from lanes.serving.access import RequestIds
+    from lanes.serving.loading import freeze_heap
     from lanes.serving.state import ServingState
     from lanes.serving.tracing import TracedRequests
     from lanes.tracing import Tracing
@@ -242,7 +243,7 @@ def serve(
             started = generate_routes.start_engine(state, task, policy, max_padding, beside)  # type: ignore[arg-type]
         else:
             started = await engine(state, task)
-        lanes_app.freeze_heap()
+        freeze_heap()
         state.readiness.ready(WORKLOAD)
         yield
         await started.stop()

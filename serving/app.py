@@ -1,8 +1,8 @@
 """The ASGI app that hosts every interactive workload of a spec.
 
-Workers load in the background after start-up, so liveness answers at once and
-readiness (serving/readiness.py) turns true when every session is loaded and warm, or
-says which workload failed and why. On SIGTERM the server drains (serving/server.py):
+Workers load in the background after start-up (serving/loading.py), so liveness answers
+at once and readiness (serving/readiness.py) turns true when every session is loaded and
+warm, or says which workload failed and why. On SIGTERM the server drains (serving/server.py):
 readiness turns false and every answer closes its connection, then the listener closes
 and each worker finishes what is queued before it exits.
 """
@@ -10,17 +10,12 @@ and each worker finishes what is queued before it exits.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
-import gc
 import hmac
 import logging
 import re
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import TypeVar
 
 import orjson
 from starlette.applications import Starlette
@@ -55,19 +50,16 @@ from lanes.serving.http import (
     is_v2,
     v2_body,
 )
-from lanes.serving.metrics import STARTUP, Metrics
+from lanes.serving.loading import load_workloads
+from lanes.serving.metrics import Metrics
 from lanes.serving.readiness import LoadState, Readiness
 from lanes.serving.state import ServingState
 from lanes.serving.tracing import TracedRequests
-from lanes.serving.worker import BatchWorker
 from lanes.settings import Settings
 from lanes.spec import Spec
-from lanes.tasks import GenerateTask, Task, load_task
 from lanes.tracing import Tracing
 
 log = logging.getLogger("lanes.serving")
-
-T = TypeVar("T")
 
 HEALTH_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
 
@@ -95,7 +87,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        loading = asyncio.create_task(_load(state, runtime), name="lanes-load")
+        loading = asyncio.create_task(load_workloads(state, runtime), name="lanes-load")
         try:
             yield
         finally:
@@ -157,108 +149,6 @@ class Served:
         whole (serving/engine.py `expire`), before the exit would cut it off."""
         for engine in self.state.engines.values():
             engine.expire()
-
-
-async def _load(state: ServingState, runtime: Runtime | None) -> None:
-    """Load every interactive workload, one after another, into `state.readiness`.
-
-    A workload that fails to load (any exception: a broken model, a user's handler, a
-    bug) is logged once with its name and marked failed with the message; the others
-    still load, and /readyz answers failed.
-    """
-    try:
-        runtime = Runtime(state.settings) if runtime is None else runtime
-    except Exception as err:
-        for name in state.spec.workloads:
-            if name in state.readiness:
-                _failed(state, name, err)
-        return
-    for name, workload in state.spec.workloads.items():
-        if name not in state.readiness:
-            continue
-        try:
-            task = await _load_task(state, name, runtime)
-            if isinstance(task, GenerateTask):
-                generate_routes.start_engine(state, task)  # continuous batching
-            else:
-                worker = BatchWorker(task, state.metrics, state.clock, state.tracing)
-                worker.start()
-                state.workers[name] = worker
-            freeze_heap()
-        except Exception as err:
-            _failed(state, name, err)
-            continue
-        state.readiness.ready(name)
-        log.info("workload %s ready (%s, %s)", name, workload.task, workload.model)
-
-
-async def _load_task(state: ServingState, name: str, runtime: Runtime) -> Task:
-    """Workload `name`'s task, loaded and warm, off the event loop: one start-up load
-    in the metrics, failed or not (lanes_model_loads, its time, lanes_model_loaded)."""
-    started = state.clock()
-    try:
-        task = await _on_own_thread(lambda: load_task(name, state.spec, runtime))
-        await _on_own_thread(task.warm_up)
-    except Exception:
-        _loaded(state, name, started, False)
-        raise
-    _loaded(state, name, started, True)
-    return task
-
-
-async def _on_own_thread(fn: Callable[[], T]) -> T:
-    """`fn()` on a daemon thread of its own. A load that a server stopping before it was
-    ready abandons (a TensorRT engine's build takes minutes) must not hold the process's
-    exit until it ends, as a thread of asyncio's default executor would."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[T] = loop.create_future()
-
-    def deliver(settle: Callable[[], None]) -> None:
-        def on_loop() -> None:
-            if not done.cancelled():
-                settle()
-
-        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
-            loop.call_soon_threadsafe(on_loop)
-
-    def run() -> None:
-        try:
-            result = fn()
-        except BaseException as err:  # handed to the awaiting coroutine, whatever it is
-            deliver(functools.partial(done.set_exception, err))
-            return
-        deliver(functools.partial(done.set_result, result))
-
-    threading.Thread(target=run, name="lanes-load", daemon=True).start()
-    return await done
-
-
-def _loaded(state: ServingState, name: str, started: float, ok: bool) -> None:
-    m = state.metrics
-    m.model_loads.labels(name, STARTUP).inc()
-    m.model_load_time.labels(name, STARTUP).observe(state.clock() - started)
-    m.model_loaded.labels(name).set(1 if ok else 0)
-
-
-def _failed(state: ServingState, name: str, err: Exception) -> None:
-    # A LanesError's message is the whole story; anything else is a bug somewhere,
-    # and its traceback says where.
-    ours = isinstance(err, LanesError)
-    message = str(err) if ours else f"{type(err).__name__}: {err}"
-    log.error("workload %s failed to load: %s", name, message, exc_info=None if ours else err)
-    state.readiness.failed(name, message)
-
-
-def freeze_heap() -> None:
-    """Move everything loaded so far out of the garbage collector's sight.
-
-    A full collection walks every tracked object while holding the GIL: with the
-    libraries and sessions loaded that was a 30 ms stall of the event loop and the
-    engine threads (once every ~10 s under streaming load), the worst
-    time-to-first-token of the run. What start-up loaded lives as long as the server.
-    """
-    gc.collect()
-    gc.freeze()
 
 
 async def live(request: Request) -> Response:

@@ -18,19 +18,25 @@ interactive run that starts takes the cores at once, in the middle of an offline
 which loses nothing and goes on when they are free again. Stopping offline runs at their
 boundaries instead (serving/offline_runs.py) keeps an arrival waiting for a run or
 throws the run's work away; bench/backfill.py measures both beside this.
+
+`on_own_thread` awaits one call on a daemon thread of its own: a workload's load at
+start-up (serving/loading.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from lanes.runtime import idle_priority_available
+
+T = TypeVar("T")
 
 # What a call hands the loop when it ends: its result, or the exception it raised.
 Done = Callable[[Any, BaseException | None], None]
@@ -92,3 +98,30 @@ class IdleThreads(ModelThread):
         # 0: the calling thread (Linux schedules threads, not processes).
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         self.native_ids.append(threading.get_native_id())
+
+
+async def on_own_thread(fn: Callable[[], T]) -> T:
+    """`fn()` on a daemon thread of its own. A load that a server stopping before it was
+    ready abandons (a TensorRT engine's build takes minutes) must not hold the process's
+    exit until it ends, as a thread of asyncio's default executor would."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def deliver(settle: Callable[[], None]) -> None:
+        def on_loop() -> None:
+            if not done.cancelled():
+                settle()
+
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(on_loop)
+
+    def run() -> None:
+        try:
+            result = fn()
+        except BaseException as err:  # handed to the awaiting coroutine, whatever it is
+            deliver(functools.partial(done.set_exception, err))
+            return
+        deliver(functools.partial(done.set_result, result))
+
+    threading.Thread(target=run, name="lanes-load", daemon=True).start()
+    return await done
