@@ -15,7 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from lanes.errors import Problem, SettingsError
 from lanes.logs import LogFormat, LogLevel
 from lanes.schedule import Schedule
-from lanes.specrules import dotted, from_pydantic
+from lanes.specproblems import dotted, from_pydantic
 
 Device = Literal["auto", "cpu", "cuda", "tensorrt"]
 OFFPEAK_CRON = "0 2 * * *"  # the default off-peak window opens at 02:00

@@ -28,7 +28,7 @@ import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from lanes.errors import LanesError
-from lanes.specrules import dotted
+from lanes.specproblems import dotted
 
 Scalar = int | float
 Path = tuple[str, ...]

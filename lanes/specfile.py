@@ -14,7 +14,8 @@ from typing import Any
 from lanes.errors import Problem, SpecError
 from lanes.settings import Settings, set_by
 from lanes.spec import Spec
-from lanes.specrules import Found, Loc, dotted, parse_spec
+from lanes.specproblems import Found, Loc, dotted
+from lanes.specrules import parse_spec
 from lanes.specyaml import MAX_BYTES, MAX_DEPTH, Marks, read_yaml
 
 

@@ -25,7 +25,7 @@ from yaml.events import AliasEvent, Event, NodeEvent
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from lanes.errors import Problem, SpecError
-from lanes.specrules import Found, Loc, dotted
+from lanes.specproblems import Found, Loc, dotted
 
 MAX_BYTES = 1 << 20
 MAX_DEPTH = 20  # a spec needs 6: workloads.NAME.generation.stop[0]
