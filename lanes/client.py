@@ -39,7 +39,8 @@ from lanes.settings import Settings
 from lanes.spec import Spec
 from lanes.streamed import Completion, Usage
 from lanes.tracing import Tracing
-from lanes.wire import Core, Prompt, cut_short, json_body
+from lanes.wire import Core, Prompt
+from lanes.wireerrors import cut_short, json_body
 
 __all__ = ["AsyncClient", "Client", "Completion", "Records", "Usage", "When"]
 

@@ -1,15 +1,14 @@
 """What the SDK clients send and how they read the answers, with no I/O: requests
-built from a workload's label, results or typed errors out, and the retry policy.
-`lanes.client` holds the two clients that do the I/O around it.
+built from a workload's label, results or typed errors out (lanes.wireerrors words the
+errors), and the retry policy. `lanes.client` holds the two clients that do the I/O
+around it.
 """
 
 from __future__ import annotations
 
 import difflib
 import functools
-import json
 import random
-import re
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -20,16 +19,7 @@ import httpx
 import numpy as np
 from pydantic import BaseModel
 
-from lanes.errors import (
-    AuthError,
-    DeadlineExceeded,
-    InvalidInput,
-    LanesError,
-    Overloaded,
-    Unavailable,
-    WrongMode,
-    from_wire,
-)
+from lanes.errors import InvalidInput, LanesError, Overloaded, WrongMode
 from lanes.payloads import (
     Request,
     embed_input,
@@ -57,6 +47,7 @@ from lanes.specfile import load_spec
 from lanes.streamed import DONE, Completion, Gathered, Usage, sse_data
 from lanes.tracing import Tracing
 from lanes.validation import describe
+from lanes.wireerrors import answer_error, final_failure, parsed_error
 
 # What a generate workload takes: a text, the model's token ids, or chat messages.
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
@@ -324,7 +315,7 @@ class Core:
         """The text of one SSE event; an error event raises its typed error."""
         error = event.get("error")
         if error is not None:
-            raise self._error(None, event)
+            raise parsed_error(self.endpoint, None, event)
         choices = event.get("choices") or []
         if not choices:
             return ""  # a usage chunk
@@ -334,106 +325,13 @@ class Core:
         return str(choice.get("text") or "")
 
     def error(self, status: int, body: bytes, headers: Mapping[str, str]) -> LanesError:
-        """The typed error for a failed response, with the server's own message, field
-        (`param`) and `code`."""
-        try:
-            parsed = json.loads(body)
-        except ValueError:
-            parsed = None
-        if isinstance(parsed, dict) and "error" in parsed:
-            found = self._error(status, parsed, _retry_after(headers))
-        else:
-            found = self._foreign(status, body, _retry_after(headers))
-        if isinstance(found, AuthError):
-            found = self._refused(found)
-        found.request_id = found.request_id or headers.get(REQUEST_ID_HEADER)
-        return found
-
-    def _refused(self, refused: AuthError) -> AuthError:
-        """A 401 with what to set: the server's message is for any HTTP client (send
-        Authorization: Bearer), a caller of this one sets a variable or an argument."""
-        sent = "the API key sent" if "Authorization" in self.headers else "a request without a key"
-        return AuthError(
-            f"{self.endpoint} refused {sent} ({refused}): set LANES_API_KEY to the server's "
-            "key, or pass Client(api_key=...)",
-            param=refused.param,
-            code=refused.code,
-        )
-
-    def _foreign(self, status: int, body: bytes, retry_after: float) -> LanesError:
-        """An error answer no lanes server wrote (every one of its errors is JSON with
-        an `error`): another service on that port, a proxy's page. Said in one line with
-        what to check, not as the page's HTML; typed by its status where the status means
-        the same from anyone (401, 413, 503: retried), but a 404 is a path the endpoint
-        lacks, not an unknown workload."""
-        text = re.sub(r"<[^>]*>", " ", body.decode(errors="replace"))
-        snippet = " ".join(text.split())
-        snippet = (snippet if len(snippet) <= 200 else snippet[:197] + "...") or "no body"
-        message = (
-            f"{self.endpoint} answered HTTP {status} with no lanes error ({snippet}); check "
-            "that LANES_ENDPOINT (or Client(endpoint=...)) is a lanes server or a proxy "
-            "in front of one"
-        )
-        if status == 404:
-            return LanesError(message)
-        return from_wire(message, status, retry_after=retry_after)
-
-    def _error(self, status: int | None, parsed: Any, retry_after: float = 1.0) -> LanesError:
-        # OpenAI's {"error": {"message", "type", "param", "code"}} or v2's {"error": "..."}.
-        error = parsed.get("error") if isinstance(parsed, dict) else parsed
-        fields = error if isinstance(error, dict) else {"message": error}
-        if isinstance(parsed, dict) and not isinstance(error, dict):  # v2: param, code beside
-            fields = {**fields, "param": parsed.get("param"), "code": parsed.get("code")}
-        rid = fields.get("request_id") or (
-            parsed.get("request_id") if isinstance(parsed, dict) else None
-        )
-        found = self._typed(status, fields, retry_after)
-        found.request_id = _str_or_none(rid)
-        return found
-
-    def _typed(
-        self, status: int | None, fields: Mapping[str, Any], retry_after: float
-    ) -> LanesError:
-        text = fields.get("message")
-        message = str(text) if text is not None else f"HTTP {status} from {self.endpoint}"
-        found = from_wire(
-            message,
-            status,
-            code=_str_or_none(fields.get("code")),
-            param=_str_or_none(fields.get("param")),
-            error_type=_str_or_none(fields.get("type")),
-            retry_after=retry_after,
-        )
-        if type(found) is LanesError:
-            where = f"HTTP {status}" if status is not None else "an error in the stream"
-            return LanesError(
-                f"{self.endpoint} failed with {where}: {message}",
-                param=found.param,
-                code=found.code,
-            )
-        return found
+        """The typed error for a failed response (lanes.wireerrors)."""
+        return answer_error(self.endpoint, status, body, headers, "Authorization" in self.headers)
 
     def failure(self, error: Exception) -> LanesError:
-        """What the caller sees once retries are over: always a LanesError; the
-        endpoint unreachable (refused, or no connection within the connect timeout) is
-        an `Unavailable`."""
-        if isinstance(error, LanesError):
-            return error
-        if isinstance(error, httpx.ConnectError | httpx.ConnectTimeout):
-            # Nothing reached the server, so nothing ran: the caller may retry it as it
-            # retries an Overloaded (the client's own retries are spent by now).
-            tries = self.max_retries + 1
-            return Unavailable(
-                f"cannot reach the lanes endpoint at {self.endpoint} ({error or type(error).__name__}; "
-                f"{tries} attempt{'s' if tries > 1 else ''}): start `lanes serve` there, or "
-                "point LANES_ENDPOINT (or Client(endpoint=...)) at a running one"
-            )
-        if isinstance(error, httpx.TimeoutException):
-            return DeadlineExceeded(
-                f"no answer from {self.endpoint} within the client's timeout "
-                f"({type(error).__name__}); raise Client(timeout=...) or send less"
-            )
-        return LanesError(f"the connection to {self.endpoint} failed: {error!r}")
+        """What the caller sees once retries are over: always a LanesError
+        (lanes.wireerrors)."""
+        return final_failure(self.endpoint, error, self.max_retries + 1)
 
     # ---- retries ------------------------------------------------------------------
 
@@ -495,31 +393,6 @@ def _allowed(route: type[BaseModel]) -> tuple[str, ...]:
     """The options a request model takes from a caller, sorted (said in errors); its
     fields are fixed, so one look per model."""
     return tuple(sorted(set(route.model_fields) - _SET_BY_CLIENT))
-
-
-def cut_short(endpoint: str) -> LanesError:
-    return LanesError(f"the stream from {endpoint} ended before its [DONE] event; retry it")
-
-
-def json_body(response: httpx.Response, endpoint: str) -> Any:
-    try:
-        return response.json()
-    except ValueError:
-        raise LanesError(
-            f"{endpoint} answered HTTP {response.status_code} with a body that is not JSON: "
-            f"{response.text[:200]!r}"
-        ) from None
-
-
-def _str_or_none(value: Any) -> str | None:
-    return None if value is None else str(value)
-
-
-def _retry_after(headers: Mapping[str, str]) -> float:
-    try:
-        return max(0.0, float(headers.get("retry-after", "1")))
-    except ValueError:
-        return 1.0  # an HTTP date: lanes never sends one
 
 
 def token_ids(prompt: Any) -> list[int] | None:
