@@ -14,7 +14,7 @@ from lanes.generation.batch import generate_batch
 from lanes.generation.logprobs import ROWS_PER_PASS, TokenLogprob, token_logprobs
 from lanes.generation.prefill import prefill
 from lanes.generation.scheduler import Scheduler
-from lanes.generation.seq import Seq, StepOutputs
+from lanes.generation.seq import Seq, StepOutputs, completion_tokens
 from lanes.isolation import Failed
 from lanes.runtime import Runtime
 from lanes.settings import Settings
@@ -92,6 +92,11 @@ def run(task: GenerateTask, requests: list[GenerateRequest], rows: int) -> list[
     return [d for d in done if isinstance(d, Completion)]
 
 
+def made(done: Completion) -> list[int]:
+    """The tokens its logprobs score: those it shows, then the one that ended it."""
+    return [*done.tokens, *([] if done.stop_token is None else [done.stop_token])]
+
+
 def test_rows_that_ask_for_logprobs_leave_the_others_tokens_as_they_were_alone(
     task: GenerateTask,
 ) -> None:
@@ -106,7 +111,7 @@ def test_rows_that_ask_for_logprobs_leave_the_others_tokens_as_they_were_alone(
             assert both.logprobs is None
             continue
         assert both.logprobs is not None
-        assert [r.token for r in both.logprobs] == both.tokens
+        assert [r.token for r in both.logprobs] == made(both)
         for record in both.logprobs:  # greedy: the token made is the likeliest
             assert len(record.top) == 3
             assert record.top[0].token == record.token
@@ -120,7 +125,7 @@ def test_logprobs_are_the_raw_logits_log_softmax_whatever_the_temperature(
     hot = dataclasses.replace(request, sampling=SamplingParams(1.7, 5, 0.9), seed=3)
     for asked in (request, hot):
         (done,) = run(task, [asked], 1)
-        assert done.logprobs is not None and len(done.logprobs) == len(done.tokens)
+        assert done.logprobs is not None and len(done.logprobs) == done.completion_tokens
         for j, record in enumerate(done.logprobs[:4]):
             want = next_logprobs(task.decoder, [*asked.prompt_ids, *done.tokens[:j]])
             assert record.logprob == pytest.approx(want[record.token], abs=1e-4)
@@ -141,7 +146,11 @@ def test_tokens_a_stop_string_cut_keep_their_logprobs(task: GenerateTask) -> Non
     assert all(r.top == () for r in cut.logprobs)
 
 
-def test_an_eos_that_ends_a_sequence_gets_no_logprobs_and_a_chunked_prompt_does() -> None:
+@pytest.mark.parametrize("first", [False, True])
+def test_an_eos_that_ends_a_sequence_is_scored_as_it_is_counted(first: bool) -> None:
+    """As vLLM scores every token it counts in completion_tokens: the eos that ended a
+    sequence gets its logprob on its (textless) last event, whether a decode made it or
+    the final chunk of a prompt prefilled in parts (its first token)."""
     vocab, eos = 8, 0
     scheduler = Scheduler(2, frozenset({eos}), lambda ids: "x" * len(ids), chunked=True)
     scheduler.max_prefill_tokens = 2
@@ -151,7 +160,7 @@ def test_an_eos_that_ends_a_sequence_gets_no_logprobs_and_a_chunked_prompt_does(
     chunks = 0
     while not seq.status.is_finished:
         logits = np.zeros((1, vocab), dtype=np.float32)
-        logits[0, eos if seq.tokens else 3] = 5.0  # its second token is eos: it ends there
+        logits[0, eos if seq.tokens or first else 3] = 5.0  # eos ends it there
         plan = scheduler.schedule()
         chunks += plan.chunk is not None
         outputs = StepOutputs(
@@ -161,11 +170,14 @@ def test_an_eos_that_ends_a_sequence_gets_no_logprobs_and_a_chunked_prompt_does(
         )
         events += scheduler.update(plan, outputs)
     assert chunks == 2  # its first token came from the final chunk's logits
-    made, end = events[-2:]
-    assert made.tokens == (3,) and [r.token for r in made.logprobs] == [3]
-    assert made.logprobs[0].top[0].token == 3
-    assert end.tokens == () and end.logprobs == () and end.finish == "stop"
-    assert [r.token for r in seq.logprobs] == seq.tokens == [3]
+    want = float(log_softmax(np.array([5.0] + [0.0] * (vocab - 1)))[0])
+    end = events[-1]
+    assert end.tokens == () and end.finish == "stop" and end.stop_token == eos
+    assert [r.token for r in end.logprobs] == [eos]
+    assert end.logprobs[0].logprob == pytest.approx(want, abs=1e-5)
+    assert end.logprobs[0].top[0].token == eos
+    assert [r.token for r in seq.logprobs] == [*seq.tokens, eos] == ([eos] if first else [3, eos])
+    assert len(seq.logprobs) == completion_tokens(len(seq.tokens), seq.stop_token)
 
 
 # ---- prompt logprobs (an echo's) ------------------------------------------------------

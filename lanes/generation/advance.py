@@ -114,18 +114,18 @@ class Advance:
 
     def _score_rows(self, seqs: Sequence[Seq], events: list[Event], logits: Array) -> None:
         """The tokens made by the rows of `seqs` that asked for logprobs, scored on
-        their rows of `logits` (an eos that ended its sequence made no token)."""
+        their rows of `logits` (an eos or stop token that ended its sequence too)."""
         rows = {seq.id: i for i, seq in enumerate(seqs) if seq.top_logprobs is not None}
-        made = [event for event in events if event.tokens and event.seq_id in rows]
+        made = [e for e in events if e.seq_id in rows and e.scored is not None]
         if made:
             picked = [rows[event.seq_id] for event in made]
             self.score([seqs[i] for i in picked], made, logits[picked])
 
     def score(self, seqs: Sequence[Seq], events: Sequence[Event], logits: Array) -> None:
-        """Each of `seqs`' token (its event's) scored on its row of [rows, vocab] raw
-        `logits`: the record goes on the event and the sequence. An eos that ended a
-        sequence is no generated token: an event without tokens gets none."""
-        tokens = [event.tokens[-1] for event in events]
+        """Each of `seqs`' token (its event's `scored`: the eos or stop token that ended
+        it among them, as usage counts it) scored on its row of [rows, vocab] raw
+        `logits`: the record goes on the event and the sequence."""
+        tokens = [_scored(event) for event in events]
         counts = [seq.top_logprobs or 0 for seq in seqs]
         for seq, event, record in zip(
             seqs, events, token_logprobs(logits, tokens, counts), strict=True
@@ -189,6 +189,13 @@ class Advance:
     def _limit(self, seq: Seq) -> int:
         seq._limit = self.budget(seq)  # fixed: its prompt and the context do not change
         return seq._limit
+
+
+def _scored(event: Event) -> int:
+    token = event.scored
+    if token is None:
+        raise ValueError(f"sequence {event.seq_id}: an event that made no token has no logprob")
+    return token
 
 
 def final(seq: Seq, tokens: tuple[int, ...] = (), first: bool = False) -> Event:

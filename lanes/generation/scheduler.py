@@ -454,7 +454,7 @@ class Scheduler:
             self._finish(seq, SeqStatus.FINISHED_DEADLINE)
             return [*events, final(seq)]
         event = self.advance.token(seq, self.advance.pick(seq, logits))
-        if seq.top_logprobs is not None and event.tokens:
+        if seq.top_logprobs is not None and event.scored is not None:
             self.advance.score((seq,), (event,), outputs.chunk)
         return [*events, event]
 

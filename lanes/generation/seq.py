@@ -98,7 +98,8 @@ class Seq:
     text: str = ""  # decoded so far (cut before a stop string once one is found)
     sent: int = 0  # characters of `text` already handed out in events
     error: str | None = None  # why it finished with FINISHED_ERROR
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, if asked
+    # One per token made, if asked: `tokens`' and then its `stop_token`'s (Event.scored).
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     # Its prompt's tokens after the first, scored by its first prefill (in parts for a
     # prompt prefilled in chunks), where `prompt_logprobs` asked.
     prompt_scores: list[TokenLogprob] = field(default_factory=list)
@@ -243,7 +244,7 @@ class Event:
     finish: FinishReason | None = None
     first: bool = False  # carries the sequence's first generated token
     error: str | None = None  # with finish "error": what failed
-    logprobs: tuple[TokenLogprob, ...] = ()  # of `tokens`, where its sequence asked
+    logprobs: tuple[TokenLogprob, ...] = ()  # of `scored`, where its sequence asked
     # A sequence's first event, where it asked (Seq.prompt_logprobs): its prompt's
     # tokens after the first, scored.
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
@@ -253,6 +254,13 @@ class Event:
     def made(self) -> int:
         """The tokens this step made for its sequence, as usage counts them."""
         return completion_tokens(len(self.tokens), self.stop_token)
+
+    @property
+    def scored(self) -> int | None:
+        """The token this step's logprob record scores, where its sequence asked: the
+        one it made, shown or not (the stop token, which `made` counts), as vLLM
+        scores every token it counts; None where it made none."""
+        return self.tokens[-1] if self.tokens else self.stop_token
 
 
 def completion_tokens(shown: int, stop_token: int | None) -> int:

@@ -64,7 +64,8 @@ class Completion:
     tokens: list[int]  # generated ids shown (no eos, no stop token)
     finish_reason: FinishReason
     prompt_tokens: int = 0
-    # One per token where the request asked (GenerateRequest.top_logprobs), else None.
+    # One per token made where the request asked (GenerateRequest.top_logprobs), else
+    # None: `tokens`' and then `stop_token`'s, as many as completion_tokens counts.
     logprobs: list[TokenLogprob] | None = None
     # Its prompt's tokens after the first, scored, where the request asked
     # (GenerateRequest.prompt_logprobs), else None.
