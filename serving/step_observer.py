@@ -143,8 +143,8 @@ class StepObserver:
         for i, event in enumerate(step.events):
             lane = self._lane_of.get(event.seq_id, "interactive")
             at = step.handed_at if i < step.handed else step.end
+            made += event.made  # as usage counts them: the eos that ended a text too
             if event.tokens:
-                made += len(event.tokens)
                 last = self._last_token_at.get(event.seq_id)
                 if lane == "offline":
                     pass  # nobody waits on it: its latencies are no interactive figure

@@ -292,11 +292,11 @@ async def test_16_concurrent_greedy_requests_match_each_alone(
     delta = {name: metric(server, name, workload="code") - value for name, value in before.items()}
     assert delta["lanes_batch_size_sum"] / delta["lanes_batch_size_count"] > 2, "rows share steps"
     # No prefix is ever recomputed: one prefill per request at most, and every token
-    # costs one row of one decode step (the first comes from the prefill; eos costs a
-    # row but makes no token).
+    # costs one row of one decode step (the first comes from the prefill; an eos that
+    # ends a text is a token made, counted as usage counts it).
     assert delta["lanes_prefill_seconds_count"] <= 16
-    eos = sum(c.finish_reason == "stop" for c in alone)
-    assert delta["lanes_batch_size_sum"] + 16 == delta["lanes_generated_tokens_total"] + eos
+    assert delta["lanes_generated_tokens_total"] == sum(c.completion_tokens for c in alone)
+    assert delta["lanes_batch_size_sum"] + 16 == delta["lanes_generated_tokens_total"]
 
 
 def test_stop_strings_cut_the_text_streamed_or_not(server: ServerThread, found: Found) -> None:

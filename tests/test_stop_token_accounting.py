@@ -1,7 +1,7 @@
 """The eos or stop token that ends a text is counted and scored alike everywhere, as
 vLLM does (its output token ids hold it): `usage.completion_tokens`, one logprob entry
-per token counted (the last the finishing token's, its text not in the answer's).
-A real uvicorn on 127.0.0.1 serving the test
+per token counted (the last the finishing token's, its text not in the answer's),
+and the `lanes_generated_tokens` metric. A real uvicorn on 127.0.0.1 serving the test
 decoder of tests/flows_fixtures.py (greedy "a" completes to "b c d", then eos), the
 official `openai` client, streamed and whole; and the offline in-process batch loop
 with an OpenAI batch line answered on the same model."""
@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 from openai import OpenAI
@@ -26,6 +27,7 @@ from lanes.settings import Settings
 from lanes.spec import OfflineWorkload
 from lanes.tasks import GenerateTask, load_task
 from tests.flows_fixtures import DECODER_WORDS, write_spec
+from tests.gates import wait_until
 from tests.model_reference import log_softmax
 from tests.servers import ServerThread
 
@@ -34,6 +36,8 @@ pytestmark = pytest.mark.slow
 GENERATE = {"mode": "interactive", "task": "generate", "model": "dec"}
 WORKLOADS: dict[str, dict[str, Any]] = {
     "gen": {**GENERATE, "generation": {"max_new_tokens": 8, "temperature": 0}},
+    # Its own series in /metrics: no other test's tokens in it.
+    "counted": {**GENERATE, "generation": {"max_new_tokens": 8, "temperature": 0}},
     "nightly": {
         "mode": "offline",
         "task": "generate",
@@ -171,3 +175,26 @@ def test_offline_lines_score_the_eos_as_the_endpoint_does(
     assert online.choices[0].logprobs is not None
     assert answered["choices"][0]["logprobs"] == online.choices[0].logprobs.model_dump()
     assert answered["usage"]["completion_tokens"] == 4
+
+
+def generated(server: ServerThread, workload: str) -> float:
+    """`workload`'s lanes_generated_tokens_total (0 before its first sample)."""
+    series = f'lanes_generated_tokens_total{{workload="{workload}"}} '
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+        if line.startswith(series):
+            return float(line[len(series) :])
+    return 0.0
+
+
+def test_the_generated_tokens_metric_counts_what_usage_counts(
+    server: ServerThread, client: OpenAI
+) -> None:
+    before = generated(server, "counted")
+    answer = client.completions.create(model="counted", prompt="a")
+    assert answer.usage is not None and answer.choices[0].finish_reason == "stop"
+    want = before + answer.usage.completion_tokens
+    # The metric is reported beside the answer: wait for it to reach usage's count.
+    wait_until(
+        lambda: generated(server, "counted") >= want, "the step's tokens reported", interval=0.05
+    )
+    assert generated(server, "counted") == want
