@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 
 from lanes.errors import DeadlineExceeded, ModelError
-from lanes.generation.batch import generate_batch
+from lanes.generation.batch import generate_batch, scheduler_for
+from lanes.generation.loop import StepLoop
 from lanes.generation.prefill import Join, prefill
+from lanes.generation.prefill_tokens import PrefillTokens
 from lanes.generation.prefixes import SHARED_PREFIX_MIN, PrefixCache, common_prefix
 from lanes.generation.scheduler import POLICIES, Policy
 from lanes.generation.seq import Event, Seq
@@ -372,6 +374,97 @@ def test_conversations_of_one_system_prompt_each_run_on_their_own_last_turn(
     assert common > common_prefix(theirs.prompt_ids, next_turn.prompt_ids)
     assert joins[0].tokens_run == (n if decoder.slots else n - common)
     assert_as_alone(decoder, [next_turn], logits, joins)
+
+
+def charge(seqs: list[Seq], prefixes: PrefixCache | None) -> int:
+    """What the scheduler's budget charges the prefill of `seqs`."""
+    charged = PrefillTokens(prefixes)
+    for seq in seqs:
+        charged = charged.plus(seq)
+    return charged.tokens
+
+
+def test_the_prefill_budget_charges_what_the_prefill_runs(task: GenerateTask) -> None:
+    """The scheduler's charge for a step's joiners, known before their prefill, is the
+    padded tokens the prefill runs: a prefix they share once, a kept prompt's common
+    part not at all, the rest whole, equal prompts one row (as the step loop hands the
+    scheduler its prefix cache: not on a slot-layout graph, where nothing is shared)."""
+    decoder = task.decoder
+    prefixes = PrefixCache()
+    shared = None if decoder.slots else prefixes
+
+    def seqs(*prompts: str) -> list[Seq]:
+        return [Seq(i, tuple(decoder.encode(p)), 4) for i, p in enumerate(prompts)]
+
+    kept = seqs(INSTRUCTIONS[0] + "x")
+    for _ in range(2):  # its opening's second comer is kept
+        prefill(decoder, kept, prefixes=prefixes)
+    assert len(prefixes) == (0 if decoder.slots else 1)
+    for joiners in (
+        seqs(*(INSTRUCTIONS[1] + end for end in ("x", "def f(x", "import os\n"))),
+        seqs(*(INSTRUCTIONS[i % 2] + end for i, end in enumerate(("a", "b = 1", "c", "d")))),
+        seqs(INSTRUCTIONS[0] + "for i in range(", INSTRUCTIONS[0] + "y", "x", "def f(x"),
+        seqs(INSTRUCTIONS[0] + "z", INSTRUCTIONS[1] + "lone", "x", "x", PROMPTS[2][0]),
+        seqs("def f(x", "x", "def f(x"),
+        # Turns of conversations: each shares most with a kept prompt of the opening
+        # that is not its most recent one.
+        seqs(INSTRUCTIONS[0] + "for i in range(10):\n", INSTRUCTIONS[0] + "for i in range(3"),
+        seqs(INSTRUCTIONS[1] + "x = 2", INSTRUCTIONS[0] + "for i in range(10):\n    pass"),
+    ):
+        charged = charge(joiners, shared)
+        _, joins = prefill(decoder, joiners, prefixes=shared)
+        assert charged == sum(join.tokens_run for join in joins), [
+            len(s.prompt_ids) for s in joiners
+        ]
+    if decoder.slots:
+        return
+    # A cache with room for one prompt: the pair of another opening, run first, keeps
+    # one of theirs in the kept prompt's place; the joiner of the kept one still runs
+    # on it, as charged (every part's kept head is taken before any part keeps).
+    small = PrefixCache()
+    long = seqs(INSTRUCTIONS[0] + PROMPTS[2][0])
+    for _ in range(2):
+        prefill(decoder, long, prefixes=small)
+    small.max_bytes = small.kept_bytes
+    short = INSTRUCTIONS[1][:60]
+    joiners = seqs(short + "a", short + "b", INSTRUCTIONS[0] + PROMPTS[2][0][:-3])
+    charged = charge(joiners, small)
+    _, joins = prefill(decoder, joiners, prefixes=small)
+    assert long[0].prompt_ids[:SHARED_PREFIX_MIN] not in small, "the pair's took its place"
+    assert charged == sum(join.tokens_run for join in joins)
+
+
+def test_joiners_sharing_a_kept_opening_join_one_step_within_the_budget(
+    task: GenerateTask,
+) -> None:
+    """With a budget of one whole prompt and two rests, three joiners that start with
+    a long part of the kept prompt run only their rests: they join one step, and their
+    prefill runs within it (charged whole, one joined a step). On a slot-layout graph
+    nothing is shared: one joins a step."""
+    decoder = task.decoder
+    first = INSTRUCTIONS[0] + "x"
+    prompts = [INSTRUCTIONS[0] + end for end in ("y = 1", "def f(x", "for i in range(")]
+    joiners = [Seq(i, tuple(decoder.encode(p)), 2) for i, p in enumerate(prompts, 1)]
+    longest = max(len(s.prompt_ids) for s in joiners)
+    rest = longest - min(common_prefix(tuple(decoder.encode(first)), s.prompt_ids) for s in joiners)
+    budget = longest + 2 * rest
+    scheduler = scheduler_for(decoder, 4, max_prefill_tokens=budget)
+    loop = StepLoop(decoder, scheduler, "code")
+    for i in (10, 11):  # its opening's second comer is kept
+        scheduler.add(Seq(i, tuple(decoder.encode(first)), 1))
+        while scheduler.has_work:
+            loop.run(scheduler.schedule())
+    for seq in joiners:
+        scheduler.add(seq)
+    steps = []
+    while scheduler.waiting:
+        plan = scheduler.schedule()
+        step = loop.run(plan)
+        steps.append(([s.id for s in plan.prefill], step.prefill_tokens))
+    if decoder.slots:
+        assert [ids for ids, _ in steps] == [[1], [2], [3]]
+    else:
+        assert steps == [([1, 2, 3], 3 * rest)] and 3 * rest <= budget
 
 
 def test_a_prompt_asked_again_later_in_an_offline_batch_joins_its_first_asking(

@@ -9,9 +9,11 @@ import pytest
 
 from lanes.costmodel import Fit
 from lanes.generation.prefill import prefill_groups
+from lanes.generation.prefixes import PrefixCache
 from lanes.generation.reserve import Reserve
 from lanes.generation.scheduler import Policy, Scheduler
 from lanes.generation.seq import Event, Seq, SeqStatus, StepOutputs, StepPlan
+from lanes.tasks.past import Past
 from lanes.tasks.sampling import SamplingParams
 
 # Token ids: 0 is eos; 1-6 are one character each; 7 and 8 are the two halves of "é".
@@ -330,6 +332,44 @@ def test_joiners_of_one_prompt_take_the_budget_of_one_row() -> None:
     s.add(seq(3, prompt=4))
     s.add(seq(4, prompt=3))
     assert ids(step(s)[0].prefill) == [0, 1, 2, 3]  # 2 rows x 5 padded tokens
+    assert ids(step(s)[0].prefill) == [4]
+
+
+def opened(id: int, tail: tuple[int, ...]) -> Seq:
+    """A joiner whose prompt is a long shared opening (36 tokens), then `tail`."""
+    return Seq(id, (*(1 + k % 6 for k in range(36)), *tail), 4, SamplingParams(temperature=0))
+
+
+def test_a_long_prefix_joiners_share_is_charged_once() -> None:
+    """Joiners whose prompts share a long opening run it once and each its rest
+    (prefill.py): with the step loop's prefix cache, a budget of one whole prompt and
+    two rests takes three of them; a prompt that shares nothing pays its whole length,
+    and without the cache (a decoder that shares nothing) each is charged whole."""
+    for prefixes, want in ((PrefixCache(), [[0, 1, 2], [3]]), (None, [[0], [1], [2], [3]])):
+        s = make(max_running=8, max_prefill_tokens=40 + 2 * 4)
+        s.prefixes = prefixes
+        for i, tail in enumerate([(1, 2, 3, 4), (2, 3, 4, 5), (3, 4, 5, 6)]):
+            s.add(opened(i, tail))
+        s.add(seq(3, prompt=3))
+        assert [ids(step(s)[0].prefill) for _ in want] == want
+
+
+def test_a_kept_prompts_part_is_charged_nothing() -> None:
+    """A prompt kept for the joiners' opening (PrefixCache): each runs only what
+    follows the part of it they all start with, so only that is charged; equal
+    prompts share a row."""
+    cache = PrefixCache()
+    kept = opened(9, (1, 1, 1, 1)).prompt_ids
+    past = Past(
+        (np.zeros((1, 1, len(kept), 2), np.float32),), (np.zeros((1, 1, len(kept), 2), np.float32),)
+    )
+    cache.keep(kept, past, 0, again=True)
+    s = make(max_running=8, max_prefill_tokens=3 * 4)
+    s.prefixes = cache
+    for i, tail in enumerate([(1, 2, 3, 4), (2, 3, 4, 5), (3, 4, 5, 6), (3, 4, 5, 6)]):
+        s.add(opened(i, tail))
+    s.add(opened(4, (4, 5, 6, 1)))
+    assert ids(step(s)[0].prefill) == [0, 1, 2, 3]
     assert ids(step(s)[0].prefill) == [4]
 
 

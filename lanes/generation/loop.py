@@ -121,6 +121,8 @@ class StepLoop:
         self.preempted = Preempted(keep_bytes)
         self.chunked = Chunked()
         self.prefixes = PrefixCache(prefix_bytes)  # prompts' caches, for later joiners
+        if not decoder.slots:  # it shares prefixes (prefill.py): the budget charges so
+            scheduler.prefixes = self.prefixes
 
     def run(
         self,

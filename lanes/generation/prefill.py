@@ -101,8 +101,13 @@ def prefill(
             _score_prompts(seqs, out.logits, row_of)
         runs = [(list(range(len(unique))), Ran(out.logits[:, -1], out.present, mask))]
     else:
+        parts = _parts(unique, prefixes)
+        # Every part's kept head is taken before any part keeps a prompt (which may
+        # evict another part's): each runs on the cache the scheduler's budget saw.
+        heads = [_kept_head(prefixes, [unique[u] for u in part]) for part in parts]
         runs = [
-            (part, _run_part(decoder, unique, part, prefixes)) for part in _parts(unique, prefixes)
+            (part, _run_part(decoder, unique, part, head, prefixes))
+            for part, head in zip(parts, heads, strict=True)
         ]
     apart = all(s.sits_out for s in seqs)
     logits = np.empty((len(seqs), runs[0][1].logits.shape[-1]), dtype=runs[0][1].logits.dtype)
@@ -171,26 +176,35 @@ def _parts(contexts: list[Context], prefixes: PrefixCache | None) -> list[list[i
     return parts
 
 
+def _kept_head(prefixes: PrefixCache | None, contexts: list[Context]) -> tuple[int, Past | None]:
+    return (0, None) if prefixes is None else prefixes.covers(contexts)
+
+
 def _run_part(
-    decoder: Decoder, unique: list[Context], part: list[int], prefixes: PrefixCache | None
+    decoder: Decoder,
+    unique: list[Context],
+    part: list[int],
+    head: tuple[int, Past | None],
+    prefixes: PrefixCache | None,
 ) -> Ran:
     """One run of the contexts `part` of `unique`: on the part of a kept prompt they all
-    start with, or on their own shared prefix (run once, first), or whole, left-padded.
-    Where they have an opening, the first of each goes to `prefixes` for later
-    joiners (the others of one opening share as much with them)."""
+    start with (`head`: its length and cache, PrefixCache.covers), or on their own
+    shared prefix (run once, first), or whole, left-padded. Where they have an
+    opening, the first of each goes to `prefixes` for later joiners (the others of
+    one opening share as much with them)."""
     contexts = [unique[u] for u in part]
-    kept, kept_past = (0, None) if prefixes is None else prefixes.covers(contexts)
+    kept, kept_past = head
     common = _common(contexts) if len(contexts) > 1 else 0
     if kept_past is not None and kept >= SHARED_PREFIX_MIN and common < kept + SHARED_PREFIX_MIN:
-        head = Past(
+        on = Past(
             tuple(k[:, :, :kept] for k in kept_past.keys),
             tuple(v[:, :, :kept] for v in kept_past.values),
         )
-        logits, present, mask, tokens = _run_on_prefix(decoder, contexts, kept, head)
+        logits, present, mask, tokens = _run_on_prefix(decoder, contexts, kept, on)
         ran = Ran(logits, present, mask, len(contexts), tokens)
     elif common >= SHARED_PREFIX_MIN:
-        head = _run_head(decoder, contexts[0][:common])
-        logits, present, mask, tokens = _run_on_prefix(decoder, contexts, common, head)
+        on = _run_head(decoder, contexts[0][:common])
+        logits, present, mask, tokens = _run_on_prefix(decoder, contexts, common, on)
         ran = Ran(logits, present, mask, 1 + len(contexts), tokens + common)
     else:
         out, mask = _run_left_padded(decoder, contexts)

@@ -94,26 +94,38 @@ class PrefixCache:
         """Whether a prompt is kept for the opening `key`."""
         return key in self._openings
 
-    def covers(self, contexts: list[Context]) -> tuple[int, Past | None]:
-        """How many tokens of a prompt kept for `contexts`' opening every one of them
-        starts with (each keeping at least one token of its own to run), and that
-        prompt's cache: the kept prompt they share most with, the most recent of
-        equals; (0, None) when none is kept."""
-        key = opening(contexts[0])
+    def shares(self, low: Context, high: Context) -> tuple[int, Context | None]:
+        """What every prompt from `low` to `high` (the least and the greatest, by their
+        tokens, of prompts of one opening) starts with of the kept prompt of their
+        opening they share most with (the most recent of equals), and that prompt;
+        (0, None) when none is kept. Copies and moves nothing: the scheduler's budget
+        asks it too (lanes/generation/prefill_tokens.py).
+
+        Of prompts in order, the two ends share least with any other: so what all
+        share with a kept prompt is what `low` and `high` share with it."""
+        key = opening(low)
         prompts = None if key is None else self._openings.get(key)
-        if key is None or not prompts:
+        if not prompts:
             return 0, None
-        first = contexts[0]
         best = prompts[-1]
-        shared = min(common_prefix(best, c) for c in contexts)
+        shared = min(common_prefix(best, low), common_prefix(best, high))
         for ids in reversed(prompts[:-1]):
             # Sharing more than `shared` needs the token at `shared` alike: one lookup
             # turns away nearly every other prompt, unrelated conversations included.
-            if shared < len(ids) and shared < len(first) and ids[shared] == first[shared]:
-                common = min(common_prefix(ids, c) for c in contexts)
+            if shared < len(ids) and shared < len(low) and ids[shared] == low[shared]:
+                common = min(common_prefix(ids, low), common_prefix(ids, high))
                 if common > shared:
                     best, shared = ids, common
-        self._touch(key, best)
+        return shared, best
+
+    def covers(self, contexts: list[Context]) -> tuple[int, Past | None]:
+        """How many tokens of a prompt kept for `contexts`' opening every one of them
+        starts with (each keeping at least one token of its own to run), and that
+        prompt's cache (`shares`); (0, None) when none is kept."""
+        shared, best = self.shares(min(contexts), max(contexts))
+        if best is None:
+            return 0, None
+        self._touch(best[:SHARED_PREFIX_MIN], best)
         return min(shared, min(len(c) for c in contexts) - 1), self._kept[best].past
 
     def keep(self, context: Context, present: Past, row: int, again: bool = False) -> None:

@@ -31,6 +31,8 @@ from typing import Any, Literal
 import numpy as np
 
 from lanes.generation.advance import Advance, final
+from lanes.generation.prefill_tokens import PrefillTokens
+from lanes.generation.prefixes import PrefixCache
 from lanes.generation.reserve import Reserve
 from lanes.generation.seq import Chunk, Event, Seq, SeqStatus, StepOutputs, StepPlan
 from lanes.generation.text import ByteText, Detokenize, WindowText
@@ -109,6 +111,10 @@ class Scheduler:
         text = WindowText(detokenize) if byte_text is None else byte_text
         self.advance = Advance(eos_token_ids, text, max_position, self._finish)
         self.max_prefill_tokens = max_prefill_tokens
+        # The prefix cache the prefill runs with (the step loop's, where its decoder
+        # shares prefixes): the budget charges a joiner only what it will run. None:
+        # every prompt is charged whole.
+        self.prefixes: PrefixCache | None = None
         # Rows past max_running that waiting interactive sequences may take at the next
         # full plan (lanes/generation/steer.py: when their TTFT is the nearer SLO).
         self.past_bound = 0
@@ -237,8 +243,8 @@ class Scheduler:
         share = self._budget // 2 if chunking else 0
         prefill = self._admit(self.waiting, self.max_prefill_tokens - share, limit)
         self.rows.extend(prefill)
-        chunk = self._chunk(self.max_prefill_tokens - _padded(prefill)) if chunking else None
-        budget = self.max_prefill_tokens - _padded(prefill)
+        budget = self.max_prefill_tokens - self._prefill_tokens(prefill)
+        chunk = self._chunk(budget) if chunking else None
         budget -= 0 if chunk is None else chunk.stop - chunk.start
         resumed: tuple[Seq, ...] = ()
         busy = self._offline_live > 0 and self._interactive_busy(running, prefill)
@@ -280,7 +286,10 @@ class Scheduler:
         if self.policy != "continuous" or not self.prefill_alone:
             return ()
         self._drop_finished_queued()
-        joiners = self._admit(self.waiting, self.max_prefill_tokens, self.max_running)
+        # Charged whole: they are prefilled in runs of their own (prefill_groups), and
+        # a run's prompt kept for the next may share less with it than the one now.
+        whole = PrefillTokens()
+        joiners = self._admit(self.waiting, self.max_prefill_tokens, self.max_running, whole)
         self.rows.extend(joiners)
         return joiners
 
@@ -349,20 +358,36 @@ class Scheduler:
         self.offline.extendleft(victims)  # newest first in: the oldest ends up in front
         return tuple(reversed(victims))
 
-    def _admit(self, queue: deque[Seq], budget: int, limit: int) -> tuple[Seq, ...]:
-        """Joiners from `queue` while fewer than `limit` rows are taken and their
-        padded prompts fit `budget` (at least one, unless chunking makes the budget
-        hard); a resumed sequence costs no prefill tokens here. While a prompt is
-        prefilled in parts, the next one over the whole budget waits for its turn
-        without holding back the prompts behind it (they pass it only then: when its
-        turn comes and no row is free, it takes the next one)."""
+    def _prefill_tokens(self, seqs: Sequence[Seq]) -> int:
+        """What the prefill of `seqs` will run (lanes/generation/prefill_tokens.py)."""
+        if not seqs:  # most plans
+            return 0
+        charged = PrefillTokens(self.prefixes)
+        for seq in seqs:
+            charged = charged.plus(seq)
+        return charged.tokens
+
+    def _admit(
+        self,
+        queue: deque[Seq],
+        budget: int,
+        limit: int,
+        charged: PrefillTokens | None = None,
+    ) -> tuple[Seq, ...]:
+        """Joiners from `queue` while fewer than `limit` rows are taken and what their
+        prefill runs fits `budget` (at least one, unless chunking makes the budget
+        hard): `charged` counts it, by default with the prefix cache's kept prompts
+        (lanes/generation/prefill_tokens.py; a resumed sequence is charged a row of
+        the longest prompt). While a prompt is prefilled in parts, the next one over
+        the whole budget waits for its turn without holding back the prompts behind
+        it (they pass it only then: when its turn comes and no row is free, it takes
+        the next one)."""
         static = self.policy in ("static", "static-drop")
         if static and self.rows:
             return ()  # nobody joins a static batch once it runs
         joining: list[Seq] = []
-        longest = 0
-        prompts: set[tuple[int, ...]] = set()  # joiners of one prompt share a row (prefill.py)
-        rows = 0
+        if charged is None:
+            charged = PrefillTokens(self.prefixes)
         hard = self.chunked and not static
         held = len(self.rows) + len(self._chunking())
         passed: list[Seq] = []  # too long for one step: the parts' turn will come
@@ -372,18 +397,14 @@ class Scheduler:
             if long and self.chunking is not None:
                 passed.append(queue.popleft())
                 continue
-            size = max(longest, 0 if head.tokens else len(head.prompt_ids))
-            shares = not head.tokens and head.prompt_ids in prompts
-            over = size * (rows + (not shares)) > budget
+            more = charged.plus(head)
+            over = more.tokens > budget
             if over and not static and (joining or (hard and not head.tokens)):
                 break
             seq = queue.popleft()
             seq.status = SeqStatus.RUNNING
             joining.append(seq)
-            rows += not shares
-            if not seq.tokens:
-                prompts.add(seq.prompt_ids)
-            longest = size
+            charged = more
         queue.extendleft(reversed(passed))
         return tuple(joining)
 
@@ -466,13 +487,3 @@ class Scheduler:
             self._offline_live -= seq.offline
             self.advance.scoring -= seq.top_logprobs is not None
             self.advance.controlled -= seq.controlled
-
-
-def _padded(seqs: Sequence[Seq]) -> int:
-    """Prefill tokens of joiners in one left-padded run, a prompt that several join
-    with counted once (they share its row)."""
-    if not seqs:  # most plans
-        return 0
-    fresh = [s.prompt_ids for s in seqs if not s.tokens]
-    shared = len(fresh) - len(set(fresh))
-    return (len(seqs) - shared) * max(map(len, fresh), default=0)
