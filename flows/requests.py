@@ -5,7 +5,8 @@ Two record shapes, told apart line by line:
 - a plain record, by default `{"id": ..., <task fields>}`; the workload's `fields:`
   say where its id and text (or prompt) are and which fields to carry to the output
   (flows.shape). embed reads `text` (other fields are ignored); infer and generate
-  take every field but the id and the kept ones as the item; a handler's `pre` gets
+  take every field but the id and the kept ones as the item (a kept prompt or
+  generation option is still generate's); a handler's `pre` gets
   the whole record and makes the item. Its output line is `{"id", <kept fields>,
   "embedding": [...]}` (embed), or the id and kept fields with the output's fields
   (infer's named tensors, a handler's mapping), or with `"result": ...`.

@@ -10,7 +10,8 @@ The item comes from the record by the mapping: embed reads the text field or
 template (`fields.text`, default the field `text`); generate the prompt field or
 template (`fields.prompt`) with the record's fields named as generation options
 (max_tokens, temperature, ...: `GenerationOptions`), else every field but the id and
-the kept ones (prompt, max_tokens, ...); infer every field but those. A handler's
+the kept ones (prompt, max_tokens, ...), a kept prompt or option still the request's;
+infer every field but the id and the kept ones. A handler's
 `pre` gets the whole record first, id and all, and returns a record (a mapping, then
 read by the mapping like any record) or the item itself (embed: the text; generate:
 the prompt). The id and the kept fields always come from the record as read.
@@ -125,12 +126,17 @@ class RecordShape:
         if self.kind == "generate":
             # Checked here, not left to the task: the validating step then catches it.
             prompt = self._from(record, "prompt")
+            # Keeping copies, it does not withdraw: a kept prompt or max_tokens is still
+            # the request's (a field named as an option is one, kept or not), so the
+            # output line shows the budget that bounded it.
+            options = {k: v for k, v in record.items() if k in OPTIONS and k != self.fields.id}
             if self.source is not None:
                 # The prompt is made, and the record's options still apply: a record's
                 # max_tokens is its own whichever field holds its prompt. Its other
                 # fields are the template's, or the user's own.
-                options = {k: v for k, v in record.items() if k in OPTIONS and k not in skip}
                 return {"prompt": prompt, **options}
+            rest = {k: v for k, v in record.items() if k not in skip}
+            return {**rest, "prompt": prompt, **options}
         return {k: v for k, v in record.items() if k not in skip}
 
     def item_label(self) -> str:

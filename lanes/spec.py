@@ -354,11 +354,13 @@ class Fields(StrictModel):
         min_length=1,
         description="generate: the field holding the prompt, or a template of fields; "
         "default: the record's fields but the id and `keep` are the request "
-        "(prompt, max_tokens, ...).",
+        "(prompt, max_tokens, ...); a kept prompt or generation option is still the "
+        "request's.",
     )
     keep: list[str] = Field(
         default_factory=list,
-        description="Fields copied from each record into its output line, beside the id.",
+        description="Fields copied from each record into its output line, beside the id; "
+        "a copied prompt or generation option still applies.",
     )
 
     @field_validator("text", "prompt")

@@ -431,6 +431,32 @@ def test_a_record_whose_prompt_fields_make_keeps_its_own_generation_options(
     ]
 
 
+def test_a_kept_prompt_or_generation_option_is_applied_and_copied(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    """`fields.keep` copies a field into the output line; a field the request reads (the
+    prompt, a generation option) stays the request's: keeping a record's max_tokens
+    writes the budget beside the completion it bounded, never drops it unsaid."""
+    generation = {"max_new_tokens": 8, "temperature": 0}
+    workload = offline_workload(task="generate", model="dec", generation=generation)
+    fields = {"keep": ["prompt", "max_tokens", "topic"]}
+    spec = write_spec(tmp_path, {"gen": {**workload, "fields": fields}})
+    records = [
+        {"id": "short", "prompt": "a", "topic": "x", "max_tokens": 1},
+        {"id": "whole", "prompt": "a", "topic": "y", "max_tokens": 8},
+    ]
+    write_jsonl(tmp_path / "in" / "a.jsonl", records)
+
+    summary = offline(workload="gen", spec=str(spec))
+
+    assert (summary["outputs"], summary["errors"]) == (2, 0)
+    lines = {line["id"]: line for line in outputs_of(tmp_path / "out")}
+    kept = {k: (v["prompt"], v["max_tokens"], v["topic"]) for k, v in lines.items()}
+    assert kept == {"short": ("a", 1, "x"), "whole": ("a", 8, "y")}
+    answers = {k: (v["text"], v["finish_reason"]) for k, v in lines.items()}
+    assert answers == {"short": ("b", "length"), "whole": ("b c d", "stop")}
+
+
 def test_a_parquet_map_column_is_a_generate_records_logit_bias(
     prefect_api: str, tmp_path: Path
 ) -> None:

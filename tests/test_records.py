@@ -304,13 +304,20 @@ def test_generate_and_infer_items_leave_out_the_id_and_the_kept_fields() -> None
     generate = request(TICKET, shape("generate", id="ticket_id", prompt="{body}", keep=["n"]))
     assert isinstance(generate, PlainRecord) and generate.item == {"prompt": "on fire"}
     # With a prompt made by `fields.prompt`, the fields named as generation options are
-    # the request's too (a kept one is the output's only); the template's data is not.
+    # the request's too (a kept one is copied as well); the template's data is not.
     options = {"max_tokens": 3, "temperature": 0.5, "stop": ["\n"], "seed": 1}
     asked = request(
         {**TICKET, **options}, shape("generate", id="ticket_id", prompt="{body}", keep=["seed"])
     )
     assert isinstance(asked, PlainRecord) and asked.kept == {"seed": 1}
-    assert asked.item == {"prompt": "on fire", "max_tokens": 3, "temperature": 0.5, "stop": ["\n"]}
+    assert asked.item == {"prompt": "on fire", **options}
+    # Without it, as with it: a kept prompt or option is copied and still asked for.
+    kept = request(
+        {"id": 1, "prompt": "a", "max_tokens": 3, "n": 2},
+        shape("generate", keep=["prompt", "max_tokens", "n"]),
+    )
+    assert isinstance(kept, PlainRecord) and kept.kept == {"prompt": "a", "max_tokens": 3, "n": 2}
+    assert kept.item == {"prompt": "a", "max_tokens": 3}
     infer = request(TICKET, shape("infer", id="ticket_id", keep=["customer"]))
     assert isinstance(infer, PlainRecord)
     assert infer.item == {"subject": "Printer", "body": "on fire", "n": 2}
