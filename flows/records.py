@@ -399,39 +399,73 @@ def _parquet(storage: Storage, shard: StoredFile) -> Iterator[Line]:
             for batch in table.iter_batches(batch_size=4096):
                 for row in batch.to_pylist():
                     number += 1
-                    for name in maps:
-                        row[name] = _as_object(row[name])
+                    for name, kind in maps.items():
+                        row[name] = _with_objects(row[name], kind)
                     yield Line(number, row)
         except (pa.ArrowException, OSError) as err:
             raise _not_parquet(shard, err) from None
 
 
-def _object_maps(schema: Any) -> list[str]:
-    """The columns of `schema` that are MAPs keyed by text or integers: each value is
+def _object_maps(schema: Any) -> dict[str, Any]:
+    """The columns of `schema` holding a MAP keyed by text or integers, at their top or
+    nested in structs, lists or other maps' values, with their types: each such map is
     read as a JSON object (pyarrow gives a list of (key, value) pairs), so that a map
-    column is what a JSONL record's object is (a generate record's `logit_bias`). A map
-    of other keys stays a list of pairs, as no JSON object can hold its keys."""
+    is what a JSONL record's object is (a generate record's `logit_bias`, at the top or
+    in a struct of options). A map of other keys stays a list of pairs, as no JSON
+    object can hold its keys."""
+    return {field.name: field.type for field in schema if _holds_object_map(field.type)}
+
+
+def _object_keys(kind: Any) -> bool:
+    """Whether a map keyed by `kind` can be a JSON object (its keys written as text)."""
     import pyarrow as pa
 
-    return [
-        field.name
-        for field in schema
-        if pa.types.is_map(field.type)
-        and (
-            pa.types.is_integer(field.type.key_type)
-            or pa.types.is_string(field.type.key_type)
-            or pa.types.is_large_string(field.type.key_type)
-        )
-    ]
+    return bool(
+        pa.types.is_integer(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind)
+    )
 
 
-def _as_object(pairs: list[tuple[Any, Any]] | None) -> dict[str, Any] | None:
-    """A map's (key, value) pairs as a JSON object: integer keys as their digits (JSON's
-    keys are text: token id 199 is "199"), a key given twice its last value (as a JSON
-    object's is read)."""
-    if pairs is None:
+def _is_list(kind: Any) -> bool:
+    import pyarrow as pa
+
+    return bool(
+        pa.types.is_list(kind)
+        or pa.types.is_large_list(kind)
+        or pa.types.is_fixed_size_list(kind)
+        or pa.types.is_list_view(kind)
+        or pa.types.is_large_list_view(kind)
+    )
+
+
+def _holds_object_map(kind: Any) -> bool:
+    import pyarrow as pa
+
+    if pa.types.is_map(kind):
+        return _object_keys(kind.key_type) or _holds_object_map(kind.item_type)
+    if _is_list(kind):
+        return _holds_object_map(kind.value_type)
+    if pa.types.is_struct(kind):
+        return any(_holds_object_map(field.type) for field in kind)
+    return False
+
+
+def _with_objects(value: Any, kind: Any) -> Any:
+    """`value`, of arrow type `kind` as pyarrow gives it, with each map keyed by text
+    or integers a JSON object: integer keys as their digits (JSON's keys are text:
+    token id 199 is "199"), a key given twice its last value (as a JSON object's is
+    read)."""
+    import pyarrow as pa
+
+    if value is None:
         return None
-    return {str(key): value for key, value in pairs}
+    if pa.types.is_map(kind):
+        pairs = [(key, _with_objects(item, kind.item_type)) for key, item in value]
+        return {str(key): item for key, item in pairs} if _object_keys(kind.key_type) else pairs
+    if _is_list(kind):
+        return [_with_objects(item, kind.value_type) for item in value]
+    if pa.types.is_struct(kind):
+        return {field.name: _with_objects(value.get(field.name), field.type) for field in kind}
+    return value
 
 
 def _not_parquet(shard: StoredFile, err: Exception) -> PermanentStorageError:

@@ -218,6 +218,53 @@ def test_a_parquet_map_column_is_read_as_a_json_records_object(tmp_path: Path) -
     ]
 
 
+def test_a_parquet_map_inside_a_struct_or_list_is_read_as_an_object_too(tmp_path: Path) -> None:
+    """A MAP nested in a struct, a list, a map's values or a list of structs is the
+    object a JSON record's would be, as a top-level one is; a nested map of bytes keys
+    stays pairs, its values read the same way."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    bias = pa.map_(pa.int64(), pa.float64())
+    path = tmp_path / "a.parquet"
+    options = pa.struct([("logit_bias", bias), ("seed", pa.int64())])
+    table = pa.table(
+        {
+            "id": [1, 2],
+            "options": pa.array(
+                [{"logit_bias": [(199, 5.0)], "seed": 1}, {"logit_bias": None, "seed": None}],
+                options,
+            ),
+            "biases": pa.array([[[(1, 1.0)], None], None], pa.list_(bias)),
+            "turns": pa.array(
+                [[{"tags": [("a", "b")]}], [{"tags": None}]],
+                pa.large_list(pa.struct([("tags", pa.map_(pa.string(), pa.string()))])),
+            ),
+            "by_name": pa.array([[("x", [(2, 0.5)])], []], pa.map_(pa.string(), bias)),
+            "by_bytes": pa.array([[(b"k", [(3, 1.0)])], None], pa.map_(pa.binary(), bias)),
+        }
+    )
+    pq.write_table(table, path)
+    assert [line.value for line in read(path)] == [
+        {
+            "id": 1,
+            "options": {"logit_bias": {"199": 5.0}, "seed": 1},
+            "biases": [{"1": 1.0}, None],
+            "turns": [{"tags": {"a": "b"}}],
+            "by_name": {"x": {"2": 0.5}},
+            "by_bytes": [(b"k", {"3": 1.0})],
+        },
+        {
+            "id": 2,
+            "options": {"logit_bias": None, "seed": None},
+            "biases": None,
+            "turns": [{"tags": None}],
+            "by_name": {},
+            "by_bytes": None,
+        },
+    ]
+
+
 EMPTY = {
     "empty.json": b"",
     "blank.json": b" \n\t\r\n",
