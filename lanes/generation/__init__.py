@@ -9,6 +9,7 @@
 - `prefill`: joiners' prompts in one left-padded run, isolated when it fails;
 - `loop`: the plain synchronous step loop, plan -> model runs -> update;
 - `batch`: offline generation, many prompts through the loop with rows refilled.
+- `usage`: what a completion's usage counts (a leaf, so lanes.tasks can count alike).
 
 The offline shard (flows/shard.py, through `GenerateTask.run`) drives the loop until
 every prompt is done; the online engine (serving/engine.py) drives it on a thread of

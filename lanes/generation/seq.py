@@ -12,6 +12,7 @@ from typing import Any, Literal
 import numpy as np
 
 from lanes.generation.logprobs import TokenLogprob
+from lanes.generation.usage import completion_tokens
 from lanes.tasks.sampling import SamplingParams, generator
 
 Array = np.ndarray[Any, Any]
@@ -262,10 +263,3 @@ class Event:
         scores every token it counts; None where it made none."""
         return self.tokens[-1] if self.tokens else self.stop_token
 
-
-def completion_tokens(shown: int, stop_token: int | None) -> int:
-    """What `usage.completion_tokens` counts, in both lanes: the `shown` tokens and, as
-    vLLM counts it (its output token ids hold it), the eos or stop_token_ids token that
-    ended the sequence though neither its text nor its tokens show it. A stop string's
-    tokens are shown tokens already."""
-    return shown + (stop_token is not None)

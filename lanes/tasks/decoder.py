@@ -28,7 +28,7 @@ from tokenizers import Tokenizer
 from lanes.binding import Placement, bind_inputs
 from lanes.errors import InvalidInput, ModelError
 from lanes.generation.logprobs import TokenLogprob
-from lanes.generation.seq import completion_tokens
+from lanes.generation.usage import completion_tokens
 from lanes.runtime import Runtime, describe
 from lanes.spec import ModelSpec
 from lanes.tasks.base import encode, load_tokenizer
