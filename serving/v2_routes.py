@@ -114,7 +114,10 @@ async def _infer(
     if task.handler.pre is None:
         _check_datatypes(task, body)
     worker.admit(1, timeout)
-    item = await state.offload.run(size, task.prepare, call.inputs)
+    try:
+        item = await state.offload.run(size, task.prepare, call.inputs)
+    except InvalidInput as err:
+        raise _about_input(err) from None
     [result] = await worker.submit([item], timeout, record, gone)
     outputs = result_arrays(result)
     body.check_outputs(outputs, task.name)
@@ -128,10 +131,18 @@ def _check_datatypes(task: InferTask, body: InferRequest) -> None:
             continue  # prepare names every unknown and missing input
         expected = _datatype(info)
         if tensor.datatype != expected:
-            raise InvalidInput(
-                f"inputs.{tensor.name}.datatype: the model takes {expected}, "
-                f"found {tensor.datatype}"
+            raise InvalidInput.field(
+                f"inputs.{tensor.name}.datatype",
+                f"the model takes {expected}, found {tensor.datatype}",
             )
+
+
+def _about_input(error: InvalidInput) -> InvalidInput:
+    """The task's error about one input (its `param`: the input's name) named as every
+    v2 error names an input, `inputs.<name>`; its message stays the task's."""
+    if error.param is None or error.param == "inputs" or error.param.startswith("inputs."):
+        return error
+    return InvalidInput(str(error), param=f"inputs.{error.param}", code=error.code)
 
 
 async def _embed(
@@ -147,23 +158,24 @@ async def _embed(
     body.check_outputs(["embedding"], worker.name)
     (text,) = EMBED_INPUTS
     if len(body.inputs) != 1 or body.inputs[0].datatype != "BYTES":
-        raise InvalidInput(
-            f"inputs: an embed workload takes one BYTES tensor of texts, {text['name']!r}"
+        raise InvalidInput.field(
+            "inputs", f"an embed workload takes one BYTES tensor of texts, {text['name']!r}"
         )
+    where = f"inputs.{body.inputs[0].name}"
     if body.inputs[0].name != text["name"]:
         # As Triton: the name its metadata gives, so a client sending another tensor
         # by mistake hears so instead of having it embedded.
-        raise InvalidInput(
-            f"inputs[0].name: expected {text['name']!r} (the model's metadata), "
-            f"found {body.inputs[0].name!r}"
+        raise InvalidInput.field(
+            f"{where}.name",
+            f"expected {text['name']!r} (the model's metadata), found {body.inputs[0].name!r}",
         )
     texts = call.inputs[body.inputs[0].name].reshape(-1)
     if texts.size == 0:
-        raise InvalidInput.field("inputs[0]", "expected at least one text, found none")
+        raise InvalidInput.field(where, "expected at least one text, found none")
     count = int(texts.size)
-    check_inputs(count, state.settings.max_inputs_per_request, "inputs[0]")
+    check_inputs(count, state.settings.max_inputs_per_request, where)
     worker.admit(count, timeout)
-    items = await state.offload.run(size, _prepare_texts, worker.task, texts)
+    items = await state.offload.run(size, _prepare_texts, worker.task, texts, where)
     vectors = await worker.submit(items, timeout, record, gone)
     try:
         return {"embedding": np.stack(vectors)}
@@ -171,15 +183,15 @@ async def _embed(
         raise ModelError(f"workload {worker.name!r}: the outputs are not vectors ({e})") from None
 
 
-def _prepare_texts(task: Task, texts: Array) -> list[Any]:
+def _prepare_texts(task: Task, texts: Array, tensor: str) -> list[Any]:
     items = []
     for i, text in enumerate(texts):
-        where = f"inputs[0].data[{i}]"
+        where = f"{tensor}.data[{i}]"
         try:
             value = text.decode() if isinstance(text, bytes) else text
             items.append(task.prepare(value))
         except UnicodeDecodeError:
-            raise InvalidInput(f"{where}: expected UTF-8 text") from None
+            raise InvalidInput.field(where, "expected UTF-8 text") from None
         except InvalidInput as e:
             raise e.at(where) from None
     return items

@@ -274,7 +274,7 @@ def test_text_that_is_not_utf8_is_a_400(client: Any) -> None:
             [*kinds, tensor("word", bad, "BYTES", True)],
             "input 'word': element (0,) is not",
         ),
-        ("words", [tensor("text", bad, "BYTES", True)], "inputs[0].data[0]: expected"),
+        ("words", [tensor("text", bad, "BYTES", True)], "inputs.text.data[0]: expected"),
     ]:
         error = refused(lambda: client.infer(workload, inputs, headers=auth()))  # noqa: B023
         assert error.status() == "400" and f"{message} UTF-8 text" in error.message(), error
@@ -434,24 +434,24 @@ BAD_JSON: list[tuple[bytes, str]] = [
     ),
     (
         orjson.dumps({"inputs": [{**GOOD_X, "shape": "2x4"}]}),
-        "inputs[0].shape: expected an array, found '2x4'",
+        "inputs.x.shape: expected an array, found '2x4'",
     ),
     (
         orjson.dumps({"inputs": [{**GOOD_X, "shape": [2, 1.5]}]}),
-        "inputs[0].shape[1]: expected an integer, found 1.5",
+        "inputs.x.shape[1]: expected an integer, found 1.5",
     ),
     # A dim is an integer: pydantic's lax mode would have read each of these as 1.
     (
         orjson.dumps({"inputs": [{**GOOD_X, "shape": [True, 4]}]}),
-        "inputs[0].shape[0]: expected an integer, found true",
+        "inputs.x.shape[0]: expected an integer, found true",
     ),
     (
         orjson.dumps({"inputs": [{**GOOD_X, "shape": [2, "4"]}]}),
-        "inputs[0].shape[1]: expected an integer, found '4'",
+        "inputs.x.shape[1]: expected an integer, found '4'",
     ),
     (
         orjson.dumps({"inputs": [{**GOOD_X, "shape": [2.0, 4]}]}),
-        "inputs[0].shape[0]: expected an integer, found 2.0",
+        "inputs.x.shape[0]: expected an integer, found 2.0",
     ),
     (
         orjson.dumps({"inputs": [{**GOOD_X, "name": 1}]}),
@@ -459,7 +459,7 @@ BAD_JSON: list[tuple[bytes, str]] = [
     ),
     (
         orjson.dumps({"inputs": [{**GOOD_X, "datatype": True}]}),
-        "inputs[0].datatype: expected a string, found true",
+        "inputs.x.datatype: expected a string, found true",
     ),
     (
         orjson.dumps({"inputs": [GOOD_X], "outputs": [{"name": 0}]}),
@@ -467,15 +467,15 @@ BAD_JSON: list[tuple[bytes, str]] = [
     ),
     (
         b'{"inputs": [{"name": "x", "shape": [100000000000000000000000], "datatype": "FP32"}]}',
-        "inputs[0].shape[0]: expected an integer of at most 64 bits, found 1e+23",
+        "inputs.x.shape[0]: expected an integer of at most 64 bits, found 1e+23",
     ),
     (
         orjson.dumps({"inputs": [{**GOOD_X, "datatype": None}]}),
-        "inputs[0].datatype: expected a string, found null",
+        "inputs.x.datatype: expected a string, found null",
     ),
     (
         orjson.dumps({"inputs": [{**GOOD_X, "data": 5}]}),
-        "inputs[0].data: expected an array, found 5",
+        "inputs.x.data: expected an array, found 5",
     ),
     (orjson.dumps({"inputs": [GOOD_X], "id": 7}), "id: expected a string, found 7"),
     (
@@ -549,6 +549,46 @@ def test_json_data_of_the_wrong_type_is_a_400_naming_the_value(
     if good is not None:
         ok = post(server, f"/v2/models/{workload}/infer", orjson.dumps({"inputs": [good]}))
         assert ok.status_code == 200, ok.text
+
+
+TEXT = {"name": "text", "shape": [1], "datatype": "BYTES", "data": ["a"]}
+# An error about one input or output names it as the client sent it, `inputs.<name>`,
+# in its `param` wherever it is found (the body's shape, its data, the model's check),
+# and the message opens with that param (the model's check, shared with offline
+# records, says "input 'x'"); only a tensor without a usable name is named by its place.
+PARAMS: list[tuple[str, dict[str, Any], str, str]] = [
+    ("affine", {"inputs": [{**GOOD_X, "shape": [2, 1.5]}]}, "inputs.x.shape[1]", ""),
+    ("affine", {"inputs": [{**GOOD_X, "data": 5}]}, "inputs.x.data", ""),
+    ("affine", {"inputs": [{**GOOD_X, "datatype": "FP64"}]}, "inputs.x.datatype", ""),
+    ("affine", {"inputs": [{**GOOD_X, "datatype": "NOPE"}]}, "inputs.x.datatype", ""),
+    (
+        "affine",
+        {"inputs": [{**GOOD_X, "data": ["1.5", *X.ravel().tolist()[1:]]}]},
+        "inputs.x.data",
+        "",
+    ),
+    ("affine", {"inputs": [{**GOOD_X, "shape": [3, 4]}]}, "inputs.x", ""),
+    ("affine", {"inputs": [GOOD_X, GOOD_X]}, "inputs.x", ""),
+    ("affine", {"inputs": [{"name": "x", "shape": [2, 4], "datatype": "FP32"}]}, "inputs.x", ""),
+    ("affine", {"inputs": [GOOD_X], "outputs": [{"name": "z"}]}, "outputs.z", ""),
+    ("affine", {"inputs": [{**GOOD_X, "name": 1}]}, "inputs[0].name", ""),
+    ("affine", {"inputs": [{**GOOD_X, "shape": [8]}]}, "inputs.x", "input 'x'"),
+    ("affine", {"inputs": [{**GOOD_X, "name": "w"}]}, "inputs.x", "missing input 'x'"),
+    ("words", {"inputs": [{**TEXT, "shape": [0], "data": []}]}, "inputs.text", ""),
+    ("words", {"inputs": [{**TEXT, "data": [""]}]}, "inputs.text.data[0]", ""),
+    ("words", {"inputs": [{**TEXT, "name": "texts"}]}, "inputs.texts.name", ""),
+]
+
+
+@pytest.mark.parametrize(("workload", "body", "param", "opening"), PARAMS)
+def test_an_error_names_the_input_as_sent_in_its_param(
+    server: ServerThread, workload: str, body: dict[str, Any], param: str, opening: str
+) -> None:
+    answer = post(server, f"/v2/models/{workload}/infer", orjson.dumps(body))
+    assert answer.status_code == 400, answer.text
+    error = answer.json()
+    assert error.get("param") == param, error
+    assert error["error"].startswith(opening or f"{param}: "), error
 
 
 def test_every_v2_error_is_an_error_string(server: ServerThread, client: Any) -> None:

@@ -14,6 +14,7 @@ the outputs' bytes in the order of its `outputs`.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -77,9 +78,10 @@ class Tensor(Part):
         """`parameters.binary_data_size`: this input's bytes after the JSON header."""
         params = self.parameters or {}
         if "shared_memory_region" in params:
-            raise InvalidInput(
-                f"inputs.{self.name}.parameters.shared_memory_region: shared memory is not "
-                "supported; send the tensor in the body (as data or binary data)"
+            raise InvalidInput.field(
+                f"inputs.{self.name}.parameters.shared_memory_region",
+                "shared memory is not supported; send the tensor in the body (as data or "
+                "binary data)",
             )
         size = params.get("binary_data_size")
         if size is None:
@@ -102,9 +104,9 @@ class RequestedOutput(Part):
         params = self.parameters or {}
         for unsupported in ("classification", "shared_memory_region"):
             if params.get(unsupported):
-                raise InvalidInput(
-                    f"outputs.{self.name}.parameters.{unsupported}: not supported; ask for "
-                    "the output itself"
+                raise InvalidInput.field(
+                    f"outputs.{self.name}.parameters.{unsupported}",
+                    "not supported; ask for the output itself",
                 )
         return _flag(params, "binary_data", f"outputs.{self.name}.", default)
 
@@ -120,18 +122,18 @@ class InferRequest(Part):
         """A JSON request (or the JSON header of one); InvalidInput names the first wrong
         field."""
         if not body:
-            raise InvalidInput("body: expected a JSON object, found an empty body")
+            raise InvalidInput.field("body", "expected a JSON object, found an empty body")
         try:
             parsed = orjson.loads(body)
         except orjson.JSONDecodeError as e:
             hint = ""
             if isinstance(body, bytes) and b'"binary_data_size"' in body:
                 hint = f"; binary tensor data needs an {HEADER_LENGTH} header (the JSON's size)"
-            raise InvalidInput(f"body: {malformed_json(body, e)}{hint}") from None
+            raise InvalidInput.field("body", f"{malformed_json(body, e)}{hint}") from None
         try:
             return cls.model_validate(parsed)
         except ValidationError as err:
-            raise invalid_input(err) from None
+            raise _by_name(invalid_input(err), parsed) from None
 
     def timeout_s(self) -> float | None:
         """Triton's `parameters.timeout`, in microseconds, as seconds."""
@@ -149,10 +151,31 @@ class InferRequest(Part):
         missing = [o.name for o in self.outputs or [] if o.name not in available]
         if missing:
             listed = ", ".join(map(repr, available)) or "none"
-            raise InvalidInput(
-                f"outputs: workload {workload!r} has no output {', '.join(map(repr, missing))}; "
-                f"its outputs: {listed}"
+            raise InvalidInput.field(
+                f"outputs.{missing[0]}",
+                f"workload {workload!r} has no output {', '.join(map(repr, missing))}; "
+                f"its outputs: {listed}",
             )
+
+
+def _by_name(error: InvalidInput, parsed: Any) -> InvalidInput:
+    """`error` about `inputs[i]...` (or `outputs[i]...`) named as every other error about
+    a tensor is, `inputs.<name>...`, when that tensor has a name: the one its sender
+    gave it, where its place in the list is a detail of the body. A tensor whose name
+    is missing or no string keeps its place."""
+    found = _PLACE.match(error.param or "")
+    if found is None or not isinstance(parsed, dict):
+        return error
+    kind, index, rest = found["kind"], int(found["index"]), found["rest"]
+    tensors = parsed.get(kind)
+    tensor = tensors[index] if isinstance(tensors, list) and index < len(tensors) else None
+    name = tensor.get("name") if isinstance(tensor, dict) else None
+    if not isinstance(name, str) or not name:
+        return error
+    return error.at(f"{kind}.{name}{rest}")
+
+
+_PLACE = re.compile(r"(?P<kind>inputs|outputs)\[(?P<index>\d+)\](?P<rest>.*)", re.DOTALL)
 
 
 @dataclass(slots=True)
@@ -189,45 +212,49 @@ def _claim(inputs: list[Tensor], data: memoryview, binary: bool) -> list[memoryv
         size = None if tensor.parameters is None else tensor.binary_size()
         if size is None:
             if tensor.data is None:
-                raise InvalidInput(
-                    f"inputs.{tensor.name}: no data; send `data`, or binary data and its "
-                    "parameters.binary_data_size"
+                raise InvalidInput.field(
+                    f"inputs.{tensor.name}",
+                    "no data; send `data`, or binary data and its parameters.binary_data_size",
                 )
             blobs.append(None)
             continue
         where = f"inputs.{tensor.name}"
         if tensor.data is not None:
-            raise InvalidInput(f"{where}: both data and parameters.binary_data_size; send one")
+            raise InvalidInput.field(where, "both data and parameters.binary_data_size; send one")
         if not binary:
-            raise InvalidInput(
-                f"{where}.parameters.binary_data_size: binary data needs an {HEADER_LENGTH} "
-                "header giving the size of the JSON before it"
+            raise InvalidInput.field(
+                f"{where}.parameters.binary_data_size",
+                f"binary data needs an {HEADER_LENGTH} header giving the size of the JSON "
+                "before it",
             )
         if offset + size > len(data):
-            raise InvalidInput(
-                f"{where}.parameters.binary_data_size: {size} bytes, but only "
-                f"{len(data) - offset} bytes of binary data are left in the body"
+            raise InvalidInput.field(
+                f"{where}.parameters.binary_data_size",
+                f"{size} bytes, but only {len(data) - offset} bytes of binary data are left "
+                "in the body",
             )
         blobs.append(data[offset : offset + size])
         offset += size
     if offset != len(data):
-        raise InvalidInput(
-            f"body: {len(data) - offset} bytes after the JSON header that no input's "
-            "parameters.binary_data_size accounts for"
+        raise InvalidInput.field(
+            "body",
+            f"{len(data) - offset} bytes after the JSON header that no input's "
+            "parameters.binary_data_size accounts for",
         )
     return blobs
 
 
 def _twice(kind: str, names: list[str]) -> NoReturn:
-    twice = sorted({n for n in names if names.count(n) > 1})
-    raise InvalidInput(f"{kind}: {', '.join(map(repr, twice))} given more than once")
+    first, *others = sorted({n for n in names if names.count(n) > 1})
+    also = f" (as {', '.join(map(repr, others))} {'is' if len(others) == 1 else 'are'})"
+    raise InvalidInput.field(f"{kind}.{first}", "given more than once" + (also if others else ""))
 
 
 def _header_size(raw: str, body_size: int) -> int:
     if not raw.isdigit() or int(raw) > body_size:
-        raise InvalidInput(
-            f"{HEADER_LENGTH}: expected the size of the body's JSON part (0 to {body_size} "
-            f"bytes), found {raw!r}"
+        raise InvalidInput.field(
+            HEADER_LENGTH,
+            f"expected the size of the body's JSON part (0 to {body_size} bytes), found {raw!r}",
         )
     return int(raw)
 
@@ -257,9 +284,11 @@ def to_array(tensor: Tensor, binary: memoryview | None = None) -> Array:
     where = f"inputs.{tensor.name}"
     if dtype is None:
         known = ", ".join(DTYPES)
-        raise InvalidInput(f"{where}.datatype: expected one of {known}, found {tensor.datatype!r}")
+        detail = f"expected one of {known}, found {tensor.datatype!r}"
+        raise InvalidInput.field(f"{where}.datatype", detail)
     if any(d < 0 for d in tensor.shape):
-        raise InvalidInput(f"{where}.shape: expected non-negative dims, found {tensor.shape}")
+        detail = f"expected non-negative dims, found {tensor.shape}"
+        raise InvalidInput.field(f"{where}.shape", detail)
     count = math.prod(tensor.shape)
     if binary is not None:
         return _from_binary(tensor, binary, count).reshape(tensor.shape)
@@ -271,27 +300,29 @@ def to_array(tensor: Tensor, binary: memoryview | None = None) -> Array:
         if np.dtype(dtype).kind in "iu":  # numpy refuses an integer past the type's range
             info = np.iinfo(dtype)
             within = f" (integers from {info.min} to {info.max})"
-        raise InvalidInput(f"{where}.data: expected {tensor.datatype} values{within}") from None
+        detail = f"expected {tensor.datatype} values{within}"
+        raise InvalidInput.field(f"{where}.data", detail) from None
     kind = array.dtype.kind
     # numpy reads "5.1" and true as numbers: JSON's types are checked here, as Triton
     # checks them, so a value of the wrong type is refused, not converted.
     stray = _stray(tensor.data, _JSON_TYPES[kind]) if kind in _JSON_TYPES else None
     if stray is not None:
         wanted = {"b": "true or false", "f": "numbers"}.get(kind, "integers")
-        raise InvalidInput(
-            f"{where}.data: expected {wanted} for {tensor.datatype}, found {describe(stray[1])} "
-            f"at [{stray[0]}]"
+        raise InvalidInput.field(
+            f"{where}.data",
+            f"expected {wanted} for {tensor.datatype}, found {describe(stray[1])} at [{stray[0]}]",
         )
     # JSON has no NaN or infinity: a float that is not finite was null, or a number
     # beyond the datatype's range.
     if kind == "f" and not np.isfinite(array).all():
-        raise InvalidInput(
-            f"{where}.data: expected {tensor.datatype} numbers, found null or a number "
-            f"beyond {tensor.datatype}'s range"
+        raise InvalidInput.field(
+            f"{where}.data",
+            f"expected {tensor.datatype} numbers, found null or a number beyond "
+            f"{tensor.datatype}'s range",
         )
     if array.size != count:
-        raise InvalidInput(
-            f"{where}: shape {tensor.shape} needs {count} values, found {array.size}"
+        raise InvalidInput.field(
+            where, f"shape {tensor.shape} needs {count} values, found {array.size}"
         )
     return array.reshape(tensor.shape)
 
@@ -327,21 +358,23 @@ def _from_binary(tensor: Tensor, raw: memoryview, count: int) -> Array:
     if tensor.datatype == "BYTES":
         elements = _split_bytes(raw, where)
         if len(elements) != count:
-            raise InvalidInput(
-                f"{where}: shape {tensor.shape} needs {count} BYTES elements, found "
-                f"{len(elements)} in its binary data"
+            raise InvalidInput.field(
+                where,
+                f"shape {tensor.shape} needs {count} BYTES elements, found {len(elements)} "
+                "in its binary data",
             )
         array = np.empty(count, dtype=object)
         array[:] = elements
         return array
     dtype = np.dtype(DTYPES[tensor.datatype]).newbyteorder("<")
     if len(raw) != count * dtype.itemsize:
-        raise InvalidInput(
-            f"{where}: shape {tensor.shape} of {tensor.datatype} is {count * dtype.itemsize} "
-            f"bytes, found parameters.binary_data_size {len(raw)}"
+        raise InvalidInput.field(
+            where,
+            f"shape {tensor.shape} of {tensor.datatype} is {count * dtype.itemsize} bytes, "
+            f"found parameters.binary_data_size {len(raw)}",
         )
     if tensor.datatype == "BOOL" and count and np.frombuffer(raw, np.uint8).max() > 1:
-        raise InvalidInput(f"{where}: BOOL binary data must be bytes 0 or 1")
+        raise InvalidInput.field(where, "BOOL binary data must be bytes 0 or 1")
     return np.frombuffer(raw, dtype=dtype)
 
 
@@ -351,15 +384,16 @@ def _split_bytes(raw: memoryview, where: str) -> list[bytes]:
     offset, end = 0, len(raw)
     while offset < end:
         if offset + 4 > end:
-            raise InvalidInput(
-                f"{where}: BYTES binary data ends inside element {len(elements)}'s 4-byte length"
+            raise InvalidInput.field(
+                where, f"BYTES binary data ends inside element {len(elements)}'s 4-byte length"
             )
         length = int.from_bytes(raw[offset : offset + 4], "little")
         offset += 4
         if offset + length > end:
-            raise InvalidInput(
-                f"{where}: BYTES element {len(elements)} claims {length} bytes, but only "
-                f"{end - offset} are left in its binary data"
+            raise InvalidInput.field(
+                where,
+                f"BYTES element {len(elements)} claims {length} bytes, but only "
+                f"{end - offset} are left in its binary data",
             )
         elements.append(bytes(raw[offset : offset + length]))
         offset += length
@@ -479,9 +513,10 @@ def _texts(name: str, array: Array) -> list[str]:
             try:
                 element = element.decode()
             except UnicodeDecodeError:
-                raise InvalidInput(
-                    f"outputs.{name}: holds bytes that are not UTF-8 text, which JSON cannot "
-                    "carry; ask for it as binary data (parameters.binary_data: true)"
+                raise InvalidInput.field(
+                    f"outputs.{name}",
+                    "holds bytes that are not UTF-8 text, which JSON cannot carry; ask for it "
+                    "as binary data (parameters.binary_data: true)",
                 ) from None
         texts.append(element)
     return texts

@@ -79,7 +79,8 @@ class InferTask(SlotSession):
 
     def prepare(self, item: Any) -> InferItem:
         """Check names, dtypes, ranks and fixed dims (after the handler's `pre`); raise
-        `InvalidInput` naming the input."""
+        `InvalidInput` naming the input (its `param`: the input's name, or None when
+        the problem is the inputs' together)."""
         return self.check(self.handler.before(item))
 
     def check(self, item: Any) -> InferItem:
@@ -90,7 +91,9 @@ class InferTask(SlotSession):
         if missing or unknown:
             parts = [f"missing input {n!r}" for n in missing]
             parts += [f"unknown input {n!r}" for n in unknown]
-            raise InvalidInput(f"{'; '.join(parts)}; the model takes {', '.join(self.inputs)}")
+            first = (missing or unknown)[0]
+            message = f"{'; '.join(parts)}; the model takes {', '.join(self.inputs)}"
+            raise InvalidInput(message, param=first)
         tensors = {n: _convert(info, item[n]) for n, info in self.inputs.items()}
         return InferItem(tensors, self._rows(tensors))
 
@@ -100,10 +103,11 @@ class InferTask(SlotSession):
         counts = {n: int(a.shape[0]) for n, a in tensors.items()}
         if len(set(counts.values())) > 1:
             found = ", ".join(f"{n} has {c}" for n, c in counts.items())
-            raise InvalidInput(f"inputs: expected the same number of rows in each, found {found}")
+            detail = f"expected the same number of rows in each, found {found}"
+            raise InvalidInput.field("inputs", detail)
         rows = next(iter(counts.values()))
         if rows == 0:
-            raise InvalidInput("inputs: expected at least one row, found 0")
+            raise InvalidInput.field("inputs", "expected at least one row, found 0")
         return rows
 
     def run(self, batch: Sequence[InferItem]) -> list[Any]:
@@ -173,7 +177,8 @@ def _convert(info: TensorInfo, value: Any) -> Array:
     try:
         array = input_array(value)
     except ValueError as err:  # numpy refuses ragged nested lists
-        raise InvalidInput(f"input {name!r}: expected a rectangular array, found {err}") from None
+        detail = f"expected a rectangular array, found {err}"
+        raise InvalidInput(f"input {name!r}: {detail}", param=name) from None
     target = info.dtype
     assert target is not None  # checked when the task loaded
     source = array.dtype.kind
@@ -182,7 +187,9 @@ def _convert(info: TensorInfo, value: Any) -> Array:
         if source == "O" or source == "S":
             array = _texts(name, array)  # onnxruntime would feed bytes as their repr
         elif source != "U":
-            raise InvalidInput(f"{wanted}, found {_FOUND.get(source, array.dtype.name)}")
+            raise InvalidInput(
+                f"{wanted}, found {_FOUND.get(source, array.dtype.name)}", param=name
+            )
         array = array.astype(object)
     elif source == "b" and target.kind in "biuf":
         array = array.astype(target, copy=False)
@@ -191,13 +198,14 @@ def _convert(info: TensorInfo, value: Any) -> Array:
         if array.size and (array.min() < limits.min or array.max() > limits.max):
             raise InvalidInput(
                 f"{wanted}, found integers from {array.min()} to {array.max()}, "
-                f"outside {target.name}'s range"
+                f"outside {target.name}'s range",
+                param=name,
             )
         array = array.astype(target, copy=False)
     elif (source in "iu" and target.kind == "f") or (source == "f" and target.kind == "f"):
         array = array.astype(target, copy=False)
     else:
-        raise InvalidInput(f"{wanted}, found {_FOUND.get(source, array.dtype.name)}")
+        raise InvalidInput(f"{wanted}, found {_FOUND.get(source, array.dtype.name)}", param=name)
     _check_shape(info, array.shape)
     return array
 
@@ -207,13 +215,15 @@ def _check_shape(info: TensorInfo, shape: tuple[int, ...]) -> None:
     if len(shape) != len(info.shape):
         raise InvalidInput(
             f"input {info.name!r}: expected rank {len(info.shape)} (shape {expected}), "
-            f"found shape {list(shape)}"
+            f"found shape {list(shape)}",
+            param=info.name,
         )
     for axis, (want, got) in enumerate(zip(info.shape, shape, strict=True)):
         if isinstance(want, int) and want != got:
             raise InvalidInput(
                 f"input {info.name!r}: expected shape {expected}, found {list(shape)} "
-                f"(dim {axis} must be {want})"
+                f"(dim {axis} must be {want})",
+                param=info.name,
             )
 
 
@@ -225,10 +235,12 @@ def _texts(name: str, array: Array) -> Array:
             try:
                 value = value.decode()
             except UnicodeDecodeError:
-                raise InvalidInput(f"input {name!r}: element {index} is not UTF-8 text") from None
+                detail = f"element {index} is not UTF-8 text"
+                raise InvalidInput(f"input {name!r}: {detail}", param=name) from None
         elif not isinstance(value, str):
             raise InvalidInput(
-                f"input {name!r}: expected strings, found {describe_value(value)} at {index}"
+                f"input {name!r}: expected strings, found {describe_value(value)} at {index}",
+                param=name,
             )
         texts[index] = value
     return texts
