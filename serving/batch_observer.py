@@ -8,6 +8,7 @@ Everything here runs on the event loop, after the run's callers have their answe
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from lanes.costmodel import CostModel
 from lanes.errors import DeadlineExceeded
@@ -17,12 +18,15 @@ from lanes.serving.metrics import LaneSeries, Metrics, Utilization
 from lanes.serving.offline_runs import OfflineLane
 from lanes.serving.slo import padded_tokens
 from lanes.serving.tracing import batch_spans, expired_span
+from lanes.tasks.infer import InferItem
 from lanes.tracing import Tracing
 
 
 class BatchObserver:
     """One workload's runs into its series, its lanes' series, its cost model, the
-    offline lane's view of the interactive one, and its spans (None: tracing is off)."""
+    offline lane's view of the interactive one, and its spans (None: tracing is off).
+    `stacks`: the task runs a batch's rows in one model run (False: an infer model whose
+    first dim is fixed, which runs each item alone)."""
 
     def __init__(
         self,
@@ -32,8 +36,10 @@ class BatchObserver:
         offline: OfflineLane,
         clock: Callable[[], float],
         tracing: Tracing | None,
+        stacks: bool = True,
     ) -> None:
         self.name = name
+        self.stacks = stacks
         self.cost = cost
         self.offline = offline
         self.clock = clock
@@ -103,20 +109,26 @@ class BatchObserver:
     def _statistics(
         self, batch: list[Pending], start: float, end: float, answered: Sequence[bool]
     ) -> None:
-        """An interactive run in the workload's Triton statistics: an execution when
-        the model answered, and each request with an item answered in it served once
-        (its items in it counted as inferences)."""
+        """An interactive run in the workload's Triton statistics, counted as Triton
+        counts: the model's executions by their rows when it answered, and each request
+        with an item answered in it served once, each row of its items an inference (a
+        request of 2 rows is 2, as one of batch size 2 is in Triton)."""
         if not any(answered):
             return
-        self.stats.ran(len(batch), end - start)
-        items: dict[int, int] = {}  # id of each request's record (or lone item) -> items
+        rows = [rows_of(pending.item) for pending in batch]
+        if self.stacks:
+            self.stats.ran(sum(rows), end - start)
+        else:  # each item its own run, their time not told apart: an equal share each
+            for count in rows:
+                self.stats.ran(count, (end - start) / len(rows))
+        inferences: dict[int, int] = {}  # id of each request's record (or lone item) -> rows
         waited: dict[int, float] = {}
-        for pending, ok in zip(batch, answered, strict=True):
+        for pending, count, ok in zip(batch, rows, answered, strict=True):
             if ok:
                 key = id(pending.request if pending.request is not None else pending)
-                items[key] = items.get(key, 0) + 1
+                inferences[key] = inferences.get(key, 0) + count
                 waited[key] = start - pending.enqueued_at
-        for key, count in items.items():
+        for key, count in inferences.items():
             self.stats.served(waited[key], end - start, count)
 
     def stopped(self, given_back: int, start: float, end: float) -> None:
@@ -136,3 +148,9 @@ class BatchObserver:
         (refitted first if a run came since)."""
         self._utilization.set(self.busy_fraction())
         self._metrics.show_cost(self.name, self.cost.fit)
+
+
+def rows_of(item: Any) -> int:
+    """An item's rows in the model's batch, Triton's inferences: an infer item's first
+    dim (1 where the model's is fixed), one for an embed text."""
+    return item.rows if isinstance(item, InferItem) else 1

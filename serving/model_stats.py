@@ -16,11 +16,14 @@ What lanes measures, and where each figure comes from:
   others). lanes times a run whole, from stacking the inputs to splitting the
   outputs, so `compute_input` and `compute_output` count the same runs at 0 ns: their
   time is inside `compute_infer`.
-- `inference_count`: the items of those requests that succeeded (an infer request is
-  one item, an embed request one per text, a generate request one per prompt), and
-  `execution_count` with `batch_stats`: the model's runs, by their rows (items of an
-  embed or infer batch; a generate step's prefill and decode are a run each, their
-  rows those of the sequences in it, whichever lane they are in). An embed or infer
+- `inference_count`: the rows of those requests that succeeded, as Triton counts each
+  row of a batched request an inference (an infer request's first dim, or one where
+  the model's first dim is fixed; an embed request one per text; a generate request
+  one per prompt), and `execution_count` with `batch_stats`: the model's runs, by their
+  rows (all the rows of an embed or infer batch, or where an infer model's first dim
+  is fixed, a run of one per request, the batch's time shared evenly; a generate
+  step's prefill and decode are a run each, their rows those of the sequences in it,
+  whichever lane they are in). An embed or infer
   workload's offline items (runner kind endpoint) are the offline lane's, in the
   lanes_lane_* series of /metrics only.
 - `last_inference`: when the last request succeeded, in ms since the epoch.

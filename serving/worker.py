@@ -49,7 +49,7 @@ from lanes.serving.offline_runs import OfflineLane, OfflineRun
 from lanes.serving.residency import ScaleToZero, residency_of
 from lanes.serving.slo import Steering, padded_tokens
 from lanes.spec import as_interactive
-from lanes.tasks import Task
+from lanes.tasks import InferTask, Task
 from lanes.tasks.session_slot import SlotSession
 from lanes.tracing import Tracing
 
@@ -125,7 +125,10 @@ class BatchWorker:
             batching.preempt_offline,
             clock,
         )
-        self.observer = BatchObserver(task.name, metrics, self.cost, self.offline, clock, tracing)
+        stacks = task.stacks_rows if isinstance(task, InferTask) else True
+        self.observer = BatchObserver(
+            task.name, metrics, self.cost, self.offline, clock, tracing, stacks
+        )
         self._beside = (
             Beside(
                 task,

@@ -17,6 +17,7 @@ import pytest
 import tritonclient.http as triton
 import tritonclient.http.aio as triton_aio
 import yaml
+from onnx import TensorProto, helper, save_model
 from openai import BadRequestError, OpenAI
 
 from tests.flows_fixtures import embed_model, infer_model
@@ -30,6 +31,21 @@ LIMIT = 64 * 1024
 CODINGS = ["gzip", "deflate"]
 
 
+def fixed_model(folder: Path) -> Path:
+    """x float32 [2, 4] -> y = -x: its first dim is fixed, so no rows stack across
+    requests (Triton's max_batch_size 0): each request is a run of its own."""
+    folder.mkdir(parents=True, exist_ok=True)
+    graph = helper.make_graph(
+        [helper.make_node("Neg", ["x"], ["y"])],
+        "fixed",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    save_model(model, str(folder / "model.onnx"))
+    return folder / "model.onnx"
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, demo_models: Path) -> Iterator[ServerThread]:
     folder = tmp_path_factory.mktemp("triton-ext")
@@ -39,6 +55,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, demo_models: Path) -> Itera
         "version": 1,
         "models": {
             "affine": {"path": str(infer_model(folder / "affine"))},
+            "fixed": {"path": str(fixed_model(folder / "fixed"))},
             "enc": {"path": str(enc), "tokenizer": str(tokenizer)},
             "tinycode": {
                 "path": str(tinycode / "model.onnx"),
@@ -53,6 +70,13 @@ def server(tmp_path_factory: pytest.TempPathFactory, demo_models: Path) -> Itera
                 "batching": {"max_batch_size": 8, "max_wait_ms": 1.5},
             },
             "words": {"mode": "interactive", "task": "embed", "model": "enc"},
+            # Two requests make a batch, however long the second takes to come.
+            "fixed": {
+                "mode": "interactive",
+                "task": "infer",
+                "model": "fixed",
+                "batching": {"max_batch_size": 2, "max_wait_ms": 60_000},
+            },
             "code": {
                 "mode": "interactive",
                 "task": "generate",
@@ -218,9 +242,10 @@ def test_statistics_count_what_was_sent(client: Any) -> None:
     assert grew(before, after, "fail") == 1  # the refused one: no queue, no run
     for figure in ("queue", "compute_input", "compute_infer", "compute_output"):
         assert grew(before, after, figure) == 3, figure
-    assert after["inference_count"] - before["inference_count"] == 3
-    # However the batcher grouped them, the runs held the three requests' items.
-    assert rows_run(after) - rows_run(before) == 3
+    # Each request's 2 rows are 2 inferences (Triton's inference_count).
+    assert after["inference_count"] - before["inference_count"] == 6
+    # However the batcher grouped them, the runs held the three requests' rows.
+    assert rows_run(after) - rows_run(before) == 6
     runs = after["execution_count"] - before["execution_count"]
     assert 1 <= runs <= 3
     assert (
@@ -233,6 +258,48 @@ def test_statistics_count_what_was_sent(client: Any) -> None:
     assert stats["cache_hit"] == stats["cache_miss"] == {"count": 0, "ns": 0}
     assert after["last_inference"] >= sent_at_ms
     assert client.get_inference_statistics("affine", "1")["model_stats"][0]["name"] == "affine"
+
+
+def batch_sizes(before: dict[str, Any], after: dict[str, Any]) -> dict[int, int]:
+    """The runs between two statistics, by their rows (batch_stats' batch_size)."""
+    runs = {b["batch_size"]: b["compute_infer"]["count"] for b in before["batch_stats"]}
+    grown = {
+        b["batch_size"]: b["compute_infer"]["count"] - runs.get(b["batch_size"], 0)
+        for b in after["batch_stats"]
+    }
+    return {rows: count for rows, count in grown.items() if count}
+
+
+def test_statistics_count_rows_as_inferences_and_runs_as_executions(client: Any) -> None:
+    """As Triton counts: a request of 2 rows is one request (success, queue, compute)
+    of 2 inferences (inference_count), run in one execution of batch size 2."""
+    before = stats_of(client, "affine")
+    client.infer("affine", [tensor("x", X, "FP32", True)])
+    after = stats_of(client, "affine")
+    for figure in ("success", "queue", "compute_infer"):
+        assert grew(before, after, figure) == 1, figure
+    assert after["inference_count"] - before["inference_count"] == 2
+    assert after["execution_count"] - before["execution_count"] == 1
+    assert batch_sizes(before, after) == {2: 1}
+
+
+def test_statistics_of_a_model_that_takes_no_batch_count_a_run_per_request(
+    server: ServerThread, client: Any
+) -> None:
+    """A model whose first dim is fixed runs each request alone, though the batcher
+    hands out two at once: two executions of one inference each (Triton counts a
+    request to a model of max_batch_size 0 as one inference)."""
+    before = stats_of(client, "fixed")
+    url = server.url.removeprefix("http://")
+    with triton.InferenceServerClient(url, concurrency=2) as both:
+        sent = [both.async_infer("fixed", [tensor("x", X, "FP32", True)]) for _ in range(2)]
+        for request in sent:
+            assert np.array_equal(request.get_result().as_numpy("y"), -X)
+    after = stats_of(client, "fixed")
+    assert grew(before, after, "success") == 2
+    assert after["inference_count"] - before["inference_count"] == 2
+    assert after["execution_count"] - before["execution_count"] == 2
+    assert batch_sizes(before, after) == {1: 2}
 
 
 def test_statistics_of_an_embed_workload_count_each_text(client: Any) -> None:
@@ -280,7 +347,7 @@ def test_statistics_of_a_generate_workload_count_each_sequence(
 
 def test_statistics_of_every_workload_and_of_unknown_ones(client: Any) -> None:
     every = client.get_inference_statistics()["model_stats"]
-    assert [s["name"] for s in every] == ["affine", "words", "code"]
+    assert [s["name"] for s in every] == ["affine", "words", "fixed", "code"]
     assert "statistics" in client.get_server_metadata()["extensions"]
     for call in (
         lambda: client.get_inference_statistics("ghost"),
