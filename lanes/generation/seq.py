@@ -262,4 +262,3 @@ class Event:
         one it made, shown or not (the stop token, which `made` counts), as vLLM
         scores every token it counts; None where it made none."""
         return self.tokens[-1] if self.tokens else self.stop_token
-
