@@ -219,7 +219,9 @@ def main() -> None:
     models = Path(os.environ.get("LANES_MODELS_DIR", ROOT / ".lanes" / "models")).resolve()
     folder = Path(tempfile.mkdtemp(prefix="lanes-apart-"))
     spec = folder / "workloads.yaml"
-    spec.write_text(SPEC.format(m=models, file="model-slots.onnx", batch=64, threads=1, slo=""))
+    spec.write_text(
+        SPEC.format(m=models / "tinycode", file="model-slots.onnx", batch=64, threads=1, slo="")
+    )
     sock, metrics_port = str(folder / "engine.sock"), args.port + 2
     urls = {SLOTS: f"http://127.0.0.1:{args.port}", APART: f"http://127.0.0.1:{args.port + 1}"}
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

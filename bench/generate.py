@@ -3,7 +3,7 @@ batching that drops finished sequences, and one sequence at a time.
 
     python bench/generate.py [--seconds 8] [--repeats 2] [--levels 1,4,16,64] [--tracing]
         [--slots] [--between] [--against DIR] [--png PATH] [--burst [--bursts 2] [--burst-size 4]]
-        [--instruction 6 [--templates 4] [--conversations 4]]
+        [--instruction 6 [--templates 4] [--conversations 4]] [--export DIR]
 
 It starts one server process per policy (this script with --serve: the app's own
 /v1/completions route and engine, with the batching policy set on the engine), and
@@ -54,6 +54,10 @@ prompt of each opening (lanes/generation/prefixes.py). `--conversations T` makes
 client hold conversations of T turns after the instruction: a turn's prompt is the one
 before and a line more (a stand-in for the answer and the next message), so it starts
 with the client's last turn, while the other clients' turns came between.
+
+`--export DIR` serves the decoder in DIR (model.onnx and tokenizer.json, as Hugging Face
+Optimum's exporter writes them) instead of tinycode: a step's fixed cost per decoder run
+weighs less against its work per position on a wider model, and the raw ratio with it.
 
 `--tracing` adds the policy `traced`: continuous batching with LANES_TRACING=true,
 every span (request, queue, prefill, decode) exported over OTLP/HTTP to a sink in
@@ -151,8 +155,8 @@ SPEC = """\
 version: 1
 models:
   tinycode:
-    path: {m}/tinycode/{file}
-    tokenizer: {m}/tinycode/tokenizer.json
+    path: {m}/{file}
+    tokenizer: {m}/tokenizer.json
     session: {{intra_op_threads: {threads}}}
 workloads:
   gen:
@@ -652,6 +656,9 @@ def main() -> None:
     parser.add_argument(
         "--conversations", type=int, default=0, help="turns of each client's conversations"
     )
+    parser.add_argument(
+        "--export", type=Path, help="serve this decoder export's folder instead (see above)"
+    )
     parser.add_argument("--burst-size", type=int, default=4, help="long prompts per burst")
     parser.add_argument(
         "--slo-ttft-factor", type=float, default=2.0, help="ttft_ms over a raw 16-row step"
@@ -684,8 +691,12 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="lanes-bench-"))
     spec_path = folder / "workloads.yaml"
 
+    folder_of_model = args.export.resolve() if args.export else models / "tinycode"
+
     def spec(file: str = "model.onnx", slo: str = "") -> str:
-        return SPEC.format(m=models, file=file, batch=args.max_batch, threads=args.threads, slo=slo)
+        return SPEC.format(
+            m=folder_of_model, file=file, batch=args.max_batch, threads=args.threads, slo=slo
+        )
 
     spec_path.write_text(spec())
     settings = Settings()

@@ -167,7 +167,9 @@ def main() -> None:
         return
     models = Path(os.environ.get("LANES_MODELS_DIR", ROOT / ".lanes" / "models")).resolve()
     spec = Path(tempfile.mkdtemp(prefix="lanes-ttft-")) / "workloads.yaml"
-    spec.write_text(SPEC.format(m=models, file=args.model, batch=64, threads=1, slo=""))
+    spec.write_text(
+        SPEC.format(m=models / "tinycode", file=args.model, batch=64, threads=1, slo="")
+    )
     levels = [int(x) for x in args.levels.split(",")]
     ttft = {c: level(spec, c, args.port, args.warm, args.seconds) for c in levels}
     low, high = min(levels), max(levels)
