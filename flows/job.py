@@ -17,14 +17,22 @@ from typing import Literal
 
 import orjson
 
-from lanes.digests import Digests
+from lanes.digests import Digest, Digests
 from lanes.errors import PermanentStorageError, StorageError, WrongMode
 from lanes.flows.records import FORMATS, is_known, output_name
 from lanes.flows.shard import ShardPlan
 from lanes.inputs import check_input, folder_of, output_inside_input
 from lanes.layout import ERRORS, MARKERS
 from lanes.settings import Settings
-from lanes.spec import Fields, OfflineWorkload, Runner, Spec, Workload, in_offline_lane
+from lanes.spec import (
+    Fields,
+    ModelSpec,
+    OfflineWorkload,
+    Runner,
+    Spec,
+    Workload,
+    in_offline_lane,
+)
 from lanes.specfile import load_spec
 from lanes.storage import Storage, StoredFile, is_s3, join
 
@@ -162,17 +170,7 @@ def model_key(spec: Spec, workload: Workload, settings: Settings) -> str:
     Besides the .onnx, its external data and tokenizer, the configs a decoder reads
     beside them count when present."""
     model = spec.models[workload.model]
-    digests = Digests(settings.home)
-    files = {f"model/{name}": d for name, d in digests.model_files(model.path)}
-    if model.tokenizer:
-        files["tokenizer"] = digests.of(model.tokenizer)
-    tokenizer_folder = (model.tokenizer or model.path).parent
-    sides = [(f"model/{n}", model.path.parent / n) for n in MODEL_CONFIGS]
-    sides.append((f"tokenizer/{TOKENIZER_CONFIG}", tokenizer_folder / TOKENIZER_CONFIG))
-    for name, side in sides:
-        found = digests.of(side)
-        if found is not None:  # mostly absent, and then left out as before they counted
-            files[name] = found
+    files = model_digests(model, Digests(settings.home))
     identity = {
         "files": {name: d.blake2b if d else None for name, d in files.items()},
         "model": model.model_dump(mode="json", exclude={"path", "tokenizer"}),
@@ -184,6 +182,22 @@ def model_key(spec: Spec, workload: Workload, settings: Settings) -> str:
         # Only when set, as before `fields:` existed.
         identity["fields"] = workload.fields.model_dump(mode="json")
     return hashlib.sha256(orjson.dumps(identity, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+def model_digests(model: ModelSpec, digests: Digests) -> dict[str, Digest | None]:
+    """The digest of every file a model reads, by its role (model/NAME, tokenizer,
+    ...): what model_key counts and `lanes models seal` seals."""
+    files = {f"model/{name}": d for name, d in digests.model_files(model.path)}
+    if model.tokenizer:
+        files["tokenizer"] = digests.of(model.tokenizer)
+    tokenizer_folder = (model.tokenizer or model.path).parent
+    sides = [(f"model/{n}", model.path.parent / n) for n in MODEL_CONFIGS]
+    sides.append((f"tokenizer/{TOKENIZER_CONFIG}", tokenizer_folder / TOKENIZER_CONFIG))
+    for name, side in sides:
+        found = digests.of(side)
+        if found is not None:  # mostly absent, and then left out as before they counted
+            files[name] = found
+    return files
 
 
 def shard_source(file: StoredFile, root: Path | None) -> str:

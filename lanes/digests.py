@@ -8,6 +8,15 @@ computed for: asked again about the same version of a file, `Digests` reads it b
 instead of the file; a file rewritten (another size or mtime) is read again. A cache
 that cannot be written (a read-only home) only costs reading the file again.
 
+A fresh pod (a Kubernetes Job, a serving replica) starts with an empty home, so the
+cache alone would read every model again on each start. A *seal* carries the digest
+with the file instead: `NAME.lanes-digest` beside it, written by `lanes models seal`
+(the baked image runs it at build time), holding the size and mtime it was computed
+for. It is trusted only while the file still has that size and mtime, so a model
+rewritten after sealing is read again, never served under the sealed digest. The
+mtime may have lost its fraction of a second on the way (image layers and tar keep
+whole seconds); anything else differing counts as another version.
+
 An ONNX model may keep its weights in external-data files beside it, named in the
 graph (each tensor's `location`): `Digests.of` lists them for an .onnx file, found by
 their protobuf bytes without parsing the graph, so the core needs no `onnx`.
@@ -30,6 +39,8 @@ from lanes.staging import staging_file
 log = logging.getLogger(__name__)
 
 BLOCK = 1024 * 1024
+SEAL_SUFFIX = ".lanes-digest"
+_SECOND = 1_000_000_000
 # A StringStringEntryProto {key: "location", value: ...}: field 1 (tag 0x0a, 8 bytes),
 # then field 2's tag (0x12), its length and the file's name.
 _LOCATION = b"\x0a\x08location\x12"
@@ -44,16 +55,25 @@ class Digest:
     external: tuple[str, ...] = ()
 
 
-class Digests:
-    """Digests of local files, cached under `home`/digests. Thread- and process-safe:
-    each entry is replaced whole (written aside, then renamed)."""
+def seal_of(path: Path) -> Path:
+    """Where `path`'s seal lies: beside it, so it travels with the file."""
+    return path.with_name(path.name + SEAL_SUFFIX)
 
-    def __init__(self, home: Path) -> None:
+
+class Digests:
+    """Digests of local files, cached under `home`/digests and read from seals beside
+    them. Thread- and process-safe: each entry or seal is replaced whole (written aside,
+    then renamed). With `seal=True`, every digest asked for is also sealed beside its
+    file (what `lanes models seal` does)."""
+
+    def __init__(self, home: Path, seal: bool = False) -> None:
         self.folder = Path(home) / "digests"
+        self.seal = seal
 
     def of(self, path: Path) -> Digest | None:
         """`path`'s digest; None when it is not a readable file here (a remote worker
-        may hold a model where this machine does not)."""
+        may hold a model where this machine does not). Sealing, a seal that cannot be
+        written raises OSError."""
         try:
             resolved = path.resolve()
             info = resolved.stat()
@@ -61,14 +81,20 @@ class Digests:
             return None
         entry = self.folder / (hashlib.sha256(str(resolved).encode()).hexdigest() + ".json")
         version = {"path": str(resolved), "size": info.st_size, "mtime_ns": info.st_mtime_ns}
-        cached = _read(entry, version)
-        if cached is not None:
-            return cached
-        try:
-            digest = _compute(resolved)
-        except OSError:
-            return None
-        self._save(entry, {**version, "blake2b": digest.blake2b, "external": digest.external})
+        digest = _read(entry, version, exact=True)
+        if digest is None:
+            digest = _read(seal_of(resolved), version, exact=False)
+            if digest is None:
+                try:
+                    digest = _compute(resolved)
+                except OSError:
+                    return None
+            self._save(entry, {**version, "blake2b": digest.blake2b, "external": digest.external})
+        if self.seal:
+            data = {"size": info.st_size, "mtime_ns": info.st_mtime_ns}
+            _write(
+                seal_of(resolved), {**data, "blake2b": digest.blake2b, "external": digest.external}
+            )
         return digest
 
     def model_files(self, path: Path) -> list[tuple[str, Digest | None]]:
@@ -83,18 +109,32 @@ class Digests:
     def _save(self, entry: Path, data: dict[str, object]) -> None:
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            with staging_file(self.folder, entry.name) as aside:
-                aside.write_bytes(orjson.dumps(data))
-                os.replace(aside, entry)
+            _write(entry, data)
         except OSError as err:  # a read-only home: the next ask reads the file again
             log.debug("cannot cache the digest of %s in %s: %s", data["path"], entry, err)
 
 
-def _read(entry: Path, version: dict[str, object]) -> Digest | None:
+def _write(target: Path, data: dict[str, object]) -> None:
+    with staging_file(target.parent, target.name) as aside:
+        aside.write_bytes(orjson.dumps(data))
+        os.replace(aside, target)
+
+
+def _read(entry: Path, version: dict[str, object], exact: bool) -> Digest | None:
+    """The digest `entry` holds for this version of the file, or None. A cache entry
+    (`exact`) matches path, size and mtime; a seal matches size and mtime, which may
+    have been cut to whole seconds since it was written (never the other way)."""
     try:
         data = orjson.loads(entry.read_bytes())
-        if any(data.get(k) != v for k, v in version.items()):
-            return None  # another version of the file (or, unlikely, a hash collision)
+        if exact:
+            if any(data.get(k) != v for k, v in version.items()):
+                return None  # another version of the file (or, unlikely, a hash collision)
+        else:
+            sealed, found = data["mtime_ns"], version["mtime_ns"]
+            if not isinstance(sealed, int) or data["size"] != version["size"]:
+                return None
+            if found not in (sealed, sealed - sealed % _SECOND):
+                return None
         return Digest(str(data["blake2b"]), tuple(str(x) for x in data["external"]))
     except (OSError, orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
         return None

@@ -18,7 +18,9 @@ from rich.console import Console
 from rich.table import Table
 
 from lanes.demo.place import demo_models_folder
+from lanes.digests import Digests
 from lanes.errors import InvalidInput, LanesError, ModelError
+from lanes.flows.job import model_digests
 from lanes.measurements import Measurements
 from lanes.router import client_cli, cost_cli, offline_cli, tune_cli
 from lanes.router.console import SpecFile, command, guarded
@@ -34,7 +36,9 @@ app = typer.Typer(
     no_args_is_help=True,
     help="lanes: serve models interactive or offline from one workloads.yaml.",
 )
-models_app = typer.Typer(no_args_is_help=True, help="Build the demo models.")
+models_app = typer.Typer(
+    no_args_is_help=True, help="The models: build the demo's, seal the spec's digests."
+)
 app.add_typer(models_app, name="models")
 app.add_typer(render_app, name="render")
 
@@ -221,6 +225,38 @@ def models_build(
     built = build_demo_models(folder, force=force)
     for path in built:
         typer.echo(str(path))
+
+
+@models_app.command("seal")
+def models_seal(file: SpecFile = None) -> None:
+    """Write each file's content digest beside it (NAME.lanes-digest), for every file the
+    spec's models read, so that a fresh pod (a Kubernetes Job, a serving replica) reads
+    the digest instead of hashing the model on each start. Run it where the models are
+    prepared (the baked image runs it at build time); a seal is trusted only while its
+    file keeps the size and mtime it was sealed with, so copy the models with their
+    times (cp -p, rsync -a, tar) or seal them again where they land."""
+    settings = guarded(Settings)
+    spec = guarded(lambda: _load(file, settings))
+    digests = Digests(settings.home, seal=True)
+    for name, model in spec.models.items():
+        try:
+            files = model_digests(model, digests)
+        except OSError as e:
+            typer.echo(
+                f"error: models.{name}: cannot write a seal beside its files ({e}); "
+                "seal them where they are writable, then copy them with their times",
+                err=True,
+            )
+            raise typer.Exit(1) from None
+        missing = [role for role, d in files.items() if d is None]
+        if missing:
+            typer.echo(
+                f"error: models.{name}: {', '.join(missing)} not readable at "
+                f"{model.path.parent}: seal where the models are",
+                err=True,
+            )
+            raise typer.Exit(1)
+        typer.echo(f"models.{name}: sealed {len(files)} file{'s' if len(files) != 1 else ''}")
 
 
 for module, names in (

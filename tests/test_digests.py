@@ -11,9 +11,11 @@ import numpy as np
 import orjson
 import yaml
 from onnx import TensorProto, helper, numpy_helper, save_model
+from typer.testing import CliRunner
 
-from lanes.digests import Digests
+from lanes.digests import SEAL_SUFFIX, Digests
 from lanes.flows.job import model_key
+from lanes.router.cli import app
 from lanes.settings import Settings
 from lanes.specfile import load_spec
 from tests.flows_fixtures import embed_model, read_only
@@ -163,3 +165,65 @@ def test_touching_a_model_without_changing_it_keeps_its_key(tmp_path: Path) -> N
     model = tmp_path / "models" / "scaled" / "model.onnx"
     os.utime(model, ns=(1, 1))
     assert keys(spec_file, settings) == before
+
+
+def _swap_bytes_keeping_size_and_mtime(path: Path) -> None:
+    """Other bytes in `path`, its size and mtime as they were: a digest read from the
+    file would change, one read from its seal would not."""
+    info = path.stat()
+    path.write_bytes(bytes(b ^ 0xFF for b in path.read_bytes()))
+    os.utime(path, ns=(info.st_atime_ns, info.st_mtime_ns))
+
+
+def _model_files(folder: Path) -> list[Path]:
+    return sorted(
+        p for p in (folder / "models").rglob("*") if p.is_file() and SEAL_SUFFIX not in p.name
+    )
+
+
+def test_a_fresh_home_reads_sealed_models_from_their_seals_not_their_bytes(
+    tmp_path: Path,
+) -> None:
+    spec_file = project(tmp_path / "laptop")
+    before = keys(spec_file, Settings(home=tmp_path / "home"))
+    done = CliRunner().invoke(
+        app, ["models", "seal", str(spec_file)], env={"LANES_HOME": str(tmp_path / "h0")}
+    )
+    assert done.exit_code == 0, done.output
+    assert "models.scaled: sealed 2 files" in done.output
+    # The models copied with their times, as an image layer or `rsync -a` keeps them.
+    shutil.copytree(tmp_path / "laptop", tmp_path / "app")
+    for path in _model_files(tmp_path / "app"):
+        _swap_bytes_keeping_size_and_mtime(path)
+    # A Job's empty LANES_HOME: each key is the sealed one, so no model byte was hashed.
+    assert keys(tmp_path / "app" / "workloads.yaml", Settings(home=tmp_path / "job")) == before
+
+
+def test_a_seal_holds_only_for_the_size_and_mtime_it_was_written_for(tmp_path: Path) -> None:
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"sealed bytes")
+    os.utime(path, ns=(1, 5_000_000_123))
+    sealed = Digests(tmp_path / "h0", seal=True).of(path)
+    assert sealed is not None and (tmp_path / f"weights.bin{SEAL_SUFFIX}").is_file()
+    # The mtime cut to whole seconds (an image layer, tar): still this version.
+    _swap_bytes_keeping_size_and_mtime(path)
+    os.utime(path, ns=(1, 5_000_000_000))
+    assert Digests(tmp_path / "h1").of(path) == sealed
+    # Any other mtime, or another size, is another version: the file is read again.
+    os.utime(path, ns=(1, 5_000_000_124))
+    assert Digests(tmp_path / "h2").of(path) not in (sealed, None)
+    path.write_bytes(b"rewritten, longer bytes")
+    os.utime(path, ns=(1, 5_000_000_123))
+    rewritten = Digests(tmp_path / "h3").of(path)
+    assert rewritten == Digests(tmp_path / "h4").of(shutil.copy(path, tmp_path / "plain.bin"))
+    assert rewritten != sealed
+
+
+def test_sealing_a_read_only_model_folder_says_where_to_seal(tmp_path: Path) -> None:
+    spec_file = project(tmp_path)
+    with read_only(tmp_path / "models" / "scaled"):
+        done = CliRunner().invoke(
+            app, ["models", "seal", str(spec_file)], env={"LANES_HOME": str(tmp_path / "h")}
+        )
+    assert done.exit_code == 1
+    assert "models.scaled: cannot write a seal beside its files" in done.output

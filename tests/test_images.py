@@ -6,7 +6,9 @@ what the serve extra brings (prefect, torch and the offline packages cannot impo
 from __future__ import annotations
 
 import json
+import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -18,6 +20,10 @@ import httpx
 import pytest
 from dockerfile_parse import DockerfileParser
 
+from lanes.digests import SEAL_SUFFIX
+from lanes.flows.job import model_key
+from lanes.settings import Settings
+from lanes.specfile import load_spec
 from tests.flows_fixtures import DIM, embed_model
 from tests.servers import free_port
 
@@ -108,13 +114,44 @@ def test_the_serving_image_bakes_models_in_its_last_stage_and_mounts_them_in_ser
     parser = _parsed("serve.Dockerfile")
     assert parser.baseimage == "serve"  # the default target: serve-baked, FROM serve
     baked = _instructions(parser, "serve-baked")
-    assert baked == [("COPY", "--chown=10001:10001 .lanes/models/ .lanes/models/")]
+    assert baked[0] == ("COPY", "--chown=10001:10001 .lanes/models/ .lanes/models/")
     assert not any(".lanes" in v for i, v in _instructions(parser, "serve") if i == "COPY")
     healthcheck = next(v for i, v in _instructions(parser, "serve") if i == "HEALTHCHECK")
     assert "/healthz" in healthcheck
     entry = next(v for i, v in _instructions(parser, "serve") if i == "ENTRYPOINT")
     command = next(v for i, v in _instructions(parser, "serve") if i == "CMD")
     assert json.loads(entry) + json.loads(command) == ["lanes", "serve", "/app/workloads.yaml"]
+
+
+def test_the_baked_image_seals_its_models_so_a_pod_hashes_none(tmp_path: Path) -> None:
+    """The serve-baked stage's RUN, run here on a copy of its /app with the serving
+    image's packages only: afterwards a pod's empty LANES_HOME finds every model file's
+    digest in its seal (the files' bytes are swapped, size and mtime kept, so a digest
+    read from them would differ)."""
+    runs = [v for i, v in _instructions(_parsed("serve.Dockerfile"), "serve-baked") if i == "RUN"]
+    (run,) = runs
+    seal, _, cleanup = run.partition(" && ")
+    argv = shlex.split(seal.replace("/app/", f"{tmp_path}/"))
+    assert argv[0] == "lanes" and cleanup == "rm -rf /tmp/lanes"
+    spec = _embed_spec(tmp_path)
+    settings = Settings(home=tmp_path / "before")
+    before = model_key(
+        load_spec(spec, settings), load_spec(spec, settings).workload("search"), settings
+    )
+    code = _BLOCKED_CLI.format(blocked=NOT_SERVING, argv=argv)
+    env = {**os.environ, "LANES_HOME": str(tmp_path / "build")}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    for path in (tmp_path / "models").rglob("*"):
+        if path.is_file() and not path.name.endswith(SEAL_SUFFIX):
+            info = path.stat()
+            path.write_bytes(bytes(b ^ 0xFF for b in path.read_bytes()))
+            os.utime(path, ns=(info.st_atime_ns, info.st_mtime_ns))
+    pod = Settings(home=tmp_path / "pod")
+    spec_in_pod = load_spec(spec, pod)
+    assert model_key(spec_in_pod, spec_in_pod.workload("search"), pod) == before
 
 
 def test_the_serve_extra_holds_neither_torch_nor_prefect_and_dev_holds_every_lane() -> None:
@@ -140,6 +177,10 @@ from lanes.router.cli import main
 sys.argv = ["lanes", "serve", {spec!r}, "--port", "{port}"]
 main()
 """
+
+
+# The same finder, then any `lanes` command line.
+_BLOCKED_CLI = _BLOCKED_SERVE.split("sys.argv")[0] + "sys.argv = {argv!r}\nmain()\n"
 
 
 def _embed_spec(folder: Path) -> Path:

@@ -5,11 +5,12 @@
 #   docker build -f infra/images/serve.Dockerfile --target serve -t lanes-serve .  # models mounted
 #
 # Baked (the default, last stage): the project's .lanes/models is copied to
-# /app/.lanes/models, where the demo workloads.yaml looks for it. Mounted (--target
-# serve): nothing is copied; mount the model files read-only where the spec's model
-# paths point, e.g. `-v $PWD/.lanes/models:/app/.lanes/models:ro`, or a volume in
-# Kubernetes (`lanes render k8s --models-claim NAME`). Either way /app/workloads.yaml
-# is the spec; in Kubernetes a ConfigMap replaces it (lanes render k8s).
+# /app/.lanes/models, where the demo workloads.yaml looks for it, and sealed (`lanes
+# models seal`). Mounted (--target serve): nothing is copied; mount the model files
+# read-only where the spec's model paths point (sealed where they were prepared), e.g.
+# `-v $PWD/.lanes/models:/app/.lanes/models:ro`, or a volume in Kubernetes
+# (`lanes render k8s --models-claim NAME`). Either way /app/workloads.yaml is the spec;
+# in Kubernetes a ConfigMap replaces it (lanes render k8s).
 #
 # onnxruntime-gpu 1.31 is built against CUDA 13 and cuDNN 9: the base brings both.
 # On a machine without a GPU the same image runs on the CPU provider (LANES_DEVICE=cpu).
@@ -63,3 +64,7 @@ CMD ["serve", "/app/workloads.yaml"]
 
 FROM serve AS serve-baked
 COPY --chown=10001:10001 .lanes/models/ .lanes/models/
+# Each model file's digest sealed beside it (lanes.digests), once, here: a pod starts
+# with an empty LANES_HOME and would otherwise hash every model on each start. The
+# build's own digest cache is not kept.
+RUN lanes models seal /app/workloads.yaml && rm -rf /tmp/lanes
