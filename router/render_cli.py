@@ -15,6 +15,7 @@ from lanes.router.render_k8s import K8sOptions, dump_all, groups, serving_object
 from lanes.router.render_pool import (
     base_job_template,
     dask_objects,
+    job_namespace_objects,
     offline_spec,
     worker_objects,
 )
@@ -43,7 +44,8 @@ def render_files(
                 "image (infra/images/worker.Dockerfile); name it"
             )
         image = options.worker_image
-        pool = [offline_spec(raw, options), *worker_objects(settings, options, image)]
+        pool = [offline_spec(raw, options.namespace), *worker_objects(settings, options, image)]
+        pool += job_namespace_objects(raw, settings, options)
         files["prefect-worker.yaml"] = dump_all(pool)
         template = base_job_template(spec, settings, options, image)
         files[f"work-pool-{settings.work_pool}.json"] = json.dumps(template, indent=2) + "\n"
@@ -89,6 +91,14 @@ def k8s(
         Path | None, typer.Option(help="Folder to write one file per part (default: stdout).")
     ] = None,
     namespace: Annotated[str, typer.Option(help="Namespace of every object.")] = "lanes",
+    job_namespace: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Another namespace that deployments send flow-run Jobs to (their "
+            "`namespace` job variable); repeat for each. Each gets the spec's ConfigMap "
+            "and the worker's rights; the pool accepts no other."
+        ),
+    ] = None,
     api_key_secret: Annotated[
         str, typer.Option(help="Secret whose key `api-key` is the endpoint's API key.")
     ] = "lanes-api-key",
@@ -157,6 +167,7 @@ def k8s(
             offline_memory=offline_memory,
             s3_secret=s3_secret,
             spec_file=Path(file or settings.spec).name,
+            job_namespaces=tuple(job_namespace or ()),
         )
         path = file or settings.spec
         spec = load_spec(path, settings, check_files=False)

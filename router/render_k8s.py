@@ -74,19 +74,30 @@ class K8sOptions:
     # A Secret with keys `access-key-id` and `secret-access-key`: static S3 credentials
     # (MinIO's, say) for every pod that reads or writes S3; None: the pods' own (IRSA).
     s3_secret: str | None = None
+    # Namespaces besides `namespace` that deployments send flow-run Jobs to (their
+    # `namespace` job variable): each gets the spec's ConfigMap and the worker's rights.
+    job_namespaces: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         """InvalidInput naming the option, for what the cluster (or the pods) would refuse."""
-        if not DNS_LABEL.match(self.namespace):
-            raise InvalidInput(
-                f"--namespace: expected a DNS label (lower-case letters, digits and '-', "
-                f"at most 63, starting and ending alphanumeric), found {self.namespace!r}"
-            )
+        named = [("--namespace", self.namespace)]
+        named += [("--job-namespace", ns) for ns in self.job_namespaces]
+        for option, ns in named:
+            if not DNS_LABEL.match(ns):
+                raise InvalidInput(
+                    f"{option}: expected a DNS label (lower-case letters, digits and '-', "
+                    f"at most 63, starting and ending alphanumeric), found {ns!r}"
+                )
         # LANES_DRAIN_S's own bounds (lanes.settings): the server refuses the rest at start.
         if not 0 <= self.drain_s <= MAX_DRAIN_S:  # NaN is in no range
             raise InvalidInput(
                 f"--drain-s: expected seconds from 0 to {MAX_DRAIN_S}, found {self.drain_s:g}"
             )
+
+    @property
+    def all_job_namespaces(self) -> tuple[str, ...]:
+        """Every namespace a flow run's Job may run in, the worker's first, once each."""
+        return tuple(dict.fromkeys((self.namespace, *self.job_namespaces)))
 
 
 @dataclass(frozen=True)

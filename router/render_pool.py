@@ -44,17 +44,18 @@ OFFLINE_SPEC = "lanes-offline-spec"
 SPEC_KEY = "workloads.yaml"  # the ConfigMap's key
 
 
-def offline_spec(raw: dict[str, Any], options: K8sOptions) -> Manifest:
-    """The ConfigMap holding the spec every offline pod loads: `raw`, the whole
-    document with the render's overrides merged (an offline workload may run an
+def offline_spec(raw: dict[str, Any], namespace: str) -> Manifest:
+    """The ConfigMap holding the spec every offline pod in `namespace` loads: `raw`, the
+    whole document with the render's overrides merged (an offline workload may run an
     interactive one's model, and the Batch API's flow runs run interactive workloads
-    in the offline lane)."""
+    in the offline lane). A Job mounts it from its own namespace: one per namespace
+    that Jobs run in (K8sOptions.all_job_namespaces)."""
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {
             "name": OFFLINE_SPEC,
-            "namespace": options.namespace,
+            "namespace": namespace,
             "labels": labels("offline", "spec"),
         },
         "data": {SPEC_KEY: dump(raw)},
@@ -188,9 +189,13 @@ def base_job_template(
     }
     variables = {
         "name": _variable("string", None, "Name given to infrastructure created by a worker."),
-        "namespace": _variable(
-            "string", options.namespace, "The Kubernetes namespace of the Jobs."
-        ),
+        # Prefect checks a deployment's job variables against this schema when it is
+        # deployed and run: a namespace without the spec's ConfigMap and the worker's
+        # rights is refused there, not left to a Job that never starts.
+        "namespace": {
+            **_variable("string", options.namespace, "The Kubernetes namespace of the Jobs."),
+            "enum": list(options.all_job_namespaces),
+        },
         "image": _variable("string", image, "The image each flow run's Job runs."),
         "image_pull_policy": {
             **_variable("string", "IfNotPresent", "When the kubelet pulls the image."),
@@ -235,9 +240,58 @@ def base_job_template(
     }
 
 
+WORKER = "prefect-worker"
+# What the worker does with its Jobs and their pods, in each namespace they run in.
+_WORKER_RULES = [
+    {
+        "apiGroups": ["batch"],
+        "resources": ["jobs"],
+        "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"],
+    },
+    {
+        "apiGroups": [""],
+        "resources": ["pods", "pods/log", "pods/status", "events"],
+        "verbs": ["get", "list", "watch"],
+    },
+]
+
+
+def _worker_access(settings: Settings, options: K8sOptions, namespace: str) -> list[Manifest]:
+    """A Role in `namespace` and its binding to the worker's ServiceAccount (which lives
+    in options.namespace): the rights to make and watch Jobs there."""
+    meta = {"name": WORKER, "namespace": namespace, "labels": labels(WORKER, settings.work_pool)}
+    account = {"kind": "ServiceAccount", "name": WORKER, "namespace": options.namespace}
+    return [
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": meta,
+            "rules": _WORKER_RULES,
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": meta,
+            "subjects": [account],
+            "roleRef": {"kind": "Role", "name": WORKER, "apiGroup": "rbac.authorization.k8s.io"},
+        },
+    ]
+
+
+def job_namespace_objects(
+    raw: dict[str, Any], settings: Settings, options: K8sOptions
+) -> list[Manifest]:
+    """For each of options.job_namespaces (besides the worker's own): the spec's
+    ConfigMap and the worker's rights there."""
+    found: list[Manifest] = []
+    for ns in options.all_job_namespaces[1:]:
+        found += [offline_spec(raw, ns), *_worker_access(settings, options, ns)]
+    return found
+
+
 def worker_objects(settings: Settings, options: K8sOptions, image: str) -> list[Manifest]:
     """The Prefect worker that polls the pool and makes one Job per flow run."""
-    name, ns = "prefect-worker", options.namespace
+    name, ns = WORKER, options.namespace
     meta: dict[str, Any] = {
         "name": name,
         "namespace": ns,
@@ -271,30 +325,7 @@ def worker_objects(settings: Settings, options: K8sOptions, image: str) -> list[
     }
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "Role",
-            "metadata": meta,
-            "rules": [
-                {
-                    "apiGroups": ["batch"],
-                    "resources": ["jobs"],
-                    "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"],
-                },
-                {
-                    "apiGroups": [""],
-                    "resources": ["pods", "pods/log", "pods/status", "events"],
-                    "verbs": ["get", "list", "watch"],
-                },
-            ],
-        },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "RoleBinding",
-            "metadata": meta,
-            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}],
-            "roleRef": {"kind": "Role", "name": name, "apiGroup": "rbac.authorization.k8s.io"},
-        },
+        *_worker_access(settings, options, ns),
         {
             "apiVersion": "apps/v1",
             "kind": "Deployment",

@@ -620,6 +620,7 @@ def test_settings_both_sides_read_reach_the_pods_and_the_jobs(tmp_path: Path) ->
         (["--drain-s", "-5"], "error: --drain-s: expected seconds from 0 to 3600, found -5"),
         (["--drain-s", "nan"], "error: --drain-s: expected seconds from 0 to 3600, found nan"),
         (["--namespace", "Bad_NS"], "error: --namespace: expected a DNS label"),
+        (["--job-namespace", "Bad_NS"], "error: --job-namespace: expected a DNS label"),
         # Kubernetes would take it, and fail every pod at its pull.
         (
             ["--image", "lanes serve:1"],
@@ -807,3 +808,49 @@ def test_s3_credentials_from_a_secret_reach_every_pod_that_touches_s3(tmp_path: 
     done = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "b")])
     assert done.exit_code == 0, done.output
     assert all(not keys(env) for env in pods(tmp_path / "b").values())
+
+
+def test_every_namespace_jobs_are_sent_to_gets_the_spec_and_the_workers_rights(
+    spec_path: Path, tmp_path: Path
+) -> None:
+    """A Job mounts lanes-offline-spec from its own namespace, and the worker makes it
+    there with a Role of that namespace: each --job-namespace gets both, and the pool
+    refuses a namespace that has neither (Prefect checks job variables against the
+    pool's schema when a deployment is made and run)."""
+    args = ["render", "k8s", str(spec_path), "--image", "i", "--worker-image", "w"]
+    args += ["--job-namespace", "batch", "--job-namespace", "lanes", "--out", str(tmp_path / "k8s")]
+    done = CliRunner().invoke(app, args)
+    assert done.exit_code == 0, done.output
+    objects = list(yaml.safe_load_all((tmp_path / "k8s" / "prefect-worker.yaml").read_text()))
+    for obj in objects:
+        _validate(obj)
+    where = sorted((o["kind"], o["metadata"]["namespace"]) for o in objects)
+    assert where == [
+        ("ConfigMap", "batch"),
+        ("ConfigMap", "lanes"),
+        ("Deployment", "lanes"),
+        ("Role", "batch"),
+        ("Role", "lanes"),
+        ("RoleBinding", "batch"),
+        ("RoleBinding", "lanes"),
+        ("ServiceAccount", "lanes"),
+    ]
+    specs = [o for o in objects if o["kind"] == "ConfigMap"]
+    assert {o["metadata"]["name"] for o in specs} == {"lanes-offline-spec"}
+    assert specs[0]["data"] == specs[1]["data"]
+    roles = {o["metadata"]["namespace"]: o for o in objects if o["kind"] == "Role"}
+    assert roles["batch"]["rules"] == roles["lanes"]["rules"]
+    binding = next(
+        o for o in objects if o["kind"] == "RoleBinding" and o["metadata"]["namespace"] == "batch"
+    )
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "prefect-worker", "namespace": "lanes"}
+    ]
+    template = json.loads((tmp_path / "k8s" / "work-pool-lanes.json").read_text())
+    variables = template["variables"]
+    jsonschema.validate({"namespace": "batch"}, variables)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"namespace": "elsewhere"}, variables)
+    job = _filled(template)
+    (volume,) = [v for v in job["spec"]["template"]["spec"]["volumes"] if v["name"] == "spec"]
+    assert volume["configMap"]["name"] == "lanes-offline-spec"
