@@ -95,6 +95,10 @@ class _Checked:
     starts: list[int]  # each shard's first line's number in the input file
 
 
+# What a server's install needs for this API (pyproject.toml's extras).
+BATCH_INSTALL = "lanes[serve,batch]"
+
+
 class Batches:
     """The Batch API's operations. `now` is the wall clock (seconds since the epoch)."""
 
@@ -212,8 +216,9 @@ class Batches:
         except ImportError:
             raise NotConfigured(
                 "this server's Batch API runs each batch on a Prefect server, and this "
-                "install has no Prefect: its operator must install lanes with the offline "
-                "extra (pip install 'lanes[serve,offline]')"
+                "install has no Prefect: its operator must install lanes with the batch "
+                f"extra (pip install '{BATCH_INSTALL}'; infra/images/serve.Dockerfile "
+                "installs it, so rebuild an image made from lanes[serve] alone)"
             ) from None
         if not (self.prefect_api_url or PREFECT_API_URL.value()):
             raise NotConfigured(

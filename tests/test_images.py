@@ -77,7 +77,7 @@ def _closure(extra: str) -> set[str]:
 @pytest.mark.parametrize(
     ("dockerfile", "stage", "extra", "ports"),
     [
-        ("serve.Dockerfile", "serve", "serve", {"8000"}),
+        ("serve.Dockerfile", "serve", "serve,batch", {"8000"}),
         ("worker.Dockerfile", "worker", "worker", {"8786", "8787"}),
     ],
 )
@@ -152,6 +152,72 @@ def test_the_baked_image_seals_its_models_so_a_pod_hashes_none(tmp_path: Path) -
     pod = Settings(home=tmp_path / "pod")
     spec_in_pod = load_spec(spec, pod)
     assert model_key(spec_in_pod, spec_in_pod.workload("search"), pod) == before
+
+
+def _image_extras(dockerfile: str) -> list[str]:
+    """The extras the image's one `pip install ".[...]"` names."""
+    runs = [v for i, v in _instructions(_parsed(dockerfile), "build") if i == "RUN"]
+    (install,) = [re.search(r'"\.\[([\w,]+)\]"', r) for r in runs if "pip install" in r]
+    assert install is not None
+    return install.group(1).split(",")
+
+
+# What the serving image holds none of: the rest of the offline lane, and torch.
+NOT_IN_SERVING_IMAGE = tuple(m for m in NOT_SERVING if m not in ("prefect", "boto3"))
+
+# The Batch API asked for a batch, in a process where `blocked` cannot import.
+_BATCH_CREATE = """
+import json, sys
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in {blocked!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return None
+sys.meta_path.insert(0, Refuse())
+from lanes.batches import Batches
+from lanes.batchstore import new_id
+from lanes.errors import NotConfigured
+from lanes.settings import Settings
+from lanes.specfile import load_spec
+batches = Batches(load_spec({spec!r}), Settings())
+line = {{"custom_id": "a", "method": "POST", "url": "/v1/embeddings",
+        "body": {{"model": "search", "input": "x"}}}}
+uploaded = batches.store.put_file(new_id("file"), "in.jsonl", "batch",
+                                  iter([json.dumps(line).encode() + b"\\n"]))
+try:
+    batches.create({{"input_file_id": uploaded.id, "endpoint": "/v1/embeddings",
+                    "completion_window": "24h"}})
+except NotConfigured as e:
+    print(e)
+"""
+
+
+def test_the_serving_image_holds_what_its_batch_api_needs(tmp_path: Path) -> None:
+    """The rendered serving pods take PREFECT_API_URL for the Batch API: their image
+    installs the extra that brings Prefect's client and boto3 (not the rest of the
+    offline lane), and in a process holding only what it installs, a batch gets past
+    the missing-package check to the Prefect API's (none is configured here). Where
+    prefect is missing, the answer names that same extra."""
+    extras = _image_extras("serve.Dockerfile")
+    installed = set().union(*(_closure(e) for e in extras))
+    assert {"prefect", "boto3"} <= installed
+    assert not installed & {"torch", "pyarrow", "prefect-dask", "dask", "prefect-kubernetes"}
+    spec = _embed_spec(tmp_path)
+    env = {**os.environ, "LANES_HOME": str(tmp_path / "home")}
+    env.pop("PREFECT_API_URL", None)
+    env.pop("LANES_PREFECT_API_URL", None)
+    env["LANES_BATCH__STORE"] = str(tmp_path / "store")
+    answers = {}
+    for blocked in (NOT_IN_SERVING_IMAGE, NOT_SERVING):
+        code = _BATCH_CREATE.format(blocked=blocked, spec=str(spec))
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        answers[blocked] = done.stdout
+    assert "PREFECT_API_URL" in answers[NOT_IN_SERVING_IMAGE]
+    assert "has no Prefect" not in answers[NOT_IN_SERVING_IMAGE]
+    assert f"pip install 'lanes[{','.join(extras)}]'" in answers[NOT_SERVING]
 
 
 def test_the_serve_extra_holds_neither_torch_nor_prefect_and_dev_holds_every_lane() -> None:

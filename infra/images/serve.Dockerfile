@@ -1,5 +1,6 @@
-# The serving image: `lanes serve` on onnxruntime-gpu, from `pip install lanes[serve]`
-# (no torch, no prefect), as a non-root user. Build from the repository's root:
+# The serving image: `lanes serve` on onnxruntime-gpu, from `pip install lanes[serve,batch]`
+# (no torch; prefect only for the Batch API), as a non-root user. Build from the
+# repository's root:
 #
 #   docker build -f infra/images/serve.Dockerfile -t lanes-serve .                 # models baked in
 #   docker build -f infra/images/serve.Dockerfile --target serve -t lanes-serve .  # models mounted
@@ -27,8 +28,10 @@ COPY lanes/ lanes/
 COPY serving/ serving/
 COPY flows/ flows/
 COPY router/ router/
-# The serve extra and nothing else: the image holds what `pip install lanes[serve]` holds.
-RUN /opt/lanes/bin/pip install --no-cache-dir ".[serve]"
+# The serve extra and the Batch API's (prefect's client, boto3: ~130 MiB of a several-GiB
+# image, imported only when a batch is touched): the rendered pods take PREFECT_API_URL,
+# and without these /v1/batches would answer 503. ".[serve]" alone serves the rest.
+RUN /opt/lanes/bin/pip install --no-cache-dir ".[serve,batch]"
 
 # The project as it stands beside workloads.yaml, the modules its `handler:` and `guard:`
 # name included (lanes imports them from the spec's folder). .dockerignore keeps out

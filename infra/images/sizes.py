@@ -1,9 +1,10 @@
 """Estimate what each image's extra adds to its base: the installed size of every
 distribution the extra pulls in, read from this environment's package metadata.
 
-    python infra/images/sizes.py [serve worker ...]
+    python infra/images/sizes.py [serve,batch worker ...]
 
-Each name is an extra of lanes (pyproject.toml). The figure is the venv's share of the
+Each argument is an extra of lanes (pyproject.toml), or several joined by commas as an
+image's `pip install ".[serve,batch]"` names them. The figure is the venv's share of the
 image (what `pip install .[EXTRA]` leaves in /opt/lanes, bytecode excluded: the images
 set PYTHONDONTWRITEBYTECODE); add the base image's own size. A requirement that is not
 installed here is listed as missing, not guessed.
@@ -28,7 +29,7 @@ def lanes_requirements(extra: str) -> list[Requirement]:
     an installed lanes'), with lanes[...] self-references followed."""
     project = tomllib.loads(PYPROJECT.read_text())["project"]
     found = [Requirement(r) for r in project["dependencies"]]
-    pending, seen = [extra], set()
+    pending, seen = extra.split(","), set()
     while pending:
         current = pending.pop()
         if current in seen:
@@ -80,7 +81,7 @@ def closure(extra: str) -> tuple[dict[str, int], set[str]]:
 
 
 def main() -> None:
-    for extra in sys.argv[1:] or ["serve", "worker"]:
+    for extra in sys.argv[1:] or ["serve,batch", "worker"]:
         sizes, missing = closure(extra)
         total = sum(sizes.values())
         top = sorted(sizes.items(), key=lambda kv: -kv[1])[:6]
