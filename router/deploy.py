@@ -41,6 +41,7 @@ from lanes.flows.compile import (
     Source,
     deployment_names,
     source_of,
+    work_pool,
     write_prefect_yaml,
 )
 from lanes.flows.start import DEADLINE_TAG
@@ -66,6 +67,19 @@ class Deployed:
     removed: list[str]  # "flow/deployment": compiled from this spec, no longer in it
     replanned: list[Replanned]  # deferred runs planned under the schedule before
     output: str  # what prefect deploy printed
+    shadowed: list[Shadowed]  # the pool's env values the deployments' replace
+
+
+@dataclass(frozen=True)
+class Shadowed:
+    """A variable that the deployments' job variables (the settings where lanes deploy
+    ran) set to another value than the pool's own env (e.g. what `lanes render k8s`
+    gave the Kubernetes Jobs): Prefect merges the deployment's env over the pool's, so
+    `here` is what every flow run gets."""
+
+    name: str
+    here: str
+    pool: str
 
 
 @dataclass(frozen=True)
@@ -108,6 +122,23 @@ def ensure_work_pool(name: str) -> bool:
             return True
 
 
+def pool_env(name: str) -> dict[str, str]:
+    """The env the work pool gives each flow run (its base job template's `env`
+    default); empty for a pool without one, such as a process pool's."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        template = client.read_work_pool(name).base_job_template
+    env = template.get("variables", {}).get("properties", {}).get("env", {}).get("default")
+    return {str(k): str(v) for k, v in env.items()} if isinstance(env, dict) else {}
+
+
+def shadowed(pool: dict[str, str], deployments: dict[str, str]) -> list[Shadowed]:
+    """The variables both set, to different values, sorted by name."""
+    both = sorted(set(pool) & set(deployments))
+    return [Shadowed(k, deployments[k], pool[k]) for k in both if pool[k] != deployments[k]]
+
+
 def deploy(
     spec: Spec,
     spec_file: Path,
@@ -132,6 +163,7 @@ def deploy(
         raise LanesError(f"{spec_file}: no workloads to deploy")
     try:
         created = ensure_work_pool(settings.work_pool)
+        env_of_pool = pool_env(settings.work_pool)
     except Exception as err:  # httpx and Prefect raise many kinds for one cause
         raise LanesError(
             f"cannot reach the Prefect API at {url} to check work pool "
@@ -166,7 +198,17 @@ def deploy(
     removed = remove_dropped(set(names), source, settings.work_pool)
     replanned = replan_deferred(spec, source, settings.work_pool)
     deployed = [f"{FLOW_NAME}/{n}" for n in names]
-    return Deployed(path, settings.work_pool, created, deployed, removed, replanned, output)
+    carried = work_pool(settings)["job_variables"].get("env", {})
+    return Deployed(
+        path,
+        settings.work_pool,
+        created,
+        deployed,
+        removed,
+        replanned,
+        output,
+        shadowed(env_of_pool, carried),
+    )
 
 
 def remove_dropped(names: set[str], source: Source, pool: str) -> list[str]:

@@ -151,6 +151,14 @@ def deploy(
         typer.echo(
             f"  {replanned.deployment}  deferred run {replanned.run} (due {due}) removed: {then}"
         )
+    for found in done.shadowed:
+        typer.echo(
+            f"warning: {found.name}={found.here} here replaces the work pool's "
+            f"{found.name}={found.pool} in every flow run of these deployments (their "
+            f"job variables win over the pool's env): unset {found.name} where you "
+            "deploy to keep the pool's, or set it to the pool's value",
+            err=True,
+        )
     typer.echo(f"run them: prefect worker start --pool {done.pool}")
 
 

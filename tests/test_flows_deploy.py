@@ -181,6 +181,36 @@ def test_the_settings_a_deployment_was_compiled_with_reach_its_runs(
     assert manifest["price_per_device_hour"] == 3.5  # the deployer's, not the default
 
 
+def test_deploying_with_a_value_that_replaces_the_kubernetes_pools_says_so(
+    prefect_server: dict[str, str], tmp_path: Path
+) -> None:
+    """The pool `lanes render k8s` wrote gives the Jobs the in-cluster S3 endpoint; a
+    deploy through a port-forward with LANES_S3_ENDPOINT set would put its own in every
+    deployment's job variables, which Prefect merges over the pool's env: every Job
+    would get 127.0.0.1. `lanes deploy` names the variable and both values; with the
+    pool's own value, or unset, it says nothing."""
+    env = {**prefect_server, "LANES_WORK_POOL": "rendered"}
+    api = prefect_server["PREFECT_API_URL"]
+    project = tmp_path / "project"
+    spec = write_spec(project, {"nightly": _workload()})
+    in_cluster = "http://minio.lanes.svc:9000"
+    rendered = tmp_path / "k8s"
+    render = [*LANES, "render", "k8s", str(spec), "--image", "i", "--worker-image", "w"]
+    _run([*render, "--out", str(rendered)], {**env, "LANES_S3_ENDPOINT": in_cluster}, project)
+    template = json.loads((rendered / "work-pool-rendered.json").read_text())
+    pool = {"name": "rendered", "type": "kubernetes", "base_job_template": template}
+    call_api("POST", f"{api}/work_pools/", json=pool)
+
+    forwarded = {**env, "LANES_S3_ENDPOINT": "http://127.0.0.1:9000"}
+    said = _run([*LANES, "deploy", str(spec)], forwarded, project)
+    assert (
+        "warning: LANES_S3_ENDPOINT=http://127.0.0.1:9000 here replaces the work pool's "
+        f"LANES_S3_ENDPOINT={in_cluster} in every flow run" in said
+    )
+    for quiet in ({**env, "LANES_S3_ENDPOINT": in_cluster}, env):
+        assert "warning" not in _run([*LANES, "deploy", str(spec)], quiet, project)
+
+
 def _readme_block(heading: str) -> list[str]:
     """The command lines of the first bash block under `heading` in infra/README.md."""
     text = (ROOT / "infra" / "README.md").read_text()
