@@ -55,9 +55,25 @@ def render_files(
     return files
 
 
-def handler_warnings(spec: Spec, project_dir: str) -> list[str]:
+def spec_in_project(spec_file: Path, project_root: Path | None, project_dir: str) -> str:
+    """The spec's path relative to the project's root here (`project_root`, default its
+    own folder), as the images hold it under project_dir and as `lanes compile
+    --project-dir` names it: config/workloads.yaml for a spec in config/. InvalidInput
+    for a spec outside that folder, which the images would not hold."""
+    root = (project_root or spec_file.parent).resolve()
+    try:
+        return spec_file.resolve().relative_to(root).as_posix()
+    except ValueError:
+        raise InvalidInput(
+            f"--project-root: the spec {spec_file} is not inside {root}, the folder the "
+            f"images copy to {project_dir}: name the folder that holds it (the build "
+            "context of infra/images/*.Dockerfile)"
+        ) from None
+
+
+def handler_warnings(spec: Spec, spec_dir: str) -> list[str]:
     """A line per `handler:` or `guard: {handler:}` whose module is neither lanes' own nor
-    in the spec's folder: the images carry that folder (at project_dir) and lanes alone,
+    in the spec's folder: the images carry that folder (at spec_dir) and lanes alone,
     so such a module would not import in the pods."""
     root = spec.root or Path.cwd()
     found = []
@@ -72,7 +88,7 @@ def handler_warnings(spec: Spec, project_dir: str) -> list[str]:
                 continue
             found.append(
                 f"warning: workloads.{name}.{key} {ref}: module {top!r} is not in the "
-                f"spec's folder {root}, which the images copy to {project_dir}: put it "
+                f"spec's folder {root}, which the images copy to {spec_dir}: put it "
                 "there, or install it in both images"
             )
     return found
@@ -119,6 +135,13 @@ def k8s(
         ),
     ] = None,
     project_dir: Annotated[str, typer.Option(help="The project's folder in the images.")] = "/app",
+    project_root: Annotated[
+        Path | None,
+        typer.Option(
+            help="The folder here that the images copy to --project-dir (default: the "
+            "spec's folder); a spec in its subfolder is found there at the same path."
+        ),
+    ] = None,
     drain_s: Annotated[float, typer.Option(help="LANES_DRAIN_S of the serving pods.")] = 5.0,
     dask_workers: Annotated[
         int, typer.Option(help="Dask worker pods per in-cluster scheduler.")
@@ -166,13 +189,13 @@ def k8s(
             offline_cpu=offline_cpu,
             offline_memory=offline_memory,
             s3_secret=s3_secret,
-            spec_file=Path(file or settings.spec).name,
+            spec_file=spec_in_project(Path(file or settings.spec), project_root, project_dir),
             job_namespaces=tuple(job_namespace or ()),
         )
         path = file or settings.spec
         spec = load_spec(path, settings, check_files=False)
         raw = read_document(path, settings)
-        for line in handler_warnings(spec, project_dir):
+        for line in handler_warnings(spec, options.spec_dir):
             typer.echo(line, err=True)
         return render_files(raw, spec, settings, options, dask_workers)
 

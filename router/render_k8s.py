@@ -64,8 +64,9 @@ class K8sOptions:
     prometheus: str = "http://prometheus-operated.monitoring.svc:9090"
     models_claim: str | None = None  # a PersistentVolumeClaim holding the models
     project_dir: str = "/app"  # where the image holds the project (workloads.yaml)
-    # The spec's file name in project_dir: where the offline pods' ConfigMap is mounted,
-    # the path the deployments' `spec` parameter names (lanes.router.render_pool).
+    # The spec's path relative to project_dir (config/workloads.yaml for a spec in a
+    # subfolder of the project): where the pods' ConfigMaps are mounted, the path the
+    # deployments' `spec` parameter names (`lanes compile --project-dir`).
     spec_file: str = "workloads.yaml"
     drain_s: float = 5.0  # LANES_DRAIN_S: readiness 503 after SIGTERM, still serving
     prefect_api_secret: str = "prefect-api"  # a Secret with key `url`
@@ -93,6 +94,16 @@ class K8sOptions:
             raise InvalidInput(
                 f"--drain-s: expected seconds from 0 to {MAX_DRAIN_S}, found {self.drain_s:g}"
             )
+
+    @property
+    def spec_path(self) -> str:
+        """The spec's path in the images."""
+        return str(PurePosixPath(self.project_dir) / self.spec_file)
+
+    @property
+    def spec_dir(self) -> str:
+        """The spec's folder in the images, which its relative paths are read against."""
+        return str(PurePosixPath(self.spec_path).parent)
 
     @property
     def all_job_namespaces(self) -> tuple[str, ...]:
@@ -175,10 +186,10 @@ def labels(component: str, instance: str) -> dict[str, str]:
     }
 
 
-def models_mount(spec: Spec, project_dir: str) -> str:
+def models_mount(spec: Spec, spec_dir: str) -> str:
     """Where the models claim is mounted in every pod of the spec: the folder above every
     model and tokenizer file the spec names, as the pod sees it (relative paths are under
-    project_dir). One folder for the whole spec, so the claim's layout mirrors the spec's
+    spec_dir, the spec's folder in the images). One folder for the whole spec, so the claim's layout mirrors the spec's
     model folder in every group, Job and Dask worker. InvalidInput when only / is common."""
     files: list[Path] = []
     for model in spec.models.values():
@@ -187,7 +198,7 @@ def models_mount(spec: Spec, project_dir: str) -> str:
     seen = []
     for file in files:
         try:
-            seen.append(str(PurePosixPath(project_dir) / file.relative_to(root)))
+            seen.append(str(PurePosixPath(spec_dir) / file.relative_to(root)))
         except ValueError:  # outside the project: the pod sees the same absolute path
             seen.append(str(file))
     where = os.path.commonpath([str(PurePosixPath(f).parent) for f in seen])
@@ -203,7 +214,7 @@ def models_mount(spec: Spec, project_dir: str) -> str:
 def models_volume(spec: Spec, options: K8sOptions) -> tuple[Manifest, Manifest]:
     """The models claim's volume mount and volume (options.models_claim must be set)."""
     assert options.models_claim
-    mount = {"name": "models", "mountPath": models_mount(spec, options.project_dir)}
+    mount = {"name": "models", "mountPath": models_mount(spec, options.spec_dir)}
     volume = {
         "name": "models",
         "persistentVolumeClaim": {"claimName": options.models_claim, "readOnly": True},
@@ -284,7 +295,7 @@ def _deployment(
     spec_text: str,
 ) -> Manifest:
     device = device_of(group, settings)
-    spec_path = str(PurePosixPath(options.project_dir) / "workloads.yaml")
+    spec_path = options.spec_path
     env: list[dict[str, Any]] = [
         {"name": "LANES_HOST", "value": "0.0.0.0"},
         {"name": "LANES_PORT", "value": str(HTTP_PORT)},

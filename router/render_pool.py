@@ -66,8 +66,7 @@ def spec_volume(options: K8sOptions) -> tuple[Manifest, Manifest]:
     """The mount of `offline_spec` over the image's spec (options.spec_file in
     options.project_dir, where the deployments' `spec` parameter names it), and its
     volume."""
-    path = str(PurePosixPath(options.project_dir) / options.spec_file)
-    mount = {"name": "spec", "mountPath": path, "subPath": SPEC_KEY, "readOnly": True}
+    mount = {"name": "spec", "mountPath": options.spec_path, "subPath": SPEC_KEY, "readOnly": True}
     return mount, {"name": "spec", "configMap": {"name": OFFLINE_SPEC}}
 
 

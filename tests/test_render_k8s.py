@@ -854,3 +854,43 @@ def test_every_namespace_jobs_are_sent_to_gets_the_spec_and_the_workers_rights(
     job = _filled(template)
     (volume,) = [v for v in job["spec"]["template"]["spec"]["volumes"] if v["name"] == "spec"]
     assert volume["configMap"]["name"] == "lanes-offline-spec"
+
+
+def test_a_spec_in_a_subfolder_is_mounted_where_the_deployments_name_it(tmp_path: Path) -> None:
+    """`lanes compile --project-dir /app` of config/workloads.yaml names the spec
+    config/workloads.yaml in /app; with --project-root, render mounts the spec there in
+    the Jobs and the serving pods (which serve that path, so the spec's relative paths
+    are read against /app/config), and the models claim where those paths point."""
+    project = tmp_path / "project"
+    (project / "config").mkdir(parents=True)
+    spec = project / "config" / "workloads.yaml"
+    spec.write_text(SPEC)
+    for model in yaml.safe_load(SPEC)["models"].values():
+        for file in model.values():  # compile checks that the files are there
+            (project / "config" / file).parent.mkdir(parents=True, exist_ok=True)
+            (project / "config" / file).write_bytes(b"")
+    prefect_yaml = project / "prefect.yaml"
+    compiled = CliRunner().invoke(
+        app, ["compile", str(spec), "--output", str(prefect_yaml), "--project-dir", "/app"]
+    )
+    assert compiled.exit_code == 0, compiled.output
+    (deployment, *_) = yaml.safe_load(prefect_yaml.read_text())["deployments"]
+    named = "/app/" + deployment["parameters"]["spec"]
+    assert named == "/app/config/workloads.yaml"
+
+    args = ["render", "k8s", str(spec), "--image", "i", "--worker-image", "w"]
+    args += ["--models-claim", "lanes-models", "--project-root", str(project)]
+    done = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "k8s")])
+    assert done.exit_code == 0, done.output
+    job = _filled(json.loads((tmp_path / "k8s" / "work-pool-lanes.json").read_text()))
+    serving = yaml.safe_load_all((tmp_path / "k8s" / "serve-serve.yaml").read_text())
+    pod = _by_kind(list(serving), "Deployment", "lanes-serve")["spec"]["template"]["spec"]
+    assert pod["containers"][0]["args"] == ["serve", named]
+    for each in (job["spec"]["template"]["spec"], pod):
+        mounts = {m["name"]: m["mountPath"] for m in each["containers"][0]["volumeMounts"]}
+        assert mounts["spec"] == named
+        assert mounts["models"] == "/app/config/models"
+
+    outside = CliRunner().invoke(app, [*args[:-1], str(tmp_path / "elsewhere")])
+    assert outside.exit_code == 2
+    assert "--project-root: the spec" in outside.stderr
