@@ -201,7 +201,7 @@ def run_job(
         # No key, no endpoint, a key it refuses: fail before any shard runs, saying why.
         key = batch_key(settings)
         url = endpoint_url(job, settings)
-        check_reachable(url)
+        check_reachable(url, settings.endpoint_retries)
         check_key(url, served_workload(job.spec.workloads, job.workload), key)
     storage = Storage(settings)
     storage.ensure_folder(job.output)

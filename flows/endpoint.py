@@ -9,8 +9,9 @@ waits. Commits, retries, manifests and resume stay the flow's, as for every runn
 answer's model time (BUSY_HEADER) adds up per shard (`ShardStats.busy_seconds`), on
 which the manifest prices the run.
 
-A full offline lane (503) or a lost connection is retried here, `ATTEMPTS` times
-with the server's Retry-After; anything else fails the batch, and so the shard, for
+A full offline lane (503) or a lost connection is retried here, as the settings'
+`endpoint_retries` say (after a lost connection a growing wait, after a 503 the
+server's Retry-After); anything else fails the batch, and so the shard, for
 Prefect's retries. An endpoint that refuses connections through every attempt is gone:
 its shard fails without Prefect's retries (they would repeat the same attempts), and
 so does each later batch at its first refused connection, until the endpoint answers
@@ -34,13 +35,11 @@ from lanes.batchframe import decode_outputs, encode_items
 from lanes.errors import JobFailed, LanesError, RequestTooLarge, from_wire
 from lanes.flows.runners import DeviceTime
 from lanes.isolation import Failed
-from lanes.settings import Settings
+from lanes.settings import EndpointRetries, Settings
 from lanes.tasks.base import Task
 
 log = logging.getLogger(__name__)
 
-ATTEMPTS = 10
-MAX_RETRY_AFTER_S = 5.0
 # Offline work waits while interactive requests come first: no read timeout.
 TIMEOUT = httpx.Timeout(connect=10.0, read=None, write=60.0, pool=None)
 
@@ -56,10 +55,11 @@ def batch_key(settings: Settings) -> str:
     return key
 
 
-def check_reachable(url: str, attempts: int = 5) -> None:
-    """JobFailed unless the endpoint answers at all (its /healthz, over a few seconds
-    for a restart): a job on an endpoint that is not there fails before any shard, not
-    each shard after every batch's retries."""
+def check_reachable(url: str, retries: EndpointRetries, attempts: int = 5) -> None:
+    """JobFailed unless the endpoint answers at all (its /healthz, `attempts` times with
+    the batches' back-off, a few seconds by default, for a restart): a job on an
+    endpoint that is not there fails before any shard, not each shard after every
+    batch's retries."""
     target = url.rstrip("/") + "/healthz"
     for attempt in range(1, attempts + 1):
         try:
@@ -72,7 +72,7 @@ def check_reachable(url: str, attempts: int = 5) -> None:
                     "start `lanes serve` there, or point the workload's `runner.url` (or "
                     "LANES_ENDPOINT) at it"
                 ) from err
-            time.sleep(attempt * 0.5)
+            time.sleep(retries.wait_after(attempt))
 
 
 def check_key(url: str, workload: str, key: str) -> None:
@@ -113,7 +113,7 @@ class EndpointModel:
     key: str
     provider: str = "endpoint"  # the server's provider, once it has answered
     client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=TIMEOUT))
-    attempts: int = ATTEMPTS  # of each batch, over a lost connection or a full lane
+    retries: EndpointRetries = field(default_factory=EndpointRetries)
     # A batch found the endpoint gone (EndpointGone); reset by any answer.
     gone: bool = False
 
@@ -157,30 +157,31 @@ class EndpointModel:
     def _post(self, body: bytes) -> httpx.Response:
         target = self.url.rstrip("/") + batch_path(self.workload)
         headers = {"authorization": f"Bearer {self.key}", "content-type": CONTENT_TYPE}
-        for attempt in range(1, self.attempts + 1):
+        attempts = self.retries.attempts
+        for attempt in range(1, attempts + 1):
             try:
                 response = self.client.post(target, content=body, headers=headers)
             except httpx.TransportError as err:
                 refused = isinstance(err, httpx.ConnectError)
-                if refused and (attempt == self.attempts or self.gone):
+                if refused and (attempt == attempts or self.gone):
                     self.gone = True
                     raise EndpointGone(
                         f"{target}: {type(err).__name__}: {err}: the endpoint at {self.url} "
                         "is gone; start `lanes serve` there again and rerun the job (it "
                         "redoes only the shards not committed)"
                     ) from err
-                if attempt == self.attempts:
+                if attempt == attempts:
                     raise JobFailed(f"{target}: {type(err).__name__}: {err}") from err
                 log.warning("%s: %s; retrying", target, err)
-                time.sleep(min(attempt * 0.5, MAX_RETRY_AFTER_S))
+                time.sleep(self.retries.wait_after(attempt))
                 continue
             self.gone = False
             if response.status_code == 200:
                 return response
             error = _error_of(response)
-            if response.status_code != 503 or attempt == self.attempts:
+            if response.status_code != 503 or attempt == attempts:
                 raise error
-            wait = _retry_after(response)
+            wait = _retry_after(response, self.retries.max_wait_s)
             log.info("%s: %s; retrying in %.1f s", target, error, wait)
             time.sleep(wait)
         raise AssertionError("unreachable: the last attempt returns or raises")
@@ -208,8 +209,9 @@ def _busy_seconds(response: httpx.Response) -> float | None:
     return seconds if seconds >= 0 else None
 
 
-def _retry_after(response: httpx.Response) -> float:
+def _retry_after(response: httpx.Response, longest: float) -> float:
     try:
-        return min(max(float(response.headers.get("retry-after", "1")), 0.1), MAX_RETRY_AFTER_S)
+        wait = max(float(response.headers.get("retry-after", "1")), 0.1)
     except ValueError:
-        return 1.0
+        wait = 1.0
+    return min(wait, longest)

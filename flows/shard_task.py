@@ -121,4 +121,5 @@ def _endpoint_model(job: Job, settings: Settings) -> EndpointModel:
     key = batch_key(settings)
     task = load_task(job.workload, job.spec, Runtime(settings.model_copy(update={"device": "cpu"})))
     url = endpoint_url(job, settings)
-    return EndpointModel(task, url, served_workload(job.spec.workloads, job.workload), key)
+    workload = served_workload(job.spec.workloads, job.workload)
+    return EndpointModel(task, url, workload, key, retries=settings.endpoint_retries)

@@ -68,6 +68,40 @@ class BatchApi(BaseModel):
         return absolute + "/" if store.endswith("/") else absolute
 
 
+class EndpointRetries(BaseModel):
+    """How a flow with `runner: {kind: endpoint}` retries a batch the endpoint did not
+    take: LANES_ENDPOINT_RETRIES__*."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    attempts: int = Field(
+        10,
+        ge=1,
+        le=1000,
+        description="Attempts of each batch over a lost or refused connection or a full "
+        "offline lane (503); an endpoint that refuses connections through all of them "
+        "is gone.",
+    )
+    backoff_s: float = Field(
+        0.5,
+        ge=0,
+        le=60,
+        description="After the n-th lost or refused connection, the next attempt waits n "
+        "times this (up to max_wait_s): a restart of the endpoint within the attempts is "
+        "ridden through.",
+    )
+    max_wait_s: float = Field(
+        5.0,
+        ge=0,
+        le=600,
+        description="The longest wait between two attempts, the server's Retry-After included.",
+    )
+
+    def wait_after(self, attempt: int) -> float:
+        """Seconds to wait after the `attempt`-th (from 1) lost connection."""
+        return min(attempt * self.backoff_s, self.max_wait_s)
+
+
 class Settings(BaseSettings):
     """Everything lanes reads from the environment.
 
@@ -209,6 +243,11 @@ class Settings(BaseSettings):
         "say (needs the otel extra).",
     )
     batch: BatchApi = Field(default_factory=BatchApi, description="The OpenAI Batch API.")
+    endpoint_retries: EndpointRetries = Field(
+        default_factory=EndpointRetries,
+        description="How an offline flow on the endpoint (`runner: {kind: endpoint}`) "
+        "retries its batches.",
+    )
     workloads: dict[str, Any] = Field(default_factory=dict, description="Workload overrides.")
     models: dict[str, Any] = Field(default_factory=dict, description="Model overrides.")
 

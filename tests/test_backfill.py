@@ -39,7 +39,7 @@ from lanes.serving.batching import LaneQueues
 from lanes.serving.metrics import Metrics
 from lanes.serving.offline_runs import gap_filling_items, stop_delay
 from lanes.serving.worker import BatchWorker
-from lanes.settings import Settings
+from lanes.settings import EndpointRetries, Settings
 from lanes.specfile import load_spec
 from lanes.tasks import load_task
 from tests.flows_fixtures import (
@@ -66,6 +66,9 @@ from tests.servers import ServerThread
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "internal-test-key"
+# The endpoint runner's attempts as by default, but a short wait between them: a test of
+# a gone endpoint pays the whole round of attempts.
+QUICK = {"backoff_s": 0.01}
 
 
 def live(task: str = "embed", **fields: Any) -> dict[str, Any]:
@@ -921,6 +924,7 @@ def test_a_flow_whose_endpoint_does_not_answer_fails_before_any_shard(
         url = f"http://127.0.0.1:{closed.getsockname()[1]}"
     monkeypatch.setenv("LANES_ENDPOINT", url)
     monkeypatch.setenv("LANES_INTERNAL_KEY", KEY)
+    monkeypatch.setenv("LANES_ENDPOINT_RETRIES__BACKOFF_S", str(QUICK["backoff_s"]))
     with pytest.raises(JobFailed, match=f"the endpoint at {url} does not answer"):
         offline(workload="corpus", spec=str(spec))
     assert not (tmp_path / "out" / "a.jsonl").exists()
@@ -968,7 +972,7 @@ def test_an_endpoint_gone_fails_a_batch_after_one_round_of_attempts_unretried(
     with socket.socket() as closed:  # a port nothing listens on once this closes
         closed.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{closed.getsockname()[1]}"
-    model = EndpointModel(task, url, "live", KEY, attempts=3)
+    model = EndpointModel(task, url, "live", KEY, retries=EndpointRetries(attempts=3, **QUICK))
 
     def retries() -> int:
         return sum("retrying" in r.getMessage() for r in caplog.records)
@@ -1047,6 +1051,7 @@ def test_once_the_endpoint_is_gone_no_further_shard_starts_and_a_rerun_finishes(
         ids += [r["id"] for r in records]
         write_jsonl(tmp_path / "in" / f"part-{shard:02d}.jsonl", records)
     monkeypatch.setenv("LANES_INTERNAL_KEY", KEY)
+    monkeypatch.setenv("LANES_ENDPOINT_RETRIES__BACKOFF_S", str(QUICK["backoff_s"]))
     with serve(spec, internal_key=KEY) as server:
         monkeypatch.setenv("LANES_ENDPOINT", server.url)
         stops_at_shard_2.stop = server.stop

@@ -37,3 +37,24 @@ def test_an_s3_or_absolute_store_is_kept_as_written(
     monkeypatch.delenv("LANES_BATCH__STORE")
     monkeypatch.setenv("LANES_HOME", str(tmp_path / "home"))
     assert Settings().batch_store() == f"{tmp_path / 'home' / 'batches'}/"
+
+
+def test_the_endpoint_runners_retries_are_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The back-off a flow on the endpoint waits between a batch's attempts grows per
+    lost connection up to its cap; each part is a variable, a bad one named."""
+    from lanes.errors import SettingsError
+
+    assert [Settings().endpoint_retries.wait_after(n) for n in (1, 2, 9, 10, 11)] == [
+        0.5,
+        1.0,
+        4.5,
+        5.0,
+        5.0,
+    ]
+    monkeypatch.setenv("LANES_ENDPOINT_RETRIES__BACKOFF_S", "0.01")
+    monkeypatch.setenv("LANES_ENDPOINT_RETRIES__ATTEMPTS", "3")
+    retries = Settings().endpoint_retries
+    assert (retries.attempts, retries.backoff_s, retries.max_wait_s) == (3, 0.01, 5.0)
+    monkeypatch.setenv("LANES_ENDPOINT_RETRIES__ATTEMPTS", "0")
+    with pytest.raises(SettingsError, match="LANES_ENDPOINT_RETRIES__ATTEMPTS"):
+        Settings()
