@@ -184,9 +184,10 @@ class CompletionLine:
     request: CompletionRequest | ChatCompletionRequest
 
     def prepare(self, task: Task) -> list[Any]:
-        config = task.decoder.config if isinstance(task, GenerateTask) else None
-        template = config.chat_template if config else None
-        opening = config.chat_generation_prompt if config else None
+        if not isinstance(task, GenerateTask):  # _batch_line matched the url to the task
+            raise TypeError(f"a completions line runs on a generate task, not {task.kind!r}")
+        config = task.decoder.config
+        template, opening = config.chat_template, config.chat_generation_prompt
         prepared = prepare_prompts(self.request, template, opening, task.prepare)
         if self.request.ignore_eos:  # as online: run to max_tokens
             prepared = [

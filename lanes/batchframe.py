@@ -275,7 +275,6 @@ def _generate_request(task: GenerateTask, arrays: Arrays, fields: dict[str, Any]
     vocab = decoder.config.vocab_size or decoder.tokenizer.get_vocab_size()
     if int(ids.min()) < 0 or int(ids.max()) >= vocab:
         raise InvalidInput(f"token ids outside the vocabulary (0 to {vocab - 1})")
-    decoder.check_context(len(ids))
     seed, ignore_eos = fields.get("seed"), fields.get("ignore_eos", False)
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise InvalidInput("`seed`: expected an integer or null")
@@ -309,8 +308,10 @@ def _generate_request(task: GenerateTask, arrays: Arrays, fields: dict[str, Any]
         *("presence_penalty", "frequency_penalty", "repetition_penalty"),
     )
     checked = {n: fields[n] for n in names if n in fields}
-    # An echo's prefill alone (Seq.prompt_logprobs): no token, so no budget to check.
+    # An echo's prefill alone (Seq.prompt_logprobs): no token, so no budget to check,
+    # and its prompt may fill the context.
     nothing = scored is not None and checked.get("max_new_tokens") == 0
+    decoder.check_context(len(ids), 0 if nothing else None)
     if nothing:
         checked["max_new_tokens"] = 1
     try:

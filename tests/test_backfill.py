@@ -69,6 +69,7 @@ KEY = "internal-test-key"
 # The endpoint runner's attempts as by default, but a short wait between them: a test of
 # a gone endpoint pays the whole round of attempts.
 QUICK = {"backoff_s": 0.01}
+FILLS_DEC = " ".join(["a", "b"] * 32)  # 64 tokens: the whole context of model dec
 
 
 def live(task: str = "embed", **fields: Any) -> dict[str, Any]:
@@ -704,14 +705,14 @@ def test_offline_output_through_the_endpoint_equals_the_local_runners(
                 "body": {"model": "local", "prompt": ["b", "c a"], "max_tokens": 3, "logprobs": 2},
             }
         )
-        records.append(  # a text scored: its prompt's logprobs travel back too
+        records.append(  # texts scored, one filling the context: its logprobs travel back
             {
                 "custom_id": "req-3",
                 "method": "POST",
                 "url": "/v1/completions",
                 "body": {
                     "model": "local",
-                    "prompt": ["a b c", "b"],
+                    "prompt": ["a b c", "b", FILLS_DEC],
                     "max_tokens": 0,
                     "echo": True,
                     "logprobs": 1,
@@ -800,9 +801,10 @@ def test_offline_output_through_the_endpoint_equals_the_local_runners(
             if r.get("custom_id") == "req-3"
         )
         choices = scored["response"]["body"]["choices"]
-        assert [c["text"] for c in choices] == ["a b c", "b"]
-        assert [c["logprobs"]["token_logprobs"][0] for c in choices] == [None, None]
+        assert [c["text"] for c in choices] == ["a b c", "b", FILLS_DEC]
+        assert [c["logprobs"]["token_logprobs"][0] for c in choices] == [None, None, None]
         assert all(lp is not None for lp in choices[0]["logprobs"]["token_logprobs"][1:])
+        assert len(choices[2]["logprobs"]["token_logprobs"]) == 64
         (line,) = (
             r
             for r in read_jsonl(tmp_path / "out-remote" / "b.jsonl")

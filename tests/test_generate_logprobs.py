@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from openai import OpenAI
+from openai import BadRequestError, OpenAI
 from openai.types import Completion
 from openai.types.chat import ChatCompletionChunk, ChatCompletionTokenLogprob
 
@@ -395,6 +395,48 @@ def test_echo_of_a_list_scores_each_prompt_and_of_token_ids_their_text(
     (choice,) = by_ids.choices
     assert choice.text == decoder.tokenizer.decode(ids)
     check_prompt(decoder, ids, choice.logprobs, 0)
+
+
+def test_an_echo_of_nothing_scores_a_prompt_that_fills_the_context(
+    client: OpenAI, decoder: Decoder
+) -> None:
+    """As vLLM: echo with max_tokens 0 makes no token, so its prompt may fill the
+    context (lm-evaluation-harness scores such windows); finish_reason is vLLM's,
+    length. A token more is refused, and without echo max_tokens 0 still is."""
+    limit = decoder.config.max_position
+    assert limit is not None
+    ids = (decoder.encode("def f(x):\n    return x\n") * limit)[:limit]
+    by_ids = client.completions.create(
+        model="code-complete", prompt=ids, max_tokens=0, echo=True, logprobs=1
+    )
+    (choice,) = by_ids.choices
+    assert (choice.text, choice.finish_reason) == (decoder.tokenizer.decode(ids), "length")
+    assert by_ids.usage is not None
+    assert (by_ids.usage.prompt_tokens, by_ids.usage.completion_tokens) == (limit, 0)
+    assert choice.logprobs is not None and choice.logprobs.tokens is not None
+    assert len(choice.logprobs.tokens) == limit
+    check_prompt(decoder, ids, choice.logprobs, 1)
+    # A text prompt that fills the context, echoed without logprobs, and streamed.
+    text = "a " * (limit - 2)  # tokens: bos, "a", then " a" per next one, and " "
+    assert len(decoder.encode(text, 0)) == limit, "the test needs a prompt of the context"
+    by_text = client.completions.create(model="code-complete", prompt=text, max_tokens=0, echo=True)
+    assert (by_text.choices[0].text, by_text.choices[0].finish_reason) == (text, "length")
+    chunks = list(
+        client.completions.create(
+            model="code-complete", prompt=text, max_tokens=0, echo=True, stream=True
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    with pytest.raises(BadRequestError) as over:
+        client.completions.create(
+            model="code-complete", prompt=[*ids, ids[0]], max_tokens=0, echo=True
+        )
+    assert (over.value.param, over.value.code) == ("prompt", "context_length_exceeded")
+    assert f"{limit + 1} in the prompt, 0 for the completion" in over.value.message
+    with pytest.raises(BadRequestError) as unechoed:
+        client.completions.create(model="code-complete", prompt=ids[:8], max_tokens=0)
+    assert unechoed.value.param == "max_tokens"
 
 
 def test_echo_offsets_never_go_back_where_tokens_split_a_character(

@@ -8,8 +8,8 @@ with lanes/protocols/answers.py's bodies, so both lanes answer alike.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import orjson
 from pydantic import Field
@@ -42,6 +42,14 @@ if TYPE_CHECKING:  # lanes.tasks.generate reads GenerationOptions from here
     from lanes.tasks.generate import GenerateRequest
 
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+
+class Prepare(Protocol[T_co]):
+    """A generate task's `prepare` (lanes.tasks.generate.GenerateTask.prepare)."""
+
+    def __call__(self, item: dict[str, Any], *, prompt_only: bool = False) -> T_co: ...
+
 
 # vLLM's sampling extensions lanes does not implement, each at the value that changes
 # nothing: accepted there, refused elsewhere. Ignored (as unknown fields are), a vLLM
@@ -145,6 +153,12 @@ class GenerateParams(GenerationOptions, OpenAIRequest):
         return None
 
     @property
+    def prompt_only(self) -> bool:
+        """The prefill alone is asked for: the prompt scored, no token made (a
+        completions echo with max_tokens 0), so the prompt may fill the context."""
+        return False
+
+    @property
     def prompt_logprobs_wanted(self) -> int | None:
         """Alternatives wanted beside each prompt token's logprob (the engine scores
         the prompt in its prefill); None: the prompt is not scored."""
@@ -183,15 +197,13 @@ class GenerateParams(GenerationOptions, OpenAIRequest):
     def settle(self, item: T) -> T:
         """A prepared prompt (a GenerateRequest) with what this request asks of the
         engine beyond its generation parameters: the logprobs of its tokens and of its
-        prompt's, and no token at all (an echo with max_tokens 0). The online route and
-        the offline batch line both call this."""
+        prompt's (an echo with max_tokens 0 was prepared to make no token:
+        `prompt_only`). The online route and the offline batch line both call this."""
         asked: dict[str, Any] = {}
         if self.top_logprobs_wanted is not None:
             asked["top_logprobs"] = self.top_logprobs_wanted
         if self.prompt_logprobs_wanted is not None:
             asked["prompt_logprobs"] = self.prompt_logprobs_wanted
-            if self.max_tokens == 0:  # prepared with 1 (generation_item): the prefill only
-                asked["max_new_tokens"] = 0
         if not asked or not dataclasses.is_dataclass(item) or isinstance(item, type):
             return item
         return dataclasses.replace(item, **asked)
@@ -334,6 +346,10 @@ class CompletionRequest(GenerateParams):
         return self.logprobs
 
     @property
+    def prompt_only(self) -> bool:
+        return self.echo is True and self.max_tokens == 0
+
+    @property
     def prompt_logprobs_wanted(self) -> int | None:
         if not self.echo:
             return None
@@ -357,8 +373,8 @@ class CompletionRequest(GenerateParams):
 
     def generation_item(self, prompt: str | list[int]) -> dict[str, Any]:
         item = super().generation_item(prompt)
-        if self.max_tokens == 0:  # checked as 1; settle() asks the engine for none
-            item["max_tokens"] = 1
+        if self.prompt_only:  # no budget: prepared with prompt_only, it makes no token
+            item["max_tokens"] = None
         return item
 
 
@@ -526,11 +542,12 @@ def prepare_prompts(
     request: CompletionRequest | ChatCompletionRequest,
     template: str | None,
     generation_prompt: str | None,
-    prepare: Callable[[dict[str, Any]], T],
+    prepare: Prepare[T],
 ) -> list[T]:
     """Every prompt of a generate request prepared (a chat has one); an `InvalidInput`
     about the prompt names it as the request does (`prompt`, `prompt[2]`, `messages`).
     The online endpoint and the offline lane both call this."""
+    alone = request.prompt_only
     if isinstance(request, ChatCompletionRequest):
         chat = render_chat(request.messages, template, generation_prompt)
         try:
@@ -541,7 +558,7 @@ def prepare_prompts(
     items = []
     for i, prompt in enumerate(request.prompts):
         try:
-            items.append(prepare(request.generation_item(prompt)))
+            items.append(prepare(request.generation_item(prompt), prompt_only=alone))
         except InvalidInput as e:
             raise (e.at(f"prompt[{i}]") if e.param == "prompt" and not one else e) from None
     return items

@@ -274,10 +274,11 @@ class Decoder:
             feeds["position_ids"] = position_ids.astype(self._positions_dtype, copy=False)
         return feeds
 
-    def encode(self, prompt: str) -> list[int]:
+    def encode(self, prompt: str, max_new_tokens: int | None = None) -> list[int]:
         """Token ids of `prompt` (after bos, when lanes adds it and the tokenizer did
         not); `InvalidInput` (about `prompt`) when there are none, when the
-        tokenizer cannot encode it, or when they fill the context."""
+        tokenizer cannot encode it, or when they leave no room in the context for
+        `max_new_tokens` more (None: for one)."""
         ids = encode(self.tokenizer, prompt, "prompt")
         bos = self.config.bos_token_id
         if self.config.add_bos_token and bos is not None and ids[:1] != [bos]:
@@ -285,7 +286,7 @@ class Decoder:
         if not ids:
             detail = "expected text with at least one token, found none"
             raise InvalidInput.field("prompt", detail, "invalid_value")
-        self.check_context(len(ids))
+        self.check_context(len(ids), max_new_tokens)
         return ids
 
     def check_context(self, prompt_tokens: int, max_new_tokens: int | None = None) -> None:

@@ -203,12 +203,15 @@ class GenerateTask:
         byte_text = self.byte_text
         return Spelling(detokenizer(self.decoder), byte_text.pieces if byte_text else None)
 
-    def prepare(self, item: Any) -> GenerateRequest:
+    def prepare(self, item: Any, *, prompt_only: bool = False) -> GenerateRequest:
         """A prompt, or a dict of prompt and parameters (null means "the default"),
-        -> a tokenized request. Raises `InvalidInput` naming the field."""
-        return self.check(self.handler.before(item))
+        -> a tokenized request. Raises `InvalidInput` naming the field. `prompt_only`:
+        the prefill alone (an OpenAI echo with max_tokens 0): the request scores its
+        prompt and makes no token, whatever the item's max_tokens, and its prompt may
+        fill the context, as vLLM lets it."""
+        return self.check(self.handler.before(item), prompt_only=prompt_only)
 
-    def check(self, item: Any) -> GenerateRequest:
+    def check(self, item: Any, *, prompt_only: bool = False) -> GenerateRequest:
         """`prepare` without the handler's `pre`."""
         if isinstance(item, str):
             item = {"prompt": item}
@@ -229,8 +232,9 @@ class GenerateTask:
         except ValidationError as err:
             raise invalid_input(err) from None
         params = self._generation(options)
-        prompt, ids = self._prompt(item.get("prompt"))
-        self.decoder.check_context(len(ids), options.max_tokens)
+        budget = 0 if prompt_only else options.max_tokens
+        prompt, ids = self._prompt(item.get("prompt"), budget)
+        self.decoder.check_context(len(ids), budget)
         if options.min_tokens and options.min_tokens > params.max_new_tokens:
             detail = (
                 f"expected at most max_tokens ({params.max_new_tokens}), found {options.min_tokens}"
@@ -239,7 +243,7 @@ class GenerateTask:
         return GenerateRequest(
             prompt=prompt,
             prompt_ids=tuple(ids),
-            max_new_tokens=params.max_new_tokens,
+            max_new_tokens=0 if prompt_only else params.max_new_tokens,
             sampling=SamplingParams(params.temperature, params.top_k, params.top_p, params.min_p),
             stop=tuple(params.stop),
             seed=options.seed,
@@ -250,6 +254,9 @@ class GenerateTask:
             presence_penalty=params.presence_penalty,
             frequency_penalty=params.frequency_penalty,
             repetition_penalty=params.repetition_penalty,
+            # A sequence that makes no token finishes at its prefill only when its
+            # prompt is scored (Seq.prompt_logprobs); the protocol's settle() says how.
+            prompt_logprobs=0 if prompt_only else None,
         )
 
     def _token_ids(self, field: str, ids: list[int] | None) -> list[int]:
@@ -285,10 +292,11 @@ class GenerateTask:
     def vocab_size(self) -> int:
         return self.decoder.config.vocab_size or self.decoder.tokenizer.get_vocab_size()
 
-    def _prompt(self, prompt: Any) -> tuple[str, list[int]]:
-        """The prompt's text and token ids, from a text or from token ids."""
+    def _prompt(self, prompt: Any, budget: int | None) -> tuple[str, list[int]]:
+        """The prompt's text and token ids, from a text or from token ids; a text's,
+        checked to leave room in the context for `budget` tokens (None: at least one)."""
         if isinstance(prompt, str):
-            return prompt, self.decoder.encode(prompt)
+            return prompt, self.decoder.encode(prompt, budget)
         if not isinstance(prompt, list) or not prompt:
             detail = f"expected a string or token ids, found {describe(prompt)}"
             raise InvalidInput.field("prompt", detail, "invalid_type")
