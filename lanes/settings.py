@@ -20,6 +20,7 @@ from lanes.specproblems import dotted, from_pydantic
 Device = Literal["auto", "cpu", "cuda", "tensorrt"]
 OFFPEAK_CRON = "0 2 * * *"  # the default off-peak window opens at 02:00
 IoBinding = Literal["auto", "on", "off"]
+HttpImplementation = Literal["auto", "httptools", "h11"]
 
 
 class BatchApi(BaseModel):
@@ -130,6 +131,14 @@ class Settings(BaseSettings):
     )
     host: str = Field("127.0.0.1", description="Address `lanes serve` binds.")
     port: int = Field(8000, ge=0, le=65535)
+    http: HttpImplementation = Field(
+        "auto",
+        description="uvicorn's HTTP/1 implementation for `lanes serve`: auto picks "
+        "httptools (lanes installs uvicorn[standard]), the fastest, else h11. "
+        "httptools sends a streamed answer chunked even to an HTTP/1.0 client, which "
+        "cannot read that; h11 sends it such a client unchunked, ended by closing the "
+        "connection, as HTTP/1.0 reads it.",
+    )
     endpoint: str = Field("http://127.0.0.1:8000", description="Where the SDK client calls.")
     api_key: SecretStr | None = Field(None, description="Bearer key the server requires.")
     internal_key: SecretStr | None = Field(

@@ -147,8 +147,9 @@ def serve(spec: Spec, settings: Settings, host: str | None = None, port: int | N
         app,
         host=host,
         port=port,
-        # httptools and uvloop (uvicorn[standard]): a fraction of h11's per-request cost.
-        http="auto",
+        # httptools and uvloop (uvicorn[standard]): a fraction of h11's per-request cost;
+        # h11 where HTTP/1.0 clients stream (the README's Serving).
+        http=settings.http,
         loop="auto",
         access_log=False,  # lanes.access writes one line per request, with its id
         log_config=None,  # uvicorn's lines go to the root handler, in the same format

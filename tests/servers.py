@@ -80,6 +80,7 @@ class ServerThread:
             self.app,
             host="127.0.0.1",
             port=self.settings.port,
+            http=self.settings.http,  # as `lanes serve` picks it
             log_level="warning",
             access_log=False,
         )

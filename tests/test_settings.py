@@ -58,3 +58,12 @@ def test_the_endpoint_runners_retries_are_settings(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("LANES_ENDPOINT_RETRIES__ATTEMPTS", "0")
     with pytest.raises(SettingsError, match="LANES_ENDPOINT_RETRIES__ATTEMPTS"):
         Settings()
+
+
+def test_the_http_implementation_is_one_of_uvicorns(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lanes.errors import SettingsError
+
+    assert Settings().http == "auto"
+    monkeypatch.setenv("LANES_HTTP", "h2")
+    with pytest.raises(SettingsError, match=r"LANES_HTTP: .*'auto', 'httptools' or 'h11'"):
+        Settings()
