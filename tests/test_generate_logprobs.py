@@ -434,6 +434,11 @@ def test_an_echo_of_nothing_scores_a_prompt_that_fills_the_context(
         )
     assert (over.value.param, over.value.code) == ("prompt", "context_length_exceeded")
     assert f"{limit + 1} in the prompt, 0 for the completion" in over.value.message
+    with pytest.raises(BadRequestError) as least:  # as vLLM: no token, so none at least
+        client.completions.create(
+            model="code-complete", prompt=ids, max_tokens=0, echo=True, extra_body={"min_tokens": 1}
+        )
+    assert least.value.param == "min_tokens" and "at most max_tokens (0)" in least.value.message
     with pytest.raises(BadRequestError) as unechoed:
         client.completions.create(model="code-complete", prompt=ids[:8], max_tokens=0)
     assert unechoed.value.param == "max_tokens"

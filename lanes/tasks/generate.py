@@ -235,15 +235,14 @@ class GenerateTask:
         budget = 0 if prompt_only else options.max_tokens
         prompt, ids = self._prompt(item.get("prompt"), budget)
         self.decoder.check_context(len(ids), budget)
-        if options.min_tokens and options.min_tokens > params.max_new_tokens:
-            detail = (
-                f"expected at most max_tokens ({params.max_new_tokens}), found {options.min_tokens}"
-            )
+        most = 0 if prompt_only else params.max_new_tokens
+        if options.min_tokens and options.min_tokens > most:
+            detail = f"expected at most max_tokens ({most}), found {options.min_tokens}"
             raise InvalidInput.field("min_tokens", detail, "invalid_value")
         return GenerateRequest(
             prompt=prompt,
             prompt_ids=tuple(ids),
-            max_new_tokens=0 if prompt_only else params.max_new_tokens,
+            max_new_tokens=most,
             sampling=SamplingParams(params.temperature, params.top_k, params.top_p, params.min_p),
             stop=tuple(params.stop),
             seed=options.seed,
