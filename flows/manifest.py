@@ -129,8 +129,10 @@ def build_manifest(
     busy = _busy_seconds(ran)
     if busy is not None:
         # Offline runs beside each other (idle-priority threads on a CPU's cores) each
-        # count their own time: a device is busy at most for as long as the run took.
-        busy = min(busy, wall * devices)
+        # count their own time: a device is busy at most for as long as the run took,
+        # as recorded (to the millisecond, at least one: the wall rate's own floor), so
+        # that a rate per busy second is never below the rate per wall second.
+        busy = min(busy, max(round(wall, 3), 1e-3) * devices)
     device_hours = busy / 3600 if busy is not None else wall / 3600 * devices
     providers = sorted({s.provider for s in ran}) or ["none"]
     cost = device_hours * price_per_device_hour

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -210,6 +211,29 @@ def test_the_manifest_records_the_runs_cost_and_the_interactive_lanes(tmp_path: 
     assert unmeasured.interactive_measured is None
     summary = unmeasured.summary()
     assert summary["interactive_cost_per_1k_items"] is None and "cost_per_1k_items" in summary
+
+
+def test_busy_seconds_never_pass_the_wall_time_the_manifest_records() -> None:
+    """Shards beside each other each count their model time, so the busy seconds are
+    clipped to the run's wall time x devices, as the manifest records that time (to the
+    millisecond): a rate per busy second then never falls below the rate per wall
+    second, whatever fraction of a millisecond the run took."""
+    wall = timedelta(seconds=0.3524)  # recorded as 0.352
+    both = [replace(stats(10), busy_seconds=0.2), replace(stats(10), busy_seconds=0.2)]
+    manifest = build_manifest(
+        workload="corpus",
+        flow_run=None,
+        input="in/",
+        output="out/",
+        started=T0,
+        ended=T0 + wall,
+        stats=both,
+        failures=[],
+        price_per_device_hour=3.6,
+    )
+    assert manifest.devices == 1 and manifest.wall_seconds == 0.352
+    assert manifest.busy_seconds is not None
+    assert manifest.busy_seconds <= manifest.wall_seconds * manifest.devices
 
 
 def test_a_run_prices_its_items_on_the_endpoint_and_records_its_own_rate(
