@@ -17,7 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from lanes.generation.prefixes import SHARED_PREFIX_MIN, Context, PrefixCache, common_prefix
+from lanes.generation.prefixes import (
+    SHARED_PREFIX_MIN,
+    Context,
+    PrefixCache,
+    common_prefix,
+    opening,
+)
 from lanes.generation.seq import Seq
 
 
@@ -87,7 +93,7 @@ class PrefillTokens:
         )
         if self.prefixes is None:
             return grown
-        key = context[:SHARED_PREFIX_MIN] if len(context) > SHARED_PREFIX_MIN else None
+        key = opening(context)
         if key is None:
             count, longest = self.plain
             return replace(grown, plain=(count + 1, max(longest, len(context))))
@@ -105,12 +111,10 @@ class PrefillTokens:
             return flat
         rest, widest = self.plain
         total = 0
-        for key, opening in self.openings:
-            kept = (
-                self.prefixes.shares(opening.low, opening.high)[0] if key in self.prefixes else None
-            )
-            if opening.members > 1 or kept is not None:  # apart, as prefill.py's `_parts`
-                total += opening.tokens(kept)
+        for key, group in self.openings:
+            kept = self.prefixes.shares(group.low, group.high)[0] if key in self.prefixes else None
+            if group.members > 1 or kept is not None:  # apart, as prefill.py's `_parts`
+                total += group.tokens(kept)
             else:  # alone of its opening, none kept: it runs whole with the rest
-                rest, widest = rest + 1, max(widest, opening.longest)
+                rest, widest = rest + 1, max(widest, group.longest)
         return total + rest * widest + self.resumed * self.longest

@@ -70,9 +70,8 @@ def common_prefix(a: Context, b: Context) -> int:
 
 @dataclass(frozen=True)
 class Kept:
-    """A kept prompt and its cache (one row)."""
+    """A kept prompt's cache (one row)."""
 
-    ids: Context
     past: Past
     nbytes: int
 
@@ -125,7 +124,7 @@ class PrefixCache:
         shared, best = self.shares(min(contexts), max(contexts))
         if best is None:
             return 0, None
-        self._touch(best[:SHARED_PREFIX_MIN], best)
+        self._touch(best)
         return min(shared, min(len(c) for c in contexts) - 1), self._kept[best].past
 
     def keep(self, context: Context, present: Past, row: int, again: bool = False) -> None:
@@ -147,7 +146,7 @@ class PrefixCache:
         for ids in prompts or ():
             # The last token first: it turns away nearly every other prompt at once.
             if len(ids) >= n and ids[n - 1] == context[-1] and ids[:n] == context:
-                self._touch(key, ids)  # it holds this prompt already
+                self._touch(ids)  # it holds this prompt already
                 return
         past = Past(
             tuple(np.ascontiguousarray(k[row : row + 1, :, -n:]) for k in present.keys),
@@ -158,7 +157,7 @@ class PrefixCache:
             return
         for ids in [p for p in prompts or () if len(p) < n and context[: len(p)] == p]:
             self._drop(ids)  # an earlier turn of this conversation
-        self._kept[context] = Kept(context, past, nbytes)
+        self._kept[context] = Kept(past, nbytes)
         self._openings.setdefault(key, []).append(context)
         self.kept_bytes += nbytes
         while len(self._openings[key]) > PROMPTS_PER_OPENING:
@@ -166,9 +165,9 @@ class PrefixCache:
         while self.kept_bytes > self.max_bytes:
             self._drop(next(iter(self._kept)))
 
-    def _touch(self, key: Context, ids: Context) -> None:
+    def _touch(self, ids: Context) -> None:
         self._kept.move_to_end(ids)
-        prompts = self._openings[key]
+        prompts = self._openings[ids[:SHARED_PREFIX_MIN]]
         prompts.remove(ids)
         prompts.append(ids)
 
