@@ -53,6 +53,7 @@ from lanes.protocols.openai import BATCH_URLS, Shape, parse
 from lanes.settings import Settings
 from lanes.spec import Spec, a_task
 from lanes.storage import join
+from lanes.validation import not_utf8
 
 log = logging.getLogger(__name__)
 
@@ -310,7 +311,14 @@ class Batches:
         try:
             line = orjson.loads(raw)
         except orjson.JSONDecodeError as err:
-            error(number, f"line {number}: not JSON ({err})", None)
+            # orjson's error for a byte that is not UTF-8 names neither the byte nor
+            # where it is; `lanes run`'s for the same line says both (flows.records).
+            bad = not_utf8(raw)
+            if bad is not None:
+                detail = f"not UTF-8 text: {bad}; write the file encoded as UTF-8"
+            else:
+                detail = f"not JSON ({err})"
+            error(number, f"line {number}: {detail}", None)
             return None
         if not isinstance(line, dict):
             error(number, f"line {number}: expected a JSON object", None)

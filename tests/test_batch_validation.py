@@ -1,0 +1,57 @@
+"""The Batch API's answers that need no batch run: a create refused, or a batch failed
+in validating, through the official `openai` client against one real uvicorn server.
+
+Its Prefect API is never asked (nothing here starts a run), so none is started: the
+runs themselves are tests/test_batch_api.py's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from tests.flows_fixtures import write_spec
+from tests.servers import ServerThread
+
+pytestmark = pytest.mark.slow
+
+NOBODY = "http://127.0.0.1:9/api"  # a Prefect API never asked
+WORKLOADS = {"embed-live": {"mode": "interactive", "task": "embed", "model": "enc"}}
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    root = tmp_path_factory.mktemp("batch-validation")
+    spec = write_spec(root / "project", WORKLOADS)
+    batch = {"store": str(root / "store")}
+    with ServerThread(spec, batch=batch, prefect_api_url=NOBODY) as server:
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+
+def request_line(custom_id: str, text: str) -> bytes:
+    body = {"model": "embed-live", "input": text}
+    line = {"custom_id": custom_id, "method": "POST", "url": "/v1/embeddings", "body": body}
+    return json.dumps(line, ensure_ascii=False).encode() + b"\n"
+
+
+def create(client: openai.OpenAI, content: bytes, **more: object) -> openai.types.Batch:
+    uploaded = client.files.create(file=("in.jsonl", content), purpose="batch")
+    return client.batches.create(
+        input_file_id=uploaded.id,
+        endpoint="/v1/embeddings",
+        completion_window="24h",
+        **more,  # type: ignore[arg-type]
+    )
+
+
+def test_a_line_not_in_utf8_names_the_byte_and_where_it_is(client: openai.OpenAI) -> None:
+    latin1 = request_line("r1", "café").decode().encode("latin-1")
+    batch = create(client, request_line("r0", "w1") + latin1)
+    assert batch.status == "failed" and batch.errors is not None
+    (error,) = batch.errors.data or []
+    assert error.line == 2
+    message, at = error.message or "", latin1.index(b"\xe9")
+    assert f"byte 0xe9 in position {at}" in message and "encoded as UTF-8" in message, message
