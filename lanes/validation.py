@@ -10,7 +10,7 @@ field's error reads the same online and offline.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,7 +126,12 @@ def explain(errors: Sequence[ErrorDetails]) -> Explained:
         detail = f"expected at least {least} items, found {ctx.get('actual_length')}"
         return Explained(detail, "array_below_min_length")
     if kind == "too_long":
-        detail = f"expected at most {ctx.get('max_length')} items, found {ctx.get('actual_length')}"
+        # pydantic leaves a mapping's length out (None): counted here.
+        length = ctx.get("actual_length")
+        if length is None and isinstance(value, Sized):
+            length = len(value)
+        items = "keys" if isinstance(value, Mapping) else "items"
+        detail = f"expected at most {ctx.get('max_length')} {items}, found {length}"
         return Explained(detail, "array_above_max_length")
     if kind == "string_too_short":
         detail = f"expected at least {ctx.get('min_length')} character(s), found {found}"

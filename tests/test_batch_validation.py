@@ -55,3 +55,12 @@ def test_a_line_not_in_utf8_names_the_byte_and_where_it_is(client: openai.OpenAI
     assert error.line == 2
     message, at = error.message or "", latin1.index(b"\xe9")
     assert f"byte 0xe9 in position {at}" in message and "encoded as UTF-8" in message, message
+
+
+def test_metadata_over_16_keys_says_how_many_it_found(client: openai.OpenAI) -> None:
+    metadata = {f"k{i}": "v" for i in range(17)}
+    with pytest.raises(openai.BadRequestError) as refused:
+        create(client, request_line("r0", "w1"), metadata=metadata)
+    error = refused.value.body
+    assert isinstance(error, dict) and error["param"] == "metadata"
+    assert error["message"] == "metadata: expected at most 16 keys, found 17", error
