@@ -126,7 +126,13 @@ class Batches:
         request = parse(BatchCreate, body)
         self._check_prefect()
         window = window_seconds(request.completion_window)
-        self.store.file(request.input_file_id)
+        given = self.store.file(request.input_file_id)
+        if given.purpose != "batch":  # a batch's own output or error file, say
+            raise InvalidInput.field(
+                "input_file_id",
+                f"file {given.id} has purpose {given.purpose!r}; a batch's input is a "
+                'file uploaded with purpose "batch"',
+            )
         folder_key = uuid.uuid4().hex
         folder = self.store.batch_folder(folder_key)
         try:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
+from lanes.batchstore import BatchStore
 from tests.flows_fixtures import write_spec
 from tests.servers import ServerThread
 
@@ -23,12 +24,17 @@ WORKLOADS = {"embed-live": {"mode": "interactive", "task": "embed", "model": "en
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     root = tmp_path_factory.mktemp("batch-validation")
     spec = write_spec(root / "project", WORKLOADS)
     batch = {"store": str(root / "store")}
-    with ServerThread(spec, batch=batch, prefect_api_url=NOBODY) as server:
-        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    with ServerThread(spec, batch=batch, prefect_api_url=NOBODY) as running:
+        yield running
+
+
+@pytest.fixture
+def client(server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
 
 
 def request_line(custom_id: str, text: str) -> bytes:
@@ -64,3 +70,20 @@ def test_metadata_over_16_keys_says_how_many_it_found(client: openai.OpenAI) -> 
     error = refused.value.body
     assert isinstance(error, dict) and error["param"] == "metadata"
     assert error["message"] == "metadata: expected at most 16 keys, found 17", error
+
+
+def test_a_batchs_output_file_is_refused_as_an_input(
+    server: ServerThread, client: openai.OpenAI
+) -> None:
+    """OpenAI takes as a batch's input only a file uploaded with purpose "batch"."""
+    output = BatchStore(server.settings).put_file(
+        "file-batch_x-output", "batch_x_output.jsonl", "batch_output", iter([b"{}\n"])
+    )
+    assert output is not None
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.batches.create(
+            input_file_id=output.id, endpoint="/v1/embeddings", completion_window="24h"
+        )
+    error = refused.value.body
+    assert isinstance(error, dict) and error["param"] == "input_file_id"
+    assert "purpose 'batch_output'" in error["message"] and '"batch"' in error["message"]
