@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 # The deployment that runs batches of interactive workloads (compiled when the spec has
 # any): not a DNS label, so it never clashes with a workload's own.
 BATCH_DEPLOYMENT = "openai_batch"
-MAX_ERRORS = 100  # validation errors reported per file
+MAX_ERRORS = 100  # validation errors listed per file (then one saying how many more)
 EXPIRED = BatchError(
     "batch_expired", "This request could not be executed before the completion window expired."
 )
@@ -265,9 +265,14 @@ class Batches:
         per_shard = self.settings.batch.shard_lines
         storage = self.store.storage
 
+        unlisted = 0
+
         def error(number: int, message: str, param: str | None = None) -> None:
+            nonlocal unlisted
             if len(errors) < MAX_ERRORS:
                 errors.append(BatchError("invalid_request", message, param, number).as_json())
+            else:
+                unlisted += 1
 
         # A shard holds `per_shard` requests and the blank lines among them, so a line's
         # number in its shard (the flow's, blank lines counted) maps back to the file's.
@@ -302,6 +307,12 @@ class Batches:
             error(1, "the input file holds no lines; expected one JSON request per line")
         if model is not None and not errors:
             self._check_model(model, endpoint, error)
+        if unlisted:  # so that a fixed file is not refused again for lines never shown
+            more = (
+                f"{unlisted} more errors on later lines are not listed (only the first "
+                f"{MAX_ERRORS} are); check the whole file before creating the batch again"
+            )
+            errors.append(BatchError("invalid_request", more).as_json())
         return _Checked(lines, shards, model, errors, starts)
 
     def _check_line(

@@ -87,3 +87,15 @@ def test_a_batchs_output_file_is_refused_as_an_input(
     error = refused.value.body
     assert isinstance(error, dict) and error["param"] == "input_file_id"
     assert "purpose 'batch_output'" in error["message"] and '"batch"' in error["message"]
+
+
+def test_a_file_with_more_bad_lines_than_listed_says_how_many_more(
+    client: openai.OpenAI,
+) -> None:
+    batch = create(client, b"{bad\n" * 103)
+    assert batch.status == "failed" and batch.errors is not None
+    listed = batch.errors.data or []
+    assert [e.line for e in listed[:-1]] == list(range(1, 101))
+    last = listed[-1]
+    assert (last.code, last.line) == ("invalid_request", None)
+    assert "3 more errors" in (last.message or ""), last
