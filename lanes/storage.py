@@ -509,7 +509,7 @@ def _s3_relative(key: str, prefix: str, pattern: str | None) -> str | None:
     if key.endswith("/"):
         return None  # a folder placeholder object
     if pattern is not None:
-        return key[len(prefix) :] if fnmatch.fnmatchcase(key, pattern) else None
+        return key[len(prefix) :] if _s3_glob_matches(key, pattern) else None
     if not prefix or prefix.endswith("/"):
         return key[len(prefix) :]
     if key == prefix:
@@ -517,6 +517,16 @@ def _s3_relative(key: str, prefix: str, pattern: str | None) -> str | None:
     if key.startswith(prefix + "/"):
         return key[len(prefix) + 1 :]
     return None
+
+
+def _s3_glob_matches(key: str, pattern: str) -> bool:
+    """Whether `key` matches the glob `pattern`, its `*` crossing '/' (no folders on S3)
+    and each `**/` any number of folders, none included, as a local glob's `**`."""
+    head, recursive, tail = pattern.partition("**/")
+    if not recursive:
+        return fnmatch.fnmatchcase(key, pattern)
+    # `**/` is one or more folders (fnmatch's `*/`) or none at all.
+    return _s3_glob_matches(key, head + "*/" + tail) or _s3_glob_matches(key, head + tail)
 
 
 def _stat(path: Path, name: str) -> StoredFile | None:

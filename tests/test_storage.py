@@ -362,6 +362,17 @@ def test_s3_prefix_glob_and_single_key(s3: Any) -> None:
     ]
 
 
+def test_an_s3_glob_s_double_star_matches_no_folder_too_as_a_local_one_does(s3: Any) -> None:
+    s3.create_bucket(Bucket="data")
+    for key in ("in/a.jsonl", "in/sub/c.jsonl", "in/sub/deep/d.jsonl", "in/sub/e.parquet"):
+        s3.put_object(Bucket="data", Key=key, Body=b"{}\n")
+    storage = Storage(Settings())
+    everything = ["a.jsonl", "sub/c.jsonl", "sub/deep/d.jsonl"]
+    assert names(storage, "s3://data/in/**/*.jsonl") == everything
+    assert names(storage, "s3://data/in/**/sub/**/*.jsonl") == everything[1:]
+    assert names(storage, "s3://data/in/sub/**/d.jsonl") == ["deep/d.jsonl"]  # below in/sub/
+
+
 def test_s3_settings_endpoint_wins_over_the_environment(
     s3: Any, endpoint: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
