@@ -9,7 +9,8 @@
     Parquet     .parquet .pq         one record a row; read by row groups; a MAP
                                      column keyed by text or integers is an object
 
-The text formats may be gzipped (`.jsonl.gz`, `.csv.gz`, ...). A record's number is
+The text formats may be gzipped (`.jsonl.gz`, `.csv.gz`, ...); a UTF-8 byte-order mark
+at their start is skipped (some editors write one). A record's number is
 its line (JSONL; CSV: the line it starts on, the header being line 1), its row
 (Parquet) or its element (JSON array), counted from 1.
 
@@ -181,7 +182,7 @@ def _json_error(raw: bytes, err: orjson.JSONDecodeError) -> str:
 def _json_array(stream: IO[bytes], max_bytes: int) -> Iterator[Line]:
     # JSON has no record boundaries to stream by: the array is parsed whole (keep such
     # files to what fits in memory; JSONL streams).
-    data = stream.read()
+    data = stream.read().removeprefix(_BOM)  # as JSONL's and CSV's readers
     if not data.strip():
         return  # an empty file holds no records, as an empty JSONL file
     try:

@@ -107,6 +107,16 @@ def test_a_jsonl_files_byte_order_mark_is_skipped_as_csvs_is(tmp_path: Path) -> 
     assert read(path) == [Line(1, {"id": 1, "text": "a"}), Line(2, {"id": 2, "text": "b"})]
 
 
+def test_a_json_arrays_byte_order_mark_is_skipped_as_jsonls_is(tmp_path: Path) -> None:
+    # PowerShell 5's `Out-File -Encoding utf8` writes one before the array.
+    path = tmp_path / "a.json"
+    path.write_bytes(b'\xef\xbb\xbf[{"id": 1, "text": "a"}]')
+    assert read(path) == [Line(1, {"id": 1, "text": "a"})]
+    blank = tmp_path / "blank.json"
+    blank.write_bytes(b"\xef\xbb\xbf\n")
+    assert read(blank) == []
+
+
 def test_csv_fields_longer_than_the_csv_modules_default_limit_are_read(tmp_path: Path) -> None:
     path = tmp_path / "long.csv"
     path.write_text("id,text\n" + f'a,"{"w " * 100_000}"\n')
