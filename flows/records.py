@@ -27,7 +27,7 @@ from __future__ import annotations
 import csv
 import gzip
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import IO, Any
@@ -395,13 +395,15 @@ def _parquet(storage: Storage, shard: StoredFile) -> Iterator[Line]:
     with _parquet_source(storage, shard) as source:
         try:
             table = pq.ParquetFile(source)
-            maps = _object_maps(table.schema_arrow)
+            maps = {
+                name: _with_objects(kind) for name, kind in _object_maps(table.schema_arrow).items()
+            }
             number = 0
             for batch in table.iter_batches(batch_size=4096):
                 for row in batch.to_pylist():
                     number += 1
-                    for name, kind in maps.items():
-                        row[name] = _with_objects(row[name], kind)
+                    for name, convert in maps.items():
+                        row[name] = convert(row[name])
                     yield Line(number, row)
         except (pa.ArrowException, OSError) as err:
             raise _not_parquet(shard, err) from None
@@ -450,23 +452,35 @@ def _holds_object_map(kind: Any) -> bool:
     return False
 
 
-def _with_objects(value: Any, kind: Any) -> Any:
-    """`value`, of arrow type `kind` as pyarrow gives it, with each map keyed by text
-    or integers a JSON object: integer keys as their digits (JSON's keys are text:
-    token id 199 is "199"), a key given twice its last value (as a JSON object's is
-    read)."""
+def _with_objects(kind: Any) -> Callable[[Any], Any]:
+    """What turns a value of arrow type `kind`, as pyarrow gives it, into the same value
+    with each map keyed by text or integers a JSON object: integer keys as their digits
+    (JSON's keys are text: token id 199 is "199"), a key given twice its last value (as
+    a JSON object's is read). Made once per column, so that the type is walked once,
+    not at every row; a part holding no such map is passed on as it is."""
     import pyarrow as pa
 
-    if value is None:
-        return None
+    if not _holds_object_map(kind):
+        return _as_is
     if pa.types.is_map(kind):
-        pairs = [(key, _with_objects(item, kind.item_type)) for key, item in value]
-        return {str(key): item for key, item in pairs} if _object_keys(kind.key_type) else pairs
+        item = _with_objects(kind.item_type)
+        if _object_keys(kind.key_type):
+            return _unless_null(lambda pairs: {str(key): item(value) for key, value in pairs})
+        return _unless_null(lambda pairs: [(key, item(value)) for key, value in pairs])
     if _is_list(kind):
-        return [_with_objects(item, kind.value_type) for item in value]
-    if pa.types.is_struct(kind):
-        return {field.name: _with_objects(value.get(field.name), field.type) for field in kind}
+        element = _with_objects(kind.value_type)
+        return _unless_null(lambda values: [element(value) for value in values])
+    fields = [(field.name, _with_objects(field.type)) for field in kind]  # a struct
+    return _unless_null(lambda value: {name: each(value.get(name)) for name, each in fields})
+
+
+def _as_is(value: Any) -> Any:
     return value
+
+
+def _unless_null(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """`convert`, with a null (None) passed on as it is."""
+    return lambda value: None if value is None else convert(value)
 
 
 def _not_parquet(shard: StoredFile, err: Exception) -> PermanentStorageError:
