@@ -248,6 +248,7 @@ class Core:
                 f"({{'role': ..., 'content': ...}}), found {_described_prompt(prompt)}",
                 "empty_array" if isinstance(prompt, list | tuple) and not prompt else None,
             )
+        _check_one_choice(options, method)
         return Request("POST", path, body, headers, streamed=stream)
 
     def traced(self, request: Request) -> AbstractContextManager[object]:
@@ -386,6 +387,22 @@ def _check_options(
                 f"{hint} (it takes: {', '.join(allowed)})"
             )
         raise InvalidInput.field(option, detail, "unknown_parameter")
+
+
+def _check_one_choice(options: Mapping[str, Any], method: str) -> None:
+    """Refuse `n` other than 1: `call` returns one Completion and `stream` yields one
+    text, so the server's other choices would be dropped, or their chunks interleaved
+    into one text."""
+    n = options.get("n")
+    if n is None or (n == 1 and not isinstance(n, bool)):
+        return
+    returns = "call() returns one Completion" if method == "call" else "stream() yields one text"
+    raise InvalidInput.field(
+        "n",
+        f"{returns}: expected 1 or none, found {describe(n)}; for several choices, "
+        "make several calls (each with its own seed)",
+        "unsupported_value",
+    )
 
 
 @functools.cache

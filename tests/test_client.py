@@ -598,6 +598,27 @@ async def test_an_option_the_request_does_not_define_is_refused_before_sending(
     assert "it takes: dimensions, user)" in str(embed.value)
 
 
+async def test_several_choices_are_refused_before_sending(specs: tuple[Path, Path]) -> None:
+    """`call` returns one Completion and `stream` one text: `n` choices would lose all
+    but the first, or interleave their chunks into one garbled text. Nothing listens at
+    the endpoint: an error other than InvalidInput would mean it tried to send."""
+    nobody = f"http://127.0.0.1:{free_port()}"
+    chat = [{"role": "user", "content": "hi"}]
+    with lanes.Client(nobody, spec=specs[1], max_retries=0) as client:
+        with pytest.raises(lanes.InvalidInput, match=r"^n: call\(\) returns one") as bad:
+            client.call("code", "x", n=2)
+        with pytest.raises(lanes.InvalidInput, match=r"^n: stream\(\) yields one"):
+            list(client.stream("code", chat, n=3))
+        with pytest.raises(lanes.InvalidInput, match=r"^n: call\(\) returns one"):
+            client.call("code-streams", [1, 2], n=2)
+        with pytest.raises(lanes.Unavailable):
+            client.call("code", "x", n=1)  # one choice is what it returns: sent
+    assert (bad.value.param, bad.value.code) == ("n", "unsupported_value")
+    async with lanes.AsyncClient(nobody, spec=specs[1], max_retries=0) as aclient:
+        with pytest.raises(lanes.InvalidInput, match=r"^n: "):
+            await aclient.call("code", "x", n=2)
+
+
 async def test_call_travels_as_the_workload_streams_and_returns_one_completion(
     client: lanes.Client, aclient: lanes.AsyncClient
 ) -> None:
