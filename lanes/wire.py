@@ -157,8 +157,6 @@ class Core:
         if w.task == "generate":
             # The workload's `stream:` says how the answer travels; `call` returns the
             # same Completion either way (a guard's chunked mode sends what passed).
-            if w.stream:
-                options = {"stream_options": {"include_usage": True}, **options}
             return self._generate_request(name, input, options, headers, w.stream, "call")
         _check_options(options, InferRequest, "call", name)
         types = self._input_types.get(name, {})
@@ -227,6 +225,8 @@ class Core:
         method: str,
     ) -> Request:
         body: dict[str, Any] = {**options, "model": name, "stream": stream}
+        if stream and method == "call":  # gathered into a Completion, usage and all
+            body["stream_options"] = {"include_usage": True}
         ids = token_ids(prompt)
         if isinstance(prompt, str):
             _check_options(options, CompletionRequest, method, name)
@@ -362,6 +362,8 @@ class Core:
 _SET_BY_CLIENT = frozenset(
     {"model", "stream", "prompt", "messages", "input", "encoding_format", "inputs"}
 )
+# And by `call`: a streamed answer's usage, which its Completion carries.
+_SET_BY_CALL = _SET_BY_CLIENT | {"stream_options"}
 
 
 def _check_options(
@@ -373,11 +375,12 @@ def _check_options(
     fields (the server's own request models) and says so before sending anything."""
     if not options:  # most calls: nothing to look up
         return
-    allowed = _allowed(route)
+    set_here = _SET_BY_CALL if method == "call" else _SET_BY_CLIENT
+    allowed = _allowed(route, set_here)
     for option in options:
         if option in allowed:
             continue
-        if option in _SET_BY_CLIENT:
+        if option in set_here:
             detail = f"{method}() sets {option!r} itself; leave it out"
         else:
             near = difflib.get_close_matches(option, allowed, n=1)
@@ -406,10 +409,10 @@ def _check_one_choice(options: Mapping[str, Any], method: str) -> None:
 
 
 @functools.cache
-def _allowed(route: type[BaseModel]) -> tuple[str, ...]:
-    """The options a request model takes from a caller, sorted (said in errors); its
-    fields are fixed, so one look per model."""
-    return tuple(sorted(set(route.model_fields) - _SET_BY_CLIENT))
+def _allowed(route: type[BaseModel], set_here: frozenset[str]) -> tuple[str, ...]:
+    """The options a request model takes from a caller, less those the client sets
+    (`set_here`), sorted (said in errors); its fields are fixed, so one look each."""
+    return tuple(sorted(set(route.model_fields) - set_here))
 
 
 def token_ids(prompt: Any) -> list[int] | None:

@@ -619,6 +619,19 @@ async def test_several_choices_are_refused_before_sending(specs: tuple[Path, Pat
             await aclient.call("code", "x", n=2)
 
 
+def test_call_sets_its_stream_options_itself(specs: tuple[Path, Path]) -> None:
+    """A call's Completion always carries usage: a caller's `stream_options` would
+    drop it from a streamed answer (or be a 400 where the call does not stream)."""
+    nobody = f"http://127.0.0.1:{free_port()}"
+    with lanes.Client(nobody, spec=specs[1], max_retries=0) as client:
+        for workload in ("code-streams", "code"):
+            with pytest.raises(lanes.InvalidInput, match=r"call\(\) sets 'stream_options'") as bad:
+                client.call(workload, "x", stream_options={"include_usage": False})
+            assert bad.value.param == "stream_options"
+        with pytest.raises(lanes.Unavailable):  # stream() has no usage to lose: sent
+            list(client.stream("code", "x", stream_options={"include_usage": True}))
+
+
 async def test_call_travels_as_the_workload_streams_and_returns_one_completion(
     client: lanes.Client, aclient: lanes.AsyncClient
 ) -> None:
