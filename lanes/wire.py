@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import math
 import random
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -211,6 +212,12 @@ class Core:
             if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int | float):
                 raise InvalidInput.field(
                     "timeout_ms", f"expected a number of milliseconds, found {describe(timeout_ms)}"
+                )
+            if not 0 < timeout_ms < math.inf:  # else the server's 400 names its header
+                raise InvalidInput.field(
+                    "timeout_ms",
+                    f"expected a positive number of milliseconds, found {timeout_ms!r}",
+                    "invalid_value",
                 )
             headers[TIMEOUT_HEADER] = f"{timeout_ms:g}"
         return headers

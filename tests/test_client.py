@@ -552,6 +552,10 @@ def test_what_json_cannot_carry_is_invalid_input_before_anything_is_sent(
         client.call("flowers", {"features": [[float("nan"), 1.0, 2.0, 3.0]]})
     with pytest.raises(lanes.InvalidInput, match="timeout_ms: expected a number"):
         client.call("search-query", "x", timeout_ms="100")  # type: ignore[arg-type]
+    for ms in (0, -5, float("nan"), float("inf")):  # the argument named, not its header
+        with pytest.raises(lanes.InvalidInput, match=r"^timeout_ms: expected a positive") as late:
+            client.call("search-query", "x", timeout_ms=ms)
+        assert late.value.param == "timeout_ms"
     for prompt in (5, {"prompt": "x"}, ["a", "b"]):
         with pytest.raises(
             lanes.InvalidInput, match="prompt: expected a string, a list of token ids, or a list of"
