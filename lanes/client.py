@@ -302,6 +302,12 @@ class AsyncClient:
         core = self._core
         return AsyncJob(Job(id, core.settings, prefect_api_url=core.prefect_api_url))
 
+    async def jobs(self, limit: int = 50) -> list[JobSummary]:
+        """See `Client.jobs`."""
+        from lanes.jobs import list_jobs
+
+        return await asyncio.to_thread(list_jobs, limit, self._core.prefect_api_url)
+
     async def _send(self, request: Request, stream: bool = False) -> httpx.Response:
         core = self._core
         with core.traced(request):  # a no-op unless tracing is on

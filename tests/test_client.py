@@ -448,6 +448,20 @@ def test_jobs_follow_the_prefect_api_url_setting(
         client.jobs()
 
 
+async def test_the_async_client_lists_jobs_too(
+    specs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """AsyncClient has Client's methods, awaited: `jobs` as well."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    api = f"http://127.0.0.1:{free_port()}/api"  # nothing listens there
+    monkeypatch.setenv("LANES_PREFECT_API_URL", api)
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        async with lanes.AsyncClient(spec=specs[1]) as client:
+            with pytest.raises(lanes.Unavailable, match=f"cannot reach the Prefect API at {api}"):
+                await client.jobs()
+
+
 # ---- early close ------------------------------------------------------------------------
 
 LONG = {"max_tokens": 400, "ignore_eos": True}
