@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import os
 import time
 import uuid
@@ -429,9 +430,29 @@ def _jsonl(records: Iterable[Mapping[str, Any]]) -> bytes:
                 f"found {describe(record)}"
             )
         try:
-            lines.append(orjson.dumps(dict(record)) + b"\n")
+            line = orjson.dumps(dict(record))
         except TypeError as err:
             raise InvalidInput(f"records[{n}]: not JSON-serialisable ({err})") from None
+        if b"null" in line:  # orjson writes NaN and infinities as null: none may pass
+            _check_finite(record, f"records[{n}]")
+        lines.append(line + b"\n")
     if not lines:
         raise InvalidInput("records: expected at least one record, found none")
     return b"".join(lines)
+
+
+def _check_finite(value: Any, where: str) -> None:
+    """InvalidInput naming the first NaN or infinity in a record (`where` is its path),
+    as a call's body refuses them (lanes.payloads): JSON has no such numbers."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidInput.field(
+            where,
+            f"cannot be sent as JSON ({value!r} is no JSON number); send finite numbers",
+            "invalid_value",
+        )
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            _check_finite(item, f"{where}.{key}")
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            _check_finite(item, f"{where}[{i}]")

@@ -579,6 +579,11 @@ def test_what_json_cannot_carry_is_invalid_input_before_anything_is_sent(
         client.submit("nightly", {"id": "1", "text": "x"})  # type: ignore[dict-item]
     with pytest.raises(lanes.InvalidInput, match=r"records\[1\]: .*, found 'x'$"):
         client.submit("nightly", [{"id": "1", "text": "x"}, "x"])  # type: ignore[list-item]
+    # Not staged as null, as a JSON encoder that takes NaN would write it.
+    nan = {"id": "2", "rows": [[1.0, 2.0], {"x": [float("nan")]}]}
+    with pytest.raises(lanes.InvalidInput, match="cannot be sent as JSON") as bad:
+        client.submit("nightly", [{"id": "1", "text": None}, nan])
+    assert bad.value.param == "records[1].rows[1].x[0]"
     after = metric(server, "lanes_responses_total", route="/v1/embeddings", code="200")
     assert after == before, "nothing reached the server"
     for endpoint in ("http://[::1", "localhost:8000", f"{server.url}/v1"):
