@@ -12,7 +12,8 @@ response parsing, typed errors and the retry policy; each holds one pooled httpx
 Interactive calls speak the server's own protocols (OpenAI for embed and generate,
 Open Inference v2 for infer). Failed requests are retried, a bounded number of
 times with exponential backoff and full jitter, on connection errors and on 503
-(never sooner than its `Retry-After`), never on a 4xx or a read timeout.
+(never sooner than its `Retry-After`), never on a 4xx or a read timeout, never past
+a call's `timeout_ms` (a retry sends what is left of it).
 `submit` creates a Prefect flow run of the workload's deployment (lanes.jobs;
 prefect is imported only then).
 
@@ -160,6 +161,7 @@ class Client:
         """The response of the first attempt that is not retried; raises typed errors."""
         core = self._core
         with core.traced(request):  # a no-op unless tracing is on
+            started = time.monotonic()
             for attempt in range(core.max_retries + 1):
                 try:
                     response = self._http.send(
@@ -167,7 +169,7 @@ class Client:
                             request.method,
                             request.path,
                             content=request.content,
-                            headers=request.headers,
+                            headers=core.attempt_headers(request, attempt, started),
                         ),
                         stream=stream,
                     )
@@ -179,9 +181,10 @@ class Client:
                         response.close()
                     raise core.error(response.status_code, response.content, response.headers)
                 except (LanesError, httpx.TransportError) as error:
-                    if not core.retryable(error, attempt):
-                        raise core.failure(error) from None
-                    time.sleep(core.backoff(attempt, error))
+                    delay = core.retry_delay(error, attempt, request, started)
+                    if delay is None:
+                        raise core.failure(error, attempt + 1) from None
+                    time.sleep(delay)
             raise AssertionError("unreachable: the last attempt is never retried")
 
     def _gather(self, request: Request) -> Completion:
@@ -311,6 +314,7 @@ class AsyncClient:
     async def _send(self, request: Request, stream: bool = False) -> httpx.Response:
         core = self._core
         with core.traced(request):  # a no-op unless tracing is on
+            started = time.monotonic()
             for attempt in range(core.max_retries + 1):
                 try:
                     response = await self._http.send(
@@ -318,7 +322,7 @@ class AsyncClient:
                             request.method,
                             request.path,
                             content=request.content,
-                            headers=request.headers,
+                            headers=core.attempt_headers(request, attempt, started),
                         ),
                         stream=stream,
                     )
@@ -330,9 +334,10 @@ class AsyncClient:
                         await response.aclose()
                     raise core.error(response.status_code, response.content, response.headers)
                 except (LanesError, httpx.TransportError) as error:
-                    if not core.retryable(error, attempt):
-                        raise core.failure(error) from None
-                    await asyncio.sleep(core.backoff(attempt, error))
+                    delay = core.retry_delay(error, attempt, request, started)
+                    if delay is None:
+                        raise core.failure(error, attempt + 1) from None
+                    await asyncio.sleep(delay)
             raise AssertionError("unreachable: the last attempt is never retried")
 
     async def _gather(self, request: Request) -> Completion:

@@ -26,6 +26,7 @@ class Request:
     body: dict[str, Any] | None  # None: no body (a GET)
     headers: dict[str, str]
     streamed: bool = False  # the answer comes as Server-Sent Events
+    timeout_ms: float | None = None  # the call's deadline (X-Timeout-Ms), over its retries
 
     @functools.cached_property
     def content(self) -> bytes | None:

@@ -10,6 +10,7 @@ import difflib
 import functools
 import math
 import random
+import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -154,16 +155,19 @@ class Core:
             # base64 float32 is a quarter of the JSON and decodes without parsing floats.
             sent = embed_input(input)
             body = {**options, "model": name, "input": sent, "encoding_format": "base64"}
-            return Request("POST", "/v1/embeddings", body, headers)
+            return Request("POST", "/v1/embeddings", body, headers, timeout_ms=timeout_ms)
         if w.task == "generate":
             # The workload's `stream:` says how the answer travels; `call` returns the
             # same Completion either way (a guard's chunked mode sends what passed).
-            return self._generate_request(name, input, options, headers, w.stream, "call")
+            return self._generate_request(
+                name, input, options, headers, timeout_ms, w.stream, "call"
+            )
         _check_options(options, InferRequest, "call", name)
         types = self._input_types.get(name, {})
         named = infer_inputs(input, list(types), name)
         tensors = [tensor(k, v, types.get(k)) for k, v in named.items()]
-        return Request("POST", f"/v2/models/{name}/infer", {**options, "inputs": tensors}, headers)
+        body = {**options, "inputs": tensors}
+        return Request("POST", f"/v2/models/{name}/infer", body, headers, timeout_ms=timeout_ms)
 
     def types_request(self, name: str, input: Any, options: dict[str, Any]) -> Request | None:
         """The metadata request of an infer workload, when the client has not learned
@@ -199,7 +203,7 @@ class Core:
                 f"workload {name!r} is {a_task(w.task)} workload: use client.call, not stream"
             )
         headers = self._headers(timeout_ms)
-        return self._generate_request(name, prompt, options, headers, True, "stream")
+        return self._generate_request(name, prompt, options, headers, timeout_ms, True, "stream")
 
     def _headers(self, timeout_ms: float | None) -> dict[str, str]:
         # One id per call, kept by its retries: the server's logs and errors say it.
@@ -228,6 +232,7 @@ class Core:
         prompt: Any,
         options: dict[str, Any],
         headers: dict[str, str],
+        timeout_ms: float | None,
         stream: bool,
         method: str,
     ) -> Request:
@@ -256,7 +261,7 @@ class Core:
                 "empty_array" if isinstance(prompt, list | tuple) and not prompt else None,
             )
         _check_one_choice(options, method)
-        return Request("POST", path, body, headers, streamed=stream)
+        return Request("POST", path, body, headers, streamed=stream, timeout_ms=timeout_ms)
 
     def traced(self, request: Request) -> AbstractContextManager[object]:
         """A CLIENT span around a request's attempts, its context in the request's
@@ -336,12 +341,35 @@ class Core:
         """The typed error for a failed response (lanes.wireerrors)."""
         return answer_error(self.endpoint, status, body, headers, "Authorization" in self.headers)
 
-    def failure(self, error: Exception) -> LanesError:
-        """What the caller sees once retries are over: always a LanesError
-        (lanes.wireerrors)."""
-        return final_failure(self.endpoint, error, self.max_retries + 1)
+    def failure(self, error: Exception, tries: int | None = None) -> LanesError:
+        """What the caller sees once retries are over (`tries` attempts, by default
+        every one): always a LanesError (lanes.wireerrors)."""
+        return final_failure(self.endpoint, error, tries or self.max_retries + 1)
 
     # ---- retries ------------------------------------------------------------------
+
+    def attempt_headers(self, request: Request, attempt: int, started: float) -> dict[str, str]:
+        """The headers of an attempt that starts now: a retry's deadline is what is left
+        of the call's (`started`: its first attempt's time.monotonic())."""
+        if attempt == 0 or request.timeout_ms is None:
+            return request.headers
+        left_ms = request.timeout_ms - (time.monotonic() - started) * 1000
+        # A sleep that overslept the deadline: the server's 504 says so (0 is a 400).
+        return {**request.headers, TIMEOUT_HEADER: f"{max(left_ms, 1.0):g}"}
+
+    def retry_delay(
+        self, error: Exception, attempt: int, request: Request, started: float
+    ) -> float | None:
+        """Seconds to wait before the next attempt; None when there is none: the error
+        is not retried, the attempts are spent, or the wait would pass the call's
+        deadline (its last answer is the caller's, not a retry that cannot succeed)."""
+        if not self.retryable(error, attempt):
+            return None
+        delay = self.backoff(attempt, error)
+        waited_s = time.monotonic() + delay - started
+        if request.timeout_ms is not None and waited_s >= request.timeout_ms / 1000:
+            return None
+        return delay
 
     def retryable(self, error: Exception, attempt: int) -> bool:
         """Connection errors and 503s, while attempts are left; never a 4xx, never a

@@ -765,6 +765,50 @@ async def test_a_full_queue_is_overloaded_and_retries_honour_retry_after(
     assert refusals - before >= 3  # once, sync, and at least the patient client's first try
 
 
+async def test_a_retry_never_outlives_the_call_s_deadline(
+    server: ServerThread, specs: tuple[Path, Path]
+) -> None:
+    """A 503 whose Retry-After (1 s) is past what is left of the call's timeout_ms
+    (0.5 s): the call fails with it at once, rather than retry with a fresh deadline."""
+    route = "/v2/models/{name}/infer"
+    settings = {"api_key": KEY, "spec": specs[1]}
+    async with (
+        lanes.AsyncClient(server.url, max_retries=0, **settings) as once,  # type: ignore[arg-type]
+        lanes.AsyncClient(server.url, max_retries=3, **settings) as patient,  # type: ignore[arg-type]
+    ):
+        with HELD.closed():
+            running = asyncio.create_task(once.call("full-lane", {"features": ROWS}))
+            await asyncio.to_thread(HELD.wait_held)
+            places = [
+                asyncio.create_task(once.call("full-lane", {"features": ROWS})) for _ in range(4)
+            ]
+            await eventually(lambda: queue_depth(server, "full-lane") == 4, "a full queue")
+            before = metric(server, "lanes_responses_total", route=route, code="503")
+            with pytest.raises(lanes.Overloaded) as refused:
+                await patient.call("full-lane", {"features": ROWS}, timeout_ms=500)
+            after = metric(server, "lanes_responses_total", route=route, code="503")
+        assert refused.value.retry_after == 1.0
+        assert after == before + 1, "no retry past the deadline"
+        assert all(r["logits"].shape == (2, 3) for r in await asyncio.gather(running, *places))
+
+
+def test_a_retry_carries_what_is_left_of_the_deadline(specs: tuple[Path, Path]) -> None:
+    sent: list[float] = []
+
+    def refused_once(request: httpx.Request) -> httpx.Response:
+        sent.append(float(request.headers["X-Timeout-Ms"]))
+        if len(sent) == 1:
+            error = {"error": {"message": "queue full", "type": "overloaded", "code": None}}
+            return httpx.Response(503, json=error, headers={"Retry-After": "0.3"})
+        logits = {"name": "logits", "datatype": "FP32", "shape": [2, 3], "data": [0.0] * 6}
+        return httpx.Response(200, json={"outputs": [logits]})
+
+    transport = httpx.MockTransport(refused_once)
+    with lanes.Client("http://lanes.test", spec=specs[1], transport=transport) as client:
+        assert client.call("flowers", {"features": ROWS}, timeout_ms=5000)["logits"].shape == (2, 3)
+    assert sent[0] == 5000 and 0 < sent[1] <= 4700  # waited at least its Retry-After
+
+
 class _Hangup:
     """A TCP server that accepts each connection and closes it at once, counting them."""
 
