@@ -430,7 +430,15 @@ def _check_options(
 def _check_one_choice(options: Mapping[str, Any], method: str) -> None:
     """Refuse `n` other than 1: `call` returns one Completion and `stream` yields one
     text, so the server's other choices would be dropped, or their chunks interleaved
-    into one text."""
+    into one text. And `logprobs` of a `stream`, which yields the text alone."""
+    asked = options.get("logprobs")
+    if method == "stream" and asked is not None and asked is not False:  # 0 asks too
+        raise InvalidInput.field(
+            "logprobs",
+            "stream() yields the text alone, so the logprobs would be dropped: use call() "
+            f"(its Completion carries them), found {describe(asked)}",
+            "unsupported_value",
+        )
     n = options.get("n")
     if n is None or (n == 1 and not isinstance(n, bool)):
         return

@@ -642,6 +642,22 @@ async def test_several_choices_are_refused_before_sending(specs: tuple[Path, Pat
             await aclient.call("code", "x", n=2)
 
 
+def test_stream_refuses_logprobs_it_would_drop(specs: tuple[Path, Path]) -> None:
+    """`stream` yields text alone: logprobs asked of it would be computed and dropped
+    without a word; `call` returns them on its Completion. Nothing listens at the
+    endpoint: an error other than InvalidInput would mean it tried to send."""
+    nobody = f"http://127.0.0.1:{free_port()}"
+    chat = [{"role": "user", "content": "hi"}]
+    with lanes.Client(nobody, spec=specs[1], max_retries=0) as client:
+        with pytest.raises(lanes.InvalidInput, match=r"^logprobs: stream\(\) yields") as bad:
+            list(client.stream("code", "x", logprobs=0))  # the chosen tokens' alone
+        assert (bad.value.param, bad.value.code) == ("logprobs", "unsupported_value")
+        with pytest.raises(lanes.InvalidInput, match="use call"):
+            list(client.stream("code", chat, logprobs=True, top_logprobs=2))
+        with pytest.raises(lanes.Unavailable):  # none asked: sent
+            list(client.stream("code", chat, logprobs=False))
+
+
 def test_call_sets_its_stream_options_itself(specs: tuple[Path, Path]) -> None:
     """A call's Completion always carries usage: a caller's `stream_options` would
     drop it from a streamed answer (or be a 400 where the call does not stream)."""
