@@ -51,12 +51,16 @@ if TYPE_CHECKING:
 When = Literal["offpeak", "now"]
 # What `submit` takes: records (mappings, staged as JSONL) or an input URI as it is.
 Records = Iterable[Mapping[str, Any]] | str | Path
+# An endpoint that never answers a connection (a dropped route) fails in seconds, as
+# the openai client's does, not in a minute per attempt.
+DEFAULT_TIMEOUT = httpx.Timeout(60.0, connect=5.0)
 
 
 class Client:
     """The synchronous client. See the module docstring.
 
-    `timeout` bounds each HTTP exchange (seconds, or an httpx.Timeout); a call's
+    `timeout` bounds each HTTP exchange (seconds, or an httpx.Timeout; by default 60 s,
+    and 5 s to connect, so an endpoint that never answers fails fast); a call's
     `timeout_ms` is its deadline on the server (X-Timeout-Ms). `max_retries` bounds
     the retries of one request. `transport` is httpx's (e.g. httpx.MockTransport).
     `tracing` (default: as LANES_TRACING says, off) spans each call and sends its
@@ -70,7 +74,7 @@ class Client:
         api_key: str | None = None,
         spec: Spec | str | Path | None = None,
         settings: Settings | None = None,
-        timeout: float | httpx.Timeout = 60.0,
+        timeout: float | httpx.Timeout = DEFAULT_TIMEOUT,
         max_retries: int = 3,
         prefect_api_url: str | None = None,
         transport: httpx.BaseTransport | None = None,
@@ -228,7 +232,7 @@ class AsyncClient:
         api_key: str | None = None,
         spec: Spec | str | Path | None = None,
         settings: Settings | None = None,
-        timeout: float | httpx.Timeout = 60.0,
+        timeout: float | httpx.Timeout = DEFAULT_TIMEOUT,
         max_retries: int = 3,
         prefect_api_url: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,

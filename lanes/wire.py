@@ -223,7 +223,7 @@ class Core:
                     f"expected a positive number of milliseconds, found {timeout_ms!r}",
                     "invalid_value",
                 )
-            headers[TIMEOUT_HEADER] = f"{timeout_ms:g}"
+            headers[TIMEOUT_HEADER] = _ms(timeout_ms)
         return headers
 
     @staticmethod
@@ -355,7 +355,7 @@ class Core:
             return request.headers
         left_ms = request.timeout_ms - (time.monotonic() - started) * 1000
         # A sleep that overslept the deadline: the server's 504 says so (0 is a 400).
-        return {**request.headers, TIMEOUT_HEADER: f"{max(left_ms, 1.0):g}"}
+        return {**request.headers, TIMEOUT_HEADER: _ms(max(left_ms, 1.0))}
 
     def retry_delay(
         self, error: Exception, attempt: int, request: Request, started: float
@@ -425,6 +425,12 @@ def _check_options(
                 f"{hint} (it takes: {', '.join(allowed)})"
             )
         raise InvalidInput.field(option, detail, "unknown_parameter")
+
+
+def _ms(timeout_ms: float) -> str:
+    """A deadline as X-Timeout-Ms carries it: exact (`:g` kept six digits, so 1234567
+    went as 1.23457e+06)."""
+    return repr(float(timeout_ms))
 
 
 def _check_one_choice(options: Mapping[str, Any], method: str) -> None:

@@ -80,6 +80,8 @@ def call(
         if generates and isinstance(value, dict):
             value, options = _prompt_and_options(value)
         default = declared.stream if isinstance(declared, InteractiveWorkload) else False
+        # A stream prints text alone: asked for logprobs, the default is the whole answer.
+        default = default and "logprobs" not in options
         streams = default if stream is None else stream
         if streams and generates:
             _print_stream(client.stream(workload, value, timeout_ms=timeout_ms, **options))

@@ -809,20 +809,14 @@ async def test_a_retry_never_outlives_the_call_s_deadline(
 
 
 def test_a_retry_carries_what_is_left_of_the_deadline(specs: tuple[Path, Path]) -> None:
-    sent: list[float] = []
-
-    def refused_once(request: httpx.Request) -> httpx.Response:
-        sent.append(float(request.headers["X-Timeout-Ms"]))
-        if len(sent) == 1:
-            error = {"error": {"message": "queue full", "type": "overloaded", "code": None}}
-            return httpx.Response(503, json=error, headers={"Retry-After": "0.3"})
-        logits = {"name": "logits", "datatype": "FP32", "shape": [2, 3], "data": [0.0] * 6}
-        return httpx.Response(200, json={"outputs": [logits]})
-
-    transport = httpx.MockTransport(refused_once)
-    with lanes.Client("http://lanes.test", spec=specs[1], transport=transport) as client:
-        assert client.call("flowers", {"features": ROWS}, timeout_ms=5000)["logits"].shape == (2, 3)
-    assert sent[0] == 5000 and 0 < sent[1] <= 4700  # waited at least its Retry-After
+    with lanes.Client("http://lanes.test", spec=specs[1]) as client:
+        core = client._core
+        request = core.call_request("flowers", {"features": ROWS}, 5000, {})
+        exact = core.call_request("flowers", {"features": ROWS}, 1234567, {})
+    first = core.attempt_headers(request, 0, time.monotonic())
+    retry = core.attempt_headers(request, 1, time.monotonic() - 0.3)  # started 0.3 s ago
+    assert float(first["X-Timeout-Ms"]) == 5000 and 0 < float(retry["X-Timeout-Ms"]) <= 4700
+    assert float(exact.headers["X-Timeout-Ms"]) == 1234567  # not 1.23457e+06
 
 
 class _Hangup:
@@ -923,6 +917,8 @@ def test_cli_call_and_stream(server: ServerThread, specs: tuple[Path, Path]) -> 
         "options in-process": ["predict", "code", "-i", GEN_INPUT],
         "chat options": ["call", "code-streams", "-i", CHAT_INPUT],
         "no prompt": ["call", "code", "-i", '{"max_tokens": 3}'],
+        # A stream prints text alone: asked for logprobs, call prints the whole answer.
+        "logprobs": ["call", "code-streams", "-i", '{"prompt": "def f(x):", "logprobs": 1}'],
     }
     running = {
         what: subprocess.Popen(
@@ -983,3 +979,8 @@ def test_cli_call_and_stream(server: ServerThread, specs: tuple[Path, Path]) -> 
     code, out, err = done["no prompt"]
     assert code == 2 and out == "", err
     assert "--input: a generate workload's object needs one of 'prompt' or 'messages'" in err
+    code, out, err = done["logprobs"]
+    assert code == 0, err
+    assert (
+        len(json.loads(out)["logprobs"]["tokens"]) == json.loads(out)["usage"]["completion_tokens"]
+    )
