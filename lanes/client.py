@@ -11,8 +11,9 @@
 response parsing, typed errors and the retry policy; each holds one pooled httpx client.
 Interactive calls speak the server's own protocols (OpenAI for embed and generate,
 Open Inference v2 for infer). Failed requests are retried, a bounded number of
-times with exponential backoff and full jitter, on connection errors and on 503
-(never sooner than its `Retry-After`), never on a 4xx or a read timeout, never past
+times with exponential backoff and full jitter, on connection errors, on 503 and on a
+proxy's 429 or 502 (never sooner than its `Retry-After`), never on another 4xx or a
+read timeout, never past
 a call's `timeout_ms` (a retry sends what is left of it).
 `submit` creates a Prefect flow run of the workload's deployment (lanes.jobs;
 prefect is imported only then).

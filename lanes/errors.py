@@ -296,6 +296,9 @@ def from_wire(
         cls = owner
     elif status is not None:
         cls = next((c for c in _BY_STATUS if c.status == status), cls)
+        # A proxy's: 429 (a rate limit) waits as a full queue does, and 502 (no
+        # upstream, a replica restarting) as a service that is down; both retried.
+        cls = {429: Overloaded, 502: Unavailable}.get(status, cls)
         if cls is LanesError and 400 <= status < 500:
             cls = InvalidInput
     elif error_type in (InvalidInput.error_type, AuthError.error_type):

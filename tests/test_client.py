@@ -431,6 +431,39 @@ def test_an_endpoint_that_is_no_lanes_server_is_said_in_one_line(
         assert "\n" not in message and "<" not in message
 
 
+@pytest.mark.parametrize(("status", "raised"), [(429, lanes.Overloaded), (502, lanes.Unavailable)])
+def test_a_proxys_rate_limit_and_bad_gateway_are_retried(
+    status: int, raised: type[lanes.LanesError], specs: tuple[Path, Path]
+) -> None:
+    """A proxy in front of the endpoint answers 429 (its rate limit) or 502 (a replica
+    restarting): waited out and retried as a full queue is, not a caller's bad input."""
+    import http.server
+
+    hits: list[str] = []
+
+    class Proxy(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            hits.append(self.path)
+            self.send_response(status)
+            self.send_header("Retry-After", "0")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{proxy.server_address[1]}"
+        with lanes.Client(url, spec=specs[1], max_retries=2) as client, pytest.raises(raised):
+            client.call("search-query", "hello")
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+    assert hits == ["/v1/embeddings"] * 3
+
+
 def test_jobs_follow_the_prefect_api_url_setting(
     specs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
