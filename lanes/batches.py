@@ -178,6 +178,9 @@ class Batches:
                 "shards": checked.shards,
                 "starts": checked.starts,
                 "flow_run": None,
+                # The order of batches created in one second (`created_at` is whole
+                # seconds, and may be the injected clock's): lists are newest first.
+                "created_ns": time.time_ns(),
             },
         }
         if checked.errors:
@@ -417,7 +420,7 @@ class Batches:
         if not 1 <= limit <= 100:
             raise InvalidInput.field("limit", f"expected 1 to 100, found {limit}")
         records = [self.store.batch(i) for i in self.store.batch_ids()]
-        records.sort(key=lambda r: (r["created_at"], r["id"]), reverse=True)
+        records.sort(key=_creation, reverse=True)
         ids = [r["id"] for r in records]
         start = 0
         if after is not None:
@@ -516,6 +519,12 @@ class Batches:
 
 
 _ENDED = frozenset({*FINISHED, *FAILED_STATES} - {"CANCELLING"})
+
+
+def _creation(record: dict[str, Any]) -> tuple[int, int, str]:
+    """A batch's place in the creation order (0 for a record stored before lanes kept
+    `created_ns`: ordered by its id within its second)."""
+    return record["created_at"], record["_lanes"].get("created_ns", 0), record["id"]
 
 
 def public(record: dict[str, Any]) -> dict[str, Any]:

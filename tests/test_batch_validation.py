@@ -99,3 +99,30 @@ def test_a_file_with_more_bad_lines_than_listed_says_how_many_more(
     last = listed[-1]
     assert (last.code, last.line) == ("invalid_request", None)
     assert "3 more errors" in (last.message or ""), last
+
+
+def test_lists_keep_the_creation_order_within_one_second(client: openai.OpenAI) -> None:
+    """OpenAI lists newest first. `created_at` is whole seconds, so objects made in one
+    second (here until six are) must keep their order by a finer creation time, in
+    every page that `after` reaches."""
+    files: list[str] = []
+    batches: list[openai.types.Batch] = []
+
+    def one_second_holds_six() -> bool:
+        return len(batches) >= 6 and len({b.created_at for b in batches[-6:]}) == 1
+
+    while len(batches) < 30 and not one_second_holds_six():
+        uploaded = client.files.create(file=("in.jsonl", b"{bad\n"), purpose="batch")
+        files.append(uploaded.id)
+        batches.append(
+            client.batches.create(
+                input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
+            )
+        )
+    made = [b.id for b in batches]
+    listed = [b.id for b in client.batches.list(limit=2)]  # the iterator follows `after`
+    assert [i for i in listed if i in made] == made[::-1]
+    listed = [f.id for f in client.files.list(limit=2)]
+    assert [i for i in listed if i in files] == files[::-1]
+    listed = [f.id for f in client.files.list(limit=2, order="asc")]
+    assert [i for i in listed if i in files] == files
