@@ -44,7 +44,7 @@ from lanes.batch_claim import FINAL, Claim, Claiming, claim, finish
 from lanes.batchfiles import BatchError, assemble
 from lanes.batchstore import BatchStore, new_id
 from lanes.deadline import offpeak_opening, plan_start
-from lanes.errors import InvalidInput, NotConfigured, NotFound, StorageError, with_article
+from lanes.errors import InvalidInput, NotConfigured, StorageError, with_article
 from lanes.jobs import BATCH_PREFIX, BATCH_TAG, Job
 from lanes.jobstates import FAILED_STATES, FINISHED
 from lanes.measurements import Measurements
@@ -424,8 +424,8 @@ class Batches:
         ids = [r["id"] for r in records]
         start = 0
         if after is not None:
-            if after not in ids:
-                raise NotFound(f"no batch with id {after!r}", param="after")
+            if after not in ids:  # a 400 as /v1/files answers: the list itself is there
+                raise InvalidInput.field("after", f"no batch with id {after!r}")
             start = ids.index(after) + 1
         page = records[start : start + limit]
         data = [self.retrieve(r["id"]) if r["status"] not in FINAL else public(r) for r in page]

@@ -126,3 +126,14 @@ def test_lists_keep_the_creation_order_within_one_second(client: openai.OpenAI) 
     assert [i for i in listed if i in files] == files[::-1]
     listed = [f.id for f in client.files.list(limit=2, order="asc")]
     assert [i for i in listed if i in files] == files
+
+
+def test_an_unknown_after_is_one_400_naming_after_on_both_lists(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as batches:
+        client.batches.list(after="batch_0123")
+    with pytest.raises(openai.BadRequestError) as files:
+        client.files.list(after="file-0123")
+    for refused, kind, id in ((batches, "batch", "batch_0123"), (files, "file", "file-0123")):
+        error = refused.value.body
+        assert isinstance(error, dict) and error["param"] == "after", error
+        assert error["message"] == f"after: no {kind} with id {id!r}", error
