@@ -34,7 +34,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import Field
@@ -68,11 +68,25 @@ _WINDOW = re.compile(r"^(\d{1,6})([smhd])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
+# OpenAI's bounds on a batch's metadata: 16 pairs, keys of 64 characters, values of 512.
+METADATA_KEY_CHARS = 64
+
+
 class BatchCreate(Shape):
     input_file_id: str = Field(min_length=1, max_length=100)
     endpoint: Literal["/v1/embeddings", "/v1/completions", "/v1/chat/completions"]
     completion_window: str = Field(min_length=2, max_length=10)
-    metadata: dict[str, str] | None = Field(None, max_length=16)
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(None, max_length=16)
+
+    def check(self) -> None:
+        # A key's bound is checked here: pydantic's error for a key reads as its value's.
+        for key in self.metadata or {}:
+            if len(key) > METADATA_KEY_CHARS:
+                raise InvalidInput.field(
+                    "metadata",
+                    f"key {key[:METADATA_KEY_CHARS]!r}... is {len(key)} characters; expected "
+                    f"at most {METADATA_KEY_CHARS}",
+                )
 
 
 def window_seconds(window: str) -> int:

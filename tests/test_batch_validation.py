@@ -137,3 +137,25 @@ def test_an_unknown_after_is_one_400_naming_after_on_both_lists(client: openai.O
         error = refused.value.body
         assert isinstance(error, dict) and error["param"] == "after", error
         assert error["message"] == f"after: no {kind} with id {id!r}", error
+
+
+def test_metadata_keys_over_64_and_values_over_512_characters_are_refused_by_key(
+    client: openai.OpenAI,
+) -> None:
+    """OpenAI's metadata: keys of at most 64 characters, values of at most 512."""
+    content = b"{bad\n"  # a batch failed in validating, were its metadata taken
+    long_key = "k" * 65
+    with pytest.raises(openai.BadRequestError) as refused:
+        create(client, content, metadata={"ok": "v", long_key: "v"})
+    error = refused.value.body
+    assert isinstance(error, dict) and error["param"] == "metadata", error
+    assert error["message"] == (
+        f"metadata: key {long_key[:64]!r}... is 65 characters; expected at most 64"
+    ), error
+    with pytest.raises(openai.BadRequestError) as refused:
+        create(client, content, metadata={"ok": "v", "note": "v" * 513})
+    error = refused.value.body
+    assert isinstance(error, dict) and error["param"] == "metadata.note", error
+    assert error["message"] == "metadata.note: expected at most 512 characters, found 513"
+    widest = {"k" * 64: "v" * 512}
+    assert create(client, content, metadata=widest).metadata == widest
