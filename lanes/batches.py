@@ -44,11 +44,11 @@ from lanes.batch_claim import FINAL, Claim, Claiming, claim, finish
 from lanes.batchfiles import BatchError, assemble
 from lanes.batchstore import BatchStore, new_id
 from lanes.deadline import offpeak_opening, plan_start
-from lanes.errors import InvalidInput, NotConfigured, StorageError, with_article
+from lanes.errors import InvalidInput, NotConfigured, NotFound, StorageError, with_article
 from lanes.jobs import BATCH_PREFIX, BATCH_TAG, Job
 from lanes.jobstates import FAILED_STATES, FINISHED
 from lanes.measurements import Measurements
-from lanes.prefectapi import create_run
+from lanes.prefectapi import PrefectApi, create_run
 from lanes.protocols.openai import BATCH_URLS, Shape, parse
 from lanes.settings import Settings
 from lanes.spec import Spec, a_task
@@ -412,7 +412,10 @@ class Batches:
         if record["status"] in FINAL:
             return public(record)
         job = self._job(record)
-        state = job.status()
+        try:
+            state = job.status()
+        except NotFound:
+            return self._run_gone(record)
         now = int(self.now())
         lanes = record["_lanes"]
         if now >= record["expires_at"] and not lanes.get("expiring") and state not in _ENDED:
@@ -428,6 +431,22 @@ class Batches:
             record["status"] = "finalizing" if lanes.get("expiring") else "cancelling"
         else:
             record["status"] = "in_progress"
+        return public(record)
+
+    def _run_gone(self, record: dict[str, Any]) -> dict[str, Any]:
+        """A batch whose flow run the Prefect API does not know: deleted there, or this
+        server points at another Prefect. `failed` in this answer only, never stored:
+        pointed at the right Prefect again, the batch reads as its run says."""
+        url = PrefectApi(self.prefect_api_url).url()
+        gone = BatchError(
+            "batch_run_missing",
+            f"the batch's flow run is not on the Prefect API at {url}: deleted there, or "
+            "this server's LANES_PREFECT_API_URL (else PREFECT_API_URL) is not the API "
+            "the batch was created on",
+        )
+        record["request_counts"] = self._counts(record)
+        errors = {"object": "list", "data": [gone.as_json()]}
+        record.update(status="failed", failed_at=int(self.now()), errors=errors)
         return public(record)
 
     def page(self, after: str | None, limit: int) -> dict[str, Any]:

@@ -625,6 +625,43 @@ def test_batches_list_paginates(setup: Setup) -> None:
             client.files.retrieve(uploaded.id)
 
 
+def test_a_batch_whose_run_is_gone_reads_failed_and_the_list_answers_the_rest(
+    setup: Setup, tmp_path: Path
+) -> None:
+    """A batch whose flow run was deleted from Prefect reads `failed`, saying so, alone
+    and in the list, which answers every other batch. Never stored: a server pointed at
+    the wrong Prefect API must not fail every batch for good."""
+    from lanes.batchstore import new_id
+    from lanes.prefectapi import PrefectApi
+
+    now = time.time()
+    # A run due at the off-peak window (no measured rate): the worker leaves it alone.
+    settings = Settings(batch={"store": str(tmp_path / "store"), "start": "latest"})
+    batches = Batches(load_spec(setup.spec), settings, lambda: now, setup.api)
+    made = []
+    for content in (lines_for("embed-live", ["w1"]), b"{bad\n"):
+        uploaded = batches.store.put_file(new_id("file-"), "in.jsonl", "batch", iter([content]))
+        assert uploaded is not None
+        body = {"input_file_id": uploaded.id, "endpoint": "/v1/embeddings"}
+        made.append(batches.create({**body, "completion_window": "24h"}))
+    lost, other = made
+    assert (lost["status"], other["status"]) == ("in_progress", "failed")
+    with PrefectApi(setup.api).client() as prefect:
+        prefect.delete_flow_run(uuid.UUID(lost["id"].removeprefix(BATCH_PREFIX)))
+
+    page = batches.page(None, 20)
+
+    assert [b["id"] for b in page["data"]] == [other["id"], lost["id"]]
+    assert page["data"][0] == other
+    gone = page["data"][1]
+    assert (gone["status"], gone["failed_at"]) == ("failed", int(now))
+    (error,) = gone["errors"]["data"]
+    assert error["code"] == "batch_run_missing"
+    assert f"flow run is not on the Prefect API at {setup.api}: deleted there" in error["message"]
+    assert batches.retrieve(lost["id"]) == gone
+    assert batches.store.batch(lost["id"])["status"] == "in_progress"
+
+
 def test_the_store_on_s3(setup: Setup) -> None:
     import boto3
 
