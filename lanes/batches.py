@@ -26,6 +26,7 @@ the others answer `finalizing` meanwhile.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
@@ -479,7 +480,8 @@ class Batches:
             raise InvalidInput.field(
                 "batch_id", f"batch {batch_id} is already {record['status']}", "batch_final"
             )
-        self._job(record).cancel()
+        with contextlib.suppress(NotFound):  # its run is gone: nothing left to cancel
+            self._job(record).cancel()
         return self.retrieve(batch_id)
 
     def _mark(self, batch_id: str, change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:

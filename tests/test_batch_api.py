@@ -660,6 +660,8 @@ def test_a_batch_whose_run_is_gone_reads_failed_and_the_list_answers_the_rest(
     assert f"flow run is not on the Prefect API at {setup.api}: deleted there" in error["message"]
     assert batches.retrieve(lost["id"]) == gone
     assert batches.store.batch(lost["id"])["status"] == "in_progress"
+    # Cancelled, it reads the same: no run is left to cancel, and no "no job" 404.
+    assert batches.cancel(lost["id"])["errors"] == gone["errors"]
 
 
 def test_the_store_on_s3(setup: Setup) -> None:
