@@ -5,12 +5,19 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_origin
 
 import pydantic_settings
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 from lanes.errors import Problem, SettingsError
 from lanes.logs import LogFormat, LogLevel
@@ -101,6 +108,46 @@ class EndpointRetries(BaseModel):
     def wait_after(self, attempt: int) -> float:
         """Seconds to wait after the `attempt`-th (from 1) lost connection."""
         return min(attempt * self.backoff_s, self.max_wait_s)
+
+
+class _Environment(EnvSettingsSource):
+    """The LANES_ variables, read as pydantic-settings reads them but for the spec's
+    overrides, where a variable and one below it (LANES_WORKLOADS__A__BATCHING='{...}'
+    and LANES_WORKLOADS__A__BATCHING__MAX_WAIT_MS) both set a key: pydantic-settings keeps
+    whichever the environment lists later, an order nobody chooses, and leaves a whole
+    workload's JSON (LANES_WORKLOADS__A='{...}') as text. Here each variable is read on
+    its own, a workload's or model's JSON decoded, and the deeper merged over the
+    shallower, as `set_by` names them."""
+
+    def explode_env_vars(
+        self, field_name: str, field: FieldInfo, env_vars: Mapping[str, str | None]
+    ) -> dict[str, Any]:
+        if get_origin(field.annotation) is not dict:
+            return super().explode_env_vars(field_name, field, env_vars)
+        delimiter = self.env_nested_delimiter or "__"
+        merged: dict[str, Any] = {}
+        for name in sorted(env_vars, key=lambda name: name.count(delimiter)):
+            one = super().explode_env_vars(field_name, field, {name: env_vars[name]})
+            _merge(merged, {key: _object(value) for key, value in one.items()})
+        return merged
+
+
+def _object(value: Any) -> Any:
+    """`value`, or the object its text holds as JSON."""
+    if isinstance(value, str) and value.lstrip().startswith("{"):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value  # the spec's check says what it expected
+    return value
+
+
+def _merge(into: dict[str, Any], values: dict[str, Any]) -> None:
+    for key, value in values.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
 
 
 class Settings(BaseSettings):
@@ -259,6 +306,17 @@ class Settings(BaseSettings):
     )
     workloads: dict[str, Any] = Field(default_factory=dict, description="Workload overrides.")
     models: dict[str, Any] = Field(default_factory=dict, description="Model overrides.")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, _Environment(settings_cls), dotenv_settings, file_secret_settings
 
     def batch_key(self) -> str | None:
         """The key of the internal batch route: internal_key, else api_key."""

@@ -476,6 +476,21 @@ def test_env_override_changes_effective_value(
     assert spec.workloads["nightly"].batch_size == 64
 
 
+def test_env_overrides_merge_deeper_over_shallower_in_any_order(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A workload's JSON, a section's JSON and one field's variable all apply, the deeper
+    over the shallower, whichever the environment lists first."""
+    monkeypatch.setenv("LANES_WORKLOADS__SEARCH_QUERY__BATCHING__MAX_WAIT_MS", "5")
+    monkeypatch.setenv("LANES_WORKLOADS__SEARCH_QUERY__BATCHING", '{"max_wait_ms": 1}')
+    monkeypatch.setenv("LANES_WORKLOADS__SEARCH_QUERY", '{"batching": {"max_batch_size": 4}}')
+    monkeypatch.setenv("LANES_WORKLOADS__NIGHTLY", '{"batch_size": 64}')
+    spec = load_spec(write(folder, GOOD), Settings())
+    batching = spec.workloads["search-query"].batching
+    assert (batching.max_batch_size, batching.max_wait_ms) == (4, 5)
+    assert spec.workloads["nightly"].batch_size == 64
+
+
 def test_env_override_is_validated_and_named(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LANES_WORKLOADS__SEARCH_QUERY__BATCHING__MAX_WAIT_MS", "-3")
     monkeypatch.setenv("LANES_WORKLOADS__SEARCH_QEURY__STREAM", "true")
