@@ -131,13 +131,20 @@ class _Environment(EnvSettingsSource):
             _merge(merged, {key: _object(value) for key, value in one.items()})
         return merged
 
+    def decode_complex_value(self, field_name: str, field: FieldInfo, value: Any) -> Any:
+        try:
+            return super().decode_complex_value(field_name, field, value)
+        except RecursionError:
+            # json.loads recurses once per level; pydantic-settings takes a ValueError.
+            raise ValueError(f"{field_name}: JSON nested too deep") from None
+
 
 def _object(value: Any) -> Any:
     """`value`, or the object its text holds as JSON."""
     if isinstance(value, str) and value.lstrip().startswith("{"):
         try:
             return json.loads(value)
-        except ValueError:
+        except (ValueError, RecursionError):
             return value  # the spec's check says what it expected
     return value
 

@@ -67,3 +67,22 @@ def test_the_http_implementation_is_one_of_uvicorns(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("LANES_HTTP", "h2")
     with pytest.raises(SettingsError, match=r"LANES_HTTP: .*'auto', 'httptools' or 'h11'"):
         Settings()
+
+
+def test_json_nested_past_pythons_stack_is_a_problem_not_a_crash(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """json.loads recurses per level: such a value is one line naming its variable."""
+    from lanes.errors import SettingsError
+
+    deep = "[" * 100_000
+    monkeypatch.setenv("LANES_WORKLOADS__A__BATCHING", deep)
+    # An override stays text, which the spec refuses naming the variable.
+    assert Settings().workloads == {"a": {"batching": deep}}
+    monkeypatch.setenv("LANES_ALLOWED_INPUT_ROOTS", deep)
+    with pytest.raises(SettingsError) as caught:
+        Settings()
+    assert [str(p) for p in caught.value.problems] == [
+        "env LANES_ALLOWED_INPUT_ROOTS: expected JSON (a list or an object), found a value "
+        "that does not parse"
+    ]
