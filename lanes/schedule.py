@@ -17,6 +17,14 @@ from lanes.strict import StrictModel
 # A cron that fires less often than this is taken for one that never fires (Feb 29
 # fires at most 8 years apart).
 MAX_YEARS_BETWEEN_RUNS = 9
+# Each field of a cron expression: its name and the values it takes.
+CRON_FIELDS = (
+    ("minute", "0-59"),
+    ("hour", "0-23"),
+    ("day of month", "1-31"),
+    ("month", "1-12 or jan-dec"),
+    ("day of week", "0-6 or sun-sat"),
+)
 # Longest is 32 characters ("America/Argentina/ComodRivadavia").
 TIMEZONE_PATTERN = re.compile(r"^[A-Za-z0-9_+-]{1,40}(/[A-Za-z0-9_+-]{1,40}){0,3}$")
 # "07:00": hours 00-23, minutes 00-59, both two digits.
@@ -86,12 +94,8 @@ class Schedule(StrictModel):
         if value is None:
             return None
         expected = f'expected a five-field cron expression like "0 2 * * *", found {shown(value)}'
-        try:
-            valid = len(value.split()) == 5 and croniter.is_valid(value)
-        except Exception:  # croniter's parser raises more than its own errors on odd text
-            valid = False
-        if not valid:
-            raise ValueError(expected)
+        if not (len(value.split()) == 5 and _cron_is_valid(value)):
+            raise ValueError(expected + _bad_cron_field(value.split()))
         try:
             _next_fire(value, datetime.now(UTC))
         except CroniterError:
@@ -141,3 +145,23 @@ def _next_fire(cron: str, start: datetime) -> datetime:
     found = croniter(cron, start, max_years_between_matches=MAX_YEARS_BETWEEN_RUNS)
     result: datetime = found.get_next(datetime)
     return result
+
+
+def _cron_is_valid(expression: str) -> bool:
+    try:
+        return bool(croniter.is_valid(expression))
+    except Exception:  # croniter's parser raises more than its own errors on odd text
+        return False
+
+
+def _bad_cron_field(fields: list[str]) -> str:
+    """Of five cron fields, the first that croniter refuses on its own, as the end of a
+    message (": its hour field, '25', is not within 0-23"); empty when none is."""
+    if len(fields) != len(CRON_FIELDS):
+        return ""
+    for n, (name, values) in enumerate(CRON_FIELDS):
+        alone = ["*"] * len(CRON_FIELDS)
+        alone[n] = fields[n]
+        if not _cron_is_valid(" ".join(alone)):
+            return f": its {name} field, {shown(fields[n])}, is not within {values}"
+    return ""

@@ -143,6 +143,21 @@ BAD_CASES = [
         "W:17:22: workloads.nightly.schedule.cron: expected a five-field cron expression",
     ),
     (
+        "a cron field out of its range",
+        '"30 1 * * *"',
+        '"0 25 * * *"',
+        "W:17:22: workloads.nightly.schedule.cron: expected a five-field cron expression "
+        """like "0 2 * * *", found '0 25 * * *': its hour field, '25', is not within 0-23""",
+    ),
+    (
+        "a cron field misspelt",
+        '"30 1 * * *"',
+        '"0 2 * * mom"',
+        "W:17:22: workloads.nightly.schedule.cron: expected a five-field cron expression "
+        """like "0 2 * * *", found '0 2 * * mom': its day of week field, 'mom', is not """
+        "within 0-6 or sun-sat",
+    ),
+    (
         "bad timezone",
         "Europe/Paris",
         "Mars/Olympus",
