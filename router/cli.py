@@ -19,7 +19,7 @@ from rich.table import Table
 
 from lanes.demo.place import demo_models_folder
 from lanes.digests import Digests
-from lanes.errors import InvalidInput, LanesError, ModelError
+from lanes.errors import InvalidInput, LanesError, ModelError, StorageError
 from lanes.flows.job import model_digests
 from lanes.measurements import Measurements
 from lanes.router import client_cli, cost_cli, offline_cli, tune_cli
@@ -222,8 +222,17 @@ def models_build(
             f"error: building models needs torch: pip install 'lanes[build]' ({e})", err=True
         )
         raise typer.Exit(1) from None
-    built = build_demo_models(folder, force=force)
-    for path in built:
+
+    def build() -> list[Path]:
+        try:
+            return build_demo_models(folder, force=force)
+        except OSError as e:
+            raise StorageError(
+                f"cannot write the demo models into {folder} ({e.strerror or e}): make it "
+                "writable, or pass --dest a folder that is"
+            ) from None
+
+    for path in guarded(build):
         typer.echo(str(path))
 
 

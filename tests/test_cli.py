@@ -264,6 +264,17 @@ def test_predict_refuses_a_decoder_declared_as_embed_in_one_line(tmp_path: Path)
     assert "cannot serve task 'embed'" in line and "declare `task: generate`" in line
 
 
+def test_models_build_into_a_folder_it_cannot_make_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    dest = tmp_path / "a-file" / "models"
+    done = CliRunner().invoke(app, ["models", "build", "--dest", str(dest)], prog_name="lanes")
+    assert done.exit_code == 1, done.output
+    assert one_line_error(done) == (
+        f"error: cannot write the demo models into {dest} (Not a directory): make it "
+        "writable, or pass --dest a folder that is"
+    )
+
+
 def one_line_error(done: subprocess.CompletedProcess[str] | Result) -> str:
     """The error a command printed, checked to be a message without a traceback."""
     assert "Traceback" not in done.stderr, done.stderr
