@@ -174,9 +174,22 @@ def _problems(found: Found, source: str, marks: Marks, origins: dict[Loc, str]) 
             problems.append(Problem(f"env {origin}", None, None, path, _one_line(message)))
             continue
         mark = marks.find(loc, at_key)
-        problems.append(Problem(source, mark.line, mark.column, path, _one_line(message)))
+        message = _one_line(message) + _overridden_beside(loc, origins)
+        problems.append(Problem(source, mark.line, mark.column, path, message))
     problems.sort(key=lambda p: (p.source.startswith("env"), p.line or 0, p.column or 0))
     return problems
+
+
+def _overridden_beside(loc: Loc, origins: dict[Loc, str]) -> str:
+    """For a problem the file shows, the overrides of its workload or model, as the end
+    of its message: an override of `mode` may be what makes the file's `batching` wrong,
+    which the file alone cannot explain."""
+    beside = [
+        f"{dotted(where)} from env {variable}"
+        for where, variable in origins.items()
+        if len(loc) >= 2 and where[:2] == loc[:2]
+    ]
+    return f" (with {', '.join(beside)})" if beside else ""
 
 
 def _one_line(message: str, limit: int = 500) -> str:

@@ -519,6 +519,22 @@ def test_env_override_is_validated_and_named(folder: Path, monkeypatch: pytest.M
     )
 
 
+def test_a_problem_an_override_causes_in_the_file_names_the_override(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file says `mode: interactive`: a problem it now has must say who changed that."""
+    monkeypatch.setenv("LANES_WORKLOADS__SEARCH_QUERY__MODE", "offline")
+    overridden = " (with workloads.search-query.mode from env LANES_WORKLOADS__SEARCH_QUERY__MODE)"
+    assert problems(folder, GOOD) == [
+        "W:6:3: workloads.search-query: missing required key 'input' (folder, glob or "
+        "s3://bucket/prefix/ of inputs)" + overridden,
+        "W:6:3: workloads.search-query: missing required key 'output' (folder or "
+        "s3://bucket/prefix/ for outputs)" + overridden,
+        "W:10:5: workloads.search-query.batching: `batching` applies to interactive "
+        "workloads only; remove it or set `mode: interactive`" + overridden,
+    ]
+
+
 def test_env_override_in_json_names_the_variable_set(
     folder: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
