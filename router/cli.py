@@ -140,8 +140,13 @@ def predict(
     def run() -> Any:
         spec = _load(file, settings)
         spec.workload(workload)
+
+        def not_json(constant: str) -> None:
+            # Python's json reads NaN and Infinity; the endpoint, reading JSON, refuses them.
+            raise json.JSONDecodeError(f"{constant} is not JSON", input, input.find(constant))
+
         try:
-            item = json.loads(input)
+            item = json.loads(input, parse_constant=not_json)
         except json.JSONDecodeError as e:
             raise InvalidInput(f"--input: expected JSON, found {input!r} ({e.msg})") from None
         task = load_task(workload, spec, Runtime(settings))

@@ -181,6 +181,17 @@ def test_predict_bad_input_names_the_field(spec_path: Path) -> None:
     assert unknown.returncode == 2 and "no workload named 'nope'" in unknown.stderr
 
 
+def test_predict_refuses_nan_as_the_endpoint_does(spec_path: Path) -> None:
+    """Python's json reads NaN, JSON has none: the endpoint refuses it, and predict, which
+    would print it back as NaN, no JSON at all, must too."""
+    command = ["predict", "flower-classify", "-i", "[NaN, 2, 3, 4]", "-f", str(spec_path)]
+    done = CliRunner().invoke(app, command, prog_name="lanes")
+    assert done.exit_code == 2, done.output
+    assert one_line_error(done) == (
+        "error: --input: expected JSON, found '[NaN, 2, 3, 4]' (NaN is not JSON)"
+    )
+
+
 # ---- one line, not a traceback ---------------------------------------------------------
 
 
