@@ -5,6 +5,8 @@ Plain typer-compatible functions; router.cli registers them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -13,7 +15,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from lanes.errors import InvalidInput
+from lanes.errors import InvalidInput, StorageError
 from lanes.measurements import COST_BASES, Measurements, Throughput
 from lanes.router.console import progress_bar
 from lanes.router.plan import LaneCost, Route
@@ -63,9 +65,12 @@ def calibrate(
     if seconds <= 0 or (items is not None and items <= 0):
         raise InvalidInput("--seconds and --items: expected positive numbers")
     store = Measurements(settings.home)
+    with _storing(store):  # before minutes of measuring that could not be kept
+        (store.folder / workload).mkdir(parents=True, exist_ok=True)
     if from_metrics is not None:
         record = read_metrics(spec, workload, settings, from_metrics)
-        store.save(record)
+        with _storing(store):
+            store.save(record)
         _print_records([record], settings, store)
         return
     count = items or DEFAULT_ITEMS[w.task]
@@ -89,10 +94,22 @@ def calibrate(
         interactive, ran = measure_interactive(
             spec, workload, settings, samples, seconds, level_done
         )
-    store.save(offline)
-    store.save(interactive)
+    with _storing(store):
+        store.save(offline)
+        store.save(interactive)
     _print_levels(ran, interactive)
     _print_records([offline, interactive], settings, store)
+
+
+@contextmanager
+def _storing(store: Measurements) -> Iterator[None]:
+    try:
+        yield
+    except OSError as e:
+        raise StorageError(
+            f"cannot store measurements under {store.folder} ({e.strerror or e}): make "
+            "LANES_HOME writable, or set it to a folder that is"
+        ) from None
 
 
 def _print_levels(levels: list[Level], chosen: Throughput) -> None:

@@ -286,6 +286,20 @@ def test_models_build_into_a_folder_it_cannot_make_is_one_line(tmp_path: Path) -
     )
 
 
+def test_calibrate_refuses_a_home_it_cannot_store_in_before_it_measures(
+    spec_path: Path, tmp_path: Path
+) -> None:
+    home = tmp_path / "a-file"
+    home.write_text("")
+    command = ["calibrate", "search-query", "-f", str(spec_path)]
+    done = CliRunner().invoke(app, command, env={"LANES_HOME": str(home)}, prog_name="lanes")
+    assert done.exit_code == 1, done.output
+    assert one_line_error(done) == (
+        f"error: cannot store measurements under {home / 'measurements'} (Not a "
+        "directory): make LANES_HOME writable, or set it to a folder that is"
+    )
+
+
 def one_line_error(done: subprocess.CompletedProcess[str] | Result) -> str:
     """The error a command printed, checked to be a message without a traceback."""
     assert "Traceback" not in done.stderr, done.stderr
