@@ -6,6 +6,8 @@ A plain typer-compatible function; router.cli registers it.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -13,7 +15,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from lanes.errors import InvalidInput, LanesError
+from lanes.errors import InvalidInput, LanesError, StorageError
 from lanes.router.console import progress_bar
 from lanes.settings import Settings
 from lanes.specfile import load_spec
@@ -190,6 +192,11 @@ def tune(
     levels = levels or default_levels(max(c.max_batch_size for c in configs))
     # Past twice the target a curve has crossed the line: more clients only queue.
     plan = Plan(configs, levels, seconds, repeats, give_up_ms=2 * target)
+    missing = plotting_missing()
+    out = png or settings.home / "tune" / f"{workload}.png"
+    if missing is None:
+        with _writing(out, "--png", "or name another"):  # before minutes of load
+            out.parent.mkdir(parents=True, exist_ok=True)
     where = f"the endpoint at {endpoint}" if endpoint else "an endpoint of its own"
     typer.echo(
         f"tuning {workload} on {where}: {len(configs)} configuration(s) x {len(levels)} "
@@ -233,16 +240,15 @@ def tune(
                 f"{config.short}: stopped after {clients(last.concurrency)}, {why}", err=True
             )
     measured = sorted({p.concurrency for p in points})
-    missing = plotting_missing()
     if missing is not None:
         typer.echo(missing, err=True)
     else:
-        out = png or settings.home / "tune" / f"{workload}.png"
         note = (
             f"closed loop at {', '.join(map(str, measured))} clients (xN beside each p99), "
             f"{repeats} x {seconds:g} s per point"
         )
-        save_chart(chart(workload, points, target, best, note), out)
+        with _writing(out, "--png", "or name another"):
+            save_chart(chart(workload, points, target, best, note), out)
         typer.echo(f"chart: {out}")
     if best is None:
         lowest = min(
@@ -260,7 +266,8 @@ def tune(
         )
         return
     if write:
-        loaded = write_knobs(spec_path, workload, best.config, settings)
+        with _writing(spec_path, "--write", "or paste the YAML a run without --write prints"):
+            loaded = write_knobs(spec_path, workload, best.config, settings)
         typer.echo(f"wrote {best.config.label} into {spec_path} (workloads.{workload}.batching)")
         if best.config.applied(loaded) != loaded:
             typer.echo(
@@ -272,6 +279,18 @@ def tune(
         return
     typer.echo("paste into workloads.yaml (or run again with --write):")
     typer.echo(snippet(workload, best.config), nl=False)
+
+
+@contextmanager
+def _writing(path: Path, option: str, otherwise: str) -> Iterator[None]:
+    try:
+        yield
+    except OSError as e:
+        # mkdir(exist_ok=True) says "File exists" of a file where the folder would be.
+        reason = "its folder is a file" if isinstance(e, FileExistsError) else e.strerror or e
+        raise StorageError(
+            f"{option}: cannot write {path} ({reason}): make its folder writable, {otherwise}"
+        ) from None
 
 
 def _print_points(

@@ -300,6 +300,20 @@ def test_calibrate_refuses_a_home_it_cannot_store_in_before_it_measures(
     )
 
 
+def test_tune_refuses_a_chart_it_cannot_write_before_it_loads(
+    spec_path: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "a-file").write_text("")
+    png = tmp_path / "a-file" / "chart.png"
+    command = ["tune", "search-query", "-f", str(spec_path), "--png", str(png)]
+    done = CliRunner().invoke(app, command, prog_name="lanes")
+    assert done.exit_code == 1, done.output
+    assert one_line_error(done) == (
+        f"error: --png: cannot write {png} (its folder is a file): make its folder "
+        "writable, or name another"
+    )
+
+
 def one_line_error(done: subprocess.CompletedProcess[str] | Result) -> str:
     """The error a command printed, checked to be a message without a traceback."""
     assert "Traceback" not in done.stderr, done.stderr
