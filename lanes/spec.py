@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from lanes.errors import with_article
+from lanes.errors import shown, with_article
 from lanes.quantity import CpuQuantity
 from lanes.schedule import Schedule
 from lanes.strict import StrictModel
@@ -66,6 +66,19 @@ def _path_text(value: str) -> str:
     return value
 
 
+def _location(value: str) -> str:
+    """A folder or glob, file:// or s3://bucket/prefix/: what lanes.storage reads, so that
+    a mistyped URI fails at load, not at the first run (or as a local folder "s3:")."""
+    scheme, sep, rest = value.partition("://")
+    if sep and scheme == "s3" and not rest.split("/", 1)[0]:
+        raise ValueError(f"expected s3://bucket/prefix/, found {shown(value)} (no bucket)")
+    # s3:/bucket/ is a mistyped URI, not a local folder named "s3:".
+    read = scheme in ("s3", "file") if sep else not value.lower().startswith("s3:")
+    if not read:
+        raise ValueError(f"expected a folder, a glob or s3://bucket/prefix/, found {shown(value)}")
+    return value
+
+
 def _matching(pattern: str, expected: str) -> Callable[[str], str]:
     """A check that text matches `pattern` whose failure says `expected` in words: a
     user fixing workloads.yaml reads "module:attribute", not the regular expression."""
@@ -98,7 +111,9 @@ PositiveFloat = Annotated[Number, Field(gt=0)]
 Milliseconds = Annotated[Number, Field(gt=0, le=86_400_000)]
 IdleSeconds = Annotated[Number, Field(gt=0, le=30 * 86_400)]  # at most 30 days
 LocalPath = Annotated[Path, AfterValidator(_local_path)]
-Location = Annotated[str, Field(min_length=1), AfterValidator(_path_text)]
+Location = Annotated[
+    str, Field(min_length=1), AfterValidator(_path_text), AfterValidator(_location)
+]
 HandlerRef = Annotated[
     str,
     Field(max_length=200),

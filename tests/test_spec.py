@@ -158,6 +158,27 @@ BAD_CASES = [
         "within 0-6 or sun-sat",
     ),
     (
+        "an input of a scheme lanes does not read",
+        "    input: in/\n",
+        "    input: gs://bucket/in/\n",
+        "W:15:12: workloads.nightly.input: expected a folder, a glob or s3://bucket/prefix/, "
+        "found 'gs://bucket/in/'",
+    ),
+    (
+        "an s3 URI missing a slash",
+        "    input: in/\n",
+        "    input: s3:/bucket/in/\n",
+        "W:15:12: workloads.nightly.input: expected a folder, a glob or s3://bucket/prefix/, "
+        "found 's3:/bucket/in/'",
+    ),
+    (
+        "an s3 URI without a bucket",
+        "    output: out/\n",
+        "    output: s3:///out/\n",
+        "W:16:13: workloads.nightly.output: expected s3://bucket/prefix/, found 's3:///out/' "
+        "(no bucket)",
+    ),
+    (
         "bad timezone",
         "Europe/Paris",
         "Mars/Olympus",
