@@ -72,7 +72,7 @@ def submit(
     from prefect.states import Scheduled
 
     if when not in ("offpeak", "now"):
-        raise InvalidInput(f'when: expected "offpeak" or "now", found {when!r}')
+        raise InvalidInput.field("when", f'expected "offpeak" or "now", found {when!r}')
     key = datetime.now(UTC).strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:8]
     given: str | None = None  # an input URI, or records to stage
     if isinstance(records, str | os.PathLike):
@@ -418,26 +418,27 @@ def _jsonl(records: Iterable[Mapping[str, Any]]) -> bytes:
         found = (
             "one record: put it in a list" if isinstance(records, Mapping) else describe(records)
         )
-        raise InvalidInput(
-            "records: expected a list of records (mappings like {'id': ..., 'text': ...}), "
-            f"a file or an input URI; found {found}"
+        raise InvalidInput.field(
+            "records",
+            "expected a list of records (mappings like {'id': ..., 'text': ...}), "
+            f"a file or an input URI; found {found}",
         )
     lines = []
     for n, record in enumerate(records):
         if not isinstance(record, Mapping):
-            raise InvalidInput(
-                f"records[{n}]: expected a mapping like {{'id': ..., 'text': ...}}, "
-                f"found {describe(record)}"
+            raise InvalidInput.field(
+                f"records[{n}]",
+                f"expected a mapping like {{'id': ..., 'text': ...}}, found {describe(record)}",
             )
         try:
             line = orjson.dumps(dict(record))
         except TypeError as err:
-            raise InvalidInput(f"records[{n}]: not JSON-serialisable ({err})") from None
+            raise InvalidInput.field(f"records[{n}]", f"not JSON-serialisable ({err})") from None
         if b"null" in line:  # orjson writes NaN and infinities as null: none may pass
             _check_finite(record, f"records[{n}]")
         lines.append(line + b"\n")
     if not lines:
-        raise InvalidInput("records: expected at least one record, found none")
+        raise InvalidInput.field("records", "expected at least one record, found none")
     return b"".join(lines)
 
 

@@ -608,10 +608,17 @@ def test_what_json_cannot_carry_is_invalid_input_before_anything_is_sent(
             lanes.InvalidInput, match="prompt: expected a string, a list of token ids, or a list of"
         ):
             client.call("code", prompt)
-    with pytest.raises(lanes.InvalidInput, match="records: expected a list of records"):
+    with pytest.raises(lanes.InvalidInput, match="records: expected a list of records") as one:
         client.submit("nightly", {"id": "1", "text": "x"})  # type: ignore[dict-item]
-    with pytest.raises(lanes.InvalidInput, match=r"records\[1\]: .*, found 'x'$"):
+    with pytest.raises(lanes.InvalidInput, match=r"records\[1\]: .*, found 'x'$") as text:
         client.submit("nightly", [{"id": "1", "text": "x"}, "x"])  # type: ignore[list-item]
+    with pytest.raises(lanes.InvalidInput, match=r"records\[0\]: not JSON-serialisable") as odd:
+        client.submit("nightly", [{"id": "1", "text": {1, 2}}])
+    assert (one.value.param, text.value.param, odd.value.param) == (
+        "records",
+        "records[1]",
+        "records[0]",
+    )
     # Not staged as null, as a JSON encoder that takes NaN would write it.
     nan = {"id": "2", "rows": [[1.0, 2.0], {"x": [float("nan")]}]}
     with pytest.raises(lanes.InvalidInput, match="cannot be sent as JSON") as bad:

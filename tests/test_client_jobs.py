@@ -443,10 +443,11 @@ def test_submit_errors(setup: Setup) -> None:
     assert not (setup.client_spec.parent / "in").exists(), "a refused submit stages nothing"
     with pytest.raises(lanes.WrongMode, match=r"interactive: use client\.call\('search-query'"):
         client.submit("search-query", GOOD)
-    with pytest.raises(lanes.InvalidInput, match='when: expected "offpeak" or "now"'):
+    with pytest.raises(lanes.InvalidInput, match='when: expected "offpeak" or "now"') as when:
         client.submit("embed-corpus", GOOD, when="tonight")  # type: ignore[arg-type]
-    with pytest.raises(lanes.InvalidInput, match="records: expected at least one record"):
+    with pytest.raises(lanes.InvalidInput, match="records: expected at least one record") as none:
         client.submit("embed-corpus", [], when="now")
+    assert (when.value.param, none.value.param) == ("when", "records")
     with pytest.raises(lanes.InvalidInput, match="job id: expected a UUID"):
         client.job("12")
     with pytest.raises(lanes.NotFound, match=r"no job .* on the Prefect API"):
