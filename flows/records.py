@@ -120,7 +120,9 @@ def count_records(storage: Storage, shard: StoredFile) -> int:
     content = False  # whether the line read so far holds more than whitespace
     with _opened(storage, shard) as stream:
         # A line longer than a chunk comes in pieces: it counts once, at its end.
-        for piece in iter(lambda: stream.readline(_CHUNK), b""):
+        for at, piece in enumerate(iter(lambda: stream.readline(_CHUNK), b"")):
+            if at == 0:
+                piece = piece.removeprefix(_BOM)  # as _jsonl reads it: no record's
             content = content or bool(piece.strip())
             if piece.endswith(b"\n"):
                 count += content

@@ -281,6 +281,8 @@ EMPTY = {
     "empty.json.gz": gzip.compress(b"", mtime=0),
     "blank.json.gz": gzip.compress(b"\n\n", mtime=0),
     "empty.jsonl": b"",
+    "bom.jsonl": b"\xef\xbb\xbf",  # an editor's byte-order mark, and nothing more
+    "bom-blank.jsonl": b"\xef\xbb\xbf \n",
     "empty.csv": b"",
 }
 
