@@ -9,7 +9,8 @@
     Parquet     .parquet .pq         one record a row; read by row groups; a MAP
                                      column keyed by text or integers is an object
 
-The text formats may be gzipped (`.jsonl.gz`, `.csv.gz`, ...); a UTF-8 byte-order mark
+A suffix counts in any case (DATA.CSV is CSV). The text formats may be gzipped
+(`.jsonl.gz`, `.csv.gz`, ...); a UTF-8 byte-order mark
 at their start is skipped (some editors write one). A record's number is
 its line (JSONL; CSV: the line it starts on, the header being line 1), its row
 (Parquet) or its element (JSON array), counted from 1.
@@ -65,28 +66,29 @@ class Line:
 
 def is_known(name: str) -> bool:
     """Whether a file of this name is in a format `read_shard` reads."""
-    return name.endswith(SUFFIXES)
+    return name.lower().endswith(SUFFIXES)
 
 
 def unit(name: str) -> str:
     """What a record's number counts in a file of this name: line, row or element."""
-    if name.endswith(PARQUET):
+    if name.lower().endswith(PARQUET):
         return "row"
-    return "element" if name.endswith(JSON) else "line"
+    return "element" if name.lower().endswith(JSON) else "line"
 
 
 def read_shard(storage: Storage, shard: StoredFile, max_bytes: int) -> Iterator[Line]:
     """Every record of `shard`, in order. Records longer than `max_bytes` are errors."""
-    if shard.name.endswith(PARQUET):
+    name = shard.name.lower()  # a suffix in capitals (DATA.CSV) is the same format
+    if name.endswith(PARQUET):
         yield from _parquet(storage, shard)
         return
     with _opened(storage, shard) as stream:
         source: IO[bytes] = stream
-        if shard.name.endswith(".gz"):
+        if name.endswith(".gz"):
             source = gzip.GzipFile(fileobj=stream, mode="rb")  # type: ignore[assignment]
-        if shard.name.endswith(CSV):
+        if name.endswith(CSV):
             records = _csv(source, max_bytes)
-        elif shard.name.endswith(JSON):
+        elif name.endswith(JSON):
             records = _json_array(source, max_bytes)
         else:
             records = _jsonl(source, max_bytes)
@@ -105,7 +107,8 @@ def count_records(storage: Storage, shard: StoredFile) -> int:
     """How many records `shard` holds, cheaply: a plain JSONL file's non-blank lines
     (a bad one counts: it is an errors-file line), a Parquet file's rows from its
     footer; other formats are read."""
-    if shard.name.endswith(PARQUET):
+    name = shard.name.lower()
+    if name.endswith(PARQUET):
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -114,7 +117,7 @@ def count_records(storage: Storage, shard: StoredFile) -> int:
                 return int(pq.ParquetFile(source).metadata.num_rows)
             except (pa.ArrowException, OSError) as err:
                 raise _not_parquet(shard, err) from None
-    if shard.name.endswith(CSV) or shard.name.endswith(JSON) or shard.name.endswith(".gz"):
+    if name.endswith(CSV) or name.endswith(JSON) or name.endswith(".gz"):
         return sum(1 for _ in read_shard(storage, shard, max_bytes=2**62))
     count = 0
     content = False  # whether the line read so far holds more than whitespace
@@ -508,7 +511,7 @@ def output_name(input_name: str) -> str:
         raise StorageError(f"input {input_name!r} cannot name an output: {why}; rename it")
     name = "/".join(parts)
     for suffix in sorted(SUFFIXES, key=len, reverse=True):
-        if name.endswith(suffix):
+        if name.lower().endswith(suffix):
             return name[: -len(suffix)] + ".jsonl"
     return name + ".jsonl"
 

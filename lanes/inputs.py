@@ -46,7 +46,7 @@ def folder_of(location: str, base: Path) -> str:
         location = location[: location.rfind("/", 0, cut) + 1]
     if "://" in location and not location.startswith("file://"):
         last = location.rstrip("/").rsplit("/", 1)[-1]
-        if not location.endswith("/") and last.endswith(DATA_SUFFIXES):
+        if not location.endswith("/") and last.lower().endswith(DATA_SUFFIXES):
             return location[: location.rfind("/") + 1]
         return location
     path = Path(absolute(location, base))

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from lanes.errors import InvalidInput, PermanentStorageError
-from lanes.flows.records import Line, count_records, read_shard
+from lanes.flows.records import Line, count_records, is_known, output_name, read_shard, unit
 from lanes.flows.requests import PlainRecord, Rejection, to_request
 from lanes.flows.shape import RecordShape
 from lanes.settings import Settings
@@ -115,6 +115,27 @@ def test_a_json_arrays_byte_order_mark_is_skipped_as_jsonls_is(tmp_path: Path) -
     blank = tmp_path / "blank.json"
     blank.write_bytes(b"\xef\xbb\xbf\n")
     assert read(blank) == []
+
+
+def test_a_suffix_in_capitals_is_read_as_its_lowercase_format(tmp_path: Path) -> None:
+    # Windows tools and exports write DATA.CSV, Export.Parquet: the same formats.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    record = {"id": 1, "text": "a"}
+    (tmp_path / "a.JSONL").write_bytes(json.dumps(record).encode() + b"\n")
+    (tmp_path / "a.Json.GZ").write_bytes(gzip.compress(json.dumps([record]).encode()))
+    (tmp_path / "a.CSV").write_text("id,text\n1,a\n")
+    pq.write_table(pa.Table.from_pylist([record]), tmp_path / "a.Parquet")
+    storage = Storage(Settings())
+    for name in ("a.JSONL", "a.Json.GZ", "a.CSV", "a.Parquet"):
+        assert is_known(name) and output_name(name) == "a.jsonl"
+        (shard,) = storage.list_files(str(tmp_path / name), (name,))
+        (line,) = read(tmp_path / name)
+        assert line.error is None, name
+        assert line.value == ({"id": "1", "text": "a"} if name == "a.CSV" else record)
+        assert count_records(storage, shard) == 1
+    assert unit("a.PQ") == "row" and unit("a.JSON") == "element"
 
 
 def test_csv_fields_longer_than_the_csv_modules_default_limit_are_read(tmp_path: Path) -> None:
