@@ -502,9 +502,14 @@ def output_name(input_name: str) -> str:
 
     Empty parts are dropped (an S3 key may hold `//`: `a//b.jsonl` is `a/b.jsonl`). A
     part that is `.`, `..` or starts with `_` or `.` (bookkeeping, hidden; listings skip
-    them) is refused with a StorageError, as is a name with nothing left.
+    them) is refused with a StorageError, as is a name with nothing left. A name of one
+    part may be a file the input names itself, read whatever its name: it loses its
+    leading `_` and `.` instead (`_x.jsonl` writes `x.jsonl`), so that its output is no
+    bookkeeping, which the listings of the output skip.
     """
     parts = [part for part in input_name.split("/") if part]
+    if len(parts) == 1 and parts[0].lstrip("_."):
+        parts = [parts[0].lstrip("_.")]
     refused = [part for part in parts if part.startswith(("_", "."))]
     if refused or not parts:
         why = f"its part {refused[0]!r} is not a data file's" if refused else "it is empty"

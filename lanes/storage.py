@@ -133,12 +133,11 @@ class Storage:
     def list_files(self, location: str, suffixes: tuple[str, ...]) -> list[StoredFile]:
         """Files under a folder or prefix (recursively), or matching a glob, whose names
         end with one of `suffixes`; sorted by name. Bookkeeping (`_*`) and hidden files
-        are skipped. A missing folder or bucket is a `StorageError`."""
+        found there are skipped (as Spark skips `_SUCCESS`); a file that `location`
+        names itself is listed whatever its name. A missing folder or bucket is a
+        `StorageError`."""
         found = self._list_s3(location) if is_s3(location) else self._list_local(location)
-        return sorted(
-            (f for f in found if f.name.endswith(suffixes) and not _is_private(f.name)),
-            key=lambda f: f.name,
-        )
+        return sorted((f for f in found if f.name.endswith(suffixes)), key=lambda f: f.name)
 
     def _list_local(self, location: str) -> list[StoredFile]:
         path = _local_path(location)
@@ -161,6 +160,8 @@ class Storage:
         for folder, names in walk(root, location, pattern):
             for name in names:
                 relative = (folder / name).relative_to(root)
+                if _is_private(relative.as_posix()):
+                    continue
                 if pattern is None or glob_matches(relative.parts, pattern):
                     stored = _stat(folder / name, relative.as_posix())
                     if stored is not None:
@@ -182,7 +183,8 @@ class Storage:
             for page in paginator.paginate(Bucket=bucket, Prefix=key):
                 for obj in page.get("Contents", []):
                     name = _s3_relative(str(obj["Key"]), key, pattern)
-                    if name is not None:
+                    # A key equal to the prefix is the file named itself: the user's.
+                    if name is not None and (obj["Key"] == key or not _is_private(name)):
                         etag = str(obj.get("ETag", "")).strip('"')
                         uri = f"s3://{bucket}/{obj['Key']}"
                         files.append(StoredFile(uri, name, int(obj["Size"]), etag))

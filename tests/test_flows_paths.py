@@ -80,6 +80,9 @@ def test_output_names_stay_relative_and_below_the_output() -> None:
     assert output_name("sub/part.parquet") == "sub/part.jsonl"
     assert output_name("/tmp/x/evil.jsonl.gz") == "tmp/x/evil.jsonl"
     assert output_name("a//b///c.ndjson") == "a/b/c.jsonl"
+    # A file named as the input itself (one part) is read whatever its name; its output
+    # is no bookkeeping name, which listings of the output would skip.
+    assert output_name("_x.jsonl") == "x.jsonl" and output_name(".h.csv") == "h.jsonl"
     for name in ("../x.jsonl", "a/../../x.jsonl", "./a.jsonl", "_errors/a.jsonl", "a/.h.jsonl"):
         with pytest.raises(StorageError, match="cannot name an output"):
             output_name(name)
@@ -159,6 +162,18 @@ def test_a_file_one_shard_writes_is_never_a_file_or_folder_of_another(
         plan_shards(job, Storage(settings))
     assert str(tmp_path / "in" / first) in str(caught.value)
     assert str(tmp_path / "in" / second) in str(caught.value)
+
+
+def test_an_input_file_named_itself_is_read_whatever_its_name(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    """Listings skip `_*` files, as Spark skips `_SUCCESS`: in a folder or glob. A file
+    the input names itself is the user's choice, not bookkeeping."""
+    spec = write_spec(tmp_path, {"aff": workload(input="in/_x.jsonl")})
+    write_jsonl(tmp_path / "in" / "_x.jsonl", records("x", 2))
+    summary = offline(workload="aff", spec=str(spec))
+    assert (summary["shards_run"], summary["outputs"]) == (1, 2)
+    assert [line["id"] for line in read_jsonl(tmp_path / "out" / "x.jsonl")] == ["x0", "x1"]
 
 
 # ---- inputs -------------------------------------------------------------------------------

@@ -58,6 +58,9 @@ def test_local_folder_lists_data_files_recursively_skipping_bookkeeping(tmp_path
     assert names(storage, str(tmp_path / "*.jsonl")) == ["b.jsonl"]
     assert names(storage, str(tmp_path / "**" / "*.jsonl")) == ["b.jsonl", "sub/c.jsonl"]
     assert names(storage, str(tmp_path / "b.jsonl")) == ["b.jsonl"]
+    # Skipping is for what a folder or glob finds: a file named itself is the user's.
+    assert names(storage, str(tmp_path / "_errors" / "x.jsonl")) == ["x.jsonl"]
+    assert names(storage, str(tmp_path / ".h.jsonl")) == [".h.jsonl"]
 
 
 def read_all(storage: Storage, uri: str) -> bytes:
@@ -349,11 +352,13 @@ def test_s3_prefix_glob_and_single_key(s3: Any) -> None:
     s3.create_bucket(Bucket="data")
     for key in ("in/a.jsonl", "in/b.parquet", "in/sub/c.jsonl", "inside.jsonl", "in/d.txt"):
         s3.put_object(Bucket="data", Key=key, Body=b"{}\n")
+    s3.put_object(Bucket="data", Key="in/_x.jsonl", Body=b"{}\n")
     storage = Storage(Settings())
     assert names(storage, "s3://data/in/") == ["a.jsonl", "b.parquet", "sub/c.jsonl"]
     assert names(storage, "s3://data/in") == ["a.jsonl", "b.parquet", "sub/c.jsonl"]
     assert names(storage, "s3://data/in/*.jsonl") == ["a.jsonl", "sub/c.jsonl"]
     assert names(storage, "s3://data/in/a.jsonl") == ["a.jsonl"]
+    assert names(storage, "s3://data/in/_x.jsonl") == ["_x.jsonl"]  # named: the user's
     assert names(storage, "s3://data") == [
         "in/a.jsonl",
         "in/b.parquet",
