@@ -113,9 +113,11 @@ class _Batch:
 
 
 def committed(storage: Storage, plan: ShardPlan) -> ShardStats | None:
-    """The stats an earlier run committed for this shard, if its key is still current.
-    Raises PermanentStorageError when the marker is another workload's or another
-    input's (`_check_owner`): redoing the shard would overwrite their results."""
+    """The stats an earlier run committed for this shard, if its key is still current
+    and its output and errors files are still there (one deleted since is written
+    again: skipping the shard would leave its records unanswered unsaid). Raises
+    PermanentStorageError when the marker is another workload's or another input's
+    (`_check_owner`): redoing the shard would overwrite their results."""
     raw = storage.read_bytes(plan.marker)
     if raw is None:
         return None
@@ -123,6 +125,10 @@ def committed(storage: Storage, plan: ShardPlan) -> ShardStats | None:
         marker = orjson.loads(raw)
         _check_owner(plan, marker)
         if marker.get("key") != plan.key:
+            return None
+        gone = next((uri for uri in (plan.output, plan.errors) if not storage.exists(uri)), None)
+        if gone is not None:
+            log.warning("%s: committed, but %s is gone: the shard will be redone", plan.name, gone)
             return None
         # Fields with a default may be absent: markers written before they existed.
         stats = {

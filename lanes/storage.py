@@ -233,6 +233,19 @@ class Storage:
         except Missing:
             return None
 
+    def exists(self, uri: str) -> bool:
+        """Whether there is a file at `uri` (S3: an object at the key), without reading it."""
+        if not is_s3(uri):
+            return _local_path(uri).is_file()
+        bucket, key = _split_s3(uri)
+        client = self._s3()
+        try:
+            with self._errors(uri, "read"):
+                client.head_object(Bucket=bucket, Key=key)
+        except Missing:
+            return False
+        return True
+
     # ---- writing ------------------------------------------------------------------
 
     @contextmanager

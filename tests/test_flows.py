@@ -284,6 +284,31 @@ def test_rerun_skips_committed_shards_and_redoes_changed_ones(
     ]  # fmt: skip
 
 
+def test_a_committed_shard_whose_output_or_errors_file_is_gone_is_redone(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    """A marker says the files were published, not that they are still there: one
+    deleted since (a cleanup, an S3 lifecycle rule) is written again, never skipped
+    with its records unsaid."""
+    spec = write_spec(tmp_path, {"aff": offline_workload("infer")})
+    for name in ("a", "b", "c"):
+        write_jsonl(
+            tmp_path / "in" / f"{name}.jsonl",
+            [{"id": f"{name}{i}", "x": [[i, 0, 0, 0]]} for i in range(3)],
+        )
+    offline(workload="aff", spec=str(spec))
+    (tmp_path / "out" / "a.jsonl").unlink()
+    (tmp_path / "out" / "_errors" / "b.jsonl").unlink()
+
+    again = offline(workload="aff", spec=str(spec))
+
+    assert (again["shards_run"], again["shards_skipped"]) == (2, 1)
+    assert (again["outputs"], again["total_outputs"]) == (6, 9)
+    ids = [line["id"] for line in outputs_of(tmp_path / "out")]
+    assert sorted(ids) == sorted(f"{name}{i}" for name in "abc" for i in range(3))
+    assert (tmp_path / "out" / "_errors" / "b.jsonl").exists()
+
+
 def test_a_run_whose_deadline_passed_with_shards_not_started_reads_expired(
     prefect_api: str, tmp_path: Path
 ) -> None:

@@ -367,6 +367,17 @@ def test_s3_prefix_glob_and_single_key(s3: Any) -> None:
     ]
 
 
+def test_exists_says_whether_a_file_is_there_without_reading_it(s3: Any, tmp_path: Path) -> None:
+    # What a rerun asks of a committed shard's output before it skips the shard.
+    s3.create_bucket(Bucket="data")
+    s3.put_object(Bucket="data", Key="out/a.jsonl", Body=b"{}\n")
+    (tmp_path / "a.jsonl").write_text("{}\n")
+    storage = Storage(Settings())
+    assert storage.exists("s3://data/out/a.jsonl") and storage.exists(str(tmp_path / "a.jsonl"))
+    assert not storage.exists("s3://data/out/b.jsonl") and not storage.exists("s3://data/out")
+    assert not storage.exists(str(tmp_path / "b.jsonl")) and not storage.exists(str(tmp_path))
+
+
 def test_an_s3_glob_s_double_star_matches_no_folder_too_as_a_local_one_does(s3: Any) -> None:
     s3.create_bucket(Bucket="data")
     for key in ("in/a.jsonl", "in/sub/c.jsonl", "in/sub/deep/d.jsonl", "in/sub/e.parquet"):
