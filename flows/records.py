@@ -62,6 +62,9 @@ class Line:
     value: dict[str, Any] | None
     error: str | None = None
     text: bool = False  # every value is a string, as read (CSV): RecordShape.typed
+    # A Parquet row: a column of integers with a missing value may be float64 (pandas
+    # writes it so): RecordShape.typed.
+    parquet: bool = False
 
 
 def is_known(name: str) -> bool:
@@ -409,7 +412,7 @@ def _parquet(storage: Storage, shard: StoredFile) -> Iterator[Line]:
                     number += 1
                     for name, convert in maps.items():
                         row[name] = convert(row[name])
-                    yield Line(number, row)
+                    yield Line(number, row, parquet=True)
         except (pa.ArrowException, OSError) as err:
             raise _not_parquet(shard, err) from None
 

@@ -257,7 +257,7 @@ def to_request(
     if problem is not None:
         return Rejection({"id": None, "line": line.number, "error": problem})
     try:
-        record = shape.typed(record, line.text)
+        record = shape.typed(record, line.text, line.parquet)
         kept = shape.kept(record)
         item = None if shape.defers_item else shape.item_of(record)
     except InvalidInput as err:

@@ -69,7 +69,7 @@ def first_records(job: Job, storage: Storage, count: int) -> list[dict[str, Any]
                 if line.value is None:
                     continue
                 try:
-                    yield dict(shape.typed(line.value, line.text))
+                    yield dict(shape.typed(line.value, line.text, line.parquet))
                 except InvalidInput:
                     yield line.value  # rejected in the run, as in the shard
 

@@ -27,7 +27,7 @@ import orjson
 
 from lanes.errors import InvalidInput, with_article
 from lanes.spec import Fields, OfflineWorkload, TaskName, a_task
-from lanes.tasks.generate import OPTIONS, from_text
+from lanes.tasks.generate import OPTIONS, from_table, from_text
 from lanes.tasks.handler import Handler
 from lanes.template import Template, is_template
 from lanes.validation import describe
@@ -85,15 +85,20 @@ class RecordShape:
             return None, f'field "{name}" (the id): expected a non-empty id, found an empty string'
         return rid, None
 
-    def typed(self, record: Mapping[str, Any], text: bool) -> Mapping[str, Any]:
+    def typed(
+        self, record: Mapping[str, Any], text: bool, parquet: bool = False
+    ) -> Mapping[str, Any]:
         """The record as a JSON record holds it. With `text` (a CSV record: every value
         a string), a generate record has its generation fields read as numbers
         (lanes.tasks.generate.from_text): `max_tokens`, `temperature`, `top_k`, `top_p`
         and `seed`, an empty one as null; its other fields stay text. `InvalidInput`
-        names a field that is no such number."""
-        if not text or self.kind != "generate":
+        names a field that is no such number. With `parquet` (a Parquet row), its
+        integer fields' whole floats are integers, NaN null (`from_table`)."""
+        if self.kind != "generate":
             return record
-        return from_text(record)
+        if text:
+            return from_text(record)
+        return from_table(record) if parquet else record
 
     def kept(self, record: Mapping[str, Any]) -> dict[str, Any]:
         """The fields to carry to the output; `InvalidInput` names one that is missing,

@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from lanes.errors import InvalidInput, PermanentStorageError
 from lanes.flows.records import Line, count_records, is_known, output_name, read_shard, unit
 from lanes.flows.requests import PlainRecord, Rejection, to_request
 from lanes.flows.shape import RecordShape
+from lanes.protocols.completions import GenerationOptions
 from lanes.settings import Settings
 from lanes.spec import OfflineWorkload
 from lanes.storage import Storage
@@ -487,6 +489,45 @@ def test_a_csv_cell_that_is_no_number_rejects_its_record_naming_field_and_line(
     made = csv_request({"id": "r1", "prompt": "a", field: cell}, shape("generate"))
     assert isinstance(made, Rejection)
     assert made.line == {"id": "r1", "line": 5, "error": error}
+
+
+def test_a_parquet_integer_option_in_a_float_column_is_read_as_its_integer(
+    tmp_path: Path,
+) -> None:
+    """pandas writes a column of integers with a missing value as float64: its whole
+    floats are the integers the user wrote, NaN (or null) not given. A JSON record's
+    2.0 stays what it is, refused as the endpoint refuses it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "prompts.parquet"
+    nan = float("nan")
+    table = {
+        "id": [1, 2, 3, 4],
+        "prompt": ["a", "b", "c", "d"],
+        "max_tokens": pa.array([2.0, None, nan, 2.5]),
+        "seed": pa.array([7.0, 8.0, None, 9.0]),
+        "temperature": pa.array([0.5, 1.0, 1.0, 1.0]),
+    }
+    pq.write_table(pa.table(table), path)
+    items = []
+    for line in read(path):
+        made = to_request(line, shape("generate"), str(path), MAX_INPUTS)
+        assert isinstance(made, PlainRecord)
+        items.append({k: v for k, v in made.item.items() if k != "prompt"})
+    assert items[:3] == [
+        {"max_tokens": 2, "seed": 7, "temperature": 0.5},
+        {"max_tokens": None, "seed": 8, "temperature": 1.0},
+        {"max_tokens": None, "seed": None, "temperature": 1.0},
+    ]
+    for item in items[:3]:
+        GenerationOptions.model_validate(item)  # the task's own check: they pass
+    with pytest.raises(ValidationError, match="max_tokens"):
+        GenerationOptions.model_validate(items[3])  # 2.5 is no integer
+    jsonl = request({"id": 1, "prompt": "a", "max_tokens": 2.0}, shape("generate"))
+    assert isinstance(jsonl, PlainRecord)
+    with pytest.raises(ValidationError, match="max_tokens"):
+        GenerationOptions.model_validate({"max_tokens": jsonl.item["max_tokens"]})
 
 
 class Hooks:

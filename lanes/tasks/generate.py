@@ -16,6 +16,7 @@ they finish), the loop the serving engine runs too.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -123,6 +124,23 @@ def from_text(item: Mapping[str, Any]) -> dict[str, Any]:
             typed[field] = _json_or_text(value)
         else:
             typed[field] = _number(field, value, whole=_NUMBERS[field])
+    return typed
+
+
+def from_table(item: Mapping[str, Any]) -> dict[str, Any]:
+    """`item` read from a Parquet row, its integer generation fields as a JSON record
+    holds them: pandas writes a column of integers with a missing value as float64, so
+    a whole float there is its integer and NaN is not given (null, the workload's
+    default). Any other float stays, for the request's check to name."""
+    typed = dict(item)
+    for field, whole in _NUMBERS.items():
+        value = item.get(field)
+        if not whole or not isinstance(value, float):
+            continue
+        if math.isnan(value):
+            typed[field] = None
+        elif value.is_integer():
+            typed[field] = int(value)
     return typed
 
 
