@@ -18,7 +18,7 @@ from urllib.parse import unquote, urlparse
 from lanes import layout
 from lanes.errors import InvalidInput
 from lanes.settings import Settings
-from lanes.storage import is_s3, join
+from lanes.storage import is_s3, join, split_s3
 
 _GLOB_CHARS = "*?["
 # Names that make an s3:// location a single file, not a prefix (flows.records reads these).
@@ -69,7 +69,7 @@ def check_input(
     local paths are read against `base`; `written` is how the user wrote `uri`, for
     the message."""
     if is_s3(uri):
-        dots = [p for p in urlparse(uri).path.split("/") if p in (".", "..")]
+        dots = [p for p in split_s3(uri)[1].split("/") if p in (".", "..")]
         if dots:
             raise InvalidInput(f"input {uri}: an s3:// URI may not hold {dots[0]!r} parts")
     elif "://" in uri and not uri.startswith("file://"):
@@ -111,10 +111,10 @@ def _under(location: str, root: str) -> bool:
     if is_s3(location) != is_s3(root):
         return False
     if is_s3(location):
-        place, top = urlparse(location), urlparse(root)
-        if place.netloc != top.netloc:
+        (bucket, key), (top, prefix) = split_s3(location), split_s3(root)
+        if bucket != top:
             return False
-        key, prefix = place.path.lstrip("/"), top.path.strip("/")
+        prefix = prefix.rstrip("/")
         return not prefix or key.rstrip("/") == prefix or key.startswith(prefix + "/")
     path, folder = Path(location), Path(root)
     return path == folder or folder in path.parents

@@ -104,11 +104,13 @@ def _local_path(uri: str) -> Path:
     return Path(uri)
 
 
-def _split_s3(uri: str) -> tuple[str, str]:
-    parsed = urlparse(uri)
-    if not parsed.netloc:
+def split_s3(uri: str) -> tuple[str, str]:
+    # Not urlparse: a key's `?` (a glob's, or the key's own) and `#` are no URL query
+    # or fragment, and would be cut off.
+    bucket, _, key = uri.removeprefix("s3://").partition("/")
+    if not bucket:
         raise StorageError(f"{uri}: expected s3://bucket/key")
-    return parsed.netloc, parsed.path.lstrip("/")
+    return bucket, key.lstrip("/")
 
 
 def _is_private(relative: str) -> bool:
@@ -169,7 +171,7 @@ class Storage:
         return files
 
     def _list_s3(self, location: str) -> list[StoredFile]:
-        bucket, key = _split_s3(location)
+        bucket, key = split_s3(location)
         pattern: str | None = None
         if any(c in key for c in GLOB_CHARS):
             # s3://b/dir/*.jsonl: list dir/, keep the keys the pattern matches.
@@ -205,7 +207,7 @@ class Storage:
             with stream:
                 yield stream
             return
-        bucket, key = _split_s3(uri)
+        bucket, key = split_s3(uri)
         with self._errors(uri, "read"):
             body = self._s3().get_object(Bucket=bucket, Key=key)["Body"]
         # botocore's body has no efficient readline: buffer it like a local file.
@@ -224,7 +226,7 @@ class Storage:
                 return None
             except PermissionError:
                 raise denied_reading(uri, _local_path(uri)) from None
-        bucket, key = _split_s3(uri)
+        bucket, key = split_s3(uri)
         client = self._s3()
         try:
             with self._errors(uri, "read"):
@@ -237,7 +239,7 @@ class Storage:
         """Whether there is a file at `uri` (S3: an object at the key), without reading it."""
         if not is_s3(uri):
             return _local_path(uri).is_file()
-        bucket, key = _split_s3(uri)
+        bucket, key = split_s3(uri)
         client = self._s3()
         try:
             with self._errors(uri, "read"):
@@ -308,7 +310,7 @@ class Storage:
             return
         from boto3.s3.transfer import TransferConfig
 
-        bucket, key = _split_s3(uri)
+        bucket, key = split_s3(uri)
         config = TransferConfig(
             multipart_threshold=self.multipart_threshold,
             multipart_chunksize=max(self.multipart_threshold, 5 * MiB),
@@ -327,7 +329,7 @@ class Storage:
         if not is_s3(uri):
             data = self.read_bytes(uri)
             return Versioned(data, _content_tag(data))
-        bucket, key = _split_s3(uri)
+        bucket, key = split_s3(uri)
         client = self._s3()
         try:
             with self._errors(uri, "read"):
@@ -372,7 +374,7 @@ class Storage:
     def _write_if_s3(self, uri: str, data: bytes, tag: str | None) -> bool:
         from botocore.exceptions import ClientError
 
-        bucket, key = _split_s3(uri)
+        bucket, key = split_s3(uri)
         condition = {"IfNoneMatch": "*"} if tag is None else {"IfMatch": tag}
         with self._errors(uri, "write"):
             try:
@@ -396,7 +398,7 @@ class Storage:
             except OSError as err:
                 raise StorageError(f"{uri}: cannot delete: {err.strerror}") from None
             return True
-        bucket, key = _split_s3(uri)
+        bucket, key = split_s3(uri)
         client = self._s3()
         try:
             with self._errors(uri, "read"):
@@ -419,7 +421,7 @@ class Storage:
             except OSError as err:
                 raise StorageError(f"{folder}: cannot delete: {err.strerror}") from None
             return
-        bucket, prefix = _split_s3(folder.rstrip("/") + "/")
+        bucket, prefix = split_s3(folder.rstrip("/") + "/")
         client = self._s3()
         paginator = client.get_paginator("list_objects_v2")
         with self._errors(folder, "delete"):
@@ -456,7 +458,7 @@ class Storage:
         """Create a local output folder and check this process can write in it; check
         an S3 output bucket exists. A StorageError says which and what to do."""
         if is_s3(location):
-            bucket, _ = _split_s3(location)
+            bucket, _ = split_s3(location)
             with self._errors(location, "write"):
                 self._s3().head_bucket(Bucket=bucket)
             return
@@ -535,13 +537,22 @@ def _s3_relative(key: str, prefix: str, pattern: str | None) -> str | None:
 
 
 def _s3_glob_matches(key: str, pattern: str) -> bool:
-    """Whether `key` matches the glob `pattern`, its `*` crossing '/' (no folders on S3)
-    and each `**/` any number of folders, none included, as a local glob's `**`."""
-    head, recursive, tail = pattern.partition("**/")
-    if not recursive:
-        return fnmatch.fnmatchcase(key, pattern)
-    # `**/` is one or more folders (fnmatch's `*/`) or none at all.
-    return _s3_glob_matches(key, head + "*/" + tail) or _s3_glob_matches(key, head + tail)
+    """Whether `key` matches the glob `pattern` as a local glob matches a path: folder
+    by folder ('/' parts a key's folders, as S3's console and `aws s3 ls` show them), a
+    `*` within one, and a `**` part any number of folders, none included."""
+    return _parts_match(key.split("/"), pattern.split("/"))
+
+
+def _parts_match(names: list[str], parts: list[str]) -> bool:
+    if not parts:
+        return not names
+    if parts[0] == "**":
+        return any(_parts_match(names[i:], parts[1:]) for i in range(len(names) + 1))
+    return (
+        bool(names)
+        and fnmatch.fnmatchcase(names[0], parts[0])
+        and _parts_match(names[1:], parts[1:])
+    )
 
 
 def _stat(path: Path, name: str) -> StoredFile | None:

@@ -356,7 +356,7 @@ def test_s3_prefix_glob_and_single_key(s3: Any) -> None:
     storage = Storage(Settings())
     assert names(storage, "s3://data/in/") == ["a.jsonl", "b.parquet", "sub/c.jsonl"]
     assert names(storage, "s3://data/in") == ["a.jsonl", "b.parquet", "sub/c.jsonl"]
-    assert names(storage, "s3://data/in/*.jsonl") == ["a.jsonl", "sub/c.jsonl"]
+    assert names(storage, "s3://data/in/*.jsonl") == ["a.jsonl"]  # a local glob's `*`
     assert names(storage, "s3://data/in/a.jsonl") == ["a.jsonl"]
     assert names(storage, "s3://data/in/_x.jsonl") == ["_x.jsonl"]  # named: the user's
     assert names(storage, "s3://data") == [
@@ -387,6 +387,32 @@ def test_an_s3_glob_s_double_star_matches_no_folder_too_as_a_local_one_does(s3: 
     assert names(storage, "s3://data/in/**/*.jsonl") == everything
     assert names(storage, "s3://data/in/**/sub/**/*.jsonl") == everything[1:]
     assert names(storage, "s3://data/in/sub/**/d.jsonl") == ["deep/d.jsonl"]  # below in/sub/
+
+
+def test_a_glob_reads_the_same_files_locally_and_on_s3(s3: Any, tmp_path: Path) -> None:
+    """One spec, moved from a folder to a bucket, reads the same records: a glob's `*`
+    stays within a folder on S3 too, as S3's console shows folders."""
+    keys = (
+        "a.jsonl",
+        "sub/b.jsonl",
+        "sub/deep/c.jsonl",
+        "other/d.parquet",
+        "x/sub/e.jsonl",
+        "#1.jsonl",
+    )
+    s3.create_bucket(Bucket="same")
+    for key in keys:
+        s3.put_object(Bucket="same", Key=f"in/{key}", Body=b"{}\n")
+        (tmp_path / "in" / key).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "in" / key).write_text("{}\n")
+    storage = Storage(Settings())
+    globs = ("*.jsonl", "*/*.jsonl", "*/*", "**/*.jsonl", "**/sub/*.jsonl", "s?b/**/*", "*/*/*")
+    for glob in globs:
+        local = names(storage, f"{tmp_path}/in/{glob}")
+        assert names(storage, f"s3://same/in/{glob}") == local, glob
+    assert names(storage, "s3://same/in/*/*.jsonl") == ["sub/b.jsonl"]
+    # A key's `?` and `#` are its own, no URL's query or fragment.
+    assert names(storage, "s3://same/in/#1.jsonl") == ["#1.jsonl"]
 
 
 def test_s3_settings_endpoint_wins_over_the_environment(
