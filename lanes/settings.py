@@ -335,7 +335,7 @@ class Settings(BaseSettings):
             super().__init__(**values)
         except ValidationError as err:
             problems = []
-            for loc, message, _ in from_pydantic(err, ()):
+            for loc, message, _ in from_pydantic(err, (), type(self)):
                 variable, inside = _variable(loc)
                 problems.append(Problem(variable, None, None, dotted(inside), message))
             raise SettingsError(problems) from None

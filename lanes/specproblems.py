@@ -3,15 +3,18 @@
 A problem is (path, message, points at the key itself); a path is a tuple of keys from
 the document's root, shown as `dotted` says. `from_pydantic` turns any model's errors
 into problems (the spec's, and the settings' too); `workload_errors` those of a
-workload, whose model pydantic picks by its `mode`.
+workload, whose model pydantic picks by its `mode`. An unknown key is told with the
+key it is close to, or else with the keys its place takes, read from the model.
 """
 
 from __future__ import annotations
 
+import difflib
 import re
-from typing import Any
+import types
+from typing import Annotated, Any, Union, get_args, get_origin
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from lanes.errors import shown
@@ -47,9 +50,10 @@ def workload_errors(err: ValidationError, at: Loc, raw: Any) -> Found:
             found += _modeless_problems(at, raw)
             continue
         if not e["loc"]:  # not a mapping at all
-            found += _from_pydantic_error(e, at)
+            found += _from_pydantic_error(e, at, ())
             continue
         mode, *rest = e["loc"]
+        model = InteractiveWorkload if mode == "interactive" else OfflineWorkload
         if kind == "extra_forbidden" and len(rest) == 1:
             other = "offline" if mode == "interactive" else "interactive"
             if rest[0] in MODE_KEYS[other]:
@@ -60,10 +64,9 @@ def workload_errors(err: ValidationError, at: Loc, raw: Any) -> Found:
                 found.append(((*at, rest[0]), message, True))
                 continue
         if kind == "missing" and len(rest) == 1:
-            model = InteractiveWorkload if mode == "interactive" else OfflineWorkload
             found += _missing(at, model, rest[0])
             continue
-        found += _from_pydantic_error({**e, "loc": tuple(rest)}, at)
+        found += _from_pydantic_error({**e, "loc": tuple(rest)}, at, (model,))
     return found
 
 
@@ -84,7 +87,8 @@ def _modeless_problems(at: Loc, raw: Any) -> Found:
             for e in err.errors(include_url=False):
                 key = e["loc"][0] if len(e["loc"]) == 1 else None
                 if e["type"] != "missing" or key is None:
-                    found += _from_pydantic_error(e, at)
+                    # Either mode's keys: the same unknown key is found by both.
+                    found += _from_pydantic_error(e, at, (InteractiveWorkload, OfflineWorkload))
                 elif key not in MODE_KEYS[mode]:
                     found += _missing(at, model, key)
     return list(dict.fromkeys(found))  # the keys both modes have were checked twice
@@ -97,26 +101,75 @@ def _missing(
     return [(at, f"missing required key {key!r} ({_lower_first(about).rstrip('.')})", True)]
 
 
-def from_pydantic(err: ValidationError, prefix: Loc) -> Found:
-    """Each of `err`'s problems at its key under `prefix`, in the words a request's
-    problems are in (lanes.validation.explain)."""
+def from_pydantic(err: ValidationError, prefix: Loc, model: type[BaseModel]) -> Found:
+    """Each of `err`'s problems, `model`'s, at its key under `prefix`, in the words a
+    request's problems are in (lanes.validation.explain)."""
     found: Found = []
     for e in err.errors(include_url=False):
-        found += _from_pydantic_error(e, prefix)
+        found += _from_pydantic_error(e, prefix, (model,))
     return found
 
 
-def _from_pydantic_error(e: ErrorDetails, prefix: Loc) -> Found:
+def _from_pydantic_error(
+    e: ErrorDetails, prefix: Loc, models: tuple[type[BaseModel], ...]
+) -> Found:
     loc: Loc = prefix + tuple(e["loc"])
     kind = e["type"]
     if kind == "extra_forbidden":
-        return [(loc, f"unknown key {shown(loc[-1])}", True)]
+        return [(loc, _unknown_key(e["loc"], models), True)]
     if kind == "missing":
         return [(loc[:-1], f"missing required key {shown(loc[-1])}", True)]
     message = explain([e]).detail
     if "found" not in message:  # a validator's own message may not say what it was given
         message = f"{message}; found {describe(e['input'])}"
     return [(loc, message, False)]
+
+
+def _unknown_key(loc: Loc, models: tuple[type[BaseModel], ...]) -> str:
+    """'unknown key' and the key meant, as `lanes call` says an unknown option: the one
+    close to it, or else the keys its place takes (of any of `models`, where `loc` is)."""
+    key = loc[-1]
+    message = f"unknown key {shown(key)}"
+    takes = sorted({k for model in models for k in _keys_at(model, loc[:-1])})
+    near = difflib.get_close_matches(str(key), takes, n=1)
+    if near:
+        return f"{message}; did you mean {near[0]!r}?"
+    if takes:
+        return f"{message}; expected one of: {', '.join(takes)}"
+    return message
+
+
+def _keys_at(model: type[BaseModel], loc: Loc) -> list[str]:
+    """The keys the mapping at `loc` in `model` takes; none where no model is there."""
+    arms: list[Any] = [model]
+    for part in loc:
+        arms = [inner for arm in arms for inner in _arms(_inside(arm, part))]
+    return [key for arm in arms if _is_model(arm) for key in arm.model_fields]
+
+
+def _inside(kind: Any, part: str | int) -> Any:
+    """The type of `part` inside a value of type `kind` (None if it has no such part)."""
+    if _is_model(kind):
+        field = kind.model_fields.get(str(part))
+        return field.annotation if field is not None else None
+    if get_origin(kind) is dict:
+        return get_args(kind)[1]
+    if get_origin(kind) is list and isinstance(part, int):
+        return get_args(kind)[0]
+    return None
+
+
+def _arms(kind: Any) -> list[Any]:
+    """The types a value of `kind` may be: a union's arms, without `Annotated`."""
+    if get_origin(kind) is Annotated:
+        return _arms(get_args(kind)[0])
+    if get_origin(kind) in (Union, types.UnionType):
+        return [arm for union_arm in get_args(kind) for arm in _arms(union_arm)]
+    return [kind]
+
+
+def _is_model(kind: Any) -> bool:
+    return isinstance(kind, type) and issubclass(kind, BaseModel)
 
 
 def dotted(loc: Loc) -> str:

@@ -98,13 +98,13 @@ def parse_spec(
     try:
         top = _Top.model_validate(data)
     except ValidationError as err:
-        return None, from_pydantic(err, ())
+        return None, from_pydantic(err, (), _Top)
     models: dict[str, ModelSpec] = {}
     for name, raw in top.models.items():
         try:
             models[name] = _resolve(ModelSpec.model_validate(raw), base)
         except ValidationError as err:
-            found += from_pydantic(err, ("models", name))
+            found += from_pydantic(err, ("models", name), ModelSpec)
     workloads: dict[str, InteractiveWorkload | OfflineWorkload] = {}
     for name, raw in top.workloads.items():
         if not NAME_PATTERN.match(name):

@@ -92,6 +92,27 @@ BAD_CASES = [
         "max_wait_ms: 2, max_wiat: 3}",
         "W:10:51: workloads.search-query.batching.max_wiat: unknown key 'max_wiat'",
     ),
+    # As `lanes call` says an unknown option: the key meant, or the keys the place takes.
+    (
+        "a misspelt key",
+        "max_batch_size: 8",
+        "max_batchsize: 8",
+        "W:10:16: workloads.search-query.batching.max_batchsize: unknown key "
+        "'max_batchsize'; did you mean 'max_batch_size'?",
+    ),
+    (
+        "an unknown key close to none",
+        "timezone: Europe/Paris}",
+        "timezone: Europe/Paris, colour: blue}",
+        "W:17:60: workloads.nightly.schedule.colour: unknown key 'colour'; expected one "
+        "of: cron, finish_by, timezone",
+    ),
+    (
+        "a misspelt key of a model",
+        "clf: {path: clf.onnx}",
+        "clf: {path: clf.onnx, max_lenght: 8}",
+        "W:4:25: models.clf.max_lenght: unknown key 'max_lenght'; did you mean 'max_length'?",
+    ),
     (
         "wrong type",
         "max_wait_ms: 2}",
@@ -458,7 +479,10 @@ def test_a_bad_or_missing_mode_hides_none_of_the_workloads_other_problems(
         "W:11:3: workloads.nightly: missing required key 'mode': interactive (someone is "
         "waiting) or offline",
         "W:14:14: workloads.nightly.retries: expected a value >= 0, found -1",
-        "W:18:5: workloads.nightly.colour: unknown key 'colour'",
+        "W:18:5: workloads.nightly.colour: unknown key 'colour'; expected one of: "
+        "batch_size, batching, deploy, description, fields, generation, guard, handler, "
+        "idle_unload_s, input, max_error_rate, mode, model, output, retries, runner, "
+        "schedule, slo, stream, task, truncate",
     ]
 
 
@@ -601,7 +625,8 @@ def test_cli_validate_prints_problems_in_our_words_and_exits_2(folder: Path) -> 
     assert done.stderr.replace(str(path), "W").splitlines() == [
         "W:10:32: workloads.search-query.batching.max_batch_size: expected an integer, "
         "found 'eight'",
-        "W:10:39: workloads.search-query.batching.max_wiat: unknown key 'max_wiat'",
+        "W:10:39: workloads.search-query.batching.max_wiat: unknown key 'max_wiat'; "
+        "did you mean 'max_wait_ms'?",
         "W:12:11: workloads.weekly.mode: expected 'interactive' or 'offline', found 'nightly'",
         "W:15:3: workloads.nightly: missing required key 'output' (folder or "
         "s3://bucket/prefix/ for outputs)",
