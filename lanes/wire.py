@@ -59,8 +59,9 @@ BACKOFF_BASE_S = 0.2
 MAX_BACKOFF_S = 8.0
 
 
-def _root(endpoint: str) -> str:
-    """The server's root URL, checked now rather than at the first call."""
+def endpoint_root(endpoint: str) -> str:
+    """The server's root URL, checked now rather than at the first call (by the clients
+    and `lanes top` alike)."""
     try:
         url: httpx.URL | None = httpx.URL(endpoint)
     except httpx.InvalidURL:
@@ -95,7 +96,7 @@ class Core:
         if max_retries < 0:
             raise ValueError(f"max_retries: expected 0 or more, found {max_retries}")
         self.settings = settings or Settings()
-        self.endpoint = _root(endpoint or self.settings.endpoint)
+        self.endpoint = endpoint_root(endpoint or self.settings.endpoint)
         key = api_key or (
             self.settings.api_key.get_secret_value() if self.settings.api_key else None
         )

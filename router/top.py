@@ -33,6 +33,7 @@ from rich.table import Table
 from rich.text import Text
 
 from lanes.errors import LanesError
+from lanes.wire import endpoint_root
 
 # The most characters of a workload's name shown; a longer one ends in an ellipsis.
 WORKLOAD_WIDTH = 24
@@ -319,6 +320,7 @@ def run(
     """Show frames until interrupted (`frames` bounds them); `once`: print one frame of
     the window `interval_s` long, then return."""
     console = console or Console()
+    endpoint = endpoint_root(endpoint)  # as the clients check it: a URL, the server's root
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     with httpx.Client(headers=headers, timeout=10) as client:
         if once:

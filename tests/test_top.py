@@ -197,6 +197,16 @@ def test_lanes_top_without_a_server_says_where_it_looked() -> None:
     assert "cannot read http://127.0.0.1:9/metrics" in result.output
 
 
+@pytest.mark.parametrize("endpoint", ["127.0.0.1:9", "http://127.0.0.1:9/v1"])
+def test_lanes_top_refuses_an_endpoint_as_lanes_call_does(endpoint: str) -> None:
+    """Not a URL (no http://), or an API's path: exit 2 and `lanes call`'s message,
+    before any request."""
+    top = CliRunner().invoke(app, ["top", "--once", "--endpoint", endpoint])
+    call = CliRunner().invoke(app, ["call", "search-query", "-i", "hi", "--endpoint", endpoint])
+    assert (top.exit_code, top.output) == (call.exit_code, call.output)
+    assert top.exit_code == 2 and top.output.startswith("error: endpoint: "), top.output
+
+
 def test_lanes_top_on_a_server_that_is_not_lanes_says_so() -> None:
     class Page(http.server.BaseHTTPRequestHandler):  # answers 200 on every path, as SPAs do
         def do_GET(self) -> None:
