@@ -9,6 +9,7 @@ message and an exit code (router.console).
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,20 +18,55 @@ from typing import Annotated, Any, Literal
 import typer
 
 from lanes.client import Client
-from lanes.errors import InvalidInput
+from lanes.errors import InvalidInput, WrongMode
 from lanes.jobstates import COMPLETED_WITH_ERRORS, FAILED_STATES
 from lanes.router.console import ExitCode
 from lanes.router.render import to_jsonable
-from lanes.spec import InteractiveWorkload
+from lanes.spec import InteractiveWorkload, OfflineWorkload, a_task
 from lanes.specfile import load_spec
 
 SpecOption = Annotated[
     Path | None, typer.Option("--file", "-f", help="workloads.yaml (default: LANES_SPEC).")
 ]
 Endpoint = Annotated[str | None, typer.Option(help="Server URL (default: LANES_ENDPOINT).")]
+
+
+def _positive_ms(value: float | None) -> float | None:
+    """--timeout-ms as the SDK takes timeout_ms, refused under the option's own name."""
+    if value is not None and not 0 < value < math.inf:
+        raise typer.BadParameter(f"expected a positive number of milliseconds, found {value}")
+    return value
+
+
 TimeoutMs = Annotated[
-    float | None, typer.Option("--timeout-ms", help="The request's deadline on the server.")
+    float | None,
+    typer.Option(
+        "--timeout-ms", callback=_positive_ms, help="The request's deadline on the server."
+    ),
 ]
+
+
+def _check_command(
+    name: str, workload: InteractiveWorkload | OfflineWorkload, command: str
+) -> None:
+    """Refuse a workload that `lanes COMMAND` does not take, naming the command that
+    does (the SDK's WrongMode names its method, client.submit, a person here runs none)."""
+    if workload.mode == "offline" and command != "submit":
+        raise WrongMode(
+            f"workload {name!r} is offline: submit its records with "
+            f"`lanes submit {name} RECORDS` instead of {command}"
+        )
+    if workload.mode == "interactive" and command == "submit":
+        streams = " (or `lanes stream`)" if workload.task == "generate" else ""
+        raise WrongMode(
+            f"workload {name!r} is interactive: use `lanes call {name} -i INPUT`{streams}, "
+            "not submit"
+        )
+    if command == "stream" and workload.task != "generate":
+        raise WrongMode(
+            f"workload {name!r} is {a_task(workload.task)} workload: use "
+            f"`lanes call {name} -i INPUT`, not stream"
+        )
 
 
 def _json(text: str, what: str) -> Any:
@@ -76,6 +112,7 @@ def call(
     options: dict[str, Any] = {}
     with Client(endpoint, spec=file) as client:
         declared = load_spec(file, check_files=False).workload(workload)
+        _check_command(workload, declared, "call")
         generates = declared.task == "generate" and declared.mode == "interactive"
         if generates and isinstance(value, dict):
             value, options = _prompt_and_options(value)
@@ -127,6 +164,7 @@ def stream(
     """Stream a completion to the terminal as it is generated."""
     options = {"max_tokens": max_tokens, "temperature": temperature}
     chosen = {k: v for k, v in options.items() if v is not None}
+    _check_command(workload, load_spec(file, check_files=False).workload(workload), "stream")
     with Client(endpoint, spec=file) as client:
         _print_stream(client.stream(workload, prompt, timeout_ms=timeout_ms, **chosen))
 
@@ -146,6 +184,7 @@ def submit(
     """Submit records to an offline workload. Prints the job id (stdout) and when it
     runs (stderr)."""
     chosen: Literal["offpeak", "now"] = "now" if now else _when(when)
+    _check_command(workload, load_spec(file, check_files=False).workload(workload), "submit")
     path = Path(records)
     source: Any = records
     if path.is_file() and path.name.endswith(".jsonl"):

@@ -415,6 +415,44 @@ def test_a_bad_setting_is_one_line_and_exit_2(
         assert leak not in done.stderr, done.stderr
 
 
+@pytest.mark.parametrize(
+    ("command", "expected"),
+    [
+        (
+            ["call", "nightly-embed", "-i", "hello"],
+            "error: workload 'nightly-embed' is offline: submit its records with "
+            "`lanes submit nightly-embed RECORDS` instead of call",
+        ),
+        (
+            ["stream", "search-query", "hi"],
+            "error: workload 'search-query' is an embed workload: use "
+            "`lanes call search-query -i INPUT`, not stream",
+        ),
+        (
+            ["submit", "code-complete", "records.jsonl"],
+            "error: workload 'code-complete' is interactive: use "
+            "`lanes call code-complete -i INPUT` (or `lanes stream`), not submit",
+        ),
+        (
+            ["call", "search-query", "-i", "hi", "--timeout-ms", "-5"],
+            "Invalid value for '--timeout-ms': expected a positive number of milliseconds, "
+            "found -5.0",
+        ),
+    ],
+    ids=["call offline", "stream embed", "submit interactive", "timeout"],
+)
+def test_the_client_commands_name_the_command_not_the_sdk_method(
+    spec_path: Path, command: list[str], expected: str
+) -> None:
+    """The SDK's WrongMode names its method (client.submit), its timeout_ms the
+    argument: a person at the command line is told the command, and the option."""
+    env = {"LANES_SPEC": str(spec_path), "LANES_ENDPOINT": "http://127.0.0.1:9"}
+    done = CliRunner().invoke(app, command, env=env, prog_name="lanes")
+    assert done.exit_code == 2, done.output
+    said = " ".join(done.stderr.replace("│", " ").split())  # unwrapped from click's box
+    assert expected in said, said
+
+
 @pytest.mark.parametrize("command", [["validate"], ["serve"], ["run", "nightly-embed"]])
 def test_a_missing_spec_says_where_it_looked(
     command: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -988,7 +988,7 @@ def test_cli_call_and_stream(server: ServerThread, specs: tuple[Path, Path]) -> 
     assert code == 0, err
     assert json.loads(out)["text"] == whole.text
     code, out, err = done["offline"]
-    assert code == 2 and "client.submit('nightly'" in err and out == ""
+    assert code == 2 and "`lanes submit nightly RECORDS`" in err and out == ""
     code, out, err = done["wrong key"]
     assert code == 1 and err.splitlines()[-1] == (
         f"error: {server.url} refused the API key sent (missing or wrong API key: send "
