@@ -75,7 +75,7 @@ def parse_bytes(
     document = read_yaml(raw, source)
     data = {} if document.data is None else document.data
     data, origins, unknown = _apply_overrides(data, settings)
-    spec, found = parse_spec(data, base, check_files, check_models)
+    spec, found = parse_spec(data, base, check_files, check_models, spec_name=Path(source).name)
     found = document.duplicates + found
     if spec is None or found or unknown:
         raise SpecError(_problems(found, source, document.marks, origins) + unknown)

@@ -79,11 +79,17 @@ RESERVED_NAMES = {
 
 
 def parse_spec(
-    data: Any, base: Path, check_files: bool = True, check_models: bool = False
+    data: Any,
+    base: Path,
+    check_files: bool = True,
+    check_models: bool = False,
+    *,
+    spec_name: str = "workloads.yaml",
 ) -> tuple[Spec | None, Found]:
     """Validate plain data. Returns the spec (None if anything is wrong) and every problem.
 
-    Model paths are made absolute against `base`, the folder of workloads.yaml, and,
+    Model paths are made absolute against `base`, the folder of the spec file
+    `spec_name` (the name a missing model's message says they are relative to), and,
     with `check_files`, must exist and every handler and guard must import (with `base`
     on the import path); a client that only routes calls needs neither. With
     `check_models` too, each existing model's graph is read for inputs its workloads'
@@ -123,7 +129,7 @@ def parse_spec(
         except ValidationError as err:
             found += workload_errors(err, ("workloads", name), raw)
     for name, model in models.items() if check_files else ():
-        found += _model_problems(name, model)
+        found += _model_problems(name, model, spec_name)
     for name, workload in workloads.items() if check_files else ():
         found += _code_problems(name, workload, base)
     if check_files and check_models:
@@ -146,13 +152,13 @@ def _resolve(model: ModelSpec, base: Path) -> ModelSpec:
     return model.model_copy(update={"path": base / model.path, "tokenizer": tokenizer})
 
 
-def _model_problems(name: str, model: ModelSpec) -> Found:
+def _model_problems(name: str, model: ModelSpec, spec_name: str) -> Found:
     found: Found = []
     for key, path in (("path", model.path), ("tokenizer", model.tokenizer)):
         if path is None:
             continue
         try:
-            problem = _file_problem(key, path)
+            problem = _file_problem(key, path, spec_name)
         except (OSError, ValueError) as err:  # the joined path may still be too long
             message = f"cannot check {shown(str(path))}: {getattr(err, 'strerror', None) or err}"
             found.append((("models", name, key), message, False))
@@ -162,9 +168,9 @@ def _model_problems(name: str, model: ModelSpec) -> Found:
     return found
 
 
-def _file_problem(key: str, path: Path) -> str | None:
+def _file_problem(key: str, path: Path, spec_name: str) -> str | None:
     """What is wrong with model file `key` (path: the .onnx; tokenizer: a tokenizer.json)
-    at `path`, or None. Only a path where the demo keeps its models (NAME/ of
+    at `path`, a path of the spec file `spec_name`, or None. Only a path where the demo keeps its models (NAME/ of
     lanes.demo.place.MODEL_NAMES under a models/ folder) is told to build them."""
     from lanes.demo.place import MODEL_NAMES  # it reads specs: imported here, not above
 
@@ -183,7 +189,7 @@ def _file_problem(key: str, path: Path) -> str | None:
     if path.parent.name in MODEL_NAMES and path.parent.parent.name == "models":
         hint = "build the demo models with `lanes models build`, or fix the path"
     else:
-        hint = f"expected the path of {expected} (relative to workloads.yaml): fix it"
+        hint = f"expected the path of {expected} (relative to {spec_name}): fix it"
     return f"no {what} file at {path}; {hint}"
 
 

@@ -580,11 +580,12 @@ def test_validate_tells_the_demo_to_build_and_a_users_files_what_they_should_be(
     tmp_path: Path,
 ) -> None:
     """Only a path where the demo keeps its models is told to build them; a user's own
-    is told what file it should name (and, for a folder, which file in it)."""
+    is told what file it should name (and, for a folder, which file in it), relative to
+    the spec file as it is named."""
     (tmp_path / "models" / "emb").mkdir(parents=True)
     (tmp_path / "models" / "emb" / "tokenizer.json").write_text("{}")
     (tmp_path / "models" / "empty").mkdir()
-    spec = tmp_path / "workloads.yaml"
+    spec = tmp_path / "prod.yaml"
     spec.write_text(
         "version: 1\n"
         "models:\n"
@@ -598,7 +599,7 @@ def test_validate_tells_the_demo_to_build_and_a_users_files_what_they_should_be(
     models = tmp_path / "models"
     assert done.stderr.splitlines() == [
         f"{spec}:3:16: models.mine.path: no model file at {models / 'nothere.onnx'}; "
-        "expected the path of an .onnx file (relative to workloads.yaml): fix it",
+        "expected the path of an .onnx file (relative to prod.yaml): fix it",
         f"{spec}:3:48: models.mine.tokenizer: {models / 'emb'} is a folder; expected a "
         f"tokenizer.json file: point at {models / 'emb' / 'tokenizer.json'}",
         f"{spec}:4:17: models.other.path: {models / 'empty'} is a folder with no .onnx "
