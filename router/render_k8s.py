@@ -51,6 +51,8 @@ MODEL_LOAD_S = 600
 PROBE_PERIOD_S = 5
 MAX_DRAIN_S = 3600
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+# What Kubernetes takes as the name of a Secret or a PersistentVolumeClaim (at most 253).
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,21 @@ class K8sOptions:
                     f"{option}: expected a DNS label (lower-case letters, digits and '-', "
                     f"at most 63, starting and ending alphanumeric), found {ns!r}"
                 )
+        # The API server refuses a pod naming another, at apply, long after this.
+        names = [("--api-key-secret", self.api_key_secret), ("--s3-secret", self.s3_secret)]
+        for option, name in [*names, ("--models-claim", self.models_claim)]:
+            if name is not None and not (len(name) <= 253 and DNS_SUBDOMAIN.match(name)):
+                raise InvalidInput(
+                    f"{option}: expected a Kubernetes object name (lower-case letters, "
+                    f"digits, '-' and '.', at most 253, starting and ending alphanumeric), "
+                    f"found {name!r}"
+                )
+        # The pods mount the spec and start the runs there: a relative folder is no place.
+        if not PurePosixPath(self.project_dir).is_absolute():
+            raise InvalidInput(
+                "--project-dir: expected the project's absolute folder in the images, "
+                f"e.g. /app, found {self.project_dir!r}"
+            )
         # LANES_DRAIN_S's own bounds (lanes.settings): the server refuses the rest at start.
         if not 0 <= self.drain_s <= MAX_DRAIN_S:  # NaN is in no range
             raise InvalidInput(

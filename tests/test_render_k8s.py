@@ -621,6 +621,21 @@ def test_settings_both_sides_read_reach_the_pods_and_the_jobs(tmp_path: Path) ->
         (["--drain-s", "nan"], "error: --drain-s: expected seconds from 0 to 3600, found nan"),
         (["--namespace", "Bad_NS"], "error: --namespace: expected a DNS label"),
         (["--job-namespace", "Bad_NS"], "error: --job-namespace: expected a DNS label"),
+        # The API server would refuse each pod naming them, at apply.
+        (
+            ["--api-key-secret", "Lanes_Key"],
+            "error: --api-key-secret: expected a Kubernetes object name (lower-case letters, "
+            "digits, '-' and '.', at most 253, starting and ending alphanumeric), found "
+            "'Lanes_Key'",
+        ),
+        (["--s3-secret", "minio creds"], "error: --s3-secret: expected a Kubernetes object"),
+        (["--models-claim", "-models"], "error: --models-claim: expected a Kubernetes object"),
+        # Where the pods mount the spec and start the runs: a relative folder is no place.
+        (
+            ["--project-dir", "app"],
+            "error: --project-dir: expected the project's absolute folder in the images, "
+            "e.g. /app, found 'app'",
+        ),
         # Kubernetes would take it, and fail every pod at its pull.
         (
             ["--image", "lanes serve:1"],
