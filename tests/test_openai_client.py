@@ -546,6 +546,13 @@ REJECTED: list[tuple[str, dict[str, Any], str, str | None]] = [
         "max_completion_tokens",
         "integer_below_min_value",
     ),
+    # The chat's budget is named as it was sent, though it is max_tokens' limit.
+    (
+        "/v1/chat/completions",
+        {**CHAT_BODY, "max_completion_tokens": 2**20},
+        "max_completion_tokens",
+        "integer_above_max_value",
+    ),
     ("/v1/chat/completions", {**CHAT_BODY, "messages": []}, "messages", "empty_array"),
     (
         "/v1/chat/completions",

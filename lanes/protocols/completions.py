@@ -489,6 +489,15 @@ class ChatCompletionRequest(GenerateParams):
             item["max_tokens"] = self.max_completion_tokens
         return item
 
+    def named(self, error: InvalidInput) -> InvalidInput:
+        """`error` about the generate item (`generation_item`) named as this request
+        sent it: its prompt is the messages, its budget max_completion_tokens if set."""
+        if error.param == "prompt":
+            return error.at("messages")
+        if error.param == "max_tokens" and self.max_completion_tokens is not None:
+            return error.at("max_completion_tokens")
+        return error
+
 
 def check_choices(prompts: int, n: int, limit: int, where: str) -> None:
     """A 400 naming `n` when the `prompts` times `n` sequences are over `limit` (`where`
@@ -553,7 +562,7 @@ def prepare_prompts(
         try:
             return [prepare(request.generation_item(chat))]
         except InvalidInput as e:
-            raise (e.at("messages") if e.param == "prompt" else e) from None
+            raise request.named(e) from None
     one = one_input(request.prompt)
     items = []
     for i, prompt in enumerate(request.prompts):
