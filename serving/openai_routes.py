@@ -59,13 +59,34 @@ def _decode(raw: bytes) -> EmbeddingsRequest:
     return parse(EmbeddingsRequest, decode_json(raw))
 
 
-def _card(name: str, workload: Workload) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "lanes", "task": workload.task}
+def _card(state: ServingState, name: str, workload: Workload) -> dict[str, Any]:
+    return {
+        "id": name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "lanes",
+        "task": workload.task,
+        "max_model_len": _context(state, name, workload),
+    }
+
+
+def _context(state: ServingState, name: str, workload: Workload) -> int | None:
+    """vLLM's `max_model_len`: the most tokens a prompt (and its answer) may hold. A
+    generate workload's is its decoder's context, known once loaded; an embed
+    workload's its model's max_length; None where a model reads no tokens, or
+    while it loads."""
+    engine = state.engines.get(name)
+    if engine is not None:
+        return engine.decoder.config.max_position
+    if workload.task == "embed":
+        return state.spec.models[workload.model].max_length
+    return None
 
 
 async def models(request: Request) -> JSONResponse:
     state: ServingState = request.app.state.lanes
-    data = [_card(n, w) for n, w in state.spec.workloads.items() if w.mode == "interactive"]
+    workloads = state.spec.workloads.items()
+    data = [_card(state, n, w) for n, w in workloads if w.mode == "interactive"]
     return JSONResponse({"object": "list", "data": data})
 
 
@@ -81,7 +102,7 @@ async def model(request: Request) -> JSONResponse:
             param="model",
         )
         return openai_error(error)
-    return JSONResponse(_card(name, workload))
+    return JSONResponse(_card(state, name, workload))
 
 
 routes = [

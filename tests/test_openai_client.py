@@ -668,6 +668,13 @@ def test_the_official_client_reads_param_and_code(client: OpenAI) -> None:
 def test_models_can_be_retrieved_one_by_one(client: OpenAI) -> None:
     model = client.models.retrieve("search-query")
     assert model.id == "search-query" and model.object == "model"
+    # vLLM's max_model_len: the tokens a prompt and its answer may hold; none for a
+    # model that reads no tokens.
+    listed = {m.id: m.model_dump() for m in client.models.list()}
+    assert listed["code-complete"]["max_model_len"] == 512  # tinycode's context
+    assert listed["search-query"]["max_model_len"] == 256  # minilm's max_length
+    assert listed["flowers"]["max_model_len"] is None
+    assert client.models.retrieve("code-complete").model_dump()["max_model_len"] == 512
     with pytest.raises(NotFoundError) as missing:
         client.models.retrieve("ghost")
     assert missing.value.code == "model_not_found"
