@@ -56,6 +56,21 @@ def test_include_stop_str_in_output_keeps_the_stop_string_that_ended_the_text() 
     assert [e.finish for e in events] == ["stop", "stop"]
 
 
+def test_min_tokens_keeps_a_stop_string_from_ending_the_text_before_it() -> None:
+    """As vLLM: a stop string is looked for only once min_tokens tokens are made; one
+    that ends after them may start in their text."""
+    s = make()
+    rows = [seq(0, stop=("b",), min_tokens=2), seq(1, stop=("ba",), min_tokens=1)]
+    rows.append(seq(2, stop=("b",)))  # declared no min_tokens: its first b ends it
+    for row in rows:
+        s.add(row)
+    for token in (B, A, B):
+        step(s, token)
+    assert [r.text for r in rows] == ["ba", "", ""]
+    assert [r.status.finish_reason for r in rows] == ["stop", "stop", "stop"]
+    assert [len(r.tokens) for r in rows] == [3, 2, 1]
+
+
 def test_rows_without_controls_pick_as_alone_beside_rows_with_them() -> None:
     s = make()
     s.add(seq(0, min_tokens=4))

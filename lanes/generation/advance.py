@@ -104,8 +104,8 @@ class Advance:
     def pick(self, seq: Seq, row: Array) -> int:
         """`seq`'s next token from its [vocab] row of logits, after what it declared
         (lanes/generation/processors.py; before its min_tokens, eos and its stop tokens
-        are masked, as vLLM, stop strings not). The row itself is left as it is:
-        logprobs score the raw logits."""
+        are masked, as vLLM, and token() holds off its stop strings). The row itself is
+        left as it is: logprobs score the raw logits."""
         if seq.controlled:
             row = processed(seq, row, self.eos_token_ids)
         if seq.sampling.temperature == 0:
@@ -165,7 +165,10 @@ class Advance:
             return Event(seq.id, (token,), "", None, first)
         before = len(seq.text)
         seq.text += self.text.delta(seq)
-        cut = _first_stop(seq.text, stop, before) if stop else None
+        # As vLLM: no stop string ends the text within its first min_tokens tokens; one
+        # that ends after them may start in their text.
+        held_off = len(seq.tokens) <= seq.min_tokens
+        cut = _first_stop(seq.text, stop, before) if stop and not held_off else None
         if cut is not None:
             seq.text = seq.text[: cut.end if seq.include_stop else cut.start]
             self._finish(seq, SeqStatus.FINISHED_STOPPED)

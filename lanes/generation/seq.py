@@ -69,8 +69,8 @@ class Seq:
     # be 0: the sequence finishes after its prefill, having made nothing.
     prompt_logprobs: int | None = None
     # vLLM's: tokens that end it as eos does (not in its tokens or text); eos and these
-    # cannot end it before min_tokens (their logits are masked until then); a stop
-    # string that ends it stays in its text (include_stop_str_in_output).
+    # cannot end it before min_tokens (their logits are masked until then), nor can a
+    # stop string; a stop string that ends it stays in its text (include_stop_str_in_output).
     stop_token_ids: frozenset[int] = frozenset()
     min_tokens: int = 0
     include_stop: bool = False
