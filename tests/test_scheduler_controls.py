@@ -105,6 +105,16 @@ def test_min_p_drops_what_is_less_likely_than_min_p_times_the_likeliest() -> Non
     assert drawn == {0, 1, 3}  # 0.09 < 0.2 * 0.5; 0.11 is kept
 
 
+def test_a_temperature_too_small_to_divide_by_is_greedy() -> None:
+    """As vLLM: below 1e-5 a temperature picks as 0 does, the likeliest token; the
+    logits divided by 1e-320 would be infinite, and every token as likely."""
+    row = np.array([1.0, 3.0, 2.0, -1.0])
+    rng = np.random.default_rng(0)
+    for temperature in (1e-320, 1e-6):
+        drawn = {sample(row, SamplingParams(temperature=temperature), rng) for _ in range(50)}
+        assert drawn == {1}, temperature
+
+
 def test_penalties_count_each_made_token_once_however_many_steps() -> None:
     s = make()
     s.add(seq(0, frequency_penalty=1.0, presence_penalty=0.5))

@@ -12,10 +12,14 @@ from typing import Any
 
 import numpy as np
 
+# vLLM's: a temperature below it picks as 0 does. The logits divided by much less
+# would overflow (1e-320: all infinite, every token as likely) to no one's benefit.
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy; top_k 0 and top_p 1 cut nothing; top_p 0 keeps only the
+    """temperature 0 (or below GREEDY_BELOW) is greedy; top_k 0 and top_p 1 cut nothing; top_p 0 keeps only the
     likeliest token (OpenAI accepts it); min_p 0 (vLLM's) cuts nothing."""
 
     temperature: float = 1.0
@@ -57,12 +61,12 @@ def choice_seed(seed: int | None, choice: int) -> int | None:
 def sample(logits: np.ndarray[Any, Any], params: SamplingParams, rng: np.random.Generator) -> int:
     """The next token id from a [vocab] row of logits.
 
-    Greedy (argmax) when temperature is 0. Otherwise: divide by temperature, drop
+    Greedy (argmax) when temperature is 0 (or below GREEDY_BELOW). Otherwise: divide by temperature, drop
     the tokens less likely than min_p times the likeliest (as vLLM, before the other
     cuts), keep the top_k highest, keep the smallest most-likely set whose probability reaches
     top_p, and draw from what is left with `rng`. Deterministic for a given rng state.
     """
-    if params.temperature == 0:
+    if params.temperature < GREEDY_BELOW:
         return int(np.argmax(logits))
     scores = np.asarray(logits, dtype=np.float64) / params.temperature
     if params.min_p > 0:
