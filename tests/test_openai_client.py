@@ -234,6 +234,13 @@ def test_no_op_values_of_parameters_lanes_does_not_implement_are_accepted(
         {"model": "code-complete", "messages": CHAT, "max_tokens": 2, "tools": [], "n": None},
     )
     assert answer.status_code == 200, answer.text
+    template = {"add_generation_prompt": True, "continue_final_message": False}
+    answer = post(server, "/v1/chat/completions", {**CHAT_BODY, **template, "max_tokens": 2})
+    assert answer.status_code == 200, answer.text
+    # vLLM's add_generation_prompt: false leaves out the assistant's opening (its tokens).
+    bare = post(server, "/v1/chat/completions", {**CHAT_BODY, "add_generation_prompt": False})
+    opening = answer.json()["usage"]["prompt_tokens"] - bare.json()["usage"]["prompt_tokens"]
+    assert opening > 0, bare.text
     text_only = {"modalities": ["text"], "audio": None, "web_search_options": None}
     answer = post(server, "/v1/chat/completions", {**CHAT_BODY, **text_only})
     assert answer.status_code == 200, answer.text
@@ -432,6 +439,13 @@ REJECTED: list[tuple[str, dict[str, Any], str, str | None]] = [
     ("/v1/completions", {**PROMPT_BODY, "logit_bias": {"5000": 1}}, "logit_bias", "invalid_value"),
     ("/v1/completions", {**PROMPT_BODY, "user": 5}, "user", "invalid_type"),
     ("/v1/chat/completions", {**CHAT_BODY, "echo": True}, "echo", "unsupported_value"),
+    # vLLM's, for an assistant's prefill: the answer would be a new turn, not its rest.
+    (
+        "/v1/chat/completions",
+        {**CHAT_BODY, "continue_final_message": True, "add_generation_prompt": False},
+        "continue_final_message",
+        "unsupported_value",
+    ),
     # vLLM's sampling extensions change the tokens: refused, not silently ignored.
     *(
         ("/v1/completions", {**PROMPT_BODY, name: value}, name, "unsupported_value")

@@ -413,6 +413,13 @@ class ChatCompletionRequest(GenerateParams):
     # vLLM's (the last message before the answer): refused, not ignored, so a vLLM
     # client does not get an answer without the text it asked for.
     echo: bool | None = Field(None, description="vLLM's: only false.")
+    # vLLM's, for an assistant's prefill: the prompt ends with the generation prompt (the
+    # assistant's opening) unless add_generation_prompt is false. Continuing the last
+    # message is not built: refused, not ignored, else the answer is a new turn unsaid.
+    add_generation_prompt: bool | None = Field(
+        None, description="vLLM's: false leaves the assistant's opening out."
+    )
+    continue_final_message: bool | None = Field(None, description="vLLM's: only false.")
     modalities: list[str] | None = Field(None, description='Only ["text"].')
     audio: dict[str, Any] | None = Field(None, description="Only none.")
     web_search_options: dict[str, Any] | None = Field(None, description="Only none.")
@@ -430,6 +437,12 @@ class ChatCompletionRequest(GenerateParams):
         if self.echo:
             raise unsupported(
                 "echo", "a chat answer does not echo its messages; send false or leave it out"
+            )
+        if self.continue_final_message:
+            raise unsupported(
+                "continue_final_message",
+                "lanes does not continue the last message: its answer would be a new turn; "
+                "send false or leave it out",
             )
         if self.modalities is not None and self.modalities != ["text"]:
             raise unsupported(
@@ -558,7 +571,8 @@ def prepare_prompts(
     The online endpoint and the offline lane both call this."""
     alone = request.prompt_only
     if isinstance(request, ChatCompletionRequest):
-        chat = render_chat(request.messages, template, generation_prompt)
+        opening = None if request.add_generation_prompt is False else generation_prompt
+        chat = render_chat(request.messages, template, opening)
         try:
             return [prepare(request.generation_item(chat))]
         except InvalidInput as e:
