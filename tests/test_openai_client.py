@@ -221,6 +221,7 @@ def test_no_op_values_of_parameters_lanes_does_not_implement_are_accepted(
     # vLLM's extensions, as its clients send them (extra_body), at their no-op values.
     vllm = {"repetition_penalty": 1, "min_p": 0.0, "min_tokens": 0, "stop_token_ids": []}
     vllm |= {"bad_words": [], "include_stop_str_in_output": False, "use_beam_search": False}
+    vllm |= {"guided_json": None, "structured_outputs": None, "allowed_token_ids": None}
     again = client.chat.completions.create(
         model="code-complete",
         messages=CHAT,  # type: ignore[arg-type]
@@ -452,6 +453,13 @@ REJECTED: list[tuple[str, dict[str, Any], str, str | None]] = [
         for name, value in (
             ("bad_words", ["def"]),
             ("use_beam_search", True),
+            # Structured output: JSON (or a choice) asked for would come back as free text.
+            ("guided_json", {"type": "object"}),
+            ("guided_regex", "[ab]+"),
+            ("guided_choice", ["yes", "no"]),
+            ("guided_grammar", "root ::= 'a'"),
+            ("structured_outputs", {"choice": ["yes", "no"]}),
+            ("allowed_token_ids", [5, 6]),
         )
     ),
     # Those lanes implements are refused only out of range (tests/test_sampling_controls.py).

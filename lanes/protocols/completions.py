@@ -57,6 +57,13 @@ class Prepare(Protocol[T_co]):
 VLLM_NO_OPS: dict[str, Any] = {
     "bad_words": [],
     "use_beam_search": False,
+    # Structured output: JSON or a choice asked for would come back as free text.
+    "guided_json": None,
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
+    "structured_outputs": None,
+    "allowed_token_ids": None,
 }
 
 
@@ -129,6 +136,12 @@ class GenerateParams(GenerationOptions, OpenAIRequest):
     # vLLM's sampling extensions that lanes does not implement (VLLM_NO_OPS).
     bad_words: list[str] | None = Field(None, description="vLLM's: only empty.")
     use_beam_search: bool | None = Field(None, description="vLLM's: only false.")
+    guided_json: Any = Field(None, description="vLLM's: only none.")
+    guided_regex: Any = Field(None, description="vLLM's: only none.")
+    guided_choice: Any = Field(None, description="vLLM's: only none.")
+    guided_grammar: Any = Field(None, description="vLLM's: only none.")
+    structured_outputs: Any = Field(None, description="vLLM's: only none.")
+    allowed_token_ids: Any = Field(None, description="vLLM's: only none.")
     # Refused, not ignored: a vLLM client would get no scores and not know.
     prompt_logprobs: int | None = Field(None, description="vLLM's: none; echo with logprobs.")
 
