@@ -236,6 +236,7 @@ def test_no_op_values_of_parameters_lanes_does_not_implement_are_accepted(
     )
     assert answer.status_code == 200, answer.text
     template = {"add_generation_prompt": True, "continue_final_message": False}
+    template |= {"chat_template": None}
     answer = post(server, "/v1/chat/completions", {**CHAT_BODY, **template, "max_tokens": 2})
     assert answer.status_code == 200, answer.text
     # vLLM's add_generation_prompt: false leaves out the assistant's opening (its tokens).
@@ -445,6 +446,12 @@ REJECTED: list[tuple[str, dict[str, Any], str, str | None]] = [
         "/v1/chat/completions",
         {**CHAT_BODY, "continue_final_message": True, "add_generation_prompt": False},
         "continue_final_message",
+        "unsupported_value",
+    ),
+    (
+        "/v1/chat/completions",
+        {**CHAT_BODY, "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"},
+        "chat_template",
         "unsupported_value",
     ),
     # vLLM's sampling extensions change the tokens: refused, not silently ignored.

@@ -433,6 +433,8 @@ class ChatCompletionRequest(GenerateParams):
         None, description="vLLM's: false leaves the assistant's opening out."
     )
     continue_final_message: bool | None = Field(None, description="vLLM's: only false.")
+    # vLLM's own template for the request: the prompt would be the model's instead.
+    chat_template: Any = Field(None, description="vLLM's: only none.")
     modalities: list[str] | None = Field(None, description='Only ["text"].')
     audio: dict[str, Any] | None = Field(None, description="Only none.")
     web_search_options: dict[str, Any] | None = Field(None, description="Only none.")
@@ -450,6 +452,12 @@ class ChatCompletionRequest(GenerateParams):
         if self.echo:
             raise unsupported(
                 "echo", "a chat answer does not echo its messages; send false or leave it out"
+            )
+        if self.chat_template is not None:
+            raise unsupported(
+                "chat_template",
+                "lanes renders a chat with its model's template (config.json "
+                "`chat_template`); leave it out",
             )
         if self.continue_final_message:
             raise unsupported(
