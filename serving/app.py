@@ -120,8 +120,8 @@ def create_app(
 
 class Served:
     """What `create_app` returns: the ASGI app uvicorn runs, the state it serves, and
-    the switches `lanes serve` turns on SIGTERM (`drain`) and before its grace for the
-    requests in flight runs out (`expire`)."""
+    the switches `lanes serve` turns on SIGTERM (`drain`), when its listener closes
+    (`closed`) and before its grace for the requests in flight runs out (`expire`)."""
 
     def __init__(self, app: ASGIApp, state: ServingState, edge: Edge) -> None:
         self.app = app
@@ -138,6 +138,13 @@ class Served:
         """Not ready from now on, each answer closing its connection; safe in a signal
         handler."""
         self._edge.drain()
+
+    def closed(self) -> None:
+        """The listener closed: nothing can join a batch waiting for company any
+        more, so each worker runs what waits now, not at its `max_wait_ms` (which
+        could outlast the grace for the requests in flight)."""
+        for worker in self.state.workers.values():
+            worker.hurry()
 
     def ready(self) -> bool:
         """Whether /readyz says ready: every workload loaded, and not draining."""

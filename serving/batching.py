@@ -288,7 +288,7 @@ class BatchQueue:
         return batch
 
     async def _wait_for_company(self, until: float) -> None:
-        while self._live < self.max_batch_size and not self._closed:
+        while self._live < self.max_batch_size and not self._closed and self.max_wait_s > 0:
             remaining = until - self._clock()
             if remaining <= 0:
                 return
@@ -305,6 +305,13 @@ class BatchQueue:
     def close(self) -> None:
         """Refuse new requests; `next_batch` drains what is queued, then returns []."""
         self._closed = True
+        self._arrived.set()
+
+    def hurry(self) -> None:
+        """No more company is coming (the server stopped listening): from now on a
+        batch waits for none, and one waiting for it is taken at once. Requests are
+        still queued."""
+        self.max_wait_s = 0.0
         self._arrived.set()
 
 

@@ -39,9 +39,11 @@ class DrainingServer(uvicorn.Server):
     still served, each answer closing its connection, so no client keeps a connection
     the server is about to close. A server that was not `ready` yet (models still
     loading, or one failed) was never sent traffic by a balancer: it stops at once,
-    without a drain, abandoning the loads in progress. Then the listener closes, requests already on their
-    way are read (`LINGER_S`), in-flight and queued work finishes, and the app's
-    lifespan stops its workers. A second signal skips what is left of the drain.
+    without a drain, abandoning the loads in progress. Then the listener closes
+    (`on_close`: a batch waiting for company runs now, as none can come), requests
+    already on their way are read (`LINGER_S`), in-flight and queued work finishes,
+    and the app's lifespan stops its workers. A second signal skips what is left of
+    the drain.
     Streams still generating `EXPIRE_BEFORE_S` before uvicorn's graceful timeout would
     cancel them are ended then, whole (`on_expire`): a client sees its text so far,
     finish_reason `length` and `[DONE]`, not a connection cut mid-answer.
@@ -52,12 +54,14 @@ class DrainingServer(uvicorn.Server):
         config: uvicorn.Config,
         drain_s: float,
         on_drain: Callable[[], None],
+        on_close: Callable[[], None],
         on_expire: Callable[[], None],
         ready: Callable[[], bool],
     ) -> None:
         super().__init__(config)
         self.drain_s = drain_s
         self.on_drain = on_drain
+        self.on_close = on_close
         self.on_expire = on_expire
         self.ready = ready
         self.drain_until: float | None = None
@@ -105,6 +109,7 @@ class DrainingServer(uvicorn.Server):
             )
         for server in self.servers:
             server.close()
+        self.on_close()
         # uvicorn closes idle connections at once: first let requests that clients
         # already wrote on them arrive, so that they are answered, not cut off.
         await asyncio.sleep(LINGER_S)
@@ -156,7 +161,7 @@ def serve(spec: Spec, settings: Settings, host: str | None = None, port: int | N
         timeout_graceful_shutdown=GRACEFUL_S,
         log_level=settings.log_level.lower(),
     )
-    server = DrainingServer(config, settings.drain_s, app.drain, app.expire, app.ready)
+    server = DrainingServer(config, settings.drain_s, app.drain, app.closed, app.expire, app.ready)
     server.run(sockets=sockets)
 
 

@@ -173,6 +173,11 @@ class BatchWorker:
         # stays free meanwhile to answer it and other workers' callers.
         await asyncio.to_thread(self._thread.stop)
 
+    def hurry(self) -> None:
+        """The server stopped listening: what waits for company (`max_wait_ms`) runs
+        now, with what it has."""
+        self.lanes.interactive.hurry()
+
     def admit(self, items: int, timeout_s: float | None = None) -> None:
         """Raise now what `submit` would refuse `items` inputs with, so that a caller
         can ask before it prepares them: RequestTooLarge if they can never be queued;

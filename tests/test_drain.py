@@ -405,7 +405,8 @@ class StoppingServer(ServerThread):
             access_log=False,
             timeout_graceful_shutdown=grace_s,
         )
-        self.server = DrainingServer(config, 0.0, self.app.drain, self.app.expire, self.app.ready)
+        app = self.app
+        self.server = DrainingServer(config, 0.0, app.drain, app.closed, app.expire, app.ready)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
 
@@ -444,3 +445,42 @@ workloads:
     events += [json.loads(line.removeprefix("data: ")) for line in rest[:-1]]
     assert events[-1]["choices"][0]["finish_reason"] == "length"
     assert len(events) < 500  # ended early, not run to max_tokens
+
+
+def test_a_batch_waiting_for_company_runs_once_the_listener_closes(
+    tmp_path: Path, demo_models: Path
+) -> None:
+    """A request queued for a batch that waits up to a minute for company
+    (`max_wait_ms`) is answered once the server stops listening, since nothing can
+    join its batch any more: not held until uvicorn's graceful timeout cancels it
+    (a plain-text 500 and a traceback)."""
+    spec = tmp_path / "workloads.yaml"
+    spec.write_text(
+        f"""\
+version: 1
+models:
+  classifier: {{path: {demo_models}/classifier/model.onnx}}
+workloads:
+  eights:
+    task: infer
+    mode: interactive
+    model: classifier
+    batching: {{max_batch_size: 8, max_wait_ms: 60000}}
+"""
+    )
+    answers: list[httpx.Response] = []
+    with StoppingServer(spec, GRACE_S) as server:
+
+        def call() -> None:
+            with httpx.Client(base_url=server.url, timeout=WAIT_S) as c:
+                answers.append(infer(c, "eights"))
+
+        caller = threading.Thread(target=call)
+        caller.start()
+        wait_until(lambda: queued(server.url, "eights") >= 1, "the call queued")
+        server.server.should_exit = True  # what SIGTERM does once the drain ends
+        caller.join(timeout=WAIT_S)
+        server.thread.join(timeout=WAIT_S)
+        assert not server.thread.is_alive()
+    assert [a.status_code for a in answers] == [200], [a.text for a in answers]
+    assert answers[0].json()["outputs"][0]["name"] == "logits"
