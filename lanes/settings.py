@@ -417,6 +417,14 @@ class Settings(BaseSettings):
             raise ValueError(
                 "expected a key, found an empty value; unset the variable to serve without one"
             )
+        # No client can send it: a header's token is read without the whitespace around
+        # it, so the server would refuse every call. A Secret made from a file with its
+        # last newline gives one.
+        if key is not None and key.get_secret_value() != key.get_secret_value().strip():
+            raise ValueError(
+                "expected a key without whitespace around it, found one that starts or ends "
+                "with a space or a line break (a file's last newline?): remove it"
+            )
         return key
 
     @field_validator("work_pool")

@@ -16,9 +16,11 @@ import httpx
 import orjson
 import pytest
 from openai import BadRequestError, OpenAI
+from typer.testing import CliRunner
 
 import lanes
 from lanes.errors import InvalidInput
+from lanes.router.cli import app
 from tests.gates import SERVER_START_S, wait_until
 from tests.servers import free_port, write_spec
 
@@ -278,3 +280,21 @@ def test_an_error_body_gives_its_code_to_the_access_line_in_either_shape() -> No
     body, code = with_request_id(b'{"error": "m", "param": "inputs", "code": "c2"}', "r2")
     assert code == "c2" and orjson.loads(body)["request_id"] == "r2"
     assert with_request_id(b'{"error": "m"}', "r3")[1] is None
+
+
+@pytest.mark.parametrize("key", [f"{KEY}\n", f" {KEY}"])
+def test_a_key_with_whitespace_around_it_is_refused_at_start(
+    key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No client can send it (the header's token is read without the whitespace around
+    it), so the server would answer 401 to every call while its health routes say 200:
+    a Kubernetes Secret made from a file with its last newline gives one."""
+    monkeypatch.chdir(ROOT)
+    # No such spec: were the key taken, serve would stop there, not serve.
+    command = ["serve", "no-such-workloads.yaml"]
+    done = CliRunner().invoke(app, command, env={"LANES_API_KEY": key}, prog_name="lanes")
+    assert done.exit_code == 2, done.output
+    assert done.stderr.startswith(
+        "env LANES_API_KEY: expected a key without whitespace around it"
+    ), done.stderr
+    assert KEY not in done.stderr
