@@ -161,7 +161,8 @@ class BatchWorker:
             self.scaling.start()
 
     async def stop(self) -> None:
-        """Finish what is queued (both lanes), then stop."""
+        """Finish what is queued (both lanes), then stop; the model's optimized copy
+        (idle_unload_s) goes too."""
         if self.scaling is not None:
             await self.scaling.stop()
         self.lanes.close()
@@ -172,6 +173,8 @@ class BatchWorker:
         # Off the loop: a lone request's run may still be on the thread, and the loop
         # stays free meanwhile to answer it and other workers' callers.
         await asyncio.to_thread(self._thread.stop)
+        if self.residency is not None:
+            self.residency.model.discard_copy()  # nothing loads again
 
     def hurry(self) -> None:
         """The server stopped listening: what waits for company (`max_wait_ms`) runs

@@ -484,3 +484,33 @@ workloads:
         assert not server.thread.is_alive()
     assert [a.status_code for a in answers] == [200], [a.text for a in answers]
     assert answers[0].json()["outputs"][0]["name"] == "logits"
+
+
+def test_a_stopped_server_leaves_no_copy_of_an_idle_unload_model(
+    tmp_path: Path, demo_models: Path
+) -> None:
+    """A workload with `idle_unload_s` keeps an optimized copy of its model in a folder
+    of the server's own, to load again from; the folder goes when the server stops on
+    SIGTERM, though uvicorn then ends the process by the signal, running no exit
+    handlers: no restart leaves a model's size behind in the temporary folder."""
+    spec = tmp_path / "workloads.yaml"
+    spec.write_text(
+        f"""\
+version: 1
+models:
+  classifier: {{path: {demo_models}/classifier/model.onnx}}
+workloads:
+  napping: {{task: infer, mode: interactive, model: classifier, idle_unload_s: 3600}}
+"""
+    )
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    server = Replica(spec, environment(LANES_DRAIN_S="0", TMPDIR=str(temp)))
+    try:
+        server.start()
+        assert len(list(temp.glob("lanes-session-*"))) == 1
+        server.signal()
+        server.wait()
+    finally:
+        server.kill()
+    assert list(temp.glob("lanes-session-*")) == []

@@ -45,6 +45,10 @@ class Releasable(Protocol):
         """Release the session and its memory; runs fail until `load`."""
         ...
 
+    def discard_copy(self) -> None:
+        """Remove the optimized copy kept to load again from (the server stops)."""
+        ...
+
 
 class SessionSlot:
     """`runtime.session(model)`, loaded at construction; `unload` drops it. With
@@ -105,6 +109,15 @@ class SessionSlot:
         self._session = None
         self.placement = None
 
+    def discard_copy(self) -> None:
+        """Remove the optimized copy now; a later `load` reads the model's own file.
+        Not left to the exit handlers: a server stopped by a signal ends by the signal
+        (uvicorn raises it again), which runs none."""
+        if self._copies is not None:
+            self._copies.cleanup()
+            self._copies = None
+            self._optimized = None
+
     def one_thread(self) -> SessionSlot:
         """A slot of its own on the same model file, one intra-op thread, loaded now."""
         options = self._model.session.model_copy(
@@ -141,6 +154,9 @@ class SlotSession:
 
     def unload(self) -> None:
         self.slot.unload()
+
+    def discard_copy(self) -> None:
+        self.slot.discard_copy()
 
     def on_one_thread(self) -> Self:
         """This task with its runs on a session of its own with one intra-op thread
