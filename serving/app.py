@@ -96,6 +96,10 @@ def create_app(
             await asyncio.gather(*(w.stop() for w in state.workers.values()))
             await asyncio.gather(*(e.stop() for e in state.engines.values()))
             state.offload.close()
+            if tracing is not None:
+                # Now, not at exit: uvicorn ends a process stopped by a signal by raising
+                # it again, which runs no exit handler (the batch processor's among them).
+                await asyncio.to_thread(tracing.flush)
 
     handlers = {HTTPException: no_route, Exception: internal_error}
     app = Starlette(routes=_routes(), lifespan=lifespan, exception_handlers=handlers)

@@ -7,6 +7,7 @@ behind a real haproxy with closed-loop load and no failed request.
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import shutil
@@ -20,7 +21,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 import pytest
@@ -514,3 +515,46 @@ workloads:
     finally:
         server.kill()
     assert list(temp.glob("lanes-session-*")) == []
+
+
+class Collector(http.server.BaseHTTPRequestHandler):
+    """An OTLP/HTTP collector that counts the span exports it is sent."""
+
+    exports: ClassVar[list[str]] = []
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        Collector.exports.append(self.path)
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_a_stopped_server_exports_its_last_spans(tmp_path: Path, demo_models: Path) -> None:
+    """Spans wait in OpenTelemetry's batch processor (here for 10 minutes) until they
+    are exported in a batch: the server exports what is pending as it stops, since a
+    process that uvicorn ends by the signal it stopped on runs no exit handlers."""
+    Collector.exports.clear()
+    collector = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Collector)
+    threading.Thread(target=collector.serve_forever, daemon=True).start()
+    env = environment(
+        LANES_DRAIN_S="0",
+        LANES_TRACING="true",
+        OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{collector.server_address[1]}",
+        OTEL_BSP_SCHEDULE_DELAY="600000",
+    )
+    server = Replica(write_spec(tmp_path, demo_models), env)
+    try:
+        server.start()
+        with httpx.Client(base_url=server.url, timeout=WAIT_S) as client:
+            assert infer(client, "fast").status_code == 200
+        assert Collector.exports == []
+        server.signal()
+        server.wait()
+    finally:
+        server.kill()
+        collector.shutdown()
+    assert Collector.exports == ["/v1/traces"]
