@@ -110,7 +110,10 @@ def _authorize(request: Request, key: str | None) -> None:
             "on the server and on the flow that sends them"
         )
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), key):
+    # As bytes, as the Edge compares the API key: hmac takes no str that is not ASCII,
+    # and Starlette reads a header's bytes as Latin-1.
+    sent = token.strip().encode("latin-1")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(sent, key.encode()):
         raise AuthError(
             "missing or wrong internal key: send Authorization: Bearer <LANES_INTERNAL_KEY "
             "(else LANES_API_KEY) of the server>"

@@ -270,6 +270,13 @@ def test_the_internal_route_refuses_a_missing_or_wrong_key(
             refused = send_batch(server, "search", items, key)
             assert refused.status_code == 401
             assert "internal key" in refused.json()["error"]["message"]
+        # A key that is not ASCII (a byte Starlette reads as Latin-1) is wrong, not a 500.
+        latin = httpx.post(
+            server.url + batch_path("search"),
+            content=encode_items(items),
+            headers={"content-type": CONTENT_TYPE, "authorization": b"Bearer \xe9"},
+        )
+        assert latin.status_code == 401, latin.text
         assert send_batch(server, "search", items, KEY).status_code == 200
         # The internal key opens only the internal route.
         embed = {"model": "search", "input": "w1"}
