@@ -168,9 +168,14 @@ async def live(request: Request) -> Response:
 
 async def ready(request: Request) -> Response:
     """/readyz and /v2/health/ready: 200 once every workload is loaded and warm, else
-    503; the body has each workload's state, and what failed."""
+    503; the body has each workload's state, and what failed, for a caller with the
+    API key when the server has one. The route is open (probes send no key): anyone
+    else reads the status alone, not what the server hosts."""
     state: ServingState = request.app.state.lanes
     body = state.readiness.as_json()
+    key = state.settings.api_key
+    if key is not None and not holds_key(request.scope, key.get_secret_value().encode()):
+        body = {"status": body["status"], "ready": body["ready"]}
     return JSONResponse(body, 200 if body["ready"] else 503)
 
 
@@ -476,11 +481,14 @@ class Edge:
 
     def _authorized(self, scope: Scope) -> bool:
         assert self.token is not None
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                scheme, _, token = value.partition(b" ")
-                # RFC 9110: the scheme is case-insensitive.
-                return scheme.lower() == b"bearer" and hmac.compare_digest(
-                    token.strip(), self.token
-                )
-        return False
+        return holds_key(scope, self.token)
+
+
+def holds_key(scope: Scope, key: bytes) -> bool:
+    """Whether the request sends `Authorization: Bearer <key>` (compared in constant time)."""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            # RFC 9110: the scheme is case-insensitive.
+            return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
+    return False

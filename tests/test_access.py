@@ -183,6 +183,19 @@ def test_a_401_has_an_id_and_an_access_line(served: Served) -> None:
     assert served.access(rid)["status"] == 401
 
 
+def test_readiness_names_the_workloads_only_to_a_caller_with_the_key(served: Served) -> None:
+    # The health routes are open for probes, which read the status alone; what the
+    # server hosts is no more open there than on /v2/models/{name}/ready.
+    for path in ("/readyz", "/v2/health/ready"):
+        for key in (None, WRONG_KEY):
+            headers = {} if key is None else auth(key)
+            anonymous = httpx.get(f"{served.url}{path}", headers=headers)
+            assert anonymous.status_code == 200
+            assert anonymous.json() == {"status": "ready", "ready": True}
+        keyed = httpx.get(f"{served.url}{path}", headers=auth()).json()
+        assert set(keyed["workloads"]) == {"search-query", "eights", "flowers", "code-complete"}
+
+
 def test_the_openai_client_reads_the_id_and_completions_are_named_after_it(
     served: Served,
 ) -> None:
