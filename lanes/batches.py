@@ -438,7 +438,7 @@ class Batches:
         """A batch whose flow run the Prefect API does not know: deleted there, or this
         server points at another Prefect. `failed` in this answer only, never stored:
         pointed at the right Prefect again, the batch reads as its run says."""
-        url = PrefectApi(self.prefect_api_url).url()
+        url = PrefectApi(self.prefect_api_url).shown()
         gone = BatchError(
             "batch_run_missing",
             f"the batch's flow run is not on the Prefect API at {url}: deleted there, or "

@@ -312,7 +312,7 @@ class Job:
             return client.read_flow_run(self._uuid)
         except ObjectNotFound:
             raise NotFound(
-                f"no job {self.id} on the Prefect API at {self._prefect.url()}; "
+                f"no job {self.id} on the Prefect API at {self._prefect.shown()}; "
                 "is PREFECT_API_URL the server it was submitted to?"
             ) from None
 

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
 
 from lanes.errors import LanesError, Unavailable
 
@@ -43,15 +44,24 @@ class PrefectApi:
             )
         return str(value)
 
+    def shown(self) -> str:
+        """`url()` as a message says it: without the user and password it may hold (a
+        proxy's basic auth), since a message may reach a client of the Batch API."""
+        url = self.url()
+        parts = urlsplit(url)
+        if "@" not in parts.netloc:
+            return url
+        return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
     @contextmanager
     def client(self) -> Iterator[SyncPrefectClient]:
         import httpx
         from prefect.client.orchestration import SyncPrefectClient
         from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_KEY
 
-        url = self.url()
+        url = self.shown()
         client = SyncPrefectClient(
-            url, api_key=PREFECT_API_KEY.value(), auth_string=PREFECT_API_AUTH_STRING.value()
+            self.url(), api_key=PREFECT_API_KEY.value(), auth_string=PREFECT_API_AUTH_STRING.value()
         )
         try:
             with client:
@@ -74,7 +84,7 @@ class PrefectApi:
             return client.read_deployment_by_name(f"{FLOW_NAME}/{workload}").id
         except ObjectNotFound:
             raise LanesError(
-                f"no deployment {FLOW_NAME}/{workload} on the Prefect API at {self.url()}: "
+                f"no deployment {FLOW_NAME}/{workload} on the Prefect API at {self.shown()}: "
                 "register the offline workloads there first (`lanes deploy`)"
             ) from None
 

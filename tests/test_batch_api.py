@@ -766,9 +766,12 @@ def test_a_batch_with_the_prefect_api_down_is_503_to_retry_and_leaves_no_input(
 
     spec = write_spec(tmp_path / "project", WORKLOADS)
     store = tmp_path / "store"
-    down = f"http://127.0.0.1:{free_port()}/api"  # nothing listens there
+    port = free_port()  # nothing listens there
+    down = f"http://127.0.0.1:{port}/api"
     batch = {"store": str(store), "shard_lines": SHARD_LINES}
-    with ServerThread(spec, batch=batch, prefect_api_url=down) as server:
+    # A password in the API's URL (a proxy's basic auth) is never told to a client.
+    with_password = f"http://lanes:PASSWORD-9f2c@127.0.0.1:{port}/api"
+    with ServerThread(spec, batch=batch, prefect_api_url=with_password) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
         body = lines_for("embed-night", [text(i) for i in range(7)])
         uploaded = client.files.create(file=("in.jsonl", io.BytesIO(body)), purpose="batch")
@@ -780,7 +783,8 @@ def test_a_batch_with_the_prefect_api_down_is_503_to_retry_and_leaves_no_input(
         assert int(answer.headers["retry-after"]) >= 1
         error = answer.json()["error"]
         assert error["code"] == "service_unavailable"
-        assert f"cannot reach the Prefect API at {down}" in error["message"]
+        assert f"cannot reach the Prefect API at {down}:" in error["message"]
+        assert "PASSWORD" not in answer.text
         with pytest.raises(openai.InternalServerError) as refused:
             client.batches.create(**request, completion_window="24h")  # type: ignore[arg-type]
         assert refused.value.status_code == 503
