@@ -68,6 +68,8 @@ def check_input(
     """Raise InvalidInput unless `uri` lies under one of `allowed_roots`. Relative
     local paths are read against `base`; `written` is how the user wrote `uri`, for
     the message."""
+    if "\x00" in uri:  # no path holds one: the OS would refuse it as a ValueError
+        raise InvalidInput(f"input {uri!r}: a path may not hold a NUL character")
     if is_s3(uri):
         dots = [p for p in split_s3(uri)[1].split("/") if p in (".", "..")]
         if dots:
