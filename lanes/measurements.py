@@ -24,6 +24,7 @@ one.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 from collections.abc import Mapping
@@ -110,12 +111,9 @@ class Measurements:
 
     def save(self, record: Throughput) -> Path:
         """Write `record`; returns its file. Raises OSError when the folder is not writable."""
-        for name, rate in (
-            ("items_per_second", record.items_per_second),
-            ("items_per_busy_second", record.items_per_busy_second),
-        ):
-            if rate is not None and rate <= 0:
-                raise ValueError(f"{name}: expected a positive rate, found {rate}")
+        problem = _unpriceable(record)
+        if problem is not None:
+            raise ValueError(problem)
         folder = self.folder / record.workload
         folder.mkdir(parents=True, exist_ok=True)
         at = record.measured_at.astimezone(UTC).strftime("%Y%m%dT%H%M%S%fZ")
@@ -130,11 +128,33 @@ class Measurements:
         records = []
         for path in sorted(self.folder.glob("*/*.json")):
             try:
-                records.append(_ADAPTER.validate_json(path.read_bytes()))
+                record = _ADAPTER.validate_json(path.read_bytes())
             except (OSError, ValidationError) as err:
                 log.warning("ignoring measurement %s: %s", path, _first_line(err))
+                continue
+            problem = _unpriceable(record)
+            if problem is not None:
+                log.warning("ignoring measurement %s: %s", path, problem)
+                continue
+            records.append(record)
         records.sort(key=lambda r: r.measured_at, reverse=True)
         return records
+
+
+def _unpriceable(record: Throughput) -> str | None:
+    """Why `record` cannot price an item or be ordered beside the others; None if it can."""
+    for name, rate in (
+        ("items_per_second", record.items_per_second),
+        ("items_per_busy_second", record.items_per_busy_second),
+    ):
+        if rate is not None and not (math.isfinite(rate) and rate > 0):
+            return f"{name}: expected a positive rate, found {rate}"
+    if record.measured_at.utcoffset() is None:
+        return (
+            f"measured_at: expected a time with its UTC offset, found "
+            f"{record.measured_at.isoformat()}"
+        )
+    return None
 
 
 def newest(

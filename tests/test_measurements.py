@@ -59,6 +59,32 @@ def test_an_unreadable_record_is_skipped_with_a_warning(
     assert "broken.json" in caplog.text and "wrong.json" in caplog.text
 
 
+def test_a_record_that_cannot_price_an_item_is_skipped_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Hand-edited or written by something else: each reads as a record, none can be
+    # priced or ordered beside the others, and none may fail a plan or a run's manifest.
+    store = Measurements(tmp_path)
+    good = record()
+    store.save(good)
+    folder = tmp_path / "measurements" / "w"
+    written = (folder / next(folder.iterdir()).name).read_text()
+    bad = {
+        "zero": written.replace('"items_per_second": 100.0', '"items_per_second": 0.0'),
+        "nan": written.replace('"items_per_second": 100.0', '"items_per_second": NaN'),
+        "busy": written.replace('"items_per_busy_second": null', '"items_per_busy_second": -1'),
+        "naive": written.replace("2026-12-01T12:00:00+00:00", "2026-12-01T13:00:00"),
+    }
+    for name, text in bad.items():
+        assert text != written, name
+        (folder / f"{name}.json").write_text(text)
+    with caplog.at_level(logging.WARNING, logger="lanes.measurements"):
+        assert store.load() == [good]
+    assert all(f"{name}.json" in caplog.text for name in bad)
+    with pytest.raises(ValueError, match="items_per_second"):
+        store.save(record(rate=float("nan")))
+
+
 def test_a_home_without_measurements_has_none(tmp_path: Path) -> None:
     assert Measurements(tmp_path / "nowhere").load() == []
 
