@@ -164,6 +164,8 @@ def _cost_cells(cost: LaneCost, label: str, workload: str) -> tuple[str, str, st
     measured = str(cost.source)
     if cost.measured_at is not None:
         measured += " " + datetime.fromisoformat(cost.measured_at).strftime("%Y-%m-%d %H:%M %Z")
+    if cost.provider is not None:
+        measured += f" on {cost.provider}"
     if cost.measured_for not in (None, workload):
         measured += f" (of {cost.measured_for}, the same model)"
     if cost.cost_basis == "busy_seconds":

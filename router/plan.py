@@ -37,6 +37,7 @@ class LaneCost:
     # and for the interactive lane (priced on its measured rate, as before).
     cost_basis: CostBasis | None = None
     items_per_busy_second: float | None = None
+    provider: str | None = None  # onnxruntime's execution provider that measured it
 
     @classmethod
     def of(cls, lane: Mode, record: Throughput | None, price: float, workload: str) -> LaneCost:
@@ -56,6 +57,7 @@ class LaneCost:
             note=note,
             cost_basis=record.cost_basis if lane == "offline" else None,
             items_per_busy_second=_rounded(record.items_per_busy_second),
+            provider=record.provider,
         )
 
 

@@ -34,6 +34,7 @@ from lanes.router.calibrate import (
     synthetic_items,
 )
 from lanes.router.cli import app
+from lanes.router.cost_cli import print_costs
 from lanes.router.loadgen import HttpRequest, LoadGenerator
 from lanes.router.plan import plan
 from lanes.runtime import Runtime
@@ -157,6 +158,24 @@ def test_plan_prices_each_lane_from_the_newest_measurement_of_the_model(tmp_path
     assert (
         "$0.002500" in table.stdout and "not measured: run lanes calibrate complete" in table.stdout
     )
+
+
+def test_plan_says_which_device_measured_each_rate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A rate measured on the CPU must not pass for a GPU deployment's unsaid.
+    spec_file = write_spec(tmp_path, WORKLOADS)
+    cpu = measured(spec_file, "search", "interactive", 40.0, provider="CPUExecutionProvider")
+    gpu = measured(spec_file, "corpus", "offline", 900.0, provider="CUDAExecutionProvider")
+    routes = {
+        r.workload: r for r in plan(load_spec(spec_file, Settings()), Settings(), None, [cpu, gpu])
+    }
+    assert routes["search"].cost.provider == "CPUExecutionProvider"
+    assert routes["search"].other_lane_cost.provider == "CUDAExecutionProvider"
+    assert routes["search"].as_json()["cost"]["provider"] == "CPUExecutionProvider"
+    print_costs([routes["search"]], Settings())
+    table = capsys.readouterr().out
+    assert "on CPUExecutionProvider" in table and "on CUDAExecutionProvider" in table
 
 
 # ---- the manifest -------------------------------------------------------------------------
