@@ -79,7 +79,7 @@ def first_records(job: Job, storage: Storage, count: int) -> list[dict[str, Any]
 def measure_sample(job: Job, settings: Settings, storage: Storage, model: ShardModel) -> Throughput:
     """The offline rate of `job` over up to SAMPLE_BATCHES batches of its own input
     (`model` already loaded and warmed up). StorageError when the input holds no
-    readable record."""
+    readable record; InvalidInput when it answers none of them."""
     records = first_records(job, storage, SAMPLE_BATCHES * job.batch_size)
     if not records:
         raise StorageError(
@@ -87,6 +87,12 @@ def measure_sample(job: Job, settings: Settings, storage: Storage, model: ShardM
         )
     with tempfile.TemporaryDirectory(prefix="lanes-sample-", dir=_scratch(settings)) as folder:
         stats = run_records(job, records, Path(folder), model, storage)
+    if not stats.items:
+        raise InvalidInput(
+            f"{job.input}: no record of its input was answered ({stats.errors} of "
+            f"{stats.records} rejected, as max_error_rate allows), so {job.workload!r} has "
+            "no rate to plan by; check its records against the workload"
+        )
     return Throughput(
         workload=job.workload,
         model_key=job.model_key,

@@ -178,6 +178,23 @@ def test_plan_says_which_device_measured_each_rate(
     assert "on CPUExecutionProvider" in table and "on CUDAExecutionProvider" in table
 
 
+def test_a_sample_that_answers_no_record_plans_without_a_rate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every record of the input is rejected, as its max_error_rate allows: the sample
+    # measured nothing, which is no rate of 0 items/s to store (nor a traceback).
+    monkeypatch.setenv("LANES_HOME", str(tmp_path / "home"))
+    deadline = {"schedule": {"finish_by": "06:00"}, "max_error_rate": 1.0}
+    spec_file = write_spec(tmp_path, {"corpus": {**WORKLOADS["corpus"], **deadline}})
+    write_jsonl(tmp_path / "in" / "a.jsonl", [{"id": i, "body": text(i)} for i in range(20)])
+    settings = Settings()
+    [route] = plan(load_spec(spec_file, settings), settings, T0, calibrate=True)
+    assert route.deadline is not None
+    assert route.deadline["note"].startswith("cannot plan the start: ")
+    assert "no record of its input was answered" in route.deadline["note"]
+    assert Measurements(settings.home).load() == []
+
+
 # ---- the manifest -------------------------------------------------------------------------
 
 
