@@ -141,11 +141,16 @@ def calibration(
     job: Job, settings: Settings, storage: Storage, model: Callable[[], ShardModel]
 ) -> Callable[[], Throughput]:
     """`plan_run`'s `calibrate`: measure on a sample of the job's input with `model()`
-    and store the rate where `lanes calibrate` stores its own."""
+    and store the rate where `lanes calibrate` stores its own (a home that cannot be
+    written costs only a warning: the rate still plans this run)."""
 
     def measure() -> Throughput:
         record = measure_sample(job, settings, storage, model())
-        Measurements(settings.home).save(record)
+        store = Measurements(settings.home)
+        try:
+            store.save(record)
+        except OSError as err:
+            log.warning("could not store the measured rate under %s: %s", store.folder, err)
         return record
 
     return measure

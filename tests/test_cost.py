@@ -195,6 +195,23 @@ def test_a_sample_that_answers_no_record_plans_without_a_rate(
     assert Measurements(settings.home).load() == []
 
 
+def test_a_sample_measured_under_a_home_that_cannot_keep_it_still_plans(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A worker's home may be read-only: the rate plans this run, kept or not.
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "measurements").write_text("")  # no folder can be made there
+    monkeypatch.setenv("LANES_HOME", str(home))
+    deadline = {"schedule": {"finish_by": "06:00"}}
+    spec_file = write_spec(tmp_path, {"corpus": {**WORKLOADS["corpus"], **deadline}})
+    write_jsonl(tmp_path / "in" / "a.jsonl", [{"id": i, "text": text(i)} for i in range(20)])
+    settings = Settings()
+    [route] = plan(load_spec(spec_file, settings), settings, T0, calibrate=True)
+    assert route.deadline is not None and route.deadline["calibrated"] is True
+    assert route.deadline["items_per_second"] > 0
+
+
 # ---- the manifest -------------------------------------------------------------------------
 
 
