@@ -5,6 +5,7 @@ Plain typer-compatible functions; router.cli registers them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
@@ -62,8 +63,10 @@ def calibrate(
     settings = Settings()
     spec = load_spec(file or settings.spec, settings)
     w = spec.workload(workload)
-    if seconds <= 0 or (items is not None and items <= 0):
-        raise InvalidInput("--seconds and --items: expected positive numbers")
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise InvalidInput(f"--seconds: expected a positive number of seconds, found {seconds:g}")
+    if items is not None and items <= 0:
+        raise InvalidInput(f"--items: expected a positive number of items, found {items}")
     store = Measurements(settings.home)
     with _storing(store):  # before minutes of measuring that could not be kept
         (store.folder / workload).mkdir(parents=True, exist_ok=True)

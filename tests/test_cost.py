@@ -450,6 +450,17 @@ def test_synthetic_items_a_model_refuses_say_why_without_blaming_a_handler(
     assert "handler" not in str(refused.value)
 
 
+@pytest.mark.parametrize("seconds", ["nan", "inf"])
+def test_calibrate_refuses_seconds_that_are_no_finite_number(seconds: str, tmp_path: Path) -> None:
+    # Before measuring anything: nan timed no level at all, and inf never ended.
+    spec_file = write_spec(tmp_path, WORKLOADS)
+    command = ["calibrate", "search", "--file", str(spec_file), "-s", seconds, "-n", "8"]
+    done = CliRunner().invoke(app, command, env={"LANES_HOME": str(tmp_path / "home")})
+    assert done.exit_code != 0
+    assert f"--seconds: expected a positive number of seconds, found {seconds}" in done.output
+    assert Measurements(tmp_path / "home").load() == []
+
+
 @pytest.mark.slow
 def test_calibrate_measures_a_model_of_a_short_context(tmp_path: Path) -> None:
     """A valid workload whose model takes 8 tokens: no synthetic item is refused."""
