@@ -200,11 +200,14 @@ def _interactive_cost(record: Throughput | None, price: float, items: int) -> _O
     if record is None:
         return _Online()
     rate = record.items_per_second
+    measured_for = record.workload
+    if record.provider is not None:  # a rate of another device than the run's is no match
+        measured_for += f", on {record.provider}"
     return _Online(
         items_per_second=round(rate, 2),
         cost=round(usd_for(price, rate, items), 6),
         per_1k=round(usd_for(price, rate, 1000), 8),
-        measured=f"{record.source} at {record.measured_at.isoformat()} ({record.workload})",
+        measured=f"{record.source} at {record.measured_at.isoformat()} ({measured_for})",
     )
 
 

@@ -266,6 +266,29 @@ def test_the_manifest_records_the_runs_cost_and_the_interactive_lanes(tmp_path: 
     assert summary["interactive_cost_per_1k_items"] is None and "cost_per_1k_items" in summary
 
 
+def test_the_manifest_says_which_device_measured_the_interactive_rate(tmp_path: Path) -> None:
+    # A GPU run set beside a rate its endpoint measured on the CPU says so.
+    spec_file = write_spec(tmp_path, WORKLOADS)
+    online = measured(spec_file, "search", "interactive", 20.0, provider="CPUExecutionProvider")
+    gpu = replace(stats(100), provider="CUDAExecutionProvider")
+    manifest = build_manifest(
+        workload="corpus",
+        flow_run=None,
+        input="in/",
+        output="out/",
+        started=T0,
+        ended=T0 + timedelta(seconds=10),
+        stats=[gpu],
+        failures=[],
+        price_per_device_hour=3.6,
+        interactive=online,
+    )
+    assert manifest.provider == "CUDAExecutionProvider"
+    assert manifest.interactive_measured == (
+        f"calibrate at {online.measured_at.isoformat()} (search, on CPUExecutionProvider)"
+    )
+
+
 def test_busy_seconds_never_pass_the_wall_time_the_manifest_records() -> None:
     """Shards beside each other each count their model time, so the busy seconds are
     clipped to the run's wall time x devices, as the manifest records that time (to the
