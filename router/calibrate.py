@@ -17,9 +17,9 @@ what the model's context holds by the workload's own tokenizer (`_fitted`).
   levels stop at the first that misses it. When even one client misses it, the
   one-client rate is kept, marked `meets_slo: false`.
 
-A rate from a running endpoint's `/metrics` (`read_metrics`) is items per busy second
-of the model's executor since the server started: the device's rate under the
-traffic it had, idle time left out.
+A rate from a running endpoint's `/metrics` (`read_metrics`) is the interactive lane's
+items per second of the executor time it used since the server started: the device's
+rate under the traffic it had, idle time and the offline lane's runs left out.
 """
 
 from __future__ import annotations
@@ -375,27 +375,22 @@ class Served:
     busy_seconds: float
 
 
-def served_from_metrics(text: str, workload: str, task: TaskName) -> Served | None:
-    """Items run and executor busy seconds of `workload` in Prometheus text; None when
-    the endpoint has not run it. Items are the batch sizes' sum (embed, infer) or the
-    sequences finished by stop or length (generate)."""
+def served_from_metrics(text: str, workload: str) -> Served | None:
+    """Items the interactive lane of `workload` ran and the executor time it used, in
+    Prometheus text (an endpoint that runs offline items too gives their time to the
+    offline lane); None when that lane has run nothing. Items are inputs (embed,
+    infer) or sequences finished (generate)."""
     items = busy = 0.0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.labels.get("workload") != workload:
+            labels = sample.labels
+            if labels.get("workload") != workload or labels.get("lane") != "interactive":
                 continue
-            if sample.name == "lanes_executor_busy_seconds_total":
+            if sample.name == "lanes_lane_busy_seconds_total":
                 busy += sample.value
-            elif _counts_items(sample.name, sample.labels, task):
+            elif sample.name == "lanes_lane_items_total":
                 items += sample.value
     return Served(items, busy) if items > 0 and busy > 0 else None
-
-
-def _counts_items(name: str, labels: dict[str, str], task: TaskName) -> bool:
-    if task == "generate":
-        finished = labels.get("reason") in ("stop", "length")
-        return name == "lanes_sequences_finished_total" and finished
-    return name == "lanes_batch_size_sum"
 
 
 def read_metrics(spec: Spec, name: str, settings: Settings, url: str) -> Throughput:
@@ -425,7 +420,7 @@ def read_metrics(spec: Spec, name: str, settings: Settings, url: str) -> Through
         ) from None
     except httpx.HTTPError as err:
         raise LanesError(f"cannot read {metrics_url}: {err}") from None
-    served = served_from_metrics(answer.text, name, workload.task)
+    served = served_from_metrics(answer.text, name)
     if served is None:
         raise LanesError(
             f"{metrics_url}: workload {name!r} has run nothing there yet; send it traffic "

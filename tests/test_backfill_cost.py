@@ -8,12 +8,14 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import httpx
 import orjson
 import pytest
 
 from lanes.backfill import BUSY_HEADER
 from lanes.flows.batch import offline
 from lanes.measurements import Measurements, cost_basis_of, newest
+from lanes.router.calibrate import served_from_metrics
 from lanes.router.cost_cli import print_costs
 from lanes.router.plan import plan
 from lanes.serving.batching import DeviceShare
@@ -125,6 +127,32 @@ def test_an_answer_says_its_batch_busy_seconds(serve: type[ServerThread], tmp_pa
     seconds = float(response.headers[BUSY_HEADER])
     assert seconds > 0 and lane_busy is not None
     assert seconds == pytest.approx(lane_busy, abs=1e-6)
+
+
+def test_metrics_give_the_interactive_lanes_rate_without_the_offline_items(
+    serve: type[ServerThread], tmp_path: Path
+) -> None:
+    # `lanes calibrate --from-metrics` of an endpoint that also runs offline items: the
+    # interactive lane's items over its own busy time, not over the offline lane's too
+    # (which the lanes share on the model's thread, as on a GPU).
+    turns = live(batching={"offline_threads": 0})
+    spec = write_spec(tmp_path, {"search": turns, "corpus": batch(runner=on_endpoint())})
+    with serve(spec, internal_key=KEY) as server:
+        from lanes.runtime import Runtime
+        from lanes.tasks import load_task
+
+        task = load_task("search", load_spec(spec, Settings()), Runtime(Settings(device="cpu")))
+        items = [task.prepare(text(i)) for i in range(40)]
+        assert send_batch(server, "search", items, KEY).status_code == 200
+        body = {"model": "search", "input": [text(1), text(2)]}
+        assert httpx.post(f"{server.url}/v1/embeddings", json=body, timeout=30).status_code == 200
+        scraped = httpx.get(f"{server.url}/metrics", timeout=10).text
+        interactive = metric(
+            server, "lanes_lane_busy_seconds_total", workload="search", lane="interactive"
+        )
+    served = served_from_metrics(scraped, "search")
+    assert served is not None and served.items == 2
+    assert interactive is not None and served.busy_seconds == pytest.approx(interactive)
 
 
 def test_callers_whose_items_share_a_run_share_its_time_by_items(tmp_path: Path) -> None:
