@@ -44,7 +44,7 @@ from prefect.states import Completed
 from lanes.backfill import served_workload
 from lanes.errors import JobFailed, LanesError, StorageError
 from lanes.flows import FLOW_NAME
-from lanes.flows.endpoint import batch_key, check_key, check_reachable
+from lanes.flows.endpoint import batch_key, check_key, check_reachable, model_weights
 from lanes.flows.job import Job, Lane, check_output_owner, plan_job, plan_shards
 from lanes.flows.manifest import Manifest, build_manifest, write_manifest
 from lanes.flows.outcome import outcome, run_deadline
@@ -198,11 +198,13 @@ def run_job(
             "%s: started %.0f s after its deadline %s", job.workload, late, deadline.isoformat()
         )
     if job.runner.kind == "endpoint":
-        # No key, no endpoint, a key it refuses: fail before any shard runs, saying why.
+        # No key, no endpoint, a key it refuses, another model there: fail before any
+        # shard runs, saying why.
         key = batch_key(settings)
         url = endpoint_url(job, settings)
         check_reachable(url, settings.endpoint_retries)
-        check_key(url, served_workload(job.spec.workloads, job.workload), key)
+        weights = model_weights(job.spec, job.workload, settings)
+        check_key(url, served_workload(job.spec.workloads, job.workload), key, weights)
     storage = Storage(settings)
     storage.ensure_folder(job.output)
     storage.clean_stale(job.output, STALE_STAGING_S)

@@ -30,12 +30,22 @@ from typing import Any
 import httpx
 import orjson
 
-from lanes.backfill import BUSY_HEADER, CONTENT_TYPE, PROVIDER_HEADER, batch_path
+from lanes.backfill import (
+    BUSY_HEADER,
+    CONTENT_TYPE,
+    MODEL_MISMATCH,
+    PROVIDER_HEADER,
+    WEIGHTS_HEADER,
+    batch_path,
+    weights_digest,
+)
 from lanes.batchframe import decode_outputs, encode_items
+from lanes.digests import Digests
 from lanes.errors import JobFailed, LanesError, RequestTooLarge, from_wire
 from lanes.flows.runners import DeviceTime
 from lanes.isolation import Failed
 from lanes.settings import EndpointRetries, Settings
+from lanes.spec import Spec
 from lanes.tasks.base import Task
 
 log = logging.getLogger(__name__)
@@ -53,6 +63,12 @@ def batch_key(settings: Settings) -> str:
             "(or LANES_API_KEY) here and on the server"
         )
     return key
+
+
+def model_weights(spec: Spec, workload: str, settings: Settings) -> str | None:
+    """The digest of `workload`'s model files, which its batches carry (WEIGHTS_HEADER)
+    so that an endpoint running another model refuses them."""
+    return weights_digest(spec.models[spec.workloads[workload].model].path, Digests(settings.home))
 
 
 def check_reachable(url: str, retries: EndpointRetries, attempts: int = 5) -> None:
@@ -75,13 +91,14 @@ def check_reachable(url: str, retries: EndpointRetries, attempts: int = 5) -> No
             time.sleep(retries.wait_after(attempt))
 
 
-def check_key(url: str, workload: str, key: str) -> None:
-    """JobFailed when the endpoint refuses `key`: a job with a wrong key fails before
-    any shard, not each shard after every batch. It sends an empty batch, which the
-    route authorizes before anything else and then refuses as empty (no model runs):
-    only a 401 says the key is wrong, any other answer is for the batches to meet."""
+def check_key(url: str, workload: str, key: str, weights: str | None = None) -> None:
+    """JobFailed when the endpoint refuses `key`, or runs `workload` on other model files
+    than `weights` says: such a job fails before any shard, not each shard after every
+    batch. It sends an empty batch, which the route authorizes and checks before
+    anything else and then refuses as empty (no model runs): only a 401 or a model
+    mismatch fail the job here, any other answer is for the batches to meet."""
     target = url.rstrip("/") + batch_path(workload)
-    headers = {"authorization": f"Bearer {key}", "content-type": CONTENT_TYPE}
+    headers = _headers(key, weights)
     try:
         response = httpx.post(target, content=b"", headers=headers, timeout=TIMEOUT.connect)
     except httpx.TransportError as err:
@@ -95,6 +112,16 @@ def check_key(url: str, workload: str, key: str) -> None:
             "LANES_INTERNAL_KEY (else LANES_API_KEY) here to the server's LANES_INTERNAL_KEY "
             "(else LANES_API_KEY)"
         )
+    error = _error_of(response)
+    if error.code == MODEL_MISMATCH:
+        raise JobFailed(f"{url}: {error}")
+
+
+def _headers(key: str, weights: str | None) -> dict[str, str]:
+    headers = {"authorization": f"Bearer {key}", "content-type": CONTENT_TYPE}
+    if weights is not None:
+        headers[WEIGHTS_HEADER] = weights
+    return headers
 
 
 class EndpointGone(JobFailed):
@@ -114,6 +141,7 @@ class EndpointModel:
     provider: str = "endpoint"  # the server's provider, once it has answered
     client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=TIMEOUT))
     retries: EndpointRetries = field(default_factory=EndpointRetries)
+    weights: str | None = None  # the model files' digest (model_weights), sent with each batch
     # A batch found the endpoint gone (EndpointGone); reset by any answer.
     gone: bool = False
 
@@ -156,7 +184,7 @@ class EndpointModel:
 
     def _post(self, body: bytes) -> httpx.Response:
         target = self.url.rstrip("/") + batch_path(self.workload)
-        headers = {"authorization": f"Bearer {self.key}", "content-type": CONTENT_TYPE}
+        headers = _headers(self.key, self.weights)
         attempts = self.retries.attempts
         for attempt in range(1, attempts + 1):
             try:

@@ -17,7 +17,7 @@ from prefect.client.schemas.objects import TaskRun
 
 from lanes.backfill import served_workload
 from lanes.errors import LanesError
-from lanes.flows.endpoint import EndpointModel, batch_key
+from lanes.flows.endpoint import EndpointModel, batch_key, model_weights
 from lanes.flows.job import Job
 from lanes.flows.progress import progress
 from lanes.flows.runners import Model, ShardModel
@@ -122,4 +122,7 @@ def _endpoint_model(job: Job, settings: Settings) -> EndpointModel:
     task = load_task(job.workload, job.spec, Runtime(settings.model_copy(update={"device": "cpu"})))
     url = endpoint_url(job, settings)
     workload = served_workload(job.spec.workloads, job.workload)
-    return EndpointModel(task, url, workload, key, retries=settings.endpoint_retries)
+    weights = model_weights(job.spec, job.workload, settings)
+    return EndpointModel(
+        task, url, workload, key, retries=settings.endpoint_retries, weights=weights
+    )

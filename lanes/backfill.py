@@ -15,8 +15,11 @@ Bodies of `POST /internal/v1/batch/{workload}` are frames of arrays
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
+from pathlib import Path
 
+from lanes.digests import Digests
 from lanes.spec import InteractiveWorkload, OfflineWorkload, TaskName, Workload
 
 INTERNAL_PREFIX = "/internal/"
@@ -27,11 +30,26 @@ PROVIDER_HEADER = "x-lanes-provider"  # the server's execution provider, for the
 # step's time split among its items, as lanes_lane_busy_seconds_total splits it): what
 # an endpoint run is priced on. Absent from servers older than it.
 BUSY_HEADER = "x-lanes-offline-busy-seconds"
+# The content digest of the flow's model (`weights_digest`): the server refuses a batch
+# whose model is not the one it runs (token ids on other weights would be answered,
+# wrongly). Absent from flows older than it, and where the flow cannot read its model.
+WEIGHTS_HEADER = "x-lanes-model-digest"
+MODEL_MISMATCH = "model_mismatch"  # the error code of that refusal
 ENDPOINT_TASKS: tuple[TaskName, ...] = ("embed", "infer", "generate")
 
 
 def batch_path(workload: str) -> str:
     return BATCH_ROUTE.format(workload=workload)
+
+
+def weights_digest(path: Path, digests: Digests) -> str | None:
+    """One digest of an ONNX model's files by their content (the .onnx and its external
+    data, lanes.digests); None when one of them is not readable here."""
+    files = digests.model_files(path)
+    named = [f"{name}:{digest.blake2b}" for name, digest in files if digest is not None]
+    if len(named) != len(files):
+        return None
+    return hashlib.sha256("\n".join(named).encode()).hexdigest()
 
 
 def backfilled(workloads: Mapping[str, Workload]) -> set[str]:

@@ -32,10 +32,14 @@ from lanes.backfill import (
     BUSY_HEADER,
     CONTENT_TYPE,
     ENDPOINT_TASKS,
+    MODEL_MISMATCH,
     PROVIDER_HEADER,
+    WEIGHTS_HEADER,
+    weights_digest,
 )
 from lanes.batchframe import decode_items, encode_outputs
-from lanes.errors import AuthError, LanesError
+from lanes.digests import Digests
+from lanes.errors import AuthError, InvalidInput, LanesError
 from lanes.serving.batching import DeviceShare
 from lanes.serving.engine import Engine
 from lanes.serving.http import openai_error, read_body
@@ -55,6 +59,7 @@ async def batch(request: Request) -> Response:
         name = request.path_params["workload"]
         executor: Engine | BatchWorker
         state.hosted(name, ENDPOINT_TASKS)
+        await _same_weights(request, state, name)
         if state.spec.workloads[name].task == "generate":
             executor = state.engine(name)
         else:
@@ -101,6 +106,31 @@ async def _unless_gone(receive: Receive, work: Awaitable[T]) -> T | None:
 async def _disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+async def _same_weights(request: Request, state: ServingState, name: str) -> None:
+    """InvalidInput (code model_mismatch) when the flow's model (its WEIGHTS_HEADER) is
+    not the one `name` runs here: its token ids would run on other weights, and be
+    answered wrongly. Read once per workload, off the event loop."""
+    theirs = request.headers.get(WEIGHTS_HEADER)
+    if theirs is None:
+        return  # a flow older than the header
+    model_name = state.spec.workloads[name].model
+    model = state.spec.models[model_name]
+    ours = state.weights.get(name)
+    if ours is None:
+        ours = await asyncio.to_thread(weights_digest, model.path, Digests(state.settings.home))
+        if ours is None:
+            return  # not readable here: the workload's own loading says so
+        state.weights[name] = ours
+    if ours != theirs:
+        raise InvalidInput(
+            f"this endpoint serves workload {name!r} with another model than the batch's: "
+            f"model {model_name!r} ({model.path}, files digest {ours[:16]}), the batch's "
+            f"{theirs[:16]}; run the job on an endpoint serving the same model files",
+            param="model",
+            code=MODEL_MISMATCH,
+        )
 
 
 def _authorize(request: Request, key: str | None) -> None:

@@ -30,6 +30,8 @@ class ServingState:
     # Every worker's and engine's: arrivals, deadlines, the time of each run.
     clock: Callable[[], float] = time.monotonic
     tracing: Tracing | None = None  # None: off
+    # Per workload, its model's files digest (lanes.backfill.weights_digest), once read.
+    weights: dict[str, str] = field(default_factory=dict)
     readiness: Readiness = field(init=False)
 
     def __post_init__(self) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import onnx
 import orjson
 import pytest
 from onnx import TensorProto, helper, numpy_helper, save_model
@@ -967,6 +968,33 @@ def test_a_flow_with_a_key_the_endpoint_refuses_fails_before_any_shard(
         assert len(runs) == 1 and runs[0].state is not None and runs[0].state.is_failed()
         only = FlowRunFilter(id=FlowRunFilterId(any_=[runs[0].id]))
         assert client.read_task_runs(flow_run_filter=only) == []  # no shard task ran
+
+
+def test_an_endpoint_serving_the_workload_with_another_model_is_refused_before_any_shard(
+    prefect_api: str,
+    serve: type[ServerThread],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The flow's token ids on another model's weights would be answered, wrongly and
+    unsaid: its model's digest goes with each batch, and a job whose endpoint serves the
+    workload with other weights fails before any shard, saying so."""
+    spec = write_spec(tmp_path, {"live": live(), "corpus": batch(runner=on_endpoint())})
+    write_jsonl(tmp_path / "in" / "a.jsonl", [{"id": "d0", "text": "w1"}])
+    served = write_spec(tmp_path / "server", {"live": live()})
+    weights = tmp_path / "server" / "models" / "enc" / "model.onnx"
+    model = onnx.load(str(weights))
+    table = numpy_helper.to_array(model.graph.initializer[0])
+    model.graph.initializer[0].CopyFrom(numpy_helper.from_array(table + 1, "table"))
+    save_model(model, str(weights))
+    with serve(served, internal_key=KEY) as server:
+        monkeypatch.setenv("LANES_ENDPOINT", server.url)
+        monkeypatch.setenv("LANES_INTERNAL_KEY", KEY)
+        with pytest.raises(JobFailed, match="serves workload 'live' with another model") as failed:
+            offline(workload="corpus", spec=str(spec))
+        assert metric(server, "lanes_lane_items_total", workload="live", lane="offline") == 0
+    assert "model 'enc'" in str(failed.value)
+    assert not (tmp_path / "out" / "a.jsonl").exists()
 
 
 def test_an_endpoint_gone_fails_a_batch_after_one_round_of_attempts_unretried(
