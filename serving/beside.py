@@ -123,7 +123,10 @@ class Beside:
                 self._twin = self.task.on_one_thread()
             return self._twin
 
-    def _run_on_twin(self, items: Sequence[Any], options: ort.RunOptions | None) -> list[Any]:
+    def _run_on_twin(
+        self, items: Sequence[Any], options: ort.RunOptions | None = None
+    ) -> list[Any]:
+        # Without `options`: the halves of a failed run (batch_run.timed_run).
         return run_unhandled(self._load_twin(), items, options)
 
     def _finish(

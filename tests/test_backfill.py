@@ -44,6 +44,7 @@ from lanes.settings import EndpointRetries, Settings
 from lanes.specfile import load_spec
 from lanes.tasks import load_task
 from tests.flows_fixtures import (
+    WORDS,
     errors_of,
     outputs_of,
     read_jsonl,
@@ -180,6 +181,36 @@ def test_an_interactive_request_waits_behind_at_most_the_one_offline_batch_runni
             assert busy is not None and busy > 0
             depth = metric(server, "lanes_lane_queue_depth", workload="search", lane=lane)
             assert depth == 0
+
+
+def test_an_item_the_model_fails_on_beside_the_interactive_lane_fails_alone(
+    serve: type[ServerThread], tmp_path: Path
+) -> None:
+    """On the CPU an offline batch runs beside the interactive lane, on a thread of its
+    own: the one item the model fails on gets its error, its batch-mates their vectors
+    (the halves of the failed run are run again as on the model's thread)."""
+    spec = write_spec(
+        tmp_path,
+        {
+            "live": live(batching={"offline_threads": 1}),
+            "corpus": batch(runner=on_endpoint()),
+        },
+    )
+    weights = tmp_path / "models" / "enc" / "model.onnx"
+    model = onnx.load(str(weights))
+    table = numpy_helper.to_array(model.graph.initializer[0])
+    model.graph.initializer[0].CopyFrom(numpy_helper.from_array(table[:-1], "table"))
+    save_model(model, str(weights))  # the tokenizer's last word is past the table
+    task = load_task("live", load_spec(spec, Settings()), Runtime(Settings(device="cpu")))
+    items = [task.prepare(t) for t in ("w1 w2", f"w1 {WORDS[-1]}", "w3")]
+    with serve(spec, internal_key=KEY) as server:
+        response = send_batch(server, "live", items, KEY)
+        ran = metric(server, "lanes_lane_items_total", workload="live", lane="offline")
+    assert response.status_code == 200, response.text
+    first, bad, last = decode_outputs(response.content, 3, "embed")
+    assert isinstance(bad, Failed) and "Gather" in str(bad.error)
+    assert not isinstance(first, Failed) and not isinstance(last, Failed)
+    assert ran == 3
 
 
 def send_and_leave(server: ServerThread, workload: str, items: list[Any]) -> socket.socket:
