@@ -41,7 +41,14 @@ from lanes.backfill import (
 )
 from lanes.batchframe import decode_outputs, encode_items
 from lanes.digests import Digests
-from lanes.errors import JobFailed, LanesError, RequestTooLarge, from_wire
+from lanes.errors import (
+    JobFailed,
+    LanesError,
+    RequestTooLarge,
+    UnknownWorkload,
+    WrongMode,
+    from_wire,
+)
 from lanes.flows.runners import DeviceTime
 from lanes.isolation import Failed
 from lanes.settings import EndpointRetries, Settings
@@ -92,11 +99,12 @@ def check_reachable(url: str, retries: EndpointRetries, attempts: int = 5) -> No
 
 
 def check_key(url: str, workload: str, key: str, weights: str | None = None) -> None:
-    """JobFailed when the endpoint refuses `key`, or runs `workload` on other model files
-    than `weights` says: such a job fails before any shard, not each shard after every
-    batch. It sends an empty batch, which the route authorizes and checks before
-    anything else and then refuses as empty (no model runs): only a 401 or a model
-    mismatch fail the job here, any other answer is for the batches to meet."""
+    """JobFailed when the endpoint refuses `key`, does not serve `workload` (or not for
+    offline batches of its task), or runs it on other model files than `weights` says:
+    such a job fails before any shard, not each shard after every batch. It sends an
+    empty batch, which the route authorizes and checks before anything else and then
+    refuses as empty (no model runs): only those refusals fail the job here, any other
+    answer (a model still loading) is for the batches to meet."""
     target = url.rstrip("/") + batch_path(workload)
     headers = _headers(key, weights)
     try:
@@ -113,7 +121,7 @@ def check_key(url: str, workload: str, key: str, weights: str | None = None) -> 
             "(else LANES_API_KEY)"
         )
     error = _error_of(response)
-    if error.code == MODEL_MISMATCH:
+    if isinstance(error, UnknownWorkload | WrongMode) or error.code == MODEL_MISMATCH:
         raise JobFailed(f"{url}: {error}")
 
 

@@ -1001,6 +1001,28 @@ def test_a_flow_with_a_key_the_endpoint_refuses_fails_before_any_shard(
         assert client.read_task_runs(flow_run_filter=only) == []  # no shard task ran
 
 
+def test_an_endpoint_not_serving_the_workload_fails_the_job_before_any_shard(
+    prefect_api: str,
+    serve: type[ServerThread],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Not each shard, after its retries, on the endpoint's 404: the job, once, saying
+    which workloads the endpoint serves."""
+    spec = write_spec(tmp_path, {"live": live(), "corpus": batch(runner=on_endpoint())})
+    for name in ("a", "b"):
+        write_jsonl(tmp_path / "in" / f"{name}.jsonl", [{"id": name, "text": "w1"}])
+    served = write_spec(tmp_path / "server", {"search": live()})
+    with serve(served, internal_key=KEY) as server:
+        monkeypatch.setenv("LANES_ENDPOINT", server.url)
+        monkeypatch.setenv("LANES_INTERNAL_KEY", KEY)
+        with pytest.raises(JobFailed) as failed:
+            offline(workload="corpus", spec=str(spec))
+    assert str(failed.value).startswith(f"{server.url}: "), "not a shard's failure"
+    assert "no workload named 'live'; interactive ones: search" in str(failed.value)
+    assert not (tmp_path / "out" / "a.jsonl").exists()
+
+
 def test_an_endpoint_serving_the_workload_with_another_model_is_refused_before_any_shard(
     prefect_api: str,
     serve: type[ServerThread],
