@@ -108,7 +108,9 @@ def check_key(url: str, workload: str, key: str, weights: str | None = None) -> 
     target = url.rstrip("/") + batch_path(workload)
     headers = _headers(key, weights)
     try:
-        response = httpx.post(target, content=b"", headers=headers, timeout=TIMEOUT.connect)
+        # No read timeout: the server reads its model files' digest first, once (a
+        # large model's takes seconds).
+        response = httpx.post(target, content=b"", headers=headers, timeout=TIMEOUT)
     except httpx.TransportError as err:
         raise JobFailed(
             f"the endpoint at {url} does not answer ({type(err).__name__}: {err}): start "
