@@ -75,7 +75,7 @@ from lanes.generation.scheduler import PREFILL_TOKENS, Policy
 from lanes.generation.seq import Event, Seq, StepPlan
 from lanes.generation.slots import Cache
 from lanes.generation.steer import Steer
-from lanes.serving.batching import DeviceShare
+from lanes.serving.batching import DeviceShare, never_fits
 from lanes.serving.metrics import Metrics
 from lanes.serving.step_observer import StepObserver, resolve_from_thread
 from lanes.serving.token_stream import TokenStream, completion
@@ -91,8 +91,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("lanes.serving")
 
 SWITCH_INTERVAL_S = 0.001
-# Offline sequences one engine holds (queued or in rows): any one offline window fits;
-# beyond, 503 and Retry-After, which the flow's endpoint runner waits out.
+# Offline sequences one engine holds (queued or in rows): beyond, 503 and Retry-After,
+# which the flow's endpoint runner waits out; a batch of more, 413, which it halves.
 OFFLINE_MAX_SEQUENCES = 65536
 # How long an offline batch waits for its last step's report (its device time), at
 # most: a report follows its step at once unless the engine is stuck.
@@ -268,10 +268,13 @@ class Engine:
         """Run prepared requests in the offline lane (free rows only, preempted when
         interactive requests need them) and wait for all of them: per request its
         `Completion` (the model's, no handler: the offline workload applies its own)
-        or the error it failed with alone. Overloaded, whole, when the lane cannot
-        hold them or the server stops before they are done (the flow retries). Each
-        sequence's part of the steps it was in (as the lanes' busy time splits a step)
-        is added to `share`, whole when this returns."""
+        or the error it failed with alone. RequestTooLarge when the lane can never hold
+        them all; Overloaded, whole, when it cannot now or the server stops before they
+        are done (the flow retries). Each sequence's part of the steps it was in (as the
+        lanes' busy time splits a step) is added to `share`, whole when this returns."""
+        too_many = never_fits(len(requests), OFFLINE_MAX_SEQUENCES)
+        if too_many is not None:
+            raise too_many  # a 503 would be refused as often as it is retried
         # Their text is read whole, at the finish (_completion): decoded once, then.
         seqs = [seq_of(next(self._ids), r, offline=True, stream=False) for r in requests]
         streams = [TokenStream(seq.id, len(seq.prompt_ids), self, seq.top_logprobs) for seq in seqs]

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from lanes.errors import LanesError
+from lanes.errors import LanesError, RequestTooLarge
 from lanes.generation.preempt import KEEP_BYTES
-from lanes.serving.engine import Engine
+from lanes.serving.engine import OFFLINE_MAX_SEQUENCES, Engine
 from lanes.serving.metrics import Metrics
 from lanes.settings import Settings
 from lanes.spec import Spec
@@ -162,3 +162,19 @@ async def test_offline_sequences_beyond_the_rows_wait_and_all_finish_as_alone(
         assert not isinstance(completion, LanesError)
         assert completion.tokens == alone(task, item).tokens
     assert sample(metrics, "lanes_lane_preemptions_total", "offline") >= 1
+
+
+async def test_an_offline_batch_larger_than_the_lane_is_too_large_not_busy(
+    task: GenerateTask,
+) -> None:
+    """A batch of more sequences than the offline lane ever holds is refused as too
+    large (the flow's endpoint runner sends it in halves), not as a full lane that
+    would refuse it as often as the flow retries."""
+    engine = Engine(task, Metrics(), "continuous")
+    engine.start()
+    try:
+        request = task.prepare({"prompt": OFFLINE[0][0], "max_tokens": 1})
+        with pytest.raises(RequestTooLarge, match=f"at most {OFFLINE_MAX_SEQUENCES}"):
+            await engine.submit_offline([request] * (OFFLINE_MAX_SEQUENCES + 1))
+    finally:
+        await engine.stop()
