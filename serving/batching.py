@@ -39,16 +39,21 @@ UNREACHABLE = "deadline_unreachable"
 LOOK_AGAIN_S = 0.05
 
 
-def never_fits(items: int, max_queue: int) -> RequestTooLarge | None:
+def never_fits(
+    items: int, max_queue: int, bound: str = "`batching.max_queue`"
+) -> RequestTooLarge | None:
     """Why a request of `items` inputs can never be queued whole (413, not a 503 to
-    retry), or None when it can."""
+    retry), or None when it can; `bound` names what sets `max_queue`."""
     if items <= max_queue:
         return None
     return RequestTooLarge(
         f"this request has {items} inputs; the workload queues at most {max_queue} "
-        f"(`batching.max_queue`), so it can never run as sent: send at most {max_queue} "
-        "per request"
+        f"({bound}), so it can never run as sent: send at most {max_queue} per request"
     )
+
+
+# What bounds an offline batch on the endpoint: the lane's own queue, no setting.
+OFFLINE_BOUND = "its offline lane's queue; an offline batch_size of at most that fits"
 
 
 def unreachable(left_s: float, waited_s: float = 0.0) -> DeadlineExceeded:

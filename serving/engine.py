@@ -75,7 +75,7 @@ from lanes.generation.scheduler import PREFILL_TOKENS, Policy
 from lanes.generation.seq import Event, Seq, StepPlan
 from lanes.generation.slots import Cache
 from lanes.generation.steer import Steer
-from lanes.serving.batching import DeviceShare, never_fits
+from lanes.serving.batching import OFFLINE_BOUND, DeviceShare, never_fits
 from lanes.serving.metrics import Metrics
 from lanes.serving.step_observer import StepObserver, resolve_from_thread
 from lanes.serving.token_stream import TokenStream, completion
@@ -272,7 +272,7 @@ class Engine:
         them all; Overloaded, whole, when it cannot now or the server stops before they
         are done (the flow retries). Each sequence's part of the steps it was in (as the
         lanes' busy time splits a step) is added to `share`, whole when this returns."""
-        too_many = never_fits(len(requests), OFFLINE_MAX_SEQUENCES)
+        too_many = never_fits(len(requests), OFFLINE_MAX_SEQUENCES, OFFLINE_BOUND)
         if too_many is not None:
             raise too_many  # a 503 would be refused as often as it is retried
         # Their text is read whole, at the finish (_completion): decoded once, then.

@@ -40,7 +40,15 @@ from lanes.isolation import Failed
 from lanes.serving.access import RequestRecord
 from lanes.serving.batch_observer import BatchObserver
 from lanes.serving.batch_run import Result, Stopped, answer, timed_run
-from lanes.serving.batching import DeviceShare, Lane, LaneQueues, Pending, charge, never_fits
+from lanes.serving.batching import (
+    OFFLINE_BOUND,
+    DeviceShare,
+    Lane,
+    LaneQueues,
+    Pending,
+    charge,
+    never_fits,
+)
 from lanes.serving.beside import Beside
 from lanes.serving.http import ClientGone
 from lanes.serving.metrics import Metrics
@@ -289,7 +297,7 @@ class BatchWorker:
         the exception it failed with. Refused whole (Overloaded) when the offline queue
         cannot hold them all. The model time the items used is added to `share` (whole
         when this returns: each run is charged before its callers are answered)."""
-        too_many = never_fits(len(items), self.lanes.offline.max_queue)
+        too_many = never_fits(len(items), self.lanes.offline.max_queue, OFFLINE_BOUND)
         if too_many is not None:
             raise too_many
         if len(self.lanes.offline) + len(items) > self.lanes.offline.max_queue:
