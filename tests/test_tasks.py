@@ -142,6 +142,32 @@ def test_infer_batches_items_of_different_rows_in_one_run(
         np.testing.assert_array_equal(out["total"], x.sum(axis=1))
 
 
+def test_infer_stacks_items_of_one_shape_and_runs_other_shapes_apart(
+    folder: Path, runtime: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A free dim after the rows (a sequence's length): a batch of requests of two
+    # lengths cannot be one stack; as Triton's batcher, each length is its own run.
+    ragged = save(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        [io("x", F, ["batch", "length"])],
+        [io("y", F, ["batch", "length"])],
+        folder / "ragged.onnx",
+    )
+    task = load_task("w", spec_for(ragged, "infer"), runtime)
+    assert isinstance(task, InferTask)
+    xs = [
+        np.full((rows, length), i, np.float32)
+        for i, (rows, length) in enumerate([(1, 2), (2, 3), (1, 2)])
+    ]
+    prepared = [task.prepare({"x": x}) for x in xs]
+    counting = CountingSession(task.session)
+    monkeypatch.setattr(task.slot, "_session", counting)
+    outputs = task.run(prepared)
+    assert counting.runs == 2
+    for x, out in zip(xs, outputs, strict=True):
+        np.testing.assert_array_equal(out["y"], x)
+
+
 @pytest.mark.parametrize(
     ("item", "message"),
     [

@@ -121,18 +121,27 @@ class InferTask(SlotSession):
     ) -> list[Tensors]:
         """The model run behind `run`, without the handler (`options`: its runs', see
         lanes.binding.run)."""
-        names = list(self.outputs)
         if len(batch) <= 1 or not self.stacks_rows:
-            return [
-                dict(
-                    zip(
-                        names,
-                        run(self.session, names, it.inputs, self.placement, options),
-                        strict=True,
-                    )
-                )
-                for it in batch
-            ]
+            return [out for it in batch for out in self._stacked([it], options)]
+        # Rows stack only where every input's dims after them agree (a model with a
+        # free dim there, a sequence's length, takes requests of several): as Triton's
+        # batcher, each shape is a run of its own instead of failing the batch.
+        shapes: dict[tuple[tuple[int, ...], ...], list[int]] = {}
+        for i, it in enumerate(batch):
+            shapes.setdefault(tuple(a.shape[1:] for a in it.inputs.values()), []).append(i)
+        found: dict[int, Tensors] = {}
+        for indices in shapes.values():
+            stack = self._stacked([batch[i] for i in indices], options)
+            found.update(zip(indices, stack, strict=True))
+        return [found[i] for i in range(len(batch))]
+
+    def _stacked(self, batch: Sequence[InferItem], options: ort.RunOptions | None) -> list[Tensors]:
+        """One model run over `batch`'s rows stacked (their dims after the rows agree),
+        split back per item."""
+        names = list(self.outputs)
+        if len(batch) == 1:
+            results = run(self.session, names, batch[0].inputs, self.placement, options)
+            return [dict(zip(names, results, strict=True))]
         feeds = {n: np.concatenate([it.inputs[n] for it in batch]) for n in self.inputs}
         results = run(self.session, names, feeds, self.placement, options)
         total = sum(it.rows for it in batch)
