@@ -256,6 +256,10 @@ def test_no_op_values_of_parameters_lanes_does_not_implement_are_accepted(
 
 def test_token_ids_are_embedding_input(client: OpenAI) -> None:
     text = client.embeddings.create(model="search-query", input="hello", dimensions=384, user="u")
+    # vLLM's extensions, at their no-op values.
+    vllm = {"truncate_prompt_tokens": None, "add_special_tokens": True, "normalize": True}
+    same = client.embeddings.create(model="search-query", input="hello", extra_body=vllm)
+    assert same.data[0].embedding == text.data[0].embedding
     # minilm's tokenizer: [CLS] hello [SEP]
     ids = client.embeddings.create(model="search-query", input=[101, 7592, 102])
     assert len(ids.data) == 1 and ids.usage.prompt_tokens == 3
@@ -648,6 +652,21 @@ REJECTED: list[tuple[str, dict[str, Any], str, str | None]] = [
     ("/v1/embeddings", {**EMBED_BODY, "dimensions": "x"}, "dimensions", "invalid_type"),
     ("/v1/embeddings", {**EMBED_BODY, "dimensions": 128}, "dimensions", "unsupported_value"),
     ("/v1/embeddings", {**EMBED_BODY, "user": ["u"]}, "user", "invalid_type"),
+    # vLLM's extensions that would change the vectors: ignored, a vLLM client would
+    # get vectors of other tokens (or not unit length) than it asked for.
+    (
+        "/v1/embeddings",
+        {**EMBED_BODY, "truncate_prompt_tokens": 2},
+        "truncate_prompt_tokens",
+        "unsupported_value",
+    ),
+    (
+        "/v1/embeddings",
+        {**EMBED_BODY, "add_special_tokens": False},
+        "add_special_tokens",
+        "unsupported_value",
+    ),
+    ("/v1/embeddings", {**EMBED_BODY, "normalize": False}, "normalize", "unsupported_value"),
     (
         "/v1/embeddings",
         {**EMBED_BODY, "encoding_format": "hex"},

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 import numpy as np
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lanes.errors import InvalidInput, LanesError, RequestTooLarge
@@ -137,10 +138,34 @@ def check_inputs(count: int, limit: int, param: str) -> None:
         )
 
 
+# vLLM's embeddings extensions lanes does not implement, each at the value that changes
+# nothing: accepted there, refused elsewhere. Ignored (as unknown fields are), a vLLM
+# client would get vectors of other tokens, or not of unit length, and not know.
+EMBED_NO_OPS: dict[str, bool | None] = {
+    "truncate_prompt_tokens": None,
+    "add_special_tokens": True,
+    "normalize": True,
+}
+
+
 class EmbeddingsRequest(OpenAIRequest):
     input: str | list[Any] = Field(description="Text(s), or array(s) of token ids.")
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1, description="Only the model's own.")
+    # vLLM's extensions that lanes does not implement (EMBED_NO_OPS).
+    truncate_prompt_tokens: int | None = Field(None, description="vLLM's: only none.")
+    add_special_tokens: bool | None = Field(None, description="vLLM's: only true.")
+    normalize: bool | None = Field(None, description="vLLM's: only true.")
+
+    def check(self) -> None:
+        for name, no_op in EMBED_NO_OPS.items():
+            value = getattr(self, name)
+            if value is not None and value != no_op:
+                raise unsupported(
+                    name,
+                    f"lanes does not implement vLLM's {name}; send {orjson.dumps(no_op).decode()} "
+                    f"or leave it out, found {orjson.dumps(value).decode()}",
+                )
 
     @property
     def inputs(self) -> Inputs:
