@@ -40,16 +40,18 @@ LOOK_AGAIN_S = 0.05
 
 
 def never_fits(
-    items: int, max_queue: int, bound: str = "`batching.max_queue`"
+    items: int, max_queue: int, param: str | None = None, bound: str = "`batching.max_queue`"
 ) -> RequestTooLarge | None:
-    """Why a request of `items` inputs can never be queued whole (413, not a 503 to
-    retry), or None when it can; `bound` names what sets `max_queue`."""
+    """Why a request of `items` inputs (in its field `param`, where it has one) can never
+    be queued whole (413, not a 503 to retry), or None when it can; `bound` names what
+    sets `max_queue`."""
     if items <= max_queue:
         return None
-    return RequestTooLarge(
+    detail = (
         f"this request has {items} inputs; the workload queues at most {max_queue} "
         f"({bound}), so it can never run as sent: send at most {max_queue} per request"
     )
+    return RequestTooLarge(detail) if param is None else RequestTooLarge.field(param, detail)
 
 
 # What bounds an offline batch on the endpoint: the lane's own queue, no setting.

@@ -272,7 +272,7 @@ class Engine:
         them all; Overloaded, whole, when it cannot now or the server stops before they
         are done (the flow retries). Each sequence's part of the steps it was in (as the
         lanes' busy time splits a step) is added to `share`, whole when this returns."""
-        too_many = never_fits(len(requests), OFFLINE_MAX_SEQUENCES, OFFLINE_BOUND)
+        too_many = never_fits(len(requests), OFFLINE_MAX_SEQUENCES, bound=OFFLINE_BOUND)
         if too_many is not None:
             raise too_many  # a 503 would be refused as often as it is retried
         # Their text is read whole, at the finish (_completion): decoded once, then.

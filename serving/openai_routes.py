@@ -46,7 +46,7 @@ async def embeddings(request: Request) -> JSONResponse:
         body.check_limits(settings.max_inputs_per_request)  # as an offline batch line's
         count = input_count(body.input)
         timeout = timeout_s(request)
-        worker.admit(count, timeout)
+        worker.admit(count, timeout, "input")
         items = await state.offload.run(len(raw), prepare_texts, body, worker.task.prepare)
         vectors = await worker.submit(items, timeout, record_of(request.scope), departure(request))
     except LanesError as e:

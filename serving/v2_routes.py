@@ -174,7 +174,7 @@ async def _embed(
         raise InvalidInput.field(where, "expected at least one text, found none")
     count = int(texts.size)
     check_inputs(count, state.settings.max_inputs_per_request, where)
-    worker.admit(count, timeout)
+    worker.admit(count, timeout, where)
     items = await state.offload.run(size, _prepare_texts, worker.task, texts, where)
     vectors = await worker.submit(items, timeout, record, gone)
     try:

@@ -189,10 +189,11 @@ class BatchWorker:
         now, with what it has."""
         self.lanes.interactive.hurry()
 
-    def admit(self, items: int, timeout_s: float | None = None) -> None:
+    def admit(self, items: int, timeout_s: float | None = None, param: str | None = None) -> None:
         """Raise now what `submit` would refuse `items` inputs with, so that a caller
-        can ask before it prepares them: RequestTooLarge if they can never be queued;
-        Overloaded while the queue has no room for all of them, or while its expected
+        can ask before it prepares them: RequestTooLarge (about the request's field
+        `param`, which holds them) if they can never be queued; Overloaded while the
+        queue has no room for all of them, or while its expected
         wait is past their deadline (`timeout_s`, else the workload's `slo.timeout_ms`).
 
         The second is what keeps goodput under overload: a FIFO queue longer than the
@@ -200,7 +201,7 @@ class BatchWorker:
         each having cost its parsing, tokenizing and queueing; refused at once, the
         ones let in are the ones served in time, and the refused retry elsewhere.
         """
-        too_many = never_fits(items, self.queue.max_queue)
+        too_many = never_fits(items, self.queue.max_queue, param)
         if too_many is not None:
             raise too_many
         self.queue.check_room(items)
@@ -297,7 +298,7 @@ class BatchWorker:
         the exception it failed with. Refused whole (Overloaded) when the offline queue
         cannot hold them all. The model time the items used is added to `share` (whole
         when this returns: each run is charged before its callers are answered)."""
-        too_many = never_fits(len(items), self.lanes.offline.max_queue, OFFLINE_BOUND)
+        too_many = never_fits(len(items), self.lanes.offline.max_queue, bound=OFFLINE_BOUND)
         if too_many is not None:
             raise too_many
         if len(self.lanes.offline) + len(items) > self.lanes.offline.max_queue:

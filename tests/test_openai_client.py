@@ -753,6 +753,7 @@ def test_more_texts_than_the_queue_holds_is_413_and_never_retried(server: Server
         patient.embeddings.create(model="tiny-queue", input=[f"text {i}" for i in range(5)])
     assert refused.value.status_code == 413
     assert "4" in refused.value.message and "max_queue" in refused.value.message
+    assert refused.value.param == "input"
     after = {
         code: metric(server, "lanes_responses_total", route="/v1/embeddings", code=code)
         for code in ("413", "503")

@@ -406,6 +406,14 @@ BAD_REQUESTS: list[tuple[str, str, object, int]] = [
 ]
 
 
+def test_more_texts_than_the_queue_holds_is_a_413_naming_the_tensor(server: ServerThread) -> None:
+    texts = {"name": "text", "shape": [5], "datatype": "BYTES", "data": ["x"] * 5}
+    answer = httpx.post(f"{server.url}/v2/models/held-lane/infer", json={"inputs": [texts]})
+    assert answer.status_code == 413, answer.text
+    assert answer.json()["param"] == "inputs.text", answer.text
+    assert "max_queue" in answer.json()["error"]
+
+
 def test_server_survives_bad_requests(server: ServerThread) -> None:
     assert len(BAD_REQUESTS) >= 20
     with httpx.Client(base_url=server.url, timeout=10) as client:
