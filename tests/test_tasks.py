@@ -428,7 +428,8 @@ def test_embed_refuses_text_over_max_length_unless_the_workload_truncates(
     [
         (3, "input: expected a string, found 3"),
         (None, "input: expected a string, found null"),
-        ("", "non-empty"),
+        ("", "^input: expected a non-empty string, found an empty one$"),
+        (" \n\t", "^input: expected a non-empty string, found only whitespace$"),
         (["a"], r"^input: expected token ids \(integers\), found 'a' at \[0\]$"),
         ([4, None], r"^input: expected token ids \(integers\), found null at \[1\]$"),
         ([4, True], r"^input: expected token ids \(integers\), found true at \[1\]$"),

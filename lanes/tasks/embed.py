@@ -99,7 +99,8 @@ class EmbedTask(SlotSession):
             found = describe_value(text)
             raise InvalidInput.field("input", f"expected a string, found {found}", "invalid_type")
         if not text.strip():
-            detail = "expected a non-empty string, found an empty one"
+            found = "only whitespace" if text else "an empty one"
+            detail = f"expected a non-empty string, found {found}"
             raise InvalidInput.field("input", detail, "invalid_value")
         found_ids = self._wordpiece.encode(text) if self._wordpiece else None
         ids = np.asarray(found_ids or encode(self.tokenizer, text), dtype=np.int64)
