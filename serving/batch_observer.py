@@ -18,7 +18,7 @@ from lanes.serving.metrics import LaneSeries, Metrics, Utilization
 from lanes.serving.offline_runs import OfflineLane
 from lanes.serving.slo import padded_tokens
 from lanes.serving.tracing import batch_spans, expired_span
-from lanes.tasks.infer import InferItem
+from lanes.tasks.infer import InferItem, stack_runs
 from lanes.tracing import Tracing
 
 
@@ -116,11 +116,9 @@ class BatchObserver:
         if not any(answered):
             return
         rows = [rows_of(pending.item) for pending in batch]
-        if self.stacks:
-            self.stats.ran(sum(rows), end - start)
-        else:  # each item its own run, their time not told apart: an equal share each
-            for count in rows:
-                self.stats.ran(count, (end - start) / len(rows))
+        runs = runs_of([pending.item for pending in batch], self.stacks)
+        for run in runs:  # their time not told apart: an equal share each
+            self.stats.ran(sum(rows[i] for i in run), (end - start) / len(runs))
         inferences: dict[int, int] = {}  # id of each request's record (or lone item) -> rows
         waited: dict[int, float] = {}
         for pending, count, ok in zip(batch, rows, answered, strict=True):
@@ -148,6 +146,17 @@ class BatchObserver:
         (refitted first if a run came since)."""
         self._utilization.set(self.busy_fraction())
         self._metrics.show_cost(self.name, self.cost.fit)
+
+
+def runs_of(items: list[Any], stacks: bool) -> list[list[int]]:
+    """The model runs of a batch of `items`, each as its items' indices: one per item
+    where the rows do not stack (`stacks` false), one per shape of infer items'
+    inputs (lanes.tasks.infer.stack_runs), else one of every item."""
+    if not stacks:
+        return [[i] for i in range(len(items))]
+    if items and all(isinstance(item, InferItem) for item in items):
+        return stack_runs(items)
+    return [list(range(len(items)))]
 
 
 def rows_of(item: Any) -> int:

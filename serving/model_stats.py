@@ -20,8 +20,9 @@ What lanes measures, and where each figure comes from:
   row of a batched request an inference (an infer request's first dim, or one where
   the model's first dim is fixed; an embed request one per text; a generate request
   one per prompt), and `execution_count` with `batch_stats`: the model's runs, by their
-  rows (all the rows of an embed or infer batch, or where an infer model's first dim
-  is fixed, a run of one per request, the batch's time shared evenly; a generate
+  rows (all the rows of an embed or infer batch, a run per shape of the dims after
+  the rows where an infer batch's differ, or where an infer model's first dim is
+  fixed, a run of one per request, the batch's time shared evenly; a generate
   step's prefill and decode are a run each, their rows those of the sequences in it,
   whichever lane they are in). An embed or infer
   workload's offline items (runner kind endpoint) are the offline lane's, in the

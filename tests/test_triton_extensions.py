@@ -31,15 +31,17 @@ LIMIT = 64 * 1024
 CODINGS = ["gzip", "deflate"]
 
 
-def fixed_model(folder: Path) -> Path:
+def fixed_model(folder: Path, shape: list[int | str] | None = None) -> Path:
     """x float32 [2, 4] -> y = -x: its first dim is fixed, so no rows stack across
-    requests (Triton's max_batch_size 0): each request is a run of its own."""
+    requests (Triton's max_batch_size 0): each request is a run of its own. (Of
+    another `shape`, the same graph.)"""
     folder.mkdir(parents=True, exist_ok=True)
+    shape = shape or [2, 4]
     graph = helper.make_graph(
         [helper.make_node("Neg", ["x"], ["y"])],
         "fixed",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
     save_model(model, str(folder / "model.onnx"))
@@ -56,6 +58,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, demo_models: Path) -> Itera
         "models": {
             "affine": {"path": str(infer_model(folder / "affine"))},
             "fixed": {"path": str(fixed_model(folder / "fixed"))},
+            # Rows first, then a free dim: rows of one length stack, of two do not.
+            "ragged": {"path": str(fixed_model(folder / "ragged", ["batch", "length"]))},
             "enc": {"path": str(enc), "tokenizer": str(tokenizer)},
             "tinycode": {
                 "path": str(tinycode / "model.onnx"),
@@ -75,6 +79,12 @@ def server(tmp_path_factory: pytest.TempPathFactory, demo_models: Path) -> Itera
                 "mode": "interactive",
                 "task": "infer",
                 "model": "fixed",
+                "batching": {"max_batch_size": 2, "max_wait_ms": 60_000},
+            },
+            "ragged": {
+                "mode": "interactive",
+                "task": "infer",
+                "model": "ragged",
                 "batching": {"max_batch_size": 2, "max_wait_ms": 60_000},
             },
             "code": {
@@ -302,6 +312,24 @@ def test_statistics_of_a_model_that_takes_no_batch_count_a_run_per_request(
     assert batch_sizes(before, after) == {1: 2}
 
 
+def test_statistics_count_a_run_per_shape_of_a_batch_of_two_lengths(
+    server: ServerThread, client: Any
+) -> None:
+    """Two requests in one batch whose rows differ in length cannot stack: two
+    executions of one inference each, as Triton's batcher runs them."""
+    before = stats_of(client, "ragged")
+    url = server.url.removeprefix("http://")
+    xs = [X, X[:, :3].copy()]
+    with triton.InferenceServerClient(url, concurrency=2) as both:
+        sent = [both.async_infer("ragged", [tensor("x", x[:1], "FP32", True)]) for x in xs]
+        for x, request in zip(xs, sent, strict=True):
+            assert np.array_equal(request.get_result().as_numpy("y"), -x[:1])
+    after = stats_of(client, "ragged")
+    assert grew(before, after, "success") == 2
+    assert after["execution_count"] - before["execution_count"] == 2
+    assert batch_sizes(before, after) == {1: 2}
+
+
 def test_statistics_of_an_embed_workload_count_each_text(client: Any) -> None:
     before = stats_of(client, "words")
     texts = np.array([b"one", b"two"], dtype=np.object_)
@@ -347,7 +375,7 @@ def test_statistics_of_a_generate_workload_count_each_sequence(
 
 def test_statistics_of_every_workload_and_of_unknown_ones(client: Any) -> None:
     every = client.get_inference_statistics()["model_stats"]
-    assert [s["name"] for s in every] == ["affine", "words", "fixed", "code"]
+    assert [s["name"] for s in every] == ["affine", "words", "fixed", "ragged", "code"]
     assert "statistics" in client.get_server_metadata()["extensions"]
     for call in (
         lambda: client.get_inference_statistics("ghost"),

@@ -123,14 +123,8 @@ class InferTask(SlotSession):
         lanes.binding.run)."""
         if len(batch) <= 1 or not self.stacks_rows:
             return [out for it in batch for out in self._stacked([it], options)]
-        # Rows stack only where every input's dims after them agree (a model with a
-        # free dim there, a sequence's length, takes requests of several): as Triton's
-        # batcher, each shape is a run of its own instead of failing the batch.
-        shapes: dict[tuple[tuple[int, ...], ...], list[int]] = {}
-        for i, it in enumerate(batch):
-            shapes.setdefault(tuple(a.shape[1:] for a in it.inputs.values()), []).append(i)
         found: dict[int, Tensors] = {}
-        for indices in shapes.values():
+        for indices in stack_runs(batch):
             stack = self._stacked([batch[i] for i in indices], options)
             found.update(zip(indices, stack, strict=True))
         return [found[i] for i in range(len(batch))]
@@ -166,6 +160,17 @@ class InferTask(SlotSession):
                 self.post_example = self.handler.post(outputs)
             except Exception as err:  # a post may well refuse zeros; real inputs will tell
                 log.info("workload %s: post failed on the warm-up's zeros: %s", self.name, err)
+
+
+def stack_runs(batch: Sequence[InferItem]) -> list[list[int]]:
+    """The runs `InferTask.tensors` makes of a batch whose rows stack, each as its
+    items' indices: the items whose inputs agree in every dim after the rows (a model
+    with a free dim there, a sequence's length, takes requests of several lengths; as
+    in Triton's batcher, each shape is a run of its own)."""
+    runs: dict[tuple[tuple[int, ...], ...], list[int]] = {}
+    for i, item in enumerate(batch):
+        runs.setdefault(tuple(a.shape[1:] for a in item.inputs.values()), []).append(i)
+    return list(runs.values())
 
 
 # What a numpy dtype kind holds, as a request's JSON spelled it.
