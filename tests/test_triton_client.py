@@ -145,6 +145,9 @@ def test_infer_as_tritonclient_sends_it(client: Any, binary: bool) -> None:
     answer = one.get_response()
     assert answer["id"] == "r-7" and answer["model_version"] == "1"
     assert ("parameters" in answer["outputs"][0]) == binary  # binary_data_size
+    # Triton's timeout 0 is no timeout, its default.
+    unbounded = client.infer("affine", [x], headers=auth(), timeout=0)
+    assert np.array_equal(unbounded.as_numpy("y"), 2 * X + 1)
 
 
 @pytest.mark.parametrize(

@@ -136,13 +136,15 @@ class InferRequest(Part):
             raise _by_name(invalid_input(err), parsed) from None
 
     def timeout_s(self) -> float | None:
-        """Triton's `parameters.timeout`, in microseconds, as seconds."""
+        """Triton's `parameters.timeout`, in microseconds, as seconds; None where it is
+        not given, or is 0, which is no timeout in Triton (its default)."""
         value = (self.parameters or {}).get("timeout")
-        if value is None:
+        if value is None or (value == 0 and not isinstance(value, bool)):
             return None
         if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
             raise InvalidInput.field(
-                "parameters.timeout", f"expected microseconds > 0, found {describe(value)}"
+                "parameters.timeout",
+                f"expected microseconds >= 0 (0: none), found {describe(value)}",
             )
         return float(value) / 1e6
 
