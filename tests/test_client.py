@@ -658,7 +658,7 @@ async def test_an_option_the_request_does_not_define_is_refused_before_sending(
     assert (error.param, error.code) == ("max_token", "unknown_parameter")
     assert "did you mean 'max_tokens'?" in str(error)
     assert "max_tokens, min_p" in str(error) and "stop_token_ids" in str(error)
-    assert "it takes: dimensions, user)" in str(embed.value)
+    assert "dimensions, normalize, truncate_prompt_tokens, user)" in str(embed.value)
 
 
 async def test_several_choices_are_refused_before_sending(specs: tuple[Path, Path]) -> None:
