@@ -398,15 +398,11 @@ class Storage:
             except OSError as err:
                 raise StorageError(f"{uri}: cannot delete: {err.strerror}") from None
             return True
-        bucket, key = split_s3(uri)
-        client = self._s3()
-        try:
-            with self._errors(uri, "read"):
-                client.head_object(Bucket=bucket, Key=key)
-        except Missing:
+        if not self.exists(uri):  # S3 answers a delete of no object as done
             return False
+        bucket, key = split_s3(uri)
         with self._errors(uri, "delete"):
-            client.delete_object(Bucket=bucket, Key=key)
+            self._s3().delete_object(Bucket=bucket, Key=key)
         return True
 
     def delete_folder(self, folder: str) -> None:
