@@ -73,9 +73,10 @@ def batch_key(settings: Settings) -> str:
 
 
 def model_weights(spec: Spec, workload: str, settings: Settings) -> str | None:
-    """The digest of `workload`'s model files, which its batches carry (WEIGHTS_HEADER)
-    so that an endpoint running another model refuses them."""
-    return weights_digest(spec.models[spec.workloads[workload].model].path, Digests(settings.home))
+    """The digest of `workload`'s model and tokenizer files, which its batches carry
+    (WEIGHTS_HEADER) so that an endpoint running another model refuses them."""
+    declared = spec.workloads[workload]
+    return weights_digest(spec.models[declared.model], declared.task, Digests(settings.home))
 
 
 def check_reachable(url: str, retries: EndpointRetries, attempts: int = 5) -> None:

@@ -17,7 +17,7 @@ from typing import Literal
 
 import orjson
 
-from lanes.digests import Digest, Digests
+from lanes.digests import Digests, model_digests
 from lanes.errors import PermanentStorageError, StorageError, WrongMode
 from lanes.flows.records import FORMATS, is_known, output_name
 from lanes.flows.shard import ShardPlan
@@ -26,7 +26,6 @@ from lanes.layout import ERRORS, MARKERS
 from lanes.settings import Settings
 from lanes.spec import (
     Fields,
-    ModelSpec,
     OfflineWorkload,
     Runner,
     Spec,
@@ -38,9 +37,6 @@ from lanes.storage import Storage, StoredFile, is_s3, join
 
 # Bumped when what a shard key covers changes: keys of another format never match.
 KEY_FORMAT = "shard/2"
-# Read beside the model (config.json, ...) and the tokenizer (lanes.tasks.decoder_config).
-MODEL_CONFIGS = ("config.json", "generation_config.json", "genai_config.json")
-TOKENIZER_CONFIG = "tokenizer_config.json"
 
 # "declared": the workload as workloads.yaml says; "offline": an interactive one too.
 Lane = Literal["declared", "offline"]
@@ -182,22 +178,6 @@ def model_key(spec: Spec, workload: Workload, settings: Settings) -> str:
         # Only when set, as before `fields:` existed.
         identity["fields"] = workload.fields.model_dump(mode="json")
     return hashlib.sha256(orjson.dumps(identity, option=orjson.OPT_SORT_KEYS)).hexdigest()
-
-
-def model_digests(model: ModelSpec, digests: Digests) -> dict[str, Digest | None]:
-    """The digest of every file a model reads, by its role (model/NAME, tokenizer,
-    ...): what model_key counts and `lanes models seal` seals."""
-    files = {f"model/{name}": d for name, d in digests.model_files(model.path)}
-    if model.tokenizer:
-        files["tokenizer"] = digests.of(model.tokenizer)
-    tokenizer_folder = (model.tokenizer or model.path).parent
-    sides = [(f"model/{n}", model.path.parent / n) for n in MODEL_CONFIGS]
-    sides.append((f"tokenizer/{TOKENIZER_CONFIG}", tokenizer_folder / TOKENIZER_CONFIG))
-    for name, side in sides:
-        found = digests.of(side)
-        if found is not None:  # mostly absent, and then left out as before they counted
-            files[name] = found
-    return files
 
 
 def shard_source(file: StoredFile, root: Path | None) -> str:

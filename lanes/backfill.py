@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from pathlib import Path
 
-from lanes.digests import Digests
-from lanes.spec import InteractiveWorkload, OfflineWorkload, TaskName, Workload
+from lanes.digests import MODEL_CONFIGS, TOKENIZER_CONFIG, Digests, model_digests
+from lanes.spec import InteractiveWorkload, ModelSpec, OfflineWorkload, TaskName, Workload
 
 INTERNAL_PREFIX = "/internal/"
 BATCH_ROUTE = "/internal/v1/batch/{workload}"
@@ -30,9 +29,10 @@ PROVIDER_HEADER = "x-lanes-provider"  # the server's execution provider, for the
 # step's time split among its items, as lanes_lane_busy_seconds_total splits it): what
 # an endpoint run is priced on. Absent from servers older than it.
 BUSY_HEADER = "x-lanes-offline-busy-seconds"
-# The content digest of the flow's model (`weights_digest`): the server refuses a batch
-# whose model is not the one it runs (token ids on other weights would be answered,
-# wrongly). Absent from flows older than it, and where the flow cannot read its model.
+# The content digest of the flow's model and tokenizer (`weights_digest`): the server
+# refuses a batch whose model is not the one it runs (token ids on other weights, or
+# made by another tokenizer, would be answered, wrongly). Absent from flows older than
+# it, and where the flow cannot read its model or tokenizer.
 WEIGHTS_HEADER = "x-lanes-model-digest"
 MODEL_MISMATCH = "model_mismatch"  # the error code of that refusal
 ENDPOINT_TASKS: tuple[TaskName, ...] = ("embed", "infer", "generate")
@@ -42,13 +42,23 @@ def batch_path(workload: str) -> str:
     return BATCH_ROUTE.format(workload=workload)
 
 
-def weights_digest(path: Path, digests: Digests) -> str | None:
-    """One digest of an ONNX model's files by their content (the .onnx and its external
-    data, lanes.digests); None when one of them is not readable here."""
-    files = digests.model_files(path)
-    named = [f"{name}:{digest.blake2b}" for name, digest in files if digest is not None]
-    if len(named) != len(files):
-        return None
+def weights_digest(model: ModelSpec, task: TaskName, digests: Digests) -> str | None:
+    """One digest of the files that decide a batch's answers, by their content
+    (lanes.digests.model_digests): the ONNX model's files (the .onnx, its external data),
+    for embed and generate its tokenizer's, which the flow encodes with and the server
+    decodes with, and for generate the decoder's config files present beside them. None
+    when the model or its tokenizer is not readable here."""
+    configs = {f"model/{n}" for n in MODEL_CONFIGS} | {f"tokenizer/{TOKENIZER_CONFIG}"}
+    named = []
+    for role, digest in model_digests(model, digests).items():
+        if role in configs:
+            if task != "generate":
+                continue
+        elif role == "tokenizer" and task == "infer":
+            continue
+        if digest is None:
+            return None
+        named.append(f"{role}:{digest.blake2b}")
     return hashlib.sha256("\n".join(named).encode()).hexdigest()
 
 

@@ -34,6 +34,7 @@ from pathlib import Path, PurePosixPath
 import orjson
 
 from lanes.onnxinputs import varint
+from lanes.spec import ModelSpec
 from lanes.staging import staging_file
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,9 @@ _SECOND = 1_000_000_000
 # A StringStringEntryProto {key: "location", value: ...}: field 1 (tag 0x0a, 8 bytes),
 # then field 2's tag (0x12), its length and the file's name.
 _LOCATION = b"\x0a\x08location\x12"
+# Read beside the model (config.json, ...) and the tokenizer (lanes.tasks.decoder_config).
+MODEL_CONFIGS = ("config.json", "generation_config.json", "genai_config.json")
+TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,22 @@ class Digests:
             _write(entry, data)
         except OSError as err:  # a read-only home: the next ask reads the file again
             log.debug("cannot cache the digest of %s in %s: %s", data["path"], entry, err)
+
+
+def model_digests(model: ModelSpec, digests: Digests) -> dict[str, Digest | None]:
+    """The digest of every file a model reads, by its role (model/NAME, tokenizer,
+    ...): what model_key counts and `lanes models seal` seals."""
+    files = {f"model/{name}": d for name, d in digests.model_files(model.path)}
+    if model.tokenizer:
+        files["tokenizer"] = digests.of(model.tokenizer)
+    tokenizer_folder = (model.tokenizer or model.path).parent
+    sides = [(f"model/{n}", model.path.parent / n) for n in MODEL_CONFIGS]
+    sides.append((f"tokenizer/{TOKENIZER_CONFIG}", tokenizer_folder / TOKENIZER_CONFIG))
+    for name, side in sides:
+        found = digests.of(side)
+        if found is not None:  # mostly absent, and then left out as before they counted
+            files[name] = found
+    return files
 
 
 def _write(target: Path, data: dict[str, object]) -> None:

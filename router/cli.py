@@ -18,9 +18,8 @@ from rich.console import Console
 from rich.table import Table
 
 from lanes.demo.place import demo_models_folder
-from lanes.digests import Digests
+from lanes.digests import Digests, model_digests
 from lanes.errors import InvalidInput, LanesError, ModelError, StorageError
-from lanes.flows.job import model_digests
 from lanes.measurements import Measurements
 from lanes.router import client_cli, cost_cli, offline_cli, tune_cli
 from lanes.router.console import SpecFile, command, guarded

@@ -109,17 +109,19 @@ async def _disconnect(receive: Receive) -> None:
 
 
 async def _same_weights(request: Request, state: ServingState, name: str) -> None:
-    """InvalidInput (code model_mismatch) when the flow's model (its WEIGHTS_HEADER) is
-    not the one `name` runs here: its token ids would run on other weights, and be
-    answered wrongly. Read once per workload, off the event loop."""
+    """InvalidInput (code model_mismatch) when the flow's model or tokenizer (its
+    WEIGHTS_HEADER) is not the one `name` runs here: its token ids would run on other
+    weights, or be read by another tokenizer, and be answered wrongly. Read once per workload, off the event loop."""
     theirs = request.headers.get(WEIGHTS_HEADER)
     if theirs is None:
         return  # a flow older than the header
-    model_name = state.spec.workloads[name].model
+    workload = state.spec.workloads[name]
+    model_name = workload.model
     model = state.spec.models[model_name]
     ours = state.weights.get(name)
     if ours is None:
-        ours = await asyncio.to_thread(weights_digest, model.path, Digests(state.settings.home))
+        digests = Digests(state.settings.home)
+        ours = await asyncio.to_thread(weights_digest, model, workload.task, digests)
         if ours is None:
             return  # not readable here: the workload's own loading says so
         state.weights[name] = ours

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -19,6 +20,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -1023,23 +1025,37 @@ def test_an_endpoint_not_serving_the_workload_fails_the_job_before_any_shard(
     assert not (tmp_path / "out" / "a.jsonl").exists()
 
 
+def _other_weights(model: Path) -> None:
+    loaded = onnx.load(str(model / "model.onnx"))
+    table = numpy_helper.to_array(loaded.graph.initializer[0])
+    loaded.graph.initializer[0].CopyFrom(numpy_helper.from_array(table + 1, "table"))
+    save_model(loaded, str(model / "model.onnx"))
+
+
+def _other_tokenizer(model: Path) -> None:
+    """The same words under other ids: the same weights give other vectors."""
+    tokenizer = json.loads((model / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    vocab["w1"], vocab["w2"] = vocab["w2"], vocab["w1"]
+    (model / "tokenizer.json").write_text(json.dumps(tokenizer))
+
+
+@pytest.mark.parametrize("other", [_other_weights, _other_tokenizer], ids=["weights", "tokenizer"])
 def test_an_endpoint_serving_the_workload_with_another_model_is_refused_before_any_shard(
     prefect_api: str,
     serve: type[ServerThread],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
+    other: Callable[[Path], None],
 ) -> None:
-    """The flow's token ids on another model's weights would be answered, wrongly and
-    unsaid: its model's digest goes with each batch, and a job whose endpoint serves the
-    workload with other weights fails before any shard, saying so."""
+    """The flow's token ids on another model's weights, or made by another tokenizer,
+    would be answered, wrongly and unsaid: the digest of its model's and tokenizer's
+    files goes with each batch, and a job whose endpoint serves the workload with other
+    ones fails before any shard, saying so."""
     spec = write_spec(tmp_path, {"live": live(), "corpus": batch(runner=on_endpoint())})
     write_jsonl(tmp_path / "in" / "a.jsonl", [{"id": "d0", "text": "w1"}])
     served = write_spec(tmp_path / "server", {"live": live()})
-    weights = tmp_path / "server" / "models" / "enc" / "model.onnx"
-    model = onnx.load(str(weights))
-    table = numpy_helper.to_array(model.graph.initializer[0])
-    model.graph.initializer[0].CopyFrom(numpy_helper.from_array(table + 1, "table"))
-    save_model(model, str(weights))
+    other(tmp_path / "server" / "models" / "enc")
     with serve(served, internal_key=KEY) as server:
         monkeypatch.setenv("LANES_ENDPOINT", server.url)
         monkeypatch.setenv("LANES_INTERNAL_KEY", KEY)
