@@ -84,11 +84,12 @@ def plan_run(
     storage: Storage,
     now: datetime,
     records: list[Throughput],
-    calibrate: Callable[[], Throughput] | None = None,
+    calibrate: Callable[[], tuple[Throughput, str]] | None = None,
 ) -> RunStart:
     """When `job` starts, planned at `now` from `records` (newest first, as
     Measurements.load gives them). With no rate for its model there, `calibrate()`
-    measures one (None: plan without, starting when the window opens). Raises
+    measures one and says where it is kept (None: plan without, starting when the
+    window opens). Raises
     LanesError when the job has no deadline, or its input cannot be read."""
     workload = as_offline(job.spec.workload(job.workload))
     schedule = workload.schedule
@@ -97,16 +98,16 @@ def plan_run(
     window = window_at(opening(workload, settings)[0], schedule.finish_by, schedule.timezone, now)
     items = sum(count_records(storage, plan.input) for plan in plan_shards(job, storage))
     record = newest(records, "offline", job.model_key, job.workload)
-    calibrated = False
+    calibrated, kept = False, ""
     if record is None and calibrate is not None:
-        record, calibrated = calibrate(), True
+        (record, kept), calibrated = calibrate(), True
     rate = record.items_per_second if record is not None else None
     plan = plan_start(items, rate, window.finish_by, window.opens, now)
     note = plan.note
     if calibrated and record is not None:
         note = (
             f"no earlier run of this model: measured {rate:g} items/s on {record.items} "
-            f"records of the input (stored with lanes calibrate's); {note}"
+            f"records of the input ({kept}); {note}"
         )
     if plan.start == now and rate is not None and job.runner.kind == "endpoint":
         note += "; on the shared endpoint (runner: endpoint), in its interactive lane's idle time"
@@ -139,19 +140,20 @@ def window_deadline(job: Job, settings: Settings, planned: datetime) -> datetime
 
 def calibration(
     job: Job, settings: Settings, storage: Storage, model: Callable[[], ShardModel]
-) -> Callable[[], Throughput]:
+) -> Callable[[], tuple[Throughput, str]]:
     """`plan_run`'s `calibrate`: measure on a sample of the job's input with `model()`
     and store the rate where `lanes calibrate` stores its own (a home that cannot be
     written costs only a warning: the rate still plans this run)."""
 
-    def measure() -> Throughput:
+    def measure() -> tuple[Throughput, str]:
         record = measure_sample(job, settings, storage, model())
         store = Measurements(settings.home)
         try:
             store.save(record)
         except OSError as err:
             log.warning("could not store the measured rate under %s: %s", store.folder, err)
-        return record
+            return record, f"not stored: cannot write under {store.folder} ({err.strerror or err})"
+        return record, "stored with lanes calibrate's"
 
     return measure
 

@@ -210,6 +210,10 @@ def test_a_sample_measured_under_a_home_that_cannot_keep_it_still_plans(
     [route] = plan(load_spec(spec_file, settings), settings, T0, calibrate=True)
     assert route.deadline is not None and route.deadline["calibrated"] is True
     assert route.deadline["items_per_second"] > 0
+    # The note says the rate was not kept, and why (not that it was stored).
+    note = route.deadline["note"]
+    assert f"not stored: cannot write under {home / 'measurements'}" in note
+    assert "stored with" not in note
 
 
 # ---- the manifest -------------------------------------------------------------------------
