@@ -134,7 +134,7 @@ def _print_levels(levels: list[Level], chosen: Throughput) -> None:
 
 def _print_records(records: list[Throughput], settings: Settings, store: Measurements) -> None:
     price = settings.price_per_device_hour
-    table = Table(title=f"{records[0].workload}: cost at ${price:g} per device-hour")
+    table = Table(title=f"{records[0].workload}: cost {_at_price(settings)}")
     for column in ("lane", "items/s", "$ / 1k items", "provider", "source"):
         table.add_column(column)
     for r in records:
@@ -146,11 +146,7 @@ def _print_records(records: list[Throughput], settings: Settings, store: Measure
 
 def print_costs(routes: list[Route], settings: Settings) -> None:
     """`lanes plan`'s second table: each workload's $ per 1k items, its own lane first."""
-    price = settings.price_per_device_hour
-    table = Table(
-        title=f"$ per 1k items at ${price:g} per device-hour (LANES_PRICE_PER_DEVICE_HOUR), "
-        "one device per replica or worker"
-    )
+    table = Table(title=f"$ per 1k items {_at_price(settings)}, one device per replica or worker")
     for column in ("workload", "lane", "$ / 1k items", "items/s", "measured"):
         table.add_column(column)
     for r in routes:
@@ -158,6 +154,14 @@ def print_costs(routes: list[Route], settings: Settings) -> None:
             cells = _cost_cells(cost, label, r.workload)
             table.add_row(r.workload if label == "own" else "", *cells)
     Console(width=160).print(table)
+
+
+def _at_price(settings: Settings) -> str:
+    """The price the table's dollars are at, and whether anyone chose it."""
+    price = settings.price_per_device_hour
+    if "price_per_device_hour" not in settings.model_fields_set:
+        return f"at ${price:g} per device-hour, the default: set LANES_PRICE_PER_DEVICE_HOUR"
+    return f"at ${price:g} per device-hour (LANES_PRICE_PER_DEVICE_HOUR)"
 
 
 def _cost_cells(cost: LaneCost, label: str, workload: str) -> tuple[str, str, str, str]:

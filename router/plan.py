@@ -38,12 +38,30 @@ class LaneCost:
     cost_basis: CostBasis | None = None
     items_per_busy_second: float | None = None
     provider: str | None = None  # onnxruntime's execution provider that measured it
+    # The price the dollars are at, and whether LANES_PRICE_PER_DEVICE_HOUR chose it
+    # (False: the default, $1, which is no one's price).
+    price_per_device_hour: float = 1.0
+    price_is_set: bool = False
 
     @classmethod
-    def of(cls, lane: Mode, record: Throughput | None, price: float, workload: str) -> LaneCost:
+    def of(
+        cls, lane: Mode, record: Throughput | None, settings: Settings, workload: str
+    ) -> LaneCost:
+        price = settings.price_per_device_hour
+        is_set = "price_per_device_hour" in settings.model_fields_set
         if record is None:
             unmeasured = f"not measured: run lanes calibrate {workload}"
-            return cls(lane, None, None, None, None, None, unmeasured)
+            return cls(
+                lane,
+                None,
+                None,
+                None,
+                None,
+                None,
+                unmeasured,
+                price_per_device_hour=price,
+                price_is_set=is_set,
+            )
         note = None
         if record.meets_slo is False:
             note = f"even one client missed the p99 target of {record.slo_p99_ms:g} ms"
@@ -58,6 +76,8 @@ class LaneCost:
             cost_basis=record.cost_basis if lane == "offline" else None,
             items_per_busy_second=_rounded(record.items_per_busy_second),
             provider=record.provider,
+            price_per_device_hour=price,
+            price_is_set=is_set,
         )
 
 
@@ -109,7 +129,6 @@ def plan(
     workload whose model has no offline rate is first measured on a sample of its input
     (and the rate stored under LANES_HOME)."""
     records = measurements or []
-    price = settings.price_per_device_hour
     routes = []
     for name, w in spec.workloads.items():
         key = model_key(spec, w, settings)
@@ -120,8 +139,8 @@ def plan(
             if deadline is not None and deadline.get("calibrated"):
                 # The rate it just measured and stored prices the lanes too.
                 records = Measurements(settings.home).load()
-        own_cost = LaneCost.of(w.mode, newest(records, w.mode, key, name), price, name)
-        other_cost = LaneCost.of(other, newest(records, other, key, name), price, name)
+        own_cost = LaneCost.of(w.mode, newest(records, w.mode, key, name), settings, name)
+        other_cost = LaneCost.of(other, newest(records, other, key, name), settings, name)
         if w.mode == "interactive":
             routes.append(
                 Route(

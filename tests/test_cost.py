@@ -143,6 +143,7 @@ def test_plan_prices_each_lane_from_the_newest_measurement_of_the_model(tmp_path
     assert other["lane"] == "offline" and other["items_per_second"] == 400.0
     assert other["usd_per_1k_items"] == pytest.approx(0.0025)  # $0.001/s over 400 items/s x 1000
     assert other["source"] == "calibrate" and other["measured_at"].startswith("2026-12-01T12:05")
+    assert (own["price_per_device_hour"], own["price_is_set"]) == (3.6, True)
     # An offline workload of the same model and task settings is priced by those figures.
     corpus = routes["corpus"]
     assert corpus["cost"]["items_per_second"] == 400.0
@@ -176,6 +177,21 @@ def test_plan_says_which_device_measured_each_rate(
     print_costs([routes["search"]], Settings())
     table = capsys.readouterr().out
     assert "on CPUExecutionProvider" in table and "on CUDAExecutionProvider" in table
+
+
+def test_plan_without_a_price_says_its_dollars_are_at_the_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # $1 per device-hour is no one's price: the figures must not pass for a chosen one.
+    monkeypatch.delenv("LANES_PRICE_PER_DEVICE_HOUR", raising=False)
+    spec_file = write_spec(tmp_path, WORKLOADS)
+    rate = measured(spec_file, "search", "interactive", 40.0)
+    [search, *_] = plan(load_spec(spec_file, Settings()), Settings(), None, [rate])
+    for cost in (search.as_json()["cost"], search.as_json()["other_lane_cost"]):
+        assert (cost["price_per_device_hour"], cost["price_is_set"]) == (1.0, False)
+    print_costs([search], Settings())
+    table = " ".join(capsys.readouterr().out.split())
+    assert "at $1 per device-hour, the default: set LANES_PRICE_PER_DEVICE_HOUR" in table
 
 
 def test_a_sample_that_answers_no_record_plans_without_a_rate(
