@@ -19,7 +19,7 @@ from rich.table import Table
 from lanes.errors import InvalidInput, StorageError
 from lanes.measurements import COST_BASES, Measurements, Throughput
 from lanes.router.console import progress_bar
-from lanes.router.plan import LaneCost, Route
+from lanes.router.plan import LaneCost, Route, decimals
 from lanes.settings import Settings
 from lanes.specfile import load_spec
 
@@ -82,7 +82,9 @@ def calibrate(
         offline, samples = measure_offline(
             spec, workload, settings, count, lambda n: progress.advance(bar, n)
         )
-        progress.update(bar, description=f"offline lane: {offline.items_per_second:.1f} items/s")
+        progress.update(
+            bar, description=f"offline lane: {_figure(offline.items_per_second, 1)} items/s"
+        )
         levels = progress.add_task("interactive lane: levels", total=None)
 
         def level_done(level: Level) -> None:
@@ -91,7 +93,7 @@ def calibrate(
                 levels,
                 advance=1,
                 description=f"interactive lane: {level.concurrency} clients, "
-                f"{level.items_per_second:.1f} items/s, p99 {p99}",
+                f"{_figure(level.items_per_second, 1)} items/s, p99 {p99}",
             )
 
         interactive, ran = measure_interactive(
@@ -123,7 +125,7 @@ def _print_levels(levels: list[Level], chosen: Throughput) -> None:
         mark = "chosen" if level.concurrency == chosen.concurrency else ""
         table.add_row(
             str(level.concurrency),
-            f"{level.items_per_second:.1f}",
+            _figure(level.items_per_second, 1),
             f"{level.p50_ms:.2f}" if level.p50_ms is not None else "-",
             f"{level.p99_ms:.2f}" if level.p99_ms is not None else "-",
             str(level.errors),
@@ -138,8 +140,8 @@ def _print_records(records: list[Throughput], settings: Settings, store: Measure
     for column in ("lane", "items/s", "$ / 1k items", "provider", "source"):
         table.add_column(column)
     for r in records:
-        dollars = f"${r.usd_per_1k_items(price):.6f}"
-        table.add_row(r.lane, f"{r.items_per_second:.1f}", dollars, r.provider or "-", r.source)
+        dollars = f"${_figure(r.usd_per_1k_items(price), 6)}"
+        table.add_row(r.lane, _figure(r.items_per_second, 1), dollars, r.provider or "-", r.source)
     Console(width=160).print(table)
     typer.echo(f"stored under {store.folder / records[0].workload}")
 
@@ -184,4 +186,10 @@ def _cost_cells(cost: LaneCost, label: str, workload: str) -> tuple[str, str, st
         measured += f"; priced on {COST_BASES['wall_seconds']}"
     if cost.note:
         measured += f"; {cost.note}"
-    return lane, f"${cost.usd_per_1k_items:.6f}", f"{cost.items_per_second:.1f}", measured
+    dollars = f"${_figure(cost.usd_per_1k_items, 6)}"
+    return lane, dollars, _figure(cost.items_per_second, 1), measured
+
+
+def _figure(value: float, at_least: int) -> str:
+    """`value` with `at_least` decimals, or three significant figures when smaller."""
+    return f"{value:.{decimals(value, at_least)}f}"

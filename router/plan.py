@@ -3,6 +3,7 @@ what 1000 of its items cost in its own lane and in the other one."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -67,8 +68,8 @@ class LaneCost:
             note = f"even one client missed the p99 target of {record.slo_p99_ms:g} ms"
         return cls(
             lane=lane,
-            usd_per_1k_items=round(record.usd_per_1k_items(price), 8),
-            items_per_second=round(record.items_per_second, 2),
+            usd_per_1k_items=round_figure(record.usd_per_1k_items(price), 8),
+            items_per_second=round_figure(record.items_per_second, 2),
             source=record.source,
             measured_at=record.measured_at.isoformat(),
             measured_for=record.workload,
@@ -82,7 +83,19 @@ class LaneCost:
 
 
 def _rounded(rate: float | None) -> float | None:
-    return round(rate, 2) if rate is not None else None
+    return round_figure(rate, 2) if rate is not None else None
+
+
+def decimals(value: float, at_least: int, digits: int = 3) -> int:
+    """The decimal places to show `value` with: `at_least`, or more when it is smaller,
+    to keep `digits` significant figures (a rate or price that is not 0 never reads 0)."""
+    if value == 0 or not math.isfinite(value):
+        return at_least
+    return max(at_least, digits - 1 - math.floor(math.log10(abs(value))))
+
+
+def round_figure(value: float, at_least: int) -> float:
+    return round(value, decimals(value, at_least))
 
 
 @dataclass(frozen=True)

@@ -194,6 +194,22 @@ def test_plan_without_a_price_says_its_dollars_are_at_the_default(
     assert "at $1 per device-hour, the default: set LANES_PRICE_PER_DEVICE_HOUR" in table
 
 
+def test_plan_shows_very_slow_and_very_cheap_rates_as_what_they_are(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Three significant figures where the fixed decimals would show 0.0 and $0.000000.
+    monkeypatch.setenv("LANES_PRICE_PER_DEVICE_HOUR", "3.6")
+    spec_file = write_spec(tmp_path, WORKLOADS)
+    slow = measured(spec_file, "search", "interactive", 0.004)
+    fast = measured(spec_file, "search", "offline", 4_000_000.0)
+    [search, *_] = plan(load_spec(spec_file, Settings()), Settings(), None, [slow, fast])
+    assert search.cost.items_per_second == 0.004
+    assert search.other_lane_cost.usd_per_1k_items == pytest.approx(2.5e-7)
+    print_costs([search], Settings())
+    table = capsys.readouterr().out
+    assert "0.00400" in table and "$0.000000250" in table and "4000000.0" in table
+
+
 def test_a_sample_that_answers_no_record_plans_without_a_rate(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
