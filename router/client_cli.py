@@ -12,6 +12,7 @@ import json
 import math
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -110,7 +111,7 @@ def call(
     (a generate workload that streams, or --stream: its text as it is made)."""
     value = _input(input)
     options: dict[str, Any] = {}
-    with Client(endpoint, spec=file) as client:
+    with Client(endpoint, spec=file) as client, _options_of_input():
         declared = load_spec(file, check_files=False).workload(workload)
         _check_command(workload, declared, "call")
         generates = declared.task == "generate" and declared.mode == "interactive"
@@ -143,6 +144,21 @@ def _prompt_and_options(item: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
             raise InvalidInput(f"--input: {key!r} is not an option here; use {instead}")
     options = dict(item)
     return options.pop(given[0]), options
+
+
+@contextmanager
+def _options_of_input() -> Iterator[None]:
+    """The SDK's refusal of an option, said as a field of --input: the CLI's user wrote
+    the object's fields, not the `call()` the SDK names."""
+    try:
+        yield
+    except InvalidInput as e:
+        if e.code != "unknown_parameter":
+            raise
+        detail = e.detail.removeprefix("call() got an ").removeprefix("stream() got an ")
+        detail = detail.replace("call() sets", "lanes call sets", 1)
+        detail = detail.replace("stream() sets", "lanes call sets", 1)
+        raise InvalidInput.field("--input", detail, e.code) from None
 
 
 def _print_stream(chunks: Iterator[str]) -> None:

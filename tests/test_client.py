@@ -957,6 +957,7 @@ def test_cli_call_and_stream(server: ServerThread, specs: tuple[Path, Path]) -> 
         "options in-process": ["predict", "code", "-i", GEN_INPUT],
         "chat options": ["call", "code-streams", "-i", CHAT_INPUT],
         "no prompt": ["call", "code", "-i", '{"max_tokens": 3}'],
+        "misspelt": ["call", "code", "-i", '{"prompt": "x", "max_tokenz": 3}'],
         # A stream prints text alone: asked for logprobs, call prints the whole answer.
         "logprobs": ["call", "code-streams", "-i", '{"prompt": "def f(x):", "logprobs": 1}'],
     }
@@ -1019,6 +1020,13 @@ def test_cli_call_and_stream(server: ServerThread, specs: tuple[Path, Path]) -> 
     code, out, err = done["no prompt"]
     assert code == 2 and out == "", err
     assert "--input: a generate workload's object needs one of 'prompt' or 'messages'" in err
+    # The CLI's user wrote no call(): the option is a field of their --input.
+    code, out, err = done["misspelt"]
+    assert code == 2 and out == "", err
+    assert err.startswith(
+        "error: --input: unknown option 'max_tokenz' for workload 'code'; "
+        "did you mean 'max_tokens'?"
+    ), err
     code, out, err = done["logprobs"]
     assert code == 0, err
     assert (
