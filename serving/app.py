@@ -194,9 +194,11 @@ async def no_route(request: Request, exc: Exception) -> Response:
     headers = exc.headers if isinstance(exc, HTTPException) else None
     what = "method for URL" if status == 405 else "URL"
     message = f"Invalid {what} ({request.method} {request.url.path})"
-    if status == 404:
-        message += f"; lanes serves {_SERVED}"
     path = request.url.path
+    # An /internal/ path passes the Edge without the API key (its routes check their
+    # own): its 404 tells no one what the server serves.
+    if status == 404 and not path.startswith(INTERNAL_PREFIX):
+        message += f"; lanes serves {_SERVED}"
     body = {"error": message} if is_v2(path) else error_body(message, "invalid_request_error")
     return JSONResponse(body, status, headers=headers)
 

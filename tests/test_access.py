@@ -183,6 +183,17 @@ def test_a_401_has_an_id_and_an_access_line(served: Served) -> None:
     assert served.access(rid)["status"] == 401
 
 
+def test_an_unknown_internal_path_lists_no_routes_to_a_caller_without_a_key(
+    served: Served,
+) -> None:
+    # /internal/ paths check their own key: a 404 there must not tell an anonymous
+    # caller what the server serves.
+    for headers in ({}, auth(WRONG_KEY)):
+        r = httpx.get(f"{served.url}/internal/nowhere", headers=headers)
+        assert r.status_code in (401, 404)
+        assert "/v1/embeddings" not in r.text
+
+
 def test_readiness_names_the_workloads_only_to_a_caller_with_the_key(served: Served) -> None:
     # The health routes are open for probes, which read the status alone; what the
     # server hosts is no more open there than on /v2/models/{name}/ready.
