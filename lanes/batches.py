@@ -45,7 +45,7 @@ from lanes.batch_claim import FINAL, Claim, Claiming, claim, finish
 from lanes.batchfiles import BatchError, assemble
 from lanes.batchstore import BatchStore, new_id
 from lanes.deadline import offpeak_opening, plan_start
-from lanes.errors import InvalidInput, NotConfigured, NotFound, StorageError, with_article
+from lanes.errors import InvalidInput, NotConfigured, NotFound, StorageError, shown, with_article
 from lanes.jobs import BATCH_PREFIX, BATCH_TAG, Job
 from lanes.jobstates import FAILED_STATES, FINISHED
 from lanes.measurements import Measurements
@@ -95,7 +95,8 @@ def window_seconds(window: str) -> int:
     found = _WINDOW.match(window)
     if found is None or int(found.group(1)) == 0:
         raise InvalidInput.field(
-            "completion_window", f'expected a duration like "24h" (s, m, h or d), found {window!r}'
+            "completion_window",
+            f'expected a duration like "24h" (s, m, h or d), found {shown(window)}',
         )
     return int(found.group(1)) * _UNIT_S[found.group(2)]
 
@@ -362,7 +363,7 @@ class Batches:
         if not isinstance(custom_id, str) or not custom_id:
             error(number, f"line {number}: custom_id: expected a non-empty string", "custom_id")
         elif custom_id in seen:
-            error(number, f"line {number}: custom_id {custom_id!r} is used twice", "custom_id")
+            error(number, f"line {number}: custom_id {shown(custom_id)} is used twice", "custom_id")
         else:
             seen.add(custom_id)
         if line.get("method") != "POST":
@@ -371,7 +372,7 @@ class Batches:
             found = line.get("url")
             error(
                 number,
-                f"line {number}: url: expected the batch's {endpoint}, found {found!r}",
+                f"line {number}: url: expected the batch's {endpoint}, found {shown(found)}",
                 "url",
             )
         body = line.get("body")
@@ -383,7 +384,7 @@ class Batches:
             error(
                 number,
                 f"line {number}: body.model: expected {model!r} as on the lines before "
-                f"(one model per batch), found {name!r}",
+                f"(one model per batch), found {shown(name)}",
                 "body.model",
             )
             return None
@@ -396,7 +397,9 @@ class Batches:
         if workload is None:
             known = ", ".join(self.spec.workloads) or "none"
             error(
-                1, f"line 1: body.model: no workload named {model!r}; known: {known}", "body.model"
+                1,
+                f"line 1: body.model: no workload named {shown(model)}; known: {known}",
+                "body.model",
             )
         elif workload.task != BATCH_URLS[endpoint]:
             error(
@@ -459,7 +462,7 @@ class Batches:
         start = 0
         if after is not None:
             if after not in ids:  # a 400 as /v1/files answers: the list itself is there
-                raise InvalidInput.field("after", f"no batch with id {after!r}")
+                raise InvalidInput.field("after", f"no batch with id {shown(after)}")
             start = ids.index(after) + 1
         page = records[start : start + limit]
         data = [self.retrieve(r["id"]) if r["status"] not in FINAL else public(r) for r in page]

@@ -13,7 +13,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from lanes.batches import Batches
-from lanes.errors import InvalidInput, LanesError
+from lanes.errors import InvalidInput, LanesError, shown
 from lanes.serving.http import JSONResponse, openai_error, read_json
 from lanes.serving.state import ServingState
 
@@ -47,7 +47,9 @@ async def list_batches(request: Request) -> Response:
     try:
         raw = query.get("limit", "20")
         if not raw.isdigit():
-            raise InvalidInput.field("limit", f"expected an integer from 1 to 100, found {raw!r}")
+            raise InvalidInput.field(
+                "limit", f"expected an integer from 1 to 100, found {shown(raw)}"
+            )
         page = await asyncio.to_thread(_batches(request).page, query.get("after"), int(raw))
     except LanesError as err:
         return openai_error(err)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import zlib
 
-from lanes.errors import InvalidInput, RequestTooLarge, UnsupportedEncoding
+from lanes.errors import InvalidInput, RequestTooLarge, UnsupportedEncoding, shown
 from lanes.serving.offload import Offload
 
 HEADER = "Content-Encoding"
@@ -38,7 +38,7 @@ def coding_of(header: str | None) -> str | None:
         return None
     if len(codings) > 1 or codings[0] not in WBITS:
         raise UnsupportedEncoding.field(
-            HEADER, f"expected {ACCEPTED} (one coding), found {header.strip()!r}"
+            HEADER, f"expected {ACCEPTED} (one coding), found {shown(header.strip())}"
         )
     return codings[0]
 

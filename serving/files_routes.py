@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from lanes.batches import Batches
 from lanes.batchstore import BatchStore, check_purpose, new_id
-from lanes.errors import InvalidInput, LanesError, RequestTooLarge
+from lanes.errors import InvalidInput, LanesError, RequestTooLarge, shown
 from lanes.serving.http import ClientGone, JSONResponse, openai_error
 
 # What multipart framing adds around the file (boundaries, headers, the purpose field).
@@ -101,7 +101,7 @@ async def list_files(request: Request) -> Response:
         limit = _int(query.get("limit", "10000"), "limit", 1, 10000)
         order = query.get("order", "desc")
         if order not in ("asc", "desc"):
-            raise InvalidInput.field("order", f'expected "asc" or "desc", found {order!r}')
+            raise InvalidInput.field("order", f'expected "asc" or "desc", found {shown(order)}')
         files = await asyncio.to_thread(store.files)
         if "purpose" in query:
             files = [f for f in files if f.purpose == query["purpose"]]
@@ -111,7 +111,7 @@ async def list_files(request: Request) -> Response:
         if after is not None:
             ids = [f.id for f in files]
             if after not in ids:
-                raise InvalidInput.field("after", f"no file with id {after!r}")
+                raise InvalidInput.field("after", f"no file with id {shown(after)}")
             files = files[ids.index(after) + 1 :]
         page = files[:limit]
     except LanesError as err:
@@ -131,7 +131,7 @@ async def list_files(request: Request) -> Response:
 def _int(value: str, param: str, low: int, high: int) -> int:
     if not value.isdigit() or not low <= int(value) <= high:
         raise InvalidInput.field(
-            param, f"expected an integer from {low} to {high}, found {value!r}"
+            param, f"expected an integer from {low} to {high}, found {shown(value)}"
         )
     return int(value)
 

@@ -17,7 +17,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope
 
-from lanes.errors import InvalidInput, LanesError, Overloaded, RequestTooLarge
+from lanes.errors import InvalidInput, LanesError, Overloaded, RequestTooLarge, shown
 from lanes.protocols import TIMEOUT_HEADER
 from lanes.protocols.openai import error_of
 from lanes.serving.encoding import HEADER as CONTENT_ENCODING
@@ -154,10 +154,10 @@ def timeout_s(request: Request) -> float | None:
     try:
         value = float(raw)
     except ValueError:
-        detail = f"expected milliseconds, found {raw!r}"
+        detail = f"expected milliseconds, found {shown(raw)}"
         raise InvalidInput.field(TIMEOUT_HEADER, detail, "invalid_type") from None
     if not value > 0 or not math.isfinite(value):
-        detail = f"expected a positive number, found {raw!r}"
+        detail = f"expected a positive number, found {shown(raw)}"
         raise InvalidInput.field(TIMEOUT_HEADER, detail, "invalid_value")
     return value / 1000
 

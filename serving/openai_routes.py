@@ -7,7 +7,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.routing import Route
 
-from lanes.errors import LanesError, UnknownWorkload
+from lanes.errors import LanesError, UnknownWorkload, shown
 from lanes.protocols.openai import (
     EmbeddingsRequest,
     check_dimensions,
@@ -98,7 +98,7 @@ async def model(request: Request) -> JSONResponse:
     if workload is None or workload.mode != "interactive":
         known = ", ".join(n for n, w in state.spec.workloads.items() if w.mode == "interactive")
         error = UnknownWorkload(
-            f"no interactive workload named {name!r}; interactive ones: {known or 'none'}",
+            f"no interactive workload named {shown(name)}; interactive ones: {known or 'none'}",
             param="model",
         )
         return openai_error(error)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from lanes.errors import ModelError, Overloaded, UnknownWorkload, WrongMode
+from lanes.errors import ModelError, Overloaded, UnknownWorkload, WrongMode, shown
 from lanes.serving.engine import Engine
 from lanes.serving.guard import TextGuard
 from lanes.serving.metrics import Metrics
@@ -66,7 +66,7 @@ class ServingState:
         if workload is None:
             known = ", ".join(n for n in self.spec.workloads if n in self.readiness) or "none"
             raise UnknownWorkload(
-                f"no workload named {name!r}; interactive ones: {known}", param="model"
+                f"no workload named {shown(name)}; interactive ones: {known}", param="model"
             )
         if workload.mode == "offline":
             raise WrongMode(

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from lanes.errors import InvalidInput, LanesError, ModelError, Overloaded, UnknownWorkload
+from lanes.errors import InvalidInput, LanesError, ModelError, Overloaded, UnknownWorkload, shown
 from lanes.protocols.openai import check_inputs
 from lanes.protocols.v2 import (
     HEADER_LENGTH,
@@ -167,7 +167,7 @@ async def _embed(
         # by mistake hears so instead of having it embedded.
         raise InvalidInput.field(
             f"{where}.name",
-            f"expected {text['name']!r} (the model's metadata), found {body.inputs[0].name!r}",
+            f"expected {text['name']!r} (the model's metadata), found {shown(body.inputs[0].name)}",
         )
     texts = call.inputs[body.inputs[0].name].reshape(-1)
     if texts.size == 0:
@@ -323,7 +323,7 @@ def _check_version(request: Request) -> None:
     version = request.path_params.get("version")
     if version is not None and version != MODEL_VERSION:
         raise UnknownWorkload(
-            f"workload {name!r} has version {MODEL_VERSION} only, found version {version!r}; "
+            f"workload {name!r} has version {MODEL_VERSION} only, found version {shown(version)}; "
             f"use /v2/models/{name}/versions/{MODEL_VERSION} or /v2/models/{name}"
         )
 

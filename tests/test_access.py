@@ -194,6 +194,35 @@ def test_an_unknown_internal_path_lists_no_routes_to_a_caller_without_a_key(
         assert "/v1/embeddings" not in r.text
 
 
+def test_refusals_quote_a_long_value_briefly_and_name_its_field(served: Served) -> None:
+    body_long = "w" * 100_000  # a body holds it whole; a URL or header, 16 KB at most
+    url_long = "w" * 10_000
+    answers = {
+        "model": httpx.post(
+            f"{served.url}/v1/embeddings",
+            json={"model": body_long, "input": "x"},
+            headers=auth(),
+        ),
+        "after": httpx.get(f"{served.url}/v1/batches", params={"after": url_long}, headers=auth()),
+        "X-Timeout-Ms": httpx.post(
+            f"{served.url}/v1/embeddings",
+            json={"model": "search-query", "input": "x"},
+            headers=auth(**{"X-Timeout-Ms": url_long}),
+        ),
+        "stop": httpx.post(
+            f"{served.url}/v1/completions",
+            json={"model": "code-complete", "prompt": "x", "stop": 5 * [body_long]},
+            headers=auth(),
+        ),
+        "v2": httpx.get(f"{served.url}/v2/models/{url_long}", headers=auth()),
+    }
+    for field, r in answers.items():
+        assert 400 <= r.status_code < 500, (field, r.status_code)
+        assert len(r.content) < 2000, (field, r.status_code, len(r.content))
+        if field != "v2":
+            assert field in r.text
+
+
 def test_readiness_names_the_workloads_only_to_a_caller_with_the_key(served: Served) -> None:
     # The health routes are open for probes, which read the status alone; what the
     # server hosts is no more open there than on /v2/models/{name}/ready.

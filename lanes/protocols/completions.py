@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 import orjson
 from pydantic import Field
 
-from lanes.errors import InvalidInput
+from lanes.errors import InvalidInput, shown
 from lanes.generation.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from lanes.protocols.answers import (
     Choice,
@@ -262,16 +262,17 @@ class GenerateParams(GenerationOptions, OpenAIRequest):
         if self.response_format is not None and self.response_format.type != "text":
             raise unsupported(
                 "response_format",
-                f'lanes answers plain text; send {{"type": "text"}}, found {self.response_format.type!r}',
+                'lanes answers plain text; send {"type": "text"}, '
+                f"found {shown(self.response_format.type)}",
             )
         for name, no_op in VLLM_NO_OPS.items():
             value = getattr(self, name)
             if value is not None and value != no_op:
-                shown = orjson.dumps(value).decode()
+                sent = orjson.dumps(value).decode()
                 raise unsupported(
                     name,
                     f"lanes does not implement vLLM's {name}; send {orjson.dumps(no_op).decode()} "
-                    f"or leave it out, found {shown[:80]}",
+                    f"or leave it out, found {sent[:80]}",
                 )
         if self.prompt_logprobs is not None:
             raise unsupported(
@@ -499,7 +500,7 @@ class ChatCompletionRequest(GenerateParams):
                 where = f"messages[{i}].content[{j}]"
                 if part.type != "text":
                     raise unsupported(
-                        f"{where}.type", f"lanes serves text only, found {part.type!r}"
+                        f"{where}.type", f"lanes serves text only, found {shown(part.type)}"
                     )
                 if part.text is None:
                     raise InvalidInput.field(

@@ -23,7 +23,7 @@ import numpy as np
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from lanes.errors import InvalidInput, ModelError
+from lanes.errors import InvalidInput, ModelError, shown
 from lanes.validation import describe, invalid_input, malformed_json
 
 # The size of the JSON part of a body that binary tensor data follows (both ways).
@@ -256,7 +256,7 @@ def _header_size(raw: str, body_size: int) -> int:
     if not raw.isdigit() or int(raw) > body_size:
         raise InvalidInput.field(
             HEADER_LENGTH,
-            f"expected the size of the body's JSON part (0 to {body_size} bytes), found {raw!r}",
+            f"expected the size of the body's JSON part (0 to {body_size} bytes), found {shown(raw)}",
         )
     return int(raw)
 
@@ -286,7 +286,7 @@ def to_array(tensor: Tensor, binary: memoryview | None = None) -> Array:
     where = f"inputs.{tensor.name}"
     if dtype is None:
         known = ", ".join(DTYPES)
-        detail = f"expected one of {known}, found {tensor.datatype!r}"
+        detail = f"expected one of {known}, found {shown(tensor.datatype)}"
         raise InvalidInput.field(f"{where}.datatype", detail)
     if any(d < 0 for d in tensor.shape):
         detail = f"expected non-negative dims, found {tensor.shape}"

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from pydantic import ValidationError
 
-from lanes.errors import InvalidInput
+from lanes.errors import InvalidInput, shown
 from lanes.isolation import Failed
 from lanes.protocols.completions import GenerationOptions
 from lanes.runtime import Runtime
@@ -241,7 +241,7 @@ class GenerateTask:
         unknown = [str(k) for k in item if k not in _KNOWN]
         if unknown:
             raise InvalidInput(
-                f"unknown field {unknown[0]!r}; expected some of {', '.join(_KNOWN)}"
+                f"unknown field {shown(unknown[0])}; expected some of {', '.join(_KNOWN)}"
             )
         try:  # the request's ranges, as the OpenAI routes check them
             options = GenerationOptions.model_validate(
@@ -299,7 +299,7 @@ class GenerateTask:
             ):
                 detail = (
                     f"expected token ids from 0 to {vocab - 1} (as strings) mapped to numbers "
-                    f"from -100 to 100, found {key!r}: {describe(value)}"
+                    f"from -100 to 100, found {shown(key)}: {describe(value)}"
                 )
                 raise InvalidInput.field("logit_bias", detail, "invalid_value")
             checked[int(key)] = float(value)
