@@ -8,6 +8,7 @@ Offline jobs (submit, Job, `lanes submit|job`) are in test_client_jobs.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -780,6 +781,22 @@ async def test_deadlines_on_the_server_and_in_the_client(
     )
 
 
+@contextlib.asynccontextmanager
+async def full_lane(
+    server: ServerThread, client: lanes.AsyncClient
+) -> AsyncIterator[list[asyncio.Task[Any]]]:
+    """full-lane's queue full: one run held at the gate and four requests behind it
+    (its max_queue); yields their calls, answered once the gate opens on leaving."""
+    with HELD.closed():
+        running = asyncio.create_task(client.call("full-lane", {"features": ROWS}))
+        await asyncio.to_thread(HELD.wait_held)
+        places = [
+            asyncio.create_task(client.call("full-lane", {"features": ROWS})) for _ in range(4)
+        ]
+        await eventually(lambda: queue_depth(server, "full-lane") == 4, "a full queue")
+        yield [running, *places]
+
+
 async def test_a_full_queue_is_overloaded_and_retries_honour_retry_after(
     server: ServerThread, specs: tuple[Path, Path]
 ) -> None:
@@ -790,13 +807,7 @@ async def test_a_full_queue_is_overloaded_and_retries_honour_retry_after(
         lanes.AsyncClient(server.url, max_retries=0, **settings) as once,  # type: ignore[arg-type]
         lanes.AsyncClient(server.url, max_retries=3, **settings) as patient,  # type: ignore[arg-type]
     ):
-        with HELD.closed():
-            running = asyncio.create_task(once.call("full-lane", {"features": ROWS}))
-            await asyncio.to_thread(HELD.wait_held)
-            places = [
-                asyncio.create_task(once.call("full-lane", {"features": ROWS})) for _ in range(4)
-            ]
-            await eventually(lambda: queue_depth(server, "full-lane") == 4, "a full queue")
+        async with full_lane(server, once) as queued:
             with pytest.raises(lanes.Overloaded, match="full") as refused:
                 await once.call("full-lane", {"features": ROWS})
             assert refused.value.retry_after == 1.0
@@ -816,7 +827,7 @@ async def test_a_full_queue_is_overloaded_and_retries_honour_retry_after(
             )
         assert (await later)["logits"].shape == (2, 3)
         assert time.monotonic() - started >= 1.0
-        assert all(r["logits"].shape == (2, 3) for r in await asyncio.gather(running, *places))
+        assert all(r["logits"].shape == (2, 3) for r in await asyncio.gather(*queued))
     refusals = metric(server, "lanes_responses_total", route=route, code="503")
     assert refusals - before >= 3  # once, sync, and at least the patient client's first try
 
@@ -832,20 +843,14 @@ async def test_a_retry_never_outlives_the_call_s_deadline(
         lanes.AsyncClient(server.url, max_retries=0, **settings) as once,  # type: ignore[arg-type]
         lanes.AsyncClient(server.url, max_retries=3, **settings) as patient,  # type: ignore[arg-type]
     ):
-        with HELD.closed():
-            running = asyncio.create_task(once.call("full-lane", {"features": ROWS}))
-            await asyncio.to_thread(HELD.wait_held)
-            places = [
-                asyncio.create_task(once.call("full-lane", {"features": ROWS})) for _ in range(4)
-            ]
-            await eventually(lambda: queue_depth(server, "full-lane") == 4, "a full queue")
+        async with full_lane(server, once) as queued:
             before = metric(server, "lanes_responses_total", route=route, code="503")
             with pytest.raises(lanes.Overloaded) as refused:
                 await patient.call("full-lane", {"features": ROWS}, timeout_ms=500)
             after = metric(server, "lanes_responses_total", route=route, code="503")
         assert refused.value.retry_after == 1.0
         assert after == before + 1, "no retry past the deadline"
-        assert all(r["logits"].shape == (2, 3) for r in await asyncio.gather(running, *places))
+        assert all(r["logits"].shape == (2, 3) for r in await asyncio.gather(*queued))
 
 
 def test_a_retry_carries_what_is_left_of_the_deadline(specs: tuple[Path, Path]) -> None:
