@@ -274,6 +274,15 @@ def test_token_ids_are_embedding_input(client: OpenAI) -> None:
     assert bad.value.param == "input[0]"
 
 
+def test_a_null_encoding_format_is_float_as_the_other_nulls_are_their_defaults(
+    server: ServerThread,
+) -> None:
+    nulls = {**EMBED_BODY, "encoding_format": None, "dimensions": None, "user": None}
+    answer = post(server, "/v1/embeddings", nulls)
+    assert answer.status_code == 200, answer.text
+    assert len(answer.json()["data"][0]["embedding"]) == 384
+
+
 def test_a_list_of_prompts_gets_one_choice_each(client: OpenAI) -> None:
     prompts = ["def f(x", "class Foo:\n    def", "import os\n"]
     alone = [client.completions.create(model="code-complete", prompt=p) for p in prompts]

@@ -15,7 +15,7 @@ from typing import Any, Literal, TypeVar
 
 import numpy as np
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from lanes.errors import InvalidInput, LanesError, RequestTooLarge
 from lanes.validation import describe, invalid_input
@@ -156,6 +156,12 @@ class EmbeddingsRequest(OpenAIRequest):
     truncate_prompt_tokens: int | None = Field(None, description="vLLM's: only none.")
     add_special_tokens: bool | None = Field(None, description="vLLM's: only true.")
     normalize: bool | None = Field(None, description="vLLM's: only true.")
+
+    @field_validator("encoding_format", mode="before")
+    @classmethod
+    def _null_is_float(cls, value: Any) -> Any:
+        """null is the default, as OpenAI takes it (and `dimensions` and `user` here)."""
+        return "float" if value is None else value
 
     def check(self) -> None:
         for name, no_op in EMBED_NO_OPS.items():
