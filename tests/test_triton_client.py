@@ -577,6 +577,7 @@ PARAMS: list[tuple[str, dict[str, Any], str, str]] = [
     ("affine", {"inputs": [{**GOOD_X, "name": 1}]}, "inputs[0].name", ""),
     ("affine", {"inputs": [{**GOOD_X, "shape": [8]}]}, "inputs.x", "input 'x'"),
     ("affine", {"inputs": [{**GOOD_X, "name": "w"}]}, "inputs.x", "missing input 'x'"),
+    ("affine", {"inputs": [{**GOOD_X, "shape": [0, 4], "data": []}]}, "inputs.x", "input 'x'"),
     ("words", {"inputs": [{**TEXT, "shape": [0], "data": []}]}, "inputs.text", ""),
     ("words", {"inputs": [{**TEXT, "data": [""]}]}, "inputs.text.data[0]", ""),
     ("words", {"inputs": [{**TEXT, "name": "texts"}]}, "inputs.texts.name", ""),

@@ -105,9 +105,9 @@ class InferTask(SlotSession):
             found = ", ".join(f"{n} has {c}" for n, c in counts.items())
             detail = f"expected the same number of rows in each, found {found}"
             raise InvalidInput.field("inputs", detail)
-        rows = next(iter(counts.values()))
+        name, rows = next(iter(counts.items()))
         if rows == 0:
-            raise InvalidInput.field("inputs", "expected at least one row, found 0")
+            raise InvalidInput(f"input {name!r}: expected at least one row, found 0", param=name)
         return rows
 
     def run(self, batch: Sequence[InferItem]) -> list[Any]:
