@@ -554,6 +554,17 @@ def test_json_data_of_the_wrong_type_is_a_400_naming_the_value(
         assert ok.status_code == 200, ok.text
 
 
+def test_ragged_json_data_is_a_400_saying_which_rows_differ(server: ServerThread) -> None:
+    rows = [[1.5, 2.0, 0.25, 4.0], [0.0, 1.0, 2.0], [1.0] * 4]
+    body = {"inputs": [{**GOOD_X, "shape": [3, 4], "data": rows}]}
+    answer = post(server, "/v2/models/affine/infer", orjson.dumps(body))
+    assert answer.status_code == 400, answer.text
+    error = answer.json()
+    assert error["param"] == "inputs.x.data", error
+    detail = "expected rows of one length, found 4 values at [0] and 3 values at [1]"
+    assert error["error"] == f"inputs.x.data: {detail}", error
+
+
 TEXT = {"name": "text", "shape": [1], "datatype": "BYTES", "data": ["a"]}
 # An error about one input or output names it as the client sent it, `inputs.<name>`,
 # in its `param` wherever it is found (the body's shape, its data, the model's check),

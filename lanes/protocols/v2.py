@@ -298,6 +298,9 @@ def to_array(tensor: Tensor, binary: memoryview | None = None) -> Array:
         with np.errstate(over="ignore", invalid="ignore"):  # checked below
             array = np.asarray(tensor.data, dtype=dtype)
     except (ValueError, TypeError, OverflowError):
+        ragged = _ragged(tensor.data)
+        if ragged is not None:
+            raise InvalidInput.field(f"{where}.data", ragged) from None
         within = ""
         if np.dtype(dtype).kind in "iu":  # numpy refuses an integer past the type's range
             info = np.iinfo(dtype)
@@ -336,6 +339,35 @@ _JSON_TYPES: dict[str, tuple[type, ...]] = {
     "u": (int, np.integer),
     "f": (int, float, np.integer, np.floating),
 }
+
+
+def _ragged(data: Any, at: tuple[int, ...] = ()) -> str | None:
+    """What makes nested `data` ragged (rows of different lengths, or lists beside
+    values), as a refusal's detail; None when it is not."""
+    if not isinstance(data, list):
+        return None
+    sizes = [_size(v) for v in data]
+    for i, size in enumerate(sizes):
+        if size != sizes[0]:
+            return (
+                f"expected rows of one length, found {sizes[0]} at {_index(*at, 0)} "
+                f"and {size} at {_index(*at, i)}"
+            )
+    for i, row in enumerate(data):
+        found = _ragged(row, (*at, i))
+        if found is not None:
+            return found
+    return None
+
+
+def _size(value: Any) -> str:
+    if not isinstance(value, list):
+        return "a value"
+    return f"{len(value)} value{'' if len(value) == 1 else 's'}"
+
+
+def _index(*at: int) -> str:
+    return "".join(f"[{i}]" for i in at)
 
 
 def _stray(data: list[Any] | None, types: tuple[type, ...]) -> tuple[int, Any] | None:
