@@ -50,13 +50,13 @@ from lanes.serving.state import ServingState
 from lanes.serving.worker import BatchWorker
 from lanes.spec import TaskName, as_interactive
 from lanes.tasks import Task
+from lanes.tasks.embed import EmbedTask
 from lanes.tasks.infer import InferTask
 
 log = logging.getLogger("lanes.serving")
 
 TASKS: tuple[TaskName, ...] = ("infer", "embed")
 EMBED_INPUTS = [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
-EMBED_OUTPUTS = [{"name": "embedding", "datatype": "FP32", "shape": [-1, -1]}]
 
 
 async def infer(request: Request) -> Response:
@@ -219,9 +219,10 @@ async def model_config(request: Request) -> Response:
     """Triton's model configuration (`get_model_config`), from what metadata says.
 
     Where every input and output has rows first and another dim after them (the
-    rows of requests are stacked into one run), `max_batch_size` is the workload's
-    `batching.max_batch_size` and `dims` leave the rows out, as Triton writes it;
-    lanes counts requests in a batch, not rows, and caps no request's rows. Else
+    rows of requests are stacked into one run), and for embed, whose texts are rows,
+    `max_batch_size` is the workload's `batching.max_batch_size` and `dims` leave the
+    rows out, as Triton writes it (rows alone, embed's texts: dims [1] reshaped to
+    []); lanes counts requests in a batch, not rows, and caps no request's rows. Else
     `max_batch_size` is 0 and `dims` are the whole shapes.
     """
     state: ServingState = request.app.state.lanes
@@ -230,9 +231,10 @@ async def model_config(request: Request) -> Response:
         task, inputs, outputs = _described(state, request)
     except LanesError as e:
         return v2_error(e)
-    stacks = task.stacks_rows if isinstance(task, InferTask) else True
     tensors = [*inputs, *outputs]
-    rows = stacks and all(len(t["shape"]) >= 2 for t in tensors)
+    rows = not isinstance(task, InferTask) or (
+        task.stacks_rows and all(len(t["shape"]) >= 2 for t in tensors)
+    )
     batching = as_interactive(task.workload).batching
     config: dict[str, Any] = {
         "name": name,
@@ -251,11 +253,15 @@ async def model_config(request: Request) -> Response:
 def _config_tensor(meta: dict[str, Any], rows: bool) -> dict[str, Any]:
     """A metadata tensor as Triton's config writes it: TYPE_FP32, BYTES as TYPE_STRING."""
     datatype = meta["datatype"]
-    return {
+    dims = meta["shape"][1:] if rows else meta["shape"]
+    tensor: dict[str, Any] = {
         "name": meta["name"],
         "data_type": "TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}",
-        "dims": meta["shape"][1:] if rows else meta["shape"],
+        "dims": dims,
     }
+    if rows and not dims:  # rows alone: Triton writes them as [1] reshaped to []
+        tensor.update(dims=[1], reshape={"shape": []})
+    return tensor
 
 
 def _inputs(task: Task) -> list[dict[str, Any]]:
@@ -264,8 +270,10 @@ def _inputs(task: Task) -> list[dict[str, Any]]:
 
 def _outputs(task: Task) -> list[dict[str, Any]] | None:
     """What infer answers (see the module docstring); None when it cannot be known."""
+    if isinstance(task, EmbedTask):
+        return [{"name": "embedding", "datatype": "FP32", "shape": [-1, task.dimensions]}]
     if not isinstance(task, InferTask):
-        return EMBED_OUTPUTS
+        return None
     if task.handler.post is None:
         return [_meta(o) for o in task.outputs.values()]
     if task.post_example is None:

@@ -20,7 +20,7 @@ import yaml
 from onnx import TensorProto, helper, save_model
 from openai import BadRequestError, OpenAI
 
-from tests.flows_fixtures import embed_model, infer_model
+from tests.flows_fixtures import DIM, embed_model, infer_model
 from tests.gates import wait_until
 from tests.servers import ServerThread
 from tests.test_triton_client import X, refused, tensor
@@ -206,11 +206,15 @@ def test_model_config_describes_what_metadata_does(client: Any) -> None:
         "dynamic_batching": {"max_queue_delay_microseconds": 1500},
     }
     assert client.get_model_config("affine", model_version="1") == config
-    # One text per row and no dim after it: whole shapes, as metadata gives them.
+    # An embed workload batches texts, one a row: rows alone are Triton's [1] reshaped
+    # to [], and the vectors' size is the model's.
     words = client.get_model_config("words")
-    assert words["max_batch_size"] == 0 and "dynamic_batching" not in words
-    assert words["input"] == [{"name": "text", "data_type": "TYPE_STRING", "dims": [-1]}]
-    assert words["output"] == [{"name": "embedding", "data_type": "TYPE_FP32", "dims": [-1, -1]}]
+    assert words["max_batch_size"] == 32 and "dynamic_batching" in words
+    text = {"name": "text", "data_type": "TYPE_STRING", "dims": [1], "reshape": {"shape": []}}
+    assert words["input"] == [text]
+    assert words["output"] == [{"name": "embedding", "data_type": "TYPE_FP32", "dims": [DIM]}]
+    embedding = client.get_model_metadata("words")["outputs"]
+    assert embedding == [{"name": "embedding", "datatype": "FP32", "shape": [-1, DIM]}]
     assert "model_configuration" in client.get_server_metadata()["extensions"]
     for call in (
         lambda: client.get_model_config("affine", model_version="2"),
