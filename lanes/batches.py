@@ -1,6 +1,7 @@
 """OpenAI's Batch API over the offline lane: a batch is a Prefect flow run of `lanes-offline`.
 
-    create    every line of the input file checked (OpenAI's `validating`); a bad file
+    create    every line of the input file checked (OpenAI's `validating`,
+              lanes.batchlines); a bad file
               is a `failed` batch whose `errors` name the lines. A good one is split
               into shards of `Settings.batch.shard_lines` lines under the store and run
               as a flow run: an offline workload's own deployment, or, for an
@@ -43,25 +44,24 @@ from pydantic import Field
 from lanes import layout
 from lanes.batch_claim import FINAL, Claim, Claiming, claim, finish
 from lanes.batchfiles import BatchError, assemble
+from lanes.batchlines import LineErrors, check_line, check_model
 from lanes.batchstore import BatchStore, new_id
 from lanes.deadline import offpeak_opening, plan_start
-from lanes.errors import InvalidInput, NotConfigured, NotFound, StorageError, shown, with_article
+from lanes.errors import InvalidInput, NotConfigured, NotFound, StorageError, shown
 from lanes.jobs import BATCH_PREFIX, BATCH_TAG, Job
 from lanes.jobstates import FAILED_STATES, FINISHED
 from lanes.measurements import Measurements
 from lanes.prefectapi import PrefectApi, create_run
-from lanes.protocols.openai import BATCH_URLS, Shape, parse
+from lanes.protocols.openai import Shape, parse
 from lanes.settings import Settings
-from lanes.spec import Spec, a_task
+from lanes.spec import Spec
 from lanes.storage import join
-from lanes.validation import not_utf8
 
 log = logging.getLogger(__name__)
 
 # The deployment that runs batches of interactive workloads (compiled when the spec has
 # any): not a DNS label, so it never clashes with a workload's own.
 BATCH_DEPLOYMENT = "openai_batch"
-MAX_ERRORS = 100  # validation errors listed per file (then one saying how many more)
 EXPIRED = BatchError(
     "batch_expired", "This request could not be executed before the completion window expired."
 )
@@ -277,22 +277,12 @@ class Batches:
 
     def _check_and_split(self, file_id: str, endpoint: str, folder: str) -> _Checked:
         """Every line checked (OpenAI's validating step), the good ones written in shards."""
-        errors: list[dict[str, Any]] = []
+        errors = LineErrors()
         seen: set[str] = set()
         model: str | None = None
         lines = shards = 0
         per_shard = self.settings.batch.shard_lines
         storage = self.store.storage
-
-        unlisted = 0
-
-        def error(number: int, message: str, param: str | None = None) -> None:
-            nonlocal unlisted
-            if len(errors) < MAX_ERRORS:
-                errors.append(BatchError("invalid_request", message, param, number).as_json())
-            else:
-                unlisted += 1
-
         # A shard holds `per_shard` requests and the blank lines among them, so a line's
         # number in its shard (the flow's, blank lines counted) maps back to the file's.
         starts: list[int] = []
@@ -309,7 +299,7 @@ class Batches:
                         if not raw.strip():
                             continue
                         lines += 1
-                        found = self._check_line(number, raw, endpoint, seen, model, error)
+                        found = check_line(number, raw, endpoint, seen, model, errors.add)
                         model = model or found
                         written += 1
                         if written == per_shard:
@@ -323,91 +313,10 @@ class Batches:
                     shards += 1
                     starts.append(first)
         if lines == 0:
-            error(1, "the input file holds no lines; expected one JSON request per line")
+            errors.add(1, "the input file holds no lines; expected one JSON request per line")
         if model is not None and not errors:
-            self._check_model(model, endpoint, error)
-        if unlisted:  # so that a fixed file is not refused again for lines never shown
-            more = (
-                f"{unlisted} more errors on later lines are not listed (only the first "
-                f"{MAX_ERRORS} are); check the whole file before creating the batch again"
-            )
-            errors.append(BatchError("invalid_request", more).as_json())
-        return _Checked(lines, shards, model, errors, starts)
-
-    def _check_line(
-        self,
-        number: int,
-        raw: bytes,
-        endpoint: str,
-        seen: set[str],
-        model: str | None,
-        error: Callable[[int, str, str | None], None],
-    ) -> str | None:
-        """The line's model when it is a good request line; else its errors are added."""
-        try:
-            line = orjson.loads(raw)
-        except orjson.JSONDecodeError as err:
-            # orjson's error for a byte that is not UTF-8 names neither the byte nor
-            # where it is; `lanes run`'s for the same line says both (flows.records).
-            bad = not_utf8(raw)
-            if bad is not None:
-                detail = f"not UTF-8 text: {bad}; write the file encoded as UTF-8"
-            else:
-                detail = f"not JSON ({err})"
-            error(number, f"line {number}: {detail}", None)
-            return None
-        if not isinstance(line, dict):
-            error(number, f"line {number}: expected a JSON object", None)
-            return None
-        custom_id = line.get("custom_id")
-        if not isinstance(custom_id, str) or not custom_id:
-            error(number, f"line {number}: custom_id: expected a non-empty string", "custom_id")
-        elif custom_id in seen:
-            error(number, f"line {number}: custom_id {shown(custom_id)} is used twice", "custom_id")
-        else:
-            seen.add(custom_id)
-        if line.get("method") != "POST":
-            error(number, f'line {number}: method: expected "POST"', "method")
-        if line.get("url") != endpoint:
-            found = line.get("url")
-            error(
-                number,
-                f"line {number}: url: expected the batch's {endpoint}, found {shown(found)}",
-                "url",
-            )
-        body = line.get("body")
-        name = body.get("model") if isinstance(body, dict) else None
-        if not isinstance(name, str):
-            error(number, f"line {number}: body.model: expected a workload's name", "body.model")
-            return None
-        if model is not None and name != model:
-            error(
-                number,
-                f"line {number}: body.model: expected {model!r} as on the lines before "
-                f"(one model per batch), found {shown(name)}",
-                "body.model",
-            )
-            return None
-        return name
-
-    def _check_model(
-        self, model: str, endpoint: str, error: Callable[[int, str, str | None], None]
-    ) -> None:
-        workload = self.spec.workloads.get(model)
-        if workload is None:
-            known = ", ".join(self.spec.workloads) or "none"
-            error(
-                1,
-                f"line 1: body.model: no workload named {shown(model)}; known: {known}",
-                "body.model",
-            )
-        elif workload.task != BATCH_URLS[endpoint]:
-            error(
-                1,
-                f"line 1: body.model: workload {model!r} is {a_task(workload.task)} workload; "
-                f"{endpoint} takes {with_article(BATCH_URLS[endpoint])} one",
-                "body.model",
-            )
+            check_model(self.spec, model, endpoint, errors.add)
+        return _Checked(lines, shards, model, errors.listed(), starts)
 
     # ---- retrieve, list, cancel ---------------------------------------------------
 
