@@ -19,10 +19,10 @@ from rich.table import Table
 
 from lanes.demo.place import demo_models_folder
 from lanes.digests import Digests, model_digests
-from lanes.errors import InvalidInput, LanesError, ModelError, StorageError
+from lanes.errors import InvalidInput, LanesError, ModelError
 from lanes.measurements import Measurements
 from lanes.router import client_cli, cost_cli, offline_cli, tune_cli
-from lanes.router.console import SpecFile, command, guarded
+from lanes.router.console import SpecFile, command, guarded, writing
 from lanes.router.plan import plan as make_plan
 from lanes.router.render import to_jsonable
 from lanes.router.render_cli import render_app
@@ -228,13 +228,9 @@ def models_build(
         raise typer.Exit(1) from None
 
     def build() -> list[Path]:
-        try:
+        fix = "make it writable, or pass --dest a folder that is"
+        with writing(f"cannot write the demo models into {folder}", fix):
             return build_demo_models(folder, force=force)
-        except OSError as e:
-            raise StorageError(
-                f"cannot write the demo models into {folder} ({e.strerror or e}): make it "
-                "writable, or pass --dest a folder that is"
-            ) from None
 
     for path in guarded(build):
         typer.echo(str(path))

@@ -21,6 +21,7 @@ from lanes.errors import (
     LanesError,
     NotFound,
     SpecError,
+    StorageError,
     UnknownWorkload,
     WrongMode,
 )
@@ -129,6 +130,18 @@ def lanes_errors_untraced() -> Iterator[None]:
     finally:
         for logger in loggers:
             logger.removeFilter(untraced)
+
+
+@contextmanager
+def writing(what: str, fix: str) -> Iterator[None]:
+    """An OSError in the block as one StorageError line: "`what` (why): `fix`"; a
+    command says it before minutes of work, not as a traceback after them."""
+    try:
+        yield
+    except OSError as e:
+        # mkdir(exist_ok=True) says "File exists" of a file where the folder would be.
+        reason = "its folder is a file" if isinstance(e, FileExistsError) else e.strerror or e
+        raise StorageError(f"{what} ({reason}): {fix}") from None
 
 
 @contextmanager

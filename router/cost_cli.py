@@ -6,8 +6,7 @@ Plain typer-compatible functions; router.cli registers them.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -16,9 +15,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from lanes.errors import InvalidInput, StorageError
+from lanes.errors import InvalidInput
 from lanes.measurements import COST_BASES, Measurements, Throughput
-from lanes.router.console import progress_bar
+from lanes.router.console import progress_bar, writing
 from lanes.router.plan import LaneCost, Route, decimals
 from lanes.settings import Settings
 from lanes.specfile import load_spec
@@ -68,11 +67,11 @@ def calibrate(
     if items is not None and items <= 0:
         raise InvalidInput(f"--items: expected a positive number of items, found {items}")
     store = Measurements(settings.home)
-    with _storing(store):  # before minutes of measuring that could not be kept
+    with _storing(store.folder):  # before minutes of measuring that could not be kept
         (store.folder / workload).mkdir(parents=True, exist_ok=True)
     if from_metrics is not None:
         record = read_metrics(spec, workload, settings, from_metrics)
-        with _storing(store):
+        with _storing(store.folder):
             store.save(record)
         _print_records([record], settings, store)
         return
@@ -99,22 +98,18 @@ def calibrate(
         interactive, ran = measure_interactive(
             spec, workload, settings, samples, seconds, level_done
         )
-    with _storing(store):
+    with _storing(store.folder):
         store.save(offline)
         store.save(interactive)
     _print_levels(ran, interactive)
     _print_records([offline, interactive], settings, store)
 
 
-@contextmanager
-def _storing(store: Measurements) -> Iterator[None]:
-    try:
-        yield
-    except OSError as e:
-        raise StorageError(
-            f"cannot store measurements under {store.folder} ({e.strerror or e}): make "
-            "LANES_HOME writable, or set it to a folder that is"
-        ) from None
+def _storing(folder: Path) -> AbstractContextManager[None]:
+    return writing(
+        f"cannot store measurements under {folder}",
+        "make LANES_HOME writable, or set it to a folder that is",
+    )
 
 
 def _print_levels(levels: list[Level], chosen: Throughput) -> None:

@@ -6,8 +6,7 @@ A plain typer-compatible function; router.cli registers it.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -15,8 +14,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from lanes.errors import InvalidInput, LanesError, StorageError
-from lanes.router.console import progress_bar
+from lanes.errors import InvalidInput, LanesError
+from lanes.router.console import progress_bar, writing
 from lanes.settings import Settings
 from lanes.specfile import load_spec
 
@@ -281,16 +280,8 @@ def tune(
     typer.echo(snippet(workload, best.config), nl=False)
 
 
-@contextmanager
-def _writing(path: Path, option: str, otherwise: str) -> Iterator[None]:
-    try:
-        yield
-    except OSError as e:
-        # mkdir(exist_ok=True) says "File exists" of a file where the folder would be.
-        reason = "its folder is a file" if isinstance(e, FileExistsError) else e.strerror or e
-        raise StorageError(
-            f"{option}: cannot write {path} ({reason}): make its folder writable, {otherwise}"
-        ) from None
+def _writing(path: Path, option: str, otherwise: str) -> AbstractContextManager[None]:
+    return writing(f"{option}: cannot write {path}", f"make its folder writable, {otherwise}")
 
 
 def _print_points(
