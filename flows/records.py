@@ -28,7 +28,7 @@ from __future__ import annotations
 import csv
 import gzip
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import IO, Any
@@ -400,12 +400,12 @@ def _parquet(storage: Storage, shard: StoredFile) -> Iterator[Line]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from lanes.flows.parquet_maps import object_converters
+
     with _parquet_source(storage, shard) as source:
         try:
             table = pq.ParquetFile(source)
-            maps = {
-                name: _with_objects(kind) for name, kind in _object_maps(table.schema_arrow).items()
-            }
+            maps = object_converters(table.schema_arrow)
             number = 0
             for batch in table.iter_batches(batch_size=4096):
                 for row in batch.to_pylist():
@@ -415,80 +415,6 @@ def _parquet(storage: Storage, shard: StoredFile) -> Iterator[Line]:
                     yield Line(number, row, parquet=True)
         except (pa.ArrowException, OSError) as err:
             raise _not_parquet(shard, err) from None
-
-
-def _object_maps(schema: Any) -> dict[str, Any]:
-    """The columns of `schema` holding a MAP keyed by text or integers, at their top or
-    nested in structs, lists or other maps' values, with their types: each such map is
-    read as a JSON object (pyarrow gives a list of (key, value) pairs), so that a map
-    is what a JSONL record's object is (a generate record's `logit_bias`, at the top or
-    in a struct of options). A map of other keys stays a list of pairs, as no JSON
-    object can hold its keys."""
-    return {field.name: field.type for field in schema if _holds_object_map(field.type)}
-
-
-def _object_keys(kind: Any) -> bool:
-    """Whether a map keyed by `kind` can be a JSON object (its keys written as text)."""
-    import pyarrow as pa
-
-    return bool(
-        pa.types.is_integer(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind)
-    )
-
-
-def _is_list(kind: Any) -> bool:
-    import pyarrow as pa
-
-    return bool(
-        pa.types.is_list(kind)
-        or pa.types.is_large_list(kind)
-        or pa.types.is_fixed_size_list(kind)
-        or pa.types.is_list_view(kind)
-        or pa.types.is_large_list_view(kind)
-    )
-
-
-def _holds_object_map(kind: Any) -> bool:
-    import pyarrow as pa
-
-    if pa.types.is_map(kind):
-        return _object_keys(kind.key_type) or _holds_object_map(kind.item_type)
-    if _is_list(kind):
-        return _holds_object_map(kind.value_type)
-    if pa.types.is_struct(kind):
-        return any(_holds_object_map(field.type) for field in kind)
-    return False
-
-
-def _with_objects(kind: Any) -> Callable[[Any], Any]:
-    """What turns a value of arrow type `kind`, as pyarrow gives it, into the same value
-    with each map keyed by text or integers a JSON object: integer keys as their digits
-    (JSON's keys are text: token id 199 is "199"), a key given twice its last value (as
-    a JSON object's is read). Made once per column, so that the type is walked once,
-    not at every row; a part holding no such map is passed on as it is."""
-    import pyarrow as pa
-
-    if not _holds_object_map(kind):
-        return _as_is
-    if pa.types.is_map(kind):
-        item = _with_objects(kind.item_type)
-        if _object_keys(kind.key_type):
-            return _unless_null(lambda pairs: {str(key): item(value) for key, value in pairs})
-        return _unless_null(lambda pairs: [(key, item(value)) for key, value in pairs])
-    if _is_list(kind):
-        element = _with_objects(kind.value_type)
-        return _unless_null(lambda values: [element(value) for value in values])
-    fields = [(field.name, _with_objects(field.type)) for field in kind]  # a struct
-    return _unless_null(lambda value: {name: each(value.get(name)) for name, each in fields})
-
-
-def _as_is(value: Any) -> Any:
-    return value
-
-
-def _unless_null(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """`convert`, with a null (None) passed on as it is."""
-    return lambda value: None if value is None else convert(value)
 
 
 def _not_parquet(shard: StoredFile, err: Exception) -> PermanentStorageError:
