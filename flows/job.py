@@ -17,7 +17,7 @@ from typing import Literal
 
 import orjson
 
-from lanes.digests import Digests, model_digests
+from lanes.digests import Digests, model_key
 from lanes.errors import PermanentStorageError, StorageError, WrongMode
 from lanes.flows.records import FORMATS, is_known, output_name
 from lanes.flows.shard import ShardPlan
@@ -25,11 +25,9 @@ from lanes.inputs import check_input, folder_of, output_inside_input
 from lanes.layout import ERRORS, MARKERS
 from lanes.settings import Settings
 from lanes.spec import (
-    Fields,
     OfflineWorkload,
     Runner,
     Spec,
-    Workload,
     in_offline_lane,
 )
 from lanes.specfile import load_spec
@@ -156,28 +154,6 @@ def folder_job(spec: Spec, name: str, folder: Path | str, settings: Settings) ->
         max_record_bytes=settings.max_body_bytes,
         max_inputs=settings.max_inputs_per_request,
     )
-
-
-def model_key(spec: Spec, workload: Workload, settings: Settings) -> str:
-    """A digest of what decides a record's output besides the record itself (the same
-    for a workload in either lane, so that the lanes' measurements can be compared).
-    The model's files count by their content (lanes.digests), never by where they lie
-    or when they were copied: a laptop's project and a Job's /app share their commits.
-    Besides the .onnx, its external data and tokenizer, the configs a decoder reads
-    beside them count when present."""
-    model = spec.models[workload.model]
-    files = model_digests(model, Digests(settings.home))
-    identity = {
-        "files": {name: d.blake2b if d else None for name, d in files.items()},
-        "model": model.model_dump(mode="json", exclude={"path", "tokenizer"}),
-        "task": workload.task,
-        "handler": workload.handler,
-        "generation": workload.generation.model_dump(mode="json"),
-    }
-    if isinstance(workload, OfflineWorkload) and workload.fields != Fields():
-        # Only when set, as before `fields:` existed.
-        identity["fields"] = workload.fields.model_dump(mode="json")
-    return hashlib.sha256(orjson.dumps(identity, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
 
 def shard_source(file: StoredFile, root: Path | None) -> str:

@@ -47,10 +47,11 @@ from lanes.batchfiles import BatchError, assemble
 from lanes.batchlines import LineErrors, check_line, check_model
 from lanes.batchstore import BatchStore, new_id
 from lanes.deadline import offpeak_opening, plan_start
+from lanes.digests import model_key
 from lanes.errors import InvalidInput, NotConfigured, NotFound, StorageError, shown
 from lanes.jobs import BATCH_PREFIX, BATCH_TAG, Job
 from lanes.jobstates import FAILED_STATES, FINISHED
-from lanes.measurements import Measurements
+from lanes.measurements import Measurements, newest
 from lanes.prefectapi import PrefectApi, create_run
 from lanes.protocols.openai import Shape, parse
 from lanes.settings import Settings
@@ -259,15 +260,13 @@ class Batches:
         if self.settings.batch.start == "now":
             return datetime.now(UTC)  # due at once on Prefect's clock, whatever `now` says
         now = datetime.fromtimestamp(self.now(), UTC)
-        # The workload's own newest offline rate (its model's key lives in the flows wing).
-        rates = [
-            r
-            for r in Measurements(self.settings.home).load()
-            if r.lane == "offline" and r.workload == workload
-        ]
+        # The newest offline rate of this model as it is now (a rate measured before the
+        # model changed would plan on another model's speed), as the flow plans its runs.
+        key = model_key(self.spec, self.spec.workloads[workload], self.settings)
+        rate = newest(Measurements(self.settings.home).load(), "offline", key, workload)
         plan = plan_start(
             items,
-            rates[0].items_per_second if rates else None,
+            rate.items_per_second if rate else None,
             datetime.fromtimestamp(deadline, UTC),
             offpeak_opening(self.settings.offpeak, now),
             now,

@@ -34,7 +34,8 @@ from pathlib import Path, PurePosixPath
 import orjson
 
 from lanes.onnxinputs import varint
-from lanes.spec import ModelSpec
+from lanes.settings import Settings
+from lanes.spec import Fields, ModelSpec, OfflineWorkload, Spec, Workload
 from lanes.staging import staging_file
 
 log = logging.getLogger(__name__)
@@ -207,3 +208,25 @@ def _name(raw: bytes) -> str | None:
     if "\x00" in name or pure.is_absolute() or ".." in pure.parts:
         return None
     return name
+
+
+def model_key(spec: Spec, workload: Workload, settings: Settings) -> str:
+    """A digest of what decides a record's output besides the record itself (the same
+    for a workload in either lane, so that the lanes' measurements can be compared).
+    The model's files count by their content (`model_digests`), never by where they lie
+    or when they were copied: a laptop's project and a Job's /app share their commits.
+    Besides the .onnx, its external data and tokenizer, the configs a decoder reads
+    beside them count when present."""
+    model = spec.models[workload.model]
+    files = model_digests(model, Digests(settings.home))
+    identity = {
+        "files": {name: d.blake2b if d else None for name, d in files.items()},
+        "model": model.model_dump(mode="json", exclude={"path", "tokenizer"}),
+        "task": workload.task,
+        "handler": workload.handler,
+        "generation": workload.generation.model_dump(mode="json"),
+    }
+    if isinstance(workload, OfflineWorkload) and workload.fields != Fields():
+        # Only when set, as before `fields:` existed.
+        identity["fields"] = workload.fields.model_dump(mode="json")
+    return hashlib.sha256(orjson.dumps(identity, option=orjson.OPT_SORT_KEYS)).hexdigest()

@@ -57,7 +57,7 @@ class Throughput:
     """One lane's measured rate for one workload's model, per device."""
 
     workload: str
-    model_key: str  # lanes.flows.job.model_key: the model's files by content, task settings
+    model_key: str  # lanes.digests.model_key: the model's files by content, task settings
     lane: Mode
     items_per_second: float
     measured_at: datetime

@@ -41,8 +41,9 @@ import orjson
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from lanes.digests import model_key
 from lanes.errors import InvalidInput, LanesError, ModelError, WrongMode
-from lanes.flows.job import folder_job, model_key
+from lanes.flows.job import folder_job
 from lanes.flows.runners import Model
 from lanes.flows.sample import run_records
 from lanes.flows.shard import ShardStats

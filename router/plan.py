@@ -9,10 +9,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from lanes.digests import model_key
 from lanes.errors import LanesError
 from lanes.flows import FLOW_NAME as OFFLINE_FLOW
 from lanes.flows.compile import schedule_of
-from lanes.flows.job import Job, model_key, settle_job
+from lanes.flows.job import Job, settle_job
 from lanes.flows.runners import Model, ShardModel
 from lanes.flows.start import calibration, plan_run
 from lanes.measurements import CostBasis, Measurements, Throughput, newest

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,10 @@ import pytest
 from openai.types import BatchError
 
 from lanes.batches import Batches, public
+from lanes.digests import model_key
 from lanes.errors import InvalidInput
 from lanes.jobs import BATCH_PREFIX, Job
+from lanes.measurements import Measurements, Throughput
 from lanes.settings import Settings
 from lanes.specfile import load_spec
 from tests.batch_hooks import MARK
@@ -726,6 +729,58 @@ def test_start_latest_schedules_the_run_before_the_deadline(setup: Setup) -> Non
         assert now + 60 < run.timestamp() <= batch.expires_at
         assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
         assert finished(client, batch.id).status == "cancelled"
+
+
+def test_start_latest_plans_on_the_rate_of_the_model_as_it_is_now(setup: Setup) -> None:
+    """A rate measured on another model (the workload's model since replaced) is not
+    this model's: the flow plans by the model's key, and so does the Batch API."""
+    now = time.time()
+    settings = Settings()
+    spec = load_spec(setup.spec)
+    own = model_key(spec, spec.workloads["embed-live"], settings)
+    batch_settings = {"store": str(setup.store), "shard_lines": SHARD_LINES, "start": "latest"}
+    server = ServerThread(
+        setup.spec, now=lambda: now, batch=batch_settings, prefect_api_url=setup.api
+    )
+    store = Measurements(settings.home)
+    saved: list[Path] = []
+
+    def scheduled_after_slow_rate(key: str) -> float:
+        """When a batch runs after a rate of `key` too slow to finish it was measured."""
+        saved.append(
+            store.save(
+                Throughput(
+                    workload="embed-live",
+                    model_key=key,
+                    lane="offline",
+                    items_per_second=1e-6,
+                    measured_at=datetime.now(UTC),
+                    source="a test",
+                )
+            )
+        )
+        uploaded = client.files.create(
+            file=("rated.jsonl", lines_for("embed-live", ["w1 w2"])), purpose="batch"
+        )
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
+        )
+        run = Job(batch.id, settings, prefect_api_url=setup.api).scheduled_time()
+        assert run is not None
+        assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+        assert finished(client, batch.id).status == "cancelled"
+        return run.timestamp()
+
+    try:
+        with server:
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+            # Another model's rate is no rate: the run waits for the off-peak window.
+            assert scheduled_after_slow_rate("another model") > now + 60
+            # This model's rate says the batch cannot finish in time: it starts at once.
+            assert scheduled_after_slow_rate(own) <= now + 60
+    finally:
+        for path in saved:
+            path.unlink()
 
 
 def test_a_server_without_a_prefect_api_refuses_a_batch_before_any_work(

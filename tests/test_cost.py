@@ -18,9 +18,9 @@ import yaml
 from tokenizers import Tokenizer, models, pre_tokenizers
 from typer.testing import CliRunner
 
+from lanes.digests import model_key
 from lanes.errors import LanesError, WrongMode
 from lanes.flows.batch import offline
-from lanes.flows.job import model_key
 from lanes.flows.manifest import build_manifest
 from lanes.flows.shard import ShardStats
 from lanes.measurements import Measurements, Throughput, usd_per_1k_items

@@ -13,8 +13,7 @@ import yaml
 from onnx import TensorProto, helper, numpy_helper, save_model
 from typer.testing import CliRunner
 
-from lanes.digests import SEAL_SUFFIX, Digests
-from lanes.flows.job import model_key
+from lanes.digests import SEAL_SUFFIX, Digests, model_key
 from lanes.router.cli import app
 from lanes.settings import Settings
 from lanes.specfile import load_spec

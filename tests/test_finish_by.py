@@ -21,9 +21,10 @@ import pytest
 import yaml
 
 from lanes.deadline import MARGIN, STARTUP_S, deadline_after, opening, plan_start, window_at
+from lanes.digests import model_key
 from lanes.errors import JobFailed, SpecError, StorageError
 from lanes.flows.batch import offline
-from lanes.flows.job import Job, model_key, settle_job
+from lanes.flows.job import Job, settle_job
 from lanes.flows.sample import SAMPLE_BATCHES, SAMPLE_SOURCE
 from lanes.flows.start import deadline_key, deferred_until, plan_run, should_plan
 from lanes.measurements import Measurements, Throughput

@@ -20,8 +20,7 @@ import httpx
 import pytest
 from dockerfile_parse import DockerfileParser
 
-from lanes.digests import SEAL_SUFFIX
-from lanes.flows.job import model_key
+from lanes.digests import SEAL_SUFFIX, model_key
 from lanes.settings import Settings
 from lanes.specfile import load_spec
 from tests.flows_fixtures import DIM, embed_model
