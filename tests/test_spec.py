@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 import textwrap
@@ -23,6 +24,8 @@ from lanes.settings import Settings
 from lanes.spec import Spec
 from lanes.specfile import load_spec
 from tests.flows_fixtures import embed_model
+
+README = Path(__file__).resolve().parent.parent / "README.md"
 
 GOOD = """\
 version: 1
@@ -926,3 +929,26 @@ def test_a_default_temperature_takes_the_range_a_request_does(tmp_path: Path) ->
     )
     with pytest.raises(SpecError, match=r"temperature: expected a value <= 2, found 3"):
         load_spec(spec, Settings(), check_files=False)
+
+
+def test_the_readmes_workloads_yaml_example_validates(tmp_path: Path) -> None:
+    """The reference example under "## workloads.yaml", as written, is a spec `lanes
+    validate` takes: each key it shows is one its workload's mode and task take."""
+    section = README.read_text().split("## workloads.yaml", 1)[1]
+    found = re.search(r"```yaml\n(.*?)```", section, re.DOTALL)
+    assert found, "the README's workloads.yaml section has no yaml example"
+    spec = tmp_path / "workloads.yaml"
+    spec.write_text(found.group(1))
+    embed_model(tmp_path / ".lanes" / "models" / "minilm")  # the paths it names
+    (tmp_path / "mypkg").mkdir()  # and its `handler: mypkg.hooks:handler`
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    hooks = "class Hooks:\n    def pre(self, item):\n        return item\n\nhandler = Hooks()\n"
+    (tmp_path / "mypkg" / "hooks.py").write_text(hooks)
+    done = subprocess.run(
+        [sys.executable, "-m", "lanes.router.cli", "validate", str(spec)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"{spec}: ok (2 workloads)"
