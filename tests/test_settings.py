@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
 from lanes.settings import Settings
+
+README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def test_relative_env_paths_are_read_against_the_working_directory_once(
@@ -86,3 +90,19 @@ def test_json_nested_past_pythons_stack_is_a_problem_not_a_crash(
         "env LANES_ALLOWED_INPUT_ROOTS: expected JSON (a list or an object), found a value "
         "that does not parse"
     ]
+
+
+def test_the_readmes_settings_section_names_every_setting() -> None:
+    """A user looks for a variable in the README's Settings section (the rest of the
+    README may tell more); a nested setting is named by its prefix (LANES_BATCH__)."""
+    section = README.read_text().split("### Settings", 1)[1].split("\n## ", 1)[0]
+    missing = []
+    for name, field in Settings.model_fields.items():
+        nested = isinstance(field.default_factory, type) and issubclass(
+            field.default_factory, BaseModel
+        )
+        nested = nested or name in ("offpeak", "workloads", "models")
+        variable = f"LANES_{name.upper()}" + ("__" if nested else r"\b")
+        if not re.search(variable, section):
+            missing.append(variable.removesuffix(r"\b"))
+    assert not missing, f"the README's Settings section does not name {missing}"
