@@ -484,14 +484,16 @@ def test_a_prompt_asked_again_later_in_an_offline_batch_joins_its_first_asking(
     assert first == again == alone(task, {"prompt": prompts[0], "max_tokens": 2}).tokens
 
 
-@pytest.mark.parametrize("user", ["online", "offline"])
-async def test_seeded_sampling_batched_equals_alone(task: GenerateTask, user: str) -> None:
+@pytest.mark.parametrize(("user", "policy"), USERS)
+async def test_seeded_sampling_batched_equals_alone(
+    task: GenerateTask, user: str, policy: Policy
+) -> None:
     items: list[dict[str, object]] = [
         {"prompt": p, "max_tokens": n, "temperature": 0.9, "top_k": 40, "seed": i}
         for i, (p, n) in enumerate(PROMPTS)
     ]
     want = [alone(task, item).tokens for item in items]
-    got = await run_all(task, "continuous", items, user=user)
+    got = await run_all(task, policy, items, user=user)
     assert [tokens for tokens, _, _ in got] == want
 
 

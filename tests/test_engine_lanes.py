@@ -37,6 +37,9 @@ OFFLINE = [
     ("for i in range(", 12),
 ]
 INTERACTIVE = ("    return self._", 3)
+# How the rows draw: greedy, or sampled, each row seeded (hot enough that a token drawn
+# twice, or a generator reset or shared, would change what follows).
+DRAWS = {"greedy": {}, "seeded": {"temperature": 1.5, "top_k": 0}}
 
 
 @pytest.fixture(scope="module", params=LAYOUTS)
@@ -75,20 +78,30 @@ async def held() -> int:
     return GATE.held_rows()
 
 
+def drawn(draws: str, i: int) -> dict[str, object]:
+    """An item's sampling fields: none (greedy), or sampled with a seed of its own."""
+    return {**DRAWS[draws], "seed": 100 + i} if DRAWS[draws] else {}
+
+
+@pytest.mark.parametrize("draws", list(DRAWS))
 @pytest.mark.parametrize("keep_bytes", [KEEP_BYTES, 0], ids=["kept", "recomputed"])
 async def test_an_interactive_request_takes_an_offline_row_at_the_next_step(
-    task: GenerateTask, keep_bytes: int
+    task: GenerateTask, keep_bytes: int, draws: str
 ) -> None:
     """Offline sequences fill every row; an interactive request arrives during their
     decode; the very next run is its prefill (an offline row was preempted for it).
-    Every sequence, the preempted one too, ends with the tokens it makes alone."""
+    Every sequence, the preempted one too, ends with the tokens it makes alone, greedy
+    or sampled with a seed (its generator goes on where it stopped, as vLLM's does)."""
     metrics = Metrics()
     engine = Engine(task, metrics, "continuous", max_padding=1e9, keep_bytes=keep_bytes)
     engine.start()
     try:
-        offline_items = [{"prompt": p, "max_tokens": n} for p, n in OFFLINE[:ROWS]]
+        offline_items = [
+            {"prompt": p, "max_tokens": n, **drawn(draws, i)}
+            for i, (p, n) in enumerate(OFFLINE[:ROWS])
+        ]
         requests = [task.prepare(item) for item in offline_items]
-        item = {"prompt": INTERACTIVE[0], "max_tokens": INTERACTIVE[1]}
+        item = {"prompt": INTERACTIVE[0], "max_tokens": INTERACTIVE[1], **drawn(draws, ROWS)}
         with GATE.closed():
             backfill = asyncio.create_task(engine.submit_offline(requests))
             assert await held() == ROWS, "the offline prompts prefill together"
@@ -131,16 +144,19 @@ async def test_an_interactive_request_takes_an_offline_row_at_the_next_step(
     assert ttft == 1
 
 
+@pytest.mark.parametrize("draws", list(DRAWS))
 async def test_offline_sequences_beyond_the_rows_wait_and_all_finish_as_alone(
-    task: GenerateTask,
+    task: GenerateTask, draws: str
 ) -> None:
     """More offline prompts than rows, interactive ones arriving in between, preempting
-    again and again: each gets its tokens alone, none lost, none twice."""
+    again and again: each gets its tokens alone (greedy or seeded), none lost, none twice."""
     metrics = Metrics()
     engine = Engine(task, metrics, "continuous", keep_bytes=0)
     engine.start()
     try:
-        offline_items = [{"prompt": p, "max_tokens": n} for p, n in OFFLINE]
+        offline_items = [
+            {"prompt": p, "max_tokens": n, **drawn(draws, i)} for i, (p, n) in enumerate(OFFLINE)
+        ]
         backfill = asyncio.create_task(
             engine.submit_offline([task.prepare(i) for i in offline_items])
         )
