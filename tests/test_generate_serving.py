@@ -10,6 +10,7 @@ import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -297,6 +298,77 @@ async def test_16_concurrent_greedy_requests_match_each_alone(
     assert delta["lanes_prefill_seconds_count"] <= 16
     assert delta["lanes_generated_tokens_total"] == sum(c.completion_tokens for c in alone)
     assert delta["lanes_batch_size_sum"] + 16 == delta["lanes_generated_tokens_total"]
+
+
+async def joined(stream: Any) -> list[str]:
+    """Each choice's text of a streamed completion, by index."""
+    texts: dict[int, str] = {}
+    async for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    return [texts[i] for i in sorted(texts)]
+
+
+async def test_a_seeded_request_draws_the_same_alone_and_beside_any_others(
+    server: ServerThread,
+) -> None:
+    """As vLLM: a seed fixes a request's sampled text, streamed or not, whatever runs
+    beside it (unseeded, seeded, greedy, longer or shorter); with n its choices are
+    each other's equals only by chance, and the same again."""
+    client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    seeded: Any = {"model": "code", "prompt": "def f(x", "max_tokens": 12, "temperature": 1.5}
+    seeded |= {"seed": 1234, "extra_body": {"ignore_eos": True}}
+
+    async def texts(**more: Any) -> list[str]:
+        if more.get("stream"):
+            return await joined(await client.completions.create(**seeded, **more))
+        return [c.text for c in (await client.completions.create(**seeded, **more)).choices]
+
+    (alone,) = await texts()
+    choices = await texts(n=3)
+    assert choices[0] == alone and len(set(choices)) == 3, "n draws three, the first as n = 1"
+    assert await texts(stream=True) == [alone]
+
+    beside: list[dict[str, Any]] = [
+        {"prompt": "import os\n", "max_tokens": 3, "temperature": 1.5},  # unseeded, shorter
+        {"prompt": "class Foo:\n    def", "max_tokens": 30, "temperature": 1, "seed": 7},
+        {"prompt": "for i in range(", "max_tokens": 9, "temperature": 0},
+    ]
+    with GATE.closed():  # the first prefill waits at the gate, so the others queue behind it
+        longest = {"prompt": "try:\n    import", "max_tokens": 40, "temperature": 2}
+        first = asyncio.ensure_future(
+            client.completions.create(model="code", **longest, extra_body={"ignore_eos": True})
+        )
+        await asyncio.to_thread(GATE.wait_held)
+        again = [
+            asyncio.ensure_future(texts()),
+            asyncio.ensure_future(texts(stream=True)),
+            asyncio.ensure_future(texts(n=3, stream=True)),
+        ]
+        others = [
+            asyncio.ensure_future(client.completions.create(model="code", **item))
+            for item in beside
+        ]
+        await eventually(
+            lambda: metric(server, "lanes_queue_depth", workload="code") == 8,
+            "the seeded sequences (3 of them choices) and the others queued behind the first",
+        )
+    assert await asyncio.gather(*again) == [[alone], [alone], choices]
+    await asyncio.gather(first, *others)
+    await client.close()
+
+
+async def test_unseeded_requests_draw_apart(server: ServerThread) -> None:
+    """Without a seed each request, and each of its choices, draws from fresh entropy:
+    16 tokens at temperature 2 are the same twice only by a chance far below any flake."""
+    client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    asked: Any = {"model": "code", "prompt": "def f(x", "max_tokens": 16, "temperature": 2}
+    asked |= {"extra_body": {"ignore_eos": True}}
+    first, second = [await client.completions.create(**asked) for _ in range(2)]
+    assert first.choices[0].text != second.choices[0].text
+    choices = (await client.completions.create(**asked, n=3)).choices
+    assert len({c.text for c in choices}) == 3
+    await client.close()
 
 
 def test_stop_strings_cut_the_text_streamed_or_not(server: ServerThread, found: Found) -> None:
