@@ -1,8 +1,8 @@
 """Offline generate answers as the endpoint does, line for line: the same prompts run
 through a real `lanes run` (a Prefect flow, the shard path, the continuous step loop
 with fewer rows than prompts, so rows are refilled) and through a real server's
-/v1/completions and /v1/chat/completions, greedy, give the same texts, finishes and
-token counts, for plain records and for OpenAI batch lines alike."""
+/v1/completions and /v1/chat/completions, greedy or sampled with a seed, give the same
+texts, finishes and token counts, for plain records and for OpenAI batch lines alike."""
 
 from __future__ import annotations
 
@@ -60,6 +60,8 @@ def plain(i: int, prompt: str) -> dict[str, Any]:
         record |= {"stop_token_ids": [199], "min_tokens": 2, "include_stop_str_in_output": True}
     if i == 4:
         record |= {"logit_bias": {"199": 5}, "frequency_penalty": 1.0, "repetition_penalty": 1.2}
+    if i >= 5:  # sampled, each with its seed: the same draws offline as online
+        record |= {"temperature": 1.3, "seed": -i} | ({"top_p": 0.9} if i == 6 else {})
     return record
 
 
@@ -74,7 +76,7 @@ def readme_scoring_line() -> dict[str, Any]:
     return line
 
 
-def test_offline_generate_equals_the_endpoints_greedy_answers(
+def test_offline_generate_equals_the_endpoints_greedy_and_seeded_answers(
     demo_models: Path, tmp_path: Path
 ) -> None:
     spec = write_spec(tmp_path, demo_models, WORKLOADS)
