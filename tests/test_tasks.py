@@ -658,6 +658,23 @@ def test_sample_is_greedy_at_zero_and_cut_by_top_k_and_top_p() -> None:
         SamplingParams(top_p=1.5)
 
 
+def test_top_k_draws_as_if_the_rest_were_masked() -> None:
+    """As vLLM (which masks the logits outside the top k): the kept tokens are drawn in
+    the vocabulary's order, so a seeded draw depends on which tokens are kept and their
+    probabilities, never on where argpartition happened to put them. (A row batched
+    with others differs from its lone self in its last bits; that reshuffled
+    argpartition's output, and a seeded request drew another token.)"""
+    logits = np.random.default_rng(0).normal(0, 3, size=1024)
+    for top_k in (2, 40, 1000):
+        kept = np.argpartition(logits, -top_k)[-top_k:]
+        masked = np.full_like(logits, -np.inf)
+        masked[kept] = logits[kept]
+        for seed in range(20):
+            cut = sample(logits, SamplingParams(1.0, top_k=top_k), np.random.default_rng(seed))
+            whole = sample(masked, SamplingParams(1.0), np.random.default_rng(seed))
+            assert cut == whole, (top_k, seed)
+
+
 def test_decoder_prepends_bos_from_config(
     decoder_dir: Path, runtime: Runtime, tmp_path: Path
 ) -> None:

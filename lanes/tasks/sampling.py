@@ -74,7 +74,10 @@ def sample(logits: np.ndarray[Any, Any], params: SamplingParams, rng: np.random.
         scores = np.where(scores < scores.max() + np.log(params.min_p), -np.inf, scores)
     candidates = np.arange(scores.shape[0])
     if 0 < params.top_k < scores.shape[0]:
-        candidates = np.argpartition(scores, -params.top_k)[-params.top_k :]
+        # In the vocabulary's order, as if the rest were masked (vLLM's): argpartition's
+        # own order is reshuffled by a change in a row's last bits (batched rows round
+        # otherwise), and a seeded draw would pick another token.
+        candidates = np.sort(np.argpartition(scores, -params.top_k)[-params.top_k :])
         scores = scores[candidates]
     probs = np.exp(scores - scores.max())
     probs /= probs.sum()
