@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import onnxruntime as ort
 
@@ -21,44 +21,65 @@ log = logging.getLogger("lanes.serving")
 Result = tuple[list[Any], float]
 
 
+# A batch's run over prepared items: one output per item, in order.
+Run = Callable[[Sequence[Any]], list[Any]]
+
+
+class StoppableRun(Protocol):
+    """A run that `stop.terminate` may end early; without `stop` (the halves of a
+    failed run, `stoppable_run`) it runs to its end. A Protocol, as a Callable cannot
+    say both arities: a run that required `stop` made each half a TypeError."""
+
+    def __call__(
+        self, items: Sequence[Any], stop: ort.RunOptions | None = None, /
+    ) -> list[Any]: ...
+
+
 class Stopped(Exception):
     """An offline run ended early by its `RunOptions.terminate`."""
 
 
-def timed_run(
-    run: Callable[..., list[Any]],
-    items: list[Any],
-    clock: Callable[[], float],
-    name: str,
-    stop: ort.RunOptions | None = None,
-) -> Result:
+def timed_run(run: Run, items: list[Any], clock: Callable[[], float], name: str) -> Result:
     """`run(items)` and its own duration, without any thread hand-off.
 
     A run that fails is run again in halves (lanes/isolation.py): an item that fails
     alone gets a `Failed` holding its own error, the others their outputs (so a run is
-    whole when no output is a `Failed`). With `stop`, the whole run is
-    `run(items, stop)`, and raises `Stopped` if `stop.terminate` ended it; the halves
-    after a failure run to their end."""
+    whole when no output is a `Failed`)."""
     start = clock()
-    if stop is None:
-        isolated = isolate(run, items)
-    else:
-        try:
-            isolated = Isolated((Ran(0, len(items), run(items, stop)),), ())
-        except Exception as error:
-            if stop.terminate:
-                raise Stopped from None
-            isolated = isolate(run, items, error)
-    took = clock() - start
+    isolated = isolate(run, items)
+    return _logged(isolated, clock() - start, len(items), name)
+
+
+def stoppable_run(
+    run: StoppableRun,
+    items: list[Any],
+    clock: Callable[[], float],
+    name: str,
+    stop: ort.RunOptions,
+) -> Result:
+    """`timed_run` whose whole run is `run(items, stop)`: raises `Stopped` if
+    `stop.terminate` ended it; the halves after a failure run to their end."""
+    start = clock()
+    try:
+        isolated = Isolated((Ran(0, len(items), run(items, stop)),), ())
+    except Exception as error:
+        if stop.terminate:
+            raise Stopped from None
+        isolated = isolate(run, items, error)
+    return _logged(isolated, clock() - start, len(items), name)
+
+
+def _logged(isolated: Isolated[list[Any]], took: float, items: int, name: str) -> Result:
+    """The run's outputs (`_with_errors`) and `took`; a run that was not whole is logged."""
     if not isolated.whole:
         log.error(
             "workload %s: a batch of %d failed; %d of its items fail on their own",
             name,
-            len(items),
+            items,
             len(isolated.failed),
             exc_info=isolated.error,
         )
-    return _with_errors(isolated, len(items)), took
+    return _with_errors(isolated, items), took
 
 
 def answer(

@@ -26,7 +26,7 @@ from typing import Any
 import onnxruntime as ort
 
 from lanes.batchframe import run_unhandled
-from lanes.serving.batch_run import Result, Stopped, answer, timed_run
+from lanes.serving.batch_run import Result, Stopped, answer, stoppable_run
 from lanes.serving.batching import LOOK_AGAIN_S, LaneQueues, Pending, charge
 from lanes.serving.metrics import LaneSeries
 from lanes.serving.model_thread import IdleThreads
@@ -109,7 +109,7 @@ class Beside:
         for pending in batch:
             pending.future.add_done_callback(partial(_stop_if_abandoned, batch, stop))
         run = partial(
-            timed_run, self._run_on_twin, clock=self._clock, name=self.task.name, stop=stop
+            stoppable_run, self._run_on_twin, clock=self._clock, name=self.task.name, stop=stop
         )
         done = partial(self._finish, batch, self._clock())
         self._idle.call(run, [p.item for p in batch], done)
@@ -126,7 +126,7 @@ class Beside:
     def _run_on_twin(
         self, items: Sequence[Any], options: ort.RunOptions | None = None
     ) -> list[Any]:
-        # Without `options`: the halves of a failed run (batch_run.timed_run).
+        # Without `options`: the halves of a failed run (batch_run.stoppable_run).
         return run_unhandled(self._load_twin(), items, options)
 
     def _finish(

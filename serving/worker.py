@@ -39,7 +39,7 @@ from lanes.errors import Overloaded
 from lanes.isolation import Failed
 from lanes.serving.access import RequestRecord
 from lanes.serving.batch_observer import BatchObserver
-from lanes.serving.batch_run import Result, Stopped, answer, timed_run
+from lanes.serving.batch_run import Result, Run, Stopped, answer, stoppable_run, timed_run
 from lanes.serving.batching import (
     OFFLINE_BOUND,
     DeviceShare,
@@ -391,7 +391,7 @@ class BatchWorker:
             estimate = self.cost.estimate(len(items), padded_tokens(items))
             offline = OfflineRun(start, estimate.seconds if estimate is not None else None)
             self.offline.run = offline
-            run = partial(self._timed_run, self._raw, stop=offline.stop)
+            run = partial(self._stoppable_run, stop=offline.stop)
             for pending in batch:
                 pending.future.add_done_callback(partial(self._abandoned, batch, offline))
         else:
@@ -450,18 +450,21 @@ class BatchWorker:
         """Whether a batch of `items` would run on the event loop (see INLINE_RUN_S)."""
         return self._item_cost_s is not None and self._item_cost_s * items < INLINE_RUN_S
 
-    def _timed_run(
-        self,
-        run: Callable[..., list[Any]],
-        items: list[Any],
-        stop: ort.RunOptions | None = None,
-    ) -> Result:
-        """`timed_run` (serving/batch_run.py); a whole run's duration teaches the
-        cost per item that decides where a batch runs."""
-        result = timed_run(run, items, self.clock, self.name, stop)
+    def _timed_run(self, run: Run, items: list[Any]) -> Result:
+        """`timed_run` (serving/batch_run.py), its duration learned (`_learn`)."""
+        return self._learn(timed_run(run, items, self.clock, self.name))
+
+    def _stoppable_run(self, items: list[Any], stop: ort.RunOptions) -> Result:
+        """`stoppable_run` (serving/batch_run.py) of an offline batch, its duration
+        learned (`_learn`)."""
+        return self._learn(stoppable_run(self._raw, items, self.clock, self.name, stop))
+
+    def _learn(self, result: Result) -> Result:
+        """A whole run's duration teaches the cost per item that decides where a batch
+        runs."""
         outputs, took = result
         if not any(isinstance(o, Failed) for o in outputs):
-            cost = took / len(items)
+            cost = took / len(outputs)
             old = self._item_cost_s
             self._item_cost_s = cost if old is None else old + _COST_WEIGHT * (cost - old)
         return result
