@@ -422,7 +422,7 @@ def _check_options(
             near = difflib.get_close_matches(option, allowed, n=1)
             hint = f"; did you mean {near[0]!r}?" if near else ""
             detail = (
-                f"{method}() got an unknown option {option!r} for workload {name!r}"
+                f"unknown option {option!r} for workload {name!r}"
                 f"{hint} (it takes: {', '.join(allowed)})"
             )
         raise InvalidInput.field(option, detail, "unknown_parameter")

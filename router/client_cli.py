@@ -8,6 +8,7 @@ message and an exit code (router.console).
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import sys
@@ -139,26 +140,50 @@ def _prompt_and_options(item: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
             f"found {'both' if given else 'neither'}; pass a prompt text, or e.g. "
             '\'{"prompt": "def f(x):", "max_tokens": 3}\''
         )
-    for key, instead in (("stream", "--stream/--no-stream"), ("model", "the WORKLOAD argument")):
-        if key in item:
-            raise InvalidInput(f"--input: {key!r} is not an option here; use {instead}")
     options = dict(item)
-    return options.pop(given[0]), options
+    prompt = options.pop(given[0])
+    for key in options:
+        if key in _INSTEAD:
+            raise InvalidInput.field(
+                "--input", f"{key!r} is not an option here; use {_INSTEAD[key]}"
+            )
+        if key in _sdk_arguments():
+            raise InvalidInput.field("--input", f"{key!r} is not an option of the request")
+    return prompt, options
+
+
+# Fields of a generate --input that are no request options, and what sets them instead.
+_INSTEAD = {
+    "stream": "--stream/--no-stream",
+    "model": "the WORKLOAD argument",
+    "workload": "the WORKLOAD argument",
+    "timeout_ms": "--timeout-ms",
+    "input": "'prompt' or 'messages'",
+}
+
+
+def _sdk_arguments() -> set[str]:
+    """The named parameters of `Client.call` and `Client.stream` (`self` too): a field of
+    that name among their `**options` would be Python's TypeError, not an option."""
+    methods = (Client.call, Client.stream)
+    return {
+        name
+        for method in methods
+        for name, parameter in inspect.signature(method).parameters.items()
+        if parameter.kind is not parameter.VAR_KEYWORD
+    }
 
 
 @contextmanager
 def _options_of_input() -> Iterator[None]:
-    """The SDK's refusal of an option, said as a field of --input: the CLI's user wrote
-    the object's fields, not the `call()` the SDK names."""
+    """The SDK's refusal of an option, said as a field of --input (the CLI passes no
+    other options): the CLI's user wrote the object's fields, not a `call()`."""
     try:
         yield
     except InvalidInput as e:
-        if e.code != "unknown_parameter":
+        if e.code != "unknown_parameter" or e.param is None:
             raise
-        detail = e.detail.removeprefix("call() got an ").removeprefix("stream() got an ")
-        detail = detail.replace("call() sets", "lanes call sets", 1)
-        detail = detail.replace("stream() sets", "lanes call sets", 1)
-        raise InvalidInput.field("--input", detail, e.code) from None
+        raise e.at("--input") from None
 
 
 def _print_stream(chunks: Iterator[str]) -> None:

@@ -438,8 +438,30 @@ def test_a_bad_setting_is_one_line_and_exit_2(
             "Invalid value for '--timeout-ms': expected a positive number of milliseconds, "
             "found -5.0",
         ),
+        # The SDK's own arguments: among call()'s **options they were a TypeError (a traceback).
+        (
+            ["call", "code-complete", "-i", '{"prompt": "x", "timeout_ms": 5}'],
+            "error: --input: 'timeout_ms' is not an option here; use --timeout-ms",
+        ),
+        (
+            ["call", "code-complete", "-i", '{"messages": [], "input": "x"}'],
+            "error: --input: 'input' is not an option here; use 'prompt' or 'messages'",
+        ),
+        (
+            ["call", "code-complete", "-i", '{"prompt": "x", "max_tokenz": 3}'],
+            "error: --input: unknown option 'max_tokenz' for workload 'code-complete'; "
+            "did you mean 'max_tokens'?",
+        ),
     ],
-    ids=["call offline", "stream embed", "submit interactive", "timeout"],
+    ids=[
+        "call offline",
+        "stream embed",
+        "submit interactive",
+        "timeout",
+        "timeout_ms field",
+        "input field",
+        "unknown field",
+    ],
 )
 def test_the_client_commands_name_the_command_not_the_sdk_method(
     spec_path: Path, command: list[str], expected: str
