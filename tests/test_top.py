@@ -258,6 +258,37 @@ def _served_names(text: str) -> set[str]:
     return names
 
 
+def _groupings(expr: str) -> Iterator[tuple[set[str], str]]:
+    """Each `by (labels) (...)` of a PromQL expression: its labels and what it groups."""
+    for match in re.finditer(r"\bby \(([^)]*)\)\s*\(", expr):
+        depth, end = 1, match.end()
+        while depth:
+            depth += {"(": 1, ")": -1}.get(expr[end], 0)
+            end += 1
+        yield {label.strip() for label in match[1].split(",")}, expr[match.end() : end - 1]
+
+
+@pytest.mark.slow
+def test_the_dashboard_groups_only_by_labels_its_metrics_have(server: ServerThread) -> None:
+    """A `sum by (lane)` over a series without a `lane` label draws one unlabelled line:
+    the panel would not show what its title says. A family without samples yet (a
+    guard's blocks here) shows no labels, and is left to the test above."""
+    completion = {"model": "code-complete", "prompt": "def f(", "max_tokens": 2}
+    httpx.post(f"{server.url}/v1/completions", json=completion, timeout=60).raise_for_status()
+    labels: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text):
+        for sample in family.samples:
+            labels.setdefault(sample.name, set()).update(sample.labels)
+    wrong = [
+        f"{name} has no {sorted(by - labels[name])} in: {expr}"
+        for expr in _expressions(json.loads(DASHBOARD.read_text()))
+        for by, grouped in _groupings(expr)
+        for name in re.findall(r"\blanes_[a-z_]+\b", grouped)
+        if name in labels and not by <= labels[name]
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
 @pytest.mark.slow
 def test_the_dashboard_queries_only_metrics_the_server_exports(server: ServerThread) -> None:
     dashboard = json.loads(DASHBOARD.read_text())
