@@ -167,7 +167,10 @@ class Settings(BaseSettings):
         "tokens), so that a later prompt starting with a long part of one runs only its "
         "rest; 0 keeps none.",
     )
-    device: Device = Field("auto", description="auto picks TensorRT/CUDA when a GPU is there.")
+    device: Device = Field(
+        "auto",
+        description="auto: CUDA when a GPU is there, else the CPU; TensorRT is opt-in (tensorrt).",
+    )
     io_binding: IoBinding = Field(
         "auto",
         description="Run sessions with onnxruntime's IO binding (outputs allocated on the "
