@@ -96,6 +96,27 @@ def test_changed_data_or_a_changed_model_is_redone(prefect_api: str, tmp_path: P
     assert first["y"] == [[31.0, 1.0, 1.0, 1.0]]
 
 
+def test_a_changed_handler_is_redone_and_a_changed_batch_size_is_not(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    """The workload keys that decide a record's output count in the commit key (the
+    README's Reruns); those that only pace the run do not."""
+    spec = project(tmp_path)
+    run(tmp_path)
+
+    def edit(**keys: Any) -> None:
+        data = yaml.safe_load(spec.read_text())
+        data["workloads"]["aff"].update(keys)
+        spec.write_text(yaml.safe_dump(data))
+
+    edit(batch_size=2)
+    assert run(tmp_path)["shards_skipped"] == 2
+    edit(handler="tests.flows_fixtures:held_from_shard_3")  # its pre passes these through
+    summary = run(tmp_path)
+    assert (summary["shards_run"], summary["shards_skipped"]) == (2, 0)
+    assert ids(tmp_path) == ["a0", "a1", "a2", "b0", "b1", "b2"]
+
+
 def test_markers_of_the_previous_format_are_redone_not_refused(
     prefect_api: str, tmp_path: Path
 ) -> None:
