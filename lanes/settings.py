@@ -163,9 +163,9 @@ class Settings(BaseSettings):
         64 * 1024 * 1024,
         ge=0,
         description="Bytes of KV cache a generate workload keeps of recent prompts (its "
-        "engine, and each offline batch), the last one of each opening (first 32 "
-        "tokens), so that a later prompt starting with a long part of one runs only its "
-        "rest; 0 keeps none.",
+        "engine, and each offline batch), up to 32 per opening (first 32 tokens), so "
+        "that a later prompt starting with a long part of one runs only its rest; 0 "
+        "keeps none.",
     )
     device: Device = Field(
         "auto",
