@@ -21,7 +21,7 @@ from lanes.digests import Digests, model_key
 from lanes.errors import PermanentStorageError, StorageError, WrongMode
 from lanes.flows.records import FORMATS, is_known, output_name
 from lanes.flows.shard import ShardPlan
-from lanes.inputs import check_input, folder_of, output_inside_input
+from lanes.inputs import allowed_roots, check_files, check_input, folder_of, output_inside_input
 from lanes.layout import ERRORS, MARKERS
 from lanes.settings import Settings
 from lanes.spec import (
@@ -54,6 +54,9 @@ class Job:
     model_key: str  # changes when the model, its tokenizer or the task's settings do
     max_record_bytes: int
     max_inputs: int  # an OpenAI batch line's, as a request's (LANES_MAX_INPUTS_PER_REQUEST)
+    # Where an input given besides the workload's own must really lie, links resolved
+    # (lanes.inputs.check_files); None: the workload's own input, read as it lies.
+    roots: tuple[str, ...] | None = None
 
 
 def plan_job(
@@ -102,10 +105,12 @@ def settle_job(
             "or declare it `mode: offline` with an input and output"
         )
     source = _resolve(input or w.input, base, "input")
+    roots = None
     if input and w.input:
         # An interactive workload reads nothing of its own: only what the Batch API staged.
         own = w.input if declared.mode == "offline" else join(settings.batch_store(), "batches")
         check_input(source, own, base, settings)
+        roots = tuple(allowed_roots(own, base, settings))
     dest = _resolve(output or w.output, base, "output")
     if output_inside_input(dest, source, base):
         raise StorageError(
@@ -123,6 +128,7 @@ def settle_job(
         model_key=model_key(spec, w, settings),
         max_record_bytes=settings.max_body_bytes,
         max_inputs=settings.max_inputs_per_request,
+        roots=roots,
     )
 
 
@@ -182,8 +188,11 @@ def plan_shards(job: Job, storage: Storage) -> list[ShardPlan]:
     """One plan per input shard, sorted by name. No inputs at all is an error, and so is
     a file in a format not read (skipping it would drop its records unsaid), a file two
     shards would write, or one that must be a file for one shard and a folder for
-    another: every shard's output, errors and marker are its own."""
+    another: every shard's output, errors and marker are its own. A job given an input
+    refuses a file that a link takes outside its roots (`Job.roots`) before any is read."""
     listed = storage.list_files(job.input, ("",))  # every name ends with ""
+    if job.roots is not None:
+        check_files(job.input, (f.uri for f in listed), job.roots)
     unknown = [f.uri for f in listed if not is_known(f.name)]
     if unknown:
         shown = ", ".join(unknown[:5]) + (

@@ -50,7 +50,8 @@ def run_records(
     with (folder / "in" / "items.jsonl").open("wb") as out:
         for record in records:
             out.write(orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
-    scratch = dataclasses.replace(job, input=f"{folder}/in/", output=f"{folder}/out/")
+    # The scratch input is written here, not given: no roots to hold it to.
+    scratch = dataclasses.replace(job, input=f"{folder}/in/", output=f"{folder}/out/", roots=None)
     (plan,) = plan_shards(scratch, storage)
     return run_shard(
         plan, model, storage, job.batch_size, job.max_record_bytes, job.max_inputs, progress

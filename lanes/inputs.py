@@ -7,11 +7,23 @@ the job (whoever created the flow run). Local paths are compared after resolving
 `..` and symlinks; an s3:// URI must not hold `.` or `..` parts at all (S3 keeps them
 as literal keys, but HTTP layers may collapse them). A glob is judged by its fixed
 part, the folder before its first wildcard.
+
+The files a submitted folder or glob expands to are judged too, by their real paths,
+when the flow plans the job (`check_files`): a symbolic link inside an allowed folder
+(a shared upload folder) to a file or folder outside every allowed root is refused,
+with the whole job, before any of it is read, as a link named as the input itself is.
+Skipping it instead would drop its records unsaid. The workload's own input, run
+as declared (no input given), is the operator's: links there are followed wherever
+they point, as an operator may link data folders in. A job given an input, even the
+workload's own folder, reads a linked folder outside its roots only once
+`LANES_ALLOWED_INPUT_ROOTS` allows it. `submit` checks the URI only: the files are
+listed where the job runs, which may not be where it is submitted. S3 has no links.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -88,6 +100,28 @@ def check_input(
         "allow its folder in LANES_ALLOWED_INPUT_ROOTS (a JSON list) where the job is "
         "submitted and where it runs"
     )
+
+
+def check_files(input: str, files: Iterable[str], roots: Sequence[str]) -> None:
+    """Raise InvalidInput when a local file of `files` (what `input`, already checked,
+    lists) really lies outside `roots` (`allowed_roots`), through a symbolic link to it
+    or to a folder above it: whoever may write in an allowed folder could otherwise
+    have the worker read any file the worker may read."""
+    outside = []
+    for uri in files:
+        if is_s3(uri):
+            continue  # no links on S3: its prefix, checked, is what it reads
+        real = absolute(uri, Path("/"))
+        if not any(_under(real, _fixed(root)) for root in roots):
+            outside.append(f"{uri} ({real})")
+    if outside:
+        more = len(outside) - 5
+        shown = ", ".join(outside[:5]) + (f" and {more} more" if more > 0 else "")
+        raise InvalidInput(
+            f"input {input}: {shown}: a symbolic link to a file outside what this job may "
+            f"read ({', '.join(roots)}); remove the link, or allow its target's folder in "
+            "LANES_ALLOWED_INPUT_ROOTS (a JSON list) where the job runs"
+        )
 
 
 def output_inside_input(output: str, input: str, base: Path) -> bool:

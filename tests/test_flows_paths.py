@@ -206,6 +206,58 @@ def test_an_input_outside_the_workloads_is_refused_unless_a_setting_allows_it(
     assert summary["outputs"] == 3
 
 
+def linked_project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A project whose `uploads/` folder beside it is allowed, and a `secret/` folder
+    that no root allows."""
+    spec = write_spec(tmp_path / "project", {"aff": workload()})
+    write_jsonl(tmp_path / "project" / "in" / "a.jsonl", records("in", 1))
+    write_jsonl(tmp_path / "uploads" / "mine.jsonl", records("mine", 2))
+    write_jsonl(tmp_path / "secret" / "keys.jsonl", records("secret", 3))
+    monkeypatch.setenv("LANES_ALLOWED_INPUT_ROOTS", json.dumps([str(tmp_path / "uploads")]))
+    return spec
+
+
+def test_a_given_input_never_reads_through_a_link_out_of_its_roots(
+    prefect_api: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A link inside an allowed folder (a shared upload folder) to a file, or to a
+    folder, outside every root fails the job before any record is read or written."""
+    spec = linked_project(tmp_path, monkeypatch)
+    uploads, secret = tmp_path / "uploads", tmp_path / "secret"
+    (uploads / "stolen.jsonl").symlink_to(secret / "keys.jsonl")
+    (uploads / "sub").symlink_to(secret)
+    linked = [
+        f"{uploads}/stolen.jsonl ({secret}/keys.jsonl)",
+        f"{uploads}/sub/keys.jsonl ({secret}/keys.jsonl)",
+    ]
+    with pytest.raises(InvalidInput) as caught:
+        offline(workload="aff", spec=str(spec), input=str(uploads))
+    message = str(caught.value)
+    assert f"{', '.join(linked)}: a symbolic link to a file outside" in message
+    assert "mine.jsonl" not in message and "LANES_ALLOWED_INPUT_ROOTS" in message
+    refused = lanes_run("aff", "--file", str(spec), "--input", f"{uploads}/**/*.jsonl")
+    assert refused.exit_code == 2, refused.output
+    assert f"{', '.join(linked)}: a symbolic link" in refused.output
+    assert files_under(tmp_path / "project" / "out") == {}
+
+
+def test_links_inside_the_roots_and_the_operators_own_still_read(
+    prefect_api: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A link between allowed folders reads; so does a link the operator put in the
+    workload's own input, run as declared. Given as a job's input, that folder reads
+    the link only once a root allows its target."""
+    spec = linked_project(tmp_path, monkeypatch)
+    project = tmp_path / "project"
+    (tmp_path / "uploads" / "ours.jsonl").symlink_to(project / "in" / "a.jsonl")
+    summary = offline(workload="aff", spec=str(spec), input=str(tmp_path / "uploads"))
+    assert summary["outputs"] == 3
+    (project / "in" / "corpus").symlink_to(tmp_path / "secret")
+    assert offline(workload="aff", spec=str(spec), output="out-2/")["outputs"] == 4
+    with pytest.raises(InvalidInput, match=r"in/corpus/keys\.jsonl \(\S*/secret/keys\.jsonl\)"):
+        offline(workload="aff", spec=str(spec), input="in/", output="out-3/")
+
+
 # ---- writing ------------------------------------------------------------------------------
 
 
