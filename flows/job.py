@@ -230,6 +230,7 @@ def plan_shards(job: Job, storage: Storage) -> list[ShardPlan]:
                 key=shard_key(file, source, job.model_key, digests),
                 workload=job.workload,
                 source=source,
+                roots=job.roots,
             )
         )
     for path, file in writers.items():

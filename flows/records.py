@@ -28,7 +28,7 @@ from __future__ import annotations
 import csv
 import gzip
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import IO, Any
@@ -36,6 +36,7 @@ from typing import IO, Any
 import orjson
 
 from lanes.errors import PermanentStorageError, StorageError
+from lanes.inputs import check_opened
 from lanes.s3errors import Missing
 from lanes.storage import Storage, StoredFile, is_s3
 from lanes.validation import describe, not_utf8
@@ -79,13 +80,16 @@ def unit(name: str) -> str:
     return "element" if name.lower().endswith(JSON) else "line"
 
 
-def read_shard(storage: Storage, shard: StoredFile, max_bytes: int) -> Iterator[Line]:
-    """Every record of `shard`, in order. Records longer than `max_bytes` are errors."""
+def read_shard(
+    storage: Storage, shard: StoredFile, max_bytes: int, roots: Sequence[str] | None = None
+) -> Iterator[Line]:
+    """Every record of `shard`, in order. Records longer than `max_bytes` are errors. A
+    local file opened outside `roots` (the job's, `ShardPlan.roots`) is refused."""
     name = shard.name.lower()  # a suffix in capitals (DATA.CSV) is the same format
     if name.endswith(PARQUET):
-        yield from _parquet(storage, shard)
+        yield from _parquet(storage, shard, roots)
         return
-    with _opened(storage, shard) as stream:
+    with _opened(storage, shard, roots) as stream:
         source: IO[bytes] = stream
         if name.endswith(".gz"):
             source = gzip.GzipFile(fileobj=stream, mode="rb")  # type: ignore[assignment]
@@ -106,7 +110,7 @@ def read_shard(storage: Storage, shard: StoredFile, max_bytes: int) -> Iterator[
             raise StorageError(f"{shard.uri}: cannot read: {err}") from None
 
 
-def count_records(storage: Storage, shard: StoredFile) -> int:
+def count_records(storage: Storage, shard: StoredFile, roots: Sequence[str] | None = None) -> int:
     """How many records `shard` holds, cheaply: a plain JSONL file's non-blank lines
     (a bad one counts: it is an errors-file line), a Parquet file's rows from its
     footer; other formats are read."""
@@ -115,16 +119,16 @@ def count_records(storage: Storage, shard: StoredFile) -> int:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        with _parquet_source(storage, shard) as source:
+        with _parquet_source(storage, shard, roots) as source:
             try:
                 return int(pq.ParquetFile(source).metadata.num_rows)
             except (pa.ArrowException, OSError) as err:
                 raise _not_parquet(shard, err) from None
     if name.endswith(CSV) or name.endswith(JSON) or name.endswith(".gz"):
-        return sum(1 for _ in read_shard(storage, shard, max_bytes=2**62))
+        return sum(1 for _ in read_shard(storage, shard, 2**62, roots))
     count = 0
     content = False  # whether the line read so far holds more than whitespace
-    with _opened(storage, shard) as stream:
+    with _opened(storage, shard, roots) as stream:
         # A line longer than a chunk comes in pieces: it counts once, at its end.
         for at, piece in enumerate(iter(lambda: stream.readline(_CHUNK), b"")):
             if at == 0:
@@ -356,25 +360,32 @@ def _header(row: list[str] | None, error: str | None) -> tuple[list[str] | None,
 
 
 @contextmanager
-def _opened(storage: Storage, shard: StoredFile) -> Iterator[IO[bytes]]:
-    """`shard`'s bytes. One no longer there is a PermanentStorageError (`_gone`)."""
+def _opened(
+    storage: Storage, shard: StoredFile, roots: Sequence[str] | None
+) -> Iterator[IO[bytes]]:
+    """`shard`'s bytes. One no longer there is a PermanentStorageError (`_gone`), and so
+    is a local one opened outside `roots` (lanes.inputs.check_opened)."""
     with ExitStack() as stack:
         try:
             stream = stack.enter_context(storage.open(shard.uri))
         except Missing:
             raise _gone(shard) from None
+        if roots is not None and not is_s3(shard.uri):
+            check_opened(shard.uri, stream, roots)
         yield stream
 
 
 @contextmanager
-def _parquet_source(storage: Storage, shard: StoredFile) -> Iterator[Any]:
+def _parquet_source(
+    storage: Storage, shard: StoredFile, roots: Sequence[str] | None
+) -> Iterator[Any]:
     """What pyarrow reads `shard` from: the local file, opened (so that one missing or
     denied says so), or the S3 object, held in memory: Parquet's footer is at the end,
     the reader needs random access (a shard is meant to fit in memory anyway)."""
     import pyarrow as pa
 
     if not is_s3(shard.uri):
-        with _opened(storage, shard) as stream:
+        with _opened(storage, shard, roots) as stream:
             yield stream
         return
     data = storage.read_bytes(shard.uri)
@@ -396,13 +407,13 @@ def _gone(shard: StoredFile) -> PermanentStorageError:
     )
 
 
-def _parquet(storage: Storage, shard: StoredFile) -> Iterator[Line]:
+def _parquet(storage: Storage, shard: StoredFile, roots: Sequence[str] | None) -> Iterator[Line]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from lanes.flows.parquet_maps import object_converters
 
-    with _parquet_source(storage, shard) as source:
+    with _parquet_source(storage, shard, roots) as source:
         try:
             table = pq.ParquetFile(source)
             maps = object_converters(table.schema_arrow)

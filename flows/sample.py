@@ -66,7 +66,7 @@ def first_records(job: Job, storage: Storage, count: int) -> list[dict[str, Any]
 
     def readable() -> Iterator[dict[str, Any]]:
         for plan in plan_shards(job, storage):
-            for line in read_shard(storage, plan.input, job.max_record_bytes):
+            for line in read_shard(storage, plan.input, job.max_record_bytes, plan.roots):
                 if line.value is None:
                     continue
                 try:

@@ -73,6 +73,8 @@ class ShardPlan:
     # The input as named wherever the project lies (flows.job.shard_source): a local
     # file inside the spec's folder by its relative path, any other by its URI.
     source: str = ""
+    # Where the input must really lie when read (flows.job.Job.roots); None: anywhere.
+    roots: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -332,7 +334,7 @@ class _Reader:
     ) -> list[Request]:
         requests: list[Request] = []
         first_seen: dict[Any, int] = {}
-        for line in read_shard(storage, plan.input, max_bytes):
+        for line in read_shard(storage, plan.input, max_bytes, plan.roots):
             request = to_request(line, self.shape, plan.input.uri, self.max_inputs)
             wanted = self.only is None or line.number in self.only
             if isinstance(request, Rejection):

@@ -96,7 +96,8 @@ def plan_run(
     if schedule is None or schedule.finish_by is None:
         raise LanesError(f"workload {job.workload!r} has no schedule.finish_by to plan by")
     window = window_at(opening(workload, settings)[0], schedule.finish_by, schedule.timezone, now)
-    items = sum(count_records(storage, plan.input) for plan in plan_shards(job, storage))
+    plans = plan_shards(job, storage)
+    items = sum(count_records(storage, plan.input, plan.roots) for plan in plans)
     record = newest(records, "offline", job.model_key, job.workload)
     calibrated, kept = False, ""
     if record is None and calibrate is not None:

@@ -41,7 +41,7 @@ def check_records(job: Job, plans: list[ShardPlan], storage: Storage) -> int:
     rejected: list[tuple[ShardPlan, dict[str, Any]]] = []
     for plan in _spread(plans, SAMPLE_SHARDS):
         first_seen: set[Any] = set()
-        records = read_shard(storage, plan.input, job.max_record_bytes)
+        records = read_shard(storage, plan.input, job.max_record_bytes, plan.roots)
         try:
             for line in islice(records, SAMPLE_RECORDS):
                 checked += 1

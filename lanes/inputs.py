@@ -16,8 +16,10 @@ Skipping it instead would drop its records unsaid. The workload's own input, run
 as declared (no input given), is the operator's: links there are followed wherever
 they point, as an operator may link data folders in. A job given an input, even the
 workload's own folder, reads a linked folder outside its roots only once
-`LANES_ALLOWED_INPUT_ROOTS` allows it. `submit` checks the URI only: the files are
-listed where the job runs, which may not be where it is submitted. S3 has no links.
+`LANES_ALLOWED_INPUT_ROOTS` allows it. Each file is judged again as its shard opens
+it (`check_opened`), so that a link swapped in after planning is refused too. `submit`
+checks the URI only: the files are listed where the job runs, which may not be where
+it is submitted. S3 has no links.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import IO
 from urllib.parse import unquote, urlparse
 
 from lanes import layout
-from lanes.errors import InvalidInput
+from lanes.errors import InvalidInput, PermanentStorageError
 from lanes.settings import Settings
 from lanes.storage import is_s3, join, split_s3
 
@@ -112,7 +115,7 @@ def check_files(input: str, files: Iterable[str], roots: Sequence[str]) -> None:
         if is_s3(uri):
             continue  # no links on S3: its prefix, checked, is what it reads
         real = absolute(uri, Path("/"))
-        if not any(_under(real, _fixed(root)) for root in roots):
+        if not _inside(real, roots):
             outside.append(f"{uri} ({real})")
     if outside:
         more = len(outside) - 5
@@ -122,6 +125,23 @@ def check_files(input: str, files: Iterable[str], roots: Sequence[str]) -> None:
             f"read ({', '.join(roots)}); remove the link, or allow its target's folder in "
             "LANES_ALLOWED_INPUT_ROOTS (a JSON list) where the job runs"
         )
+
+
+def check_opened(uri: str, stream: IO[bytes], roots: Sequence[str]) -> None:
+    """`check_files` for local file `uri` as `stream` opened it, by where its descriptor
+    leads (Linux's /proc/self/fd; elsewhere its path resolved again): a link swapped in
+    after the job was planned is refused too, as a PermanentStorageError of its shard."""
+    opened = Path(f"/proc/self/fd/{stream.fileno()}")
+    real = os.readlink(opened) if opened.is_symlink() else os.path.realpath(uri)
+    if not _inside(real, roots):
+        raise PermanentStorageError(
+            f"{uri}: now a symbolic link to {real}, outside what this job may read "
+            f"({', '.join(roots)}); it was not when the job listed its input"
+        )
+
+
+def _inside(real: str, roots: Sequence[str]) -> bool:
+    return any(_under(real, _fixed(root)) for root in roots)
 
 
 def output_inside_input(output: str, input: str, base: Path) -> bool:

@@ -21,10 +21,12 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from lanes.errors import InvalidInput, StorageError
+from lanes.errors import InvalidInput, PermanentStorageError, StorageError
 from lanes.flows.batch import offline
 from lanes.flows.job import plan_job, plan_shards
 from lanes.flows.records import output_name
+from lanes.flows.shard import run_shard
+from lanes.flows.shard_task import loaded_model
 from lanes.router.offline_cli import run as run_command
 from lanes.settings import Settings
 from lanes.storage import Storage
@@ -256,6 +258,33 @@ def test_links_inside_the_roots_and_the_operators_own_still_read(
     assert offline(workload="aff", spec=str(spec), output="out-2/")["outputs"] == 4
     with pytest.raises(InvalidInput, match=r"in/corpus/keys\.jsonl \(\S*/secret/keys\.jsonl\)"):
         offline(workload="aff", spec=str(spec), input="in/", output="out-3/")
+
+
+def test_a_link_swapped_in_after_planning_fails_its_shard_unread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file is judged as the job lists it and again as its shard opens it: a file, or
+    a folder above it, replaced by a link out of the roots after planning is not read."""
+    spec = linked_project(tmp_path, monkeypatch)
+    uploads, secret = tmp_path / "uploads", tmp_path / "secret"
+    write_jsonl(uploads / "sub" / "keys.jsonl", records("sub", 1))
+    settings = Settings()
+    storage = Storage(settings)
+    job = plan_job("aff", spec, settings, input=str(uploads))
+    plans = plan_shards(job, storage)
+    assert [plan.input.name for plan in plans] == ["mine.jsonl", "sub/keys.jsonl"]
+    (uploads / "mine.jsonl").unlink()
+    (uploads / "mine.jsonl").symlink_to(secret / "keys.jsonl")
+    (uploads / "sub").rename(tmp_path / "sub-was")
+    (uploads / "sub").symlink_to(secret)
+    model = loaded_model(job, settings)
+    for plan in plans:
+        with pytest.raises(PermanentStorageError) as caught:
+            run_shard(plan, model, storage, job.batch_size, job.max_record_bytes, job.max_inputs)
+        assert f"{plan.input.uri}: now a symbolic link to {secret}/keys.jsonl, outside" in str(
+            caught.value
+        )
+    assert files_under(tmp_path / "project" / "out") == {}
 
 
 # ---- writing ------------------------------------------------------------------------------
