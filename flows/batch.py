@@ -13,6 +13,9 @@ changes anything: it rejects more than `max_error_rate` of its records, or its i
 is a corrupt file, denied to us or gone since the listing) fails the run, after every
 other shard has finished and the manifest is written: a rerun redoes only it.
 
+A run holds its output folder while it runs (lanes.runlock): another run of the same
+output meanwhile fails at once, naming it, instead of redoing the shards not committed.
+
 `rerun` says what an earlier run's commits are worth: "uncommitted" (the default)
 runs the shards without a current commit; "errors" also reruns the rejected records
 of committed shards; "all" ignores the commits and runs every shard again.
@@ -32,7 +35,9 @@ run's state: the shards decide that.
 from __future__ import annotations
 
 import logging
+import os
 import shlex
+import socket
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -207,65 +212,79 @@ def run_job(
         check_key(url, served_workload(job.spec.workloads, job.workload), key, weights)
     storage = Storage(settings)
     storage.ensure_folder(job.output)
-    storage.clean_stale(job.output, STALE_STAGING_S)
-    plans = plan_shards(job, storage)
-    check_output_owner(job, plans, storage)
-    done: list[ShardStats] = []
-    pending: list[PendingShard] = []
-    for plan in plans:
-        # Read whatever `rerun` says: a marker of another job's fails the run here,
-        # before any shard writes over its results.
-        earlier = committed(storage, plan)
-        if rerun == "all":
-            earlier = None
-        if earlier is None:
-            pending.append(PendingShard(plan, None))
-        elif rerun == "errors" and earlier.errors > 0:
-            pending.append(PendingShard(plan, earlier))
-        else:
-            done.append(earlier)
-    # Only shards that will be read whole: a retried one was checked when it first ran.
-    check_records(job, [p.plan for p in pending if p.retry is None], storage)
-    progress("planned", shards=len(plans), pending=len(pending))
-    trace = tracing.carrier() if tracing is not None else None
-    shards = run_shards(job, pending, settings, trace, finish_by)
-    failures = shards.failures
-    measurements = Measurements(settings.home)
-    manifest = build_manifest(
-        workload=job.workload,
-        flow_run=str(flow_run.id) if flow_run.id else None,
-        input=job.input,
-        output=job.output,
-        started=started,
-        ended=datetime.now(UTC),
-        stats=done + shards.stats,
-        failures=failures,
-        not_started=shards.not_started,
-        price_per_device_hour=settings.price_per_device_hour,
-        interactive=newest(measurements.load(), "interactive", job.model_key, job.workload),
-        finish_by=deadline,
-    )
-    overran = manifest.late_by()
-    if overran is not None:
-        log.warning(
-            "%s: finished %.0f s after its deadline %s", job.workload, overran, manifest.finish_by
+    # One run at a time writes an output (lanes.runlock): another run of it now
+    # would redo every shard this one has not committed yet.
+    with storage.exclusive(job.output, _holder(started)):
+        storage.clean_stale(job.output, STALE_STAGING_S)
+        plans = plan_shards(job, storage)
+        check_output_owner(job, plans, storage)
+        done: list[ShardStats] = []
+        pending: list[PendingShard] = []
+        for plan in plans:
+            # Read whatever `rerun` says: a marker of another job's fails the run here,
+            # before any shard writes over its results.
+            earlier = committed(storage, plan)
+            if rerun == "all":
+                earlier = None
+            if earlier is None:
+                pending.append(PendingShard(plan, None))
+            elif rerun == "errors" and earlier.errors > 0:
+                pending.append(PendingShard(plan, earlier))
+            else:
+                done.append(earlier)
+        # Only shards that will be read whole: a retried one was checked when it first ran.
+        check_records(job, [p.plan for p in pending if p.retry is None], storage)
+        progress("planned", shards=len(plans), pending=len(pending))
+        trace = tracing.carrier() if tracing is not None else None
+        shards = run_shards(job, pending, settings, trace, finish_by)
+        failures = shards.failures
+        measurements = Measurements(settings.home)
+        manifest = build_manifest(
+            workload=job.workload,
+            flow_run=str(flow_run.id) if flow_run.id else None,
+            input=job.input,
+            output=job.output,
+            started=started,
+            ended=datetime.now(UTC),
+            stats=done + shards.stats,
+            failures=failures,
+            not_started=shards.not_started,
+            price_per_device_hour=settings.price_per_device_hour,
+            interactive=newest(measurements.load(), "interactive", job.model_key, job.workload),
+            finish_by=deadline,
         )
-    missing: str | None = None
-    try:
-        uri = write_manifest(storage, manifest)
-        log.info("manifest %s", uri)
-    except StorageError as err:
-        # The storage that failed the manifest may have failed shards too: their
-        # failure, not this one, is the run's.
-        missing = f"the manifest could not be written under {job.output} ({err})"
-        log.warning("%s", missing)
-    # A failed shard's retries are in the wall time, not its items; a measurement's
-    # source is its manifest, so none without one.
-    if not failures and missing is None:
-        _record_throughput(measurements, job, manifest, uri)
-    if failures:
-        raise JobFailed(_failed(plans, shards, missing))
-    return Ran(manifest, missing)
+        overran = manifest.late_by()
+        if overran is not None:
+            log.warning(
+                "%s: finished %.0f s after its deadline %s",
+                job.workload,
+                overran,
+                manifest.finish_by,
+            )
+        missing: str | None = None
+        try:
+            uri = write_manifest(storage, manifest)
+            log.info("manifest %s", uri)
+        except StorageError as err:
+            # The storage that failed the manifest may have failed shards too: their
+            # failure, not this one, is the run's.
+            missing = f"the manifest could not be written under {job.output} ({err})"
+            log.warning("%s", missing)
+        # A failed shard's retries are in the wall time, not its items; a measurement's
+        # source is its manifest, so none without one.
+        if not failures and missing is None:
+            _record_throughput(measurements, job, manifest, uri)
+        if failures:
+            raise JobFailed(_failed(plans, shards, missing))
+        return Ran(manifest, missing)
+
+
+def _holder(started: datetime) -> str:
+    """Who runs, for the refusal of a second run of the same output."""
+    from prefect.runtime import flow_run
+
+    run = f"flow run {flow_run.name} ({flow_run.id})" if flow_run.id else "a run"
+    return f"{run} on host {socket.gethostname()}, pid {os.getpid()}, since {started.isoformat()}"
 
 
 def _failed(plans: list[ShardPlan], shards: ShardsOutcome, missing: str | None) -> str:

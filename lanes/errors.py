@@ -19,6 +19,7 @@
     ├── StorageError               an input/output URI cannot be read or written
     │   └── PermanentStorageError  the same each time: a corrupt file, access denied
     └── JobFailed                  an offline job ended in a failed state
+        └── OutputBusy             another run is writing the same output folder now
 
 Every message says what failed, where, and what to do about it.
 
@@ -253,6 +254,10 @@ class PermanentStorageError(StorageError):
 
 class JobFailed(LanesError):
     """An offline job ended in a failed state."""
+
+
+class OutputBusy(JobFailed):
+    """Another run is writing the same output folder now (lanes.runlock)."""
 
 
 # What an answer can say. A code names its class; a status its most general one.

@@ -12,3 +12,4 @@ MANIFESTS = "_manifests"  # one manifest per run
 LATEST = "_manifest.json"  # a copy of the latest run's manifest
 SUBMITTED = "_submitted"  # records staged by client.submit, beside the workload's input
 JOBS = "jobs"  # outputs of submitted jobs, one folder per job
+RUNNING = "_running"  # locked by the run writing the folder now (lanes.runlock)

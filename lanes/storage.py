@@ -32,13 +32,14 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager, suppress
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 from urllib.parse import unquote, urlparse
 
 from lanes.errors import PermanentStorageError, StorageError
+from lanes.layout import RUNNING
 from lanes.localfiles import (
     GLOB_CHARS,
     PRIVATE,
@@ -49,6 +50,7 @@ from lanes.localfiles import (
     regular_file,
     walk,
 )
+from lanes.runlock import output_lock
 from lanes.s3errors import Missing, s3_errors
 from lanes.settings import Settings
 from lanes.staging import SUFFIX as STAGING_SUFFIX
@@ -449,6 +451,13 @@ class Storage:
         if not root.is_dir():
             return 0
         return sum(remove_if_abandoned(p, older_than_s) for p in root.rglob(f".*{STAGING_SUFFIX}"))
+
+    def exclusive(self, folder: str, holder: str) -> AbstractContextManager[None]:
+        """Held by the one run writing the local output `folder` (lanes.runlock: another
+        one raises OutputBusy naming `holder`); an S3 output is not locked."""
+        if is_s3(folder):
+            return nullcontext()
+        return output_lock(_local_path(folder) / RUNNING, holder)
 
     def ensure_folder(self, location: str) -> None:
         """Create a local output folder and check this process can write in it; check

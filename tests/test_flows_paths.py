@@ -334,5 +334,6 @@ def test_the_next_run_removes_a_killed_runs_staging_files(prefect_api: str, tmp_
         "_errors/a.jsonl",
         "_manifest.json",
         *[f"_manifests/{p.name}" for p in (tmp_path / "out" / "_manifests").iterdir()],
+        "_running",
         "a.jsonl",
     ]
