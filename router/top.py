@@ -9,6 +9,12 @@ executor utilization, tokens/s and sequences in flight (generate), and errors/s:
 `lanes_sequences_finished_total{reason="error"}` instead); per route: responses/s and
 4xx/5xx per second.
 
+Under a workload whose offline lane has run (a shared endpoint: its
+`lanes_lane_*{lane="offline"}` series are not all zero), a second row, `↳ offline`, in
+the same columns: offline items/s under req/s, items waiting under queue, the share of
+the window its batches kept the model busy under util, and, once an offline run has
+been stopped for an interactive one, preemptions/s in a column of their own.
+
 The workload column is as wide as the longest name (up to WORKLOAD_WIDTH characters);
 on a narrow terminal the cells' padding goes first.
 """
@@ -37,6 +43,9 @@ from lanes.wire import endpoint_root
 
 # The most characters of a workload's name shown; a longer one ends in an ellipsis.
 WORKLOAD_WIDTH = 24
+# The name cell of a workload's offline row, under the workload's own: short, so that no
+# name is cut for it.
+OFFLINE = "↳ offline"
 
 
 @dataclass(frozen=True)
@@ -102,6 +111,19 @@ class WorkloadRow:
     tokens_per_s: float | None
     in_flight: float | None
     errors_per_s: float | None
+
+
+@dataclass(frozen=True)
+class OfflineRow:
+    """A workload's offline lane in the window (rates None in a first frame)."""
+
+    workload: str
+    items: float  # run in the window
+    items_per_s: float | None
+    queue_depth: float
+    busy_share: float | None  # busy seconds over the window's; above 1 with threads beside
+    preemptions_per_s: float | None
+    preempted: float  # since the server started: the preempt/s column shows once one is
 
 
 @dataclass(frozen=True)
@@ -191,6 +213,42 @@ def workload_rows(now: Scrape, before: Scrape | None = None) -> list[WorkloadRow
     return rows
 
 
+def offline_rows(now: Scrape, before: Scrape | None = None) -> dict[str, OfflineRow]:
+    """Each workload whose offline lane has run since the server started, by name."""
+    seconds = now.at - before.at if before is not None else None
+    per_s = seconds if seconds is not None and seconds > 0 else None
+
+    def lane(scrape: Scrape, name: str) -> dict[str, float]:
+        return {k.workload: v for k, v in scrape.by_series(name, lane="offline").items()}
+
+    def window(name: str) -> dict[str, float]:
+        return _delta(lane(now, name), lane(before, name) if before is not None else None)
+
+    def rate(values: Mapping[str, float], workload: str) -> float | None:
+        return values.get(workload, 0.0) / per_s if per_s is not None else None
+
+    items = window("lanes_lane_items_total")
+    busy = window("lanes_lane_busy_seconds_total")
+    preemptions = window("lanes_lane_preemptions_total")
+    depth = lane(now, "lanes_lane_queue_depth")
+    preempted = lane(now, "lanes_lane_preemptions_total")
+    totals = (lane(now, "lanes_lane_items_total"), lane(now, "lanes_lane_busy_seconds_total"))
+    # The server makes every workload's series at its start, at 0: only a lane that ran.
+    active = {w for values in (*totals, depth, preempted) for w, v in values.items() if v > 0}
+    return {
+        w: OfflineRow(
+            workload=w,
+            items=items.get(w, 0.0),
+            items_per_s=rate(items, w),
+            queue_depth=depth.get(w, 0.0),
+            busy_share=rate(busy, w),
+            preemptions_per_s=rate(preemptions, w),
+            preempted=preempted.get(w, 0.0),
+        )
+        for w in sorted(active)
+    }
+
+
 def route_rows(now: Scrape, before: Scrape | None = None) -> list[RouteRow]:
     """Responses per route in the window, and how many were 4xx and 5xx."""
 
@@ -229,6 +287,7 @@ class Workloads:
 
     rows: list[WorkloadRow]
     title: str
+    offline: Mapping[str, OfflineRow]  # by workload: drawn under its row
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         table = self.table((0, 1))
@@ -240,10 +299,14 @@ class Workloads:
         lanes = any(r.series.lane is not None for r in rows)
         table = Table(title=self.title, title_justify="left", padding=padding)
         longest = max((len(r.series.workload) for r in rows), default=0)
-        name_width = min(max(longest, len("workload")), WORKLOAD_WIDTH)
+        name_width = min(max(longest, len("workload"), len(OFFLINE)), WORKLOAD_WIDTH)
         table.add_column("workload", min_width=name_width, max_width=WORKLOAD_WIDTH, no_wrap=True)
         columns = [*(["lane"] if lanes else []), "req/s", "p50", "p99", "queue"]
         columns += ["batch", "util", "tok/s", "in flight", "err/s"]
+        # Only runs that can be stopped are (generate, `preempt_offline`): a column of
+        # zeros would cost a narrow terminal its width for nothing.
+        preempted = any(o.preempted > 0 for o in self.offline.values())
+        columns += ["preempt/s"] if preempted else []
         for column in columns:
             table.add_column(column, justify="left" if column == "lane" else "right")
         for r in rows:
@@ -259,13 +322,20 @@ class Workloads:
                 _num(r.in_flight, 0),
                 _num(r.errors_per_s, 2),
             ]
-            table.add_row(*cells)
+            table.add_row(*cells, *(["-"] if preempted else []))
+            lane = self.offline.get(r.series.workload)
+            if lane is not None and r.series.lane is None:
+                cells = [OFFLINE, *(["offline"] if lanes else []), _num(lane.items_per_s)]
+                cells += ["", "", _num(lane.queue_depth, 0), "", _num(lane.busy_share, 0, 100, "%")]
+                cells += ["", "", "", *([_num(lane.preemptions_per_s, 2)] if preempted else [])]
+                table.add_row(*cells)
         return table
 
 
 def render(now: Scrape, before: Scrape | None, endpoint: str) -> Group:
     """The frame: a table of workloads, a table of routes, and what window they cover."""
-    table = Workloads(workload_rows(now, before), f"lanes top: {endpoint}")
+    title = f"lanes top: {endpoint}"
+    table = Workloads(workload_rows(now, before), title, offline_rows(now, before))
     routes = Table(title="responses by route", title_justify="left")
     for column in ("route", "resp/s", "responses", "4xx", "5xx"):
         routes.add_column(column, justify="left" if column == "route" else "right")

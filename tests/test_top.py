@@ -19,10 +19,12 @@ from typer.testing import CliRunner
 
 from lanes.router.cli import app
 from lanes.router.top import (
+    OFFLINE,
     WORKLOAD_WIDTH,
     RouteRow,
     Scrape,
     Series,
+    offline_rows,
     quantile,
     render,
     route_rows,
@@ -30,8 +32,14 @@ from lanes.router.top import (
     scrape,
     workload_rows,
 )
+from lanes.runtime import Runtime
+from lanes.settings import Settings
+from lanes.specfile import load_spec
+from lanes.tasks import load_task
+from tests import flows_fixtures
 from tests.gates import wait_until
 from tests.servers import ServerThread, write_spec
+from tests.test_backfill import KEY, batch, live, on_endpoint, send_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "infra" / "grafana" / "lanes.json"
@@ -189,6 +197,50 @@ def test_the_live_view_redraws_each_frame(server: ServerThread) -> None:
     out = io.StringIO()
     run(server.url, None, 0.05, frames=range(2), console=Console(file=out, width=200))
     assert out.getvalue().count("over the last") >= 1
+
+
+@pytest.mark.slow
+def test_an_offline_batch_on_the_endpoint_shows_as_a_row_under_its_workload(
+    serve: type[ServerThread], tmp_path: Path
+) -> None:
+    spec = flows_fixtures.write_spec(
+        tmp_path, {"search": live(), "corpus": batch(runner=on_endpoint())}
+    )
+    task = load_task("search", load_spec(spec, Settings()), Runtime(Settings(device="cpu")))
+    items = [task.prepare(flows_fixtures.text(i)) for i in range(12)]
+    with serve(spec, internal_key=KEY) as server, httpx.Client(timeout=60) as client:
+        before = scrape(client, server.url)
+        assert send_batch(server, "search", items, KEY).status_code == 200
+        after = scrape(client, server.url)  # the batch's items are counted before its answer
+        result = CliRunner().invoke(
+            app, ["top", "--once", "--endpoint", server.url, "--interval", "0.1"]
+        )
+    row = offline_rows(after, before)["search"]
+    assert row.items == 12 and row.items_per_s == pytest.approx(12 / (after.at - before.at))
+    assert row.busy_share is not None and row.busy_share > 0
+    assert row.queue_depth == 0 and row.preemptions_per_s == 0
+    out = io.StringIO()
+    Console(file=out, width=80).print(render(after, before, server.url))
+    (line,) = [line for line in out.getvalue().splitlines() if OFFLINE in line]
+    assert f"{row.items_per_s:.1f}" in line, out.getvalue()
+    assert "preempt/s" not in out.getvalue(), "nothing was preempted: no column of zeros"
+    # `lanes top --once`: the offline row right under its workload's.
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    (at,) = [i for i, line in enumerate(lines) if "search" in line]
+    assert OFFLINE in lines[at + 1], result.output
+
+
+@pytest.mark.slow
+def test_a_workload_whose_offline_lane_never_ran_has_no_offline_row(server: ServerThread) -> None:
+    with httpx.Client(timeout=60) as client:
+        lanes = scrape(client, server.url).by_series("lanes_lane_items_total", lane="offline")
+    assert lanes and set(lanes.values()) == {0.0}, "the series are there, at zero"
+    result = CliRunner().invoke(
+        app, ["top", "--once", "--endpoint", server.url, "--interval", "0.1"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "search-query" in result.output and "offline" not in result.output
 
 
 def test_lanes_top_without_a_server_says_where_it_looked() -> None:
