@@ -177,6 +177,16 @@ class Batching(StrictModel):
         "prefilled in parts over several steps, so rows already decoding keep stepping "
         "(default: whole prompts; slo.ttft_ms, when set, may lower it).",
     )
+    max_kv_bytes: PositiveInt | None = Field(
+        None,
+        description="generate: bytes of KV cache the sequences in flight may take at most. "
+        "A sequence joins only while every running sequence's worst case (its prompt and "
+        "max_tokens, at most the context, times the model's bytes per token: layers x 2 x "
+        "KV heads x head_dim x dtype size) fits it together, so nothing is preempted for "
+        "memory; a request whose own worst case is over it is refused with 400 naming "
+        "max_tokens. Offline sequences on this engine count in it too (default: no "
+        "budget: max_batch_size rows of the whole context may be cached).",
+    )
     preempt_offline: bool = Field(
         False,
         description="embed/infer: an interactive request that arrives while an offline "

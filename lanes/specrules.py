@@ -61,6 +61,11 @@ _OUTPUT_FIELDS: dict[TaskName, tuple[str, ...]] = {
     ),
 }
 
+# The batching fields only a generate workload has, and what each bounds.
+_GENERATE_BUDGETS = {
+    "max_prefill_tokens": "prefill per step",
+    "max_kv_bytes": "KV cache",
+}
 
 # The batching fields of an embed or infer workload's offline lane, and what each does.
 _OFFLINE_LANE_FIELDS = {
@@ -320,13 +325,11 @@ def _workload_problems(
         )
         found.append(((*at, "generation"), message, True))
     batching = raw.get("batching")
-    budget = batching.get("max_prefill_tokens") if isinstance(batching, dict) else None
-    if budget is not None and task in ("embed", "infer"):
-        message = (
-            "`max_prefill_tokens` bounds a generate workload's prefill per step; "
-            f"task {task!r} has none: remove it"
-        )
-        found.append(((*at, "batching", "max_prefill_tokens"), message, True))
+    for key, bounds in _GENERATE_BUDGETS.items():
+        set_here = isinstance(batching, dict) and batching.get(key) is not None
+        if set_here and task in ("embed", "infer"):
+            message = f"`{key}` bounds a generate workload's {bounds}; task {task!r} has none"
+            found.append(((*at, "batching", key), message + ": remove it", True))
     for key, does in _OFFLINE_LANE_FIELDS.items():
         if isinstance(batching, dict) and batching.get(key) and task == "generate":
             message = (

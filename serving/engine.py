@@ -142,6 +142,7 @@ class Engine:
             chunked=declared is not None or slo.ttft_ms is not None,
             clock=clock,
             byte_text=task.byte_text,
+            max_kv_bytes=task.kv_budget.max_bytes,
         )
         self.loop = StepLoop(
             self.decoder, self.scheduler, self.name, max_padding, clock, keep_bytes, prefix_bytes
@@ -481,6 +482,7 @@ class Engine:
             self._waiting = sum(not s.offline for s in self._inbox) + self.scheduler.num_waiting
             offline = sum(s.offline for s in self._inbox) + self.scheduler.num_offline_waiting
         self.observer.planned(plan, self._waiting, offline)
+        self.observer.series.kv_reserved.set(self.scheduler.kv_reserved)
 
     def _report(self) -> None:
         """The steps run and not reported yet: into the metrics (`StepObserver.observe`), then

@@ -261,6 +261,14 @@ class Metrics:
             ["workload"],
             registry=r,
         )
+        self.kv_reserved = Gauge(
+            "lanes_kv_reserved_bytes",
+            "KV cache the sequences in flight may take at most: each one's prompt and "
+            "max_tokens (at most the context) times the model's bytes per token; "
+            "batching.max_kv_bytes bounds it.",
+            ["workload"],
+            registry=r,
+        )
         self.finished = Counter(
             "lanes_sequences_finished",
             "Sequences that left the batch, by reason (stop, length, abort, deadline, error).",
@@ -383,6 +391,7 @@ class GenerateSeries:
     itl: Histogram
     generated: Counter
     in_flight: Gauge
+    kv_reserved: Gauge
     queue_depth: Gauge
     prefill: Histogram
     decode: Histogram
@@ -401,6 +410,7 @@ class GenerateSeries:
             itl=m.itl.labels(name),
             generated=m.generated_tokens.labels(name),
             in_flight=m.in_flight.labels(name),
+            kv_reserved=m.kv_reserved.labels(name),
             queue_depth=m.queue_depth.labels(name),
             prefill=m.prefill_time.labels(name),
             decode=m.decode_time.labels(name),

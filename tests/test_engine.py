@@ -62,8 +62,11 @@ def task(demo_models: Path, request: pytest.FixtureRequest) -> GenerateTask:
     return gated_task(demo_models, request.param, rows=3)
 
 
-def gated_task(demo_models: Path, layout: str, rows: int) -> GenerateTask:
-    """Greedy tinycode in `layout`, at most `rows` rows, its runs through RUNS."""
+def gated_task(
+    demo_models: Path, layout: str, rows: int, max_kv_bytes: int | None = None
+) -> GenerateTask:
+    """Greedy tinycode in `layout`, at most `rows` rows (their caches within
+    `max_kv_bytes`), its runs through RUNS."""
     folder = demo_models / "tinycode"
     spec = Spec.model_validate(
         {
@@ -78,7 +81,7 @@ def gated_task(demo_models: Path, layout: str, rows: int) -> GenerateTask:
                     "mode": "interactive",
                     "task": "generate",
                     "model": "tinycode",
-                    "batching": {"max_batch_size": rows},
+                    "batching": {"max_batch_size": rows, "max_kv_bytes": max_kv_bytes},
                     "generation": {"temperature": 0},
                 }
             },
@@ -539,6 +542,55 @@ def each_as_alone(task: GenerateTask, items: list[dict[str, object]], got: Got) 
     for item, (tokens, text, finish) in zip(items, got, strict=True):
         want = alone(task, item)
         assert (tokens, text, finish) == (want.tokens, want.text, want.finish_reason)
+
+
+async def test_a_kv_budget_of_two_worst_cases_holds_a_third_until_one_leaves(
+    task: GenerateTask, demo_models: Path
+) -> None:
+    """With `batching.max_kv_bytes` just the first two sequences' worst cases (prompt +
+    max_tokens), the third waits though a row is free, and joins once one of them has
+    left; no plan ever reserves more. Each makes the tokens it makes alone, and an
+    offline batch under the same budget too."""
+    items: list[dict[str, object]] = [
+        {"prompt": p, "max_tokens": n} for p, n in (PROMPTS[0], PROMPTS[1], PROMPTS[3])
+    ]
+    requests = [task.prepare(item) for item in items]
+    worst = [task.decoder.position_bytes * (len(r.prompt_ids) + r.max_new_tokens) for r in requests]
+    budget = worst[0] + worst[1]
+    assert worst[2] <= budget, "the third fits alone"
+    layout = "model-slots.onnx" if task.decoder.slots else "model.onnx"
+    budgeted = gated_task(demo_models, layout, rows=3, max_kv_bytes=budget)
+    metrics = Metrics()
+    engine = Engine(budgeted, metrics, "continuous", prefill_beside=False)
+    scheduler = engine.scheduler
+    engine.start()
+    try:
+        with RUNS.closed():
+            first = engine.submit(budgeted.prepare(items[0]))
+            assert await next_run() == 1, "the first prompt's prefill"
+            second = engine.submit(budgeted.prepare(items[1]))
+            third = engine.submit(budgeted.prepare(items[2]))
+            RUNS.allow(1)
+            assert await next_run() == 1, "the second prompt's prefill, without the third"
+            assert scheduler.num_waiting == 1 and scheduler.kv_reserved == budget
+            reserved = metrics.registry.get_sample_value(
+                "lanes_kv_reserved_bytes", {"workload": "code"}
+            )
+            assert reserved == budget
+            for _ in range(64):  # each held run: a plan made, the engine thread waiting
+                if not scheduler.num_waiting:
+                    break
+                RUNS.allow(1)
+                await next_run()
+                assert scheduler.kv_reserved <= budget
+            running = {s.id for s in scheduler.rows}
+            assert third.id in running and not {first.id, second.id} <= running
+        got = [await collect(stream) for stream in (first, second, third)]
+    finally:
+        await engine.stop()
+    each_as_alone(budgeted, items, got)
+    done = generate_batch(budgeted.decoder, requests, 3, "code", max_kv_bytes=budget)
+    assert [(d.tokens, d.text, d.finish_reason) for d in done if isinstance(d, Completion)] == got
 
 
 async def test_a_joiner_sharing_the_rows_step_has_its_first_token_before_their_decode(

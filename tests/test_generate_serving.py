@@ -33,6 +33,8 @@ CLOCK = JumpClock()
 HOUR_MS = "3600000"  # a deadline no step can reach unless the clock jumps
 
 GUARD_EVERY = 4
+KV_TOKENS = 64
+TINYCODE_TOKEN_BYTES = 4 * 2 * 4 * 32 * 4  # layers x (key, value) x heads x head_dim x float32
 GUARD_MODULE = "lanes_test_guard"
 TRIM_MODULE = "lanes_test_trim"  # a handler with only pre: every request asks 2 tokens
 CANDIDATES = [
@@ -72,6 +74,12 @@ workloads:
     task: generate
     model: tinycode
     batching: {{max_batch_size: 1, max_queue: 4}}
+    {greedy}
+  budgeted:                    # KV cache for 64 tokens (KV_TOKENS) in flight at most
+    mode: interactive
+    task: generate
+    model: tinycode
+    batching: {{max_kv_bytes: {KV_TOKENS * TINYCODE_TOKEN_BYTES}}}
     {greedy}
   streamer:                    # answers as Server-Sent Events unless a request says not
     mode: interactive
@@ -725,6 +733,20 @@ def test_bad_generate_requests_get_openai_errors(server: ServerThread) -> None:
         ).status_code
         == 200
     )
+
+
+def test_a_request_whose_kv_cache_could_exceed_the_budget_is_a_400_naming_max_tokens(
+    server: ServerThread, task: GenerateTask
+) -> None:
+    """Refused at once, as a prompt over the context is: it could never be admitted."""
+    assert task.decoder.position_bytes == TINYCODE_TOKEN_BYTES
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(BadRequestError) as caught:
+        client.completions.create(model="budgeted", prompt="x", max_tokens=KV_TOKENS)
+    assert caught.value.param == "max_tokens"
+    assert f"batching.max_kv_bytes ({KV_TOKENS * TINYCODE_TOKEN_BYTES} bytes)" in str(caught.value)
+    fits = client.completions.create(model="budgeted", prompt="x", max_tokens=KV_TOKENS - 2)
+    assert fits.choices[0].finish_reason in ("stop", "length")
 
 
 def test_a_handlers_pre_shapes_each_generate_request_online(server: ServerThread) -> None:

@@ -370,6 +370,13 @@ BAD_CASES = [
         "bounds a generate workload's prefill per step; task 'embed' has none",
     ),
     (
+        "a KV budget on embed",
+        "    batching: {max_batch_size: 8, max_wait_ms: 2}\n",
+        "    batching: {max_batch_size: 8, max_wait_ms: 2, max_kv_bytes: 1000000}\n",
+        "W:10:51: workloads.search-query.batching.max_kv_bytes: `max_kv_bytes` bounds a "
+        "generate workload's KV cache; task 'embed' has none",
+    ),
+    (
         "offline preemption on generate",
         "    task: embed\n    model: enc\n    batching: {max_batch_size: 8, max_wait_ms: 2}\n",
         "    task: generate\n    model: enc\n"

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from lanes.errors import ModelError
+from lanes.generation.kvbudget import KvBudget
 from lanes.generation.kvcache import MAX_PADDING
 from lanes.generation.loop import StepLoop
 from lanes.generation.prefixes import PREFIX_CACHE_BYTES
@@ -51,8 +52,10 @@ def scheduler_for(
     chunked: bool = False,
     clock: Callable[[], float] = time.monotonic,
     byte_text: ByteText | None = None,
+    max_kv_bytes: int | None = None,
 ) -> Scheduler:
-    """A scheduler for `decoder`'s eos, context and tokenizer, with `rows` in flight.
+    """A scheduler for `decoder`'s eos, context and tokenizer, with `rows` in flight
+    and their caches within `max_kv_bytes` (None: no budget; lanes/generation/kvbudget.py).
     `byte_text` (lanes/generation/text.py): text without decode() calls, a stream's
     token by token and a completion's at its finish; building it walks the
     vocabulary, so a task keeps one (`GenerateTask.byte_text`)."""
@@ -66,6 +69,7 @@ def scheduler_for(
         max_prefill_tokens=max_prefill_tokens,
         prefill_alone=prefill_alone,
         chunked=chunked,
+        kv=KvBudget(max_kv_bytes, decoder.position_bytes, config.max_position),
         clock=clock,
         byte_text=byte_text,
     )
@@ -118,20 +122,22 @@ def generate_batch(
     chunked: bool = False,
     byte_text: ByteText | None = None,
     prefix_bytes: int = PREFIX_CACHE_BYTES,
+    max_kv_bytes: int | None = None,
 ) -> list[Completion | Failed]:
     """One `Completion` per request, in the requests' order; a `Failed` (a `ModelError`
     saying why) for a request the model failed on alone. Never more than `rows`
     sequences in flight. Raises `ModelError` when a step fails outside any one row's
     run (no row is to blame, so the caller may retry the whole batch). With `chunked`,
     prompts over `max_prefill_tokens` are prefilled in parts (see Scheduler).
-    `byte_text`: see `scheduler_for`; `prefix_bytes` bounds the prompts' caches kept
-    for later joiners (lanes/generation/prefixes.py)."""
+    `byte_text` and `max_kv_bytes`: see `scheduler_for`; `prefix_bytes` bounds the
+    prompts' caches kept for later joiners (lanes/generation/prefixes.py)."""
     scheduler = scheduler_for(
         decoder,
         rows,
         max_prefill_tokens=max_prefill_tokens,
         chunked=chunked,
         byte_text=byte_text,
+        max_kv_bytes=max_kv_bytes,
     )
     # Nobody reads a completion's text before it is done: decoded once, at its finish.
     seqs = [seq_of(i, r, stream=False) for i, r in enumerate(requests)]

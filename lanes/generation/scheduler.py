@@ -31,6 +31,7 @@ from typing import Any, Literal
 import numpy as np
 
 from lanes.generation.advance import Advance, final
+from lanes.generation.kvbudget import KvBudget
 from lanes.generation.prefill_tokens import PrefillTokens
 from lanes.generation.prefixes import PrefixCache
 from lanes.generation.reserve import Reserve
@@ -86,6 +87,11 @@ class Scheduler:
     holding a row meanwhile), so the rows decoding keep stepping while it is admitted.
     Prompts that fit join before its next part (which takes the budget they leave, at
     least half) and pass the next long prompt waiting meanwhile.
+
+    With a `kv` budget (lanes/generation/kvbudget.py), a sequence joins only while
+    every row's worst case fits it together (one alone always may), in queue order;
+    an interactive one that does not fit preempts the newest offline rows when that
+    makes it fit, as for a row.
     """
 
     def __init__(
@@ -100,6 +106,7 @@ class Scheduler:
         prefill_alone: bool = False,
         chunked: bool = False,
         reserve: Reserve | None = None,
+        kv: KvBudget | None = None,
         clock: Callable[[], float] = time.monotonic,
         byte_text: ByteText | None = None,
     ) -> None:
@@ -126,6 +133,7 @@ class Scheduler:
         self._prefilled_alone = False  # the last plan left waiting rows out for joiners
         self.clock = clock
         self.reserve = Reserve() if reserve is None else reserve
+        self.kv = kv
         self.waiting: deque[Seq] = deque()
         self.offline: deque[Seq] = deque()  # the offline lane's, preempted ones first
         self.rows: list[Seq] = []
@@ -209,6 +217,26 @@ class Scheduler:
         if self.chunking is not None and not self.chunking.status.is_finished:
             return True
         return any(not s.status.is_finished for s in self.rows)
+
+    @property
+    def kv_reserved(self) -> int:
+        """Bytes of KV cache the rows may take at most: the sum of their worst cases."""
+        if self.kv is None:
+            return 0
+        return sum(self._worst(s) for s in (*self.rows, *self._chunking()))
+
+    @property
+    def _kv_bound(self) -> int | None:
+        return None if self.kv is None else self.kv.max_bytes
+
+    def _worst(self, seq: Seq) -> int:
+        return 0 if self.kv is None else self.kv.worst(len(seq.prompt_ids), seq.max_new_tokens)
+
+    def _kv_fits(self, seq: Seq, reserved: int) -> bool:
+        """Whether `seq` may join rows whose worst cases take `reserved` bytes: within
+        the budget, or with no row to share it."""
+        bound = self._kv_bound
+        return bound is None or not reserved or reserved + self._worst(seq) <= bound
 
     @property
     def has_work(self) -> bool:
@@ -315,7 +343,9 @@ class Scheduler:
             if queue is self.offline and len(self.rows) >= offline_rows:
                 queue = deque()
             head = queue[0] if queue else None
-            if head is not None and not head.tokens and len(head.prompt_ids) > self._budget:
+            long = head is not None and not head.tokens and len(head.prompt_ids) > self._budget
+            reserved = self.kv_reserved if self._kv_bound is not None else 0
+            if long and head is not None and self._kv_fits(head, reserved):
                 self.chunking = queue.popleft()
                 self.chunking.status = SeqStatus.RUNNING
         return self.chunking is not None
@@ -348,6 +378,7 @@ class Scheduler:
                 break
             if seq.offline and not seq.status.is_finished:
                 victims.append(seq)
+        victims += self._kv_victims(victims)
         if not victims:
             return ()
         for seq in victims:
@@ -357,6 +388,24 @@ class Scheduler:
         self.rows = [s for s in self.rows if id(s) not in out]
         self.offline.extendleft(victims)  # newest first in: the oldest ends up in front
         return tuple(reversed(victims))
+
+    def _kv_victims(self, victims: Sequence[Seq]) -> list[Seq]:
+        """The newest offline rows besides `victims` whose caches, once freed, let the
+        first interactive sequence waiting fit the KV budget; none when no such rows
+        would (interactive rows hold too much of it)."""
+        if self._kv_bound is None or not self.waiting:
+            return []
+        chosen = {id(s) for s in victims}
+        rows = [s for s in self.rows if id(s) not in chosen]
+        reserved = sum(self._worst(s) for s in (*rows, *self._chunking()))
+        more: list[Seq] = []
+        for seq in reversed(rows):
+            if self._kv_fits(self.waiting[0], reserved):
+                return more
+            if seq.offline and not seq.status.is_finished:
+                more.append(seq)
+                reserved -= self._worst(seq)
+        return more if self._kv_fits(self.waiting[0], reserved) else []
 
     def _prefill_tokens(self, seqs: Sequence[Seq]) -> int:
         """What the prefill of `seqs` will run (lanes/generation/prefill_tokens.py)."""
@@ -390,6 +439,8 @@ class Scheduler:
             charged = PrefillTokens(self.prefixes)
         hard = self.chunked and not static
         held = len(self.rows) + len(self._chunking())
+        bounded = self._kv_bound is not None
+        reserved = self.kv_reserved if bounded else 0  # summed only where it bounds
         passed: list[Seq] = []  # too long for one step: the parts' turn will come
         while queue and held + len(joining) < limit:
             head = queue[0]
@@ -401,10 +452,13 @@ class Scheduler:
             over = more.tokens > budget
             if over and not static and (joining or (hard and not head.tokens)):
                 break
+            if not self._kv_fits(head, reserved):
+                break  # in queue order: what follows waits too, as vLLM's FCFS does
             seq = queue.popleft()
             seq.status = SeqStatus.RUNNING
             joining.append(seq)
             charged = more
+            reserved += self._worst(seq) if bounded else 0
         queue.extendleft(reversed(passed))
         return tuple(joining)
 

@@ -136,6 +136,12 @@ class Decoder:
         """Whether the graph keeps its cache in slots (see lanes/tasks/slot_graph.py)."""
         return self._slots is not None
 
+    @property
+    def position_bytes(self) -> int:
+        """Bytes one cached position takes: every layer's key and value."""
+        c = self.config
+        return c.num_layers * 2 * c.num_heads * c.head_dim * self._past_dtype.itemsize
+
     @classmethod
     def load(cls, model: ModelSpec, runtime: Runtime) -> Decoder:
         """Load the model, its tokenizer and the config files beside them (see

@@ -16,6 +16,7 @@ they finish), the loop the serving engine runs too.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -26,10 +27,18 @@ import orjson
 from pydantic import ValidationError
 
 from lanes.errors import InvalidInput, shown
+from lanes.generation.kvbudget import KvBudget
 from lanes.isolation import Failed
 from lanes.protocols.completions import GenerationOptions
 from lanes.runtime import Runtime
-from lanes.spec import Generation, ModelSpec, OfflineWorkload, TaskName, Workload
+from lanes.spec import (
+    Generation,
+    InteractiveWorkload,
+    ModelSpec,
+    OfflineWorkload,
+    TaskName,
+    Workload,
+)
 from lanes.tasks.base import check_count
 from lanes.tasks.decoder import Completion, Decoder
 from lanes.tasks.handler import NO_HANDLER, Handler
@@ -38,6 +47,8 @@ from lanes.validation import describe, invalid_input
 
 if TYPE_CHECKING:
     from lanes.generation.text import ByteText, Spelling
+
+log = logging.getLogger(__name__)
 
 # Request field -> Generation field; the request uses OpenAI's spelling.
 _FIELDS = {
@@ -178,6 +189,7 @@ def _generate_batch(
         task.name,
         byte_text=task.byte_text,
         prefix_bytes=task.prefix_bytes,
+        max_kv_bytes=task.kv_budget.max_bytes,
     )
 
 
@@ -201,6 +213,35 @@ class GenerateTask:
         # Whether the online engine prefills arrivals beside a decode (serving/engine.py).
         self.room_beside = runtime.room_beside(model)
         self.prefix_bytes = runtime.settings.prefix_cache_bytes  # offline batches' bound
+        # An offline workload has no batching: its shards' caches are bounded by rows.
+        batching = workload.batching if isinstance(workload, InteractiveWorkload) else None
+        self.kv_budget = KvBudget(
+            batching.max_kv_bytes if batching else None,
+            self.decoder.position_bytes,
+            self.decoder.config.max_position,
+        )
+        self._log_kv_risk()
+
+    def _log_kv_risk(self) -> None:
+        """What the rows' caches may take without a budget, for operators to see the risk."""
+        context, budget = self.decoder.config.max_position, self.kv_budget
+        if context is None:
+            return
+        worst = self.rows * context * budget.position_bytes
+        bound = "" if isinstance(self.workload, OfflineWorkload) else "; no batching.max_kv_bytes"
+        if budget.max_bytes is not None:
+            bound = f"; batching.max_kv_bytes bounds it to {budget.max_bytes}"
+        log.info(
+            "workload %s: KV cache of %d bytes per token; %d rows of the whole context "
+            "(%d tokens) may take %d bytes (%.1f GiB)%s",
+            self.name,
+            budget.position_bytes,
+            self.rows,
+            context,
+            worst,
+            worst / 2**30,
+            bound,
+        )
 
     @cached_property
     def byte_text(self) -> ByteText | None:
@@ -254,6 +295,7 @@ class GenerateTask:
         prompt, ids = self._prompt(item.get("prompt"), budget)
         self.decoder.check_context(len(ids), budget)
         most = 0 if prompt_only else params.max_new_tokens
+        self.kv_budget.check(len(ids), most)
         if options.min_tokens and options.min_tokens > most:
             detail = f"expected at most max_tokens ({most}), found {options.min_tokens}"
             raise InvalidInput.field("min_tokens", detail, "invalid_value")
