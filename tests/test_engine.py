@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -591,6 +592,21 @@ async def test_a_kv_budget_of_two_worst_cases_holds_a_third_until_one_leaves(
     each_as_alone(budgeted, items, got)
     done = generate_batch(budgeted.decoder, requests, 3, "code", max_kv_bytes=budget)
     assert [(d.tokens, d.text, d.finish_reason) for d in done if isinstance(d, Completion)] == got
+
+
+def test_a_generate_workload_logs_what_its_rows_caches_may_take(
+    demo_models: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """At its load, without a budget: rows x context x bytes per token (tinycode: 4
+    layers x key and value x 4 heads x 32 dims x float32), so operators see the risk."""
+    with caplog.at_level(logging.INFO, logger="lanes.tasks.generate"):
+        loaded = gated_task(demo_models, "model.onnx", rows=3)
+    per_token = loaded.decoder.position_bytes
+    assert per_token == 4 * 2 * 4 * 32 * 4
+    assert (
+        f"workload code: KV cache of {per_token} bytes per token; 3 rows of the whole context "
+        f"(512 tokens) may take {3 * 512 * per_token} bytes (0.0 GiB); no batching.max_kv_bytes"
+    ) in caplog.text
 
 
 async def test_a_joiner_sharing_the_rows_step_has_its_first_token_before_their_decode(
