@@ -375,10 +375,15 @@ class _Answer:
     def _sse(self, index: int, piece: Piece, opened: set[int]) -> bytes:
         """A piece's events: its text (a choice's first, even empty: a chat's role
         rides on it; or empty, with the logprobs of tokens whose text is held back),
-        then its finish_reason; one write for both."""
+        then its finish_reason; one write for both. A choice a guard blocked before
+        any text is its finish alone, as the README's guard table says."""
         sse = b""
         if index not in opened:
             echoed = self._echo(index)
+            if echoed is None and piece.finish == "content_filter":
+                # Nothing to show: no empty text chunk; the role rides on the finish.
+                opened.add(index)
+                return self._event(None, piece.finish, True, index)
             text, logprobs = piece.text, None
             if echoed is not None:
                 self._offsets[index] = echoed.end  # the completion's follow it

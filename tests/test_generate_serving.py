@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from openai import AsyncOpenAI, BadRequestError, OpenAI
+from openai import AsyncOpenAI, BadRequestError, ContentFilterFinishReasonError, OpenAI
 
 from lanes.runtime import Runtime
 from lanes.settings import Settings
@@ -36,6 +36,7 @@ GUARD_EVERY = 4
 KV_TOKENS = 64
 TINYCODE_TOKEN_BYTES = 4 * 2 * 4 * 32 * 4  # layers x (key, value) x heads x head_dim x float32
 GUARD_MODULE = "lanes_test_guard"
+REFUSE_MODULE = "lanes_test_refuse"  # a guard that fails every text
 TRIM_MODULE = "lanes_test_trim"  # a handler with only pre: every request asks 2 tokens
 CANDIDATES = [
     "    def __repr__(self):\n        return",
@@ -99,6 +100,12 @@ workloads:
     model: tinycode
     {greedy}
     guard: {{handler: "{guard}", mode: chunked, every_tokens: {GUARD_EVERY}}}
+  refusing:                    # its guard fails every text: any prompt is blocked
+    mode: interactive
+    task: generate
+    model: tinycode
+    {greedy}
+    guard: {{handler: "{REFUSE_MODULE}:everything", mode: buffer}}
   trimmed:
     mode: interactive
     task: generate
@@ -152,6 +159,7 @@ def setup(
     # The blocked term comes from the model's own greedy texts, so the guard module
     # beside the spec is written after a first load with the demo's guard.
     spec_path.write_text(workloads(demo_models, "lanes.demo.guard:blocklist"))
+    (folder / f"{REFUSE_MODULE}.py").write_text("def everything(text):\n    return 1.0\n")
     task = load_task("code", load_spec(spec_path, Settings()), Runtime(Settings(device="cpu")))
     assert isinstance(task, GenerateTask)
     found = find_term(task)
@@ -657,6 +665,37 @@ def test_buffer_guard_holds_the_stream_until_the_whole_text_passed(
     assert len(texts) == 1, "buffer mode sends the text in one piece"
     alone = httpx.post(f"{server.url}/v1/completions", json={**clean, "model": "code"}).json()
     assert streamed_text(events) == (alone["choices"][0]["text"], "length")
+
+
+def test_a_blocked_stream_is_one_chunk_with_its_finish(server: ServerThread) -> None:
+    """As the README's buffer mode says: on a failure the client sees only
+    finish_reason content_filter, no empty text chunk before it (a chat's role rides
+    on that chunk), then the usage chunk where asked."""
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    usage = {"include_usage": True}
+    messages = [{"role": "user", "content": "a class"}]
+    chat = list(
+        client.chat.completions.create(
+            model="refusing", messages=messages, max_tokens=4, stream=True, stream_options=usage
+        )  # type: ignore[call-overload]
+    )
+    assert [c.choices[0].finish_reason for c in chat[:-1]] == ["content_filter"]
+    assert chat[0].choices[0].delta.role == "assistant"
+    assert chat[0].choices[0].delta.content is None
+    assert chat[-1].choices == [] and chat[-1].usage is not None
+    # The SDK's stream helper reads such a stream as a refusal.
+    helper = client.chat.completions.stream(model="refusing", messages=messages, max_tokens=4)  # type: ignore[arg-type]
+    with helper as stream, pytest.raises(ContentFilterFinishReasonError):
+        stream.get_final_completion()
+    text = list(
+        client.completions.create(
+            model="refusing", prompt="def f(x", max_tokens=4, stream=True, stream_options=usage
+        )
+    )
+    assert [(c.choices[0].text, c.choices[0].finish_reason) for c in text[:-1]] == [
+        ("", "content_filter")
+    ]
+    assert text[-1].choices == [] and text[-1].usage is not None
 
 
 def test_chunked_guard_cuts_the_stream_before_the_failing_chunk(
