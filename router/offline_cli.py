@@ -223,8 +223,10 @@ def run(
     _print_summary(summary)
     if summary["total_errors"]:
         errors = join(summary["output"], ERRORS)
+        n = summary["total_errors"]
+        rejected = "1 record was" if n == 1 else f"{n} records were"
         typer.echo(
-            f"{summary['total_errors']} records were rejected: they are in {errors}; "
+            f"{rejected} rejected: they are in {errors}; "
             "fix them (or the workload) and rerun them: this command with --retry-errors",
             err=True,
         )

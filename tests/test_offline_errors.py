@@ -325,7 +325,7 @@ def test_record_errors_under_the_threshold_say_so_in_the_state_and_the_exit_code
     assert str(tmp_path / "out" / "_errors") in (state.message or "")
     done = CliRunner().invoke(cli, ["run", "emb", "--file", str(spec)])
     assert done.exit_code == 3, done.output  # nothing left to run; the outputs hold an error
-    assert "1 records were rejected" in done.output and "--retry-errors" in done.output
+    assert "1 record was rejected:" in done.output and "--retry-errors" in done.output
     assert "9 outputs" in done.output
 
 
