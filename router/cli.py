@@ -127,7 +127,12 @@ def _moment(text: str) -> datetime:
 @app.command()
 def predict(
     workload: Annotated[str, typer.Argument(help="Workload name.")],
-    input: Annotated[str, typer.Option("--input", "-i", help="One request as JSON.")],
+    input: Annotated[
+        str,
+        typer.Option(
+            "--input", "-i", help="One request as JSON (a plain text is taken as a string)."
+        ),
+    ],
     file: Annotated[Path | None, typer.Option("--file", "-f", help="workloads.yaml.")] = None,
 ) -> None:
     """Run one request in-process (any mode), for debugging: no server, no Prefect."""
@@ -139,15 +144,7 @@ def predict(
     def run() -> Any:
         spec = _load(file, settings)
         spec.workload(workload)
-
-        def not_json(constant: str) -> None:
-            # Python's json reads NaN and Infinity; the endpoint, reading JSON, refuses them.
-            raise json.JSONDecodeError(f"{constant} is not JSON", input, input.find(constant))
-
-        try:
-            item = json.loads(input, parse_constant=not_json)
-        except json.JSONDecodeError as e:
-            raise InvalidInput(f"--input: expected JSON, found {input!r} ({e.msg})") from None
+        item = client_cli.read_input(input)  # as `lanes call` reads it
         task = load_task(workload, spec, Runtime(settings))
         prepared = task.prepare(item)
         try:

@@ -78,11 +78,20 @@ def _json(text: str, what: str) -> Any:
         raise InvalidInput(f"{what}: expected JSON, found {text!r} ({e.msg})") from None
 
 
-def _input(text: str) -> Any:
-    """JSON when it parses as JSON; otherwise the text itself (`-i "hello world"`)."""
+def read_input(text: str) -> Any:
+    """An `--input` as every command reads it: JSON when it parses as JSON; otherwise
+    the text itself (`-i "hello world"`), unless it begins as JSON does (`{`, `[`, `"`):
+    that is JSON gone wrong, an InvalidInput. NaN and Infinity are not JSON: the
+    endpoint refuses them, and predict would print them back as no JSON at all."""
+
+    def not_json(constant: str) -> None:
+        raise json.JSONDecodeError(f"{constant} is not JSON", text, text.find(constant))
+
     try:
-        return json.loads(text)
-    except json.JSONDecodeError:
+        return json.loads(text, parse_constant=not_json)
+    except json.JSONDecodeError as e:
+        if text.lstrip().startswith(("{", "[", '"')):
+            raise InvalidInput(f"--input: expected JSON, found {text!r} ({e.msg})") from None
         return text
 
 
@@ -110,7 +119,7 @@ def call(
 ) -> None:
     """Call an interactive workload on the running endpoint; prints the result as JSON
     (a generate workload that streams, or --stream: its text as it is made)."""
-    value = _input(input)
+    value = read_input(input)
     options: dict[str, Any] = {}
     with Client(endpoint, spec=file) as client, _options_of_input():
         declared = load_spec(file, check_files=False).workload(workload)

@@ -181,11 +181,26 @@ def test_predict_bad_input_names_the_field(spec_path: Path) -> None:
     assert unknown.returncode == 2 and "no workload named 'nope'" in unknown.stderr
 
 
-def test_predict_refuses_nan_as_the_endpoint_does(spec_path: Path) -> None:
+def test_predict_takes_a_plain_text_input_as_a_string_as_call_does(spec_path: Path) -> None:
+    """One rule for --input: JSON, or a plain text taken as a string."""
+    runner = CliRunner()
+    given = {
+        text: runner.invoke(app, ["predict", "search-query", "-i", text, "-f", str(spec_path)])
+        for text in ("hello world", '"hello world"')
+    }
+    for text, done in given.items():
+        assert done.exit_code == 0, (text, done.output)
+    plain, quoted = (json.loads(done.stdout) for done in given.values())
+    assert plain == quoted
+
+
+@pytest.mark.parametrize("command", ["predict", "call"])
+def test_predict_and_call_refuse_nan_as_the_endpoint_does(spec_path: Path, command: str) -> None:
     """Python's json reads NaN, JSON has none: the endpoint refuses it, and predict, which
-    would print it back as NaN, no JSON at all, must too."""
-    command = ["predict", "flower-classify", "-i", "[NaN, 2, 3, 4]", "-f", str(spec_path)]
-    done = CliRunner().invoke(app, command, prog_name="lanes")
+    would print it back as NaN, no JSON at all, must too. Text that begins as JSON does
+    is JSON gone wrong, not a plain text: call says so before it sends anything."""
+    given = [command, "flower-classify", "-i", "[NaN, 2, 3, 4]", "-f", str(spec_path)]
+    done = CliRunner().invoke(app, given, prog_name="lanes")
     assert done.exit_code == 2, done.output
     assert one_line_error(done) == (
         "error: --input: expected JSON, found '[NaN, 2, 3, 4]' (NaN is not JSON)"
