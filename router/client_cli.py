@@ -91,7 +91,10 @@ def read_input(text: str) -> Any:
         return json.loads(text, parse_constant=not_json)
     except json.JSONDecodeError as e:
         if text.lstrip().startswith(("{", "[", '"')):
-            raise InvalidInput(f"--input: expected JSON, found {text!r} ({e.msg})") from None
+            raise InvalidInput(
+                f"--input: expected JSON, found {text!r} ({e.msg}); to send a text "
+                "that begins so, give it as a JSON string, e.g. '\"[x] y\"'"
+            ) from None
         return text
 
 

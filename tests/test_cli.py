@@ -203,7 +203,8 @@ def test_predict_and_call_refuse_nan_as_the_endpoint_does(spec_path: Path, comma
     done = CliRunner().invoke(app, given, prog_name="lanes")
     assert done.exit_code == 2, done.output
     assert one_line_error(done) == (
-        "error: --input: expected JSON, found '[NaN, 2, 3, 4]' (NaN is not JSON)"
+        "error: --input: expected JSON, found '[NaN, 2, 3, 4]' (NaN is not JSON); to send "
+        """a text that begins so, give it as a JSON string, e.g. '"[x] y"'"""
     )
 
 
