@@ -732,6 +732,7 @@ def main() -> None:
         from serve import otlp_sink  # bench/serve.py, beside this script
 
         policies.append(TRACED)
+        specs[TRACED], tasks[TRACED] = spec_path, task
         otlp = otlp_sink()
     urls = {p: f"http://127.0.0.1:{args.port + i}" for i, p in enumerate(policies)}
     servers = [
