@@ -59,6 +59,8 @@ def build(spec_path: str, workload: str) -> FastAPI:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 4 or not sys.argv[3].isdigit():
+        sys.exit(__doc__)  # the usage, not an IndexError
     spec_path, workload, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
     uvicorn.run(
         build(spec_path, workload),
