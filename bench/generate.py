@@ -795,8 +795,9 @@ def main() -> None:
         f"{', '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs"
     )
     print(
-        f"Streaming generate, tinycode, closed loop, max_tokens log-uniform 8..512, "
-        f"{args.repeats} x {args.seconds:.0f} s per cell (policies interleaved), "
+        f"Streaming generate, {args.export or 'tinycode'}, closed loop, max_tokens "
+        f"log-uniform 8..512, {args.repeats} x {args.seconds:g} s per cell (policies "
+        "interleaved), "
         f"max_batch_size {args.max_batch}, {args.threads} onnxruntime thread(s); "
         f"raw = Decoder.step tokens/s at the same batch size (past {args.raw_past}), "
         "measured after each slice, no HTTP; raw@past = the same on a past as long as the "
