@@ -521,6 +521,16 @@ class OfflineWorkload(WorkloadBase):
     input: Location = Field(description="Folder, glob or s3://bucket/prefix/ of inputs.")
     output: Location = Field(description="Folder or s3://bucket/prefix/ for outputs.")
     batch_size: PositiveInt = Field(256, le=65536, description="Records per model run.")
+    max_kv_bytes: PositiveInt | None = Field(
+        None,
+        description="generate: bytes of KV cache a shard's sequences in flight may take at "
+        "most, as an interactive workload's batching.max_kv_bytes bounds its own: a "
+        "sequence joins only while every running sequence's worst case (its prompt and "
+        "max_tokens, at most the context, times the model's bytes per token) fits it "
+        "together; a record whose own worst case is over it is an error line naming "
+        "max_tokens (default: no budget: batch_size rows of the whole context may be "
+        "cached).",
+    )
     schedule: Schedule | None = None
     retries: Integer = Field(2, ge=0, le=100, description="Retries of a failed shard.")
     runner: Runner = Field(default_factory=Runner)
@@ -591,9 +601,11 @@ def in_offline_lane(
 ) -> OfflineWorkload:
     """`workload` in the offline lane: an offline one as declared; an interactive one
     as an offline workload of the keys both modes have (same task, model, handler,
-    generation), reading `input` and writing `output`, with `offline`'s keys (e.g.
-    batch_size) and the offline defaults for the rest."""
+    generation), reading `input` and writing `output`, its batching.max_kv_bytes as
+    its max_kv_bytes, with `offline`'s keys (e.g. batch_size) and the offline defaults
+    for the rest."""
     if isinstance(workload, OfflineWorkload):
         return workload
     shared = workload.model_dump(include=set(WorkloadBase.model_fields) - {"mode"})
+    offline = {"max_kv_bytes": workload.batching.max_kv_bytes, **offline}
     return OfflineWorkload(mode="offline", input=input, output=output, **shared, **offline)

@@ -61,10 +61,12 @@ _OUTPUT_FIELDS: dict[TaskName, tuple[str, ...]] = {
     ),
 }
 
-# The batching fields only a generate workload has, and what each bounds.
+# The fields only a generate workload has (their path in the workload: an offline
+# workload has no batching), and what each bounds.
 _GENERATE_BUDGETS = {
-    "max_prefill_tokens": "prefill per step",
-    "max_kv_bytes": "KV cache",
+    ("batching", "max_prefill_tokens"): "prefill per step",
+    ("batching", "max_kv_bytes"): "KV cache",
+    ("max_kv_bytes",): "KV cache",
 }
 
 # The batching fields of an embed or infer workload's offline lane, and what each does.
@@ -325,11 +327,13 @@ def _workload_problems(
         )
         found.append(((*at, "generation"), message, True))
     batching = raw.get("batching")
-    for key, bounds in _GENERATE_BUDGETS.items():
-        set_here = isinstance(batching, dict) and batching.get(key) is not None
+    for path, bounds in _GENERATE_BUDGETS.items():
+        *within, key = path
+        holder = batching if within else raw
+        set_here = isinstance(holder, dict) and holder.get(key) is not None
         if set_here and task in ("embed", "infer"):
             message = f"`{key}` bounds a generate workload's {bounds}; task {task!r} has none"
-            found.append(((*at, "batching", key), message + ": remove it", True))
+            found.append(((*at, *path), message + ": remove it", True))
     for key, does in _OFFLINE_LANE_FIELDS.items():
         if isinstance(batching, dict) and batching.get(key) and task == "generate":
             message = (

@@ -21,7 +21,7 @@ from tokenizers.models import WordLevel
 
 from lanes.errors import SpecError
 from lanes.settings import Settings
-from lanes.spec import Spec
+from lanes.spec import InteractiveWorkload, Spec, in_offline_lane
 from lanes.specfile import load_spec
 from tests.flows_fixtures import embed_model
 
@@ -377,6 +377,13 @@ BAD_CASES = [
         "generate workload's KV cache; task 'embed' has none",
     ),
     (
+        "a KV budget on an offline embed workload",
+        "    output: out/\n",
+        "    output: out/\n    max_kv_bytes: 1000000\n",
+        "W:17:5: workloads.nightly.max_kv_bytes: `max_kv_bytes` bounds a generate "
+        "workload's KV cache; task 'embed' has none",
+    ),
+    (
         "offline preemption on generate",
         "    task: embed\n    model: enc\n    batching: {max_batch_size: 8, max_wait_ms: 2}\n",
         "    task: generate\n    model: enc\n"
@@ -491,8 +498,8 @@ def test_a_bad_or_missing_mode_hides_none_of_the_workloads_other_problems(
         "W:14:14: workloads.nightly.retries: expected a value >= 0, found -1",
         "W:18:5: workloads.nightly.colour: unknown key 'colour'; expected one of: "
         "batch_size, batching, deploy, description, fields, generation, guard, handler, "
-        "idle_unload_s, input, max_error_rate, mode, model, output, retries, runner, "
-        "schedule, slo, stream, task, truncate",
+        "idle_unload_s, input, max_error_rate, max_kv_bytes, mode, model, output, retries, "
+        "runner, schedule, slo, stream, task, truncate",
     ]
 
 
@@ -959,3 +966,13 @@ def test_the_readmes_workloads_yaml_example_validates(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"{spec}: ok (2 workloads)"
+
+
+def test_an_interactive_workloads_batches_keep_its_kv_budget() -> None:
+    """The Batch API runs an interactive workload's batch as its offline copy: the copy's
+    shards are bounded as its engine is."""
+    live = InteractiveWorkload.model_validate(
+        {"mode": "interactive", "task": "generate", "model": "dec"}
+        | {"batching": {"max_kv_bytes": 4096}}
+    )
+    assert in_offline_lane(live, "in/", "out/", batch_size=8).max_kv_bytes == 4096

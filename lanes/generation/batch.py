@@ -12,6 +12,7 @@ endpoint, alone or batched.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -30,6 +31,8 @@ from lanes.tasks.decoder import Completion, Decoder
 
 if TYPE_CHECKING:
     from lanes.tasks.generate import GenerateRequest
+
+log = logging.getLogger(__name__)
 
 # Padded prompt tokens one prefill may hold: it returns logits for every position
 # ([rows, width, vocab]), so this bounds a prefill's memory, not anyone's wait.
@@ -145,16 +148,28 @@ def generate_batch(
     # its first asking and shares its prefill's row; a rerun batches the same way.
     pending = deque(sorted(seqs, key=lambda s: (len(s.prompt_ids), s.prompt_ids)))
     loop = StepLoop(decoder, scheduler, name, max_padding, prefix_bytes=prefix_bytes)
+    reserved = 0  # the most KV cache the rows' worst cases took at once
     # Each step makes a token for, or finishes, every sequence it runs, and every
     # sequence has a budget: the loop ends.
     while True:
         _top_up(scheduler, pending, rows)
         if not scheduler.has_work:
             break
-        step = loop.run(scheduler.schedule())
+        plan = scheduler.schedule()
+        reserved = max(reserved, scheduler.kv_reserved)  # as admitted, before any leaves
+        step = loop.run(plan)
         if step.failed:
             why = next((e.error for e in step.events if e.error), "a step failed")
             raise ModelError(why)
+    # What a budget would have to hold, or held: for operators sizing max_kv_bytes.
+    log.debug(
+        "workload %s: %d sequences; their worst cases reserved at most %d bytes of KV "
+        "cache at once (budget: %s)",
+        name,
+        len(seqs),
+        reserved,
+        max_kv_bytes,
+    )
     return [_result(i, seq) for i, seq in enumerate(seqs)]
 
 

@@ -1,4 +1,5 @@
-"""A generate workload's KV-cache budget (`batching.max_kv_bytes`).
+"""A generate workload's KV-cache budget (`batching.max_kv_bytes`; an offline
+workload's `max_kv_bytes`).
 
 Without one, a workload's cache is bounded only by its rows times the model's
 context: a burst of long prompts with large `max_tokens` can take the process out of
@@ -26,6 +27,7 @@ class KvBudget:
     max_bytes: int | None
     position_bytes: int
     max_position: int | None = None  # the context: no sequence caches more
+    key: str = "batching.max_kv_bytes"  # the workload's key that set it, for refusals
 
     def worst(self, prompt_tokens: int, max_new_tokens: int) -> int:
         """The most bytes a sequence's cache takes: its prompt and every token it may make."""
@@ -42,7 +44,7 @@ class KvBudget:
             return
         raise InvalidInput.field(
             "max_tokens",
-            f"expected a completion whose KV cache fits the workload's batching.max_kv_bytes "
+            f"expected a completion whose KV cache fits the workload's {self.key} "
             f"({self.max_bytes} bytes); {prompt_tokens} prompt tokens and max_tokens "
             f"{max_new_tokens} may take {worst} bytes ({self.position_bytes} per token). "
             "Please reduce max_tokens or the prompt.",

@@ -213,13 +213,13 @@ class GenerateTask:
         # Whether the online engine prefills arrivals beside a decode (serving/engine.py).
         self.room_beside = runtime.room_beside(model)
         self.prefix_bytes = runtime.settings.prefix_cache_bytes  # offline batches' bound
-        # An offline workload has no batching: its shards' caches are bounded by rows.
-        batching = workload.batching if isinstance(workload, InteractiveWorkload) else None
-        self.kv_budget = KvBudget(
-            batching.max_kv_bytes if batching else None,
-            self.decoder.position_bytes,
-            self.decoder.config.max_position,
-        )
+        # An offline workload has no batching: its budget is a key of its own.
+        if isinstance(workload, InteractiveWorkload):
+            key, most = "batching.max_kv_bytes", workload.batching.max_kv_bytes
+        else:
+            key, most = "max_kv_bytes", workload.max_kv_bytes
+        config = self.decoder.config
+        self.kv_budget = KvBudget(most, self.decoder.position_bytes, config.max_position, key)
         self._log_kv_risk()
 
     def _log_kv_risk(self) -> None:
@@ -228,9 +228,9 @@ class GenerateTask:
         if context is None:
             return
         worst = self.rows * context * budget.position_bytes
-        bound = "" if isinstance(self.workload, OfflineWorkload) else "; no batching.max_kv_bytes"
+        bound = f"; no {budget.key}"
         if budget.max_bytes is not None:
-            bound = f"; batching.max_kv_bytes bounds it to {budget.max_bytes}"
+            bound = f"; {budget.key} bounds it to {budget.max_bytes}"
         log.info(
             "workload %s: KV cache of %d bytes per token; %d rows of the whole context "
             "(%d tokens) may take %d bytes (%.1f GiB)%s",
