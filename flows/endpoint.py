@@ -42,6 +42,7 @@ from lanes.backfill import (
 from lanes.batchframe import decode_outputs, encode_items
 from lanes.digests import Digests
 from lanes.errors import (
+    InvalidInput,
     JobFailed,
     LanesError,
     RequestTooLarge,
@@ -158,8 +159,9 @@ class EndpointModel:
 
     def run(self, items: Sequence[Any], device: DeviceTime | None = None) -> list[Any]:
         """Per item: the workload's handler's `post` of the model's output, or a
-        `Failed`; raises when every item failed (the model's fault, for retries). The
-        model time the endpoint says the batch used goes into `device`."""
+        `Failed`; raises when every item failed, unless the endpoint refused each as
+        invalid (its batching.max_kv_bytes: the records' fault, not the model's, for
+        retries). The model time the endpoint says the batch used goes into `device`."""
         outputs: list[Any] = []
         for i, raw in enumerate(self._answers(items, 0, device)):
             if isinstance(raw, Failed):
@@ -170,7 +172,8 @@ class EndpointModel:
             except Exception as err:  # the handler's post fails on this output alone
                 outputs.append(Failed(i, err))
         failed = [o for o in outputs if isinstance(o, Failed)]
-        if failed and len(failed) == len(outputs):
+        refused = all(isinstance(f.error, InvalidInput) for f in failed)
+        if failed and len(failed) == len(outputs) and not refused:
             raise failed[0].error
         return outputs
 

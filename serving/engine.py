@@ -64,7 +64,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
-from lanes.errors import LanesError, Overloaded
+from lanes.errors import InvalidInput, LanesError, Overloaded
 from lanes.generation.batch import scheduler_for, seq_of
 from lanes.generation.kvcache import MAX_PADDING, Decoded
 from lanes.generation.loop import Step, StepLoop
@@ -269,10 +269,29 @@ class Engine:
         """Run prepared requests in the offline lane (free rows only, preempted when
         interactive requests need them) and wait for all of them: per request its
         `Completion` (the model's, no handler: the offline workload applies its own)
-        or the error it failed with alone. RequestTooLarge when the lane can never hold
-        them all; Overloaded, whole, when it cannot now or the server stops before they
-        are done (the flow retries). Each sequence's part of the steps it was in (as the
-        lanes' busy time splits a step) is added to `share`, whole when this returns."""
+        or the error it failed with alone. A request over the workload's whole
+        batching.max_kv_bytes gets its `InvalidInput` (the flow settled it under its
+        own workload's budget, if any): alone it would run past the budget."""
+        refused = [self._over_kv_budget(r) for r in requests]
+        kept = [r for r, no in zip(requests, refused, strict=True) if no is None]
+        done = iter(await self._run_offline(kept, share) if kept else ())
+        return [next(done) if no is None else no for no in refused]
+
+    def _over_kv_budget(self, request: GenerateRequest) -> InvalidInput | None:
+        try:
+            self.task.kv_budget.check(len(request.prompt_ids), request.max_new_tokens)
+        except InvalidInput as refused:
+            return refused
+        return None
+
+    async def _run_offline(
+        self, requests: Sequence[GenerateRequest], share: DeviceShare | None
+    ) -> list[Completion | LanesError]:
+        """`submit_offline` of requests within the budget. RequestTooLarge when the
+        lane can never hold them all; Overloaded, whole, when it cannot now or the
+        server stops before they are done (the flow retries). Each sequence's part of
+        the steps it was in (as the lanes' busy time splits a step) is added to
+        `share`, whole when this returns."""
         too_many = never_fits(len(requests), OFFLINE_MAX_SEQUENCES, bound=OFFLINE_BOUND)
         if too_many is not None:
             raise too_many  # a 503 would be refused as often as it is retried

@@ -33,7 +33,7 @@ from onnx import TensorProto, helper, numpy_helper, save_model
 
 from lanes.backfill import CONTENT_TYPE, PROVIDER_HEADER, batch_path
 from lanes.batchframe import decode_outputs, encode_items
-from lanes.errors import JobFailed, RequestTooLarge, SpecError
+from lanes.errors import InvalidInput, JobFailed, RequestTooLarge, SpecError
 from lanes.flows.batch import offline
 from lanes.flows.endpoint import EndpointGone, EndpointModel
 from lanes.isolation import Failed
@@ -1130,6 +1130,31 @@ def test_a_generate_batch_over_the_endpoints_body_limit_goes_in_parts(
         assert isinstance(refused, Failed) and refused.index == 2
         assert isinstance(refused.error, RequestTooLarge), refused.error
     model.close()
+
+
+def test_an_item_over_the_endpoints_kv_budget_is_refused_alone(
+    serve: type[ServerThread], tmp_path: Path
+) -> None:
+    """The flow settles records under its own workload (here without a budget); the
+    interactive workload's batching.max_kv_bytes refuses an item that could never fit
+    it (alone it would run past it) as that item's error, naming max_tokens: the
+    others are answered, and a batch of only such items fails no shard."""
+    workloads = {"nightly": batch("generate")}
+    spec = write_spec(tmp_path, {"live": live("generate"), **workloads})
+    task = load_task("nightly", load_spec(spec, Settings()), Runtime(Settings(device="cpu")))
+    budget = 20 * task.decoder.position_bytes  # 20 positions: prompt and max_tokens
+    write_spec(tmp_path, {"live": live("generate", batching={"max_kv_bytes": budget}), **workloads})
+    small, huge = (task.prepare({"prompt": "a b", "max_tokens": n}) for n in (3, 40))
+    with serve(spec, internal_key=KEY) as server:
+        model = EndpointModel(task, server.url, "live", KEY)
+        answered, refused = model.run([small, huge])
+        (alone,) = model.run([huge])
+    model.close()
+    assert answered.finish_reason in ("stop", "length")
+    for failed in (refused, alone):
+        assert isinstance(failed, Failed) and isinstance(failed.error, InvalidInput)
+        assert str(failed.error).startswith("max_tokens: ")
+        assert f"batching.max_kv_bytes ({budget} bytes)" in str(failed.error)
 
 
 def test_once_the_endpoint_is_gone_no_further_shard_starts_and_a_rerun_finishes(
