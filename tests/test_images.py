@@ -229,6 +229,33 @@ def test_the_serve_extra_holds_neither_torch_nor_prefect_and_dev_holds_every_lan
     assert {"prefect", "starlette", "torch", "onnxruntime-gpu"} <= _closure("dev")
 
 
+_SCHEDULES = """
+from lanes.schedule import Schedule
+from lanes.settings import Settings
+print(Settings().offpeak.timezone, Schedule(cron="0 2 * * *", timezone="Europe/Berlin").timezone)
+"""
+
+
+def test_every_install_reads_time_zones_where_the_system_has_no_database(
+    tmp_path: Path,
+) -> None:
+    """zoneinfo falls back to the tzdata wheel where the system has no IANA database
+    (a container image without the OS's tzdata package). Prefect pulled tzdata in
+    through pendulum on Python < 3.13 only, and never in lanes[serve]: there, loading the
+    settings failed on their default off-peak time zone, "UTC"."""
+    core = {
+        re.split(r"[\[<>=~;! ]", r, maxsplit=1)[0] for r in PYPROJECT["project"]["dependencies"]
+    }
+    assert "tzdata" in core
+    # An empty PYTHONTZPATH folder stands in for a system without a time zone database.
+    env = {**os.environ, "PYTHONTZPATH": str(tmp_path), "LANES_HOME": str(tmp_path / "home")}
+    done = subprocess.run(
+        [sys.executable, "-c", _SCHEDULES], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["UTC", "Europe/Berlin"]
+
+
 # A finder that refuses the offline lane's packages and torch, as in the serving image.
 _BLOCKED_SERVE = """
 import sys
