@@ -27,6 +27,17 @@ from tests.flows_fixtures import embed_model
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
+
+def validate(spec: Path) -> subprocess.CompletedProcess[str]:
+    """`lanes validate SPEC` as a user runs it, in a process of its own."""
+    return subprocess.run(
+        [sys.executable, "-m", "lanes.router.cli", "validate", str(spec)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 GOOD = """\
 version: 1
 models:
@@ -632,12 +643,7 @@ def test_cli_validate_prints_problems_in_our_words_and_exits_2(folder: Path) -> 
         )
     )
     path = write(folder, text)
-    done = subprocess.run(
-        [sys.executable, "-m", "lanes.router.cli", "validate", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = validate(path)
     assert done.returncode == 2
     assert done.stderr.replace(str(path), "W").splitlines() == [
         "W:10:32: workloads.search-query.batching.max_batch_size: expected an integer, "
@@ -654,12 +660,7 @@ def test_cli_validate_prints_problems_in_our_words_and_exits_2(folder: Path) -> 
 def test_cli_validate_refuses_a_boolean_where_a_number_goes(folder: Path) -> None:
     text = GOOD.replace("    output: out/\n", "    output: out/\n    batch_size: true\n")
     path = write(folder, text)
-    done = subprocess.run(
-        [sys.executable, "-m", "lanes.router.cli", "validate", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = validate(path)
     assert done.returncode == 2
     # (The empty model files are problems of their own.)
     lines = done.stderr.replace(str(path), "W").splitlines()
@@ -859,12 +860,7 @@ def test_aliases_and_merge_keys_still_work(folder: Path, monkeypatch: pytest.Mon
 def test_cli_validate_hostile_spec_exits_2_in_one_line_each(folder: Path, case: str) -> None:
     [text] = [c[1] for c in HOSTILE_CASES if c[0] == case]
     path = write(folder, text)
-    done = subprocess.run(
-        [sys.executable, "-m", "lanes.router.cli", "validate", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = validate(path)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.splitlines()
     assert lines[0].startswith(f"{path}:") and lines[-1] == "1 problem found", lines
@@ -920,12 +916,7 @@ def test_post_on_an_interactive_generate_workload_is_a_problem_validate_reports(
     assert problems(folder, text) == [f"W:22:5: {message}"]
     model, _ = embed_model(folder / "real")  # validate reads the embed model's inputs
     (folder / "enc.onnx").write_bytes(model.read_bytes())
-    done = subprocess.run(
-        [sys.executable, "-m", "lanes.router.cli", "validate", str(folder / "workloads.yaml")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = validate(folder / "workloads.yaml")
     assert done.returncode == 2, done.stderr
     assert done.stderr.splitlines() == [
         f"{folder / 'workloads.yaml'}:22:5: {message}",
@@ -958,12 +949,7 @@ def test_the_readmes_workloads_yaml_example_validates(tmp_path: Path) -> None:
     (tmp_path / "mypkg" / "__init__.py").write_text("")
     hooks = "class Hooks:\n    def pre(self, item):\n        return item\n\nhandler = Hooks()\n"
     (tmp_path / "mypkg" / "hooks.py").write_text(hooks)
-    done = subprocess.run(
-        [sys.executable, "-m", "lanes.router.cli", "validate", str(spec)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = validate(spec)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"{spec}: ok (2 workloads)"
 
