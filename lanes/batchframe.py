@@ -56,7 +56,7 @@ def _pack(entries: Sequence[Arrays | Entry | LanesError]) -> bytes:
     for entry in entries:
         if isinstance(entry, LanesError):
             error = {"message": str(entry), "status": entry.status, "code": entry.code}
-            header.append({"error": error})
+            header.append({"error": error | ({"param": entry.param} if entry.param else {})})
             continue
         if not isinstance(entry, Entry):
             entry = Entry(entry)
@@ -100,7 +100,8 @@ def _unpack(body: bytes, what: str) -> list[Entry | LanesError]:
 def _entry(entry: Mapping[str, Any], blob: memoryview) -> Entry | LanesError:
     if "error" in entry:
         error = entry["error"]
-        return from_wire(str(error["message"]), int(error["status"]), error.get("code"))
+        message, status = str(error["message"]), int(error["status"])
+        return from_wire(message, status, error.get("code"), error.get("param"))
     arrays: Arrays = {}
     for name, spec in entry["arrays"].items():
         shape = tuple(int(d) for d in spec["shape"])

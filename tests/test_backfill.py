@@ -1153,6 +1153,9 @@ def test_an_item_over_the_endpoints_kv_budget_is_refused_alone(
     assert answered.finish_reason in ("stop", "length")
     for failed in (refused, alone):
         assert isinstance(failed, Failed) and isinstance(failed.error, InvalidInput)
+        # The field travels as its own (a Batch API output line's `param`), not only as
+        # the message's prefix.
+        assert failed.error.param == "max_tokens"
         assert str(failed.error).startswith("max_tokens: ")
         assert f"batching.max_kv_bytes ({budget} bytes)" in str(failed.error)
 
