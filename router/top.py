@@ -1,9 +1,8 @@
 """`lanes top`: a running server's /metrics as a table per workload, refreshed each second.
 
 Each frame covers a window: the time since the previous scrape (the first frame: since
-the server started, with no rates). Per workload (and lane, where the series have a
-`lane` label): requests/s, p50 and p99 latency interpolated from the histogram's
-buckets as Prometheus' `histogram_quantile` does, queue depth, mean batch size,
+the server started, with no rates). Per workload: requests/s, p50 and p99 latency
+interpolated from the histogram's buckets as Prometheus' `histogram_quantile` does, queue depth, mean batch size,
 executor utilization, tokens/s and sequences in flight (generate), and errors/s: its
 5xx answers (a 503 or a 504 too; a stream that fails after its 200 is counted in
 `lanes_sequences_finished_total{reason="error"}` instead); per route: responses/s and
@@ -168,7 +167,7 @@ def _delta(now: Mapping[K, float], before: Mapping[K, float] | None) -> dict[K, 
 
 
 def workload_rows(now: Scrape, before: Scrape | None = None) -> list[WorkloadRow]:
-    """One row per workload (and lane) for the window from `before` (or the start) to `now`."""
+    """One row per workload for the window from `before` (or the start) to `now`."""
     seconds = now.at - before.at if before is not None else None
     per_s = seconds if seconds is not None and seconds > 0 else None
 
@@ -296,21 +295,20 @@ class Workloads:
 
     def table(self, padding: tuple[int, int]) -> Table:
         rows = self.rows
-        lanes = any(r.series.lane is not None for r in rows)
         table = Table(title=self.title, title_justify="left", padding=padding)
         longest = max((len(r.series.workload) for r in rows), default=0)
         name_width = min(max(longest, len("workload"), len(OFFLINE)), WORKLOAD_WIDTH)
         table.add_column("workload", min_width=name_width, max_width=WORKLOAD_WIDTH, no_wrap=True)
-        columns = [*(["lane"] if lanes else []), "req/s", "p50", "p99", "queue"]
+        columns = ["req/s", "p50", "p99", "queue"]
         columns += ["batch", "util", "tok/s", "in flight", "err/s"]
         # Only runs that can be stopped are (generate, `preempt_offline`): a column of
         # zeros would cost a narrow terminal its width for nothing.
         preempted = any(o.preempted > 0 for o in self.offline.values())
         columns += ["preempt/s"] if preempted else []
         for column in columns:
-            table.add_column(column, justify="left" if column == "lane" else "right")
+            table.add_column(column, justify="right")
         for r in rows:
-            cells = [r.series.workload, *([r.series.lane or "-"] if lanes else [])]
+            cells = [r.series.workload]
             cells += [
                 _num(r.requests_per_s),
                 _num(r.p50_s, 1, 1000, " ms"),
@@ -324,8 +322,8 @@ class Workloads:
             ]
             table.add_row(*cells, *(["-"] if preempted else []))
             lane = self.offline.get(r.series.workload)
-            if lane is not None and r.series.lane is None:
-                cells = [OFFLINE, *(["offline"] if lanes else []), _num(lane.items_per_s)]
+            if lane is not None:
+                cells = [OFFLINE, _num(lane.items_per_s)]
                 cells += ["", "", _num(lane.queue_depth, 0), "", _num(lane.busy_share, 0, 100, "%")]
                 cells += ["", "", "", *([_num(lane.preemptions_per_s, 2)] if preempted else [])]
                 table.add_row(*cells)
