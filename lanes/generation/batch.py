@@ -149,6 +149,8 @@ def generate_batch(
     pending = deque(sorted(seqs, key=lambda s: (len(s.prompt_ids), s.prompt_ids)))
     loop = StepLoop(decoder, scheduler, name, max_padding, prefix_bytes=prefix_bytes)
     reserved = 0  # the most KV cache the rows' worst cases took at once
+    # A sum over the rows each step: only where the debug line below is written.
+    watch = log.isEnabledFor(logging.DEBUG)
     # Each step makes a token for, or finishes, every sequence it runs, and every
     # sequence has a budget: the loop ends.
     while True:
@@ -156,20 +158,22 @@ def generate_batch(
         if not scheduler.has_work:
             break
         plan = scheduler.schedule()
-        reserved = max(reserved, scheduler.kv_reserved)  # as admitted, before any leaves
+        if watch:
+            reserved = max(reserved, scheduler.kv_reserved)  # as admitted, before any leave
         step = loop.run(plan)
         if step.failed:
             why = next((e.error for e in step.events if e.error), "a step failed")
             raise ModelError(why)
     # What a budget would have to hold, or held: for operators sizing max_kv_bytes.
-    log.debug(
-        "workload %s: %d sequences; their worst cases reserved at most %d bytes of KV "
-        "cache at once (budget: %s)",
-        name,
-        len(seqs),
-        reserved,
-        max_kv_bytes,
-    )
+    if watch:
+        log.debug(
+            "workload %s: %d sequences; their worst cases reserved at most %d bytes of KV "
+            "cache at once (budget: %s)",
+            name,
+            len(seqs),
+            reserved,
+            max_kv_bytes,
+        )
     return [_result(i, seq) for i, seq in enumerate(seqs)]
 
 
