@@ -17,7 +17,8 @@ new record never replaces one of its id (`create_batch`). Locally that holds amo
 processes of one host (lanes.storage `write_if`); servers on several hosts share an
 S3 store.
 
-One API key is one tenant: whoever holds the server's key sees every file and batch.
+One API key is one tenant: whoever holds the server's key sees every file and batch,
+and the files' quota (lanes.filequota) is the whole store's.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from typing import IO, Any
 import orjson
 
 from lanes.errors import InvalidInput, NotFound, StorageError
+from lanes.filequota import FileQuota
 from lanes.settings import Settings
-from lanes.storage import Storage, join
+from lanes.storage import Storage, StoredFile, join
 
 FILE_PURPOSES = ("batch", "batch_output")  # what an upload may say, what a batch writes
 CHUNK = 1024 * 1024
@@ -79,6 +81,8 @@ class BatchStore:
         self.settings = settings
         self.root = settings.batch_store()
         self.storage = Storage(settings)
+        # Uploads reserve room in it (lanes.filequota); a batch's own files never do.
+        self.quota = FileQuota(settings.batch.max_store_bytes, self.stored_sizes)
 
     # ---- files --------------------------------------------------------------------
 
@@ -126,6 +130,12 @@ class BatchStore:
                 return None
             self.storage.publish(stage, uri)
         return self.add_file(file_id, filename, purpose, size)
+
+    def stored_sizes(self) -> dict[str, int]:
+        """The bytes of every file's data, by file id, as the store lists them now
+        (one listing: no file object is read)."""
+        listed = self._listed_files(join(self.root, "files") + "/", ".data")
+        return {Path(f.uri).name.removesuffix(".data"): f.size for f in listed}
 
     def file(self, file_id: str) -> FileObject:
         raw = self.storage.read_bytes(self._file_meta(file_id))
@@ -221,11 +231,14 @@ class BatchStore:
         return [Path(uri).name.removesuffix(".json") for uri in listed if "/in/" not in uri]
 
     def _listed(self, folder: str, suffix: str) -> list[str]:
+        return [f.uri for f in self._listed_files(folder, suffix)]
+
+    def _listed_files(self, folder: str, suffix: str) -> list[StoredFile]:
         try:
             files = self.storage.list_files(folder, (suffix,))
         except StorageError:
             return []  # nothing stored yet
-        return [f.uri for f in files if "/" not in f.name]
+        return [f for f in files if "/" not in f.name]
 
 
 def _safe(value: str, param: str) -> str:

@@ -42,6 +42,14 @@ class BatchApi(BaseModel):
     max_file_bytes: int = Field(
         200 * 1024 * 1024, gt=0, description="Largest file POST /v1/files takes."
     )
+    max_store_bytes: int = Field(
+        10 * 1024**3,
+        gt=0,
+        description="Bytes all stored files may take together (one key is one tenant, so "
+        "this is the whole store's): uploads and batches' output and error files. An upload "
+        "that would go over is refused before it is stored; a batch's files are always "
+        "written, and may take the store over, refusing uploads until files are deleted.",
+    )
     shard_lines: int = Field(
         1000,
         gt=0,

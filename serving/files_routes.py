@@ -3,12 +3,14 @@
 An upload is parsed as it arrives (Starlette's multipart parser spools the file to a
 temporary file past 1 MiB) and copied to the batch store (lanes.batchstore) in chunks:
 never held whole in memory. Its size is bounded by `Settings.batch.max_file_bytes`,
-counted as the bytes arrive.
+counted as the bytes arrive. Once parsed, it is stored only if it fits the store's
+quota (lanes.filequota), which holds its room until the file is listed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 from collections.abc import AsyncGenerator
 from typing import IO
@@ -87,11 +89,13 @@ async def upload(request: Request) -> Response:
 
 def _save(store: BatchStore, source: IO[bytes], filename: str) -> dict[str, object]:
     file_id = new_id("file-")
-    source.seek(0)
-    with store.writing(file_id) as out:
-        shutil.copyfileobj(source, out, 1024 * 1024)
-        size = out.tell()
-    return store.add_file(file_id, filename, "batch", size).as_json()
+    size = source.seek(0, os.SEEK_END)  # the parsed upload, spooled whole
+    with store.quota.reserved(file_id, size):
+        source.seek(0)
+        with store.writing(file_id) as out:
+            shutil.copyfileobj(source, out, 1024 * 1024)
+            size = out.tell()
+        return store.add_file(file_id, filename, "batch", size).as_json()
 
 
 async def list_files(request: Request) -> Response:
