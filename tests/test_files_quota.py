@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 
 import openai
 import pytest
 
 from lanes.batchstore import BatchStore
-from tests.flows_fixtures import write_spec
+from tests.flows_fixtures import moto_server, s3_env, write_spec
 from tests.servers import ServerThread
 
 pytestmark = pytest.mark.slow
@@ -31,7 +32,7 @@ def spec(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_spec(tmp_path_factory.mktemp("files-quota") / "project", WORKLOADS)
 
 
-def serve(spec: Path, store: Path) -> ServerThread:
+def serve(spec: Path, store: Path | str) -> ServerThread:
     batch = {"store": str(store), "max_store_bytes": QUOTA}
     return ServerThread(spec, batch=batch, prefect_api_url=NOBODY)
 
@@ -72,13 +73,22 @@ def test_an_upload_over_the_quota_is_refused_unstored_until_a_file_is_deleted(
         assert upload(client, 500).bytes == 500
 
 
-def test_the_quota_holds_after_a_restart(spec: Path, tmp_path: Path) -> None:
-    with serve(spec, tmp_path / "store") as server:
-        upload(client_of(server), 600)
-    with serve(spec, tmp_path / "store") as server:
-        error = refusal(client_of(server), 500)
-        assert "of which 600 are used" in str(error["message"]), error
-        assert upload(client_of(server), 400).bytes == 400  # exactly the quota
+@pytest.mark.parametrize("kind", ["folder", "s3"])
+def test_the_quota_holds_after_a_restart(
+    spec: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    with ExitStack() as stack:
+        store: Path | str = tmp_path / "store"
+        if kind == "s3":
+            s3 = s3_env(monkeypatch, stack.enter_context(moto_server()))
+            s3.create_bucket(Bucket="lanes-quota")
+            store = "s3://lanes-quota/batches/"
+        with serve(spec, store) as server:
+            upload(client_of(server), 600)
+        with serve(spec, store) as server:
+            error = refusal(client_of(server), 500)
+            assert "of which 600 are used" in str(error["message"]), error
+            assert upload(client_of(server), 400).bytes == 400  # exactly the quota
 
 
 def test_concurrent_uploads_cannot_go_over_the_quota(spec: Path, tmp_path: Path) -> None:
