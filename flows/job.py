@@ -26,11 +26,11 @@ from lanes.layout import ERRORS, MARKERS
 from lanes.settings import Settings
 from lanes.spec import (
     OfflineWorkload,
-    Runner,
     Spec,
     in_offline_lane,
 )
 from lanes.specfile import load_spec
+from lanes.specoffline import Runner
 from lanes.storage import Storage, StoredFile, is_s3, join
 
 # Bumped when what a shard key covers changes: keys of another format never match.

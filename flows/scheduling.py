@@ -27,7 +27,7 @@ from lanes.flows.progress import progress
 from lanes.flows.shard import ShardPlan, ShardStats
 from lanes.flows.shard_task import endpoint_url, shard, worth_retrying
 from lanes.settings import Settings
-from lanes.spec import Runner
+from lanes.specoffline import Runner
 
 # The flow's logger: a run's warnings (shards not started, a deadline missed) have one name.
 log = logging.getLogger("lanes.flows.batch")

@@ -26,7 +26,8 @@ from typing import Any
 import orjson
 
 from lanes.errors import InvalidInput, with_article
-from lanes.spec import Fields, OfflineWorkload, TaskName, a_task
+from lanes.spec import OfflineWorkload, TaskName, a_task
+from lanes.specoffline import Fields
 from lanes.tasks.generate import OPTIONS, from_table, from_text
 from lanes.tasks.handler import Handler
 from lanes.template import Template, is_template

@@ -35,7 +35,8 @@ import orjson
 
 from lanes.onnxinputs import varint
 from lanes.settings import Settings
-from lanes.spec import Fields, ModelSpec, OfflineWorkload, Spec, Workload
+from lanes.spec import ModelSpec, OfflineWorkload, Spec, Workload
+from lanes.specoffline import Fields
 from lanes.staging import staging_file
 
 log = logging.getLogger(__name__)

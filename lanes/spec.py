@@ -3,31 +3,40 @@
 A workload is interactive or offline (`Workload`, a union told apart by `mode`), and
 each mode has only its own keys. `lanes.specrules.parse_spec` checks plain data
 against it, with the rules that span fields; `lanes.specfile.load_spec` reads the file.
+Here: the spec, its models, the workload of each mode and what both modes share; each
+mode's own sections are in lanes.specinteractive and lanes.specoffline, the value
+types of their fields in lanes.spectypes.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
-    AfterValidator,
     Field,
     SerializerFunctionWrapHandler,
-    Strict,
     TypeAdapter,
-    field_validator,
     model_serializer,
-    model_validator,
 )
 
-from lanes.errors import shown, with_article
-from lanes.quantity import CpuQuantity
+from lanes.errors import with_article
 from lanes.schedule import Schedule
+from lanes.specinteractive import Batching, Deploy, Slo
+from lanes.specoffline import Fields, Runner
+from lanes.spectypes import (
+    HandlerRef,
+    IdleSeconds,
+    Integer,
+    LocalPath,
+    Location,
+    NonNegativeFloat,
+    Number,
+    PositiveInt,
+    StopString,
+)
 from lanes.strict import StrictModel
-from lanes.template import Template, is_template
 
 Mode = Literal["interactive", "offline"]
 TaskName = Literal["embed", "infer", "generate"]
@@ -41,90 +50,6 @@ def a_task(task: TaskName) -> str:
 
 # Workload names become URL paths and Prefect deployment names: DNS labels.
 NAME_PATTERN = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-HANDLER_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
-
-# What a file system takes (Linux: PATH_MAX, NAME_MAX), checked on the text alone so a
-# bad value is a spec problem, not an OSError from the first stat().
-MAX_PATH_CHARS = 4096
-MAX_NAME_BYTES = 255
-
-
-def _path_text(value: str) -> str:
-    if "\0" in value:
-        raise ValueError("expected a path, found one holding a NUL character")
-    if len(value) > MAX_PATH_CHARS:
-        raise ValueError(
-            f"expected a path of at most {MAX_PATH_CHARS} characters, found {len(value)}"
-        )
-    if "://" not in value:  # a local path: each name must fit the file system
-        for part in value.split("/"):
-            if len(part.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
-                raise ValueError(
-                    f"expected a path whose every name is at most {MAX_NAME_BYTES} bytes, "
-                    f"found one of {len(part.encode('utf-8', 'surrogatepass'))}"
-                )
-    return value
-
-
-def _location(value: str) -> str:
-    """A folder or glob, file:// or s3://bucket/prefix/: what lanes.storage reads, so that
-    a mistyped URI fails at load, not at the first run (or as a local folder "s3:")."""
-    scheme, sep, rest = value.partition("://")
-    if sep and scheme == "s3" and not rest.split("/", 1)[0]:
-        raise ValueError(f"expected s3://bucket/prefix/, found {shown(value)} (no bucket)")
-    # s3:/bucket/ is a mistyped URI, not a local folder named "s3:".
-    read = scheme in ("s3", "file") if sep else not value.lower().startswith("s3:")
-    if not read:
-        raise ValueError(f"expected a folder, a glob or s3://bucket/prefix/, found {shown(value)}")
-    return value
-
-
-def _matching(pattern: str, expected: str) -> Callable[[str], str]:
-    """A check that text matches `pattern` whose failure says `expected` in words: a
-    user fixing workloads.yaml reads "module:attribute", not the regular expression."""
-    compiled = re.compile(pattern)
-
-    def check(value: str) -> str:
-        if not compiled.match(value):
-            shown = value if len(value) <= 40 else value[:37] + "..."
-            raise ValueError(f"expected {expected}, found {shown!r}")
-        return value
-
-    return check
-
-
-def _local_path(value: Path) -> Path:
-    _path_text(str(value))
-    return value
-
-
-# Numbers as YAML writes them. Pydantic's lax mode would read `batch_size: true` as 1,
-# "8" as 8 and 2.0 as 2: an integer field takes an integer alone, a number field an
-# integer or a decimal, never a boolean or a string (the message says which was found).
-Integer = Annotated[int, Strict()]
-Number = Annotated[float, Strict()]
-PositiveInt = Annotated[Integer, Field(gt=0)]
-NonNegativeFloat = Annotated[Number, Field(ge=0)]
-NonNegativeInt = Annotated[Integer, Field(ge=0)]
-PositiveFloat = Annotated[Number, Field(gt=0)]
-# A duration in milliseconds: up to a day.
-Milliseconds = Annotated[Number, Field(gt=0, le=86_400_000)]
-IdleSeconds = Annotated[Number, Field(gt=0, le=30 * 86_400)]  # at most 30 days
-LocalPath = Annotated[Path, AfterValidator(_local_path)]
-Location = Annotated[
-    str, Field(min_length=1), AfterValidator(_path_text), AfterValidator(_location)
-]
-HandlerRef = Annotated[
-    str,
-    Field(max_length=200),
-    AfterValidator(_matching(HANDLER_PATTERN, "module:attribute, e.g. mypkg.hooks:handler")),
-]
-# Each stop string is looked for at every token of its sequence, and the text that
-# could start one is held back; the work per token grows with each string's length
-# (at 16 strings of 256 characters, about a millisecond in the worst case, a text
-# made to match their starts; at 16384, 0.2 s). Delimiters are a few characters.
-MAX_STOP_CHARS = 256
-StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 class SessionOptions(StrictModel):
@@ -156,90 +81,6 @@ class ModelSpec(StrictModel):
         "workload sets `truncate`); generate: the context, when config.json does not say.",
     )
     session: SessionOptions = Field(default_factory=SessionOptions)
-
-
-class Batching(StrictModel):
-    max_batch_size: PositiveInt = Field(
-        32, le=65536, description="Most requests (or sequences in flight) per model run."
-    )
-    max_wait_ms: NonNegativeFloat = Field(
-        0.0, le=60_000, description="How long an idle executor waits for company; 0 runs now."
-    )
-    max_queue: PositiveInt = Field(
-        1024,
-        le=1_048_576,
-        description="Requests waiting beyond this are refused with 503 and Retry-After.",
-    )
-    max_prefill_tokens: PositiveInt | None = Field(
-        None,
-        le=1_048_576,
-        description="generate: prompt tokens one step may prefill; a longer prompt is "
-        "prefilled in parts over several steps, so rows already decoding keep stepping "
-        "(default: whole prompts; slo.ttft_ms, when set, may lower it).",
-    )
-    max_kv_bytes: PositiveInt | None = Field(
-        None,
-        description="generate: bytes of KV cache the sequences in flight may take at most. "
-        "A sequence joins only while every running sequence's worst case (its prompt and "
-        "max_tokens, at most the context, times the model's bytes per token: layers x 2 x "
-        "KV heads x head_dim x dtype size) fits it together, so nothing is preempted for "
-        "memory; a request whose own worst case is over it is refused with 400 naming "
-        "max_tokens. Offline sequences on this engine count in it too (default: no "
-        "budget: max_batch_size rows of the whole context may be cached).",
-    )
-    preempt_offline: bool = Field(
-        False,
-        description="embed/infer: an interactive request that arrives while an offline "
-        "batch runs on this workload's model stops that run, unless the run is expected to "
-        "end sooner than it has run (then the request waits at most that long); its items "
-        "run again, whole, after it. Interactive latency waits less for offline runs, at "
-        "the cost of the stopped runs' work (default: an offline run ends first). Applies "
-        "while offline runs take turns with interactive ones (`offline_threads: 0`, and on "
-        "a GPU); with `offline_threads`, the turns they take over `offline_beside_until` "
-        "are always stopped so.",
-    )
-    offline_threads: NonNegativeInt | None = Field(
-        None,
-        le=1024,
-        description="embed/infer on the CPU: threads that run offline batches beside the "
-        "interactive ones at the operating system's idle priority, on a one-thread session "
-        "of the model of their own (loaded with the first offline batch): the OS gives an "
-        "interactive run the cores the moment it starts, and offline runs use what it "
-        "leaves; the workload's own session then stops spin-waiting when a run ends. 0: "
-        "offline runs take turns with interactive ones on the model's own thread, as they "
-        "always do on a GPU (default: the cores this process may use where the model runs "
-        "on the CPU, the OS has an idle priority and an offline workload of this spec runs "
-        "on this one, `runner: {kind: endpoint}`; else 0).",
-    )
-    offline_beside_until: Number = Field(
-        0.8,
-        gt=0,
-        le=1,
-        description="embed/infer with `offline_threads`: while interactive runs keep the "
-        "model busier than this share of the last second, offline batches no longer start "
-        "beside them and take turns on the model's thread instead, each run stopped by an "
-        "interactive arrival as with `preempt_offline`. Beside, every interactive run is a "
-        "little slower (the threads share memory bandwidth and caches), and near "
-        "saturation that multiplies the queueing. 1: always beside.",
-    )
-
-
-class Slo(StrictModel):
-    p50_ms: Milliseconds | None = Field(None, description="Target median latency.")
-    p99_ms: Milliseconds | None = Field(None, description="Target 99th percentile latency.")
-    ttft_ms: Milliseconds | None = Field(
-        None,
-        description="Target time to first token; for generate it bounds one step's "
-        "prefill (longer prompts are prefilled in parts over several steps).",
-    )
-    itl_ms: Milliseconds | None = Field(
-        None,
-        description="Target inter-token latency; for generate it bounds the rows of one "
-        "decode step.",
-    )
-    timeout_ms: Milliseconds | None = Field(
-        None, description="Deadline of each request: past it, a queued request gets 504."
-    )
 
 
 class Generation(StrictModel):
@@ -299,119 +140,6 @@ class Guard(StrictModel):
     threshold: Number = Field(0.5, ge=0, le=1, description="A score at or above this fails.")
 
 
-class Runner(StrictModel):
-    """Where an offline workload's shard tasks run. `runner: dask` is short for `{kind: dask}`."""
-
-    kind: Literal["local", "dask", "endpoint"] = Field(
-        "local",
-        description="local: threads in the flow's own process; dask: a Dask cluster "
-        "through prefect-dask; endpoint: the serving endpoint's own sessions, in its "
-        "offline lane (batches run only while no interactive request waits).",
-    )
-    address: (
-        Annotated[
-            str,
-            AfterValidator(
-                _matching(r"^[a-z][a-z0-9+.-]*://[^\s/]+$", "an address like tcp://10.0.0.5:8786")
-            ),
-        ]
-        | None
-    ) = Field(
-        None,
-        max_length=255,
-        description="Dask scheduler address, e.g. tcp://10.0.0.5:8786 (kind: dask); "
-        "none starts a local cluster.",
-    )
-    workers: PositiveInt = Field(
-        2, le=1024, description="Processes of the local Dask cluster started when no address."
-    )
-    max_concurrent_shards: PositiveInt = Field(
-        2, le=4096, description="Shards in flight at once: reading one overlaps running another."
-    )
-    url: (
-        Annotated[
-            str,
-            AfterValidator(
-                _matching(r"^https?://[^\s/]+(/[^\s]*)?$", "a URL like http://10.0.0.5:8000")
-            ),
-        ]
-        | None
-    ) = Field(
-        None,
-        max_length=2000,
-        description="kind: endpoint: the serving endpoint, e.g. http://10.0.0.5:8000; "
-        "none: the LANES_ENDPOINT setting. The flow authenticates with LANES_INTERNAL_KEY "
-        "(else LANES_API_KEY), which the server must hold too.",
-    )
-    workload: str | None = Field(
-        None,
-        min_length=1,
-        max_length=1000,
-        description="kind: endpoint: the interactive workload whose sessions run the "
-        "batches (same model and task), or the name of that model; none: the one "
-        "interactive workload of the same model and task.",
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _shorthand(cls, value: Any) -> Any:
-        return {"kind": value} if isinstance(value, str) else value
-
-
-# A kept field may not take the name of the output line's own id.
-RESERVED_OUTPUT_FIELDS = ("id", "custom_id")
-
-
-class Fields(StrictModel):
-    """Where the parts of a plain offline record are (OpenAI batch lines have their own)."""
-
-    id: str = Field(
-        "id", min_length=1, description="The field holding each record's id (a string or integer)."
-    )
-    text: str | None = Field(
-        None,
-        min_length=1,
-        description="embed: the field holding the text, or a template of fields such as "
-        '"{subject}\\n\\n{body}"; default: the field `text`.',
-    )
-    prompt: str | None = Field(
-        None,
-        min_length=1,
-        description="generate: the field holding the prompt, or a template of fields; "
-        "default: the record's fields but the id and `keep` are the request "
-        "(prompt, max_tokens, ...); a kept prompt or generation option is still the "
-        "request's.",
-    )
-    keep: list[str] = Field(
-        default_factory=list,
-        description="Fields copied from each record into its output line, beside the id; "
-        "a copied prompt or generation option still applies.",
-    )
-
-    @field_validator("text", "prompt")
-    @classmethod
-    def _valid_template(cls, value: str | None) -> str | None:
-        if value is not None and is_template(value):
-            Template.parse(value)  # its ValueError says what is wrong and where
-        return value
-
-    @field_validator("keep")
-    @classmethod
-    def _valid_keep(cls, value: list[str]) -> list[str]:
-        for name in value:
-            if not name:
-                raise ValueError("expected field names, found an empty one")
-            if name in RESERVED_OUTPUT_FIELDS:
-                raise ValueError(
-                    f"{name!r} names the output line's id (the record's `fields.id`); "
-                    "it cannot be kept under that name"
-                )
-        twice = sorted({n for n in value if value.count(n) > 1})
-        if twice:
-            raise ValueError(f"expected each field once, found {', '.join(twice)} twice")
-        return value
-
-
 class WorkloadBase(StrictModel):
     """What a workload of either mode has. A workload is an `InteractiveWorkload` or an
     `OfflineWorkload` (`Workload`), told apart by `mode`; a key of the other mode is
@@ -431,65 +159,6 @@ class WorkloadBase(StrictModel):
     )
     generation: Generation = Field(default_factory=Generation)
     guard: Guard | None = Field(None, description="generate: score text before it is sent.")
-
-
-# A Kubernetes resource quantity ("500m", "2", "4Gi").
-QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$"
-# Its Deployment is named lanes-GROUP: a DNS label of at most 63 characters.
-GROUP_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,55}[a-z0-9])?$"
-
-
-# `deploy` keys each workload of a group sets for itself; the others are the group's.
-PER_WORKLOAD_DEPLOY_KEYS = frozenset({"group", "target_queue_depth"})
-
-
-class Deploy(StrictModel):
-    """How `lanes render k8s` runs an interactive workload. The workloads of one group
-    share a Deployment (each pod serves them all, as one `lanes serve` does); the
-    group-wide keys must agree across its workloads where they are set."""
-
-    group: Annotated[
-        str,
-        AfterValidator(
-            _matching(
-                GROUP_PATTERN,
-                "a DNS-safe name (lower-case letters, digits and '-', at most 57, starting "
-                "and ending alphanumeric)",
-            )
-        ),
-    ] = Field("serve", description="The Deployment lanes-GROUP serves it.")
-    device: Literal["cpu", "cuda", "tensorrt"] | None = Field(
-        None,
-        description="The group's pods' LANES_DEVICE; cuda and tensorrt ask for one "
-        "nvidia.com/gpu per pod (default: the renderer's LANES_DEVICE).",
-    )
-    min_replicas: Integer = Field(
-        1, ge=0, le=1000, description="Fewest pods (0: KEDA scales the group to zero)."
-    )
-    max_replicas: Integer = Field(4, ge=1, le=1000, description="Most pods.")
-    cpu: CpuQuantity = Field(
-        "1",
-        description="CPU per pod (requests = limits): 2, 1.5 or 500m; LANES_THREADS "
-        "is its whole cores.",
-    )
-    memory: Annotated[
-        str, AfterValidator(_matching(QUANTITY_PATTERN, "a quantity like 2Gi, 512Mi or 1.5G"))
-    ] = Field("2Gi", description="Memory per pod (requests = limits).")
-    target_queue_depth: PositiveInt | None = Field(
-        None,
-        le=1_048_576,
-        description="Requests waiting (generate: sequences waiting or in flight) per pod "
-        "that KEDA keeps the group at (default: the workload's max_batch_size).",
-    )
-
-    @model_validator(mode="after")
-    def _replicas_in_order(self) -> Deploy:
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(
-                f"expected min_replicas <= max_replicas, found {self.min_replicas} > "
-                f"{self.max_replicas}"
-            )
-        return self
 
 
 class InteractiveWorkload(WorkloadBase):

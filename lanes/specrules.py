@@ -16,7 +16,6 @@ from lanes.backfill import ENDPOINT_TASKS, served_workload
 from lanes.errors import shown
 from lanes.spec import (
     NAME_PATTERN,
-    PER_WORKLOAD_DEPLOY_KEYS,
     TASK_NAMES,
     WORKLOAD,
     InteractiveWorkload,
@@ -26,6 +25,7 @@ from lanes.spec import (
     TaskName,
     a_task,
 )
+from lanes.specinteractive import PER_WORKLOAD_DEPLOY_KEYS
 from lanes.specproblems import Found, Loc, from_pydantic, workload_errors
 from lanes.strict import StrictModel
 from lanes.validation import describe

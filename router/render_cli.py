@@ -20,8 +20,9 @@ from lanes.router.render_pool import (
     worker_objects,
 )
 from lanes.settings import Settings
-from lanes.spec import QUANTITY_PATTERN, OfflineWorkload, Spec
+from lanes.spec import OfflineWorkload, Spec
 from lanes.specfile import load_spec, read_document
+from lanes.specinteractive import QUANTITY_PATTERN
 
 render_app = typer.Typer(no_args_is_help=True, help="Write what runs the spec elsewhere.")
 

@@ -28,13 +28,8 @@ from lanes.backfill import served_workload
 from lanes.errors import InvalidInput
 from lanes.quantity import whole_cores
 from lanes.settings import Settings
-from lanes.spec import (
-    PER_WORKLOAD_DEPLOY_KEYS,
-    Deploy,
-    InteractiveWorkload,
-    OfflineWorkload,
-    Spec,
-)
+from lanes.spec import InteractiveWorkload, OfflineWorkload, Spec
+from lanes.specinteractive import PER_WORKLOAD_DEPLOY_KEYS, Deploy
 
 Manifest = dict[str, Any]
 APP = "lanes"

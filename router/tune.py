@@ -42,9 +42,10 @@ from lanes.router.loadgen import Level, LoadGenerator
 from lanes.router.plot import Chart, Chosen, Curve, CurvePoint
 from lanes.runtime import Runtime
 from lanes.settings import Settings
-from lanes.spec import Batching, InteractiveWorkload, Spec
+from lanes.spec import InteractiveWorkload, Spec
 from lanes.specedit import Scalar, set_scalars
 from lanes.specfile import parse_bytes
+from lanes.specinteractive import Batching
 from lanes.tasks import load_task
 
 PAUSE_S = 0.03  # between slices: onnxruntime's threads spin a little after a run

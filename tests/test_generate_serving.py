@@ -18,8 +18,8 @@ from openai import AsyncOpenAI, BadRequestError, ContentFilterFinishReasonError,
 
 from lanes.runtime import Runtime
 from lanes.settings import Settings
-from lanes.spec import MAX_STOP_CHARS
 from lanes.specfile import load_spec
+from lanes.spectypes import MAX_STOP_CHARS
 from lanes.tasks import GenerateTask, load_task
 from tests.gates import Gate, JumpClock, eventually, stepping, wait_until
 from tests.servers import ServerThread

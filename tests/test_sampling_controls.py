@@ -22,7 +22,8 @@ from lanes.flows.shape import RecordShape
 from lanes.protocols.completions import ChatMessage, render_chat
 from lanes.runtime import Runtime
 from lanes.settings import Settings
-from lanes.spec import MAX_STOP_CHARS, Generation, OfflineWorkload
+from lanes.spec import Generation, OfflineWorkload
+from lanes.spectypes import MAX_STOP_CHARS
 from lanes.tasks import GenerateTask, load_task
 from lanes.tasks.decoder import Completion
 from lanes.tasks.generate import GenerateRequest
