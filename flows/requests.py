@@ -43,11 +43,8 @@ from lanes.protocols.answers import (
     chat_response,
     completion_response,
 )
-from lanes.protocols.completions import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    prepare_prompts,
-)
+from lanes.protocols.chat import ChatCompletionRequest
+from lanes.protocols.completions import CompletionRequest, prepare_prompts
 from lanes.protocols.openai import (
     BATCH_URLS,
     BatchRequestLine,

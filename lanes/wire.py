@@ -32,7 +32,8 @@ from lanes.payloads import (
     vector,
 )
 from lanes.protocols import REQUEST_ID_HEADER, TIMEOUT_HEADER
-from lanes.protocols.completions import ChatCompletionRequest, CompletionRequest
+from lanes.protocols.chat import ChatCompletionRequest
+from lanes.protocols.completions import CompletionRequest
 from lanes.protocols.openai import EmbeddingsRequest
 from lanes.protocols.v2 import InferRequest
 from lanes.settings import Settings

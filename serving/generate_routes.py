@@ -46,13 +46,9 @@ from lanes.protocols.answers import (
     usage_body,
     usage_chunk,
 )
-from lanes.protocols.completions import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    GenerateParams,
-    check_choices,
-    prepare_prompts,
-)
+from lanes.protocols.chat import ChatCompletionRequest
+from lanes.protocols.completions import CompletionRequest, prepare_prompts
+from lanes.protocols.generateparams import GenerateParams, check_choices
 from lanes.protocols.openai import (
     error_of,
     parse,

@@ -15,7 +15,7 @@ from lanes.errors import InvalidInput, PermanentStorageError
 from lanes.flows.records import Line, count_records, is_known, output_name, read_shard, unit
 from lanes.flows.requests import PlainRecord, Rejection, to_request
 from lanes.flows.shape import RecordShape
-from lanes.protocols.completions import GenerationOptions
+from lanes.protocols.generateparams import GenerationOptions
 from lanes.settings import Settings
 from lanes.spec import OfflineWorkload
 from lanes.storage import Storage

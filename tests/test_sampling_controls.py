@@ -19,7 +19,7 @@ from lanes.errors import InvalidInput, SpecError
 from lanes.flows.records import Line
 from lanes.flows.requests import Rejection, to_request
 from lanes.flows.shape import RecordShape
-from lanes.protocols.completions import ChatMessage, render_chat
+from lanes.protocols.chat import ChatMessage, render_chat
 from lanes.runtime import Runtime
 from lanes.settings import Settings
 from lanes.spec import Generation, OfflineWorkload

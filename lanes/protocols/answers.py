@@ -3,7 +3,8 @@ chunks, and the `logprobs` and echo they carry.
 
 The online routes (serving/generate_routes.py) and the offline batch lines
 (flows/requests.py) both answer with these bodies, so both lanes answer alike; the
-requests they answer are in lanes/protocols/completions.py.
+requests they answer are in lanes/protocols/completions.py and chat.py (what both
+share: generateparams.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """OpenAI-compatible request and response shapes (no HTTP): what every request shares
 (strict fields, `parse`, inputs as texts or token ids), embeddings, error bodies and
-batch-file lines. Completions and chat completions are in lanes.protocols.completions (requests)
-and lanes.protocols.answers (answers).
+batch-file lines. Completions and chat completions are in lanes.protocols.completions,
+lanes.protocols.chat and lanes.protocols.generateparams (requests) and
+lanes.protocols.answers (answers).
 
 Serving wraps these in routes; flows wraps them in batch records, so an offline
 OpenAI batch line gets exactly the body the online endpoint would have answered.

@@ -29,7 +29,7 @@ from pydantic import ValidationError
 from lanes.errors import InvalidInput, shown
 from lanes.generation.kvbudget import KvBudget
 from lanes.isolation import Failed
-from lanes.protocols.completions import GenerationOptions
+from lanes.protocols.generateparams import GenerationOptions
 from lanes.runtime import Runtime
 from lanes.spec import (
     Generation,
