@@ -31,11 +31,9 @@ from lanes.protocols.v2 import (
     InferCall,
     InferRequest,
     datatype_of,
-    encode_response,
-    output_metadata,
-    parse_infer,
-    result_arrays,
 )
+from lanes.protocols.v2inputs import parse_infer
+from lanes.protocols.v2outputs import encode_response, output_metadata, result_arrays
 from lanes.runtime import TensorInfo
 from lanes.serving.access import RequestRecord, named, record_of
 from lanes.serving.http import (
