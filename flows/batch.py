@@ -47,7 +47,7 @@ from prefect import State, flow
 from prefect.states import Completed
 
 from lanes.backfill import served_workload
-from lanes.errors import JobFailed, LanesError, StorageError
+from lanes.errors import JobFailed, LanesError, OutputBusy, StorageError
 from lanes.flows import FLOW_NAME
 from lanes.flows.endpoint import batch_key, check_key, check_reachable, model_weights
 from lanes.flows.job import Job, Lane, check_output_owner, plan_job, plan_shards
@@ -214,7 +214,7 @@ def run_job(
     storage.ensure_folder(job.output)
     # One run at a time writes an output (lanes.runlock): another run of it now
     # would redo every shard this one has not committed yet.
-    with storage.exclusive(job.output, _holder(started)):
+    with storage.exclusive(job.output, _holder(started)) as held:
         storage.clean_stale(job.output, STALE_STAGING_S)
         plans = plan_shards(job, storage)
         check_output_owner(job, plans, storage)
@@ -236,7 +236,8 @@ def run_job(
         check_records(job, [p.plan for p in pending if p.retry is None], storage)
         progress("planned", shards=len(plans), pending=len(pending))
         trace = tracing.carrier() if tracing is not None else None
-        shards = run_shards(job, pending, settings, trace, finish_by)
+        # A lost S3 lease (lanes.s3lock) is another run's output now: no shard starts.
+        shards = run_shards(job, pending, settings, trace, finish_by, lambda: held.lost)
         failures = shards.failures
         measurements = Measurements(settings.home)
         manifest = build_manifest(
@@ -274,9 +275,20 @@ def run_job(
         # source is its manifest, so none without one.
         if not failures and missing is None:
             _record_throughput(measurements, job, manifest, uri)
+        if held.lost is not None:
+            raise OutputBusy(f"{held.lost}; {_lost(shards)}")
         if failures:
             raise JobFailed(_failed(plans, shards, missing))
         return Ran(manifest, missing)
+
+
+def _lost(shards: ShardsOutcome) -> str:
+    """What a run that lost its output's lease mid-way left to the run that took it."""
+    return (
+        f"this run committed {len(shards.stats)} shards and started no other "
+        f"({shards.not_started} not started); the run that holds the output now runs "
+        "those not committed. If none does, run again"
+    )
 
 
 def _holder(started: datetime) -> str:

@@ -4,14 +4,15 @@
 runner (threads here, or a Dask cluster through prefect-dask) with at most
 `runner.max_concurrent_shards` in flight, and starts none once `finish_by` passed or a
 shard found the run's endpoint gone (flows.endpoint): each would only pay the same
-refused attempts. What became of them is a `ShardsOutcome`.
+refused attempts. Nor once the caller's `stop` says why not (the run lost its output's
+lease to another run, lanes.s3lock). What became of them is a `ShardsOutcome`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -58,10 +59,11 @@ def run_shards(
     settings: Settings,
     trace: dict[str, str] | None = None,
     finish_by: datetime | None = None,
+    stop: Callable[[], str | None] = lambda: None,
 ) -> ShardsOutcome:
     """Submit shard tasks, never more than `max_concurrent_shards` in flight, and none
-    once `finish_by` passed or a shard found the endpoint gone (the shards in flight
-    then end as they do)."""
+    once `finish_by` passed, a shard found the endpoint gone, or `stop` says why not
+    (the shards in flight then end as they do)."""
     if not pending:
         return ShardsOutcome([], [])
     bound = job.runner.max_concurrent_shards
@@ -78,6 +80,7 @@ def run_shards(
         for _ in range(len(pending)):
             if not stopped and finish_by is not None and datetime.now(UTC) >= finish_by:
                 stopped = f"past its deadline {finish_by.isoformat()}"
+            stopped = stopped or stop() or ""
             if stopped and queue:
                 log.warning("%s: %d shards not started: %s", job.workload, len(queue), stopped)
                 not_started += len(queue)

@@ -12,9 +12,11 @@ first. The kernel drops the lock when its process dies, however it dies, so a ki
 run never blocks the next, and the file is never removed (removing a locked file would
 let two runs lock two different files of the same name).
 
-Where the folder's filesystem has no locks, runs are not kept apart (as before). An
-S3 output has no lock: there, two runs at once each do the work, and the results are
-still each record once.
+An S3 output has no `flock`: there `_running` is a lease (lanes.s3lock), taken with
+a conditional write, renewed by its holder and taken over once a killed run stops
+renewing it. Where a local folder's filesystem has no locks, runs are not kept apart
+(the run warns): two runs at once each do the work, and the results are still each
+record once.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from lanes.errors import OutputBusy, StorageError
@@ -31,8 +34,26 @@ from lanes.errors import OutputBusy, StorageError
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class Held:
+    """A run's hold on its output. `lost` says why the run no longer holds it (an S3
+    lease another run took over, or found gone: lanes.s3lock), None while it does; a
+    `flock` is never lost."""
+
+    lost: str | None = None
+
+
+def busy_message(folder: object, holder: str) -> str:
+    """OutputBusy's message: the run that holds `folder`, named by its lock's `holder`."""
+    return (
+        f"{folder} is being written by another run ({holder or 'one starting now'}); "
+        "this run wrote nothing. Wait for that one to end (then run again: the "
+        "shards it committed are skipped), or cancel it and run again"
+    )
+
+
 @contextmanager
-def output_lock(path: Path, holder: str) -> Iterator[None]:
+def output_lock(path: Path, holder: str) -> Iterator[Held]:
     """Hold the lock file `path` while the block runs, writing `holder` (who runs,
     where, since when) into it. Raises OutputBusy, naming the holder, when another
     process holds it; StorageError when the file cannot be opened."""
@@ -49,17 +70,13 @@ def output_lock(path: Path, holder: str) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             other = os.pread(fd, 4096, 0).decode(errors="replace").strip()
-            raise OutputBusy(
-                f"{path.parent} is being written by another run ({other or 'one starting now'}); "
-                "this run wrote nothing. Wait for that one to end (then run again: the "
-                "shards it committed are skipped), or cancel it and run again"
-            ) from None
+            raise OutputBusy(busy_message(path.parent, other)) from None
         except OSError as err:  # a filesystem without locks (ENOLCK, EOPNOTSUPP)
             log.warning("%s: cannot lock (%s): runs at once are not kept apart", path, err)
         os.ftruncate(fd, 0)
         os.pwrite(fd, holder.encode(), 0)
         try:
-            yield
+            yield Held()
         finally:
             os.ftruncate(fd, 0)  # released: nobody holds it now
     finally:

@@ -231,6 +231,14 @@ class Settings(BaseSettings):
         "sending before the listener closes; a second signal stops at once.",
     )
     s3_endpoint: str | None = Field(None, description="S3 endpoint URL (e.g. a MinIO server).")
+    # Long enough that a renewal (every third of it) outlives an S3 hiccup and boto3's
+    # retries; short enough that a killed run holds its output a minute, not a night.
+    s3_lease_s: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds a run's lease on an S3 output (<output>/_running) lasts "
+        "unrenewed: a killed run's is taken over this long (and a second) after it died.",
+    )
     work_pool: str = Field("lanes", description="Prefect work pool offline deployments use.")
     prefect_api_url: str | None = Field(
         None,

@@ -32,7 +32,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext, suppress
+from contextlib import AbstractContextManager, ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -50,8 +50,9 @@ from lanes.localfiles import (
     regular_file,
     walk,
 )
-from lanes.runlock import output_lock
+from lanes.runlock import Held, output_lock
 from lanes.s3errors import Missing, s3_errors
+from lanes.s3lock import s3_output_lock
 from lanes.settings import Settings
 from lanes.staging import SUFFIX as STAGING_SUFFIX
 from lanes.staging import remove_if_abandoned, staging_file
@@ -452,11 +453,11 @@ class Storage:
             return 0
         return sum(remove_if_abandoned(p, older_than_s) for p in root.rglob(f".*{STAGING_SUFFIX}"))
 
-    def exclusive(self, folder: str, holder: str) -> AbstractContextManager[None]:
-        """Held by the one run writing the local output `folder` (lanes.runlock: another
-        one raises OutputBusy naming `holder`); an S3 output is not locked."""
+    def exclusive(self, folder: str, holder: str) -> AbstractContextManager[Held]:
+        """Held by the one run writing the output `folder` (lanes.runlock: another one
+        raises OutputBusy naming `holder`); on S3, a lease (lanes.s3lock)."""
         if is_s3(folder):
-            return nullcontext()
+            return s3_output_lock(self._s3(), join(folder, RUNNING), holder, self.settings)
         return output_lock(_local_path(folder) / RUNNING, holder)
 
     def ensure_folder(self, location: str) -> None:
