@@ -57,7 +57,7 @@ class _Found:
     lease_s: float | None  # None: its body does not say (not a lease of ours)
     etag: str
     age_s: float
-    body: bytes
+    token: str | None  # None: not a lease of ours
 
 
 class S3Lease:
@@ -78,11 +78,13 @@ class S3Lease:
         self._client, self._endpoint = client, endpoint
         self._bucket, _, key = uri.removeprefix("s3://").partition("/")
         self._key = key.lstrip("/")
-        # The token makes our ETag ours alone, even beside a holder string like ours. The
-        # body never changes, nor then our ETag: a write S3 made but whose answer was lost,
-        # retried by boto3, meets the same ETag.
-        body = {"holder": holder, "lease_s": lease_s, "token": uuid.uuid4().hex}
-        self._body = json.dumps(body).encode()
+        # The token makes our writes ours alone, even beside a holder string like ours: a
+        # create S3 made but whose answer was lost, retried by boto3, is read back as
+        # ours. Each write also counts itself, so that each renewal changes the ETag: a
+        # run that judged the lease stale before a late renewal then cannot take it over
+        # (its If-Match names the ETag before the renewal).
+        self._token = uuid.uuid4().hex
+        self._writes = 0
         self._etag: str | None = None
 
     def acquire(self) -> None:
@@ -101,7 +103,7 @@ class S3Lease:
                     )
                 return
             found = self._read()
-            if found is not None and found.body == self._body:
+            if found is not None and found.token == self._token:
                 self._etag = found.etag  # our create, whose answer was lost and retried
                 return
             if found is not None and not self._stale(found):
@@ -157,6 +159,16 @@ class S3Lease:
             # Left behind, it only makes the next run wait out one lease.
             log.warning("%s: could not release the lease (%s)", self.uri, err)
 
+    def _body(self) -> bytes:
+        self._writes += 1
+        body = {
+            "holder": self.holder,
+            "lease_s": self.lease_s,
+            "token": self._token,
+            "write": self._writes,
+        }
+        return json.dumps(body).encode()
+
     def _put(self, condition: dict[str, str]) -> bool:
         """Write our body under `condition`; False when S3 refused the condition."""
         from botocore.exceptions import ClientError
@@ -164,7 +176,7 @@ class S3Lease:
         with s3_errors(self.uri, "write", self._endpoint):
             try:
                 put = self._client.put_object(
-                    Bucket=self._bucket, Key=self._key, Body=self._body, **condition
+                    Bucket=self._bucket, Key=self._key, Body=self._body(), **condition
                 )
             except ClientError as err:
                 if _code(err) in _LOST:
@@ -187,8 +199,8 @@ class S3Lease:
             data = got["Body"].read()
         now = parsedate_to_datetime(got["ResponseMetadata"]["HTTPHeaders"]["date"])
         age = (now - got["LastModified"]).total_seconds()
-        holder, lease_s = _parse(data)
-        return _Found(holder, lease_s, str(got["ETag"]), age, data)
+        holder, lease_s, token = _parse(data)
+        return _Found(holder, lease_s, str(got["ETag"]), age, token)
 
     def _stale(self, found: _Found) -> bool:
         """Not renewed within its holder's lease (ours, when its body does not say)."""
@@ -214,14 +226,15 @@ def s3_output_lock(client: Any, uri: str, holder: str, settings: Settings) -> It
         lease.release()
 
 
-def _parse(data: bytes) -> tuple[str, float | None]:
-    """A lease body's holder and lease; what it says, raw, when it is not one of ours."""
+def _parse(data: bytes) -> tuple[str, float | None, str | None]:
+    """A lease body's holder, lease and token; what it says, raw, when it is not one of
+    ours."""
     text = data.decode(errors="replace").strip()
     try:
         body = json.loads(text)
-        return str(body["holder"]), float(body["lease_s"])
+        return str(body["holder"]), float(body["lease_s"]), str(body["token"])
     except (ValueError, KeyError, TypeError):
-        return text, None
+        return text, None, None
 
 
 def _code(err: Any) -> str:

@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from botocore.exceptions import ClientError
 
 from lanes.errors import OutputBusy
 from lanes.flows.batch import offline
+from lanes.s3lock import S3Lease
 from lanes.settings import Settings
 from lanes.storage import Storage
 from tests.flows_fixtures import (
@@ -167,6 +169,25 @@ def test_a_renewal_never_takes_back_a_lease_another_run_took_over(
         lost = wait_until(lambda: held.lost, 10, "run A's renewal to find run B's lease")
     assert lost == "lost the lease of s3://results/out/_running: another run holds it (run B)"
     assert _holder(s3) == "run B", "neither A's renewals nor its release touched B's lease"
+
+
+def test_a_renewal_changes_the_lease_so_a_taker_that_judged_it_stale_loses(
+    s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A taker reads the lease, judges it stale, and writes with If-Match on what it read.
+    # Had the holder renewed in between (it was late, not dead), that write must fail:
+    # so a renewal must change the object's ETag, not rewrite the same bytes.
+    s3 = s3_env(monkeypatch, s3_endpoint)
+    s3.create_bucket(Bucket="results")
+    lease = S3Lease(s3, "s3://results/out/_running", "run A", s3_endpoint, lease_s=60)
+    lease.acquire()
+    judged = s3.head_object(Bucket="results", Key="out/_running")["ETag"]
+    assert lease.renew()
+    with pytest.raises(ClientError) as refused:
+        s3.put_object(Bucket="results", Key="out/_running", Body=b"run B", IfMatch=judged)
+    assert refused.value.response["Error"]["Code"] == "PreconditionFailed"
+    assert _holder(s3) == "run A"
+    lease.release()
 
 
 def test_a_run_that_lost_its_lease_starts_no_further_shard_and_fails(
