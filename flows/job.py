@@ -3,8 +3,10 @@
 Relative local paths in the spec (and in --input/--output) are read against the
 folder of workloads.yaml, like model paths, so a deployment finds the same files
 wherever its worker starts. An input other than the workload's own must lie under
-it, its staging area or an allowed root (lanes.inputs): whoever made the flow run,
-the job reads with this worker's credentials.
+it, its staging area or an allowed root (lanes.inputs), and an output other than the
+workload's own under its output folder, the Batch API's store or an allowed root
+(lanes.outputs): whoever made the flow run, the job reads and writes with this
+worker's credentials.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from lanes.flows.records import FORMATS, is_known, output_name
 from lanes.flows.shard import ShardPlan
 from lanes.inputs import allowed_roots, check_files, check_input, folder_of, output_inside_input
 from lanes.layout import ERRORS, MARKERS
+from lanes.outputs import check_output
 from lanes.settings import Settings
 from lanes.spec import (
     OfflineWorkload,
@@ -112,6 +115,10 @@ def settle_job(
         check_input(source, own, base, settings)
         roots = tuple(allowed_roots(own, base, settings))
     dest = _resolve(output or w.output, base, "output")
+    if output:
+        # Where the worker writes, with its credentials: whoever made the flow run.
+        own_output = declared.output if isinstance(declared, OfflineWorkload) else None
+        check_output(dest, own_output, base, settings)
     if output_inside_input(dest, source, base):
         raise StorageError(
             f"output {dest} is inside input {source}: outputs would be read as inputs on "

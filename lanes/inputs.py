@@ -83,14 +83,7 @@ def check_input(
     """Raise InvalidInput unless `uri` lies under one of `allowed_roots`. Relative
     local paths are read against `base`; `written` is how the user wrote `uri`, for
     the message."""
-    if "\x00" in uri:  # no path holds one: the OS would refuse it as a ValueError
-        raise InvalidInput(f"input {uri!r}: a path may not hold a NUL character")
-    if is_s3(uri):
-        dots = [p for p in split_s3(uri)[1].split("/") if p in (".", "..")]
-        if dots:
-            raise InvalidInput(f"input {uri}: an s3:// URI may not hold {dots[0]!r} parts")
-    elif "://" in uri and not uri.startswith("file://"):
-        raise InvalidInput(f"input {uri}: unsupported scheme; use a local path or s3://")
+    check_spelling(uri, "input")
     resolved = absolute(uri, base)
     roots = allowed_roots(workload_input, base, settings)
     if any(_under(_fixed(resolved), _fixed(root)) for root in roots):
@@ -103,6 +96,20 @@ def check_input(
         "allow its folder in LANES_ALLOWED_INPUT_ROOTS (a JSON list) where the job is "
         "submitted and where it runs"
     )
+
+
+def check_spelling(uri: str, what: str) -> None:
+    """Raise InvalidInput, naming `what` ("input", "output"), for a location no check
+    of its place could judge: a NUL character, an s3:// URI with `.` or `..` parts, a
+    scheme other than a local path's, file:// and s3://."""
+    if "\x00" in uri:  # no path holds one: the OS would refuse it as a ValueError
+        raise InvalidInput(f"{what} {uri!r}: a path may not hold a NUL character")
+    if is_s3(uri):
+        dots = [p for p in split_s3(uri)[1].split("/") if p in (".", "..")]
+        if dots:
+            raise InvalidInput(f"{what} {uri}: an s3:// URI may not hold {dots[0]!r} parts")
+    elif "://" in uri and not uri.startswith("file://"):
+        raise InvalidInput(f"{what} {uri}: unsupported scheme; use a local path or s3://")
 
 
 def check_files(input: str, files: Iterable[str], roots: Sequence[str]) -> None:

@@ -261,6 +261,15 @@ class Settings(BaseSettings):
         "folders are read against the spec's folder. Set it where jobs are submitted and "
         "where they run: the worker refuses the rest.",
     )
+    allowed_output_roots: tuple[str, ...] = Field(
+        (),
+        description="Folders and s3:// prefixes a job may write besides its workload's own "
+        "output folder and the Batch API's store (a flow run's `output`, `lanes run "
+        "--output`), as a JSON list: "
+        'LANES_ALLOWED_OUTPUT_ROOTS=\'["s3://shared/results/", "/results/"]\'. Relative '
+        "folders are read against the spec's folder. Set it where jobs run: the worker "
+        "refuses the rest.",
+    )
     log_format: LogFormat = Field(
         "text", description="Log lines as text or as one JSON object per line."
     )
@@ -319,8 +328,8 @@ class Settings(BaseSettings):
         """The LANES_ variables that give another process the settings chosen here that
         lanes' processes elsewhere must agree on: the S3 endpoint and the Batch API's
         store (the server writes a batch's input there, the flow run reads it), and,
-        where set here, the roots a job may read (a flow run refuses what the submitter
-        allowed otherwise), the off-peak window (a deployment fires on the one it was
+        where set here, the roots a job may read and write (a flow run refuses what the
+        submitter allowed otherwise), the off-peak window (a deployment fires on the one it was
         compiled with; its runs plan their deadlines on it) and the price (manifests,
         the server's metric). Unset ones are left out: the other process keeps its own.
         `lanes render k8s` puts them in every pod's env, `lanes compile` in each
@@ -333,6 +342,8 @@ class Settings(BaseSettings):
         chosen = self.model_fields_set
         if "allowed_input_roots" in chosen:
             env["LANES_ALLOWED_INPUT_ROOTS"] = json.dumps(list(self.allowed_input_roots))
+        if "allowed_output_roots" in chosen:
+            env["LANES_ALLOWED_OUTPUT_ROOTS"] = json.dumps(list(self.allowed_output_roots))
         if "offpeak" in chosen:
             offpeak = self.offpeak
             for key in sorted(offpeak.model_fields_set | {"cron", "timezone"}):
@@ -430,7 +441,7 @@ class Settings(BaseSettings):
             raise ValueError(f"expected an http:// or https:// URL, found {value!r}")
         return value
 
-    @field_validator("allowed_input_roots")
+    @field_validator("allowed_input_roots", "allowed_output_roots")
     @classmethod
     def _roots_are_folders(cls, roots: tuple[str, ...]) -> tuple[str, ...]:
         for root in roots:

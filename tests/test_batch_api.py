@@ -113,8 +113,10 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
             "LANES_BATCH__STORE": str(store),
             GATE_FILE_ENV: str(gate),
             "PREFECT_WORKER_QUERY_SECONDS": "1",
-            # The S3 test's store: the worker reads its batches' inputs there.
+            # The S3 test's store: the worker reads its batches' inputs there and
+            # writes their outputs there.
             "LANES_ALLOWED_INPUT_ROOTS": json.dumps([f"s3://{BUCKET}/"]),
+            "LANES_ALLOWED_OUTPUT_ROOTS": json.dumps([f"s3://{BUCKET}/"]),
             **{k: v for k, v in os.environ.items() if k.startswith("AWS_")},
             "PYTHONPATH": os.pathsep.join(sys.path),
         }

@@ -497,12 +497,14 @@ def test_a_broken_handler_fails_its_shards_but_not_the_others(
 
 
 def test_refuses_interactive_workloads_and_outputs_inside_inputs(
-    prefect_api: str, tmp_path: Path
+    prefect_api: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     interactive = {"mode": "interactive", "task": "infer", "model": "affine"}
     spec = write_spec(tmp_path, {"live": interactive, "aff": offline_workload("infer")})
     with pytest.raises(WrongMode, match="interactive"):
         offline(workload="live", spec=str(spec))
+    # Even where a root allows writing there.
+    monkeypatch.setenv("LANES_ALLOWED_OUTPUT_ROOTS", json.dumps([str(tmp_path / "in")]))
     with pytest.raises(StorageError, match="inside input"):
         offline(workload="aff", spec=str(spec), output=str(tmp_path / "in" / "out"))
     (tmp_path / "in").mkdir()
@@ -574,13 +576,16 @@ def test_dask_runner_gives_the_same_output_as_the_default(prefect_api: str, tmp_
     assert manifest["shards_run"] == 4
 
 
-def test_lanes_run_prints_the_manifest_summary(prefect_api: str, tmp_path: Path) -> None:
+def test_lanes_run_prints_the_manifest_summary(
+    prefect_api: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     spec = write_spec(tmp_path, {"aff": offline_workload("infer")})
     write_jsonl(tmp_path / "in" / "a.jsonl", [{"id": i, "x": [[i, 0, 0, 0]]} for i in range(7)])
     app = typer.Typer()
     app.command("run")(run_command)
     app.command("noop")(lambda: None)  # two commands: typer then wants the command's name
     other = tmp_path / "elsewhere"
+    monkeypatch.setenv("LANES_ALLOWED_OUTPUT_ROOTS", json.dumps([str(other)]))
     result = CliRunner().invoke(
         app, ["run", "aff", "--file", str(spec), "--output", str(other)], catch_exceptions=False
     )

@@ -108,6 +108,7 @@ def test_an_s3_key_with_a_double_slash_stays_inside_a_local_output(
     aff = workload(input="s3://lanes-in/corpus/", max_error_rate=0.5)
     spec = write_spec(tmp_path / "project", {"aff": aff})
     out = tmp_path / "out"
+    monkeypatch.setenv("LANES_ALLOWED_OUTPUT_ROOTS", json.dumps([str(out)]))
 
     result = lanes_run("aff", "--file", str(spec), "--output", str(out))
 
@@ -136,6 +137,7 @@ def test_inputs_that_would_write_one_file_are_refused_naming_both(
         s3.put_object(Bucket="lanes-in", Key=key, Body=json.dumps(records("a", 1)[0]).encode())
     spec = write_spec(tmp_path / "project", {"aff": workload(input="s3://lanes-in/corpus/")})
     out = tmp_path / "out"
+    monkeypatch.setenv("LANES_ALLOWED_OUTPUT_ROOTS", json.dumps([str(out)]))
     with pytest.raises(StorageError) as caught:
         offline(workload="aff", spec=str(spec), output=str(out))
     message = str(caught.value)
@@ -202,8 +204,10 @@ def test_an_input_outside_the_workloads_is_refused_unless_a_setting_allows_it(
 
     # Under the workload's own input: as before.
     assert offline(workload="aff", spec=str(spec), input="in/sub/")["outputs"] == 2
-    # A root the setting allows.
+    # A root the setting allows (and an output beside the workload's, read against the
+    # spec's folder as the input is).
     monkeypatch.setenv("LANES_ALLOWED_INPUT_ROOTS", json.dumps([str(tmp_path / "elsewhere")]))
+    monkeypatch.setenv("LANES_ALLOWED_OUTPUT_ROOTS", '["out-2/"]')
     summary = offline(workload="aff", spec=str(spec), input=pattern, output="out-2/")
     assert summary["outputs"] == 3
 
@@ -252,6 +256,7 @@ def test_links_inside_the_roots_and_the_operators_own_still_read(
     the link only once a root allows its target."""
     spec = linked_project(tmp_path, monkeypatch)
     project = tmp_path / "project"
+    monkeypatch.setenv("LANES_ALLOWED_OUTPUT_ROOTS", '["out-2/", "out-3/"]')
     (tmp_path / "uploads" / "ours.jsonl").symlink_to(project / "in" / "a.jsonl")
     summary = offline(workload="aff", spec=str(spec), input=str(tmp_path / "uploads"))
     assert summary["outputs"] == 3
@@ -286,6 +291,93 @@ def test_a_link_swapped_in_after_planning_fails_its_shard_unread(
             caught.value
         )
     assert files_under(tmp_path / "project" / "out") == {}
+
+
+# ---- outputs ------------------------------------------------------------------------------
+
+
+def submitted_project(tmp_path: Path) -> Path:
+    """A project whose workload writes `out/`, with a job's records staged as `submit`
+    stages them (in/_submitted/<key>/), and an `elsewhere/` folder beside it."""
+    spec = write_spec(tmp_path / "project", {"aff": workload()})
+    write_jsonl(
+        tmp_path / "project" / "in" / "_submitted" / "k1" / "records.jsonl", records("j", 2)
+    )
+    (tmp_path / "elsewhere").mkdir()
+    return spec
+
+
+def test_a_flow_run_writing_outside_the_workloads_output_is_refused_unwritten(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    """Whoever creates a flow run names its output; the worker writes it with its own
+    credentials. Outside the workload's output folder, nothing is written at all."""
+    spec = submitted_project(tmp_path)
+    staged, elsewhere = "in/_submitted/k1/", tmp_path / "elsewhere"
+    with pytest.raises(InvalidInput) as caught:
+        offline(workload="aff", spec=str(spec), input=staged, output=f"{elsewhere}/")
+    message = str(caught.value)
+    assert f"output {elsewhere}/ is outside where this workload writes (" in message
+    assert str(tmp_path / "project" / "out") in message and "LANES_ALLOWED_OUTPUT_ROOTS" in message
+    refused = lanes_run("aff", "--file", str(spec), "--output", str(elsewhere / "run"))
+    assert refused.exit_code == 2, refused.output
+    assert "is outside where this workload writes" in refused.output
+    assert "LANES_ALLOWED_OUTPUT_ROOTS" in refused.output
+    assert files_under(elsewhere) == {} and not (tmp_path / "project" / "out").exists()
+
+
+def test_an_output_under_the_workloads_output_or_an_allowed_root_is_written(
+    prefect_api: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where `submit` writes (<output>/jobs/<key>/) is the workload's own; a folder
+    elsewhere only once LANES_ALLOWED_OUTPUT_ROOTS allows it."""
+    spec = submitted_project(tmp_path)
+    staged, elsewhere = "in/_submitted/k1/", tmp_path / "elsewhere"
+    summary = offline(workload="aff", spec=str(spec), input=staged, output="out/jobs/k1/")
+    assert summary["outputs"] == 2
+    assert files_under(tmp_path / "project" / "out" / "jobs" / "k1")["records.jsonl"] == 2
+    with pytest.raises(InvalidInput, match="LANES_ALLOWED_OUTPUT_ROOTS"):
+        offline(workload="aff", spec=str(spec), input=staged, output=str(elsewhere / "k1"))
+    monkeypatch.setenv("LANES_ALLOWED_OUTPUT_ROOTS", json.dumps([str(elsewhere)]))
+    summary = offline(workload="aff", spec=str(spec), input=staged, output=str(elsewhere / "k1"))
+    assert summary["outputs"] == 2 and files_under(elsewhere)["k1/records.jsonl"] == 2
+
+
+def test_an_output_spelt_out_of_the_workloads_output_is_refused(
+    prefect_api: str, tmp_path: Path, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`..` leads out of a local output folder once resolved; S3 keeps `..` as a key, but
+    an HTTP layer may collapse it, so an s3:// output may not hold one at all."""
+    spec = submitted_project(tmp_path)
+    staged, project = "in/_submitted/k1/", tmp_path / "project"
+    for output in ("out/jobs/../../../elsewhere/", f"{project}/out/../elsewhere/"):
+        with pytest.raises(InvalidInput, match="is outside where this workload writes"):
+            offline(workload="aff", spec=str(spec), input=staged, output=output)
+    assert files_under(tmp_path / "elsewhere") == {} and not (project / "elsewhere").exists()
+
+    s3 = s3_env(monkeypatch, s3_endpoint)
+    s3.create_bucket(Bucket="lanes-out")
+    spec = write_spec(project, {"aff": workload(output="s3://lanes-out/out/")})
+    with pytest.raises(InvalidInput, match=r"output s3://lanes-out/out/\.\./secret/: an s3:// URI"):
+        offline(
+            workload="aff", spec=str(spec), input=staged, output="s3://lanes-out/out/../secret/"
+        )
+    assert "Contents" not in s3.list_objects_v2(Bucket="lanes-out")
+
+
+def test_an_output_folder_linked_out_of_the_workloads_output_is_refused(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    """A job's output folder made a link to another folder before the run is judged by
+    where it leads, not by its name."""
+    spec = submitted_project(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    (tmp_path / "project" / "out" / "jobs").mkdir(parents=True)
+    (tmp_path / "project" / "out" / "jobs" / "k1").symlink_to(elsewhere)
+    with pytest.raises(InvalidInput) as caught:
+        offline(workload="aff", spec=str(spec), input="in/_submitted/k1/", output="out/jobs/k1/")
+    assert f"out/jobs/k1/ ({elsewhere}/) is outside where this workload writes" in str(caught.value)
+    assert files_under(elsewhere) == {}
 
 
 # ---- writing ------------------------------------------------------------------------------

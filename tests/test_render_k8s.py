@@ -574,11 +574,12 @@ def test_serving_pods_reach_prefect_and_share_the_batch_store(tmp_path: Path) ->
 
 def test_settings_both_sides_read_reach_the_pods_and_the_jobs(tmp_path: Path) -> None:
     """Set where the spec is rendered, what the server and the flow runs both read goes
-    to both: the roots a submitted job may read (the Job's worker refuses the rest), the
+    to both: the roots a job may read and write (the Job's worker refuses the rest), the
     off-peak window (deadlines, Batch API starts) and the price (manifests, metrics)."""
     roots = '["s3://shared/corpora/"]'
     env_vars = {
         "LANES_ALLOWED_INPUT_ROOTS": roots,
+        "LANES_ALLOWED_OUTPUT_ROOTS": '["s3://shared/results/"]',
         "LANES_OFFPEAK__CRON": "0 22 * * *",
         "LANES_OFFPEAK__TIMEZONE": "Europe/Berlin",
         "LANES_OFFPEAK__FINISH_BY": "06:00",
@@ -607,6 +608,7 @@ def test_settings_both_sides_read_reach_the_pods_and_the_jobs(tmp_path: Path) ->
                 env.setenv(name, value)
         back = Settings()  # the pod reads back what was rendered
     assert back.allowed_input_roots == rendered.allowed_input_roots == ("s3://shared/corpora/",)
+    assert back.allowed_output_roots == rendered.allowed_output_roots == ("s3://shared/results/",)
     assert back.offpeak == rendered.offpeak and back.offpeak.finish_by == "06:00"
     assert back.price_per_device_hour == rendered.price_per_device_hour == 2.5
     # Unset where the spec is rendered: the pods keep their defaults.
