@@ -381,6 +381,12 @@ def one_line_error(done: subprocess.CompletedProcess[str] | Result) -> str:
             "env LANES_ALLOWED_INPUT_ROOTS: expected folders and s3:// prefixes without "
             "wildcards, found '/data/*.jsonl'",
         ),
+        (
+            "LANES_ALLOWED_OUTPUT_ROOTS",
+            '["s3://results/*"]',
+            "env LANES_ALLOWED_OUTPUT_ROOTS: expected folders and s3:// prefixes without "
+            "wildcards, found 's3://results/*'",
+        ),
         # compile would write it into every deployment; Prefect refuses it only at deploy.
         (
             "LANES_WORK_POOL",
