@@ -33,8 +33,8 @@ step "lanes validate && lanes plan"
 "$BIN/lanes" plan
 
 step "offline: lanes run embed-corpus (embedded Prefect, no server)"
-"$BIN/lanes" run embed-corpus --output "$WORK/embed-corpus/"
-head -c 300 "$(ls "$WORK"/embed-corpus/*.jsonl | head -1)"; echo " ..."
+"$BIN/lanes" run embed-corpus
+head -c 300 "$(ls .lanes/out/embed-corpus/*.jsonl | head -1)"; echo " ..."
 
 step "interactive: lanes serve on 127.0.0.1:$PORT"
 "$BIN/lanes" serve --port "$PORT" >"$WORK/serve.log" 2>&1 &
