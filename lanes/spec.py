@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     Field,
+    PrivateAttr,
     SerializerFunctionWrapHandler,
     TypeAdapter,
     model_serializer,
@@ -200,6 +201,10 @@ class OfflineWorkload(WorkloadBase):
         "max_tokens (default: no budget: batch_size rows of the whole context may be "
         "cached).",
     )
+    # The key of workloads.yaml that set max_kv_bytes, which refusals name: an
+    # interactive workload's offline copy (in_offline_lane) has its user's
+    # batching.max_kv_bytes. Not a key of the file: copies and pickles keep it, dumps don't.
+    _max_kv_bytes_key: str = PrivateAttr("max_kv_bytes")
     schedule: Schedule | None = None
     retries: Integer = Field(2, ge=0, le=100, description="Retries of a failed shard.")
     runner: Runner = Field(default_factory=Runner)
@@ -213,6 +218,12 @@ class OfflineWorkload(WorkloadBase):
         description="Most rejected records a shard may have, as a fraction of its records: "
         "beyond it the shard fails and is not committed (0: none may fail; 1: no limit).",
     )
+
+    @property
+    def max_kv_bytes_key(self) -> str:
+        """Where `max_kv_bytes` was set: `max_kv_bytes`, or `batching.max_kv_bytes` for
+        an interactive workload's offline copy."""
+        return self._max_kv_bytes_key
 
 
 Workload = Annotated[InteractiveWorkload | OfflineWorkload, Field(discriminator="mode")]
@@ -271,10 +282,13 @@ def in_offline_lane(
     """`workload` in the offline lane: an offline one as declared; an interactive one
     as an offline workload of the keys both modes have (same task, model, handler,
     generation), reading `input` and writing `output`, its batching.max_kv_bytes as
-    its max_kv_bytes, with `offline`'s keys (e.g. batch_size) and the offline defaults
-    for the rest."""
+    its max_kv_bytes (and the key its refusals name), with `offline`'s keys (e.g.
+    batch_size) and the offline defaults for the rest."""
     if isinstance(workload, OfflineWorkload):
         return workload
     shared = workload.model_dump(include=set(WorkloadBase.model_fields) - {"mode"})
-    offline = {"max_kv_bytes": workload.batching.max_kv_bytes, **offline}
-    return OfflineWorkload(mode="offline", input=input, output=output, **shared, **offline)
+    keys = {"max_kv_bytes": workload.batching.max_kv_bytes, **offline}
+    copy = OfflineWorkload(mode="offline", input=input, output=output, **shared, **keys)
+    if "max_kv_bytes" not in offline:
+        copy._max_kv_bytes_key = "batching.max_kv_bytes"
+    return copy

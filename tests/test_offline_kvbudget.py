@@ -5,13 +5,16 @@ record that could never fit is that record's error line, the others answered."""
 from __future__ import annotations
 
 import logging
+import pickle
 import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from lanes.errors import InvalidInput
 from lanes.flows.batch import offline
+from lanes.flows.job import settle_job
 from lanes.runtime import Runtime
 from lanes.settings import Settings
 from lanes.specfile import load_spec
@@ -77,3 +80,27 @@ def test_an_offline_kv_budget_bounds_the_rows_and_refuses_only_what_never_fits(
     (error,) = errors_of(tmp_path / "bounded")
     assert error["id"] == "huge"
     assert f"max_kv_bytes ({budget} bytes)" in str(error) and "max_tokens" in str(error)
+
+
+def test_a_batch_api_batch_names_the_budget_its_user_set(demo_models: Path, tmp_path: Path) -> None:
+    """A Batch API batch runs an interactive workload as its offline copy, whose
+    max_kv_bytes is the workload's batching.max_kv_bytes: a line over it names the key
+    the user set, through the pickle that takes the job to a Dask worker."""
+    live = "  live:\n    mode: interactive\n    task: generate\n    model: tinycode\n"
+    spec = load_spec(write_spec(tmp_path, demo_models, live), Settings())
+    position_bytes = load_task(
+        "live", spec, Runtime(Settings(device="cpu"))
+    ).kv_budget.position_bytes
+    budget = 20 * position_bytes  # 20 positions: prompt and max_tokens
+    spec = load_spec(
+        write_spec(tmp_path, demo_models, live + f"    batching: {{max_kv_bytes: {budget}}}\n"),
+        Settings(),
+    )
+    settings = Settings(batch={"store": str(tmp_path / "store")})
+    staged = f"{settings.batch_store()}batches/b1/"
+    job = settle_job(spec, "live", tmp_path, settings, f"{staged}in/", f"{staged}out/", "offline")
+    job = pickle.loads(pickle.dumps(job))
+    task = load_task(job.workload, job.spec, Runtime(Settings(device="cpu")))
+    with pytest.raises(InvalidInput) as caught:
+        task.prepare({"prompt": "def ", "max_tokens": 400})
+    assert f"batching.max_kv_bytes ({budget} bytes)" in str(caught.value)

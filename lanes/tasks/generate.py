@@ -213,11 +213,12 @@ class GenerateTask:
         # Whether the online engine prefills arrivals beside a decode (serving/engine.py).
         self.room_beside = runtime.room_beside(model)
         self.prefix_bytes = runtime.settings.prefix_cache_bytes  # offline batches' bound
-        # An offline workload has no batching: its budget is a key of its own.
+        # An offline workload has no batching: its budget is a key of its own, unless it
+        # is an interactive workload's offline copy (a Batch API batch's).
         if isinstance(workload, InteractiveWorkload):
             key, most = "batching.max_kv_bytes", workload.batching.max_kv_bytes
         else:
-            key, most = "max_kv_bytes", workload.max_kv_bytes
+            key, most = workload.max_kv_bytes_key, workload.max_kv_bytes
         config = self.decoder.config
         self.kv_budget = KvBudget(most, self.decoder.position_bytes, config.max_position, key)
         self._log_kv_risk()
