@@ -501,7 +501,8 @@ class Engine:
             self._waiting = sum(not s.offline for s in self._inbox) + self.scheduler.num_waiting
             offline = sum(s.offline for s in self._inbox) + self.scheduler.num_offline_waiting
         self.observer.planned(plan, self._waiting, offline)
-        self.observer.series.kv_reserved.set(self.scheduler.kv_reserved)
+        if self.task.kv_budget.max_bytes is not None:  # a sum over the rows: where it bounds
+            self.observer.series.kv_reserved.set(self.scheduler.kv_reserved)
 
     def _report(self) -> None:
         """The steps run and not reported yet: into the metrics (`StepObserver.observe`), then

@@ -265,7 +265,7 @@ class Metrics:
             "lanes_kv_reserved_bytes",
             "KV cache the sequences in flight may take at most: each one's prompt and "
             "max_tokens (at most the context) times the model's bytes per token; "
-            "batching.max_kv_bytes bounds it.",
+            "batching.max_kv_bytes bounds it (without one: 0, not counted).",
             ["workload"],
             registry=r,
         )

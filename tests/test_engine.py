@@ -594,6 +594,24 @@ async def test_a_kv_budget_of_two_worst_cases_holds_a_third_until_one_leaves(
     assert [(d.tokens, d.text, d.finish_reason) for d in done if isinstance(d, Completion)] == got
 
 
+async def test_without_a_kv_budget_the_reserved_gauge_reads_zero(task: GenerateTask) -> None:
+    """Nothing bounds the rows' worst cases: the engine does not sum them each plan,
+    and `lanes_kv_reserved_bytes` reads 0 (the README says so) while a row runs."""
+    metrics = Metrics()
+    engine = Engine(task, metrics, "continuous", prefill_beside=False)
+    engine.start()
+    try:
+        with RUNS.closed():
+            stream = engine.submit(task.prepare({"prompt": "def f(x", "max_tokens": 4}))
+            assert await next_run() == 1, "its prefill, planned and held"
+            assert engine.scheduler.kv_reserved > 0, "a worst case the scheduler counts"
+            sample = {"workload": "code"}
+            assert metrics.registry.get_sample_value("lanes_kv_reserved_bytes", sample) == 0
+        await collect(stream)
+    finally:
+        await engine.stop()
+
+
 def test_a_generate_workload_logs_what_its_rows_caches_may_take(
     demo_models: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
