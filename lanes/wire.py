@@ -399,8 +399,9 @@ class Core:
 _SET_BY_CLIENT = frozenset(
     {"model", "stream", "prompt", "messages", "input", "encoding_format", "inputs"}
 )
-# And by `call`: a streamed answer's usage, which its Completion carries.
-_SET_BY_CALL = _SET_BY_CLIENT | {"stream_options"}
+# And by `call`: a streamed answer's usage, which its Completion carries. The CLI words
+# its refusal of these as its own (router/client_cli.py).
+SET_BY_CALL = _SET_BY_CLIENT | {"stream_options"}
 
 
 def _check_options(
@@ -412,7 +413,7 @@ def _check_options(
     fields (the server's own request models) and says so before sending anything."""
     if not options:  # most calls: nothing to look up
         return
-    set_here = _SET_BY_CALL if method == "call" else _SET_BY_CLIENT
+    set_here = SET_BY_CALL if method == "call" else _SET_BY_CLIENT
     allowed = _allowed(route, set_here)
     for option in options:
         if option in allowed:

@@ -26,6 +26,7 @@ from lanes.router.console import ExitCode
 from lanes.router.render import to_jsonable
 from lanes.spec import InteractiveWorkload, OfflineWorkload, a_task
 from lanes.specfile import load_spec
+from lanes.wire import SET_BY_CALL
 
 SpecOption = Annotated[
     Path | None, typer.Option("--file", "-f", help="workloads.yaml (default: LANES_SPEC).")
@@ -124,7 +125,7 @@ def call(
     (a generate workload that streams, or --stream: its text as it is made)."""
     value = read_input(input)
     options: dict[str, Any] = {}
-    with Client(endpoint, spec=file) as client, _options_of_input():
+    with Client(endpoint, spec=file) as client, _options_of_input("call"):
         declared = load_spec(file, check_files=False).workload(workload)
         _check_command(workload, declared, "call")
         generates = declared.task == "generate" and declared.mode == "interactive"
@@ -187,14 +188,18 @@ def _sdk_arguments() -> set[str]:
 
 
 @contextmanager
-def _options_of_input() -> Iterator[None]:
+def _options_of_input(command: str) -> Iterator[None]:
     """The SDK's refusal of an option, said as a field of --input (the CLI passes no
-    other options): the CLI's user wrote the object's fields, not a `call()`."""
+    other options): the CLI's user wrote the object's fields, not a `call()`, and an
+    option the SDK sets itself is one `lanes COMMAND` sets."""
     try:
         yield
     except InvalidInput as e:
         if e.code != "unknown_parameter" or e.param is None:
             raise
+        if e.param in SET_BY_CALL:
+            detail = f"lanes {command} sets {e.param!r} itself; leave it out"
+            raise InvalidInput.field("--input", detail, e.code) from None
         raise e.at("--input") from None
 
 

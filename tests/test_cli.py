@@ -474,6 +474,10 @@ def test_a_bad_setting_is_one_line_and_exit_2(
             "error: --input: unknown option 'max_tokenz' for workload 'code-complete'; "
             "did you mean 'max_tokens'?",
         ),
+        (
+            ["call", "code-complete", "--no-stream", "-i", '{"prompt": "x", "stream_options": {}}'],
+            "error: --input: lanes call sets 'stream_options' itself; leave it out",
+        ),
     ],
     ids=[
         "call offline",
@@ -483,6 +487,7 @@ def test_a_bad_setting_is_one_line_and_exit_2(
         "timeout_ms field",
         "input field",
         "unknown field",
+        "field the SDK sets",
     ],
 )
 def test_the_client_commands_name_the_command_not_the_sdk_method(
