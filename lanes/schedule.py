@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from datetime import UTC, datetime, timedelta
 from typing import Any
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError, available_timezones
 
 from croniter import CroniterError, croniter
 from pydantic import Field, field_validator, model_validator
@@ -114,6 +114,12 @@ class Schedule(StrictModel):
         try:
             ZoneInfo(value)
         except (ZoneInfoNotFoundError, ValueError, OSError):
+            if not available_timezones():  # no zone loads here, not even "UTC"
+                raise ValueError(
+                    f"expected a time zone this system can load, found {shown(value)}: it "
+                    "has no IANA time zone database; install the tzdata package (or the "
+                    "OS's tzdata)"
+                ) from None
             raise ValueError(expected) from None
         return value
 

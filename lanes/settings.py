@@ -245,8 +245,11 @@ class Settings(BaseSettings):
         description="The Prefect API the endpoint's Batch API runs batches on; default: "
         "Prefect's own PREFECT_API_URL.",
     )
+    # Validated as a value of this field (not built by a factory), so that a default that
+    # fails to load (no time zone database) is reported at offpeak.timezone, as the default.
     offpeak: Schedule = Field(
-        default_factory=lambda: Schedule(cron=OFFPEAK_CRON, timezone="UTC"),
+        default={"cron": OFFPEAK_CRON, "timezone": "UTC"},
+        validate_default=True,
         description="Off-peak window for offline workloads without a schedule "
         "(LANES_OFFPEAK__CRON, LANES_OFFPEAK__TIMEZONE).",
     )
@@ -315,8 +318,8 @@ class Settings(BaseSettings):
         except ValidationError as err:
             problems = []
             for loc, message, _ in from_pydantic(err, (), type(self)):
-                variable, inside = _variable(loc)
-                problems.append(Problem(variable, None, None, dotted(inside), message))
+                source, inside = _source(loc, values)
+                problems.append(Problem(source, None, None, dotted(inside), message))
             raise SettingsError(problems) from None
         except pydantic_settings.SettingsError as err:  # a complex value that is not JSON
             named = re.search(r'field "(\w+)"', str(err))
@@ -450,6 +453,24 @@ class Settings(BaseSettings):
                     f"expected folders and s3:// prefixes without wildcards, found {root!r}"
                 )
         return roots
+
+
+def _source(loc: tuple[str | int, ...], given: dict[str, Any]) -> tuple[str, tuple[str | int, ...]]:
+    """Where the value at `loc` came from, as a Problem's source: the LANES_ variable
+    that set it (`_variable`), or the default where no variable and no argument of
+    Settings() set it (the default off-peak time zone on a system that loads none)."""
+    variable, inside = _variable(loc)
+    keys = tuple(str(part) for part in loc[: len(loc) - len(_in_value(loc))])
+    if keys and keys[0] not in given and not _is_set(keys):
+        return f"default ({variable.removeprefix('env ')} not set)", inside
+    return variable, inside
+
+
+def _is_set(keys: tuple[str, ...]) -> bool:
+    """Whether a LANES_ variable sets the setting at `keys` (its own or a parent's)."""
+    present = {name.upper() for name in os.environ}
+    names = ("LANES_" + "__".join(key.upper() for key in keys[:n]) for n in range(1, len(keys) + 1))
+    return any(name in present for name in names)
 
 
 def _variable(loc: tuple[str | int, ...]) -> tuple[str, tuple[str | int, ...]]:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,7 +13,8 @@ from pydantic import BaseModel
 
 from lanes.settings import Settings
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
 
 
 def test_relative_env_paths_are_read_against_the_working_directory_once(
@@ -90,6 +94,60 @@ def test_json_nested_past_pythons_stack_is_a_problem_not_a_crash(
         "env LANES_ALLOWED_INPUT_ROOTS: expected JSON (a list or an object), found a value "
         "that does not parse"
     ]
+
+
+# Settings() where no time zone loads: the tzdata wheel refused, and (PYTHONTZPATH) an
+# empty folder for the system's database.
+_WITHOUT_ZONES = """
+import sys
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "tzdata":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, Refuse())
+from lanes.errors import SettingsError
+from lanes.settings import Settings
+try:
+    Settings()
+except SettingsError as e:
+    print(*e.problems, sep="\\n")
+"""
+
+
+@pytest.mark.parametrize(
+    ("variables", "source", "zone"),
+    [
+        ({}, "default (LANES_OFFPEAK__TIMEZONE not set)", "UTC"),
+        (
+            {"LANES_OFFPEAK__TIMEZONE": "Europe/Paris"},
+            "env LANES_OFFPEAK__TIMEZONE",
+            "Europe/Paris",
+        ),
+    ],
+    ids=["default", "variable"],
+)
+def test_a_time_zone_that_cannot_load_names_where_it_was_set(
+    tmp_path: Path, variables: dict[str, str], source: str, zone: str
+) -> None:
+    """On a system without a time zone database even the default off-peak zone fails to
+    load: the problem says it is the default (no variable was set) and what is missing,
+    not that a valid zone is no IANA time zone."""
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("LANES_")}
+    env |= {"PYTHONTZPATH": str(tmp_path), "LANES_HOME": str(tmp_path / "home"), **variables}
+    done = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_ZONES],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == (
+        f"{source}: expected a time zone this system can load, found {zone!r}: it has no "
+        "IANA time zone database; install the tzdata package (or the OS's tzdata)"
+    )
 
 
 def test_the_readmes_settings_section_names_every_setting() -> None:
