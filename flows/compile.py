@@ -129,7 +129,9 @@ def batch_deployment(settings: Settings, spec_param: str) -> dict[str, Any]:
         "entrypoint": ENTRYPOINT,
         "parameters": {"spec": spec_param, "lane": "offline"},
         "work_pool": work_pool(settings),
-        "schedules": [],
+        # None (`schedules: null`), not []: a redeploy keeps what the deployment has
+        # (none) either way, but Prefect warns of [] that it will clear schedules soon.
+        "schedules": None,
         "tags": ["lanes", "offline", "batch"],
     }
 

@@ -69,7 +69,7 @@ def test_one_deployment_per_offline_workload(spec_file: Path) -> None:
     assert whenever["schedules"] == [{"cron": "0 2 * * *", "timezone": "UTC", "active": True}]
     assert "default off-peak window" in whenever["description"]
     # The spec has an interactive workload: the Batch API runs its batches offline here.
-    assert batches["name"] == "openai_batch" and batches["schedules"] == []
+    assert batches["name"] == "openai_batch" and batches["schedules"] is None
     assert batches["parameters"] == {"spec": "workloads.yaml", "lane": "offline"}
 
 

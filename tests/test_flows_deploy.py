@@ -211,6 +211,25 @@ def test_deploying_with_a_value_that_replaces_the_kubernetes_pools_says_so(
         assert "warning" not in _run([*LANES, "deploy", str(spec)], quiet, project)
 
 
+def test_prefect_deploy_redeploys_the_batch_api_deployment_without_a_warning(
+    prefect_server: dict[str, str], tmp_path: Path
+) -> None:
+    """The Batch API's deployment has no schedule. A redeploy by Prefect's own CLI, as
+    a person runs it, prints no FutureWarning about it (Prefect will clear schedules on
+    an empty list), and the deployment still has none."""
+    env = {**prefect_server, "LANES_WORK_POOL": "batches"}
+    api = prefect_server["PREFECT_API_URL"]
+    project = tmp_path / "project"
+    spec = write_spec(
+        project, {"live": {"mode": "interactive", "task": "infer", "model": "affine"}}
+    )
+    _run([*LANES, "deploy", str(spec)], env, project)  # compiled, its pool made, deployed
+    again = _run([*PREFECT, "deploy", "--all"], env, project)
+    assert "Warning" not in again, again
+    found = call_api("GET", f"{api}/deployments/name/lanes-offline/openai_batch").json()
+    assert found["schedules"] == []
+
+
 def _readme_block(heading: str) -> list[str]:
     """The command lines of the first bash block under `heading` in infra/README.md."""
     text = (ROOT / "infra" / "README.md").read_text()
