@@ -25,7 +25,8 @@ decode rows had on average (`lanes_decode_positions_total` over the rows; paddin
 left out, so a server's padding counts against it). A step's cost grows with the
 past, so the second is the like-for-like limit: the 0.7x target is judged by it. Ratios travel between machines; absolute times on a shared 2-core box
 do not. Requests still waiting when a slice ends count their wait so far as their
-TTFT (a lower bound; such cells are marked `>`).
+TTFT (a lower bound; such cells are marked `>`); a figure nothing was measured for
+(slices too short for any first token: no TTFT) prints `-`, and so do its ratios.
 
 `--slots` adds the policy `slots`: continuous batching on tinycode's weights with the
 cache kept in slots (model-slots.onnx, lanes/demo/slots.py: one decoder run per step,
@@ -614,10 +615,33 @@ def start_server(
     raise RuntimeError(f"{cmd} did not become ready")
 
 
+# A figure nothing was measured for (NaN): a slice too short for any request's first
+# token has no TTFT, and a ratio of it none either.
+NONE = "-"
+NONE_NOTE = f"{NONE}: not measured (e.g. no first token within the slices: no TTFT)"
+
+
+def fig(value: float, spec: str = ".1f") -> str:
+    """`value` as `spec` formats it, or NONE where it was not measured."""
+    return format(value, spec) if math.isfinite(value) else NONE
+
+
+def ratio_of(a: float, b: float) -> float:
+    """a / b, NaN (not measured) where either is or b is 0."""
+    return a / b if b and math.isfinite(a) and math.isfinite(b) else math.nan
+
+
+def times(value: float) -> str:
+    """A ratio as "1.23x", or NONE."""
+    return f"{value:.2f}x" if math.isfinite(value) else NONE
+
+
 def table(rows: list[list[str]], header: list[str]) -> None:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, ["-" * w for w in widths], *rows]:
         print("  ".join(str(c).rjust(w) for c, w in zip(row, widths, strict=True)))
+    if any(cell.removeprefix(">") == NONE for row in rows for cell in row):
+        print(NONE_NOTE)
 
 
 def main() -> None:
@@ -778,12 +802,13 @@ def main() -> None:
                             part.concat_matched.append(raw_tokens_per_s(task, rows, past, 1.0))
                     runs[policy, c].add(part)
                     print(
-                        f"  {policy:>11} x{c:<3} {part.tokens_per_s:8.0f} tok/s  "
-                        f"TTFT p50 {part.pct(part.ttft, 50):7.1f} ms  "
-                        f"rows/step {part.rows_per_step:5.1f}  step {part.decode_ms:5.1f} ms  "
-                        f"prefill {part.prefill_ms:5.1f} ms  busy {part.busy:4.0%}  "
-                        f"raw {part.raw[0]:.0f} tok/s  mean past {part.mean_past:.0f}  "
-                        f"raw there {part.raw_matched_tokens_per_s:.0f} tok/s",
+                        f"  {policy:>11} x{c:<3} {fig(part.tokens_per_s, '.0f'):>8} tok/s  "
+                        f"TTFT p50 {fig(part.pct(part.ttft, 50)):>7} ms  "
+                        f"rows/step {fig(part.rows_per_step):>5}  "
+                        f"step {fig(part.decode_ms):>5} ms  "
+                        f"prefill {fig(part.prefill_ms):>5} ms  busy {part.busy:4.0%}  "
+                        f"raw {part.raw[0]:.0f} tok/s  mean past {fig(part.mean_past, '.0f')}  "
+                        f"raw there {fig(part.raw_matched_tokens_per_s, '.0f')} tok/s",
                         file=sys.stderr,
                     )
     finally:
@@ -804,46 +829,7 @@ def main() -> None:
         "slices' decode rows' mean (server counter, padding left out), the ratio the "
         "0.7x target is judged by"
     )
-    rows = []
-    for (policy, c), r in runs.items():
-        mark = ">" if r.censored else ""
-        rows.append(
-            [
-                policy,
-                str(c),
-                f"{mark}{r.pct(r.ttft, 50):.1f}",
-                f"{mark}{r.pct(r.ttft, 99):.1f}",
-                f"{r.pct(r.itl, 50):.1f}",
-                f"{r.pct(r.itl, 99):.1f}",
-                f"{r.tokens_per_s:.0f}",
-                f"{r.rows_per_step:.1f}",
-                f"{r.decode_ms:.1f}",
-                f"{r.busy:.0%}",
-                f"{r.raw_tokens_per_s:.0f}",
-                f"{r.tokens_per_s / r.raw_tokens_per_s:.2f}",
-                f"{r.mean_past:.0f}",
-                f"{r.raw_matched_tokens_per_s:.0f}",
-                f"{r.tokens_per_s / r.raw_matched_tokens_per_s:.2f}",
-            ]
-        )
-    header = [
-        "policy",
-        "clients",
-        "TTFT p50 ms",
-        "TTFT p99 ms",
-        "ITL p50 ms",
-        "ITL p99 ms",
-        "tok/s",
-        "rows/step",
-        "step ms",
-        "busy",
-        "raw tok/s",
-        "vs raw",
-        "past",
-        "raw@past tok/s",
-        "vs raw@past",
-    ]
-    table(rows, header)
+    results_table(runs)
     if burst is not None:
         burst_tables(runs, levels)
         return
@@ -865,6 +851,50 @@ def main() -> None:
         title = "bench/generate.py: time to first token against throughput"
         save_chart(Chart(title, curves, "tokens/s", latency="TTFT", note=note), args.png)
         print(f"chart: {args.png}")
+
+
+def results_table(runs: dict[tuple[str, int], Run]) -> None:
+    """One row per policy and concurrency: latencies, throughput and the raw ratios."""
+    rows = []
+    for (policy, c), r in runs.items():
+        mark = ">" if r.censored else ""
+        rows.append(
+            [
+                policy,
+                str(c),
+                f"{mark}{fig(r.pct(r.ttft, 50))}",
+                f"{mark}{fig(r.pct(r.ttft, 99))}",
+                fig(r.pct(r.itl, 50)),
+                fig(r.pct(r.itl, 99)),
+                fig(r.tokens_per_s, ".0f"),
+                fig(r.rows_per_step),
+                fig(r.decode_ms),
+                f"{r.busy:.0%}",
+                fig(r.raw_tokens_per_s, ".0f"),
+                fig(ratio_of(r.tokens_per_s, r.raw_tokens_per_s), ".2f"),
+                fig(r.mean_past, ".0f"),
+                fig(r.raw_matched_tokens_per_s, ".0f"),
+                fig(ratio_of(r.tokens_per_s, r.raw_matched_tokens_per_s), ".2f"),
+            ]
+        )
+    header = [
+        "policy",
+        "clients",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "ITL p50 ms",
+        "ITL p99 ms",
+        "tok/s",
+        "rows/step",
+        "step ms",
+        "busy",
+        "raw tok/s",
+        "vs raw",
+        "past",
+        "raw@past tok/s",
+        "vs raw@past",
+    ]
+    table(rows, header)
 
 
 def burst_setup(task: GenerateTask, args: argparse.Namespace) -> tuple[Burst, str]:
@@ -915,9 +945,9 @@ def burst_tables(runs: dict[tuple[str, int], Run], levels: list[int]) -> None:
         for name, r in (("unsteered", off), ("steered", on)):
             marks = [">" if r.censored else ""] * 2 + [">" if r.long_censored else ""] * 2
             marks += [""] * 4
-            rows.append([name] + [f"{m}{v:.1f}" for m, v in zip(marks, cells(r), strict=True)])
-        ratios = [a / b if b else math.nan for a, b in zip(cells(on), cells(off), strict=True)]
-        rows.append(["steered/unsteered"] + [f"{x:.2f}x" for x in ratios])
+            rows.append([name] + [f"{m}{fig(v)}" for m, v in zip(marks, cells(r), strict=True)])
+        ratios = [ratio_of(a, b) for a, b in zip(cells(on), cells(off), strict=True)]
+        rows.append(["steered/unsteered"] + [times(x) for x in ratios])
         table(rows, header)
 
 
@@ -959,12 +989,11 @@ def checks(runs: dict[tuple[str, int], Run], raw_past: int) -> None:
             )
     one = get("continuous", 1)
     if cont and one:
-        ratio = cont.pct(cont.ttft, 99) / one.pct(one.ttft, 50)
-        verdict = "meets" if ratio <= 3 else "MISSES"
-        print(
-            f"continuous TTFT p99 at 16 clients / TTFT p50 at 1 client: {ratio:.2f}x "
-            f"({verdict} <= 3x)"
-        )
+        ttft = ratio_of(cont.pct(cont.ttft, 99), one.pct(one.ttft, 50))
+        verdict = f" ({'meets' if ttft <= 3 else 'MISSES'} <= 3x)"
+        if not math.isfinite(ttft):
+            verdict = " (not measured: no first token within the slices)"
+        print(f"continuous TTFT p99 at 16 clients / TTFT p50 at 1 client: {times(ttft)}{verdict}")
     for c in (16, 64):
         r = get(SLOTS, c)
         if r and r.tokens and r.raw_matched and r.concat_matched:
@@ -993,10 +1022,10 @@ def checks(runs: dict[tuple[str, int], Run], raw_past: int) -> None:
             if on and off and on.tokens and off.tokens and on.ttft and off.ttft:
                 print(
                     f"{policy} / {baseline} at {c} clients: tokens/s "
-                    f"{on.tokens_per_s / off.tokens_per_s:.2f}x, TTFT p50 "
-                    f"{on.pct(on.ttft, 50) / off.pct(off.ttft, 50):.2f}x, p99 "
-                    f"{on.pct(on.ttft, 99) / off.pct(off.ttft, 99):.2f}x, ITL p99 "
-                    f"{on.pct(on.itl, 99) / off.pct(off.itl, 99):.2f}x"
+                    f"{times(ratio_of(on.tokens_per_s, off.tokens_per_s))}, TTFT p50 "
+                    f"{times(ratio_of(on.pct(on.ttft, 50), off.pct(off.ttft, 50)))}, p99 "
+                    f"{times(ratio_of(on.pct(on.ttft, 99), off.pct(off.ttft, 99)))}, ITL p99 "
+                    f"{times(ratio_of(on.pct(on.itl, 99), off.pct(off.itl, 99)))}"
                 )
 
 
@@ -1007,10 +1036,11 @@ def tracing_costs(runs: dict[tuple[str, int], Run], levels: list[int]) -> None:
         if on is None or off is None or not (on.tokens and off.tokens):
             continue
         print(
-            f"tracing at {c} clients: tokens/s on/off {on.tokens_per_s / off.tokens_per_s:.2f}x; "
-            f"TTFT p50 {on.pct(on.ttft, 50):.1f} vs {off.pct(off.ttft, 50):.1f} ms; "
-            f"ITL p50 {on.pct(on.itl, 50):.2f} vs {off.pct(off.itl, 50):.2f} ms, "
-            f"p99 {on.pct(on.itl, 99):.2f} vs {off.pct(off.itl, 99):.2f} ms"
+            f"tracing at {c} clients: tokens/s on/off "
+            f"{times(ratio_of(on.tokens_per_s, off.tokens_per_s))}; "
+            f"TTFT p50 {fig(on.pct(on.ttft, 50))} vs {fig(off.pct(off.ttft, 50))} ms; "
+            f"ITL p50 {fig(on.pct(on.itl, 50), '.2f')} vs {fig(off.pct(off.itl, 50), '.2f')} ms, "
+            f"p99 {fig(on.pct(on.itl, 99), '.2f')} vs {fig(off.pct(off.itl, 99), '.2f')} ms"
         )
 
 

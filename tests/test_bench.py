@@ -51,3 +51,40 @@ def test_generate_tracing_serves_the_traced_policy(demo_models: Path) -> None:
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "tracing at 1 clients: tokens/s on/off" in run.stdout, run.stdout
+
+
+def test_generate_prints_no_nan_for_slices_without_a_first_token(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Slices too short for any request's first token have no TTFT: the tables, checks
+    and ratios print `-` (and say what it means), never nan. Fabricated runs: the
+    printing alone, no server."""
+    from bench.generate import (
+        NONE_NOTE,
+        STEERED,
+        TRACED,
+        Run,
+        burst_tables,
+        checks,
+        results_table,
+        tracing_costs,
+    )
+
+    def run(policy: str, clients: int, ttft: list[float]) -> Run:
+        counted = {"tokens": 100.0, "rows": 10.0, "steps": 5.0, "decode_s": 0.5}
+        return Run(policy, clients, seconds=1.0, ttft=ttft, itl=[0.01], raw=[200.0], **counted)
+
+    runs = {
+        (policy, clients): run(policy, clients, [0.05] if clients == 16 else [])
+        for policy in ("continuous", "static", TRACED, STEERED)
+        for clients in (1, 16)
+    }
+    results_table(runs)
+    checks(runs, 64)
+    tracing_costs(runs, [1, 16])
+    burst_tables(runs, [1])
+    printed = capsys.readouterr().out
+    assert "nan" not in printed.lower(), printed
+    assert NONE_NOTE in printed
+    assert "TTFT p50 at 1 client: - (not measured" in printed
+    assert "TTFT p50 - vs - ms" in printed  # tracing at 1 client
