@@ -282,9 +282,9 @@ class Job:
         return manifest
 
     def cancel(self) -> str:
-        """Cancel the job unless it has ended; committed shards stay committed. A
-        scheduled job is CANCELLED at once, a running one CANCELLING until its worker
-        stops it. Returns the state after."""
+        """Cancel the job unless it has ended; committed shards stay committed. A job
+        not started yet is CANCELLED at once (lanes.jobstates), a running one
+        CANCELLING until its worker stops it. Returns the state after."""
         from prefect.client.schemas.objects import State, StateType
 
         with self._prefect.client() as client:

@@ -1,11 +1,18 @@
 """A job's status: its flow run's Prefect state, as `Job.status()` reports it.
 
 A run's state type is its status (SCHEDULED, RUNNING, COMPLETED, FAILED, ...), save
-for three that the flow or `Job.expire` mark:
+for three that the flow or `Job.expire` mark, and runs cancelled before they started:
 
     Completed named WITH_ERRORS_STATE (flows.outcome)   COMPLETED_WITH_ERRORS
     Completed named EXPIRED_STATE (flows.outcome)       EXPIRED
     Cancelled, the run tagged EXPIRED_TAG (Job.expire)  EXPIRED
+    Cancelling, never started                           CANCELLED (EXPIRED if tagged)
+
+A run a worker had taken (PENDING: its process starting) when it was cancelled is
+CANCELLING. Prefect refuses such a run RUNNING from then on, so its engine exits
+without running the flow; but only a worker with cancellation on (off by default in
+Prefect 3) would mark it CANCELLED, so it would read CANCELLING, and its batch
+`cancelling`, forever. It has ended: nothing of it ran and nothing will.
 """
 
 from __future__ import annotations
@@ -35,8 +42,11 @@ def status_of(run: FlowRun) -> str:
     """The status a Job reports for `run` (the module docstring); UNKNOWN without a state."""
     if run.state is None:
         return "UNKNOWN"
-    if run.state.type.value == "CANCELLED" and EXPIRED_TAG in run.tags:
-        return EXPIRED
+    cancelled = run.state.type.value == "CANCELLED" or (
+        run.state.type.value == "CANCELLING" and run.start_time is None
+    )
+    if cancelled:
+        return EXPIRED if EXPIRED_TAG in run.tags else "CANCELLED"
     if run.state.type.value == "COMPLETED" and run.state.name == WITH_ERRORS_STATE:
         return COMPLETED_WITH_ERRORS
     if run.state.type.value == "COMPLETED" and run.state.name == EXPIRED_STATE:

@@ -201,6 +201,24 @@ async def test_offpeak_submit_is_scheduled_at_the_next_window(setup: Setup) -> N
         same.wait(5)
 
 
+def test_a_job_cancelled_while_its_process_starts_has_ended(setup: Setup) -> None:
+    """A worker took the run (PENDING, its process starting) when the job was cancelled:
+    Prefect keeps it CANCELLING and never lets it run, and with workers' cancellation
+    off (Prefect's default) nobody marks it CANCELLED. The job has ended all the same."""
+    with lanes.Client(spec=setup.spec, prefect_api_url=setup.api) as client:
+        job = client.submit("embed-corpus", GOOD)  # off-peak: it stays scheduled
+    set_state = f"{setup.api}/flow_runs/{job.id}/set_state"
+    call_api("POST", set_state, json={"state": {"type": "PENDING"}})  # as a worker does
+    assert job.cancel() == "CANCELLED"
+    assert flow_run(setup, job.id)["state"]["type"] == "CANCELLING"
+    with pytest.raises(lanes.JobFailed, match="ended CANCELLED"):
+        job.wait(5)
+    # Its process then asks to run, and Prefect refuses: it never does.
+    running = call_api("POST", set_state, json={"state": {"type": "RUNNING"}}).json()
+    assert running["status"] == "REJECT"
+    assert job.status() == "CANCELLED"
+
+
 def test_a_traced_submit_hands_its_trace_to_the_flow_run(setup: Setup) -> None:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
