@@ -58,7 +58,8 @@ def output_lock(path: Path, holder: str) -> Iterator[Held]:
     where, since when) into it. Raises OutputBusy, naming the holder, when another
     process holds it; StorageError when the file cannot be opened."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        # Never through a link: the run would truncate and write whatever it leads to.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
     except OSError as err:
         raise StorageError(
             f"cannot open {path}, the lock of the run writing {path.parent}: "
