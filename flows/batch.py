@@ -68,6 +68,7 @@ from lanes.flows.start import (
 from lanes.flows.validate import check_records
 from lanes.jobs import BATCH_TAG
 from lanes.measurements import Measurements, Throughput, newest
+from lanes.outputs import OutputStorage
 from lanes.settings import Settings
 from lanes.storage import Storage
 from lanes.tracing import Tracing, maybe_span
@@ -210,7 +211,8 @@ def run_job(
         check_reachable(url, settings.endpoint_retries)
         weights = model_weights(job.spec, job.workload, settings)
         check_key(url, served_workload(job.spec.workloads, job.workload), key, weights)
-    storage = Storage(settings)
+    # Every file this run writes lands in the output folder as planned (lanes.outputs).
+    storage = OutputStorage(settings, job.real_output)
     storage.ensure_folder(job.output)
     # One run at a time writes an output (lanes.runlock): another run of it now
     # would redo every shard this one has not committed yet.

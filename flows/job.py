@@ -23,7 +23,14 @@ from lanes.digests import Digests, model_key
 from lanes.errors import PermanentStorageError, StorageError, WrongMode
 from lanes.flows.records import FORMATS, is_known, output_name
 from lanes.flows.shard import ShardPlan
-from lanes.inputs import allowed_roots, check_files, check_input, folder_of, output_inside_input
+from lanes.inputs import (
+    absolute,
+    allowed_roots,
+    check_files,
+    check_input,
+    folder_of,
+    output_inside_input,
+)
 from lanes.layout import ERRORS, MARKERS
 from lanes.outputs import check_output
 from lanes.settings import Settings
@@ -51,6 +58,9 @@ class Job:
     spec: Spec
     input: str
     output: str
+    # `output` as it really lay when the job was planned, links resolved (an s3:// URI
+    # as it is): where every local write of the job must land (lanes.outputs).
+    real_output: str
     batch_size: int
     retries: int
     runner: Runner
@@ -129,6 +139,7 @@ def settle_job(
         spec=spec,
         input=source,
         output=dest,
+        real_output=absolute(dest, base),
         batch_size=w.batch_size,
         retries=w.retries,
         runner=w.runner,
@@ -160,6 +171,7 @@ def folder_job(spec: Spec, name: str, folder: Path | str, settings: Settings) ->
         spec=spec,
         input=f"{folder}/in/",
         output=f"{folder}/out/",
+        real_output=absolute(f"{folder}/out/", Path.cwd()),
         batch_size=workload.batch_size,
         retries=0,
         runner=workload.runner,

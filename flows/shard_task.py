@@ -22,9 +22,9 @@ from lanes.flows.job import Job
 from lanes.flows.progress import progress
 from lanes.flows.runners import Model, ShardModel
 from lanes.flows.shard import ShardPlan, ShardStats, run_shard
+from lanes.outputs import OutputStorage
 from lanes.runtime import Runtime
 from lanes.settings import Settings
-from lanes.storage import Storage
 from lanes.tasks import load_task
 from lanes.tracing import Tracing, maybe_span
 
@@ -56,7 +56,7 @@ def _shard(
     stats = run_shard(
         plan,
         model,
-        Storage(settings),
+        OutputStorage(settings, job.real_output),  # it writes where the job was planned
         job.batch_size,
         job.max_record_bytes,
         job.max_inputs,

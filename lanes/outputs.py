@@ -11,16 +11,35 @@ after resolving `..` and symlinks, so an output folder that is a link out of the
 roots when the job is planned (`<output>/jobs/<key>` made a link to /elsewhere) is
 refused; an s3:// URI must not hold `.` or `..` parts. The workload's own output, run
 as declared (no output given), is the operator's, as its input is.
+
+What a job writes is judged again as it writes it (`OutputStorage`): a folder inside
+the output made a link out of it (`<output>/_errors` to /elsewhere, by anyone who may
+write in a shared output folder), before the run or during it, would take the
+worker's writes out with it. Each local file the job writes (outputs, errors files,
+commit markers, manifests, their staging files, the run's `_running` lock) must land,
+by the real path of its folder when it is staged and again when it is published, in
+the job's output folder as it really lay when the job was planned; one that would
+not fails its shard, naming the link, and nothing is written where the link leads.
+The output folder itself may be a link (an operator's data disk): its target is what
+was planned. A file's own name is not judged: publishing renames over it, so a link
+there is replaced, not followed; `_running` is opened in place, so it is judged
+whole. S3 has no links.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
-from lanes.errors import InvalidInput
+from lanes.errors import InvalidInput, PermanentStorageError
 from lanes.inputs import absolute, check_spelling, folder_of, inside_output
+from lanes.layout import RUNNING
+from lanes.runlock import Held
 from lanes.settings import Settings
-from lanes.storage import join
+from lanes.storage import Storage, is_s3, join
 
 
 def allowed_output_roots(workload_output: str | None, base: Path, settings: Settings) -> list[str]:
@@ -47,3 +66,81 @@ def check_output(uri: str, workload_output: str | None, base: Path, settings: Se
         "write under one of them, or allow its folder in LANES_ALLOWED_OUTPUT_ROOTS (a "
         "JSON list) where the job runs (the worker's environment, or `lanes run`'s)"
     )
+
+
+class OutputStorage(Storage):
+    """`Storage` for one job, whose local writes must land in `real_output`: the job's
+    output folder, links resolved when it was planned (`Job.real_output`). Writing
+    elsewhere is a PermanentStorageError (`check_landing`); reading is not judged."""
+
+    def __init__(self, settings: Settings, real_output: str) -> None:
+        super().__init__(settings)
+        self.real_output = real_output
+
+    @contextmanager
+    def staged(self, uri: str) -> Iterator[Path]:
+        # Before the folders are made: a link would take them out too.
+        check_landing(uri, _folder(uri), self.real_output)
+        with super().staged(uri) as stage:
+            yield stage
+
+    def publish(self, staged: Path, uri: str) -> None:
+        # Again: a shard runs for minutes between staging and publishing.
+        check_landing(uri, _folder(uri), self.real_output)
+        super().publish(staged, uri)
+
+    def ensure_folder(self, location: str) -> None:
+        check_landing(location, location, self.real_output)
+        super().ensure_folder(location)
+
+    def exclusive(self, folder: str, holder: str) -> AbstractContextManager[Held]:
+        # The lock file is opened where it is, not renamed over: its own name counts.
+        check_landing(folder, join(folder, RUNNING), self.real_output)
+        return super().exclusive(folder, holder)
+
+
+def check_landing(uri: str, folder: str, real_output: str) -> None:
+    """Raise PermanentStorageError, naming the link, unless local `folder` (where `uri`
+    is written), resolved now, is `real_output` or lies inside it."""
+    if is_s3(folder):
+        return
+    path = _local(folder)
+    real = os.path.realpath(path)
+    if _inside(real, real_output):
+        return
+    link, target = _leaving(path, real_output)
+    raise PermanentStorageError(
+        f"{uri}: {link} is a symbolic link to {target}, outside this job's output "
+        f"{real_output}, so nothing was written there; remove the link (whoever may write "
+        "in the output folder can make one) and run again"
+    )
+
+
+def _leaving(path: Path, real_output: str) -> tuple[Path, str]:
+    """The part of `path` that leads out of `real_output`, and where it leads: the first
+    below a part inside it; else (the output itself was moved) its last link."""
+    parts = [*reversed(path.parents), path]
+    inside = False
+    for part in parts:
+        real = os.path.realpath(part)
+        if inside and not _inside(real, real_output):
+            return part, real
+        inside = _inside(real, real_output)
+    link = next((part for part in reversed(parts) if part.is_symlink()), path)
+    return link, os.path.realpath(link)
+
+
+def _inside(real: str, real_output: str) -> bool:
+    path, folder = Path(real), Path(real_output)
+    return path == folder or folder in path.parents
+
+
+def _local(location: str) -> Path:
+    if location.startswith("file://"):
+        return Path(unquote(urlparse(location).path))
+    return Path(location)
+
+
+def _folder(uri: str) -> str:
+    """The folder a file `uri` is written in."""
+    return str(_local(uri).parent) if not is_s3(uri) else uri

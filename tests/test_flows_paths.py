@@ -21,12 +21,13 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from lanes.errors import InvalidInput, PermanentStorageError, StorageError
+from lanes.errors import InvalidInput, JobFailed, PermanentStorageError, StorageError
 from lanes.flows.batch import offline
 from lanes.flows.job import plan_job, plan_shards
 from lanes.flows.records import output_name
 from lanes.flows.shard import run_shard
-from lanes.flows.shard_task import loaded_model
+from lanes.flows.shard_task import loaded_model, shard
+from lanes.layout import ERRORS, MARKERS, RUNNING
 from lanes.router.offline_cli import run as run_command
 from lanes.settings import Settings
 from lanes.storage import Storage
@@ -430,3 +431,76 @@ def test_the_next_run_removes_a_killed_runs_staging_files(prefect_api: str, tmp_
         "_running",
         "a.jsonl",
     ]
+
+
+# ---- links inside an output ---------------------------------------------------------------
+
+
+def two_shards(tmp_path: Path) -> Path:
+    """A project reading in/a.jsonl and in/sub/b.jsonl into out/, and an `elsewhere/`
+    folder beside it that no root allows."""
+    spec = write_spec(tmp_path, {"aff": workload()})
+    write_jsonl(tmp_path / "in" / "a.jsonl", records("a", 2))
+    write_jsonl(tmp_path / "in" / "sub" / "b.jsonl", records("b", 2))
+    (tmp_path / "elsewhere").mkdir()
+    return spec
+
+
+@pytest.mark.parametrize(("link", "failed"), [(f"{ERRORS}/sub", 1), (MARKERS, 2)])
+def test_a_link_planted_in_the_output_fails_the_shards_it_would_take_out(
+    prefect_api: str, tmp_path: Path, link: str, failed: int
+) -> None:
+    """Whoever may write in a shared output folder can make a folder there a link out of
+    it: the shards that would write through it fail, naming it, and write nothing where
+    it leads; the others commit as ever."""
+    spec = two_shards(tmp_path)
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    (out / link).parent.mkdir(parents=True, exist_ok=True)
+    (out / link).symlink_to(elsewhere)
+    with pytest.raises(JobFailed) as caught:
+        offline(workload="aff", spec=str(spec))
+    message = str(caught.value)
+    assert f"{failed} of 2 shards failed" in message
+    assert f"{out / link} is a symbolic link to {elsewhere}, outside this job's output" in message
+    assert files_under(elsewhere) == {}
+    written = files_under(out)
+    if failed == 1:
+        assert written["a.jsonl"] == 2 and "_committed/a.json" in written
+    assert "_committed/sub/b.json" not in written
+
+
+def test_a_run_lock_linked_out_of_the_output_is_refused_untouched(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    """The run's lock file made a link to a file elsewhere: opening it to write would
+    truncate that file."""
+    spec = two_shards(tmp_path)
+    out, notes = tmp_path / "out", tmp_path / "elsewhere" / "notes.txt"
+    notes.write_text("keep\n")
+    out.mkdir()
+    (out / RUNNING).symlink_to(notes)
+    with pytest.raises(PermanentStorageError) as caught:
+        offline(workload="aff", spec=str(spec))
+    assert f"{out / RUNNING} is a symbolic link to {notes}, outside" in str(caught.value)
+    assert notes.read_text() == "keep\n" and [p.name for p in out.iterdir()] == [RUNNING]
+
+
+def test_an_output_linked_away_after_planning_is_not_written(tmp_path: Path) -> None:
+    """A job's output is judged by its real path where the job is planned; a shard
+    writes only where that leads, whatever was swapped in since. The workload's own
+    output may itself be a link (an operator's data disk): its real folder is written."""
+    spec = two_shards(tmp_path)
+    disk, elsewhere = tmp_path / "disk", tmp_path / "elsewhere"
+    (disk / "out").mkdir(parents=True)
+    (tmp_path / "out").symlink_to(disk / "out")
+    settings = Settings()
+    job = plan_job("aff", spec, settings)
+    plans = plan_shards(job, Storage(settings))
+    shard.fn(job, plans[0], settings)
+    assert sorted(files_under(disk / "out")) == ["_committed/a.json", "_errors/a.jsonl", "a.jsonl"]
+    (tmp_path / "out").unlink()
+    (tmp_path / "out").symlink_to(elsewhere)
+    with pytest.raises(PermanentStorageError) as caught:
+        shard.fn(job, plans[1], settings)
+    assert f"{tmp_path / 'out'} is a symbolic link to {elsewhere}, outside" in str(caught.value)
+    assert files_under(elsewhere) == {}
