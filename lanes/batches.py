@@ -152,16 +152,21 @@ class Batches:
             )
         folder_key = uuid.uuid4().hex
         folder = self.store.batch_folder(folder_key)
-        try:
-            return self._create(request, window, folder_key, folder)
-        except Exception:
-            # No record points at the split input: a create that failed (the Prefect
-            # API down) leaves nothing behind, or each retry of it would leave a copy.
+        # The split input is a copy of the file, kept until the batch ends: it takes
+        # room as an upload does (one byte more for a last line without its newline).
+        size = given.bytes + 1
+        what = f"the batch's copy of file {given.id} (up to {size} bytes, kept until it ends)"
+        with self.store.quota.reserved(self.store.batch_input(folder), size, "input_file_id", what):
             try:
-                self.store.storage.delete_folder(folder)
-            except StorageError as err:
-                log.warning("a failed batch create left %s: %s", folder, err)
-            raise
+                return self._create(request, window, folder_key, folder)
+            except Exception:
+                # No record points at the split input: a create that failed (the Prefect
+                # API down) leaves nothing behind, or each retry of it would leave a copy.
+                try:
+                    self.store.storage.delete_folder(folder)
+                except StorageError as err:
+                    log.warning("a failed batch create left %s: %s", folder, err)
+                raise
 
     def _create(
         self, request: BatchCreate, window: int, folder_key: str, folder: str
@@ -208,6 +213,7 @@ class Batches:
                 errors={"object": "list", "data": checked.errors},
             )
             self.store.create_batch(record)
+            self._drop_input(record)  # it ended as it was made
             return public(record)
         assert checked.model is not None
         workload = self.spec.workloads[checked.model]
@@ -461,7 +467,20 @@ class Batches:
                 self.store, claimed, markers, unanswered, self.settings.batch.shard_lines
             )
             files = {k: claimed[k] for k in ("output_file_id", "error_file_id")}
-            return finish(self.store, record["id"], ending, claiming.now, files, counts)
+            finished = finish(self.store, record["id"], ending, claiming.now, files, counts)
+            self._drop_input(finished)
+            return finished
+
+    def _drop_input(self, record: dict[str, Any]) -> None:
+        """Free an ended batch's room in the quota (lanes.filequota): its copy of its
+        input, read only by its run and by its assembly (lanes.batchfiles), both over.
+        Never before the last status is saved: a server that took over a stale claim
+        to finalize would assemble from it again. The input file itself stays."""
+        copy = self.store.batch_input(record["_lanes"]["folder"])
+        try:
+            self.store.storage.delete_folder(copy)
+        except StorageError as err:  # the batch has ended all the same
+            log.warning("batch %s ended, and its input copy stays: %s", record["id"], err)
 
 
 _ENDED = frozenset({*FINISHED, *FAILED_STATES} - {"CANCELLING"})

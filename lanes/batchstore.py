@@ -3,8 +3,9 @@
     <store>/files/<file id>.json      the file object (OpenAI's shape)
     <store>/files/<file id>.data      its bytes, as uploaded (or as a batch wrote them)
     <store>/batches/<batch id>.json   the batch record (lanes.batches)
-    <store>/batches/<batch id>/in/    the batch's input, in shards of `shard_lines` lines
-    <store>/batches/<batch id>/out/   the offline run's outputs (lanes.layout)
+    <store>/batches/<key>/in/         the batch's copy of its input, in shards of
+                                      `shard_lines` lines, until the batch ends
+    <store>/batches/<key>/out/        the offline run's outputs (lanes.layout)
 
 The store is `Settings.batch_store()`: the server writes it, the offline lane's workers
 read the inputs and write the outputs there, so both must see the same one. Nothing
@@ -18,7 +19,7 @@ processes of one host (lanes.storage `write_if`); servers on several hosts share
 S3 store.
 
 One API key is one tenant: whoever holds the server's key sees every file and batch,
-and the files' quota (lanes.filequota) is the whole store's.
+and the quota (lanes.filequota) is the whole store's.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ class BatchStore:
         self.settings = settings
         self.root = settings.batch_store()
         self.storage = Storage(settings)
-        # Uploads reserve room in it (lanes.filequota); a batch's own files never do.
+        # Uploads and batches' input copies reserve room in it (lanes.filequota); a
+        # batch's output and error files never do.
         self.quota = FileQuota(settings.batch.max_store_bytes, self.stored_sizes)
 
     # ---- files --------------------------------------------------------------------
@@ -132,10 +134,19 @@ class BatchStore:
         return self.add_file(file_id, filename, purpose, size)
 
     def stored_sizes(self) -> dict[str, int]:
-        """The bytes of every file's data, by file id, as the store lists them now
-        (one listing: no file object is read)."""
+        """What the quota counts, as the store lists it now (no record is read): the
+        bytes of every file's data, by file id, and of every batch's input shards, by
+        their folder (`batch_input`)."""
         listed = self._listed_files(join(self.root, "files") + "/", ".data")
-        return {Path(f.uri).name.removesuffix(".data"): f.size for f in listed}
+        sizes = {Path(f.uri).name.removesuffix(".data"): f.size for f in listed}
+        try:
+            shards = self.storage.list_files(join(self.root, "batches", "*", "in", "*"), ("",))
+        except StorageError:
+            shards = []  # no batch yet
+        for shard in shards:
+            key = self.batch_input(join(self.root, "batches", shard.name.split("/")[0]))
+            sizes[key] = sizes.get(key, 0) + shard.size
+        return sizes
 
     def file(self, file_id: str) -> FileObject:
         raw = self.storage.read_bytes(self._file_meta(file_id))
@@ -174,6 +185,10 @@ class BatchStore:
 
     def batch_folder(self, batch_id: str) -> str:
         return join(self.root, "batches", _safe(batch_id, "batch_id"))
+
+    def batch_input(self, folder: str) -> str:
+        """Where a batch in `folder` (`batch_folder`) keeps its copy of its input."""
+        return join(folder, "in")
 
     def _batch_uri(self, batch_id: str) -> str:
         return join(self.root, "batches", f"{_safe(batch_id, 'batch_id')}.json")

@@ -45,10 +45,11 @@ class BatchApi(BaseModel):
     max_store_bytes: int = Field(
         10 * 1024**3,
         gt=0,
-        description="Bytes all stored files may take together (one key is one tenant, so "
-        "this is the whole store's): uploads and batches' output and error files. An upload "
-        "that would go over is refused before it is stored; a batch's files are always "
-        "written, and may take the store over, refusing uploads until files are deleted.",
+        description="Bytes the batch store may hold (one key is one tenant, so this is the "
+        "whole store's): uploads, each batch's copy of its input until the batch ends, and "
+        "batches' output and error files. An upload or a batch create that would go over is "
+        "refused before any of it is stored; a batch's output and error files are always "
+        "written, and may take the store over, refusing uploads until room is freed.",
     )
     shard_lines: int = Field(
         1000,

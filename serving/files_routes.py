@@ -3,8 +3,10 @@
 An upload is parsed as it arrives (Starlette's multipart parser spools the file to a
 temporary file past 1 MiB) and copied to the batch store (lanes.batchstore) in chunks:
 never held whole in memory. Its size is bounded by `Settings.batch.max_file_bytes`,
-counted as the bytes arrive. Once parsed, it is stored only if it fits the store's
-quota (lanes.filequota), which holds its room until the file is listed.
+counted as the bytes arrive. So is the store's quota (lanes.filequota): the file's
+bytes are counted against the room left when the upload began, and it is refused as
+soon as they pass it, not spooled whole first. Once parsed, it is stored only if it
+still fits, which the quota checks again and holds until the file is listed.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from starlette.routing import Route
 from lanes.batches import Batches
 from lanes.batchstore import BatchStore, check_purpose, new_id
 from lanes.errors import InvalidInput, LanesError, RequestTooLarge, shown
+from lanes.filequota import over_quota
 from lanes.serving.http import ClientGone, JSONResponse, openai_error
 
 # What multipart framing adds around the file (boundaries, headers, the purpose field).
@@ -47,6 +50,29 @@ async def _bounded(request: Request, limit: int) -> AsyncGenerator[bytes, None]:
         raise ClientGone(f"the client disconnected after {size} bytes of the upload") from None
 
 
+class _RoomBounded(MultiPartParser):
+    """Starlette's parser, refusing the file part as soon as its bytes and the `used`
+    ones pass the `quota`: the quota's refusal, never the per-file 413."""
+
+    def __init__(self, request: Request, limit: int, used: int, quota: int) -> None:
+        super().__init__(request.headers, _bounded(request, limit), max_files=1, max_fields=8)
+        self.used, self.quota = used, quota
+        self.file_bytes = 0
+
+    def on_part_data(self, data: bytes, start: int, end: int) -> None:
+        super().on_part_data(data, start, end)
+        # A wart: Starlette says which part is a file only in its private state (it
+        # bounds a field part's size by this very test).
+        if self._current_part.file is not None:
+            self.file_bytes += end - start
+            if self.used + self.file_bytes > self.quota:
+                what = (
+                    f"the upload's first {self.file_bytes} bytes would already take the store "
+                    f"to {self.used + self.file_bytes} bytes"
+                )
+                raise over_quota("file", what, self.used, self.quota)
+
+
 async def upload(request: Request) -> Response:
     store = _store(request)
     limit = store.settings.batch.max_file_bytes + FRAMING_BYTES
@@ -61,9 +87,8 @@ async def upload(request: Request) -> Response:
             raise InvalidInput.field(
                 "body", "expected multipart/form-data with `file` and `purpose`"
             )
-        parser = MultiPartParser(
-            request.headers, _bounded(request, limit), max_files=1, max_fields=8
-        )
+        used = await asyncio.to_thread(store.quota.used)
+        parser = _RoomBounded(request, limit, used, store.quota.quota)
         try:
             form = await parser.parse()
         except MultiPartException as err:
@@ -90,7 +115,7 @@ async def upload(request: Request) -> Response:
 def _save(store: BatchStore, source: IO[bytes], filename: str) -> dict[str, object]:
     file_id = new_id("file-")
     size = source.seek(0, os.SEEK_END)  # the parsed upload, spooled whole
-    with store.quota.reserved(file_id, size):
+    with store.quota.reserved(file_id, size, "file", f"the upload's {size} bytes"):
         source.seek(0)
         with store.writing(file_id) as out:
             shutil.copyfileobj(source, out, 1024 * 1024)

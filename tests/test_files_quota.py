@@ -1,14 +1,20 @@
 """The batch store's quota (lanes.filequota) through the official `openai` client,
-against real uvicorn servers: an upload over it is refused before it is stored, a
-deleted file frees its room, the quota holds across a restart and under concurrent
-uploads, and a batch's own files count but are always written.
+against real uvicorn servers: an upload over it is refused as its bytes pass the room
+left, before it is stored; a deleted file frees its room; the quota holds across a
+restart and under concurrent uploads; a batch's own files count but are always
+written; a batch's copy of its input counts until the batch ends.
 
-No batch runs here, so no Prefect API is ever asked.
+No batch runs here. Most servers point at no Prefect API (a create that passes the
+quota would fail there); the batches that must be made are made on a real Prefect
+server with their deployment and no worker, so they stay scheduled until cancelled.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
@@ -17,7 +23,10 @@ import openai
 import pytest
 
 from lanes.batchstore import BatchStore
-from tests.flows_fixtures import moto_server, s3_env, write_spec
+from lanes.errors import StorageError
+from lanes.prefectapi import FLOW_NAME
+from lanes.storage import Storage, join
+from tests.flows_fixtures import moto_server, s3_env, text, write_spec
 from tests.servers import ServerThread
 
 pytestmark = pytest.mark.slow
@@ -32,9 +41,9 @@ def spec(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_spec(tmp_path_factory.mktemp("files-quota") / "project", WORKLOADS)
 
 
-def serve(spec: Path, store: Path | str) -> ServerThread:
+def serve(spec: Path, store: Path | str, prefect_api_url: str = NOBODY) -> ServerThread:
     batch = {"store": str(store), "max_store_bytes": QUOTA}
-    return ServerThread(spec, batch=batch, prefect_api_url=NOBODY)
+    return ServerThread(spec, batch=batch, prefect_api_url=prefect_api_url)
 
 
 def client_of(server: ServerThread) -> openai.OpenAI:
@@ -51,6 +60,40 @@ def refusal(client: openai.OpenAI, size: int) -> dict[str, object]:
     body = refused.value.body
     assert isinstance(body, dict), body
     return body
+
+
+def requests(size: int) -> bytes:
+    """Three batch lines for `embed-live`, `size` bytes in all with the last newline."""
+    lines = [
+        json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/embeddings", "body": b})
+        for i, b in enumerate({"model": "embed-live", "input": text(i)} for i in range(3))
+    ]
+    body = "\n".join(lines)
+    assert len(body) < size, f"{size} bytes hold the three requests"
+    return (body + " " * (size - 1 - len(body)) + "\n").encode()  # JSON takes the padding
+
+
+def create_batch(client: openai.OpenAI, file_id: str) -> openai.types.Batch:
+    return client.batches.create(
+        input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h"
+    )
+
+
+def batch_refusal(client: openai.OpenAI, file_id: str) -> dict[str, object]:
+    with pytest.raises(openai.BadRequestError) as refused:
+        create_batch(client, file_id)
+    body = refused.value.body
+    assert isinstance(body, dict), body
+    return body
+
+
+def copies(server: ServerThread) -> list[int]:
+    """The bytes of each shard of the batches' input copies in the store."""
+    shards = join(server.settings.batch_store(), "batches", "*", "in", "*")
+    try:
+        return [f.size for f in Storage(server.settings).list_files(shards, ("",))]
+    except StorageError:
+        return []  # no batch folder at all
 
 
 def test_an_upload_over_the_quota_is_refused_unstored_until_a_file_is_deleted(
@@ -130,3 +173,102 @@ def test_a_batchs_output_file_is_written_over_the_quota_and_counts(
         assert "of which 1500 are used" in str(error["message"]), error
         client.files.delete(output.id)
         assert upload(client, 1).bytes == 1
+
+
+def test_an_upload_is_refused_as_its_bytes_pass_the_room_left(spec: Path, tmp_path: Path) -> None:
+    """Counted as they arrive, as the per-file limit is: the refusal names how many of
+    the file's bytes had come, fewer than it has (the server read no further), and
+    nothing of it is stored."""
+    with serve(spec, tmp_path / "store") as server:
+        client = client_of(server)
+        first = upload(client, 600)
+        size = 4 * 1024 * 1024
+        error = refusal(client, size)
+        assert (error["param"], error["code"]) == ("file", "storage_quota_exceeded")
+        message = str(error["message"])
+        counted = re.search(r"the upload's first (\d+) bytes would already take", message)
+        assert counted is not None, message
+        assert 400 < int(counted.group(1)) < size, message
+        assert "quota of 1000 bytes" in message and "of which 600 are used" in message, message
+        assert [f.id for f in client.files.list()] == [first.id]
+        stored = sorted(p.name for p in (tmp_path / "store" / "files").iterdir())
+        assert stored == [f"{first.id}.data", f"{first.id}.json"]
+        assert upload(client, 400).bytes == 400  # exactly the room that was left
+
+
+def test_a_batch_whose_copy_would_go_over_is_refused_with_nothing_split(
+    spec: Path, tmp_path: Path
+) -> None:
+    """A batch keeps a copy of its input file: one that would take the store over the
+    quota is refused before any of it is written (and before Prefect is asked)."""
+    store = tmp_path / "store"
+    with serve(spec, store) as server:
+        client = client_of(server)
+        given = client.files.create(file=("in.jsonl", requests(600)), purpose="batch")
+        error = batch_refusal(client, given.id)
+        assert (error["param"], error["code"]) == ("input_file_id", "storage_quota_exceeded")
+        message = str(error["message"])
+        assert f"the batch's copy of file {given.id} (up to 601 bytes" in message, message
+        assert "quota of 1000 bytes" in message and "of which 600 are used" in message, message
+        assert "POST /v1/batches/{batch_id}/cancel" in message, message
+        assert client.batches.list().data == []
+        assert list(store.glob("batches/**/*")) == []
+        assert BatchStore(server.settings).quota.used() == 600
+
+
+def test_a_batch_that_fails_validating_keeps_no_copy(spec: Path, tmp_path: Path) -> None:
+    """A bad file's batch has ended as it is made: its copy goes at once."""
+    with serve(spec, tmp_path / "store") as server:
+        client = client_of(server)
+        given = client.files.create(file=("in.jsonl", b"not json\n" * 30), purpose="batch")
+        assert create_batch(client, given.id).status == "failed"
+        assert copies(server) == []
+        assert BatchStore(server.settings).quota.used() == 270
+
+
+@pytest.fixture
+def deployed(prefect_api: str) -> Iterator[str]:
+    """The `openai_batch` deployment on a real Prefect server, with no worker: its
+    batches stay scheduled until cancelled. Removed after the test."""
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        flow = client.create_flow_from_name(FLOW_NAME)
+        deployment = client.create_deployment(flow, "openai_batch")
+        try:
+            yield prefect_api
+        finally:
+            client.delete_deployment(deployment)
+
+
+@pytest.mark.parametrize("kind", ["folder", "s3"])
+def test_a_batchs_copy_counts_until_it_ends(
+    spec: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, deployed: str, kind: str
+) -> None:
+    """The copy takes room as an upload does, so one file batched again and again cannot
+    fill the store; a cancelled batch's copy is deleted, and its room free again, while
+    the input file stays."""
+    with ExitStack() as stack:
+        store: Path | str = tmp_path / "store"
+        if kind == "s3":
+            s3 = s3_env(monkeypatch, stack.enter_context(moto_server()))
+            s3.create_bucket(Bucket="lanes-quota")
+            store = "s3://lanes-quota/batches/"
+        server = stack.enter_context(serve(spec, store, deployed))
+        client = client_of(server)
+        given = client.files.create(file=("in.jsonl", requests(400)), purpose="batch")
+        first = create_batch(client, given.id)
+        assert first.status == "in_progress"
+        assert copies(server) == [400]
+        assert BatchStore(server.settings).quota.used() == 800
+        error = batch_refusal(client, given.id)
+        assert "of which 800 are used" in str(error["message"]), error
+        assert refusal(client, 201)["code"] == "storage_quota_exceeded"
+        assert len(copies(server)) == 1  # the refused create split nothing
+
+        assert client.batches.cancel(first.id).status == "cancelled"
+        assert copies(server) == []
+        assert client.files.retrieve(given.id).bytes == 400
+        second = create_batch(client, given.id)  # its room is free again
+        assert client.batches.cancel(second.id).status == "cancelled"
+        assert BatchStore(server.settings).quota.used() == 400
