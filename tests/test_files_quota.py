@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
@@ -54,12 +54,17 @@ def upload(client: openai.OpenAI, size: int) -> openai.types.FileObject:
     return client.files.create(file=("in.jsonl", b"x" * size), purpose="batch")
 
 
-def refusal(client: openai.OpenAI, size: int) -> dict[str, object]:
-    with pytest.raises(openai.BadRequestError) as refused:
-        upload(client, size)
-    body = refused.value.body
+def refused(call: Callable[[], object]) -> dict[str, object]:
+    """The body of the 400 that `call` (an upload, a batch create) is refused with."""
+    with pytest.raises(openai.BadRequestError) as refusal:
+        call()
+    body = refusal.value.body
     assert isinstance(body, dict), body
     return body
+
+
+def refusal(client: openai.OpenAI, size: int) -> dict[str, object]:
+    return refused(lambda: upload(client, size))
 
 
 def requests(size: int) -> bytes:
@@ -80,11 +85,7 @@ def create_batch(client: openai.OpenAI, file_id: str) -> openai.types.Batch:
 
 
 def batch_refusal(client: openai.OpenAI, file_id: str) -> dict[str, object]:
-    with pytest.raises(openai.BadRequestError) as refused:
-        create_batch(client, file_id)
-    body = refused.value.body
-    assert isinstance(body, dict), body
-    return body
+    return refused(lambda: create_batch(client, file_id))
 
 
 def copies(server: ServerThread) -> list[int]:
