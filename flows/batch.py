@@ -212,7 +212,7 @@ def run_job(
         weights = model_weights(job.spec, job.workload, settings)
         check_key(url, served_workload(job.spec.workloads, job.workload), key, weights)
     # Every file this run writes lands in the output folder as planned (lanes.outputs).
-    storage = OutputStorage(settings, job.real_output)
+    storage = OutputStorage(settings, job.real_output, job.output)
     storage.ensure_folder(job.output)
     # One run at a time writes an output (lanes.runlock): another run of it now
     # would redo every shard this one has not committed yet.

@@ -287,17 +287,22 @@ class _Outputs:
 
 
 def _errored_lines(storage: Storage, uri: str) -> set[int] | None:
-    """The numbers of the records an errors file names; None without a readable one."""
+    """The numbers of the records an errors file names; None without a readable one.
+    One this job may not read (denied, a link out of its output: lanes.outputs) is a
+    PermanentStorageError: run whole instead, the shard would hide why."""
     try:
         with storage.open(uri) as stream:
             return {int(orjson.loads(line)["line"]) for line in stream if line.strip()}
+    except PermanentStorageError:
+        raise
     except (StorageError, orjson.JSONDecodeError, KeyError, TypeError, ValueError):
         return None
 
 
 def _copy_outputs(storage: Storage, uri: str, out: IO[bytes]) -> _Outputs | None:
     """Copy a committed output file into `out`, and the ids it answers; None (and `out`
-    left empty) without a readable one."""
+    left empty) without a readable one. One this job may not read is a
+    PermanentStorageError (as `_errored_lines`), nothing copied."""
     ids: set[Any] = set()
     lines = 0
     try:
@@ -308,6 +313,8 @@ def _copy_outputs(storage: Storage, uri: str, out: IO[bytes]) -> _Outputs | None
                     ids.add(line["custom_id"] if "custom_id" in line else line.get("id"))
                     out.write(raw if raw.endswith(b"\n") else raw + b"\n")
                     lines += 1
+    except PermanentStorageError:
+        raise
     except (StorageError, orjson.JSONDecodeError, AttributeError, TypeError):
         out.seek(0)
         out.truncate()

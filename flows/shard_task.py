@@ -56,7 +56,8 @@ def _shard(
     stats = run_shard(
         plan,
         model,
-        OutputStorage(settings, job.real_output),  # it writes where the job was planned
+        # It reads and writes the output where the job was planned.
+        OutputStorage(settings, job.real_output, job.output),
         job.batch_size,
         job.max_record_bytes,
         job.max_inputs,

@@ -24,20 +24,33 @@ The output folder itself may be a link (an operator's data disk): its target is 
 was planned. A file's own name is not judged: publishing renames over it, so a link
 there is replaced, not followed; `_running` is opened in place, so it is judged
 whole. S3 has no links.
+
+What a job reads back from its output is judged the same way (`OutputStorage.open`,
+`read_bytes`): a `--retry-errors` run copies a shard's old output into its new one,
+and every run reads commit markers, so `<output>/a.jsonl` made a link to a secret
+file would have the worker copy the secret into an output its planter may read.
+A local file under the job's output (as spelt) is opened without following a link
+at its own name, and by where its descriptor leads it must lie in the job's real
+output folder; one that would not fails the read, naming the link, unread. Inputs
+have their own check (lanes.inputs), and `exists` reads no content: it is not judged.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from typing import IO
 from urllib.parse import unquote, urlparse
 
 from lanes.errors import InvalidInput, PermanentStorageError
 from lanes.inputs import absolute, check_spelling, folder_of, inside_output
 from lanes.layout import RUNNING
+from lanes.localfiles import denied_reading
 from lanes.runlock import Held
+from lanes.s3errors import Missing
 from lanes.settings import Settings
 from lanes.storage import Storage, is_s3, join
 
@@ -71,11 +84,40 @@ def check_output(uri: str, workload_output: str | None, base: Path, settings: Se
 class OutputStorage(Storage):
     """`Storage` for one job, whose local writes must land in `real_output`: the job's
     output folder, links resolved when it was planned (`Job.real_output`). Writing
-    elsewhere is a PermanentStorageError (`check_landing`); reading is not judged."""
+    elsewhere is a PermanentStorageError (`check_landing`), and so is reading a file
+    below `output` (the folder as spelt, `Job.output`) that lies elsewhere
+    (`open_inside`). Other reads (the job's input) are the storage's own."""
 
-    def __init__(self, settings: Settings, real_output: str) -> None:
+    def __init__(self, settings: Settings, real_output: str, output: str) -> None:
         super().__init__(settings)
         self.real_output = real_output
+        self.output = output
+
+    @contextmanager
+    def open(self, uri: str) -> Iterator[IO[bytes]]:
+        if not self._holds(uri):
+            with super().open(uri) as stream:
+                yield stream
+            return
+        with open_inside(uri, self.real_output) as stream:
+            yield stream
+
+    def read_bytes(self, uri: str) -> bytes | None:
+        if not self._holds(uri):
+            return super().read_bytes(uri)
+        try:
+            with open_inside(uri, self.real_output) as stream:
+                return stream.read()
+        except Missing:
+            return None
+
+    def _holds(self, uri: str) -> bool:
+        """Whether local `uri` is a file of the job's output, by its spelling: a link in
+        its path is judged when it is opened, not here."""
+        if is_s3(uri) or is_s3(self.output):
+            return False
+        path, folder = _local(uri), _local(self.output)
+        return folder in path.parents
 
     @contextmanager
     def staged(self, uri: str) -> Iterator[Path]:
@@ -108,11 +150,61 @@ def check_landing(uri: str, folder: str, real_output: str) -> None:
     real = os.path.realpath(path)
     if _inside(real, real_output):
         return
+    raise _outside(uri, path, real_output, "nothing was written there")
+
+
+@contextmanager
+def open_inside(uri: str, real_output: str) -> Iterator[IO[bytes]]:
+    """Local file `uri` opened for reading, unless it really lies outside `real_output`
+    (a PermanentStorageError naming the link, the file left unread). A link at its own
+    name is not followed by the open, but resolved and judged first, and so are its
+    folders, so that nothing outside is opened (a FIFO there would block); where the
+    opened descriptor leads is judged too, so a link swapped in meanwhile is caught. A missing
+    file is `Missing`, one that may not be read a PermanentStorageError, as
+    `Storage.open` says."""
+    path = _local(uri)
+    if not _inside(os.path.realpath(path.parent), real_output):
+        if not os.path.lexists(path):
+            # Nothing to read: a shard writing there is refused as it stages.
+            raise Missing(f"{uri}: no such file")
+        raise _outside(uri, path, real_output, "nothing was read from it")
+    fd = _open_unlinked(uri, path)
+    if fd is None:
+        # A link at the name: one within the output is read where it leads, once.
+        real = Path(os.path.realpath(path))
+        if not _inside(str(real), real_output):
+            raise _outside(uri, path, real_output, "nothing was read from it")
+        fd = _open_unlinked(uri, real)
+        if fd is None:  # swapped for a link again meanwhile
+            raise _outside(uri, real, real_output, "nothing was read from it")
+    with os.fdopen(fd, "rb") as stream:
+        opened = Path(f"/proc/self/fd/{fd}")
+        real_path = os.readlink(opened) if opened.is_symlink() else os.path.realpath(path)
+        if not _inside(real_path, real_output):
+            raise _outside(uri, path, real_output, "nothing was read from it")
+        yield stream
+
+
+def _open_unlinked(uri: str, path: Path) -> int | None:
+    """A descriptor of `path` opened to read, or None where its own name is a link."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise Missing(f"{uri}: no such file") from None
+    except PermissionError:
+        raise denied_reading(uri, path) from None
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return None
+        raise
+
+
+def _outside(uri: str, path: Path, real_output: str, done: str) -> PermanentStorageError:
     link, target = _leaving(path, real_output)
-    raise PermanentStorageError(
+    return PermanentStorageError(
         f"{uri}: {link} is a symbolic link to {target}, outside this job's output "
-        f"{real_output}, so nothing was written there; remove the link (whoever may write "
-        "in the output folder can make one) and run again"
+        f"{real_output}, so {done}; remove the link (whoever may write in the output "
+        "folder can make one) and run again"
     )
 
 

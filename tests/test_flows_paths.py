@@ -504,3 +504,71 @@ def test_an_output_linked_away_after_planning_is_not_written(tmp_path: Path) -> 
         shard.fn(job, plans[1], settings)
     assert f"{tmp_path / 'out'} is a symbolic link to {elsewhere}, outside" in str(caught.value)
     assert files_under(elsewhere) == {}
+
+
+def committed_with_an_error(tmp_path: Path) -> tuple[Path, Path]:
+    """A project whose in/a.jsonl committed with one rejected record (so that
+    --retry-errors reruns it), and a secret file beside it that no root allows."""
+    spec = write_spec(tmp_path, {"aff": workload(max_error_rate=0.5)})
+    write_jsonl(tmp_path / "in" / "a.jsonl", [*records("a", 2), "{not json"])
+    assert offline(workload="aff", spec=str(spec))["total_errors"] == 1
+    secret = tmp_path / "secret" / "keys.jsonl"
+    write_jsonl(secret, [{"id": "stolen", "key": "SECRET-KEY-1"}])
+    return spec, secret
+
+
+def holds_secret(folder: Path) -> bool:
+    """Whether a file of `folder` (not a link planted there) holds the secret."""
+    files = [p for p in folder.rglob("*") if p.is_file() and not p.is_symlink()]
+    return any(b"SECRET-KEY-1" in p.read_bytes() for p in files)
+
+
+@pytest.mark.parametrize("name", ["a.jsonl", f"{ERRORS}/a.jsonl"])
+def test_a_retry_never_reads_a_committed_file_made_a_link_out_of_the_output(
+    prefect_api: str, tmp_path: Path, name: str
+) -> None:
+    """--retry-errors copies a shard's old output into its new one: its output (or
+    errors file) made a link to a file elsewhere would copy that file into an output
+    whoever planted the link may read. The shard fails naming the link, unread."""
+    spec, secret = committed_with_an_error(tmp_path)
+    out = tmp_path / "out"
+    (out / name).unlink()
+    (out / name).symlink_to(secret)
+    with pytest.raises(JobFailed) as caught:
+        offline(workload="aff", spec=str(spec), rerun="errors")
+    assert f"{out / name} is a symbolic link to {secret}, outside this job's output" in str(
+        caught.value
+    )
+    assert "nothing was read from it" in str(caught.value)
+    assert (out / name).is_symlink() and not holds_secret(out)
+
+
+@pytest.mark.parametrize("marker", ["a.json", "other.json"])
+def test_a_commit_marker_made_a_link_out_of_the_output_is_refused_unread(
+    prefect_api: str, tmp_path: Path, marker: str
+) -> None:
+    """The run reads its shards' commit markers (and any other in `_committed`, to
+    find another job's): one made a link to a file elsewhere is refused, and nothing
+    of that file shows, in the output or in the message."""
+    spec, _ = committed_with_an_error(tmp_path)
+    out = tmp_path / "out"
+    secret = tmp_path / "secret" / "marker.json"
+    secret.write_text(json.dumps({"input": "SECRET-KEY-1", "key": "SECRET-KEY-1"}))
+    (out / MARKERS / marker).unlink(missing_ok=True)
+    (out / MARKERS / marker).symlink_to(secret)
+    with pytest.raises(PermanentStorageError) as caught:
+        offline(workload="aff", spec=str(spec), rerun="errors")
+    message = str(caught.value)
+    assert f"{out / MARKERS / marker} is a symbolic link to {secret}, outside" in message
+    assert "SECRET-KEY-1" not in message and not holds_secret(out)
+
+
+def test_links_within_the_output_are_read_where_they_lead(prefect_api: str, tmp_path: Path) -> None:
+    """A committed output that is a link to a file inside the output is read as ever."""
+    spec, _ = committed_with_an_error(tmp_path)
+    out = tmp_path / "out"
+    (out / "a.jsonl").rename(out / "kept.jsonl")
+    (out / "a.jsonl").symlink_to(out / "kept.jsonl")
+    retried = offline(workload="aff", spec=str(spec), rerun="errors")
+    assert (retried["shards_retried"], retried["total_outputs"]) == (1, 2)
+    assert sorted(line["id"] for line in read_jsonl(out / "a.jsonl")) == ["a0", "a1"]
