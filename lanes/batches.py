@@ -13,6 +13,9 @@
               the output and error files assembled from the committed shards.
     cancel    the flow run is cancelled; committed shards stay, in the output file.
 
+Once a batch has ended, and its files and last status are saved, its folder in the
+store (its input's copy, its run's shards) is deleted: the files hold its lines.
+
 A window that passes expires the batch: the run is stopped (the flow also starts no
 shard past it), the committed shards' lines are in the output file, the rest in the
 error file with OpenAI's `batch_expired` error.
@@ -213,7 +216,7 @@ class Batches:
                 errors={"object": "list", "data": checked.errors},
             )
             self.store.create_batch(record)
-            self._drop_input(record)  # it ended as it was made
+            self._drop_folder(record)  # it ended as it was made
             return public(record)
         assert checked.model is not None
         workload = self.spec.workloads[checked.model]
@@ -468,19 +471,23 @@ class Batches:
             )
             files = {k: claimed[k] for k in ("output_file_id", "error_file_id")}
             finished = finish(self.store, record["id"], ending, claiming.now, files, counts)
-            self._drop_input(finished)
+            self._drop_folder(finished)
             return finished
 
-    def _drop_input(self, record: dict[str, Any]) -> None:
-        """Free an ended batch's room in the quota (lanes.filequota): its copy of its
-        input, read only by its run and by its assembly (lanes.batchfiles), both over.
-        Never before the last status is saved: a server that took over a stale claim
-        to finalize would assemble from it again. The input file itself stays."""
-        copy = self.store.batch_input(record["_lanes"]["folder"])
+    def _drop_folder(self, record: dict[str, Any]) -> None:
+        """Delete an ended batch's folder: its copy of its input (which the quota
+        counts, lanes.filequota) and its run's shards, whose lines are now its output
+        and error files. Read only by its run and by its assembly (lanes.batchfiles),
+        both over: a batch is finalized once its run has ended (`_ENDED`: a cancelled
+        one once Prefect reads CANCELLED, its process stopped, never while CANCELLING),
+        and a final record is answered from itself. Never before the last status is
+        saved: a server that took over a stale claim to finalize would assemble from
+        it again. The input file itself stays."""
+        folder = record["_lanes"]["folder"]
         try:
-            self.store.storage.delete_folder(copy)
+            self.store.storage.delete_folder(folder)
         except StorageError as err:  # the batch has ended all the same
-            log.warning("batch %s ended, and its input copy stays: %s", record["id"], err)
+            log.warning("batch %s ended, and its folder %s stays: %s", record["id"], folder, err)
 
 
 _ENDED = frozenset({*FINISHED, *FAILED_STATES} - {"CANCELLING"})

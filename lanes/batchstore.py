@@ -5,7 +5,8 @@
     <store>/batches/<batch id>.json   the batch record (lanes.batches)
     <store>/batches/<key>/in/         the batch's copy of its input, in shards of
                                       `shard_lines` lines, until the batch ends
-    <store>/batches/<key>/out/        the offline run's outputs (lanes.layout)
+    <store>/batches/<key>/out/        the offline run's outputs (lanes.layout), until
+                                      the batch ends (its files hold them then)
 
 The store is `Settings.batch_store()`: the server writes it, the offline lane's workers
 read the inputs and write the outputs there, so both must see the same one. Nothing

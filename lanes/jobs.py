@@ -197,6 +197,9 @@ class Job:
         for marker in found:
             data = storage.read_bytes(marker.uri)
             answered += int(orjson.loads(data)["outputs"]) if data is not None else 0
+        ended_batch = self._ended_batch() if not found else None
+        if ended_batch is not None:  # its shards are gone, counted in its record
+            answered = int(ended_batch["request_counts"]["completed"])
         ended = run.parameters.get("finish_by") or "its end"
         return (
             f"the batch expired: its completion window passed at {ended}, with {answered} "
@@ -325,6 +328,13 @@ class Job:
             markers = storage.list_files(join(self.output, layout.MARKERS), (".json",))
         except StorageError:
             markers = []
+        if not markers and (ended := self._ended_batch()) is not None:
+            files = " and ".join(filter(None, (ended["output_file_id"], ended["error_file_id"])))
+            raise LanesError(
+                f"batch {self.id} has ended ({ended['status']}) and its run's shards are "
+                f"deleted: its lines are in its files ({files or 'none'}; GET "
+                "/v1/files/{file_id}/content)"
+            )
         if not markers and missing is not None:
             raise LanesError(
                 f"job {self.id} has no {missing} at {self.output} yet (it is {self.status()})"
@@ -335,6 +345,20 @@ class Job:
             if data is not None:
                 found.append(str(orjson.loads(data)[key]))
         return found
+
+    def _ended_batch(self) -> dict[str, Any] | None:
+        """A Batch API batch's record once it has ended, when this job is one: its
+        run's output folder is deleted then (lanes.batches), its lines in its files."""
+        if not self.id.startswith(BATCH_PREFIX):
+            return None
+        from lanes.batch_claim import FINAL
+        from lanes.batchstore import BatchStore
+
+        try:
+            record = BatchStore(self.settings).batch(self.id)
+        except (NotFound, StorageError):
+            return None  # another store's, or not readable here: as before
+        return record if record["status"] in FINAL else None
 
     def _lines(self, files: list[str]) -> Iterator[dict[str, Any]]:
         storage = Storage(self.settings)

@@ -33,7 +33,7 @@ from openai.types import BatchError
 
 from lanes.batches import Batches, public
 from lanes.digests import model_key
-from lanes.errors import InvalidInput
+from lanes.errors import InvalidInput, LanesError
 from lanes.jobs import BATCH_PREFIX, Job
 from lanes.measurements import Measurements, Throughput
 from lanes.settings import Settings
@@ -172,6 +172,12 @@ def wait_until_value(check: Any, timeout: float) -> Any:
     return found[-1]
 
 
+def batch_folder(setup: Setup, batch_id: str) -> Path:
+    """Where the batch's input copy and its run's shards are (its record's `_lanes`)."""
+    record = json.loads((setup.store / "batches" / f"{batch_id}.json").read_bytes())
+    return Path(record["_lanes"]["folder"])
+
+
 def jsonl(content: bytes) -> list[dict[str, Any]]:
     return [json.loads(line) for line in content.splitlines() if line.strip()]
 
@@ -230,6 +236,10 @@ def test_a_batch_runs_in_the_offline_lane_as_lanes_run_does(setup: Setup) -> Non
         assert sorted(line["custom_id"] for line in output) == [f"r{i}" for i in range(7)]
         assert [(e["custom_id"], e["line"]) for e in errors] == [("r7", 11)]
         (typed,) = typed_errors(error_file)
+        # Its shards, and its input's copy, went once its files were saved.
+        assert not batch_folder(setup, done.id).exists()
+        assert client.files.content(done.output_file_id).read()
+        assert client.batches.retrieve(done.id).status == "completed"
 
     # `lanes run` of the same workload over the same file writes the same lines.
     ran_it = subprocess.run(
@@ -258,10 +268,12 @@ def test_a_batch_runs_in_the_offline_lane_as_lanes_run_does(setup: Setup) -> Non
     assert errors[0]["id"] == f"batch_req_{errors[0]['response']['request_id']}"
     assert without_ids(errors[0])["response"] == without_ids(ran_error)["response"]
 
-    # client.job(batch id) follows the same run as a submitted job.
+    # client.job(batch id) follows the same run as a submitted job; its lines, once
+    # the batch ended, are in the batch's files.
     job = Job(done.id, Settings(), prefect_api_url=setup.api)
     assert job.status() == "COMPLETED_WITH_ERRORS"
-    assert sorted(r["id"] for r in job.results()) == [f"r{i}" for i in range(7)]
+    with pytest.raises(LanesError, match=f"its files \\({done.output_file_id} and "):
+        list(job.results())
     listed = subprocess.run(
         [sys.executable, "-m", "lanes.router.cli", "job"],
         env=setup.env,
@@ -372,6 +384,7 @@ def test_cancel_mid_run_keeps_the_committed_lines(setup: Setup, closed_gate: Non
         assert cancelling.status in ("cancelling", "cancelled")
         done = finished(client, batch.id)
         assert done.status == "cancelled", done
+        assert not batch_folder(setup, batch.id).exists()
         output = jsonl(client.files.content(done.output_file_id).read())
         assert sorted(line["custom_id"] for line in output) == [f"r{i}" for i in (0, 1, 2, 6, 7, 8)]
         with pytest.raises(openai.BadRequestError, match="already cancelled"):
@@ -389,6 +402,7 @@ def test_a_passed_window_expires_the_batch_with_its_finished_lines(
         done = finished(client, batch.id)
         assert done.status == "expired", done
         assert done.expired_at is not None
+        assert not batch_folder(setup, batch.id).exists()
         output = jsonl(client.files.content(done.output_file_id).read())
         errors = jsonl(client.files.content(done.error_file_id).read())
     assert sorted(line["custom_id"] for line in output) == [f"r{i}" for i in (0, 1, 2, 6, 7, 8)]
