@@ -178,6 +178,14 @@ def batch_folder(setup: Setup, batch_id: str) -> Path:
     return Path(record["_lanes"]["folder"])
 
 
+def left_of_run(setup: Setup, batch_id: str) -> set[str]:
+    """What an ended batch's folder still holds, apart from its run's manifests."""
+    folder = batch_folder(setup, batch_id)
+    kept = "out/_manifests/"
+    found = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+    return {name for name in found if not name.startswith(kept)}
+
+
 def jsonl(content: bytes) -> list[dict[str, Any]]:
     return [json.loads(line) for line in content.splitlines() if line.strip()]
 
@@ -236,8 +244,11 @@ def test_a_batch_runs_in_the_offline_lane_as_lanes_run_does(setup: Setup) -> Non
         assert sorted(line["custom_id"] for line in output) == [f"r{i}" for i in range(7)]
         assert [(e["custom_id"], e["line"]) for e in errors] == [("r7", 11)]
         (typed,) = typed_errors(error_file)
-        # Its shards, and its input's copy, went once its files were saved.
-        assert not batch_folder(setup, done.id).exists()
+        # Its shards, and its input's copy, went once its files were saved; the run's
+        # manifest (what it cost) stays.
+        assert left_of_run(setup, done.id) == set()
+        manifest = Job(done.id, Settings(), prefect_api_url=setup.api).manifest()
+        assert manifest["outputs"] == 7
         assert client.files.content(done.output_file_id).read()
         assert client.batches.retrieve(done.id).status == "completed"
 
@@ -384,7 +395,7 @@ def test_cancel_mid_run_keeps_the_committed_lines(setup: Setup, closed_gate: Non
         assert cancelling.status in ("cancelling", "cancelled")
         done = finished(client, batch.id)
         assert done.status == "cancelled", done
-        assert not batch_folder(setup, batch.id).exists()
+        assert left_of_run(setup, batch.id) == set()
         output = jsonl(client.files.content(done.output_file_id).read())
         assert sorted(line["custom_id"] for line in output) == [f"r{i}" for i in (0, 1, 2, 6, 7, 8)]
         with pytest.raises(openai.BadRequestError, match="already cancelled"):
@@ -402,7 +413,7 @@ def test_a_passed_window_expires_the_batch_with_its_finished_lines(
         done = finished(client, batch.id)
         assert done.status == "expired", done
         assert done.expired_at is not None
-        assert not batch_folder(setup, batch.id).exists()
+        assert left_of_run(setup, batch.id) == set()
         output = jsonl(client.files.content(done.output_file_id).read())
         errors = jsonl(client.files.content(done.error_file_id).read())
     assert sorted(line["custom_id"] for line in output) == [f"r{i}" for i in (0, 1, 2, 6, 7, 8)]
