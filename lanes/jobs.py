@@ -11,6 +11,12 @@ so `Job(id)` works from any process that reaches the same Prefect API and storag
 
 Prefect is imported only when a job is touched, here and in lanes.prefectapi (the
 API the runs live on); lanes.jobstates reads a run's state as the job's status.
+
+`results()` and `errors()` read the files each commit marker names, and whoever may
+write in a shared output folder can write a marker: a file it names must lie inside
+the job's output (by spelling, and for local files by real path, links resolved), or
+the read is refused unread, as the flow refuses its own (lanes.outputs). A service
+reading jobs with its own credentials (the Batch API) hands back nothing else.
 """
 
 from __future__ import annotations
@@ -32,12 +38,13 @@ import orjson
 from lanes import layout
 from lanes.deadline import opening
 from lanes.errors import InvalidInput, JobFailed, LanesError, NotFound, StorageError
-from lanes.inputs import absolute, check_input, folder_of
+from lanes.inputs import absolute, check_input, check_spelling, folder_of, inside_output
 from lanes.jobstates import EXPIRED, EXPIRED_TAG, FAILED_STATES, FINISHED, status_of
+from lanes.outputs import OutputStorage
 from lanes.prefectapi import PrefectApi
 from lanes.settings import Settings
 from lanes.spec import OfflineWorkload
-from lanes.storage import Storage, join
+from lanes.storage import Storage, is_s3, join
 from lanes.validation import describe
 
 if TYPE_CHECKING:
@@ -319,11 +326,18 @@ class Job:
                 "is PREFECT_API_URL the server it was submitted to?"
             ) from None
 
+    def _storage(self) -> OutputStorage:
+        """Storage whose local reads below the output must really lie in it (the folder's
+        real path now: a link at the output itself is the operator's data disk)."""
+        real = absolute(self.output, Path.cwd()).rstrip("/") or "/"
+        return OutputStorage(self.settings, real, self.output)
+
     def _committed(self, key: str, missing: str | None) -> list[str]:
         """The `key` file ("output" or "errors_file") of each committed shard, by its
         commit marker: a workload's output also holds its submitted jobs' (jobs/), which
-        a listing of the folder would mix in."""
-        storage = Storage(self.settings)
+        a listing of the folder would mix in. A marker naming a file outside the output
+        is refused (`_named`)."""
+        storage = self._storage()
         try:
             markers = storage.list_files(join(self.output, layout.MARKERS), (".json",))
         except StorageError:
@@ -343,7 +357,8 @@ class Job:
         for marker in markers:
             data = storage.read_bytes(marker.uri)
             if data is not None:
-                found.append(str(orjson.loads(data)[key]))
+                named = str(orjson.loads(data)[key])
+                found.append(self._named(marker.uri, key, named, storage.real_output))
         return found
 
     def _ended_batch(self) -> dict[str, Any] | None:
@@ -360,8 +375,30 @@ class Job:
             return None  # another store's, or not readable here: as before
         return record if record["status"] in FINAL else None
 
+    def _named(self, marker: str, key: str, named: str, real_output: str) -> str:
+        """`named`, the `key` file of commit marker `marker`, unless it lies outside the
+        job's output: by spelling (another bucket or prefix, `.` or `..` parts in an S3
+        key, another scheme), and for a local file by its real path now (`..` and links
+        resolved) against the output's, `real_output`. Where the opened file really
+        leads is judged again as it is read (`OutputStorage.open`)."""
+        try:
+            check_spelling(named, key)
+        except InvalidInput:
+            inside = False
+        else:
+            local = not (is_s3(named) or is_s3(self.output))
+            inside = inside_output(named, real_output if local else self.output, Path.cwd())
+        if inside:
+            return named
+        raise LanesError(
+            f"job {self.id}: commit marker {marker} names its {key} {named}, outside the "
+            f"job's output {self.output}, so nothing was read from it; a marker names its "
+            "shard's own files, so this one was written by someone else (whoever may write "
+            "in the output folder can): remove it and run the job again"
+        )
+
     def _lines(self, files: list[str]) -> Iterator[dict[str, Any]]:
-        storage = Storage(self.settings)
+        storage = self._storage()
         for file in files:
             with storage.open(file) as stream:
                 for line in stream:

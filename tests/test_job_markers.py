@@ -1,0 +1,76 @@
+"""What `Job.results()` and `errors()` read: only files inside the job's output.
+
+They follow each shard's commit marker to its output and errors file, and whoever may
+write in a shared output folder can write a marker or a link: a file named or reached
+outside the output is refused, naming it, and none of its lines come back. A real
+offline run under the session's Prefect API, on the tiny affine model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lanes.errors import LanesError
+from lanes.flows.batch import offline
+from lanes.jobs import Job
+from lanes.layout import MARKERS
+from lanes.settings import Settings
+from tests.flows_fixtures import write_jsonl, write_spec
+
+WORKLOAD = {
+    "mode": "offline",
+    "task": "infer",
+    "model": "affine",
+    "input": "in/",
+    "output": "out/",
+    "batch_size": 4,
+    "retries": 0,
+    "max_error_rate": 0.5,
+}
+SECRET = {"id": "stolen", "key": "SECRET-KEY-1"}
+
+
+def finished_job(prefect_api: str, folder: Path) -> Job:
+    """A job whose one shard committed two answers and one rejected line."""
+    spec = write_spec(folder, {"aff": WORKLOAD})
+    records: list[Any] = [{"id": f"a{i}", "x": [[i, 0, 0, 0]]} for i in range(2)]
+    write_jsonl(folder / "in" / "a.jsonl", [*records, "{not json"])
+    output = {"input": f"{folder / 'in'}/", "output": f"{folder / 'out'}/"}
+    state = offline(workload="aff", spec=str(spec), return_state=True, **output)
+    return Job(str(state.state_details.flow_run_id), Settings(), prefect_api_url=prefect_api)
+
+
+def test_a_marker_naming_a_file_outside_the_output_is_refused_unread(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    job = finished_job(prefect_api, tmp_path)
+    out = tmp_path / "out"
+    assert sorted(line["id"] for line in job.results()) == ["a0", "a1"]
+    assert [line["line"] for line in job.errors()] == [3]
+
+    secret = tmp_path / "secret" / "keys.jsonl"
+    write_jsonl(secret, [SECRET])
+    (out / "inside.jsonl").symlink_to(secret)  # inside by spelling, outside by real path
+    marker = out / MARKERS / "a.json"
+    committed = json.loads(marker.read_text())
+    named = [str(secret), f"{out}/../secret/keys.jsonl", str(out / "inside.jsonl")]
+    for key, read in [("output", job.results), ("errors_file", job.errors)]:
+        for path in named:
+            marker.write_text(json.dumps({**committed, key: path}))
+            with pytest.raises(LanesError) as caught:
+                list(read())
+            message = str(caught.value)
+            assert f"commit marker {marker} names its {key} {path}, outside" in message
+            assert f"job's output {out}/" in message
+            assert "SECRET-KEY-1" not in message
+
+    # The marker as written, the output it names swapped for a link out: by real path.
+    marker.write_text(json.dumps(committed))
+    (out / "a.jsonl").unlink()
+    (out / "a.jsonl").symlink_to(secret)
+    with pytest.raises(LanesError, match=f"names its output {out / 'a.jsonl'}, outside"):
+        list(job.results())
