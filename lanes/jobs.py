@@ -15,8 +15,9 @@ API the runs live on); lanes.jobstates reads a run's state as the job's status.
 `results()` and `errors()` read the files each commit marker names, and whoever may
 write in a shared output folder can write a marker: a file it names must lie inside
 the job's output (by spelling, and for local files by real path, links resolved), or
-the read is refused unread, as the flow refuses its own (lanes.outputs). A service
-reading jobs with its own credentials (the Batch API) hands back nothing else.
+the read is refused unread, as the flow refuses its own (lanes.outputs); so is a
+manifest made a link out of the output. A service reading jobs with its own
+credentials (the Batch API) hands back nothing else.
 """
 
 from __future__ import annotations
@@ -278,7 +279,7 @@ class Job:
 
     def manifest(self) -> dict[str, Any]:
         """The run's manifest: counts, items/s, cost estimate, per-shard stats."""
-        storage = Storage(self.settings)
+        storage = self._storage()  # a manifest made a link out of the output is refused
         try:  # its own: runs of a workload as declared share one output, and _manifest.json
             own = storage.list_files(  # is the newest run's
                 join(self.output, layout.MANIFESTS), (f"-{str(self._uuid)[:8]}.json",)

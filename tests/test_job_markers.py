@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from lanes.errors import LanesError
+from lanes.errors import LanesError, PermanentStorageError
 from lanes.flows.batch import offline
 from lanes.jobs import Job
 from lanes.layout import MARKERS
@@ -70,6 +70,13 @@ def test_a_marker_naming_a_file_outside_the_output_is_refused_unread(
             assert f"commit marker {marker} names its {key} {path}, outside" in message
             assert f"job's output {out}/" in message
             assert "SECRET-KEY-1" not in message
+
+    # A manifest made a link to a file elsewhere: refused as it is opened.
+    (manifest,) = (out / "_manifests").iterdir()
+    manifest.unlink()
+    manifest.symlink_to(secret)
+    with pytest.raises(PermanentStorageError, match=f"{manifest} is a symbolic link to {secret}"):
+        job.manifest()
 
     # The marker as written, the output it names swapped for a link out: by real path.
     marker.write_text(json.dumps(committed))
