@@ -46,6 +46,16 @@ def serve(spec: Path, store: Path | str, prefect_api_url: str = NOBODY) -> Serve
     return ServerThread(spec, batch=batch, prefect_api_url=prefect_api_url)
 
 
+def a_store(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stack: ExitStack) -> str:
+    """A batch store of `kind`: a local folder, or a bucket on an S3 server that `stack`
+    stops."""
+    if kind == "folder":
+        return str(tmp_path / "store")
+    s3 = s3_env(monkeypatch, stack.enter_context(moto_server()))
+    s3.create_bucket(Bucket="lanes-quota")
+    return "s3://lanes-quota/batches/"
+
+
 def client_of(server: ServerThread) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
 
@@ -122,11 +132,7 @@ def test_the_quota_holds_after_a_restart(
     spec: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
     with ExitStack() as stack:
-        store: Path | str = tmp_path / "store"
-        if kind == "s3":
-            s3 = s3_env(monkeypatch, stack.enter_context(moto_server()))
-            s3.create_bucket(Bucket="lanes-quota")
-            store = "s3://lanes-quota/batches/"
+        store = a_store(kind, tmp_path, monkeypatch, stack)
         with serve(spec, store) as server:
             upload(client_of(server), 600)
         with serve(spec, store) as server:
@@ -250,11 +256,7 @@ def test_a_batchs_copy_counts_until_it_ends(
     fill the store; a cancelled batch's copy is deleted, and its room free again, while
     the input file stays."""
     with ExitStack() as stack:
-        store: Path | str = tmp_path / "store"
-        if kind == "s3":
-            s3 = s3_env(monkeypatch, stack.enter_context(moto_server()))
-            s3.create_bucket(Bucket="lanes-quota")
-            store = "s3://lanes-quota/batches/"
+        store = a_store(kind, tmp_path, monkeypatch, stack)
         server = stack.enter_context(serve(spec, store, deployed))
         client = client_of(server)
         given = client.files.create(file=("in.jsonl", requests(400)), purpose="batch")
