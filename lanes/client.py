@@ -139,7 +139,7 @@ class Client:
         """Stage `records` beside the workload's input (or take an input URI as it is)
         and create a run of the workload's deployment, at its next off-peak window or
         now. Returns its Job."""
-        from lanes.jobs import submit
+        from lanes.submit import submit
 
         core = self._core
         w = core.offline(workload)
@@ -285,7 +285,8 @@ class AsyncClient:
 
     async def submit(self, workload: str, records: Records, *, when: When = "offpeak") -> AsyncJob:
         """See `Client.submit`."""
-        from lanes.jobs import AsyncJob, submit
+        from lanes.jobs import AsyncJob
+        from lanes.submit import submit
 
         core = self._core
         w = core.offline(workload)
