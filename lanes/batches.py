@@ -475,28 +475,12 @@ class Batches:
             return finished
 
     def _drop_folder(self, record: dict[str, Any]) -> None:
-        """Delete an ended batch's folder: its copy of its input (which the quota
-        counts, lanes.filequota) and its run's shards, whose lines are now its output
-        and error files. Its run's manifests (a few KiB: counts, items/s, what it cost)
-        are written back, for `Job.manifest()`. Read only by its run and by its
-        assembly (lanes.batchfiles), both over: a batch is finalized once its run has
-        ended (`_ENDED`: a cancelled one once Prefect reads CANCELLED, its process
-        stopped, never while CANCELLING), and a final record is answered from itself.
-        Never before the last status is saved: a server that took over a stale claim
-        to finalize would assemble from it again. The input file itself stays."""
+        """Delete an ended batch's folder (`BatchStore.drop_folder`), read only by its run
+        and its assembly, both over (`_ENDED`: a cancelled run once CANCELLED), and only
+        once its last status is saved: a server taking over a stale claim reassembles."""
         folder = record["_lanes"]["folder"]
-        manifests = join(folder, "out", layout.MANIFESTS)
-        storage = self.store.storage
         try:
-            try:
-                found = storage.list_files(manifests, (".json",))
-            except StorageError:
-                found = []  # no run wrote one
-            kept = {f.uri: storage.read_bytes(f.uri) for f in found}
-            storage.delete_folder(folder)
-            for uri, data in kept.items():
-                if data is not None:
-                    storage.write_bytes(uri, data)
+            self.store.drop_folder(folder)
         except StorageError as err:  # the batch has ended all the same
             log.warning("batch %s ended, and its folder %s stays: %s", record["id"], folder, err)
 

@@ -35,6 +35,7 @@ from typing import IO, Any
 
 import orjson
 
+from lanes import layout
 from lanes.errors import InvalidInput, NotFound, StorageError
 from lanes.filequota import FileQuota
 from lanes.settings import Settings
@@ -190,6 +191,23 @@ class BatchStore:
     def batch_input(self, folder: str) -> str:
         """Where a batch in `folder` (`batch_folder`) keeps its copy of its input."""
         return join(folder, "in")
+
+    def drop_folder(self, folder: str) -> None:
+        """Delete a batch's folder (`batch_folder`) once it has ended: its copy of its
+        input (which the quota counts, lanes.filequota) and its run's shards, whose
+        lines are now its output and error files. Its run's manifests (a few KiB:
+        counts, items/s, what it cost) are written back, for `Job.manifest()`. The
+        input file itself stays."""
+        manifests = join(folder, "out", layout.MANIFESTS)
+        try:
+            found = self.storage.list_files(manifests, (".json",))
+        except StorageError:
+            found = []  # no run wrote one
+        kept = {f.uri: self.storage.read_bytes(f.uri) for f in found}
+        self.storage.delete_folder(folder)
+        for uri, data in kept.items():
+            if data is not None:
+                self.storage.write_bytes(uri, data)
 
     def _batch_uri(self, batch_id: str) -> str:
         return join(self.root, "batches", f"{_safe(batch_id, 'batch_id')}.json")
