@@ -138,13 +138,19 @@ def check_opened(uri: str, stream: IO[bytes], roots: Sequence[str]) -> None:
     """`check_files` for local file `uri` as `stream` opened it, by where its descriptor
     leads (Linux's /proc/self/fd; elsewhere its path resolved again): a link swapped in
     after the job was planned is refused too, as a PermanentStorageError of its shard."""
-    opened = Path(f"/proc/self/fd/{stream.fileno()}")
-    real = os.readlink(opened) if opened.is_symlink() else os.path.realpath(uri)
+    real = opened_at(stream.fileno(), uri)
     if not _inside(real, roots):
         raise PermanentStorageError(
             f"{uri}: now a symbolic link to {real}, outside what this job may read "
             f"({', '.join(roots)}); it was not when the job listed its input"
         )
+
+
+def opened_at(fd: int, path: str | Path) -> str:
+    """Where open descriptor `fd` really leads (Linux's /proc/self/fd; elsewhere `path`,
+    which it was opened by, resolved again)."""
+    opened = Path(f"/proc/self/fd/{fd}")
+    return os.readlink(opened) if opened.is_symlink() else os.path.realpath(path)
 
 
 def _inside(real: str, roots: Sequence[str]) -> bool:

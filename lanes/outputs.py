@@ -43,16 +43,15 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import IO
-from urllib.parse import unquote, urlparse
 
 from lanes.errors import InvalidInput, PermanentStorageError
-from lanes.inputs import absolute, check_spelling, folder_of, inside_output
+from lanes.inputs import absolute, check_spelling, folder_of, inside_output, opened_at
 from lanes.layout import RUNNING
 from lanes.localfiles import denied_reading
 from lanes.runlock import Held
 from lanes.s3errors import Missing
 from lanes.settings import Settings
-from lanes.storage import Storage, is_s3, join
+from lanes.storage import Storage, is_s3, join, local_path
 
 
 def allowed_output_roots(workload_output: str | None, base: Path, settings: Settings) -> list[str]:
@@ -116,7 +115,7 @@ class OutputStorage(Storage):
         its path is judged when it is opened, not here."""
         if is_s3(uri) or is_s3(self.output):
             return False
-        path, folder = _local(uri), _local(self.output)
+        path, folder = local_path(uri), local_path(self.output)
         return folder in path.parents
 
     @contextmanager
@@ -146,7 +145,7 @@ def check_landing(uri: str, folder: str, real_output: str) -> None:
     is written), resolved now, is `real_output` or lies inside it."""
     if is_s3(folder):
         return
-    path = _local(folder)
+    path = local_path(folder)
     real = os.path.realpath(path)
     if _inside(real, real_output):
         return
@@ -162,7 +161,7 @@ def open_inside(uri: str, real_output: str) -> Iterator[IO[bytes]]:
     opened descriptor leads is judged too, so a link swapped in meanwhile is caught. A missing
     file is `Missing`, one that may not be read a PermanentStorageError, as
     `Storage.open` says."""
-    path = _local(uri)
+    path = local_path(uri)
     if not _inside(os.path.realpath(path.parent), real_output):
         if not os.path.lexists(path):
             # Nothing to read: a shard writing there is refused as it stages.
@@ -178,9 +177,7 @@ def open_inside(uri: str, real_output: str) -> Iterator[IO[bytes]]:
         if fd is None:  # swapped for a link again meanwhile
             raise _outside(uri, real, real_output, "nothing was read from it")
     with os.fdopen(fd, "rb") as stream:
-        opened = Path(f"/proc/self/fd/{fd}")
-        real_path = os.readlink(opened) if opened.is_symlink() else os.path.realpath(path)
-        if not _inside(real_path, real_output):
+        if not _inside(opened_at(fd, path), real_output):
             raise _outside(uri, path, real_output, "nothing was read from it")
         yield stream
 
@@ -227,12 +224,6 @@ def _inside(real: str, real_output: str) -> bool:
     return path == folder or folder in path.parents
 
 
-def _local(location: str) -> Path:
-    if location.startswith("file://"):
-        return Path(unquote(urlparse(location).path))
-    return Path(location)
-
-
 def _folder(uri: str) -> str:
     """The folder a file `uri` is written in."""
-    return str(_local(uri).parent) if not is_s3(uri) else uri
+    return str(local_path(uri).parent) if not is_s3(uri) else uri

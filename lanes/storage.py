@@ -99,7 +99,8 @@ def join(base: str, *parts: str) -> str:
     return str(Path(base, *(p.strip("/") for p in parts)))
 
 
-def _local_path(uri: str) -> Path:
+def local_path(uri: str) -> Path:
+    """The file a local URI (a path, or file://) names."""
     if uri.startswith("file://"):
         return Path(unquote(urlparse(uri).path))
     if "://" in uri:
@@ -145,7 +146,7 @@ class Storage:
         return sorted((f for f in found if f.name.endswith(suffixes)), key=lambda f: f.name)
 
     def _list_local(self, location: str) -> list[StoredFile]:
-        path = _local_path(location)
+        path = local_path(location)
         pattern: tuple[str, ...] | None = None
         if any(c in str(path) for c in GLOB_CHARS):
             root = glob_root(path)
@@ -202,11 +203,11 @@ class Storage:
         `PermanentStorageError`."""
         if not is_s3(uri):
             try:
-                stream = _local_path(uri).open("rb")
+                stream = local_path(uri).open("rb")
             except FileNotFoundError:
                 raise Missing(f"{uri}: no such file") from None
             except PermissionError:
-                raise denied_reading(uri, _local_path(uri)) from None
+                raise denied_reading(uri, local_path(uri)) from None
             with stream:
                 yield stream
             return
@@ -224,11 +225,11 @@ class Storage:
         """The whole file, or None when it does not exist (`open` says what else fails)."""
         if not is_s3(uri):
             try:
-                return _local_path(uri).read_bytes()
+                return local_path(uri).read_bytes()
             except FileNotFoundError:
                 return None
             except PermissionError:
-                raise denied_reading(uri, _local_path(uri)) from None
+                raise denied_reading(uri, local_path(uri)) from None
         bucket, key = split_s3(uri)
         client = self._s3()
         try:
@@ -241,7 +242,7 @@ class Storage:
     def exists(self, uri: str) -> bool:
         """Whether there is a file at `uri` (S3: an object at the key), without reading it."""
         if not is_s3(uri):
-            return _local_path(uri).is_file()
+            return local_path(uri).is_file()
         bucket, key = split_s3(uri)
         client = self._s3()
         try:
@@ -271,7 +272,7 @@ class Storage:
             with self._staging(uri, folder, label, "", advice) as stage:
                 yield stage
             return
-        final = _local_path(uri)
+        final = local_path(uri)
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
         except OSError as err:
@@ -300,7 +301,7 @@ class Storage:
     def publish(self, staged: Path, uri: str) -> None:
         """Make `staged`'s content appear at `uri` all at once, replacing what was there."""
         if not is_s3(uri):
-            final = _local_path(uri)
+            final = local_path(uri)
             try:
                 with staged.open("rb") as f:
                     os.fsync(f.fileno())  # the content is on disk before the name is
@@ -356,7 +357,7 @@ class Storage:
         """
         if is_s3(uri):
             return self._write_if_s3(uri, data, tag)
-        final = _local_path(uri)
+        final = local_path(uri)
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
             lock = os.open(final.with_name(f".{final.name}.lock"), os.O_RDWR | os.O_CREAT, 0o666)
@@ -395,7 +396,7 @@ class Storage:
         """Remove one file; False when there was none."""
         if not is_s3(uri):
             try:
-                _local_path(uri).unlink()
+                local_path(uri).unlink()
             except FileNotFoundError:
                 return False
             except OSError as err:
@@ -412,7 +413,7 @@ class Storage:
         """Remove a folder (an S3 prefix) and everything under it; nothing when there is
         none. For what a step that failed wrote, and nothing points at."""
         if not is_s3(folder):
-            path = _local_path(folder)
+            path = local_path(folder)
             try:
                 shutil.rmtree(path)
             except FileNotFoundError:
@@ -448,7 +449,7 @@ class Storage:
                     shutil.rmtree(path, ignore_errors=True)  # an older lanes' staging folder
                     removed += 1
             return removed
-        root = _local_path(folder)
+        root = local_path(folder)
         if not root.is_dir():
             return 0
         return sum(remove_if_abandoned(p, older_than_s) for p in root.rglob(f".*{STAGING_SUFFIX}"))
@@ -458,7 +459,7 @@ class Storage:
         raises OutputBusy naming `holder`); on S3, a lease (lanes.s3lock)."""
         if is_s3(folder):
             return s3_output_lock(self._s3(), join(folder, RUNNING), holder, self.settings)
-        return output_lock(_local_path(folder) / RUNNING, holder)
+        return output_lock(local_path(folder) / RUNNING, holder)
 
     def ensure_folder(self, location: str) -> None:
         """Create a local output folder and check this process can write in it; check
@@ -468,7 +469,7 @@ class Storage:
             with self._errors(location, "write"):
                 self._s3().head_bucket(Bucket=bucket)
             return
-        path = _local_path(location)
+        path = local_path(location)
         try:
             path.mkdir(parents=True, exist_ok=True)
             with staging_file(path, "write-check"):
