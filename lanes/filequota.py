@@ -15,10 +15,11 @@ both pass. Servers that share a store each hold their own lock: together they ca
 over by at most what the others have in flight at that moment.
 
 A batch's output and error files count once stored but are never refused: a batch that
-ran must not fail for want of room. Its run's shards (`batches/<key>/out/`) do not count:
-they are deleted as those files, which hold the same lines, are saved (lanes.batches),
-so counting both would count a batch's results twice as it ends. They may take the store over its quota; then
-uploads and creates are refused until files are deleted or batches end.
+ran must not fail for want of room. They may take the store over its quota; then
+uploads and creates are refused until files are deleted or batches end. Its run's
+shards (`batches/<key>/out/`) do not count: they are deleted as those files, which
+hold the same lines, are saved (lanes.batches), so counting both would count a
+batch's results twice as it ends.
 """
 
 from __future__ import annotations
