@@ -240,6 +240,15 @@ class Settings(BaseSettings):
         description="Seconds a run's lease on an S3 output (<output>/_running) lasts "
         "unrenewed: a killed run's is taken over this long (and a second) after it died.",
     )
+    # Off only where nothing relies on the conditions (one process at a time writes each
+    # output and the batch store): on a store that ignores them, each lease is then void.
+    s3_check_conditional_writes: bool = Field(
+        True,
+        description="Before the first conditional write in an S3 bucket (a run's lease on "
+        "an output, the Batch API's records), check once that the store honours "
+        "If-None-Match and If-Match, and refuse one that ignores them. Set false only "
+        "where one process at a time writes each output and the Batch API's store.",
+    )
     work_pool: str = Field("lanes", description="Prefect work pool offline deployments use.")
     prefect_api_url: str | None = Field(
         None,
@@ -334,8 +343,10 @@ class Settings(BaseSettings):
         store (the server writes a batch's input there, the flow run reads it), and,
         where set here, the roots a job may read and write (a flow run refuses what the
         submitter allowed otherwise), the off-peak window (a deployment fires on the one it was
-        compiled with; its runs plan their deadlines on it) and the price (manifests,
-        the server's metric). Unset ones are left out: the other process keeps its own.
+        compiled with; its runs plan their deadlines on it), the price (manifests,
+        the server's metric) and whether S3 stores are checked for conditional writes
+        (a flow run takes its lease on the same store). Unset ones are left out: the
+        other process keeps its own.
         `lanes render k8s` puts them in every pod's env, `lanes compile` in each
         deployment's job variables."""
         env = {}
@@ -354,6 +365,8 @@ class Settings(BaseSettings):
                 value = getattr(offpeak, key)
                 if value is not None:
                     env[f"LANES_OFFPEAK__{key.upper()}"] = str(value)
+        if "s3_check_conditional_writes" in chosen:
+            env["LANES_S3_CHECK_CONDITIONAL_WRITES"] = str(self.s3_check_conditional_writes)
         if "price_per_device_hour" in chosen:
             env["LANES_PRICE_PER_DEVICE_HOUR"] = repr(self.price_per_device_hour)
         return env

@@ -12,7 +12,8 @@ recognised, and removed, by the next run.
 
 Small records that several processes change (the Batch API's batch records) are
 read with a version tag and written back only if the tag still holds (`read_versioned`,
-`write_if`): S3's conditional PutObject, or locally a lock beside the file.
+`write_if`): S3's conditional PutObject, on a store shown to honour it
+(lanes.s3conditional), or locally a lock beside the file.
 
 boto3 is imported on first S3 use; credentials come from boto3's usual chain
 (environment, profile, instance role); the endpoint from `Settings.s3_endpoint`,
@@ -51,6 +52,7 @@ from lanes.localfiles import (
     walk,
 )
 from lanes.runlock import Held, output_lock
+from lanes.s3conditional import ConditionalWrites
 from lanes.s3errors import Missing, s3_errors
 from lanes.s3lock import s3_output_lock
 from lanes.settings import Settings
@@ -133,6 +135,7 @@ class Storage:
         self.multipart_threshold = multipart_threshold
         self._client: Any = None
         self._lock = threading.Lock()
+        self._conditional_writes = ConditionalWrites()
 
     # ---- listing and reading ----------------------------------------------------
 
@@ -348,7 +351,8 @@ class Storage:
         when another writer came first (read it again and decide afresh).
 
         On S3 this is a conditional PutObject (If-Match, If-None-Match), which S3
-        decides alone. Locally the check and the replace happen under an exclusive
+        decides alone; a store that ignores them is refused before the first write
+        (`_conditional`). Locally the check and the replace happen under an exclusive
         `flock` on a hidden lock file beside the file, so they are atomic among
         the processes of one host that write through this method. Hosts that share a
         folder over NFS or another network filesystem get no such promise: their
@@ -380,9 +384,10 @@ class Storage:
 
         bucket, key = split_s3(uri)
         condition = {"IfNoneMatch": "*"} if tag is None else {"IfMatch": tag}
+        client = self._conditional(uri)
         with self._errors(uri, "write"):
             try:
-                self._s3().put_object(Bucket=bucket, Key=key, Body=data, **condition)
+                client.put_object(Bucket=bucket, Key=key, Body=data, **condition)
             except ClientError as err:
                 # 412: the tag no longer holds (or the object now exists); 409: a
                 # conditional write raced this one; 404: the object went meanwhile.
@@ -456,9 +461,11 @@ class Storage:
 
     def exclusive(self, folder: str, holder: str) -> AbstractContextManager[Held]:
         """Held by the one run writing the output `folder` (lanes.runlock: another one
-        raises OutputBusy naming `holder`); on S3, a lease (lanes.s3lock)."""
+        raises OutputBusy naming `holder`); on S3, a lease (lanes.s3lock), on a store
+        that honours conditional writes (`_conditional`)."""
         if is_s3(folder):
-            return s3_output_lock(self._s3(), join(folder, RUNNING), holder, self.settings)
+            lease = join(folder, RUNNING)
+            return s3_output_lock(self._conditional(lease), lease, holder, self.settings)
         return output_lock(local_path(folder) / RUNNING, holder)
 
     def ensure_folder(self, location: str) -> None:
@@ -502,6 +509,15 @@ class Storage:
                         "LANES_S3_ENDPOINT) to an http:// or https:// URL"
                     ) from None
             return self._client
+
+    def _conditional(self, uri: str) -> Any:
+        """The S3 client, for conditional writes in `uri`'s bucket: first refused
+        (PermanentStorageError) where the store ignores them (lanes.s3conditional),
+        unless `settings.s3_check_conditional_writes` is off."""
+        client = self._s3()
+        if self.settings.s3_check_conditional_writes:
+            self._conditional_writes.require(client, uri, self.settings.s3_endpoint)
+        return client
 
     def _errors(self, uri: str, action: str) -> AbstractContextManager[None]:
         return s3_errors(uri, action, self.settings.s3_endpoint)

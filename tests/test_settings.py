@@ -47,6 +47,21 @@ def test_an_s3_or_absolute_store_is_kept_as_written(
     assert Settings().batch_store() == f"{tmp_path / 'home' / 'batches'}/"
 
 
+def test_turning_the_conditional_write_check_off_reaches_the_flow_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A flow run takes its lease on the store the server checks: where the check is
+    turned off here, the deployments and pods get the same choice."""
+    assert "LANES_S3_CHECK_CONDITIONAL_WRITES" not in Settings().shared_env()
+    monkeypatch.setenv("LANES_S3_CHECK_CONDITIONAL_WRITES", "false")
+    shared = Settings().shared_env()
+    monkeypatch.delenv("LANES_S3_CHECK_CONDITIONAL_WRITES")
+    assert shared["LANES_S3_CHECK_CONDITIONAL_WRITES"] == "False"
+    for name, value in shared.items():
+        monkeypatch.setenv(name, value)
+    assert Settings().s3_check_conditional_writes is False
+
+
 def test_the_endpoint_runners_retries_are_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     """The back-off a flow on the endpoint waits between a batch's attempts grows per
     lost connection up to its cap; each part is a variable, a bad one named."""
