@@ -17,11 +17,15 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+import orjson
+
+from lanes import layout
 from lanes.batchfiles import BatchError
 from lanes.batchstore import BatchStore
 from lanes.jobs import Job
 from lanes.jobstates import EXPIRED as EXPIRED_STATUS
 from lanes.jobstates import FAILED_STATES, FINISHED
+from lanes.storage import join
 
 # The statuses a batch ends in; a record in one of them changes no more.
 FINAL = frozenset({"completed", "failed", "expired", "cancelled"})
@@ -30,6 +34,26 @@ FINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 CLAIM_S = 900
 
 Markers = list[dict[str, Any] | None]
+
+
+def read_markers(store: BatchStore, record: dict[str, Any]) -> Markers:
+    """Each shard's commit marker (flows.shard), None for one not committed."""
+    out = join(record["_lanes"]["folder"], "out")
+    found: Markers = []
+    for shard in range(record["_lanes"]["shards"]):
+        raw = store.storage.read_bytes(join(out, layout.MARKERS, f"part-{shard:05d}.json"))
+        found.append(orjson.loads(raw) if raw is not None else None)
+    return found
+
+
+def counts_of(store: BatchStore, record: dict[str, Any]) -> dict[str, int]:
+    """The batch's request_counts as its committed shards' markers say."""
+    done = [m for m in read_markers(store, record) if m is not None]
+    return {
+        "total": record["request_counts"]["total"],
+        "completed": sum(int(m["outputs"]) for m in done),
+        "failed": sum(int(m["errors"]) for m in done),
+    }
 
 
 @dataclass(frozen=True)

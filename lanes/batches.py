@@ -31,6 +31,7 @@ the others answer `finalizing` meanwhile.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import re
 import threading
@@ -41,11 +42,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-import orjson
 from pydantic import Field
 
-from lanes import layout
-from lanes.batch_claim import FINAL, Claim, Claiming, claim, finish
+from lanes.batch_claim import FINAL, Claim, Claiming, claim, counts_of, finish, read_markers
 from lanes.batchfiles import BatchError, assemble
 from lanes.batchlines import LineErrors, check_line, check_model
 from lanes.batchstore import BatchStore, new_id
@@ -139,6 +138,7 @@ class Batches:
         # result, rather than its claim (`finalizing`). Marks need no lock (the store's
         # write is conditional), so a cancel never waits for another batch's files.
         self._finalizing = threading.Lock()
+        self._markers = functools.partial(read_markers, self.store)
 
     # ---- create -------------------------------------------------------------------
 
@@ -329,30 +329,42 @@ class Batches:
     # ---- retrieve, list, cancel ---------------------------------------------------
 
     def retrieve(self, batch_id: str) -> dict[str, Any]:
+        record, state = self.settled(batch_id)
+        if record["status"] in FINAL or state in _ENDED:
+            return public(record)  # final, or `_finalize`'s answer
+        if state is None:
+            return self._run_gone(record)
+        record["request_counts"] = counts_of(self.store, record)
+        if state == "CANCELLING":
+            expiring = record["_lanes"].get("expiring")
+            record["status"] = "finalizing" if expiring else "cancelling"
+        else:
+            record["status"] = "in_progress"
+        return public(record)
+
+    def settled(self, batch_id: str) -> tuple[dict[str, Any], str | None]:
+        """What a retrieve does before it answers: the batch's record, its run stopped
+        if its window passed, finalized if its run ended, and that run's state (None:
+        the record is final, or the Prefect API does not know its run). Its shards'
+        counts are not read: the server's sweep (serving/batch_sweep.py) calls it too."""
         record = self.store.batch(batch_id)
         if record["status"] in FINAL:
-            return public(record)
+            return record, None
         job = self._job(record)
         try:
             state = job.status()
         except NotFound:
-            return self._run_gone(record)
+            return record, None
         now = int(self.now())
-        lanes = record["_lanes"]
-        if now >= record["expires_at"] and not lanes.get("expiring") and state not in _ENDED:
+        expiring = record["_lanes"].get("expiring")
+        if now >= record["expires_at"] and not expiring and state not in _ENDED:
             record = self._mark(batch_id, lambda r: r["_lanes"].update(expiring=True))
             if record["status"] in FINAL:
-                return public(record)  # another server finished it meanwhile
-            lanes = record["_lanes"]
+                return record, None  # another server finished it meanwhile
             state = job.expire()
         if state in _ENDED:
-            return public(self._finalize(record, state, job))
-        record["request_counts"] = self._counts(record)
-        if state == "CANCELLING":
-            record["status"] = "finalizing" if lanes.get("expiring") else "cancelling"
-        else:
-            record["status"] = "in_progress"
-        return public(record)
+            return self._finalize(record, state, job), state
+        return record, state
 
     def _run_gone(self, record: dict[str, Any]) -> dict[str, Any]:
         """A batch whose flow run the Prefect API does not know: deleted there, or this
@@ -365,7 +377,7 @@ class Batches:
             "this server's LANES_PREFECT_API_URL (else PREFECT_API_URL) is not the API "
             "the batch was created on",
         )
-        record["request_counts"] = self._counts(record)
+        record["request_counts"] = counts_of(self.store, record)
         errors = {"object": "list", "data": [gone.as_json()]}
         record.update(status="failed", failed_at=int(self.now()), errors=errors)
         return public(record)
@@ -426,23 +438,6 @@ class Batches:
 
     # ---- progress and the end -----------------------------------------------------
 
-    def _markers(self, record: dict[str, Any]) -> list[dict[str, Any] | None]:
-        """Each shard's commit marker (flows.shard), None for one not committed."""
-        out = join(record["_lanes"]["folder"], "out")
-        found: list[dict[str, Any] | None] = []
-        for shard in range(record["_lanes"]["shards"]):
-            raw = self.store.storage.read_bytes(join(out, layout.MARKERS, f"part-{shard:05d}.json"))
-            found.append(orjson.loads(raw) if raw is not None else None)
-        return found
-
-    def _counts(self, record: dict[str, Any]) -> dict[str, int]:
-        done = [m for m in self._markers(record) if m is not None]
-        return {
-            "total": record["request_counts"]["total"],
-            "completed": sum(int(m["outputs"]) for m in done),
-            "failed": sum(int(m["errors"]) for m in done),
-        }
-
     def _finalize(self, record: dict[str, Any], state: str, job: Job) -> dict[str, Any]:
         """The ended run's output and error files, and the batch's last status.
 
@@ -456,7 +451,7 @@ class Batches:
                 return claimed
             ending = Claim(**claimed["_lanes"]["finalizing"])
             if ending.by != claiming.token:
-                claimed["request_counts"] = self._counts(claimed)  # as in_progress shows
+                claimed["request_counts"] = counts_of(self.store, claimed)  # as in_progress
                 return claimed
             unanswered = EXPIRED if ending.status == "expired" else None
             if ending.status == "failed":
