@@ -14,7 +14,8 @@
     cancel    the flow run is cancelled; committed shards stay, in the output file.
 
 Once a batch has ended, and its files and last status are saved, its folder in the
-store (its input's copy, its run's shards) is deleted: the files hold its lines.
+store (its input's copy, its run's shards) is deleted: the files hold its lines. A
+batch nobody retrieves ends all the same: the server sweeps them (serving/batch_sweep.py).
 
 A window that passes expires the batch: the run is stopped (the flow also starts no
 shard past it), the committed shards' lines are in the output file, the rest in the

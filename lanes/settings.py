@@ -71,6 +71,15 @@ class BatchApi(BaseModel):
         description="Records per model run when a batch names an interactive workload "
         "(an offline workload's batches use its own batch_size).",
     )
+    sweep_s: float = Field(
+        30.0,
+        ge=0,
+        le=86400,
+        description="Seconds between the server's looks at the batches not yet ended, so "
+        "that one whose run ended is finalized (its output and error files written, its "
+        "folder deleted) and one whose window passed is stopped, polled or not; 0: never, "
+        "a batch then ends only when a client retrieves or lists it.",
+    )
 
     @field_validator("store")
     @classmethod

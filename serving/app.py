@@ -41,6 +41,7 @@ from lanes.serving import (
     v2_routes,
 )
 from lanes.serving.access import RequestIds, named, record_of
+from lanes.serving.batch_sweep import swept
 from lanes.serving.http import (
     JSONResponse,
     Receipt,
@@ -88,11 +89,13 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         loading = asyncio.create_task(load_workloads(state, runtime), name="lanes-load")
+        background = [loading, *swept(app.state.batches, settings.batch.sweep_s)]
         try:
             yield
         finally:
-            loading.cancel()
-            await asyncio.gather(loading, return_exceptions=True)
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
             await asyncio.gather(*(w.stop() for w in state.workers.values()))
             await asyncio.gather(*(e.stop() for e in state.engines.values()))
             state.offload.close()

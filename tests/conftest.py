@@ -34,6 +34,7 @@ atexit.register(shutil.rmtree, os.environ["LANES_HOME"], ignore_errors=True)
 # missing here runs after these, in the usual order; a stale name costs nothing.
 LONGEST_FIRST = (
     "test_batch_api.py",
+    "test_batch_sweep.py",
     "test_flows_deploy.py",
     "test_client_jobs.py",
     "test_user_project.py",

@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -81,18 +82,25 @@ class Setup:
     clock: ManualClock  # seconds since the epoch, as the server sees them
     api: str  # the Prefect API
 
-    def server(self, store: str | None = None) -> ServerThread:
-        batch = {"store": store or str(self.store), "shard_lines": SHARD_LINES}
+    def server(self, store: str | None = None, **batch: Any) -> ServerThread:
+        """A server on this setup's store (or `store`), with `batch`'s batch settings too."""
+        batch = {"store": store or str(self.store), "shard_lines": SHARD_LINES, **batch}
         return ServerThread(self.spec, now=self.clock, batch=batch, prefect_api_url=self.api)
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    with started(tmp_path_factory.mktemp("batches")) as ready:
+        yield ready
+
+
+@contextmanager
+def started(root: Path) -> Iterator[Setup]:
+    """A Prefect server with the spec deployed, its worker, and a store, under `root`."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from lanes.router.deploy import deploy
 
-    root = tmp_path_factory.mktemp("batches")
     project = root / "project"
     spec = write_spec(project, WORKLOADS)
     (project / "in").mkdir()
@@ -531,7 +539,7 @@ def test_two_replicas_finalizing_one_batch_write_one_set_of_files(setup: Setup) 
     texts = [text(i) for i in range(5)]
     texts[2] = "w1 " * 400  # over max_length: an error file too
     settings = Settings(batch={"store": str(setup.store), "shard_lines": SHARD_LINES})
-    with setup.server() as server:
+    with setup.server(sweep_s=0) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
         uploaded = client.files.create(
             file=("race.jsonl", lines_for("embed-live", texts)), purpose="batch"
@@ -539,7 +547,7 @@ def test_two_replicas_finalizing_one_batch_write_one_set_of_files(setup: Setup) 
         batch = client.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
         )
-        # Ended, not yet finalized: nobody has retrieved it since.
+        # Ended, not yet finalized: nobody has retrieved it since, nor swept it.
         job = Job(batch.id, settings, prefect_api_url=setup.api)
         ended = {"COMPLETED", "COMPLETED_WITH_ERRORS"}
         wait_until(lambda: job.status() in ended, "the batch's run", WAIT_S, POLL_S)
