@@ -269,6 +269,21 @@ class Metrics:
             ["workload"],
             registry=r,
         )
+        self.kv_cache = Gauge(
+            "lanes_kv_cache_bytes",
+            "Bytes the batch's KV cache arrays hold after the last step: the rows' real "
+            "positions, and the padding and holes beside them (the slot layout: its "
+            "buffers, every row's whole context).",
+            ["workload"],
+            registry=r,
+        )
+        self.kv_cache_peak = Gauge(
+            "lanes_kv_cache_peak_bytes",
+            "The most bytes the batch's KV cache arrays held at once since the server "
+            "started: a decode step holds a group's past and its new present together.",
+            ["workload"],
+            registry=r,
+        )
         self.finished = Counter(
             "lanes_sequences_finished",
             "Sequences that left the batch, by reason (stop, length, abort, deadline, error).",
@@ -392,6 +407,8 @@ class GenerateSeries:
     generated: Counter
     in_flight: Gauge
     kv_reserved: Gauge
+    kv_cache: Gauge
+    kv_cache_peak: Gauge
     queue_depth: Gauge
     prefill: Histogram
     decode: Histogram
@@ -411,6 +428,8 @@ class GenerateSeries:
             generated=m.generated_tokens.labels(name),
             in_flight=m.in_flight.labels(name),
             kv_reserved=m.kv_reserved.labels(name),
+            kv_cache=m.kv_cache.labels(name),
+            kv_cache_peak=m.kv_cache_peak.labels(name),
             queue_depth=m.queue_depth.labels(name),
             prefill=m.prefill_time.labels(name),
             decode=m.decode_time.labels(name),

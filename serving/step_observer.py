@@ -57,6 +57,7 @@ class StepObserver:
         self._open: dict[DeviceShare, tuple[int, Callable[[], None]]] = {}
         self._last_token_at: dict[int, float] = {}
         self._joined_at: dict[int, Joined] = {}  # interactive sequences in the batch
+        self._kv_peak = 0  # lanes_kv_cache_peak_bytes: across the caches a failure resets
 
     def joined(self, seq: Seq) -> None:
         """A sequence the scheduler took: its tokens count in its lane."""
@@ -175,6 +176,10 @@ class StepObserver:
             self._settle(finished)
         m.in_flight.set(running)
         m.queue_depth.set(waiting)
+        if step.cache is not None:
+            m.kv_cache.set(step.cache.held)
+            self._kv_peak = max(self._kv_peak, step.cache.peak)
+            m.kv_cache_peak.set(self._kv_peak)
         if self.spans is not None:
             self.spans.observed(plan, step.events, step.end)
 

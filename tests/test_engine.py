@@ -612,6 +612,36 @@ async def test_without_a_kv_budget_the_reserved_gauge_reads_zero(task: GenerateT
         await engine.stop()
 
 
+async def test_the_cache_gauge_reads_what_the_caches_arrays_hold(task: GenerateTask) -> None:
+    """Two rows of different lengths decode together. Held at a run, with the step
+    before reported (no arrivals thread: a step's report comes as the next one's runs
+    begin, after a settle that changes nothing here), `lanes_kv_cache_bytes` is what the
+    cache's arrays hold: more than the rows' positions (the shorter row's padding; the
+    slots' whole contexts)."""
+    metrics = Metrics()
+    engine = Engine(task, metrics, "continuous", prefill_beside=False)
+    items: list[dict[str, object]] = [
+        {"prompt": p, "max_tokens": 8, "min_tokens": 8} for p in (PROMPTS[0][0], PROMPTS[2][0])
+    ]
+    sample = {"workload": "code"}
+    engine.start()
+    try:
+        with RUNS.closed():
+            streams = await two_prefilled(engine, task, items)
+            assert await next_run() == 2, "their first decode, together"
+            RUNS.allow(1)
+            assert await next_run() == 2, "the next one's: the first's report is in"
+            held = metrics.registry.get_sample_value("lanes_kv_cache_bytes", sample)
+            positions = sum(len(task.prepare(item).prompt_ids) + 1 for item in items)
+            assert held == engine.cache.nbytes > positions * task.decoder.position_bytes
+            peak = metrics.registry.get_sample_value("lanes_kv_cache_peak_bytes", sample)
+            assert peak is not None and peak >= held
+        for stream in streams:
+            await collect(stream)
+    finally:
+        await engine.stop()
+
+
 def test_a_generate_workload_logs_what_its_rows_caches_may_take(
     demo_models: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -475,6 +475,38 @@ def test_a_disconnect_frees_its_row(server: ServerThread) -> None:
     assert metric(server, "lanes_inter_token_latency_seconds_count", workload="code") > 0
 
 
+def test_kv_cache_bytes_show_what_a_held_rows_cache_holds(server: ServerThread) -> None:
+    """A row held open after its prefill and one decode step: lanes_kv_cache_bytes is its
+    cache exactly (its prompt and the token fed since: one row, nothing padded), the
+    peak at least that step's past beside its present. Once a request completes and the
+    batch is empty, the cache is freed: 0."""
+    prompt = [5, 6, 7, 8, 9, 10]  # token ids: exactly these positions
+    body = {"model": "code", "prompt": prompt, "max_tokens": 400, "stream": True}
+    cached = (len(prompt) + 1) * TINYCODE_TOKEN_BYTES
+
+    def cache_bytes() -> float:
+        return metric(server, "lanes_kv_cache_bytes", workload="code")
+
+    aborted = aborts(server)
+    with GATE.closed():
+        GATE.allow(2)  # the prefill and one decode step; the next step waits: the row is held
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as answer:
+            lines = answer.iter_lines()  # kept: a dropped iterator closes the stream
+            assert next(lines).startswith("data: ")
+            GATE.wait_held()
+            wait_until(lambda: cache_bytes() == cached, f"lanes_kv_cache_bytes at {cached}")
+            peak = metric(server, "lanes_kv_cache_peak_bytes", workload="code")
+            assert peak >= cached + len(prompt) * TINYCODE_TOKEN_BYTES
+        wait_aborted(server, aborted)
+    done = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"model": "code", "prompt": prompt, "max_tokens": 2},
+        timeout=30,
+    )
+    assert done.status_code == 200, done.text
+    wait_until(lambda: cache_bytes() == 0, "lanes_kv_cache_bytes at 0 with no rows")
+
+
 def test_a_client_gone_before_its_first_token_is_a_499_and_frees_its_row(
     server: ServerThread,
 ) -> None:

@@ -1,6 +1,7 @@
 """The batch's KV cache on a real decoder that fails on positions past its table
 (tests/failing_models.py): a decode run that fails leaves the other rows' cache and
-logits exactly as a cache that never held the failing row."""
+logits exactly as a cache that never held the failing row. What the cache reports it
+holds (`nbytes`, `peak_nbytes`: lanes_kv_cache_bytes) is its arrays' bytes."""
 
 from __future__ import annotations
 
@@ -43,16 +44,21 @@ def decoder(tmp_path_factory: pytest.TempPathFactory) -> Decoder:
     return Decoder.load(spec, Runtime(Settings(device="cpu")))
 
 
+def prefill(decoder: Decoder, cache: BatchCache, row: Row) -> None:
+    """`row`'s tokens but its last into `cache`, prefilled on its own."""
+    prompt = np.asarray([row.tokens[:-1]], dtype=np.int64)
+    out = decoder.step(
+        prompt, np.ones_like(prompt), np.arange(prompt.shape[1])[None], decoder.empty_past(1)
+    )
+    cache.place([row.id], out.present, np.ones_like(prompt))
+
+
 def filled(decoder: Decoder, rows: list[Row]) -> BatchCache:
     """A cache holding each row's tokens but its last (each prefilled on its own), so
     the next decode feeds the last."""
     cache = BatchCache(decoder, ONE_GROUP)
     for row in rows:
-        prompt = np.asarray([row.tokens[:-1]], dtype=np.int64)
-        out = decoder.step(
-            prompt, np.ones_like(prompt), np.arange(prompt.shape[1])[None], decoder.empty_past(1)
-        )
-        cache.place([row.id], out.present, np.ones_like(prompt))
+        prefill(decoder, cache, row)
     assert len(cache.groups) == 1
     return cache
 
@@ -124,3 +130,48 @@ def test_rows_that_may_sit_out_are_grouped_apart_and_a_step_may_leave_them_out(
     assert np.allclose(both.logits, alone.logits[1:], atol=1e-5)
     with pytest.raises(ValueError, match="a group holds 2 sequences, the step has 1"):
         cache.decode(rows[1:2])
+
+
+def arrays_bytes(cache: BatchCache) -> int:
+    return sum(a.nbytes for g in cache.groups for a in (*g.keys, *g.values))
+
+
+def test_nbytes_is_what_the_groups_arrays_hold_padding_and_holes_included(
+    decoder: Decoder,
+) -> None:
+    """What lanes_kv_cache_bytes shows: more than the rows' real positions."""
+    rows = [Row(1, [A, B]), Row(2, [B, C, A]), Row(3, [C, A, B, C, A, B])]
+    cache = BatchCache(decoder, 2)  # 1 pads to 2 (1 position); 3 is too far: alone
+    for row in rows:
+        prefill(decoder, cache, row)
+    assert [g.slots for g in cache.groups] == [[1, 2], [3]]
+    per_position = decoder.position_bytes
+    for _ in range(2):
+        before = cache.nbytes
+        decoded = cache.decode(rows)
+        assert decoded.logits is not None
+        for row, logits in zip(rows, decoded.logits, strict=True):
+            row.tokens.append(int(np.argmax(logits)))
+        assert cache.nbytes == arrays_bytes(cache)
+        assert cache.nbytes == before + 3 * per_position, "one more position per row"
+    real = sum(len(row.tokens) - 1 for row in rows)
+    assert cache.nbytes == (real + 1) * per_position, "row 1's padding"
+
+    cache.release({1, 3})  # row 2 leaves: a hole, half the group's rows, until compacted
+    assert cache.nbytes == arrays_bytes(cache) == (real + 1) * per_position
+    cache.decode([rows[0], rows[2]])
+    assert cache.nbytes == arrays_bytes(cache) == (real + 4) * per_position
+    cache.compact()
+    real = len(rows[0].tokens) + len(rows[2].tokens)  # each fed one more token
+    assert cache.nbytes == arrays_bytes(cache) == real * per_position
+
+
+def test_peak_nbytes_counts_a_decode_holding_a_groups_past_and_present_together(
+    decoder: Decoder,
+) -> None:
+    rows = [Row(1, [A, B, C]), Row(2, [C, A, B])]
+    cache = filled(decoder, rows)
+    past = cache.nbytes
+    cache.decode(rows)
+    assert cache.peak_nbytes == past + cache.nbytes, "the old past beside the new present"
+    assert cache.nbytes == past + 2 * decoder.position_bytes

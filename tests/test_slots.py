@@ -27,6 +27,7 @@ from lanes.settings import Settings
 from lanes.spec import ModelSpec
 from lanes.tasks.decoder import Completion, Decoder
 from lanes.tasks.generate import GenerateRequest
+from lanes.tasks.past import Past
 from lanes.tasks.sampling import SamplingParams
 from tests.test_kvcache import Row
 
@@ -70,7 +71,7 @@ def masked(demo_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Decod
     return load(out, "model.onnx")
 
 
-def prefilled(decoder: Decoder, row: Row) -> tuple[np.ndarray, ...]:
+def prefilled(decoder: Decoder, row: Row) -> tuple[Past, np.ndarray]:
     prompt = np.asarray([row.tokens[:-1]], dtype=np.int64)
     out = decoder.step(
         prompt, np.ones_like(prompt), np.arange(prompt.shape[1])[None], decoder.empty_past(1)
@@ -240,6 +241,27 @@ def test_rows_kept_apart_sit_a_step_out_and_leavers_take_nothing_with_them(
     expected = fresh.decode(rest)
     assert expected.logits is not None
     assert np.allclose(decoded.logits, expected.logits, atol=1e-4)
+
+
+def test_nbytes_is_what_the_buffers_take_every_rows_whole_context(slots: Decoder) -> None:
+    """What lanes_kv_cache_bytes shows for the slot layout: the buffers, however few
+    positions their rows hold; a growth holds the old buffers beside the new ones."""
+    context = slots.config.max_position
+    assert context is not None
+    row_bytes = context * slots.position_bytes
+    rows = rows_of([3, 40] + [5] * FIRST_ROWS)
+    cache = filled(slots, rows[:2])
+    buffers = [b for s in cache.sets for b in s.buffers]
+    assert cache.nbytes == sum(b.nbytes for b in buffers) == FIRST_ROWS * row_bytes
+    assert cache.peak_nbytes == cache.nbytes
+    cache.decode(rows[:2])
+    assert cache.nbytes == cache.peak_nbytes == FIRST_ROWS * row_bytes, "written in place"
+
+    for row in rows[2:]:  # one more row than the buffers hold: they double
+        past, mask = prefilled(slots, row)
+        cache.place([row.id], past, mask)
+    assert cache.nbytes == 2 * FIRST_ROWS * row_bytes
+    assert cache.peak_nbytes == 3 * FIRST_ROWS * row_bytes, "the old beside the new"
 
 
 def test_a_slot_graph_without_a_stated_context_is_refused(

@@ -93,6 +93,11 @@ class KVCache:
     def past(self) -> Past:
         return Past(tuple(self.keys), tuple(self.values))
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes its keys and values hold: holes and padding too."""
+        return sum(k.nbytes for k in self.keys) + sum(v.nbytes for v in self.values)
+
     def release(self, keep: set[int]) -> None:
         """Rows whose sequence is not in `keep` become holes."""
         # Most steps nobody leaves: one set check, not a pass over the rows.
@@ -226,10 +231,19 @@ class BatchCache:
         self.max_padding = max_padding
         self.clock = clock  # times each group's run (Decoded.runs)
         self.groups: list[KVCache] = []
+        # The most the groups' arrays held at once, counted as each group's decode run
+        # holds its past and its new present (past and one more column) together.
+        self.peak_nbytes = 0
 
     @property
     def rows(self) -> int:
         return sum(len(g.slots) for g in self.groups)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the groups' keys and values hold now: the real positions, and the
+        padding and holes beside them."""
+        return sum(g.nbytes for g in self.groups)
 
     @property
     def length(self) -> int:
@@ -268,12 +282,16 @@ class BatchCache:
         stepped = self.groups if single else self._stepped(by_id)
         length = max((g.length for g in stepped), default=0)
         runs = []
+        holding = self.nbytes
         for group in stepped:
             rows_seqs = seqs if single else [None if i is None else by_id[i] for i in group.slots]
             ids, mask, positions = group.step_inputs(rows_seqs)
             at = self.clock()
             step = step_group(self.decoder, group, ids, mask, positions)
             runs.append(GroupRun(len(group.slots), group.length, self.clock() - at))
+            present, past = step.present.nbytes, group.nbytes
+            self.peak_nbytes = max(self.peak_nbytes, holding + present)
+            holding += present - past
             group.advance(step.present, mask)
             error = error or step.error
             if step.failed:

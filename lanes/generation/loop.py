@@ -60,6 +60,15 @@ class Timed:
         return self.end - self.start
 
 
+@dataclass(frozen=True)
+class CacheBytes:
+    """The bytes the batch's KV cache arrays held as a step ended (padding and holes
+    included), and the most they held at once so far (a decode's copy included)."""
+
+    held: int
+    peak: int
+
+
 @dataclass
 class Step:
     """What one run of a plan did, filled in as it runs: its events, when the step
@@ -67,7 +76,9 @@ class Step:
     prefill, the part of a long prompt, and the rows' decode over a cache
     `decoded_length` positions long (its longest group, before the step), at
     `positions` (its rows' positions, summed). The first
-    `handed` events went to `first_tokens` at `handed_at`, before the step's decode."""
+    `handed` events went to `first_tokens` at `handed_at`, before the step's decode.
+    `cache` is what the cache held after it (None for `prefill_beside`'s, which end
+    while another thread's decode changes the cache)."""
 
     plan: StepPlan
     start: float
@@ -87,6 +98,7 @@ class Step:
     handed: int = 0
     handed_at: float = 0.0
     beside: bool = False  # a prefill run beside another plan's decode (`prefill_beside`)
+    cache: CacheBytes | None = None
 
 
 # Runs a plan's decode (the callable) and returns what it returned; meanwhile the
@@ -167,6 +179,7 @@ class StepLoop:
             )
             step.events, step.failed = self.scheduler.fail(plan, message), True
             step.handed = 0  # those handed out already stay out; these are all new
+        step.cache = CacheBytes(self.cache.nbytes, self.cache.peak_nbytes)
         step.end = self.clock()
         return step
 

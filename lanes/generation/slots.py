@@ -56,6 +56,9 @@ class Slots:
         self._shape = (c.num_heads, c.max_position, c.head_dim)
         self._layers = c.num_layers
         self.buffers: list[Array] = []  # keys then values, per layer
+        # The most the buffers held at once: a growth holds the old and the new ones
+        # while it copies; a step writes in place.
+        self.peak_nbytes = 0
         # The logits of every run below, whatever its rows: one step's at a time.
         self.logits: Array | None = None
         # Bound to the buffers' first rows, by their count: rows join and leave most
@@ -70,6 +73,11 @@ class Slots:
     def past(self) -> Past:
         n = self._layers
         return Past(tuple(self.buffers[:n]), tuple(self.buffers[n:]))
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the buffers take: every row's whole context, used or not."""
+        return sum(b.nbytes for b in self.buffers)
 
     def place(self, sid: int, keys: Sequence[Array], values: Sequence[Array]) -> None:
         """Add sequence `sid`, whose cache is `keys`/`values` [heads, positions, dim]."""
@@ -91,6 +99,7 @@ class Slots:
             if self.buffers:
                 buffer[:old, :, :used] = self.buffers[i][:old, :, :used]
             grown.append(buffer)
+        self.peak_nbytes = max(self.peak_nbytes, self.nbytes + sum(b.nbytes for b in grown))
         self.buffers = grown
         self.logits = self.decoder.slot_logits(rows)
         self._runs = {}
@@ -187,6 +196,18 @@ class SlotCache:
     @property
     def rows(self) -> int:
         return sum(len(s.ids) for s in self.sets)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes both sets' buffers take, their rows' whole contexts (untouched
+        pages of them are not resident yet: see above)."""
+        return sum(s.nbytes for s in self.sets)
+
+    @property
+    def peak_nbytes(self) -> int:
+        """The most the buffers held at once, or a little more: each set's own most,
+        summed (the two sets grow at different times)."""
+        return sum(s.peak_nbytes for s in self.sets)
 
     @property
     def length(self) -> int:

@@ -36,6 +36,11 @@ class Past:
         """Keys then values."""
         return (*self.keys, *self.values)
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes its arrays hold."""
+        return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+
     def row(self, r: int) -> Past:
         """Row `r` alone (views, not copies)."""
         return Past(
