@@ -25,7 +25,8 @@ import orjson
 from lanes.flows.shard import ShardStats
 from lanes.layout import LATEST, MANIFESTS
 from lanes.measurements import CostBasis, Throughput, usd_for
-from lanes.storage import Storage, join
+from lanes.storage import Storage
+from lanes.uris import join
 
 
 @dataclass(frozen=True)

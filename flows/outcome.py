@@ -15,7 +15,7 @@ from lanes.flows.start import has_deadline, should_plan, window_deadline
 from lanes.jobstates import EXPIRED_STATE, WITH_ERRORS_STATE
 from lanes.layout import ERRORS
 from lanes.settings import Settings
-from lanes.storage import join
+from lanes.uris import join
 
 
 def run_deadline(

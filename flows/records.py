@@ -37,8 +37,10 @@ import orjson
 
 from lanes.errors import PermanentStorageError, StorageError
 from lanes.inputs import check_opened
+from lanes.listing import StoredFile
 from lanes.s3errors import Missing
-from lanes.storage import Storage, StoredFile, is_s3
+from lanes.storage import Storage
+from lanes.uris import is_s3
 from lanes.validation import describe, not_utf8
 
 JSONL = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")

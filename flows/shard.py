@@ -45,8 +45,9 @@ from lanes.flows.requests import Rejection, Request, to_request
 from lanes.flows.runners import DeviceTime, ShardModel
 from lanes.flows.shape import RecordShape
 from lanes.isolation import Failed, failed_alone
+from lanes.listing import StoredFile
 from lanes.spec import as_offline
-from lanes.storage import Storage, StoredFile
+from lanes.storage import Storage
 from lanes.tasks.base import Task
 from lanes.tasks.generate import GenerateTask
 from lanes.tracing import Tracing, maybe_span

@@ -25,7 +25,7 @@ from lanes.batchstore import BatchStore
 from lanes.jobs import Job
 from lanes.jobstates import EXPIRED as EXPIRED_STATUS
 from lanes.jobstates import FAILED_STATES, FINISHED
-from lanes.storage import join
+from lanes.uris import join
 
 # The statuses a batch ends in; a record in one of them changes no more.
 FINAL = frozenset({"completed", "failed", "expired", "cancelled"})

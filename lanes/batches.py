@@ -59,7 +59,7 @@ from lanes.prefectapi import PrefectApi, create_run
 from lanes.protocols.openai import Shape, parse
 from lanes.settings import Settings
 from lanes.spec import Spec
-from lanes.storage import join
+from lanes.uris import join
 
 log = logging.getLogger(__name__)
 

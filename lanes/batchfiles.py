@@ -24,7 +24,7 @@ import orjson
 from lanes import layout
 from lanes.batchstore import BatchStore
 from lanes.jobs import BATCH_PREFIX
-from lanes.storage import join
+from lanes.uris import join
 
 REJECTED_CODE = "invalid_request"  # a rejected line's code when its answer names none
 

@@ -38,8 +38,10 @@ import orjson
 from lanes import layout
 from lanes.errors import InvalidInput, NotFound, StorageError
 from lanes.filequota import FileQuota
+from lanes.listing import StoredFile
 from lanes.settings import Settings
-from lanes.storage import Storage, StoredFile, join
+from lanes.storage import Storage
+from lanes.uris import join
 
 FILE_PURPOSES = ("batch", "batch_output")  # what an upload may say, what a batch writes
 CHUNK = 1024 * 1024

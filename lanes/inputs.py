@@ -33,7 +33,7 @@ from urllib.parse import unquote, urlparse
 from lanes import layout
 from lanes.errors import InvalidInput, PermanentStorageError
 from lanes.settings import Settings
-from lanes.storage import is_s3, join, split_s3
+from lanes.uris import is_s3, join, split_s3
 
 _GLOB_CHARS = "*?["
 # Names that make an s3:// location a single file, not a prefix (flows.records reads these).

@@ -42,7 +42,8 @@ from lanes.outputs import OutputStorage
 from lanes.prefectapi import PrefectApi
 from lanes.settings import Settings
 from lanes.spec import OfflineWorkload
-from lanes.storage import Storage, is_s3, join
+from lanes.storage import Storage
+from lanes.uris import is_s3, join
 
 if TYPE_CHECKING:
     from prefect.client.orchestration import SyncPrefectClient

@@ -1,6 +1,6 @@
 """Walking a local input: the folders and files a folder or glob input lists, matched
 segment by segment against the glob, and the permanent errors for what this process
-may not read or list (lanes.storage builds its listing on these).
+may not read or list (lanes.listing builds its listing on these).
 
 Symbolic links to folders are followed, never into a folder above them; a folder named
 lost+found is skipped; any other folder that may not be listed fails the listing,

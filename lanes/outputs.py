@@ -51,7 +51,8 @@ from lanes.localfiles import denied_reading
 from lanes.runlock import Held
 from lanes.s3errors import Missing
 from lanes.settings import Settings
-from lanes.storage import Storage, is_s3, join, local_path
+from lanes.storage import Storage
+from lanes.uris import is_s3, join, local_path
 
 
 def allowed_output_roots(workload_output: str | None, base: Path, settings: Settings) -> list[str]:

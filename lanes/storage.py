@@ -1,7 +1,8 @@
 """Files by URI: a local path (or file://...) or s3://bucket/key, behind one small class.
 
 What the offline flows need and no more: list the input shards under a folder, glob
-or prefix; read one; publish an output atomically; keep small JSON markers.
+or prefix (which names a listing holds is lanes.listing's; what a URI names,
+lanes.uris'); read one; publish an output atomically; keep small JSON markers.
 
 Publishing is atomic in both places. Locally a file is written aside, as a hidden
 file in the same folder, flushed to disk, then renamed over its final name. On S3 it
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import fnmatch
 import hashlib
 import io
 import os
@@ -37,20 +37,11 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager, suppre
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
-from urllib.parse import unquote, urlparse
 
 from lanes.errors import PermanentStorageError, StorageError
 from lanes.layout import RUNNING
-from lanes.localfiles import (
-    GLOB_CHARS,
-    PRIVATE,
-    denied_listing,
-    denied_reading,
-    glob_matches,
-    glob_root,
-    regular_file,
-    walk,
-)
+from lanes.listing import StoredFile, list_local, list_s3
+from lanes.localfiles import denied_reading
 from lanes.runlock import Held, output_lock
 from lanes.s3conditional import ConditionalWrites
 from lanes.s3errors import Missing, s3_errors
@@ -58,6 +49,7 @@ from lanes.s3lock import s3_output_lock
 from lanes.settings import Settings
 from lanes.staging import SUFFIX as STAGING_SUFFIX
 from lanes.staging import remove_if_abandoned, staging_file
+from lanes.uris import is_s3, join, local_path, split_s3
 
 MiB = 1024 * 1024
 # Staging files of S3 uploads, in the system temp folder.
@@ -68,17 +60,6 @@ _WHAT_TO_DO = "make it writable, or choose another output (--output, or the work
 
 
 @dataclass(frozen=True)
-class StoredFile:
-    """One listed file. `name` is its path below the listed root (for output names);
-    `version` changes when the content may have (mtime or ETag), for resume keys."""
-
-    uri: str
-    name: str
-    size: int
-    version: str
-
-
-@dataclass(frozen=True)
 class Versioned:
     """A small file's content and its version tag, for `Storage.write_if`; both None
     when there is no such file. The tag is the content's (S3's ETag, a local file's
@@ -86,41 +67,6 @@ class Versioned:
 
     data: bytes | None
     tag: str | None
-
-
-def is_s3(uri: str) -> bool:
-    return uri.startswith("s3://")
-
-
-def join(base: str, *parts: str) -> str:
-    """`base` (a folder or prefix, with or without a trailing '/') joined with `parts`,
-    each taken as relative: a leading '/' never makes a local part absolute."""
-    tail = "/".join(p.strip("/") for p in parts)
-    if is_s3(base) or "://" in base:
-        return base.rstrip("/") + "/" + tail
-    return str(Path(base, *(p.strip("/") for p in parts)))
-
-
-def local_path(uri: str) -> Path:
-    """The file a local URI (a path, or file://) names."""
-    if uri.startswith("file://"):
-        return Path(unquote(urlparse(uri).path))
-    if "://" in uri:
-        raise StorageError(f"{uri}: unsupported scheme; use a local path, file:// or s3://")
-    return Path(uri)
-
-
-def split_s3(uri: str) -> tuple[str, str]:
-    # Not urlparse: a key's `?` (a glob's, or the key's own) and `#` are no URL query
-    # or fragment, and would be cut off.
-    bucket, _, key = uri.removeprefix("s3://").partition("/")
-    if not bucket:
-        raise StorageError(f"{uri}: expected s3://bucket/key")
-    return bucket, key.lstrip("/")
-
-
-def _is_private(relative: str) -> bool:
-    return any(part.startswith(PRIVATE) for part in relative.split("/"))
 
 
 class Storage:
@@ -145,59 +91,11 @@ class Storage:
         found there are skipped (as Spark skips `_SUCCESS`); a file that `location`
         names itself is listed whatever its name. A missing folder or bucket is a
         `StorageError`."""
-        found = self._list_s3(location) if is_s3(location) else self._list_local(location)
-        return sorted((f for f in found if f.name.endswith(suffixes)), key=lambda f: f.name)
-
-    def _list_local(self, location: str) -> list[StoredFile]:
-        path = local_path(location)
-        pattern: tuple[str, ...] | None = None
-        if any(c in str(path) for c in GLOB_CHARS):
-            root = glob_root(path)
-            pattern = path.relative_to(root).parts
+        if is_s3(location):
+            found = list_s3(self._s3, location, self.settings.s3_endpoint)
         else:
-            root = path
-            try:
-                if path.is_file():
-                    return [f for f in [_stat(path, path.name)] if f is not None]
-                if not path.is_dir():
-                    raise StorageError(
-                        f"{location}: no such folder or file; check the workload's input"
-                    )
-            except PermissionError as err:
-                raise denied_listing(location, err) from None
-        files = []
-        for folder, names in walk(root, location, pattern):
-            for name in names:
-                relative = (folder / name).relative_to(root)
-                if _is_private(relative.as_posix()):
-                    continue
-                if pattern is None or glob_matches(relative.parts, pattern):
-                    stored = _stat(folder / name, relative.as_posix())
-                    if stored is not None:
-                        files.append(stored)
-        return files
-
-    def _list_s3(self, location: str) -> list[StoredFile]:
-        bucket, key = split_s3(location)
-        pattern: str | None = None
-        if any(c in key for c in GLOB_CHARS):
-            # s3://b/dir/*.jsonl: list dir/, keep the keys the pattern matches.
-            pattern = key
-            cut = min(key.index(c) for c in GLOB_CHARS if c in key)
-            key = key[: key.rfind("/", 0, cut) + 1]
-        files = []
-        paginator = self._s3().get_paginator("list_objects_v2")
-        with self._errors(location, "list"):
-            # The paginator follows continuation tokens: 1,000 keys a page, any number.
-            for page in paginator.paginate(Bucket=bucket, Prefix=key):
-                for obj in page.get("Contents", []):
-                    name = _s3_relative(str(obj["Key"]), key, pattern)
-                    # A key equal to the prefix is the file named itself: the user's.
-                    if name is not None and (obj["Key"] == key or not _is_private(name)):
-                        etag = str(obj.get("ETag", "")).strip('"')
-                        uri = f"s3://{bucket}/{obj['Key']}"
-                        files.append(StoredFile(uri, name, int(obj["Size"]), etag))
-        return files
+            found = list_local(location)
+        return sorted((f for f in found if f.name.endswith(suffixes)), key=lambda f: f.name)
 
     @contextmanager
     def open(self, uri: str) -> Iterator[IO[bytes]]:
@@ -537,53 +435,6 @@ class _RawBody(io.RawIOBase):
             data: bytes = self._body.read(len(buffer))
         buffer[: len(data)] = data
         return len(data)
-
-
-def _s3_relative(key: str, prefix: str, pattern: str | None) -> str | None:
-    """`key`'s name below the listed prefix, or None when the listing excludes it.
-
-    A prefix ending in '/' (or empty) is a folder; a glob keeps what it matches; a
-    bare prefix is a file of that name or a folder of that name, never a sibling
-    that merely starts the same ("in/a" lists "in/a" and "in/a/x", not "in/ab").
-    """
-    if key.endswith("/"):
-        return None  # a folder placeholder object
-    if pattern is not None:
-        return key[len(prefix) :] if _s3_glob_matches(key, pattern) else None
-    if not prefix or prefix.endswith("/"):
-        return key[len(prefix) :]
-    if key == prefix:
-        return key.rsplit("/", 1)[-1]
-    if key.startswith(prefix + "/"):
-        return key[len(prefix) + 1 :]
-    return None
-
-
-def _s3_glob_matches(key: str, pattern: str) -> bool:
-    """Whether `key` matches the glob `pattern` as a local glob matches a path: folder
-    by folder ('/' parts a key's folders, as S3's console and `aws s3 ls` show them), a
-    `*` within one, and a `**` part any number of folders, none included."""
-    return _parts_match(key.split("/"), pattern.split("/"))
-
-
-def _parts_match(names: list[str], parts: list[str]) -> bool:
-    if not parts:
-        return not names
-    if parts[0] == "**":
-        return any(_parts_match(names[i:], parts[1:]) for i in range(len(names) + 1))
-    return (
-        bool(names)
-        and fnmatch.fnmatchcase(names[0], parts[0])
-        and _parts_match(names[1:], parts[1:])
-    )
-
-
-def _stat(path: Path, name: str) -> StoredFile | None:
-    """`path` listed as `name`; None when it is no regular file (localfiles.regular_file)."""
-    info = regular_file(path)
-    if info is None:
-        return None
-    return StoredFile(str(path), name, info.st_size, str(info.st_mtime_ns))
 
 
 def _content_tag(data: bytes | None) -> str | None:

@@ -27,7 +27,8 @@ from lanes.jobs import SUBMIT_TAG, Job
 from lanes.prefectapi import PrefectApi
 from lanes.settings import Settings
 from lanes.spec import OfflineWorkload
-from lanes.storage import Storage, join
+from lanes.storage import Storage
+from lanes.uris import join
 from lanes.validation import describe
 
 

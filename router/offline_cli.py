@@ -35,7 +35,7 @@ from lanes.router.console import ExitCode, guarded
 from lanes.router.console import lanes_errors_untraced as untraced
 from lanes.settings import Settings
 from lanes.specfile import load_spec
-from lanes.storage import join
+from lanes.uris import join
 
 T = TypeVar("T")
 

@@ -25,7 +25,7 @@ from lanes.errors import StorageError
 from lanes.jobs import BATCH_PREFIX, Job
 from lanes.settings import Settings
 from lanes.spec import Spec
-from lanes.storage import join
+from lanes.uris import join
 from tests.flows_fixtures import moto_server, s3_env
 
 BUCKET = "lanes-records"

@@ -25,7 +25,8 @@ import pytest
 from lanes.batchstore import BatchStore
 from lanes.errors import StorageError
 from lanes.prefectapi import FLOW_NAME
-from lanes.storage import Storage, join
+from lanes.storage import Storage
+from lanes.uris import join
 from tests.flows_fixtures import moto_server, s3_env, text, write_spec
 from tests.servers import ServerThread
 

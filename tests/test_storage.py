@@ -18,7 +18,8 @@ import pytest
 from lanes.errors import PermanentStorageError, StorageError
 from lanes.settings import Settings
 from lanes.staging import this_process
-from lanes.storage import MiB, Storage, Versioned, join
+from lanes.storage import MiB, Storage, Versioned
+from lanes.uris import join
 from tests.flows_fixtures import (
     moto_server,
     ran_where_modes_bind,
