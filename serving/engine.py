@@ -39,12 +39,8 @@ for no decode of the others.
 Each request's `TokenStream` (serving/token_stream.py) is on the event loop;
 `cancel()` (its client left) aborts the sequence, whose row is freed at the next step.
 
-Offline sequences (`submit_offline`: a flow's batch through the internal batch
-route) share the rows: they take rows no interactive request waits for, and are
-preempted at the next step when interactive ones need them, their caches kept while
-memory allows (`keep_bytes`) and recomputed otherwise when they resume
-(lanes/generation/preempt.py). Their tokens never reach the interactive series
-(TTFT, ITL); each lane has its items, queue depth, busy time and preemptions.
+Offline sequences (a flow's batch) share the rows, preempted when interactive ones
+need them: the offline lane's side is serving/engine_offline.py.
 
 The step loop isolates what the model fails on: a sequence that fails alone finishes
 with its own error, every other one goes on; only a failure outside the model's runs
@@ -56,15 +52,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
-from functools import partial
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from lanes.errors import InvalidInput, LanesError, Overloaded
+from lanes.errors import Overloaded
 from lanes.generation.batch import scheduler_for, seq_of
 from lanes.generation.kvcache import MAX_PADDING, Decoded
 from lanes.generation.loop import Step, StepLoop
@@ -75,31 +69,22 @@ from lanes.generation.scheduler import PREFILL_TOKENS, Policy
 from lanes.generation.seq import Event, Seq, StepPlan
 from lanes.generation.slots import Cache
 from lanes.generation.steer import Steer
-from lanes.serving.batching import OFFLINE_BOUND, DeviceShare, never_fits
+from lanes.serving.engine_offline import OfflineLane
 from lanes.serving.metrics import Metrics
-from lanes.serving.step_observer import StepObserver, resolve_from_thread
-from lanes.serving.token_stream import TokenStream, completion
+from lanes.serving.step_observer import StepObserver
+from lanes.serving.token_stream import TokenStream
 from lanes.serving.tracing import GenerateSpans
 from lanes.spec import as_interactive
-from lanes.tasks.decoder import Completion
 from lanes.tasks.generate import GenerateRequest, GenerateTask
 from lanes.tracing import Tracing
 
 if TYPE_CHECKING:
     from opentelemetry.trace import SpanContext
 
-log = logging.getLogger("lanes.serving")
-
 SWITCH_INTERVAL_S = 0.001
-# Offline sequences one engine holds (queued or in rows): beyond, 503 and Retry-After,
-# which the flow's endpoint runner waits out; a batch of more, 413, which it halves.
-OFFLINE_MAX_SEQUENCES = 65536
-# How long an offline batch waits for its last step's report (its device time), at
-# most: a report follows its step at once unless the engine is stuck.
-SETTLE_TIMEOUT_S = 30.0
 
 
-class Engine:
+class Engine(OfflineLane):
     """The continuous-batching executor of one generate workload.
 
     `policy` picks how batches form (see lanes/generation/scheduler.py); anything but
@@ -262,86 +247,6 @@ class Engine:
                 self._arrivals.notify()
         self.observer.series.queue_depth.set(self._waiting)
         return stream
-
-    async def submit_offline(
-        self, requests: Sequence[GenerateRequest], share: DeviceShare | None = None
-    ) -> list[Completion | LanesError]:
-        """Run prepared requests in the offline lane (free rows only, preempted when
-        interactive requests need them) and wait for all of them: per request its
-        `Completion` (the model's, no handler: the offline workload applies its own)
-        or the error it failed with alone. A request over the workload's whole
-        batching.max_kv_bytes gets its `InvalidInput` (the flow settled it under its
-        own workload's budget, if any): alone it would run past the budget."""
-        refused = [self._over_kv_budget(r) for r in requests]
-        kept = [r for r, no in zip(requests, refused, strict=True) if no is None]
-        done = iter(await self._run_offline(kept, share) if kept else ())
-        return [next(done) if no is None else no for no in refused]
-
-    def _over_kv_budget(self, request: GenerateRequest) -> InvalidInput | None:
-        try:
-            self.task.kv_budget.check(len(request.prompt_ids), request.max_new_tokens)
-        except InvalidInput as refused:
-            return refused
-        return None
-
-    async def _run_offline(
-        self, requests: Sequence[GenerateRequest], share: DeviceShare | None
-    ) -> list[Completion | LanesError]:
-        """`submit_offline` of requests within the budget. RequestTooLarge when the
-        lane can never hold them all; Overloaded, whole, when it cannot now or the
-        server stops before they are done (the flow retries). Each sequence's part of
-        the steps it was in (as the lanes' busy time splits a step) is added to
-        `share`, whole when this returns."""
-        too_many = never_fits(len(requests), OFFLINE_MAX_SEQUENCES, bound=OFFLINE_BOUND)
-        if too_many is not None:
-            raise too_many  # a 503 would be refused as often as it is retried
-        # Their text is read whole, at the finish (_completion): decoded once, then.
-        seqs = [seq_of(next(self._ids), r, offline=True, stream=False) for r in requests]
-        streams = [TokenStream(seq.id, len(seq.prompt_ids), self, seq.top_logprobs) for seq in seqs]
-        settled = asyncio.get_running_loop().create_future()
-        with self._lock:
-            if self._stopping:
-                raise Overloaded("the server is shutting down; retry on another replica", 1.0)
-            if len(self._offline) + len(seqs) > OFFLINE_MAX_SEQUENCES:
-                raise Overloaded(
-                    f"the offline lane holds {len(self._offline)} sequences; retry shortly", 1.0
-                )
-            if share is not None:
-                ids = [seq.id for seq in seqs]
-                self.observer.charge_to(ids, share, partial(resolve_from_thread, settled))
-            self._inbox += seqs
-            for stream in streams:
-                self._streams[stream.id] = stream
-                self._offline.add(stream.id)
-            self._lock.notify()
-        try:
-            try:
-                done = await asyncio.gather(*(completion(s) for s in streams))
-            except BaseException:
-                for stream in streams:  # the flow went away: its sequences leave
-                    stream.cancel()
-                raise
-            if any(d is None for d in done):
-                raise Overloaded("the server stopped before this batch was done; retry it", 1.0)
-            if share is not None:
-                await self._settled(settled)
-        finally:
-            if share is not None:
-                self.observer.forget(share)
-        return [d for d in done if d is not None]
-
-    async def _settled(self, settled: asyncio.Future[None]) -> None:
-        """Once every step of the batch's sequences is charged to its share: at once but
-        where a finish went out with a first token, ahead of its step's report."""
-        try:
-            await asyncio.wait_for(settled, SETTLE_TIMEOUT_S)
-        except TimeoutError:
-            log.warning(
-                "%s: an offline batch's last steps were not reported within %.0f s: its "
-                "device time may be short of them",
-                self.name,
-                SETTLE_TIMEOUT_S,
-            )
 
     def expire(self) -> None:
         """The server stops within seconds: every interactive sequence ends at the next

@@ -17,7 +17,8 @@ import pytest
 
 from lanes.errors import LanesError, RequestTooLarge
 from lanes.generation.preempt import KEEP_BYTES
-from lanes.serving.engine import OFFLINE_MAX_SEQUENCES, Engine
+from lanes.serving.engine import Engine
+from lanes.serving.engine_offline import OFFLINE_MAX_SEQUENCES
 from lanes.serving.metrics import Metrics
 from lanes.settings import Settings
 from lanes.spec import Spec
