@@ -50,10 +50,11 @@ from lanes.serving.batching import (
     never_fits,
 )
 from lanes.serving.beside import Beside
-from lanes.serving.http import ClientGone
+from lanes.serving.item_cost import ItemCost
 from lanes.serving.metrics import Metrics
 from lanes.serving.model_thread import ModelThread
 from lanes.serving.offline_runs import OfflineLane, OfflineRun
+from lanes.serving.queued_outputs import queued_outputs
 from lanes.serving.residency import ScaleToZero, residency_of
 from lanes.serving.slo import Steering, padded_tokens
 from lanes.spec import as_interactive
@@ -61,18 +62,9 @@ from lanes.tasks import InferTask, Task
 from lanes.tasks.session_slot import SlotSession
 from lanes.tracing import Tracing
 
-# A batch expected to run shorter than this runs on the event loop itself: waking
-# the model thread and then the loop again costs ~0.15-0.2 ms on a small VM (see
-# serving/model_thread.py), ten times a tiny model's run, and a loop blocked this
-# long holds up other requests for little more than those two wake-ups would.
-INLINE_RUN_S = 0.0005
-_COST_WEIGHT = 0.5  # of the newest batch in the running per-item cost: adapts in a few runs
 # Offline items one workload holds queued: any one offline batch (batch_size <= 65536)
 # fits; beyond, 503 and Retry-After, which the flow's endpoint runner waits out.
 OFFLINE_MAX_QUEUE = 65536
-# How long a queued request waits before its connection is watched for a client that
-# left (`_outputs`).
-WATCH_AFTER_S = 0.1
 
 
 class BatchWorker:
@@ -80,7 +72,8 @@ class BatchWorker:
 
     Running off the event loop (onnxruntime releases the GIL) lets HTTP parsing and
     the next batch's assembly overlap the current run. Batches measured to run in
-    under INLINE_RUN_S are the exception: they run on the loop, cheaper than a hand-off.
+    under INLINE_RUN_S (serving/item_cost.py) are the exception: they run on the loop,
+    cheaper than a hand-off.
     A request that finds the model free and nobody queued runs as its own batch
     from its caller's task; whatever arrives meanwhile queues and forms the next batch.
 
@@ -119,7 +112,7 @@ class BatchWorker:
         self.steering = Steering(self.cost, p99_s, batching.max_batch_size, clock)
         self._thread = ModelThread(f"lanes-{task.name}")
         self._loop_task: asyncio.Task[None] | None = None
-        self._item_cost_s: float | None = None  # running mean of run time per item
+        self.item_cost = ItemCost()  # where a batch runs (serving/item_cost.py)
         self._free = asyncio.Event()  # set while no batch is on the model
         self._free.set()
         # Offline runs beside the interactive ones, at idle priority (0: they take turns).
@@ -223,7 +216,7 @@ class BatchWorker:
 
         Only the queue counts, not the rest of the batch on the model (unknown, and a
         request behind no queue is better left to its deadline: it may still make it)."""
-        cost = self._item_cost_s
+        cost = self.item_cost.seconds
         return 0.0 if cost is None else len(self.queue) * cost
 
     async def submit(
@@ -276,7 +269,7 @@ class BatchWorker:
                         pending.siblings = tuple(pendings)
                 self.offline.interactive_waits()
                 self._set_depths()
-            outputs = await _outputs(pendings, None if now else gone)
+            outputs = await queued_outputs(pendings, None if now else gone)
         except BaseException as e:
             # Refused, one failed, or the caller went away: free the others' places too.
             # A run already started ends on the thread regardless and is accounted for then.
@@ -350,7 +343,7 @@ class BatchWorker:
             and self.queue.max_wait_s == 0
             and items <= self.queue.max_batch_size
             and not self.queue.closed
-            and not self.runs_inline(items)
+            and not self.item_cost.runs_inline(items)
         )
 
     async def _run_forever(self) -> None:
@@ -378,7 +371,7 @@ class BatchWorker:
         items = [p.item for p in batch]
         if self.steers:
             self.steering.started(start, items)
-        if self.runs_inline(len(items)):  # too short to be worth stopping
+        if self.item_cost.runs_inline(len(items)):  # too short to be worth stopping
             run = partial(self._timed_run, self.task.run if lane == "interactive" else self._raw)
             try:
                 result = run(items)
@@ -446,72 +439,11 @@ class BatchWorker:
         """The gauges read when /metrics is (`BatchObserver.refresh`)."""
         self.observer.refresh()
 
-    def runs_inline(self, items: int) -> bool:
-        """Whether a batch of `items` would run on the event loop (see INLINE_RUN_S)."""
-        return self._item_cost_s is not None and self._item_cost_s * items < INLINE_RUN_S
-
     def _timed_run(self, run: Run, items: list[Any]) -> Result:
-        """`timed_run` (serving/batch_run.py), its duration learned (`_learn`)."""
-        return self._learn(timed_run(run, items, self.clock, self.name))
+        """`timed_run` (serving/batch_run.py), its duration learned (`ItemCost.learn`)."""
+        return self.item_cost.learn(timed_run(run, items, self.clock, self.name))
 
     def _stoppable_run(self, items: list[Any], stop: ort.RunOptions) -> Result:
         """`stoppable_run` (serving/batch_run.py) of an offline batch, its duration
-        learned (`_learn`)."""
-        return self._learn(stoppable_run(self._raw, items, self.clock, self.name, stop))
-
-    def _learn(self, result: Result) -> Result:
-        """A whole run's duration teaches the cost per item that decides where a batch
-        runs."""
-        outputs, took = result
-        if not any(isinstance(o, Failed) for o in outputs):
-            cost = took / len(outputs)
-            old = self._item_cost_s
-            self._item_cost_s = cost if old is None else old + _COST_WEIGHT * (cost - old)
-        return result
-
-
-async def _outputs(
-    pendings: Sequence[Pending], gone: Callable[[], Awaitable[None]] | None
-) -> list[Any]:
-    """The outputs of `pendings`, in order; ClientGone first if `gone()` returns before
-    they are all answered (then the caller frees their places in the queue)."""
-    waited: asyncio.Future[Any] = (
-        pendings[0].future if len(pendings) == 1 else asyncio.gather(*(p.future for p in pendings))
-    )
-    if gone is None:
-        result = await waited
-        return [result] if len(pendings) == 1 else list(result)
-    loop = asyncio.get_running_loop()
-    watch: asyncio.Future[None] | None = None
-    left = False
-
-    def leave(_: object) -> None:
-        nonlocal left
-        if not waited.done():
-            left = True
-            waited.cancel()  # a gather's cancel cancels every item's future too
-
-    def start_watching() -> None:
-        nonlocal watch
-        watch = asyncio.ensure_future(gone())
-        watch.add_done_callback(leave)
-
-    # A task per queued request cost the event loop a quarter of a small model's
-    # requests/s at 32 clients (bench/serve.py --models tiny): only a request still
-    # queued after WATCH_AFTER_S is watched; one that leaves sooner runs, a cost bounded
-    # by that wait.
-    timer = loop.call_later(WATCH_AFTER_S, start_watching)
-    try:
-        result = await waited
-    except asyncio.CancelledError:
-        if left:
-            raise ClientGone(
-                "the client disconnected while its request waited in the queue"
-            ) from None
-        raise
-    finally:
-        timer.cancel()
-        if watch is not None:
-            watch.remove_done_callback(leave)
-            watch.cancel()
-    return [result] if len(pendings) == 1 else list(result)
+        learned (`ItemCost.learn`)."""
+        return self.item_cost.learn(stoppable_run(self._raw, items, self.clock, self.name, stop))

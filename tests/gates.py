@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from lanes.runtime import Runtime
-from lanes.serving.worker import INLINE_RUN_S
+from lanes.serving.item_cost import INLINE_RUN_S
 from lanes.settings import Settings
 from lanes.spec import ModelSpec
 

@@ -168,7 +168,7 @@ async def test_worker_runs_cheap_batches_on_the_loop_and_slow_ones_on_its_thread
         assert out["total"].tolist() == [6.0]
     # The first run is measured on the worker's thread; then the loop runs them.
     assert names == ["lanes-w"] + [loop] * 7
-    assert worker.runs_inline(1)
+    assert worker.item_cost.runs_inline(1)
     # Cheap runs always queue, so requests parsed together still share a run.
     batches = await sums.batches()
     await asyncio.gather(*(worker.submit([cheap]) for _ in range(4)))
@@ -178,7 +178,7 @@ async def test_worker_runs_cheap_batches_on_the_loop_and_slow_ones_on_its_thread
     await worker.submit([task.prepare({"x": [[100, 200, 300]]})])  # 5 ms: measured...
     await worker.submit([cheap])  # ...so the next one goes back to the thread
     assert names == [loop, "lanes-w"]
-    assert not worker.runs_inline(1)
+    assert not worker.item_cost.runs_inline(1)
 
 
 async def test_a_lone_request_runs_at_once_and_what_arrives_meanwhile_forms_one_batch(
