@@ -52,7 +52,8 @@ from lanes.errors import (
 )
 from lanes.flows.runners import DeviceTime
 from lanes.isolation import Failed
-from lanes.settings import EndpointRetries, Settings
+from lanes.settings import Settings
+from lanes.settings_groups import EndpointRetries
 from lanes.spec import Spec
 from lanes.tasks.base import Task
 

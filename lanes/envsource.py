@@ -18,7 +18,7 @@ class LanesEnvironment(EnvSettingsSource):
     whichever the environment lists later, an order nobody chooses, and leaves a whole
     workload's JSON (LANES_WORKLOADS__A='{...}') as text. Here each variable is read on
     its own, a workload's or model's JSON decoded, and the deeper merged over the
-    shallower, as `set_by` names them."""
+    shallower, as `set_by` (lanes.settings_origin) names them."""
 
     def explode_env_vars(
         self, field_name: str, field: FieldInfo, env_vars: Mapping[str, str | None]

@@ -1,4 +1,8 @@
-"""Settings from the environment (prefix LANES_), built once at an entry point and passed down."""
+"""Settings from the environment (prefix LANES_), built once at an entry point and passed down.
+
+The nested groups (LANES_BATCH__*, LANES_ENDPOINT_RETRIES__*) are lanes.settings_groups';
+which variable a bad value came from, lanes.settings_origin's.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pydantic_settings
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -20,110 +24,14 @@ from lanes.envsource import LanesEnvironment
 from lanes.errors import Problem, SettingsError
 from lanes.logs import LogFormat, LogLevel
 from lanes.schedule import Schedule
+from lanes.settings_groups import BatchApi, EndpointRetries
+from lanes.settings_origin import problem_source, variable_of
 from lanes.specproblems import dotted, from_pydantic
 
 Device = Literal["auto", "cpu", "cuda", "tensorrt"]
 OFFPEAK_CRON = "0 2 * * *"  # the default off-peak window opens at 02:00
 IoBinding = Literal["auto", "on", "off"]
 HttpImplementation = Literal["auto", "httptools", "h11"]
-
-
-class BatchApi(BaseModel):
-    """The OpenAI Batch API of the endpoint (/v1/files, /v1/batches): LANES_BATCH__*."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    store: str | None = Field(
-        None,
-        description="Folder or s3://bucket/prefix/ holding uploaded files and batches; "
-        "default: LANES_HOME/batches. The server and the workers must see the same one. "
-        "A relative folder is read against the working directory when the settings load.",
-    )
-    max_file_bytes: int = Field(
-        200 * 1024 * 1024, gt=0, description="Largest file POST /v1/files takes."
-    )
-    max_store_bytes: int = Field(
-        10 * 1024**3,
-        gt=0,
-        description="Bytes the batch store may hold (one key is one tenant, so this is the "
-        "whole store's): uploads, each batch's copy of its input until the batch ends, and "
-        "batches' output and error files. An upload or a batch create that would go over is "
-        "refused before any of it is stored; a batch's output and error files are always "
-        "written, and may take the store over, refusing uploads until room is freed.",
-    )
-    shard_lines: int = Field(
-        1000,
-        gt=0,
-        le=1_000_000,
-        description="Lines per shard of a batch's input: each shard commits on its own "
-        "(live request_counts; a cancelled or expired batch keeps its committed shards).",
-    )
-    start: Literal["now", "latest"] = Field(
-        "now",
-        description="now: a batch starts at once; latest: at the latest moment that still "
-        "ends by created_at + completion_window inside the off-peak window, from the "
-        "workload's measured offline items/s (lanes.deadline).",
-    )
-    batch_size: int = Field(
-        256,
-        gt=0,
-        le=65536,
-        description="Records per model run when a batch names an interactive workload "
-        "(an offline workload's batches use its own batch_size).",
-    )
-    sweep_s: float = Field(
-        30.0,
-        ge=0,
-        le=86400,
-        description="Seconds between the server's looks at the batches not yet ended, so "
-        "that one whose run ended is finalized (its output and error files written, its "
-        "folder deleted) and one whose window passed is stopped, polled or not; 0: never, "
-        "a batch then ends only when a client retrieves or lists it.",
-    )
-
-    @field_validator("store")
-    @classmethod
-    def _store_is_absolute(cls, store: str | None) -> str | None:
-        # A relative folder is read against the working directory once, here: a Prefect
-        # worker or a subprocess that starts elsewhere must still find the same store.
-        if store is None or "://" in store or not store.strip():
-            return store
-        absolute = os.path.abspath(store)
-        return absolute + "/" if store.endswith("/") else absolute
-
-
-class EndpointRetries(BaseModel):
-    """How a flow with `runner: {kind: endpoint}` retries a batch the endpoint did not
-    take: LANES_ENDPOINT_RETRIES__*."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    attempts: int = Field(
-        10,
-        ge=1,
-        le=1000,
-        description="Attempts of each batch over a lost or refused connection or a full "
-        "offline lane (503); an endpoint that refuses connections through all of them "
-        "is gone.",
-    )
-    backoff_s: float = Field(
-        0.5,
-        ge=0,
-        le=60,
-        description="After the n-th lost or refused connection, the next attempt waits n "
-        "times this (up to max_wait_s): a restart of the endpoint within the attempts is "
-        "ridden through.",
-    )
-    max_wait_s: float = Field(
-        5.0,
-        ge=0,
-        le=600,
-        description="The longest wait between two attempts, the server's Retry-After included.",
-    )
-
-    def wait_after(self, attempt: int) -> float:
-        """Seconds to wait after the `attempt`-th (from 1) lost connection."""
-        return min(attempt * self.backoff_s, self.max_wait_s)
 
 
 class Settings(BaseSettings):
@@ -337,12 +245,12 @@ class Settings(BaseSettings):
         except ValidationError as err:
             problems = []
             for loc, message, _ in from_pydantic(err, (), type(self)):
-                source, inside = _source(loc, values)
+                source, inside = problem_source(loc, values)
                 problems.append(Problem(source, None, None, dotted(inside), message))
             raise SettingsError(problems) from None
         except pydantic_settings.SettingsError as err:  # a complex value that is not JSON
             named = re.search(r'field "(\w+)"', str(err))
-            source = _variable((named.group(1),))[0] if named else "env LANES_*"
+            source = variable_of((named.group(1),))[0] if named else "env LANES_*"
             message = "expected JSON (a list or an object), found a value that does not parse"
             raise SettingsError([Problem(source, None, None, "", message)]) from None
 
@@ -476,51 +384,3 @@ class Settings(BaseSettings):
                     f"expected folders and s3:// prefixes without wildcards, found {root!r}"
                 )
         return roots
-
-
-def _source(loc: tuple[str | int, ...], given: dict[str, Any]) -> tuple[str, tuple[str | int, ...]]:
-    """Where the value at `loc` came from, as a Problem's source: the LANES_ variable
-    that set it (`_variable`), or the default where no variable and no argument of
-    Settings() set it (the default off-peak time zone on a system that loads none)."""
-    variable, inside = _variable(loc)
-    keys = tuple(str(part) for part in loc[: len(loc) - len(_in_value(loc))])
-    if keys and keys[0] not in given and not _is_set(keys):
-        return f"default ({variable.removeprefix('env ')} not set)", inside
-    return variable, inside
-
-
-def _is_set(keys: tuple[str, ...]) -> bool:
-    """Whether a LANES_ variable sets the setting at `keys` (its own or a parent's)."""
-    present = {name.upper() for name in os.environ}
-    names = ("LANES_" + "__".join(key.upper() for key in keys[:n]) for n in range(1, len(keys) + 1))
-    return any(name in present for name in names)
-
-
-def _variable(loc: tuple[str | int, ...]) -> tuple[str, tuple[str | int, ...]]:
-    """The variable that set `loc` and the part of `loc` inside its JSON value
-    (LANES_ALLOWED_INPUT_ROOTS='[1]' is no LANES_..._ROOTS__0)."""
-    keys = loc[: len(loc) - len(_in_value(loc))]
-    name, used = set_by(tuple(str(part) for part in keys))
-    return f"env {name}", loc[used:]
-
-
-def set_by(keys: tuple[str, ...]) -> tuple[str, int]:
-    """The LANES_ variable that set the setting at `keys`, and how many of the keys its
-    name holds. A nested setting may come in its own variable (LANES_BATCH__SHARD_LINES)
-    or inside a parent's JSON (LANES_BATCH='{"shard_lines": 0}'); where both are set the
-    deeper one wins, as pydantic-settings merges them, so the longest name present is the
-    one to fix. Read at error time only: the environment is what pydantic-settings read.
-    Names match without case, as pydantic-settings reads them; with none present (a
-    value given in code), the full name."""
-    present = {name.upper(): name for name in os.environ if name.upper().startswith("LANES_")}
-    for used in range(len(keys), 0, -1):
-        name = "LANES_" + "__".join(key.upper() for key in keys[:used])
-        if name in present:
-            return present[name], used
-    return "LANES_" + "__".join(key.upper() for key in keys), len(keys)
-
-
-def _in_value(loc: tuple[str | int, ...]) -> tuple[str | int, ...]:
-    """The part of `loc` inside a variable's JSON value: from its first index on."""
-    index = next((n for n, part in enumerate(loc) if isinstance(part, int)), len(loc))
-    return loc[index:]

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from lanes.errors import Problem, SpecError
-from lanes.settings import Settings, set_by
+from lanes.settings import Settings
+from lanes.settings_origin import set_by
 from lanes.spec import Spec
 from lanes.specproblems import Found, Loc, dotted
 from lanes.specrules import parse_spec

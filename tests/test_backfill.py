@@ -42,7 +42,8 @@ from lanes.serving.batching import LaneQueues
 from lanes.serving.metrics import Metrics
 from lanes.serving.offline_runs import gap_filling_items, stop_delay
 from lanes.serving.worker import BatchWorker
-from lanes.settings import EndpointRetries, Settings
+from lanes.settings import Settings
+from lanes.settings_groups import EndpointRetries
 from lanes.specfile import load_spec
 from lanes.tasks import load_task
 from tests.flows_fixtures import (
