@@ -8,7 +8,8 @@ group's own spec (mounted over the image's /app/workloads.yaml), a PodDisruption
 a KEDA ScaledObject whose Prometheus triggers read the server's own queue gauges, and a
 ServiceMonitor. The API key comes from a Secret the renderer never sees.
 
-Offline workloads: lanes.router.render_pool (the Prefect work pool and its worker).
+Offline workloads: lanes.router.render_pool (the Prefect work pool and its worker) and
+lanes.router.render_dask (a Dask runner's scheduler and workers in the cluster).
 """
 
 from __future__ import annotations
