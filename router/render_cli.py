@@ -1,4 +1,4 @@
-"""`lanes render k8s`: the files, from lanes.router.render_k8s, render_pool and render_dask."""
+"""`lanes render k8s`: the files, from lanes.router.render_serving, render_pool and render_dask."""
 
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ import typer
 from lanes.errors import InvalidInput
 from lanes.router.console import SpecFile, guarded
 from lanes.router.render_dask import dask_objects
-from lanes.router.render_k8s import K8sOptions, dump_all, groups, serving_objects
+from lanes.router.render_k8s import K8sOptions, dump_all, groups
 from lanes.router.render_pool import (
     base_job_template,
     job_namespace_objects,
     offline_spec,
     worker_objects,
 )
+from lanes.router.render_serving import serving_objects
 from lanes.settings import Settings
 from lanes.spec import OfflineWorkload, Spec
 from lanes.specfile import load_spec, read_document

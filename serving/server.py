@@ -27,7 +27,7 @@ LINGER_S = 0.2
 # streams still generating are ended, whole: time for their last events to be written.
 EXPIRE_BEFORE_S = 3.0
 # uvicorn's grace for the requests in flight once the listener closed; past it, it
-# cancels them (infra's terminationGracePeriodSeconds counts on it: router/render_k8s.py).
+# cancels them (infra's terminationGracePeriodSeconds counts on it: router/render_serving.py).
 GRACEFUL_S = 30
 
 

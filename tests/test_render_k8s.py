@@ -25,7 +25,8 @@ from lanes.backfill import backfilled
 from lanes.errors import InvalidInput, SpecError
 from lanes.router.cli import app
 from lanes.router.render_cli import render_files
-from lanes.router.render_k8s import SHUTDOWN_S, K8sOptions
+from lanes.router.render_k8s import K8sOptions
+from lanes.router.render_serving import SHUTDOWN_S
 from lanes.serving.metrics import Metrics
 from lanes.settings import Settings
 from lanes.spec import InteractiveWorkload, OfflineWorkload
