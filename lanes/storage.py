@@ -16,9 +16,7 @@ read with a version tag and written back only if the tag still holds (`read_vers
 `write_if`): S3's conditional PutObject, on a store shown to honour it
 (lanes.s3conditional), or locally a lock beside the file.
 
-boto3 is imported on first S3 use; credentials come from boto3's usual chain
-(environment, profile, instance role); the endpoint from `Settings.s3_endpoint`,
-else boto3's own `AWS_ENDPOINT_URL`.
+The S3 client, made on first S3 use, is lanes.s3client's.
 """
 
 from __future__ import annotations
@@ -38,11 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from lanes.errors import PermanentStorageError, StorageError
+from lanes.errors import StorageError
 from lanes.layout import RUNNING
 from lanes.listing import StoredFile, list_local, list_s3
 from lanes.localfiles import denied_reading
 from lanes.runlock import Held, output_lock
+from lanes.s3client import S3Body, s3_client
 from lanes.s3conditional import ConditionalWrites
 from lanes.s3errors import Missing, s3_errors
 from lanes.s3lock import s3_output_lock
@@ -116,7 +115,7 @@ class Storage:
         with self._errors(uri, "read"):
             body = self._s3().get_object(Bucket=bucket, Key=key)["Body"]
         # botocore's body has no efficient readline: buffer it like a local file.
-        stream = io.BufferedReader(_RawBody(body, uri, self), buffer_size=MiB)
+        stream = io.BufferedReader(S3Body(body, uri, self.settings.s3_endpoint), buffer_size=MiB)
         try:
             yield stream
         finally:
@@ -390,22 +389,7 @@ class Storage:
     def _s3(self) -> Any:
         with self._lock:
             if self._client is None:
-                import boto3
-                from botocore.config import Config
-
-                # A client is thread-safe; a Session is not, so one client is made here.
-                session = boto3.session.Session()
-                try:
-                    self._client = session.client(
-                        "s3",
-                        endpoint_url=self.settings.s3_endpoint or None,
-                        config=Config(retries={"max_attempts": 5, "mode": "standard"}),
-                    )
-                except ValueError as err:  # botocore's "Invalid endpoint: 127.0.0.1:9000"
-                    raise PermanentStorageError(
-                        f"S3 endpoint: {err}; set AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3, "
-                        "LANES_S3_ENDPOINT) to an http:// or https:// URL"
-                    ) from None
+                self._client = s3_client(self.settings.s3_endpoint)
             return self._client
 
     def _conditional(self, uri: str) -> Any:
@@ -419,22 +403,6 @@ class Storage:
 
     def _errors(self, uri: str, action: str) -> AbstractContextManager[None]:
         return s3_errors(uri, action, self.settings.s3_endpoint)
-
-
-class _RawBody(io.RawIOBase):
-    """botocore's streaming body as a raw stream, so io.BufferedReader can wrap it."""
-
-    def __init__(self, body: Any, uri: str, storage: Storage) -> None:
-        self._body, self._uri, self._storage = body, uri, storage
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        with self._storage._errors(self._uri, "read"):
-            data: bytes = self._body.read(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)
 
 
 def _content_tag(data: bytes | None) -> str | None:
