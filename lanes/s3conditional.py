@@ -10,8 +10,10 @@ nothing would say so.
 
 So before the first conditional write in a bucket, `ConditionalWrites.require` asks the
 store, beside the key about to be written, to create a probe object twice, to replace
-a version of it that it does not have, and to replace an object that does not exist;
-a store that writes any of those times is refused with a `PermanentStorageError` that
+a version of it that it does not have, to replace an object that does not exist, and
+to delete a version of the probe it does not have (a run's lease is released so);
+a store that writes or deletes any of those times, or answers that it takes no
+conditions (NotImplemented), is refused with a `PermanentStorageError` that
 names it and says what to do. The probe objects are deleted again, and are bookkeeping
 (`_` names) that listings skip should a delete fail.
 """
@@ -29,6 +31,9 @@ from lanes.s3errors import s3_errors
 # The answers of a store that refused a conditional write: 412, the condition does not
 # hold; 409, another conditional write raced it; 404, an If-Match on no object.
 _REFUSED = frozenset({"PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey"})
+# The answers of a store that does not take conditional requests at all.
+_UNSUPPORTED = frozenset({"NotImplemented"})
+_IGNORED = "ignored a conditional write ({})"
 # The ETag no object has: an If-Match on it must fail.
 _NO_ETAG = '"' + "0" * 32 + '"'
 _WHAT_TO_DO = (
@@ -72,31 +77,54 @@ class ConditionalWrites:
             ignored = self._verdicts[where]
         if ignored is not None:
             raise PermanentStorageError(
-                f"{uri}: the S3 store at {where.endpoint} ignored a conditional write "
-                f"({ignored}: it wrote anyway), which lanes needs to keep one run per "
-                "output (its _running lease) and one writer per Batch API record; nothing "
-                f"was written there. {_WHAT_TO_DO}"
+                f"{uri}: the S3 store at {where.endpoint} {ignored}, which lanes needs "
+                "to keep one run per output (its _running lease) and one writer per Batch "
+                f"API record; nothing was written there. {_WHAT_TO_DO}"
             )
 
 
 def _ignored(client: Any, bucket: str, folder: str) -> str | None:
-    """Which condition the store ignored, probing under `folder` in `bucket`; None when
-    it refused every write it should have."""
+    """What the store did wrong (ignored a condition, or took none), probing under
+    `folder` in `bucket`; None when it refused every write and delete it should have."""
+    from botocore.exceptions import ClientError
+
     probe = f"{folder}_lanes-probe-{uuid.uuid4().hex}"
     missing = f"{probe}-missing"
     try:
         client.put_object(Bucket=bucket, Key=probe, Body=b"", IfNoneMatch="*")
         if _wrote(client, bucket, probe, {"IfNoneMatch": "*"}):
-            return "If-None-Match: * on an object that exists"
+            return _IGNORED.format("If-None-Match: * on an object that exists: it wrote anyway")
         if _wrote(client, bucket, probe, {"IfMatch": _NO_ETAG}):
-            return "If-Match on another version of an object"
+            return _IGNORED.format("If-Match on another version of an object: it wrote anyway")
         if _wrote(client, bucket, missing, {"IfMatch": _NO_ETAG}):
-            return "If-Match on an object that does not exist"
+            return _IGNORED.format("If-Match on an object that does not exist: it wrote anyway")
+        if _deleted(client, bucket, probe):
+            return _IGNORED.format(
+                "If-Match on a delete of another version of an object: it deleted anyway"
+            )
         return None
+    except ClientError as err:
+        if str(err.response.get("Error", {}).get("Code", "")) in _UNSUPPORTED:
+            return "does not support conditional writes (it answered NotImplemented)"
+        raise
     finally:
         # S3 answers a delete of no object as done.
         for key in (probe, missing):
             client.delete_object(Bucket=bucket, Key=key)
+
+
+def _deleted(client: Any, bucket: str, key: str) -> bool:
+    """Whether a delete of `key` on an ETag it does not have, which must fail, was made.
+    The lease's release is such a delete: one run must not delete another's lease."""
+    from botocore.exceptions import ClientError
+
+    try:
+        client.delete_object(Bucket=bucket, Key=key, IfMatch=_NO_ETAG)
+    except ClientError as err:
+        if str(err.response.get("Error", {}).get("Code", "")) in _REFUSED:
+            return False
+        raise
+    return True
 
 
 def _wrote(client: Any, bucket: str, key: str, condition: dict[str, str]) -> bool:

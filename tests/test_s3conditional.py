@@ -27,10 +27,19 @@ from tests.flows_fixtures import moto_server, s3_env
 OUT = "s3://results/out/"
 # What a store that ignores conditions drops: "If-Match when missing" drops If-Match
 # only where there is no object yet (the bug of MinIO issue #21526).
-IF_NONE_MATCH, IF_MATCH, IF_MATCH_WHEN_MISSING = (
+# "If-Match on delete" drops it from deletes only; "no conditions" answers every
+# conditional request 501 NotImplemented, as a store that takes none does.
+IF_NONE_MATCH, IF_MATCH, IF_MATCH_WHEN_MISSING, IF_MATCH_ON_DELETE, NO_CONDITIONS = (
     "If-None-Match",
     "If-Match",
     "If-Match when missing",
+    "If-Match on delete",
+    "no conditions",
+)
+_NOT_IMPLEMENTED = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NotImplemented</Code>'
+    b"<Message>A header you provided implies functionality that is not implemented"
+    b"</Message></Error>"
 )
 _HOP_BY_HOP = frozenset({"connection", "transfer-encoding", "keep-alive"})
 
@@ -60,10 +69,16 @@ class _Forwarding(http.server.BaseHTTPRequestHandler):
         body = self.rfile.read(length) if length else None
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
         self.server.seen.append(f"{self.command} {self.path}")
+        if NO_CONDITIONS in self.server.drop and {"If-Match", "If-None-Match"} & set(headers):
+            self._answer(501, [("Content-Type", "application/xml")], _NOT_IMPLEMENTED)
+            return
         upstream = http.client.HTTPConnection(self.server.upstream, timeout=30)
         try:
             for name in self.server.drop:
-                if name == IF_MATCH_WHEN_MISSING:
+                if name == IF_MATCH_ON_DELETE:
+                    if self.command == "DELETE":
+                        headers.pop("If-Match", None)
+                elif name == IF_MATCH_WHEN_MISSING:
                     if "If-Match" in headers and self._missing(upstream):
                         del headers["If-Match"]
                 else:
@@ -73,12 +88,21 @@ class _Forwarding(http.server.BaseHTTPRequestHandler):
             data = answer.read()
         finally:
             upstream.close()
-        self.send_response(answer.status)
-        for name, value in answer.getheaders():
+        length_out = answer.getheader("Content-Length") if self.command == "HEAD" else None
+        self._answer(answer.status, answer.getheaders(), data, length_out)
+
+    def _answer(
+        self,
+        status: int,
+        headers: list[tuple[str, str]],
+        data: bytes,
+        length: str | None = None,
+    ) -> None:
+        self.send_response(status)
+        for name, value in headers:
             if name.lower() not in _HOP_BY_HOP | {"content-length"}:
                 self.send_header(name, value)
-        length_out = answer.getheader("Content-Length") if self.command == "HEAD" else None
-        self.send_header("Content-Length", length_out or str(len(data)))
+        self.send_header("Content-Length", length or str(len(data)))
         self.end_headers()
         self.wfile.write(data)
 
@@ -123,10 +147,9 @@ def _keys(s3: Any, bucket: str) -> list[str]:
     return [o["Key"] for o in s3.list_objects_v2(Bucket=bucket).get("Contents", [])]
 
 
-def _refusal(uri: str, endpoint: str, ignored: str) -> str:
+def _refusal(uri: str, endpoint: str, wrong: str) -> str:
     return (
-        f"{uri}: the S3 store at {endpoint} ignored a conditional write ({ignored}: it "
-        "wrote anyway), which lanes needs to keep one run per output (its _running lease) "
+        f"{uri}: the S3 store at {endpoint} {wrong}, which lanes needs to keep one run per output (its _running lease) "
         "and one writer per Batch API record; nothing was written there. Use a store that "
         "honours S3's conditional writes (AWS S3, or a MinIO or Ceph RGW release whose "
         "PutObject supports If-None-Match and If-Match), or, where one process at a time "
@@ -136,21 +159,39 @@ def _refusal(uri: str, endpoint: str, ignored: str) -> str:
 
 
 @pytest.mark.parametrize(
-    ("dropped", "ignored"),
+    ("dropped", "wrong"),
     [
-        (IF_NONE_MATCH, "If-None-Match: * on an object that exists"),
-        (IF_MATCH, "If-Match on another version of an object"),
-        (IF_MATCH_WHEN_MISSING, "If-Match on an object that does not exist"),
+        (
+            IF_NONE_MATCH,
+            "ignored a conditional write (If-None-Match: * on an object that exists: it "
+            "wrote anyway)",
+        ),
+        (
+            IF_MATCH,
+            "ignored a conditional write (If-Match on another version of an object: it "
+            "wrote anyway)",
+        ),
+        (
+            IF_MATCH_WHEN_MISSING,
+            "ignored a conditional write (If-Match on an object that does not exist: it "
+            "wrote anyway)",
+        ),
+        (
+            IF_MATCH_ON_DELETE,
+            "ignored a conditional write (If-Match on a delete of another version of an "
+            "object: it deleted anyway)",
+        ),
+        (NO_CONDITIONS, "does not support conditional writes (it answered NotImplemented)"),
     ],
 )
 def test_a_run_is_refused_its_lease_on_a_store_that_ignores_a_condition(
-    s3: Any, moto: str, dropped: str, ignored: str
+    s3: Any, moto: str, dropped: str, wrong: str
 ) -> None:
     with proxy(moto, drop=(dropped,)) as store:
         storage = Storage(Settings(s3_endpoint=store.url))
         with pytest.raises(PermanentStorageError) as refused:
             storage.exclusive(OUT, "run A")
-    assert str(refused.value) == _refusal("s3://results/out/_running", store.url, ignored)
+    assert str(refused.value) == _refusal("s3://results/out/_running", store.url, wrong)
     assert _keys(s3, "results") == [], "neither the lease nor a probe was left"
 
 
@@ -166,7 +207,9 @@ def test_a_batch_record_is_refused_on_a_store_that_ignores_conditions(s3: Any, m
             storage.write_if(uri, b"{}", None)
         assert len(store.seen) == asked
     assert str(refused.value) == _refusal(
-        uri, store.url, "If-None-Match: * on an object that exists"
+        uri,
+        store.url,
+        "ignored a conditional write (If-None-Match: * on an object that exists: it wrote anyway)",
     )
     assert _keys(s3, "records") == []
 
