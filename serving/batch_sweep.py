@@ -10,7 +10,8 @@ of them write a batch's files.
 
 Each batch is looked at in a thread of its own call (the routes' way), so a shutdown
 cancels the sweep between two batches; the one under way ends first, as a retrieve's
-would. A batch that fails is logged with its id and tried again at the next sweep.
+would. A batch that fails is logged with its id (its traceback the first time) and tried
+again at the next sweep.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class BatchSweep:
         self.batches = batches
         self._final: set[str] = set()  # ids seen final: such a record changes no more
         self._after = ""  # the last id looked at: the next sweep starts past it
+        # Ids whose last look failed: logged whole once, then one line a sweep.
+        self._failing: set[str] = set()
 
     async def every(self, seconds: float) -> None:
         """Sweeps every `seconds` until cancelled; a sweep that fails is logged."""
@@ -64,10 +67,15 @@ class BatchSweep:
             self._after = batch_id
             try:
                 record, _ = await asyncio.to_thread(self.batches.settled, batch_id)
-            except Exception:
-                log.exception(
-                    "the batch sweep failed on batch %s; it tries again next sweep", batch_id
-                )
+            except Exception as err:
+                if batch_id in self._failing:
+                    log.warning("the batch sweep failed on batch %s again: %s", batch_id, err)
+                else:
+                    self._failing.add(batch_id)
+                    log.exception(
+                        "the batch sweep failed on batch %s; it tries again next sweep", batch_id
+                    )
                 continue
+            self._failing.discard(batch_id)
             if record["status"] in FINAL:
                 self._final.add(batch_id)
