@@ -1,6 +1,6 @@
-"""boto3's errors as `StorageError`s that say what to do (lanes.storage's and
-lanes.listing's S3 calls): which bucket or object, and whether a retry could help
-(`PermanentStorageError` where it could not: access denied)."""
+"""boto3's errors as `StorageError`s that say what to do (lanes.storage's,
+lanes.listing's and lanes.s3client's S3 calls): which bucket or object, and whether a
+retry could help (`PermanentStorageError` where it could not: access denied)."""
 
 from __future__ import annotations
 

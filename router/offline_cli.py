@@ -2,7 +2,7 @@
 
 Plain typer-compatible functions; router.cli registers them as commands. Each builds
 `Settings` once and passes it down; lanes' own errors print as a message, not a
-traceback (router.cli's `_guarded`).
+traceback (router.console's `guarded`).
 """
 
 from __future__ import annotations

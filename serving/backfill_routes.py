@@ -4,7 +4,7 @@ A flow whose workload declares `runner: {kind: endpoint}` sends its prepared ite
 here (lanes.batchframe); they wait in the workload's offline lane and run only while
 no interactive request waits (serving/worker.py), or, for a generate workload, take
 the rows no interactive request needs and give them up when one does
-(serving/engine.py). The route takes its own bearer key,
+(serving/engine_offline.py). The route takes its own bearer key,
 the server's internal key (LANES_INTERNAL_KEY, else LANES_API_KEY): without either
 the server refuses every batch, so an open endpoint never opens its model to bulk
 work unasked. A batch whose flow goes away (cancelled, killed, its connection lost)

@@ -413,7 +413,7 @@ TOOL_CALL = {
 TOOL_ANSWER = {"role": "tool", "tool_call_id": "call_1", "content": "42"}
 EMBED_BODY: dict[str, Any] = {"model": "search-query", "input": "hello"}
 REJECTED: list[tuple[str, dict[str, Any], str, str | None]] = [
-    # 0 is a prompt scored: only with echo (tests/test_echo.py).
+    # 0 is a prompt scored: only with echo (tests/test_generate_logprobs.py).
     ("/v1/completions", {**PROMPT_BODY, "max_tokens": 0}, "max_tokens", "integer_below_min_value"),
     ("/v1/completions", {**PROMPT_BODY, "max_tokens": "5"}, "max_tokens", "invalid_type"),
     ("/v1/completions", {**PROMPT_BODY, "max_tokens": 2.5}, "max_tokens", "invalid_type"),

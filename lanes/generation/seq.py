@@ -111,7 +111,7 @@ class Seq:
     # incremental detokenization: text of tokens[prefix:read] is already in `text`
     _prefix: int = field(default=0, repr=False)
     _read: int = field(default=0, repr=False)
-    _limit: int = field(default=0, repr=False)  # Scheduler.budget, once known
+    _limit: int = field(default=0, repr=False)  # Advance.budget, once known
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
