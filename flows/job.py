@@ -32,8 +32,6 @@ from lanes.inputs import (
     output_inside_input,
 )
 from lanes.layout import ERRORS, MARKERS
-
-# Bumped when what a shard key covers changes: keys of another format never match.
 from lanes.listing import StoredFile
 from lanes.outputs import check_output
 from lanes.settings import Settings
@@ -45,8 +43,6 @@ from lanes.spec import (
 from lanes.specfile import load_spec
 from lanes.specoffline import Runner
 from lanes.storage import Storage
-
-# Bumped when what a shard key covers changes: keys of another format never match.
 from lanes.uris import is_s3, join
 
 # Bumped when what a shard key covers changes: keys of another format never match.
