@@ -36,8 +36,8 @@ FREE = (
     "delete files you no longer need (DELETE /v1/files/{file_id}: a batch's input once it "
     "has been created, its output and error files once read), or end batches you no longer "
     "need (POST /v1/batches/{batch_id}/cancel): a batch's copy of its input file is "
-    "deleted once the batch has ended (completed, failed, expired or cancelled) and been "
-    "retrieved or listed"
+    "deleted once the batch has ended (completed, failed, expired or cancelled) and the "
+    "server has finalized it (within LANES_BATCH__SWEEP_S, or at its next retrieve)"
 )
 
 
